@@ -1,0 +1,26 @@
+# tokengate: the verbs a user types.
+#   make run    install what is missing, start the whole stack on loopback
+#   make test   install what is missing, run the whole test suite against real processes
+SHELL := /bin/bash
+PY := .venv/bin/python
+
+.PHONY: setup run test test-fast bench-counter bench lint model clean
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	@$(PY) -m tokengate.devstack run
+
+test: setup
+	@$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench-counter: setup
+	@$(PY) -m tokengate.counter.bench
+
+lint: setup
+	@.venv/bin/ruff check sidecars tests vllm_patches
+	@cd sidecars && ../.venv/bin/mypy tokengate
+
+clean:
+	rm -rf var/run var/log

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs what tokengate needs and is missing; fast when everything is there.
+#   - Debian packages: nginx + ngx_lua + lua-resty-core + lua-cjson, redis-server
+#   - a virtualenv with vLLM (CPU build) and the sidecars, kept outside the
+#     checkout under ~/.cache/tokengate keyed by a hash of requirements.txt,
+#     linked from .venv
+#   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson redis-server"
+missing=""
+for p in $APT_PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+python3 -c "import ensurepip, venv" 2>/dev/null || missing="$missing python3-venv"
+if [ -n "$missing" ]; then
+  echo "setup: installing Debian packages:$missing"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  # The packaged nginx/redis services are not used: tokengate runs its own on loopback.
+  $SUDO systemctl disable --now nginx redis-server >/dev/null 2>&1 || true
+fi
+
+HASH=$(sha256sum requirements.txt | cut -c1-12)
+VENV=${TOKENGATE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokengate/venv-$HASH}
+if [ ! -f "$VENV/.complete" ]; then
+  echo "setup: creating virtualenv $VENV (vLLM CPU build, ~3.5 GB, a few minutes)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q -r requirements.txt
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$VENV/.complete"
+fi
+ln -sfn "$VENV" .venv
+
+# The project itself: an editable install pointing at this checkout.
+if [ "$(.venv/bin/python -c 'import tokengate, os; print(os.path.dirname(os.path.dirname(tokengate.__file__)))' 2>/dev/null)" != "$ROOT/sidecars" ]; then
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars
+fi
+
+# gRPC stubs, generated from proto/ (never edited by hand).
+for proto in proto/tokengate/v1/*.proto; do
+  name=$(basename "$proto" .proto)
+  out=sidecars/tokengate/v1/${name}_pb2.py
+  if [ ! -f "$out" ] || [ "$proto" -nt "$out" ]; then
+    .venv/bin/python -m grpc_tools.protoc -Iproto --python_out=sidecars --pyi_out=sidecars \
+      --grpc_python_out=sidecars "$proto"
+  fi
+done
+
+# The embedded model (deterministic: same files on every machine).
+if [ ! -f var/models/tiny-qwen3/.complete ]; then
+  .venv/bin/python -m tokengate.tools.build_tiny_model --out var/models/tiny-qwen3
+fi

@@ -1,0 +1,1 @@
+"""tokengate: token-metered gateway for self-hosted LLMs (Python side)."""

@@ -1,0 +1,197 @@
+"""Start the whole tokengate stack on loopback: the commands ``make run`` and the tests use.
+
+Each part is a ``Service``: an argv, an environment, a readiness probe and a log file
+under ``var/log``. ``make run`` calls ``python -m tokengate.devstack run``; the test
+fixtures call the same builders (with other ports) so tests run exactly what a user runs.
+
+Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
+socket under var/run), Redis 6380, nginx 8080.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokengate import config as tg_config
+
+ROOT = Path(__file__).resolve().parents[2]
+VAR = ROOT / "var"
+PYTHON = sys.executable
+
+
+class ServiceError(RuntimeError):
+    """A service exited or did not become ready in time; the message quotes its log."""
+
+
+def tcp_ready(host: str, port: int) -> Callable[[], bool]:
+    """Probe: a TCP connect to host:port succeeds."""
+
+    def probe() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    """Probe: GET url answers 200."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    return probe
+
+
+@dataclass
+class Service:
+    """One process of the stack."""
+
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 60.0
+    cwd: Path = ROOT
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return VAR / "log" / f"{self.name}.log"
+
+    def start(self) -> Service:
+        """Start the process and wait until ``ready()``; raises ``ServiceError``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServiceError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise ServiceError(f"{self.name} not ready after {self.start_timeout_s:.0f} s:\n"
+                           + self.log_tail())
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL after ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
+                 name: str = "vllm") -> Service:
+    """vLLM's OpenAI server (CPU build) on the model directory, served under its name.
+
+    Started as a module (the ``vllm`` console script of the CPU build fails, DESIGN.md
+    §3); startup takes 60-90 s on 2 cores.
+    """
+    argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model.dir), "--served-model-name", model.name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(model.max_model_len),
+            "--enable-prompt-tokens-details",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--disable-uvicorn-access-log"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return Service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
+                   start_timeout_s=400.0)
+
+
+def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | None = None,
+                    workers: int = 2, name: str = "counter") -> Service:
+    """The token counter sidecar (``tokengate-counter``): gRPC on TCP and a unix socket."""
+    argv = [PYTHON, "-m", "tokengate.counter.server", "--config", str(config_path),
+            "--port", str(port), "--workers", str(workers)]
+    if unix_socket is not None:
+        argv += ["--unix-socket", str(unix_socket)]
+    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
+
+
+def redis_service(port: int = 6380, name: str = "redis") -> Service:
+    """redis-server on loopback, persistence off (the usage file is the durable record)."""
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(VAR / "run")]
+    (VAR / "run").mkdir(parents=True, exist_ok=True)
+    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
+
+
+def run(config_path: Path) -> None:
+    """Start every part, print how to call the gateway, stop all on Ctrl-C."""
+    cfg = tg_config.load(config_path)
+    (VAR / "run").mkdir(parents=True, exist_ok=True)
+    model = next(iter(cfg.models.values()))
+    services = [
+        redis_service(),
+        counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
+        vllm_service(model),
+    ]
+    started: list[Service] = []
+    try:
+        for svc in services:
+            print(f"starting {svc.name} (log: {svc.log_path.relative_to(ROOT)}) ...", flush=True)
+            started.append(svc.start())
+        print(f"\ntokengate is up: vLLM at http://127.0.0.1:8000/v1 (model {model.name}), "
+              "counter at 127.0.0.1:50051. Ctrl-C stops everything.", flush=True)
+        while all(s.proc is not None and s.proc.poll() is None for s in started):
+            time.sleep(1)
+        dead = [s.name for s in started if s.proc is not None and s.proc.poll() is not None]
+        print(f"stopped: {', '.join(dead)} exited", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        for svc in reversed(started):
+            svc.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tokengate.devstack",
+                                     description="Run the tokengate stack on loopback.")
+    parser.add_argument("command", choices=["run"])
+    parser.add_argument("--config", type=Path, default=tg_config.DEFAULT_CONFIG)
+    args = parser.parse_args()
+    run(args.config)
+
+
+if __name__ == "__main__":
+    main()
