@@ -1,0 +1,69 @@
+"""Session fixtures: the real processes of the stack, started with devstack's builders.
+
+Ports are offset from ``make run``'s (vLLM 18000, counter 15051, Redis 16380, nginx 18080)
+so a running ``make run`` does not disturb the tests. Area-specific fixtures live in
+``tests/fixtures_*.py`` modules registered below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokengate import config as tg_config
+from tokengate import devstack
+
+pytest_plugins: list[str] = []
+
+VLLM_PORT = 18000
+COUNTER_PORT = 15051
+MODEL = "tiny-qwen3"
+TEST_DIR = devstack.VAR / "test"
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def config_path() -> Path:
+    """tokengate.yaml for tests: the repository's models pointed at the test ports."""
+    raw = yaml.safe_load(tg_config.DEFAULT_CONFIG.read_text())
+    for m in raw["models"].values():
+        m["dir"] = str((tg_config.DEFAULT_CONFIG.parent / m["dir"]).resolve())
+        m["upstream"] = f"127.0.0.1:{VLLM_PORT}"
+    TEST_DIR.mkdir(parents=True, exist_ok=True)
+    path = TEST_DIR / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cfg(config_path: Path) -> tg_config.Config:
+    return tg_config.load(config_path)
+
+
+@pytest.fixture(scope="session")
+def vllm_url(cfg: tg_config.Config) -> Iterator[str]:
+    """Base URL (…/v1) of the real vLLM CPU server on the embedded model."""
+    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT, name="test-vllm").start()
+    try:
+        yield f"http://127.0.0.1:{VLLM_PORT}/v1"
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="session")
+def counter_addr(config_path: Path) -> Iterator[str]:
+    """host:port of a real tokengate-counter with two worker processes."""
+    sock = TEST_DIR / "counter.sock"
+    svc = devstack.counter_service(config_path, port=COUNTER_PORT, unix_socket=sock,
+                                   workers=2, name="test-counter").start()
+    try:
+        yield f"127.0.0.1:{COUNTER_PORT}"
+    finally:
+        svc.stop()
