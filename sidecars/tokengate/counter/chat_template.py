@@ -1,0 +1,147 @@
+"""The served model's chat template, rendered the way vLLM renders it.
+
+vLLM (0.32, ``vllm/renderers/hf.py`` ``safe_apply_chat_template``) calls
+``tokenizer.apply_chat_template(conversation, tools=..., tokenize=True, **kwargs)``;
+transformers renders with ``render_jinja_template`` (``transformers/utils/
+chat_template_utils.py``) passing the tokenizer's ``special_tokens_map`` plus the
+kwargs, then tokenizes the text with ``add_special_tokens=False``. We call the same
+transformers function on the same template text, so the rendered prompt is identical
+by construction; the conversation it receives is built by ``counting.py`` with vLLM's
+message preprocessing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import jinja2.meta
+import jinja2.nodes
+import jinja2.sandbox
+from transformers.utils.chat_template_utils import render_jinja_template
+
+ContentFormat = Literal["string", "openai"]
+
+# Keys of tokenizer.apply_chat_template that change tokenization, not rendering, or
+# collide with arguments vLLM sets itself; a request may not pass them in
+# chat_template_kwargs (vLLM forwards some of them to the tokenizer).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "conversation",
+    "conversations", "messages",
+})
+# tokenizer.apply_chat_template's own parameters: vLLM passes these through even when
+# the template does not mention them (``_get_hf_base_chat_template_params``).
+HF_APPLY_PARAMS = frozenset({"tools", "documents", "add_generation_prompt",
+                             "continue_final_message"})
+
+
+class TemplateError(ValueError):
+    """The template raised while rendering (e.g. ``raise_exception``) or cannot load."""
+
+
+def _is_content_access(node: jinja2.nodes.Node, varname: str) -> bool:
+    """``varname.content`` or ``varname['content']``."""
+    if isinstance(node, jinja2.nodes.Getattr):
+        return (node.attr == "content" and isinstance(node.node, jinja2.nodes.Name)
+                and node.node.name == varname)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+                and isinstance(node.node, jinja2.nodes.Name) and node.node.name == varname)
+    return False
+
+
+def _message_loop_vars(root: jinja2.nodes.Template) -> Iterator[str]:
+    for loop in root.find_all(jinja2.nodes.For):
+        it = loop.iter
+        while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Getitem)) \
+                and not (isinstance(it, jinja2.nodes.Name)):
+            it = it.node
+        if isinstance(it, jinja2.nodes.Name) and it.name == "messages" \
+                and isinstance(loop.target, jinja2.nodes.Name):
+            yield loop.target.name
+
+
+def detect_content_format(template: str) -> ContentFormat:
+    """``openai`` when the template loops over a message's content parts, else ``string``.
+
+    Same rule as vLLM's ``_detect_content_format`` (``vllm/renderers/hf.py``): a
+    ``for`` over ``message.content`` (or a variable named ``content``) means the
+    template wants the list of parts; otherwise vLLM joins text parts with "\\n".
+    """
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        root = env.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    names = set(_message_loop_vars(root))
+    for loop in root.find_all(jinja2.nodes.For):
+        if any(_is_content_access(loop.iter, n) for n in names):
+            return "openai"
+        if isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content":
+            return "openai"
+    return "string"
+
+
+class ChatTemplate:
+    """One model's chat template plus what vLLM derives from it.
+
+    Attributes: ``source`` (template text), ``content_format``, ``variables`` (names
+    the template reads), ``supports_developer_role``, ``special_tokens_map``.
+    """
+
+    def __init__(self, source: str, special_tokens_map: dict[str, Any]) -> None:
+        self.source = source
+        self.special_tokens_map = special_tokens_map
+        self.content_format = detect_content_format(source)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        try:
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template does not parse: {e}") from e
+        # vLLM: ``_detect_developer_role_support`` looks for the quoted role name.
+        self.supports_developer_role = '"developer"' in source or "'developer'" in source
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> ChatTemplate:
+        """Template from ``chat_template.jinja`` or ``tokenizer_config.json`` (as transformers).
+
+        Raises ``TemplateError`` when the directory defines none.
+        """
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        jinja_file = model_dir / "chat_template.jinja"
+        source = jinja_file.read_text() if jinja_file.exists() else cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: transformers picks "default"
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            raise TemplateError(f"{model_dir}: no chat template")
+        special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "sep_token",
+                                        "pad_token", "cls_token", "mask_token",
+                                        "additional_special_tokens")
+                   if cfg.get(k) is not None}
+        for k, v in list(special.items()):
+            if isinstance(v, dict):  # serialized AddedToken
+                special[k] = v.get("content")
+        return cls(source, special)
+
+    def accepts(self, kwarg: str) -> bool:
+        """Whether vLLM passes ``kwarg`` from chat_template_kwargs to the template."""
+        return kwarg in self.variables or kwarg in HF_APPLY_PARAMS
+
+    def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               kwargs: dict[str, Any]) -> str:
+        """The prompt text. ``kwargs`` holds add_generation_prompt, continue_final_message,
+        documents and template variables. Raises ``TemplateError``.
+        """
+        args = {**self.special_tokens_map, **kwargs}
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[conversation], tools=tools, chat_template=self.source, **args)
+        except Exception as e:  # a template may raise anything from user input
+            raise TemplateError(str(e) or type(e).__name__) from e
+        return str(rendered[0])

