@@ -18,6 +18,7 @@ from tokengate import config as tg_config
 from tokengate import devstack
 
 pytest_plugins: list[str] = []
+pytest_plugins.append("tests.fixtures_ledger")
 
 VLLM_PORT = 18000
 COUNTER_PORT = 15051

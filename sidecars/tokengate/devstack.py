@@ -156,6 +156,39 @@ def redis_service(port: int = 6380, name: str = "redis") -> Service:
     return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
 
 
+def ledger_service(config_path: Path, usage_file: Path | None = None,
+                   redis_url: str | None = None, ledger_id: str | None = None,
+                   name: str = "ledger") -> Service:
+    """The usage ledger (``tokengate-ledger``): tails the usage file into Redis.
+
+    Ready once it wrote its status file (``var/run/<name>.status.json``, refreshed every
+    second: applied, lag_bytes, redis_up, ...); a stale one is removed here.
+    """
+    status = VAR / "run" / f"{name}.status.json"
+    status.parent.mkdir(parents=True, exist_ok=True)
+    status.unlink(missing_ok=True)
+    argv = [PYTHON, "-m", "tokengate.ledger.service", "--config", str(config_path),
+            "--status-file", str(status)]
+    if usage_file is not None:
+        argv += ["--usage-file", str(usage_file)]
+    if redis_url is not None:
+        argv += ["--redis-url", redis_url]
+    if ledger_id is not None:
+        argv += ["--ledger-id", ledger_id]
+    return Service(name, argv, status.exists, start_timeout_s=30.0)
+
+
+def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
+                   name: str = "limits") -> Service:
+    """The global-limit sidecar (``tokengate-limits``): gRPC ``GlobalLimits`` on
+    127.0.0.1:port in front of the Redis sliding windows shared by every edge."""
+    argv = [PYTHON, "-m", "tokengate.ledger.limits_server", "--config", str(config_path),
+            "--listen", f"127.0.0.1:{port}"]
+    if redis_url is not None:
+        argv += ["--redis-url", redis_url]
+    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
+
+
 def run(config_path: Path) -> None:
     """Start every part, print how to call the gateway, stop all on Ctrl-C."""
     cfg = tg_config.load(config_path)

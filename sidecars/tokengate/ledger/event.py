@@ -1,0 +1,217 @@
+"""The usage event: one JSON line per finished request, written by the edge.
+
+The edge appends one line to the usage file (default ``var/usage/usage.jsonl``) for
+every request it finished, rejected ones (401, 413, 429, ...) included, before the
+request's log phase ends. The ledger (``tokengate-ledger``) is the only reader.
+
+Schema (every key is present; ``null`` only where shown)::
+
+    request_id        32 hex digits, unique per request (the edge's $request_id)
+    ts                wall-clock time of the event, RFC 3339 UTC, e.g.
+                      "2026-11-29T16:40:00.123Z"
+    key_id            the API key's id from tokengate.yaml (never the key) | null
+    model             served model name from the body | null
+    endpoint          "chat" | "completions" | the request path
+    status            HTTP status sent to the client (int)
+    stream            the client asked for SSE (bool)
+    token_estimate    prompt tokens counted at admission, tokens
+    count_source      where token_estimate came from: "counter" | "estimate" | "none"
+    reserved          tokens reserved in the TPM window at admission, tokens
+    prompt_tokens     vLLM usage.prompt_tokens (includes cached_tokens), tokens
+    completion_tokens vLLM usage.completion_tokens, tokens
+    cached_tokens     vLLM usage.prompt_tokens_details.cached_tokens, tokens
+    system_tokens     system-message tokens of the prompt (counter breakdown), tokens
+    usage_source      "final" (last usage chunk / JSON body) | "running" (last
+                      cumulative chunk seen before a disconnect) | "estimate" (no
+                      usage from vLLM, admission estimate) | "none" (not forwarded)
+    client_aborted    the client went away before the response ended (bool)
+    ttft_ms           time to first byte of the response body, ms, monotonic | null
+    total_ms          request time, ms, monotonic clock
+    upstream          vLLM address that served it | null
+    error             short error code of a failed or rejected request | null
+
+The parser is strict about the keys it knows (type, range, enumerations, duplicate
+keys, NaN) and ignores keys it does not know, so a newer edge that adds a field does
+not make an older ledger skip billable events.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+COUNT_SOURCES = ("counter", "estimate", "none")
+USAGE_SOURCES = ("final", "running", "estimate", "none")
+
+_REQUEST_ID = re.compile(r"[0-9a-fA-F]{32}")
+_TS = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?Z")
+
+
+class EventError(ValueError):
+    """A usage line that is not a valid event; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    """One finished request, as the edge reported it (see the module docstring)."""
+
+    request_id: str
+    ts: str
+    key_id: str | None
+    model: str | None
+    endpoint: str
+    status: int
+    stream: bool
+    token_estimate: int
+    count_source: str
+    reserved: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    system_tokens: int
+    usage_source: str
+    client_aborted: bool
+    ttft_ms: float | None
+    total_ms: float
+    upstream: str | None
+    error: str | None
+
+    @property
+    def time(self) -> datetime:
+        """``ts`` as an aware UTC datetime (microsecond precision)."""
+        return parse_ts(self.ts)
+
+    @property
+    def day(self) -> str:
+        """The UTC day of ``ts``, ``YYYY-MM-DD``: the ledger's day bucket."""
+        return self.ts[:10]
+
+    def to_json(self) -> str:
+        """The event as one JSON line (no newline), keys in schema order."""
+        return json.dumps(asdict(self), separators=(",", ":"), ensure_ascii=False)
+
+
+def parse_ts(ts: str) -> datetime:
+    """Parse an RFC 3339 UTC timestamp with a ``Z`` suffix; raises ``EventError``."""
+    m = _TS.fullmatch(ts)
+    if m is None:
+        raise EventError(f"ts: expected RFC 3339 UTC like 2026-11-29T16:40:00.123Z, got {ts!r}")
+    y, mo, d, h, mi, s, frac = m.groups()
+    try:
+        return datetime(int(y), int(mo), int(d), int(h), int(mi), int(s),
+                        int((frac or "0").ljust(6, "0")[:6]), tzinfo=UTC)
+    except ValueError as e:
+        raise EventError(f"ts: {e}: {ts!r}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise EventError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise EventError(f"{k}: duplicate key")
+        out[k] = v
+    return out
+
+
+def _get(obj: dict[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise EventError(f"{name}: missing")
+    return obj[name]
+
+
+def _str(obj: dict[str, Any], name: str, nullable: bool = False) -> Any:
+    v = _get(obj, name)
+    if v is None and nullable:
+        return None
+    if not isinstance(v, str) or (not nullable and v == ""):
+        raise EventError(f"{name}: expected a {'string or null' if nullable else 'string'}, "
+                         f"got {v!r}")
+    return v
+
+
+def _int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = 2**53) -> int:
+    v = _get(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise EventError(f"{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _bool(obj: dict[str, Any], name: str) -> bool:
+    v = _get(obj, name)
+    if not isinstance(v, bool):
+        raise EventError(f"{name}: expected true or false, got {v!r}")
+    return v
+
+
+def _ms(obj: dict[str, Any], name: str, nullable: bool = False) -> float | None:
+    v = _get(obj, name)
+    if v is None and nullable:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise EventError(f"{name}: expected a duration in ms >= 0, got {v!r}")
+    return float(v)
+
+
+def _enum(obj: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
+    v = _get(obj, name)
+    if v not in allowed:
+        raise EventError(f"{name}: one of {', '.join(allowed)}, got {v!r}")
+    return str(v)
+
+
+def parse_event(line: bytes | str) -> UsageEvent:
+    """Parse one usage line (with or without its newline) into a ``UsageEvent``.
+
+    Raises ``EventError`` naming the first offending field: invalid UTF-8 or JSON,
+    duplicate keys, NaN/Infinity, a missing key, a wrong type, a value out of range,
+    or ``cached_tokens > prompt_tokens``.
+    """
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        obj = json.loads(text, object_pairs_hook=_no_duplicates,
+                         parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise EventError(f"not UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise EventError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise EventError("not a JSON object")
+    rid = _str(obj, "request_id")
+    if not _REQUEST_ID.fullmatch(rid):
+        raise EventError(f"request_id: expected 32 hex digits, got {rid!r}")
+    ts = _str(obj, "ts")
+    parse_ts(ts)
+    ev = UsageEvent(
+        request_id=rid.lower(),
+        ts=ts,
+        key_id=_str(obj, "key_id", nullable=True),
+        model=_str(obj, "model", nullable=True),
+        endpoint=_str(obj, "endpoint"),
+        status=_int(obj, "status", 100, 999),
+        stream=_bool(obj, "stream"),
+        token_estimate=_int(obj, "token_estimate"),
+        count_source=_enum(obj, "count_source", COUNT_SOURCES),
+        reserved=_int(obj, "reserved"),
+        prompt_tokens=_int(obj, "prompt_tokens"),
+        completion_tokens=_int(obj, "completion_tokens"),
+        cached_tokens=_int(obj, "cached_tokens"),
+        system_tokens=_int(obj, "system_tokens"),
+        usage_source=_enum(obj, "usage_source", USAGE_SOURCES),
+        client_aborted=_bool(obj, "client_aborted"),
+        ttft_ms=_ms(obj, "ttft_ms", nullable=True),
+        total_ms=_ms(obj, "total_ms") or 0.0,
+        upstream=_str(obj, "upstream", nullable=True),
+        error=_str(obj, "error", nullable=True),
+    )
+    if ev.cached_tokens > ev.prompt_tokens:
+        raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "
+                         f"{ev.prompt_tokens}")
+    return ev

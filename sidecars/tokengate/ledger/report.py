@@ -1,0 +1,236 @@
+"""``tokengate usage``: tokens, cost, requests and errors per key / model / UTC day.
+
+Reads the ledger's counters in Redis (``tokengate.ledger.store``); nothing is computed
+from the usage files, so the report shows exactly what the ledger applied. Days are UTC
+days of the events' ``ts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+from redis.exceptions import RedisError
+
+from tokengate import config as tg_config
+from tokengate.ledger import store
+
+GROUPS = ("key", "model", "day")
+INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
+              "completion_tokens", "cached_tokens", "system_tokens")
+
+
+@dataclass
+class UsageRow:
+    """Totals of one key / model / day (or of a coarser group: the dropped dimensions
+    are ``None`` and named in ``ReportDoc``). Tokens are vLLM's usage numbers:
+    ``prompt_tokens`` includes ``cached_tokens``; ``cost`` is in the currency."""
+
+    day: str | None
+    key_id: str | None
+    model: str | None
+    requests: int = 0
+    errors: int = 0            # status >= 400
+    aborted: int = 0           # client went away before the end
+    estimated: int = 0         # usage from the admission estimate (no usage from vLLM)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    system_tokens: int = 0
+    cost: float = 0.0
+    statuses: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: UsageRow) -> None:
+        for f in INT_FIELDS:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.cost += other.cost
+        for s, n in other.statuses.items():
+            self.statuses[s] = self.statuses.get(s, 0) + n
+
+
+def _row(day: str, key_id: str | None, model: str | None, h: dict[str, str]) -> UsageRow:
+    row = UsageRow(day, key_id, model, **{f: int(h.get(f, 0)) for f in INT_FIELDS},
+                   cost=float(h.get("cost", 0.0)))
+    row.statuses = {k[7:]: int(v) for k, v in sorted(h.items()) if k.startswith("status:")}
+    return row
+
+
+def query(client: store.SyncRedis, since: date | None = None, until: date | None = None,
+          key_id: str | None = None, model: str | None = None) -> list[UsageRow]:
+    """Rows per key / model / day, days ``since``..``until`` inclusive (UTC), sorted by
+    day, key, model; optionally one key and/or model only. Raises ``RedisError``."""
+    lo = store.day_score(since.isoformat()) if since else "-inf"
+    hi = store.day_score(until.isoformat()) if until else "+inf"
+    days = client.zrangebyscore(store.DAYS_KEY, lo, hi)
+    rows: list[UsageRow] = []
+    for day in days:
+        pairs = sorted((tuple(json.loads(m)) for m in client.smembers(store.idx_key(day))),
+                       key=lambda p: (p[0] or "", p[1] or ""))
+        pairs = [p for p in pairs if (key_id is None or p[0] == key_id)
+                 and (model is None or p[1] == model)]
+        pipe = client.pipeline(transaction=False)
+        for k, m in pairs:
+            pipe.hgetall(store.usage_key(day, k, m))
+        for (k, m), h in zip(pairs, pipe.execute(), strict=True):
+            rows.append(_row(day, k, m, h))
+    return rows
+
+
+def group(rows: Iterable[UsageRow], by: Sequence[str]) -> list[UsageRow]:
+    """Sum rows over the dimensions not in ``by`` (a subset of key, model, day)."""
+    out: dict[tuple[str | None, str | None, str | None], UsageRow] = {}
+    for r in rows:
+        k = (r.day if "day" in by else None, r.key_id if "key" in by else None,
+             r.model if "model" in by else None)
+        if k not in out:
+            out[k] = UsageRow(*k)
+        out[k].add(r)
+    return list(out.values())
+
+
+def total(rows: Iterable[UsageRow]) -> UsageRow:
+    """The sum of all rows."""
+    t = UsageRow(None, None, None)
+    for r in rows:
+        t.add(r)
+    return t
+
+
+def parse_day(text: str, today: date | None = None) -> date:
+    """``YYYY-MM-DD``, ``today``, ``yesterday`` or ``Nd`` (N days before today, UTC)."""
+    today = today or datetime.now(UTC).date()
+    if text == "today":
+        return today
+    if text == "yesterday":
+        return today - timedelta(days=1)
+    m = re.fullmatch(r"(\d+)d", text)
+    if m:
+        return today - timedelta(days=int(m.group(1)))
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected YYYY-MM-DD, today, yesterday or Nd, got {text!r}") from None
+
+
+def _fmt_cost(cost: float) -> str:
+    return f"{cost:.6f}"
+
+
+def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -> None:
+    """Print rows and a total as a table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: never squeeze the numbers
+        console = Console(width=200)
+    table = Table(title=title, title_justify="left")
+    dims = [d for d in ("day", "key", "model") if d in by]
+    for d in dims:
+        table.add_column(d)
+    for name in ("requests", "errors", "prompt", "cached", "completion", f"cost {currency}"):
+        table.add_column(name, justify="right")
+
+    def cells(r: UsageRow) -> list[str]:
+        return [f"{r.requests:,}", f"{r.errors:,}", f"{r.prompt_tokens:,}",
+                f"{r.cached_tokens:,}", f"{r.completion_tokens:,}", _fmt_cost(r.cost)]
+
+    names = {"day": lambda r: r.day, "key": lambda r: r.key_id if r.key_id is not None
+             else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)"}
+    for r in rows:
+        table.add_row(*[str(names[d](r)) for d in dims], *cells(r))
+    if rows:
+        t = total(rows)
+        table.add_section()
+        table.add_row(*(["total"] + [""] * (len(dims) - 1)), *cells(t), style="bold")
+    console.print(table)
+
+
+USAGE_HELP = """\
+Report usage per API key / model / UTC day from the ledger's counters in Redis.
+
+COLUMNS
+  requests    finished requests, rejected ones included (status 401, 429, ...)
+  errors      requests with status >= 400
+  prompt      vLLM usage.prompt_tokens (cached tokens included)
+  cached      prompt tokens served from vLLM's prefix cache
+  completion  vLLM usage.completion_tokens; for a client that disconnected, the
+              tokens generated up to the last chunk the edge saw
+  cost        the billing formula (README "Usage report and billing") with the
+              model's weights at the time the ledger applied the event
+
+  --json adds aborted (client disconnects), estimated (usage from the admission
+  estimate), system_tokens and the count per status.
+
+DAYS
+  --since and --until take YYYY-MM-DD, today, yesterday or Nd (N days ago); both
+  are inclusive UTC days of the events' timestamps.
+
+EXIT STATUS
+  0 ok, 1 Redis unavailable, 2 usage error.
+
+EXAMPLES
+  tokengate usage --since 7d
+  tokengate usage --by key --since 2026-11-01 --until 2026-11-30 --json
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``usage`` on a ``tokengate`` subcommand parser."""
+    p = sub.add_parser("usage", help="usage and cost per key / model / day",
+                       description=USAGE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None,
+                   help="tokengate.yaml (default: $TOKENGATE_CONFIG or the repository's)")
+    p.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    p.add_argument("--since", type=parse_day, default=None, metavar="DAY",
+                   help="first UTC day (default: the first with usage)")
+    p.add_argument("--until", type=parse_day, default=None, metavar="DAY",
+                   help="last UTC day, inclusive (default: the last with usage)")
+    p.add_argument("--key", default=None, help="only this key id")
+    p.add_argument("--model", default=None, help="only this model")
+    p.add_argument("--by", default="key,model,day", metavar="DIMS",
+                   help="group by these of key, model, day, comma-separated "
+                        "(default: key,model,day)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``tokengate usage``; returns the exit status."""
+    by = [d.strip() for d in args.by.split(",") if d.strip()]
+    if not by or any(d not in GROUPS for d in by):
+        print(f"tokengate usage: --by takes key, model and/or day, got {args.by!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = tg_config.load(args.config)
+    except (tg_config.ConfigError, OSError) as e:
+        print(f"tokengate usage: {e}", file=sys.stderr)
+        return 2
+    client = store.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    try:
+        rows = group(query(client, args.since, args.until, args.key, args.model), by)
+    except RedisError as e:
+        print(f"tokengate usage: Redis unavailable: {e}", file=sys.stderr)
+        return 1
+    rows.sort(key=lambda r: (r.day or "", r.key_id or "", r.model or ""))
+    if args.json:
+        doc = {"currency": cfg.currency, "by": by,
+               "since": args.since.isoformat() if args.since else None,
+               "until": args.until.isoformat() if args.until else None,
+               "rows": [asdict(r) for r in rows], "total": asdict(total(rows))}
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        span = f"{args.since or 'first day'} .. {args.until or 'last day'}"
+        render(rows, by, cfg.currency, f"tokengate usage, {span} (UTC), by {', '.join(by)}")
+    return 0

@@ -1,0 +1,158 @@
+"""``tokengate-ledger``: the usage ledger process (see ``tokengate.ledger.ledger``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+
+from redis.exceptions import RedisError
+
+from tokengate import config as tg_config
+from tokengate.ledger import store
+from tokengate.ledger.ledger import Ledger, default_ledger_id
+
+log = logging.getLogger("tokengate.ledger")
+
+DESCRIPTION = """\
+Apply the edge's usage events to Redis, each exactly once.
+
+Tails the usage file (one JSON line per finished request, written by the edge), bills
+every event with the model's weights from tokengate.yaml and adds it to per key /
+model / UTC-day counters in Redis (prompt, completion, cached and system tokens,
+cost, requests by status) and to a bounded audit stream. `tokengate usage` reports
+from those counters.
+
+EXACTLY ONCE
+  A batch of events and the ledger's checkpoint (file and byte offset) are written
+  by one atomic Redis script, and every request id is remembered for --dedupe-days
+  (ledger.dedupe_days). kill -9 at any moment, then a restart: nothing is lost,
+  nothing is applied twice.
+
+LOG ROTATION
+  Rename the file and let the edge reopen a new one (nginx -s reopen). The ledger
+  reads the renamed file to its end, waits ledger.rotate_wait_s seconds after its
+  last write for late writers, then continues with the new file. Files are found
+  by content (a hash of their first line), so renames are safe; compressed
+  siblings (*.gz ...) are ignored: compress a rotated file only after the ledger
+  has read it (its checkpoint has moved to a newer file).
+
+REDIS DOWN
+  The ledger retries (0.1 s doubling to 5 s); events wait in the usage file and
+  requests are never blocked. A Redis that comes back empty (no persistence) makes
+  the ledger rebuild its counters from every usage file still on disk.
+
+BAD LINES
+  A line that is not a valid event is logged with its file and offset, counted
+  (bad_lines in the status file and in Redis) and skipped.
+
+STATUS
+  --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
+  conflicts, lag_bytes (written but not yet applied), redis_up, position.
+
+EXIT STATUS
+  0 after SIGTERM/SIGINT (or --once done), 1 when --once cannot reach Redis,
+  2 on a usage error or an invalid configuration.
+
+EXAMPLES
+  tokengate-ledger                              # the configuration's file and Redis
+  tokengate-ledger --usage-file /var/log/tokengate/usage.jsonl --once
+"""
+
+
+def _write_status(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=None,
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG or the repository's)")
+    parser.add_argument("--usage-file", type=Path, default=None,
+                        help="the edge's usage file (default: ledger.usage_file)")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
+    parser.add_argument("--ledger-id", default=None,
+                        help="name of this ledger's checkpoint (default: <hostname>:<absolute "
+                             "usage file path>); one per usage file")
+    parser.add_argument("--batch", type=int, default=500, metavar="N",
+                        help="events per Redis script call (default: 500)")
+    parser.add_argument("--status-file", type=Path, default=None,
+                        help="write a JSON status snapshot here every second")
+    parser.add_argument("--once", action="store_true",
+                        help="apply what the files hold now and exit (rotated files count "
+                             "as finished at once)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = tg_config.load(args.config)
+    except (tg_config.ConfigError, OSError) as e:
+        parser.exit(2, f"tokengate-ledger: {e}\n")
+    usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
+    client = store.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    ledger = Ledger(cfg, client, usage_file, args.ledger_id or default_ledger_id(usage_file),
+                    max_lines=args.batch, rotate_wait_s=0.0 if args.once else None)
+    if args.once:
+        try:
+            t = ledger.drain()
+        except RedisError as e:
+            print(f"tokengate-ledger: Redis unavailable: {e}", file=sys.stderr)
+            sys.exit(1)
+        print(f"applied {t.applied}, duplicates {t.duplicates}, bad lines {t.bad_lines}")
+        return
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("ledger %s: %s -> %s", ledger.ledger_id, usage_file,
+             args.redis_url or cfg.redis.url)
+
+    def snapshot() -> dict[str, object]:
+        return {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
+                "redis_up": ledger.redis_up, "position": ledger.position,
+                "ledger_id": ledger.ledger_id, "pid": os.getpid()}
+
+    if args.status_file:
+        _write_status(args.status_file, snapshot())
+    worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
+    worker.start()
+    last_log = time.monotonic()
+    last_applied = 0
+    while not stop.wait(1.0):
+        if not worker.is_alive():
+            log.error("ledger %s: worker died; exiting (the checkpoint is safe)",
+                      ledger.ledger_id)
+            sys.exit(1)
+        if args.status_file:
+            _write_status(args.status_file, snapshot())
+        t = ledger.totals
+        if time.monotonic() - last_log >= 10.0 and t.applied != last_applied:
+            log.info("applied %d (duplicates %d, bad lines %d), %d bytes behind",
+                     t.applied, t.duplicates, t.bad_lines, ledger.lag_bytes)
+            last_log, last_applied = time.monotonic(), t.applied
+    worker.join(10.0)
+    ledger.close()
+    if args.status_file:
+        _write_status(args.status_file, snapshot())
+    log.info("ledger %s stopped: applied %d", ledger.ledger_id, ledger.totals.applied)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Redis connections and the ledger's key layout (shared by the ledger and the report).
+
+Every ledger key carries the hash tag ``{ledger}``, so one script can update a whole
+batch of events and the ledger's checkpoint atomically on Redis Cluster too (the
+ledger writes one script call per batch: its load on that one slot is small). The
+global-limit windows are hashed per API key instead (``tokengate.ledger.global_limit``).
+
+Keys (``<p>`` = ``tg:{ledger}``; key ids and model names percent-encoded, a missing
+one as the empty string)::
+
+    <p>:usage:<day>:<key_id>:<model>   hash: counters of one key / model / UTC day
+    <p>:idx:<day>                      set: JSON [key_id, model] pairs seen that day
+    <p>:days                           zset: days with usage, score YYYYMMDD
+    <p>:seen:<day>                     set: request ids applied, by the event's day;
+                                       expires dedupe_days after its last addition
+    <p>:audit                          stream: one entry per applied event (bounded)
+    <p>:ckpt:<ledger_id>               hash: pos (file_id:offset), path, ts
+    <p>:stats:<ledger_id>              hash: applied, duplicates, bad_lines, batches
+
+Fields of a usage hash (integers unless noted)::
+
+    requests  errors (status >= 400)  status:<code>  aborted  estimated (usage from the
+    admission estimate)  prompt_tokens  completion_tokens  cached_tokens  system_tokens
+    cost (float, INCRBYFLOAT, currency units)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.retry
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tokengate.config import RedisConfig
+
+PREFIX = "tg:{ledger}"
+
+SyncRedis = redis.Redis | redis.cluster.RedisCluster
+AsyncRedis = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+
+def _enc(name: str | None) -> str:
+    return "" if name is None else quote(name, safe="")
+
+
+def usage_key(day: str, key_id: str | None, model: str | None) -> str:
+    """The counters hash of one key / model / day."""
+    return f"{PREFIX}:usage:{day}:{_enc(key_id)}:{_enc(model)}"
+
+
+def idx_key(day: str) -> str:
+    return f"{PREFIX}:idx:{day}"
+
+
+def seen_key(day: str) -> str:
+    return f"{PREFIX}:seen:{day}"
+
+
+DAYS_KEY = f"{PREFIX}:days"
+AUDIT_KEY = f"{PREFIX}:audit"
+
+
+def ckpt_key(ledger_id: str) -> str:
+    return f"{PREFIX}:ckpt:{_enc(ledger_id)}"
+
+
+def stats_key(ledger_id: str) -> str:
+    return f"{PREFIX}:stats:{_enc(ledger_id)}"
+
+
+def day_score(day: str) -> int:
+    """``2026-11-29`` -> 20261129 (the ``days`` zset's score)."""
+    return int(day.replace("-", ""))
+
+
+def connect(cfg: RedisConfig, timeout_s: float = 5.0, url: str | None = None) -> SyncRedis:
+    """A blocking client (Redis Cluster when ``cfg.cluster``) with ``timeout_s`` connect
+    and read timeouts and no hidden retries: callers decide how to wait."""
+    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                              decode_responses=True)
+    if cfg.cluster:
+        # One retry lets the cluster client follow a topology change (MOVED / failover).
+        return redis.cluster.RedisCluster.from_url(url or cfg.url, retry=Retry(NoBackoff(), 1),
+                                                   **kw)
+    return redis.Redis.from_url(url or cfg.url, retry=Retry(NoBackoff(), 0), **kw)
+
+
+def connect_async(cfg: RedisConfig, timeout_s: float, url: str | None = None) -> AsyncRedis:
+    """The asyncio counterpart of ``connect`` (used by the global-limit sidecar)."""
+    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                              decode_responses=True)
+    if cfg.cluster:
+        return redis.asyncio.cluster.RedisCluster.from_url(
+            url or cfg.url, retry=redis.asyncio.retry.Retry(NoBackoff(), 1), **kw)
+    return redis.asyncio.Redis.from_url(
+        url or cfg.url, retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kw)
