@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 
 from tokengate import devstack
 from tokengate.ledger.event import UsageEvent
@@ -48,6 +49,16 @@ def redis_url() -> Iterator[str]:
         yield f"redis://127.0.0.1:{REDIS_PORT}/0"
     finally:
         svc.stop()
+
+
+@pytest.fixture(scope="session")
+def ledger_config_path(config_path: Path) -> Path:
+    """The test configuration with ``ledger.rotate_wait_s: 0.5`` (tests rotate fast)."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw.setdefault("ledger", {})["rotate_wait_s"] = 0.5
+    path = config_path.with_name("tokengate-ledger.yaml")
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
 
 
 @pytest.fixture

@@ -14,6 +14,13 @@ batch of events with one Redis script (``APPLY_LUA``) that, atomically,
    counters and appends it to the audit stream (``XADD MAXLEN ~``);
 3. stores the position after the batch as the new checkpoint.
 
+When the tail has finished a rotated file, the same script (with no events) adds the
+file's id to the ledger's ``done`` set and sets the checkpoint to ``-`` (between
+files); a restart reads every usage file that is not done, the checkpointed one from
+its offset, so the order of rotated files never matters. A missing checkpoint (a new
+ledger, or a Redis that lost its data) differs from ``-``, so the compare-and-set
+catches a Redis that came back empty at any point.
+
 Exactly once, by construction: the counters and the checkpoint change in the same
 script, so a ``kill -9`` of the ledger at any point leaves Redis either before or
 after the whole batch, and a restart resumes from the checkpoint Redis holds. The
@@ -44,14 +51,16 @@ from tokengate.config import Config
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import EventError, UsageEvent, parse_event
-from tokengate.ledger.tail import Batch, Position, UsageTail
+from tokengate.ledger.tail import Batch, Finished, Position, UsageTail
 
 log = logging.getLogger("tokengate.ledger")
 
 # KEYS[1] checkpoint hash, KEYS[2] stats hash, KEYS[3] audit stream, KEYS[4] days zset,
-# KEYS[5..] the batch's seen / usage / idx keys, referenced by index from ARGV[5].
-# ARGV: expected pos ("" = none), new pos, seen ttl (s), audit maxlen, batch (JSON),
-# bad lines in the batch, file path (for humans), wall-clock time (for humans).
+# KEYS[5] done zset (finished files), KEYS[6..] the batch's seen / usage / idx keys,
+# referenced by index from ARGV[5].
+# ARGV: expected pos ("" = no checkpoint yet), new pos ("-" = between files), seen ttl
+# (s), audit maxlen, batch (JSON), bad lines in the batch, file path (for humans),
+# wall-clock time (for humans), id of a file finished by this call ("" = none).
 APPLY_LUA = """
 local pos = redis.call('HGET', KEYS[1], 'pos') or ''
 if pos ~= ARGV[1] then
@@ -81,6 +90,10 @@ for i = 1, #batch do
     dup = dup + 1
   end
 end
+if ARGV[9] ~= '' then
+  redis.call('ZADD', KEYS[5], redis.call('TIME')[1], ARGV[9])
+  redis.call('HINCRBY', KEYS[2], 'files_done', 1)
+end
 redis.call('HSET', KEYS[1], 'pos', ARGV[2], 'path', ARGV[7], 'ts', ARGV[8])
 redis.call('HINCRBY', KEYS[2], 'applied', applied)
 redis.call('HINCRBY', KEYS[2], 'duplicates', dup)
@@ -88,6 +101,8 @@ redis.call('HINCRBY', KEYS[2], 'bad_lines', tonumber(ARGV[6]))
 redis.call('HINCRBY', KEYS[2], 'batches', 1)
 return {'ok', applied, dup}
 """
+
+BETWEEN_FILES = "-"
 
 
 @dataclass
@@ -128,6 +143,7 @@ class Ledger:
         self._script = client.register_script(APPLY_LUA)
         self._ckpt_key = store.ckpt_key(self.ledger_id)
         self._stats_key = store.stats_key(self.ledger_id)
+        self._done_key = store.done_key(self.ledger_id)
         self._expected: str | None = None   # checkpoint Redis should hold; None: ask it
         self._committed: str | None = None  # last checkpoint this process wrote
         # Read by other threads (status); written by the thread that runs the ledger.
@@ -143,8 +159,10 @@ class Ledger:
         pos = self.client.hget(self._ckpt_key, "pos") or ""
         assert isinstance(pos, str)
         if self._committed is None or pos != self._committed:
-            log.info("ledger %s: starting from checkpoint %s", self.ledger_id, pos or "(none)")
-            self.tail.seek(Position.decode(pos))
+            done = set(self.client.zrange(self._done_key, 0, -1))
+            log.info("ledger %s: starting from checkpoint %s (%d files done)", self.ledger_id,
+                     pos or "(none)", len(done))
+            self.tail.seek(Position.decode(pos), done)
         self._expected = self._committed = pos
 
     # -- applying ------------------------------------------------------------------
@@ -165,9 +183,10 @@ class Ledger:
             offset += len(line) + 1
         return events, bad
 
-    def _build(self, batch: Batch, events: list[UsageEvent], bad: int,
-               new_pos: str) -> tuple[list[str], list[Any]]:
-        keys = [self._ckpt_key, self._stats_key, store.AUDIT_KEY, store.DAYS_KEY]
+    def _build(self, path: Path, events: list[UsageEvent], bad: int, new_pos: str,
+               finished_id: str = "") -> tuple[list[str], list[Any]]:
+        keys = [self._ckpt_key, self._stats_key, store.AUDIT_KEY, store.DAYS_KEY,
+                self._done_key]
         index: dict[str, int] = {}
 
         def k(name: str) -> int:
@@ -206,24 +225,46 @@ class Ledger:
         argv: list[Any] = [self._expected or "", new_pos, self.cfg.ledger.dedupe_days * 86400,
                            self.cfg.ledger.audit_maxlen,
                            json.dumps(items, separators=(",", ":"), ensure_ascii=False),
-                           bad, str(batch.path), now]
+                           bad, str(path), now, finished_id]
         return keys, argv
 
     def step(self) -> bool:
-        """Apply the next batch, if any. True when a batch was applied (or a conflict
-        re-positioned the tail), False when nothing new is there.
+        """Apply the next batch, if any. True when something happened (a batch applied,
+        a finished file recorded, a conflict re-positioned the tail), False when
+        nothing new is there.
 
         Raises ``RedisError`` when Redis fails; the batch is then not consumed and the
         next call re-reads the checkpoint first.
         """
         if self._expected is None:
             self.resync()
-        batch = self.tail.read()
-        if batch is None:
+        item = self.tail.read()
+        if item is None:
             return False
-        events, bad = self._parse(batch)
-        new_pos = batch.position.encode()
-        keys, argv = self._build(batch, events, bad, new_pos)
+        if isinstance(item, Finished):
+            if item.file_id is None:  # never had a line: nothing to remember
+                self.tail.advance()
+                return True
+            keys, argv = self._build(item.path, [], 0, BETWEEN_FILES, item.file_id)
+            if self._run(keys, argv):
+                self.tail.advance()
+                self._expected = self._committed = BETWEEN_FILES
+            return True
+        events, bad = self._parse(item)
+        new_pos = item.position.encode()
+        keys, argv = self._build(item.path, events, bad, new_pos)
+        res = self._run(keys, argv)
+        if res:
+            self.tail.commit(item)
+            self._expected = self._committed = new_pos
+            self.totals.applied += int(res[1])
+            self.totals.duplicates += int(res[2])
+            self.totals.bad_lines += bad
+            self.totals.batches += 1
+        return True
+
+    def _run(self, keys: list[str], argv: list[Any]) -> list[Any] | None:
+        """Run the script; None after a conflict (the tail will be re-positioned)."""
         try:
             res = self._script(keys=keys, args=argv)
         except RedisError:
@@ -236,14 +277,8 @@ class Ledger:
                         self.ledger_id, res[1], self._expected)
             self._expected = None
             self._committed = None
-            return True
-        self.tail.commit(batch)
-        self._expected = self._committed = new_pos
-        self.totals.applied += int(res[1])
-        self.totals.duplicates += int(res[2])
-        self.totals.bad_lines += bad
-        self.totals.batches += 1
-        return True
+            return None
+        return list(res)
 
     def drain(self) -> Totals:
         """Apply everything there is now, then return; raises ``RedisError``."""

@@ -14,8 +14,11 @@ one as the empty string)::
     <p>:seen:<day>                     set: request ids applied, by the event's day;
                                        expires dedupe_days after its last addition
     <p>:audit                          stream: one entry per applied event (bounded)
-    <p>:ckpt:<ledger_id>               hash: pos (file_id:offset), path, ts
-    <p>:stats:<ledger_id>              hash: applied, duplicates, bad_lines, batches
+    <p>:ckpt:<ledger_id>               hash: pos (file_id:offset, or "-" between
+                                       files), path, ts
+    <p>:done:<ledger_id>               zset: ids of usage files read to their end
+    <p>:stats:<ledger_id>              hash: applied, duplicates, bad_lines, batches,
+                                       files_done
 
 Fields of a usage hash (integers unless noted)::
 
@@ -68,6 +71,10 @@ AUDIT_KEY = f"{PREFIX}:audit"
 
 def ckpt_key(ledger_id: str) -> str:
     return f"{PREFIX}:ckpt:{_enc(ledger_id)}"
+
+
+def done_key(ledger_id: str) -> str:
+    return f"{PREFIX}:done:{_enc(ledger_id)}"
 
 
 def stats_key(ledger_id: str) -> str:

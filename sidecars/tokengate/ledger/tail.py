@@ -13,10 +13,12 @@ old file until they reopen. The tail therefore
 
 A ``Position`` names a file by content, not by name or inode: ``file_id`` is a hash of
 its first line (which contains a unique request id), so the position survives renames,
-copies and inode reuse. ``seek()`` finds that file among the usage file and its
-rotated siblings (``usage.jsonl*``, compressed ones skipped) and queues every newer
-one after it; if the file is gone, it rescans every sibling from the start (the
-ledger's request-id deduplication makes that safe).
+copies and inode reuse. Files are read one at a time; when one is finished, ``read()``
+says so (``Finished``) and the ledger records its id as done before the tail moves on.
+``seek(position, done)`` therefore needs no notion of file age: it takes the usage file
+and its rotated siblings (``usage.jsonl*``, compressed ones skipped), drops those
+whose id is done, starts with the one the position names (at its offset) and reads
+every other one from its start, the live file last.
 
 Lines are handed out in batches (``read()``) and consumed only by ``commit()``, so a
 batch can be retried after a failure.
@@ -25,14 +27,12 @@ batch can be retried after a failure.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tokengate.ledger.event import parse_ts
 
 log = logging.getLogger("tokengate.ledger.tail")
 
@@ -77,6 +77,16 @@ class Batch:
         return Position(self.file_id, self.end)
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The current file is finished (rotated, read to its end, quiet for
+    ``rotate_wait_s``); ``file_id`` is None for a file that never had a line."""
+
+    path: Path
+    file_id: str | None
+    end: int
+
+
 @dataclass(slots=True)
 class _Open:
     path: Path            # the name it had when opened (for logs only)
@@ -104,19 +114,6 @@ def fingerprint(fd: int) -> str | None:
     return hashlib.sha256(head).hexdigest()[:32]
 
 
-def _first_ts(fd: int, mtime: float) -> float:
-    """Seconds since the epoch of the first event in the file (its ``ts``), for ordering
-    rotated files; the file's mtime when that cannot be read."""
-    head = os.pread(fd, FINGERPRINT_BYTES, 0)
-    nl = head.find(b"\n")
-    if nl < 0:
-        return float("inf")
-    try:
-        return parse_ts(json.loads(head[:nl])["ts"]).timestamp()
-    except Exception:  # noqa: BLE001 - any unreadable first line orders by mtime
-        return mtime
-
-
 class UsageTail:
     """Line reader over the usage file and its rotations (see the module docstring).
 
@@ -137,8 +134,8 @@ class UsageTail:
     # -- positioning ---------------------------------------------------------------
 
     def _siblings(self) -> list[_Open]:
-        """The usage file and its rotated siblings, open, oldest first (live last)."""
-        out: list[tuple[float, _Open]] = []
+        """The usage file and its rotated siblings, open; by mtime, the live file last."""
+        out: list[_Open] = []
         seen: set[tuple[int, int]] = set()
         live = self._live_ino()
         if not self.path.parent.is_dir():
@@ -156,22 +153,24 @@ class UsageTail:
                 os.close(fd)
                 continue
             seen.add(ino)
-            key = float("inf") if ino == live else _first_ts(fd, st.st_mtime)
-            out.append((key, _Open(p, fd, ino, fingerprint(fd))))
-        out.sort(key=lambda t: (t[0], t[1].ino == live))
-        return [o for _, o in out]
+            out.append(_Open(p, fd, ino, fingerprint(fd)))
+        out.sort(key=lambda o: (o.ino == live, os.fstat(o.fd).st_mtime))
+        return out
 
-    def seek(self, pos: Position | None) -> None:
-        """Position the reader: after ``pos`` in the file it names, then every newer
-        sibling; from the start of every sibling when ``pos`` is None or its file is
-        gone (logged)."""
+    def seek(self, pos: Position | None, done: Collection[str] = ()) -> None:
+        """Position the reader: skip files whose id is in ``done``; start with the file
+        ``pos`` names, at its offset; then every other file from its start, the live
+        file last."""
         self.close()
-        files = self._siblings()
-        start = 0
+        files = []
+        for f in self._siblings():
+            if f.file_id is not None and f.file_id in done:
+                f.close()
+            else:
+                files.append(f)
         if pos is not None:
             for i, f in enumerate(files):
                 if f.file_id == pos.file_id:
-                    start = i
                     size = os.fstat(f.fd).st_size
                     if pos.offset > size:
                         log.warning("%s: checkpoint offset %d beyond its size %d (truncated?);"
@@ -179,14 +178,12 @@ class UsageTail:
                                     size)
                     else:
                         f.offset = pos.offset
+                    files.insert(0, files.pop(i))
                     break
             else:
-                log.warning("checkpointed usage file %s is gone; reading all %d usage files "
-                            "from the start (events already applied are skipped by request "
-                            "id)", pos.file_id, len(files))
-        for f in files[:start]:
-            f.close()
-        self._queue = files[start:]
+                log.warning("checkpointed usage file %s is gone; reading the %d usage files "
+                            "not yet done from their start", pos.file_id, len(files))
+        self._queue = files
         self._cur = self._queue.pop(0) if self._queue else None
 
     @property
@@ -241,9 +238,10 @@ class UsageTail:
             return False
         return time.time() - os.fstat(cur.fd).st_mtime >= self.rotate_wait_s
 
-    def read(self) -> Batch | None:
-        """The next complete lines (at most ``max_lines``), without consuming them;
-        ``None`` when nothing new is there."""
+    def read(self) -> Batch | Finished | None:
+        """The next complete lines (at most ``max_lines``) without consuming them, or
+        ``Finished`` when the current file is done (call ``advance()``), or ``None``
+        when nothing new is there."""
         self._check_rotation()
         while self._cur is not None:
             cur = self._cur
@@ -269,11 +267,18 @@ class UsageTail:
                 return self._batch(cur, cur.offset + len(data), [data])
             if not finished:
                 return None
-            log.info("finished the rotated usage file opened as %s at %d bytes", cur.path,
-                     cur.offset)
-            cur.close()
-            self._cur = self._queue.pop(0) if self._queue else None
+            return Finished(cur.path, cur.file_id or fingerprint(cur.fd), cur.offset)
         return None
+
+    def advance(self) -> None:
+        """Close the finished current file and go on with the next one."""
+        cur = self._cur
+        if cur is None:
+            return
+        log.info("finished the rotated usage file opened as %s at %d bytes", cur.path,
+                 cur.offset)
+        cur.close()
+        self._cur = self._queue.pop(0) if self._queue else None
 
     def _overlong(self, cur: _Open) -> int:
         """Absolute offset of the next newline past a window with none; -1 if none yet."""

@@ -1,0 +1,240 @@
+"""tokengate-limits: the global-limit sidecar, served over gRPC.
+
+NAME
+    tokengate-limits - shared RPM/TPM windows for every edge node, in Redis
+
+SYNOPSIS
+    tokengate-limits [--config FILE] [--listen HOST:PORT]... [--unix-socket PATH]
+                     [--redis-url URL] [--workers N]
+
+DESCRIPTION
+    Serves tokengate.v1.GlobalLimits (proto/tokengate/v1/limits.proto): Reserve
+    charges a request and its tokens against its API key's 60 s sliding window in
+    Redis, atomically for all edges; Settle corrects the reservation with the real
+    usage. The algorithm and key layout are in tokengate.ledger.global_limit. Also
+    serves grpc.health.v1.Health: "tokengate.v1.GlobalLimits" is NOT_SERVING while
+    Redis is failing.
+
+    Redis down or slow: each call fails within ~redis.timeout_ms (default 50 ms)
+    with UNAVAILABLE, and for the next 500 ms every call gets UNAVAILABLE at once
+    without touching Redis; then one call probes again. The edge falls back to its
+    local limits on UNAVAILABLE (or its own deadline).
+
+    --workers N runs N processes (the GIL: one Python process serves a few thousand
+    calls per second): all listen on the TCP addresses (SO_REUSEPORT) and, with
+    --unix-socket PATH, worker i on PATH.<i> (mode 0666, for nginx workers).
+
+EXIT STATUS
+    0 after SIGTERM/SIGINT, 2 on a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from redis.exceptions import RedisError
+
+from tokengate import config as tg_config
+from tokengate.ledger import store
+from tokengate.ledger.global_limit import GlobalLimiter
+from tokengate.v1 import limits_pb2, limits_pb2_grpc
+
+log = logging.getLogger("tokengate.limits")
+
+SERVICE = limits_pb2.DESCRIPTOR.services_by_name["GlobalLimits"].full_name
+BACKOFF_S = 0.5
+_LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUESTS,
+               "tokens": limits_pb2.LIMIT_TOKENS}
+_U32 = 2**32 - 1
+
+
+class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
+    """Reserve / Settle over a ``GlobalLimiter``, with a fail-fast breaker."""
+
+    def __init__(self, limiter: GlobalLimiter, timeout_s: float,
+                 on_health: object = None) -> None:
+        self.limiter = limiter
+        self.timeout_s = timeout_s
+        self.down_until = 0.0
+        self.on_health = on_health  # async callable(bool) or None
+
+    async def _call(self, coro_fn, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        now = time.monotonic()
+        if now < self.down_until:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "redis unavailable (backing off): use local limits")
+        try:
+            result = await asyncio.wait_for(coro_fn(), self.timeout_s)
+        except (RedisError, OSError, asyncio.TimeoutError) as e:
+            if self.down_until == 0.0:
+                log.warning("Redis unavailable (%s): answering UNAVAILABLE", e or type(e))
+                await self._health(False)
+            self.down_until = time.monotonic() + BACKOFF_S
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {e or 'timeout'}")
+        if self.down_until:
+            log.info("Redis is back")
+            self.down_until = 0.0
+            await self._health(True)
+        return result
+
+    async def _health(self, up: bool) -> None:
+        if self.on_health is not None:
+            await self.on_health(up)  # type: ignore[operator]
+
+    @staticmethod
+    async def _check(context: grpc.aio.ServicerContext, ok: bool, msg: str) -> None:
+        if not ok:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+    async def Reserve(self, request: limits_pb2.ReserveRequest,  # noqa: N802 (gRPC name)
+                      context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
+        """See proto/tokengate/v1/limits.proto."""
+        await self._validate(request.key_id, request.request_id, request.per_model,
+                             request.model, context)
+        await self._check(context, request.rpm_limit >= 1, "rpm_limit: must be >= 1")
+        await self._check(context, request.tpm_limit >= 1, "tpm_limit: must be >= 1")
+        model = request.model if request.per_model else None
+        r = await self._call(lambda: self.limiter.reserve(
+            request.key_id, model, request.rpm_limit, request.tpm_limit, request.tokens,
+            request.request_id), context)
+        return limits_pb2.ReserveReply(
+            admitted=r.admitted, limited_by=_LIMIT_ENUM[r.limited_by], never_fits=r.never_fits,
+            remaining_requests=min(r.remaining_requests, _U32),
+            remaining_tokens=r.remaining_tokens,
+            reset_requests_ms=min(r.reset_requests_ms, _U32),
+            reset_tokens_ms=min(r.reset_tokens_ms, _U32),
+            retry_after_ms=min(r.retry_after_ms, _U32))
+
+    async def Settle(self, request: limits_pb2.SettleRequest,  # noqa: N802 (gRPC name)
+                     context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
+        """See proto/tokengate/v1/limits.proto."""
+        await self._validate(request.key_id, request.request_id, request.per_model,
+                             request.model, context)
+        model = request.model if request.per_model else None
+        s = await self._call(lambda: self.limiter.settle(
+            request.key_id, model, request.request_id, request.actual_tokens), context)
+        return limits_pb2.SettleReply(found=s.found, delta=s.delta,
+                                      window_tokens=max(0, s.window_tokens))
+
+    async def _validate(self, key_id: str, request_id: str, per_model: bool, model: str,
+                        context: grpc.aio.ServicerContext) -> None:
+        await self._check(context, bool(key_id), "key_id: required")
+        await self._check(context, bool(request_id) and not request_id.startswith("#"),
+                          "request_id: required, must not start with '#'")
+        await self._check(context, not per_model or bool(model),
+                          "model: required when per_model is true")
+
+
+def _serve_worker(config_path: str | None, listen: list[str], unix_socket: str | None,
+                  redis_url: str | None, index: int) -> None:
+    """One worker process: serve until SIGTERM."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s limits[{index}]: %(message)s")
+    cfg = tg_config.load(config_path)
+    timeout_s = cfg.redis.timeout_ms / 1000.0
+
+    async def main() -> None:
+        client = store.connect_async(cfg.redis, timeout_s, url=redis_url)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        health_servicer = health.aio.HealthServicer()
+
+        async def on_health(up: bool) -> None:
+            status = health_pb2.HealthCheckResponse.SERVING if up else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            await health_servicer.set(SERVICE, status)
+
+        service = GlobalLimitsService(GlobalLimiter(client), timeout_s * 2, on_health)
+        limits_pb2_grpc.add_GlobalLimitsServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        addresses = list(listen)
+        sock = None
+        if unix_socket:
+            sock = f"{unix_socket}.{index}"
+            Path(sock).parent.mkdir(parents=True, exist_ok=True)
+            if os.path.exists(sock):
+                os.unlink(sock)
+            addresses.append(f"unix:{sock}")
+        for addr in addresses:
+            server.add_insecure_port(addr)
+        await server.start()
+        if sock:
+            os.chmod(sock, 0o666)  # nginx workers may run as another user (DESIGN.md §3)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving GlobalLimits on %s (Redis %s)", ", ".join(addresses),
+                 redis_url or cfg.redis.url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(grace=1.0)
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokengate-limits", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None,
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG or the repository's)")
+    parser.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
+                        help="TCP address, repeatable (default: global_limits.listen)")
+    parser.add_argument("--unix-socket", default=None, metavar="PATH",
+                        help="also listen on PATH.<i> per worker i")
+    parser.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="worker processes (default: 1)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = tg_config.load(args.config)
+    except (tg_config.ConfigError, OSError) as e:
+        parser.exit(2, f"tokengate-limits: {e}\n")
+    listen = args.listen or [cfg.global_limits.listen]
+    if args.workers <= 1:
+        _serve_worker(args.config, listen, args.unix_socket, args.redis_url, 0)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
+    stopping = False
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=_serve_worker, name=f"limits-{i}",
+                        args=(args.config, listen, args.unix_socket, args.redis_url, i))
+        p.start()
+        procs[i] = p
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.pid:
+                os.kill(p.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(args.workers):
+        start(i)
+    while not stopping:
+        time.sleep(0.5)
+        for i, p in list(procs.items()):
+            if not p.is_alive() and not stopping:
+                log.warning("worker %d exited with %s; restarting", i, p.exitcode)
+                start(i)
+    for p in procs.values():
+        p.join(5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""The usage ledger against real Redis: counters, exactly-once, rotation, outages.
+
+In-process tests drive ``Ledger`` directly; the crash tests run the real
+``tokengate-ledger`` process (devstack.ledger_service) and ``kill -9`` it, and kill and
+restart a real redis-server under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tokengate import config as tg_config
+from tokengate import devstack
+from tokengate.ledger import store
+from tokengate.ledger.calculator import Calculator
+from tokengate.ledger.event import UsageEvent
+from tokengate.ledger.ledger import Ledger
+from tokengate.ledger.report import UsageRow, query
+from tests.fixtures_ledger import PrivateRedis, UsageWriter, make_event, wait_until
+
+Key = tuple[str, str | None, str | None]
+
+
+def expected_rows(events: Iterable[UsageEvent], cfg: tg_config.Config) -> dict[Key, UsageRow]:
+    """What the ledger must hold: the plain sum of the events, per day / key / model."""
+    calc = Calculator(cfg)
+    rows: dict[Key, UsageRow] = {}
+    for ev in events:
+        k = (ev.day, ev.key_id, ev.model)
+        r = rows.setdefault(k, UsageRow(*k))
+        r.requests += 1
+        r.errors += ev.status >= 400
+        r.aborted += ev.client_aborted
+        r.estimated += ev.usage_source == "estimate"
+        r.prompt_tokens += ev.prompt_tokens
+        r.completion_tokens += ev.completion_tokens
+        r.cached_tokens += ev.cached_tokens
+        r.system_tokens += ev.system_tokens
+        r.cost += calc.charge_event(ev).cost
+        r.statuses[str(ev.status)] = r.statuses.get(str(ev.status), 0) + 1
+    return rows
+
+
+def assert_ledger_equals(client: store.SyncRedis, events: list[UsageEvent],
+                         cfg: tg_config.Config) -> None:
+    """Every counter equals the sum of the events; cost to 1e-9 relative."""
+    want = expected_rows(events, cfg)
+    got = {(r.day, r.key_id, r.model): r for r in query(client)}
+    assert sorted(got, key=str) == sorted(want, key=str)
+    for k, w in want.items():
+        g = got[k]
+        assert g.cost == pytest.approx(w.cost, rel=1e-9, abs=1e-12), k
+        g.cost = w.cost
+        assert g == w, k
+    assert client.xlen(store.AUDIT_KEY) == len(events)
+
+
+def workload(n: int, seed: int = 7, days: tuple[str, ...] = ("2026-11-28", "2026-11-29"),
+             ) -> list[UsageEvent]:
+    """A mixed workload: three keys (one null), two models, streams, disconnects,
+    rejections with no usage, estimates, prefix-cache hits, long prompts."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        status = rng.choice([200] * 12 + [400, 401, 429, 503])
+        forwarded = status in (200, 503)
+        prompt = rng.randint(1, 60_000) if forwarded else 0
+        cached = rng.choice([0, 0, prompt // 2]) if forwarded else 0
+        aborted = forwarded and rng.random() < 0.1
+        src = ("running" if aborted else rng.choice(["final"] * 9 + ["estimate"])) \
+            if forwarded else "none"
+        ms = rng.randint(0, 86_399_999)
+        ts = (f"{rng.choice(days)}T{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:"
+              f"{ms // 1000 % 60:02d}.{ms % 1000:03d}Z")
+        out.append(make_event(
+            rng, ts=ts, key_id=rng.choice(["alpha", "beta:β", None]),
+            model=rng.choice(["tiny-qwen3", "other/model"]), status=status,
+            stream=rng.random() < 0.5, prompt_tokens=prompt,
+            completion_tokens=rng.randint(0, 2000) if forwarded else 0, cached_tokens=cached,
+            system_tokens=min(prompt, rng.randint(0, 300)), usage_source=src,
+            client_aborted=aborted, token_estimate=prompt, error=None if forwarded else "x"))
+    return out
+
+
+@pytest.fixture
+def ledger_factory(cfg: tg_config.Config, ledger_redis: redis.Redis, redis_url: str,
+                   usage_writer: UsageWriter) -> Iterator[object]:
+    """``make(ledger_id="test", **Ledger kwargs)``: an in-process ledger on the session
+    Redis and the test's usage file."""
+    made: list[Ledger] = []
+
+    def make(ledger_id: str = "test", **kw: object) -> Ledger:
+        client = store.connect(cfg.redis, url=redis_url)
+        led = Ledger(cfg, client, usage_writer.path, ledger_id, **kw)  # type: ignore[arg-type]
+        made.append(led)
+        return led
+
+    yield make
+    for led in made:
+        led.close()
+
+
+def test_events_become_counters_per_key_model_day(cfg, ledger_redis, usage_writer,
+                                                  ledger_factory):
+    events = workload(1500)
+    for ev in events:
+        usage_writer.write(ev)
+    led = ledger_factory()
+    totals = led.drain()
+    assert (totals.applied, totals.duplicates, totals.bad_lines) == (1500, 0, 0)
+    assert_ledger_equals(ledger_redis, events, cfg)
+    # One audit entry carries the event's numbers and its cost.
+    ev = events[0]
+    (entry_id, fields), = ledger_redis.xrange(store.AUDIT_KEY, count=1)
+    assert fields["rid"] == ev.request_id and fields["key"] == (ev.key_id or "")
+    assert int(fields["prompt"]) == ev.prompt_tokens
+    assert float(fields["cost"]) == Calculator(cfg).charge_event(ev).cost
+    stats = ledger_redis.hgetall(store.stats_key("test"))
+    assert stats["applied"] == "1500" and stats["bad_lines"] == "0"
+
+
+def test_a_request_id_seen_twice_is_applied_once(cfg, ledger_redis, usage_writer,
+                                                 ledger_factory):
+    ev = make_event(prompt_tokens=100, completion_tokens=7)
+    usage_writer.write(ev)
+    usage_writer.write(ev)
+    totals = ledger_factory().drain()
+    assert (totals.applied, totals.duplicates) == (1, 1)
+    assert_ledger_equals(ledger_redis, [ev], cfg)
+    # Another ledger id over the same file (a checkpoint lost): everything is a duplicate.
+    again = ledger_factory("other").drain()
+    assert (again.applied, again.duplicates) == (0, 2)
+    assert_ledger_equals(ledger_redis, [ev], cfg)
+
+
+def test_bad_lines_are_counted_and_skipped(cfg, ledger_redis, usage_writer, ledger_factory):
+    good = [make_event(prompt_tokens=10 * i, completion_tokens=i) for i in range(1, 4)]
+    ok = json.loads(good[0].to_json())
+    bad_lines = [
+        b"not json",
+        b"",
+        b"[1, 2]",
+        json.dumps({k: v for k, v in ok.items() if k != "status"}).encode(),
+        json.dumps({**ok, "status": "200"}).encode(),
+        json.dumps({**ok, "prompt_tokens": -1}).encode(),
+        json.dumps({**ok, "usage_source": "guess"}).encode(),
+        json.dumps({**ok, "cached_tokens": 11, "prompt_tokens": 10}).encode(),
+        json.dumps({**ok, "ts": "2026-11-29 16:40:00"}).encode(),
+        json.dumps({**ok, "request_id": "xyz"}).encode(),
+        json.dumps(ok).encode()[:-1] + b', "status": 200}',      # duplicate key
+        json.dumps(ok).replace('"total_ms": 410.25', '"total_ms": NaN').encode(),
+        b"\xff\xfe garbage",
+    ]
+    usage_writer.write(good[0])
+    for line in bad_lines:
+        usage_writer.write_raw(line + b"\n")
+    usage_writer.write(good[1])
+    usage_writer.write(good[2])
+    totals = ledger_factory().drain()
+    assert (totals.applied, totals.bad_lines) == (3, len(bad_lines))
+    assert_ledger_equals(ledger_redis, good, cfg)
+    assert ledger_redis.hget(store.stats_key("test"), "bad_lines") == str(len(bad_lines))
+
+
+def test_unknown_fields_are_ignored_not_rejected(cfg, ledger_redis, usage_writer,
+                                                 ledger_factory):
+    ev = make_event(prompt_tokens=5, completion_tokens=5)
+    usage_writer.write_raw(json.dumps({**json.loads(ev.to_json()), "new_field": 1}).encode()
+                           + b"\n")
+    assert ledger_factory().drain().applied == 1
+    assert_ledger_equals(ledger_redis, [ev], cfg)
+
+
+def test_rotation_finishes_the_old_file_including_late_writes(cfg, ledger_redis,
+                                                              usage_writer, ledger_factory):
+    """nginx semantics: rename, workers keep writing to the old file until reopen."""
+    events = workload(300, seed=11)
+    led = ledger_factory(rotate_wait_s=0.3)
+    stop = threading.Event()
+    t = threading.Thread(target=led.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        for ev in events[:100]:
+            usage_writer.write(ev)
+        usage_writer.path.rename(usage_writer.path.with_name("usage.jsonl.1"))
+        for ev in events[100:150]:     # late writers: still the old descriptor
+            usage_writer.write(ev)
+        usage_writer.reopen()          # nginx -s reopen: a new usage.jsonl
+        for ev in events[150:]:
+            usage_writer.write(ev)
+        wait_until(lambda: led.totals.applied == 300, what="300 events applied")
+        time.sleep(0.5)  # nothing more arrives
+    finally:
+        stop.set()
+        t.join(5)
+    assert (led.totals.applied, led.totals.duplicates, led.totals.bad_lines) == (300, 0, 0)
+    assert_ledger_equals(ledger_redis, events, cfg)
+
+
+def test_restart_resumes_across_two_rotations(cfg, ledger_redis, usage_writer, ledger_factory):
+    events = workload(400, seed=12)
+    for ev in events[:100]:
+        usage_writer.write(ev)
+    first = ledger_factory()
+    first.drain()
+    first.close()
+    for ev in events[100:200]:
+        usage_writer.write(ev)
+    usage_writer.rotate()              # usage.jsonl -> .1
+    for ev in events[200:300]:
+        usage_writer.write(ev)
+    usage_writer.rotate()              # .1 -> .2, usage.jsonl -> .1
+    for ev in events[300:]:
+        usage_writer.write(ev)
+    # A new process: checkpoint is inside what is now usage.jsonl.2.
+    again = ledger_factory(rotate_wait_s=0.0)
+    totals = again.drain()
+    assert (totals.applied, totals.duplicates) == (300, 0)
+    assert_ledger_equals(ledger_redis, events, cfg)
+
+
+def test_unterminated_last_line_of_a_rotated_file_is_a_bad_line(cfg, ledger_redis,
+                                                                usage_writer, ledger_factory):
+    ev1, ev2 = make_event(prompt_tokens=1), make_event(prompt_tokens=2)
+    usage_writer.write(ev1)
+    usage_writer.write_raw(ev2.to_json().encode()[:40])   # a writer died mid-line
+    usage_writer.rotate()
+    usage_writer.write(ev2)
+    totals = ledger_factory(rotate_wait_s=0.0).drain()
+    assert (totals.applied, totals.bad_lines) == (2, 1)
+    assert_ledger_equals(ledger_redis, [ev1, ev2], cfg)
+
+
+def test_events_wait_on_disk_while_redis_is_down(cfg, private_redis, usage_writer):
+    r = private_redis()
+    client = store.connect(cfg.redis, timeout_s=0.5, url=r.url)
+    led = Ledger(cfg, client, usage_writer.path, "down")
+    events = workload(200, seed=13)
+    for ev in events[:100]:
+        usage_writer.write(ev)
+    led.drain()
+    r.kill()
+    for ev in events[100:]:
+        usage_writer.write(ev)
+    with pytest.raises(redis.RedisError):
+        led.step()
+    r.start()   # no persistence: Redis comes back empty, the ledger rebuilds from the file
+    led.drain()
+    assert_ledger_equals(r.client(), events, cfg)
+    led.close()
+
+
+# -- the real process ---------------------------------------------------------------
+
+
+class EdgeWriter(threading.Thread):
+    """Writes events at a steady pace while a test breaks things; rotates the file
+    (rename + reopen) before event ``rotate_at`` when given."""
+
+    def __init__(self, writer: UsageWriter, events: list[UsageEvent], per_s: float,
+                 rotate_at: int | None = None) -> None:
+        super().__init__(daemon=True)
+        self.writer, self.events, self.per_s = writer, events, per_s
+        self.rotate_at = rotate_at
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        for i, ev in enumerate(self.events):
+            if i == self.rotate_at:
+                self.writer.rotate()
+            self.writer.write(ev)
+            delay = t0 + (i + 1) / self.per_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+
+def start_ledger(config_path: Path, usage_file: Path, redis_url: str,
+                 name: str) -> devstack.Service:
+    return devstack.ledger_service(config_path, usage_file, redis_url, ledger_id=name,
+                                   name=name).start()
+
+
+def status(name: str) -> dict[str, object]:
+    return json.loads((devstack.VAR / "run" / f"{name}.status.json").read_text())
+
+
+def applied(client: redis.Redis, name: str) -> int:
+    return int(client.hget(store.stats_key(name), "applied") or 0)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_ledger_mid_file_loses_and_repeats_nothing(cfg, ledger_config_path,
+                                                                 ledger_redis, redis_url,
+                                                                 usage_writer):
+    """Five SIGKILLs at random moments while the edge writes (and rotates the file)."""
+    events = workload(30_000, seed=21)
+    for ev in events[:25_000]:
+        usage_writer.write(ev)
+    edge = EdgeWriter(usage_writer, events[25_000:], per_s=2000, rotate_at=2000)
+    name = "test-ledger-kill9"
+    rng = random.Random(5)
+    mid_file_kills = 0
+    svc = start_ledger(ledger_config_path, usage_writer.path, redis_url, name)
+    edge.start()
+    try:
+        for _ in range(5):
+            before = applied(ledger_redis, name)
+            time.sleep(rng.uniform(0.05, 0.4))
+            assert svc.proc is not None
+            os.kill(svc.proc.pid, signal.SIGKILL)
+            svc.proc.wait(5)
+            now = applied(ledger_redis, name)
+            assert now >= before
+            mid_file_kills += 0 < now < len(events)
+            svc = start_ledger(ledger_config_path, usage_writer.path, redis_url, name)
+        edge.join()
+        wait_until(lambda: applied(ledger_redis, name) == len(events), 60,
+                   what="every event applied")
+    finally:
+        svc.stop()
+    assert mid_file_kills >= 3
+    assert_ledger_equals(ledger_redis, events, cfg)
+    stats = ledger_redis.hgetall(store.stats_key(name))
+    assert (stats["applied"], stats.get("duplicates", "0"), stats["bad_lines"]) == \
+        (str(len(events)), "0", "0")
+    seen = sum(ledger_redis.scard(k) for k in ledger_redis.scan_iter(store.seen_key("*")))
+    assert seen == len(events)
+
+
+@pytest.mark.slow
+def test_redis_restart_under_a_running_ledger_loses_and_repeats_nothing(
+        cfg, ledger_config_path, private_redis, usage_writer):
+    """Redis with AOF (appendfsync always) killed with SIGKILL and restarted while the
+    edge keeps writing: the ledger waits, then applies what it missed, once."""
+    r: PrivateRedis = private_redis(persist=True)
+    events = workload(6000, seed=22)
+    edge = EdgeWriter(usage_writer, events, per_s=2000)
+    name = "test-ledger-redis-restart"
+    svc = start_ledger(ledger_config_path, usage_writer.path, r.url, name)
+    client = r.client()
+    try:
+        edge.start()
+        wait_until(lambda: applied(client, name) > 1000, what="some events applied")
+        r.kill()
+        wait_until(lambda: status(name)["redis_up"] is False, what="the ledger noticed")
+        time.sleep(0.5)
+        r.start()
+        edge.join()
+        client = r.client()
+        wait_until(lambda: applied(client, name) == len(events), 60,
+                   what="every event applied")
+        assert svc.proc is not None and svc.proc.poll() is None
+    finally:
+        svc.stop()
+    assert_ledger_equals(client, events, cfg)
+    assert client.hget(store.stats_key(name), "duplicates") == "0"
+
+
+@pytest.mark.slow
+def test_redis_back_without_its_data_is_rebuilt_from_the_usage_files(
+        cfg, ledger_config_path, private_redis, usage_writer):
+    """No persistence: the ledger's checkpoint vanished with the counters, so it reads
+    every usage file still on disk (rotated ones too) and the totals are whole again."""
+    r = private_redis(persist=False)
+    events = workload(3000, seed=23)
+    name = "test-ledger-redis-empty"
+    for ev in events[:1000]:
+        usage_writer.write(ev)
+    svc = start_ledger(ledger_config_path, usage_writer.path, r.url, name)
+    try:
+        wait_until(lambda: applied(r.client(), name) == 1000, what="first part applied")
+        usage_writer.rotate()
+        for ev in events[1000:2000]:
+            usage_writer.write(ev)
+        wait_until(lambda: applied(r.client(), name) == 2000, 30, what="second part applied")
+        r.stop()
+        r.start()
+        for ev in events[2000:]:
+            usage_writer.write(ev)
+        wait_until(lambda: applied(r.client(), name) == 3000, 30, what="rebuilt")
+    finally:
+        svc.stop()
+    assert_ledger_equals(r.client(), events, cfg)
