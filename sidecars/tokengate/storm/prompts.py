@@ -1,0 +1,209 @@
+"""Prompts of an exact number of prompt tokens, built with the served model's tokenizer.
+
+A load test that asks for "2000 input tokens" must send requests that the server counts
+as 2000 prompt tokens, or every tokens/s figure is off by the template overhead and the
+tokenizer's merges. TokenStorm builds prompt text from *words that are exactly one
+token*: lowercase ASCII words ``w`` for which both ``w`` and ``" w"`` are single entries
+of the model's ``tokenizer.json`` vocabulary. Byte-level BPE tokenizers with GPT-style
+pre-tokenization (Qwen, Llama 3, GPT-4o) split ``" w1 w2 w3"`` into the pre-tokens
+``" w1"``, ``" w2"``, ``" w3"``, each of which is then one token, so a text of k such
+words is exactly k tokens. The builder verifies that on a sample with HF
+``tokenizers`` at start (``PromptError`` if not), and the load generator compares each
+request's expected count with the ``usage.prompt_tokens`` the server reports.
+
+Chat requests add the chat template's overhead: the template is rendered the way vLLM
+renders it (``apply_chat_template(messages, add_generation_prompt=True)``, tokenized
+with ``add_special_tokens=False``; DESIGN.md §2.1) for a one-message conversation and
+the overhead (tokens) is measured once; for Qwen3's ChatML it is 8 tokens
+(``<|im_start|>user\\n`` ... ``<|im_end|>\\n<|im_start|>assistant\\n``). Completions
+prompts add the tokenizer's special tokens (none for Qwen).
+
+Every prompt starts with two words that encode its request index, so no two prompts
+share a prefix beyond chance (no prefix-cache hits, no counter segment-cache hits);
+the rest is a slice of a seeded random word corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tokenizers import Tokenizer
+
+Endpoint = Literal["chat", "completions"]
+ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions",
+                                  "completions": "/v1/completions"}
+_WORD = re.compile(r"[a-z]{3,9}")
+
+
+class PromptError(ValueError):
+    """The tokenizer does not allow exact prompts (message says why)."""
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """What the generated requests ask for besides the prompt.
+
+    ``stream``: SSE; ``include_usage`` / ``continuous_usage_stats``: vLLM's
+    ``stream_options`` (cumulative usage in every chunk, a final usage chunk);
+    ``ignore_eos``: vLLM's extension that makes the output exactly ``max_tokens``
+    long (benchmarks need fixed output lengths).
+    """
+
+    stream: bool = False
+    include_usage: bool = True
+    continuous_usage_stats: bool = True
+    ignore_eos: bool = True
+
+
+class PromptBuilder:
+    """Builds request bodies whose prompt is exactly ``n`` tokens for the served model.
+
+    ``model_dir``: the served model's directory (``tokenizer.json``,
+    ``tokenizer_config.json``); ``model``: served model name; ``endpoint``: ``chat``
+    or ``completions``; ``seed``: corpus seed (same seed, same prompts).
+    """
+
+    def __init__(self, model_dir: Path, model: str, endpoint: Endpoint = "chat",
+                 seed: int = 0, corpus_words: int = 1 << 17) -> None:
+        self.model_dir = Path(model_dir)
+        self.model = model
+        self.endpoint: Endpoint = endpoint
+        self.path = ENDPOINT_PATHS[endpoint]
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.words = single_token_words(self.tokenizer)
+        if len(self.words) < 256:
+            raise PromptError(f"{model_dir}: only {len(self.words)} single-token words")
+        rng = random.Random(seed)
+        corpus = [rng.choice(self.words) for _ in range(corpus_words)]
+        self._corpus = " ".join(corpus)
+        # Character offset of each corpus word (and one past the end).
+        lengths = np.fromiter((len(w) + 1 for w in corpus), dtype=np.int64, count=len(corpus))
+        self._offsets = np.concatenate(([0], np.cumsum(lengths))).tolist()
+        self._verify_sample(rng)
+        self.overhead = self._measure_overhead()
+        self._model_json = json.dumps(model)
+
+    # -- exactness ------------------------------------------------------------------
+
+    def _verify_sample(self, rng: random.Random) -> None:
+        start = rng.randrange(0, len(self._offsets) - 5001)
+        text = self.content(12345, 5000, start=start)
+        n = len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if n != 5000:
+            raise PromptError(f"a 5000-word sample tokenizes to {n} tokens; this tokenizer "
+                              "does not split words the way PromptBuilder assumes")
+
+    def _measure_overhead(self) -> int:
+        """Prompt tokens beyond the content's own: chat template or special tokens."""
+        overheads = set()
+        for k in (1, 7, 300):
+            text = self.content(k, k)
+            overheads.add(self.count(text) - k)
+        if len(overheads) != 1:
+            raise PromptError(f"template overhead depends on the content length: {overheads}")
+        return overheads.pop()
+
+    def render_chat(self, content: str) -> str:
+        """The prompt text vLLM renders for one user message (``add_generation_prompt``)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        cfg = json.loads((self.model_dir / "tokenizer_config.json").read_text())
+        source = cfg.get("chat_template")
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.exists():
+            source = jinja_file.read_text()
+        if not isinstance(source, str):
+            raise PromptError(f"{self.model_dir}: no chat template")
+        special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if isinstance(cfg.get(k), str)}
+        rendered, _ = render_jinja_template(
+            conversations=[[{"role": "user", "content": content}]], tools=None,
+            chat_template=source, add_generation_prompt=True, **special)
+        return str(rendered[0])
+
+    def count(self, content: str) -> int:
+        """Prompt tokens of a request with this content, counted the way vLLM counts.
+
+        Chat: the rendered template tokenized with ``add_special_tokens=False``;
+        completions: the text tokenized with the tokenizer's special tokens.
+        """
+        if self.endpoint == "chat":
+            return len(self.tokenizer.encode(self.render_chat(content),
+                                             add_special_tokens=False).ids)
+        return len(self.tokenizer.encode(content, add_special_tokens=True).ids)
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        """The shortest prompt (tokens) this builder can make: overhead + one word."""
+        return self.overhead + 1
+
+    # -- building ---------------------------------------------------------------------
+
+    def content(self, index: int, words: int, start: int | None = None) -> str:
+        """``words`` single-token words; the first two encode ``index`` (unique prefix)."""
+        v = len(self.words)
+        head = [self.words[(index // v) % v], self.words[index % v]][:words]
+        rest = words - len(head)
+        if rest <= 0:
+            return " ".join(head)
+        n_corpus = len(self._offsets) - 1
+        if rest > n_corpus:
+            raise PromptError(f"prompt of {words} words exceeds the corpus ({n_corpus})")
+        if start is None:
+            start = (index * 7919) % (n_corpus - rest + 1)
+        body = self._corpus[self._offsets[start]:self._offsets[start + rest] - 1]
+        return " ".join(head) + " " + body
+
+    def body(self, index: int, prompt_tokens: int, max_tokens: int,
+             opts: StreamOptions) -> bytes:
+        """A JSON request body whose prompt is exactly ``prompt_tokens`` tokens.
+
+        Raises ``PromptError`` when ``prompt_tokens < min_prompt_tokens``.
+        """
+        words = prompt_tokens - self.overhead
+        if words < 1:
+            raise PromptError(f"{prompt_tokens} prompt tokens is below the minimum "
+                              f"{self.min_prompt_tokens} for {self.endpoint}")
+        text = self.content(index, words)
+        if self.endpoint == "chat":
+            head = ('{"model":' + self._model_json + ',"messages":[{"role":"user","content":"'
+                    + text + '"}]')
+        else:
+            head = '{"model":' + self._model_json + ',"prompt":"' + text + '"'
+        tail = ',"max_tokens":' + str(max_tokens)
+        if opts.ignore_eos:
+            tail += ',"ignore_eos":true'
+        if opts.stream:
+            tail += (',"stream":true,"stream_options":{"include_usage":'
+                     + ("true" if opts.include_usage else "false")
+                     + ',"continuous_usage_stats":'
+                     + ("true" if opts.continuous_usage_stats else "false") + "}")
+        return (head + tail + "}").encode()
+
+
+def single_token_words(tokenizer: Tokenizer) -> list[str]:
+    """Lowercase ASCII words ``w`` (3-9 letters) with ``w`` and ``" w"`` one token each.
+
+    Byte-level BPE vocabularies spell a leading space as ``Ġ``; sorted for determinism.
+    """
+    vocab = tokenizer.get_vocab()
+    words = []
+    for tok in vocab:
+        if tok.startswith("\u0120") and _WORD.fullmatch(tok[1:]) and tok[1:] in vocab:
+            words.append(tok[1:])
+    return sorted(words)
+
+
+def expected_counts(builder: PromptBuilder, sizes: Sequence[int]) -> list[int]:
+    """HF-tokenizer counts of the prompts ``body`` builds for ``sizes`` (for tests)."""
+    out = []
+    for i, n in enumerate(sizes):
+        out.append(builder.count(builder.content(i, n - builder.overhead)))
+    return out
