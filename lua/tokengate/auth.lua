@@ -1,0 +1,76 @@
+-- API keys: `Authorization: Bearer <key>`. The configuration stores only SHA-256 hex
+-- digests (never keys), so the edge hashes the presented key and looks the digest up.
+-- SHA-256 comes from the OpenSSL libcrypto that nginx itself is linked against.
+
+local ffi = require "ffi"
+local lrucache = require "resty.lrucache"
+
+local ffi_new = ffi.new
+local ffi_string = ffi.string
+local C = ffi.C
+local byte = string.byte
+local format = string.format
+local find = string.find
+local sub = string.sub
+local concat = table.concat
+local type = type
+
+ffi.cdef [[
+unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);
+]]
+
+local _M = {}
+
+local md = ffi_new("unsigned char[32]")
+-- presented key -> hex digest; a worker hashes each distinct key once.
+local digests = lrucache.new(1024)
+
+-- sha256_hex(s) -> 64 lowercase hex digits of SHA-256(s).
+function _M.sha256_hex(s)
+    C.SHA256(s, #s, md)
+    local raw = ffi_string(md, 32)
+    local out = {}
+    for i = 1, 32 do
+        out[i] = format("%02x", byte(raw, i))
+    end
+    return concat(out)
+end
+
+-- bearer(header) -> the token of an "Authorization: Bearer <token>" value, or nil.
+-- The scheme is case-insensitive (RFC 7235); surrounding spaces are ignored.
+function _M.bearer(header)
+    if type(header) ~= "string" then
+        return nil
+    end
+    local _, e = find(header, "^%s*[Bb][Ee][Aa][Rr][Ee][Rr]%s+")
+    if not e then
+        return nil
+    end
+    local token = sub(header, e + 1)
+    token = (token:gsub("%s+$", ""))
+    if token == "" then
+        return nil
+    end
+    return token
+end
+
+-- authenticate(keys, header) -> key entry (from the compiled config: {id, rpm, tpm,
+-- models, digest}) | nil, reason ("missing" or "invalid").
+function _M.authenticate(keys, header)
+    local token = _M.bearer(header)
+    if not token then
+        return nil, "missing"
+    end
+    local digest = digests:get(token)
+    if not digest then
+        digest = _M.sha256_hex(token)
+        digests:set(token, digest)
+    end
+    local key = keys[digest]
+    if not key then
+        return nil, "invalid"
+    end
+    return key
+end
+
+return _M

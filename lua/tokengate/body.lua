@@ -1,0 +1,251 @@
+-- The request body: content type and size limits, reading (memory or spooled file),
+-- strict decoding (tokengate.json) and the shape checks the edge relies on. Deeper
+-- validation of fields the edge does not touch is left to the counter and vLLM.
+--
+-- Every function returns value | nil, err with err = {status = 400 | 413 | 415,
+-- message = "...", param = "<field path>" | nil, code = "<error code>"}.
+
+local ngx = ngx
+local json = require "tokengate.json"
+
+local ngx_req = ngx.req
+local io_open = io.open
+local type = type
+local tonumber = tonumber
+local format = string.format
+local find = string.find
+local lower = string.lower
+local is_array = json.is_array
+local is_object = json.is_object
+local json_integer = json.integer
+local null = json.null
+local KEYS = json.KEYS
+
+local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
+local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
+
+local _M = {}
+
+local function fail(status, message, param, code)
+    return nil, { status = status, message = message, param = param, code = code }
+end
+
+-- check_headers(headers, max_bytes) -> true | nil, err (415 or 413).
+-- headers: ngx.req.get_headers() result. Only application/json is accepted; a charset
+-- parameter, when present, must be utf-8 (JSON is UTF-8, RFC 8259 §8.1).
+function _M.check_headers(headers, max_bytes)
+    local ct = headers["content-type"]
+    if type(ct) == "table" then
+        ct = ct[1]
+    end
+    ct = ct and lower(ct) or ""
+    if not find(ct, "^%s*application/json%s*$") and not find(ct, "^%s*application/json%s*;") then
+        return fail(415, format("Unsupported Content-Type %q: send the request body as "
+            .. "application/json", ct), nil, "unsupported_media_type")
+    end
+    local charset = ct:match(";%s*charset%s*=%s*\"?([%w%-_]+)")
+    if charset and charset ~= "utf-8" and charset ~= "utf8" then
+        return fail(415, format("Unsupported charset %q: JSON request bodies must be UTF-8",
+            charset), nil, "unsupported_media_type")
+    end
+    local len = tonumber(headers["content-length"])
+    if len and len > max_bytes then
+        return fail(413, format("Request body is %d bytes; the limit is %d bytes", len,
+            max_bytes), nil, "request_too_large")
+    end
+    return true
+end
+
+-- read(max_bytes) -> body text | nil, err. Reads the client body whether nginx kept it
+-- in memory or spooled it to a temporary file (bodies larger than
+-- client_body_buffer_size): a gateway that reads only get_body_data() would see nil and
+-- forward the file unchecked (DESIGN.md §3).
+function _M.read(max_bytes)
+    ngx_req.read_body()
+    local data = ngx_req.get_body_data()
+    if not data then
+        local path = ngx_req.get_body_file()
+        if path then
+            local f, err = io_open(path, "rb")
+            if not f then
+                return fail(500, "cannot read the spooled request body: " .. (err or ""), nil,
+                    "internal_error")
+            end
+            data = f:read("*a")
+            f:close()
+        end
+    end
+    if not data or data == "" then
+        return fail(400, "Request body is empty: send a JSON object", nil, "invalid_json")
+    end
+    if #data > max_bytes then
+        return fail(413, format("Request body is %d bytes; the limit is %d bytes", #data,
+            max_bytes), nil, "request_too_large")
+    end
+    return data
+end
+
+local KIND_TEXT = {
+    utf8 = { "Request body is not valid UTF-8: %s at byte %d", "invalid_utf8" },
+    surrogate = { "Request body is not valid Unicode: %s at byte %d", "invalid_unicode" },
+    duplicate = { "Request body has a %s at byte %d; keys must be unique", "duplicate_key" },
+    depth = { "Request body has %s at byte %d", "json_too_deep" },
+    syntax = { "Request body is not valid JSON: %s at byte %d", "invalid_json" },
+}
+
+-- decode(text, max_depth) -> JSON object (tokengate.json representation) | nil, err (400).
+function _M.decode(text, max_depth)
+    local v, derr = json.decode(text, max_depth)
+    if v == nil then
+        local t = KIND_TEXT[derr.kind] or KIND_TEXT.syntax
+        return fail(400, format(t[1], derr.message, derr.offset), derr.path, t[2])
+    end
+    if not is_object(v) then
+        return fail(400, "Request body must be a JSON object", nil, "invalid_json")
+    end
+    return v
+end
+
+local function envelope_hint(body, field)
+    local keys = body[KEYS]
+    for i = 1, #keys do
+        local v = body[keys[i]]
+        if is_object(v) and v[field] ~= nil then
+            return format(" (found it inside %q: send the request object itself, not "
+                .. "wrapped in an envelope)", keys[i])
+        end
+    end
+    return ""
+end
+
+local function opt_bool(body, name)
+    local v = body[name]
+    if v == nil or v == null or v == true or v == false then
+        return true
+    end
+    return fail(400, format("'%s' must be a boolean", name), name, "invalid_type")
+end
+
+local function opt_posint(body, name)
+    local v = body[name]
+    if v == nil or v == null then
+        return true
+    end
+    local n = json_integer(v)
+    if not n then
+        return fail(400, format("'%s' must be an integer", name), name, "invalid_type")
+    end
+    if n < 1 then
+        return fail(400, format("'%s' must be at least 1, got %d", name, n), name,
+            "invalid_value")
+    end
+    return true
+end
+
+local function check_common(body, models)
+    local model = body.model
+    if model == nil or model == null then
+        return fail(400, "you must provide a model parameter" .. envelope_hint(body, "model"),
+            "model", "missing_required_parameter")
+    end
+    if type(model) ~= "string" then
+        return fail(400, "'model' must be a string", "model", "invalid_type")
+    end
+    local ok, err = opt_bool(body, "stream")
+    if not ok then
+        return nil, err
+    end
+    local so = body.stream_options
+    if so ~= nil and so ~= null then
+        if not is_object(so) then
+            return fail(400, "'stream_options' must be an object", "stream_options",
+                "invalid_type")
+        end
+        for i = 1, #STREAM_FLAGS do
+            local f = STREAM_FLAGS[i]
+            ok, err = opt_bool(so, f)
+            if not ok then
+                err.param = "stream_options." .. f
+                return nil, err
+            end
+        end
+    end
+    for i = 1, #POSITIVE_INTS do
+        ok, err = opt_posint(body, POSITIVE_INTS[i])
+        if not ok then
+            return nil, err
+        end
+    end
+    local m = models[model]
+    if not m then
+        return fail(404, format("The model `%s` does not exist", model), "model",
+            "model_not_found")
+    end
+    return m
+end
+
+-- validate_chat(body, models) -> model entry | nil, err (400/404).
+-- Checks: model (configured), messages (non-empty array of objects with a string role and
+-- string / array / null content), stream flags, token limits are positive integers.
+function _M.validate_chat(body, models)
+    local msgs = body.messages
+    if msgs == nil or msgs == null then
+        return fail(400, "'messages' is a required property" .. envelope_hint(body, "messages"),
+            "messages", "missing_required_parameter")
+    end
+    if not is_array(msgs) then
+        return fail(400, "'messages' must be an array", "messages", "invalid_type")
+    end
+    if #msgs == 0 then
+        return fail(400, "'messages' must contain at least one message", "messages",
+            "invalid_value")
+    end
+    for i = 1, #msgs do
+        local m = msgs[i]
+        local param = format("messages[%d]", i - 1)
+        if not is_object(m) then
+            return fail(400, param .. " must be an object", param, "invalid_type")
+        end
+        if type(m.role) ~= "string" then
+            return fail(400, param .. ".role must be a string", param .. ".role",
+                "invalid_type")
+        end
+        local c = m.content
+        if c ~= nil and c ~= null and type(c) ~= "string" and not is_array(c) then
+            return fail(400, param .. ".content must be a string or an array of content parts",
+                param .. ".content", "invalid_type")
+        end
+    end
+    local tools = body.tools
+    if tools ~= nil and tools ~= null and not is_array(tools) then
+        return fail(400, "'tools' must be an array", "tools", "invalid_type")
+    end
+    return check_common(body, models)
+end
+
+-- validate_completions(body, models) -> model entry | nil, err (400/404).
+-- prompt: string, array of strings, array of token ids or array of token-id arrays.
+function _M.validate_completions(body, models)
+    local p = body.prompt
+    if p == nil or p == null then
+        return fail(400, "'prompt' is a required property" .. envelope_hint(body, "prompt"),
+            "prompt", "missing_required_parameter")
+    end
+    if type(p) ~= "string" then
+        if not is_array(p) or #p == 0 then
+            return fail(400, "'prompt' must be a string or a non-empty array", "prompt",
+                "invalid_type")
+        end
+        for i = 1, #p do
+            local e = p[i]
+            if type(e) ~= "string" and not json_integer(e) and not is_array(e) then
+                local param = format("prompt[%d]", i - 1)
+                return fail(400, param .. " must be a string, a token id or an array of token ids",
+                    param, "invalid_type")
+            end
+        end
+    end
+    return check_common(body, models)
+end
+
+return _M

@@ -1,0 +1,74 @@
+-- The compiled configuration (tokengate.tools.compile_config): models, hashed keys, edge
+-- settings. Loaded once in init_by_lua (the master, before workers fork) and again on
+-- every `nginx -s reload`, which re-runs init in a new master generation; workers only
+-- read it, so there is no cross-worker state here.
+
+local cjson = require "cjson.safe"
+
+local io_open = io.open
+local type = type
+local pairs = pairs
+local setmetatable = setmetatable
+
+local _M = {}
+
+local doc -- the loaded document (see the compile_config module docstring for its shape)
+
+local function fail(msg)
+    return nil, "tokengate config: " .. msg
+end
+
+-- load(path) -> doc | nil, err. path: the compiled JSON file. Validates the fields the
+-- edge relies on so that a broken file fails `nginx -t`/reload instead of requests.
+function _M.load(path)
+    local f, err = io_open(path, "rb")
+    if not f then
+        return fail(err)
+    end
+    local text = f:read("*a")
+    f:close()
+    local d, derr = cjson.decode(text)
+    if type(d) ~= "table" then
+        return fail(path .. ": " .. (derr or "not a JSON object"))
+    end
+    if d.version ~= 1 or type(d.models) ~= "table" or type(d.keys) ~= "table"
+        or type(d.edge) ~= "table" then
+        return fail(path .. ": expected version 1 with models, keys and edge")
+    end
+    for name, m in pairs(d.models) do
+        if type(m.max_model_len) ~= "number" or type(m.host) ~= "string"
+            or type(m.port) ~= "number" then
+            return fail(path .. ": models." .. name .. " incomplete")
+        end
+        if m.max_tokens_cap == cjson.null then
+            m.max_tokens_cap = nil
+        end
+        if m.default_max_tokens == cjson.null then
+            m.default_max_tokens = nil
+        end
+        m.name = name
+        local roles = {}
+        for _, r in pairs(d.edge.special_token_roles or {}) do
+            roles[r] = true
+        end
+        m.special_token_roles = roles
+    end
+    for digest, k in pairs(d.keys) do
+        if type(k.rpm) ~= "number" or type(k.tpm) ~= "number" then
+            return fail(path .. ": keys." .. digest .. " incomplete")
+        end
+        k.digest = digest
+        if type(k.models) ~= "table" then
+            k.models = {}
+        end
+    end
+    doc = setmetatable(d, nil)
+    return doc
+end
+
+-- get() -> the loaded document (nil before load()).
+function _M.get()
+    return doc
+end
+
+return _M

@@ -1,0 +1,536 @@
+-- Strict JSON for request bodies: decode what a client sent, encode what the edge forwards.
+--
+-- Why not cjson: it accepts duplicate keys (last wins), invalid UTF-8 and lone surrogate
+-- escapes, and it loses key order and big integers when re-encoding. The edge forwards
+-- the body it parsed (DESIGN.md §2.2), so the parser must refuse everything that two
+-- JSON readers could read differently, and the encoder must keep what it did not touch.
+--
+-- Representation of decoded values:
+--   object  -> Lua table with metatable OBJECT; t[KEYS] is the array of its keys in
+--              document order (KEYS is a private table, it can never clash with a string)
+--   array   -> Lua table with metatable ARRAY, elements 1..n (null elements are json.null)
+--   string  -> Lua string (valid UTF-8, escapes resolved)
+--   number  -> Lua number when the literal is a plain integer of <= 15 digits; otherwise a
+--              "literal box" {lit = "<the client's literal>", value = <number>} with
+--              metatable NUMBER, re-encoded verbatim (1.0, 1e5, 2^63 stay as sent)
+--   true/false -> booleans; null -> json.null (== ngx.null == cjson.null)
+
+local ngx = ngx
+local type = type
+local byte = string.byte
+local char = string.char
+local sub = string.sub
+local find = string.find
+local format = string.format
+local gsub = string.gsub
+local concat = table.concat
+local tonumber = tonumber
+local setmetatable = setmetatable
+local getmetatable = getmetatable
+local floor = math.floor
+local huge = math.huge
+local sort = table.sort
+local pairs = pairs
+local tostring = tostring
+
+local _M = {}
+
+local OBJECT = { __name = "json.object" }
+local ARRAY = { __name = "json.array" }
+local NUMBER = { __name = "json.number" }
+local KEYS = {}
+local null = ngx and ngx.null or setmetatable({}, { __tostring = function() return "null" end })
+
+_M.null = null
+_M.OBJECT = OBJECT
+_M.ARRAY = ARRAY
+_M.KEYS = KEYS
+
+-- ---------------------------------------------------------------- constructors
+
+-- object() -> empty JSON object; fields added with json.set keep their order.
+function _M.object()
+    return setmetatable({ [KEYS] = {} }, OBJECT)
+end
+
+-- array(t?) -> t (or {}) marked as a JSON array.
+function _M.array(t)
+    return setmetatable(t or {}, ARRAY)
+end
+
+-- is_object(v) / is_array(v) -> boolean
+function _M.is_object(v)
+    return type(v) == "table" and getmetatable(v) == OBJECT
+end
+
+function _M.is_array(v)
+    return type(v) == "table" and getmetatable(v) == ARRAY
+end
+
+-- set(obj, key, value): sets a field of an object, appending the key when it is new;
+-- value nil removes the field (the encoder skips keys whose value is nil).
+function _M.set(obj, key, value)
+    if obj[key] == nil and value ~= nil then
+        local keys = obj[KEYS]
+        keys[#keys + 1] = key
+    end
+    obj[key] = value
+end
+
+-- number(v) -> Lua number of a decoded number (plain or literal box), else nil.
+function _M.number(v)
+    local tv = type(v)
+    if tv == "number" then
+        return v
+    end
+    if tv == "table" and getmetatable(v) == NUMBER then
+        return v.value
+    end
+    return nil
+end
+
+-- integer(v) -> the integer value of a decoded JSON number that is integral
+-- (100 and 100.0 both give 100), else nil.
+function _M.integer(v)
+    local n = _M.number(v)
+    if n and n == floor(n) and n > -huge and n < huge then
+        return n
+    end
+    return nil
+end
+
+-- ---------------------------------------------------------------- decoder
+
+-- Errors are returned as (nil, message, byte offset (0-based), path) where path names the
+-- JSON location bottom-up ("messages[2].content"). The success path builds no paths.
+
+local decode_value -- forward
+
+local ESCAPES = {
+    [34] = '"', [92] = "\\", [47] = "/", [98] = "\b", [102] = "\f",
+    [110] = "\n", [114] = "\r", [116] = "\t",
+}
+
+local function utf8_char(cp)
+    if cp < 0x80 then
+        return char(cp)
+    elseif cp < 0x800 then
+        return char(0xC0 + floor(cp / 0x40), 0x80 + cp % 0x40)
+    elseif cp < 0x10000 then
+        return char(0xE0 + floor(cp / 0x1000), 0x80 + floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
+    end
+    return char(0xF0 + floor(cp / 0x40000), 0x80 + floor(cp / 0x1000) % 0x40,
+        0x80 + floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
+end
+
+-- utf8_len(s, i) -> length of the valid UTF-8 sequence starting at s[i] (2..4), or nil.
+-- Rejects overlong forms, UTF-16 surrogates (U+D800..U+DFFF) and code points > U+10FFFF.
+local function utf8_len(s, i)
+    local b = byte(s, i)
+    if b < 0xC2 or b > 0xF4 then
+        return nil
+    end
+    local b2 = byte(s, i + 1)
+    if not b2 or b2 < 0x80 or b2 > 0xBF then
+        return nil
+    end
+    if b < 0xE0 then
+        return 2
+    end
+    if (b == 0xE0 and b2 < 0xA0) or (b == 0xED and b2 > 0x9F) then
+        return nil
+    end
+    local b3 = byte(s, i + 2)
+    if not b3 or b3 < 0x80 or b3 > 0xBF then
+        return nil
+    end
+    if b < 0xF0 then
+        return 3
+    end
+    if (b == 0xF0 and b2 < 0x90) or (b == 0xF4 and b2 > 0x8F) then
+        return nil
+    end
+    local b4 = byte(s, i + 3)
+    if not b4 or b4 < 0x80 or b4 > 0xBF then
+        return nil
+    end
+    return 4
+end
+_M.utf8_len = utf8_len
+
+local function hex4(s, i)
+    local h = sub(s, i, i + 3)
+    if #h < 4 or find(h, "[^%x]") then
+        return nil
+    end
+    return tonumber(h, 16)
+end
+
+-- decode_string(s, i) -> string, next index | nil, err, offset
+-- i is the index just after the opening quote.
+local function decode_string(s, i)
+    local parts, np = nil, 0
+    local start = i
+    while true do
+        local j = find(s, '[%z\1-\31"\\\128-\255]', i)
+        if not j then
+            return nil, "unterminated string", start - 2
+        end
+        local b = byte(s, j)
+        if b == 34 then -- closing quote
+            if parts then
+                np = np + 1
+                parts[np] = sub(s, start, j - 1)
+                return concat(parts, "", 1, np), j + 1
+            end
+            return sub(s, start, j - 1), j + 1
+        elseif b >= 0x80 then
+            -- validate this and any following multi-byte characters inline
+            local k = j
+            while true do
+                local n = utf8_len(s, k)
+                if not n then
+                    return nil, format("invalid UTF-8 byte 0x%02X", byte(s, k)), k - 1, "utf8"
+                end
+                k = k + n
+                local nb = byte(s, k)
+                if not nb or nb < 0x80 then
+                    break
+                end
+            end
+            i = k
+        elseif b == 92 then -- backslash
+            parts = parts or {}
+            np = np + 1
+            parts[np] = sub(s, start, j - 1)
+            local e = byte(s, j + 1)
+            local simple = e and ESCAPES[e]
+            if simple then
+                np = np + 1
+                parts[np] = simple
+                i = j + 2
+            elseif e == 117 then -- \uXXXX
+                local cp = hex4(s, j + 2)
+                if not cp then
+                    return nil, "invalid \\u escape", j - 1
+                end
+                i = j + 6
+                if cp >= 0xD800 and cp <= 0xDBFF then
+                    local lo = byte(s, i) == 92 and byte(s, i + 1) == 117 and hex4(s, i + 2)
+                    if not lo or lo < 0xDC00 or lo > 0xDFFF then
+                        return nil, format("lone surrogate escape \\u%04x (not a Unicode character)",
+                            cp), j - 1, "surrogate"
+                    end
+                    cp = 0x10000 + (cp - 0xD800) * 0x400 + (lo - 0xDC00)
+                    i = i + 6
+                elseif cp >= 0xDC00 and cp <= 0xDFFF then
+                    return nil, format("lone surrogate escape \\u%04x (not a Unicode character)", cp),
+                        j - 1, "surrogate"
+                end
+                np = np + 1
+                parts[np] = utf8_char(cp)
+            else
+                return nil, "invalid escape in string", j - 1
+            end
+            start = i
+        else
+            return nil, format("unescaped control character 0x%02X in string", b), j - 1
+        end
+    end
+end
+
+local function skip_ws(s, i)
+    local _, e = find(s, "^[ \t\r\n]*", i)
+    return e + 1
+end
+
+local function decode_number(s, i)
+    local _, e = find(s, "^-?%d+", i)
+    if not e then
+        return nil, "invalid number", i - 1
+    end
+    local int_start = byte(s, i) == 45 and i + 1 or i
+    if byte(s, int_start) == 48 and e > int_start then
+        return nil, "invalid number (leading zero)", i - 1
+    end
+    local plain = true
+    local _, e2 = find(s, "^%.%d+", e + 1)
+    if e2 then
+        e, plain = e2, false
+    elseif byte(s, e + 1) == 46 then
+        return nil, "invalid number", i - 1
+    end
+    local c = byte(s, e + 1)
+    if c == 101 or c == 69 then
+        _, e2 = find(s, "^[eE][-+]?%d+", e + 1)
+        if not e2 then
+            return nil, "invalid number", i - 1
+        end
+        e, plain = e2, false
+    end
+    local lit = sub(s, i, e)
+    local v = tonumber(lit)
+    if plain and e - int_start < 15 and lit ~= "-0" then
+        return v, e + 1
+    end
+    return setmetatable({ lit = lit, value = v }, NUMBER), e + 1
+end
+
+local function decode_array(s, i, depth, max_depth)
+    local t = setmetatable({}, ARRAY)
+    local n = 0
+    i = skip_ws(s, i)
+    if byte(s, i) == 93 then
+        return t, i + 1
+    end
+    while true do
+        local v, ni, err_off, path, kind = decode_value(s, skip_ws(s, i), depth, max_depth)
+        if v == nil then
+            return nil, ni, err_off, "[" .. n .. "]" .. (path or ""), kind
+        end
+        n = n + 1
+        t[n] = v
+        i = skip_ws(s, ni)
+        local c = byte(s, i)
+        if c == 44 then
+            i = i + 1
+        elseif c == 93 then
+            return t, i + 1
+        else
+            return nil, "expected ',' or ']' in array", i - 1, "[" .. (n - 1) .. "]"
+        end
+    end
+end
+
+local function key_path(k)
+    if find(k, "^[%a_][%w_]*$") then
+        return "." .. k
+    end
+    return "[" .. format("%q", k) .. "]"
+end
+
+local function decode_object(s, i, depth, max_depth)
+    local keys = {}
+    local t = setmetatable({ [KEYS] = keys }, OBJECT)
+    local n = 0
+    i = skip_ws(s, i)
+    if byte(s, i) == 125 then
+        return t, i + 1
+    end
+    while true do
+        if byte(s, i) ~= 34 then
+            return nil, "expected a string key in object", i - 1
+        end
+        local k, ni, err_off, kind = decode_string(s, i + 1)
+        if k == nil then
+            return nil, ni, err_off, nil, kind
+        end
+        if t[k] ~= nil then
+            return nil, format("duplicate key %q", k), i - 1, key_path(k), "duplicate"
+        end
+        i = skip_ws(s, ni)
+        if byte(s, i) ~= 58 then
+            return nil, "expected ':' after object key", i - 1, key_path(k)
+        end
+        local v, vi, verr_off, path, vkind = decode_value(s, skip_ws(s, i + 1), depth, max_depth)
+        if v == nil then
+            return nil, vi, verr_off, key_path(k) .. (path or ""), vkind
+        end
+        n = n + 1
+        keys[n] = k
+        t[k] = v
+        i = skip_ws(s, vi)
+        local c = byte(s, i)
+        if c == 44 then
+            i = skip_ws(s, i + 1)
+        elseif c == 125 then
+            return t, i + 1
+        else
+            return nil, "expected ',' or '}' in object", i - 1, key_path(k)
+        end
+    end
+end
+
+-- decode_value(s, i, depth, max_depth) -> value, next index
+--   | nil, message, offset, path, kind
+decode_value = function(s, i, depth, max_depth)
+    local c = byte(s, i)
+    if c == 123 or c == 91 then
+        if depth >= max_depth then
+            return nil, format("JSON nesting deeper than %d levels", max_depth), i - 1, nil, "depth"
+        end
+        if c == 123 then
+            return decode_object(s, i + 1, depth + 1, max_depth)
+        end
+        return decode_array(s, i + 1, depth + 1, max_depth)
+    elseif c == 34 then
+        local v, ni, off, kind = decode_string(s, i + 1)
+        if v == nil then
+            return nil, ni, off, nil, kind
+        end
+        return v, ni
+    elseif c == 45 or (c and c >= 48 and c <= 57) then
+        return decode_number(s, i)
+    elseif c == 116 and sub(s, i, i + 3) == "true" then
+        return true, i + 4
+    elseif c == 102 and sub(s, i, i + 4) == "false" then
+        return false, i + 5
+    elseif c == 110 and sub(s, i, i + 3) == "null" then
+        return null, i + 4
+    elseif c == nil then
+        return nil, "unexpected end of input", i - 1
+    end
+    if c >= 0x80 and not utf8_len(s, i) then
+        return nil, format("invalid UTF-8 byte 0x%02X", c), i - 1, nil, "utf8"
+    end
+    if c == 0xEF and i == 1 and sub(s, 1, 3) == "\239\187\191" then
+        return nil, "byte order mark before the JSON text", 0
+    end
+    if c < 0x21 or c > 0x7E then
+        return nil, format("unexpected byte 0x%02X", c), i - 1
+    end
+    return nil, "unexpected character '" .. char(c) .. "'", i - 1
+end
+
+-- decode(s, max_depth) -> value
+--   | nil, err where err = {message = "...", offset = <0-based byte>, path = "a.b[1]" or nil,
+--                           kind = "syntax" | "utf8" | "surrogate" | "duplicate" | "depth"}
+-- Accepts exactly RFC 8259 JSON text in UTF-8: no BOM, no trailing data.
+function _M.decode(s, max_depth)
+    local v, ni, off, path, kind = decode_value(s, skip_ws(s, 1), 0, max_depth or 64)
+    if v == nil then
+        if path and byte(path, 1) == 46 then
+            path = sub(path, 2)
+        end
+        return nil, { message = ni, offset = off, path = path, kind = kind or "syntax" }
+    end
+    ni = skip_ws(s, ni)
+    if ni <= #s then
+        return nil, { message = "unexpected data after the JSON value", offset = ni - 1,
+                      kind = "syntax" }
+    end
+    return v
+end
+
+-- ---------------------------------------------------------------- encoder
+
+local ESC_OUT = {
+    ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f",
+    ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t",
+}
+for c = 0, 31 do
+    local ch = char(c)
+    if not ESC_OUT[ch] then
+        ESC_OUT[ch] = format("\\u%04x", c)
+    end
+end
+
+local function encode_string(s)
+    if find(s, '[%z\1-\31"\\]') then
+        s = gsub(s, '[%z\1-\31"\\]', ESC_OUT)
+    end
+    return '"' .. s .. '"'
+end
+_M.encode_string = encode_string
+
+local function encode_number(v)
+    if v ~= v or v == huge or v == -huge then
+        return "null"
+    end
+    if v == floor(v) and v > -1e15 and v < 1e15 then
+        return format("%d", v)
+    end
+    for p = 14, 17 do
+        local s = format("%." .. p .. "g", v)
+        if tonumber(s) == v then
+            return s
+        end
+    end
+    return format("%.17g", v)
+end
+
+local encode_into -- forward
+
+local function sorted_keys(t)
+    local keys = {}
+    for k in pairs(t) do
+        if type(k) == "string" then
+            keys[#keys + 1] = k
+        end
+    end
+    sort(keys)
+    return keys
+end
+
+encode_into = function(v, buf, n)
+    local tv = type(v)
+    if tv == "string" then
+        n = n + 1
+        buf[n] = encode_string(v)
+    elseif tv == "number" then
+        n = n + 1
+        buf[n] = encode_number(v)
+    elseif tv == "boolean" then
+        n = n + 1
+        buf[n] = v and "true" or "false"
+    elseif v == null or v == nil then
+        n = n + 1
+        buf[n] = "null"
+    elseif tv == "table" then
+        local mt = getmetatable(v)
+        if mt == NUMBER then
+            n = n + 1
+            buf[n] = v.lit
+        elseif mt == ARRAY or (mt == nil and v[1] ~= nil) then
+            n = n + 1
+            buf[n] = "["
+            for i = 1, #v do
+                if i > 1 then
+                    n = n + 1
+                    buf[n] = ","
+                end
+                n = encode_into(v[i], buf, n)
+            end
+            n = n + 1
+            buf[n] = "]"
+        else
+            local keys = v[KEYS] or sorted_keys(v)
+            n = n + 1
+            buf[n] = "{"
+            local first = true
+            for i = 1, #keys do
+                local k = keys[i]
+                local fv = v[k]
+                if fv ~= nil then
+                    if not first then
+                        n = n + 1
+                        buf[n] = ","
+                    end
+                    first = false
+                    n = n + 1
+                    buf[n] = encode_string(k)
+                    n = n + 1
+                    buf[n] = ":"
+                    n = encode_into(fv, buf, n)
+                end
+            end
+            n = n + 1
+            buf[n] = "}"
+        end
+    else
+        n = n + 1
+        buf[n] = encode_string(tostring(v))
+    end
+    return n
+end
+
+-- encode(v) -> compact JSON text. Objects keep their key order (KEYS), plain Lua tables
+-- are encoded as arrays when t[1] is set, else as objects with sorted keys. Strings are
+-- written as raw UTF-8 with only '"', '\' and C0 controls escaped.
+function _M.encode(v)
+    local buf = {}
+    local n = encode_into(v, buf, 0)
+    return concat(buf, "", 1, n)
+end
+
+return _M

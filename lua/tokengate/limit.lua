@@ -1,0 +1,193 @@
+-- Requests-per-minute and tokens-per-minute per key, in a lua_shared_dict shared by all
+-- workers: a sliding-window counter (the current and the previous minute window; the
+-- previous one weighs by how much of it still overlaps the last 60 s):
+--
+--     used(now) = prev * (1 - f) + cur        f = fraction of the current window elapsed
+--
+-- Admission is incr-then-check: incr is atomic across workers and returns the total
+-- including every concurrent admission, so when the total goes over the limit the
+-- request takes its increment back and is refused. Concurrent bursts can therefore
+-- never admit more than the limit (a get-then-set could); at worst a request that would
+-- have fitted is refused while another one's increment is being taken back.
+--
+-- Windows are numbered by wall-clock minutes (ngx.now()) so every worker, every restart
+-- and every edge agrees on them; durations elsewhere use the monotonic clock.
+
+local ngx = ngx
+
+local floor = math.floor
+local ceil = math.ceil
+local max = math.max
+local min = math.min
+local format = string.format
+local tostring = tostring
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+
+local _M = {}
+
+local WINDOW = 60 -- seconds: the limits are per minute
+local TTL = 2 * WINDOW + 5 -- a window is read as "previous" for one more window
+
+local dict
+
+-- init(dict_name) -> true | nil, "shared dict not found"
+function _M.init(dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. tostring(dict_name)
+    end
+    return true
+end
+
+local function window(now)
+    local id = floor(now / WINDOW)
+    return id, (now - id * WINDOW) / WINDOW
+end
+
+local function key(kind, bucket, id)
+    return kind .. id .. ":" .. bucket
+end
+
+-- retry_after(prev, cur, limit, cost, f) -> whole seconds (>= 1) until
+-- used + cost <= limit, assuming no other traffic. cur excludes this request;
+-- cost <= limit (a bigger cost can never succeed, the caller says so).
+local function retry_after(prev, cur, limit, cost, f)
+    local dt
+    if prev > 0 and cur + cost <= limit then
+        -- still in this window, once enough of the previous one has slid out
+        local need = 1 - (limit - cur - cost) / prev
+        dt = (need - f) * WINDOW
+    else
+        -- in the next window, where this window's count becomes the decaying "previous"
+        local g = cur > 0 and max(0, 1 - (limit - cost) / cur) or 0
+        dt = (1 - f + g) * WINDOW
+    end
+    return max(1, ceil(dt - 1e-9))
+end
+_M.retry_after = retry_after
+
+-- reset_s(prev, cur, f) -> seconds until the window counts have slid out completely.
+local function reset_s(prev, cur, f)
+    if cur > 0 then
+        return (2 - f) * WINDOW
+    elseif prev > 0 then
+        return (1 - f) * WINDOW
+    end
+    return 0
+end
+
+-- duration(s) -> "250ms", "1.2s", "59s", "6m0s" (OpenAI's x-ratelimit-reset-* format).
+function _M.duration(s)
+    if s <= 0 then
+        return "0s"
+    elseif s < 1 then
+        return format("%dms", ceil(s * 1000))
+    end
+    local t = ceil(s * 10) / 10
+    if t < 60 then
+        local txt = format("%.1f", t)
+        return (txt:gsub("%.0$", "")) .. "s"
+    end
+    local whole = ceil(s)
+    return format("%dm%ds", floor(whole / 60), whole % 60)
+end
+
+local function state(limits, rprev, rcur, tprev, tcur, f, id)
+    local r_used = rprev * (1 - f) + rcur
+    local t_used = tprev * (1 - f) + tcur
+    return {
+        window = id,
+        rpm = limits.rpm, tpm = limits.tpm,
+        remaining_requests = max(0, floor(limits.rpm - r_used + 1e-9)),
+        remaining_tokens = max(0, floor(limits.tpm - t_used + 1e-9)),
+        reset_requests = reset_s(rprev, rcur, f),
+        reset_tokens = reset_s(tprev, tcur, f),
+    }
+end
+
+-- peek(bucket, limits, now) -> state without admitting anything (for answers that are
+-- not admitted: bad input, 429). state = {window, rpm, tpm, remaining_requests,
+-- remaining_tokens, reset_requests (s), reset_tokens (s)}.
+function _M.peek(bucket, limits, now)
+    local id, f = window(now)
+    return state(limits,
+        dict:get(key("r", bucket, id - 1)) or 0, dict:get(key("r", bucket, id)) or 0,
+        dict:get(key("t", bucket, id - 1)) or 0, dict:get(key("t", bucket, id)) or 0, f, id)
+end
+
+-- admit(bucket, limits, tokens, now) -> state (admitted)
+--   | nil, state with state.reject = "requests" | "tokens", state.retry_after (s) and
+--     state.alone = true when tokens > limits.tpm (no retry can succeed).
+-- bucket: string naming the counted entity (key id, or key id @ model for overrides);
+-- limits = {rpm, tpm}; tokens: the TPM reservation (prompt + output reserve).
+function _M.admit(bucket, limits, tokens, now)
+    local id, f = window(now)
+    local rk, tk = key("r", bucket, id), key("t", bucket, id)
+    if tokens > limits.tpm then
+        local st = _M.peek(bucket, limits, now)
+        st.reject, st.alone, st.retry_after = "tokens", true, WINDOW
+        return nil, st
+    end
+    local rcur, err = dict:incr(rk, 1, 0, TTL)
+    if not rcur then
+        -- a full dict must not take the gateway down: admit, and say why in the log
+        ngx_log(ERR, "tokengate limit: incr ", rk, ": ", err)
+        return _M.peek(bucket, limits, now)
+    end
+    local rprev = dict:get(key("r", bucket, id - 1)) or 0
+    local tprev = dict:get(key("t", bucket, id - 1)) or 0
+    if rprev * (1 - f) + rcur > limits.rpm + 1e-9 then
+        dict:incr(rk, -1)
+        local tcur = dict:get(tk) or 0
+        local st = state(limits, rprev, rcur - 1, tprev, tcur, f, id)
+        st.reject = "requests"
+        st.retry_after = retry_after(rprev, rcur - 1, limits.rpm, 1, f)
+        return nil, st
+    end
+    local tcur
+    tcur, err = dict:incr(tk, tokens, 0, TTL)
+    if not tcur then
+        ngx_log(ERR, "tokengate limit: incr ", tk, ": ", err)
+        return state(limits, rprev, rcur, tprev, 0, f, id)
+    end
+    if tprev * (1 - f) + tcur > limits.tpm + 1e-9 then
+        dict:incr(tk, -tokens)
+        dict:incr(rk, -1)
+        local st = state(limits, rprev, rcur - 1, tprev, tcur - tokens, f, id)
+        st.reject = "tokens"
+        st.retry_after = retry_after(tprev, tcur - tokens, limits.tpm, tokens, f)
+        return nil, st
+    end
+    return state(limits, rprev, rcur, tprev, tcur, f, id)
+end
+
+-- settle(bucket, window, delta): corrects the TPM count of the window the request was
+-- admitted in by delta tokens ((prompt + completion) - reserved; negative returns the
+-- unused reservation). The window keeps its own TTL; a window that already expired
+-- is recreated for the rest of TTL, harmlessly.
+function _M.settle(bucket, window_id, delta)
+    if delta == 0 then
+        return
+    end
+    local ok, err = dict:incr(key("t", bucket, window_id), delta, 0, TTL)
+    if not ok then
+        ngx_log(ERR, "tokengate limit: settle ", bucket, ": ", err)
+    end
+end
+
+-- headers(h, st): writes x-ratelimit-{limit,remaining,reset}-{requests,tokens} into the
+-- response header table h (ngx.header) from a state.
+function _M.headers(h, st)
+    h["x-ratelimit-limit-requests"] = st.rpm
+    h["x-ratelimit-limit-tokens"] = st.tpm
+    h["x-ratelimit-remaining-requests"] = st.remaining_requests
+    h["x-ratelimit-remaining-tokens"] = st.remaining_tokens
+    h["x-ratelimit-reset-requests"] = _M.duration(st.reset_requests)
+    h["x-ratelimit-reset-tokens"] = _M.duration(st.reset_tokens)
+end
+
+_M.WINDOW = WINDOW
+_M.min = min
+
+return _M

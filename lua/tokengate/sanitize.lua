@@ -1,0 +1,264 @@
+-- Sanitizing the strings a model reads, after strict JSON decoding (so escapes such as
+-- \u200b are already characters and every string is valid UTF-8).
+--
+-- Removed, everywhere the model reads text: invisible characters with no meaning
+-- (U+200B, U+2060, U+FEFF, U+00AD, bidi embeddings/overrides U+202A..U+202E, isolates
+-- U+2066..U+2069) and C0/C1 controls except TAB, LF, CR (DEL U+007F goes with them).
+-- Kept: U+200C/U+200D (ZWNJ/ZWJ), which Persian, Indic scripts and emoji sequences need.
+-- Because the input is valid UTF-8, each byte pattern below can only match whole
+-- characters: a lead byte such as 0xE2 never occurs inside another character.
+
+local json = require "tokengate.json"
+
+local find = string.find
+local gsub = string.gsub
+local type = type
+local format = string.format
+local is_array = json.is_array
+local is_object = json.is_object
+local encode = json.encode
+local KEYS = json.KEYS
+
+local REASONING_FIELDS = { "reasoning_content", "reasoning" }
+
+local _M = {}
+
+-- Any byte that can start a removable character: C0 except TAB/LF/CR, DEL, and the lead
+-- bytes 0xC2 (C1, soft hyphen), 0xE2 (U+2xxx), 0xEF (U+FEFF). Most text has none, so
+-- one find() decides it is clean.
+local MAYBE = "[%z\1-\8\11\12\14-\31\127\194\226\239]"
+
+local PATTERNS = {
+    "[%z\1-\8\11\12\14-\31\127]",  -- C0 controls except \t \n \r, and DEL
+    "\194[\128-\159\173]",          -- C1 controls U+0080..U+009F, soft hyphen U+00AD
+    "\226\128[\139\170-\174]",      -- U+200B ZWSP, U+202A..U+202E bidi embeddings/overrides
+    "\226\129[\160\166-\169]",      -- U+2060 word joiner, U+2066..U+2069 bidi isolates
+    "\239\187\191",                 -- U+FEFF BOM / zero-width no-break space
+}
+
+-- clean(s) -> s without the removable characters, number removed (characters).
+function _M.clean(s)
+    if not find(s, MAYBE) then
+        return s, 0
+    end
+    local total = 0
+    for i = 1, #PATTERNS do
+        local n
+        s, n = gsub(s, PATTERNS[i], "")
+        total = total + n
+    end
+    return s, total
+end
+local clean = _M.clean
+
+-- Special tokens -------------------------------------------------------------------
+
+-- find_special(s, tokens) -> the first special-token string found in s, or nil.
+-- tokens: array of literal strings (longest first).
+local function find_special(s, tokens)
+    if not find(s, "<", 1, true) then
+        return nil
+    end
+    for i = 1, #tokens do
+        if find(s, tokens[i], 1, true) then
+            return tokens[i]
+        end
+    end
+    return nil
+end
+
+local function strip_special(s, tokens)
+    local n = 0
+    for i = 1, #tokens do
+        local tok = tokens[i]
+        while true do
+            local a, b = find(s, tok, 1, true)
+            if not a then
+                break
+            end
+            s = s:sub(1, a - 1) .. s:sub(b + 1)
+            n = n + 1
+        end
+    end
+    return s, n
+end
+
+-- Walkers ------------------------------------------------------------------------------
+
+-- State of one request's pass: st = {removed = <chars>, specials = policy,
+-- tokens = {...}, roles = {role = true}, bad = nil | {param, token}}.
+
+local function visit_text(st, s, param, check)
+    local out, n = clean(s)
+    st.removed = st.removed + n
+    if check and st.policy ~= "allow" then
+        local tok = find_special(out, st.tokens)
+        if tok then
+            if st.policy == "reject" then
+                if not st.bad then
+                    st.bad = { param = param, token = tok }
+                end
+            else
+                local k
+                out, k = strip_special(out, st.tokens)
+                st.stripped = st.stripped + k
+            end
+        end
+    end
+    return out
+end
+
+-- content: string | array of parts ({"type": "text", "text": "..."}) | other (kept).
+local function visit_content(st, content, param, check)
+    if type(content) == "string" then
+        return visit_text(st, content, param, check)
+    end
+    if is_array(content) then
+        for j = 1, #content do
+            local part = content[j]
+            if is_object(part) and type(part.text) == "string" then
+                part.text = visit_text(st, part.text, format("%s[%d].text", param, j - 1), check)
+            end
+        end
+    end
+    return content
+end
+
+-- JSON-schema descriptions of tool parameters are rendered into the prompt too.
+local function visit_schema(st, node, depth)
+    if depth > 32 then
+        return
+    end
+    if is_object(node) then
+        local keys = node[KEYS]
+        for i = 1, #keys do
+            local k = keys[i]
+            local v = node[k]
+            if type(v) == "string" then
+                if k == "description" or k == "title" then
+                    node[k] = visit_text(st, v, nil, false)
+                end
+            else
+                visit_schema(st, v, depth + 1)
+            end
+        end
+    elseif is_array(node) then
+        for i = 1, #node do
+            visit_schema(st, node[i], depth + 1)
+        end
+    end
+end
+
+local function visit_tools(st, tools)
+    if not is_array(tools) then
+        return
+    end
+    for i = 1, #tools do
+        local fn = is_object(tools[i]) and tools[i]["function"]
+        if is_object(fn) then
+            if type(fn.description) == "string" then
+                fn.description = visit_text(st, fn.description, nil, false)
+            end
+            visit_schema(st, fn.parameters, 0)
+        end
+    end
+end
+
+local function new_state(model, policy)
+    return { removed = 0, stripped = 0, collapsed = 0, policy = policy,
+             tokens = model.special_tokens or {}, roles = model.special_token_roles or {} }
+end
+
+-- chat(body, model, policy) -> state {removed, stripped, collapsed, bad}
+-- Sanitizes a validated chat body in place: message content (string or text parts),
+-- assistant reasoning and tool-call arguments, tool descriptions; checks special tokens
+-- in the content of model.special_token_roles messages (policy "reject" | "strip" |
+-- "allow"); then removes each system message that exactly repeats an earlier one.
+-- state.bad = {param = "messages[i].content", token = "<|im_end|>"} when rejected
+-- (indices are the client's, before collapsing).
+function _M.chat(body, model, policy)
+    local st = new_state(model, policy)
+    local messages = body.messages
+    for i = 1, #messages do
+        local m = messages[i]
+        local check = st.roles[m.role] == true
+        local param = format("messages[%d].content", i - 1)
+        if m.content ~= nil then
+            m.content = visit_content(st, m.content, param, check)
+        end
+        for r = 1, #REASONING_FIELDS do
+            local f = REASONING_FIELDS[r]
+            if type(m[f]) == "string" then
+                m[f] = visit_text(st, m[f], format("messages[%d].%s", i - 1, f), check)
+            end
+        end
+        local calls = m.tool_calls
+        if is_array(calls) then
+            for j = 1, #calls do
+                local fn = is_object(calls[j]) and calls[j]["function"]
+                if is_object(fn) and type(fn.arguments) == "string" then
+                    fn.arguments = visit_text(st, fn.arguments,
+                        format("messages[%d].tool_calls[%d].function.arguments", i - 1, j - 1),
+                        check)
+                end
+            end
+        end
+    end
+    visit_tools(st, body.tools)
+
+    -- A client that rebuilds its history often prepends the same system prompt again;
+    -- exact repeats carry no information and cost tokens on every turn.
+    local seen, kept, n = nil, nil, 0
+    for i = 1, #messages do
+        local m = messages[i]
+        local drop = false
+        if m.role == "system" then
+            local sig = encode(m)
+            seen = seen or {}
+            if seen[sig] then
+                drop = true
+            else
+                seen[sig] = true
+            end
+        end
+        if drop then
+            if not kept then
+                kept = json.array()
+                for j = 1, i - 1 do
+                    kept[j] = messages[j]
+                end
+                n = i - 1
+            end
+            st.collapsed = st.collapsed + 1
+        elseif kept then
+            n = n + 1
+            kept[n] = m
+        end
+    end
+    if kept then
+        body.messages = kept
+    end
+    return st
+end
+
+-- completions(body, model, policy) -> state. Sanitizes the prompt (string or array of
+-- strings; token-id prompts are numbers and pass unchanged). Completions prompts are raw
+-- text by definition (no turns to forge), so special tokens are not checked there.
+function _M.completions(body, model, policy)
+    local st = new_state(model, policy)
+    local p = body.prompt
+    if type(p) == "string" then
+        body.prompt = visit_text(st, p, "prompt", false)
+    elseif is_array(p) then
+        for i = 1, #p do
+            if type(p[i]) == "string" then
+                p[i] = visit_text(st, p[i], format("prompt[%d]", i - 1), false)
+            end
+        end
+    end
+    return st
+end
+
+_M.find_special = find_special
+
+return _M

@@ -1,0 +1,167 @@
+"""Render the nginx edge's configuration from the templates in ``nginx/``.
+
+Two outputs:
+
+* an **instance**: a complete, runnable nginx configuration in one folder (the prefix):
+  ``nginx.conf`` (from ``nginx/nginx.conf.in``), ``tokengate-http.conf`` (from
+  ``nginx/tokengate-http.conf.in``), ``edge.json`` (the compiled tokengate.yaml, see
+  ``tokengate.tools.compile_config``), the hop socket, pid file and temporary files.
+  ``make run`` and the tests start such instances (``tokengate.devstack.nginx_service``).
+* the **Debian drop-in**: ``nginx/debian/tokengate.conf``, the http-level part with
+  Debian paths, for an existing nginx; together with ``nginx/tokengate-location.conf``
+  (no paths, shared with the instances) it is what an operator installs.
+
+Usage::
+
+    python -m tokengate.tools.nginx_conf instance --prefix var/run/nginx --listen 127.0.0.1:8080
+    python -m tokengate.tools.nginx_conf debian        # rewrites nginx/debian/tokengate.conf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokengate import config as tg_config
+from tokengate.tools import compile_config
+
+ROOT = Path(__file__).resolve().parents[3]
+NGINX_DIR = ROOT / "nginx"
+LUA_DIR = ROOT / "lua"
+LOCATION_CONF = NGINX_DIR / "tokengate-location.conf"
+DEBIAN_CONF = NGINX_DIR / "debian" / "tokengate.conf"
+
+# Where the Debian drop-in expects things (see nginx/debian/README in the file header).
+DEBIAN_PATHS = {
+    "lua_dir": Path("/usr/share/tokengate/lua"),
+    "edge_json": Path("/etc/tokengate/edge.json"),
+    "counter_socket": Path("/run/tokengate/counter.sock"),
+    "hop_socket": Path("/run/tokengate/edge-hop.sock"),
+}
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    out = template
+    for name, value in values.items():
+        out = out.replace(f"@{name}@", value)
+    left = re.search(r"@[A-Z_]+@", out)
+    if left:
+        raise ValueError(f"template placeholder {left.group(0)} has no value")
+    return out
+
+
+def counter_sockets(counter_socket: Path, workers: int) -> list[Path]:
+    """The counter's per-worker sockets: ``PATH.0 .. PATH.<workers-1>``."""
+    return [counter_socket.with_name(f"{counter_socket.name}.{i}") for i in range(workers)]
+
+
+def render_http(lua_dir: Path, edge_json: Path, counter_socket: Path, counter_workers: int,
+                hop_socket: Path, count_timeout_ms: int) -> str:
+    """The http-level part (``nginx/tokengate-http.conf.in``) for the given paths."""
+    servers = "\n".join(f"    server unix:{s} max_fails=0;"
+                        for s in counter_sockets(counter_socket, counter_workers))
+    return _fill((NGINX_DIR / "tokengate-http.conf.in").read_text(), {
+        "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
+        "HOP_SOCKET": str(hop_socket), "COUNT_TIMEOUT_MS": str(count_timeout_ms),
+    })
+
+
+@dataclass(frozen=True)
+class EdgeInstance:
+    """One runnable edge: where it lives and what it talks to."""
+
+    prefix: Path                   # folder of the rendered config, pid, temp files, hop socket
+    listen: str                    # host:port of the API
+    counter_socket: Path           # the counter's --unix-socket PATH (workers use PATH.<i>)
+    counter_workers: int = 2
+    workers: int = 2               # nginx worker processes
+    lua_dir: Path = LUA_DIR
+    location_conf: Path = LOCATION_CONF
+
+    @property
+    def conf(self) -> Path:
+        return self.prefix / "nginx.conf"
+
+    @property
+    def edge_json(self) -> Path:
+        return self.prefix / "edge.json"
+
+    @property
+    def hop_socket(self) -> Path:
+        return self.prefix / "hop.sock"
+
+
+def write_instance(config_path: Path, inst: EdgeInstance) -> Path:
+    """Compile ``config_path`` and render ``inst`` into its prefix; returns nginx.conf.
+
+    Also creates the temp folders and the usage file's folder. Raises ``ConfigError``.
+    """
+    doc = compile_config.write(config_path, inst.edge_json)
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
+    Path(doc["edge"]["usage_file"]).parent.mkdir(parents=True, exist_ok=True)
+    http = render_http(inst.lua_dir, inst.edge_json, inst.counter_socket,
+                       inst.counter_workers, inst.hop_socket, doc["edge"]["count_timeout_ms"])
+    (inst.prefix / "tokengate-http.conf").write_text(http)
+    # A root master would run workers as nobody, who cannot use the project's sockets
+    # and files (DESIGN.md §3); run them as the invoking user instead.
+    user = "user root;" if os.geteuid() == 0 else ""
+    main = _fill((NGINX_DIR / "nginx.conf.in").read_text(), {
+        "PREFIX": str(inst.prefix), "LISTEN": inst.listen, "WORKERS": str(inst.workers),
+        "USER": user, "LOCATION_CONF": str(inst.location_conf),
+    })
+    inst.conf.write_text(main)
+    return inst.conf
+
+
+def render_debian() -> str:
+    """The Debian drop-in's http-level part (committed as nginx/debian/tokengate.conf)."""
+    p = DEBIAN_PATHS
+    header = (
+        "# Debian drop-in for an existing nginx (apt install nginx libnginx-mod-http-lua\n"
+        "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson):\n"
+        f"#   cp -r lua {p['lua_dir'].parent}/            # the edge's Lua modules\n"
+        "#   cp nginx/debian/tokengate.conf /etc/nginx/conf.d/\n"
+        "#   cp nginx/tokengate-location.conf /etc/nginx/snippets/\n"
+        f"#   python -m tokengate.tools.compile_config --config /etc/tokengate/tokengate.yaml"
+        f" --out {p['edge_json']}\n"
+        "#   add `include snippets/tokengate-location.conf;` to a server { } block\n"
+        f"#   run tokengate-counter --unix-socket {p['counter_socket']} --workers 2 as a user\n"
+        "#   www-data can reach, make the usage file's folder writable by www-data, then\n"
+        "#   nginx -t && systemctl reload nginx\n"
+        "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
+    return header + render_http(p["lua_dir"], p["edge_json"], p["counter_socket"], 2,
+                                p["hop_socket"], compile_config.EdgeConfig.count_timeout_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tokengate.tools.nginx_conf",
+                                     description=__doc__.split("Usage::")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("instance", help="render a runnable instance into a folder")
+    i.add_argument("--config", type=Path, default=tg_config.DEFAULT_CONFIG)
+    i.add_argument("--prefix", type=Path, required=True)
+    i.add_argument("--listen", default="127.0.0.1:8080")
+    i.add_argument("--counter-socket", type=Path, default=ROOT / "var/run/counter.sock")
+    i.add_argument("--counter-workers", type=int, default=2)
+    i.add_argument("--workers", type=int, default=2)
+    d = sub.add_parser("debian", help="rewrite nginx/debian/tokengate.conf")
+    d.add_argument("--out", type=Path, default=DEBIAN_CONF)
+    args = parser.parse_args(argv)
+    if args.command == "instance":
+        conf = write_instance(args.config, EdgeInstance(
+            prefix=args.prefix.resolve(), listen=args.listen,
+            counter_socket=args.counter_socket.resolve(),
+            counter_workers=args.counter_workers, workers=args.workers))
+        print(f"nginx -p {args.prefix.resolve()} -c {conf}")
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(render_debian())
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
