@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis
 import yaml
@@ -192,7 +193,7 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 20.0, step_s: float 
         try:
             if pred():
                 return
-        except (redis.RedisError, OSError, ValueError):
+        except (redis.RedisError, OSError, ValueError, grpc.RpcError):
             pass
         time.sleep(step_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

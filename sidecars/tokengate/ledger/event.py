@@ -31,7 +31,7 @@ Schema (every key is present; ``null`` only where shown)::
     error             short error code of a failed or rejected request | null
 
 The parser is strict about the keys it knows (type, range, enumerations, duplicate
-keys, NaN) and ignores keys it does not know, so a newer edge that adds a field does
+keys, NaN, empty strings: an absent value is ``null``) and ignores keys it does not know, so a newer edge that adds a field does
 not make an older ledger skip billable events.
 """
 
@@ -131,9 +131,9 @@ def _str(obj: dict[str, Any], name: str, nullable: bool = False) -> Any:
     v = _get(obj, name)
     if v is None and nullable:
         return None
-    if not isinstance(v, str) or (not nullable and v == ""):
-        raise EventError(f"{name}: expected a {'string or null' if nullable else 'string'}, "
-                         f"got {v!r}")
+    if not isinstance(v, str) or v == "":
+        raise EventError(f"{name}: expected a non-empty string{' or null' if nullable else ''}"
+                         f", got {v!r}")
     return v
 
 

@@ -1,0 +1,90 @@
+"""Redis Cluster: the global-limit windows and the ledger on a real 3-node cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tokengate import config as tg_config
+from tokengate import devstack
+from tokengate.config import RedisConfig
+from tokengate.ledger import store
+from tokengate.ledger.global_limit import GlobalLimiter, window_keys
+from tokengate.ledger.ledger import Ledger
+from tests.fixtures_ledger import UsageWriter, make_event, wait_until
+from tests.test_ledger import assert_ledger_equals, workload
+
+CLUSTER_PORTS = (16391, 16392, 16393)
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master Redis Cluster (no replicas) on loopback."""
+    svcs = []
+    try:
+        for port in CLUSTER_PORTS:
+            d = tmp_path_factory.mktemp(f"cluster-{port}")
+            svc = devstack.redis_service(port=port, name=f"test-redis-cluster-{port}")
+            svc.argv += ["--dir", str(d), "--cluster-enabled", "yes",
+                         "--cluster-config-file", "nodes.conf"]
+            svcs.append(svc.start())
+        subprocess.run(["redis-cli", "--cluster", "create",
+                        *[f"127.0.0.1:{p}" for p in CLUSTER_PORTS], "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
+        probe = redis.Redis(port=CLUSTER_PORTS[0], decode_responses=True)
+        wait_until(lambda: probe.cluster("info")["cluster_state"] == "ok", 30,
+                   what="cluster_state:ok")
+        yield f"redis://127.0.0.1:{CLUSTER_PORTS[0]}/0"
+    finally:
+        for s in svcs:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_global_limit_windows_spread_over_the_cluster(cluster_url):
+    keys = [f"key-{i}" for i in range(12)]
+
+    async def go() -> list[tuple[bool, bool, int]]:
+        client = store.connect_async(RedisConfig(url=cluster_url, cluster=True), 1.0)
+        lim = GlobalLimiter(client)
+        out = []
+        for k in keys:
+            a = await lim.reserve(k, None, 10, 1000, 700, "a" * 32)
+            b = await lim.reserve(k, None, 10, 1000, 700, "b" * 32)
+            s = await lim.settle(k, None, "a" * 32, 100)
+            out.append((a.admitted, b.admitted, s.window_tokens))
+        await client.aclose()
+        return out
+
+    assert asyncio.run(go()) == [(True, False, 100)] * len(keys)
+    slots = {redis.cluster.key_slot(window_keys(k)[0].encode()) for k in keys}
+    sync = redis.cluster.RedisCluster.from_url(cluster_url)
+    nodes = {sync.get_node_from_key(window_keys(k)[0]).port for k in keys}
+    assert len(slots) == len(keys) and len(nodes) == 3
+    sync.close()
+
+
+@pytest.mark.slow
+def test_ledger_applies_exactly_once_on_the_cluster(cluster_url, cfg: tg_config.Config,
+                                                    tmp_path: Path):
+    client = store.connect(RedisConfig(url=cluster_url, cluster=True))
+    writer = UsageWriter(tmp_path / "usage.jsonl")
+    events = workload(500, seed=31)
+    for ev in events:
+        writer.write(ev)
+    writer.write(events[0])                       # a duplicate line
+    led = Ledger(cfg, client, writer.path, "cluster")
+    totals = led.drain()
+    assert (totals.applied, totals.duplicates) == (500, 1)
+    assert_ledger_equals(client, events, cfg)
+    extra = make_event(prompt_tokens=3)
+    writer.write(extra)
+    led.drain()
+    assert_ledger_equals(client, events + [extra], cfg)
+    led.close()
+    writer.close()

@@ -1,0 +1,269 @@
+"""Global limits: the Redis sliding window and the tokengate-limits gRPC sidecar.
+
+Real Redis, real sidecar processes (devstack.limits_service); two "edges" are two
+client processes, each through its own sidecar, against one TPM limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokengate import devstack
+from tokengate.ledger import store
+from tokengate.ledger.global_limit import GlobalLimiter, window_keys
+from tokengate.v1 import limits_pb2 as pb
+from tokengate.v1 import limits_pb2_grpc as pb_grpc
+from tests.fixtures_ledger import free_port, wait_until
+
+LIMITS_PORTS = range(15061, 15070)
+
+
+def rid(i: int) -> str:
+    return "%032x" % i
+
+
+@pytest.fixture
+def limits(config_path: Path, redis_url: str, ledger_redis: object) -> Iterator[pb_grpc.GlobalLimitsStub]:
+    """A GlobalLimits stub on a real tokengate-limits (session Redis, flushed)."""
+    port = free_port(LIMITS_PORTS)
+    svc = devstack.limits_service(config_path, port, redis_url, name="test-limits").start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.GlobalLimitsStub(channel)
+    finally:
+        channel.close()
+        svc.stop()
+
+
+def reserve(stub: pb_grpc.GlobalLimitsStub, i: int, tokens: int, rpm: int = 1000,
+            tpm: int = 10_000, key: str = "k", **kw: object) -> pb.ReserveReply:
+    return stub.Reserve(pb.ReserveRequest(key_id=key, model="tiny-qwen3", rpm_limit=rpm,
+                                          tpm_limit=tpm, tokens=tokens, request_id=rid(i),
+                                          **kw), timeout=2)
+
+
+def test_requests_per_minute_admits_the_limit_then_names_it(limits):
+    got = [reserve(limits, i, 100, rpm=3) for i in range(4)]
+    assert [r.admitted for r in got] == [True, True, True, False]
+    assert [r.remaining_requests for r in got] == [2, 1, 0, 0]
+    assert [r.remaining_tokens for r in got] == [9900, 9800, 9700, 9700]
+    last = got[3]
+    assert last.limited_by == pb.LIMIT_REQUESTS and not last.never_fits
+    assert 58_000 < last.retry_after_ms <= 60_000
+    assert 58_000 < last.reset_requests_ms <= 60_000
+    assert got[0].limited_by == pb.LIMIT_NONE and got[0].retry_after_ms == 0
+
+
+def test_tokens_per_minute_admits_what_fits(limits):
+    got = [reserve(limits, i, 300, tpm=1000) for i in range(4)]
+    assert [r.admitted for r in got] == [True, True, True, False]
+    assert got[3].limited_by == pb.LIMIT_TOKENS and got[3].remaining_tokens == 100
+    assert 58_000 < got[3].retry_after_ms <= 60_000
+    # 100 tokens still fit.
+    small = reserve(limits, 10, 100, tpm=1000)
+    assert small.admitted and small.remaining_tokens == 0
+
+
+def test_a_reservation_larger_than_the_limit_never_fits(limits):
+    r = reserve(limits, 1, 1001, tpm=1000)
+    assert (r.admitted, r.limited_by, r.never_fits, r.retry_after_ms) == \
+        (False, pb.LIMIT_TOKENS, True, 0)
+    assert r.remaining_tokens == 1000 and r.remaining_requests == 1000
+
+
+def test_settlement_corrects_the_window_by_actual_minus_reserved(limits):
+    assert reserve(limits, 1, 600, tpm=1000).admitted
+    assert not reserve(limits, 2, 600, tpm=1000).admitted
+    s = limits.Settle(pb.SettleRequest(key_id="k", model="tiny-qwen3", request_id=rid(1),
+                                       actual_tokens=200))
+    assert (s.found, s.delta, s.window_tokens) == (True, -400, 200)
+    r = reserve(limits, 2, 800, tpm=1000)
+    assert r.admitted and r.remaining_tokens == 0
+    # Usage above the reservation is charged too.
+    s = limits.Settle(pb.SettleRequest(key_id="k", request_id=rid(2), actual_tokens=900))
+    assert (s.found, s.delta, s.window_tokens) == (True, 100, 1100)
+    assert not reserve(limits, 3, 1, tpm=1000).admitted
+
+
+def test_settling_an_unknown_reservation_changes_nothing(limits):
+    assert reserve(limits, 1, 500).admitted
+    s = limits.Settle(pb.SettleRequest(key_id="k", request_id=rid(99), actual_tokens=5))
+    assert (s.found, s.delta, s.window_tokens) == (False, 0, 500)
+
+
+def test_a_retried_reserve_is_counted_once(limits):
+    a = reserve(limits, 7, 400, rpm=5)
+    b = reserve(limits, 7, 400, rpm=5)
+    assert a.admitted and b.admitted
+    assert (b.remaining_requests, b.remaining_tokens) == (4, 9600)
+
+
+def test_per_model_windows_are_separate_from_the_key_window(limits):
+    assert reserve(limits, 1, 900, tpm=1000).admitted
+    r = reserve(limits, 2, 900, tpm=1000, per_model=True)
+    assert r.admitted and r.remaining_tokens == 100
+    assert not reserve(limits, 3, 900, tpm=1000).admitted
+
+
+@pytest.mark.parametrize("req, message", [
+    (dict(key_id="", request_id=rid(1)), "key_id"),
+    (dict(key_id="k", request_id=""), "request_id"),
+    (dict(key_id="k", request_id="#sum"), "request_id"),
+    (dict(key_id="k", request_id=rid(1), rpm_limit=0), "rpm_limit"),
+    (dict(key_id="k", request_id=rid(1), per_model=True, model=""), "model"),
+])
+def test_invalid_requests_are_invalid_argument(limits, req, message):
+    full = {"model": "m", "rpm_limit": 10, "tpm_limit": 10, "tokens": 1, **req}
+    with pytest.raises(grpc.RpcError) as e:
+        limits.Reserve(pb.ReserveRequest(**full), timeout=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details()
+
+
+def test_window_slides_and_retry_after_says_when(redis_url):
+    """A 1 s window (the sidecar uses 60 s): entries leave it on Redis's clock."""
+
+    async def go() -> None:
+        client = store.connect_async(store.RedisConfig(url=redis_url), 1.0)
+        await client.delete(*window_keys("slide"))
+        lim = GlobalLimiter(client, window_ms=1000)
+        t0 = time.monotonic()
+        assert (await lim.reserve("slide", None, 100, 1000, 400, rid(1))).admitted
+        await asyncio.sleep(0.3)
+        assert (await lim.reserve("slide", None, 100, 1000, 400, rid(2))).admitted
+        r = await lim.reserve("slide", None, 100, 1000, 400, rid(3))
+        waited = (time.monotonic() - t0) * 1000
+        # The first entry (400 tokens) leaving the window is enough.
+        assert not r.admitted and r.limited_by == "tokens"
+        assert abs(r.retry_after_ms - (1000 - waited)) < 60
+        assert 900 < r.reset_tokens_ms + waited < 1400
+        await asyncio.sleep(r.retry_after_ms / 1000 + 0.02)
+        again = await lim.reserve("slide", None, 100, 1000, 400, rid(3))
+        assert again.admitted and again.remaining_tokens == 200
+        s = await lim.settle("slide", None, rid(1), 10)
+        assert not s.found          # rid(1) left the window: nothing to correct
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+# -- two edges, one limit ----------------------------------------------------------------
+
+
+def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue) -> None:
+    """One edge: 8 threads reserving random token counts through its own sidecar."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GlobalLimitsStub(channel)
+    rng = random.Random(seed)
+    jobs = [(rng.randint(50, 500), "%016x%016x" % (seed, i)) for i in range(calls)]
+
+    def one(job: tuple[int, str]) -> int:
+        tokens, request_id = job
+        r = stub.Reserve(pb.ReserveRequest(key_id="shared", model="tiny-qwen3",
+                                           rpm_limit=100_000, tpm_limit=tpm, tokens=tokens,
+                                           request_id=request_id), timeout=5)
+        return tokens if r.admitted else 0
+
+    with ThreadPoolExecutor(8) as ex:
+        admitted = [t for t in ex.map(one, jobs) if t]
+    out.put((seed, len(admitted), sum(admitted)))
+
+
+@pytest.mark.slow
+def test_two_edges_share_one_tokens_per_minute_limit(config_path, redis_url, ledger_redis):
+    tpm = 20_000
+    ports = [free_port(LIMITS_PORTS)]
+    svcs = [devstack.limits_service(config_path, ports[0], redis_url, name="test-limits-a")
+            .start()]
+    ports.append(free_port(range(ports[0] + 1, LIMITS_PORTS.stop)))
+    svcs.append(devstack.limits_service(config_path, ports[1], redis_url,
+                                        name="test-limits-b").start())
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()
+    try:
+        edges = [ctx.Process(target=_edge, args=(port, seed, 400, tpm, out))
+                 for seed, port in ((1, ports[0]), (2, ports[1]))]
+        for p in edges:
+            p.start()
+        results = [out.get(timeout=60) for _ in edges]
+        for p in edges:
+            p.join(10)
+    finally:
+        for s in svcs:
+            s.stop()
+    admitted_tokens = sum(r[2] for r in results)
+    assert all(r[1] > 0 for r in results), results        # both edges got admissions
+    assert admitted_tokens <= tpm * 1.02, results
+    assert admitted_tokens > tpm - 500, results           # and the limit was used
+    h = window_keys("shared")[1]
+    assert int(ledger_redis.hget(h, "#sum")) == admitted_tokens
+    assert ledger_redis.zcard(window_keys("shared")[0]) == sum(r[1] for r in results)
+
+
+# -- Redis down ------------------------------------------------------------------------
+
+
+def _timed(fn) -> tuple[float, grpc.StatusCode | None]:  # type: ignore[no-untyped-def]
+    t = time.monotonic()
+    try:
+        fn()
+        code = None
+    except grpc.RpcError as e:
+        code = e.code()
+    return (time.monotonic() - t) * 1000, code
+
+
+@pytest.mark.slow
+def test_redis_down_or_stalled_answers_unavailable_quickly(config_path, private_redis):
+    r = private_redis()
+    port = free_port(LIMITS_PORTS)
+    svc = devstack.limits_service(config_path, port, r.url, name="test-limits-down").start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GlobalLimitsStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    service = "tokengate.v1.GlobalLimits"
+
+    def status() -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service)).status
+
+    try:
+        assert reserve(stub, 1, 10).admitted
+        # Stalled Redis (SIGSTOP: connections hang): the 50 ms timeout answers.
+        assert r.svc is not None and r.svc.proc is not None
+        os.kill(r.svc.proc.pid, signal.SIGSTOP)
+        try:
+            ms, code = _timed(lambda: reserve(stub, 2, 10))
+            assert code == grpc.StatusCode.UNAVAILABLE and ms < 250, ms
+            ms, code = _timed(lambda: reserve(stub, 3, 10))   # backing off: no Redis call
+            assert code == grpc.StatusCode.UNAVAILABLE and ms < 50, ms
+            assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            os.kill(r.svc.proc.pid, signal.SIGCONT)
+        # Redis gone (connection refused).
+        r.kill()
+        time.sleep(0.6)
+        ms, code = _timed(lambda: reserve(stub, 4, 10))
+        assert code == grpc.StatusCode.UNAVAILABLE and ms < 250, ms
+        ms, code = _timed(lambda: stub.Settle(pb.SettleRequest(
+            key_id="k", request_id=rid(1), actual_tokens=1), timeout=2))
+        assert code == grpc.StatusCode.UNAVAILABLE and ms < 250, ms
+        # Back: the next call after the back-off works again.
+        r.start()
+        wait_until(lambda: reserve(stub, 5, 10).admitted, 10, what="admission after restart")
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        channel.close()
+        svc.stop()
