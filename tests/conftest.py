@@ -19,6 +19,7 @@ from tokengate import devstack
 
 pytest_plugins: list[str] = []
 pytest_plugins.append("tests.fixtures_ledger")
+pytest_plugins.append("tests.fixtures_storm")
 
 VLLM_PORT = 18000
 COUNTER_PORT = 15051

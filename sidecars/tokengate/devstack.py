@@ -189,6 +189,21 @@ def limits_service(config_path: Path, port: int = 50061, redis_url: str | None =
     return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
 
 
+def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
+                          max_model_len: int = 8192, ttft_ms: float = 0.0, itl_ms: float = 0.0,
+                          workers: int = 1, name: str = "fast-upstream") -> Service:
+    """TokenStorm's fast upstream: nginx + Lua answering like vLLM 0.32 (``tokenstorm
+    upstream``), with simulated TTFT and inter-token latency (ms); for gateway benchmarks
+    and as the null server. Config rendered under ``var/run/<name>``."""
+    from tokengate.storm import upstream
+
+    opts = upstream.UpstreamOptions(model=model, max_model_len=max_model_len, ttft_ms=ttft_ms,
+                                    itl_ms=itl_ms, workers=workers)
+    conf = upstream.render(opts, VAR / "run" / name, port)
+    return Service(name, upstream.argv(conf), http_ready(f"http://127.0.0.1:{port}/health"),
+                   start_timeout_s=20.0)
+
+
 def run(config_path: Path) -> None:
     """Start every part, print how to call the gateway, stop all on Ctrl-C."""
     cfg = tg_config.load(config_path)

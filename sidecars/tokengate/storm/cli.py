@@ -262,15 +262,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _upstream(args: argparse.Namespace) -> None:
+    from tokengate import devstack
     from tokengate.storm import upstream
-    from tokengate.storm.null_server import RUN_DIR
 
     model, _, mlen = _defaults(args.config)
     opts = upstream.UpstreamOptions(model=args.model or model,
                                     max_model_len=args.max_model_len or mlen,
                                     ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                                     workers=args.workers)
-    conf = upstream.render(opts, RUN_DIR / f"fast-upstream-{args.port}", args.port, args.host)
+    conf = upstream.render(opts, devstack.VAR / "run" / f"fast-upstream-{args.port}", args.port,
+                           args.host)
     print(f"fast upstream on http://{args.host}:{args.port}/v1 (model {opts.model}, "
           f"TTFT {opts.ttft_ms:g} ms, ITL {opts.itl_ms:g} ms); config {conf}", flush=True)
     cmd = upstream.argv(conf)

@@ -652,13 +652,15 @@ def run_worker(cfg: ClientConfig, builder: PromptBuilder, plan: Plan, indices: S
     except OSError as e:
         pipe.send(("error", f"cannot connect to {cfg.target.url}: {e}"))
         return
+    # A full collection of the inherited heap takes a while: do it before the start,
+    # then keep the collector out of the timed loop.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     pipe.send(("ready", None))
     msg, start = pipe.recv()
     if msg != "start":
         return
-    gc.collect()
-    gc.freeze()
-    gc.disable()
     result = loop.run_until_complete(worker.run(start))
     pipe.send(("result", result))
     loop.close()

@@ -187,10 +187,12 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def _window(r: Records, slo: SLO, itl: np.ndarray) -> Window:
+def _window(r: Records, slo: SLO, itl: np.ndarray, span_s: float | None = None) -> Window:
     n = len(r)
     ok = (r.status == 200) & (r.error == 0)
     span = float(np.nanmax(r.end) - np.nanmin(r.sched)) if n else 0.0
+    if span_s is not None:
+        span = span_s
     span = span if span > 0 else float("nan")
     ttft = np.where(ok, r.first - r.sched, np.nan)
     e2e = np.where(ok, r.end - r.sched, np.nan)
@@ -236,8 +238,13 @@ def summarize(r: Records, *, name: str, target: str, mode: str, offered: str, st
               workers: int, duration_s: float, slo: SLO, max_lag_ms: float,
               open_loop: bool, key_names: list[str], check_prompt: bool,
               meta: dict[str, Any] | None = None,
-              error_samples: list[str] | None = None) -> Summary:
-    """The run's ``Summary``; see the module docstring for every definition."""
+              error_samples: list[str] | None = None,
+              burst_seconds: float | None = None) -> Summary:
+    """The run's ``Summary``; see the module docstring for every definition.
+
+    ``burst_seconds``: how much of the run's span lies in burst windows (s); the burst
+    and steady windows' rates are per second of their own time.
+    """
     statuses: dict[str, int] = {}
     for s, c in zip(*np.unique(r.status[r.error == 0], return_counts=True)):
         statuses[str(int(s))] = int(c)
@@ -246,8 +253,11 @@ def summarize(r: Records, *, name: str, target: str, mode: str, offered: str, st
         errors[ERROR_NAMES[int(e)]] = int(c)
     windows: dict[str, Window] = {}
     if r.burst.any():
-        windows["steady"] = _window(r.subset(~r.burst), slo, np.empty(0))
-        windows["burst"] = _window(r.subset(r.burst), slo, np.empty(0))
+        span = float(np.nanmax(r.end) - np.nanmin(r.sched))
+        bs = burst_seconds if burst_seconds is not None else None
+        windows["steady"] = _window(r.subset(~r.burst), slo, np.empty(0),
+                                    None if bs is None else max(span - bs, 1e-9))
+        windows["burst"] = _window(r.subset(r.burst), slo, np.empty(0), bs)
     lag = r.sent - r.sched
     sent = np.isfinite(lag)
     late = float((lag[sent] * 1000 > max_lag_ms).mean()) if sent.any() else 0.0

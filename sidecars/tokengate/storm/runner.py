@@ -21,7 +21,8 @@ import numpy as np
 
 from tokengate.storm import client as sc
 from tokengate.storm.arrivals import ArrivalSpec, schedule
-from tokengate.storm.profiles import OutputPolicy, Plan, TokenLimits, make_profile
+from tokengate.storm.profiles import (BurstProfile, OutputPolicy, Plan, TokenLimits,
+                                      make_profile)
 from tokengate.storm.prompts import PromptBuilder, StreamOptions
 from tokengate.storm.report import SLO, Records, Summary, summarize
 
@@ -161,6 +162,12 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
             if p.is_alive():
                 p.kill()
     records = _merge(results, plan, len(spec.keys) or 1)
+    burst_seconds = None
+    profile = make_profile(spec.profile, TokenLimits(), spec.output)
+    if isinstance(profile, BurstProfile) and len(records):
+        span = float(np.nanmax(records.end) - np.nanmin(records.sched))
+        grid = np.arange(0.0, span, 0.001)
+        burst_seconds = float((grid % profile.period_s < profile.burst_s).sum()) * 0.001
     open_loop = spec.arrival is not None
     samples = [s for r in results for s in r.error_samples][:20]
     summary = summarize(
@@ -173,7 +180,7 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
               "send_token_count": spec.send_token_count,
               "connections_opened": sum(r.connections_opened for r in results),
               "planned_requests": n if open_loop else None},
-        error_samples=samples)
+        error_samples=samples, burst_seconds=burst_seconds)
     return RunResult(spec, plan, records, summary)
 
 

@@ -125,6 +125,46 @@ local function dict_repr(t)
     return "'<dict of " .. n .. " items>'"
 end
 
+-- Python's repr of a JSON value, as pydantic quotes the input in its messages.
+local function py_repr(v)
+    if type(v) == "string" then
+        if not str_find(v, "'", 1, true) then
+            return "'" .. v .. "'"
+        end
+        return cjson.encode(v)
+    end
+    if type(v) == "table" then
+        return dict_repr(v)
+    end
+    if v == true then
+        return "True"
+    end
+    if v == false then
+        return "False"
+    end
+    return tostring(v)
+end
+
+-- pydantic's lax integer: integral floats, booleans and digit strings are accepted.
+local function lax_int(v)
+    if type(v) == "number" then
+        if v == floor(v) then
+            return v
+        end
+        return nil, "int_from_float"
+    end
+    if type(v) == "boolean" then
+        return v and 1 or 0
+    end
+    if type(v) == "string" then
+        local n = tonumber(v)
+        if n and n == floor(n) and str_find(v, "^%s*[-+]?%d+%s*$") then
+            return n
+        end
+    end
+    return nil, "int_parsing"
+end
+
 local function is_int(v)
     return type(v) == "number" and v == floor(v) and v > -2^53 and v < 2^53
 end
@@ -377,9 +417,10 @@ local function handle(kind)
             return validation_error("missing", "body.messages", "Field required",
                 dict_repr(req))
         end
-        if type(req.messages) ~= "table" then
+        if type(req.messages) ~= "table" or (next(req.messages) ~= nil
+                and req.messages[1] == nil) then
             return validation_error("list_type", "body.messages",
-                "Input should be a valid list", cjson.encode(req.messages))
+                "Input should be a valid list", py_repr(req.messages))
         end
     elseif req.prompt == nil then
         return validation_error("missing", "body.prompt", "Field required", dict_repr(req))
@@ -398,9 +439,15 @@ local function handle(kind)
     if max_tokens == cjson.null then
         max_tokens = nil
     end
-    if max_tokens ~= nil and not is_int(max_tokens) then
-        return validation_error("int_parsing", "body.max_tokens",
-            "Input should be a valid integer", cjson.encode(max_tokens))
+    if max_tokens ~= nil then
+        local v, verr = lax_int(max_tokens)
+        if not v then
+            local msg = verr == "int_from_float"
+                and "Input should be a valid integer, got a number with a fractional part"
+                or "Input should be a valid integer"
+            return validation_error(verr, "body.max_tokens", msg, py_repr(max_tokens))
+        end
+        max_tokens = v
     end
     local max_len = conf.max_model_len
     if max_tokens ~= nil then
@@ -419,12 +466,19 @@ local function handle(kind)
     local n = req.n
     if n == nil or n == cjson.null then
         n = 1
-    elseif not is_int(n) then
+    elseif not lax_int(n) then
         return validation_error("int_parsing", "body.n", "Input should be a valid integer",
-            cjson.encode(n))
-    elseif n < 1 then
+            py_repr(n))
+    else
+        n = lax_int(n)
+    end
+    if n < 1 then
         return send_error(400, "n must be at least 1, got " .. int_str(n) .. ".",
             "BadRequestError", nil)
+    end
+    if n > 1 and req.temperature == 0 then
+        return send_error(400, "n must be 1 when using greedy sampling, got " .. int_str(n)
+            .. ".", "BadRequestError", nil)
     end
     local streaming = req.stream == true
     local so = req.stream_options

@@ -1,0 +1,43 @@
+"""TokenStorm fixtures: the fast upstream (nginx + Lua) started with devstack's builder.
+
+Ports: 18100 (no latency: the null server), 18101 (TTFT 40 ms, ITL 2 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tokengate import config as tg_config
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.prompts import PromptBuilder
+from tokengate.storm.upstream import UpstreamOptions
+
+FAST_PORT = 18100
+SLOW_PORT = 18101
+
+
+@pytest.fixture(scope="session")
+def fast_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
+    """Base URL (…/v1) of the fast upstream with no simulated latency."""
+    model = cfg.models["tiny-qwen3"]
+    opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
+    with FastUpstream(opts, port=FAST_PORT, name="test-fast-upstream") as up:
+        yield up.url
+
+
+@pytest.fixture(scope="session")
+def slow_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
+    """Base URL of a fast upstream with TTFT 40 ms and ITL 2 ms."""
+    model = cfg.models["tiny-qwen3"]
+    opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len, ttft_ms=40,
+                           itl_ms=2)
+    with FastUpstream(opts, port=SLOW_PORT, name="test-slow-upstream") as up:
+        yield up.url
+
+
+@pytest.fixture(scope="session")
+def prompt_builder(cfg: tg_config.Config) -> PromptBuilder:
+    model = cfg.models["tiny-qwen3"]
+    return PromptBuilder(model.dir, model.name, "chat")
