@@ -23,7 +23,6 @@ import grpc
 import pytest
 import redis
 import yaml
-
 from tokengate import devstack
 from tokengate.ledger.event import UsageEvent
 
@@ -134,7 +133,7 @@ _BASE = UsageEvent(
 def make_event(rng: random.Random | None = None, **fields: Any) -> UsageEvent:
     """A valid event; a random request id unless given, then ``fields`` overrides."""
     r = rng or random
-    rid = fields.pop("request_id", None) or "%032x" % r.getrandbits(128)
+    rid = fields.pop("request_id", None) or f"{r.getrandbits(128):032x}"
     return replace(_BASE, request_id=rid, **fields)
 
 

@@ -7,9 +7,9 @@ penalty threshold 32768 tokens, rate 0.00015.
 from __future__ import annotations
 
 import pytest
-
 from tokengate.config import BillingConfig, ContextPenalty, ModelCost
 from tokengate.ledger.calculator import Calculator, charge
+
 from tests.fixtures_ledger import make_event
 
 EXCLUDE = BillingConfig(exclude_system_tokens=True)

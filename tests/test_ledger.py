@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from tokengate import config as tg_config
 from tokengate import devstack
 from tokengate.ledger import store
@@ -26,6 +25,7 @@ from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate.ledger.report import UsageRow, query
+
 from tests.fixtures_ledger import PrivateRedis, UsageWriter, make_event, wait_until
 
 Key = tuple[str, str | None, str | None]
@@ -121,7 +121,7 @@ def test_events_become_counters_per_key_model_day(cfg, ledger_redis, usage_write
     assert_ledger_equals(ledger_redis, events, cfg)
     # One audit entry carries the event's numbers and its cost.
     ev = events[0]
-    (entry_id, fields), = ledger_redis.xrange(store.AUDIT_KEY, count=1)
+    (_entry_id, fields), = ledger_redis.xrange(store.AUDIT_KEY, count=1)
     assert fields["rid"] == ev.request_id and fields["key"] == (ev.key_id or "")
     assert int(fields["prompt"]) == ev.prompt_tokens
     assert float(fields["cost"]) == Calculator(cfg).charge_event(ev).cost

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from tokengate import config as tg_config
 from tokengate import devstack
 from tokengate.config import RedisConfig
 from tokengate.ledger import store
 from tokengate.ledger.global_limit import GlobalLimiter, window_keys
 from tokengate.ledger.ledger import Ledger
+
 from tests.fixtures_ledger import UsageWriter, make_event, wait_until
 from tests.test_ledger import assert_ledger_equals, workload
 

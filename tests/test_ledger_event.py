@@ -6,8 +6,8 @@ import json
 from datetime import UTC, datetime
 
 import pytest
-
 from tokengate.ledger.event import EventError, parse_event
+
 from tests.fixtures_ledger import make_event
 
 LINE = ('{"request_id":"5d41402abc4b2a76b9719d911017c592","ts":"2026-11-29T16:40:00.123Z",'

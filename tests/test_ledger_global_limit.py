@@ -18,19 +18,19 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tokengate import devstack
 from tokengate.ledger import store
 from tokengate.ledger.global_limit import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
+
 from tests.fixtures_ledger import free_port, wait_until
 
 LIMITS_PORTS = range(15061, 15070)
 
 
 def rid(i: int) -> str:
-    return "%032x" % i
+    return f"{i:032x}"
 
 
 @pytest.fixture
@@ -117,11 +117,11 @@ def test_per_model_windows_are_separate_from_the_key_window(limits):
 
 
 @pytest.mark.parametrize("req, message", [
-    (dict(key_id="", request_id=rid(1)), "key_id"),
-    (dict(key_id="k", request_id=""), "request_id"),
-    (dict(key_id="k", request_id="#sum"), "request_id"),
-    (dict(key_id="k", request_id=rid(1), rpm_limit=0), "rpm_limit"),
-    (dict(key_id="k", request_id=rid(1), per_model=True, model=""), "model"),
+    ({"key_id": "", "request_id": rid(1)}, "key_id"),
+    ({"key_id": "k", "request_id": ""}, "request_id"),
+    ({"key_id": "k", "request_id": "#sum"}, "request_id"),
+    ({"key_id": "k", "request_id": rid(1), "rpm_limit": 0}, "rpm_limit"),
+    ({"key_id": "k", "request_id": rid(1), "per_model": True, "model": ""}, "model"),
 ])
 def test_invalid_requests_are_invalid_argument(limits, req, message):
     full = {"model": "m", "rpm_limit": 10, "tpm_limit": 10, "tokens": 1, **req}
@@ -168,7 +168,7 @@ def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.GlobalLimitsStub(channel)
     rng = random.Random(seed)
-    jobs = [(rng.randint(50, 500), "%016x%016x" % (seed, i)) for i in range(calls)]
+    jobs = [(rng.randint(50, 500), f"{seed:016x}{i:016x}") for i in range(calls)]
 
     def one(job: tuple[int, str]) -> int:
         tokens, request_id = job

@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 import tokengate.ledger
 from tokengate.config import AccessLogConfig
 from tokengate.ledger.sampling import bucket, keep, threshold
@@ -19,7 +18,7 @@ N = 10_000
 
 def ids(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return ["%032x" % rng.getrandbits(128) for _ in range(n)]
+    return [f"{rng.getrandbits(128):032x}" for _ in range(n)]
 
 
 def within(kept: int, n: int, p: float) -> bool:

@@ -159,7 +159,7 @@ class Ledger:
         pos = self.client.hget(self._ckpt_key, "pos") or ""
         assert isinstance(pos, str)
         if self._committed is None or pos != self._committed:
-            done = set(self.client.zrange(self._done_key, 0, -1))
+            done = {str(f) for f in self.client.zrange(self._done_key, 0, -1)}
             log.info("ledger %s: starting from checkpoint %s (%d files done)", self.ledger_id,
                      pos or "(none)", len(done))
             self.tail.seek(Position.decode(pos), done)

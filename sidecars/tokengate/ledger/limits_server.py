@@ -37,7 +37,9 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from redis.exceptions import RedisError
@@ -54,31 +56,35 @@ BACKOFF_S = 0.5
 _LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUESTS,
                "tokens": limits_pb2.LIMIT_TOKENS}
 _U32 = 2**32 - 1
+T = TypeVar("T")
 
 
 class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
     """Reserve / Settle over a ``GlobalLimiter``, with a fail-fast breaker."""
 
     def __init__(self, limiter: GlobalLimiter, timeout_s: float,
-                 on_health: object = None) -> None:
+                 on_health: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.limiter = limiter
         self.timeout_s = timeout_s
-        self.down_until = 0.0
-        self.on_health = on_health  # async callable(bool) or None
+        self.down_until = 0.0       # monotonic time until which calls fail fast; 0: up
+        self.on_health = on_health
 
-    async def _call(self, coro_fn, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def _call(self, coro_fn: Callable[[], Awaitable[T]],
+                    context: grpc.aio.ServicerContext) -> T:
+        """Run one Redis call under the breaker; aborts the RPC with UNAVAILABLE."""
         now = time.monotonic()
         if now < self.down_until:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "redis unavailable (backing off): use local limits")
         try:
             result = await asyncio.wait_for(coro_fn(), self.timeout_s)
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RedisError, OSError) as e:
             if self.down_until == 0.0:
                 log.warning("Redis unavailable (%s): answering UNAVAILABLE", e or type(e))
                 await self._health(False)
             self.down_until = time.monotonic() + BACKOFF_S
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {e or 'timeout'}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"redis unavailable: {e or 'timeout'}")
         if self.down_until:
             log.info("Redis is back")
             self.down_until = 0.0
@@ -87,14 +93,14 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
 
     async def _health(self, up: bool) -> None:
         if self.on_health is not None:
-            await self.on_health(up)  # type: ignore[operator]
+            await self.on_health(up)
 
     @staticmethod
     async def _check(context: grpc.aio.ServicerContext, ok: bool, msg: str) -> None:
         if not ok:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
-    async def Reserve(self, request: limits_pb2.ReserveRequest,  # noqa: N802 (gRPC name)
+    async def Reserve(self, request: limits_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
         """See proto/tokengate/v1/limits.proto."""
         await self._validate(request.key_id, request.request_id, request.per_model,
@@ -113,7 +119,7 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             reset_tokens_ms=min(r.reset_tokens_ms, _U32),
             retry_after_ms=min(r.retry_after_ms, _U32))
 
-    async def Settle(self, request: limits_pb2.SettleRequest,  # noqa: N802 (gRPC name)
+    async def Settle(self, request: limits_pb2.SettleRequest,
                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
         """See proto/tokengate/v1/limits.proto."""
         await self._validate(request.key_id, request.request_id, request.per_model,

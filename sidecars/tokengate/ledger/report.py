@@ -55,8 +55,9 @@ class UsageRow:
 
 
 def _row(day: str, key_id: str | None, model: str | None, h: dict[str, str]) -> UsageRow:
-    row = UsageRow(day, key_id, model, **{f: int(h.get(f, 0)) for f in INT_FIELDS},
-                   cost=float(h.get("cost", 0.0)))
+    row = UsageRow(day, key_id, model, cost=float(h.get("cost", 0.0)))
+    for f in INT_FIELDS:
+        setattr(row, f, int(h.get(f, 0)))
     row.statuses = {k[7:]: int(v) for k, v in sorted(h.items()) if k.startswith("status:")}
     return row
 
@@ -67,7 +68,7 @@ def query(client: store.SyncRedis, since: date | None = None, until: date | None
     day, key, model; optionally one key and/or model only. Raises ``RedisError``."""
     lo = store.day_score(since.isoformat()) if since else "-inf"
     hi = store.day_score(until.isoformat()) if until else "+inf"
-    days = client.zrangebyscore(store.DAYS_KEY, lo, hi)
+    days = [str(d) for d in client.zrangebyscore(store.DAYS_KEY, lo, hi)]
     rows: list[UsageRow] = []
     for day in days:
         pairs = sorted((tuple(json.loads(m)) for m in client.smembers(store.idx_key(day))),

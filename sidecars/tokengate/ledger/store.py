@@ -89,8 +89,8 @@ def day_score(day: str) -> int:
 def connect(cfg: RedisConfig, timeout_s: float = 5.0, url: str | None = None) -> SyncRedis:
     """A blocking client (Redis Cluster when ``cfg.cluster``) with ``timeout_s`` connect
     and read timeouts and no hidden retries: callers decide how to wait."""
-    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                              decode_responses=True)
+    kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                              "decode_responses": True}
     if cfg.cluster:
         # One retry lets the cluster client follow a topology change (MOVED / failover).
         return redis.cluster.RedisCluster.from_url(url or cfg.url, retry=Retry(NoBackoff(), 1),
@@ -100,8 +100,8 @@ def connect(cfg: RedisConfig, timeout_s: float = 5.0, url: str | None = None) ->
 
 def connect_async(cfg: RedisConfig, timeout_s: float, url: str | None = None) -> AsyncRedis:
     """The asyncio counterpart of ``connect`` (used by the global-limit sidecar)."""
-    kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                              decode_responses=True)
+    kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                              "decode_responses": True}
     if cfg.cluster:
         return redis.asyncio.cluster.RedisCluster.from_url(
             url or cfg.url, retry=redis.asyncio.retry.Retry(NoBackoff(), 1), **kw)
