@@ -267,3 +267,42 @@ def test_redis_down_or_stalled_answers_unavailable_quickly(config_path, private_
     finally:
         channel.close()
         svc.stop()
+
+
+# -- the wire format the Lua edge encodes and decodes by hand ---------------------------
+
+
+def test_wire_bytes_of_the_messages_the_edge_handles():
+    req = pb.ReserveRequest(key_id="demo", model="tiny-qwen3", rpm_limit=600, tpm_limit=200_000,
+                            tokens=268, request_id="5d41402abc4b2a76b9719d911017c592")
+    assert req.SerializeToString().hex() == (
+        "0a0464656d6f"                     # 1 key_id "demo"
+        "120a74696e792d7177656e33"         # 2 model "tiny-qwen3"
+        "20d804"                           # 4 rpm_limit 600 (3 per_model false: omitted)
+        "28c09a0c"                         # 5 tpm_limit 200000
+        "308c02"                           # 6 tokens 268
+        "3a20" + "5d41402abc4b2a76b9719d911017c592".encode().hex())   # 7 request_id
+    reply = pb.ReserveReply(admitted=True, remaining_requests=599, remaining_tokens=199_732,
+                            reset_requests_ms=60_000, reset_tokens_ms=60_000)
+    assert reply.SerializeToString().hex() == "080120d70428b4980c30e0d40338e0d403"
+    # delta is sint64 (zigzag): -400 -> 799 -> varint 9f 06
+    assert pb.SettleReply(found=True, delta=-400, window_tokens=200).SerializeToString() == \
+        b"\x08\x01\x10\x9f\x06\x18\xc8\x01"
+
+
+def test_several_workers_serve_tcp_and_one_unix_socket_each(config_path, redis_url,
+                                                             ledger_redis, tmp_path):
+    port = free_port(LIMITS_PORTS)
+    sock = tmp_path / "limits.sock"
+    svc = devstack.limits_service(config_path, port, redis_url, unix_socket=sock, workers=2,
+                                  name="test-limits-workers").start()
+    try:
+        wait_until(lambda: all(Path(f"{sock}.{i}").exists() for i in range(2)), 20,
+                   what="both worker sockets")
+        for i in range(2):
+            assert oct(os.stat(f"{sock}.{i}").st_mode & 0o777) == "0o666"
+            with grpc.insecure_channel(f"unix:{sock}.{i}") as ch:
+                r = reserve(pb_grpc.GlobalLimitsStub(ch), 100 + i, 10, rpm=5)
+                assert r.admitted and r.remaining_requests == 4 - i
+    finally:
+        svc.stop()

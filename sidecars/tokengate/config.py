@@ -35,7 +35,9 @@ Shapes::
       audit_maxlen: 100000       # approximate bound of the audit stream, entries
       rotate_wait_s: 5.0         # read a rotated file this long after its last write
     global_limits:
+      enabled: false             # the edge reserves in Redis too (several edges)
       listen: 127.0.0.1:50061    # tokengate-limits gRPC address
+      unix_socket: var/run/limits.sock   # optional; worker i listens on <path>.<i>
     access_log:                  # tiered sampling, see tokengate.ledger.sampling
       error_status: 400          # status >= this: always logged
       slow_ms: 5000              # total_ms > this: logged at slow_rate
@@ -141,9 +143,11 @@ class LedgerConfig:
 
 @dataclass(frozen=True)
 class GlobalLimitsConfig:
-    """The global-limit sidecar (``tokengate-limits``)."""
+    """The global-limit sidecar (``tokengate-limits``) and whether the edge uses it."""
 
+    enabled: bool = False
     listen: str = "127.0.0.1:50061"
+    unix_socket: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,11 @@ def _ledger_sections(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         audit_maxlen=_int(ld.get("audit_maxlen", 100_000), "ledger.audit_maxlen", 1),
         rotate_wait_s=_number(ld.get("rotate_wait_s", 5.0), "ledger.rotate_wait_s"))
     gl = _section(raw, "global_limits")
-    global_limits = GlobalLimitsConfig(listen=str(gl.get("listen", GlobalLimitsConfig.listen)))
+    sock = gl.get("unix_socket")
+    global_limits = GlobalLimitsConfig(
+        enabled=_bool(gl.get("enabled", False), "global_limits.enabled"),
+        listen=str(gl.get("listen", GlobalLimitsConfig.listen)),
+        unix_socket=(base / str(sock)).resolve() if sock else None)
     al = _section(raw, "access_log")
     access_log = AccessLogConfig(
         error_status=_int(al.get("error_status", 400), "access_log.error_status", 100),

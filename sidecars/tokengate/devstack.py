@@ -179,11 +179,14 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
 
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
+                   unix_socket: Path | None = None, workers: int = 1,
                    name: str = "limits") -> Service:
     """The global-limit sidecar (``tokengate-limits``): gRPC ``GlobalLimits`` on
-    127.0.0.1:port in front of the Redis sliding windows shared by every edge."""
+    127.0.0.1:port (and worker i on ``<unix_socket>.<i>`` when given) in front of the
+    Redis sliding windows shared by every edge."""
     argv = [PYTHON, "-m", "tokengate.ledger.limits_server", "--config", str(config_path),
-            "--listen", f"127.0.0.1:{port}"]
+            "--listen", f"127.0.0.1:{port}", "--workers", str(workers),
+            "--unix-socket", str(unix_socket) if unix_socket is not None else "none"]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
     return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)

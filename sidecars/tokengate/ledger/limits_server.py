@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
                         help="TCP address, repeatable (default: global_limits.listen)")
     parser.add_argument("--unix-socket", default=None, metavar="PATH",
-                        help="also listen on PATH.<i> per worker i")
+                        help="also listen on PATH.<i> per worker i (default: "
+                             "global_limits.unix_socket; 'none': TCP only)")
     parser.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="worker processes (default: 1)")
@@ -208,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     except (tg_config.ConfigError, OSError) as e:
         parser.exit(2, f"tokengate-limits: {e}\n")
     listen = args.listen or [cfg.global_limits.listen]
+    if args.unix_socket is None and cfg.global_limits.unix_socket is not None:
+        args.unix_socket = str(cfg.global_limits.unix_socket)
+    elif args.unix_socket == "none":
+        args.unix_socket = None
     if args.workers <= 1:
         _serve_worker(args.config, listen, args.unix_socket, args.redis_url, 0)
         return
