@@ -26,8 +26,15 @@ import yaml
 from tokengate import devstack
 from tokengate.ledger.event import UsageEvent
 
-REDIS_PORT = 16380
-PRIVATE_REDIS_PORTS = range(16381, 16390)
+# TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
+PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
+REDIS_PORT = 16380 + PORT_OFFSET
+PRIVATE_REDIS_PORTS = range(16381 + PORT_OFFSET, 16390 + PORT_OFFSET)
+
+
+def svc_name(base: str) -> str:
+    """A service (log, status file) name unique to this test session."""
+    return f"{base}{PORT_OFFSET or ''}"
 
 
 def free_port(candidates: range) -> int:
@@ -44,7 +51,7 @@ def free_port(candidates: range) -> int:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of the session's real Redis (devstack.redis_service on port 16380)."""
-    svc = devstack.redis_service(port=REDIS_PORT, name="test-redis").start()
+    svc = devstack.redis_service(port=REDIS_PORT, name=svc_name("test-redis")).start()
     try:
         yield f"redis://127.0.0.1:{REDIS_PORT}/0"
     finally:

@@ -26,7 +26,13 @@ from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate.ledger.report import UsageRow, query
 
-from tests.fixtures_ledger import PrivateRedis, UsageWriter, make_event, wait_until
+from tests.fixtures_ledger import (
+    PrivateRedis,
+    UsageWriter,
+    make_event,
+    svc_name,
+    wait_until,
+)
 
 Key = tuple[str, str | None, str | None]
 
@@ -307,7 +313,7 @@ def test_kill_9_of_the_ledger_mid_file_loses_and_repeats_nothing(cfg, ledger_con
     for ev in events[:25_000]:
         usage_writer.write(ev)
     edge = EdgeWriter(usage_writer, events[25_000:], per_s=2000, rotate_at=2000)
-    name = "test-ledger-kill9"
+    name = svc_name("test-ledger-kill9")
     rng = random.Random(5)
     mid_file_kills = 0
     svc = start_ledger(ledger_config_path, usage_writer.path, redis_url, name)
@@ -345,7 +351,7 @@ def test_redis_restart_under_a_running_ledger_loses_and_repeats_nothing(
     r: PrivateRedis = private_redis(persist=True)
     events = workload(6000, seed=22)
     edge = EdgeWriter(usage_writer, events, per_s=2000)
-    name = "test-ledger-redis-restart"
+    name = svc_name("test-ledger-redis-restart")
     svc = start_ledger(ledger_config_path, usage_writer.path, r.url, name)
     client = r.client()
     try:
@@ -373,7 +379,7 @@ def test_redis_back_without_its_data_is_rebuilt_from_the_usage_files(
     every usage file still on disk (rotated ones too) and the totals are whole again."""
     r = private_redis(persist=False)
     events = workload(3000, seed=23)
-    name = "test-ledger-redis-empty"
+    name = svc_name("test-ledger-redis-empty")
     for ev in events[:1000]:
         usage_writer.write(ev)
     svc = start_ledger(ledger_config_path, usage_writer.path, r.url, name)

@@ -16,10 +16,10 @@ from tokengate.ledger import store
 from tokengate.ledger.global_limit import GlobalLimiter, window_keys
 from tokengate.ledger.ledger import Ledger
 
-from tests.fixtures_ledger import UsageWriter, make_event, wait_until
+from tests.fixtures_ledger import PORT_OFFSET, UsageWriter, make_event, wait_until
 from tests.test_ledger import assert_ledger_equals, workload
 
-CLUSTER_PORTS = (16391, 16392, 16393)
+CLUSTER_PORTS = tuple(p + PORT_OFFSET for p in (16391, 16392, 16393))
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from tokengate.ledger.global_limit import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
 
-from tests.fixtures_ledger import free_port, wait_until
+from tests.fixtures_ledger import PORT_OFFSET, free_port, svc_name, wait_until
 
-LIMITS_PORTS = range(15061, 15070)
+LIMITS_PORTS = range(15061 + PORT_OFFSET, 15070 + PORT_OFFSET)
 
 
 def rid(i: int) -> str:
@@ -34,10 +34,12 @@ def rid(i: int) -> str:
 
 
 @pytest.fixture
-def limits(config_path: Path, redis_url: str, ledger_redis: object) -> Iterator[pb_grpc.GlobalLimitsStub]:
+def limits(config_path: Path, redis_url: str,
+           ledger_redis: object) -> Iterator[pb_grpc.GlobalLimitsStub]:
     """A GlobalLimits stub on a real tokengate-limits (session Redis, flushed)."""
     port = free_port(LIMITS_PORTS)
-    svc = devstack.limits_service(config_path, port, redis_url, name="test-limits").start()
+    svc = devstack.limits_service(config_path, port, redis_url,
+                                  name=svc_name("test-limits")).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield pb_grpc.GlobalLimitsStub(channel)
@@ -186,11 +188,11 @@ def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue
 def test_two_edges_share_one_tokens_per_minute_limit(config_path, redis_url, ledger_redis):
     tpm = 20_000
     ports = [free_port(LIMITS_PORTS)]
-    svcs = [devstack.limits_service(config_path, ports[0], redis_url, name="test-limits-a")
-            .start()]
+    svcs = [devstack.limits_service(config_path, ports[0], redis_url,
+                                    name=svc_name("test-limits-a")).start()]
     ports.append(free_port(range(ports[0] + 1, LIMITS_PORTS.stop)))
     svcs.append(devstack.limits_service(config_path, ports[1], redis_url,
-                                        name="test-limits-b").start())
+                                        name=svc_name("test-limits-b")).start())
     ctx = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = ctx.Queue()
     try:
@@ -230,7 +232,8 @@ def _timed(fn) -> tuple[float, grpc.StatusCode | None]:  # type: ignore[no-untyp
 def test_redis_down_or_stalled_answers_unavailable_quickly(config_path, private_redis):
     r = private_redis()
     port = free_port(LIMITS_PORTS)
-    svc = devstack.limits_service(config_path, port, r.url, name="test-limits-down").start()
+    svc = devstack.limits_service(config_path, port, r.url,
+                                  name=svc_name("test-limits-down")).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.GlobalLimitsStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
@@ -281,7 +284,7 @@ def test_wire_bytes_of_the_messages_the_edge_handles():
         "20d804"                           # 4 rpm_limit 600 (3 per_model false: omitted)
         "28c09a0c"                         # 5 tpm_limit 200000
         "308c02"                           # 6 tokens 268
-        "3a20" + "5d41402abc4b2a76b9719d911017c592".encode().hex())   # 7 request_id
+        "3a20" + b"5d41402abc4b2a76b9719d911017c592".hex())   # 7 request_id
     reply = pb.ReserveReply(admitted=True, remaining_requests=599, remaining_tokens=199_732,
                             reset_requests_ms=60_000, reset_tokens_ms=60_000)
     assert reply.SerializeToString().hex() == "080120d70428b4980c30e0d40338e0d403"
@@ -295,7 +298,7 @@ def test_several_workers_serve_tcp_and_one_unix_socket_each(config_path, redis_u
     port = free_port(LIMITS_PORTS)
     sock = tmp_path / "limits.sock"
     svc = devstack.limits_service(config_path, port, redis_url, unix_socket=sock, workers=2,
-                                  name="test-limits-workers").start()
+                                  name=svc_name("test-limits-workers")).start()
     try:
         wait_until(lambda: all(Path(f"{sock}.{i}").exists() for i in range(2)), 20,
                    what="both worker sockets")

@@ -24,7 +24,7 @@ from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 
 from tests.conftest import MODEL
-from tests.fixtures_ledger import make_event, wait_until
+from tests.fixtures_ledger import make_event, svc_name, wait_until
 from tests.test_ledger import workload
 
 
@@ -203,7 +203,7 @@ def test_report_equals_vllm_usage_for_a_known_workload(cfg, ledger_config_path, 
             ts=f"2026-11-29T10:00:{i:02d}.000Z", token_estimate=s["prompt_tokens"],
             reserved=s["prompt_tokens"] + 256, system_tokens=0,
             error="rate_limit_exceeded" if s["status"] == 429 else None, **s))
-    name = "test-ledger-report"
+    name = svc_name("test-ledger-report")
     svc = devstack.ledger_service(ledger_config_path, usage_writer.path, redis_url,
                                   ledger_id=name, name=name).start()
     try:

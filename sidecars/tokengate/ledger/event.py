@@ -31,8 +31,9 @@ Schema (every key is present; ``null`` only where shown)::
     error             short error code of a failed or rejected request | null
 
 The parser is strict about the keys it knows (type, range, enumerations, duplicate
-keys, NaN, empty strings: an absent value is ``null``) and ignores keys it does not know, so a newer edge that adds a field does
-not make an older ledger skip billable events.
+keys, NaN, empty strings: an absent value is ``null``) and ignores keys it does not
+know, so a newer edge that adds a field does not make an older ledger skip billable
+events.
 """
 
 from __future__ import annotations

@@ -183,7 +183,9 @@ EXAMPLES
 """
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(
+        sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+) -> argparse.ArgumentParser:
     """Register ``usage`` on a ``tokengate`` subcommand parser."""
     p = sub.add_parser("usage", help="usage and cost per key / model / day",
                        description=USAGE_HELP,
