@@ -11,6 +11,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -397,3 +399,36 @@ def test_redis_back_without_its_data_is_rebuilt_from_the_usage_files(
     finally:
         svc.stop()
     assert_ledger_equals(r.client(), events, cfg)
+
+
+def test_the_ledger_waits_for_a_usage_file_that_does_not_exist_yet(cfg, ledger_redis,
+                                                                   redis_url, tmp_path):
+    path = tmp_path / "later" / "usage.jsonl"
+    led = Ledger(cfg, store.connect(cfg.redis, url=redis_url), path, "later")
+    assert led.step() is False
+    writer = UsageWriter(path)
+    ev = make_event(prompt_tokens=4, completion_tokens=2)
+    writer.write(ev)
+    assert led.drain().applied == 1
+    assert_ledger_equals(ledger_redis, [ev], cfg)
+    writer.close()
+    led.close()
+
+
+def test_once_applies_what_is_there_and_exits(cfg, config_path, ledger_redis, redis_url,
+                                              usage_writer):
+    events = workload(50, seed=51)
+    for ev in events[:30]:
+        usage_writer.write(ev)
+    usage_writer.rotate()
+    for ev in events[30:]:
+        usage_writer.write(ev)
+    argv = [sys.executable, "-m", "tokengate.ledger.service", "--config", str(config_path),
+            "--usage-file", str(usage_writer.path), "--redis-url", redis_url, "--once"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "applied 50, duplicates 0, bad lines 0"
+    assert_ledger_equals(ledger_redis, events, cfg)
+    r = subprocess.run(argv[:-3] + ["--redis-url", "redis://127.0.0.1:1/0", "--once"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "Redis unavailable" in r.stderr
