@@ -15,11 +15,12 @@ batch of events with one Redis script (``APPLY_LUA``) that, atomically,
 3. stores the position after the batch as the new checkpoint.
 
 When the tail has finished a rotated file, the same script (with no events) adds the
-file's id to the ledger's ``done`` set and sets the checkpoint to ``-`` (between
-files); a restart reads every usage file that is not done, the checkpointed one from
-its offset, so the order of rotated files never matters. A missing checkpoint (a new
-ledger, or a Redis that lost its data) differs from ``-``, so the compare-and-set
-catches a Redis that came back empty at any point.
+file's id to the ledger's ``done`` set and sets the checkpoint to ``-<file_id>``
+(between files); a restart reads every usage file that is not done, the checkpointed
+one from its offset, so the order of rotated files never matters. Every checkpoint
+value is unique, and a missing one (a new ledger, or a Redis that lost its data)
+differs from all of them, so the compare-and-set catches a Redis that came back empty
+or older at any point.
 
 Exactly once, by construction: the counters and the checkpoint change in the same
 script, so a ``kill -9`` of the ledger at any point leaves Redis either before or
@@ -58,7 +59,7 @@ log = logging.getLogger("tokengate.ledger")
 # KEYS[1] checkpoint hash, KEYS[2] stats hash, KEYS[3] audit stream, KEYS[4] days zset,
 # KEYS[5] done zset (finished files), KEYS[6..] the batch's seen / usage / idx keys,
 # referenced by index from ARGV[5].
-# ARGV: expected pos ("" = no checkpoint yet), new pos ("-" = between files), seen ttl
+# ARGV: expected pos ("" = no checkpoint yet), new pos ("-<file_id>" = after that file), seen ttl
 # (s), audit maxlen, batch (JSON), bad lines in the batch, file path (for humans),
 # wall-clock time (for humans), id of a file finished by this call ("" = none).
 APPLY_LUA = """
@@ -101,9 +102,6 @@ redis.call('HINCRBY', KEYS[2], 'bad_lines', tonumber(ARGV[6]))
 redis.call('HINCRBY', KEYS[2], 'batches', 1)
 return {'ok', applied, dup}
 """
-
-BETWEEN_FILES = "-"
-
 
 @dataclass
 class Totals:
@@ -245,10 +243,11 @@ class Ledger:
             if item.file_id is None:  # never had a line: nothing to remember
                 self.tail.advance()
                 return True
-            keys, argv = self._build(item.path, [], 0, BETWEEN_FILES, item.file_id)
+            after = "-" + item.file_id   # between files: after this one
+            keys, argv = self._build(item.path, [], 0, after, item.file_id)
             if self._run(keys, argv):
                 self.tail.advance()
-                self._expected = self._committed = BETWEEN_FILES
+                self._expected = self._committed = after
             return True
         events, bad = self._parse(item)
         new_pos = item.position.encode()

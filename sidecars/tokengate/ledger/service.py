@@ -43,7 +43,9 @@ LOG ROTATION
   last write for late writers, then continues with the new file. Files are found
   by content (a hash of their first line), so renames are safe; compressed
   siblings (*.gz ...) are ignored: compress a rotated file only after the ledger
-  has read it (its checkpoint has moved to a newer file).
+  has read it (its checkpoint has moved to a newer file), and keep rotated files in
+  the usage file's directory with names that start with its name (usage.jsonl.1,
+  usage.jsonl-20261129): a restarted ledger looks for unfinished files there.
 
 REDIS DOWN
   The ledger retries (0.1 s doubling to 5 s); events wait in the usage file and

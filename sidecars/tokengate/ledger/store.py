@@ -14,8 +14,8 @@ one as the empty string)::
     <p>:seen:<day>                     set: request ids applied, by the event's day;
                                        expires dedupe_days after its last addition
     <p>:audit                          stream: one entry per applied event (bounded)
-    <p>:ckpt:<ledger_id>               hash: pos (file_id:offset, or "-" between
-                                       files), path, ts
+    <p>:ckpt:<ledger_id>               hash: pos (file_id:offset, or -file_id after
+                                       a finished file), path, ts
     <p>:done:<ledger_id>               zset: ids of usage files read to their end
     <p>:stats:<ledger_id>              hash: applied, duplicates, bad_lines, batches,
                                        files_done
