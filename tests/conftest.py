@@ -20,6 +20,7 @@ from tokengate import devstack
 pytest_plugins: list[str] = []
 pytest_plugins.append("tests.fixtures_ledger")
 pytest_plugins.append("tests.fixtures_storm")
+pytest_plugins.append("tests.fixtures_edge")
 
 VLLM_PORT = 18000
 COUNTER_PORT = 15051

@@ -207,23 +207,74 @@ def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
                    start_timeout_s=20.0)
 
 
+def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | None = None,
+                  counter_workers: int = 2, workers: int = 2, name: str = "nginx",
+                  prefix: Path | None = None) -> Service:
+    """The nginx + ngx_lua edge on 127.0.0.1:port (the gateway users call).
+
+    Renders a complete instance (``tokengate.tools.nginx_conf``) into ``prefix``
+    (default ``var/run/<name>``): nginx.conf, the http-level include, the compiled
+    configuration (edge.json) and the loopback-hop socket. ``counter_socket`` is the
+    counter's ``--unix-socket`` path (its workers listen on ``<path>.<i>``). Raises
+    ``ConfigError`` for a bad configuration. Starts in well under a second.
+    """
+    from tokengate.tools import nginx_conf
+
+    inst = nginx_conf.EdgeInstance(
+        prefix=(prefix or VAR / "run" / name).resolve(), listen=f"127.0.0.1:{port}",
+        counter_socket=(counter_socket or VAR / "run" / "counter.sock").resolve(),
+        counter_workers=counter_workers, workers=workers)
+    conf = nginx_conf.write_instance(config_path, inst)
+    argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
+    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
+
+
+DEMO_KEY = "tg-demo-key"
+
+
+def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl") -> str:
+    """What ``make run`` prints once the stack is up: base URL, demo key, examples."""
+    return f"""
+tokengate is up.
+  base URL : {base_url}
+  API key  : {DEMO_KEY}   (demo key of tokengate.yaml)
+  model    : {model}
+
+  curl {base_url}/chat/completions \\
+    -H "Authorization: Bearer {DEMO_KEY}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+
+  .venv/bin/python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}", \\
+    api_key="{DEMO_KEY}"); print(c.chat.completions.create(model="{model}", \\
+    messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=16))'
+
+Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
+{usage_file}. Ctrl-C stops everything."""
+
+
 def run(config_path: Path) -> None:
     """Start every part, print how to call the gateway, stop all on Ctrl-C."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
     model = next(iter(cfg.models.values()))
+    from tokengate.tools.compile_config import edge_config
+
+    edge = edge_config(cfg)
+    listen = edge.listen
+    usage_file = os.path.relpath(edge.usage_file, ROOT)
+    edge_port = int(listen.rpartition(":")[2])
     services = [
         redis_service(),
         counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
         vllm_service(model),
+        nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
     ]
     started: list[Service] = []
     try:
         for svc in services:
             print(f"starting {svc.name} (log: {svc.log_path.relative_to(ROOT)}) ...", flush=True)
             started.append(svc.start())
-        print(f"\ntokengate is up: vLLM at http://127.0.0.1:8000/v1 (model {model.name}), "
-              "counter at 127.0.0.1:50051. Ctrl-C stops everything.", flush=True)
+        print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name, usage_file), flush=True)
         while all(s.proc is not None and s.proc.poll() is None for s in started):
             time.sleep(1)
         dead = [s.name for s in started if s.proc is not None and s.proc.poll() is not None]
