@@ -16,12 +16,13 @@ local lrucache = require "resty.lrucache"
 local capture = ngx.location.capture
 local HTTP_POST = ngx.HTTP_POST
 local sha1_bin = ngx.sha1_bin
-local unescape_uri = ngx.unescape_uri
 local tonumber = tonumber
 local type = type
 local ceil = math.ceil
 local find = string.find
 local sub = string.sub
+local gsub = string.gsub
+local char = string.char
 
 local _M = {}
 
@@ -35,6 +36,16 @@ local cache -- per-worker LRU: route .. model .. sha1(body) -> reply
 -- init_worker(entries): creates this worker's count cache (entries: max bodies kept).
 function _M.init_worker(entries)
     cache = lrucache.new(entries)
+end
+
+-- grpc-message is percent-encoded (gRPC over HTTP/2 spec: bytes outside 0x20..0x7E and
+-- "%" only). ngx.unescape_uri would also turn "+" into a space, so decode by hand.
+local function hexbyte(h)
+    return char(tonumber(h, 16))
+end
+
+local function grpc_message(v)
+    return (gsub(v or "", "%%(%x%x)", hexbyte))
 end
 
 local function header(res, name)
@@ -62,7 +73,7 @@ function _M.count(route, model, body)
     local res = capture(HOP, { method = HTTP_POST, body = frame })
     local gs = tonumber(header(res, "grpc-status"))
     if gs and gs ~= 0 then
-        local msg = unescape_uri(header(res, "grpc-message") or "")
+        local msg = grpc_message(header(res, "grpc-message"))
         if gs == GRPC_INVALID_ARGUMENT then
             -- "messages[2].content: text" -> param "messages[2].content"
             local colon = find(msg, ": ", 1, true)

@@ -224,7 +224,7 @@ function _M.access()
         model, err = body_mod.validate_completions(body, doc.models)
     end
     if not model then
-        if err.param == "model" and type(body.model) == "string" then
+        if err.param == "model" and type(body.model) == "string" and body.model ~= "" then
             ctx.model = body.model
         end
         return fail(ctx, err)
@@ -350,6 +350,8 @@ local UPSTREAM_FAILURE = {
 function _M.header_filter()
     local ctx = ngx.ctx
     local h = ngx.header
+    -- the usage event's request_id; vLLM also uses it in its response ids
+    h["X-Request-Id"] = ngx_var.request_id
     if ctx.rate then
         limit.headers(h, ctx.rate)
     end

@@ -1,0 +1,178 @@
+"""Fixtures of the nginx edge tests: real nginx + ngx_lua, real counter, real vLLM CPU.
+
+- ``edge_config_path``: the test configuration plus the edge's test keys (small limits
+  for the limit tests) and a usage file of its own.
+- ``edge``: the main edge instance (``devstack.nginx_service``, the builder ``make run``
+  uses) in front of the session's counter and vLLM, on 127.0.0.1:18080.
+- ``edge_variant``: starts another instance with a different configuration (counter
+  down, fail closed, vLLM down, fake upstream); each is stopped at the end of the test.
+- ``vllm_requests``: vLLM's own count of HTTP requests, to prove that nothing reached it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
+from tokengate import devstack
+
+# TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
+PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
+EDGE_PORT = 18080 + PORT_OFFSET
+VARIANT_PORTS = iter(range(18081 + PORT_OFFSET, 18099 + PORT_OFFSET))
+EDGE_DIR = TEST_DIR / "edge"
+
+# API keys of the edge tests: id -> (key, rpm, tpm). Each limit test owns its key, so the
+# shared-dict windows of one test never disturb another.
+KEYS: dict[str, tuple[str, int, int]] = {
+    "edge-main": ("tg-test-edge-main", 100000, 100_000_000),
+    "edge-rpm": ("tg-test-edge-rpm", 3, 1_000_000),
+    "edge-tpm": ("tg-test-edge-tpm", 1000, 120),
+    "edge-burst": ("tg-test-edge-burst", 1000, 1000),
+    "edge-settle": ("tg-test-edge-settle", 1000, 100_000),
+    "edge-countdown": ("tg-test-edge-countdown", 50, 100_000),
+    "edge-override": ("tg-test-edge-override", 1000, 100_000),
+}
+MAIN_KEY = KEYS["edge-main"][0]
+
+
+def key_of(key_id: str) -> str:
+    return KEYS[key_id][0]
+
+
+def _edge_yaml(base: Path, out: Path, edit: Callable[[dict[str, Any]], None] | None = None,
+               usage_file: Path | None = None) -> Path:
+    raw = yaml.safe_load(base.read_text())
+    keys = raw.setdefault("keys", {})
+    for key_id, (key, rpm, tpm) in KEYS.items():
+        keys[key_id] = {"sha256": key_digest(key), "rpm": rpm, "tpm": tpm}
+    keys["edge-override"]["models"] = {MODEL: {"rpm": 2, "tpm": 50_000}}
+    edge = raw.setdefault("edge", {})
+    edge["usage_file"] = str(usage_file or EDGE_DIR / "usage.jsonl")
+    if edit is not None:
+        edit(raw)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def edge_config_path(config_path: Path) -> Path:
+    """tokengate.yaml of the edge tests (models as in ``config_path``, plus ``KEYS``)."""
+    return _edge_yaml(config_path, EDGE_DIR / "tokengate.yaml")
+
+
+@dataclass
+class Edge:
+    """A running edge instance."""
+
+    base_url: str            # http://127.0.0.1:<port>/v1
+    port: int
+    usage_file: Path
+    service: devstack.Service
+
+    @property
+    def log_path(self) -> Path:
+        return self.service.log_path
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every usage event written so far, in order."""
+        if not self.usage_file.exists():
+            return []
+        return [json.loads(line) for line in self.usage_file.read_text().splitlines() if line]
+
+    def event(self, request_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The usage event of one request (waits for the log phase to write it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for ev in reversed(self.events()):
+                if ev["request_id"] == request_id:
+                    return ev
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no usage event for request {request_id}")
+            time.sleep(0.05)
+
+
+def _start_edge(config_path: Path, port: int, name: str, counter_socket: Path,
+                usage_file: Path) -> Edge:
+    svc = devstack.nginx_service(config_path, port=port, counter_socket=counter_socket,
+                                 counter_workers=2, workers=2, name=name,
+                                 prefix=EDGE_DIR / name)
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    return Edge(f"http://127.0.0.1:{port}/v1", port, usage_file, svc)
+
+
+@pytest.fixture(scope="session")
+def edge(edge_config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[Edge]:
+    """The main edge: real counter (2 workers), real vLLM, 2 nginx workers."""
+    e = _start_edge(edge_config_path, EDGE_PORT, f"test-nginx{PORT_OFFSET or ''}",
+                    TEST_DIR / "counter.sock", EDGE_DIR / "usage.jsonl")
+    try:
+        yield e
+    finally:
+        e.service.stop()
+
+
+@pytest.fixture
+def edge_variant(config_path: Path, vllm_url: str) -> Iterator[Callable[..., Edge]]:
+    """Factory: ``edge_variant(name, edit=fn(raw_yaml), counter_socket=Path)`` starts an
+    extra edge whose YAML is edited by ``edit``; stopped when the test ends."""
+    started: list[Edge] = []
+
+    def start(name: str, edit: Callable[[dict[str, Any]], None] | None = None,
+              counter_socket: Path | None = None) -> Edge:
+        usage = EDGE_DIR / name / "usage.jsonl"
+        usage.unlink(missing_ok=True)
+        path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml", edit, usage)
+        e = _start_edge(path, next(VARIANT_PORTS), f"test-nginx-{name}{PORT_OFFSET or ''}",
+                        counter_socket or TEST_DIR / "counter.sock", usage)
+        started.append(e)
+        return e
+
+    try:
+        yield start
+    finally:
+        for e in started:
+            e.service.stop()
+
+
+def window_room(seconds: float) -> float:
+    """Sleep, if needed, until at least ``seconds`` remain in the current wall-clock
+    minute (the edge's limit window); returns the seconds elapsed in that window."""
+    left = 60 - time.time() % 60
+    if left < seconds:
+        time.sleep(left + 0.2)
+    return time.time() % 60
+
+
+_HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'
+                            r'status="([^"]*)"\} ([0-9.e+]+)$', re.M)
+
+
+def vllm_request_count() -> int:
+    """vLLM's total of HTTP requests to its OpenAI endpoints (from /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{VLLM_PORT}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return int(sum(float(v) for h, _m, _s, v in _HTTP_REQUESTS.findall(text)
+                   if h.startswith("/v1/")))
+
+
+@pytest.fixture
+def vllm_requests(vllm_url: str) -> Callable[[], int]:
+    """Callable: requests vLLM has received so far (compare before/after)."""
+    return vllm_request_count
+
+
+__all__ = ["EDGE_PORT", "Edge", "KEYS", "MAIN_KEY", "key_of", "window_room"]
