@@ -8,6 +8,7 @@ so a running ``make run`` does not disturb the tests. Area-specific fixtures liv
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +23,12 @@ pytest_plugins.append("tests.fixtures_ledger")
 pytest_plugins.append("tests.fixtures_storm")
 pytest_plugins.append("tests.fixtures_edge")
 
-VLLM_PORT = 18000
-COUNTER_PORT = 15051
+# TOKENGATE_TEST_PORT_OFFSET lets two test sessions run side by side.
+PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
+VLLM_PORT = 18000 + PORT_OFFSET
+COUNTER_PORT = 15051 + PORT_OFFSET
 MODEL = "tiny-qwen3"
-TEST_DIR = devstack.VAR / "test"
+TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 
 
 def key_digest(key: str) -> str:
@@ -53,7 +56,7 @@ def cfg(config_path: Path) -> tg_config.Config:
 @pytest.fixture(scope="session")
 def vllm_url(cfg: tg_config.Config) -> Iterator[str]:
     """Base URL (…/v1) of the real vLLM CPU server on the embedded model."""
-    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT, name="test-vllm").start()
+    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT, name=f"test-vllm{PORT_OFFSET or ''}").start()
     try:
         yield f"http://127.0.0.1:{VLLM_PORT}/v1"
     finally:
@@ -65,7 +68,7 @@ def counter_addr(config_path: Path) -> Iterator[str]:
     """host:port of a real tokengate-counter with two worker processes."""
     sock = TEST_DIR / "counter.sock"
     svc = devstack.counter_service(config_path, port=COUNTER_PORT, unix_socket=sock,
-                                   workers=2, name="test-counter").start()
+                                   workers=2, name=f"test-counter{PORT_OFFSET or ''}").start()
     try:
         yield f"127.0.0.1:{COUNTER_PORT}"
     finally:

@@ -77,6 +77,8 @@ class Service:
 
     def start(self) -> Service:
         """Start the process and wait until ``ready()``; raises ``ServiceError``."""
+        if self.ready():
+            raise ServiceError(f"{self.name}: its address is already in use by another process")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         env = {**os.environ, **self.env}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import grpc
@@ -10,7 +11,21 @@ import grpc
 from tokengate.counter.counting import BadRequest, ModelCounter
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
+_MAX_DETAILS = 512  # characters of an error message sent back
+
+log = logging.getLogger(__name__)
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Abort the RPC with a short, always-encodable message.
+
+    Details travel as a UTF-8 header: a lone surrogate echoed from the body (a model
+    named "\\ud800") cannot be encoded, and grpc then never sends the status at all.
+    """
+    if len(message) > _MAX_DETAILS:
+        message = message[:_MAX_DETAILS] + "..."
+    await context.abort(code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
@@ -28,28 +43,31 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         """
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
         try:
             body: Any = json.loads(request.body)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"body: invalid JSON: {e}")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"body: invalid JSON: {e}")
         if not isinstance(body, dict):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 "body: expected a JSON object")
         model = request.model or body.get("model")
         if not isinstance(model, str) or not model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model: required string")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "model: required string")
         counter = self.counters.get(model)
         if counter is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await _abort(context, grpc.StatusCode.NOT_FOUND,
                                 f"model: the model '{model}' does not exist")
         try:
             r = counter.count(endpoint, body)  # type: ignore[arg-type]
         except BadRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RecursionError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "body: nested too deeply")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "body: nested too deeply")
+        except Exception:  # a bug must cost one request, not the worker
+            log.exception("CountTokens failed on a %d-byte body", len(request.body))
+            await _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
         b = r.breakdown
         return counter_pb2.CountReply(
             prompt_tokens=r.prompt_tokens, max_model_len=r.max_model_len,

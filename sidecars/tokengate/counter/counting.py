@@ -146,6 +146,12 @@ class ModelCounter:
             prompt_tokens_for_room = biggest
         else:
             raise BadRequest("endpoint", f"unknown endpoint {endpoint!r}")
+        if requested is not None and requested > self.model.max_model_len:
+            # vLLM: "max_tokens=N cannot be greater than max_model_len=M" (400).
+            param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+                and endpoint == "chat" else "max_tokens"
+            raise BadRequest(param, f"{requested} is greater than max_model_len "
+                                    f"{self.model.max_model_len}")
         truncate = _opt_int(body, "truncate_prompt_tokens", -1)
         if truncate is not None:
             if truncate > self.model.max_model_len:
@@ -153,7 +159,9 @@ class ModelCounter:
                                  f"{truncate} is greater than max_model_len "
                                  f"{self.model.max_model_len}")
             limit = self.model.max_model_len - 1 if truncate == -1 else truncate
-            prompt_tokens = min(prompt_tokens, limit * n_prompts)
+            if prompt_tokens > limit * n_prompts:
+                prompt_tokens = limit * n_prompts
+                breakdown = _fit(breakdown, prompt_tokens)
         if endpoint == "chat":
             prompt_tokens_for_room = prompt_tokens
         room = max(0, self.model.max_model_len - prompt_tokens_for_room)
@@ -384,7 +392,9 @@ class ModelCounter:
     def _template_kwargs(self, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``build_chat_params`` merge, filtered by ``resolve_chat_template_kwargs``."""
         assert self.template is not None
-        user = body.get("chat_template_kwargs") or {}
+        user = body.get("chat_template_kwargs")
+        if user is None:
+            user = {}
         if not isinstance(user, dict):
             raise BadRequest("chat_template_kwargs", "expected an object")
         for k in user:
@@ -405,6 +415,15 @@ class ModelCounter:
         merged = {**user, **{k: v for k, v in extra.items()
                              if v is not None and not (isinstance(v, str) and v == "auto")}}
         return {k: v for k, v in merged.items() if self.template.accepts(k)}
+
+
+def _fit(b: Breakdown, total: int) -> Breakdown:
+    """Scale a breakdown down to ``total`` tokens (after truncation), keeping the sum exact."""
+    parts = b.system + b.tools + b.messages + b.template_overhead
+    if parts <= total or parts == 0:
+        return b
+    system, tools, messages = (x * total // parts for x in (b.system, b.tools, b.messages))
+    return Breakdown(system, tools, messages, total - system - tools - messages)
 
 
 def _postprocess_tool_calls(conversation: list[dict[str, Any]]) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import tiktoken
+import tiktoken.load
 from tokenizers import Tokenizer
 
 # Text that stresses normalization, pre-tokenization and byte-level merges; encoded at
