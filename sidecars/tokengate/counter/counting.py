@@ -233,17 +233,23 @@ class ModelCounter:
         except TemplateError as e:
             raise BadRequest("messages", f"chat template rejected the request: {e}") from e
         tok = self.tokenizer
-        total = tok.count(text)
-        system = sum(tok.count(m["content"]) for m in conversation
-                     if m["role"] == "system" and isinstance(m.get("content"), str))
-        content = sum(tok.count(m["content"]) for m in conversation
-                      if m["role"] != "system" and isinstance(m.get("content"), str))
-        tool_tokens = sum(tok.count(json.dumps(t, ensure_ascii=False)) for t in tools or [])
+        pieces = tok.split(text)
+        total = tok.count_pieces(pieces)
+        system = content = 0
+        for m in conversation:
+            c = m.get("content")
+            if isinstance(c, str) and c:
+                n = _tokens_inside(tok, pieces, c)
+                if m["role"] == "system":
+                    system += n
+                else:
+                    content += n
+        tool_tokens = sum(_tokens_inside(tok, pieces, json.dumps(t, ensure_ascii=False))
+                          for t in tools or [])
         parts = system + content + tool_tokens
         if parts > total:  # content the template dropped (e.g. an unknown role)
-            scale = total / parts
-            system, content = int(system * scale), int(content * scale)
-            tool_tokens = int(tool_tokens * scale)
+            system, tool_tokens, content = (x * total // parts
+                                            for x in (system, tool_tokens, content))
         return total, Breakdown(system, tool_tokens, content,
                                 total - system - content - tool_tokens)
 
@@ -415,6 +421,23 @@ class ModelCounter:
         merged = {**user, **{k: v for k, v in extra.items()
                              if v is not None and not (isinstance(v, str) and v == "auto")}}
         return {k: v for k, v in merged.items() if self.template.accepts(k)}
+
+
+def _tokens_inside(tok: PromptTokenizer, pieces: list[str], text: str) -> int:
+    """Tokens that ``text`` contributes to the prompt cut into ``pieces``.
+
+    When ``text`` lies inside one piece (the usual case: a message's content between two
+    special tokens), it is ``count(piece) - count(piece without text)``: the piece's
+    count is already cached from the total and the rest is a short role header, so
+    content is not tokenized twice. Otherwise (content holding literal special tokens)
+    ``text`` is counted on its own. Exact except for BPE merges across the boundary.
+    """
+    for k in range(0, len(pieces), 2):
+        piece = pieces[k]
+        at = piece.find(text)
+        if at >= 0:
+            return tok.count(piece) - tok.count(piece[:at] + piece[at + len(text):])
+    return tok.count(text)
 
 
 def _fit(b: Breakdown, total: int) -> Breakdown:

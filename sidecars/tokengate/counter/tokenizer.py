@@ -225,9 +225,13 @@ class PromptTokenizer:
         With HF as the backend each piece is still encoded separately: added tokens
         split the text first in HF too, so the sum is exact.
         """
+        return self.count_pieces(self.split(text))
+
+    def count_pieces(self, parts: list[str]) -> int:
+        """Tokens of a text already cut by ``split`` (odd positions are added tokens)."""
         n = 0
         cache = self.cache
-        for i, part in enumerate(self.split(text)):
+        for i, part in enumerate(parts):
             if i % 2:
                 n += 1
             elif part:
