@@ -18,6 +18,12 @@ test: setup
 bench-counter: setup
 	@$(PY) -m tokengate.counter.bench
 
+# TokenStorm: ceilings (vs vllm bench serve) and direct vs through the gateway, on the
+# fast upstream; results in bench/results/. BENCH_ARGS: see
+# `python -m tokengate.storm.bench --help`.
+bench: setup
+	@$(PY) -m tokengate.storm.bench $(BENCH_ARGS)
+
 lint: setup
 	@.venv/bin/ruff check sidecars tests vllm_patches
 	@cd sidecars && ../.venv/bin/mypy tokengate

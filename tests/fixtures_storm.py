@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from tokengate import config as tg_config
 from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.prompts import PromptBuilder

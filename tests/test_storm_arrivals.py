@@ -12,10 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tokengate.storm.arrivals import ArrivalSpec, schedule
-from tokengate.storm.profiles import (BurstProfile, LongTailProfile, NormalProfile,
-                                      OutputPolicy, TokenLimits, make_profile)
+from tokengate.storm.profiles import (
+    BurstProfile,
+    LongTailProfile,
+    NormalProfile,
+    OutputPolicy,
+    TokenLimits,
+    make_profile,
+)
 
 LIMITS = TokenLimits(min_input=9, max_model_len=8192, min_output=16)
 FIXED = NormalProfile(limits=LIMITS, mean=1000, sd=0)
@@ -121,8 +126,8 @@ def test_same_seed_same_schedule_other_seed_other_schedule() -> None:
     assert not np.array_equal(a.inputs[:100], c.inputs[:100])
 
 
-@pytest.mark.parametrize("bad", [dict(rate=None), dict(rate=5.0, token_rate=5.0),
-                                 dict(rate=-1.0), dict(rate=1.0, burstiness=0.0)])
+@pytest.mark.parametrize("bad", [{"rate": None}, {"rate": 5.0, "token_rate": 5.0},
+                                 {"rate": -1.0}, {"rate": 1.0, "burstiness": 0.0}])
 def test_arrival_spec_rejects_bad_targets(bad: dict[str, float | None]) -> None:
     with pytest.raises(ValueError):
         ArrivalSpec("gamma", **bad)  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from tokengate import config as tg_config
 from tokengate.storm.arrivals import ArrivalSpec
 from tokengate.storm.profiles import OutputPolicy

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tokengate import config as tg_config
 from tokengate.storm.arrivals import ArrivalSpec
 from tokengate.storm.client import L_REQUESTS, L_TOKENS, L_UNKNOWN, classify_429
@@ -25,11 +24,12 @@ PY = sys.executable
 
 def spec_for(url: str, cfg: tg_config.Config, **kw: object) -> RunSpec:
     m = cfg.models["tiny-qwen3"]
-    base: dict[str, object] = dict(
-        url=url, model=m.name, model_dir=Path(m.dir), max_model_len=m.max_model_len,
-        arrival=ArrivalSpec("constant", rate=300.0), duration_s=2.0,
-        profile="normal:mean=1000,sd=200", output=OutputPolicy(fixed=16),
-        send_token_count=True, max_lag_ms=1000.0)  # lag rule: test_send_lag_rule
+    base: dict[str, object] = {
+        "url": url, "model": m.name, "model_dir": Path(m.dir),
+        "max_model_len": m.max_model_len, "arrival": ArrivalSpec("constant", rate=300.0),
+        "duration_s": 2.0, "profile": "normal:mean=1000,sd=200",
+        "output": OutputPolicy(fixed=16), "send_token_count": True,
+        "max_lag_ms": 1000.0}  # the lag rule has its own test: test_send_lag_rule
     base.update(kw)
     return RunSpec(**base)  # type: ignore[arg-type]
 
@@ -106,8 +106,8 @@ def test_send_lag_rule(late: int, open_loop: bool, valid: bool) -> None:
     assert s.late_fraction == late / 1000
     if not valid:
         assert s.invalid_reasons == [
-            f"generator fell behind its schedule: {late / 10:.1f}% of requests left more "
-            f"than 10 ms late (p99 send lag {s.send_lag_ms.p99:.1f} ms)"]
+            (f"generator fell behind its schedule: {late / 10:.1f}% of requests left more "
+             f"than 10 ms late (p99 send lag {s.send_lag_ms.p99:.1f} ms)")]
 
 
 def test_tpot_and_goodput_follow_their_definitions() -> None:
@@ -126,10 +126,10 @@ def test_tpot_and_goodput_follow_their_definitions() -> None:
 
 
 @pytest.mark.parametrize("body, headers, kind", [
-    (b'{"error":{"message":"Rate limit reached: requests per minute (RPM) 600",'
-     b'"type":"requests","code":"rate_limit_exceeded"}}', b"", L_REQUESTS),
-    (b'{"error":{"message":"Rate limit reached for tokens per minute (TPM): limit 1000",'
-     b'"code":"rate_limit_exceeded"}}', b"", L_TOKENS),
+    ((b'{"error":{"message":"Rate limit reached: requests per minute (RPM) 600",'
+      b'"type":"requests","code":"rate_limit_exceeded"}}'), b"", L_REQUESTS),
+    ((b'{"error":{"message":"Rate limit reached for tokens per minute (TPM): limit 1000",'
+      b'"code":"rate_limit_exceeded"}}'), b"", L_TOKENS),
     (b'{"error":{"message":"Too many requests","code":"rate_limit_exceeded"}}',
      b"\r\nx-ratelimit-remaining-requests: 0\r\nx-ratelimit-remaining-tokens: 500\r\n",
      L_REQUESTS),
@@ -144,8 +144,8 @@ def test_429s_are_attributed_to_the_limit_that_refused(body: bytes, headers: byt
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "tokengate.storm.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([PY, "-m", "tokengate.storm.cli", *args], check=False,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_cli_marks_a_run_that_falls_behind_invalid(slow_upstream_url: str) -> None:

@@ -2,8 +2,9 @@
 
 One worker process runs one event loop (uvloop when available) with a pool of
 keep-alive connections. Requests are sent at their scheduled time whether or not
-earlier ones have finished (open loop); a request waits only when the worker's
-connection cap is reached, and that wait counts as *send lag*. All latencies are
+earlier ones have finished (open loop), on an idle connection or a new one; a request
+waits only when the worker's connection cap is reached or its event loop runs late,
+and that wait counts as *send lag* (a slow connect does not: it is server latency). All latencies are
 measured from the **scheduled** send time, not the actual one, so a generator or
 server that falls behind shows it in the latency instead of hiding it (no coordinated
 omission). A closed-loop mode (fixed in-flight requests per worker) measures
@@ -73,7 +74,7 @@ class Target:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"expected an http://host:port/v1 URL, got {url!r}")
         base = parts.path.rstrip("/")
-        if base.endswith("/chat/completions") or base.endswith("/completions"):
+        if base.endswith(("/chat/completions", "/completions")):
             raise ValueError(f"give the API base (…/v1), not an endpoint: {url!r}")
         return cls(parts.hostname, parts.port or 80, base or "/v1")
 
@@ -436,6 +437,8 @@ class Worker:
                 return
             self.n_conns -= 1
         if self.n_conns < self.cfg.max_connections:
+            # Dispatched now: the connect is the server's time (latency), not send lag.
+            self.res.sent[j] = monotonic() - self.start
             self.n_conns += 1
             asyncio.get_running_loop().create_task(self._connect_and_send(j, data))
         else:
@@ -448,12 +451,13 @@ class Worker:
             self.n_conns -= 1
             self._record_failure(j, E_CONNECT, str(e))
             return
-        self._send(conn, j, data)
+        self._send(conn, j, data, dispatched=True)
 
-    def _send(self, conn: Conn, j: int, data: bytes) -> None:
+    def _send(self, conn: Conn, j: int, data: bytes, dispatched: bool = False) -> None:
         conn._reset()
         conn.idx = j
-        self.res.sent[j] = monotonic() - self.start
+        if not dispatched:
+            self.res.sent[j] = monotonic() - self.start
         self.busy.add(conn)
         assert conn.transport is not None
         conn.transport.write(data)
@@ -628,7 +632,7 @@ class Worker:
         # Closed loop: only the requests actually sent are results.
         if self.cfg.concurrency:
             k = self.next_closed
-            for name, col in self.res.columns().items():
+            for col in self.res.columns().values():
                 del col[k:]
         return self.res
 

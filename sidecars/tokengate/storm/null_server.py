@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from types import TracebackType
+from typing import Self
 
 from tokengate import devstack
 from tokengate.storm import upstream
@@ -39,7 +40,7 @@ class FastUpstream:
         """Base URL (…/v1)."""
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self) -> FastUpstream:
+    def start(self) -> Self:
         """Start and wait for ``/health``; raises ``devstack.ServiceError``."""
         self.service.start()
         return self
@@ -47,7 +48,7 @@ class FastUpstream:
     def stop(self) -> None:
         self.service.stop()
 
-    def __enter__(self) -> FastUpstream:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,

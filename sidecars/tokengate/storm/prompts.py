@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -123,10 +123,11 @@ class PromptBuilder:
             raise PromptError(f"{self.model_dir}: no chat template")
         special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                    if isinstance(cfg.get(k), str)}
-        rendered, _ = render_jinja_template(
+        # Returns (rendered conversations, generation indices).
+        out: Any = render_jinja_template(
             conversations=[[{"role": "user", "content": content}]], tools=None,
             chat_template=source, add_generation_prompt=True, **special)
-        return str(rendered[0])
+        return str(out[0][0])
 
     def count(self, content: str) -> int:
         """Prompt tokens of a request with this content, counted the way vLLM counts.

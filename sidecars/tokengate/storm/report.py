@@ -18,7 +18,9 @@ open-loop runs, from the actual send in closed-loop runs):
 - **429s**: split by the limit that refused (requests or tokens); *rejected tokens*
   are the prompt + planned output of refused requests, *admitted tokens* the
   reported prompt + completion tokens of served ones.
-- **Send lag**: actual minus scheduled send (ms). An open-loop run is **invalid**
+- **Send lag**: when the generator dispatched the request (wrote it on a keep-alive
+  connection, or began connecting for it: a slow connect is the server's latency)
+  minus its scheduled time (ms). An open-loop run is **invalid**
   when more than 1 % of requests left more than ``max_lag_ms`` late: the generator
   fell behind its own schedule and the offered load was not the one asked for.
 - **Prompt token check**: each request's expected prompt tokens against the
@@ -211,7 +213,7 @@ def _window(r: Records, slo: SLO, itl: np.ndarray, span_s: float | None = None) 
             meets &= ~(np.nan_to_num(tpot, nan=0.0) * 1000 > slo.tpot_ms)
         if slo.e2e_ms is not None:
             meets &= np.nan_to_num(e2e, nan=np.inf) * 1000 <= slo.e2e_ms
-        good = float(meets.sum()) / span if span == span else None
+        good = float(meets.sum()) / span if math.isfinite(span) else None
     lim = Limits429()
     rej = r.status == 429
     lim.total = int(rej.sum())
@@ -227,9 +229,9 @@ def _window(r: Records, slo: SLO, itl: np.ndarray, span_s: float | None = None) 
         lim.retry_after_s = Dist.of(r.retry_after[rej] / 1000.0)
     return Window(
         requests=n, ok=int(ok.sum()), span_s=span,
-        rps=float(ok.sum()) / span if span == span else 0.0,
-        output_tokens_per_s=out_tokens / span if span == span else 0.0,
-        total_tokens_per_s=(in_tokens + out_tokens) / span if span == span else 0.0,
+        rps=float(ok.sum()) / span if math.isfinite(span) else 0.0,
+        output_tokens_per_s=out_tokens / span if math.isfinite(span) else 0.0,
+        total_tokens_per_s=(in_tokens + out_tokens) / span if math.isfinite(span) else 0.0,
         goodput_rps=good, ttft_ms=Dist.of(ttft), tpot_ms=Dist.of(tpot), itl_ms=Dist.of(itl),
         e2e_ms=Dist.of(e2e), limits=lim)
 
@@ -272,7 +274,7 @@ def summarize(r: Records, *, name: str, target: str, mode: str, offered: str, st
     mism = reported & (r.prompt != r.expected_prompt)
     hdr = r.header_count >= 0
     hdr_mism = hdr & (r.header_count != r.expected_prompt)
-    prompt_check = {"checked": int(reported.sum()), "mismatches": int(mism.sum()),
+    prompt_check: dict[str, Any] = {"checked": int(reported.sum()), "mismatches": int(mism.sum()),
                     "header_checked": int(hdr.sum()), "header_mismatches": int(hdr_mism.sum()),
                     "enabled": check_prompt}
     if mism.any():
@@ -300,7 +302,7 @@ def summarize(r: Records, *, name: str, target: str, mode: str, offered: str, st
 # -- output ------------------------------------------------------------------------------
 
 def _f(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None or v != v else f"{v:,.{digits}f}"
+    return "-" if v is None or not math.isfinite(v) else f"{v:,.{digits}f}"
 
 
 def render(s: Summary) -> Any:

@@ -21,8 +21,7 @@ import numpy as np
 
 from tokengate.storm import client as sc
 from tokengate.storm.arrivals import ArrivalSpec, schedule
-from tokengate.storm.profiles import (BurstProfile, OutputPolicy, Plan, TokenLimits,
-                                      make_profile)
+from tokengate.storm.profiles import BurstProfile, OutputPolicy, Plan, TokenLimits, make_profile
 from tokengate.storm.prompts import PromptBuilder, StreamOptions
 from tokengate.storm.report import SLO, Records, Summary, summarize
 
@@ -189,8 +188,8 @@ def _collect(spec: RunSpec, pipes: list[Any], procs: list[Any], counters: Any, n
     results: list[sc.WorkerResult | None] = [None] * len(pipes)
     live = None
     task = None
-    if progress:
-        from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn)
+    if progress and (console is None or console.is_terminal):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         live = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         TextColumn("{task.fields[stats]}"), TimeElapsedColumn(),

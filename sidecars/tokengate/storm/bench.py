@@ -1,0 +1,432 @@
+"""``make bench``: the gateway against the fast upstream, side by side, on this machine.
+
+One command, a few minutes, loopback only:
+
+1. **TokenStorm's ceiling** against a null server (the fast upstream with no latency),
+   closed loop, streamed and not.
+2. **``vllm bench serve``'s client** against the same null server at the same
+   concurrency (its chat backend always streams): the ratio of the two ceilings.
+3. **Direct vs through the gateway**, non-streaming and streaming, 1000-token prompts
+   (exact, counted by the gateway's counter) and 16 output tokens: the fast upstream
+   alone, then the nginx edge with everything on (exact count, RPM and TPM limits with
+   reservations, usage watch on every response, usage events written) in front of it.
+   Each at saturation (closed loop) and at fixed open-loop rates below it (by default
+   25 % and 50 % of the gateway's non-streaming saturation). Reports the RPS ratio,
+   added p50/p99 end-to-end latency and added TTFT (streams).
+
+Direct runs send ``X-Token-Count`` themselves (what the gateway sends upstream), so
+both sides see the same upstream work. Results: ``bench/results/bench-<time>.json``
+(every run's summary plus the derived figures) and ``bench/results/latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from tokengate import config as tg_config
+from tokengate import devstack
+from tokengate.storm import report
+from tokengate.storm.arrivals import ArrivalSpec
+from tokengate.storm.null_server import FastUpstream, free_port
+from tokengate.storm.profiles import OutputPolicy
+from tokengate.storm.prompts import StreamOptions
+from tokengate.storm.runner import RunResult, RunSpec, execute
+from tokengate.storm.upstream import UpstreamOptions
+
+RESULTS = devstack.ROOT / "bench" / "results"
+BENCH_VAR = devstack.VAR / "bench"
+BENCH_KEY = "tg-bench-key"
+
+# The aims of issue 5, as (label, figure name, comparison, target).
+AIMS = [
+    ("gateway throughput, full accounting (req/s)", "gateway_rps", ">=", 2200.0),
+    ("added p50 latency below saturation (ms)", "added_p50_ms", "<=", 1.0),
+    ("added p99 latency below saturation (ms)", "added_p99_ms", "<=", 5.0),
+    ("added TTFT p50 (ms)", "added_ttft_p50_ms", "<=", 1.0),
+    ("TokenStorm ceiling / vllm bench serve ceiling", "ceiling_ratio", ">=", 2.0),
+]
+
+
+@dataclass
+class BenchOptions:
+    """``make bench`` knobs: prompt and output tokens, run length (s), closed-loop
+    concurrency, fixed rates (req/s; empty: 25 % and 50 % of the gateway's saturation),
+    TokenStorm workers, nginx edge workers and counter workers."""
+
+    prompt_tokens: int = 1000
+    output_tokens: int = 16
+    duration_s: float = 4.0
+    concurrency: int = 64
+    rates: list[float] = field(default_factory=list)
+    workers: int = 1
+    edge_workers: int = 2
+    counter_workers: int = 2
+    vllm_bench_prompts: int = 2500
+    ceiling_tries: int = 2
+    skip_vllm_bench: bool = False
+    skip_gateway: bool = False
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pgids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system, s) used so far by each named process group (a service
+    started by devstack is its own group; TokenStorm's workers share the bench's)."""
+    want = {v: k for k, v in pgids.items()}
+    out = dict.fromkeys(pgids, 0.0)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        pgrp = int(fields[2])
+        if pgrp in want:
+            out[want[pgrp]] += (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load],
+            "python": sys.version.split()[0]}
+
+
+class Gateway:
+    """The tokengate stack for the bench: counter + nginx edge, the model's upstream
+    pointed at the fast upstream, one key with limits far above the load (the limits
+    are still enforced and reserved on every request)."""
+
+    def __init__(self, upstream_port: int, opts: BenchOptions) -> None:
+        self.port = free_port()
+        self.opts = opts
+        self.services: list[devstack.Service] = []
+        BENCH_VAR.mkdir(parents=True, exist_ok=True)
+        raw = yaml.safe_load(tg_config.DEFAULT_CONFIG.read_text())
+        for m in raw["models"].values():
+            m["dir"] = str((tg_config.DEFAULT_CONFIG.parent / m["dir"]).resolve())
+            m["upstream"] = f"127.0.0.1:{upstream_port}"
+        raw["keys"] = {"bench": {"sha256": hashlib.sha256(BENCH_KEY.encode()).hexdigest(),
+                                 "rpm": 1_000_000_000, "tpm": 1_000_000_000_000}}
+        usage = BENCH_VAR / "usage.jsonl"
+        usage.unlink(missing_ok=True)
+        raw.setdefault("ledger", {})["usage_file"] = str(usage)
+        raw.setdefault("edge", {})["listen"] = f"127.0.0.1:{self.port}"
+        self.config_path = BENCH_VAR / "tokengate.yaml"
+        self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        self.usage_file = usage
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> Gateway:
+        from tokengate.tools import nginx_conf
+
+        sock = BENCH_VAR / "counter.sock"
+        counter = devstack.counter_service(self.config_path, port=free_port(),
+                                           unix_socket=sock, workers=self.opts.counter_workers,
+                                           name="bench-counter")
+        self.services.append(counter.start())
+        inst = nginx_conf.EdgeInstance(prefix=BENCH_VAR / "edge",
+                                       listen=f"127.0.0.1:{self.port}", counter_socket=sock,
+                                       counter_workers=self.opts.counter_workers,
+                                       workers=self.opts.edge_workers)
+        conf = nginx_conf.write_instance(self.config_path, inst)
+        edge = devstack.Service("bench-edge", ["nginx", "-p", str(inst.prefix), "-c", str(conf)],
+                                devstack.tcp_ready("127.0.0.1", self.port),
+                                start_timeout_s=20.0)
+        self.services.append(edge.start())
+        return self
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+    def groups(self) -> dict[str, int]:
+        """Process groups for CPU accounting: counter (all workers), edge (master and
+        workers)."""
+        return {name: s.proc.pid for name, s in zip(("counter", "edge nginx"), self.services)
+                if s.proc is not None}
+
+
+def _spec(name: str, url: str, cfg: tg_config.ModelConfig, opts: BenchOptions, *,
+          stream: bool, rate: float | None = None, concurrency: int = 0,
+          direct: bool) -> RunSpec:
+    return RunSpec(
+        url=url, model=cfg.name, model_dir=cfg.dir, max_model_len=cfg.max_model_len,
+        arrival=ArrivalSpec("poisson", rate=rate) if rate else None, concurrency=concurrency,
+        duration_s=opts.duration_s, profile=f"normal:mean={opts.prompt_tokens},sd=0",
+        output=OutputPolicy(fixed=opts.output_tokens), stream=StreamOptions(stream=stream),
+        keys=() if direct else (BENCH_KEY,), send_token_count=direct, workers=opts.workers,
+        name=name, connections=64)
+
+
+def _vllm_bench(url: str, cfg: tg_config.ModelConfig, opts: BenchOptions,
+                console: Console) -> dict[str, Any]:
+    """``vllm bench serve`` (random dataset, same lengths, same concurrency) against
+    ``url``; returns its result JSON."""
+    out = BENCH_VAR / "vllm-bench.json"
+    out.unlink(missing_ok=True)
+    root = url.removesuffix("/v1")
+    argv = [sys.executable, "-m", "tokengate.storm.vllm_bench", "--backend", "openai-chat",
+            "--base-url", root, "--endpoint", "/v1/chat/completions", "--model", cfg.name,
+            "--tokenizer", str(cfg.dir), "--dataset-name", "random",
+            "--random-input-len", str(opts.prompt_tokens),
+            "--random-output-len", str(opts.output_tokens),
+            "--num-prompts", str(opts.vllm_bench_prompts),
+            "--max-concurrency", str(opts.concurrency), "--request-rate", "inf",
+            "--ignore-eos", "--disable-tqdm", "--num-warmups", "0",
+            "--save-result", "--result-dir", str(BENCH_VAR), "--result-filename", out.name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with console.status("vllm bench serve against the null server ..."):
+        p = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, timeout=300)
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{p.stdout[-2000:]}\n"
+                           f"{p.stderr[-2000:]}")
+    data: dict[str, Any] = json.loads(out.read_text())
+    return {k: data.get(k) for k in ("completed", "failed", "duration", "request_throughput",
+                                     "output_throughput", "median_ttft_ms", "median_e2el_ms",
+                                     "max_concurrency", "num_prompts")}
+
+
+def _run(spec: RunSpec, console: Console, runs: dict[str, Any],
+         groups: dict[str, int] | None = None) -> RunResult:
+    before = cpu_seconds(groups) if groups else {}
+    result = execute(spec, console=console)
+    s = result.summary
+    runs[spec.name] = s.to_json()
+    if groups and s.all.ok:
+        after = cpu_seconds(groups)
+        per = {k: round((after[k] - before[k]) / s.all.ok * 1e6, 1) for k in groups}
+        runs[spec.name]["cpu_us_per_request"] = per
+    e2e, ttft = s.all.e2e_ms, s.all.ttft_ms
+    line = (f"  {spec.name:<30}{s.all.rps:>8,.0f}/s  E2E p50 {report._f(e2e.p50, 2):>6} "
+            f"p99 {report._f(e2e.p99, 2):>7}")
+    if spec.stream.stream:
+        line += f"  TTFT p50 {report._f(ttft.p50, 2):>6}"
+    if s.errors or s.all.ok < s.requests:
+        line += f"  [red]{s.requests - s.all.ok} failed[/]"
+    console.print(line)
+    if not s.valid:
+        console.print("    [red]INVALID: " + "; ".join(s.invalid_reasons) + "[/]")
+    return result
+
+
+def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
+    """Everything ``make bench`` measures, as the JSON it writes."""
+    cfg = tg_config.load().models
+    model = next(iter(cfg.values()))
+    out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "machine": _machine(), "options": vars(opts).copy(), "runs": {},
+                           "figures": {}}
+    runs: dict[str, Any] = out["runs"]
+    fig: dict[str, Any] = out["figures"]
+    up_opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
+    with FastUpstream(up_opts, name="bench-upstream") as up:
+        assert up.service.proc is not None
+        groups = {"tokenstorm": os.getpgrp(), "fast upstream": up.service.proc.pid}
+        console.rule("ceilings against a null server (the fast upstream, no latency)")
+        console.print(f"  closed loop, {opts.concurrency} in flight, best of "
+                      f"{opts.ceiling_tries}; vllm bench serve's chat client always streams")
+        best: dict[str, float] = {}
+        for i in range(opts.ceiling_tries):
+            for stream in (False, True):
+                k = "stream" if stream else "nostream"
+                r = _run(_spec(f"TokenStorm {k} #{i + 1}", up.url, model, opts,
+                               stream=stream, concurrency=opts.concurrency, direct=True),
+                         console, runs, groups)
+                best[k] = max(best.get(k, 0.0), r.summary.all.rps)
+            if not opts.skip_vllm_bench:
+                vb = _vllm_bench(up.url, model, opts, console)
+                out.setdefault("vllm_bench_serve", []).append(vb)
+                best["vllm"] = max(best.get("vllm", 0.0), vb["request_throughput"])
+                console.print(f"  {f'vllm bench serve stream #{i + 1}':<30}"
+                              f"{vb['request_throughput']:>8,.0f}/s  (its duration "
+                              f"{vb['duration']:.1f} s, {vb['failed']} failed)")
+        fig["tokenstorm_ceiling_nostream_rps"] = best["nostream"]
+        fig["tokenstorm_ceiling_stream_rps"] = best["stream"]
+        if "vllm" in best:
+            fig["vllm_bench_ceiling_rps"] = best["vllm"]
+            fig["ceiling_ratio"] = best["stream"] / best["vllm"]
+        if opts.skip_gateway:
+            return out
+        gw = Gateway(up.port, opts)
+        with console.status("starting the gateway (counter + nginx edge) ..."):
+            gw.start()
+        try:
+            groups.update(gw.groups())
+            _direct_vs_gateway(up.url, gw, model, opts, console, runs, fig, groups)
+        finally:
+            gw.stop()
+        lines = gw.usage_file.read_text().count("\n") if gw.usage_file.exists() else 0
+        fig["usage_events_written"] = lines
+    return out
+
+
+def _direct_vs_gateway(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
+                       opts: BenchOptions, console: Console, runs: dict[str, Any],
+                       fig: dict[str, Any], groups: dict[str, int]) -> None:
+    console.rule(f"direct vs gateway: {opts.prompt_tokens}-token prompts, "
+                 f"{opts.output_tokens} output tokens, {opts.duration_s:g} s per run")
+    sat: dict[tuple[str, bool], float] = {}
+    cpu: dict[str, dict[str, float]] = {}
+    for stream in (False, True):
+        mode = "stream" if stream else "no stream"
+        for where, url in (("direct", direct_url), ("gateway", gw.url)):
+            r = _run(_spec(f"{where} {mode} saturation", url, model, opts, stream=stream,
+                           concurrency=opts.concurrency, direct=where == "direct"),
+                     console, runs, groups)
+            sat[(where, stream)] = r.summary.all.rps
+            cpu[f"{where} {mode}"] = runs[r.spec.name].get("cpu_us_per_request", {})
+    fig["cpu_us_per_request_at_saturation"] = cpu
+    console.print(_cpu_table(cpu, list(groups)))
+    rates = opts.rates or [max(50.0, round(sat[("gateway", False)] * f / 50) * 50)
+                           for f in (0.25, 0.5)]
+    fig["fixed_rates_rps"] = rates
+    added: dict[str, list[float]] = {"p50": [], "p99": [], "ttft_p50": [], "ttft_p99": []}
+    for stream in (False, True):
+        mode = "stream" if stream else "no stream"
+        for rate in rates:
+            res = {}
+            for where, url in (("direct", direct_url), ("gateway", gw.url)):
+                res[where] = _run(_spec(f"{where} {mode} {rate:g} req/s", url, model, opts,
+                                        stream=stream, rate=rate, direct=where == "direct"),
+                                  console, runs).summary
+            d, g = res["direct"], res["gateway"]
+            key = f"{'stream' if stream else 'nostream'}_{rate:g}"
+            valid = d.valid and g.valid
+            entry = {"valid": valid,
+                     "added_p50_ms": _sub(g.all.e2e_ms.p50, d.all.e2e_ms.p50),
+                     "added_p99_ms": _sub(g.all.e2e_ms.p99, d.all.e2e_ms.p99)}
+            if stream:
+                entry["added_ttft_p50_ms"] = _sub(g.all.ttft_ms.p50, d.all.ttft_ms.p50)
+                entry["added_ttft_p99_ms"] = _sub(g.all.ttft_ms.p99, d.all.ttft_ms.p99)
+            fig[f"added_{key}"] = entry
+            if valid:
+                added["p50"].append(entry["added_p50_ms"] or 0.0)
+                added["p99"].append(entry["added_p99_ms"] or 0.0)
+                if stream:
+                    added["ttft_p50"].append(entry["added_ttft_p50_ms"] or 0.0)
+                    added["ttft_p99"].append(entry["added_ttft_p99_ms"] or 0.0)
+    for stream in (False, True):
+        k = "stream" if stream else "nostream"
+        fig[f"direct_{k}_rps"] = sat[("direct", stream)]
+        fig[f"gateway_{k}_rps"] = sat[("gateway", stream)]
+        fig[f"rps_ratio_{k}"] = sat[("gateway", stream)] / sat[("direct", stream)]
+    fig["gateway_rps"] = sat[("gateway", False)]
+    # Worst case over the valid fixed-rate runs (all below saturation by construction).
+    fig["added_p50_ms"] = max(added["p50"]) if added["p50"] else None
+    fig["added_p99_ms"] = max(added["p99"]) if added["p99"] else None
+    fig["added_ttft_p50_ms"] = max(added["ttft_p50"]) if added["ttft_p50"] else None
+    fig["added_ttft_p99_ms"] = max(added["ttft_p99"]) if added["ttft_p99"] else None
+
+
+def _cpu_table(cpu: dict[str, dict[str, float]], names: list[str]) -> Table:
+    t = Table(title="CPU per request at saturation (µs, all processes of each part)",
+              header_style="bold")
+    t.add_column("run")
+    for n in names:
+        t.add_column(n, justify="right")
+    for run, per in cpu.items():
+        t.add_row(run, *(f"{per[n]:,.0f}" if n in per else "-" for n in names))
+    return t
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def render(out: dict[str, Any]) -> Table:
+    """The aims of issue 5 against what was measured, as ratios."""
+    fig = out["figures"]
+    t = Table(title="make bench: aims vs measured", header_style="bold")
+    for c in ("figure", "measured", "aim", "ratio to aim", ""):
+        t.add_column(c, justify="right" if c != "figure" else "left")
+    for label, name, op, target in AIMS:
+        v = fig.get(name)
+        if v is None:
+            t.add_row(label, "-", f"{op} {target:g}", "-", "not measured")
+            continue
+        if op == ">=":
+            ratio, met = v / target, v >= target
+        else:
+            ratio = (v / target) if target else float("inf")
+            met = v <= target
+        t.add_row(label, f"{v:,.2f}", f"{op} {target:g}", f"{ratio:.2f}x",
+                  "[green]met[/]" if met else "[red]not met[/]")
+    for k in ("nostream", "stream"):
+        if f"rps_ratio_{k}" in fig:
+            t.add_row(f"gateway / direct saturation RPS ({k.replace('no', 'no ')})",
+                      f"{fig[f'gateway_{k}_rps']:,.0f} / {fig[f'direct_{k}_rps']:,.0f}",
+                      "", f"{fig[f'rps_ratio_{k}']:.3f}", "")
+    if "tokenstorm_ceiling_stream_rps" in fig and "vllm_bench_ceiling_rps" in fig:
+        t.add_row("ceilings, stream: TokenStorm / vllm bench serve (req/s)",
+                  f"{fig['tokenstorm_ceiling_stream_rps']:,.0f} / "
+                  f"{fig['vllm_bench_ceiling_rps']:,.0f}", "", "", "")
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m tokengate.storm.bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=4.0, metavar="S",
+                   help="seconds per run (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=64, metavar="N",
+                   help="in-flight requests at saturation (default: %(default)s)")
+    p.add_argument("--rates", default="", metavar="R1,R2",
+                   help="fixed open-loop rates in req/s (default: 25%% and 50%% of the "
+                        "gateway's saturation)")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--workers", type=int, default=1, help="TokenStorm worker processes")
+    p.add_argument("--edge-workers", type=int, default=2, help="nginx edge workers")
+    p.add_argument("--counter-workers", type=int, default=2, help="counter processes")
+    p.add_argument("--skip-vllm-bench", action="store_true")
+    p.add_argument("--skip-gateway", action="store_true")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE.json",
+                   help="result file (default: bench/results/bench-<time>.json)")
+    a = p.parse_args(argv)
+    opts = BenchOptions(prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens,
+                        duration_s=a.duration, concurrency=a.concurrency,
+                        rates=[float(x) for x in a.rates.split(",") if x],
+                        workers=a.workers, edge_workers=a.edge_workers,
+                        counter_workers=a.counter_workers, skip_vllm_bench=a.skip_vllm_bench,
+                        skip_gateway=a.skip_gateway)
+    console = Console()
+    m = _machine()
+    console.print(f"make bench: {m['cpus']} CPUs, load average {m['loadavg_before']} "
+                  "(numbers are this machine's, loopback only)")
+    t0 = time.monotonic()
+    out = run_bench(opts, console)
+    out["elapsed_s"] = round(time.monotonic() - t0, 1)
+    path = a.out or RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report._clean(out), indent=2) + "\n"
+    path.write_text(text)
+    (path.parent / "latest.json").write_text(text)
+    console.print(render(out))
+    console.print(f"results: {path} ({out['elapsed_s']:g} s)")
+
+
+if __name__ == "__main__":
+    main()
