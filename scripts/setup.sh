@@ -38,9 +38,12 @@ if [ ! -f "$VENV/.complete" ]; then
 fi
 ln -sfn "$VENV" .venv
 
-# The project itself: an editable install pointing at this checkout.
-if [ "$(.venv/bin/python -c 'import tokengate, os; print(os.path.dirname(os.path.dirname(tokengate.__file__)))' 2>/dev/null)" != "$ROOT/sidecars" ]; then
+# The project itself: an editable install pointing at this checkout, redone when the
+# checkout moves or pyproject.toml changes (console scripts, package data).
+STAMP="$ROOT/sidecars $(sha256sum sidecars/pyproject.toml | cut -c1-12)"
+if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
   .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars
+  echo "$STAMP" > .venv/.tokengate-install
 fi
 
 # gRPC stubs, generated from proto/ (never edited by hand).

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tests.conftest import MODEL
 from tests.counter_cases import CASES
-from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 CHAT = counter_pb2.ENDPOINT_CHAT
 COMPLETIONS = counter_pb2.ENDPOINT_COMPLETIONS

@@ -7,11 +7,21 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
-from tests.counter_cases import BIDI, CJK, CODE, COMBINING, CONTROL, EMOJI, SCRIPTS, SYMBOLS, \
-    WHITESPACE, ZERO_WIDTH
 from tokengate.config import DEFAULT_CONFIG, load
 from tokengate.counter.tokenizer import PromptTokenizer
+
+from tests.counter_cases import (
+    BIDI,
+    CJK,
+    CODE,
+    COMBINING,
+    CONTROL,
+    EMOJI,
+    SCRIPTS,
+    SYMBOLS,
+    WHITESPACE,
+    ZERO_WIDTH,
+)
 
 POOLS = [
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",

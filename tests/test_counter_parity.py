@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tests.conftest import MODEL
 from tests.counter_cases import CASES
-from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 ENDPOINTS = {"chat": counter_pb2.ENDPOINT_CHAT, "completions": counter_pb2.ENDPOINT_COMPLETIONS}
 PATHS = {"chat": "chat/completions", "completions": "completions"}

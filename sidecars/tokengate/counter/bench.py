@@ -31,9 +31,7 @@ from tokengate import config as tg_config
 from tokengate import devstack
 from tokengate.counter.counting import ModelCounter
 
-WORDS = ("token gateway latency throughput prefix cache scheduler reservation settlement "
-         "模型 推理 缓存 日本語 한국어 emoji 😀 code def return {} [] () 123 4.56 naïve café "
-         "the of and to in is that for it as was with be by on not he I this are or his").split()
+WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "scheduler", "reservation", "settlement", "模型", "推理", "缓存", "日本語", "한국어", "emoji", "😀", "code", "def", "return", "{}", "[]", "()", "123", "4.56", "naïve", "café", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "I", "this", "are", "or", "his"]
 BENCH_PORT = 50151
 
 
@@ -103,10 +101,12 @@ async def _grpc_run(bodies: list[bytes], port: int, concurrency: int = 16) -> tu
 def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter, port: int) -> Row:
     assert mc.template is not None
     template, tok = mc.template, mc.tokenizer
+    hf = tok.hf
+    assert hf is not None
     texts = [template.render(b["messages"], None, {"add_generation_prompt": True})
              for b in bodies]
     start = time.perf_counter()
-    hf_tokens = sum(len(tok.hf.encode(t, add_special_tokens=False).ids) for t in texts)
+    hf_tokens = sum(len(hf.encode(t, add_special_tokens=False).ids) for t in texts)
     hf_s = time.perf_counter() - start
     import tiktoken
 
@@ -118,7 +118,7 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter, port: int
     tt_s = time.perf_counter() - start
     raw = [json.dumps(b).encode() for b in bodies]
     grpc_s, grpc_tokens = asyncio.run(_grpc_run(raw, port))
-    if not hf_tokens == grpc_tokens:
+    if hf_tokens != grpc_tokens:
         raise SystemExit(f"{name}: counter says {grpc_tokens} tokens, HF {hf_tokens}")
     return Row(name, len(bodies), hf_tokens, hf_tokens / hf_s, tt_tokens / tt_s,
                grpc_tokens / grpc_s)

@@ -56,10 +56,11 @@ def _is_content_access(node: jinja2.nodes.Node, varname: str) -> bool:
 
 
 def _message_loop_vars(root: jinja2.nodes.Template) -> Iterator[str]:
+    """Loop variables of ``for m in messages`` (also ``messages[::-1]``, filters)."""
     for loop in root.find_all(jinja2.nodes.For):
-        it = loop.iter
+        it: jinja2.nodes.Node = loop.iter
         while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Getitem)) \
-                and not (isinstance(it, jinja2.nodes.Name)):
+                and it.node is not None:
             it = it.node
         if isinstance(it, jinja2.nodes.Name) and it.name == "messages" \
                 and isinstance(loop.target, jinja2.nodes.Name):
@@ -183,8 +184,9 @@ class ChatTemplate:
             except Exception as e:  # a template may raise anything from user input
                 raise TemplateError(str(e) or type(e).__name__) from e
         try:
-            rendered, _ = render_jinja_template(
-                conversations=[conversation], tools=tools, chat_template=self.source, **args)
+            rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
+                conversations=[conversation], tools=tools,  # type: ignore[arg-type]
+                chat_template=self.source, **args)
         except Exception as e:  # a template may raise anything from user input
             raise TemplateError(str(e) or type(e).__name__) from e
         return str(rendered[0])

