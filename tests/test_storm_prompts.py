@@ -76,7 +76,9 @@ def test_vllm_reports_exactly_the_planned_prompt_tokens(vllm_url: str, cfg: tg_c
 def test_tokenstorm_run_against_vllm_checks_every_count(vllm_url: str,
                                                         cfg: tg_config.Config) -> None:
     """A short streamed run against the real server: every response's usage matches
-    the plan (prompt and completion tokens), the SSE parser sees one event per token."""
+    the plan (prompt and completion tokens). vLLM holds back a token whose bytes are an
+    incomplete UTF-8 character and sends it with the next one, so a stream has at most
+    one event per token; ITL samples are the gaps between those events."""
     m = cfg.models["tiny-qwen3"]
     spec = RunSpec(url=vllm_url, model=m.name, model_dir=Path(m.dir),
                    max_model_len=m.max_model_len, arrival=ArrivalSpec("constant", rate=8.0),
@@ -88,6 +90,7 @@ def test_tokenstorm_run_against_vllm_checks_every_count(vllm_url: str,
     assert s.requests == 16 and s.all.ok == 16
     assert s.prompt_check["checked"] == 16 and s.prompt_check["mismatches"] == 0
     assert (r.prompt == r.expected_prompt).all()
-    assert (r.completion == 6).all() and (r.chunks == 6).all()
-    assert r.itl.size == 16 * 5
+    assert (r.completion == 6).all()
+    assert ((r.chunks >= 1) & (r.chunks <= 6)).all()
+    assert r.itl.size == int((r.chunks - 1).sum())
     assert s.valid, s.invalid_reasons
