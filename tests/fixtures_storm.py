@@ -1,6 +1,7 @@
 """TokenStorm fixtures: the fast upstream (nginx + Lua) started with devstack's builder.
 
-Ports: 18100 (no latency: the null server), 18101 (TTFT 40 ms, ITL 2 ms).
+Ports: 18100 (no latency: the null server), 18101 (TTFT 40 ms, ITL 2 ms), both shifted
+by ``TOKENGATE_TEST_PORT_OFFSET`` like the other fixtures.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.prompts import PromptBuilder
 from tokengate.storm.upstream import UpstreamOptions
 
-FAST_PORT = 18100
-SLOW_PORT = 18101
+from tests.conftest import PORT_OFFSET
+
+FAST_PORT = 18100 + PORT_OFFSET
+SLOW_PORT = 18101 + PORT_OFFSET
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +25,7 @@ def fast_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
     """Base URL (…/v1) of the fast upstream with no simulated latency."""
     model = cfg.models["tiny-qwen3"]
     opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
-    with FastUpstream(opts, port=FAST_PORT, name="test-fast-upstream") as up:
+    with FastUpstream(opts, port=FAST_PORT, name=f"test-fast-upstream{PORT_OFFSET or ''}") as up:
         yield up.url
 
 
@@ -32,7 +35,7 @@ def slow_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
     model = cfg.models["tiny-qwen3"]
     opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len, ttft_ms=40,
                            itl_ms=2)
-    with FastUpstream(opts, port=SLOW_PORT, name="test-slow-upstream") as up:
+    with FastUpstream(opts, port=SLOW_PORT, name=f"test-slow-upstream{PORT_OFFSET or ''}") as up:
         yield up.url
 
 

@@ -138,21 +138,16 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> Gateway:
-        from tokengate.tools import nginx_conf
-
+        """Counter, then the edge: the builders ``make run`` uses."""
         sock = BENCH_VAR / "counter.sock"
         counter = devstack.counter_service(self.config_path, port=free_port(),
                                            unix_socket=sock, workers=self.opts.counter_workers,
                                            name="bench-counter")
         self.services.append(counter.start())
-        inst = nginx_conf.EdgeInstance(prefix=BENCH_VAR / "edge",
-                                       listen=f"127.0.0.1:{self.port}", counter_socket=sock,
-                                       counter_workers=self.opts.counter_workers,
-                                       workers=self.opts.edge_workers)
-        conf = nginx_conf.write_instance(self.config_path, inst)
-        edge = devstack.Service("bench-edge", ["nginx", "-p", str(inst.prefix), "-c", str(conf)],
-                                devstack.tcp_ready("127.0.0.1", self.port),
-                                start_timeout_s=20.0)
+        edge = devstack.nginx_service(self.config_path, port=self.port, counter_socket=sock,
+                                      counter_workers=self.opts.counter_workers,
+                                      workers=self.opts.edge_workers, name="bench-edge",
+                                      prefix=BENCH_VAR / "edge")
         self.services.append(edge.start())
         return self
 
