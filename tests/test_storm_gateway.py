@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import key_digest
-from tests.fixtures_edge import window_room
 from tokengate import config as tg_config
 from tokengate.storm.arrivals import ArrivalSpec
 from tokengate.storm.profiles import OutputPolicy
 from tokengate.storm.runner import RunSpec, execute
+
+from tests.conftest import key_digest
+from tests.fixtures_edge import window_room
 
 RPM_KEY = "tg-test-storm-rpm"   # 10 requests per minute
 TPM_KEY = "tg-test-storm-tpm"   # 1000 tokens per minute
