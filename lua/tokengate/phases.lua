@@ -260,6 +260,7 @@ function _M.access()
     if reply then
         prompt = reply.prompt_tokens
         prompts = max(1, reply.prompt_count)
+        ctx.token_estimate = prompt
         ctx.count_source = "counter"
         ctx.system_tokens = reply.breakdown.system
         local requested = reply.max_tokens_requested

@@ -53,18 +53,21 @@ local clean = _M.clean
 
 -- Special tokens -------------------------------------------------------------------
 
--- find_special(s, tokens) -> the first special-token string found in s, or nil.
--- tokens: array of literal strings (longest first).
+-- find_special(s, tokens) -> the special-token string that occurs first in s, or nil.
+-- tokens: array of literal strings (longest first, so of two tokens starting at the
+-- same byte the longer wins).
 local function find_special(s, tokens)
     if not find(s, "<", 1, true) then
         return nil
     end
+    local best, best_at = nil, nil
     for i = 1, #tokens do
-        if find(s, tokens[i], 1, true) then
-            return tokens[i]
+        local at = find(s, tokens[i], 1, true)
+        if at and (not best_at or at < best_at) then
+            best, best_at = tokens[i], at
         end
     end
-    return nil
+    return best
 end
 
 local function strip_special(s, tokens)
