@@ -67,6 +67,19 @@ def test_token_rate_target_offers_that_many_tokens_per_second() -> None:
     assert offered / 300.0 == pytest.approx(2_000_000.0, rel=0.02)
 
 
+def test_token_rate_schedule_with_time_varying_lengths_covers_the_whole_run() -> None:
+    """Burst windows bring long prompts, so fewer requests per second arrive in them;
+    the schedule still runs to the end and offers the token rate on average."""
+    profile = BurstProfile(limits=LIMITS, period_s=4.0, burst_s=1.0)
+    plan = schedule(ArrivalSpec("poisson", token_rate=300_000.0), profile, duration_s=40.0,
+                    seed=8)
+    assert plan.times.max() > 39.9
+    assert int((plan.inputs + plan.outputs).sum()) / 40.0 == pytest.approx(300_000, rel=0.03)
+    per_s_burst = plan.burst.sum() / 10.0       # 10 burst seconds in 40
+    per_s_steady = (~plan.burst).sum() / 30.0
+    assert per_s_steady > 5 * per_s_burst
+
+
 def test_normal_profile_moments_and_output_ratio() -> None:
     profile = make_profile("normal", LIMITS, OutputPolicy())
     plan = schedule(ArrivalSpec("constant", rate=1000.0), profile, duration_s=50.0, seed=4)

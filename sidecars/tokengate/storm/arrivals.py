@@ -34,6 +34,7 @@ import numpy as np
 from tokengate.storm.profiles import LengthProfile, Plan
 
 Process = Literal["constant", "poisson", "gamma"]
+MAX_REQUESTS = 20_000_000  # a schedule longer than this is a mistake, not a benchmark
 PROCESSES: tuple[Process, ...] = ("constant", "poisson", "gamma")
 
 
@@ -70,37 +71,54 @@ class ArrivalSpec:
         return rng.gamma(self.burstiness, 1.0 / self.burstiness, n)
 
 
+def _vectorized(spec: ArrivalSpec, profile: LengthProfile, duration_s: float,
+                rng: np.random.Generator, block: int, cap: int) -> Plan:
+    """Lengths independent of time: draw in blocks until the schedule passes the end."""
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    t0, n = 0.0, 0
+    while t0 < duration_s and n < cap:
+        k = min(block, cap - n)
+        inputs, outputs = profile.sample_block(k, rng)
+        units = spec.unit_gaps(k, rng)
+        if spec.rate is not None:
+            gaps = units / spec.rate
+        else:
+            assert spec.token_rate is not None
+            gaps = units * (inputs + outputs) / spec.token_rate
+        times = t0 + np.concatenate(([0.0], np.cumsum(gaps[:-1])))
+        t0 = float(times[-1] + gaps[-1])
+        keep = times < duration_s
+        parts.append((times[keep], inputs[keep], outputs[keep]))
+        n += int(keep.sum())
+    if n >= cap and t0 < duration_s and cap == MAX_REQUESTS:
+        raise ValueError(f"more than {MAX_REQUESTS:,} requests in {duration_s:g} s; "
+                         "shorten the run")
+    times_a = np.concatenate([p[0] for p in parts])
+    return Plan(times_a, np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]), np.zeros(times_a.size, dtype=bool))
+
+
 def schedule(spec: ArrivalSpec, profile: LengthProfile, duration_s: float,
              seed: int = 0, max_requests: int | None = None) -> Plan:
     """All requests due in ``[0, duration_s)``: send offsets (s) and token lengths.
 
-    The first request is due at 0 s. Requests are sampled one at a time because a
-    profile's lengths may depend on the send time (``burst``). ``max_requests`` caps
-    the count. A trace profile brings its own timestamps (``spec`` is then ignored
-    except through ``LengthProfile.schedule``).
+    The first request is due at 0 s. Lengths that depend on the send time (``burst``,
+    an untimed trace replayed in order) are sampled one request at a time, others in
+    blocks. ``max_requests`` caps the count. A timed trace brings its own timestamps
+    (``spec`` is then ignored). Raises ``ValueError`` above ``MAX_REQUESTS``.
     """
     rng = np.random.default_rng(seed)
     own = profile.schedule(duration_s, rng)
     if own is not None:
         return own if max_requests is None else own.head(max_requests)
-    if spec.rate is not None:
-        expected = spec.rate * duration_s
-    else:
-        assert spec.token_rate is not None
-        expected = spec.token_rate * duration_s / max(profile.mean_tokens(), 1.0)
-    cap = int(expected * 1.5 + 100) if max_requests is None else max_requests
+    cap = MAX_REQUESTS if max_requests is None else max_requests
     if not profile.time_dependent:
-        inputs_a, outputs_a = profile.sample_block(cap, rng)
-        units = spec.unit_gaps(cap, rng)
         if spec.rate is not None:
-            gaps = units / spec.rate
+            expected = spec.rate * duration_s
         else:
             assert spec.token_rate is not None
-            gaps = units * (inputs_a + outputs_a) / spec.token_rate
-        times_a = np.concatenate(([0.0], np.cumsum(gaps[:-1])))
-        keep = times_a < duration_s
-        return Plan(times_a[keep], inputs_a[keep], outputs_a[keep], np.zeros(int(keep.sum()),
-                                                                              dtype=bool))
+            expected = spec.token_rate * duration_s / max(profile.mean_tokens(), 1.0)
+        return _vectorized(spec, profile, duration_s, rng, int(expected * 1.2 + 100), cap)
     times: list[float] = []
     inputs: list[int] = []
     outputs: list[int] = []
@@ -108,7 +126,12 @@ def schedule(spec: ArrivalSpec, profile: LengthProfile, duration_s: float,
     t = 0.0
     batch = np.empty(0)
     j = 0
-    while t < duration_s and len(times) < cap:
+    while t < duration_s:
+        if len(times) >= cap:
+            if max_requests is None:
+                raise ValueError(f"more than {MAX_REQUESTS:,} requests in {duration_s:g} s; "
+                                 "shorten the run")
+            break
         if j == len(batch):
             batch = spec.unit_gaps(4096, rng)
             j = 0

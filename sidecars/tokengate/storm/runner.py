@@ -75,7 +75,8 @@ class RunSpec:
         if self.arrival is None:
             return f"closed loop, {self.concurrency * self.workers} in flight"
         a = self.arrival
-        target = (f"{a.rate:g} req/s" if a.rate is not None else f"{a.token_rate:g} tokens/s")
+        target = (f"{a.rate:,.6g} req/s" if a.rate is not None
+                  else f"{a.token_rate:,.0f} tokens/s")
         extra = f" burstiness {a.burstiness:g}" if a.process == "gamma" else ""
         return f"{a.process}{extra} {target}"
 
