@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -157,6 +159,114 @@ def window_room(seconds: float) -> float:
     return time.time() % 60
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeUpstream:
+    """A broken vLLM for the crash cases, on 127.0.0.1:<port>. ``mode``:
+
+    - ``close``: reads the request and closes the connection without answering;
+    - ``html500``: answers 500 with an HTML page (not OpenAI's shape);
+    - ``crash_stream``: starts an SSE stream with cumulative usage (completion 1, 2, 3
+      tokens), then dies mid-stream.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.port = free_port()
+        self.requests = 0
+        self._srv = socket.create_server(("127.0.0.1", self.port))
+        self._srv.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._srv.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            self.requests += 1
+            if self.mode == "html500":
+                page = b"<html><body>Internal Server Error</body></html>"
+                conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/html\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
+            elif self.mode == "crash_stream":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                for i in range(1, 4):
+                    ev = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+                          b'"delta":{"content":"a"}}],"usage":{"prompt_tokens":9,'
+                          b'"total_tokens":%d,"completion_tokens":%d}}\n\n' % (9 + i, i))
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(ev), ev))
+                    time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._srv.close()
+
+
+@pytest.fixture
+def fake_upstream() -> Iterator[Callable[[str], FakeUpstream]]:
+    """Factory of ``FakeUpstream``s, closed when the test ends."""
+    made: list[FakeUpstream] = []
+
+    def make(mode: str) -> FakeUpstream:
+        f = FakeUpstream(mode)
+        made.append(f)
+        return f
+
+    try:
+        yield make
+    finally:
+        for f in made:
+            f.close()
+
+
+@pytest.fixture
+def slow_counter() -> Iterator[Path]:
+    """A TokenCounter that answers after 5 s, on two unix sockets (``<path>.0``, ``.1``);
+    yields ``<path>`` (the edge's counter_socket)."""
+    from concurrent import futures
+
+    import grpc
+
+    from tokengate.v1 import counter_pb2, counter_pb2_grpc
+
+    class Slow(counter_pb2_grpc.TokenCounterServicer):
+        def CountTokens(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+            time.sleep(5)
+            return counter_pb2.CountReply(prompt_tokens=1)
+
+    path = EDGE_DIR / "slow-counter.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(Slow(), server)
+    for i in range(2):
+        sock = path.with_name(f"{path.name}.{i}")
+        sock.unlink(missing_ok=True)
+        server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        yield path
+    finally:
+        server.stop(0)
+
+
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'
                             r'status="([^"]*)"\} ([0-9.e+]+)$', re.M)
 
@@ -175,4 +285,4 @@ def vllm_requests(vllm_url: str) -> Callable[[], int]:
     return vllm_request_count
 
 
-__all__ = ["EDGE_PORT", "Edge", "KEYS", "MAIN_KEY", "key_of", "window_room"]
+__all__ = ["EDGE_PORT", "FakeUpstream", "free_port", "Edge", "KEYS", "MAIN_KEY", "key_of", "window_room"]

@@ -441,9 +441,15 @@ function _M.log()
     local ctx = ngx.ctx
     local now = mono_ms()
     local status = ctx.status_sent or ngx.status
-    local aborted = ngx.status == 499 or (ctx.proxied == true and not ctx.eof
-        and ngx_var.request_completion ~= "OK" and ctx.status_sent ~= nil
-        and ctx.status_sent < 300)
+    -- A client that went away: 499 before the response headers; after them the status
+    -- stays what was sent (200) and nginx terminates the request without completing it.
+    -- Verified with nginx 1.22: a backend that dies mid-stream still ends the request
+    -- "OK" ($request_completion), a client that leaves does not.
+    local aborted = ngx.status == 499
+        or (ctx.proxied == true and ngx_var.request_completion ~= "OK")
+    if ctx.proxied and not ctx.eof and not aborted and not ctx.error then
+        ctx.error = "upstream_incomplete" -- the backend died or timed out mid-response
+    end
     local prompt, completion, cached, source = 0, 0, 0, "none"
     if ctx.u_source then
         prompt, completion, cached = ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0

@@ -1,0 +1,237 @@
+"""The edge when its neighbours fail or leave: counter down or slow (fail open with an
+estimate, or fail closed), vLLM down or broken (502/503 in OpenAI shape, Retry-After,
+never a hang), a client that disconnects mid-stream (billed what was generated, vLLM
+stops), usage-file rotation, configuration reload, and a clean error log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from tests.conftest import MODEL, VLLM_PORT, key_digest
+from tests.fixtures_edge import EDGE_DIR, KEYS, MAIN_KEY, Edge, FakeUpstream, free_port
+from tokengate.tools import compile_config
+
+HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
+
+
+def chat(content: str = "hi", max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def post(edge: Edge, body: dict[str, Any], key: str = MAIN_KEY) -> httpx.Response:
+    data = json.dumps(body, separators=(",", ":"))
+    return httpx.post(edge.base_url + "/chat/completions", content=data, timeout=60,
+                      headers={**HEADERS, "Authorization": f"Bearer {key}"})
+
+
+def no_counter(tmp: str) -> Path:
+    return EDGE_DIR / f"{tmp}-no-counter.sock"
+
+
+def test_counter_down_fails_open_with_an_estimate(edge_variant: Callable[..., Edge]) -> None:
+    e = edge_variant("counter-down", counter_socket=no_counter("open"))
+    body = chat("How far is the moon?")
+    t0 = time.monotonic()
+    r = post(e, body)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 200, r.text
+    assert r.headers["x-token-count-source"] == "estimate"
+    forwarded = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    assert int(r.headers["x-token-count"]) == math.ceil(len(forwarded) / 3)
+    ev = e.event(r.headers["x-request-id"])
+    assert (ev["count_source"], ev["token_estimate"], ev["usage_source"]) == \
+        ("estimate", int(r.headers["x-token-count"]), "final")
+    assert ev["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_counter_down_fails_closed_when_configured(edge_variant: Callable[..., Edge],
+                                                   vllm_requests: Callable[[], int]) -> None:
+    def closed(raw: dict[str, Any]) -> None:
+        raw["edge"]["on_counter_failure"] = "closed"
+    e = edge_variant("fail-closed", closed, counter_socket=no_counter("closed"))
+    before = vllm_requests()
+    r = post(e, chat())
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("server_error", "counter_unavailable")
+    assert r.headers["retry-after"] == "1"
+    assert vllm_requests() == before
+
+
+def test_slow_counter_fails_open_within_its_timeout(edge_variant: Callable[..., Edge],
+                                                    slow_counter: Path) -> None:
+    def tight(raw: dict[str, Any]) -> None:
+        raw["edge"]["count_timeout_ms"] = 300
+    e = edge_variant("slow-counter", tight, counter_socket=slow_counter)
+    t0 = time.monotonic()
+    r = post(e, chat())
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert r.headers["x-token-count-source"] == "estimate"
+    assert elapsed < 3, f"took {elapsed:.1f} s with a 300 ms count timeout"
+
+
+def test_vllm_down_is_502_with_retry_after(edge_variant: Callable[..., Edge]) -> None:
+    port = free_port()  # nothing listens there
+
+    def dead(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
+    e = edge_variant("vllm-down", dead)
+    t0 = time.monotonic()
+    r = post(e, chat())
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 502, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("server_error", "upstream_unavailable")
+    assert r.headers["retry-after"] == "5"
+    ev = e.event(r.headers["x-request-id"])
+    assert (ev["status"], ev["error"], ev["usage_source"]) == (502, "upstream_unavailable", "none")
+    # the reservation went back: the next answer shows the whole budget again
+    r2 = post(e, chat())
+    assert int(r2.headers["x-ratelimit-remaining-tokens"]) == \
+        KEYS["edge-main"][2] - int(r2.headers["x-token-count"]) - 2
+
+
+def _edge_on(edge_variant: Callable[..., Edge], name: str, up: FakeUpstream) -> Edge:
+    def fake(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstream"] = f"127.0.0.1:{up.port}"
+    return edge_variant(name, fake)
+
+
+def test_backend_closing_without_answer_is_502(edge_variant: Callable[..., Edge],
+                                               fake_upstream: Callable[[str], FakeUpstream]
+                                               ) -> None:
+    up = fake_upstream("close")
+    e = _edge_on(edge_variant, "backend-close", up)
+    r = post(e, chat())
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unavailable"
+    assert r.headers["retry-after"] == "5"
+    assert up.requests == 1, "a POST must not be retried"
+
+
+def test_backend_html_error_becomes_openai_shape(edge_variant: Callable[..., Edge],
+                                                 fake_upstream: Callable[[str], FakeUpstream]
+                                                 ) -> None:
+    e = _edge_on(edge_variant, "backend-html", fake_upstream("html500"))
+    r = post(e, chat())
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "The model backend failed with HTTP 500.",
+                                  "type": "server_error", "param": None,
+                                  "code": "upstream_error"}}
+
+
+def test_backend_dying_mid_stream_bills_the_last_usage(
+        edge_variant: Callable[..., Edge],
+        fake_upstream: Callable[[str], FakeUpstream]) -> None:
+    e = _edge_on(edge_variant, "backend-crash", fake_upstream("crash_stream"))
+    with httpx.stream("POST", e.base_url + "/chat/completions", headers=HEADERS,
+                      content=json.dumps(chat(stream=True, max_tokens=50)), timeout=30) as r:
+        rid = r.headers["x-request-id"]
+        try:
+            text = b"".join(r.iter_raw()).decode()
+        except httpx.HTTPError:
+            text = ""
+    ev = e.event(rid)
+    assert (ev["usage_source"], ev["completion_tokens"], ev["client_aborted"], ev["error"]) == \
+        ("running", 3, False, "upstream_incomplete")
+    assert '"usage"' not in text  # the client did not ask for usage
+
+
+def test_vllm_error_passes_through(edge: Edge) -> None:
+    # vLLM refuses n > 1 with greedy sampling; its OpenAI-shaped error reaches the client
+    r = post(edge, chat(n=2, temperature=0))
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    ev = edge.event(r.headers["x-request-id"])
+    assert ev["status"] == 400 and ev["usage_source"] == "none" and ev["error"]
+
+
+def _vllm_metric(name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{VLLM_PORT}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_client_disconnect_mid_stream_is_billed_what_was_generated(edge: Edge) -> None:
+    client = openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+    stream = raw.parse()
+    seen = 0
+    for chunk in stream:
+        seen += 1
+        if seen == 6:
+            break
+    stream.close()
+    ev = edge.event(raw.headers["x-request-id"], timeout_s=30)
+    assert ev["client_aborted"] is True and ev["status"] == 200
+    assert ev["usage_source"] == "running"
+    assert 5 <= ev["completion_tokens"] < 3000
+    assert ev["prompt_tokens"] == int(raw.headers["x-token-count"])
+    # vLLM stopped generating for it
+    deadline = time.monotonic() + 20
+    while _vllm_metric("vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _vllm_metric("vllm:num_requests_running") == 0
+    assert ev["total_ms"] < 15000
+
+
+def test_usage_file_survives_rotation(edge: Edge) -> None:
+    first = post(edge, chat())
+    edge.event(first.headers["x-request-id"])
+    rotated = edge.usage_file.with_name(f"usage.jsonl.rotated-{os.getpid()}")
+    edge.usage_file.rename(rotated)
+    second = post(edge, chat())
+    ev = edge.event(second.headers["x-request-id"])
+    assert ev["status"] == 200
+    assert first.headers["x-request-id"] in rotated.read_text()
+    assert second.headers["x-request-id"] not in rotated.read_text()
+    lines = edge.usage_file.read_text().splitlines()
+    assert json.loads(lines[0])["request_id"] == second.headers["x-request-id"]
+
+
+def test_reload_reads_the_recompiled_config(edge_variant: Callable[..., Edge]) -> None:
+    e = edge_variant("reload")
+    assert post(e, chat(), key="tg-added-later").status_code == 401
+    prefix = Path(e.service.argv[e.service.argv.index("-p") + 1])
+    yaml_path = EDGE_DIR / "reload" / "tokengate.yaml"
+    import yaml
+    raw = yaml.safe_load(yaml_path.read_text())
+    raw["keys"]["added"] = {"sha256": key_digest("tg-added-later"), "rpm": 7, "tpm": 7000}
+    yaml_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    compile_config.write(yaml_path, prefix / "edge.json")
+    os.kill(int((prefix / "nginx.pid").read_text()), signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while True:
+        r = post(e, chat(), key="tg-added-later")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ratelimit-limit-requests"] == "7"
+
+
+def test_error_logs_have_no_lua_errors(edge: Edge) -> None:
+    logs = [edge.log_path, *edge.log_path.parent.glob("test-nginx-*.log")]
+    for log in logs:
+        text = log.read_text(errors="replace")
+        for bad in ("writing a global Lua variable", "runtime error", "[alert]", "[emerg]",
+                    "lua entry thread aborted"):
+            assert bad not in text, f"{log.name}: {bad}"
