@@ -51,6 +51,20 @@ def test_streamed_open_loop_run_accounts_for_every_token(fast_upstream_url: str,
     np.testing.assert_allclose(r.sched, result.plan.times, atol=1e-9)
 
 
+def test_paced_stream_is_parsed_event_by_event(slow_upstream_url: str,
+                                               cfg: tg_config.Config) -> None:
+    """With ITL > 0 the fast upstream writes (and the client reads) one SSE event per
+    token in its own HTTP chunk: one ITL sample per gap, usage from the final chunk."""
+    result = execute(spec_for(slow_upstream_url, cfg, stream=StreamOptions(stream=True),
+                              arrival=ArrivalSpec("constant", rate=20.0), duration_s=1.0,
+                              output=OutputPolicy(fixed=10)), progress=False)
+    s, r = result.summary, result.records
+    assert s.requests == 20 and s.all.ok == 20
+    assert (r.completion == 10).all() and (r.chunks == 10).all()
+    assert r.itl.size == 20 * 9
+    assert s.prompt_check["mismatches"] == 0
+
+
 def test_two_workers_and_three_keys_share_the_schedule(fast_upstream_url: str,
                                                        cfg: tg_config.Config) -> None:
     result = execute(spec_for(fast_upstream_url, cfg, workers=2, keys=("k1", "k2", "k3"),
