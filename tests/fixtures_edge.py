@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 import yaml
+from tokengate import devstack
 
 from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
-from tokengate import devstack
 
 # TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
@@ -245,11 +245,10 @@ def slow_counter() -> Iterator[Path]:
     from concurrent import futures
 
     import grpc
-
     from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
     class Slow(counter_pb2_grpc.TokenCounterServicer):
-        def CountTokens(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        def CountTokens(self, request: Any, context: Any) -> Any:
             time.sleep(5)
             return counter_pb2.CountReply(prompt_tokens=1)
 
@@ -268,7 +267,7 @@ def slow_counter() -> Iterator[Path]:
 
 
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'
-                            r'status="([^"]*)"\} ([0-9.e+]+)$', re.M)
+                            r'status="([^"]*)"\} ([0-9.e+]+)$', re.MULTILINE)
 
 
 def vllm_request_count() -> int:
@@ -285,4 +284,5 @@ def vllm_requests(vllm_url: str) -> Callable[[], int]:
     return vllm_request_count
 
 
-__all__ = ["EDGE_PORT", "FakeUpstream", "free_port", "Edge", "KEYS", "MAIN_KEY", "key_of", "window_room"]
+__all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "free_port", "key_of",
+           "window_room"]

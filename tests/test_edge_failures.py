@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import openai
+from tokengate.tools import compile_config
 
 from tests.conftest import MODEL, VLLM_PORT, key_digest
 from tests.fixtures_edge import EDGE_DIR, KEYS, MAIN_KEY, Edge, FakeUpstream, free_port
-from tokengate.tools import compile_config
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
 
@@ -165,7 +165,7 @@ def _vllm_metric(name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{VLLM_PORT}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if line.startswith((name + "{", name + " ")))
 
 
 def test_client_disconnect_mid_stream_is_billed_what_was_generated(edge: Edge) -> None:
@@ -174,9 +174,7 @@ def test_client_disconnect_mid_stream_is_billed_what_was_generated(edge: Edge) -
         model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
         max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
     stream = raw.parse()
-    seen = 0
-    for chunk in stream:
-        seen += 1
+    for seen, _chunk in enumerate(stream, 1):
         if seen == 6:
             break
     stream.close()

@@ -35,11 +35,13 @@ LOCATION_CONF = NGINX_DIR / "tokengate-location.conf"
 DEBIAN_CONF = NGINX_DIR / "debian" / "tokengate.conf"
 
 # Where the Debian drop-in expects things (see nginx/debian/README in the file header).
-DEBIAN_PATHS = {
+DEBIAN_PATHS: dict[str, Path | str] = {
     "lua_dir": Path("/usr/share/tokengate/lua"),
     "edge_json": Path("/etc/tokengate/edge.json"),
     "counter_socket": Path("/run/tokengate/counter.sock"),
-    "hop_socket": Path("/run/tokengate/edge-hop.sock"),
+    # The master (root) would create a unix socket that the www-data workers cannot
+    # connect to; loopback TCP has no such problem.
+    "hop_address": "127.0.0.1:50052",
 }
 
 
@@ -59,13 +61,16 @@ def counter_sockets(counter_socket: Path, workers: int) -> list[Path]:
 
 
 def render_http(lua_dir: Path, edge_json: Path, counter_socket: Path, counter_workers: int,
-                hop_socket: Path, count_timeout_ms: int) -> str:
-    """The http-level part (``nginx/tokengate-http.conf.in``) for the given paths."""
+                hop_address: str, count_timeout_ms: int) -> str:
+    """The http-level part (``nginx/tokengate-http.conf.in``) for the given paths.
+
+    hop_address: where the loopback-hop server listens, ``unix:<path>`` or ``host:port``.
+    """
     servers = "\n".join(f"    server unix:{s} max_fails=0;"
                         for s in counter_sockets(counter_socket, counter_workers))
     return _fill((NGINX_DIR / "tokengate-http.conf.in").read_text(), {
         "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
-        "HOP_SOCKET": str(hop_socket), "COUNT_TIMEOUT_MS": str(count_timeout_ms),
+        "HOP_ADDRESS": hop_address, "COUNT_TIMEOUT_MS": str(count_timeout_ms),
     })
 
 
@@ -104,7 +109,8 @@ def write_instance(config_path: Path, inst: EdgeInstance) -> Path:
         (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
     Path(doc["edge"]["usage_file"]).parent.mkdir(parents=True, exist_ok=True)
     http = render_http(inst.lua_dir, inst.edge_json, inst.counter_socket,
-                       inst.counter_workers, inst.hop_socket, doc["edge"]["count_timeout_ms"])
+                       inst.counter_workers, f"unix:{inst.hop_socket}",
+                       doc["edge"]["count_timeout_ms"])
     (inst.prefix / "tokengate-http.conf").write_text(http)
     # A root master would run workers as nobody, who cannot use the project's sockets
     # and files (DESIGN.md §3); run them as the invoking user instead.
@@ -123,7 +129,7 @@ def render_debian() -> str:
     header = (
         "# Debian drop-in for an existing nginx (apt install nginx libnginx-mod-http-lua\n"
         "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson):\n"
-        f"#   cp -r lua {p['lua_dir'].parent}/            # the edge's Lua modules\n"
+        f"#   cp -r lua {Path(p['lua_dir']).parent}/            # the edge's Lua modules\n"
         "#   cp nginx/debian/tokengate.conf /etc/nginx/conf.d/\n"
         "#   cp nginx/tokengate-location.conf /etc/nginx/snippets/\n"
         f"#   python -m tokengate.tools.compile_config --config /etc/tokengate/tokengate.yaml"
@@ -133,8 +139,9 @@ def render_debian() -> str:
         "#   www-data can reach, make the usage file's folder writable by www-data, then\n"
         "#   nginx -t && systemctl reload nginx\n"
         "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
-    return header + render_http(p["lua_dir"], p["edge_json"], p["counter_socket"], 2,
-                                p["hop_socket"], compile_config.EdgeConfig.count_timeout_ms)
+    return header + render_http(Path(p["lua_dir"]), Path(p["edge_json"]),
+                                Path(p["counter_socket"]), 2,
+                                str(p["hop_address"]), compile_config.EdgeConfig.count_timeout_ms)
 
 
 def main(argv: list[str] | None = None) -> None:

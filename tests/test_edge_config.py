@@ -1,0 +1,96 @@
+"""The edge's configuration: the compiled form of tokengate.yaml, and the Debian drop-in
+include set (up to date with its template, accepted by `nginx -t` in a Debian-shaped
+configuration)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import MODEL
+from tokengate import config as tg_config
+from tokengate.config import ConfigError
+from tokengate.tools import compile_config, nginx_conf
+
+
+def compiled(config_path: Path, tmp_path: Path, edit: Any = None) -> dict[str, Any]:
+    raw = yaml.safe_load(config_path.read_text())
+    if edit:
+        edit(raw)
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return compile_config.compile_config(tg_config.load(path))
+
+
+def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
+                                                            tmp_path: Path) -> None:
+    doc = compiled(config_path, tmp_path)
+    m = doc["models"][MODEL]
+    assert (m["max_model_len"], m["output_reserve"], m["max_tokens_cap"]) == (8192, 256, 4096)
+    assert m["host"] == "127.0.0.1" and isinstance(m["port"], int)
+    # every special token of the model's tokenizer, longest first; added tokens that are
+    # not special (<think>, <tool_call>) are ordinary text for the policy
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>"} <= \
+        set(m["special_tokens"])
+    assert "<think>" not in m["special_tokens"]
+    assert m["special_tokens"] == sorted(m["special_tokens"], key=lambda s: (-len(s), s))
+    demo = doc["keys"]["e7aab4b439baa8c615eb31e352f5b4259085813fbcd95a65a5a346a6bdfb1bb3"]
+    assert (demo["id"], demo["rpm"], demo["tpm"]) == ("demo", 600, 200000)
+    assert doc["edge"]["on_counter_failure"] == "open"
+    assert doc["edge"]["special_tokens"] == "reject"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("on_counter_failure", "maybe", "edge.on_counter_failure: one of open, closed"),
+    ("special_tokens", "ignore", "edge.special_tokens: one of reject, strip, allow"),
+    ("max_body_bytes", 10, "edge.max_body_bytes: expected an integer >= 1024"),
+    ("special_token_roles", "user", "edge.special_token_roles: expected a list"),
+])
+def test_bad_edge_settings_name_the_field(config_path: Path, tmp_path: Path, field: str,
+                                          value: Any, message: str) -> None:
+    def edit(raw: dict[str, Any]) -> None:
+        raw.setdefault("edge", {})[field] = value
+    with pytest.raises(ConfigError, match=message):
+        compiled(config_path, tmp_path, edit)
+
+
+def test_debian_dropin_is_rendered_from_the_template() -> None:
+    assert nginx_conf.DEBIAN_CONF.read_text() == nginx_conf.render_debian(), \
+        "run: python -m tokengate.tools.nginx_conf debian"
+
+
+def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None:
+    # A Debian-shaped nginx.conf (modules, http { conf.d; server { snippet } }) with the
+    # drop-in's absolute paths pointed at this checkout.
+    edge_json = tmp_path / "edge.json"
+    compile_config.write(config_path, edge_json)
+    dropin = nginx_conf.DEBIAN_CONF.read_text() \
+        .replace("/usr/share/tokengate/lua", str(nginx_conf.LUA_DIR)) \
+        .replace("/etc/tokengate/edge.json", str(edge_json)) \
+        .replace("/run/tokengate/", f"{tmp_path}/")
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "tokengate.conf").write_text(dropin)
+    temp = "\n".join(f"    {k}_temp_path {tmp_path}/{k};"
+                     for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (tmp_path / "nginx.conf").write_text(f"""
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
+pid {tmp_path}/nginx.pid;
+events {{}}
+http {{
+{temp}
+    include {tmp_path}/conf.d/*.conf;
+    server {{
+        listen 127.0.0.1:1;
+        include {nginx_conf.LOCATION_CONF};
+    }}
+}}
+""")
+    r = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+                        "-e", "stderr"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "test is successful" in r.stderr
