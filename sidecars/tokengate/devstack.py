@@ -268,10 +268,17 @@ def run(config_path: Path) -> None:
     services = [
         redis_service(),
         counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
-        vllm_service(model),
+        vllm_service(model, port=int(model.upstream.rpartition(":")[2])),
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
     ]
     started: list[Service] = []
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (and SIGINT even when started in the background) stop everything cleanly.
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     try:
         for svc in services:
             print(f"starting {svc.name} (log: {svc.log_path.relative_to(ROOT)}) ...", flush=True)
