@@ -129,6 +129,7 @@ class WorkerResult:
     retry_after: array
     itl: array
     connections_opened: int = 0
+    cpu_s: float = 0.0  # the worker's CPU time (user + system, s) during the run itself
     error_samples: list[str] = field(default_factory=list)
 
     def columns(self) -> dict[str, array]:
@@ -665,6 +666,8 @@ def run_worker(cfg: ClientConfig, builder: PromptBuilder, plan: Plan, indices: S
     msg, start = pipe.recv()
     if msg != "start":
         return
+    cpu0 = time.process_time()
     result = loop.run_until_complete(worker.run(start))
+    result.cpu_s = time.process_time() - cpu0
     pipe.send(("result", result))
     loop.close()

@@ -179,6 +179,7 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
         meta={"profile": spec.profile, "endpoint": spec.endpoint, "seed": spec.seed,
               "send_token_count": spec.send_token_count,
               "connections_opened": sum(r.connections_opened for r in results),
+              "client_cpu_s": round(sum(r.cpu_s for r in results), 4),
               "planned_requests": n if open_loop else None},
         error_samples=samples, burst_seconds=burst_seconds)
     return RunResult(spec, plan, records, summary)
