@@ -26,6 +26,7 @@ local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
 
 local _M = {}
 
+-- fail(...) -> nil, {status, message, param, code}: the error shape of this module.
 local function fail(status, message, param, code)
     return nil, { status = status, message = message, param = param, code = code }
 end
@@ -106,6 +107,8 @@ function _M.decode(text, max_depth)
     return v
 end
 
+-- envelope_hint(body, field) -> " (found it inside ...)" when a top-level object value
+-- holds `field` (the request was wrapped in an envelope), else "".
 local function envelope_hint(body, field)
     local keys = body[KEYS]
     for i = 1, #keys do
@@ -118,6 +121,7 @@ local function envelope_hint(body, field)
     return ""
 end
 
+-- opt_bool(obj, name) -> true when obj[name] is absent, null or a boolean | nil, err 400.
 local function opt_bool(body, name)
     local v = body[name]
     if v == nil or v == null or v == true or v == false then
@@ -126,6 +130,8 @@ local function opt_bool(body, name)
     return fail(400, format("'%s' must be a boolean", name), name, "invalid_type")
 end
 
+-- opt_posint(obj, name) -> true when obj[name] is absent, null or an integer >= 1
+-- (100.0 counts as 100) | nil, err 400.
 local function opt_posint(body, name)
     local v = body[name]
     if v == nil or v == null then
@@ -142,6 +148,8 @@ local function opt_posint(body, name)
     return true
 end
 
+-- check_common(body, models) -> model entry | nil, err: the fields both endpoints share
+-- (model, stream, stream_options, max_tokens, max_completion_tokens, n).
 local function check_common(body, models)
     local model = body.model
     if model == nil or model == null then

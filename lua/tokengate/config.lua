@@ -14,6 +14,7 @@ local _M = {}
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 
+-- fail(msg) -> nil, "tokengate config: <msg>"
 local function fail(msg)
     return nil, "tokengate config: " .. msg
 end

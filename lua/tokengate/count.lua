@@ -44,10 +44,12 @@ local function hexbyte(h)
     return char(tonumber(h, 16))
 end
 
+-- grpc_message(header value or nil) -> decoded message string
 local function grpc_message(v)
     return (gsub(v or "", "%%(%x%x)", hexbyte))
 end
 
+-- header(res, name) -> the first value of a subrequest response header, or nil
 local function header(res, name)
     local v = res.header[name]
     if type(v) == "table" then

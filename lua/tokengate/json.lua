@@ -63,6 +63,7 @@ function _M.is_object(v)
     return type(v) == "table" and getmetatable(v) == OBJECT
 end
 
+-- is_array(v) -> boolean
 function _M.is_array(v)
     return type(v) == "table" and getmetatable(v) == ARRAY
 end
@@ -111,6 +112,7 @@ local ESCAPES = {
     [110] = "\n", [114] = "\r", [116] = "\t",
 }
 
+-- utf8_char(cp) -> UTF-8 bytes of code point cp (0..0x10FFFF, no surrogates)
 local function utf8_char(cp)
     if cp < 0x80 then
         return char(cp)
@@ -158,6 +160,7 @@ local function utf8_len(s, i)
 end
 _M.utf8_len = utf8_len
 
+-- hex4(s, i) -> value of the 4 hex digits at s[i..i+3], or nil
 local function hex4(s, i)
     local h = sub(s, i, i + 3)
     if #h < 4 or find(h, "[^%x]") then
@@ -239,11 +242,14 @@ local function decode_string(s, i)
     end
 end
 
+-- skip_ws(s, i) -> index of the first non-whitespace byte at or after i
 local function skip_ws(s, i)
     local _, e = find(s, "^[ \t\r\n]*", i)
     return e + 1
 end
 
+-- decode_number(s, i) -> number or literal box, next index | nil, err, offset
+-- (RFC 8259 grammar: no leading zeros, no "1.", no "+1")
 local function decode_number(s, i)
     local _, e = find(s, "^-?%d+", i)
     if not e then
@@ -276,6 +282,8 @@ local function decode_number(s, i)
     return setmetatable({ lit = lit, value = v }, NUMBER), e + 1
 end
 
+-- decode_array(s, i, depth, max_depth) -> array, next index
+--   | nil, message, offset, path, kind (i is just after "[")
 local function decode_array(s, i, depth, max_depth)
     local t = setmetatable({}, ARRAY)
     local n = 0
@@ -302,6 +310,7 @@ local function decode_array(s, i, depth, max_depth)
     end
 end
 
+-- key_path(k) -> ".k" for identifier-like keys, else '["k"]' (error paths)
 local function key_path(k)
     if find(k, "^[%a_][%w_]*$") then
         return "." .. k
@@ -309,6 +318,8 @@ local function key_path(k)
     return "[" .. format("%q", k) .. "]"
 end
 
+-- decode_object(s, i, depth, max_depth) -> object, next index
+--   | nil, message, offset, path, kind (i is just after "{"); duplicate keys are errors
 local function decode_object(s, i, depth, max_depth)
     local keys = {}
     local t = setmetatable({ [KEYS] = keys }, OBJECT)
@@ -425,6 +436,7 @@ for c = 0, 31 do
     end
 end
 
+-- encode_string(s) -> JSON string literal of s (s is valid UTF-8)
 local function encode_string(s)
     if find(s, '[%z\1-\31"\\]') then
         s = gsub(s, '[%z\1-\31"\\]', ESC_OUT)
@@ -433,6 +445,8 @@ local function encode_string(s)
 end
 _M.encode_string = encode_string
 
+-- encode_number(v) -> shortest text that reads back as v; integers without exponent;
+-- NaN and infinities (never produced by decode) as null
 local function encode_number(v)
     if v ~= v or v == huge or v == -huge then
         return "null"
@@ -451,6 +465,7 @@ end
 
 local encode_into -- forward
 
+-- sorted_keys(t) -> sorted string keys of a plain Lua table (deterministic output)
 local function sorted_keys(t)
     local keys = {}
     for k in pairs(t) do
@@ -462,6 +477,7 @@ local function sorted_keys(t)
     return keys
 end
 
+-- encode_into(v, buf, n) -> new n: appends the JSON text of v to buf[n+1..]
 encode_into = function(v, buf, n)
     local tv = type(v)
     if tv == "string" then

@@ -18,7 +18,6 @@ local ngx = ngx
 local floor = math.floor
 local ceil = math.ceil
 local max = math.max
-local min = math.min
 local format = string.format
 local tostring = tostring
 local ngx_log = ngx.log
@@ -40,11 +39,13 @@ function _M.init(dict_name)
     return true
 end
 
+-- window(now) -> window id (minutes since the epoch), elapsed fraction in [0, 1)
 local function window(now)
     local id = floor(now / WINDOW)
     return id, (now - id * WINDOW) / WINDOW
 end
 
+-- key("r" | "t", bucket, id) -> shared-dict key of one window count
 local function key(kind, bucket, id)
     return kind .. id .. ":" .. bucket
 end
@@ -93,6 +94,7 @@ function _M.duration(s)
     return format("%dm%ds", floor(whole / 60), whole % 60)
 end
 
+-- state(limits, counts..., f, id) -> the state table documented at peek()
 local function state(limits, rprev, rcur, tprev, tcur, f, id)
     local r_used = rprev * (1 - f) + rcur
     local t_used = tprev * (1 - f) + tcur
@@ -188,6 +190,5 @@ function _M.headers(h, st)
 end
 
 _M.WINDOW = WINDOW
-_M.min = min
 
 return _M

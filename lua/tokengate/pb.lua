@@ -15,6 +15,7 @@ local type = type
 
 local _M = {}
 
+-- varint(n) -> protobuf base-128 varint bytes of n (0 <= n < 2^53)
 local function varint(n)
     if n < 128 then
         return char(n)

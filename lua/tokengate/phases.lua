@@ -76,11 +76,13 @@ end
 
 -- ----------------------------------------------------------------- access helpers
 
+-- fail(ctx, err) -> ends the request with a body-module error {status, message, param, code}
 local function fail(ctx, err)
     return errors.exit(ctx, err.status, err.message,
         err.status >= 500 and "server_error" or "invalid_request_error", err.param, err.code)
 end
 
+-- models_list(doc) -> JSON text of GET /v1/models for the configured models
 local function models_list(doc)
     local names = {}
     for name in pairs(doc.models) do
@@ -103,6 +105,8 @@ local function models_list(doc)
     return json.encode(o)
 end
 
+-- rate_limited(ctx, st, prompt, out_reserve) -> ends the request with a 429 that says
+-- which limit (type "requests" | "tokens"), with Retry-After in whole seconds
 local function rate_limited(ctx, st, prompt, out_reserve)
     local key_id = ctx.key.id
     local retry = st.retry_after
@@ -430,6 +434,7 @@ local function usage_path()
     return (config.get().edge.usage_file:gsub("^/+", ""))
 end
 
+-- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
 local function round3(x)
     return floor(x * 1000 + 0.5) / 1000
 end

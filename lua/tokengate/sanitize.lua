@@ -70,6 +70,7 @@ local function find_special(s, tokens)
     return best
 end
 
+-- strip_special(s, tokens) -> s without any of the token strings, number removed
 local function strip_special(s, tokens)
     local n = 0
     for i = 1, #tokens do
@@ -91,6 +92,8 @@ end
 -- State of one request's pass: st = {removed = <chars>, specials = policy,
 -- tokens = {...}, roles = {role = true}, bad = nil | {param, token}}.
 
+-- visit_text(st, s, param, check) -> cleaned s; with check, applies the special-token
+-- policy (records st.bad = {param, token} on reject, strips on strip)
 local function visit_text(st, s, param, check)
     local out, n = clean(s)
     st.removed = st.removed + n
@@ -152,6 +155,7 @@ local function visit_schema(st, node, depth)
     end
 end
 
+-- visit_tools(st, tools): cleans each tool's function description and schema texts
 local function visit_tools(st, tools)
     if not is_array(tools) then
         return
@@ -167,6 +171,7 @@ local function visit_tools(st, tools)
     end
 end
 
+-- new_state(model, policy) -> per-request state (see "State of one request's pass")
 local function new_state(model, policy)
     return { removed = 0, stripped = 0, collapsed = 0, policy = policy,
              tokens = model.special_tokens or {}, roles = model.special_token_roles or {} }

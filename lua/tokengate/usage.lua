@@ -25,6 +25,8 @@ local type = type
 
 local _M = {}
 
+-- read_usage(ctx, usage_text, final): stores the cumulative counts of one usage object
+-- (text of {"prompt_tokens":..}) in ctx; final marks the last ("choices": []) chunk.
 local function read_usage(ctx, usage_text, final)
     local p = match(usage_text, '"prompt_tokens":%s*(%d+)')
     local c = match(usage_text, '"completion_tokens":%s*(%d+)')
@@ -146,6 +148,7 @@ end
 
 local null = json.null
 
+-- or_null(v) -> v, or json.null for nil
 local function or_null(v)
     if v == nil then
         return null
@@ -153,10 +156,7 @@ local function or_null(v)
     return v
 end
 
--- event(f) -> one JSON line (with "\n") of the usage event. f holds the fields:
--- request_id, ts, key_id, model, endpoint, status, stream, token_estimate, count_source,
--- reserved, prompt_tokens, completion_tokens, cached_tokens, system_tokens, usage_source,
--- client_aborted, ttft_ms, total_ms, upstream, error (nil -> null).
+-- The usage event's keys, in the order they are written (the ledger's schema).
 local FIELDS = {
     "request_id", "ts", "key_id", "model", "endpoint", "status", "stream", "token_estimate",
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
@@ -164,6 +164,10 @@ local FIELDS = {
     "error",
 }
 
+-- event(f) -> one JSON line (no newline: access_log adds it) of the usage event. f holds
+-- the FIELDS (nil -> null): request_id, ts, key_id, model, endpoint, status, stream,
+-- token_estimate, count_source, reserved, prompt_tokens, completion_tokens, cached_tokens,
+-- system_tokens, usage_source, client_aborted, ttft_ms, total_ms, upstream, error.
 function _M.event(f)
     local o = json.object()
     local set = json.set
