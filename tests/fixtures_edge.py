@@ -266,6 +266,45 @@ def slow_counter() -> Iterator[Path]:
         server.stop(0)
 
 
+@dataclass
+class FixedCounter:
+    """A TokenCounter that answers every call with ``prompt_tokens`` and counts calls."""
+
+    path: Path               # the edge's counter_socket (workers listen on <path>.<i>)
+    prompt_tokens: int
+    calls: int = 0
+
+
+@pytest.fixture
+def fixed_counter() -> Iterator[FixedCounter]:
+    """A fast fake counter (7 prompt tokens for every body) on two unix sockets."""
+    from concurrent import futures
+
+    import grpc
+    from tokengate.v1 import counter_pb2, counter_pb2_grpc
+
+    fc = FixedCounter(EDGE_DIR / "fixed-counter.sock", 7)
+
+    class Fixed(counter_pb2_grpc.TokenCounterServicer):
+        def CountTokens(self, request: Any, context: Any) -> Any:
+            fc.calls += 1
+            return counter_pb2.CountReply(prompt_tokens=fc.prompt_tokens, max_model_len=8192,
+                                          max_tokens_effective=1, max_tokens_requested=1,
+                                          prompt_count=1)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(Fixed(), server)
+    for i in range(2):
+        sock = fc.path.with_name(f"{fc.path.name}.{i}")
+        sock.unlink(missing_ok=True)
+        server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        yield fc
+    finally:
+        server.stop(0)
+
+
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'
                             r'status="([^"]*)"\} ([0-9.e+]+)$', re.MULTILINE)
 
@@ -284,5 +323,5 @@ def vllm_requests(vllm_url: str) -> Callable[[], int]:
     return vllm_request_count
 
 
-__all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "free_port", "key_of",
-           "window_room"]
+__all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter", "free_port",
+           "key_of", "window_room"]

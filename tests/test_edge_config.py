@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import yaml
-
-from tests.conftest import MODEL
 from tokengate import config as tg_config
 from tokengate.config import ConfigError
 from tokengate.tools import compile_config, nginx_conf
+
+from tests.conftest import MODEL
 
 
 def compiled(config_path: Path, tmp_path: Path, edit: Any = None) -> dict[str, Any]:
@@ -91,6 +91,7 @@ http {{
 }}
 """)
     r = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
-                        "-e", "stderr"], capture_output=True, text=True, timeout=30)
+                        "-e", "stderr"], check=False, capture_output=True, text=True,
+                       timeout=30)
     assert r.returncode == 0, r.stderr
     assert "test is successful" in r.stderr

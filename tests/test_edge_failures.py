@@ -21,7 +21,15 @@ import openai
 from tokengate.tools import compile_config
 
 from tests.conftest import MODEL, VLLM_PORT, key_digest
-from tests.fixtures_edge import EDGE_DIR, KEYS, MAIN_KEY, Edge, FakeUpstream, free_port
+from tests.fixtures_edge import (
+    EDGE_DIR,
+    KEYS,
+    MAIN_KEY,
+    Edge,
+    FakeUpstream,
+    FixedCounter,
+    free_port,
+)
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
 
@@ -82,6 +90,18 @@ def test_slow_counter_fails_open_within_its_timeout(edge_variant: Callable[..., 
     assert r.status_code == 200, r.text
     assert r.headers["x-token-count-source"] == "estimate"
     assert elapsed < 3, f"took {elapsed:.1f} s with a 300 ms count timeout"
+
+
+def test_counts_of_identical_bodies_are_cached_per_worker(
+        edge_variant: Callable[..., Edge], fixed_counter: FixedCounter) -> None:
+    e = edge_variant("count-cache", counter_socket=fixed_counter.path)
+    for _ in range(8):
+        r = post(e, chat("the same body every time"))
+        assert r.status_code == 200
+        assert (r.headers["x-token-count"], r.headers["x-token-count-source"]) == ("7", "counter")
+    assert 1 <= fixed_counter.calls <= 2  # at most once per nginx worker
+    post(e, chat("another body"))
+    assert fixed_counter.calls <= 4
 
 
 def test_vllm_down_is_502_with_retry_after(edge_variant: Callable[..., Edge]) -> None:

@@ -267,3 +267,25 @@ def test_special_token_policy_strip(edge_variant: Callable[..., Edge]) -> None:
     r2 = post(e, json.dumps(body))
     assert r2.status_code == 200
     assert r2.json()["usage"]["prompt_tokens"] == direct_prompt_tokens(body)
+
+
+def test_server_cap_overrides_a_bigger_max_tokens(edge: Edge) -> None:
+    # max_tokens_cap is 4096: the context check (and vLLM) see 4096, not 5000
+    body = chat("word " * 4500, max_tokens=5000)
+    r = post(edge, json.dumps(body))
+    assert_error(r, 400, "context_length_exceeded", "messages")
+    prompt = int(r.headers["x-token-count"])
+    assert f"({prompt} in the messages, 4096 in the completion)" in r.json()["error"]["message"]
+
+
+def test_missing_max_tokens_uses_the_configured_default(
+        edge_variant: Callable[..., Edge]) -> None:
+    def default3(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["default_max_tokens"] = 3
+    e = edge_variant("default-max-tokens", default3)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    r = post(e, json.dumps(body))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    ev = e.event(r.headers["x-request-id"])
+    assert ev["reserved"] == int(r.headers["x-token-count"]) + 3

@@ -1,5 +1,6 @@
-"""RPM and TPM limits at the edge: 429s that say which limit and when to retry, bursts
-that never overshoot, and settlement that returns what a request did not use.
+"""RPM and TPM limits at the edge, with the official openai client: 429s that say which
+limit and when to retry, bursts that never overshoot, and settlement that returns what a
+request did not use.
 
 Limits are per-minute sliding windows: used = prev * (1 - f) + cur, with f the elapsed
 fraction of the current wall-clock minute. Each test owns a key (fixtures_edge.KEYS), so
@@ -8,7 +9,6 @@ prev = 0 and the expected numbers follow from the requests the test itself made.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -16,17 +16,34 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import Edge, key_of, window_room
 
-JSON = {"Content-Type": "application/json"}
 IM_END = 151645  # <|im_end|>: a logit bias on it makes the model stop after one token
 
 
-def post(edge: Edge, key: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(edge.base_url + "/chat/completions", content=json.dumps(body),
-                      headers={**JSON, "Authorization": f"Bearer {key}"}, timeout=120)
+class Answer:
+    """Status, headers and JSON of one answer, from a success or an openai.APIStatusError."""
+
+    def __init__(self, status: int, headers: httpx.Headers, data: dict[str, Any]) -> None:
+        self.status_code, self.headers, self.data = status, headers, data
+
+    def json(self) -> dict[str, Any]:
+        return self.data
+
+
+def post(edge: Edge, key: str, body: dict[str, Any]) -> Answer:
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key, max_retries=0, timeout=120)
+    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens")}
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
+            extra_body=extra)
+    except openai.APIStatusError as e:
+        return Answer(e.status_code, e.response.headers, e.response.json())
+    return Answer(raw.status_code, raw.headers, raw.parse().model_dump())
 
 
 def body(content: str = "hi", max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
