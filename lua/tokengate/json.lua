@@ -16,6 +16,8 @@
 --   true/false -> booleans; null -> json.null (== ngx.null == cjson.null)
 
 local ngx = ngx
+local ffi = require "ffi"
+
 local type = type
 local byte = string.byte
 local char = string.char
@@ -33,7 +35,31 @@ local sort = table.sort
 local pairs = pairs
 local tostring = tostring
 
+local cast = ffi.cast
+local u8p = ffi.typeof("const uint8_t *")
+
 local _M = {}
+
+-- Byte classes for the scanning loops. Scanning with a JIT-compiled loop over the bytes is
+-- several times faster than string.find with a character class (which LuaJIT runs in its
+-- interpreter), and strings are scanned on every request.
+-- STR_STOP: bytes that end a run of plain string content: '"', '\', C0 controls (and
+-- the NUL that terminates every Lua string, so a scan never runs past the end), and
+-- bytes >= 0x80 (validated as UTF-8).
+local STR_STOP = ffi.new("uint8_t[256]")
+-- ESC_NEED: bytes the encoder must escape: '"', '\', C0 controls.
+local ESC_NEED = ffi.new("uint8_t[256]")
+for b = 0, 31 do
+    STR_STOP[b], ESC_NEED[b] = 1, 1
+end
+for b = 128, 255 do
+    STR_STOP[b] = 1
+end
+STR_STOP[34], STR_STOP[92], ESC_NEED[34], ESC_NEED[92] = 1, 1, 1, 1
+
+-- P: bytes of the text being decoded (set by decode(); decoding never yields, so one
+-- per worker is enough). The string stays referenced by decode()'s argument meanwhile.
+local P
 
 local OBJECT = { __name = "json.object" }
 local ARRAY = { __name = "json.array" }
@@ -174,12 +200,17 @@ end
 local function decode_string(s, i)
     local parts, np = nil, 0
     local start = i
+    local n = #s
     while true do
-        local j = find(s, '[%z\1-\31"\\\128-\255]', i)
-        if not j then
+        local j = i - 1 -- 0-based
+        while STR_STOP[P[j]] == 0 do
+            j = j + 1
+        end
+        j = j + 1
+        if j > n then
             return nil, "unterminated string", start - 2
         end
-        local b = byte(s, j)
+        local b = P[j - 1]
         if b == 34 then -- closing quote
             if parts then
                 np = np + 1
@@ -408,7 +439,9 @@ end
 --                           kind = "syntax" | "utf8" | "surrogate" | "duplicate" | "depth"}
 -- Accepts exactly RFC 8259 JSON text in UTF-8: no BOM, no trailing data.
 function _M.decode(s, max_depth)
+    P = cast(u8p, s)
     local v, ni, off, path, kind = decode_value(s, skip_ws(s, 1), 0, max_depth or 64)
+    P = nil
     if v == nil then
         if path and byte(path, 1) == 46 then
             path = sub(path, 2)
@@ -438,8 +471,12 @@ end
 
 -- encode_string(s) -> JSON string literal of s (s is valid UTF-8)
 local function encode_string(s)
-    if find(s, '[%z\1-\31"\\]') then
-        s = gsub(s, '[%z\1-\31"\\]', ESC_OUT)
+    local p = cast(u8p, s)
+    for i = 0, #s - 1 do
+        if ESC_NEED[p[i]] ~= 0 then
+            s = gsub(s, '[%z\1-\31"\\]', ESC_OUT)
+            break
+        end
     end
     return '"' .. s .. '"'
 end

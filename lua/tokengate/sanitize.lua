@@ -8,7 +8,11 @@
 -- Because the input is valid UTF-8, each byte pattern below can only match whole
 -- characters: a lead byte such as 0xE2 never occurs inside another character.
 
+local ffi = require "ffi"
 local json = require "tokengate.json"
+
+local cast = ffi.cast
+local u8p = ffi.typeof("const uint8_t *")
 
 local find = string.find
 local gsub = string.gsub
@@ -23,10 +27,38 @@ local REASONING_FIELDS = { "reasoning_content", "reasoning" }
 
 local _M = {}
 
--- Any byte that can start a removable character: C0 except TAB/LF/CR, DEL, and the lead
--- bytes 0xC2 (C1, soft hyphen), 0xE2 (U+2xxx), 0xEF (U+FEFF). Most text has none, so
--- one find() decides it is clean.
-local MAYBE = "[%z\1-\8\11\12\14-\31\127\194\226\239]"
+-- dirty(s) -> true when s holds at least one removable character. Most text has none,
+-- so this JIT-compiled byte loop is all the work a clean string costs.
+local function dirty(s)
+    local p = cast(u8p, s)
+    local n = #s
+    for i = 0, n - 1 do
+        local b = p[i]
+        if b < 0x20 then
+            if b ~= 9 and b ~= 10 and b ~= 13 then
+                return true
+            end
+        elseif b == 0x7F then
+            return true
+        elseif b == 0xC2 then
+            local c = p[i + 1]
+            if c <= 0x9F or c == 0xAD then
+                return true
+            end
+        elseif b == 0xE2 and i + 2 < n then
+            local c, d = p[i + 1], p[i + 2]
+            if (c == 0x80 and (d == 0x8B or (d >= 0xAA and d <= 0xAE)))
+                or (c == 0x81 and (d == 0xA0 or (d >= 0xA6 and d <= 0xA9))) then
+                return true
+            end
+        elseif b == 0xEF and i + 2 < n then
+            if p[i + 1] == 0xBB and p[i + 2] == 0xBF then
+                return true
+            end
+        end
+    end
+    return false
+end
 
 local PATTERNS = {
     "[%z\1-\8\11\12\14-\31\127]",  -- C0 controls except \t \n \r, and DEL
@@ -38,7 +70,7 @@ local PATTERNS = {
 
 -- clean(s) -> s without the removable characters, number removed (characters).
 function _M.clean(s)
-    if not find(s, MAYBE) then
+    if not dirty(s) then
         return s, 0
     end
     local total = 0
