@@ -13,7 +13,7 @@ For two workloads it measures prompt tokens per second of
 and prints (c)/(a). Both cores serve (c) *and* run its Python client, so the bench also
 reports (c) per CPU-second of the counter workers (what the counter costs behind the C
 nginx edge) against (a), which runs on one core. Workloads: "cold" chat prompts of ~1,000 tokens with unique text
-(nothing cached), and "conversation": 40 conversations of 10 turns, each turn sent with
+(nothing cached), and "conversation": 150 conversations of 10 turns, each turn sent with
 the whole history (as chat clients do), so the counter's segment cache sees the history
 again and tokenizes only the new turn. Results: ``bench/results/counter.json``.
 """
@@ -162,11 +162,11 @@ def main() -> None:
         try:
             rows = []
             console.print("cold 1k-token prompts ...")
-            rows.append(measure("cold 1k-token prompts", cold_bodies(400), mc,
+            rows.append(measure("cold 1k-token prompts", cold_bodies(2000), mc,
                                 BENCH_PORT, pid))
             console.print("10-turn conversations ...")
             rows.append(measure("10-turn conversations",
-                                conversation_bodies(40), mc, BENCH_PORT, pid))
+                                conversation_bodies(150), mc, BENCH_PORT, pid))
         finally:
             svc.stop()
     table = Table(title="prompt tokens per second: (a) HF tokenizers encode, (b) raw tiktoken, "

