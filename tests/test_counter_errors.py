@@ -189,3 +189,15 @@ def test_fuzzed_bodies_never_crash_the_counter(stub: counter_pb2_grpc.TokenCount
         health = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tokengate.v1.TokenCounter"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_and_reflection_are_served(counter_addr: str) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(counter_addr) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert {"tokengate.v1.TokenCounter", "grpc.health.v1.Health"} <= services
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
