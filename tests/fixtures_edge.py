@@ -62,6 +62,8 @@ def _edge_yaml(base: Path, out: Path, edit: Callable[[dict[str, Any]], None] | N
     keys["edge-override"]["models"] = {MODEL: {"rpm": 2, "tpm": 50_000}}
     edge = raw.setdefault("edge", {})
     edge["usage_file"] = str(usage_file or EDGE_DIR / "usage.jsonl")
+    # this 2-core machine also runs vLLM CPU: give the counter room before failing open
+    edge["count_timeout_ms"] = 3000
     if edit is not None:
         edit(raw)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -449,19 +449,19 @@ function _M.log()
     -- A client that went away: 499 before the response headers; after them the status
     -- stays what was sent (200) and nginx terminates the request without completing it.
     -- Verified with nginx 1.22: a backend that dies mid-stream still ends the request
-    -- "OK" ($request_completion), a client that leaves does not.
+    -- "OK" ($request_completion), a client that leaves does not. A client that closes
+    -- right after "data: [DONE]" (before the last chunk terminator) got everything: that
+    -- is not an abort.
     local aborted = ngx.status == 499
-        or (ctx.proxied == true and ngx_var.request_completion ~= "OK")
-    if ctx.proxied and not ctx.eof and not aborted and not ctx.error then
+        or (ctx.proxied == true and not ctx.eof and not ctx.sse_done
+            and ngx_var.request_completion ~= "OK")
+    if ctx.proxied and not ctx.eof and not ctx.sse_done and not aborted and not ctx.error then
         ctx.error = "upstream_incomplete" -- the backend died or timed out mid-response
     end
     local prompt, completion, cached, source = 0, 0, 0, "none"
     if ctx.u_source then
         prompt, completion, cached = ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0
         source = ctx.u_source
-        if aborted and source == "final" then
-            source = "running"
-        end
     elseif ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
         -- forwarded, no usage seen: vLLM read the prompt, the rest is unknown
         prompt, source = ctx.token_estimate or 0, "estimate"

@@ -10,7 +10,8 @@
 --
 -- ctx fields used (set by phases.access): stream, want_usage, want_continuous.
 -- ctx fields written: u_prompt, u_completion, u_cached (tokens), u_source
--- ("final" | "running"), sse_rest (partial event), json_parts (non-stream body), error.
+-- ("final" | "running"), sse_rest (partial event), sse_done ("data: [DONE]" seen),
+-- json_parts (non-stream body), error.
 
 local cjson = require "cjson.safe"
 local json = require "tokengate.json"
@@ -45,6 +46,10 @@ end
 -- One SSE event (without its blank-line terminator) -> the text to send, or nil to drop.
 local function sse_event(ctx, ev)
     if sub(ev, 1, 6) ~= "data: " then
+        return ev
+    end
+    if ev == "data: [DONE]" then
+        ctx.sse_done = true
         return ev
     end
     local a = find(ev, '"usage":', 7, true)

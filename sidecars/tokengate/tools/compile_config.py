@@ -65,7 +65,7 @@ class EdgeConfig:
     listen: str = "127.0.0.1:8080"
     max_body_bytes: int = 4 << 20
     max_json_depth: int = 64
-    count_timeout_ms: int = 1000
+    count_timeout_ms: int = 500
     on_counter_failure: str = "open"
     estimate_bytes_per_token: int = 3
     special_tokens: str = "reject"
