@@ -4,6 +4,7 @@
 
 local ffi = require "ffi"
 local lrucache = require "resty.lrucache"
+local errors = require "tokengate.errors"
 
 local ffi_new = ffi.new
 local ffi_string = ffi.string
@@ -54,12 +55,16 @@ function _M.bearer(header)
     return token
 end
 
+local MISSING = errors.new(401, "You didn't provide an API key. Send it as "
+    .. "'Authorization: Bearer <key>'.", nil, "invalid_api_key")
+local INVALID = errors.new(401, "Incorrect API key provided.", nil, "invalid_api_key")
+
 -- authenticate(keys, header) -> key entry (from the compiled config: {id, rpm, tpm,
--- models, digest}) | nil, reason ("missing" or "invalid").
+-- models, digest}) | nil, err (401, errors.new shape).
 function _M.authenticate(keys, header)
     local token = _M.bearer(header)
     if not token then
-        return nil, "missing"
+        return nil, MISSING
     end
     local digest = digests:get(token)
     if not digest then
@@ -68,7 +73,7 @@ function _M.authenticate(keys, header)
     end
     local key = keys[digest]
     if not key then
-        return nil, "invalid"
+        return nil, INVALID
     end
     return key
 end

@@ -256,4 +256,37 @@ function _M.validate_completions(body, models)
     return check_common(body, models)
 end
 
+-- parse(route, models, edge) -> body (tokengate.json object), model entry
+--   | nil, err, model name (the body's "model" string when it named one, for the event)
+-- The whole body stage of an API request: headers (415/413), read (memory or file),
+-- strict decoding (400), shape and model (400/404). route: "chat" | "completions";
+-- edge: the compiled edge settings (max_body_bytes, max_json_depth).
+function _M.parse(route, models, edge)
+    local ok, err = _M.check_headers(ngx_req.get_headers(), edge.max_body_bytes)
+    if not ok then
+        return nil, err
+    end
+    local raw
+    raw, err = _M.read(edge.max_body_bytes)
+    if not raw then
+        return nil, err
+    end
+    local body
+    body, err = _M.decode(raw, edge.max_json_depth)
+    if not body then
+        return nil, err
+    end
+    local model
+    if route == "chat" then
+        model, err = _M.validate_chat(body, models)
+    else
+        model, err = _M.validate_completions(body, models)
+    end
+    if not model then
+        local name = type(body.model) == "string" and body.model ~= "" and body.model or nil
+        return nil, err, name
+    end
+    return body, model
+end
+
 return _M

@@ -9,10 +9,12 @@ local io_open = io.open
 local type = type
 local pairs = pairs
 local setmetatable = setmetatable
+local sort = table.sort
 
 local _M = {}
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
+local models_text -- models_json() of doc
 
 -- fail(msg) -> nil, "tokengate config: <msg>"
 local function fail(msg)
@@ -64,7 +66,38 @@ function _M.load(path)
         end
     end
     doc = setmetatable(d, nil)
+    models_text = nil
     return doc
+end
+
+-- models_json() -> JSON text of GET /v1/models: the configured models, sorted by name,
+-- each {"id", "object": "model", "created": 0, "owned_by": "tokengate", "max_model_len"}.
+-- Built once per loaded document.
+function _M.models_json()
+    if models_text then
+        return models_text
+    end
+    local json = require "tokengate.json"
+    local names = {}
+    for name in pairs(doc.models) do
+        names[#names + 1] = name
+    end
+    sort(names)
+    local data = json.array()
+    for i = 1, #names do
+        local m = json.object()
+        json.set(m, "id", names[i])
+        json.set(m, "object", "model")
+        json.set(m, "created", 0)
+        json.set(m, "owned_by", "tokengate")
+        json.set(m, "max_model_len", doc.models[names[i]].max_model_len)
+        data[i] = m
+    end
+    local o = json.object()
+    json.set(o, "object", "list")
+    json.set(o, "data", data)
+    models_text = json.encode(o)
+    return models_text
 end
 
 -- get() -> the loaded document (nil before load()).

@@ -11,6 +11,7 @@
 
 local ngx = ngx
 local pb = require "tokengate.pb"
+local errors = require "tokengate.errors"
 local lrucache = require "resty.lrucache"
 
 local capture = ngx.location.capture
@@ -105,6 +106,19 @@ function _M.count(route, model, body)
         cache:set(ckey, reply)
     end
     return reply, false
+end
+
+-- rejection(err) -> the client's error (errors.new shape) for a counter verdict on the
+-- request: "invalid" -> 400 naming the counter's field, "not_found" -> 404; and for
+-- "unavailable" the fail-closed 503 with Retry-After.
+function _M.rejection(err)
+    if err.kind == "invalid" then
+        return errors.new(400, err.message, err.param, "invalid_value")
+    elseif err.kind == "not_found" then
+        return errors.new(404, err.message, "model", "model_not_found")
+    end
+    return errors.new(503, "The token counter is unavailable; the request was not forwarded. "
+        .. "Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
 end
 
 -- estimate(body, bytes_per_token) -> tokens: the fail-open estimate, ceil(#body / bpt).

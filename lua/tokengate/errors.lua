@@ -7,7 +7,6 @@ local json = require "tokengate.json"
 
 local ngx_print = ngx.print
 local pairs = pairs
-local tostring = tostring
 local ngx_exit = ngx.exit
 local null = json.null
 local encode = json.encode
@@ -52,18 +51,18 @@ function _M.exit(ctx, status, message, etype, param, code, extra_headers)
     return ngx_exit(status)
 end
 
--- Shorthands for the statuses the edge produces; each returns like exit().
-
--- invalid(ctx, message, param, code): 400 invalid_request_error.
-function _M.invalid(ctx, message, param, code)
-    return _M.exit(ctx, 400, message, "invalid_request_error", param, code)
+-- new(status, message, param, code, type, headers) -> err: the error shape every concern
+-- module returns, {status, message, param, code, type, headers}. type defaults to
+-- "server_error" for 5xx, "invalid_request_error" otherwise.
+function _M.new(status, message, param, code, etype, headers)
+    return { status = status, message = message, param = param, code = code,
+             type = etype, headers = headers }
 end
 
--- unavailable(ctx, status, message, code, retry_after_s): 502/503 server_error with an
--- integer Retry-After (seconds).
-function _M.unavailable(ctx, status, message, code, retry_after_s)
-    return _M.exit(ctx, status, message, "server_error", nil, code,
-        { ["Retry-After"] = tostring(retry_after_s) })
+-- fail(ctx, err) -> ends the request with err (see new()); returns like exit().
+function _M.fail(ctx, err)
+    local etype = err.type or (err.status >= 500 and "server_error" or "invalid_request_error")
+    return _M.exit(ctx, err.status, err.message, etype, err.param, err.code, err.headers)
 end
 
 return _M

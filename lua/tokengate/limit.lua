@@ -14,6 +14,7 @@
 -- and every edge agrees on them; durations elsewhere use the monotonic clock.
 
 local ngx = ngx
+local errors = require "tokengate.errors"
 
 local floor = math.floor
 local ceil = math.ceil
@@ -162,6 +163,32 @@ function _M.admit(bucket, limits, tokens, now)
         return nil, st
     end
     return state(limits, rprev, rcur, tprev, tcur, f, id)
+end
+
+-- rejection(key_id, st, prompt, out_reserve) -> 429 error (errors.new shape) for a refused
+-- admission state: type "requests" or "tokens" says which limit, Retry-After is in whole
+-- seconds, and a request that alone exceeds the TPM limit is told that retrying cannot
+-- help. prompt, out_reserve: the request's tokens.
+function _M.rejection(key_id, st, prompt, out_reserve)
+    local retry = st.retry_after
+    local msg
+    if st.reject == "requests" then
+        msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
+            .. "remaining %d. Please try again in %ds.", key_id, st.rpm, st.remaining_requests,
+            retry)
+    elseif st.alone then
+        msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d reserved "
+            .. "for the completion) but the limit is %d tokens per minute, so retrying cannot "
+            .. "help. Reduce the prompt or max_tokens.", key_id, prompt + out_reserve, prompt,
+            out_reserve, st.tpm)
+    else
+        msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
+            .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
+            .. "Please try again in %ds.", key_id, st.tpm, st.remaining_tokens,
+            prompt + out_reserve, prompt, out_reserve, retry)
+    end
+    return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
+        { ["Retry-After"] = tostring(retry) })
 end
 
 -- settle(bucket, window, delta): corrects the TPM count of the window the request was

@@ -21,6 +21,7 @@ local sanitize = require "tokengate.sanitize"
 local count = require "tokengate.count"
 local limit = require "tokengate.limit"
 local usage = require "tokengate.usage"
+local request = require "tokengate.request"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
 local balancer = require "ngx.balancer"
@@ -41,19 +42,13 @@ local max = math.max
 local floor = math.floor
 local type = type
 local tostring = tostring
-local pairs = pairs
-local sort = table.sort
 local json_integer = json.integer
-local json_set = json.set
 local null = json.null
 
 local _M = {}
 
-local ROUTES = {
-    ["/v1/chat/completions"] = "chat",
-    ["/v1/completions"] = "completions",
-    ["/v1/models"] = "models",
-}
+local ROUTES = request.ROUTES
+local fail = errors.fail
 
 -- init(path): init_by_lua (master; again on every reload). Loads the compiled config;
 -- a broken file stops nginx from starting or reloading instead of failing requests.
@@ -74,92 +69,14 @@ function _M.init_worker()
     end
 end
 
--- ----------------------------------------------------------------- access helpers
-
--- fail(ctx, err) -> ends the request with a body-module error {status, message, param, code}
-local function fail(ctx, err)
-    return errors.exit(ctx, err.status, err.message,
-        err.status >= 500 and "server_error" or "invalid_request_error", err.param, err.code)
+-- answer(status, text) -> ends the request with a JSON body the edge made itself.
+local function answer(status, text)
+    ngx.status = status
+    ngx.header["Content-Type"] = "application/json"
+    ngx.header["Content-Length"] = #text
+    ngx_print(text)
+    return ngx_exit(status)
 end
-
--- models_list(doc) -> JSON text of GET /v1/models for the configured models
-local function models_list(doc)
-    local names = {}
-    for name in pairs(doc.models) do
-        names[#names + 1] = name
-    end
-    sort(names)
-    local data = json.array()
-    for i = 1, #names do
-        local m = json.object()
-        json_set(m, "id", names[i])
-        json_set(m, "object", "model")
-        json_set(m, "created", 0)
-        json_set(m, "owned_by", "tokengate")
-        json_set(m, "max_model_len", doc.models[names[i]].max_model_len)
-        data[i] = m
-    end
-    local o = json.object()
-    json_set(o, "object", "list")
-    json_set(o, "data", data)
-    return json.encode(o)
-end
-
--- rate_limited(ctx, st, prompt, out_reserve) -> ends the request with a 429 that says
--- which limit (type "requests" | "tokens"), with Retry-After in whole seconds
-local function rate_limited(ctx, st, prompt, out_reserve)
-    local key_id = ctx.key.id
-    local retry = st.retry_after
-    local msg
-    if st.reject == "requests" then
-        msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
-            .. "remaining %d. Please try again in %ds.", key_id, st.rpm, st.remaining_requests,
-            retry)
-    elseif st.alone then
-        msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d reserved "
-            .. "for the completion) but the limit is %d tokens per minute, so retrying cannot "
-            .. "help. Reduce the prompt or max_tokens.", key_id, prompt + out_reserve, prompt,
-            out_reserve, st.tpm)
-    else
-        msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
-            .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
-            .. "Please try again in %ds.", key_id, st.tpm, st.remaining_tokens,
-            prompt + out_reserve, prompt, out_reserve, retry)
-    end
-    return errors.exit(ctx, 429, msg, st.reject, nil, "rate_limit_exceeded",
-        { ["Retry-After"] = tostring(retry) })
-end
-
--- Client-facing token cap and stream options, applied before counting (neither changes
--- the prompt's tokens, and the counter must see the body that is forwarded).
-local function adjust(ctx, route, body, model)
-    local cap = model.max_tokens_cap
-    if cap then
-        local fields = route == "chat" and { "max_completion_tokens", "max_tokens" }
-            or { "max_tokens" }
-        for i = 1, #fields do
-            local v = json_integer(body[fields[i]])
-            if v and v > cap then
-                json_set(body, fields[i], cap)
-                ctx.capped = true
-            end
-        end
-    end
-    if body.stream == true then
-        ctx.stream = true
-        local so = body.stream_options
-        if not json.is_object(so) then
-            so = json.object()
-            json_set(body, "stream_options", so)
-        end
-        ctx.want_usage = so.include_usage == true
-        ctx.want_continuous = so.continuous_usage_stats == true
-        json_set(so, "include_usage", true)
-        json_set(so, "continuous_usage_stats", true)
-    end
-end
-
--- ----------------------------------------------------------------- phases
 
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
@@ -170,162 +87,81 @@ function _M.access()
     local edge = doc.edge
     local uri = ngx_var.uri
     local route = ROUTES[uri]
-    ctx.endpoint = (route == "chat" or route == "completions") and route or uri
+    ctx.endpoint = request.endpoint(route, uri)
 
-    local key, why = auth.authenticate(doc.keys, ngx_var.http_authorization)
+    -- who: the key and its limits (per-model overrides once the model is known)
+    local key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
     if not key then
-        local msg = why == "missing"
-            and "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-            or "Incorrect API key provided."
-        return errors.exit(ctx, 401, msg, "invalid_request_error", nil, "invalid_api_key")
+        return fail(ctx, err)
     end
-    ctx.key = key
-    ctx.bucket, ctx.limits = key.id, key
-    local method = ngx_req.get_method()
-
-    if route == "models" then
-        ctx.rate = limit.peek(ctx.bucket, key, ngx_now())
-        if method ~= "GET" then
-            return errors.exit(ctx, 405, "Method not allowed: use GET /v1/models",
-                "invalid_request_error", nil, "method_not_allowed", { Allow = "GET" })
-        end
-        local text = models_list(doc)
-        ngx.status = 200
-        ngx.header["Content-Type"] = "application/json"
-        ngx.header["Content-Length"] = #text
-        ngx_print(text)
-        return ngx_exit(200)
-    end
+    ctx.key, ctx.bucket, ctx.limits = key, key.id, key
     ctx.rate = limit.peek(ctx.bucket, key, ngx_now())
-    if not route then
-        return errors.exit(ctx, 404, format("Invalid URL (%s %s)", method, uri),
-            "invalid_request_error", nil, "unknown_url")
+    err = request.check_method(route, ngx_req.get_method(), uri)
+    if err then
+        return fail(ctx, err)
     end
-    if method ~= "POST" then
-        return errors.exit(ctx, 405, format("Method not allowed: use POST %s", uri),
-            "invalid_request_error", nil, "method_not_allowed", { Allow = "POST" })
+    if route == "models" then
+        return answer(200, config.models_json())
     end
 
-    -- body: type and size, read, strict JSON, shape
-    local ok, err = body_mod.check_headers(ngx_req.get_headers(), edge.max_body_bytes)
-    if not ok then
-        return fail(ctx, err)
-    end
-    local raw
-    raw, err = body_mod.read(edge.max_body_bytes)
-    if not raw then
-        return fail(ctx, err)
-    end
-    local body
-    body, err = body_mod.decode(raw, edge.max_json_depth)
+    -- what: the body, parsed strictly, and the model it names
+    local body, model, name
+    body, err, name = body_mod.parse(route, doc.models, edge)
     if not body then
+        ctx.model = name
         return fail(ctx, err)
     end
-    local model
-    if route == "chat" then
-        model, err = body_mod.validate_chat(body, doc.models)
-    else
-        model, err = body_mod.validate_completions(body, doc.models)
-    end
-    if not model then
-        if err.param == "model" and type(body.model) == "string" and body.model ~= "" then
-            ctx.model = body.model
-        end
-        return fail(ctx, err)
-    end
+    model = err
     ctx.model = model.name
     local override = key.models[model.name]
     if override then
         ctx.bucket, ctx.limits = key.id .. "@" .. model.name, override
         ctx.rate = limit.peek(ctx.bucket, override, ngx_now())
     end
-
-    -- sanitize
-    local st
-    if route == "chat" then
-        st = sanitize.chat(body, model, edge.special_tokens)
-    else
-        st = sanitize.completions(body, model, edge.special_tokens)
+    local st = sanitize.request(route, body, model, edge.special_tokens)
+    if st.err then
+        return fail(ctx, st.err)
     end
-    if st.bad then
-        return errors.invalid(ctx, format("%s contains the special token %q, which the model "
-            .. "would read as a control token (a forged turn). Remove it from the text.",
-            st.bad.param, st.bad.token), st.bad.param, "special_token_in_content")
-    end
-    ctx.sanitized = st.removed + st.stripped + st.collapsed
-    adjust(ctx, route, body, model)
+    request.adjust(ctx, route, body, model)
     local text = json.encode(body)
 
-    -- count and context
+    -- how much: exact prompt tokens and the completion budget
+    local prompt, prompts, out
     local reply, cerr = count.count(route, model.name, text)
-    local prompt, out_effective
-    local n = json_integer(body.n) or 1
-    local prompts = 1
     if reply then
-        prompt = reply.prompt_tokens
-        prompts = max(1, reply.prompt_count)
-        ctx.token_estimate = prompt
-        ctx.count_source = "counter"
+        prompt, prompts = reply.prompt_tokens, max(1, reply.prompt_count)
+        ctx.token_estimate, ctx.count_source = prompt, "counter"
         ctx.system_tokens = reply.breakdown.system
-        local requested = reply.max_tokens_requested
-        if requested > 0 then
-            if reply.max_tokens_effective < requested then
-                return errors.invalid(ctx, format("This model's maximum context length is %d "
-                    .. "tokens. However, you requested %d tokens (%d in the %s, %d in the "
-                    .. "completion). Please reduce the length of the %s or completion.",
-                    model.max_model_len, prompt + requested, prompt,
-                    route == "chat" and "messages" or "prompt", requested,
-                    route == "chat" and "messages" or "prompt"),
-                    route == "chat" and "messages" or "prompt", "context_length_exceeded")
-            end
-            out_effective = requested
-        else
-            local room = model.max_model_len - prompt
-            if room < 1 then
-                return errors.invalid(ctx, format("This model's maximum context length is %d "
-                    .. "tokens. However, your messages resulted in %d tokens, which leaves no "
-                    .. "room for the completion. Please reduce the length of the messages.",
-                    model.max_model_len, prompt), "messages", "context_length_exceeded")
-            end
-            out_effective = room
-            if model.default_max_tokens then
-                out_effective = min(model.default_max_tokens, room)
-                json_set(body, "max_tokens", out_effective)
-                text = json.encode(body)
-            end
+        local changed
+        out, changed = request.completion_budget(route, model, body, reply)
+        if not out then
+            return fail(ctx, changed)
         end
-    elseif cerr.kind == "invalid" then
-        return errors.invalid(ctx, cerr.message, cerr.param, "invalid_value")
-    elseif cerr.kind == "not_found" then
-        return errors.exit(ctx, 404, cerr.message, "invalid_request_error", "model",
-            "model_not_found")
+        if changed then
+            text = json.encode(body)
+        end
+    elseif cerr.kind ~= "unavailable" or edge.on_counter_failure == "closed" then
+        if cerr.kind == "unavailable" then
+            ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing closed")
+        end
+        return fail(ctx, count.rejection(cerr))
     else
-        ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing ",
-            edge.on_counter_failure)
-        if edge.on_counter_failure == "closed" then
-            return errors.unavailable(ctx, 503, "The token counter is unavailable; the request "
-                .. "was not forwarded. Please retry.", "counter_unavailable", 1)
-        end
-        prompt = count.estimate(text, edge.estimate_bytes_per_token)
-        ctx.count_source = "estimate"
-        out_effective = json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
-            or model.output_reserve
+        ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing open")
+        prompt, prompts = count.estimate(text, edge.estimate_bytes_per_token), 1
+        ctx.token_estimate, ctx.count_source = prompt, "estimate"
+        out = request.estimate_budget(body, model)
     end
-    ctx.token_estimate = prompt
 
-    -- limits: reserve prompt + min(effective output, configured reserve) per completion
-    local out_reserve = min(out_effective, model.output_reserve) * n * prompts
-    local reserve = prompt + out_reserve
-    local state, rejected = limit.admit(ctx.bucket, ctx.limits, reserve, ngx_now())
+    -- limits: RPM 1, TPM prompt + min(budget, configured reserve) per completion
+    local out_reserve = min(out, model.output_reserve) * (json_integer(body.n) or 1) * prompts
+    local state, rejected = limit.admit(ctx.bucket, ctx.limits, prompt + out_reserve, ngx_now())
     if not state then
         ctx.rate = rejected
-        return rate_limited(ctx, rejected, prompt, out_reserve)
+        return fail(ctx, limit.rejection(key.id, rejected, prompt, out_reserve))
     end
-    ctx.rate = state
-    ctx.reserved = reserve
-    ctx.window = state.window
+    ctx.rate, ctx.reserved, ctx.window = state, prompt + out_reserve, state.window
 
-    -- forward
+    -- forward the body the edge parsed, with its count
     ngx_req.set_header("X-Token-Count", prompt)
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
     ngx_req.set_body_data(text)

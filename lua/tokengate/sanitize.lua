@@ -10,6 +10,7 @@
 
 local ffi = require "ffi"
 local json = require "tokengate.json"
+local errors = require "tokengate.errors"
 
 local cast = ffi.cast
 local u8p = ffi.typeof("const uint8_t *")
@@ -295,6 +296,24 @@ function _M.completions(body, model, policy)
                 p[i] = visit_text(st, p[i], format("prompt[%d]", i - 1), false)
             end
         end
+    end
+    return st
+end
+
+-- request(route, body, model, policy) -> state of chat() / completions(), with
+-- state.err = a 400 error (errors.new shape) when a special token was rejected.
+function _M.request(route, body, model, policy)
+    local st
+    if route == "chat" then
+        st = _M.chat(body, model, policy)
+    else
+        st = _M.completions(body, model, policy)
+    end
+    local bad = st.bad
+    if bad then
+        st.err = errors.new(400, format("%s contains the special token %q, which the model "
+            .. "would read as a control token (a forged turn). Remove it from the text.",
+            bad.param, bad.token), bad.param, "special_token_in_content")
     end
     return st
 end

@@ -1,0 +1,127 @@
+-- What a request asks for, beyond its prompt: the route, the completion budget
+-- (max_tokens after the server cap, the model's default, the context window) and the
+-- stream options the edge needs. Errors use the errors.new shape.
+
+local json = require "tokengate.json"
+local errors = require "tokengate.errors"
+
+local format = string.format
+local min = math.min
+local json_integer = json.integer
+local json_set = json.set
+local is_object = json.is_object
+
+local _M = {}
+
+-- ROUTES: request path -> route name.
+_M.ROUTES = {
+    ["/v1/chat/completions"] = "chat",
+    ["/v1/completions"] = "completions",
+    ["/v1/models"] = "models",
+}
+
+local CAPPED_FIELDS = {
+    chat = { "max_completion_tokens", "max_tokens" },
+    completions = { "max_tokens" },
+}
+
+-- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions" or the path.
+function _M.endpoint(route, uri)
+    if route == "chat" or route == "completions" then
+        return route
+    end
+    return uri
+end
+
+-- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
+function _M.check_method(route, method, uri)
+    if not route then
+        return errors.new(404, format("Invalid URL (%s %s)", method, uri), nil, "unknown_url")
+    end
+    local want = route == "models" and "GET" or "POST"
+    if method ~= want then
+        return errors.new(405, format("Method not allowed: use %s %s", want, uri), nil,
+            "method_not_allowed", nil, { Allow = want })
+    end
+    return nil
+end
+
+-- adjust(ctx, route, body, model): applied before counting (neither changes the prompt's
+-- tokens, and the counter must see the body that is forwarded):
+--   - max_tokens (and max_completion_tokens) above model.max_tokens_cap become the cap;
+--   - stream: true gets stream_options {include_usage, continuous_usage_stats} = true;
+--     what the client asked for is kept in ctx.want_usage / ctx.want_continuous so the
+--     body filter can take out what it did not ask for. Sets ctx.stream.
+function _M.adjust(ctx, route, body, model)
+    local cap = model.max_tokens_cap
+    if cap then
+        local fields = CAPPED_FIELDS[route]
+        for i = 1, #fields do
+            local v = json_integer(body[fields[i]])
+            if v and v > cap then
+                json_set(body, fields[i], cap)
+            end
+        end
+    end
+    if body.stream == true then
+        ctx.stream = true
+        local so = body.stream_options
+        if not is_object(so) then
+            so = json.object()
+            json_set(body, "stream_options", so)
+        end
+        ctx.want_usage = so.include_usage == true
+        ctx.want_continuous = so.continuous_usage_stats == true
+        json_set(so, "include_usage", true)
+        json_set(so, "continuous_usage_stats", true)
+    end
+end
+
+local function what(route)
+    return route == "chat" and "messages" or "prompt"
+end
+
+-- completion_budget(route, model, body, reply) -> completion tokens the request may
+-- generate, body_changed | nil, err (400 context_length_exceeded, both numbers in the
+-- message). reply: the counter's CountReply (tokens).
+--   - max_tokens given: prompt + max_tokens must fit max_model_len (checked through the
+--     counter's max_tokens_effective, which is per prompt for completions lists);
+--   - max_tokens absent: the model's default_max_tokens when configured (written into the
+--     body, clipped to the room left), else whatever room the context leaves (vLLM's own
+--     default); no room at all is an error.
+function _M.completion_budget(route, model, body, reply)
+    local prompt = reply.prompt_tokens
+    local requested = reply.max_tokens_requested
+    if requested > 0 then
+        if reply.max_tokens_effective < requested then
+            return nil, errors.new(400, format("This model's maximum context length is %d "
+                .. "tokens. However, you requested %d tokens (%d in the %s, %d in the "
+                .. "completion). Please reduce the length of the %s or completion.",
+                model.max_model_len, prompt + requested, prompt, what(route), requested,
+                what(route)), what(route), "context_length_exceeded")
+        end
+        return requested, false
+    end
+    local room = model.max_model_len - prompt
+    if room < 1 then
+        return nil, errors.new(400, format("This model's maximum context length is %d tokens. "
+            .. "However, your %s resulted in %d tokens, which leaves no room for the "
+            .. "completion. Please reduce the length of the %s.", model.max_model_len,
+            what(route), prompt, what(route)), what(route), "context_length_exceeded")
+    end
+    if model.default_max_tokens then
+        local out = min(model.default_max_tokens, room)
+        json_set(body, "max_tokens", out)
+        return out, true
+    end
+    return room, false
+end
+
+-- estimate_budget(body, model) -> completion tokens assumed when the counter could not
+-- answer: the explicit max_completion_tokens / max_tokens, else model.output_reserve.
+function _M.estimate_budget(body, model)
+    return json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
+        or model.output_reserve
+end
+
+return _M
