@@ -7,6 +7,7 @@ clean text is sent to it directly.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -289,3 +290,24 @@ def test_missing_max_tokens_uses_the_configured_default(
     assert r.json()["usage"]["completion_tokens"] == 3
     ev = e.event(r.headers["x-request-id"])
     assert ev["reserved"] == int(r.headers["x-token-count"]) + 3
+
+
+def test_body_above_the_nginx_backstop_is_413_in_openai_shape(edge: Edge) -> None:
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Authorization: Bearer " + MAIN_KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 70000000\r\n\r\n")
+        data = b""
+        while b"}}" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(payload)["error"]["code"] == "request_too_large"
+    rid = [line.split(b": ")[1].decode() for line in head.split(b"\r\n")
+           if line.lower().startswith(b"x-request-id")]
+    ev = edge.event(rid[0])
+    assert (ev["status"], ev["endpoint"], ev["error"], ev["key_id"]) == \
+        (413, "chat", "request_too_large", None)

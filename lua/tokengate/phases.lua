@@ -264,6 +264,10 @@ function _M.body_filter()
     end
 end
 
+-- Codes for answers nginx itself made before any Lua ran (no ctx.error).
+local NGINX_ERRORS = { [400] = "invalid_request", [413] = "request_too_large",
+                       [414] = "request_too_large", [431] = "request_too_large" }
+
 -- The usage file's absolute path without its leading "/" (the location's access_log
 -- supplies it, see tokengate-location.conf).
 local function usage_path()
@@ -314,7 +318,7 @@ function _M.log()
         ts = clock.rfc3339_ms(ngx_req.start_time()),
         key_id = key and key.id or null,
         model = ctx.model or null,
-        endpoint = ctx.endpoint or ngx_var.uri,
+        endpoint = ctx.endpoint or request.endpoint(ROUTES[ngx_var.uri], ngx_var.uri),
         status = status,
         stream = ctx.stream == true,
         token_estimate = ctx.token_estimate or 0,
@@ -329,7 +333,7 @@ function _M.log()
         ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or null,
         total_ms = round3(max(0, total)),
         upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or null,
-        error = ctx.error or null,
+        error = ctx.error or NGINX_ERRORS[status] or null,
     })
     ngx_var.tg_usage_line = line
     ngx_var.tg_usage_path = usage_path()
