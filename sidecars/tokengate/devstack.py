@@ -270,6 +270,7 @@ def run(config_path: Path) -> None:
         counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
         vllm_service(model, port=int(model.upstream.rpartition(":")[2])),
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
+        ledger_service(config_path),
     ]
     started: list[Service] = []
 
