@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -163,11 +164,17 @@ def test_window_slides_and_retry_after_says_when(redis_url):
 # -- two edges, one limit ----------------------------------------------------------------
 
 
-def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue) -> None:
-    """One edge: 8 threads reserving random token counts through its own sidecar."""
+def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue,
+          start: Any) -> None:
+    """One edge: 8 threads reserving random token counts through its own sidecar.
+
+    Both edges connect first and then start together (``start`` is a barrier): a
+    process that spawns late on a loaded machine would otherwise find the limit used up.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
     stub = pb_grpc.GlobalLimitsStub(channel)
     rng = random.Random(seed)
     jobs = [(rng.randint(50, 500), f"{seed:016x}{i:016x}") for i in range(calls)]
@@ -179,6 +186,7 @@ def _edge(port: int, seed: int, calls: int, tpm: int, out: multiprocessing.Queue
                                            request_id=request_id), timeout=5)
         return tokens if r.admitted else 0
 
+    start.wait(60)
     with ThreadPoolExecutor(8) as ex:
         admitted = [t for t in ex.map(one, jobs) if t]
     out.put((seed, len(admitted), sum(admitted)))
@@ -195,11 +203,13 @@ def test_two_edges_share_one_tokens_per_minute_limit(config_path, redis_url, led
                                         name=svc_name("test-limits-b")).start())
     ctx = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = ctx.Queue()
+    start = ctx.Barrier(3)
     try:
-        edges = [ctx.Process(target=_edge, args=(port, seed, 400, tpm, out))
+        edges = [ctx.Process(target=_edge, args=(port, seed, 400, tpm, out, start))
                  for seed, port in ((1, ports[0]), (2, ports[1]))]
         for p in edges:
             p.start()
+        start.wait(60)
         results = [out.get(timeout=60) for _ in edges]
         for p in edges:
             p.join(10)
