@@ -25,7 +25,7 @@ bench: setup
 	@$(PY) -m tokengate.storm.bench $(BENCH_ARGS)
 
 lint: setup
-	@.venv/bin/ruff check sidecars tests vllm_patches
+	@.venv/bin/ruff check sidecars tests
 	@cd sidecars && ../.venv/bin/mypy tokengate
 
 clean:
