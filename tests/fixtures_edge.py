@@ -7,6 +7,8 @@
 - ``edge_variant``: starts another instance with a different configuration (counter
   down, fail closed, vLLM down, fake upstream); each is stopped at the end of the test.
 - ``vllm_requests``: vLLM's own count of HTTP requests, to prove that nothing reached it.
+- ``run_lua``: runs a chunk of Lua inside nginx's own LuaJIT with the edge's modules on
+  the path (for pure functions: codecs, the sampling rule).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -325,5 +329,45 @@ def vllm_requests(vllm_url: str) -> Callable[[], int]:
     return vllm_request_count
 
 
+_LUA_HARNESS = """
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
+daemon off;
+master_process off;
+pid {d}/nginx.pid;
+error_log stderr notice;
+events {{}}
+http {{
+    client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};
+    uwsgi_temp_path {d}; scgi_temp_path {d};
+    lua_package_path "{lua}/?.lua;;";
+    init_by_lua_block {{
+        local f = assert(loadfile("{d}/chunk.lua"))
+        local ok, out = pcall(f)
+        io.stdout:write(ok and "OK\\n" or "ERR\\n", tostring(out))
+        io.stdout:flush()
+        os.exit(0)
+    }}
+}}
+"""
+
+
+def run_lua(chunk: str) -> str:
+    """Runs ``chunk`` (Lua, ``return <string>``) in init_by_lua of a throwaway nginx
+    (Debian's ngx_lua: the edge's own LuaJIT, ``ngx`` and the edge's modules available),
+    which exits right after; returns the chunk's string. Raises AssertionError with the
+    Lua error. (``nginx -t`` does not run init_by_lua, so nginx really starts.)"""
+    from tokengate.tools import nginx_conf
+
+    with tempfile.TemporaryDirectory(prefix="tg-lua-") as d:
+        Path(d, "chunk.lua").write_text(chunk)
+        Path(d, "nginx.conf").write_text(_LUA_HARNESS.format(d=d, lua=nginx_conf.LUA_DIR))
+        r = subprocess.run(["nginx", "-p", d, "-c", f"{d}/nginx.conf", "-e", "stderr"],
+                           capture_output=True, text=True, timeout=30, check=False)
+    status, _, out = r.stdout.partition("\n")
+    assert status == "OK", f"Lua failed: {out or r.stderr}"
+    return out
+
+
 __all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter", "free_port",
-           "key_of", "window_room"]
+           "key_of", "run_lua", "window_room"]

@@ -4,9 +4,11 @@
 -- read it, so there is no cross-worker state here.
 
 local cjson = require "cjson.safe"
+local sampling = require "tokengate.sampling"
 
 local io_open = io.open
 local type = type
+local tonumber = tonumber
 local pairs = pairs
 local setmetatable = setmetatable
 local sort = table.sort
@@ -15,6 +17,7 @@ local _M = {}
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local models_text -- models_json() of doc
+local rules -- sampling.rules() of doc.access_log
 
 -- fail(msg) -> nil, "tokengate config: <msg>"
 local function fail(msg)
@@ -65,8 +68,28 @@ function _M.load(path)
             k.models = {}
         end
     end
+    -- sections added later than version 1's first edition: defaults when absent
+    if type(d.global_limits) ~= "table" then
+        d.global_limits = { enabled = false }
+    end
+    d.global_limits.enabled = d.global_limits.enabled == true
+    d.edge.global_limits_timeout_ms = d.edge.global_limits_timeout_ms or 250
+    d.edge.global_limits_backoff_ms = d.edge.global_limits_backoff_ms or 500
+    local al = d.access_log
+    if type(al) ~= "table" then
+        al = { file = "" }
+        d.access_log = al
+    end
+    if type(al.file) ~= "string" then
+        al.file = ""
+    end
+    al.error_status = tonumber(al.error_status) or 400
+    al.slow_ms = tonumber(al.slow_ms) or 5000
+    al.slow_rate = tonumber(al.slow_rate) or 0.1
+    al.rate = tonumber(al.rate) or 0.01
     doc = setmetatable(d, nil)
     models_text = nil
+    rules = sampling.rules(al)
     return doc
 end
 
@@ -98,6 +121,11 @@ function _M.models_json()
     json.set(o, "data", data)
     models_text = json.encode(o)
     return models_text
+end
+
+-- rules() -> the access log's sampling rules (tokengate.sampling.rules of access_log).
+function _M.rules()
+    return rules
 end
 
 -- get() -> the loaded document (nil before load()).

@@ -205,6 +205,18 @@ function _M.settle(bucket, window_id, delta)
     end
 end
 
+-- release(bucket, window_id, tokens): takes back a whole admission (1 request and tokens)
+-- from the window it was admitted in: the global tier refused what this limiter admitted.
+function _M.release(bucket, window_id, tokens)
+    local ok, err = dict:incr(key("r", bucket, window_id), -1, 0, TTL)
+    if ok then
+        ok, err = dict:incr(key("t", bucket, window_id), -tokens, 0, TTL)
+    end
+    if not ok then
+        ngx_log(ERR, "tokengate limit: release ", bucket, ": ", err)
+    end
+end
+
 -- headers(h, st): writes x-ratelimit-{limit,remaining,reset}-{requests,tokens} into the
 -- response header table h (ngx.header) from a state.
 function _M.headers(h, st)

@@ -1,7 +1,10 @@
--- The two protobuf messages of tokengate.v1.TokenCounter (proto/tokengate/v1/counter.proto),
--- encoded and decoded by hand: Debian ships no Lua protobuf library, and two fixed
+-- The protobuf messages the edge exchanges with its sidecars, encoded and decoded by hand:
+-- tokengate.v1.TokenCounter (proto/tokengate/v1/counter.proto) and tokengate.v1.GlobalLimits
+-- (proto/tokengate/v1/limits.proto). Debian ships no Lua protobuf library, and a few fixed
 -- messages need only varints and length-delimited fields. gRPC framing (1 flag byte,
--- 4-byte big-endian length) is here too.
+-- 4-byte big-endian length) is here too. Encoders omit fields equal to their proto3
+-- default (0, false, ""), as the reference implementation does, so the bytes are the
+-- same as Python's SerializeToString (tests/test_edge_global.py checks them).
 --
 -- Numbers stay below 2^53 (lengths, token counts), so plain Lua arithmetic is exact;
 -- LuaJIT's bit ops are 32-bit and are not used.
@@ -52,6 +55,52 @@ end
 function _M.count_request(model, endpoint, body)
     return "\10" .. varint(#model) .. model .. "\16" .. varint(endpoint)
         .. "\26" .. varint(#body) .. body
+end
+
+-- key_byte(num, wt) -> the field key (num * 8 + wire type): one byte, as every field
+-- number here is below 16.
+local function key_byte(num, wt)
+    return char(num * 8 + wt)
+end
+
+-- str_field(num, s) -> length-delimited field bytes, "" for an empty string (default)
+local function str_field(num, s)
+    if s == "" then
+        return ""
+    end
+    return key_byte(num, 2) .. varint(#s) .. s
+end
+
+-- uint_field(num, n) -> varint field bytes, "" for 0 (default); n integer, 0 <= n < 2^53
+local function uint_field(num, n)
+    if n == 0 then
+        return ""
+    end
+    return key_byte(num, 0) .. varint(n)
+end
+
+-- bool_field(num, b) -> varint field bytes, "" for false (default)
+local function bool_field(num, b)
+    if not b then
+        return ""
+    end
+    return key_byte(num, 0) .. "\1"
+end
+
+-- reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id) -> serialized
+-- tokengate.v1.ReserveRequest. key_id, model, request_id: strings; per_model: boolean;
+-- rpm, tpm: limits per minute (>= 1); tokens: the reservation, tokens.
+function _M.reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id)
+    return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
+        .. uint_field(4, rpm) .. uint_field(5, tpm) .. uint_field(6, tokens)
+        .. str_field(7, request_id)
+end
+
+-- settle_request(key_id, model, per_model, request_id, actual_tokens) -> serialized
+-- tokengate.v1.SettleRequest. actual_tokens: prompt + completion tokens (>= 0).
+function _M.settle_request(key_id, model, per_model, request_id, actual_tokens)
+    return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
+        .. str_field(4, request_id) .. uint_field(5, actual_tokens)
 end
 
 -- frame(msg) -> one uncompressed gRPC message frame.
@@ -152,6 +201,47 @@ function _M.count_reply(msg)
         tokenizer_backend = "",
         breakdown = { system = 0, tools = 0, messages = 0, template_overhead = 0 },
     }, REPLY)
+end
+
+local RESERVE_REPLY = {
+    [1] = "admitted", [2] = "limited_by", [3] = "never_fits", [4] = "remaining_requests",
+    [5] = "remaining_tokens", [6] = "reset_requests_ms", [7] = "reset_tokens_ms",
+    [8] = "retry_after_ms",
+}
+
+-- reserve_reply(msg) -> {admitted (bool), limited_by (0 none, 1 requests, 2 tokens),
+-- never_fits (bool), remaining_requests, remaining_tokens (tokens), reset_requests_ms,
+-- reset_tokens_ms, retry_after_ms (ms)} | nil, err. Absent fields take proto3 defaults.
+function _M.reserve_reply(msg)
+    local r, err = fields(msg, {
+        admitted = 0, limited_by = 0, never_fits = 0, remaining_requests = 0,
+        remaining_tokens = 0, reset_requests_ms = 0, reset_tokens_ms = 0, retry_after_ms = 0,
+    }, RESERVE_REPLY)
+    if not r then
+        return nil, err
+    end
+    r.admitted, r.never_fits = r.admitted ~= 0, r.never_fits ~= 0
+    return r
+end
+
+local SETTLE_REPLY = { [1] = "found", [2] = "delta", [3] = "window_tokens" }
+
+-- settle_reply(msg) -> {found (bool), delta (tokens, signed: sint64 zigzag decoded),
+-- window_tokens (tokens)} | nil, err.
+function _M.settle_reply(msg)
+    local r, err = fields(msg, { found = 0, delta = 0, window_tokens = 0 }, SETTLE_REPLY)
+    if not r then
+        return nil, err
+    end
+    -- zigzag: 2n for n >= 0, -2n - 1 for n < 0 (exact: |delta| stays far below 2^52)
+    local z = r.delta
+    if z % 2 == 0 then
+        r.delta = z / 2
+    else
+        r.delta = -(z + 1) / 2
+    end
+    r.found = r.found ~= 0
+    return r
 end
 
 return _M

@@ -3,12 +3,14 @@
 --
 --   access:        auth -> body (type, size, read, strict JSON, shape) -> sanitize
 --                  -> count (gRPC via the loopback hop) -> context check
---                  -> limits (reserve) -> X-Token-Count -> proxy to the model's vLLM
+--                  -> limits (reserve: local window, then the global one when enabled)
+--                  -> X-Token-Count -> proxy to the model's vLLM
 --   balancer:      the model's upstream address, keepalive pool
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
 --                  upstream failures that nginx itself produced
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
---   log:           settle the reservation with real usage, write the usage event
+--   log:           settle the reservation(s) with real usage, write the usage event and,
+--                  when sampled, the access-log line
 --
 -- Per-request state is ngx.ctx; nothing here writes globals.
 
@@ -20,6 +22,9 @@ local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
 local count = require "tokengate.count"
 local limit = require "tokengate.limit"
+local global_limit = require "tokengate.global_limit"
+local metrics = require "tokengate.metrics"
+local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
 local request = require "tokengate.request"
 local clock = require "tokengate.clock"
@@ -42,6 +47,7 @@ local max = math.max
 local floor = math.floor
 local type = type
 local tostring = tostring
+local tonumber = tonumber
 local json_integer = json.integer
 local null = json.null
 
@@ -50,22 +56,38 @@ local _M = {}
 local ROUTES = request.ROUTES
 local fail = errors.fail
 
--- init(path): init_by_lua (master; again on every reload). Loads the compiled config;
+local hop_address -- where this nginx's loopback hop server listens (init's argument)
+
+-- init(path, hop): init_by_lua (master; again on every reload). Loads the compiled config;
 -- a broken file stops nginx from starting or reloading instead of failing requests.
-function _M.init(path)
+-- hop: the hop server's address, "unix:/path" or "host:port" (global-limit settlements
+-- connect to it).
+function _M.init(path, hop)
     local doc, err = config.load(path)
     if not doc then
         error(err)
     end
+    hop_address = hop
 end
 
--- init_worker(): per-worker state: the count cache and the limits dict handle.
+-- init_worker(): per-worker state: the count cache, the limits and status dict handles,
+-- the global tier's settings.
 function _M.init_worker()
     local doc = config.get()
     count.init_worker(doc.edge.count_cache_entries)
     local ok, err = limit.init("tokengate_limits")
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
+    end
+    ok, err = metrics.init("tokengate_status")
+    if not ok then
+        ngx_log(ERR, "tokengate: ", err)
+    end
+    if doc.global_limits.enabled then
+        ok, err = global_limit.init_worker("tokengate_limits", doc.edge, hop_address or "")
+        if not ok then
+            ngx_log(ERR, "tokengate: global limits: ", err)
+        end
     end
 end
 
@@ -152,14 +174,30 @@ function _M.access()
         out = request.estimate_budget(body, model)
     end
 
-    -- limits: RPM 1, TPM prompt + min(budget, configured reserve) per completion
+    -- limits: RPM 1, TPM prompt + min(budget, configured reserve) per completion; the
+    -- local window first, then (when enabled) the window all edges share
     local out_reserve = min(out, model.output_reserve) * (json_integer(body.n) or 1) * prompts
-    local state, rejected = limit.admit(ctx.bucket, ctx.limits, prompt + out_reserve, ngx_now())
+    local reserve = prompt + out_reserve
+    local state, rejected = limit.admit(ctx.bucket, ctx.limits, reserve, ngx_now())
+    ctx.limits_tier = "local"
     if not state then
         ctx.rate = rejected
         return fail(ctx, limit.rejection(key.id, rejected, prompt, out_reserve))
     end
-    ctx.rate, ctx.reserved, ctx.window = state, prompt + out_reserve, state.window
+    ctx.rate, ctx.reserved, ctx.window = state, reserve, state.window
+    if doc.global_limits.enabled then
+        local gstate, tier = global_limit.reserve(key.id, model.name, override ~= nil,
+            ctx.limits, reserve, ngx_var.request_id)
+        ctx.limits_tier = tier
+        if gstate and gstate.reject then
+            limit.release(ctx.bucket, state.window, reserve)
+            ctx.rate, ctx.reserved = gstate, nil
+            return fail(ctx, limit.rejection(key.id, gstate, prompt, out_reserve))
+        elseif gstate then
+            -- the shared window's numbers are the ones that count across edges
+            ctx.rate, ctx.global, ctx.per_model = gstate, true, override ~= nil
+        end
+    end
 
     -- forward the body the edge parsed, with its count
     ngx_req.set_header("X-Token-Count", prompt)
@@ -199,6 +237,9 @@ function _M.header_filter()
     if ctx.token_estimate then
         h["X-Token-Count"] = ctx.token_estimate
         h["X-Token-Count-Source"] = ctx.count_source
+    end
+    if ctx.limits_tier then
+        h["X-Tokengate-Limits"] = ctx.limits_tier
     end
     local status = ngx.status
     ctx.status_sent = status
@@ -274,6 +315,16 @@ local function usage_path()
     return (config.get().edge.usage_file:gsub("^/+", ""))
 end
 
+-- The sampled access log's absolute path without its leading "/" (as usage_path()), or
+-- nil when the access log is off.
+local function access_path()
+    local file = config.get().access_log.file
+    if file == "" then
+        return nil
+    end
+    return (file:gsub("^/+", ""))
+end
+
 -- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
 local function round3(x)
     return floor(x * 1000 + 0.5) / 1000
@@ -307,15 +358,25 @@ function _M.log()
         prompt, source = ctx.token_estimate or 0, "estimate"
     end
     local reserved = ctx.reserved or 0
+    local key = ctx.key
+    local request_id = ngx_var.request_id
     if reserved > 0 then
         limit.settle(ctx.bucket, ctx.window, (prompt + completion) - reserved)
+        if ctx.global and prompt + completion ~= reserved then
+            global_limit.settle(key.id, ctx.model, ctx.per_model, request_id,
+                prompt + completion)
+        end
     end
     local t0 = ctx.t0
     local total = t0 and (now - t0) or (ngx_now() - ngx_req.start_time()) * 1000
-    local key = ctx.key
+    local total_ms = round3(max(0, total))
+    local ts = clock.rfc3339_ms(ngx_req.start_time())
+    local ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or null
+    local upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or null
+    local error_code = ctx.error or NGINX_ERRORS[status] or null
     local line = usage.event({
-        request_id = ngx_var.request_id,
-        ts = clock.rfc3339_ms(ngx_req.start_time()),
+        request_id = request_id,
+        ts = ts,
         key_id = key and key.id or null,
         model = ctx.model or null,
         endpoint = ctx.endpoint or request.endpoint(ROUTES[ngx_var.uri], ngx_var.uri),
@@ -330,13 +391,42 @@ function _M.log()
         system_tokens = ctx.system_tokens or 0,
         usage_source = source,
         client_aborted = aborted,
-        ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or null,
-        total_ms = round3(max(0, total)),
-        upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or null,
-        error = ctx.error or NGINX_ERRORS[status] or null,
+        ttft_ms = ttft_ms,
+        total_ms = total_ms,
+        upstream = upstream,
+        error = error_code,
     })
     ngx_var.tg_usage_line = line
     ngx_var.tg_usage_path = usage_path()
+
+    -- the sampled access log: decided on the same rounded total_ms the line records
+    local apath = access_path()
+    if not apath then
+        return
+    end
+    local kept, tier, rate = sampling.keep(config.rules(), request_id, status, total_ms)
+    if not kept then
+        return
+    end
+    ngx_var.tg_access_line = sampling.line({
+        ts = ts, request_id = request_id, status = status, method = ngx_req.get_method(),
+        uri = ngx_var.uri, key_id = key and key.id, model = ctx.model,
+        token_estimate = ctx.token_estimate or 0, count_source = ctx.count_source or "none",
+        limits = ctx.limits_tier, total_ms = total_ms, ttft_ms = ttft_ms,
+        upstream = upstream, error = error_code, client = ngx_var.remote_addr,
+        bytes_sent = tonumber(ngx_var.bytes_sent), tier = tier, sample_rate = rate,
+    })
+    ngx_var.tg_access_path = apath
+    metrics.incr("access_log_lines")
+end
+
+-- status(): content handler of /tokengate/status (loopback only): the metrics as JSON,
+-- plus whether the global tier is enabled and currently skipped after a failure.
+function _M.status()
+    local extra = json.object()
+    json.set(extra, "global_limits_enabled", config.get().global_limits.enabled == true)
+    json.set(extra, "global_limits_backing_off", global_limit.backing_off())
+    return answer(200, metrics.json_text(extra))
 end
 
 return _M

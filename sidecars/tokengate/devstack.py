@@ -5,7 +5,8 @@ under ``var/log``. ``make run`` calls ``python -m tokengate.devstack run``; the 
 fixtures call the same builders (with other ports) so tests run exactly what a user runs.
 
 Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
-socket under var/run), Redis 6380, nginx 8080.
+socket under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
+global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket.
 """
 
 from __future__ import annotations
@@ -211,21 +212,23 @@ def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
 
 def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | None = None,
                   counter_workers: int = 2, workers: int = 2, name: str = "nginx",
-                  prefix: Path | None = None) -> Service:
+                  prefix: Path | None = None, limits_workers: int = 1) -> Service:
     """The nginx + ngx_lua edge on 127.0.0.1:port (the gateway users call).
 
     Renders a complete instance (``tokengate.tools.nginx_conf``) into ``prefix``
     (default ``var/run/<name>``): nginx.conf, the http-level include, the compiled
     configuration (edge.json) and the loopback-hop socket. ``counter_socket`` is the
-    counter's ``--unix-socket`` path (its workers listen on ``<path>.<i>``). Raises
-    ``ConfigError`` for a bad configuration. Starts in well under a second.
+    counter's ``--unix-socket`` path (its workers listen on ``<path>.<i>``). With
+    ``global_limits.enabled`` the edge also reserves in the global-limit sidecar
+    (``global_limits.unix_socket``, ``limits_workers`` sockets). Raises ``ConfigError``
+    for a bad configuration. Starts in well under a second.
     """
     from tokengate.tools import nginx_conf
 
     inst = nginx_conf.EdgeInstance(
         prefix=(prefix or VAR / "run" / name).resolve(), listen=f"127.0.0.1:{port}",
         counter_socket=(counter_socket or VAR / "run" / "counter.sock").resolve(),
-        counter_workers=counter_workers, workers=workers)
+        counter_workers=counter_workers, workers=workers, limits_workers=limits_workers)
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
     return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
@@ -268,6 +271,14 @@ def run(config_path: Path) -> None:
     services = [
         redis_service(),
         counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
+    ]
+    gl = cfg.global_limits
+    if gl.enabled:
+        # before the edge: its first requests reserve there (the edge falls back to its
+        # local limits, and says so, whenever the sidecar is not answering)
+        services.append(limits_service(config_path, port=int(gl.listen.rpartition(":")[2]),
+                                       unix_socket=gl.unix_socket))
+    services += [
         vllm_service(model, port=int(model.upstream.rpartition(":")[2])),
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
         ledger_service(config_path),

@@ -17,8 +17,16 @@ flat, already-validated view of the YAML:
       },
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
                                 "models": {"<model>": {"rpm": <int>, "tpm": <int>}}}},
-      "edge": {... the ``edge`` section, defaults filled in, see ``EdgeConfig``}
+      "edge": {... the ``edge`` section, defaults filled in, see ``EdgeConfig``},
+      "global_limits": {"enabled": <bool>, "listen": "<host:port>",
+                        "unix_socket": "<absolute path or null>"},
+      "access_log": {"error_status": <status>, "slow_ms": <ms>, "slow_rate": <0..1>,
+                     "rate": <0..1>, "file": "<absolute path, or '' when off>"}
     }
+
+``access_log`` is the YAML's section (the rule is ``tokengate.ledger.sampling``'s) plus
+``file``: where the edge writes the sampled lines, relative to the YAML's folder
+(default ``var/log/access.sampled.log``; ``false`` or ``""`` turns the log off).
 
 Usage: ``python -m tokengate.tools.compile_config --config tokengate.yaml --out edge.json``.
 Errors: ``ConfigError`` naming the field (exit status 2 from the CLI).
@@ -60,6 +68,12 @@ class EdgeConfig:
     count_cache_entries: per-worker LRU of counts of identical bodies.
     upstream_retry_after_s: ``Retry-After`` of a 502/503 for an unreachable backend.
     usage_file: the usage event file; default ``ledger.usage_file``.
+    global_limits_timeout_ms: with ``global_limits.enabled``, how long admission waits for
+        the global-limit sidecar before admitting on the local limits alone, ms. Above the
+        sidecar's own Redis deadline (2 x ``redis.timeout_ms``) so a Redis outage arrives
+        as UNAVAILABLE rather than as a timeout.
+    global_limits_backoff_ms: after a failure of the global tier, requests skip it (local
+        limits only) for this long, ms; then one request probes again.
     """
 
     listen: str = "127.0.0.1:8080"
@@ -75,6 +89,8 @@ class EdgeConfig:
     count_cache_entries: int = 4096
     upstream_retry_after_s: int = 5
     usage_file: str = ""
+    global_limits_timeout_ms: int = 250
+    global_limits_backoff_ms: int = 500
 
 
 def _int(raw: dict[str, Any], name: str, default: int, minimum: int) -> int:
@@ -123,7 +139,30 @@ def edge_config(cfg: tg_config.Config) -> EdgeConfig:
         upstream_retry_after_s=_int(raw, "upstream_retry_after_s",
                                     d.upstream_retry_after_s, 1),
         usage_file=str(usage_path),
+        global_limits_timeout_ms=_int(raw, "global_limits_timeout_ms",
+                                      d.global_limits_timeout_ms, 1),
+        global_limits_backoff_ms=_int(raw, "global_limits_backoff_ms",
+                                      d.global_limits_backoff_ms, 0),
     )
+
+
+DEFAULT_ACCESS_LOG = "var/log/access.sampled.log"
+
+
+def access_log(cfg: tg_config.Config) -> dict[str, Any]:
+    """The compiled ``access_log`` section: the sampling rule's settings
+    (``cfg.access_log``) and the file, absolute ('' when off); raises ``ConfigError``."""
+    raw = cfg.raw.get("access_log") or {}
+    file = raw.get("file", DEFAULT_ACCESS_LOG) if isinstance(raw, dict) else DEFAULT_ACCESS_LOG
+    if file is False or file == "":
+        path = ""
+    elif isinstance(file, str):
+        path = str((cfg.path.parent / file).resolve())
+    else:
+        raise ConfigError(f"access_log.file: expected a path or false, got {file!r}")
+    al = cfg.access_log
+    return {"error_status": al.error_status, "slow_ms": al.slow_ms, "slow_rate": al.slow_rate,
+            "rate": al.rate, "file": path}
 
 
 def special_tokens(model_dir: Path) -> list[str]:
@@ -193,8 +232,12 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
             "models": {mn: {"rpm": lim.rpm, "tpm": lim.tpm}
                        for mn, lim in k.model_limits.items()},
         }
+    gl = cfg.global_limits
     return {"version": 1, "source": str(cfg.path), "models": models, "keys": keys,
-            "edge": asdict(edge)}
+            "edge": asdict(edge),
+            "global_limits": {"enabled": gl.enabled, "listen": gl.listen,
+                              "unix_socket": str(gl.unix_socket) if gl.unix_socket else None},
+            "access_log": access_log(cfg)}
 
 
 def write(config_path: Path, out: Path) -> dict[str, Any]:

@@ -39,6 +39,7 @@ DEBIAN_PATHS: dict[str, Path | str] = {
     "lua_dir": Path("/usr/share/tokengate/lua"),
     "edge_json": Path("/etc/tokengate/edge.json"),
     "counter_socket": Path("/run/tokengate/counter.sock"),
+    "limits_socket": Path("/run/tokengate/limits.sock"),
     # The master (root) would create a unix socket that the www-data workers cannot
     # connect to; loopback TCP has no such problem.
     "hop_address": "127.0.0.1:50052",
@@ -60,17 +61,29 @@ def counter_sockets(counter_socket: Path, workers: int) -> list[Path]:
     return [counter_socket.with_name(f"{counter_socket.name}.{i}") for i in range(workers)]
 
 
+def limits_servers(unix_socket: Path | None, workers: int, listen: str) -> list[str]:
+    """The global-limit sidecar's addresses for nginx's upstream: ``unix:<path>.<i>`` per
+    worker when it serves a unix socket, else its TCP ``listen`` address."""
+    if unix_socket is None:
+        return [listen]
+    return [f"unix:{s}" for s in counter_sockets(unix_socket, workers)]
+
+
 def render_http(lua_dir: Path, edge_json: Path, counter_socket: Path, counter_workers: int,
-                hop_address: str, count_timeout_ms: int) -> str:
+                hop_address: str, count_timeout_ms: int, limits: list[str],
+                limits_timeout_ms: int) -> str:
     """The http-level part (``nginx/tokengate-http.conf.in``) for the given paths.
 
     hop_address: where the loopback-hop server listens, ``unix:<path>`` or ``host:port``.
+    limits: the global-limit sidecar's addresses (``limits_servers``); timeouts in ms.
     """
     servers = "\n".join(f"    server unix:{s} max_fails=0;"
                         for s in counter_sockets(counter_socket, counter_workers))
     return _fill((NGINX_DIR / "tokengate-http.conf.in").read_text(), {
         "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
         "HOP_ADDRESS": hop_address, "COUNT_TIMEOUT_MS": str(count_timeout_ms),
+        "LIMITS_SERVERS": "\n".join(f"    server {a} max_fails=0;" for a in limits),
+        "LIMITS_TIMEOUT_MS": str(limits_timeout_ms),
     })
 
 
@@ -83,6 +96,7 @@ class EdgeInstance:
     counter_socket: Path           # the counter's --unix-socket PATH (workers use PATH.<i>)
     counter_workers: int = 2
     workers: int = 2               # nginx worker processes
+    limits_workers: int = 1        # tokengate-limits --workers (sockets <unix_socket>.<i>)
     lua_dir: Path = LUA_DIR
     location_conf: Path = LOCATION_CONF
 
@@ -102,15 +116,23 @@ class EdgeInstance:
 def write_instance(config_path: Path, inst: EdgeInstance) -> Path:
     """Compile ``config_path`` and render ``inst`` into its prefix; returns nginx.conf.
 
-    Also creates the temp folders and the usage file's folder. Raises ``ConfigError``.
+    Also creates the temp folders and the folders of the usage file and the sampled
+    access log. The global-limit sidecar's addresses come from the configuration
+    (``global_limits``). Raises ``ConfigError``.
     """
     doc = compile_config.write(config_path, inst.edge_json)
     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
     Path(doc["edge"]["usage_file"]).parent.mkdir(parents=True, exist_ok=True)
+    if doc["access_log"]["file"]:
+        Path(doc["access_log"]["file"]).parent.mkdir(parents=True, exist_ok=True)
+    gl = doc["global_limits"]
+    sock = Path(gl["unix_socket"]) if gl["unix_socket"] else None
     http = render_http(inst.lua_dir, inst.edge_json, inst.counter_socket,
                        inst.counter_workers, f"unix:{inst.hop_socket}",
-                       doc["edge"]["count_timeout_ms"])
+                       doc["edge"]["count_timeout_ms"],
+                       limits_servers(sock, inst.limits_workers, gl["listen"]),
+                       doc["edge"]["global_limits_timeout_ms"])
     (inst.prefix / "tokengate-http.conf").write_text(http)
     # A root master would run workers as nobody, who cannot use the project's sockets
     # and files (DESIGN.md §3); run them as the invoking user instead.
@@ -136,12 +158,17 @@ def render_debian() -> str:
         f" --out {p['edge_json']}\n"
         "#   add `include snippets/tokengate-location.conf;` to a server { } block\n"
         f"#   run tokengate-counter --unix-socket {p['counter_socket']} --workers 2 as a user\n"
-        "#   www-data can reach, make the usage file's folder writable by www-data, then\n"
+        "#   www-data can reach (with global_limits.enabled also tokengate-limits\n"
+        f"#   --unix-socket {p['limits_socket']} --workers 2), make the folders of the usage\n"
+        "#   file and the sampled access log writable by www-data, then\n"
         "#   nginx -t && systemctl reload nginx\n"
         "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
+    d = compile_config.EdgeConfig
     return header + render_http(Path(p["lua_dir"]), Path(p["edge_json"]),
                                 Path(p["counter_socket"]), 2,
-                                str(p["hop_address"]), compile_config.EdgeConfig.count_timeout_ms)
+                                str(p["hop_address"]), d.count_timeout_ms,
+                                limits_servers(Path(p["limits_socket"]), 2, ""),
+                                d.global_limits_timeout_ms)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     i.add_argument("--counter-socket", type=Path, default=ROOT / "var/run/counter.sock")
     i.add_argument("--counter-workers", type=int, default=2)
     i.add_argument("--workers", type=int, default=2)
+    i.add_argument("--limits-workers", type=int, default=1)
     d = sub.add_parser("debian", help="rewrite nginx/debian/tokengate.conf")
     d.add_argument("--out", type=Path, default=DEBIAN_CONF)
     args = parser.parse_args(argv)
@@ -162,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         conf = write_instance(args.config, EdgeInstance(
             prefix=args.prefix.resolve(), listen=args.listen,
             counter_socket=args.counter_socket.resolve(),
-            counter_workers=args.counter_workers, workers=args.workers))
+            counter_workers=args.counter_workers, workers=args.workers,
+            limits_workers=args.limits_workers))
         print(f"nginx -p {args.prefix.resolve()} -c {conf}")
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)

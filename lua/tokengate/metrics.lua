@@ -1,0 +1,83 @@
+-- Edge metrics: counters in a lua_shared_dict shared by all workers, served as JSON by the
+-- loopback-only location /tokengate/status (tokengate-location.conf).
+--
+-- Counters only ever grow (since nginx started; a reload keeps them, a restart clears
+-- them), so a scraper takes rates from differences. incr with an init value is atomic
+-- across workers.
+
+local ngx = ngx
+local json = require "tokengate.json"
+
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+local tostring = tostring
+
+local _M = {}
+
+-- The counters, in the order /tokengate/status lists them:
+--   global_admitted        admitted by the global (Redis) window
+--   global_refused         refused by the global window (429)
+--   global_fallback        admitted on the local limits alone because the global tier
+--                          failed (sum of the five reasons below)
+--   global_fallback_unavailable   the limits sidecar answered UNAVAILABLE (Redis down)
+--   global_fallback_down          the limits sidecar is unreachable (not running)
+--   global_fallback_timeout       no answer within edge.global_limits_timeout_ms
+--   global_fallback_error         anything else (an unexpected gRPC status, a bad reply)
+--   global_fallback_backoff       not asked: the tier failed less than
+--                                 edge.global_limits_backoff_ms ago
+--   global_settled         settlements the sidecar applied (found or not)
+--   global_settle_failed   settlements that did not reach Redis (the reservation then
+--                          stays as reserved until it leaves the 60 s window)
+--   global_settle_dropped  settlements not sent because the worker's queue was full
+--   access_log_lines       lines written to the sampled access log
+local NAMES = {
+    "global_admitted", "global_refused", "global_fallback", "global_fallback_unavailable",
+    "global_fallback_down", "global_fallback_timeout", "global_fallback_error",
+    "global_fallback_backoff", "global_settled", "global_settle_failed",
+    "global_settle_dropped", "access_log_lines",
+}
+
+local dict
+
+-- init(dict_name) -> true | nil, "shared dict not found: <name>"
+function _M.init(dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. tostring(dict_name)
+    end
+    return true
+end
+
+-- incr(name, n?): adds n (default 1) to a counter; a full dict only logs.
+function _M.incr(name, n)
+    if not dict then
+        return
+    end
+    local ok, err = dict:incr(name, n or 1, 0)
+    if not ok then
+        ngx_log(ERR, "tokengate metrics: incr ", name, ": ", err)
+    end
+end
+
+-- get(name) -> the counter's value (0 when never incremented)
+function _M.get(name)
+    return dict and dict:get(name) or 0
+end
+
+-- json_text(extra) -> {"<counter>": n, ..., <extra fields>} as JSON text; extra: a
+-- json.object whose fields are appended (state that is not a counter).
+function _M.json_text(extra)
+    local o = json.object()
+    for i = 1, #NAMES do
+        json.set(o, NAMES[i], _M.get(NAMES[i]))
+    end
+    if extra then
+        local keys = extra[json.KEYS]
+        for i = 1, #keys do
+            json.set(o, keys[i], extra[keys[i]])
+        end
+    end
+    return json.encode(o)
+end
+
+return _M

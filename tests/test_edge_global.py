@@ -1,0 +1,363 @@
+"""Global limits at the edge: two nginx edges, one Redis, one tokengate-limits sidecar.
+
+Real processes: the counter (exact prompt tokens), the global-limit sidecar (2 workers,
+one unix socket each), Redis, two nginx edges with ``global_limits.enabled``, and
+TokenStorm's fast upstream as the model server (it generates exactly max_tokens, so a
+request's real usage equals its reservation when max_tokens <= output_reserve, and the
+expected numbers are exact). The local shared-dict limiter stays the first gate; what it
+admits is reserved in Redis; a Redis refusal is the same 429 as a local one; when the
+sidecar or Redis fails, the edge admits on its local limits and says so
+(``X-Tokengate-Limits: local``, ``/tokengate/status`` counters).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import redis
+from tokengate import devstack
+from tokengate.ledger.global_limit import window_keys
+from tokengate.v1 import limits_pb2 as pb
+from tokengate.v1 import limits_pb2_grpc as pb_grpc
+
+from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.fixtures_edge import EDGE_DIR, Edge, _edge_yaml, free_port, run_lua
+from tests.fixtures_ledger import svc_name, wait_until
+
+# key id -> (key, rpm, tpm); the fast upstream's answers cost prompt + max_tokens.
+GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {
+    "gl-burst": ("tg-test-gl-burst", 10_000, 3000),
+    "gl-rpm": ("tg-test-gl-rpm", 3, 1_000_000),
+    "gl-settle": ("tg-test-gl-settle", 10_000, 1_000_000),
+    "gl-local": ("tg-test-gl-local", 3, 1_000_000),
+    "gl-recover": ("tg-test-gl-recover", 10_000, 1_000_000),
+}
+LIMITS_SOCKET = TEST_DIR / "edge-limits.sock"
+
+
+def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
+                 name: str = "") -> Callable[[dict[str, Any]], None]:
+    """YAML edit: the fast upstream as the model, global limits on via ``socket_path``."""
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstream"] = upstream
+        for key_id, (key, rpm, tpm) in GLOBAL_KEYS.items():
+            raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": rpm, "tpm": tpm}
+        raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
+                                "unix_socket": str(socket_path)}
+        # a 2-core machine also runs the counter and two edges: no timeouts in the
+        # burst, so every answer is the shared window's (the timeout case has its own test)
+        raw["edge"]["global_limits_timeout_ms"] = timeout_ms
+        raw["access_log"] = {"file": str(EDGE_DIR / name / "access.sampled.log")}
+
+    return edit
+
+
+def start_edge(config_path: Path, name: str, upstream: str, socket_path: Path,
+               timeout_ms: int = 3000, limits_workers: int = 2) -> Edge:
+    """An edge with global limits on (the test configuration ``config_path`` edited);
+    stop it with ``edge.service.stop()``."""
+    usage = EDGE_DIR / name / "usage.jsonl"
+    usage.unlink(missing_ok=True)
+    path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml",
+                      _with_global(upstream, socket_path, timeout_ms, name), usage)
+    port = free_port()
+    svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
+                                 counter_workers=2, workers=2, name=svc_name(f"test-{name}"),
+                                 prefix=EDGE_DIR / name, limits_workers=limits_workers)
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    return Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc)
+
+
+@dataclass
+class Pair:
+    """Two edges sharing one global-limit sidecar and Redis."""
+
+    a: Edge
+    b: Edge
+    redis: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def upstream_hostport(fast_upstream_url: str) -> str:
+    return fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def limits_sidecar(config_path: Path, redis_url: str) -> Iterator[Path]:
+    """tokengate-limits with 2 workers on ``LIMITS_SOCKET.<i>``, on the session Redis."""
+    svc = devstack.limits_service(config_path, free_port(), redis_url,
+                                  unix_socket=LIMITS_SOCKET, workers=2,
+                                  name=svc_name("test-edge-limits"))
+    svc.start()
+    wait_until(lambda: all(Path(f"{LIMITS_SOCKET}.{i}").exists() for i in range(2)), 20,
+               what="both limits worker sockets")
+    try:
+        yield LIMITS_SOCKET
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(config_path: Path, counter_addr: str, redis_url: str, limits_sidecar: Path,
+         upstream_hostport: str) -> Iterator[Pair]:
+    a = start_edge(config_path, "gl-a", upstream_hostport, limits_sidecar)
+    b = start_edge(config_path, "gl-b", upstream_hostport, limits_sidecar)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield Pair(a, b, client)
+    finally:
+        client.close()
+        a.service.stop()
+        b.service.stop()
+
+
+@pytest.fixture
+def clean_redis(pair: Pair) -> Pair:
+    pair.redis.flushdb()
+    return pair
+
+
+def post(edge: Edge, key: str, max_tokens: int = 40, content: str = "hi") -> httpx.Response:
+    return httpx.post(f"{edge.base_url}/chat/completions",
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens}, timeout=60)
+
+
+def status(edge: Edge, source: str = "127.0.0.1") -> dict[str, Any]:
+    """The edge's /tokengate/status counters (requested from ``source``)."""
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source)) as c:
+        r = c.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def to_hex(lua_expr: str) -> str:
+    """Lua source: the hex of the string ``lua_expr``."""
+    return f'(({lua_expr}):gsub(".", function(c) return string.format("%02x", c:byte()) end))'
+
+
+def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
+    # The bytes test_wire_bytes_of_the_messages_the_edge_handles pins, through pb.lua.
+    rid = "5d41402abc4b2a76b9719d911017c592"
+    settle = pb.SettleRequest(key_id="demo", model="tiny-qwen3", per_model=True,
+                              request_id=rid, actual_tokens=1).SerializeToString()
+    refused = pb.ReserveReply(admitted=False, limited_by=pb.LIMIT_TOKENS, never_fits=True,
+                              remaining_requests=3, remaining_tokens=2**40,
+                              reset_requests_ms=59_999, reset_tokens_ms=1,
+                              retry_after_ms=12_345).SerializeToString()
+    out = run_lua(f"""
+        local pb = require "tokengate.pb"
+        local cjson = require "cjson"
+        local function unhex(h) return (h:gsub("%x%x", function(x)
+            return string.char(tonumber(x, 16)) end)) end
+        return cjson.encode({{
+            reserve = {to_hex('pb.reserve_request("demo", "tiny-qwen3", false, 600, 200000, '
+                              f'268, "{rid}")')},
+            settle = {to_hex(f'pb.settle_request("demo", "tiny-qwen3", true, "{rid}", 1)')},
+            settle_zero = {to_hex('pb.settle_request("k", "m", false, "r", 0)')},
+            reply = pb.reserve_reply(unhex("080120d70428b4980c30e0d40338e0d403")),
+            refused = pb.reserve_reply(unhex("{refused.hex()}")),
+            settled = pb.settle_reply("\\8\\1\\16\\159\\6\\24\\200\\1"),
+            positive = pb.settle_reply(unhex("{pb.SettleReply(found=True, delta=44,
+                window_tokens=309).SerializeToString().hex()}")),
+            framed = {to_hex('pb.frame("abc")')},
+        }})""")
+    got = json.loads(out)
+    assert got["reserve"] == ("0a0464656d6f" "120a74696e792d7177656e33" "20d804" "28c09a0c"
+                              "308c02" "3a20" + rid.encode().hex())
+    assert got["settle"] == settle.hex()
+    assert got["settle_zero"] == pb.SettleRequest(key_id="k", model="m", request_id="r",
+                                                  actual_tokens=0).SerializeToString().hex()
+    assert got["reply"] == {"admitted": True, "limited_by": 0, "never_fits": False,
+                            "remaining_requests": 599, "remaining_tokens": 199_732,
+                            "reset_requests_ms": 60_000, "reset_tokens_ms": 60_000,
+                            "retry_after_ms": 0}
+    assert got["refused"] == {"admitted": False, "limited_by": 2, "never_fits": True,
+                              "remaining_requests": 3, "remaining_tokens": 2**40,
+                              "reset_requests_ms": 59_999, "reset_tokens_ms": 1,
+                              "retry_after_ms": 12_345}
+    assert got["settled"] == {"found": True, "delta": -400, "window_tokens": 200}
+    assert got["positive"] == {"found": True, "delta": 44, "window_tokens": 309}
+    assert got["framed"] == "0000000003616263"
+
+
+def test_two_edges_share_one_tpm_limit(clean_redis: Pair) -> None:
+    p = clean_redis
+    key = GLOBAL_KEYS["gl-burst"][0]  # 3000 tokens per minute, on each edge and in Redis
+    edges = [p.a, p.b] * 32
+    before = [status(p.a), status(p.b)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda e: (e, post(e, key)), edges))
+    prompt = int(results[0][1].headers["x-token-count"])
+    cost = prompt + 40  # max_tokens 40 < output_reserve: reserved == used
+    admitted = [(e, r) for e, r in results if r.status_code == 200]
+    refused = [r for _e, r in results if r.status_code == 429]
+    assert len(admitted) + len(refused) == 64
+    # the shared window admits exactly what fits; each edge alone would have admitted
+    # 3000 // cost by itself, so the two together would have doubled the limit
+    assert len(admitted) == 3000 // cost
+    assert {e.port for e, _r in admitted} == {p.a.port, p.b.port}
+    used = sum(r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"]
+               for _e, r in admitted)
+    assert used == cost * len(admitted) <= 3000 * 1.02
+    assert all(r.headers["x-tokengate-limits"] == "global" for _e, r in results)
+    for r in refused:
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("tokens", "rate_limit_exceeded")
+        assert r.headers["retry-after"].isdigit() and 1 <= int(r.headers["retry-after"]) <= 60
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) < cost
+    assert int(p.redis.hget(window_keys("gl-burst")[1], "#sum") or 0) == used
+    after = [status(p.a), status(p.b)]
+
+    def delta(name: str) -> int:
+        return sum(a[name] - b[name] for a, b in zip(after, before, strict=True))
+
+    assert (delta("global_admitted"), delta("global_refused"), delta("global_fallback")) == \
+        (len(admitted), len(refused), 0)
+
+
+def test_a_redis_refusal_has_the_local_429_shape(clean_redis: Pair) -> None:
+    p = clean_redis
+    key = GLOBAL_KEYS["gl-rpm"][0]  # 3 requests per minute
+    answers = [post(e, key) for e in (p.a, p.b, p.a)]
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["2", "1", "0"]
+    # edge b has admitted one request itself: its local window would admit this one
+    r = post(p.b, key)
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("requests", "rate_limit_exceeded", None)
+    assert "requests per minute (RPM) on key gl-rpm: limit 3, remaining 0" in err["message"]
+    retry = r.headers["retry-after"]
+    # until the first of the three leaves the 60 s window (Redis's clock)
+    assert retry.isdigit() and 50 <= int(retry) <= 60
+    assert f"try again in {retry}s" in err["message"]
+    assert r.headers["x-tokengate-limits"] == "global"
+    assert (r.headers["x-ratelimit-limit-requests"], r.headers["x-ratelimit-remaining-requests"]) \
+        == ("3", "0")
+    assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    ev = p.b.event(r.headers["x-request-id"])
+    assert (ev["status"], ev["error"], ev["reserved"]) == (429, "rate_limit_exceeded", 0)
+    # the refused request took its local admission back: edge b's local window still has
+    # room for 2 more of its own, which the shared window refuses too
+    again = post(p.b, key)
+    assert again.status_code == 429 and again.headers["x-tokengate-limits"] == "global"
+
+
+def test_settlement_corrects_the_shared_window(clean_redis: Pair) -> None:
+    p = clean_redis
+    key = GLOBAL_KEYS["gl-settle"][0]
+    # max_tokens 300 > output_reserve 256: reserved prompt + 256, used prompt + 300
+    r = post(p.a, key, max_tokens=300)
+    assert r.status_code == 200, r.text
+    prompt = int(r.headers["x-token-count"])
+    assert r.json()["usage"]["completion_tokens"] == 300
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 1_000_000 - (prompt + 256)
+    rid = r.headers["x-request-id"]
+    _z, h = window_keys("gl-settle")
+    wait_until(lambda: p.redis.hget(h, rid) == str(prompt + 300), 10,
+               what="the settlement in Redis")
+    assert int(p.redis.hget(h, "#sum") or 0) == prompt + 300
+    # the other edge sees the settled window
+    r2 = post(p.b, key, max_tokens=10)
+    assert int(r2.headers["x-ratelimit-remaining-tokens"]) == \
+        1_000_000 - (prompt + 300) - (prompt + 10)
+    assert status(p.a)["global_settled"] >= 1
+
+
+def test_limits_sidecar_down_serves_on_local_limits(config_path: Path, counter_addr: str,
+                                                    upstream_hostport: str) -> None:
+    edge = start_edge(config_path, "gl-down", upstream_hostport,
+                      EDGE_DIR / "gl-down" / "nobody.sock")
+    try:
+        key = GLOBAL_KEYS["gl-local"][0]  # 3 requests per minute, enforced locally
+        answers = [post(edge, key) for _ in range(4)]
+        assert [r.status_code for r in answers] == [200, 200, 200, 429]
+        assert [r.headers["x-tokengate-limits"] for r in answers] == ["local"] * 4
+        assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == \
+            ["2", "1", "0", "0"]
+        assert answers[3].json()["error"]["type"] == "requests"
+        m = status(edge)
+        # the 4th was refused by the local limiter before the global tier was asked
+        assert (m["global_fallback"], m["global_admitted"], m["global_refused"]) == (3, 0, 0)
+        assert m["global_fallback_down"] + m["global_fallback_backoff"] == 3
+        assert m["global_fallback_down"] >= 1
+        assert m["global_limits_enabled"] is True
+        # the status location answers loopback 127.0.0.1 only
+        with pytest.raises(httpx.HTTPStatusError) as e:
+            status(edge, source="127.0.0.2")
+        assert e.value.response.status_code == 403
+    finally:
+        edge.service.stop()
+
+
+class StalledLimits(pb_grpc.GlobalLimitsServicer):
+    """A GlobalLimits that never answers in time."""
+
+    def Reserve(self, request: Any, context: Any) -> Any:
+        time.sleep(5)
+        return pb.ReserveReply(admitted=True)
+
+
+def test_a_stalled_sidecar_times_out_to_local_limits(config_path: Path, counter_addr: str,
+                                                     upstream_hostport: str) -> None:
+    sock = EDGE_DIR / "gl-stalled" / "limits.sock"
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_GlobalLimitsServicer_to_server(StalledLimits(), server)
+    Path(f"{sock}.0").unlink(missing_ok=True)
+    server.add_insecure_port(f"unix:{sock}.0")
+    server.start()
+    edge = start_edge(config_path, "gl-stalled", upstream_hostport, sock, timeout_ms=300,
+                      limits_workers=1)
+    try:
+        key = GLOBAL_KEYS["gl-recover"][0]
+        answers = [post(edge, key) for _ in range(2)]
+        assert [r.status_code for r in answers] == [200, 200]
+        assert [r.headers["x-tokengate-limits"] for r in answers] == ["local", "local"]
+        m = status(edge)
+        assert m["global_fallback"] == 2 and m["global_fallback_timeout"] >= 1
+        assert m["global_fallback_timeout"] + m["global_fallback_backoff"] == 2
+    finally:
+        edge.service.stop()
+        server.stop(0)
+
+
+def test_redis_down_falls_back_then_recovers(config_path: Path, counter_addr: str,
+                                             upstream_hostport: str,
+                                             private_redis: Callable[..., Any]) -> None:
+    r = private_redis()
+    sock = EDGE_DIR / "gl-recover" / "limits.sock"
+    sidecar = devstack.limits_service(config_path, free_port(), r.url, unix_socket=sock,
+                                      workers=1, name=svc_name("test-edge-limits-recover"))
+    sidecar.start()
+    wait_until(lambda: Path(f"{sock}.0").exists(), 20, what="the limits socket")
+    edge = start_edge(config_path, "gl-recover", upstream_hostport, sock, limits_workers=1)
+    try:
+        key = GLOBAL_KEYS["gl-recover"][0]
+        assert post(edge, key).headers["x-tokengate-limits"] == "global"
+        r.kill()
+        down = post(edge, key)
+        assert (down.status_code, down.headers["x-tokengate-limits"]) == (200, "local")
+        m = status(edge)
+        assert m["global_fallback"] >= 1
+        assert m["global_fallback_unavailable"] + m["global_fallback_timeout"] >= 1
+        r.start()
+        wait_until(lambda: post(edge, key).headers["x-tokengate-limits"] == "global", 20,
+                   step_s=0.2, what="the global tier back")
+    finally:
+        edge.service.stop()
+        sidecar.stop()
