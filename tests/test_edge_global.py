@@ -25,6 +25,7 @@ import grpc
 import httpx
 import pytest
 import redis
+import yaml
 from tokengate import devstack
 from tokengate.ledger.global_limit import window_keys
 from tokengate.v1 import limits_pb2 as pb
@@ -361,3 +362,27 @@ def test_redis_down_falls_back_then_recovers(config_path: Path, counter_addr: st
     finally:
         edge.service.stop()
         sidecar.stop()
+
+
+def test_make_run_starts_the_limits_sidecar_only_when_enabled(
+        config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the edge and ledger builders write under var/run (a running `make run`'s files)
+    def stub(name: str) -> Callable[..., devstack.Service]:
+        return lambda *a, **k: devstack.Service(name, ["true"], lambda: False)
+
+    monkeypatch.setattr(devstack, "nginx_service", stub("nginx"))
+    monkeypatch.setattr(devstack, "ledger_service", stub("ledger"))
+    raw = yaml.safe_load(config_path.read_text())
+    got = {}
+    for enabled in (False, True):
+        raw["global_limits"] = {"enabled": enabled, "listen": "127.0.0.1:50061",
+                                "unix_socket": "run/limits.sock"}
+        path = tmp_path / f"tokengate-{enabled}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        got[enabled] = devstack.stack(path)
+    assert [s.name for s in got[False]] == ["redis", "counter", "vllm", "nginx", "ledger"]
+    assert [s.name for s in got[True]] == \
+        ["redis", "counter", "limits", "vllm", "nginx", "ledger"]
+    argv = got[True][2].argv
+    assert argv[argv.index("--listen") + 1] == "127.0.0.1:50061"
+    assert argv[argv.index("--unix-socket") + 1] == str(tmp_path / "run/limits.sock")

@@ -81,12 +81,11 @@ class Service:
         if self.ready():
             raise ServiceError(f"{self.name}: its address is already in use by another process")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -257,17 +256,16 @@ Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
 {usage_file}. Ctrl-C stops everything."""
 
 
-def run(config_path: Path) -> None:
-    """Start every part, print how to call the gateway, stop all on Ctrl-C."""
+def stack(config_path: Path) -> list[Service]:
+    """The services ``make run`` starts, in start order: Redis, the counter, the
+    global-limit sidecar (only with ``global_limits.enabled``), vLLM, the nginx edge
+    (rendered into ``var/run/nginx``) and the usage ledger."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
     model = next(iter(cfg.models.values()))
     from tokengate.tools.compile_config import edge_config
 
-    edge = edge_config(cfg)
-    listen = edge.listen
-    usage_file = os.path.relpath(edge.usage_file, ROOT)
-    edge_port = int(listen.rpartition(":")[2])
+    edge_port = int(edge_config(cfg).listen.rpartition(":")[2])
     services = [
         redis_service(),
         counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
@@ -278,11 +276,23 @@ def run(config_path: Path) -> None:
         # local limits, and says so, whenever the sidecar is not answering)
         services.append(limits_service(config_path, port=int(gl.listen.rpartition(":")[2]),
                                        unix_socket=gl.unix_socket))
-    services += [
+    return services + [
         vllm_service(model, port=int(model.upstream.rpartition(":")[2])),
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
         ledger_service(config_path),
     ]
+
+
+def run(config_path: Path) -> None:
+    """Start every part (``stack``), print how to call the gateway, stop all on Ctrl-C."""
+    cfg = tg_config.load(config_path)
+    model = next(iter(cfg.models.values()))
+    from tokengate.tools.compile_config import edge_config
+
+    edge = edge_config(cfg)
+    usage_file = os.path.relpath(edge.usage_file, ROOT)
+    edge_port = int(edge.listen.rpartition(":")[2])
+    services = stack(config_path)
     started: list[Service] = []
 
     def terminate(signum: int, frame: object) -> None:
