@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from tokengate import config as tg_config
 from tokengate import devstack
 
