@@ -179,6 +179,13 @@ CHAT_CASES: list[Case] = [(name, "chat", body) for name, body in [
                                           '"\\ud83d\\ude00 \\u00e9\\u4e2d"}],"max_tokens":1}')),
     ("prompt_6k_tokens", chat([system("You summarise."), user((LOREM + CJK + CODE) * 28)])),
     ("truncate_prompt_tokens", chat([user(LOREM * 5)], truncate_prompt_tokens=20)),
+    ("one_letter_user_after_system", chat([system("You are a helpful assistant."), user("y")])),
+    ("user_inside_system_text", chat([system("You are helpful."), user("help")])),
+    ("digits_system_6000", chat([system("1" * 6000), user("y")])),
+    ("special_token_in_system", chat([system("a <|im_end|> b"), user("a")])),
+    ("special_token_in_tool_description", chat([user("x")], tools=[
+        {"type": "function", "function": {"name": "f", "description": "x<|im_end|>y"}}])),
+    ("max_tokens_integral_float", chat([user("hi")], max_tokens=1.0)),
 ]]
 
 COMPLETION_CASES: list[Case] = [(name, "completions", body) for name, body in [

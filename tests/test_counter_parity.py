@@ -75,6 +75,27 @@ def test_max_tokens_effective_is_what_vllm_generates_at_most(
     assert (r.prompt_tokens, r.prompt_count) == (3, 2)
 
 
+def test_breakdown_is_never_negative_and_adds_up(stub: counter_pb2_grpc.TokenCounterStub) -> None:
+    """Short contents that also occur inside role headers or the system prompt
+    ("y" in "system", "help" in "helpful") are attributed where they really are."""
+    import random
+
+    rng = random.Random(51)
+    words = ["y", "e", "s", "m", "user", "system", "help", "helpful", "1", "11", " ", "\n",
+             "assistant", "You are a helpful assistant.", "<think>", "a <|im_end|> b"]
+    for _ in range(300):
+        msgs = [{"role": "system", "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))}]
+        for _ in range(rng.randint(1, 4)):
+            msgs.append({"role": rng.choice(["user", "assistant"]),
+                         "content": "".join(rng.choices(words, k=rng.randint(1, 3)))})
+        r = count(stub, "chat", {"model": MODEL, "messages": msgs})
+        b = r.breakdown
+        assert b.system + b.tools + b.messages + b.template_overhead == r.prompt_tokens
+    r = count(stub, "chat", {"model": MODEL, "messages": [
+        {"role": "system", "content": "You are helpful."}, {"role": "user", "content": "help"}]})
+    assert (r.breakdown.system, r.breakdown.messages) == (4, 1)
+
+
 def test_breakdown_separates_system_tools_and_messages(
         stub: counter_pb2_grpc.TokenCounterStub) -> None:
     from tests.counter_cases import WEATHER_TOOL

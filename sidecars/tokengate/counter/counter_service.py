@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from tokengate.counter.counting import BadRequest, ModelCounter
+from tokengate.counter.counting import BadRequest, CountResult, ModelCounter
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,22 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         except Exception:  # a bug must cost one request, not the worker
             log.exception("CountTokens failed on a %d-byte body", len(request.body))
             _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
-        b = r.breakdown
-        return counter_pb2.CountReply(
-            prompt_tokens=r.prompt_tokens, max_model_len=r.max_model_len,
-            max_tokens_effective=r.max_tokens_effective,
-            max_tokens_requested=r.max_tokens_requested,
-            breakdown=counter_pb2.Breakdown(system=b.system, tools=b.tools,
-                                            messages=b.messages,
-                                            template_overhead=b.template_overhead),
-            tokenizer_fingerprint=counter.fingerprint,
-            tokenizer_backend=counter.tokenizer.backend,
-            prompt_count=r.prompt_count)
+        try:
+            return _reply(r, counter)
+        except Exception:  # e.g. a field out of range: the worker keeps serving
+            log.exception("CountTokens could not build a reply for %s", r)
+            _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
+
+
+def _reply(r: CountResult, counter: ModelCounter) -> counter_pb2.CountReply:
+    b = r.breakdown
+    return counter_pb2.CountReply(
+        prompt_tokens=r.prompt_tokens, max_model_len=r.max_model_len,
+        max_tokens_effective=r.max_tokens_effective,
+        max_tokens_requested=r.max_tokens_requested,
+        breakdown=counter_pb2.Breakdown(system=b.system, tools=b.tools,
+                                        messages=b.messages,
+                                        template_overhead=b.template_overhead),
+        tokenizer_fingerprint=counter.fingerprint,
+        tokenizer_backend=counter.tokenizer.backend,
+        prompt_count=r.prompt_count)

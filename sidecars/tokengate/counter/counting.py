@@ -71,9 +71,13 @@ def _type_name(v: Any) -> str:
 
 
 def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    """An optional integer field; integral floats (16.0, 1e1) count as integers, as in
+    vLLM's pydantic models (lax mode)."""
     v = body.get(key)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(key, f"expected an integer, got {_type_name(v)}")
     if v < minimum:
@@ -236,16 +240,20 @@ class ModelCounter:
         pieces = tok.split(text)
         total = tok.count_pieces(pieces)
         system = content = 0
+        cursor = 0  # templates render messages in order: search forward only
         for m in conversation:
             c = m.get("content")
             if isinstance(c, str) and c:
-                n = _tokens_inside(tok, pieces, c)
+                n, cursor = _tokens_inside(tok, pieces, c, cursor)
                 if m["role"] == "system":
                     system += n
                 else:
                     content += n
-        tool_tokens = sum(_tokens_inside(tok, pieces, json.dumps(t, ensure_ascii=False))
-                          for t in tools or [])
+        tool_tokens = 0
+        cursor = 0
+        for t in tools or []:
+            n, cursor = _tokens_inside(tok, pieces, json.dumps(t, ensure_ascii=False), cursor)
+            tool_tokens += n
         parts = system + content + tool_tokens
         if parts > total:  # content the template dropped (e.g. an unknown role)
             system, tool_tokens, content = (x * total // parts
@@ -423,21 +431,31 @@ class ModelCounter:
         return {k: v for k, v in merged.items() if self.template.accepts(k)}
 
 
-def _tokens_inside(tok: PromptTokenizer, pieces: list[str], text: str) -> int:
-    """Tokens that ``text`` contributes to the prompt cut into ``pieces``.
+def _tokens_inside(tok: PromptTokenizer, pieces: list[str], text: str,
+                   start: int) -> tuple[int, int]:
+    """(tokens that ``text`` contributes to the prompt cut into ``pieces``, next start).
 
-    When ``text`` lies inside one piece (the usual case: a message's content between two
-    special tokens), it is ``count(piece) - count(piece without text)``: the piece's
-    count is already cached from the total and the rest is a short role header, so
-    content is not tokenized twice. Otherwise (content holding literal special tokens)
-    ``text`` is counted on its own. Exact except for BPE merges across the boundary.
+    Searches the text pieces (even indexes) from ``start`` on. In a chat template a
+    message's content usually ends its piece (``"user\n" + content`` before
+    ``<|im_end|>``), so a piece that ends with ``text`` is preferred; the tokens are
+    ``count(piece) - count(piece without text)``: the piece's count is already cached
+    from the total and the rest is a short role header, so content is not tokenized
+    twice. When no piece holds ``text`` (content with literal special tokens, or a
+    template that reorders), ``text`` is counted on its own and ``start`` stays. Never
+    negative; exact up to BPE merges across the content boundary.
     """
-    for k in range(0, len(pieces), 2):
+    first = start + (start % 2)
+    for k in range(first, len(pieces), 2):
         piece = pieces[k]
-        at = piece.find(text)
-        if at >= 0:
-            return tok.count(piece) - tok.count(piece[:at] + piece[at + len(text):])
-    return tok.count(text)
+        if piece.endswith(text):
+            rest = piece[:len(piece) - len(text)]
+        else:
+            at = piece.rfind(text)
+            if at < 0:
+                continue
+            rest = piece[:at] + piece[at + len(text):]
+        return max(0, tok.count(piece) - tok.count(rest)), k + 2
+    return tok.count(text), start
 
 
 def _fit(b: Breakdown, total: int) -> Breakdown:

@@ -23,6 +23,7 @@ DESCRIPTION
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing
 import os
 import signal
@@ -47,6 +48,8 @@ def _serve_worker(config_path: str, host: str, port: int, unix_socket: str | Non
     from tokengate.counter.counting import ModelCounter
     from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s counter worker {index} %(levelname)s %(message)s")
     cfg = tg_config.load(config_path)
     counters = {name: ModelCounter.load(m) for name, m in cfg.models.items()}
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
