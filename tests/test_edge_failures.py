@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from tokengate.tools import compile_config
 
 from tests.conftest import MODEL, VLLM_PORT, key_digest
@@ -29,6 +30,7 @@ from tests.fixtures_edge import (
     FakeUpstream,
     FixedCounter,
     free_port,
+    window_room,
 )
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
@@ -209,6 +211,41 @@ def test_client_disconnect_mid_stream_is_billed_what_was_generated(edge: Edge) -
         time.sleep(0.2)
     assert _vllm_metric("vllm:num_requests_running") == 0
     assert ev["total_ms"] < 15000
+
+
+def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
+        edge_variant: Callable[..., Edge]) -> None:
+    # A backend that takes 3 s to answer (vLLM busy generating); the client gives up
+    # after 0.5 s. No usage ever comes back, so the reservation is billed, not refunded.
+    from tokengate import devstack
+
+    port = free_port()
+    up = devstack.fast_upstream_service(port=port, ttft_ms=3000,
+                                        name=f"abort-upstream{os.getpid()}").start()
+    try:
+        def slow(raw: dict[str, Any]) -> None:
+            raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
+        e = edge_variant("client-abort", slow)
+        window_room(15)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(e.base_url + "/chat/completions", timeout=0.5, headers=HEADERS,
+                       content=json.dumps(chat("Tell a long story.", max_tokens=100)))
+        deadline = time.monotonic() + 10
+        while not [ev for ev in e.events() if ev["status"] == 499]:
+            assert time.monotonic() < deadline, "no usage event for the aborted request"
+            time.sleep(0.05)
+        ev = [ev for ev in e.events() if ev["status"] == 499][0]
+        prompt = ev["token_estimate"]
+        assert (ev["client_aborted"], ev["usage_source"], ev["reserved"], ev["prompt_tokens"],
+                ev["completion_tokens"], ev["error"]) == \
+            (True, "estimate", prompt + 100, prompt, 100, None)
+        # the limiter keeps the whole reservation: a refused request shows what is left
+        r = post(e, chat(max_tokens=0))
+        assert r.status_code == 400
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == \
+            KEYS["edge-main"][2] - (prompt + 100)
+    finally:
+        up.stop()
 
 
 def test_usage_file_survives_rotation(edge: Edge) -> None:

@@ -7,6 +7,7 @@
 
 local ngx = ngx
 local json = require "tokengate.json"
+local errors = require "tokengate.errors"
 
 local ngx_req = ngx.req
 local io_open = io.open
@@ -20,6 +21,8 @@ local is_object = json.is_object
 local json_integer = json.integer
 local null = json.null
 local KEYS = json.KEYS
+local json_set = json.set
+local clip = errors.clip
 
 local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
 local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
@@ -42,12 +45,12 @@ function _M.check_headers(headers, max_bytes)
     ct = ct and lower(ct) or ""
     if not find(ct, "^%s*application/json%s*$") and not find(ct, "^%s*application/json%s*;") then
         return fail(415, format("Unsupported Content-Type %q: send the request body as "
-            .. "application/json", ct), nil, "unsupported_media_type")
+            .. "application/json", clip(ct)), nil, "unsupported_media_type")
     end
     local charset = ct:match(";%s*charset%s*=%s*\"?([%w%-_]+)")
     if charset and charset ~= "utf-8" and charset ~= "utf8" then
         return fail(415, format("Unsupported charset %q: JSON request bodies must be UTF-8",
-            charset), nil, "unsupported_media_type")
+            clip(charset)), nil, "unsupported_media_type")
     end
     local len = tonumber(headers["content-length"])
     if len and len > max_bytes then
@@ -115,7 +118,7 @@ local function envelope_hint(body, field)
         local v = body[keys[i]]
         if is_object(v) and v[field] ~= nil then
             return format(" (found it inside %q: send the request object itself, not "
-                .. "wrapped in an envelope)", keys[i])
+                .. "wrapped in an envelope)", clip(keys[i]))
         end
     end
     return ""
@@ -131,7 +134,9 @@ local function opt_bool(body, name)
 end
 
 -- opt_posint(obj, name) -> true when obj[name] is absent, null or an integer >= 1
--- (100.0 counts as 100) | nil, err 400.
+-- | nil, err 400. An integral JSON float (100.0, 1e2) counts as the integer, as vLLM's
+-- lax int parsing reads it, and is rewritten as the plain integer in obj: what is
+-- counted, capped and forwarded is then one integer, whatever the client's literal.
 local function opt_posint(body, name)
     local v = body[name]
     if v == nil or v == null then
@@ -142,8 +147,11 @@ local function opt_posint(body, name)
         return fail(400, format("'%s' must be an integer", name), name, "invalid_type")
     end
     if n < 1 then
-        return fail(400, format("'%s' must be at least 1, got %d", name, n), name,
+        return fail(400, format("'%s' must be at least 1, got %.17g", name, n), name,
             "invalid_value")
+    end
+    if type(v) ~= "number" then
+        json_set(body, name, n)
     end
     return true
 end
@@ -186,8 +194,14 @@ local function check_common(body, models)
     end
     local m = models[model]
     if not m then
-        return fail(404, format("The model `%s` does not exist", model), "model",
+        return fail(404, format("The model `%s` does not exist", clip(model)), "model",
             "model_not_found")
+    end
+    -- n completions cost n times the output: bounded per model (max_n, default 8)
+    local n = json_integer(body.n)
+    if n and n > m.max_n then
+        return fail(400, format("'n' must be at most %d for model %s, got %.17g", m.max_n,
+            m.name, n), "n", "invalid_value")
     end
     return m
 end
@@ -257,7 +271,8 @@ function _M.validate_completions(body, models)
 end
 
 -- parse(route, models, edge) -> body (tokengate.json object), model entry
---   | nil, err, model name (the body's "model" string when it named one, for the event)
+--   | nil, err, model name (the body's "model" when it names a configured model, for
+--     the event; a client's unknown name is never passed on: it can be any size)
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
 -- strict decoding (400), shape and model (400/404). route: "chat" | "completions";
 -- edge: the compiled edge settings (max_body_bytes, max_json_depth).
@@ -283,8 +298,8 @@ function _M.parse(route, models, edge)
         model, err = _M.validate_completions(body, models)
     end
     if not model then
-        local name = type(body.model) == "string" and body.model ~= "" and body.model or nil
-        return nil, err, name
+        local name = body.model
+        return nil, err, type(name) == "string" and models[name] and name or nil
     end
     return body, model
 end

@@ -52,6 +52,9 @@ function _M.load(path)
         if m.default_max_tokens == cjson.null then
             m.default_max_tokens = nil
         end
+        if type(m.max_n) ~= "number" then
+            m.max_n = 8 -- a file compiled before max_n existed
+        end
         m.name = name
         local roles = {}
         for _, r in pairs(d.edge.special_token_roles or {}) do

@@ -171,7 +171,11 @@ function _M.access()
         ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing open")
         prompt, prompts = count.estimate(text, edge.estimate_bytes_per_token), 1
         ctx.token_estimate, ctx.count_source = prompt, "estimate"
-        out = request.estimate_budget(body, model)
+        local changed
+        out, changed = request.estimate_budget(route, body, model, prompt)
+        if changed then
+            text = json.encode(body)
+        end
     end
 
     -- limits: RPM 1, TPM prompt + min(budget, configured reserve) per completion; the
@@ -353,6 +357,13 @@ function _M.log()
     if ctx.u_source then
         prompt, completion, cached = ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0
         source = ctx.u_source
+    elseif aborted and ctx.proxied and not ctx.stream and ctx.reserved then
+        -- A non-streaming request whose client left: vLLM kept generating until nginx
+        -- closed the upstream connection, and no usage ever comes back. Bill the whole
+        -- reservation (prompt + the output tokens reserved for it) and refund nothing;
+        -- billing only the prompt would make "ask, then hang up" a free generation.
+        prompt = ctx.token_estimate or 0
+        completion, source = ctx.reserved - prompt, "estimate"
     elseif ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
         -- forwarded, no usage seen: vLLM read the prompt, the rest is unknown
         prompt, source = ctx.token_estimate or 0, "estimate"
@@ -410,7 +421,7 @@ function _M.log()
     end
     ngx_var.tg_access_line = sampling.line({
         ts = ts, request_id = request_id, status = status, method = ngx_req.get_method(),
-        uri = ngx_var.uri, key_id = key and key.id, model = ctx.model,
+        uri = errors.clip(ngx_var.uri, 256), key_id = key and key.id, model = ctx.model,
         token_estimate = ctx.token_estimate or 0, count_source = ctx.count_source or "none",
         limits = ctx.limits_tier, total_ms = total_ms, ttft_ms = ttft_ms,
         upstream = upstream, error = error_code, client = ngx_var.remote_addr,

@@ -6,7 +6,9 @@ local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 
 local format = string.format
+local clip = errors.clip
 local min = math.min
+local max = math.max
 local json_integer = json.integer
 local json_set = json.set
 local is_object = json.is_object
@@ -25,18 +27,20 @@ local CAPPED_FIELDS = {
     completions = { "max_tokens" },
 }
 
--- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions" or the path.
+-- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions" or the path
+-- (a client's string: at most 64 characters and "…", see errors.clip).
 function _M.endpoint(route, uri)
     if route == "chat" or route == "completions" then
         return route
     end
-    return uri
+    return clip(uri)
 end
 
 -- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
 function _M.check_method(route, method, uri)
     if not route then
-        return errors.new(404, format("Invalid URL (%s %s)", method, uri), nil, "unknown_url")
+        return errors.new(404, format("Invalid URL (%s %s)", clip(method), clip(uri)), nil,
+            "unknown_url")
     end
     local want = route == "models" and "GET" or "POST"
     if method ~= want then
@@ -86,9 +90,10 @@ end
 -- message). reply: the counter's CountReply (tokens).
 --   - max_tokens given: prompt + max_tokens must fit max_model_len (checked through the
 --     counter's max_tokens_effective, which is per prompt for completions lists);
---   - max_tokens absent: the model's default_max_tokens when configured (written into the
---     body, clipped to the room left), else whatever room the context leaves (vLLM's own
---     default); no room at all is an error.
+--   - max_tokens absent (or null): the model's default_max_tokens when configured, else
+--     its max_tokens_cap, clipped to the room left and written into the body: without
+--     it vLLM would generate up to the end of the context, past the cap; with neither,
+--     whatever room the context leaves (vLLM's own default). No room at all is an error.
 function _M.completion_budget(route, model, body, reply)
     local prompt = reply.prompt_tokens
     local requested = reply.max_tokens_requested
@@ -109,19 +114,35 @@ function _M.completion_budget(route, model, body, reply)
             .. "completion. Please reduce the length of the %s.", model.max_model_len,
             what(route), prompt, what(route)), what(route), "context_length_exceeded")
     end
-    if model.default_max_tokens then
-        local out = min(model.default_max_tokens, room)
+    local limit = model.default_max_tokens or model.max_tokens_cap
+    if limit then
+        local out = min(limit, room)
         json_set(body, "max_tokens", out)
         return out, true
     end
     return room, false
 end
 
--- estimate_budget(body, model) -> completion tokens assumed when the counter could not
--- answer: the explicit max_completion_tokens / max_tokens, else model.output_reserve.
-function _M.estimate_budget(body, model)
-    return json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
-        or model.output_reserve
+-- estimate_budget(route, body, model, prompt) -> completion tokens assumed when the
+-- counter could not answer, body_changed: the explicit max_completion_tokens /
+-- max_tokens (already capped by adjust), else model.output_reserve. Without an explicit
+-- one, the default or cap is written into the body as in completion_budget, clipped to
+-- the room the estimated prompt (tokens, an over-count) leaves, at least 1; except a
+-- completions request without the key, which vLLM gives 16 tokens.
+function _M.estimate_budget(route, body, model, prompt)
+    local given = json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
+    if given then
+        return given, false
+    end
+    if route == "completions" and body.max_tokens == nil then
+        return min(16, model.output_reserve), false
+    end
+    local limit = model.default_max_tokens or model.max_tokens_cap
+    if limit then
+        json_set(body, "max_tokens", min(limit, max(1, model.max_model_len - prompt)))
+        return model.output_reserve, true
+    end
+    return model.output_reserve, false
 end
 
 return _M

@@ -11,6 +11,7 @@ flat, already-validated view of the YAML:
         "<served model name>": {
           "max_model_len": <tokens>, "output_reserve": <tokens>,
           "max_tokens_cap": <tokens or null>, "default_max_tokens": <tokens or null>,
+          "max_n": <most completions one request may ask for (n), default 8>,
           "host": "<IPv4/IPv6 literal>", "port": <int>, "upstream": "<host:port>",
           "special_tokens": ["<|im_start|>", ...]          # from the model's tokenizer
         }
@@ -47,6 +48,7 @@ from tokengate.config import ConfigError
 
 FAILURE_MODES = ("open", "closed")
 SPECIAL_TOKEN_POLICIES = ("reject", "strip", "allow")
+DEFAULT_MAX_N = 8  # completions per request (``n``): each costs a full output
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,9 @@ class EdgeConfig:
     estimate_bytes_per_token: divisor of the fail-open estimate (bytes of the body per
         token; 3 over-counts English and matches CJK, so limits stay on the safe side).
     special_tokens: what to do with literal special-token strings (``<|im_end|>``) in the
-        content of ``special_token_roles`` messages: ``reject`` (400), ``strip``, ``allow``.
+        content, reasoning and tool calls (arguments, function names) of
+        ``special_token_roles`` messages and in every string of ``tools`` (rendered into
+        the system turn): ``reject`` (400), ``strip``, ``allow``.
     extra_special_tokens: more strings treated like the tokenizer's special tokens.
     count_cache_entries: per-worker LRU of counts of identical bodies.
     upstream_retry_after_s: ``Retry-After`` of a 502/503 for an unreachable backend.
@@ -210,6 +214,9 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
         dmt = raw.get("default_max_tokens")
         if dmt is not None and (isinstance(dmt, bool) or not isinstance(dmt, int) or dmt < 1):
             raise ConfigError(f"models.{name}.default_max_tokens: expected an integer >= 1")
+        max_n = raw.get("max_n", DEFAULT_MAX_N)
+        if isinstance(max_n, bool) or not isinstance(max_n, int) or max_n < 1:
+            raise ConfigError(f"models.{name}.max_n: expected an integer >= 1")
         host, port = _host_port(m.upstream, f"models.{name}.upstream")
         specials = special_tokens(m.dir) + [s for s in edge.extra_special_tokens]
         models[name] = {
@@ -217,6 +224,7 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
             "output_reserve": m.output_reserve,
             "max_tokens_cap": m.max_tokens_cap,
             "default_max_tokens": dmt,
+            "max_n": max_n,
             "upstream": m.upstream,
             "host": host,
             "port": port,
