@@ -234,7 +234,7 @@ def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
         while not [ev for ev in e.events() if ev["status"] == 499]:
             assert time.monotonic() < deadline, "no usage event for the aborted request"
             time.sleep(0.05)
-        ev = [ev for ev in e.events() if ev["status"] == 499][0]
+        ev = next(ev for ev in e.events() if ev["status"] == 499)
         prompt = ev["token_estimate"]
         assert (ev["client_aborted"], ev["usage_source"], ev["reserved"], ev["prompt_tokens"],
                 ev["completion_tokens"], ev["error"]) == \
