@@ -63,7 +63,7 @@ end
 -- read(max_bytes) -> body text | nil, err. Reads the client body whether nginx kept it
 -- in memory or spooled it to a temporary file (bodies larger than
 -- client_body_buffer_size): a gateway that reads only get_body_data() would see nil and
--- forward the file unchecked (DESIGN.md §3).
+-- forward the file unchecked.
 function _M.read(max_bytes)
     ngx_req.read_body()
     local data = ngx_req.get_body_data()

@@ -1,4 +1,4 @@
--- Clocks. Durations (ttft_ms, total_ms) use CLOCK_MONOTONIC (DESIGN.md §2.7); wall-clock
+-- Clocks. Durations (ttft_ms, total_ms) use CLOCK_MONOTONIC; wall-clock
 -- time is only for timestamps in records and for the per-minute limit windows (which
 -- every worker and every edge must agree on).
 

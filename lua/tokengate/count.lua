@@ -1,6 +1,6 @@
 -- Prompt-token counts from the counter sidecar (tokengate.v1.TokenCounter/CountTokens).
 --
--- The call goes through the loopback hop (DESIGN.md §4): ngx.location.capture to the
+-- The call goes through the loopback hop: ngx.location.capture to the
 -- internal location /_tokengate/count, which proxy_passes (HTTP/1.1 keepalive) to a
 -- second server of this nginx on a unix socket, which grpc_passes to the counter
 -- workers. A capture straight to grpc_pass crashes the worker with Debian's lua module.

@@ -1,4 +1,4 @@
--- Every error the edge answers, in OpenAI's shape (DESIGN.md §2.5):
+-- Every error the edge answers, in OpenAI's shape:
 --   {"error": {"message": "...", "type": "...", "param": "..." | null, "code": "..." | null}}
 -- The one place that writes an error body; the phases module calls exit() and returns.
 

@@ -3,7 +3,7 @@
 -- The local shared-dict limiter (tokengate.limit) stays the first gate; only what it
 -- admits is reserved here.
 --
--- Reserve (access phase) goes through the loopback hop the counter uses (DESIGN.md §4):
+-- Reserve (access phase) goes through the loopback hop the counter uses:
 -- ngx.location.capture -> internal /_tokengate/limits/reserve -> proxy_pass HTTP/1.1
 -- keepalive -> the hop server on a unix socket -> grpc_pass to the limits workers.
 --

@@ -2,7 +2,7 @@
 --
 -- Why not cjson: it accepts duplicate keys (last wins), invalid UTF-8 and lone surrogate
 -- escapes, and it loses key order and big integers when re-encoding. The edge forwards
--- the body it parsed (DESIGN.md §2.2), so the parser must refuse everything that two
+-- the body it parsed, so the parser must refuse everything that two
 -- JSON readers could read differently, and the encoder must keep what it did not touch.
 --
 -- Representation of decoded values:

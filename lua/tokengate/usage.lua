@@ -2,7 +2,7 @@
 -- usage event line written for every request.
 --
 -- Streams: the edge asks vLLM for continuous_usage_stats, so every SSE chunk carries the
--- cumulative usage so far (DESIGN.md §2.4): the last value seen wins, values are never
+-- cumulative usage so far: the last value seen wins, values are never
 -- added up, and a client that disconnects is billed the last chunk the edge saw. What
 -- the client did not ask for is removed on the way out: the per-chunk usage (unless it
 -- asked for continuous_usage_stats) and the final `"choices": []` usage chunk (unless it

@@ -124,8 +124,8 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
                  name: str = "vllm") -> Service:
     """vLLM's OpenAI server (CPU build) on the model directory, served under its name.
 
-    Started as a module (the ``vllm`` console script of the CPU build fails, DESIGN.md
-    §3); startup takes 60-90 s on 2 cores.
+    Started as a module (the ``vllm`` console script of the CPU build looks for a
+    distribution named ``vllm`` and fails); startup takes 60-90 s on 2 cores.
     """
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model.dir), "--served-model-name", model.name,

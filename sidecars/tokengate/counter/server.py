@@ -73,7 +73,7 @@ def _serve_worker(config_path: str, host: str, port: int, unix_socket: str | Non
         server.add_insecure_port(addr)
     server.start()
     if sock:
-        os.chmod(sock, 0o666)  # nginx workers may run as another user (DESIGN.md §3)
+        os.chmod(sock, 0o666)  # nginx workers may run as another user
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for name, c in counters.items():

@@ -16,7 +16,7 @@ so the edges' clocks do not matter), kept in two keys that share the hash tag
 reservations from any number of edges can never overshoot (no get-then-set). A retry
 with the same request id is answered from the recorded entry (idempotent).
 ``SETTLE_LUA`` corrects an entry still in the window by ``actual - reserved``
-(DESIGN.md §2.3). Both keys expire ``window_ms + 1000`` ms after the last admission.
+(reserve at admission, settle with real usage). Both keys expire ``window_ms + 1000`` ms after the last admission.
 Memory: one zset and hash entry per request admitted in the last minute (so at most
 the RPM limit per key).
 """

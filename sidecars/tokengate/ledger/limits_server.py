@@ -174,7 +174,7 @@ def _serve_worker(config_path: str | None, listen: list[str], unix_socket: str |
             server.add_insecure_port(addr)
         await server.start()
         if sock:
-            os.chmod(sock, 0o666)  # nginx workers may run as another user (DESIGN.md §3)
+            os.chmod(sock, 0o666)  # nginx workers may run as another user
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving GlobalLimits on %s (Redis %s)", ", ".join(addresses),

@@ -16,7 +16,7 @@ request where general-purpose clients cost hundreds, which is what lets one core
 drive thousands of requests/s. Streamed responses are not JSON-parsed chunk by chunk:
 an event is classified by byte search (role chunk, token chunk, usage-only chunk,
 error, ``[DONE]``) and only the last event that carries ``usage`` is parsed, since
-vLLM's usage is cumulative (last value wins, DESIGN.md §2.4).
+vLLM's usage is cumulative (last value wins).
 
 Per request the worker records (seconds from the run start, monotonic clock): the
 scheduled and actual send times, the first token event (TTFT) and the end; HTTP

@@ -13,7 +13,7 @@ request's expected count with the ``usage.prompt_tokens`` the server reports.
 
 Chat requests add the chat template's overhead: the template is rendered the way vLLM
 renders it (``apply_chat_template(messages, add_generation_prompt=True)``, tokenized
-with ``add_special_tokens=False``; DESIGN.md §2.1) for a one-message conversation and
+with ``add_special_tokens=False``) for a one-message conversation and
 the overhead (tokens) is measured once; for Qwen3's ChatML it is 8 tokens
 (``<|im_start|>user\\n`` ... ``<|im_end|>\\n<|im_start|>assistant\\n``). Completions
 prompts add the tokenizer's special tokens (none for Qwen).

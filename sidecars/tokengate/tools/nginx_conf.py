@@ -135,7 +135,7 @@ def write_instance(config_path: Path, inst: EdgeInstance) -> Path:
                        doc["edge"]["global_limits_timeout_ms"])
     (inst.prefix / "tokengate-http.conf").write_text(http)
     # A root master would run workers as nobody, who cannot use the project's sockets
-    # and files (DESIGN.md §3); run them as the invoking user instead.
+    # and files; run them as the invoking user instead.
     user = "user root;" if os.geteuid() == 0 else ""
     main = _fill((NGINX_DIR / "nginx.conf.in").read_text(), {
         "PREFIX": str(inst.prefix), "LISTEN": inst.listen, "WORKERS": str(inst.workers),
