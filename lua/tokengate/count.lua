@@ -1,29 +1,17 @@
--- Prompt-token counts from the counter sidecar (tokengate.v1.TokenCounter/CountTokens).
---
--- The call goes through the loopback hop: ngx.location.capture to the
--- internal location /_tokengate/count, which proxy_passes (HTTP/1.1 keepalive) to a
--- second server of this nginx on a unix socket, which grpc_passes to the counter
--- workers. A capture straight to grpc_pass crashes the worker with Debian's lua module.
--- What comes back, verified with this nginx: success is HTTP 200 with the framed
--- CountReply (grpc-status travels in a trailer that the HTTP/1.1 hop drops); a gRPC error
--- is a trailers-only response, so grpc-status / grpc-message arrive as plain headers;
--- a dead or slow counter gives the hop's own 502/504.
+-- Prompt-token counts from the counter sidecar (tokengate.v1.TokenCounter/CountTokens),
+-- called through the loopback hop (tokengate.hop) at the internal location
+-- /_tokengate/count.
 
 local ngx = ngx
 local pb = require "tokengate.pb"
+local hop = require "tokengate.hop"
 local errors = require "tokengate.errors"
 local lrucache = require "resty.lrucache"
 
-local capture = ngx.location.capture
-local HTTP_POST = ngx.HTTP_POST
 local sha1_bin = ngx.sha1_bin
-local tonumber = tonumber
-local type = type
 local ceil = math.ceil
 local find = string.find
 local sub = string.sub
-local gsub = string.gsub
-local char = string.char
 
 local _M = {}
 
@@ -39,26 +27,6 @@ function _M.init_worker(entries)
     cache = lrucache.new(entries)
 end
 
--- grpc-message is percent-encoded (gRPC over HTTP/2 spec: bytes outside 0x20..0x7E and
--- "%" only). ngx.unescape_uri would also turn "+" into a space, so decode by hand.
-local function hexbyte(h)
-    return char(tonumber(h, 16))
-end
-
--- grpc_message(header value or nil) -> decoded message string
-local function grpc_message(v)
-    return (gsub(v or "", "%%(%x%x)", hexbyte))
-end
-
--- header(res, name) -> the first value of a subrequest response header, or nil
-local function header(res, name)
-    local v = res.header[name]
-    if type(v) == "table" then
-        v = v[1]
-    end
-    return v
-end
-
 -- count(route, model, body) -> reply, cached (bool) | nil, err
 --   route: "chat" | "completions"; model: served model name; body: the exact bytes the
 --   edge will forward.
@@ -72,31 +40,27 @@ function _M.count(route, model, body)
     if hit then
         return hit, true
     end
-    local frame = pb.frame(pb.count_request(model, ENDPOINT[route], body))
-    local res = capture(HOP, { method = HTTP_POST, body = frame })
-    local gs = tonumber(header(res, "grpc-status"))
-    if gs and gs ~= 0 then
-        local msg = grpc_message(header(res, "grpc-message"))
+    local msg, failure = hop.call(HOP, pb.count_request(model, ENDPOINT[route], body))
+    if not msg then
+        local gs, fmsg = failure.grpc_status, failure.message
         if gs == GRPC_INVALID_ARGUMENT then
             -- "messages[2].content: text" -> param "messages[2].content"
-            local colon = find(msg, ": ", 1, true)
-            local param = colon and sub(msg, 1, colon - 1) or nil
+            local colon = find(fmsg, ": ", 1, true)
+            local param = colon and sub(fmsg, 1, colon - 1) or nil
             if param and (param == "" or find(param, "%s")) then
                 param = nil
             end
-            return nil, { kind = "invalid", message = msg, param = param }
+            return nil, { kind = "invalid", message = fmsg, param = param }
         elseif gs == GRPC_NOT_FOUND then
-            return nil, { kind = "not_found", message = msg }
+            return nil, { kind = "not_found", message = fmsg }
+        elseif gs then
+            return nil, { kind = "unavailable", message = "counter answered gRPC status " .. gs
+                .. ": " .. fmsg }
+        elseif failure.http_status ~= 200 then
+            return nil, { kind = "unavailable",
+                          message = "counter hop answered HTTP " .. failure.http_status }
         end
-        return nil, { kind = "unavailable", message = "counter answered gRPC status " .. gs
-            .. ": " .. msg }
-    end
-    if res.status ~= 200 then
-        return nil, { kind = "unavailable", message = "counter hop answered HTTP " .. res.status }
-    end
-    local msg, ferr = pb.unframe(res.body or "")
-    if not msg then
-        return nil, { kind = "unavailable", message = "counter reply: " .. ferr }
+        return nil, { kind = "unavailable", message = "counter reply: " .. fmsg }
     end
     local reply, derr = pb.count_reply(msg)
     if not reply then

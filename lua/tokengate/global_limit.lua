@@ -3,7 +3,7 @@
 -- The local shared-dict limiter (tokengate.limit) stays the first gate; only what it
 -- admits is reserved here.
 --
--- Reserve (access phase) goes through the loopback hop the counter uses:
+-- Reserve (access phase) goes through the loopback hop the counter uses (tokengate.hop):
 -- ngx.location.capture -> internal /_tokengate/limits/reserve -> proxy_pass HTTP/1.1
 -- keepalive -> the hop server on a unix socket -> grpc_pass to the limits workers.
 --
@@ -24,18 +24,16 @@
 
 local ngx = ngx
 local pb = require "tokengate.pb"
+local hop = require "tokengate.hop"
 local metrics = require "tokengate.metrics"
 
-local capture = ngx.location.capture
 local timer_at = ngx.timer.at
 local tcp = ngx.socket.tcp
 local ngx_log = ngx.log
 local ERR = ngx.ERR
 local WARN = ngx.WARN
-local HTTP_POST = ngx.HTTP_POST
 local tonumber = tonumber
 local tostring = tostring
-local type = type
 local pcall = pcall
 local concat = table.concat
 local ceil = math.ceil
@@ -85,15 +83,6 @@ function _M.init_worker(dict_name, edge, hop_address)
     return true
 end
 
--- header(res, name) -> the first value of a subrequest response header, or nil
-local function header(res, name)
-    local v = res.header[name]
-    if type(v) == "table" then
-        v = v[1]
-    end
-    return v
-end
-
 -- fallback(reason, detail) -> nil, "local": reason "unavailable" | "down" | "timeout" |
 -- "error" | "backoff" (see tokengate.metrics); counts and (unless backing off) logs why the
 -- request is admitted on its local limits alone, and starts the backoff period.
@@ -130,30 +119,26 @@ function _M.reserve(key_id, model, per_model, limits, tokens, request_id)
     if dict:get(BACKOFF_KEY) then
         return fallback("backoff")
     end
-    local frame = pb.frame(pb.reserve_request(key_id, model, per_model, limits.rpm,
-        limits.tpm, tokens, request_id))
-    local res = capture(HOP, { method = HTTP_POST, body = frame })
-    local gs = tonumber(header(res, "grpc-status"))
-    if gs and gs ~= 0 then
+    local msg, failure = hop.call(HOP, pb.reserve_request(key_id, model, per_model,
+        limits.rpm, limits.tpm, tokens, request_id))
+    if not msg then
+        local gs, status = failure.grpc_status, failure.http_status
         if gs == GRPC_UNAVAILABLE then
-            return fallback("unavailable", header(res, "grpc-message") or "")
+            return fallback("unavailable", failure.message)
         elseif gs == GRPC_DEADLINE_EXCEEDED then
             return fallback("timeout", "gRPC DEADLINE_EXCEEDED")
+        elseif gs then
+            return fallback("error", "gRPC status " .. gs)
+        elseif status == 504 then
+            return fallback("timeout", "no answer in " .. timeout_ms .. " ms")
+        elseif status == 502 then
+            return fallback("down", "sidecar unreachable")
+        elseif status ~= 200 then
+            return fallback("error", "hop answered HTTP " .. status)
         end
-        return fallback("error", "gRPC status " .. gs)
+        return fallback("error", "reply: " .. failure.message)
     end
-    if res.status == 504 then
-        return fallback("timeout", "no answer in " .. timeout_ms .. " ms")
-    elseif res.status == 502 then
-        return fallback("down", "sidecar unreachable")
-    elseif res.status ~= 200 then
-        return fallback("error", "hop answered HTTP " .. res.status)
-    end
-    local msg, err = pb.unframe(res.body or "")
-    local r
-    if msg then
-        r, err = pb.reserve_reply(msg)
-    end
+    local r, err = pb.reserve_reply(msg)
     if not r then
         return fallback("error", "reply: " .. err)
     end
