@@ -36,9 +36,11 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         subprocess.run(["redis-cli", "--cluster", "create",
                         *[f"127.0.0.1:{p}" for p in CLUSTER_PORTS], "--cluster-yes"],
                        check=True, capture_output=True, timeout=30)
-        probe = redis.Redis(port=CLUSTER_PORTS[0], decode_responses=True)
-        wait_until(lambda: probe.cluster("info")["cluster_state"] == "ok", 30,
-                   what="cluster_state:ok")
+        # Every node must see the whole slot map: a node that still says CLUSTERDOWN
+        # fails the first command routed to it (seen on a loaded machine).
+        probes = [redis.Redis(port=p, decode_responses=True) for p in CLUSTER_PORTS]
+        wait_until(lambda: all(p.cluster("info")["cluster_state"] == "ok" for p in probes),
+                   30, what="cluster_state:ok on every node")
         yield f"redis://127.0.0.1:{CLUSTER_PORTS[0]}/0"
     finally:
         for s in svcs:
