@@ -321,7 +321,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tokengate.devstack",
                                      description="Run the tokengate stack on loopback.")
     parser.add_argument("command", choices=["run"])
-    parser.add_argument("--config", type=Path, default=tg_config.DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=ROOT / "tokengate.yaml")
     args = parser.parse_args()
     run(args.config)
 

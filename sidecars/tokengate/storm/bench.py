@@ -119,9 +119,9 @@ class Gateway:
         self.opts = opts
         self.services: list[devstack.Service] = []
         BENCH_VAR.mkdir(parents=True, exist_ok=True)
-        raw = yaml.safe_load(tg_config.DEFAULT_CONFIG.read_text())
+        raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
         for m in raw["models"].values():
-            m["dir"] = str((tg_config.DEFAULT_CONFIG.parent / m["dir"]).resolve())
+            m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
             m["upstream"] = f"127.0.0.1:{upstream_port}"
         raw["keys"] = {"bench": {"sha256": hashlib.sha256(BENCH_KEY.encode()).hexdigest(),
                                  "rpm": 1_000_000_000, "tpm": 1_000_000_000_000}}
@@ -233,7 +233,7 @@ def _run(spec: RunSpec, console: Console, runs: dict[str, Any],
 
 def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
     """Everything ``make bench`` measures, as the JSON it writes."""
-    cfg = tg_config.load().models
+    cfg = tg_config.load(devstack.ROOT / "tokengate.yaml").models
     model = next(iter(cfg.values()))
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "machine": _machine(), "options": vars(opts).copy(), "runs": {},
