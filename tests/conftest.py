@@ -28,6 +28,8 @@ VLLM_PORT = 18000 + PORT_OFFSET
 COUNTER_PORT = 15051 + PORT_OFFSET
 MODEL = "tiny-qwen3"
 TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
+# The checkout's own file: the package no longer knows where a checkout is.
+REPO_CONFIG = Path(__file__).resolve().parents[1] / "tokengate.yaml"
 
 
 def key_digest(key: str) -> str:
@@ -37,9 +39,9 @@ def key_digest(key: str) -> str:
 @pytest.fixture(scope="session")
 def config_path() -> Path:
     """tokengate.yaml for tests: the repository's models pointed at the test ports."""
-    raw = yaml.safe_load(tg_config.DEFAULT_CONFIG.read_text())
+    raw = yaml.safe_load(REPO_CONFIG.read_text())
     for m in raw["models"].values():
-        m["dir"] = str((tg_config.DEFAULT_CONFIG.parent / m["dir"]).resolve())
+        m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
         m["upstream"] = f"127.0.0.1:{VLLM_PORT}"
     TEST_DIR.mkdir(parents=True, exist_ok=True)
     path = TEST_DIR / "tokengate.yaml"

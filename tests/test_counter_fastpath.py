@@ -7,9 +7,10 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from tokengate.config import DEFAULT_CONFIG, load
+from tokengate.config import load
 from tokengate.counter.tokenizer import PromptTokenizer
 
+from tests.conftest import REPO_CONFIG
 from tests.counter_cases import (
     BIDI,
     CJK,
@@ -61,7 +62,7 @@ def real_text_corpus(limit_bytes: int = 3_000_000) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PromptTokenizer:
-    model = load(DEFAULT_CONFIG).models["tiny-qwen3"]
+    model = load(REPO_CONFIG).models["tiny-qwen3"]
     tok = PromptTokenizer.from_model_dir(model.dir, "auto")
     assert tok.backend == "tiktoken", tok.why_not_fast
     return tok
@@ -87,7 +88,7 @@ def test_segment_cache_counts_equal_uncached_counts(tokenizer: PromptTokenizer) 
 
 
 def test_hf_backend_is_used_when_asked(tokenizer: PromptTokenizer) -> None:
-    model = load(DEFAULT_CONFIG).models["tiny-qwen3"]
+    model = load(REPO_CONFIG).models["tiny-qwen3"]
     hf = PromptTokenizer.from_model_dir(model.dir, "hf")
     assert hf.backend == "hf"
     text = CJK + CODE + EMOJI

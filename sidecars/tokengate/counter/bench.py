@@ -147,12 +147,12 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=150)
-    cfg = tg_config.load()
+    cfg = tg_config.load(devstack.ROOT / "tokengate.yaml")
     model = cfg.models["tiny-qwen3"]
     mc = ModelCounter.load(model)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "tokengate.yaml"
-        cfg_path.write_text(tg_config.DEFAULT_CONFIG.read_text().replace(
+        cfg_path.write_text((devstack.ROOT / "tokengate.yaml").read_text().replace(
             "dir: var/models/", f"dir: {devstack.ROOT}/var/models/"))
         console.print("starting tokengate-counter (2 workers) ...")
         svc = devstack.counter_service(cfg_path, port=BENCH_PORT, workers=2,

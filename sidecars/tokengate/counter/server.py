@@ -34,7 +34,7 @@ from pathlib import Path
 from tokengate import config as tg_config
 
 
-def _serve_worker(config_path: str, host: str, port: int, unix_socket: str | None,
+def _serve_worker(config_path: str | None, host: str, port: int, unix_socket: str | None,
                   index: int, threads: int = 2) -> None:
     """One worker process: load every model, serve until SIGTERM/SIGINT."""
     import threading
@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokengate-counter", description=__doc__.split("DESCRIPTION")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(tg_config.DEFAULT_CONFIG),
-                        help="YAML configuration (default: %(default)s)")
+    parser.add_argument("--config", default=None,
+                        help="YAML configuration (default: $TOKENGATE_CONFIG, else "
+                             "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
     parser.add_argument("--host", default="127.0.0.1", help="TCP address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="TCP port (default: %(default)s)")
     parser.add_argument("--unix-socket", default=None,

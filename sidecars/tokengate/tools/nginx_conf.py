@@ -25,7 +25,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokengate import config as tg_config
 from tokengate.tools import compile_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -113,7 +112,7 @@ class EdgeInstance:
         return self.prefix / "hop.sock"
 
 
-def write_instance(config_path: Path, inst: EdgeInstance) -> Path:
+def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     """Compile ``config_path`` and render ``inst`` into its prefix; returns nginx.conf.
 
     Also creates the temp folders and the folders of the usage file and the sampled
@@ -163,7 +162,7 @@ def render_debian() -> str:
         "#   file and the sampled access log writable by www-data, then\n"
         "#   nginx -t && systemctl reload nginx\n"
         "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
-    d = compile_config.EdgeConfig
+    d = compile_config.EdgeConfig()  # the schema's defaults
     return header + render_http(Path(p["lua_dir"]), Path(p["edge_json"]),
                                 Path(p["counter_socket"]), 2,
                                 str(p["hop_address"]), d.count_timeout_ms,
@@ -176,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("Usage::")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     i = sub.add_parser("instance", help="render a runnable instance into a folder")
-    i.add_argument("--config", type=Path, default=tg_config.DEFAULT_CONFIG)
+    i.add_argument("--config", type=Path, default=None,
+                   help="YAML configuration (default: $TOKENGATE_CONFIG, else "
+                        "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
     i.add_argument("--prefix", type=Path, required=True)
     i.add_argument("--listen", default="127.0.0.1:8080")
     i.add_argument("--counter-socket", type=Path, default=ROOT / "var/run/counter.sock")
