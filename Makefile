@@ -10,23 +10,24 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	@$(PY) -m tokengate.devstack run
+	@$(PY) -m tokengate_dev.devstack run
 
 test: setup
 	@$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench-counter: setup
-	@$(PY) -m tokengate.counter.bench
+	@$(PY) -m tokengate_dev.bench.counter
 
 # TokenStorm: ceilings (vs vllm bench serve) and direct vs through the gateway, on the
 # fast upstream; results in bench/results/. BENCH_ARGS: see
-# `python -m tokengate.storm.bench --help`.
+# `python -m tokengate_dev.bench.storm --help`.
 bench: setup
-	@$(PY) -m tokengate.storm.bench $(BENCH_ARGS)
+	@$(PY) -m tokengate_dev.bench.storm $(BENCH_ARGS)
 
 lint: setup
-	@.venv/bin/ruff check sidecars tests
+	@.venv/bin/ruff check sidecars dev tests
 	@cd sidecars && ../.venv/bin/mypy tokengate
+	@cd dev && ../.venv/bin/mypy tokengate_dev
 
 clean:
 	rm -rf var/run var/log

@@ -4,6 +4,7 @@
 #   - a virtualenv with vLLM (CPU build) and the sidecars, kept outside the
 #     checkout under ~/.cache/tokengate keyed by a hash of requirements.txt,
 #     linked from .venv
+#   - editable installs of sidecars/ (runtime) and dev/ (development tooling)
 #   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +39,13 @@ if [ ! -f "$VENV/.complete" ]; then
 fi
 ln -sfn "$VENV" .venv
 
-# The project itself: an editable install pointing at this checkout, redone when the
-# checkout moves or pyproject.toml changes (console scripts, package data).
-STAMP="$ROOT/sidecars $(sha256sum sidecars/pyproject.toml | cut -c1-12)"
+# The project itself, editable installs pointing at this checkout: the runtime package
+# (sidecars/) and the development tooling (dev/: the loopback stack, benchmarks, model
+# builder), kept apart so that what ships holds only what runs in production. Redone
+# when the checkout moves or a pyproject.toml changes (console scripts, package data).
+STAMP="$ROOT $(cat sidecars/pyproject.toml dev/pyproject.toml | sha256sum | cut -c1-12)"
 if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
-  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars -e dev
   echo "$STAMP" > .venv/.tokengate-install
 fi
 
@@ -58,5 +61,5 @@ done
 
 # The embedded model (deterministic: same files on every machine).
 if [ ! -f var/models/tiny-qwen3/.complete ]; then
-  .venv/bin/python -m tokengate.tools.build_tiny_model --out var/models/tiny-qwen3
+  .venv/bin/python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
 fi

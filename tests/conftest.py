@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tokengate import config as tg_config
-from tokengate import devstack
+from tokengate_dev import devstack
 
 pytest_plugins: list[str] = []
 pytest_plugins.append("tests.fixtures_ledger")

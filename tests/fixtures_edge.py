@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
-from tokengate import devstack
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
 

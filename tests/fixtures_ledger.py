@@ -23,8 +23,8 @@ import grpc
 import pytest
 import redis
 import yaml
-from tokengate import devstack
 from tokengate.ledger.event import UsageEvent
+from tokengate_dev import devstack
 
 # TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))

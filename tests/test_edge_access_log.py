@@ -1,4 +1,4 @@
-"""The tiered access log at the edge: the exact rule of tokengate.ledger.sampling, run by
+"""The tiered access log at the edge: the exact rule of tests/sampling_reference.py, run by
 the edge's own Lua (its shared vectors replayed through lua/tokengate/sampling.lua, and a
 real edge whose every request is checked against the Python reference), settings from
 ``access_log:`` in tokengate.yaml. Usage events stay 100 %.
@@ -14,19 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-import tokengate.ledger
 import yaml
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.config import AccessLogConfig, ConfigError
-from tokengate.ledger.sampling import bucket, keep, threshold
 from tokengate.tools import compile_config
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge, _edge_yaml, free_port, run_lua
 from tests.fixtures_ledger import svc_name
+from tests.sampling_reference import bucket, keep, threshold
 
-VECTORS = Path(tokengate.ledger.__file__).with_name("sampling_vectors.json")
+VECTORS = Path(__file__).with_name("sampling_vectors.json")
 RULES = {"error_status": 400, "slow_ms": 30, "slow_rate": 0.5, "rate": 0.25}
 
 

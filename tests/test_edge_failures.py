@@ -217,7 +217,7 @@ def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
         edge_variant: Callable[..., Edge]) -> None:
     # A backend that takes 3 s to answer (vLLM busy generating); the client gives up
     # after 0.5 s. No usage ever comes back, so the reservation is billed, not refunded.
-    from tokengate import devstack
+    from tokengate_dev import devstack
 
     port = free_port()
     up = devstack.fast_upstream_service(port=port, ttft_ms=3000,

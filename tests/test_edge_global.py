@@ -26,10 +26,10 @@ import httpx
 import pytest
 import redis
 import yaml
-from tokengate import devstack
-from tokengate.ledger.global_limit import window_keys
+from tokengate.limits.window import window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import EDGE_DIR, Edge, _edge_yaml, free_port, run_lua

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import redis
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate.ledger.report import UsageRow, query
+from tokengate_dev import devstack
 
 from tests.fixtures_ledger import (
     PrivateRedis,

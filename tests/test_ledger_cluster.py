@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import redis
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.config import RedisConfig
 from tokengate.ledger import store
-from tokengate.ledger.global_limit import GlobalLimiter, window_keys
 from tokengate.ledger.ledger import Ledger
+from tokengate.limits.window import GlobalLimiter, window_keys
+from tokengate_dev import devstack
 
 from tests.fixtures_ledger import PORT_OFFSET, UsageWriter, make_event, wait_until
 from tests.test_ledger import assert_ledger_equals, workload

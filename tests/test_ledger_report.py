@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL
 from tests.fixtures_ledger import make_event, svc_name, wait_until

@@ -3,7 +3,7 @@
 Every ledger key carries the hash tag ``{ledger}``, so one script can update a whole
 batch of events and the ledger's checkpoint atomically on Redis Cluster too (the
 ledger writes one script call per batch: its load on that one slot is small). The
-global-limit windows are hashed per API key instead (``tokengate.ledger.global_limit``).
+global-limit windows are hashed per API key instead (``tokengate.limits.window``).
 
 Keys (``<p>`` = ``tg:{ledger}``; key ids and model names percent-encoded, a missing
 one as the empty string)::

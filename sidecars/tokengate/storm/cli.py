@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _upstream(args: argparse.Namespace) -> None:
-    from tokengate import devstack
+    from tokengate_dev import devstack
+
     from tokengate.storm import upstream
 
     model, _, mlen = _defaults(args.config)

@@ -12,7 +12,8 @@ import socket
 from types import TracebackType
 from typing import Self
 
-from tokengate import devstack
+from tokengate_dev import devstack
+
 from tokengate.storm import upstream
 
 

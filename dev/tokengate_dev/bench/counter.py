@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.counter.counting import ModelCounter
+
+from tokengate_dev import devstack
 
 WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "scheduler", "reservation", "settlement", "模型", "推理", "缓存", "日本語", "한국어", "emoji", "😀", "code", "def", "return", "{}", "[]", "()", "123", "4.56", "naïve", "café", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "I", "this", "are", "or", "his"]
 BENCH_PORT = 50151
@@ -83,7 +84,6 @@ def conversation_bodies(conversations: int, turns: int = 10, seed: int = 2) \
 
 async def _grpc_run(bodies: list[bytes], port: int, concurrency: int = 16) -> tuple[float, int]:
     import grpc
-
     from tokengate.v1 import counter_pb2, counter_pb2_grpc
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = counter_pb2_grpc.TokenCounterStub(channel)
@@ -125,7 +125,6 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter, port: int
     hf_tokens = sum(len(hf.encode(t, add_special_tokens=False).ids) for t in texts)
     hf_s = time.perf_counter() - start
     import tiktoken
-
     from tokengate.counter.tokenizer import _encoding_from_spec
     enc: tiktoken.Encoding = _encoding_from_spec(
         json.loads((mc.model.dir / "tokenizer.json").read_text()), tok.added)

@@ -5,7 +5,7 @@ version of a distribution named ``vllm`` and raises. The benchmark
 itself lives in ``vllm.benchmarks.serve`` (``add_cli_args`` + ``main``); this module
 builds the same parser and calls it, so
 
-    python -m tokengate.storm.vllm_bench --backend openai-chat --base-url ... [options]
+    python -m tokengate_dev.bench.vllm_serve --backend openai-chat --base-url ... [options]
 
 is ``vllm bench serve [options]``.
 """

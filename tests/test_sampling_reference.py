@@ -8,11 +8,11 @@ import random
 from pathlib import Path
 
 import pytest
-import tokengate.ledger
 from tokengate.config import AccessLogConfig
-from tokengate.ledger.sampling import bucket, keep, threshold
 
-VECTORS = Path(tokengate.ledger.__file__).with_name("sampling_vectors.json")
+from tests.sampling_reference import bucket, keep, threshold
+
+VECTORS = Path(__file__).with_name("sampling_vectors.json")
 N = 10_000
 
 

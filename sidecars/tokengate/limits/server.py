@@ -11,7 +11,7 @@ DESCRIPTION
     Serves tokengate.v1.GlobalLimits (proto/tokengate/v1/limits.proto): Reserve
     charges a request and its tokens against its API key's 60 s sliding window in
     Redis, atomically for all edges; Settle corrects the reservation with the real
-    usage. The algorithm and key layout are in tokengate.ledger.global_limit. Also
+    usage. The algorithm and key layout are in tokengate.limits.window. Also
     serves grpc.health.v1.Health: "tokengate.v1.GlobalLimits" is NOT_SERVING while
     Redis is failing.
 
@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate.ledger import store
-from tokengate.ledger.global_limit import GlobalLimiter
+from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
 log = logging.getLogger("tokengate.limits")

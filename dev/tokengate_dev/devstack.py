@@ -1,7 +1,7 @@
 """Start the whole tokengate stack on loopback: the commands ``make run`` and the tests use.
 
 Each part is a ``Service``: an argv, an environment, a readiness probe and a log file
-under ``var/log``. ``make run`` calls ``python -m tokengate.devstack run``; the test
+under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test
 fixtures call the same builders (with other ports) so tests run exactly what a user runs.
 
 Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
@@ -186,7 +186,7 @@ def limits_service(config_path: Path, port: int = 50061, redis_url: str | None =
     """The global-limit sidecar (``tokengate-limits``): gRPC ``GlobalLimits`` on
     127.0.0.1:port (and worker i on ``<unix_socket>.<i>`` when given) in front of the
     Redis sliding windows shared by every edge."""
-    argv = [PYTHON, "-m", "tokengate.ledger.limits_server", "--config", str(config_path),
+    argv = [PYTHON, "-m", "tokengate.limits.server", "--config", str(config_path),
             "--listen", f"127.0.0.1:{port}", "--workers", str(workers),
             "--unix-socket", str(unix_socket) if unix_socket is not None else "none"]
     if redis_url is not None:
@@ -318,7 +318,7 @@ def run(config_path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tokengate.devstack",
+    parser = argparse.ArgumentParser(prog="python -m tokengate_dev.devstack",
                                      description="Run the tokengate stack on loopback.")
     parser.add_argument("command", choices=["run"])
     parser.add_argument("--config", type=Path, default=ROOT / "tokengate.yaml")

@@ -35,9 +35,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 from rich.table import Table
-
 from tokengate import config as tg_config
-from tokengate import devstack
 from tokengate.storm import report
 from tokengate.storm.arrivals import ArrivalSpec
 from tokengate.storm.null_server import FastUpstream, free_port
@@ -45,6 +43,8 @@ from tokengate.storm.profiles import OutputPolicy
 from tokengate.storm.prompts import StreamOptions
 from tokengate.storm.runner import RunResult, RunSpec, execute
 from tokengate.storm.upstream import UpstreamOptions
+
+from tokengate_dev import devstack
 
 RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench"
@@ -181,7 +181,7 @@ def _vllm_bench(url: str, cfg: tg_config.ModelConfig, opts: BenchOptions,
     out = BENCH_VAR / "vllm-bench.json"
     out.unlink(missing_ok=True)
     root = url.removesuffix("/v1")
-    argv = [sys.executable, "-m", "tokengate.storm.vllm_bench", "--backend", "openai-chat",
+    argv = [sys.executable, "-m", "tokengate_dev.bench.vllm_serve", "--backend", "openai-chat",
             "--base-url", root, "--endpoint", "/v1/chat/completions", "--model", cfg.name,
             "--tokenizer", str(cfg.dir), "--dataset-name", "random",
             "--random-input-len", str(opts.prompt_tokens),
@@ -397,7 +397,7 @@ def render(out: dict[str, Any]) -> Table:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m tokengate.storm.bench", description=__doc__,
+        prog="python -m tokengate_dev.bench.storm", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=4.0, metavar="S",
                    help="seconds per run (default: %(default)s)")

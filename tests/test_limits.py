@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tokengate import devstack
 from tokengate.ledger import store
-from tokengate.ledger.global_limit import GlobalLimiter, window_keys
+from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
+from tokengate_dev import devstack
 
 from tests.fixtures_ledger import PORT_OFFSET, free_port, svc_name, wait_until
 

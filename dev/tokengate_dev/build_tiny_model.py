@@ -6,7 +6,7 @@ plus a 2-layer Qwen3 with head_dim 64 (vLLM's CPU attention needs head_dim in
 {32, 64, 80, 96, 112, 128, ...}). Counts, templates, streaming and errors are
 real; the generated text is nonsense. Same seed, same files on every machine.
 
-Usage: python -m tokengate.tools.build_tiny_model --out var/models/tiny-qwen3
+Usage: python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
 """
 
 from __future__ import annotations

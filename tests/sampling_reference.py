@@ -1,8 +1,10 @@
-"""Tiered access-log sampling: which requests get an access-log line.
+"""Tiered access-log sampling: which requests get an access-log line (the reference).
 
 Usage events are written for every request (100 %); this rule only thins the access
-log. The edge implements it in Lua; this module is the reference, and
-``sampling_vectors.json`` (next to it) holds test vectors both sides check.
+log. The edge implements it in Lua (``lua/tokengate/sampling.lua``); nothing in
+production runs this module: it is the independent statement of the rule that the Lua
+is checked against, here and through a real edge, and ``sampling_vectors.json`` (next
+to it) holds the test vectors both sides check.
 
 The rule (``access_log:`` in tokengate.yaml, defaults shown)::
 
