@@ -8,12 +8,15 @@ local sampling = require "tokengate.sampling"
 
 local io_open = io.open
 local type = type
-local tonumber = tonumber
+local tostring = tostring
 local pairs = pairs
+local ipairs = ipairs
 local setmetatable = setmetatable
 local sort = table.sort
 
 local _M = {}
+
+local VERSION = 1 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local models_text -- models_json() of doc
@@ -24,8 +27,12 @@ local function fail(msg)
     return nil, "tokengate config: " .. msg
 end
 
--- load(path) -> doc | nil, err. path: the compiled JSON file. Validates the fields the
--- edge relies on so that a broken file fails `nginx -t`/reload instead of requests.
+-- SECTIONS: the tables every compiled document has. Defaults are filled in by the schema
+-- (tokengate.config) before the document is written, so nothing here fills any in.
+local SECTIONS = { "models", "keys", "edge", "global_limits", "access_log" }
+
+-- load(path) -> doc | nil, err. path: the compiled JSON file. Checks the version and the
+-- sections so that a stale or broken file fails `nginx -t`/reload instead of requests.
 function _M.load(path)
     local f, err = io_open(path, "rb")
     if not f then
@@ -37,62 +44,37 @@ function _M.load(path)
     if type(d) ~= "table" then
         return fail(path .. ": " .. (derr or "not a JSON object"))
     end
-    if d.version ~= 1 or type(d.models) ~= "table" or type(d.keys) ~= "table"
-        or type(d.edge) ~= "table" then
-        return fail(path .. ": expected version 1 with models, keys and edge")
+    if d.version ~= VERSION then
+        return fail(path .. ": version " .. tostring(d.version) .. ", expected " .. VERSION
+            .. ": compile it again with this tokengate (tokengate.tools.compile_config)")
+    end
+    for i = 1, #SECTIONS do
+        if type(d[SECTIONS[i]]) ~= "table" then
+            return fail(path .. ": no " .. SECTIONS[i] .. " section: compile it again with "
+                .. "this tokengate (tokengate.tools.compile_config)")
+        end
+    end
+    local roles = {}
+    for _, r in ipairs(d.edge.special_token_roles) do
+        roles[r] = true
     end
     for name, m in pairs(d.models) do
-        if type(m.max_model_len) ~= "number" or type(m.host) ~= "string"
-            or type(m.port) ~= "number" then
-            return fail(path .. ": models." .. name .. " incomplete")
-        end
+        -- JSON null (no cap, no default) reads as cjson.null, which is truthy
         if m.max_tokens_cap == cjson.null then
             m.max_tokens_cap = nil
         end
         if m.default_max_tokens == cjson.null then
             m.default_max_tokens = nil
         end
-        if type(m.max_n) ~= "number" then
-            m.max_n = 8 -- a file compiled before max_n existed
-        end
         m.name = name
-        local roles = {}
-        for _, r in pairs(d.edge.special_token_roles or {}) do
-            roles[r] = true
-        end
         m.special_token_roles = roles
     end
     for digest, k in pairs(d.keys) do
-        if type(k.rpm) ~= "number" or type(k.tpm) ~= "number" then
-            return fail(path .. ": keys." .. digest .. " incomplete")
-        end
         k.digest = digest
-        if type(k.models) ~= "table" then
-            k.models = {}
-        end
     end
-    -- sections added later than version 1's first edition: defaults when absent
-    if type(d.global_limits) ~= "table" then
-        d.global_limits = { enabled = false }
-    end
-    d.global_limits.enabled = d.global_limits.enabled == true
-    d.edge.global_limits_timeout_ms = d.edge.global_limits_timeout_ms or 250
-    d.edge.global_limits_backoff_ms = d.edge.global_limits_backoff_ms or 500
-    local al = d.access_log
-    if type(al) ~= "table" then
-        al = { file = "" }
-        d.access_log = al
-    end
-    if type(al.file) ~= "string" then
-        al.file = ""
-    end
-    al.error_status = tonumber(al.error_status) or 400
-    al.slow_ms = tonumber(al.slow_ms) or 5000
-    al.slow_rate = tonumber(al.slow_rate) or 0.1
-    al.rate = tonumber(al.rate) or 0.01
     doc = setmetatable(d, nil)
     models_text = nil
-    rules = sampling.rules(al)
+    rules = sampling.rules(d.access_log)
     return doc
 end
 
