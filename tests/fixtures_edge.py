@@ -357,11 +357,9 @@ def run_lua(chunk: str) -> str:
     (Debian's ngx_lua: the edge's own LuaJIT, ``ngx`` and the edge's modules available),
     which exits right after; returns the chunk's string. Raises AssertionError with the
     Lua error. (``nginx -t`` does not run init_by_lua, so nginx really starts.)"""
-    from tokengate.tools import nginx_conf
-
     with tempfile.TemporaryDirectory(prefix="tg-lua-") as d:
         Path(d, "chunk.lua").write_text(chunk)
-        Path(d, "nginx.conf").write_text(_LUA_HARNESS.format(d=d, lua=nginx_conf.LUA_DIR))
+        Path(d, "nginx.conf").write_text(_LUA_HARNESS.format(d=d, lua=devstack.LUA_DIR))
         r = subprocess.run(["nginx", "-p", d, "-c", f"{d}/nginx.conf", "-e", "stderr"],
                            capture_output=True, text=True, timeout=30, check=False)
     status, _, out = r.stdout.partition("\n")

@@ -13,6 +13,7 @@ import yaml
 from tokengate import config as tg_config
 from tokengate.config import ConfigError
 from tokengate.tools import compile_config, nginx_conf
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL
 
@@ -59,8 +60,9 @@ def test_bad_edge_settings_name_the_field(config_path: Path, tmp_path: Path, fie
 
 
 def test_debian_dropin_is_rendered_from_the_template() -> None:
-    assert nginx_conf.DEBIAN_CONF.read_text() == nginx_conf.render_debian(), \
-        "run: python -m tokengate.tools.nginx_conf debian"
+    dropin = nginx_conf.debian_conf(devstack.NGINX_DIR)
+    assert dropin.read_text() == nginx_conf.render_debian(devstack.NGINX_DIR), \
+        "run: python -m tokengate.tools.nginx_conf debian --templates nginx"
 
 
 def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None:
@@ -68,8 +70,8 @@ def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None
     # drop-in's absolute paths pointed at this checkout.
     edge_json = tmp_path / "edge.json"
     compile_config.write(config_path, edge_json)
-    dropin = nginx_conf.DEBIAN_CONF.read_text() \
-        .replace("/usr/share/tokengate/lua", str(nginx_conf.LUA_DIR)) \
+    dropin = nginx_conf.debian_conf(devstack.NGINX_DIR).read_text() \
+        .replace("/usr/share/tokengate/lua", str(devstack.LUA_DIR)) \
         .replace("/etc/tokengate/edge.json", str(edge_json)) \
         .replace("/run/tokengate/", f"{tmp_path}/")
     (tmp_path / "conf.d").mkdir()
@@ -86,7 +88,7 @@ http {{
     include {tmp_path}/conf.d/*.conf;
     server {{
         listen 127.0.0.1:1;
-        include {nginx_conf.LOCATION_CONF};
+        include {nginx_conf.location_conf(devstack.NGINX_DIR)};
     }}
 }}
 """)

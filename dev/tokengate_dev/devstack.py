@@ -25,8 +25,11 @@ from pathlib import Path
 
 from tokengate import config as tg_config
 
+# Dev tooling runs from a checkout: its folders are found from this file.
 ROOT = Path(__file__).resolve().parents[2]
 VAR = ROOT / "var"
+NGINX_DIR = ROOT / "nginx"   # the edge's nginx templates
+LUA_DIR = ROOT / "lua"       # the edge's Lua modules
 PYTHON = sys.executable
 
 
@@ -227,7 +230,7 @@ def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | No
     inst = nginx_conf.EdgeInstance(
         prefix=(prefix or VAR / "run" / name).resolve(), listen=f"127.0.0.1:{port}",
         counter_socket=(counter_socket or VAR / "run" / "counter.sock").resolve(),
-        counter_workers=counter_workers, workers=workers, limits_workers=limits_workers)
+        templates=NGINX_DIR, lua_dir=LUA_DIR, counter_workers=counter_workers, workers=workers, limits_workers=limits_workers)
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
     return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)

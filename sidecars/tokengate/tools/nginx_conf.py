@@ -1,20 +1,27 @@
-"""Render the nginx edge's configuration from the templates in ``nginx/``.
+"""Render the nginx edge's configuration from the templates of the ``nginx/`` folder.
+
+The templates and the edge's Lua modules are found where they are told to be (an
+install puts them under ``/usr/share/tokengate/``, the defaults here; the development
+stack passes the checkout's ``nginx/`` and ``lua/``): nothing is looked up relative to
+this file.
 
 Two outputs:
 
 * an **instance**: a complete, runnable nginx configuration in one folder (the prefix):
-  ``nginx.conf`` (from ``nginx/nginx.conf.in``), ``tokengate-http.conf`` (from
-  ``nginx/tokengate-http.conf.in``), ``edge.json`` (the compiled tokengate.yaml, see
+  ``nginx.conf`` (from ``<templates>/nginx.conf.in``), ``tokengate-http.conf`` (from
+  ``<templates>/tokengate-http.conf.in``), ``edge.json`` (the compiled tokengate.yaml, see
   ``tokengate.tools.compile_config``), the hop socket, pid file and temporary files.
-  ``make run`` and the tests start such instances (``tokengate.devstack.nginx_service``).
+  ``make run`` and the tests start such instances (``tokengate_dev.devstack.nginx_service``).
 * the **Debian drop-in**: ``nginx/debian/tokengate.conf``, the http-level part with
   Debian paths, for an existing nginx; together with ``nginx/tokengate-location.conf``
   (no paths, shared with the instances) it is what an operator installs.
 
 Usage::
 
-    python -m tokengate.tools.nginx_conf instance --prefix var/run/nginx --listen 127.0.0.1:8080
-    python -m tokengate.tools.nginx_conf debian        # rewrites nginx/debian/tokengate.conf
+    python -m tokengate.tools.nginx_conf instance --templates nginx --lua-dir lua \
+        --prefix var/run/nginx --listen 127.0.0.1:8080
+    python -m tokengate.tools.nginx_conf debian --templates nginx
+        # rewrites nginx/debian/tokengate.conf
 """
 
 from __future__ import annotations
@@ -27,15 +34,12 @@ from pathlib import Path
 
 from tokengate.tools import compile_config
 
-ROOT = Path(__file__).resolve().parents[3]
-NGINX_DIR = ROOT / "nginx"
-LUA_DIR = ROOT / "lua"
-LOCATION_CONF = NGINX_DIR / "tokengate-location.conf"
-DEBIAN_CONF = NGINX_DIR / "debian" / "tokengate.conf"
+# Where an install puts the templates (the checkout's nginx/) and the Lua modules.
+SHARE_DIR = Path("/usr/share/tokengate")
 
 # Where the Debian drop-in expects things (see nginx/debian/README in the file header).
 DEBIAN_PATHS: dict[str, Path | str] = {
-    "lua_dir": Path("/usr/share/tokengate/lua"),
+    "lua_dir": SHARE_DIR / "lua",
     "edge_json": Path("/etc/tokengate/edge.json"),
     "counter_socket": Path("/run/tokengate/counter.sock"),
     "limits_socket": Path("/run/tokengate/limits.sock"),
@@ -68,17 +72,27 @@ def limits_servers(unix_socket: Path | None, workers: int, listen: str) -> list[
     return [f"unix:{s}" for s in counter_sockets(unix_socket, workers)]
 
 
-def render_http(lua_dir: Path, edge_json: Path, counter_socket: Path, counter_workers: int,
-                hop_address: str, count_timeout_ms: int, limits: list[str],
-                limits_timeout_ms: int) -> str:
-    """The http-level part (``nginx/tokengate-http.conf.in``) for the given paths.
+def location_conf(templates: Path) -> Path:
+    """The server-level include shared by instances and the Debian drop-in."""
+    return templates / "tokengate-location.conf"
+
+
+def debian_conf(templates: Path) -> Path:
+    """Where the committed Debian drop-in lives among the templates."""
+    return templates / "debian" / "tokengate.conf"
+
+
+def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket: Path,
+                counter_workers: int, hop_address: str, count_timeout_ms: int,
+                limits: list[str], limits_timeout_ms: int) -> str:
+    """The http-level part (``<templates>/tokengate-http.conf.in``) for the given paths.
 
     hop_address: where the loopback-hop server listens, ``unix:<path>`` or ``host:port``.
     limits: the global-limit sidecar's addresses (``limits_servers``); timeouts in ms.
     """
     servers = "\n".join(f"    server unix:{s} max_fails=0;"
                         for s in counter_sockets(counter_socket, counter_workers))
-    return _fill((NGINX_DIR / "tokengate-http.conf.in").read_text(), {
+    return _fill((templates / "tokengate-http.conf.in").read_text(), {
         "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
         "HOP_ADDRESS": hop_address, "COUNT_TIMEOUT_MS": str(count_timeout_ms),
         "LIMITS_SERVERS": "\n".join(f"    server {a} max_fails=0;" for a in limits),
@@ -93,11 +107,11 @@ class EdgeInstance:
     prefix: Path                   # folder of the rendered config, pid, temp files, hop socket
     listen: str                    # host:port of the API
     counter_socket: Path           # the counter's --unix-socket PATH (workers use PATH.<i>)
+    templates: Path                # the folder of nginx.conf.in, tokengate-*.conf(.in)
+    lua_dir: Path                  # the edge's Lua modules (the folder holding tokengate/)
     counter_workers: int = 2
     workers: int = 2               # nginx worker processes
     limits_workers: int = 1        # tokengate-limits --workers (sockets <unix_socket>.<i>)
-    lua_dir: Path = LUA_DIR
-    location_conf: Path = LOCATION_CONF
 
     @property
     def conf(self) -> Path:
@@ -127,7 +141,7 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
         Path(doc["access_log"]["file"]).parent.mkdir(parents=True, exist_ok=True)
     gl = doc["global_limits"]
     sock = Path(gl["unix_socket"]) if gl["unix_socket"] else None
-    http = render_http(inst.lua_dir, inst.edge_json, inst.counter_socket,
+    http = render_http(inst.templates, inst.lua_dir, inst.edge_json, inst.counter_socket,
                        inst.counter_workers, f"unix:{inst.hop_socket}",
                        doc["edge"]["count_timeout_ms"],
                        limits_servers(sock, inst.limits_workers, gl["listen"]),
@@ -136,16 +150,17 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     # A root master would run workers as nobody, who cannot use the project's sockets
     # and files; run them as the invoking user instead.
     user = "user root;" if os.geteuid() == 0 else ""
-    main = _fill((NGINX_DIR / "nginx.conf.in").read_text(), {
+    main = _fill((inst.templates / "nginx.conf.in").read_text(), {
         "PREFIX": str(inst.prefix), "LISTEN": inst.listen, "WORKERS": str(inst.workers),
-        "USER": user, "LOCATION_CONF": str(inst.location_conf),
+        "USER": user, "LOCATION_CONF": str(location_conf(inst.templates)),
     })
     inst.conf.write_text(main)
     return inst.conf
 
 
-def render_debian() -> str:
-    """The Debian drop-in's http-level part (committed as nginx/debian/tokengate.conf)."""
+def render_debian(templates: Path) -> str:
+    """The Debian drop-in's http-level part (committed as nginx/debian/tokengate.conf),
+    from the templates in ``templates``."""
     p = DEBIAN_PATHS
     header = (
         "# Debian drop-in for an existing nginx (apt install nginx libnginx-mod-http-lua\n"
@@ -163,7 +178,7 @@ def render_debian() -> str:
         "#   nginx -t && systemctl reload nginx\n"
         "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
     d = compile_config.EdgeConfig()  # the schema's defaults
-    return header + render_http(Path(p["lua_dir"]), Path(p["edge_json"]),
+    return header + render_http(templates, Path(p["lua_dir"]), Path(p["edge_json"]),
                                 Path(p["counter_socket"]), 2,
                                 str(p["hop_address"]), d.count_timeout_ms,
                                 limits_servers(Path(p["limits_socket"]), 2, ""),
@@ -180,24 +195,33 @@ def main(argv: list[str] | None = None) -> None:
                         "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
     i.add_argument("--prefix", type=Path, required=True)
     i.add_argument("--listen", default="127.0.0.1:8080")
-    i.add_argument("--counter-socket", type=Path, default=ROOT / "var/run/counter.sock")
+    i.add_argument("--templates", type=Path, default=SHARE_DIR / "nginx",
+                   help="folder of the nginx templates (default: %(default)s)")
+    i.add_argument("--lua-dir", type=Path, default=DEBIAN_PATHS["lua_dir"],
+                   help="folder of the edge's Lua modules (default: %(default)s)")
+    i.add_argument("--counter-socket", type=Path, default=DEBIAN_PATHS["counter_socket"])
     i.add_argument("--counter-workers", type=int, default=2)
     i.add_argument("--workers", type=int, default=2)
     i.add_argument("--limits-workers", type=int, default=1)
     d = sub.add_parser("debian", help="rewrite nginx/debian/tokengate.conf")
-    d.add_argument("--out", type=Path, default=DEBIAN_CONF)
+    d.add_argument("--templates", type=Path, required=True,
+                   help="the checkout's nginx/ folder")
+    d.add_argument("--out", type=Path, default=None,
+                   help="default: <templates>/debian/tokengate.conf")
     args = parser.parse_args(argv)
     if args.command == "instance":
         conf = write_instance(args.config, EdgeInstance(
             prefix=args.prefix.resolve(), listen=args.listen,
             counter_socket=args.counter_socket.resolve(),
+            templates=args.templates.resolve(), lua_dir=args.lua_dir.resolve(),
             counter_workers=args.counter_workers, workers=args.workers,
             limits_workers=args.limits_workers))
         print(f"nginx -p {args.prefix.resolve()} -c {conf}")
     else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render_debian())
-        print(f"wrote {args.out}")
+        out = args.out or debian_conf(args.templates)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_debian(args.templates))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
