@@ -87,7 +87,7 @@ def test_a_rejected_request_costs_nothing():
 
 def test_model_weights_come_from_the_configuration(cfg):
     calc = Calculator(cfg)
-    assert calc.weights("tiny-qwen3") == ModelCost(1.0, 1.35, 0.1)
+    assert calc.weights("tiny-qwen3") == ModelCost(input=1.0, output=1.35, cached=0.1)
     assert calc.weights("not-configured") == ModelCost()   # defaults
     custom = ModelCost(input=0.5, output=2.0, cached=0.05)
     # (1000 * 0.5 + 500 * 2.0 + 200 * 0.05) / 1e6 for 1200 prompt tokens, 200 cached

