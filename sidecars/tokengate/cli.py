@@ -3,10 +3,95 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
+from pathlib import Path
 
+from tokengate import config as tg_config
 from tokengate.ledger import report
+
+CONFIG_HELP = """\
+Validate tokengate.yaml, or print what describes it.
+
+  tokengate config check [FILE]   validate FILE (default: $TOKENGATE_CONFIG, else
+                                  ./tokengate.yaml, else /etc/tokengate/tokengate.yaml)
+                                  the way the sidecars and the edge's compiler read it:
+                                  the schema, the coupled settings, the models'
+                                  upstream addresses and tokenizer files
+  tokengate config schema         print the JSON Schema of the file (for editors)
+  tokengate config docs [--out F] print the configuration reference (docs/config.md)
+
+EXIT STATUS
+  check: 0 valid (one summary line on stdout); 1 invalid (one line per problem on
+  stderr, each starting with the key's dotted path, e.g.
+  `models.tiny-qwen3.max_token_cap: unknown key`); 2 the file cannot be read.
+"""
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("config", help="check tokengate.yaml, print its schema or reference",
+                       description=CONFIG_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
+    check = verbs.add_parser("check", help="validate a configuration file")
+    check.add_argument("file", type=Path, nargs="?", default=None,
+                       help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
+                            "else /etc/tokengate/tokengate.yaml)")
+    check.set_defaults(func=config_check)
+    schema = verbs.add_parser("schema", help="print the JSON Schema of tokengate.yaml")
+    schema.set_defaults(func=config_schema)
+    docs = verbs.add_parser("docs", help="print the configuration reference (Markdown)")
+    docs.add_argument("--out", type=Path, default=None,
+                      help="write it to this file instead (docs/config.md)")
+    docs.set_defaults(func=config_docs)
+
+
+def config_check(args: argparse.Namespace) -> int:
+    """``tokengate config check``: 0 valid, 1 invalid, 2 unreadable."""
+    from tokengate.tools.compile_config import compile_config
+
+    path = args.file if args.file is not None else tg_config.default_path()
+    try:
+        cfg = tg_config.load(path)
+        # what the edge would load: also resolves upstreams and reads tokenizer files
+        compile_config(cfg)
+    except tg_config.ConfigError as e:
+        for line in e.errors:
+            print(line, file=sys.stderr)
+        n = len(e.errors)
+        print(f"{path}: {n} problem{'s' if n != 1 else ''}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"tokengate config check: {e}", file=sys.stderr)
+        return 2
+    gl = "on" if cfg.global_limits.enabled else "off"
+    log = "on" if cfg.access_log.file else "off"
+    print(f"{cfg.path}: ok: {len(cfg.models)} model(s) ({', '.join(cfg.models)}), "
+          f"{len(cfg.keys)} key(s), global limits {gl}, sampled access log {log}")
+    return 0
+
+
+def config_schema(args: argparse.Namespace) -> int:
+    """``tokengate config schema``: the JSON Schema on stdout."""
+    from tokengate.tools.config_docs import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def config_docs(args: argparse.Namespace) -> int:
+    """``tokengate config docs``: the Markdown reference on stdout or into ``--out``."""
+    from tokengate.tools.config_docs import render
+
+    text = render()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         "--help` describes each.")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     report.add_parser(sub)
+    _config_parser(sub)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tokengate usage | head` ends quietly
     sys.exit(args.func(args))

@@ -105,17 +105,23 @@ def _redis_url(value: str) -> str:
 RelPath = Annotated[Path, Field(strict=False), AfterValidator(_resolve)]
 OptionalPath = Annotated[
     Path | None, PlainValidator(_optional_path),
-    WithJsonSchema({"anyOf": [{"type": "string"}, {"const": False}, {"type": "null"}]})]
+    WithJsonSchema({"anyOf": [{"type": "string", "format": "path"}, {"const": False},
+                              {"type": "null"}]})]
+# "format" values other than JSON Schema's own are annotations: editors show them,
+# validators ignore them (the pattern is what they check)
 HostPort = Annotated[str, AfterValidator(_host_port),
-                     WithJsonSchema({"type": "string", "pattern": r"^.+:[0-9]{1,5}$"})]
+                     WithJsonSchema({"type": "string", "format": "host:port",
+                                     "pattern": r"^.+:[0-9]{1,5}$"})]
 Sha256 = Annotated[str, AfterValidator(_sha256),
-                   WithJsonSchema({"type": "string", "pattern": "^[0-9a-fA-F]{64}$"})]
-RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+                   WithJsonSchema({"type": "string", "format": "sha256 hex",
+                                   "pattern": "^[0-9a-fA-F]{64}$"})]
+RedisUrl = Annotated[str, AfterValidator(_redis_url),
+                     WithJsonSchema({"type": "string", "format": "uri",
+                                     "pattern": "^(redis|rediss|unix)://"})]
 Tokens = Annotated[int, Field(ge=1)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 NonEmpty = Annotated[str, Field(min_length=1)]
-DEFAULT_ROLES: tuple[Role, ...] = ("user", "assistant", "tool", "function")
 
 
 class _Schema(BaseModel):
@@ -223,7 +229,7 @@ class Limits(_Schema):
     tpm: Tokens = Field(description="Tokens per minute (prompt + completion).")
 
 
-class KeyConfig(Limits):
+class KeyConfig(_Schema):
     """One API key (``keys.<key id>``); only the SHA-256 digest of the key is stored.
 
     Coupled (checked on the whole file): each ``models`` override names a configured
@@ -232,8 +238,10 @@ class KeyConfig(Limits):
 
     sha256: Sha256 = Field(
         description="Hex SHA-256 digest of the API key (the key itself is never stored).")
+    rpm: Tokens = Field(description="Requests per minute.")
+    tpm: Tokens = Field(description="Tokens per minute (prompt + completion).")
     models: dict[str, Limits] = Field(
-        default_factory=dict,
+        default={},
         description="Per-model limits of this key, by served model name.")
 
 
@@ -306,7 +314,7 @@ class GlobalLimitsConfig(_Schema):
         description="host:port of tokengate-limits (gRPC).")
     unix_socket: OptionalPath = Field(
         default=None,
-        description="Unix socket of tokengate-limits: worker i listens on <path>.<i>. "
+        description="Unix socket of tokengate-limits: worker i listens on `<path>.<i>`. "
                     "null: TCP only.")
 
 
@@ -369,14 +377,14 @@ class EdgeConfig(_Schema):
                     "over-counts English and matches CJK, so limits stay on the safe side).")
     special_tokens: Literal["reject", "strip", "allow"] = Field(
         default="reject",
-        description="Literal special-token strings (<|im_end|>) in the content, reasoning "
+        description="Literal special-token strings (`<|im_end|>`) in the content, reasoning "
                     "and tool calls of special_token_roles messages and in every string of "
                     "tools: `reject` (400), `strip` or `allow`.")
     special_token_roles: list[Role] = Field(
-        default_factory=lambda: list(DEFAULT_ROLES),
+        default=["user", "assistant", "tool", "function"],
         description="Message roles whose text is checked for special tokens.")
     extra_special_tokens: list[NonEmpty] = Field(
-        default_factory=list,
+        default=[],
         description="More strings treated like the tokenizer's special tokens.")
     count_cache_entries: Tokens = Field(
         default=4096,
@@ -413,7 +421,7 @@ class Config(_Schema):
         default="USD",
         description="Currency of every `cost`.")
     keys: dict[str, KeyConfig] = Field(
-        default_factory=dict,
+        default={},
         description="API keys, by key id (the id that usage events and reports show).")
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
@@ -517,6 +525,25 @@ def errors_of(err: ValidationError) -> list[str]:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last
+    silently, which hides an edit as well as a typo does)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                again = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class says so
+                continue
+            if again:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def default_path() -> Path:
     """The file ``load()`` reads without an argument: ``$TOKENGATE_CONFIG``, else
     ``./tokengate.yaml`` in the current directory, else ``/etc/tokengate/tokengate.yaml``."""
@@ -545,7 +572,10 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """
     p = Path(path if path is not None else default_path()).resolve()
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.load(p.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"(yaml): {p}: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"(yaml):{where}: {problem}") from None
     return parse(raw, p)

@@ -1,0 +1,129 @@
+"""The configuration reference (``docs/config.md``), rendered from the schema's JSON Schema.
+
+One table per section, in the schema's order: every key with its type, default and
+description. ``tokengate config docs --out docs/config.md`` writes it; a test fails when
+the committed file differs, so the reference cannot drift from ``tokengate.config``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokengate.config import Config
+
+# what a map's keys stand for, by the map's own key
+PLACEHOLDERS = {"models": "<model>", "keys": "<key id>"}
+
+INTRO = """\
+# tokengate.yaml reference
+
+Generated from the schema in `tokengate.config` by
+`tokengate config docs --out docs/config.md`: do not edit by hand.
+`tokengate config check FILE` validates a file against it (exit status 1 and one line per
+problem, each starting with the key's dotted path); `tokengate config schema` prints the
+JSON Schema, for editors.
+
+Every key is optional unless marked *required*; an unknown key is an error, never
+ignored. Relative paths are relative to the folder of the YAML file. Units: token counts
+in tokens, `*_ms` in milliseconds, `*_s` in seconds, prices in `currency` per 1M tokens.
+The default file is `$TOKENGATE_CONFIG`, else `./tokengate.yaml`, else
+`/etc/tokengate/tokengate.yaml`.
+"""
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``tokengate.yaml``."""
+    schema = Config.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": "tokengate.yaml", **{k: v for k, v in schema.items() if k != "title"}}
+
+
+class _Renderer:
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self.defs: dict[str, Any] = schema.get("$defs", {})
+        self.sections: list[str] = []
+
+    def deref(self, node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref")
+        return self.defs[ref.rsplit("/", 1)[1]] if ref else node
+
+    def type_of(self, node: dict[str, Any]) -> str:
+        node = self.deref(node)
+        if "anyOf" in node:
+            return " or ".join(self.type_of(n) for n in node["anyOf"])
+        if "const" in node:
+            return f"`{json.dumps(node['const'])}`"
+        if "enum" in node:
+            return " \\| ".join(f"`{v}`" for v in node["enum"])
+        kind = node.get("type")
+        if kind == "array":
+            return f"list of {self.type_of(node.get('items', {}))}"
+        if kind == "object":
+            return "section"
+        if kind in ("integer", "number"):
+            lo, hi = node.get("minimum"), node.get("maximum")
+            if lo is not None and hi is not None:
+                return f"{kind} {lo}..{hi}"
+            if lo is not None:
+                return f"{kind} >= {lo}"
+            return str(kind)
+        if kind == "string" and node.get("format"):
+            return str(node["format"])
+        return str(kind or "any")
+
+    def section(self, path: str, node: dict[str, Any], required: bool = False) -> None:
+        node = self.deref(node)
+        lines = [f"## `{path}`" if path else "## Top level", ""]
+        if path:  # the top level's is the module's business, the intro says it
+            for para in (node.get("description") or "").split("\n\n"):
+                lines += [" ".join(para.split()), ""]
+        lines += ["| key | type | default | description |", "|---|---|---|---|"]
+        nested: list[tuple[str, dict[str, Any]]] = []
+        need = set(node.get("required", []))
+        for name, prop in node.get("properties", {}).items():
+            target = self.deref(prop)
+            key = f"{path}.{name}" if path else name
+            kind = self.type_of(prop)
+            if target.get("type") == "object" and isinstance(
+                    target.get("additionalProperties"), dict):
+                sub = f"{key}.{PLACEHOLDERS.get(name, '<name>')}"
+                kind = f"map: [`{sub}`](#{_anchor(sub)})"
+                nested.append((sub, target["additionalProperties"]))
+            elif "properties" in target:
+                kind = f"section: [`{key}`](#{_anchor(key)})"
+                nested.append((key, target))
+            if name in need:
+                default = "*required*"
+            elif "default" in prop:
+                default = _value(prop["default"])
+            else:
+                default = "see section"
+            lines.append(f"| `{name}` | {kind} | {default} | "
+                         f"{_text(prop.get('description', ''))} |")
+        self.sections.append("\n".join(lines) + "\n")
+        for sub, child in nested:
+            self.section(sub, child)
+
+
+def _text(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, str):
+        return f"`{v}`" if v else '`""`'
+    return f"`{json.dumps(v)}`".replace("|", "\\|")
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation other than - and _ dropped."""
+    return "".join(c for c in title.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def render() -> str:
+    """``docs/config.md``: the reference of every key, from ``json_schema()``."""
+    schema = json_schema()
+    r = _Renderer(schema)
+    r.section("", schema)
+    return INTRO + "\n" + "\n".join(r.sections)
