@@ -1,4 +1,4 @@
-"""TokenStorm fixtures: the fast upstream (nginx + Lua) started with devstack's builder.
+"""TokenStorm fixtures: the fast upstream (nginx + Lua), its files under the checkout's var/.
 
 Ports: 18100 (no latency: the null server), 18101 (TTFT 40 ms, ITL 2 ms), both shifted
 by ``TOKENGATE_TEST_PORT_OFFSET`` like the other fixtures.
@@ -13,6 +13,7 @@ from tokengate import config as tg_config
 from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.prompts import PromptBuilder
 from tokengate.storm.upstream import UpstreamOptions
+from tokengate_dev import devstack
 
 from tests.conftest import PORT_OFFSET
 
@@ -25,7 +26,8 @@ def fast_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
     """Base URL (…/v1) of the fast upstream with no simulated latency."""
     model = cfg.models["tiny-qwen3"]
     opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
-    with FastUpstream(opts, port=FAST_PORT, name=f"test-fast-upstream{PORT_OFFSET or ''}") as up:
+    with FastUpstream(opts, port=FAST_PORT, name=f"test-fast-upstream{PORT_OFFSET or ''}",
+                      state_dir=devstack.VAR) as up:
         yield up.url
 
 
@@ -35,7 +37,8 @@ def slow_upstream_url(cfg: tg_config.Config) -> Iterator[str]:
     model = cfg.models["tiny-qwen3"]
     opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len, ttft_ms=40,
                            itl_ms=2)
-    with FastUpstream(opts, port=SLOW_PORT, name=f"test-slow-upstream{PORT_OFFSET or ''}") as up:
+    with FastUpstream(opts, port=SLOW_PORT, name=f"test-slow-upstream{PORT_OFFSET or ''}",
+                      state_dir=devstack.VAR) as up:
         yield up.url
 
 

@@ -1,7 +1,7 @@
 """Start the whole tokengate stack on loopback: the commands ``make run`` and the tests use.
 
-Each part is a ``Service``: an argv, an environment, a readiness probe and a log file
-under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test
+Each part is a ``tokengate.process.Service``: an argv, an environment, a readiness probe
+and a log file under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test
 fixtures call the same builders (with other ports) so tests run exactly what a user runs.
 
 Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokengate import config as tg_config
+from tokengate.process import Service, http_ready, tcp_ready
 
 # Dev tooling runs from a checkout: its folders are found from this file.
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,94 +30,10 @@ LUA_DIR = ROOT / "lua"       # the edge's Lua modules
 PYTHON = sys.executable
 
 
-class ServiceError(RuntimeError):
-    """A service exited or did not become ready in time; the message quotes its log."""
-
-
-def tcp_ready(host: str, port: int) -> Callable[[], bool]:
-    """Probe: a TCP connect to host:port succeeds."""
-
-    def probe() -> bool:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            return False
-
-    return probe
-
-
-def http_ready(url: str) -> Callable[[], bool]:
-    """Probe: GET url answers 200."""
-
-    def probe() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    return probe
-
-
-@dataclass
-class Service:
-    """One process of the stack."""
-
-    name: str
-    argv: list[str]
-    ready: Callable[[], bool]
-    env: dict[str, str] = field(default_factory=dict)
-    start_timeout_s: float = 60.0
-    cwd: Path = ROOT
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return VAR / "log" / f"{self.name}.log"
-
-    def start(self) -> Service:
-        """Start the process and wait until ``ready()``; raises ``ServiceError``."""
-        if self.ready():
-            raise ServiceError(f"{self.name}: its address is already in use by another process")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServiceError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   + self.log_tail())
-            if self.ready():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise ServiceError(f"{self.name} not ready after {self.start_timeout_s:.0f} s:\n"
-                           + self.log_tail())
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL after ``timeout_s``."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+def _service(name: str, argv: list[str], ready: Callable[[], bool],
+             env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> Service:
+    """A process of the stack: run from the checkout, logging to ``var/log/<name>.log``."""
+    return Service(name, argv, ready, env or {}, start_timeout_s, cwd=ROOT, log_dir=VAR / "log")
 
 
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
@@ -139,7 +52,7 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--disable-uvicorn-access-log"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    return Service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
+    return _service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
                    start_timeout_s=400.0)
 
 
@@ -150,7 +63,7 @@ def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | No
             "--port", str(port), "--workers", str(workers)]
     if unix_socket is not None:
         argv += ["--unix-socket", str(unix_socket)]
-    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
+    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
 
 
 def redis_service(port: int = 6380, name: str = "redis") -> Service:
@@ -158,7 +71,7 @@ def redis_service(port: int = 6380, name: str = "redis") -> Service:
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(VAR / "run")]
     (VAR / "run").mkdir(parents=True, exist_ok=True)
-    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
+    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
 
 
 def ledger_service(config_path: Path, usage_file: Path | None = None,
@@ -180,7 +93,7 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
         argv += ["--redis-url", redis_url]
     if ledger_id is not None:
         argv += ["--ledger-id", ledger_id]
-    return Service(name, argv, status.exists, start_timeout_s=30.0)
+    return _service(name, argv, status.exists, start_timeout_s=30.0)
 
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
@@ -194,7 +107,7 @@ def limits_service(config_path: Path, port: int = 50061, redis_url: str | None =
             "--unix-socket", str(unix_socket) if unix_socket is not None else "none"]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
-    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
+    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
 
 
 def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
@@ -203,13 +116,11 @@ def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
     """TokenStorm's fast upstream: nginx + Lua answering like vLLM 0.32 (``tokenstorm
     upstream``), with simulated TTFT and inter-token latency (ms); for gateway benchmarks
     and as the null server. Config rendered under ``var/run/<name>``."""
-    from tokengate.storm import upstream
+    from tokengate.storm import null_server, upstream
 
     opts = upstream.UpstreamOptions(model=model, max_model_len=max_model_len, ttft_ms=ttft_ms,
                                     itl_ms=itl_ms, workers=workers)
-    conf = upstream.render(opts, VAR / "run" / name, port)
-    return Service(name, upstream.argv(conf), http_ready(f"http://127.0.0.1:{port}/health"),
-                   start_timeout_s=20.0)
+    return null_server.upstream_service(opts, port, VAR, name)
 
 
 def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | None = None,
@@ -233,7 +144,7 @@ def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | No
         templates=NGINX_DIR, lua_dir=LUA_DIR, counter_workers=counter_workers, workers=workers, limits_workers=limits_workers)
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
-    return Service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
+    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
 
 
 DEMO_KEY = "tg-demo-key"

@@ -241,7 +241,7 @@ def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
     runs: dict[str, Any] = out["runs"]
     fig: dict[str, Any] = out["figures"]
     up_opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
-    with FastUpstream(up_opts, name="bench-upstream") as up:
+    with FastUpstream(up_opts, name="bench-upstream", state_dir=devstack.VAR) as up:
         assert up.service.proc is not None
         groups = {"tokenstorm": os.getpgrp(), "fast upstream": up.service.proc.pid}
         console.rule("ceilings against a null server (the fast upstream, no latency)")

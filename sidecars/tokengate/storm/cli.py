@@ -221,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--itl-ms", type=float, default=0.0, metavar="MS",
                     help="inter-token latency (default: %(default)s)")
     up.add_argument("--workers", type=int, default=1, help="nginx worker processes")
+    up.add_argument("--prefix", type=Path, default=None, metavar="DIR",
+                    help="folder of its rendered nginx.conf, pid, log and temp files "
+                         "(default: var/run/fast-upstream-PORT in the working directory)")
     up.add_argument("--config", default=None, metavar="FILE")
     return p
 
@@ -262,8 +265,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _upstream(args: argparse.Namespace) -> None:
-    from tokengate_dev import devstack
-
     from tokengate.storm import upstream
 
     model, _, mlen = _defaults(args.config)
@@ -271,8 +272,8 @@ def _upstream(args: argparse.Namespace) -> None:
                                     max_model_len=args.max_model_len or mlen,
                                     ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                                     workers=args.workers)
-    conf = upstream.render(opts, devstack.VAR / "run" / f"fast-upstream-{args.port}", args.port,
-                           args.host)
+    prefix = args.prefix or Path("var") / "run" / f"fast-upstream-{args.port}"
+    conf = upstream.render(opts, prefix.resolve(), args.port, args.host)
     print(f"fast upstream on http://{args.host}:{args.port}/v1 (model {opts.model}, "
           f"TTFT {opts.ttft_ms:g} ms, ITL {opts.itl_ms:g} ms); config {conf}", flush=True)
     cmd = upstream.argv(conf)

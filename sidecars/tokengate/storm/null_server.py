@@ -1,40 +1,51 @@
 """The fast upstream as a context manager (null server, bench, tests).
 
-``FastUpstream`` starts ``devstack.fast_upstream_service`` (nginx + ``vllm_like.lua``,
-the same command ``tokenstorm upstream`` runs) on a free loopback port and stops it on
-exit. With ``ttft_ms = itl_ms = 0`` it is the *null server* TokenStorm measures its
-own ceiling against: it does almost no work per request.
+``FastUpstream`` starts nginx + ``vllm_like.lua`` (the same command ``tokenstorm
+upstream`` runs) on a free loopback port and stops it on exit. With
+``ttft_ms = itl_ms = 0`` it is the *null server* TokenStorm measures its own ceiling
+against: it does almost no work per request.
 """
 
 from __future__ import annotations
 
-import socket
+import shutil
+import tempfile
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from tokengate_dev import devstack
-
+from tokengate.process import Service, free_port, http_ready
 from tokengate.storm import upstream
 
+__all__ = ["FastUpstream", "free_port", "upstream_service"]
 
-def free_port() -> int:
-    """A free TCP port on loopback (ephemeral range)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def upstream_service(opts: upstream.UpstreamOptions, port: int, state_dir: Path,
+                     name: str = "fast-upstream") -> Service:
+    """The fast upstream on 127.0.0.1:port as a ``Service``: its nginx configuration
+    rendered into ``<state_dir>/run/<name>``, its log ``<state_dir>/log/<name>.log``;
+    ready when ``/health`` answers."""
+    conf = upstream.render(opts, state_dir / "run" / name, port)
+    return Service(name, upstream.argv(conf), http_ready(f"http://127.0.0.1:{port}/health"),
+                   start_timeout_s=20.0, log_dir=state_dir / "log")
 
 
 class FastUpstream:
-    """``with FastUpstream(opts) as up: up.url`` runs the fast upstream meanwhile."""
+    """``with FastUpstream(opts) as up: up.url`` runs the fast upstream meanwhile.
+
+    ``state_dir`` receives its rendered configuration and log; by default a fresh
+    temporary folder, removed by ``stop``.
+    """
 
     def __init__(self, opts: upstream.UpstreamOptions | None = None, port: int | None = None,
-                 name: str = "fast-upstream") -> None:
+                 name: str = "fast-upstream", state_dir: Path | None = None) -> None:
         self.opts = opts or upstream.UpstreamOptions()
         self.port = port or free_port()
-        o = self.opts
-        self.service = devstack.fast_upstream_service(
-            self.port, model=o.model, max_model_len=o.max_model_len, ttft_ms=o.ttft_ms,
-            itl_ms=o.itl_ms, workers=o.workers, name=f"{name}-{self.port}")
+        self._temp: Path | None = None
+        if state_dir is None:
+            state_dir = self._temp = Path(tempfile.mkdtemp(prefix="tokenstorm-"))
+        self.service = upstream_service(self.opts, self.port, state_dir,
+                                        name=f"{name}-{self.port}")
 
     @property
     def url(self) -> str:
@@ -42,12 +53,18 @@ class FastUpstream:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> Self:
-        """Start and wait for ``/health``; raises ``devstack.ServiceError``."""
-        self.service.start()
+        """Start and wait for ``/health``; raises ``tokengate.process.ServiceError``."""
+        try:
+            self.service.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
         self.service.stop()
+        if self._temp is not None:
+            shutil.rmtree(self._temp, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self.start()
