@@ -1,0 +1,327 @@
+"""tokengate.yaml's schema: unknown keys, wrong types and coupled settings are refused with
+the dotted path of the key; the repository's file passes; `tokengate config check` says
+so on the command line; the JSON Schema and docs/config.md come from the same models."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tokengate import config as tg_config
+from tokengate.config import ConfigError
+from tokengate.tools import compile_config, config_docs
+
+from tests.conftest import MODEL, REPO_CONFIG
+
+DOCS = REPO_CONFIG.parent / "docs" / "config.md"
+TOKENGATE = Path(sys.executable).parent / "tokengate"
+DEMO = "e7aab4b439baa8c615eb31e352f5b4259085813fbcd95a65a5a346a6bdfb1bb3"
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+@pytest.fixture(scope="module")
+def repo_raw() -> dict[str, Any]:
+    return yaml.safe_load(REPO_CONFIG.read_text())
+
+
+def errors_of(raw: dict[str, Any], edit: Edit, where: Path) -> list[str]:
+    changed = copy.deepcopy(raw)
+    edit(changed)
+    with pytest.raises(ConfigError) as e:
+        tg_config.parse(changed, where / "tokengate.yaml")
+    assert str(e.value) == "\n".join(e.value.errors)
+    return e.value.errors
+
+
+def put(path: str, value: Any) -> Edit:
+    """An edit that sets the dotted ``path`` (creating sections on the way)."""
+    def edit(raw: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return edit
+
+
+def every(*edits: Edit) -> Edit:
+    def edit(raw: dict[str, Any]) -> None:
+        for e in edits:
+            e(raw)
+    return edit
+
+
+def test_the_repository_file_passes() -> None:
+    cfg = tg_config.load(REPO_CONFIG)
+    m = cfg.models[MODEL]
+    assert (m.name, m.max_model_len, m.output_reserve, m.max_tokens_cap, m.max_n) == \
+        (MODEL, 8192, 256, 4096, 8)
+    assert m.dir == REPO_CONFIG.parent / "var/models/tiny-qwen3"
+    assert cfg.keys["demo"].sha256 == DEMO and (cfg.keys["demo"].rpm, cfg.keys["demo"].tpm) \
+        == (600, 200000)
+    assert cfg.path == REPO_CONFIG
+    assert cfg.edge.counter_backoff_ms == 500
+    assert cfg.ledger.usage_file == REPO_CONFIG.parent / "var/usage/usage.jsonl"
+    assert cfg.global_limits.unix_socket == REPO_CONFIG.parent / "var/run/limits.sock"
+
+
+@pytest.mark.parametrize("path", [
+    "modles",                                   # top level
+    f"models.{MODEL}.max_token_cap",            # the issue's example: a cap silently lost
+    f"models.{MODEL}.cost.inptu",
+    "keys.demo.rmp",
+    f"keys.demo.models.{MODEL}.tmp",
+    "edge.count_timeout",
+    "billing.context_penalty.treshold",
+    "access_log.files",
+])
+def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
+                                          path: str) -> None:
+    def edit(raw: dict[str, Any]) -> None:
+        if path.startswith(f"keys.demo.models.{MODEL}"):
+            raw["keys"]["demo"]["models"] = {MODEL: {"rpm": 1, "tpm": 1}}
+        put(path, 1)(raw)
+    assert errors_of(repo_raw, edit, tmp_path) == [f"{path}: unknown key"]
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (f"models.{MODEL}.max_model_len", "8192", "input should be a valid integer, got '8192'"),
+    (f"models.{MODEL}.max_model_len", True, "input should be a valid integer, got True"),
+    (f"models.{MODEL}.output_reserve", 0, "input should be greater than or equal to 1, got 0"),
+    (f"models.{MODEL}.vocab", "tiktoken",
+     "input should be 'auto', 'hf' or 'qwen3.6', got 'tiktoken'"),
+    (f"models.{MODEL}.upstream", "localhost",
+     "expected host:port (port 1..65535), got 'localhost'"),
+    (f"models.{MODEL}.cost.output", "1.35", "input should be a valid number, got '1.35'"),
+    ("keys.demo.sha256", "abc",
+     "expected the key's SHA-256 as 64 hex digits (printf %s \"$KEY\" | sha256sum)"),
+    ("keys.demo.tpm", 1.5, "input should be a valid integer, got 1.5"),
+    ("redis.url", "http://127.0.0.1:6380",
+     "expected a redis://, rediss:// or unix:// URL, got 'http://127.0.0.1:6380'"),
+    ("global_limits.enabled", "yes", "input should be a valid boolean, got 'yes'"),
+    ("access_log.rate", 1.5, "input should be less than or equal to 1, got 1.5"),
+    ("access_log.file", 3, "expected a path, or false for none, got 3"),
+    ("edge.on_counter_failure", "maybe",
+     "input should be 'open' or 'closed', got 'maybe'"),
+    ("edge.max_body_bytes", 128 << 20,
+     "input should be less than or equal to 67108864, got 134217728"),
+    ("edge.special_token_roles", ["user", "usr"],
+     ("input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
+      "got 'usr'")),
+    ("currency", 3, "input should be a valid string, got 3"),
+])
+def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
+                                                path: str, value: Any, message: str) -> None:
+    where = path + (".1" if path == "edge.special_token_roles" else "")
+    assert errors_of(repo_raw, put(path, value), tmp_path) == [f"{where}: {message}"]
+
+
+def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
+                                                tmp_path: Path) -> None:
+    def drop_len(raw: dict[str, Any]) -> None:
+        del raw["models"][MODEL]["max_model_len"]
+    edit = every(put(f"models.{MODEL}.max_token_cap", 5), put("keys.demo.rpm", "600"),
+                 put("edge.special_tokens", "drop"), drop_len)
+    assert errors_of(repo_raw, edit, tmp_path) == [
+        f"models.{MODEL}.max_model_len: required",
+        f"models.{MODEL}.max_token_cap: unknown key",
+        "keys.demo.rpm: input should be a valid integer, got '600'",
+        "edge.special_tokens: input should be 'reject', 'strip' or 'allow', got 'drop'",
+    ]
+
+
+@pytest.mark.parametrize("edit,errors", [
+    (put(f"models.{MODEL}.default_max_tokens", 5000),
+     [f"models.{MODEL}.default_max_tokens: 5000 exceeds max_tokens_cap (4096)"]),
+    (put(f"models.{MODEL}.max_tokens_cap", 9000),
+     [f"models.{MODEL}.max_tokens_cap: 9000 exceeds max_model_len (8192)"]),
+    (every(put(f"models.{MODEL}.max_tokens_cap", None),
+           put(f"models.{MODEL}.default_max_tokens", 8193)),
+     [f"models.{MODEL}.default_max_tokens: 8193 exceeds max_model_len (8192)"]),
+    (put(f"models.{MODEL}.output_reserve", 9000),
+     [f"models.{MODEL}.output_reserve: 9000 exceeds max_model_len (8192)"]),
+    (put("keys.demo.models", {"tiny-qwen4": {"rpm": 1, "tpm": 100}}),
+     [f"keys.demo.models.tiny-qwen4: not a configured model ({MODEL})"]),
+    (put("keys.copy", {"sha256": DEMO.upper(), "rpm": 1, "tpm": 1}),
+     ["keys.copy.sha256: same digest as keys.demo"]),
+    (put("edge.global_limits_timeout_ms", 100),
+     [("edge.global_limits_timeout_ms: 100 must exceed the limits sidecar's Redis deadline, "
+       "2 x redis.timeout_ms = 100")]),
+    (put("redis.timeout_ms", 200),
+     [("edge.global_limits_timeout_ms: 250 must exceed the limits sidecar's Redis deadline, "
+       "2 x redis.timeout_ms = 400")]),
+    (put(f"models.{MODEL}.upstream", "127.0.0.1:8080"),
+     [(f"models.{MODEL}.upstream: 127.0.0.1:8080 is edge.listen: the edge would proxy to "
+       "itself")]),
+    (put("global_limits", {"enabled": True, "listen": "127.0.0.1:8080"}),
+     ["global_limits.listen: 127.0.0.1:8080 is also edge.listen"]),
+])
+def test_coupled_settings_are_checked(repo_raw: dict[str, Any], tmp_path: Path, edit: Edit,
+                                      errors: list[str]) -> None:
+    assert errors_of(repo_raw, edit, tmp_path) == errors
+
+
+def test_the_rules_hold_at_their_bounds(repo_raw: dict[str, Any], tmp_path: Path) -> None:
+    raw = copy.deepcopy(repo_raw)
+    put(f"models.{MODEL}.default_max_tokens", 4096)(raw)
+    put(f"models.{MODEL}.output_reserve", 8192)(raw)
+    put("edge.global_limits_timeout_ms", 101)(raw)
+    put("global_limits.listen", "127.0.0.1:8080")(raw)  # disabled: never bound
+    cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
+    assert cfg.models[MODEL].default_max_tokens == 4096
+
+
+def test_paths_resolve_against_the_yaml_folder_and_sections_may_be_empty(
+        tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "tokengate.yaml"
+    path.write_text("models:\n  m: {dir: models/m, max_model_len: 1000}\n"
+                    "ledger: {usage_file: u/usage.jsonl}\n"
+                    "access_log: {file: false}\n"
+                    "redis:\n"             # every key commented out: the defaults
+                    "#  url: redis://elsewhere\n")
+    cfg = tg_config.load(path)
+    conf = tmp_path / "conf"
+    assert cfg.models["m"].dir == conf / "models/m"
+    assert cfg.ledger.usage_file == conf / "u/usage.jsonl"
+    assert cfg.edge.usage_file == cfg.ledger.usage_file      # edge's default: the ledger's
+    assert cfg.access_log.file is None
+    assert cfg.global_limits.unix_socket is None
+    assert cfg.redis == tg_config.RedisConfig()
+    assert cfg.keys == {}
+
+
+def test_a_key_given_twice_in_the_yaml_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tokengate.yaml"
+    path.write_text("models:\n  m:\n    dir: m\n    max_model_len: 100\n"
+                    "    max_model_len: 200\n")
+    with pytest.raises(ConfigError, match=r"^\(yaml\): line 5, column 5: duplicate key "
+                                          r"'max_model_len'$"):
+        tg_config.load(path)
+
+
+def test_the_configuration_is_frozen() -> None:
+    cfg = tg_config.load(REPO_CONFIG)
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.models[MODEL].max_model_len = 1  # type: ignore[misc]
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.delenv(tg_config.CONFIG_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+
+
+def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tg_config.default_path() == Path("/etc/tokengate/tokengate.yaml")
+    (elsewhere / "tokengate.yaml").write_text("")
+    assert tg_config.default_path() == Path("tokengate.yaml")
+    monkeypatch.setenv(tg_config.CONFIG_ENV, str(REPO_CONFIG))
+    assert tg_config.default_path() == REPO_CONFIG
+    assert tg_config.load().path == REPO_CONFIG
+
+
+def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
+    cfg = tg_config.load(config_path)
+    doc = compile_config.compile_config(cfg)
+    assert doc["version"] == 1 and doc["source"] == str(config_path)
+    assert "redis" not in doc                     # the edge never needs its URL (password)
+    m = doc["models"][MODEL]
+    assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
+                              "default_max_tokens", "max_n")} == \
+        {"max_model_len": 8192, "output_reserve": 256, "max_tokens_cap": 4096,
+         "default_max_tokens": None, "max_n": 8}
+    assert (m["host"], m["port"]) == ("127.0.0.1", int(m["upstream"].rpartition(":")[2]))
+    assert "<|im_end|>" in m["special_tokens"]
+    assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {}}
+    assert doc["edge"] == {**cfg.edge.model_dump(mode="json"),
+                           "usage_file": str(cfg.ledger.usage_file)}
+    assert doc["edge"]["counter_backoff_ms"] == 500
+    assert doc["global_limits"] == {"enabled": False, "listen": "127.0.0.1:50061",
+                                    "unix_socket": str(cfg.global_limits.unix_socket)}
+    assert set(doc["access_log"]) == {"error_status", "slow_ms", "slow_rate", "rate", "file"}
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(TOKENGATE), "config", "check", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_config_check_names_the_bad_key_and_exits_non_zero(repo_raw: dict[str, Any],
+                                                           tmp_path: Path) -> None:
+    raw = copy.deepcopy(repo_raw)
+    put(f"models.{MODEL}.max_token_cap", 100)(raw)
+    put("edge.count_timeout_ms", "500")(raw)
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    r = run_check(str(path))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"models.{MODEL}.max_token_cap: unknown key",
+        "edge.count_timeout_ms: input should be a valid integer, got '500'",
+        f"{path}: 2 problems",
+    ]
+
+
+def test_config_check_passes_the_repository_file() -> None:
+    r = run_check(str(REPO_CONFIG))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"{REPO_CONFIG}: ok: 1 model(s) ({MODEL}), 1 key(s), global limits "
+                        "off, sampled access log on\n")
+
+
+def test_config_check_of_a_missing_file_exits_2(tmp_path: Path) -> None:
+    r = run_check(str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "nope.yaml" in r.stderr
+
+
+def _objects(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "properties" in node:
+            yield node
+        for v in node.values():
+            yield from _objects(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _objects(v)
+
+
+def test_the_json_schema_is_valid_and_closed(repo_raw: dict[str, Any]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    r = subprocess.run([str(TOKENGATE), "config", "schema"], capture_output=True, text=True,
+                       timeout=60, check=True)
+    schema = json.loads(r.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    objects = list(_objects(schema))
+    assert len(objects) == 12          # the file and its 11 sections
+    assert all(o["additionalProperties"] is False for o in objects)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert list(validator.iter_errors(repo_raw)) == []
+    raw = copy.deepcopy(repo_raw)
+    put(f"models.{MODEL}.max_token_cap", 100)(raw)
+    [err] = validator.iter_errors(raw)
+    assert list(err.absolute_path) == ["models", MODEL]
+    assert "max_token_cap" in err.message
+
+
+def test_docs_config_md_is_generated_from_the_schema() -> None:
+    assert DOCS.read_text() == config_docs.render(), \
+        "run: tokengate config docs --out docs/config.md"
+
+
+def test_docs_list_every_key() -> None:
+    text = DOCS.read_text()
+    for model in (tg_config.ModelConfig, tg_config.KeyConfig, tg_config.EdgeConfig,
+                  tg_config.AccessLogConfig, tg_config.Config):
+        for name in model.model_fields:
+            assert f"| `{name}` |" in text, name
