@@ -95,8 +95,8 @@ def _defaults(config_path: str | None) -> tuple[str, Path | None, int]:
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and prompts")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="tokengate.yaml for model defaults (default: $TOKENGATE_CONFIG or "
-                        "the repository's)")
+                   help="tokengate.yaml for model defaults (default: $TOKENGATE_CONFIG, "
+                        "else ./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
     g.add_argument("--model", default=None, help="served model name (default: the first "
                    "model of the config)")
     g.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
