@@ -1,6 +1,7 @@
 """tokengate.yaml's schema: unknown keys, wrong types and coupled settings are refused with
 the dotted path of the key; the repository's file passes; `tokengate config check` says
-so on the command line; the JSON Schema and docs/config.md come from the same models."""
+so on the command line; the JSON Schema and docs/config.md come from the same models; the
+edge's Lua loads the compiled dump as written and refuses a stale one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tokengate.config import ConfigError
 from tokengate.tools import compile_config, config_docs
 
 from tests.conftest import MODEL, REPO_CONFIG
+from tests.fixtures_edge import run_lua
 
 DOCS = REPO_CONFIG.parent / "docs" / "config.md"
 TOKENGATE = Path(sys.executable).parent / "tokengate"
@@ -325,3 +327,42 @@ def test_docs_list_every_key() -> None:
                   tg_config.AccessLogConfig, tg_config.Config):
         for name in model.model_fields:
             assert f"| `{name}` |" in text, name
+
+
+def lua_load(doc: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """What lua/tokengate/config.lua's load() makes of ``doc``: {"err"} or a few fields."""
+    path = tmp_path / "edge.json"
+    path.write_text(json.dumps(doc))
+    return json.loads(run_lua(f"""
+        local cjson = require "cjson"
+        local d, err = require("tokengate.config").load("{path}")
+        if not d then return cjson.encode({{err = err}}) end
+        local m = d.models["{MODEL}"]
+        return cjson.encode({{name = m.name, cap = m.max_tokens_cap,
+            default = m.default_max_tokens == nil, max_n = m.max_n,
+            user_checked = m.special_token_roles.user == true,
+            system_checked = m.special_token_roles.system == true,
+            key = d.keys["{DEMO}"].id, backoff = d.edge.counter_backoff_ms,
+            rate = require("tokengate.config").rules().rate}})"""))
+
+
+def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
+                                                         tmp_path: Path) -> None:
+    doc = compile_config.compile_config(tg_config.load(config_path))
+    assert lua_load(doc, tmp_path) == {
+        "name": MODEL, "cap": 4096, "default": True, "max_n": 8, "user_checked": True,
+        "system_checked": False, "key": "demo", "backoff": 500, "rate": 0.01}
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d.update(version=0), "version 0, expected 1: compile it again"),
+    (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
+    (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
+])
+def test_the_edge_refuses_a_stale_compiled_document(config_path: Path, tmp_path: Path,
+                                                     edit: Callable[[dict[str, Any]], Any],
+                                                     message: str) -> None:
+    doc = compile_config.compile_config(tg_config.load(config_path))
+    edit(doc)
+    err = lua_load(doc, tmp_path)["err"]
+    assert err.startswith(f"tokengate config: {tmp_path / 'edge.json'}: {message}")
