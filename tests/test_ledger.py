@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 from tokengate import config as tg_config
+from tokengate import redis_client
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
@@ -59,7 +60,7 @@ def expected_rows(events: Iterable[UsageEvent], cfg: tg_config.Config) -> dict[K
     return rows
 
 
-def assert_ledger_equals(client: store.SyncRedis, events: list[UsageEvent],
+def assert_ledger_equals(client: redis_client.SyncRedis, events: list[UsageEvent],
                          cfg: tg_config.Config) -> None:
     """Every counter equals the sum of the events; cost to 1e-9 relative."""
     want = expected_rows(events, cfg)
@@ -108,7 +109,7 @@ def ledger_factory(cfg: tg_config.Config, ledger_redis: redis.Redis, redis_url: 
     made: list[Ledger] = []
 
     def make(ledger_id: str = "test", **kw: object) -> Ledger:
-        client = store.connect(cfg.redis, url=redis_url)
+        client = redis_client.connect(cfg.redis, url=redis_url)
         led = Ledger(cfg, client, usage_writer.path, ledger_id, **kw)  # type: ignore[arg-type]
         made.append(led)
         return led
@@ -251,7 +252,7 @@ def test_unterminated_last_line_of_a_rotated_file_is_a_bad_line(cfg, ledger_redi
 
 def test_events_wait_on_disk_while_redis_is_down(cfg, private_redis, usage_writer):
     r = private_redis()
-    client = store.connect(cfg.redis, timeout_s=0.5, url=r.url)
+    client = redis_client.connect(cfg.redis, timeout_s=0.5, url=r.url)
     led = Ledger(cfg, client, usage_writer.path, "down")
     events = workload(200, seed=13)
     for ev in events[:100]:
@@ -404,7 +405,7 @@ def test_redis_back_without_its_data_is_rebuilt_from_the_usage_files(
 def test_the_ledger_waits_for_a_usage_file_that_does_not_exist_yet(cfg, ledger_redis,
                                                                    redis_url, tmp_path):
     path = tmp_path / "later" / "usage.jsonl"
-    led = Ledger(cfg, store.connect(cfg.redis, url=redis_url), path, "later")
+    led = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), path, "later")
     assert led.step() is False
     writer = UsageWriter(path)
     ev = make_event(prompt_tokens=4, completion_tokens=2)

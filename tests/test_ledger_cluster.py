@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 from tokengate import config as tg_config
+from tokengate import redis_client
 from tokengate.config import RedisConfig
-from tokengate.ledger import store
 from tokengate.ledger.ledger import Ledger
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate_dev import devstack
@@ -52,7 +52,7 @@ def test_global_limit_windows_spread_over_the_cluster(cluster_url):
     keys = [f"key-{i}" for i in range(12)]
 
     async def go() -> list[tuple[bool, bool, int]]:
-        client = store.connect_async(RedisConfig(url=cluster_url, cluster=True), 1.0)
+        client = redis_client.connect_async(RedisConfig(url=cluster_url, cluster=True), 1.0)
         lim = GlobalLimiter(client)
         out = []
         for k in keys:
@@ -74,7 +74,7 @@ def test_global_limit_windows_spread_over_the_cluster(cluster_url):
 @pytest.mark.slow
 def test_ledger_applies_exactly_once_on_the_cluster(cluster_url, cfg: tg_config.Config,
                                                     tmp_path: Path):
-    client = store.connect(RedisConfig(url=cluster_url, cluster=True))
+    client = redis_client.connect(RedisConfig(url=cluster_url, cluster=True))
     writer = UsageWriter(tmp_path / "usage.jsonl")
     events = workload(500, seed=31)
     for ev in events:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from tokengate import config as tg_config
+from tokengate import redis_client
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
@@ -45,7 +46,7 @@ def applied_workload(cfg, ledger_redis, redis_url, usage_writer) -> list[UsageEv
     events = workload(600, seed=41, days=("2026-11-27", "2026-11-28", "2026-11-29"))
     for ev in events:
         usage_writer.write(ev)
-    led = Ledger(cfg, store.connect(cfg.redis, url=redis_url), usage_writer.path, "report")
+    led = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path, "report")
     assert led.drain().applied == len(events)
     led.close()
     return events

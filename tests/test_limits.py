@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tokengate.ledger import store
+from tokengate import redis_client
+from tokengate.config import RedisConfig
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
@@ -138,7 +139,7 @@ def test_window_slides_and_retry_after_says_when(redis_url):
     """A 1 s window (the sidecar uses 60 s): entries leave it on Redis's clock."""
 
     async def go() -> None:
-        client = store.connect_async(store.RedisConfig(url=redis_url), 1.0)
+        client = redis_client.connect_async(RedisConfig(url=redis_url), 1.0)
         await client.delete(*window_keys("slide"))
         lim = GlobalLimiter(client, window_ms=1000)
         t0 = time.monotonic()

@@ -53,6 +53,7 @@ from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import EventError, UsageEvent, parse_event
 from tokengate.ledger.tail import Batch, Finished, Position, UsageTail
+from tokengate.redis_client import SyncRedis
 
 log = logging.getLogger("tokengate.ledger")
 
@@ -122,12 +123,12 @@ def default_ledger_id(usage_file: Path) -> str:
 class Ledger:
     """Applies the usage file to Redis (see the module docstring).
 
-    ``client``: a blocking Redis or RedisCluster client (``store.connect``);
+    ``client``: a blocking Redis or RedisCluster client (``tokengate.redis_client.connect``);
     ``usage_file`` and ``ledger_id`` default to the configuration's file and
     ``default_ledger_id``; ``max_lines``: events per script call.
     """
 
-    def __init__(self, cfg: Config, client: store.SyncRedis, usage_file: Path | None = None,
+    def __init__(self, cfg: Config, client: SyncRedis, usage_file: Path | None = None,
                  ledger_id: str | None = None, max_lines: int = 500,
                  rotate_wait_s: float | None = None) -> None:
         self.cfg = cfg

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate.ledger import store
+from tokengate.redis_client import SyncRedis, connect
 
 GROUPS = ("key", "model", "day")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
@@ -62,7 +63,7 @@ def _row(day: str, key_id: str | None, model: str | None, h: dict[str, str]) -> 
     return row
 
 
-def query(client: store.SyncRedis, since: date | None = None, until: date | None = None,
+def query(client: SyncRedis, since: date | None = None, until: date | None = None,
           key_id: str | None = None, model: str | None = None) -> list[UsageRow]:
     """Rows per key / model / day, days ``since``..``until`` inclusive (UTC), sorted by
     day, key, model; optionally one key and/or model only. Raises ``RedisError``."""
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     except (tg_config.ConfigError, OSError) as e:
         print(f"tokengate usage: {e}", file=sys.stderr)
         return 2
-    client = store.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     try:
         rows = group(query(client, args.since, args.until, args.key, args.model), by)
     except RedisError as e:

@@ -17,7 +17,7 @@ from types import FrameType
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate.ledger import store
+from tokengate import redis_client
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 log = logging.getLogger("tokengate.ledger")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     except (tg_config.ConfigError, OSError) as e:
         parser.exit(2, f"tokengate-ledger: {e}\n")
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
-    client = store.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     ledger = Ledger(cfg, client, usage_file, args.ledger_id or default_ledger_id(usage_file),
                     max_lines=args.batch, rotate_wait_s=0.0 if args.once else None)
     if args.once:

@@ -1,4 +1,5 @@
-"""Redis connections and the ledger's key layout (shared by the ledger and the report).
+"""The ledger's Redis key layout (shared by the ledger and the report; clients come from
+``tokengate.redis_client``).
 
 Every ledger key carries the hash tag ``{ledger}``, so one script can update a whole
 batch of events and the ledger's checkpoint atomically on Redis Cluster too (the
@@ -29,23 +30,9 @@ Fields of a usage hash (integers unless noted)::
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import quote
 
-import redis
-import redis.asyncio
-import redis.asyncio.cluster
-import redis.asyncio.retry
-import redis.cluster
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from tokengate.config import RedisConfig
-
 PREFIX = "tg:{ledger}"
-
-SyncRedis = redis.Redis | redis.cluster.RedisCluster
-AsyncRedis = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 
 def _enc(name: str | None) -> str:
@@ -84,26 +71,3 @@ def stats_key(ledger_id: str) -> str:
 def day_score(day: str) -> int:
     """``2026-11-29`` -> 20261129 (the ``days`` zset's score)."""
     return int(day.replace("-", ""))
-
-
-def connect(cfg: RedisConfig, timeout_s: float = 5.0, url: str | None = None) -> SyncRedis:
-    """A blocking client (Redis Cluster when ``cfg.cluster``) with ``timeout_s`` connect
-    and read timeouts and no hidden retries: callers decide how to wait."""
-    kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                              "decode_responses": True}
-    if cfg.cluster:
-        # One retry lets the cluster client follow a topology change (MOVED / failover).
-        return redis.cluster.RedisCluster.from_url(url or cfg.url, retry=Retry(NoBackoff(), 1),
-                                                   **kw)
-    return redis.Redis.from_url(url or cfg.url, retry=Retry(NoBackoff(), 0), **kw)
-
-
-def connect_async(cfg: RedisConfig, timeout_s: float, url: str | None = None) -> AsyncRedis:
-    """The asyncio counterpart of ``connect`` (used by the global-limit sidecar)."""
-    kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                              "decode_responses": True}
-    if cfg.cluster:
-        return redis.asyncio.cluster.RedisCluster.from_url(
-            url or cfg.url, retry=redis.asyncio.retry.Retry(NoBackoff(), 1), **kw)
-    return redis.asyncio.Redis.from_url(
-        url or cfg.url, retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kw)

@@ -45,7 +45,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate.ledger import store
+from tokengate import redis_client
 from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
@@ -150,7 +150,7 @@ def _serve_worker(config_path: str | None, listen: list[str], unix_socket: str |
     timeout_s = cfg.redis.timeout_ms / 1000.0
 
     async def main() -> None:
-        client = store.connect_async(cfg.redis, timeout_s, url=redis_url)
+        client = redis_client.connect_async(cfg.redis, timeout_s, url=redis_url)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
         health_servicer = health.aio.HealthServicer()
 

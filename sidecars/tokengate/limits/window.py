@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from tokengate.ledger import store
+from tokengate import redis_client
 
 WINDOW_MS = 60_000
 
@@ -162,13 +162,13 @@ def window_keys(key_id: str, model: str | None = None) -> tuple[str, str]:
 
 
 class GlobalLimiter:
-    """Reserve and settle in the Redis windows (asyncio client: ``store.connect_async``).
+    """Reserve and settle in the Redis windows (asyncio client: ``redis_client.connect_async``).
 
     Raises ``redis.exceptions.RedisError`` (and ``asyncio.TimeoutError`` from the
     client's timeouts) when Redis fails; callers fall back to local limits.
     """
 
-    def __init__(self, client: store.AsyncRedis, window_ms: int = WINDOW_MS) -> None:
+    def __init__(self, client: redis_client.AsyncRedis, window_ms: int = WINDOW_MS) -> None:
         self.client = client
         self.window_ms = window_ms
         self._reserve = client.register_script(RESERVE_LUA)
