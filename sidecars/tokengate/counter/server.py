@@ -24,25 +24,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
-import os
-import signal
 import sys
-import time
-from pathlib import Path
 
 from tokengate import config as tg_config
+from tokengate import grpc_server
 
 
-def _serve_worker(config_path: str | None, host: str, port: int, unix_socket: str | None,
-                  index: int, threads: int = 2) -> None:
+def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: int,
+                  index: int) -> None:
     """One worker process: load every model, serve until SIGTERM/SIGINT."""
-    import threading
     from concurrent import futures
 
     import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
 
     from tokengate.counter.counter_service import TokenCounterService
     from tokengate.counter.counting import ModelCounter
@@ -53,40 +46,19 @@ def _serve_worker(config_path: str | None, host: str, port: int, unix_socket: st
     cfg = tg_config.load(config_path)
     counters = {name: ModelCounter.load(m) for name, m in cfg.models.items()}
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
-                         options=[("grpc.so_reuseport", 1),
+                         options=[*grpc_server.OPTIONS,
                                   ("grpc.max_receive_message_length", 64 << 20)])
     counter_pb2_grpc.add_TokenCounterServicer_to_server(TokenCounterService(counters), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
-    reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
-    addresses = [f"{host}:{port}"]
-    sock = f"{unix_socket}.{index}" if unix_socket else None
-    if sock:
-        Path(sock).parent.mkdir(parents=True, exist_ok=True)
-        if os.path.exists(sock):
-            os.unlink(sock)
-        addresses.append(f"unix:{sock}")
-    for addr in addresses:
-        server.add_insecure_port(addr)
-    server.start()
-    if sock:
-        os.chmod(sock, 0o666)  # nginx workers may run as another user
-    for name in ("", service_name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    for name, c in counters.items():
-        why = f" ({c.tokenizer.why_not_fast})" if c.tokenizer.why_not_fast else ""
-        print(f"counter worker {index}: model {name}: backend {c.tokenizer.backend}{why}, "
-              f"fingerprint {c.fingerprint}", flush=True)
-    print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=2).wait()
+
+    def ready(addresses: list[str]) -> None:
+        for name, c in counters.items():
+            why = f" ({c.tokenizer.why_not_fast})" if c.tokenizer.why_not_fast else ""
+            print(f"counter worker {index}: model {name}: backend {c.tokenizer.backend}{why}, "
+                  f"fingerprint {c.fingerprint}", flush=True)
+        print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
+
+    grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,40 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         tg_config.load(args.config)
     except (OSError, tg_config.ConfigError) as e:
         sys.exit(f"tokengate-counter: {e}")
-    if args.workers <= 1:
-        _serve_worker(args.config, args.host, args.port, args.unix_socket, 0, args.threads)
-        return
-
-    ctx = multiprocessing.get_context("spawn")
-    worker_args = (args.config, args.host, args.port, args.unix_socket)
-    procs = {i: ctx.Process(target=_serve_worker, args=(*worker_args, i, args.threads),
-                            daemon=True)
-             for i in range(args.workers)}
-    for p in procs.values():
-        p.start()
-    stopping = False
-
-    def stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while not stopping:
-        time.sleep(0.5)
-        for i, p in list(procs.items()):
-            if not p.is_alive() and not stopping:
-                print(f"counter worker {i} exited with {p.exitcode}; restarting", flush=True)
-                procs[i] = ctx.Process(target=_serve_worker,
-                                       args=(*worker_args, i, args.threads), daemon=True)
-                procs[i].start()
-    for p in procs.values():
-        if p.pid is not None and p.is_alive():
-            os.kill(p.pid, signal.SIGTERM)
-    for p in procs.values():
-        p.join(5)
-        if p.is_alive():
-            p.kill()
+    listen = grpc_server.Listen((f"{args.host}:{args.port}",), args.unix_socket)
+    grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
+                            args.workers)
 
 
 if __name__ == "__main__":

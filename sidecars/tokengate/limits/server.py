@@ -22,7 +22,8 @@ DESCRIPTION
 
     --workers N runs N processes (the GIL: one Python process serves a few thousand
     calls per second): all listen on the TCP addresses (SO_REUSEPORT) and, with
-    --unix-socket PATH, worker i on PATH.<i> (mode 0666, for nginx workers).
+    --unix-socket PATH, worker i on PATH.<i> (mode 0666, for nginx workers); the
+    parent restarts a worker that dies. Server reflection is served too.
 
 EXIT STATUS
     0 after SIGTERM/SIGINT, 2 on a usage or configuration error.
@@ -33,19 +34,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import multiprocessing
-import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
+from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import redis_client
+from tokengate import grpc_server, redis_client
 from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
@@ -139,11 +137,9 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
                           "model: required when per_model is true")
 
 
-def _serve_worker(config_path: str | None, listen: list[str], unix_socket: str | None,
+def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
                   redis_url: str | None, index: int) -> None:
     """One worker process: serve until SIGTERM."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s limits[{index}]: %(message)s")
     cfg = tg_config.load(config_path)
@@ -151,40 +147,22 @@ def _serve_worker(config_path: str | None, listen: list[str], unix_socket: str |
 
     async def main() -> None:
         client = redis_client.connect_async(cfg.redis, timeout_s, url=redis_url)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server = grpc.aio.server(options=grpc_server.OPTIONS)
         health_servicer = health.aio.HealthServicer()
 
         async def on_health(up: bool) -> None:
-            status = health_pb2.HealthCheckResponse.SERVING if up else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            await health_servicer.set(SERVICE, status)
+            await health_servicer.set(SERVICE, grpc_server.SERVING if up
+                                      else grpc_server.NOT_SERVING)
 
         service = GlobalLimitsService(GlobalLimiter(client), timeout_s * 2, on_health)
         limits_pb2_grpc.add_GlobalLimitsServicer_to_server(service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        addresses = list(listen)
-        sock = None
-        if unix_socket:
-            sock = f"{unix_socket}.{index}"
-            Path(sock).parent.mkdir(parents=True, exist_ok=True)
-            if os.path.exists(sock):
-                os.unlink(sock)
-            addresses.append(f"unix:{sock}")
-        for addr in addresses:
-            server.add_insecure_port(addr)
-        await server.start()
-        if sock:
-            os.chmod(sock, 0o666)  # nginx workers may run as another user
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving GlobalLimits on %s (Redis %s)", ", ".join(addresses),
-                 redis_url or cfg.redis.url)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.stop(grace=1.0)
+
+        def ready(addresses: list[str]) -> None:
+            log.info("serving GlobalLimits on %s (Redis %s)", ", ".join(addresses),
+                     redis_url or cfg.redis.url)
+
+        await grpc_server.serve_async(server, [SERVICE], listen, index, grace_s=1.0,
+                                      on_ready=ready, servicer=health_servicer)
         await client.aclose()
 
     asyncio.run(main())
@@ -208,43 +186,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = tg_config.load(args.config)
     except (tg_config.ConfigError, OSError) as e:
         parser.exit(2, f"tokengate-limits: {e}\n")
-    listen = args.listen or [cfg.global_limits.listen]
     if args.unix_socket is None and cfg.global_limits.unix_socket is not None:
         args.unix_socket = str(cfg.global_limits.unix_socket)
     elif args.unix_socket == "none":
         args.unix_socket = None
-    if args.workers <= 1:
-        _serve_worker(args.config, listen, args.unix_socket, args.redis_url, 0)
-        return
-    ctx = multiprocessing.get_context("spawn")
-    procs: dict[int, multiprocessing.process.BaseProcess] = {}
-    stopping = False
-
-    def start(i: int) -> None:
-        p = ctx.Process(target=_serve_worker, name=f"limits-{i}",
-                        args=(args.config, listen, args.unix_socket, args.redis_url, i))
-        p.start()
-        procs[i] = p
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for p in procs.values():
-            if p.pid:
-                os.kill(p.pid, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for i in range(args.workers):
-        start(i)
-    while not stopping:
-        time.sleep(0.5)
-        for i, p in list(procs.items()):
-            if not p.is_alive() and not stopping:
-                log.warning("worker %d exited with %s; restarting", i, p.exitcode)
-                start(i)
-    for p in procs.values():
-        p.join(5)
+    listen = grpc_server.Listen(tuple(args.listen or [cfg.global_limits.listen]),
+                                args.unix_socket)
+    grpc_server.run_workers("limits", _serve_worker, (args.config, listen, args.redis_url),
+                            args.workers)
 
 
 if __name__ == "__main__":

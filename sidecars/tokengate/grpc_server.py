@@ -1,0 +1,165 @@
+"""How a tokengate gRPC sidecar runs: worker processes, listeners, health, reflection.
+
+Python holds one GIL per process, so a sidecar (``tokengate-counter``,
+``tokengate-limits``) runs N worker processes (``run_workers``). Every worker listens on
+the same TCP addresses (``SO_REUSEPORT``: the kernel spreads connections) and, when a
+unix socket PATH is given, on its own socket ``PATH.<i>`` (i = 0..N-1, mode 0666 so
+nginx workers running as another user can connect), which the nginx edge lists as the
+servers of its upstream. The parent restarts a worker that dies and stops all of them
+on SIGTERM/SIGINT.
+
+Each worker serves, next to its own services, the standard health service
+(``grpc.health.v1.Health``: SERVING for "" and every service once it listens, NOT_SERVING
+while it shuts down) and server reflection (``grpcurl`` works without the .proto files).
+``serve`` is the blocking flavour (a thread-pool ``grpc.server``), ``serve_async`` the
+asyncio one (``grpc.aio.server``); both return after SIGTERM/SIGINT and a graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Every worker binds the same TCP port: without SO_REUSEPORT the second one fails.
+OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 1)]
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where the workers listen: ``tcp`` addresses (``host:port``, shared by every
+    worker) and, when ``unix_socket`` is set, worker i's own ``<unix_socket>.<i>``."""
+
+    tcp: tuple[str, ...]
+    unix_socket: str | None = None
+
+    def socket_of(self, index: int) -> str | None:
+        return f"{self.unix_socket}.{index}" if self.unix_socket else None
+
+    def addresses(self, index: int) -> list[str]:
+        """gRPC addresses of worker ``index``: the TCP ones, then ``unix:<path>``."""
+        sock = self.socket_of(index)
+        return [*self.tcp, *([f"unix:{sock}"] if sock else [])]
+
+
+def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
+          services: Sequence[str],
+          servicer: health.HealthServicer | health.aio.HealthServicer) -> list[str]:
+    """Add health, reflection and the worker's ports to ``server``; returns the
+    addresses. A socket file left by a dead worker is removed first (bind would fail)."""
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    sock = listen.socket_of(index)
+    if sock:
+        Path(sock).parent.mkdir(parents=True, exist_ok=True)
+        Path(sock).unlink(missing_ok=True)
+    addresses = listen.addresses(index)
+    for addr in addresses:
+        server.add_insecure_port(addr)
+    return addresses
+
+
+def _open_socket(listen: Listen, index: int) -> None:
+    sock = listen.socket_of(index)
+    if sock:
+        os.chmod(sock, 0o666)  # nginx workers may run as another user
+
+
+def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: int,
+          grace_s: float, on_ready: Callable[[list[str]], None] | None = None) -> None:
+    """Serve ``server`` (its servicers already added) as worker ``index`` until
+    SIGTERM/SIGINT, then stop, letting calls in flight finish for ``grace_s`` seconds.
+    ``services``: full names reported SERVING; ``on_ready(addresses)`` once listening."""
+    servicer = health.HealthServicer()
+    addresses = _bind(server, listen, index, services, servicer)
+    server.start()
+    _open_socket(listen, index)
+    for name in ("", *services):
+        servicer.set(name, SERVING)
+    if on_ready is not None:
+        on_ready(addresses)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    servicer.enter_graceful_shutdown()
+    server.stop(grace=grace_s).wait()
+
+
+async def serve_async(server: grpc.aio.Server, services: Sequence[str], listen: Listen,
+                      index: int, grace_s: float,
+                      on_ready: Callable[[list[str]], None] | None = None,
+                      servicer: health.aio.HealthServicer | None = None) -> None:
+    """``serve`` for an asyncio server. ``servicer``: the health servicer, when the
+    caller reports more than SERVING at start (a service that turns NOT_SERVING while
+    its backend is down); a new one otherwise."""
+    servicer = servicer or health.aio.HealthServicer()
+    addresses = _bind(server, listen, index, services, servicer)
+    await server.start()
+    _open_socket(listen, index)
+    for name in ("", *services):
+        await servicer.set(name, SERVING)
+    if on_ready is not None:
+        on_ready(addresses)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await servicer.enter_graceful_shutdown()
+    await server.stop(grace=grace_s)
+
+
+def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
+                workers: int) -> None:
+    """Run ``target(*args, index)`` for index 0..workers-1, each in its own (spawned)
+    process, until SIGTERM/SIGINT; a worker that dies is started again. With one worker
+    it runs in this process. Returns once every worker stopped (SIGKILL after 5 s)."""
+    if workers <= 1:
+        target(*args, 0)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    procs: dict[int, BaseProcess] = {}
+    stopping = False
+
+    def start(i: int) -> None:
+        procs[i] = ctx.Process(target=target, args=(*args, i), name=f"{name}-{i}", daemon=True)
+        procs[i].start()
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(workers):
+        start(i)
+    while not stopping:
+        time.sleep(0.5)
+        for i, p in list(procs.items()):
+            if not p.is_alive() and not stopping:
+                print(f"{name} worker {i} exited with {p.exitcode}; restarting", flush=True)
+                start(i)
+    for p in procs.values():
+        if p.pid is not None and p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    for p in procs.values():
+        p.join(5)
+        if p.is_alive():
+            p.kill()
