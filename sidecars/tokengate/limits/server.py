@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-limits", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None,
-                        help="tokengate.yaml (default: $TOKENGATE_CONFIG or the repository's)")
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
+                             "else /etc/tokengate/tokengate.yaml)")
     parser.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
                         help="TCP address, repeatable (default: global_limits.listen)")
     parser.add_argument("--unix-socket", default=None, metavar="PATH",
