@@ -65,9 +65,13 @@ def test_bad_edge_settings_name_the_field(config_path: Path, tmp_path: Path, fie
 
 
 def test_debian_dropin_is_rendered_from_the_template() -> None:
+    hint = "run: python -m tokengate.tools.nginx_conf debian --templates nginx"
     dropin = nginx_conf.debian_conf(devstack.NGINX_DIR)
-    assert dropin.read_text() == nginx_conf.render_debian(devstack.NGINX_DIR), \
-        "run: python -m tokengate.tools.nginx_conf debian --templates nginx"
+    assert dropin.read_text() == nginx_conf.render_debian(devstack.NGINX_DIR), hint
+    p = nginx_conf.DEBIAN_PATHS
+    snippet = nginx_conf.debian_location_conf(devstack.NGINX_DIR)
+    assert snippet.read_text() == nginx_conf.render_location(
+        devstack.NGINX_DIR, Path(p["usage_file"]), Path(p["access_log"])), hint
 
 
 def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None:
@@ -81,6 +85,10 @@ def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None
         .replace("/run/tokengate/", f"{tmp_path}/")
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "tokengate.conf").write_text(dropin)
+    snippet = nginx_conf.debian_location_conf(devstack.NGINX_DIR).read_text() \
+        .replace("/var/lib/tokengate/usage/", f"{tmp_path}/") \
+        .replace("/var/log/tokengate/", f"{tmp_path}/")
+    (tmp_path / "tokengate-location.conf").write_text(snippet)
     temp = "\n".join(f"    {k}_temp_path {tmp_path}/{k};"
                      for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     (tmp_path / "nginx.conf").write_text(f"""
@@ -93,7 +101,7 @@ http {{
     include {tmp_path}/conf.d/*.conf;
     server {{
         listen 127.0.0.1:1;
-        include {nginx_conf.location_conf(devstack.NGINX_DIR)};
+        include {tmp_path}/tokengate-location.conf;
     }}
 }}
 """)

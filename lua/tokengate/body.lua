@@ -2,8 +2,8 @@
 -- strict decoding (tokengate.json) and the shape checks the edge relies on. Deeper
 -- validation of fields the edge does not touch is left to the counter and vLLM.
 --
--- Every function returns value | nil, err with err = {status = 400 | 413 | 415,
--- message = "...", param = "<field path>" | nil, code = "<error code>"}.
+-- Every function returns value | nil, err (tokengate.errors: status 400 | 413 | 415,
+-- message, param = "<field path>" | nil, code).
 
 local ngx = ngx
 local json = require "tokengate.json"
@@ -23,16 +23,12 @@ local null = json.null
 local KEYS = json.KEYS
 local json_set = json.set
 local clip = errors.clip
+local fail = errors.refuse
 
 local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
 local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
 
 local _M = {}
-
--- fail(...) -> nil, {status, message, param, code}: the error shape of this module.
-local function fail(status, message, param, code)
-    return nil, { status = status, message = message, param = param, code = code }
-end
 
 -- check_headers(headers, max_bytes) -> true | nil, err (415 or 413).
 -- headers: ngx.req.get_headers() result. Only application/json is accepted; a charset
@@ -270,12 +266,13 @@ function _M.validate_completions(body, models)
     return check_common(body, models)
 end
 
--- parse(route, models, edge) -> body (tokengate.json object), model entry
---   | nil, err, model name (the body's "model" when it names a configured model, for
---     the event; a client's unknown name is never passed on: it can be any size)
+-- parse(route, models, edge) -> body (tokengate.json object) | nil, err
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
--- strict decoding (400), shape and model (400/404). route: "chat" | "completions";
--- edge: the compiled edge settings (max_body_bytes, max_json_depth).
+-- strict decoding (400), shape and model (400/404); body.model then names a configured
+-- model. route: "chat" | "completions"; edge: the compiled edge settings
+-- (max_body_bytes, max_json_depth). err.model: the body's "model" when it names a
+-- configured model (for the usage event; a client's unknown name is never passed on:
+-- it can be any size).
 function _M.parse(route, models, edge)
     local ok, err = _M.check_headers(ngx_req.get_headers(), edge.max_body_bytes)
     if not ok then
@@ -291,17 +288,17 @@ function _M.parse(route, models, edge)
     if not body then
         return nil, err
     end
-    local model
     if route == "chat" then
-        model, err = _M.validate_chat(body, models)
+        ok, err = _M.validate_chat(body, models)
     else
-        model, err = _M.validate_completions(body, models)
+        ok, err = _M.validate_completions(body, models)
     end
-    if not model then
+    if not ok then
         local name = body.model
-        return nil, err, type(name) == "string" and models[name] and name or nil
+        err.model = type(name) == "string" and models[name] and name or nil
+        return nil, err
     end
-    return body, model
+    return body
 end
 
 return _M

@@ -12,14 +12,12 @@ local tostring = tostring
 local pairs = pairs
 local ipairs = ipairs
 local setmetatable = setmetatable
-local sort = table.sort
 
 local _M = {}
 
 local VERSION = 1 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
-local models_text -- models_json() of doc
 local rules -- sampling.rules() of doc.access_log
 
 -- fail(msg) -> nil, "tokengate config: <msg>"
@@ -73,39 +71,8 @@ function _M.load(path)
         k.digest = digest
     end
     doc = setmetatable(d, nil)
-    models_text = nil
     rules = sampling.rules(d.access_log)
     return doc
-end
-
--- models_json() -> JSON text of GET /v1/models: the configured models, sorted by name,
--- each {"id", "object": "model", "created": 0, "owned_by": "tokengate", "max_model_len"}.
--- Built once per loaded document.
-function _M.models_json()
-    if models_text then
-        return models_text
-    end
-    local json = require "tokengate.json"
-    local names = {}
-    for name in pairs(doc.models) do
-        names[#names + 1] = name
-    end
-    sort(names)
-    local data = json.array()
-    for i = 1, #names do
-        local m = json.object()
-        json.set(m, "id", names[i])
-        json.set(m, "object", "model")
-        json.set(m, "created", 0)
-        json.set(m, "owned_by", "tokengate")
-        json.set(m, "max_model_len", doc.models[names[i]].max_model_len)
-        data[i] = m
-    end
-    local o = json.object()
-    json.set(o, "object", "list")
-    json.set(o, "data", data)
-    models_text = json.encode(o)
-    return models_text
 end
 
 -- rules() -> the access log's sampling rules (tokengate.sampling.rules of access_log).

@@ -1,94 +1,121 @@
--- Prompt-token counts from the counter sidecar (tokengate.v1.TokenCounter/CountTokens),
--- called through the loopback hop (tokengate.hop) at the internal location
--- /_tokengate/count.
+-- Prompt tokens of a request: the counter sidecar's exact count
+-- (tokengate.v1.TokenCounter/CountTokens, through tokengate.sidecar), and what happens
+-- when the counter cannot answer (edge.on_counter_failure): "open" forwards with an
+-- over-counting estimate, "closed" refuses with 503.
 
 local ngx = ngx
 local pb = require "tokengate.pb"
-local hop = require "tokengate.hop"
+local sidecar = require "tokengate.sidecar"
 local errors = require "tokengate.errors"
 local lrucache = require "resty.lrucache"
 
 local sha1_bin = ngx.sha1_bin
+local ngx_log = ngx.log
+local WARN = ngx.WARN
 local ceil = math.ceil
+local max = math.max
 local find = string.find
 local sub = string.sub
 
 local _M = {}
 
 local ENDPOINT = { chat = 1, completions = 2 }
+local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
-local HOP = "/_tokengate/count"
 
 local cache -- per-worker LRU: route .. model .. sha1(body) -> reply
+local client -- tokengate.sidecar client of the counter
 
--- init_worker(entries): creates this worker's count cache (entries: max bodies kept).
-function _M.init_worker(entries)
-    cache = lrucache.new(entries)
+-- init_worker(edge, hop_address, dict) -> true | nil, err. edge: the compiled edge
+-- section (count_cache_entries, count_timeout_ms, counter_backoff_ms); hop_address: the
+-- hop server ("unix:/path" | "host:port"); dict: the breaker's shared dict.
+function _M.init_worker(edge, hop_address, dict)
+    cache = lrucache.new(edge.count_cache_entries)
+    local err
+    client, err = sidecar.new("counter", hop_address, edge.count_timeout_ms,
+        edge.counter_backoff_ms, dict)
+    return client ~= nil, err
 end
 
--- count(route, model, body) -> reply, cached (bool) | nil, err
---   route: "chat" | "completions"; model: served model name; body: the exact bytes the
---   edge will forward.
---   reply: see pb.count_reply (token counts in tokens).
---   err = {kind = "invalid", message = "<counter's message>", param = "<field path>"}
---       | {kind = "not_found", message = ...}
---       | {kind = "unavailable", message = "<why>"}   (fail open / closed applies)
-function _M.count(route, model, body)
+-- ask(route, model, body) -> reply | nil, failure (tokengate.sidecar's shape)
+local function ask(route, model, body)
     local ckey = route .. "\0" .. model .. "\0" .. sha1_bin(body)
-    local hit = cache and cache:get(ckey)
+    local hit = cache:get(ckey)
     if hit then
-        return hit, true
+        return hit
     end
-    local msg, failure = hop.call(HOP, pb.count_request(model, ENDPOINT[route], body))
+    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT[route], body))
     if not msg then
-        local gs, fmsg = failure.grpc_status, failure.message
-        if gs == GRPC_INVALID_ARGUMENT then
-            -- "messages[2].content: text" -> param "messages[2].content"
-            local colon = find(fmsg, ": ", 1, true)
-            local param = colon and sub(fmsg, 1, colon - 1) or nil
-            if param and (param == "" or find(param, "%s")) then
-                param = nil
-            end
-            return nil, { kind = "invalid", message = fmsg, param = param }
-        elseif gs == GRPC_NOT_FOUND then
-            return nil, { kind = "not_found", message = fmsg }
-        elseif gs then
-            return nil, { kind = "unavailable", message = "counter answered gRPC status " .. gs
-                .. ": " .. fmsg }
-        elseif failure.http_status ~= 200 then
-            return nil, { kind = "unavailable",
-                          message = "counter hop answered HTTP " .. failure.http_status }
-        end
-        return nil, { kind = "unavailable", message = "counter reply: " .. fmsg }
+        return nil, failure
     end
     local reply, derr = pb.count_reply(msg)
     if not reply then
-        return nil, { kind = "unavailable", message = "counter reply: " .. derr }
+        return nil, { reason = "error", message = "counter reply: " .. derr }
     end
-    if cache then
-        cache:set(ckey, reply)
-    end
-    return reply, false
+    cache:set(ckey, reply)
+    return reply
 end
 
--- rejection(err) -> the client's error (errors.new shape) for a counter verdict on the
--- request: "invalid" -> 400 naming the counter's field, "not_found" -> 404; and for
--- "unavailable" the fail-closed 503 with Retry-After.
-function _M.rejection(err)
-    if err.kind == "invalid" then
-        return errors.new(400, err.message, err.param, "invalid_value")
-    elseif err.kind == "not_found" then
-        return errors.new(404, err.message, "model", "model_not_found")
+-- verdict(failure) -> the client's error when the counter judged the request itself
+-- (INVALID_ARGUMENT -> 400 naming the counter's field, NOT_FOUND -> 404), else nil
+local function verdict(failure)
+    local gs, msg = failure.grpc_status, failure.message
+    if failure.reason ~= "status" then
+        return nil
     end
-    return errors.new(503, "The token counter is unavailable; the request was not forwarded. "
-        .. "Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
+    if gs == GRPC_INVALID_ARGUMENT then
+        -- "messages[2].content: text" -> param "messages[2].content"
+        local colon = find(msg, ": ", 1, true)
+        local param = colon and sub(msg, 1, colon - 1) or nil
+        if param and (param == "" or find(param, "%s")) then
+            param = nil
+        end
+        return errors.new(400, msg, param, "invalid_value")
+    elseif gs == GRPC_NOT_FOUND then
+        return errors.new(404, msg, "model", "model_not_found")
+    end
+    return nil
 end
 
--- estimate(body, bytes_per_token) -> tokens: the fail-open estimate, ceil(#body / bpt).
--- Counts the whole JSON text, so it over-counts: limits stay on the safe side.
-function _M.estimate(body, bytes_per_token)
-    return ceil(#body / bytes_per_token)
+local CLOSED = errors.new(503, "The token counter is unavailable; the request was not "
+    .. "forwarded. Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
+
+-- prompt(route, model, body, edge) -> counted | nil, err
+--   route: "chat" | "completions"; model: served model name; body: the exact bytes the
+--   edge will forward; edge: compiled edge settings (on_counter_failure,
+--   estimate_bytes_per_token).
+--   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,
+--               source = "counter" | "estimate", system = <system-message tokens>,
+--               reply = <pb.count_reply> | nil (estimate) }
+--   err: 400 / 404 when the counter refused the request, 503 when it is unavailable
+--   and the edge fails closed.
+-- The estimate is ceil(#body / estimate_bytes_per_token): it counts the whole JSON
+-- text, so it over-counts and limits stay on the safe side.
+function _M.prompt(route, model, body, edge)
+    local reply, failure = ask(route, model, body)
+    if reply then
+        return { prompt = reply.prompt_tokens, prompts = max(1, reply.prompt_count),
+                 source = "counter", system = reply.breakdown.system, reply = reply }
+    end
+    local refused = verdict(failure)
+    if refused then
+        return nil, refused
+    end
+    if failure.reason ~= "backoff" then
+        ngx_log(WARN, "tokengate: counter unavailable (", failure.reason, ": ",
+            failure.message, "), failing ", edge.on_counter_failure)
+    end
+    if edge.on_counter_failure == "closed" then
+        return nil, CLOSED
+    end
+    return { prompt = ceil(#body / edge.estimate_bytes_per_token), prompts = 1,
+             source = "estimate", system = 0 }
+end
+
+-- backing_off() -> true while the counter's breaker is open
+function _M.backing_off()
+    return client ~= nil and client:backing_off()
 end
 
 return _M

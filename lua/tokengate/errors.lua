@@ -1,6 +1,9 @@
 -- Every error the edge answers, in OpenAI's shape:
 --   {"error": {"message": "...", "type": "...", "param": "..." | null, "code": "..." | null}}
--- The one place that writes an error body; the phases module calls exit() and returns.
+--
+-- One error kind: concern modules return `nil, err` with err made by new() (or
+-- `return refuse(...)`), and the phases module ends the request with send(ctx, err).
+-- body() is the one place that writes an error body's JSON.
 
 local ngx = ngx
 local json = require "tokengate.json"
@@ -14,6 +17,7 @@ local object = json.object
 local set = json.set
 local sub = string.sub
 local byte = string.byte
+local format = string.format
 
 local _M = {}
 
@@ -69,40 +73,88 @@ function _M.body(message, etype, param, code)
     return encode(doc)
 end
 
--- exit(ctx, status, message, type, param, code, extra_headers) -> never returns normally;
--- ends the request from the access (or content) phase with an OpenAI-shaped error.
--- ctx.error records the code (or type) for the usage event. extra_headers: table of
--- response headers (Retry-After ...) or nil. Response headers common to every answer
--- (x-ratelimit-*, X-Token-Count) are added by the header filter from ctx.
-function _M.exit(ctx, status, message, etype, param, code, extra_headers)
-    ctx.error = code or etype
-    ctx.edge_answered = true
-    local body = _M.body(message, etype, param, code)
-    ngx.status = status
+-- new(status, message, param, code, type, headers) -> err: the error every concern
+-- module returns, {status, message, param, code, type, headers}. status: HTTP status;
+-- param: field path or nil; code: short error code or nil; type defaults to
+-- "server_error" for 5xx, "invalid_request_error" otherwise; headers: extra response
+-- headers (Retry-After ...) or nil.
+function _M.new(status, message, param, code, etype, headers)
+    return { status = status, message = message, param = param, code = code,
+             type = etype or (status >= 500 and "server_error" or "invalid_request_error"),
+             headers = headers }
+end
+
+-- refuse(...) -> nil, new(...): for `return errors.refuse(400, "...", param, code)`.
+function _M.refuse(status, message, param, code, etype, headers)
+    return nil, _M.new(status, message, param, code, etype, headers)
+end
+
+-- send(ctx, err) -> never returns normally: ends the request (access or content phase)
+-- with err as an OpenAI-shaped answer. ctx.error records the code (or type) for the
+-- usage event. Headers common to every answer (x-ratelimit-*, X-Token-Count) are added
+-- by the header filter from ctx.
+function _M.send(ctx, err)
+    ctx.error = err.code or err.type
+    local body = _M.body(err.message, err.type, err.param, err.code)
+    ngx.status = err.status
     local h = ngx.header
     h["Content-Type"] = "application/json"
     h["Content-Length"] = #body
-    if extra_headers then
-        for k, v in pairs(extra_headers) do
+    local extra = err.headers
+    if extra then
+        for k, v in pairs(extra) do
             h[k] = v
         end
     end
     ngx_print(body)
-    return ngx_exit(status)
+    return ngx_exit(err.status)
 end
 
--- new(status, message, param, code, type, headers) -> err: the error shape every concern
--- module returns, {status, message, param, code, type, headers}. type defaults to
--- "server_error" for 5xx, "invalid_request_error" otherwise.
-function _M.new(status, message, param, code, etype, headers)
-    return { status = status, message = message, param = param, code = code,
-             type = etype, headers = headers }
-end
+-- What nginx itself answers (error pages before or around the edge's Lua), as errors:
+-- status -> {message, code}. 5xx of a proxied request are the backend's failures.
+local NGINX = {
+    [400] = { "The request could not be parsed (bad request line or headers).",
+              "invalid_request" },
+    [404] = { "Invalid URL: the API is under /v1/.", "unknown_url" },
+    [408] = { "The request was not received in time.", "request_timeout" },
+    [413] = { "Request body is larger than the gateway accepts.", "request_too_large" },
+    [414] = { "Request URI is too long.", "request_too_large" },
+    [431] = { "Request headers are too large.", "request_too_large" },
+    [494] = { "Request headers are too large.", "request_too_large" },
+    [500] = { "The gateway failed to handle the request.", "internal_error" },
+    [502] = { "The gateway could not reach a service it needs. Please retry.",
+              "upstream_unavailable" },
+    [503] = { "The gateway is unavailable. Please retry.", "upstream_unavailable" },
+    [504] = { "A service behind the gateway did not answer in time.", "upstream_timeout" },
+}
+local UPSTREAM = {
+    [502] = { "The model backend is unreachable. Please retry.", "upstream_unavailable" },
+    [503] = { "The model backend is unavailable. Please retry.", "upstream_unavailable" },
+    [504] = { "The model backend did not answer in time.", "upstream_timeout" },
+}
 
--- fail(ctx, err) -> ends the request with err (see new()); returns like exit().
-function _M.fail(ctx, err)
-    local etype = err.type or (err.status >= 500 and "server_error" or "invalid_request_error")
-    return _M.exit(ctx, err.status, err.message, etype, err.param, err.code, err.headers)
+-- nginx(status, proxied) -> err (new()'s shape) for an error page nginx made (or a
+-- backend's non-JSON error when proxied). Unlisted statuses get a generic message.
+-- 494 is nginx's internal status for headers too large; the client is sent 400.
+function _M.nginx(status, proxied)
+    local f
+    if proxied then
+        f = UPSTREAM[status]
+    else
+        f = NGINX[status]
+    end
+    if status == 494 then
+        status = 400
+    end
+    if f then
+        return _M.new(status, f[1], nil, f[2])
+    end
+    if proxied then
+        return _M.new(status, format("The model backend failed with HTTP %d.", status), nil,
+            "upstream_error", "server_error")
+    end
+    return _M.new(status, format("The gateway answered HTTP %d.", status), nil,
+        status >= 500 and "internal_error" or "invalid_request")
 end
 
 return _M

@@ -1,17 +1,17 @@
 -- The request lifecycle of the tokengate edge, one function per nginx phase. Each calls
--- the concern modules in order; the logic lives there.
+-- the concern modules in order; the logic (and the policy) lives there.
 --
---   access:        auth -> body (type, size, read, strict JSON, shape) -> sanitize
---                  -> count (gRPC via the loopback hop) -> context check
---                  -> limits (reserve: local window, then the global one when enabled)
---                  -> X-Token-Count -> proxy to the model's vLLM
+--   access:        who (key) -> what (body, model, sanitized) -> how much (prompt
+--                  tokens, completion budget, reservation) -> limits (every tier) ->
+--                  forward (the parsed body, its count, the normalized path)
 --   balancer:      the model's upstream address, keepalive pool
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
---                  upstream failures that nginx itself produced
+--                  errors that nginx itself or a non-JSON backend produced
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
---   log:           settle the reservation(s) with real usage, write the usage event and,
---                  when sampled, the access-log line
+--   log:           settle the reservation with the usage billed, write the usage event
+--                  and, when sampled, the access-log line
 --
+-- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
 -- Per-request state is ngx.ctx; nothing here writes globals.
 
 local ngx = ngx
@@ -21,9 +21,9 @@ local auth = require "tokengate.auth"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
 local count = require "tokengate.count"
-local limit = require "tokengate.limit"
-local global_limit = require "tokengate.global_limit"
+local limits = require "tokengate.limits"
 local metrics = require "tokengate.metrics"
+local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
 local request = require "tokengate.request"
@@ -33,35 +33,28 @@ local balancer = require "ngx.balancer"
 
 local ngx_var = ngx.var
 local ngx_req = ngx.req
-local ngx_now = ngx.now
 local ngx_log = ngx.log
 local ngx_exit = ngx.exit
 local ngx_print = ngx.print
 local ERR = ngx.ERR
-local WARN = ngx.WARN
 local mono_ms = clock.mono_ms
-local format = string.format
 local find = string.find
-local min = math.min
-local max = math.max
-local floor = math.floor
+local match = string.match
 local type = type
 local tostring = tostring
 local tonumber = tonumber
 local json_integer = json.integer
-local null = json.null
 
 local _M = {}
 
-local ROUTES = request.ROUTES
-local fail = errors.fail
+local send = errors.send
+local DICT = "tokengate_limits" -- the windows and the sidecar breakers
 
 local hop_address -- where this nginx's loopback hop server listens (init's argument)
 
 -- init(path, hop): init_by_lua (master; again on every reload). Loads the compiled config;
 -- a broken file stops nginx from starting or reloading instead of failing requests.
--- hop: the hop server's address, "unix:/path" or "host:port" (global-limit settlements
--- connect to it).
+-- hop: the hop server's address, "unix:/path" or "host:port" (the sidecars' calls).
 function _M.init(path, hop)
     local doc, err = config.load(path)
     if not doc then
@@ -70,24 +63,19 @@ function _M.init(path, hop)
     hop_address = hop
 end
 
--- init_worker(): per-worker state: the count cache, the limits and status dict handles,
--- the global tier's settings.
+-- init_worker(): per-worker state: the counter client and its cache, the limit tiers,
+-- the status counters.
 function _M.init_worker()
     local doc = config.get()
-    count.init_worker(doc.edge.count_cache_entries)
-    local ok, err = limit.init("tokengate_limits")
+    local ok, err = count.init_worker(doc.edge, hop_address, ngx.shared[DICT])
+    if ok then
+        ok, err = limits.init_worker(doc, hop_address, DICT)
+    end
+    if ok then
+        ok, err = metrics.init("tokengate_status")
+    end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
-    end
-    ok, err = metrics.init("tokengate_status")
-    if not ok then
-        ngx_log(ERR, "tokengate: ", err)
-    end
-    if doc.global_limits.enabled then
-        ok, err = global_limit.init_worker("tokengate_limits", doc.edge, hop_address or "")
-        if not ok then
-            ngx_log(ERR, "tokengate: global limits: ", err)
-        end
     end
 end
 
@@ -100,115 +88,120 @@ local function answer(status, text)
     return ngx_exit(status)
 end
 
+-- who(ctx, doc) -> key | nil, err (401): the API key and the limits it is held to.
+local function who(ctx, doc)
+    local key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
+    if not key then
+        return nil, err
+    end
+    ctx.key, ctx.limit_req = key, limits.request(key, nil, ngx_var.request_id)
+    ctx.rate = limits.peek(ctx.limit_req)
+    return key
+end
+
+-- listing(ctx, doc) -> true | nil, err (404/405): a known route with its method; the
+-- model list and GET /v1/models/{id} are answered here.
+local function listing(ctx, doc)
+    local route, uri = ctx.route, ngx_var.uri
+    local err = request.check_method(route, ngx_req.get_method(), uri)
+    if err then
+        return nil, err
+    end
+    if route == "models" then
+        return answer(200, models.list(doc))
+    elseif route == "model" then
+        local text
+        text, err = models.retrieve(doc, ctx.model_id)
+        if not text then
+            return nil, err
+        end
+        return answer(200, text)
+    end
+    return true
+end
+
+-- what(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
+-- limits then apply), sanitized, with the edge's adjustments (cap, stream options).
+local function what(ctx, doc)
+    local route, edge = ctx.route, doc.edge
+    local body, err = body_mod.parse(route, doc.models, edge)
+    if not body then
+        ctx.model = err.model
+        return nil, err
+    end
+    local model = doc.models[body.model]
+    ctx.model, ctx.model_entry = model.name, model
+    ctx.limit_req = limits.request(ctx.key, model.name, ngx_var.request_id)
+    ctx.rate = limits.peek(ctx.limit_req)
+    local counts
+    counts, err = sanitize.request(route, body, model, edge.special_tokens)
+    if not counts then
+        return nil, err
+    end
+    ctx.sanitized = counts
+    request.adjust(ctx, route, body, model)
+    ctx.body = body
+    return body
+end
+
+-- how_much(ctx, doc) -> text | nil, err: the prompt's tokens, the completion budget and
+-- the TPM reservation; text: the JSON body that will be forwarded (what was counted).
+local function how_much(ctx, doc)
+    local route, body, model = ctx.route, ctx.body, ctx.model_entry
+    local text = json.encode(body)
+    local counted, err = count.prompt(route, model.name, text, doc.edge)
+    if not counted then
+        return nil, err
+    end
+    ctx.token_estimate, ctx.count_source = counted.prompt, counted.source
+    ctx.system_tokens = counted.system
+    local out
+    out, err = request.budget(route, model, body, counted)
+    if not out then
+        return nil, err
+    end
+    if counted.body_changed then
+        text = json.encode(body)
+    end
+    limits.reservation(ctx.limit_req, counted.prompt, counted.prompts, out,
+        json_integer(body.n) or 1, model.output_reserve)
+    ctx.text = text
+    return text
+end
+
+-- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier.
+local function reserve(ctx)
+    local req = ctx.limit_req
+    local ok, err = limits.reserve(req)
+    ctx.rate, ctx.limits_tier = req.state, req.tier
+    return ok, err
+end
+
+local STAGES = { who, listing, what, how_much, reserve }
+
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
 function _M.access()
     local ctx = ngx.ctx
     ctx.t0 = mono_ms()
     local doc = config.get()
-    local edge = doc.edge
     local uri = ngx_var.uri
-    local route = ROUTES[uri]
-    ctx.endpoint = request.endpoint(route, uri)
-
-    -- who: the key and its limits (per-model overrides once the model is known)
-    local key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
-    if not key then
-        return fail(ctx, err)
-    end
-    ctx.key, ctx.bucket, ctx.limits = key, key.id, key
-    ctx.rate = limit.peek(ctx.bucket, key, ngx_now())
-    err = request.check_method(route, ngx_req.get_method(), uri)
-    if err then
-        return fail(ctx, err)
-    end
-    if route == "models" then
-        return answer(200, config.models_json())
-    end
-
-    -- what: the body, parsed strictly, and the model it names
-    local body, model, name
-    body, err, name = body_mod.parse(route, doc.models, edge)
-    if not body then
-        ctx.model = name
-        return fail(ctx, err)
-    end
-    model = err
-    ctx.model = model.name
-    local override = key.models[model.name]
-    if override then
-        ctx.bucket, ctx.limits = key.id .. "@" .. model.name, override
-        ctx.rate = limit.peek(ctx.bucket, override, ngx_now())
-    end
-    local st = sanitize.request(route, body, model, edge.special_tokens)
-    if st.err then
-        return fail(ctx, st.err)
-    end
-    request.adjust(ctx, route, body, model)
-    local text = json.encode(body)
-
-    -- how much: exact prompt tokens and the completion budget
-    local prompt, prompts, out
-    local reply, cerr = count.count(route, model.name, text)
-    if reply then
-        prompt, prompts = reply.prompt_tokens, max(1, reply.prompt_count)
-        ctx.token_estimate, ctx.count_source = prompt, "counter"
-        ctx.system_tokens = reply.breakdown.system
-        local changed
-        out, changed = request.completion_budget(route, model, body, reply)
-        if not out then
-            return fail(ctx, changed)
-        end
-        if changed then
-            text = json.encode(body)
-        end
-    elseif cerr.kind ~= "unavailable" or edge.on_counter_failure == "closed" then
-        if cerr.kind == "unavailable" then
-            ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing closed")
-        end
-        return fail(ctx, count.rejection(cerr))
-    else
-        ngx_log(WARN, "tokengate: counter unavailable (", cerr.message, "), failing open")
-        prompt, prompts = count.estimate(text, edge.estimate_bytes_per_token), 1
-        ctx.token_estimate, ctx.count_source = prompt, "estimate"
-        local changed
-        out, changed = request.estimate_budget(route, body, model, prompt)
-        if changed then
-            text = json.encode(body)
+    ctx.route, ctx.model_id = request.route(uri)
+    ctx.endpoint = request.endpoint(ctx.route, uri)
+    for i = 1, #STAGES do
+        local ok, err = STAGES[i](ctx, doc)
+        if not ok then
+            return send(ctx, err)
         end
     end
-
-    -- limits: RPM 1, TPM prompt + min(budget, configured reserve) per completion; the
-    -- local window first, then (when enabled) the window all edges share
-    local out_reserve = min(out, model.output_reserve) * (json_integer(body.n) or 1) * prompts
-    local reserve = prompt + out_reserve
-    local state, rejected = limit.admit(ctx.bucket, ctx.limits, reserve, ngx_now())
-    ctx.limits_tier = "local"
-    if not state then
-        ctx.rate = rejected
-        return fail(ctx, limit.rejection(key.id, rejected, prompt, out_reserve))
-    end
-    ctx.rate, ctx.reserved, ctx.window = state, reserve, state.window
-    if doc.global_limits.enabled then
-        local gstate, tier = global_limit.reserve(key.id, model.name, override ~= nil,
-            ctx.limits, reserve, ngx_var.request_id)
-        ctx.limits_tier = tier
-        if gstate and gstate.reject then
-            limit.release(ctx.bucket, state.window, reserve)
-            ctx.rate, ctx.reserved = gstate, nil
-            return fail(ctx, limit.rejection(key.id, gstate, prompt, out_reserve))
-        elseif gstate then
-            -- the shared window's numbers are the ones that count across edges
-            ctx.rate, ctx.global, ctx.per_model = gstate, true, override ~= nil
-        end
-    end
-
-    -- forward the body the edge parsed, with its count
-    ngx_req.set_header("X-Token-Count", prompt)
+    -- forward the body the edge parsed, with its count, to the path the edge matched
+    -- (proxy_pass without a URI would send the client's raw request line)
+    ngx_req.set_header("X-Token-Count", ctx.token_estimate)
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
-    ngx_req.set_body_data(text)
-    ctx.peer_host, ctx.peer_port = model.host, model.port
-    ctx.upstream = model.upstream
+    ngx_req.set_body_data(ctx.text)
+    ngx_req.set_uri(request.PATHS[ctx.route])
+    local model = ctx.model_entry
+    ctx.peer_host, ctx.peer_port, ctx.upstream = model.host, model.port, model.upstream
     ctx.proxied = true
 end
 
@@ -223,20 +216,24 @@ function _M.balancer()
     end
 end
 
-local UPSTREAM_FAILURE = {
-    [502] = { "The model backend is unreachable. Please retry.", "upstream_unavailable" },
-    [503] = { "The model backend is unavailable. Please retry.", "upstream_unavailable" },
-    [504] = { "The model backend did not answer in time.", "upstream_timeout" },
-}
+-- is_json(content_type) -> true when the header value names a JSON body
+local function is_json(ct)
+    if type(ct) == "table" then
+        ct = ct[1]
+    end
+    return ct ~= nil and find(ct, "json", 1, true) ~= nil
+end
 
--- header_filter(): headers every answer carries; detects nginx-made upstream errors.
+-- header_filter(): headers every answer carries; an error page nginx made itself (a
+-- backend down or slow, a body that timed out) or a non-JSON error from the backend
+-- becomes an OpenAI-shaped error (the body filter sends it).
 function _M.header_filter()
     local ctx = ngx.ctx
     local h = ngx.header
     -- the usage event's request_id; vLLM also uses it in its response ids
     h["X-Request-Id"] = ngx_var.request_id
     if ctx.rate then
-        limit.headers(h, ctx.rate)
+        limits.headers(h, ctx.rate)
     end
     if ctx.token_estimate then
         h["X-Token-Count"] = ctx.token_estimate
@@ -246,60 +243,50 @@ function _M.header_filter()
         h["X-Tokengate-Limits"] = ctx.limits_tier
     end
     local status = ngx.status
-    ctx.status_sent = status
-    if not ctx.proxied then
-        return
-    end
-    local ct = h["Content-Type"]
-    if type(ct) == "table" then
-        ct = ct[1]
-    end
-    if status >= 400 and not (ct and find(ct, "json", 1, true)) then
-        -- nginx's own HTML error page (vLLM down, timed out) or a non-JSON error from the
-        -- backend: answer in OpenAI shape instead.
-        if status == 504 and ngx_var.upstream_connect_time == "-" then
+    if status >= 400 and not is_json(h["Content-Type"]) then
+        if ctx.proxied and status == 504 and ngx_var.upstream_connect_time == "-" then
             status = 503 -- never connected: unavailable rather than slow
             ngx.status = status
-            ctx.status_sent = status
         end
-        local f = UPSTREAM_FAILURE[status]
-        local text = errors.body(f and f[1] or format("The model backend failed with HTTP %d.",
-            status), "server_error", nil, f and f[2] or "upstream_error")
-        ctx.replace_body = text
-        ctx.error = f and f[2] or "upstream_error"
+        local err = errors.nginx(status, ctx.proxied)
+        local text = errors.body(err.message, err.type, nil, err.code)
+        ctx.replace_body, ctx.error = text, err.code
         h["Content-Type"] = "application/json"
         h["Content-Length"] = #text
-        if status >= 502 and status <= 504 then
+        if ctx.proxied and status >= 502 and status <= 504 then
             h["Retry-After"] = tostring(config.get().edge.upstream_retry_after_s)
         end
-        return
+    elseif ctx.proxied then
+        local ct = h["Content-Type"]
+        if type(ct) == "table" then
+            ct = ct[1]
+        end
+        if ct and find(ct, "text/event-stream", 1, true) then
+            ctx.sse = true
+            h["Content-Length"] = nil
+        end
     end
-    if ct and find(ct, "text/event-stream", 1, true) then
-        ctx.sse = true
-        h["Content-Length"] = nil
-    end
+    ctx.status_sent = status
 end
 
--- body_filter(): usage watch; see tokengate.usage.
+-- body_filter(): the replacement error body, or the usage watch (tokengate.usage).
 function _M.body_filter()
     local ctx = ngx.ctx
+    local chunk, eof = ngx.arg[1], ngx.arg[2]
+    local replace = ctx.replace_body
+    if replace then
+        ngx.arg[1] = eof and replace or ""
+    end
     if not ctx.proxied then
         return
     end
-    local chunk, eof = ngx.arg[1], ngx.arg[2]
     if not ctx.t_first and chunk ~= "" then
         ctx.t_first = mono_ms()
     end
     if eof then
         ctx.eof = true
     end
-    local replace = ctx.replace_body
     if replace then
-        if eof then
-            ngx.arg[1] = replace
-        else
-            ngx.arg[1] = ""
-        end
         return
     end
     if ctx.sse then
@@ -309,134 +296,55 @@ function _M.body_filter()
     end
 end
 
--- Codes for answers nginx itself made before any Lua ran (no ctx.error).
-local NGINX_ERRORS = { [400] = "invalid_request", [413] = "request_too_large",
-                       [414] = "request_too_large", [431] = "request_too_large" }
-
--- The usage file's absolute path without its leading "/" (the location's access_log
--- supplies it, see tokengate-location.conf).
-local function usage_path()
-    return (config.get().edge.usage_file:gsub("^/+", ""))
-end
-
--- The sampled access log's absolute path without its leading "/" (as usage_path()), or
--- nil when the access log is off.
-local function access_path()
-    local file = config.get().access_log.file
-    if file == "" then
-        return nil
-    end
-    return (file:gsub("^/+", ""))
-end
-
--- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
-local function round3(x)
-    return floor(x * 1000 + 0.5) / 1000
-end
-
--- log(): settle the reservation, then the usage event (written by access_log right
--- after this handler: verified with Debian's nginx 1.22 + lua 0.10.23 that access_log
--- runs after log_by_lua and sees variables it set).
+-- log(): settle the reservation to what is billed, then the usage event (written by the
+-- location's access_log right after this handler: verified with Debian's nginx 1.22 +
+-- lua 0.10.23 that access_log runs after log_by_lua and sees variables it set) and the
+-- sampled access-log line.
 function _M.log()
     local ctx = ngx.ctx
-    local now = mono_ms()
     local status = ctx.status_sent or ngx.status
-    -- A client that went away: 499 before the response headers; after them the status
-    -- stays what was sent (200) and nginx terminates the request without completing it.
-    -- Verified with nginx 1.22: a backend that dies mid-stream still ends the request
-    -- "OK" ($request_completion), a client that leaves does not. A client that closes
-    -- right after "data: [DONE]" (before the last chunk terminator) got everything: that
-    -- is not an abort.
-    local aborted = ngx.status == 499
-        or (ctx.proxied == true and not ctx.eof and not ctx.sse_done
-            and ngx_var.request_completion ~= "OK")
-    if ctx.proxied and not ctx.eof and not ctx.sse_done and not aborted and not ctx.error then
-        ctx.error = "upstream_incomplete" -- the backend died or timed out mid-response
+    local aborted = usage.outcome(ctx, ngx.status, ngx_var.request_completion)
+    local ev = usage.record(ctx, status, aborted)
+    if ctx.limit_req then
+        limits.settle(ctx.limit_req, ev.prompt_tokens + ev.completion_tokens)
     end
-    local prompt, completion, cached, source = 0, 0, 0, "none"
-    if ctx.u_source then
-        prompt, completion, cached = ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0
-        source = ctx.u_source
-    elseif aborted and ctx.proxied and not ctx.stream and ctx.reserved then
-        -- A non-streaming request whose client left: vLLM kept generating until nginx
-        -- closed the upstream connection, and no usage ever comes back. Bill the whole
-        -- reservation (prompt + the output tokens reserved for it) and refund nothing;
-        -- billing only the prompt would make "ask, then hang up" a free generation.
-        prompt = ctx.token_estimate or 0
-        completion, source = ctx.reserved - prompt, "estimate"
-    elseif ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
-        -- forwarded, no usage seen: vLLM read the prompt, the rest is unknown
-        prompt, source = ctx.token_estimate or 0, "estimate"
+    local line_usage = usage.line(ev)
+    ngx_var.tg_usage_line = line_usage
+    local al = config.get().access_log
+    if al.file == "" then
+        return
     end
-    local reserved = ctx.reserved or 0
-    local key = ctx.key
-    local request_id = ngx_var.request_id
-    if reserved > 0 then
-        limit.settle(ctx.bucket, ctx.window, (prompt + completion) - reserved)
-        if ctx.global and prompt + completion ~= reserved then
-            global_limit.settle(key.id, ctx.model, ctx.per_model, request_id,
-                prompt + completion)
-        end
+    -- decided on the same rounded total_ms the event records
+    local kept, tier, rate = sampling.keep(config.rules(), ev.request_id, status, ev.total_ms)
+    if kept then
+        ngx_var.tg_access_line = usage.line(ev, usage.access_fields(ctx, tier, rate))
+        metrics.incr("access_log_lines")
     end
-    local t0 = ctx.t0
-    local total = t0 and (now - t0) or (ngx_now() - ngx_req.start_time()) * 1000
-    local total_ms = round3(max(0, total))
-    local ts = clock.rfc3339_ms(ngx_req.start_time())
-    local ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or null
-    local upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or null
-    local error_code = ctx.error or NGINX_ERRORS[status] or null
-    local line = usage.event({
-        request_id = request_id,
-        ts = ts,
-        key_id = key and key.id or null,
-        model = ctx.model or null,
-        endpoint = ctx.endpoint or request.endpoint(ROUTES[ngx_var.uri], ngx_var.uri),
-        status = status,
-        stream = ctx.stream == true,
-        token_estimate = ctx.token_estimate or 0,
-        count_source = ctx.count_source or "none",
-        reserved = reserved,
-        prompt_tokens = prompt,
-        completion_tokens = completion,
-        cached_tokens = cached,
-        system_tokens = ctx.system_tokens or 0,
-        usage_source = source,
-        client_aborted = aborted,
-        ttft_ms = ttft_ms,
-        total_ms = total_ms,
-        upstream = upstream,
-        error = error_code,
-    })
-    ngx_var.tg_usage_line = line
-    ngx_var.tg_usage_path = usage_path()
+end
 
-    -- the sampled access log: decided on the same rounded total_ms the line records
-    local apath = access_path()
-    if not apath then
-        return
+-- nginx_error(): content handler of /_tokengate/error, the error_page of what nginx
+-- refuses before the edge's Lua runs (a bad request line, headers or URI too large, a
+-- body above the backstop): the same OpenAI shape as every other error. The usage
+-- event's endpoint is the client's path ("-" when the request line was unreadable).
+function _M.nginx_error()
+    local ctx = ngx.ctx
+    local path = match(ngx_var.request_uri or "", "^[^?]*")
+    if path == "" then
+        ctx.endpoint = "-"
+    else
+        ctx.endpoint = request.endpoint(request.route(path), path)
     end
-    local kept, tier, rate = sampling.keep(config.rules(), request_id, status, total_ms)
-    if not kept then
-        return
-    end
-    ngx_var.tg_access_line = sampling.line({
-        ts = ts, request_id = request_id, status = status, method = ngx_req.get_method(),
-        uri = errors.clip(ngx_var.uri, 256), key_id = key and key.id, model = ctx.model,
-        token_estimate = ctx.token_estimate or 0, count_source = ctx.count_source or "none",
-        limits = ctx.limits_tier, total_ms = total_ms, ttft_ms = ttft_ms,
-        upstream = upstream, error = error_code, client = ngx_var.remote_addr,
-        bytes_sent = tonumber(ngx_var.bytes_sent), tier = tier, sample_rate = rate,
-    })
-    ngx_var.tg_access_path = apath
-    metrics.incr("access_log_lines")
+    local status = ngx_var.arg_status == "494" and 494 or tonumber(ngx_var.status) or 500
+    return send(ctx, errors.nginx(status, false))
 end
 
 -- status(): content handler of /tokengate/status (loopback only): the metrics as JSON,
--- plus whether the global tier is enabled and currently skipped after a failure.
+-- plus whether the global tier and the counter are skipped after a failure.
 function _M.status()
     local extra = json.object()
     json.set(extra, "global_limits_enabled", config.get().global_limits.enabled == true)
-    json.set(extra, "global_limits_backing_off", global_limit.backing_off())
+    json.set(extra, "global_limits_backing_off", limits.global_backing_off())
+    json.set(extra, "counter_backing_off", count.backing_off())
     return answer(200, metrics.json_text(extra))
 end
 

@@ -6,6 +6,7 @@ local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 
 local format = string.format
+local sub = string.sub
 local clip = errors.clip
 local min = math.min
 local max = math.max
@@ -15,12 +16,29 @@ local is_object = json.is_object
 
 local _M = {}
 
--- ROUTES: request path -> route name.
-_M.ROUTES = {
+-- ROUTES: request path -> route name; PATHS: route -> the path forwarded to vLLM.
+local ROUTES = {
     ["/v1/chat/completions"] = "chat",
     ["/v1/completions"] = "completions",
     ["/v1/models"] = "models",
 }
+_M.PATHS = { chat = "/v1/chat/completions", completions = "/v1/completions" }
+local MODEL_PREFIX = "/v1/models/"
+
+-- route(uri) -> route name ("chat" | "completions" | "models" | "model") or nil, and for
+-- "model" (GET /v1/models/{id}, the openai client's models.retrieve) the id.
+-- uri: nginx's normalized $uri (percent-decoded, "." / ".." segments and repeated
+-- slashes resolved), so /v1/./chat/completions is the chat route.
+function _M.route(uri)
+    local r = ROUTES[uri]
+    if r then
+        return r
+    end
+    if sub(uri, 1, #MODEL_PREFIX) == MODEL_PREFIX and #uri > #MODEL_PREFIX then
+        return "model", sub(uri, #MODEL_PREFIX + 1)
+    end
+    return nil
+end
 
 local CAPPED_FIELDS = {
     chat = { "max_completion_tokens", "max_tokens" },
@@ -42,7 +60,7 @@ function _M.check_method(route, method, uri)
         return errors.new(404, format("Invalid URL (%s %s)", clip(method), clip(uri)), nil,
             "unknown_url")
     end
-    local want = route == "models" and "GET" or "POST"
+    local want = (route == "models" or route == "model") and "GET" or "POST"
     if method ~= want then
         return errors.new(405, format("Method not allowed: use %s %s", want, uri), nil,
             "method_not_allowed", nil, { Allow = want })
@@ -94,7 +112,7 @@ end
 --     its max_tokens_cap, clipped to the room left and written into the body: without
 --     it vLLM would generate up to the end of the context, past the cap; with neither,
 --     whatever room the context leaves (vLLM's own default). No room at all is an error.
-function _M.completion_budget(route, model, body, reply)
+local function counted_budget(route, model, body, reply)
     local prompt = reply.prompt_tokens
     local requested = reply.max_tokens_requested
     if requested > 0 then
@@ -129,7 +147,7 @@ end
 -- one, the default or cap is written into the body as in completion_budget, clipped to
 -- the room the estimated prompt (tokens, an over-count) leaves, at least 1; except a
 -- completions request without the key, which vLLM gives 16 tokens.
-function _M.estimate_budget(route, body, model, prompt)
+local function estimated_budget(route, body, model, prompt)
     local given = json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
     if given then
         return given, false
@@ -143,6 +161,24 @@ function _M.estimate_budget(route, body, model, prompt)
         return model.output_reserve, true
     end
     return model.output_reserve, false
+end
+
+-- budget(route, model, body, counted) -> completion tokens the request may generate
+-- | nil, err. counted: tokengate.count's result; with the counter's reply the exact
+-- rules of counted_budget apply, with an estimate those of estimated_budget. Sets
+-- counted.body_changed when max_tokens was written into body (re-encode it).
+function _M.budget(route, model, body, counted)
+    local out, changed
+    if counted.reply then
+        out, changed = counted_budget(route, model, body, counted.reply)
+    else
+        out, changed = estimated_budget(route, body, model, counted.prompt)
+    end
+    if not out then
+        return nil, changed
+    end
+    counted.body_changed = changed
+    return out
 end
 
 return _M

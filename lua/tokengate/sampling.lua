@@ -15,8 +15,6 @@
 -- every replay keeps the same requests. The first 8 hex digits fit in 32 bits, exact in
 -- LuaJIT's doubles.
 
-local json = require "tokengate.json"
-
 local find = string.find
 local sub = string.sub
 local floor = math.floor
@@ -70,34 +68,6 @@ function _M.keep(r, request_id, status, total_ms)
         return b < r.slow_threshold, "slow", r.slow_rate
     end
     return b < r.threshold, "sampled", r.rate
-end
-
-local null = json.null
-
--- The access-log line's keys, in the order they are written.
-local FIELDS = {
-    "ts", "request_id", "status", "method", "uri", "key_id", "model", "token_estimate",
-    "count_source", "limits", "total_ms", "ttft_ms", "upstream", "error", "client",
-    "bytes_sent", "tier", "sample_rate",
-}
-
--- line(f) -> one JSON line (no newline: access_log adds it). f holds FIELDS (nil ->
--- null): ts (RFC 3339), request_id, status, method, uri, key_id, model, token_estimate
--- (tokens), count_source, limits ("global" | "local"), total_ms, ttft_ms (ms), upstream,
--- error (code), client (address), bytes_sent, tier and sample_rate (from keep(); a
--- line stands for 1 / sample_rate requests).
-function _M.line(f)
-    local o = json.object()
-    local set = json.set
-    for i = 1, #FIELDS do
-        local k = FIELDS[i]
-        local v = f[k]
-        if v == nil then
-            v = null
-        end
-        set(o, k, v)
-    end
-    return json.encode(o)
 end
 
 return _M

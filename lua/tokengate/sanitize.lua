@@ -436,8 +436,11 @@ function _M.completions(body, model, policy)
     return st
 end
 
--- request(route, body, model, policy) -> state of chat() / completions(), with
--- state.err = a 400 error (errors.new shape) when a special token was rejected.
+-- request(route, body, model, policy) -> counts | nil, err
+--   Sanitizes body in place (chat() / completions()). counts = {removed (invisible or
+--   control characters), stripped (special tokens, policy "strip"), collapsed (repeated
+--   system messages dropped)}, reported in the usage event. err: 400
+--   special_token_in_content naming the field, when policy "reject" found one.
 function _M.request(route, body, model, policy)
     local st
     if route == "chat" then
@@ -447,7 +450,7 @@ function _M.request(route, body, model, policy)
     end
     local bad = st.bad
     if bad then
-        st.err = errors.new(400, format("%s contains the special token %q, which the model "
+        return errors.refuse(400, format("%s contains the special token %q, which the model "
             .. "would read as a control token (a forged turn). Remove it from the text.",
             bad.param, bad.token), bad.param, "special_token_in_content")
     end

@@ -13,8 +13,12 @@
 -- ("final" | "running"), sse_rest (partial event), sse_done ("data: [DONE]" seen),
 -- json_parts (non-stream body), error.
 
+local ngx = ngx
 local cjson = require "cjson.safe"
 local json = require "tokengate.json"
+local clock = require "tokengate.clock"
+local errors = require "tokengate.errors"
+local request = require "tokengate.request"
 
 local find = string.find
 local sub = string.sub
@@ -23,6 +27,12 @@ local gsub = string.gsub
 local concat = table.concat
 local tonumber = tonumber
 local type = type
+local floor = math.floor
+local max = math.max
+local ngx_var = ngx.var
+local ngx_req = ngx.req
+local ngx_now = ngx.now
+local mono_ms = clock.mono_ms
 
 local _M = {}
 
@@ -153,34 +163,148 @@ end
 
 local null = json.null
 
--- or_null(v) -> v, or json.null for nil
-local function or_null(v)
-    if v == nil then
-        return null
+-- outcome(ctx, status) -> aborted: whether the client went away before the response
+-- ended. 499 before the response headers; after them the status stays what was sent
+-- (200) and nginx terminates the request without completing it. Verified with nginx
+-- 1.22: a backend that dies mid-stream still ends the request "OK"
+-- ($request_completion), a client that leaves does not. A client that closes right
+-- after "data: [DONE]" (before the last chunk terminator) got everything: not an abort.
+-- A forwarded request that neither ended nor was aborted gets ctx.error
+-- "upstream_incomplete" (the backend died or timed out mid-response).
+function _M.outcome(ctx, status, completion)
+    local ended = ctx.eof or ctx.sse_done
+    local aborted = status == 499
+        or (ctx.proxied == true and not ended and completion ~= "OK")
+    if ctx.proxied and not ended and not aborted and not ctx.error then
+        ctx.error = "upstream_incomplete"
     end
-    return v
+    return aborted
 end
 
--- The usage event's keys, in the order they are written (the ledger's schema).
+-- bill(ctx, aborted) -> prompt, completion, cached (tokens), usage_source: what the
+-- request is billed.
+--   usage seen from vLLM: its numbers ("final", or "running" for the last cumulative
+--   chunk before a disconnect);
+--   a non-streaming request whose client left: vLLM kept generating until nginx closed
+--   the upstream connection and no usage ever comes back, so the whole reservation
+--   (prompt + the output tokens reserved) is billed ("estimate") and nothing refunded:
+--   billing only the prompt would make "ask, then hang up" a free generation;
+--   forwarded and answered (or aborted) without usage: the prompt ("estimate");
+--   not forwarded: nothing ("none").
+function _M.bill(ctx, aborted)
+    if ctx.u_source then
+        return ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0, ctx.u_source
+    end
+    local prompt = ctx.token_estimate or 0
+    local req = ctx.limit_req
+    if aborted and ctx.proxied and not ctx.stream and req and req.admitted then
+        return prompt, req.tokens - prompt, 0, "estimate"
+    end
+    if ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
+        return prompt, 0, 0, "estimate"
+    end
+    return 0, 0, 0, "none"
+end
+
+-- The usage event's keys, in the order they are written. The ledger's parser
+-- (sidecars/tokengate/ledger/event.py, UsageEvent) has the same fields in the same
+-- order; tests/test_edge_access_log.py checks a real edge's lines against it.
 local FIELDS = {
     "request_id", "ts", "key_id", "model", "endpoint", "status", "stream", "token_estimate",
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
-    "error",
+    "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
 }
+_M.FIELDS = FIELDS
 
--- event(f) -> one JSON line (no newline: access_log adds it) of the usage event. f holds
--- the FIELDS (nil -> null): request_id, ts, key_id, model, endpoint, status, stream,
--- token_estimate, count_source, reserved, prompt_tokens, completion_tokens, cached_tokens,
--- system_tokens, usage_source, client_aborted, ttft_ms, total_ms, upstream, error.
+-- event(f) -> the usage event as a json.object of the FIELDS of f, in order (nil ->
+-- null): request_id, ts (RFC 3339), key_id, model, endpoint, status, stream,
+-- token_estimate, count_source, reserved, prompt_tokens, completion_tokens,
+-- cached_tokens, system_tokens (tokens), usage_source, client_aborted, ttft_ms, total_ms
+-- (ms), upstream, error, and the sanitizer's counts: sanitized_chars (invisible or
+-- control characters removed), stripped_special_tokens, dropped_system_messages.
 function _M.event(f)
     local o = json.object()
     local set = json.set
     for i = 1, #FIELDS do
         local k = FIELDS[i]
-        set(o, k, or_null(f[k]))
+        local v = f[k]
+        if v == nil then
+            v = null
+        end
+        set(o, k, v)
     end
-    return json.encode(o)
+    return o
+end
+
+-- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
+local function round3(x)
+    return floor(x * 1000 + 0.5) / 1000
+end
+
+-- record(ctx, status, aborted) -> the request's usage event (event()'s json.object),
+-- from what the phases left in ctx; status: the status sent; aborted: outcome()'s.
+-- Durations are monotonic (ctx.t0, ctx.t_first); ts is the wall-clock start time.
+function _M.record(ctx, status, aborted)
+    local prompt, completion, cached, source = _M.bill(ctx, aborted)
+    local t0 = ctx.t0
+    local total = t0 and (mono_ms() - t0) or (ngx_now() - ngx_req.start_time()) * 1000
+    local req, counts = ctx.limit_req, ctx.sanitized
+    local uri = ngx_var.uri
+    return _M.event({
+        request_id = ngx_var.request_id,
+        ts = clock.rfc3339_ms(ngx_req.start_time()),
+        key_id = ctx.key and ctx.key.id,
+        model = ctx.model,
+        endpoint = ctx.endpoint or request.endpoint(request.route(uri), uri),
+        status = status,
+        stream = ctx.stream == true,
+        token_estimate = ctx.token_estimate or 0,
+        count_source = ctx.count_source or "none",
+        reserved = req and req.admitted and req.tokens or 0,
+        prompt_tokens = prompt,
+        completion_tokens = completion,
+        cached_tokens = cached,
+        system_tokens = ctx.system_tokens or 0,
+        usage_source = source,
+        client_aborted = aborted,
+        ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or nil,
+        total_ms = round3(max(0, total)),
+        upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or nil,
+        error = ctx.error,
+        sanitized_chars = counts and counts.removed or 0,
+        stripped_special_tokens = counts and counts.stripped or 0,
+        dropped_system_messages = counts and counts.collapsed or 0,
+    })
+end
+
+-- access_fields(ctx, tier, rate) -> the sampled access line's fields beyond the event:
+-- method, uri (clipped to 256 characters), limits (the tier that decided: "local" |
+-- "global"), client (address), bytes_sent, tier and sample_rate (tokengate.sampling's
+-- keep(): a line stands for 1 / sample_rate requests).
+function _M.access_fields(ctx, tier, rate)
+    local o = json.object()
+    local set = json.set
+    set(o, "method", ngx_req.get_method())
+    set(o, "uri", errors.clip(ngx_var.uri, 256))
+    set(o, "limits", ctx.limits_tier or null)
+    set(o, "client", ngx_var.remote_addr or null)
+    set(o, "bytes_sent", tonumber(ngx_var.bytes_sent) or 0)
+    set(o, "tier", tier)
+    set(o, "sample_rate", rate)
+    return o
+end
+
+-- line(ev, extra) -> one JSON line (no newline: access_log adds it): the event's fields,
+-- then those of extra (a json.object, may be nil) in its order.
+function _M.line(ev, extra)
+    if extra then
+        local keys = extra[json.KEYS]
+        for i = 1, #keys do
+            json.set(ev, keys[i], extra[keys[i]])
+        end
+    end
+    return json.encode(ev)
 end
 
 return _M

@@ -29,6 +29,15 @@ Schema (every key is present; ``null`` only where shown)::
     total_ms          request time, ms, monotonic clock
     upstream          vLLM address that served it | null
     error             short error code of a failed or rejected request | null
+    sanitized_chars          invisible or control characters the edge removed from
+                             what the model reads (0 when absent: events written before
+                             these three fields existed)
+    stripped_special_tokens  literal special tokens removed (edge.special_tokens: strip)
+    dropped_system_messages  system messages dropped as exact repeats of an earlier one
+
+The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
+in this order; ``tests/test_edge_access_log.py`` checks a real edge's lines against
+``UsageEvent``.
 
 The parser is strict about the keys it knows (type, range, enumerations, duplicate
 keys, NaN, empty strings: an absent value is ``null``) and ignores keys it does not
@@ -80,6 +89,9 @@ class UsageEvent:
     total_ms: float
     upstream: str | None
     error: str | None
+    sanitized_chars: int = 0
+    stripped_special_tokens: int = 0
+    dropped_system_messages: int = 0
 
     @property
     def time(self) -> datetime:
@@ -143,6 +155,11 @@ def _int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = 2**53) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise EventError(f"{name}: expected an integer in [{lo}, {hi}], got {v!r}")
     return v
+
+
+def _count(obj: dict[str, Any], name: str) -> int:
+    """An optional non-negative count: 0 when absent (older edges did not write it)."""
+    return _int(obj, name) if name in obj else 0
 
 
 def _bool(obj: dict[str, Any], name: str) -> bool:
@@ -211,6 +228,9 @@ def parse_event(line: bytes | str) -> UsageEvent:
         total_ms=_ms(obj, "total_ms") or 0.0,
         upstream=_str(obj, "upstream", nullable=True),
         error=_str(obj, "error", nullable=True),
+        sanitized_chars=_count(obj, "sanitized_chars"),
+        stripped_special_tokens=_count(obj, "stripped_special_tokens"),
+        dropped_system_messages=_count(obj, "dropped_system_messages"),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

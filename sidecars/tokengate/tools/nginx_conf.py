@@ -13,15 +13,19 @@ Two outputs:
   ``tokengate.tools.compile_config``), the hop socket, pid file and temporary files.
   ``make run`` and the tests start such instances (``tokengate_dev.devstack.nginx_service``).
 * the **Debian drop-in**: ``nginx/debian/tokengate.conf``, the http-level part with
-  Debian paths, for an existing nginx; together with ``nginx/tokengate-location.conf``
-  (no paths, shared with the instances) it is what an operator installs.
+  Debian paths, and ``nginx/debian/tokengate-location.conf``, the server-level snippet,
+  for an existing nginx: what an operator installs.
+
+Both outputs render the server-level snippet from ``tokengate-location.conf.in`` with the
+usage file's and the sampled access log's literal paths: nginx then keeps the files open
+(no open per line), and rotation is a rename plus ``nginx -s reopen``.
 
 Usage::
 
     python -m tokengate.tools.nginx_conf instance --templates nginx --lua-dir lua \
         --prefix var/run/nginx --listen 127.0.0.1:8080
     python -m tokengate.tools.nginx_conf debian --templates nginx
-        # rewrites nginx/debian/tokengate.conf
+        # rewrites nginx/debian/tokengate.conf and nginx/debian/tokengate-location.conf
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ DEBIAN_PATHS: dict[str, Path | str] = {
     # The master (root) would create a unix socket that the www-data workers cannot
     # connect to; loopback TCP has no such problem.
     "hop_address": "127.0.0.1:50052",
+    # set ledger.usage_file and access_log.file of /etc/tokengate/tokengate.yaml to these
+    "usage_file": Path("/var/lib/tokengate/usage/usage.jsonl"),
+    "access_log": Path("/var/log/tokengate/access.sampled.log"),
 }
 
 
@@ -72,14 +79,24 @@ def limits_servers(unix_socket: Path | None, workers: int, listen: str) -> list[
     return [f"unix:{s}" for s in counter_sockets(unix_socket, workers)]
 
 
-def location_conf(templates: Path) -> Path:
-    """The server-level include shared by instances and the Debian drop-in."""
-    return templates / "tokengate-location.conf"
-
-
 def debian_conf(templates: Path) -> Path:
-    """Where the committed Debian drop-in lives among the templates."""
+    """Where the committed Debian drop-in (http level) lives among the templates."""
     return templates / "debian" / "tokengate.conf"
+
+
+def debian_location_conf(templates: Path) -> Path:
+    """Where the committed Debian server-level snippet lives among the templates."""
+    return templates / "debian" / "tokengate-location.conf"
+
+
+def render_location(templates: Path, usage_file: Path, access_log: Path | None) -> str:
+    """The server-level snippet (``<templates>/tokengate-location.conf.in``): the usage
+    events go to ``usage_file``, the sampled access log to ``access_log`` (None: off)."""
+    access = (f"    access_log {access_log} tokengate_access if=$tg_access_line;"
+              if access_log else "    # (access_log.file is off)")
+    return _fill((templates / "tokengate-location.conf.in").read_text(), {
+        "USAGE_FILE": str(usage_file), "ACCESS_LOG": access,
+    })
 
 
 def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket: Path,
@@ -125,6 +142,10 @@ class EdgeInstance:
     def hop_socket(self) -> Path:
         return self.prefix / "hop.sock"
 
+    @property
+    def location_conf(self) -> Path:
+        return self.prefix / "tokengate-location.conf"
+
 
 def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     """Compile ``config_path`` and render ``inst`` into its prefix; returns nginx.conf.
@@ -136,9 +157,12 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     doc = compile_config.write(config_path, inst.edge_json)
     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
-    Path(doc["edge"]["usage_file"]).parent.mkdir(parents=True, exist_ok=True)
-    if doc["access_log"]["file"]:
-        Path(doc["access_log"]["file"]).parent.mkdir(parents=True, exist_ok=True)
+    usage_file = Path(doc["edge"]["usage_file"])
+    access_log = Path(doc["access_log"]["file"]) if doc["access_log"]["file"] else None
+    usage_file.parent.mkdir(parents=True, exist_ok=True)
+    if access_log:
+        access_log.parent.mkdir(parents=True, exist_ok=True)
+    inst.location_conf.write_text(render_location(inst.templates, usage_file, access_log))
     gl = doc["global_limits"]
     sock = Path(gl["unix_socket"]) if gl["unix_socket"] else None
     http = render_http(inst.templates, inst.lua_dir, inst.edge_json, inst.counter_socket,
@@ -152,7 +176,7 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     user = "user root;" if os.geteuid() == 0 else ""
     main = _fill((inst.templates / "nginx.conf.in").read_text(), {
         "PREFIX": str(inst.prefix), "LISTEN": inst.listen, "WORKERS": str(inst.workers),
-        "USER": user, "LOCATION_CONF": str(location_conf(inst.templates)),
+        "USER": user, "LOCATION_CONF": str(inst.location_conf),
     })
     inst.conf.write_text(main)
     return inst.conf
@@ -167,14 +191,15 @@ def render_debian(templates: Path) -> str:
         "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson):\n"
         f"#   cp -r lua {Path(p['lua_dir']).parent}/            # the edge's Lua modules\n"
         "#   cp nginx/debian/tokengate.conf /etc/nginx/conf.d/\n"
-        "#   cp nginx/tokengate-location.conf /etc/nginx/snippets/\n"
+        "#   cp nginx/debian/tokengate-location.conf /etc/nginx/snippets/\n"
         f"#   python -m tokengate.tools.compile_config --config /etc/tokengate/tokengate.yaml"
         f" --out {p['edge_json']}\n"
         "#   add `include snippets/tokengate-location.conf;` to a server { } block\n"
         f"#   run tokengate-counter --unix-socket {p['counter_socket']} --workers 2 as a user\n"
         "#   www-data can reach (with global_limits.enabled also tokengate-limits\n"
-        f"#   --unix-socket {p['limits_socket']} --workers 2), make the folders of the usage\n"
-        "#   file and the sampled access log writable by www-data, then\n"
+        f"#   --unix-socket {p['limits_socket']} --workers 2), set ledger.usage_file to\n"
+        f"#   {p['usage_file']} and access_log.file to {p['access_log']}\n"
+        "#   (the snippet's literal paths), make their folders writable by www-data, then\n"
         "#   nginx -t && systemctl reload nginx\n"
         "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
     d = compile_config.EdgeConfig()  # the schema's defaults
@@ -203,11 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     i.add_argument("--counter-workers", type=int, default=2)
     i.add_argument("--workers", type=int, default=2)
     i.add_argument("--limits-workers", type=int, default=1)
-    d = sub.add_parser("debian", help="rewrite nginx/debian/tokengate.conf")
+    d = sub.add_parser("debian", help="rewrite nginx/debian/ (the drop-in and its snippet)")
     d.add_argument("--templates", type=Path, required=True,
                    help="the checkout's nginx/ folder")
     d.add_argument("--out", type=Path, default=None,
-                   help="default: <templates>/debian/tokengate.conf")
+                   help="folder of tokengate.conf and tokengate-location.conf "
+                        "(default: <templates>/debian)")
     args = parser.parse_args(argv)
     if args.command == "instance":
         conf = write_instance(args.config, EdgeInstance(
@@ -218,10 +244,15 @@ def main(argv: list[str] | None = None) -> None:
             limits_workers=args.limits_workers))
         print(f"nginx -p {args.prefix.resolve()} -c {conf}")
     else:
-        out = args.out or debian_conf(args.templates)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_debian(args.templates))
-        print(f"wrote {out}")
+        out = args.out or debian_conf(args.templates).parent
+        out.mkdir(parents=True, exist_ok=True)
+        p = DEBIAN_PATHS
+        for path, text in ((out / "tokengate.conf", render_debian(args.templates)),
+                           (out / "tokengate-location.conf",
+                            render_location(args.templates, Path(p["usage_file"]),
+                                            Path(p["access_log"])))):
+            path.write_text(text)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

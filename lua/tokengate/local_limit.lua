@@ -1,5 +1,5 @@
--- Requests-per-minute and tokens-per-minute per key, in a lua_shared_dict shared by all
--- workers: a sliding-window counter (the current and the previous minute window; the
+-- The local limit tier (see tokengate.limits for how tiers combine): requests-per-minute
+-- and tokens-per-minute per key, in a lua_shared_dict shared by all workers: a sliding-window counter (the current and the previous minute window; the
 -- previous one weighs by how much of it still overlaps the last 60 s):
 --
 --     used(now) = prev * (1 - f) + cur        f = fraction of the current window elapsed
@@ -14,17 +14,15 @@
 -- and every edge agrees on them; durations elsewhere use the monotonic clock.
 
 local ngx = ngx
-local errors = require "tokengate.errors"
 
 local floor = math.floor
 local ceil = math.ceil
 local max = math.max
-local format = string.format
 local tostring = tostring
 local ngx_log = ngx.log
 local ERR = ngx.ERR
 
-local _M = {}
+local _M = { name = "local" }
 
 local WINDOW = 60 -- seconds: the limits are per minute
 local TTL = 2 * WINDOW + 5 -- a window is read as "previous" for one more window
@@ -79,22 +77,6 @@ local function reset_s(prev, cur, f)
     return 0
 end
 
--- duration(s) -> "250ms", "1.2s", "59s", "6m0s" (OpenAI's x-ratelimit-reset-* format).
-function _M.duration(s)
-    if s <= 0 then
-        return "0s"
-    elseif s < 1 then
-        return format("%dms", ceil(s * 1000))
-    end
-    local t = ceil(s * 10) / 10
-    if t < 60 then
-        local txt = format("%.1f", t)
-        return (txt:gsub("%.0$", "")) .. "s"
-    end
-    local whole = ceil(s)
-    return format("%dm%ds", floor(whole / 60), whole % 60)
-end
-
 -- state(limits, counts..., f, id) -> the state table documented at peek()
 local function state(limits, rprev, rcur, tprev, tcur, f, id)
     local r_used = rprev * (1 - f) + rcur
@@ -124,7 +106,7 @@ end
 --     state.alone = true when tokens > limits.tpm (no retry can succeed).
 -- bucket: string naming the counted entity (key id, or key id @ model for overrides);
 -- limits = {rpm, tpm}; tokens: the TPM reservation (prompt + output reserve).
-function _M.admit(bucket, limits, tokens, now)
+local function admit(bucket, limits, tokens, now)
     local id, f = window(now)
     local rk, tk = key("r", bucket, id), key("t", bucket, id)
     if tokens > limits.tpm then
@@ -165,37 +147,11 @@ function _M.admit(bucket, limits, tokens, now)
     return state(limits, rprev, rcur, tprev, tcur, f, id)
 end
 
--- rejection(key_id, st, prompt, out_reserve) -> 429 error (errors.new shape) for a refused
--- admission state: type "requests" or "tokens" says which limit, Retry-After is in whole
--- seconds, and a request that alone exceeds the TPM limit is told that retrying cannot
--- help. prompt, out_reserve: the request's tokens.
-function _M.rejection(key_id, st, prompt, out_reserve)
-    local retry = st.retry_after
-    local msg
-    if st.reject == "requests" then
-        msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
-            .. "remaining %d. Please try again in %ds.", key_id, st.rpm, st.remaining_requests,
-            retry)
-    elseif st.alone then
-        msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d reserved "
-            .. "for the completion) but the limit is %d tokens per minute, so retrying cannot "
-            .. "help. Reduce the prompt or max_tokens.", key_id, prompt + out_reserve, prompt,
-            out_reserve, st.tpm)
-    else
-        msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
-            .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
-            .. "Please try again in %ds.", key_id, st.tpm, st.remaining_tokens,
-            prompt + out_reserve, prompt, out_reserve, retry)
-    end
-    return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
-        { ["Retry-After"] = tostring(retry) })
-end
-
--- settle(bucket, window, delta): corrects the TPM count of the window the request was
+-- correct(bucket, window, delta): corrects the TPM count of the window the request was
 -- admitted in by delta tokens ((prompt + completion) - reserved; negative returns the
 -- unused reservation). The window keeps its own TTL; a window that already expired
 -- is recreated for the rest of TTL, harmlessly.
-function _M.settle(bucket, window_id, delta)
+local function correct(bucket, window_id, delta)
     if delta == 0 then
         return
     end
@@ -207,7 +163,7 @@ end
 
 -- release(bucket, window_id, tokens): takes back a whole admission (1 request and tokens)
 -- from the window it was admitted in: the global tier refused what this limiter admitted.
-function _M.release(bucket, window_id, tokens)
+local function release(bucket, window_id, tokens)
     local ok, err = dict:incr(key("r", bucket, window_id), -1, 0, TTL)
     if ok then
         ok, err = dict:incr(key("t", bucket, window_id), -tokens, 0, TTL)
@@ -217,15 +173,26 @@ function _M.release(bucket, window_id, tokens)
     end
 end
 
--- headers(h, st): writes x-ratelimit-{limit,remaining,reset}-{requests,tokens} into the
--- response header table h (ngx.header) from a state.
-function _M.headers(h, st)
-    h["x-ratelimit-limit-requests"] = st.rpm
-    h["x-ratelimit-limit-tokens"] = st.tpm
-    h["x-ratelimit-remaining-requests"] = st.remaining_requests
-    h["x-ratelimit-remaining-tokens"] = st.remaining_tokens
-    h["x-ratelimit-reset-requests"] = _M.duration(st.reset_requests)
-    h["x-ratelimit-reset-tokens"] = _M.duration(st.reset_tokens)
+-- incoming(req, now) -> state | nil, refused state: the tier's side of
+-- tokengate.limits. req = {bucket, limits = {rpm, tpm}, tokens}; the admitted window is
+-- kept in req.window for uncommit and settle.
+function _M.incoming(req, now)
+    local st, refused = admit(req.bucket, req.limits, req.tokens, now)
+    if st then
+        req.window = st.window
+    end
+    return st, refused
+end
+
+-- uncommit(req): a later tier refused what this one admitted: take it all back.
+function _M.uncommit(req)
+    release(req.bucket, req.window, req.tokens)
+end
+
+-- settle(req, actual): the request ended having used actual tokens (prompt +
+-- completion); its window is corrected by actual - reserved.
+function _M.settle(req, actual)
+    correct(req.bucket, req.window, actual - req.tokens)
 end
 
 _M.WINDOW = WINDOW

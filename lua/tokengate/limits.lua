@@ -1,0 +1,175 @@
+-- A request's rate limits across tiers, composed the way lua-resty-limit-traffic's
+-- traffic.combine composes limiters: every tier is asked in order (incoming); when one
+-- refuses, the tiers that had admitted take their reservation back (uncommit); when the
+-- response ends, every tier that admitted settles to the real usage (settle).
+--
+-- Tiers: tokengate.local_limit (the shared-dict window of this edge, always first) and,
+-- with global_limits.enabled, tokengate.global_limit (the window all edges share in
+-- Redis). A tier that fails (the global sidecar down) is skipped: the tiers before it
+-- decide. The x-ratelimit-* headers show the last tier that decided.
+--
+-- What a request reserves (DESIGN contract 3): RPM 1 and TPM
+--     prompt + n x prompts x min(max_tokens_effective, model.output_reserve)
+-- settled at the end by (prompt + completion) - reserved.
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local local_limit = require "tokengate.local_limit"
+local global_limit = require "tokengate.global_limit"
+
+local ngx_now = ngx.now
+local format = string.format
+local tostring = tostring
+local ceil = math.ceil
+local floor = math.floor
+local min = math.min
+
+local _M = {}
+
+local TIERS = { local_limit }
+
+-- init_worker(doc, hop_address, dict_name) -> true | nil, err. doc: the compiled config;
+-- dict_name: the lua_shared_dict of the windows and the breakers.
+function _M.init_worker(doc, hop_address, dict_name)
+    local ok, err = local_limit.init(dict_name)
+    if not ok then
+        return nil, err
+    end
+    TIERS = { local_limit }
+    if doc.global_limits.enabled then
+        ok, err = global_limit.init_worker(doc.edge, hop_address, ngx.shared[dict_name])
+        if not ok then
+            return nil, "global limits: " .. err
+        end
+        TIERS[2] = global_limit
+    end
+    return true
+end
+
+-- request(key, model, request_id) -> req: the limits a request is held to, before its
+-- size is known. key: the compiled key {id, rpm, tpm, models}; model: a served model
+-- name or nil (not known yet). A key's per-model override replaces its limits for that
+-- model, in a window of its own ("<key id>@<model>").
+function _M.request(key, model, request_id)
+    local override = model and key.models[model]
+    return {
+        key_id = key.id, model = model, per_model = override ~= nil,
+        bucket = override and (key.id .. "@" .. model) or key.id,
+        limits = override or key, request_id = request_id, tokens = 0,
+    }
+end
+
+-- peek(req) -> the local window's state without admitting anything (the headers of an
+-- answer that is not admitted).
+function _M.peek(req)
+    return local_limit.peek(req.bucket, req.limits, ngx_now())
+end
+
+-- reservation(req, prompt, prompts, completion, n, output_reserve) -> TPM tokens: sets
+-- req.tokens, req.prompt and req.out_reserve. prompt: prompt tokens; prompts: prompts in
+-- the request (completions lists); completion: the completion budget (tokens); n:
+-- completions asked for; output_reserve: the model's reserve per completion (tokens).
+function _M.reservation(req, prompt, prompts, completion, n, output_reserve)
+    local out = min(completion, output_reserve) * n * prompts
+    req.prompt, req.out_reserve, req.tokens = prompt, out, prompt + out
+    return req.tokens
+end
+
+-- rejection(req, st) -> the 429 (errors.new shape) of a refused state: which limit,
+-- Retry-After in whole seconds, and a request that alone exceeds the TPM limit is told
+-- that retrying cannot help.
+local function rejection(req, st)
+    local retry = st.retry_after
+    local msg
+    if st.reject == "requests" then
+        msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
+            .. "remaining %d. Please try again in %ds.", req.key_id, st.rpm,
+            st.remaining_requests, retry)
+    elseif st.alone then
+        msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d "
+            .. "reserved for the completion) but the limit is %d tokens per minute, so "
+            .. "retrying cannot help. Reduce the prompt or max_tokens.", req.key_id,
+            req.tokens, req.prompt, req.out_reserve, st.tpm)
+    else
+        msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
+            .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
+            .. "Please try again in %ds.", req.key_id, st.tpm, st.remaining_tokens,
+            req.tokens, req.prompt, req.out_reserve, retry)
+    end
+    return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
+        { ["Retry-After"] = tostring(retry) })
+end
+
+-- reserve(req) -> true | nil, err (429)
+--   Reserves req.tokens (and one request) in every tier. req.state, req.tier: the state
+--   (x-ratelimit-* headers) and name ("local" | "global") of the tier that decided: the
+--   last that admitted, or the one that refused. Admitted: req.admitted lists the tiers
+--   to settle. Refused: what earlier tiers admitted is taken back.
+function _M.reserve(req)
+    local now = ngx_now()
+    local admitted, n = {}, 0
+    for i = 1, #TIERS do
+        local t = TIERS[i]
+        local st, refused = t.incoming(req, now)
+        if st then
+            n = n + 1
+            admitted[n] = t
+            req.state, req.tier = st, t.name
+        elseif refused then
+            for j = n, 1, -1 do
+                admitted[j].uncommit(req)
+            end
+            req.state, req.tier = refused, t.name
+            return nil, rejection(req, refused)
+        end
+    end
+    req.admitted = admitted
+    return true
+end
+
+-- settle(req, actual): the request ended having used actual tokens (prompt + completion);
+-- every tier that admitted it corrects its window.
+function _M.settle(req, actual)
+    local admitted = req.admitted
+    if not admitted then
+        return
+    end
+    for i = 1, #admitted do
+        admitted[i].settle(req, actual)
+    end
+end
+
+-- duration(s) -> "250ms", "1.2s", "59s", "6m0s" (OpenAI's x-ratelimit-reset-* format).
+function _M.duration(s)
+    if s <= 0 then
+        return "0s"
+    elseif s < 1 then
+        return format("%dms", ceil(s * 1000))
+    end
+    local t = ceil(s * 10) / 10
+    if t < 60 then
+        local txt = format("%.1f", t)
+        return (txt:gsub("%.0$", "")) .. "s"
+    end
+    local whole = ceil(s)
+    return format("%dm%ds", floor(whole / 60), whole % 60)
+end
+
+-- headers(h, st): writes x-ratelimit-{limit,remaining,reset}-{requests,tokens} into the
+-- response header table h (ngx.header) from a state {rpm, tpm, remaining_requests,
+-- remaining_tokens, reset_requests (s), reset_tokens (s)}.
+function _M.headers(h, st)
+    h["x-ratelimit-limit-requests"] = st.rpm
+    h["x-ratelimit-limit-tokens"] = st.tpm
+    h["x-ratelimit-remaining-requests"] = st.remaining_requests
+    h["x-ratelimit-remaining-tokens"] = st.remaining_tokens
+    h["x-ratelimit-reset-requests"] = _M.duration(st.reset_requests)
+    h["x-ratelimit-reset-tokens"] = _M.duration(st.reset_tokens)
+end
+
+-- global_backing_off() -> true while the global tier is skipped after a failure
+function _M.global_backing_off()
+    return global_limit.backing_off()
+end
+
+return _M

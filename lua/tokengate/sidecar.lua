@@ -1,0 +1,272 @@
+-- The one client of tokengate's gRPC sidecars (the counter's CountTokens, the global
+-- limits' Reserve and Settle), usable from the access phase and from timers alike.
+--
+-- Transport: a cosocket speaks plain HTTP/1.1 to this nginx's own loopback hop server
+-- (tokengate-http.conf), which grpc_passes to the sidecar. Lua has no HTTP/2 client, and
+-- ngx.location.capture straight to a grpc_pass location crashes the worker with Debian's
+-- lua module (and subrequests do not exist in timers). What comes back, verified with
+-- Debian's nginx 1.22: success is HTTP 200 with the framed reply and grpc-status 0 as a
+-- chunked trailer; a gRPC error is a trailers-only response, so grpc-status and
+-- grpc-message arrive as headers; a dead or slow sidecar gives the hop's own 502/504.
+--
+-- Breaker: one per sidecar, in a shared dict so every worker sees it. After a failure
+-- that says the sidecar is down or slow (unreachable, timeout, UNAVAILABLE, DEADLINE
+-- EXCEEDED) calls fail at once with reason "backoff" for backoff_ms; then the next call
+-- probes again. An outage costs one timeout per backoff period, not one per request.
+
+local ngx = ngx
+local pb = require "tokengate.pb"
+
+local tcp = ngx.socket.tcp
+local tonumber = tonumber
+local tostring = tostring
+local setmetatable = setmetatable
+local gsub = string.gsub
+local char = string.char
+local find = string.find
+local sub = string.sub
+local lower = string.lower
+local match = string.match
+local concat = table.concat
+
+local _M = {}
+local mt = { __index = _M }
+
+local GRPC_DEADLINE_EXCEEDED = 4
+local GRPC_UNAVAILABLE = 14
+local KEEPALIVE_MS = 60000
+local POOL_SIZE = 64
+
+-- grpc-message is percent-encoded (gRPC over HTTP/2 spec: bytes outside 0x20..0x7E and
+-- "%" only). ngx.unescape_uri would also turn "+" into a space, so decode by hand.
+local function hexbyte(h)
+    return char(tonumber(h, 16))
+end
+
+-- new(name, address, timeout_ms, backoff_ms, dict) -> client | nil, err
+--   name: the sidecar's name ("counter", "limits"; the breaker's key and the pool's);
+--   address: the hop server, "unix:/path" or "host:port" / "[v6]:port";
+--   timeout_ms: each call's deadline (connect + send + read), ms;
+--   backoff_ms: how long the breaker stays open after a down/slow failure, ms (0: off);
+--   dict: a lua_shared_dict (the breaker's state, shared by the workers).
+function _M.new(name, address, timeout_ms, backoff_ms, dict)
+    if not dict then
+        return nil, "sidecar " .. tostring(name) .. ": shared dict not found"
+    end
+    local host, port
+    if sub(address, 1, 5) == "unix:" then
+        host = address
+    else
+        local h, p = match(address, "^%[?(.-)%]?:(%d+)$")
+        if not h then
+            return nil, "sidecar " .. name .. ": bad hop address: " .. tostring(address)
+        end
+        host, port = h, tonumber(p)
+    end
+    return setmetatable({
+        name = name, host = host, port = port, timeout_ms = timeout_ms,
+        backoff_s = backoff_ms / 1000, dict = dict, breaker_key = "breaker:" .. name,
+        pool = "tokengate_hop:" .. address,
+    }, mt)
+end
+
+-- read_fields(sock, h) -> true | nil, err: "name: value" lines up to a blank one (the
+-- headers, or the trailers after the last chunk) into h: content_length, chunked,
+-- grpc_status, grpc_message (decoded), close.
+local function read_fields(sock, h)
+    while true do
+        local line, err = sock:receive("*l")
+        if not line then
+            return nil, err
+        end
+        if line == "" then
+            return true
+        end
+        local name, value = match(line, "^([^:]+):%s*(.-)%s*$")
+        if name then
+            name = lower(name)
+            if name == "content-length" then
+                h.content_length = tonumber(value)
+            elseif name == "transfer-encoding" then
+                h.chunked = find(lower(value), "chunked", 1, true) ~= nil
+            elseif name == "grpc-status" then
+                h.grpc_status = tonumber(value)
+            elseif name == "grpc-message" then
+                h.grpc_message = (gsub(value, "%%(%x%x)", hexbyte))
+            elseif name == "connection" then
+                h.close = lower(value) == "close"
+            end
+        end
+    end
+end
+
+-- read_response(sock) -> http status, fields (see read_fields), body | nil, err.
+-- HTTP/1.1 with a Content-Length or a chunked body (and its trailers).
+local function read_response(sock)
+    local line, err = sock:receive("*l")
+    if not line then
+        return nil, err
+    end
+    local code = tonumber(match(line, "^HTTP/1%.%d (%d%d%d)"))
+    if not code then
+        return nil, "bad status line"
+    end
+    local h = {}
+    local ok
+    ok, err = read_fields(sock, h)
+    if not ok then
+        return nil, err
+    end
+    local body = ""
+    if h.chunked then
+        local parts, n = {}, 0
+        while true do
+            line, err = sock:receive("*l")
+            if not line then
+                return nil, err
+            end
+            local size = tonumber(match(line, "^%x+"), 16)
+            if not size then
+                return nil, "bad chunk size"
+            end
+            if size == 0 then
+                break
+            end
+            local data
+            data, err = sock:receive(size + 2)
+            if not data then
+                return nil, err
+            end
+            n = n + 1
+            parts[n] = sub(data, 1, size)
+        end
+        ok, err = read_fields(sock, h)
+        if not ok then
+            return nil, err
+        end
+        body = concat(parts, "", 1, n)
+    elseif h.content_length then
+        if h.content_length > 0 then
+            body, err = sock:receive(h.content_length)
+            if not body then
+                return nil, err
+            end
+        end
+    else
+        body, err = sock:receive("*a")
+        if not body then
+            return nil, err
+        end
+        h.close = true
+    end
+    return code, h, body
+end
+
+-- connect(self) -> sock | nil, err: a pooled connection to the hop server
+local function connect(self)
+    local sock = tcp()
+    local t = self.timeout_ms
+    sock:settimeouts(t, t, t)
+    local ok, err
+    if self.port then
+        ok, err = sock:connect(self.host, self.port, { pool = self.pool })
+    else
+        ok, err = sock:connect(self.host, { pool = self.pool })
+    end
+    if not ok then
+        return nil, err
+    end
+    return sock
+end
+
+-- exchange(sock, path, frame) -> code, headers, body | nil, err
+local function exchange(sock, path, frame)
+    local ok, err = sock:send({
+        "POST ", path, " HTTP/1.1\r\nHost: tokengate-hop\r\n",
+        "Content-Type: application/grpc\r\nTE: trailers\r\nContent-Length: ", #frame,
+        "\r\n\r\n", frame,
+    })
+    if not ok then
+        return nil, "send: " .. err
+    end
+    return read_response(sock)
+end
+
+-- failure(self, reason, message, grpc_status) -> nil, failure; opens the breaker for
+-- the reasons that say the sidecar is down or slow.
+local function failure(self, reason, message, grpc_status)
+    if reason ~= "error" and reason ~= "backoff" and self.backoff_s > 0 then
+        self.dict:set(self.breaker_key, true, self.backoff_s)
+    end
+    return nil, { reason = reason, message = message, grpc_status = grpc_status }
+end
+
+-- call(path, message) -> reply message bytes | nil, failure
+--   path: the gRPC method, "/tokengate.v1.TokenCounter/CountTokens"; message: the
+--   serialized request (unframed protobuf bytes). Every method called through here is
+--   idempotent, so a pooled connection the hop server had closed is retried once.
+--   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
+--                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
+--                      | "status" (another non-zero gRPC status: the sidecar's verdict)
+--                      | "error" (a broken reply or an unexpected HTTP status),
+--               grpc_status = <number> | nil, message = <grpc-message or why> }
+function _M.call(self, path, message)
+    if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
+        return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
+    end
+    local frame = pb.frame(message)
+    local sock, err = connect(self)
+    if not sock then
+        return failure(self, "down", "connect: " .. tostring(err))
+    end
+    local reused = sock:getreusedtimes() > 0
+    local code, h, body = exchange(sock, path, frame)
+    if not code and reused and h ~= "timeout" then
+        sock:close()
+        sock, err = connect(self)
+        if not sock then
+            return failure(self, "down", "connect: " .. tostring(err))
+        end
+        code, h, body = exchange(sock, path, frame)
+    end
+    if not code then
+        sock:close()
+        if h == "timeout" then
+            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
+        end
+        return failure(self, "down", tostring(h))
+    end
+    if h.close then
+        sock:close()
+    else
+        sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+    end
+    local gs = h.grpc_status
+    if gs and gs ~= 0 then
+        if gs == GRPC_UNAVAILABLE then
+            return failure(self, "unavailable", h.grpc_message or "", gs)
+        elseif gs == GRPC_DEADLINE_EXCEEDED then
+            return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", gs)
+        end
+        return nil, { reason = "status", grpc_status = gs, message = h.grpc_message or "" }
+    end
+    if code == 502 then
+        return failure(self, "down", self.name .. " unreachable (hop answered 502)")
+    elseif code == 504 then
+        return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
+    elseif code ~= 200 then
+        return failure(self, "error", "hop answered HTTP " .. code)
+    end
+    local msg, ferr = pb.unframe(body)
+    if not msg then
+        return failure(self, "error", "reply: " .. ferr)
+    end
+    return msg
+end
+
+-- backing_off() -> true while the breaker is open (for /tokengate/status)
+function _M.backing_off(self)
+    return self.dict:get(self.breaker_key) == true
+end
+
+return _M

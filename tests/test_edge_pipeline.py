@@ -1,0 +1,146 @@
+"""The admission pipeline's edges: the path forwarded is the one the edge matched, the
+model routes answer like OpenAI's, nginx's own error pages have the OpenAI shape, the
+usage event has the ledger's schema (with the sanitizer's counts), and a failed counter
+is skipped for its backoff period instead of costing every request its timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+from tokengate.ledger.event import UsageEvent, parse_event
+
+from tests.conftest import MODEL
+from tests.fixtures_edge import MAIN_KEY, Edge
+
+AUTH = f"Authorization: Bearer {MAIN_KEY}\r\n"
+
+
+def raw_http(edge: Edge, request: bytes, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """Sends request bytes as they are (no client normalizes the path) and reads the
+    answer: status, headers (lower-case names), body."""
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, body
+
+
+def post_raw(edge: Edge, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    data = json.dumps(body).encode()
+    return raw_http(edge, (f"POST {path} HTTP/1.1\r\nHost: x\r\n{AUTH}"
+                           f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                           "Connection: close\r\n\r\n").encode() + data)
+
+
+def test_dot_segments_and_double_slashes_reach_vllm_as_the_matched_path(edge: Edge) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path in ("/v1/./chat/completions", "//v1/chat/completions",
+                 "/v1/x/../chat/completions"):
+        status, headers, data = post_raw(edge, path, body)
+        assert status == 200, (path, data)
+        answer = json.loads(data)
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["prompt_tokens"] == int(headers["x-token-count"])
+
+
+def test_models_retrieve_answers_like_openai(edge: Edge) -> None:
+    client = openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY)
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "tokengate")
+    assert [x.id for x in client.models.list()] == [MODEL]
+    try:
+        client.models.retrieve("no-such-model")
+        raise AssertionError("an unknown model was found")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404
+        assert e.body["code"] == "model_not_found"
+        assert e.body["message"] == "The model 'no-such-model' does not exist"
+
+
+def _openai_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+    assert headers["content-type"] == "application/json", (status, body)
+    err: dict[str, Any] = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_errors_nginx_makes_itself_have_the_openai_shape(edge: Edge) -> None:
+    cases = [
+        (b"GARBAGE\r\n\r\n", 400, "invalid_request"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n",
+         400, "request_too_large"),
+        (b"GET /v1/" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414,
+         "request_too_large"),
+        (b"GET /elsewhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404,
+         "unknown_url"),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH.encode()
+         + b"Content-Type: application/json\r\nContent-Length: 70000000\r\n"
+         b"Connection: close\r\n\r\n", 413, "request_too_large"),
+    ]
+    for request, status, code in cases:
+        got, headers, body = raw_http(edge, request)
+        assert got == status, (request[:40], body[:200])
+        err = _openai_error(got, headers, body)
+        assert (err["type"], err["code"]) == ("invalid_request_error", code)
+
+
+def test_usage_events_have_the_ledgers_schema_with_the_sanitizers_counts(edge: Edge) -> None:
+    # one invisible character, one repeated system message
+    body = {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "he\u200bllo"},
+        {"role": "system", "content": "Be brief."},
+    ]}
+    status, headers, _ = post_raw(edge, "/v1/chat/completions", body)
+    assert status == 200
+    edge.event(headers["x-request-id"])  # written after the answer: wait for it
+    line = next(x for x in edge.usage_file.read_text().splitlines()
+                if headers["x-request-id"] in x)
+    keys = list(json.loads(line))
+    assert keys == [f.name for f in dataclasses.fields(UsageEvent)]
+    ev = parse_event(line)
+    assert (ev.sanitized_chars, ev.stripped_special_tokens, ev.dropped_system_messages) == \
+        (1, 0, 1)
+
+
+def _status(edge: Edge) -> dict[str, Any]:
+    import httpx
+    return httpx.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10).json()
+
+
+def test_a_failed_counter_is_skipped_for_its_backoff(edge_variant: Callable[..., Edge],
+                                                     slow_counter: Path) -> None:
+    def tight(raw: dict[str, Any]) -> None:
+        raw["edge"]["count_timeout_ms"] = 300
+        raw["edge"]["counter_backoff_ms"] = 60000
+    e = edge_variant("counter-breaker", tight, counter_socket=slow_counter)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for i in range(4):
+        status, headers, data = post_raw(e, "/v1/chat/completions", {**body, "seed": i})
+        assert status == 200, data
+        assert headers["x-token-count-source"] == "estimate"
+    assert _status(e)["counter_backing_off"] is True
+    # only the first request waited for the counter and said why; the others skipped it
+    deadline = time.monotonic() + 5
+    while "failing open" not in e.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert e.log_path.read_text().count("counter unavailable (timeout") == 1
