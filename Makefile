@@ -1,6 +1,8 @@
 # tokengate: the verbs a user types.
 #   make run    install what is missing, start the whole stack on loopback
 #   make test   install what is missing, run the whole test suite against real processes
+#   make test-fast  every test that needs no vLLM server (edge, counter, ledger, limits,
+#                   storm against fakes and the fast upstream); no vLLM is started
 SHELL := /bin/bash
 PY := .venv/bin/python
 
@@ -14,6 +16,9 @@ run: setup
 
 test: setup
 	@$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	@$(PY) -m pytest tests -m "not vllm" $(PYTEST_ARGS)
 
 bench-counter: setup
 	@$(PY) -m tokengate_dev.bench.counter

@@ -36,6 +36,15 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``vllm`` every test whose fixture closure holds ``vllm_url`` (directly or
+    through ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects them, so no
+    vLLM server is started; ``make test`` runs them all."""
+    for item in items:
+        if "vllm_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+
+
 @pytest.fixture(scope="session")
 def config_path() -> Path:
     """tokengate.yaml for tests: the repository's models pointed at the test ports."""

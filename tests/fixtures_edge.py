@@ -6,6 +6,8 @@
   uses) in front of the session's counter and vLLM, on 127.0.0.1:18080.
 - ``edge_variant``: starts another instance with a different configuration (counter
   down, fail closed, vLLM down, fake upstream); each is stopped at the end of the test.
+  ``edge_variant_off_vllm`` is the same for variants in front of another upstream than
+  vLLM (no vLLM started: ``make test-fast`` runs those).
 - ``vllm_requests``: vLLM's own count of HTTP requests, to prove that nothing reached it.
 - ``run_lua``: runs a chunk of Lua inside nginx's own LuaJIT with the edge's modules on
   the path (for pure functions: codecs, the sampling rule).
@@ -133,10 +135,7 @@ def edge(edge_config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[E
         e.service.stop()
 
 
-@pytest.fixture
-def edge_variant(config_path: Path, vllm_url: str) -> Iterator[Callable[..., Edge]]:
-    """Factory: ``edge_variant(name, edit=fn(raw_yaml), counter_socket=Path)`` starts an
-    extra edge whose YAML is edited by ``edit``; stopped when the test ends."""
+def _variants(config_path: Path) -> Iterator[Callable[..., Edge]]:
     started: list[Edge] = []
 
     def start(name: str, edit: Callable[[dict[str, Any]], None] | None = None,
@@ -154,6 +153,22 @@ def edge_variant(config_path: Path, vllm_url: str) -> Iterator[Callable[..., Edg
     finally:
         for e in started:
             e.service.stop()
+
+
+@pytest.fixture
+def edge_variant(config_path: Path, vllm_url: str) -> Iterator[Callable[..., Edge]]:
+    """Factory: ``edge_variant(name, edit=fn(raw_yaml), counter_socket=Path)`` starts an
+    extra edge whose YAML is edited by ``edit``; stopped when the test ends."""
+    yield from _variants(config_path)
+
+
+@pytest.fixture
+def edge_variant_off_vllm(config_path: Path,
+                          counter_addr: str) -> Iterator[Callable[..., Edge]]:
+    """``edge_variant`` for variants whose ``edit`` points the model at another upstream
+    (a fake, the fast upstream, a dead port): the session's counter, no vLLM, so
+    ``make test-fast`` runs them."""
+    yield from _variants(config_path)
 
 
 def window_room(seconds: float) -> float:

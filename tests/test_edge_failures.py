@@ -106,12 +106,12 @@ def test_counts_of_identical_bodies_are_cached_per_worker(
     assert fixed_counter.calls <= 4
 
 
-def test_vllm_down_is_502_with_retry_after(edge_variant: Callable[..., Edge]) -> None:
+def test_vllm_down_is_502_with_retry_after(edge_variant_off_vllm: Callable[..., Edge]) -> None:
     port = free_port()  # nothing listens there
 
     def dead(raw: dict[str, Any]) -> None:
         raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
-    e = edge_variant("vllm-down", dead)
+    e = edge_variant_off_vllm("vllm-down", dead)
     t0 = time.monotonic()
     r = post(e, chat())
     assert time.monotonic() - t0 < 5
@@ -134,11 +134,11 @@ def _edge_on(edge_variant: Callable[..., Edge], name: str, up: FakeUpstream) -> 
     return edge_variant(name, fake)
 
 
-def test_backend_closing_without_answer_is_502(edge_variant: Callable[..., Edge],
+def test_backend_closing_without_answer_is_502(edge_variant_off_vllm: Callable[..., Edge],
                                                fake_upstream: Callable[[str], FakeUpstream]
                                                ) -> None:
     up = fake_upstream("close")
-    e = _edge_on(edge_variant, "backend-close", up)
+    e = _edge_on(edge_variant_off_vllm, "backend-close", up)
     r = post(e, chat())
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unavailable"
@@ -146,10 +146,10 @@ def test_backend_closing_without_answer_is_502(edge_variant: Callable[..., Edge]
     assert up.requests == 1, "a POST must not be retried"
 
 
-def test_backend_html_error_becomes_openai_shape(edge_variant: Callable[..., Edge],
+def test_backend_html_error_becomes_openai_shape(edge_variant_off_vllm: Callable[..., Edge],
                                                  fake_upstream: Callable[[str], FakeUpstream]
                                                  ) -> None:
-    e = _edge_on(edge_variant, "backend-html", fake_upstream("html500"))
+    e = _edge_on(edge_variant_off_vllm, "backend-html", fake_upstream("html500"))
     r = post(e, chat())
     assert r.status_code == 500
     assert r.json() == {"error": {"message": "The model backend failed with HTTP 500.",
@@ -158,9 +158,9 @@ def test_backend_html_error_becomes_openai_shape(edge_variant: Callable[..., Edg
 
 
 def test_backend_dying_mid_stream_bills_the_last_usage(
-        edge_variant: Callable[..., Edge],
+        edge_variant_off_vllm: Callable[..., Edge],
         fake_upstream: Callable[[str], FakeUpstream]) -> None:
-    e = _edge_on(edge_variant, "backend-crash", fake_upstream("crash_stream"))
+    e = _edge_on(edge_variant_off_vllm, "backend-crash", fake_upstream("crash_stream"))
     with httpx.stream("POST", e.base_url + "/chat/completions", headers=HEADERS,
                       content=json.dumps(chat(stream=True, max_tokens=50)), timeout=30) as r:
         rid = r.headers["x-request-id"]
@@ -214,7 +214,7 @@ def test_client_disconnect_mid_stream_is_billed_what_was_generated(edge: Edge) -
 
 
 def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
-        edge_variant: Callable[..., Edge]) -> None:
+        edge_variant_off_vllm: Callable[..., Edge]) -> None:
     # A backend that takes 3 s to answer (vLLM busy generating); the client gives up
     # after 0.5 s. No usage ever comes back, so the reservation is billed, not refunded.
     from tokengate_dev import devstack
@@ -225,7 +225,7 @@ def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
     try:
         def slow(raw: dict[str, Any]) -> None:
             raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
-        e = edge_variant("client-abort", slow)
+        e = edge_variant_off_vllm("client-abort", slow)
         window_room(15)
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(e.base_url + "/chat/completions", timeout=0.5, headers=HEADERS,

@@ -1,7 +1,7 @@
 """TokenStorm through the real gateway: exact counts end to end and 429s split by the
 limit that refused, with rejected and admitted tokens.
 
-An extra edge instance (the edge tests' ``edge_variant``) routes the model to the fast
+An extra edge instance (the edge tests' ``edge_variant_off_vllm``) routes the model to the fast
 upstream and knows two keys: one whose RPM limit is small, one whose TPM limit is.
 """
 
@@ -23,7 +23,7 @@ TPM_KEY = "tg-test-storm-tpm"   # 1000 tokens per minute
 
 
 def test_429s_are_split_by_limit_with_rejected_and_admitted_tokens(
-        edge_variant: Any, counter_addr: str, fast_upstream_url: str,
+        edge_variant_off_vllm: Any, counter_addr: str, fast_upstream_url: str,
         cfg: tg_config.Config) -> None:
     port = fast_upstream_url.split(":")[2].split("/")[0]
 
@@ -34,7 +34,7 @@ def test_429s_are_split_by_limit_with_rejected_and_admitted_tokens(
                                     "tpm": 1_000_000}
         raw["keys"]["storm-tpm"] = {"sha256": key_digest(TPM_KEY), "rpm": 1000, "tpm": 1000}
 
-    edge = edge_variant("storm", edit)
+    edge = edge_variant_off_vllm("storm", edit)
     m = cfg.models["tiny-qwen3"]
     # 40 requests in one second, alternating keys: 20 each. Each reserves 200 prompt +
     # 16 output = 216 tokens, and settles at exactly that (the fast upstream generates
