@@ -220,8 +220,10 @@ function _M.call(self, path, message)
         return failure(self, "down", "connect: " .. tostring(err))
     end
     local reused = sock:getreusedtimes() > 0
+    -- exchange() -> code, headers, body | nil, err
     local code, h, body = exchange(sock, path, frame)
     if not code and reused and h ~= "timeout" then
+        -- the hop server may have closed an idle pooled connection
         sock:close()
         sock, err = connect(self)
         if not sock then
