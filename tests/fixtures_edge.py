@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import yaml
+from tokengate.process import free_port
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
@@ -178,12 +179,6 @@ def window_room(seconds: float) -> float:
     if left < seconds:
         time.sleep(left + 0.2)
     return time.time() % 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeUpstream:
