@@ -1,0 +1,440 @@
+"""tokengate's vLLM plugin in a real vLLM CPU server: the engine usage records of a mixed
+workload add up exactly to vLLM's own counters, and the token-weighted scheduler serves a
+light request before a heavy one that arrived earlier.
+
+The server is the one ``make run`` starts (``devstack.vllm_service``) plus the plugin's
+scheduler (``--scheduler-cls``) and two running slots (``--max-num-seqs 2``), so that
+requests wait in the queue the scheduler orders. The stat-logger part is loaded by vLLM
+from the plugin's entry point (installed by ``make setup``).
+
+How vLLM 0.32 counts (vllm/v1/metrics/stats.py, loggers.py, engine/output_processor.py,
+engine/parallel_sampling.py): ``vllm:generation_tokens_total`` grows by the tokens of
+every engine output the frontend processes; ``vllm:prompt_tokens_total`` grows by a
+request's whole prompt (cached tokens included) at its first output. An ``n = 2``
+request is two engine requests (children ``0_<id>``, ``1_<id>``): the prompt counter
+grows by exactly twice the prompt, ``usage.prompt_tokens`` counts it once. A request
+aborted before its first output (it waited in the queue) adds nothing to either.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tokengate import config as tg_config
+from tokengate.ledger.engine_record import EngineRecord, parse_record
+from tokengate_dev import devstack
+
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PORT = 18050 + PORT_OFFSET  # the suite's plain vLLM is on 18000 + offset
+SCHEDULER = "tokengate_vllm.scheduler.TokenWeightedScheduler"
+
+
+@dataclass
+class PluginVllm:
+    url: str                 # .../v1
+    usage_file: Path
+    log_path: Path
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters on /metrics, summed over label sets: name -> value."""
+        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and " " in line:
+                name, _, value = line.rpartition(" ")
+                base = name.split("{", 1)[0]
+                out[base] = out.get(base, 0.0) + float(value)
+        return out
+
+    def size(self) -> int:
+        return self.usage_file.stat().st_size if self.usage_file.exists() else 0
+
+    def records_since(self, offset: int) -> list[EngineRecord]:
+        """Records in complete lines after byte ``offset`` (a line being written is not
+        one yet, as for the ledger's tail)."""
+        if not self.usage_file.exists():
+            return []
+        data = self.usage_file.read_bytes()[offset:]
+        return [parse_record(x) for x in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+@pytest.fixture(scope="module")
+def plugin_vllm(cfg: tg_config.Config) -> Iterator[PluginVllm]:
+    """A vLLM CPU server with the plugin: engine records in a file of its own, the
+    token-weighted scheduler (aging bound 60 s: the ordering test must not age)."""
+    usage = TEST_DIR / "vllm-plugin" / "engine.jsonl"
+    usage.parent.mkdir(parents=True, exist_ok=True)
+    usage.unlink(missing_ok=True)
+    svc = devstack.vllm_service(cfg.models[MODEL], port=PORT,
+                                name=f"test-vllm-plugin{PORT_OFFSET or ''}")
+    svc.argv += ["--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"]
+    svc.env.update({"TOKENGATE_ENGINE_USAGE_FILE": str(usage),
+                    "TOKENGATE_SCHED_MAX_WAIT_S": "60"})
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    try:
+        yield PluginVllm(f"http://127.0.0.1:{PORT}/v1", usage, svc.log_path)
+    finally:
+        svc.stop()
+
+
+def rid() -> str:
+    """An id like the edge's $request_id (32 hex), sent as X-Request-Id."""
+    return uuid.uuid4().hex
+
+
+def hdr(request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id}
+
+
+def msgs(text: str = "Tell me a story.") -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+EXACT = {"ignore_eos": True}  # the tiny model's random weights may emit EOS early
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def settle(v: PluginVllm, offset: int, keys: set[str]) -> tuple[list[EngineRecord],
+                                                                 dict[str, float]]:
+    """Wait until records with exactly ``keys`` appeared after ``offset`` and vLLM's
+    counters stopped moving; the records and the counters then."""
+    wait_for(lambda: keys <= {r.key for r in v.records_since(offset)},
+             f"records {sorted(keys - {r.key for r in v.records_since(offset)})}")
+    prev = v.metrics()
+    while True:
+        time.sleep(0.5)
+        now = v.metrics()
+        if now == prev:
+            break
+        prev = now
+    return v.records_since(offset), now
+
+
+def assert_reconciles(records: list[EngineRecord], keys: set[str], before: dict[str, float],
+                      after: dict[str, float]) -> None:
+    """One record per finished engine request, and their sums are vLLM's counters."""
+    assert sorted(r.key for r in records) == sorted(keys)
+    grown_gen = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    grown_prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    assert sum(r.num_generation_tokens for r in records) == grown_gen
+    assert sum(r.num_prompt_tokens for r in records if r.prefilled) == grown_prompt
+
+
+def by_key(records: list[EngineRecord]) -> dict[str, EngineRecord]:
+    return {r.key: r for r in records}
+
+
+def test_vllm_loads_the_plugin_and_the_cpu_scheduler(plugin_vllm: PluginVllm):
+    log = plugin_vllm.log_path.read_text()
+    assert f"engine usage records: engine 0 writes to {plugin_vllm.usage_file}" in log
+    # CPU: async scheduling off, so the factory extends Scheduler, not AsyncScheduler.
+    assert "token-weighted scheduler: on Scheduler, weight = prompt + 0.7 x max_tokens, " \
+           "aging bound 60 s" in log
+
+
+def test_a_chat_completion_leaves_one_record_with_its_usage(plugin_vllm: PluginVllm):
+    v, r0 = plugin_vllm, rid()
+    offset, before = v.size(), v.metrics()
+    resp = v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=7,
+                                              extra_headers=hdr(r0), extra_body=EXACT)
+    assert resp.id == f"chatcmpl-{r0}"
+    assert resp.usage is not None and resp.usage.completion_tokens == 7
+    key = f"chatcmpl-{r0}#0"
+    records, after = settle(v, offset, {key})
+    assert_reconciles(records, {key}, before, after)
+    rec = by_key(records)[key]
+    assert rec.edge_request_id == r0
+    assert (rec.index, rec.n, rec.model, rec.finish_reason, rec.source, rec.prefilled) == \
+        (0, 1, MODEL, "length", "stats", True)
+    assert (rec.num_prompt_tokens, rec.num_generation_tokens, rec.num_cached_tokens,
+            rec.max_tokens, rec.num_preemptions) == \
+        (resp.usage.prompt_tokens, 7, 0, 7, 0)
+    assert rec.e2e_ms > 0 and rec.prefill_ms is not None and rec.decode_ms is not None
+
+
+def test_an_n_2_request_is_two_records_and_counts_its_prompt_twice(plugin_vllm: PluginVllm):
+    v, r0 = plugin_vllm, rid()
+    offset, before = v.size(), v.metrics()
+    resp = v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=6, n=2,
+                                              extra_headers=hdr(r0), extra_body=EXACT)
+    assert resp.usage is not None
+    assert (len(resp.choices), resp.usage.completion_tokens) == (2, 12)
+    keys = {f"chatcmpl-{r0}#0", f"chatcmpl-{r0}#1"}
+    records, after = settle(v, offset, keys)
+    assert_reconciles(records, keys, before, after)
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == \
+        2 * resp.usage.prompt_tokens
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == \
+        resp.usage.completion_tokens
+    for rec in records:
+        assert (rec.request_id, rec.n, rec.num_prompt_tokens, rec.num_generation_tokens) == \
+            (f"chatcmpl-{r0}", 2, resp.usage.prompt_tokens, 6)
+    assert sorted(r.index for r in records) == [0, 1]
+
+
+def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
+        plugin_vllm: PluginVllm):
+    """Both slots busy (two streams); a heavy request (a ~2000-token prompt) arrives,
+    then a light one. The first slot to free goes to the light one: FCFS would give it
+    to the heavy one, which arrived first."""
+    v = plugin_vllm
+    ids = {name: rid() for name in ("block-a", "block-b", "heavy", "light")}
+    first_token: dict[str, float] = {}
+    started = {name: threading.Event() for name in ids}
+    offset, before = v.size(), v.metrics()
+
+    def stream(name: str, content: str, max_tokens: int) -> None:
+        s = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs(content), max_tokens=max_tokens, stream=True,
+            extra_headers=hdr(ids[name]), extra_body=EXACT)
+        for chunk in s:
+            if chunk.choices and chunk.choices[0].delta.content and name not in first_token:
+                first_token[name] = time.monotonic()
+                started[name].set()
+
+    heavy_prompt = " ".join(f"w{i}" for i in range(1000))
+
+    def waiting(n: int) -> Callable[[], bool]:
+        return lambda: v.metrics()["vllm:num_requests_waiting"] == n
+
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(stream, "block-a", "a", 300), pool.submit(stream, "block-b", "b", 600)]
+        assert started["block-a"].wait(120) and started["block-b"].wait(120)
+        futs.append(pool.submit(stream, "heavy", heavy_prompt, 20))
+        wait_for(waiting(1), "the heavy request queued")
+        futs.append(pool.submit(stream, "light", "hi", 5))
+        wait_for(waiting(2), "the light request queued")
+        for f in futs:
+            f.result()
+    keys = {f"chatcmpl-{i}#0" for i in ids.values()}
+    records, after = settle(v, offset, keys)
+    assert_reconciles(records, keys, before, after)
+    rec = {name: by_key(records)[f"chatcmpl-{i}#0"] for name, i in ids.items()}
+    assert rec["heavy"].num_prompt_tokens > 1500 and rec["light"].num_prompt_tokens < 20
+    # Both waited for the slot block-a freed, the heavy one arrived first...
+    assert rec["heavy"].arrival_ts < rec["light"].arrival_ts < rec["block-a"].ts
+    assert rec["heavy"].queued_ms is not None and rec["heavy"].queued_ms > 500
+    assert rec["light"].queued_ms is not None and rec["light"].queued_ms > 100
+    # ... and the light one was served first.
+    assert first_token["light"] < first_token["heavy"]
+    assert rec["light"].ts < rec["heavy"].ts
+
+
+def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: PluginVllm):
+    """A client that leaves while its request waits for a slot: vLLM removes it from the
+    scheduler's (token-weighted) waiting queue; its record has no tokens generated and
+    ``prefilled`` false, and vLLM's prompt counter did not count it either."""
+    v = plugin_vllm
+    ids = {name: rid() for name in ("block-a", "block-b", "waiter")}
+    offset, before = v.size(), v.metrics()
+    running = {name: threading.Event() for name in ("block-a", "block-b")}
+    stop = threading.Event()
+
+    def blocker(name: str) -> None:
+        s = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs(name), max_tokens=600, stream=True,
+            extra_headers=hdr(ids[name]), extra_body=EXACT)
+        for _ in s:
+            running[name].set()
+            if stop.is_set():
+                break
+        s.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(blocker, n) for n in running]
+        assert all(e.wait(120) for e in running.values())
+        waiter = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs("waiting"), max_tokens=50, stream=True,
+            extra_headers=hdr(ids["waiter"]), extra_body=EXACT)
+        wait_for(lambda: v.metrics()["vllm:num_requests_waiting"] == 1, "the waiter queued")
+        waiter.close()
+        wait_for(lambda: f"chatcmpl-{ids['waiter']}#0" in {r.key for r in
+                                                          v.records_since(offset)},
+                 "the waiter's record")
+        stop.set()
+        for f in futs:
+            f.result()
+    keys = {f"chatcmpl-{i}#0" for i in ids.values()}
+    records, after = settle(v, offset, keys)
+    assert_reconciles(records, keys, before, after)
+    w = by_key(records)[f"chatcmpl-{ids['waiter']}#0"]
+    assert (w.finish_reason, w.source, w.prefilled, w.num_generation_tokens, w.queued_ms) == \
+        ("abort", "abort", False, 0, None)
+    assert w.num_prompt_tokens > 0
+    for name in running:
+        b = by_key(records)[f"chatcmpl-{ids[name]}#0"]
+        assert (b.finish_reason, b.source, b.prefilled) == ("abort", "abort", True)
+        assert 0 < b.num_generation_tokens < 600
+
+
+def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: PluginVllm):
+    """Streaming and non-streaming chats, completions with two prompts, an n = 2 request,
+    and clients that leave early (streams closed after a few chunks, non-streaming
+    requests timing out), all at once: one record per engine request, Σ generated =
+    growth of vllm:generation_tokens_total, Σ prompt (prefilled) = growth of
+    vllm:prompt_tokens_total."""
+    v = plugin_vllm
+    offset, before = v.size(), v.metrics()
+    expect: dict[str, Callable[[dict[str, EngineRecord]], None]] = {}
+    keys: set[str] = set()
+
+    def chat(max_tokens: int) -> None:
+        r0 = rid()
+        resp = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs(f"chat {max_tokens}"), max_tokens=max_tokens,
+            extra_headers=hdr(r0), extra_body=EXACT)
+        u = resp.usage
+        assert u is not None
+        key = f"chatcmpl-{r0}#0"
+        keys.add(key)
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            r = recs[key]
+            assert (r.finish_reason, r.source, r.num_prompt_tokens, r.num_generation_tokens) == \
+                ("length", "stats", u.prompt_tokens, u.completion_tokens)
+        expect[key] = check
+
+    def chat_free(max_tokens: int) -> None:
+        """No ignore_eos: it may stop at EOS; usage and record still agree."""
+        r0 = rid()
+        resp = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs("free"), max_tokens=max_tokens, extra_headers=hdr(r0))
+        u = resp.usage
+        assert u is not None
+        key = f"chatcmpl-{r0}#0"
+        keys.add(key)
+        reason = resp.choices[0].finish_reason
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            r = recs[key]
+            assert (r.finish_reason, r.num_prompt_tokens, r.num_generation_tokens) == \
+                (reason, u.prompt_tokens, u.completion_tokens)
+        expect[key] = check
+
+    def stream(max_tokens: int, leave_after: int | None = None, n: int = 1) -> None:
+        r0 = rid()
+        s = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs(f"stream {max_tokens}"), max_tokens=max_tokens, n=n,
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_headers=hdr(r0), extra_body=EXACT)
+        seen_usage, content_chunks = None, 0
+        for chunk in s:
+            if chunk.usage is not None:
+                seen_usage = chunk.usage
+            if chunk.choices and chunk.choices[0].delta.content:
+                content_chunks += 1
+            if leave_after is not None and content_chunks >= leave_after:
+                break
+        s.close()
+        ks = [f"chatcmpl-{r0}#{i}" for i in range(n)]
+        keys.update(ks)
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            rs = [recs[k] for k in ks]
+            gen = sum(r.num_generation_tokens for r in rs)
+            if leave_after is None:
+                assert seen_usage is not None
+                assert [r.finish_reason for r in rs] == ["length"] * n
+                assert gen == seen_usage.completion_tokens == n * max_tokens
+            else:
+                # The engine generated at least what the client saw (the edge bills
+                # only that today), never more than asked.
+                assert [(r.finish_reason, r.source) for r in rs] == [("abort", "abort")] * n
+                assert seen_usage is not None and gen >= seen_usage.completion_tokens
+                assert gen >= content_chunks and all(r.num_generation_tokens < max_tokens
+                                                     for r in rs)
+        expect[ks[0]] = check
+
+    def chat_timeout(max_tokens: int) -> None:
+        r0 = rid()
+        with pytest.raises(openai.APITimeoutError):
+            v.client(timeout=1.5).chat.completions.create(
+                model=MODEL, messages=msgs("timeout"), max_tokens=max_tokens,
+                extra_headers=hdr(r0), extra_body=EXACT)
+        key = f"chatcmpl-{r0}#0"
+        keys.add(key)
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            r = recs[key]
+            assert (r.finish_reason, r.source) == ("abort", "abort")
+            assert r.num_generation_tokens < max_tokens
+        expect[key] = check
+
+    def completions_two_prompts(max_tokens: int) -> None:
+        r0 = rid()
+        resp = v.client(timeout=300).completions.create(
+            model=MODEL, prompt=["first prompt", "the second prompt"], max_tokens=max_tokens,
+            extra_headers=hdr(r0), extra_body=EXACT)
+        u = resp.usage
+        assert u is not None and resp.id == f"cmpl-{r0}"
+        ks = [f"cmpl-{r0}-{i}#0" for i in range(2)]
+        keys.update(ks)
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            rs = [recs[k] for k in ks]
+            assert [r.edge_request_id for r in rs] == [r0, r0]
+            assert sum(r.num_prompt_tokens for r in rs) == u.prompt_tokens
+            assert sum(r.num_generation_tokens for r in rs) == u.completion_tokens == \
+                2 * max_tokens
+        expect[ks[0]] = check
+
+    def n2(max_tokens: int) -> None:
+        r0 = rid()
+        resp = v.client(timeout=300).chat.completions.create(
+            model=MODEL, messages=msgs("two"), max_tokens=max_tokens, n=2,
+            extra_headers=hdr(r0), extra_body=EXACT)
+        u = resp.usage
+        assert u is not None
+        ks = [f"chatcmpl-{r0}#{i}" for i in range(2)]
+        keys.update(ks)
+
+        def check(recs: dict[str, EngineRecord]) -> None:
+            rs = [recs[k] for k in ks]
+            assert [r.num_prompt_tokens for r in rs] == [u.prompt_tokens] * 2
+            assert sum(r.num_generation_tokens for r in rs) == u.completion_tokens
+        expect[ks[0]] = check
+
+    jobs: list[Callable[[], None]] = [
+        lambda: chat(5), lambda: chat(17), lambda: chat(40), lambda: chat_free(30),
+        lambda: stream(12), lambda: stream(33), lambda: stream(9),
+        lambda: stream(400, leave_after=3), lambda: stream(400, leave_after=10),
+        lambda: stream(300, leave_after=4, n=2),
+        lambda: chat_timeout(3000), lambda: chat_timeout(3000),
+        lambda: completions_two_prompts(8), lambda: n2(11),
+    ]
+    with ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(j) for j in jobs]:
+            f.result()
+    records, after = settle(v, offset, keys)
+    assert_reconciles(records, keys, before, after)
+    recs = by_key(records)
+    assert len(expect) == len(jobs)
+    for check in expect.values():
+        check(recs)
+    assert {r.edge_request_id is not None for r in records} == {True}
