@@ -4,7 +4,8 @@
 #   - a virtualenv with vLLM (CPU build) and the sidecars, kept outside the
 #     checkout under ~/.cache/tokengate keyed by a hash of requirements.txt,
 #     linked from .venv
-#   - editable installs of sidecars/ (runtime) and dev/ (development tooling)
+#   - editable installs of sidecars/ (runtime), dev/ (development tooling) and
+#     vllm_patches/ (the vLLM plugin, loaded by vLLM through its entry points)
 #   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,11 +42,12 @@ ln -sfn "$VENV" .venv
 
 # The project itself, editable installs pointing at this checkout: the runtime package
 # (sidecars/) and the development tooling (dev/: the loopback stack, benchmarks, model
-# builder), kept apart so that what ships holds only what runs in production. Redone
-# when the checkout moves or a pyproject.toml changes (console scripts, package data).
-STAMP="$ROOT $(cat sidecars/pyproject.toml dev/pyproject.toml | sha256sum | cut -c1-12)"
+# builder), kept apart so that what ships holds only what runs in production, and the
+# vLLM plugin (vllm_patches/, its entry points). Redone when the checkout moves or a
+# pyproject.toml changes (console scripts, entry points, package data).
+STAMP="$ROOT $(cat sidecars/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
 if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
-  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars -e dev
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars -e dev -e vllm_patches
   echo "$STAMP" > .venv/.tokengate-install
 fi
 
