@@ -30,9 +30,10 @@ bench: setup
 	@$(PY) -m tokengate_dev.bench.storm $(BENCH_ARGS)
 
 lint: setup
-	@.venv/bin/ruff check sidecars dev tests
+	@.venv/bin/ruff check sidecars dev vllm_patches tests
 	@cd sidecars && ../.venv/bin/mypy tokengate
 	@cd dev && ../.venv/bin/mypy tokengate_dev
+	@cd vllm_patches && ../.venv/bin/mypy tokengate_vllm
 
 clean:
 	rm -rf var/run var/log
