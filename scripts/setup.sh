@@ -22,8 +22,8 @@ if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
-  # The packaged nginx/redis services are not used: tokengate runs its own on loopback.
-  $SUDO systemctl disable --now nginx redis-server >/dev/null 2>&1 || true
+  # The host's own nginx and redis-server services are left as they are (on a GPU host
+  # they may be production): the loopback stack starts its own on other ports.
 fi
 
 HASH=$(sha256sum requirements.txt | cut -c1-12)
