@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what tokengate needs and is missing; fast when everything is there.
-#   - Debian packages: nginx + ngx_lua + lua-resty-core + lua-cjson, redis-server
+#   - Debian packages: nginx + ngx_lua + lua-resty-core + lua-cjson, redis-server,
+#     systemd (systemd-analyze: the tests verify the units of systemd/; a Debian
+#     container image lacks it)
 #   - a virtualenv with vLLM (CPU build) and the sidecars, kept outside the
 #     checkout under ~/.cache/tokengate keyed by a hash of requirements.txt,
 #     linked from .venv
@@ -11,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson redis-server"
+APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson redis-server systemd"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
