@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,56 @@ def test_once_applies_what_is_there_and_exits(cfg, config_path, ledger_redis, re
     r = subprocess.run(argv[:-3] + ["--redis-url", "redis://127.0.0.1:1/0", "--once"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 1 and "Redis unavailable" in r.stderr
+
+
+def utc_ts(seconds_ago: float = 0.0) -> str:
+    """An event timestamp (RFC 3339 UTC, ms) ``seconds_ago`` before now."""
+    t = datetime.now(UTC) - timedelta(seconds=seconds_ago)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def test_the_status_shows_the_real_lag_while_redis_is_down(ledger_config_path, private_redis,
+                                                           usage_writer):
+    """Events written while Redis is down wait in the file: the status says how many
+    bytes and how old the oldest is (not zero), and both are 0 again once Redis is back
+    and the events are applied."""
+    r = private_redis(persist=True)
+    name = svc_name("test-ledger-lag")
+    svc = start_ledger(ledger_config_path, usage_writer.path, r.url, name)
+    try:
+        usage_writer.write(make_event(ts=utc_ts()))
+        wait_until(lambda: (status(name)["applied"], status(name)["lag_bytes"],
+                            status(name)["lag_s"]) == (1, 0, 0.0), what="caught up")
+        r.kill()
+        # the oldest waiting event was written 2.5 s ago: started 3 s ago, took 500 ms
+        waiting = [make_event(ts=utc_ts(3.0), total_ms=500.0)] + \
+            [make_event(ts=utc_ts()) for _ in range(20)]
+        for ev in waiting:
+            usage_writer.write(ev)
+        size = sum(len(ev.to_json().encode()) + 1 for ev in waiting)
+        wait_until(lambda: status(name)["redis_up"] is False
+                   and status(name)["lag_bytes"] == size, what="the lag of the waiting events")
+        s1 = status(name)
+        assert s1["lag_s"] >= 2.5
+        time.sleep(1.5)
+        assert status(name)["lag_s"] >= s1["lag_s"] + 1.0  # still waiting, older by now
+        r.start()
+        wait_until(lambda: (status(name)["applied"], status(name)["lag_bytes"],
+                            status(name)["lag_s"], status(name)["redis_up"])
+                   == (1 + len(waiting), 0, 0.0, True), 30, what="applied after Redis is back")
+    finally:
+        svc.stop()
+
+
+def test_the_lag_is_unknown_until_the_checkpoint_was_read(cfg, usage_writer):
+    usage_writer.write(make_event())
+    led = Ledger(cfg, redis_client.connect(cfg.redis, timeout_s=0.2, url="redis://127.0.0.1:1/0"),
+                 usage_writer.path, "never-up")
+    stop = threading.Event()
+    worker = threading.Thread(target=led.run, args=(stop,), daemon=True)
+    worker.start()
+    time.sleep(0.6)
+    stop.set()
+    worker.join(10)
+    assert (led.redis_up, led.lag_bytes, led.lag_s) == (False, None, None)
+    led.close()

@@ -41,6 +41,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,7 +52,7 @@ from redis.exceptions import RedisError
 from tokengate.config import Config
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
-from tokengate.ledger.event import EventError, UsageEvent, parse_event
+from tokengate.ledger.event import EventError, UsageEvent, parse_event, parse_ts
 from tokengate.ledger.tail import Batch, Finished, Position, UsageTail
 from tokengate.redis_client import SyncRedis
 
@@ -104,6 +105,21 @@ redis.call('HINCRBY', KEYS[2], 'batches', 1)
 return {'ok', applied, dup}
 """
 
+MEASURE_EVERY_S = 0.25  # lag refresh while the ledger is busy or Redis is down
+
+
+def _age_s(line: bytes | None) -> float | None:
+    """Seconds since the edge wrote the event ``line`` (its ``ts``, the request's start,
+    plus ``total_ms``), at least 0; None for a line that is not an event (it will be
+    counted as a bad line)."""
+    try:
+        obj = json.loads(line or b"")
+        written = parse_ts(obj["ts"]).timestamp() + float(obj["total_ms"]) / 1000
+    except (ValueError, KeyError, TypeError, EventError):
+        return None
+    return max(0.0, round(time.time() - written, 3))
+
+
 @dataclass
 class Totals:
     """What this ledger process did so far (events, lines)."""
@@ -146,9 +162,14 @@ class Ledger:
         self._expected: str | None = None   # checkpoint Redis should hold; None: ask it
         self._committed: str | None = None  # last checkpoint this process wrote
         # Read by other threads (status); written by the thread that runs the ledger.
+        # lag_bytes / lag_s: bytes of the usage files not applied yet, and the age of the
+        # oldest of those events (s since the edge wrote it, 0.0 when none waits); None
+        # until a checkpoint was read (Redis down since the start: nobody knows).
         self.redis_up = False
-        self.lag_bytes = 0
+        self.lag_bytes: int | None = None
+        self.lag_s: float | None = None
         self.position: str | None = None
+        self._positioned = False
 
     # -- positioning ---------------------------------------------------------------
 
@@ -163,6 +184,7 @@ class Ledger:
                      pos or "(none)", len(done))
             self.tail.seek(Position.decode(pos), done)
         self._expected = self._committed = pos
+        self._positioned = True
 
     # -- applying ------------------------------------------------------------------
 
@@ -280,6 +302,25 @@ class Ledger:
             return None
         return list(res)
 
+    def measure(self) -> None:
+        """Refresh ``lag_bytes``, ``lag_s`` and ``position`` from the tail (from the thread
+        that runs the ledger: the tail is not thread-safe). Before the first checkpoint
+        is read they stay None."""
+        if not self._positioned:
+            return
+        lag = self.tail.lag_bytes()
+        self.lag_s = _age_s(self.tail.pending_line()) if lag else 0.0
+        self.lag_bytes = lag
+        self.position = self._committed
+
+    def _wait_measuring(self, stop: threading.Event, seconds: float) -> None:
+        """Wait ``seconds`` (or until ``stop``), refreshing the lag meanwhile."""
+        end = time.monotonic() + seconds
+        while not stop.wait(max(0.0, min(MEASURE_EVERY_S, end - time.monotonic()))):
+            self.measure()
+            if time.monotonic() >= end:
+                return
+
     def drain(self) -> Totals:
         """Apply everything there is now, then return; raises ``RedisError``."""
         while self.step():
@@ -290,7 +331,14 @@ class Ledger:
         """Apply events as they come until ``stop`` is set, waiting out Redis outages."""
         backoff = 0.1
         down = False
+        measured = 0.0
         while not stop.is_set():
+            now = time.monotonic()
+            if now - measured >= MEASURE_EVERY_S:
+                # also while Redis is down or a backlog keeps every step busy: that is
+                # when the lag grows
+                self.measure()
+                measured = now
             try:
                 busy = self.step()
                 self.redis_up = True
@@ -300,7 +348,8 @@ class Ledger:
                     down = True
                     log.warning("ledger %s: Redis unavailable (%s); events stay in the usage "
                                 "file, retrying", self.ledger_id, e)
-                stop.wait(backoff)
+                self._wait_measuring(stop, backoff)
+                measured = time.monotonic()
                 backoff = min(backoff * 2, 5.0)
                 continue
             if down:
@@ -308,8 +357,8 @@ class Ledger:
                 down = False
             backoff = 0.1
             if not busy:
-                self.lag_bytes = self.tail.lag_bytes()
-                self.position = self._committed
+                self.measure()
+                measured = time.monotonic()
                 stop.wait(poll_s)
 
     def close(self) -> None:

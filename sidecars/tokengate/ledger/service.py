@@ -58,7 +58,10 @@ BAD LINES
 
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
-  conflicts, lag_bytes (written but not yet applied), redis_up, position.
+  conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
+  (age of the oldest event not yet applied, seconds; 0 when none waits), redis_up,
+  position. Both lags keep growing while Redis is down; they are null until the
+  ledger has read its checkpoint once (started while Redis was down).
 
 EXIT STATUS
   0 after SIGTERM/SIGINT (or --once done), 1 when --once cannot reach Redis,
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def snapshot() -> dict[str, object]:
         return {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
-                "redis_up": ledger.redis_up, "position": ledger.position,
+                "lag_s": ledger.lag_s, "redis_up": ledger.redis_up, "position": ledger.position,
                 "ledger_id": ledger.ledger_id, "pid": os.getpid()}
 
     if args.status_file:
@@ -147,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
             _write_status(args.status_file, snapshot())
         t = ledger.totals
         if time.monotonic() - last_log >= 10.0 and t.applied != last_applied:
-            log.info("applied %d (duplicates %d, bad lines %d), %d bytes behind",
-                     t.applied, t.duplicates, t.bad_lines, ledger.lag_bytes)
+            log.info("applied %d (duplicates %d, bad lines %d), %s bytes / %s s behind",
+                     t.applied, t.duplicates, t.bad_lines, ledger.lag_bytes, ledger.lag_s)
             last_log, last_applied = time.monotonic(), t.applied
     worker.join(10.0)
     ledger.close()

@@ -314,6 +314,15 @@ class UsageTail:
             total += max(0, os.fstat(o.fd).st_size - o.offset)
         return total
 
+    def pending_line(self, limit: int = 1 << 16) -> bytes | None:
+        """The oldest line written but not yet consumed (at most ``limit`` bytes, newline
+        removed), over the current and queued files; ``None`` when there is none."""
+        for o in ([self._cur] if self._cur else []) + self._queue:
+            data = os.pread(o.fd, limit, o.offset)
+            if data:
+                return data.split(b"\n", 1)[0]
+        return None
+
     def close(self) -> None:
         """Close every held file."""
         for o in ([self._cur] if self._cur else []) + self._queue:
