@@ -155,7 +155,9 @@ CHAT_CASES: list[Case] = [(name, "chat", body) for name, body in [
     ("enable_thinking_true", chat([user("hi")], chat_template_kwargs={"enable_thinking": True})),
     ("reasoning_effort_none", chat([user("hi")], reasoning_effort="none")),
     ("reasoning_effort_low", chat([user("hi")], reasoning_effort="low")),
-    ("unknown_template_kwarg", chat([user("hi")], chat_template_kwargs={"foo": "bar"})),
+    # allowed (edge.chat_template_kwargs_allowed), but not read by Qwen3's template
+    ("template_kwarg_the_template_ignores",
+     chat([user("hi")], chat_template_kwargs={"reasoning_effort": "high"})),
     ("no_generation_prompt", chat([user("hi")], add_generation_prompt=False)),
     ("continue_final_message", chat([user("Write a haiku"), assistant("Autumn moonlight—")],
                                     add_generation_prompt=False, continue_final_message=True)),

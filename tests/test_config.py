@@ -118,6 +118,11 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
     ("edge.special_token_roles", ["user", "usr"],
      ("input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
       "got 'usr'")),
+    ("edge.chat_template_kwargs_allowed", ["enable_thinking", "tools"],
+     "tools cannot be allowed: the request sets it through checked fields, or vLLM does"),
+    ("edge.structured_output.max_properties", 0,
+     "input should be greater than or equal to 1, got 0"),
+    ("edge.max_unknown_fields_bytes", -1, "input should be greater than or equal to 0, got -1"),
     ("currency", 3, "input should be a valid string, got 3"),
 ])
 def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
@@ -236,7 +241,7 @@ def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 1 and doc["source"] == str(config_path)
+    assert doc["version"] == 2 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
@@ -245,6 +250,10 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
          "default_max_tokens": None, "max_n": 8}
     assert (m["host"], m["port"]) == ("127.0.0.1", int(m["upstream"].rpartition(":")[2]))
     assert "<|im_end|>" in m["special_tokens"]
+    # added, not special, and written by the chat template; <|fim_prefix|> is added and not
+    # special too, but no turn uses it
+    assert m["structural_tokens"] == ["</tool_response>", "<tool_response>", "</tool_call>",
+                                      "<tool_call>", "</think>", "<think>"]
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {}}
     assert doc["edge"] == {**cfg.edge.model_dump(mode="json"),
                            "usage_file": str(cfg.ledger.usage_file)}
@@ -305,7 +314,8 @@ def test_the_json_schema_is_valid_and_closed(repo_raw: dict[str, Any]) -> None:
     schema = json.loads(r.stdout)
     jsonschema.Draft202012Validator.check_schema(schema)
     objects = list(_objects(schema))
-    assert len(objects) == 12          # the file and its 11 sections
+    # the file and every section: each schema model (a subclass of _Schema) appears once
+    assert len(objects) == len(tg_config._Schema.__subclasses__())
     assert all(o["additionalProperties"] is False for o in objects)
     validator = jsonschema.Draft202012Validator(schema)
     assert list(validator.iter_errors(repo_raw)) == []
@@ -324,7 +334,8 @@ def test_docs_config_md_is_generated_from_the_schema() -> None:
 def test_docs_list_every_key() -> None:
     text = DOCS.read_text()
     for model in (tg_config.ModelConfig, tg_config.KeyConfig, tg_config.EdgeConfig,
-                  tg_config.AccessLogConfig, tg_config.Config):
+                  tg_config.StructuredOutputLimits, tg_config.AccessLogConfig,
+                  tg_config.Config):
         for name in model.model_fields:
             assert f"| `{name}` |" in text, name
 
@@ -342,6 +353,10 @@ def lua_load(doc: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
             default = m.default_max_tokens == nil, max_n = m.max_n,
             user_checked = m.special_token_roles.user == true,
             system_checked = m.special_token_roles.system == true,
+            user_tokens = #m.role_tokens.user, assistant_tokens = #m.role_tokens.assistant,
+            system_tokens = m.role_tokens.system == nil, all_tokens = #m.all_tokens,
+            anchor = m.all_tokens.anchor,
+            kwargs = d.edge.template_kwargs_allowed.enable_thinking == true,
             key = d.keys["{DEMO}"].id, backoff = d.edge.counter_backoff_ms,
             rate = require("tokengate.config").rules().rate}})"""))
 
@@ -351,11 +366,15 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
     doc = compile_config.compile_config(tg_config.load(config_path))
     assert lua_load(doc, tmp_path) == {
         "name": MODEL, "cap": 4096, "default": True, "max_n": 8, "user_checked": True,
-        "system_checked": False, "key": "demo", "backoff": 500, "rate": 0.01}
+        "system_checked": False, "key": "demo", "backoff": 500, "rate": 0.01,
+        # 14 special tokens (user, assistant, tool, function) + 6 structural (user, tool,
+        # function); none for system
+        "user_tokens": 20, "assistant_tokens": 14, "system_tokens": True, "all_tokens": 20,
+        "anchor": "<", "kwargs": True}
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 1: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 2: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

@@ -85,6 +85,13 @@ BAD_CHAT = [
      "chat_template_kwargs.truncation: not allowed"),
     ({**msgs({"role": "user", "content": "x"}), "chat_template_kwargs": []},
      "chat_template_kwargs: expected an object"),
+    # the edge's allowlist (edge.chat_template_kwargs_allowed): "tools" there would render
+    # as tools past every check of the request's own tools
+    ({**msgs({"role": "user", "content": "x"}), "chat_template_kwargs": {"tools": []}},
+     ("chat_template_kwargs.tools: not an allowed chat template argument (allowed: "
+      "enable_thinking, reasoning_effort)")),
+    ({**msgs({"role": "user", "content": "x"}), "chat_template_kwargs": {"foo": "bar"}},
+     "chat_template_kwargs.foo: not an allowed chat template argument"),
     ({**msgs({"role": "user", "content": "x"}), "chat_template": "{{ 'x' }}"},
      "chat_template: request-provided chat templates are not allowed"),
     ({**msgs({"role": "user", "content": "x"}), "add_generation_prompt": True,

@@ -8,6 +8,7 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local bounds = require "tokengate.bounds"
 
 local ngx_req = ngx.req
 local io_open = io.open
@@ -16,6 +17,9 @@ local tonumber = tonumber
 local format = string.format
 local find = string.find
 local lower = string.lower
+local sort = table.sort
+local concat = table.concat
+local pairs = pairs
 local is_array = json.is_array
 local is_object = json.is_object
 local json_integer = json.integer
@@ -202,10 +206,41 @@ local function check_common(body, models)
     return m
 end
 
--- validate_chat(body, models) -> model entry | nil, err (400/404).
+-- check_template_kwargs(kwargs, allowed) -> true | nil, err (400). vLLM merges
+-- chat_template_kwargs into the template's arguments (vllm/renderers/hf.py), where a key
+-- such as "tools" replaces what the request's own, checked, fields set: only the keys of
+-- edge.chat_template_kwargs_allowed pass (the counter applies the same list).
+local function check_template_kwargs(kwargs, allowed)
+    if kwargs == nil or kwargs == null then
+        return true
+    end
+    if not is_object(kwargs) then
+        return fail(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs",
+            "invalid_type")
+    end
+    local keys = kwargs[KEYS]
+    for i = 1, #keys do
+        local k = keys[i]
+        if not allowed[k] then
+            local names = {}
+            for name in pairs(allowed) do
+                names[#names + 1] = name
+            end
+            sort(names)
+            local param = "chat_template_kwargs." .. clip(k)
+            return fail(400, format("Unsupported parameter: '%s' is not an allowed chat "
+                .. "template argument (allowed: %s)", param,
+                #names > 0 and concat(names, ", ") or "none"), param, "unsupported_parameter")
+        end
+    end
+    return true
+end
+
+-- validate_chat(body, models, edge) -> model entry | nil, err (400/404).
 -- Checks: model (configured), messages (non-empty array of objects with a string role and
--- string / array / null content), stream flags, token limits are positive integers.
-function _M.validate_chat(body, models)
+-- string / array / null content), stream flags, token limits are positive integers,
+-- chat_template_kwargs keys (edge.chat_template_kwargs_allowed).
+function _M.validate_chat(body, models, edge)
     local msgs = body.messages
     if msgs == nil or msgs == null then
         return fail(400, "'messages' is a required property" .. envelope_hint(body, "messages"),
@@ -238,6 +273,11 @@ function _M.validate_chat(body, models)
     if tools ~= nil and tools ~= null and not is_array(tools) then
         return fail(400, "'tools' must be an array", "tools", "invalid_type")
     end
+    local ok, err = check_template_kwargs(body.chat_template_kwargs,
+        edge.template_kwargs_allowed)
+    if not ok then
+        return nil, err
+    end
     return check_common(body, models)
 end
 
@@ -268,11 +308,12 @@ end
 
 -- parse(route, models, edge) -> body (tokengate.json object) | nil, err
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
--- strict decoding (400), shape and model (400/404); body.model then names a configured
--- model. route: "chat" | "completions"; edge: the compiled edge settings
--- (max_body_bytes, max_json_depth). err.model: the body's "model" when it names a
--- configured model (for the usage event; a client's unknown name is never passed on:
--- it can be any size).
+-- strict decoding (400), shape and model (400/404), the bounds on costly inputs (400,
+-- tokengate.bounds); body.model then names a configured model. route: "chat" |
+-- "completions"; edge: the compiled edge settings (max_body_bytes, max_json_depth,
+-- template_kwargs_allowed, structured_output, max_unknown_fields_bytes). err.model: the
+-- body's "model" when it names a configured model (for the usage event; a client's
+-- unknown name is never passed on: it can be any size).
 function _M.parse(route, models, edge)
     local ok, err = _M.check_headers(ngx_req.get_headers(), edge.max_body_bytes)
     if not ok then
@@ -289,9 +330,12 @@ function _M.parse(route, models, edge)
         return nil, err
     end
     if route == "chat" then
-        ok, err = _M.validate_chat(body, models)
+        ok, err = _M.validate_chat(body, models, edge)
     else
         ok, err = _M.validate_completions(body, models)
+    end
+    if ok then
+        ok, err = bounds.check(route, body, edge)
     end
     if not ok then
         local name = body.model

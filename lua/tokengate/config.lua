@@ -12,10 +12,12 @@ local tostring = tostring
 local pairs = pairs
 local ipairs = ipairs
 local setmetatable = setmetatable
+local sort = table.sort
+local find = string.find
 
 local _M = {}
 
-local VERSION = 1 -- tokengate.tools.compile_config.VERSION
+local VERSION = 2 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -28,6 +30,38 @@ end
 -- SECTIONS: the tables every compiled document has. Defaults are filled in by the schema
 -- (tokengate.config) before the document is written, so nothing here fills any in.
 local SECTIONS = { "models", "keys", "edge", "global_limits", "access_log" }
+
+-- The message roles of tokengate.config.Role.
+local ROLES = { "system", "developer", "user", "assistant", "tool", "function" }
+
+-- token_list(a, b) -> the strings of both arrays, longest first (of two tokens found at
+-- the same byte the longer wins; a strip pass removes a token before any prefix of it);
+-- .anchor = "<" when every token holds one, so text without "<" is skipped unscanned.
+local function token_list(a, b)
+    local list, seen = {}, {}
+    for _, src in ipairs({ a, b }) do
+        for _, t in ipairs(src) do
+            if not seen[t] then
+                seen[t] = true
+                list[#list + 1] = t
+            end
+        end
+    end
+    sort(list, function(x, y)
+        if #x ~= #y then
+            return #x > #y
+        end
+        return x < y
+    end)
+    local anchor = "<"
+    for _, t in ipairs(list) do
+        if not find(t, "<", 1, true) then
+            anchor = nil
+        end
+    end
+    list.anchor = anchor
+    return list
+end
 
 -- load(path) -> doc | nil, err. path: the compiled JSON file. Checks the version and the
 -- sections so that a stale or broken file fails `nginx -t`/reload instead of requests.
@@ -52,10 +86,19 @@ function _M.load(path)
                 .. "this tokengate (tokengate.tools.compile_config)")
         end
     end
-    local roles = {}
-    for _, r in ipairs(d.edge.special_token_roles) do
-        roles[r] = true
+    local edge = d.edge
+    local special_roles, structural_roles = {}, {}
+    for _, r in ipairs(edge.special_token_roles) do
+        special_roles[r] = true
     end
+    for _, r in ipairs(edge.structural_token_roles) do
+        structural_roles[r] = true
+    end
+    local allowed = {}
+    for _, k in ipairs(edge.chat_template_kwargs_allowed) do
+        allowed[k] = true
+    end
+    edge.template_kwargs_allowed = allowed
     for name, m in pairs(d.models) do
         -- JSON null (no cap, no default) reads as cjson.null, which is truthy
         if m.max_tokens_cap == cjson.null then
@@ -65,7 +108,18 @@ function _M.load(path)
             m.default_max_tokens = nil
         end
         m.name = name
-        m.special_token_roles = roles
+        m.special_token_roles = special_roles
+        m.structural_set = {}
+        for _, t in ipairs(m.structural_tokens) do
+            m.structural_set[t] = true
+        end
+        m.all_tokens = token_list(m.special_tokens, m.structural_tokens)
+        m.role_tokens = {}
+        for _, r in ipairs(ROLES) do
+            local list = token_list(special_roles[r] and m.special_tokens or {},
+                structural_roles[r] and m.structural_tokens or {})
+            m.role_tokens[r] = #list > 0 and list or nil
+        end
     end
     for digest, k in pairs(d.keys) do
         k.digest = digest

@@ -150,6 +150,7 @@ local function utf8_char(cp)
     return char(0xF0 + floor(cp / 0x40000), 0x80 + floor(cp / 0x1000) % 0x40,
         0x80 + floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
 end
+_M.utf8_char = utf8_char
 
 -- utf8_len(s, i) -> length of the valid UTF-8 sequence starting at s[i] (2..4), or nil.
 -- Rejects overlong forms, UTF-16 surrogates (U+D800..U+DFFF) and code points > U+10FFFF.

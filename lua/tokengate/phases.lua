@@ -134,7 +134,7 @@ local function what(ctx, doc)
     ctx.limit_req = limits.request(ctx.key, model.name, ngx_var.request_id)
     ctx.rate = limits.peek(ctx.limit_req)
     local counts
-    counts, err = sanitize.request(route, body, model, edge.special_tokens)
+    counts, err = sanitize.request(route, body, model, edge)
     if not counts then
         return nil, err
     end

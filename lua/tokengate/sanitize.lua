@@ -27,9 +27,13 @@ local byte = string.byte
 local concat = table.concat
 local type = type
 local format = string.format
+local match = string.match
+local tonumber = tonumber
 local is_array = json.is_array
 local is_object = json.is_object
 local encode = json.encode
+local decode = json.decode
+local utf8_char = json.utf8_char
 local KEYS = json.KEYS
 
 local REASONING_FIELDS = { "reasoning_content", "reasoning" }
@@ -164,13 +168,15 @@ function _M.clean(s)
 end
 local clean = _M.clean
 
--- Special tokens -------------------------------------------------------------------
+-- Special and structural tokens ---------------------------------------------------
+-- A token list (tokengate.config: model.role_tokens[role], model.all_tokens) is an array
+-- of literal strings, longest first, with .anchor = "<" when every one holds a "<".
 
--- find_special(s, tokens) -> the special-token string that occurs first in s, or nil.
--- tokens: array of literal strings (longest first, so of two tokens starting at the
--- same byte the longer wins).
+-- find_special(s, tokens) -> the token string that occurs first in s, or nil (of two
+-- tokens starting at the same byte the longer wins).
 local function find_special(s, tokens)
-    if not find(s, "<", 1, true) then
+    local anchor = tokens.anchor
+    if anchor and not find(s, anchor, 1, true) then
         return nil
     end
     local best, best_at = nil, nil
@@ -183,18 +189,18 @@ local function find_special(s, tokens)
     return best
 end
 
--- strip_special(s, tokens) -> s without any of the token strings, number removed
+-- strip_special(s, tokens) -> s without any of the token strings, number removed. One
+-- linear pass per token: a token that the removals join back together ("<|im_" ..
+-- "<think>" .. "end|>") survives it, and the caller refuses the text instead of looping
+-- (nested tokens are never an accident, and a loop would be quadratic).
 local function strip_special(s, tokens)
     local n = 0
     for i = 1, #tokens do
         local tok = tokens[i]
-        while true do
-            local a, b = find(s, tok, 1, true)
-            if not a then
-                break
-            end
-            s = s:sub(1, a - 1) .. s:sub(b + 1)
-            n = n + 1
+        if find(s, tok, 1, true) then
+            local k
+            s, k = gsub(s, gsub(tok, "%p", "%%%0"), "")
+            n = n + k
         end
     end
     return s, n
@@ -202,46 +208,82 @@ end
 
 -- Walkers ------------------------------------------------------------------------------
 
--- State of one request's pass: st = {removed = <chars>, specials = policy,
--- tokens = {...}, roles = {role = true}, bad = nil | {param, token}}.
+-- State of one request's pass: st = {removed = <chars>, stripped = <tokens>, policy,
+-- by_role = {role = token list}, all = token list (tools, documents, template kwargs),
+-- structural = {token = true}, depth = edge.max_json_depth,
+-- bad = nil | {param, token, why = nil | "key" | "formed" | "escaped", at = <path>}}.
 
--- visit_text(st, s, param, check) -> cleaned s; with check, applies the special-token
--- policy (records st.bad = {param, token} on reject, strips on strip)
-local function visit_text(st, s, param, check)
-    local out, n = clean(s)
-    st.removed = st.removed + n
-    if check and st.policy ~= "allow" then
-        local tok = find_special(out, st.tokens)
-        if tok then
-            if st.policy == "reject" then
-                if not st.bad then
-                    st.bad = { param = param, token = tok }
-                end
-            else
-                local k
-                out, k = strip_special(out, st.tokens)
-                st.stripped = st.stripped + k
-            end
-        end
+-- flag(st, param, token, why, at): records the first refusal of the request.
+local function flag(st, param, token, why, at)
+    if not st.bad then
+        st.bad = { param = param, token = token, why = why, at = at }
+    end
+end
+
+-- check_text(st, s, param, tokens) -> s under the policy: unchanged (allow, or no token),
+-- flagged (reject), or without the tokens (strip). Nothing else is removed: schema
+-- strings (property values, enums, patterns) and ids must stay byte-exact, yet the
+-- template renders them.
+local function check_text(st, s, param, tokens, at)
+    if not tokens or st.policy == "allow" then
+        return s
+    end
+    local tok = find_special(s, tokens)
+    if not tok then
+        return s
+    end
+    if st.policy == "reject" then
+        flag(st, param, tok, nil, at)
+        return s
+    end
+    local out, k = strip_special(s, tokens)
+    st.stripped = st.stripped + k
+    local left = find_special(out, tokens)
+    if left then
+        flag(st, param, left, "formed", at)
     end
     return out
 end
 
--- content: string | array of parts ({"type": "text", "text": "..."}, refusal, thinking)
--- | other (kept). Part params: "messages[i].content[j].<field>".
-local function visit_content(st, content, param, check)
+-- check_key(st, k, param, tokens): an object key is checked but never rewritten (strip
+-- cannot rename a property or an argument), so a token there is refused under strip too.
+local function check_key(st, k, param, tokens, at)
+    if tokens and st.policy ~= "allow" then
+        local tok = find_special(k, tokens)
+        if tok then
+            flag(st, param, tok, "key", at)
+        end
+    end
+end
+
+-- visit_text(st, s, param, tokens) -> s cleaned of invisible characters, then under the
+-- token policy when tokens is a token list (nil: the role is not checked).
+local function visit_text(st, s, param, tokens, at)
+    local out, n = clean(s)
+    st.removed = st.removed + n
+    return check_text(st, out, param, tokens, at)
+end
+
+-- content: string | array of parts ({"type": "text", "text": "..."}, refusal, thinking,
+-- or a bare string, which vLLM reads as a text part: renderers/chat_utils.py
+-- _parse_chat_message_content_part) | other (kept). Part params:
+-- "messages[i].content[j].<field>".
+local function visit_content(st, content, param, tokens)
     if type(content) == "string" then
-        return visit_text(st, content, param, check)
+        return visit_text(st, content, param, tokens)
     end
     if is_array(content) then
         for j = 1, #content do
             local part = content[j]
-            if is_object(part) then
+            if type(part) == "string" then
+                content[j] = visit_text(st, part, format("%s[%d]", param, j - 1), tokens)
+            elseif is_object(part) then
                 for f = 1, #PART_FIELDS do
                     local k = PART_FIELDS[f]
                     local v = part[k]
                     if type(v) == "string" then
-                        part[k] = visit_text(st, v, format("%s[%d].%s", param, j - 1, k), check)
+                        part[k] = visit_text(st, v, format("%s[%d].%s", param, j - 1, k),
+                            tokens)
                     end
                 end
             end
@@ -250,138 +292,250 @@ local function visit_content(st, content, param, check)
     return content
 end
 
--- check_only(st, s, param) -> s, with the special-token policy applied but nothing else
--- removed: schema strings other than descriptions (property names' values, enums,
--- patterns) must stay byte-exact, yet the template renders them into the system turn.
-local function check_only(st, s, param)
-    if st.policy == "allow" or not find_special(s, st.tokens) then
-        return s
+-- child(param, at, suffix) -> the param and inside-path of a member: a member of the
+-- body is named by its own path; one inside a decoded JSON string by the string's field,
+-- with the path inside it apart.
+local function child(param, at, suffix)
+    if at then
+        return param, at .. suffix
     end
-    if st.policy == "reject" then
-        if not st.bad then
-            st.bad = { param = param, token = find_special(s, st.tokens) }
-        end
-        return s
-    end
-    local out, k = strip_special(s, st.tokens)
-    st.stripped = st.stripped + k
-    return out
+    return param .. suffix, nil
 end
 
--- The tools array is rendered into the system turn (Qwen3: each tool as JSON inside
--- <tools>...</tools>), so all of it is checked like message content; descriptions and
--- titles are also cleaned of invisible characters. Keys are checked, never rewritten
--- (strip cannot rename a property). param: the node's path, e.g.
--- "tools[0].function.parameters.properties.city".
-local function visit_schema(st, node, depth, param)
-    if depth > 32 then
-        return
-    end
+-- visit_value(st, node, param, tokens, cleaned, at): every key and string of a JSON value,
+-- to any depth: the decoder already bounds nesting at edge.max_json_depth, so whatever
+-- it accepted is scanned whole (a depth limit of the walker's own was a place to hide
+-- text). Strings under the keys in `cleaned` (every string when cleaned == true) are also
+-- cleaned of invisible characters. at: nil, or the path inside a decoded JSON string
+-- ("" at its top).
+local function visit_value(st, node, param, tokens, cleaned, at)
     if is_object(node) then
         local keys = node[KEYS]
         for i = 1, #keys do
             local k = keys[i]
             local v = node[k]
-            if st.policy == "reject" and not st.bad and find_special(k, st.tokens) then
-                st.bad = { param = param .. "." .. k, token = find_special(k, st.tokens) }
-            end
+            local cparam, cat = child(param, at, "." .. k)
+            check_key(st, k, cparam, tokens, cat)
             if type(v) == "string" then
-                if k == "description" or k == "title" then
-                    node[k] = visit_text(st, v, param .. "." .. k, true)
+                if cleaned == true or (cleaned and cleaned[k]) then
+                    node[k] = visit_text(st, v, cparam, tokens, cat)
                 else
-                    node[k] = check_only(st, v, param .. "." .. k)
+                    node[k] = check_text(st, v, cparam, tokens, cat)
                 end
             elseif type(v) == "table" then
-                visit_schema(st, v, depth + 1, param .. "." .. k)
+                visit_value(st, v, cparam, tokens, cleaned, cat)
             end
         end
     elseif is_array(node) then
         for i = 1, #node do
             local v = node[i]
+            local cparam, cat = child(param, at, format("[%d]", i - 1))
             if type(v) == "string" then
-                node[i] = check_only(st, v, format("%s[%d]", param, i - 1))
+                if cleaned == true then
+                    node[i] = visit_text(st, v, cparam, tokens, cat)
+                else
+                    node[i] = check_text(st, v, cparam, tokens, cat)
+                end
             elseif type(v) == "table" then
-                visit_schema(st, v, depth + 1, format("%s[%d]", param, i - 1))
+                visit_value(st, v, cparam, tokens, cleaned, cat)
             end
         end
     end
 end
 
--- visit_tools(st, tools): cleans and checks each tool's function name, description and
--- schema ("tools[i].function.name" ...), whatever special_token_roles says: tools are
--- client-supplied text in the system turn.
-local function visit_tools(st, tools)
+-- Strings of a tool schema that are prose for the model: cleaned as well as checked.
+local SCHEMA_PROSE = { description = true, title = true }
+
+-- visit_tools(st, tools, param): each tool's function name, description and schema
+-- ("tools[i].function.name" ...) against every special and structural token, whatever the
+-- roles say: tools are client-supplied text that the template renders into the system
+-- turn (Qwen3: each tool as JSON inside <tools>...</tools>), and often third-party text.
+local function visit_tools(st, tools, param)
     if not is_array(tools) then
         return
     end
+    local tokens = st.all
     for i = 1, #tools do
         local fn = is_object(tools[i]) and tools[i]["function"]
         if is_object(fn) then
-            local param = format("tools[%d].function", i - 1)
+            local fparam = format("%s[%d].function", param, i - 1)
             if type(fn.name) == "string" then
-                fn.name = visit_text(st, fn.name, param .. ".name", true)
+                fn.name = visit_text(st, fn.name, fparam .. ".name", tokens)
             end
             if type(fn.description) == "string" then
-                fn.description = visit_text(st, fn.description, param .. ".description", true)
+                fn.description = visit_text(st, fn.description, fparam .. ".description", tokens)
             end
             if type(fn.parameters) == "table" then
-                visit_schema(st, fn.parameters, 0, param .. ".parameters")
+                visit_value(st, fn.parameters, fparam .. ".parameters", tokens, SCHEMA_PROSE)
             end
         end
     end
 end
 
--- new_state(model, policy) -> per-request state (see "State of one request's pass")
-local function new_state(model, policy)
-    return { removed = 0, stripped = 0, collapsed = 0, policy = policy,
-             tokens = model.special_tokens or {}, roles = model.special_token_roles or {} }
+local ESCAPED = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n",
+                  r = "\r", t = "\t" }
+local REPLACEMENT = "\239\191\189" -- U+FFFD, for a lone surrogate (no token holds one)
+
+-- unescape(s) -> s with every JSON string escape resolved, left to right (so "\\u003c"
+-- stays the six characters \u003c). Each string that any JSON reader decodes from s is
+-- then a substring of the result: a superset to search when s is not strict JSON.
+local function unescape(s)
+    if not find(s, "\\", 1, true) then
+        return s
+    end
+    local out, n, pos = {}, 0, 1
+    while true do
+        local a = find(s, "\\", pos, true)
+        if not a then
+            break
+        end
+        n = n + 1
+        out[n] = sub(s, pos, a - 1)
+        local c = sub(s, a + 1, a + 1)
+        local hex = c == "u" and match(s, "^%x%x%x%x", a + 2)
+        if hex then
+            local cp = tonumber(hex, 16)
+            pos = a + 6
+            if cp >= 0xD800 and cp <= 0xDBFF then
+                local lo = match(s, "^\\u([dD][c-fC-F]%x%x)", pos)
+                if lo then
+                    cp = 0x10000 + (cp - 0xD800) * 0x400 + (tonumber(lo, 16) - 0xDC00)
+                    pos = pos + 6
+                else
+                    cp = nil
+                end
+            elseif cp >= 0xDC00 and cp <= 0xDFFF then
+                cp = nil
+            end
+            n = n + 1
+            out[n] = cp and utf8_char(cp) or REPLACEMENT
+        else
+            n = n + 1
+            out[n] = ESCAPED[c] or c
+            pos = a + 2
+        end
+    end
+    n = n + 1
+    out[n] = sub(s, pos)
+    return concat(out, "", 1, n)
 end
 
--- chat(body, model, policy) -> state {removed, stripped, collapsed, bad}
--- Sanitizes a validated chat body in place: message content (string or text / refusal /
--- thinking parts), assistant reasoning, tool-call names and arguments, tools; checks
--- special tokens in those of model.special_token_roles messages and everywhere in tools
--- (policy "reject" | "strip" | "allow"); then removes each system message that exactly
--- repeats an earlier one (same JSON after sanitizing).
--- state.bad = {param = "messages[i].content", token = "<|im_end|>"} when rejected
+-- visit_arguments(st, fn, param, tokens): a tool call's arguments as the template gets
+-- them. vLLM json.loads an arguments string and the template re-serializes the object
+-- (renderers/chat_utils.py _postprocess_messages; Qwen3: `arguments | tojson`), so
+-- "\u003c|im_end|\u003e" inside the string reaches the prompt as <|im_end|>: the decoded
+-- keys and strings are what is checked. Text that is not a JSON object vLLM renders as {}
+-- (counting.py _postprocess_tool_calls); text the strict decoder refuses but json.loads
+-- may read (duplicate keys, NaN, lone surrogates, deeper nesting) is searched with its
+-- escapes resolved, and refused under either policy when a token shows (it cannot be
+-- stripped without a reader that agrees with json.loads). An object (vLLM also takes
+-- one) is walked directly.
+local function visit_arguments(st, fn, param, tokens)
+    local args = fn.arguments
+    if is_object(args) then
+        visit_value(st, args, param, tokens, true)
+        return
+    end
+    if type(args) ~= "string" then
+        return
+    end
+    args = visit_text(st, args, param, tokens)
+    fn.arguments = args
+    local v = decode(args, st.depth)
+    if v == nil then
+        if tokens and st.policy ~= "allow" then
+            local tok = find_special(unescape(args), tokens)
+            if tok then
+                flag(st, param, tok, "escaped")
+            end
+        end
+    elseif is_object(v) then
+        local removed, stripped = st.removed, st.stripped
+        visit_value(st, v, param, tokens, true, "")
+        if st.removed ~= removed or st.stripped ~= stripped then
+            fn.arguments = encode(v)
+        end
+    end
+end
+
+-- visit_calls(st, calls, i, tokens): the tool calls of messages[i] (name, id, arguments).
+local function visit_calls(st, calls, i, tokens)
+    for j = 1, #calls do
+        local call = calls[j]
+        local fn = is_object(call) and call["function"]
+        if is_object(fn) then
+            local param = format("messages[%d].tool_calls[%d]", i - 1, j - 1)
+            if type(call.id) == "string" then
+                call.id = check_text(st, call.id, param .. ".id", tokens)
+            end
+            -- the template writes the name into the assistant turn verbatim
+            if type(fn.name) == "string" then
+                fn.name = visit_text(st, fn.name, param .. ".function.name", tokens)
+            end
+            visit_arguments(st, fn, param .. ".function.arguments", tokens)
+        end
+    end
+end
+
+-- Message fields that vLLM hands to the template as they are (identifiers: checked,
+-- never cleaned).
+local MESSAGE_IDS = { "name", "tool_call_id" }
+
+-- new_state(model, edge) -> per-request state (see "State of one request's pass")
+local function new_state(model, edge)
+    return { removed = 0, stripped = 0, collapsed = 0, policy = edge.special_tokens,
+             by_role = model.role_tokens, all = model.all_tokens,
+             structural = model.structural_set, depth = edge.max_json_depth }
+end
+
+-- chat(body, model, edge) -> state {removed, stripped, collapsed, bad}
+-- Sanitizes a validated chat body in place: message content (string, text / refusal /
+-- thinking parts, bare string parts), assistant reasoning, names and tool-call ids, tool
+-- calls (names; arguments as vLLM decodes them), a developer message's tools, tools,
+-- documents and the values of chat_template_kwargs. Checks the special tokens in the
+-- messages of edge.special_token_roles, the structural tokens in those of
+-- edge.structural_token_roles, both everywhere else listed (policy edge.special_tokens:
+-- "reject" | "strip" | "allow"); then removes each system message that exactly repeats an
+-- earlier one (same JSON after sanitizing).
+-- state.bad = {param = "messages[i].content", token = "<|im_end|>", ...} when refused
 -- (indices are the client's, before collapsing).
-function _M.chat(body, model, policy)
-    local st = new_state(model, policy)
+function _M.chat(body, model, edge)
+    local st = new_state(model, edge)
     local messages = body.messages
     for i = 1, #messages do
         local m = messages[i]
-        local check = st.roles[m.role] == true
-        local param = format("messages[%d].content", i - 1)
+        local tokens = st.by_role[m.role]
         if m.content ~= nil then
-            m.content = visit_content(st, m.content, param, check)
+            m.content = visit_content(st, m.content, format("messages[%d].content", i - 1),
+                tokens)
         end
         for r = 1, #REASONING_FIELDS do
             local f = REASONING_FIELDS[r]
             if type(m[f]) == "string" then
-                m[f] = visit_text(st, m[f], format("messages[%d].%s", i - 1, f), check)
+                m[f] = visit_text(st, m[f], format("messages[%d].%s", i - 1, f), tokens)
             end
         end
-        local calls = m.tool_calls
-        if is_array(calls) then
-            for j = 1, #calls do
-                local fn = is_object(calls[j]) and calls[j]["function"]
-                if is_object(fn) then
-                    -- the template writes the name into the assistant turn verbatim
-                    if type(fn.name) == "string" then
-                        fn.name = visit_text(st, fn.name,
-                            format("messages[%d].tool_calls[%d].function.name", i - 1, j - 1),
-                            check)
-                    end
-                    if type(fn.arguments) == "string" then
-                        fn.arguments = visit_text(st, fn.arguments,
-                            format("messages[%d].tool_calls[%d].function.arguments", i - 1,
-                                j - 1), check)
-                    end
-                end
+        for r = 1, #MESSAGE_IDS do
+            local f = MESSAGE_IDS[r]
+            if type(m[f]) == "string" then
+                m[f] = check_text(st, m[f], format("messages[%d].%s", i - 1, f), tokens)
             end
+        end
+        if is_array(m.tool_calls) then
+            visit_calls(st, m.tool_calls, i, tokens)
+        end
+        if m.role == "developer" then
+            -- vLLM passes a developer message's tools to the template (message.tools)
+            visit_tools(st, m.tools, format("messages[%d].tools", i - 1))
         end
     end
-    visit_tools(st, body.tools)
+    visit_tools(st, body.tools, "tools")
+    if body.documents ~= nil then
+        visit_value(st, body.documents, "documents", st.all, false)
+    end
+    if is_object(body.chat_template_kwargs) then
+        visit_value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
+    end
 
     -- A client that rebuilds its history often prepends the same system prompt again;
     -- exact repeats carry no information and cost tokens on every turn.
@@ -418,41 +572,67 @@ function _M.chat(body, model, policy)
     return st
 end
 
--- completions(body, model, policy) -> state. Sanitizes the prompt (string or array of
+-- completions(body, model, edge) -> state. Sanitizes the prompt (string or array of
 -- strings; token-id prompts are numbers and pass unchanged). Completions prompts are raw
--- text by definition (no turns to forge), so special tokens are not checked there.
-function _M.completions(body, model, policy)
-    local st = new_state(model, policy)
+-- text by definition (no turns to forge), so tokens are not checked there.
+function _M.completions(body, model, edge)
+    local st = new_state(model, edge)
     local p = body.prompt
     if type(p) == "string" then
-        body.prompt = visit_text(st, p, "prompt", false)
+        body.prompt = visit_text(st, p, "prompt", nil)
     elseif is_array(p) then
         for i = 1, #p do
             if type(p[i]) == "string" then
-                p[i] = visit_text(st, p[i], format("prompt[%d]", i - 1), false)
+                p[i] = visit_text(st, p[i], format("prompt[%d]", i - 1), nil)
             end
         end
     end
     return st
 end
 
--- request(route, body, model, policy) -> counts | nil, err
---   Sanitizes body in place (chat() / completions()). counts = {removed (invisible or
---   control characters), stripped (special tokens, policy "strip"), collapsed (repeated
---   system messages dropped)}, reported in the usage event. err: 400
---   special_token_in_content naming the field, when policy "reject" found one.
-function _M.request(route, body, model, policy)
+-- WHY[bad.why]: how the token got past the policy, for the message.
+local WHY = {
+    key = " in an object key, which is never rewritten",
+    formed = " once the other tokens were stripped around it",
+    escaped = ", once its JSON escapes are resolved (it is not strict JSON, so it cannot "
+        .. "be stripped)",
+}
+
+-- refusal(st) -> err (400 special_token_in_content) for st.bad
+local function refusal(st)
+    local bad = st.bad
+    local what
+    if st.structural[bad.token] then
+        what = format("the token %q, which the model's chat template uses for its own "
+            .. "structure (a forged tool call, tool response or reasoning block)", bad.token)
+    else
+        what = format("the special token %q, which the model would read as a control token "
+            .. "(a forged turn)", bad.token)
+    end
+    local where = ""
+    if bad.at then
+        where = format(" (in its decoded JSON, at %s)", bad.at == "" and "the top" or bad.at)
+    end
+    return errors.refuse(400, format("%s contains %s%s%s. Remove it from the text.",
+        bad.param, what, where, WHY[bad.why] or ""), bad.param, "special_token_in_content")
+end
+
+-- request(route, body, model, edge) -> counts | nil, err
+--   Sanitizes body in place (chat() / completions()) under edge.special_tokens. counts =
+--   {removed (invisible or control characters), stripped (special and structural tokens,
+--   policy "strip"), collapsed (repeated system messages dropped)}, reported in the usage
+--   event. err: 400 special_token_in_content naming the field, when policy "reject" found
+--   a token, or "strip" found one it cannot strip (in a key, formed by stripping, in
+--   tool-call arguments that are not strict JSON).
+function _M.request(route, body, model, edge)
     local st
     if route == "chat" then
-        st = _M.chat(body, model, policy)
+        st = _M.chat(body, model, edge)
     else
-        st = _M.completions(body, model, policy)
+        st = _M.completions(body, model, edge)
     end
-    local bad = st.bad
-    if bad then
-        return errors.refuse(400, format("%s contains the special token %q, which the model "
-            .. "would read as a control token (a forged turn). Remove it from the text.",
-            bad.param, bad.token), bad.param, "special_token_in_content")
+    if st.bad then
+        return refusal(st)
     end
     return st
 end

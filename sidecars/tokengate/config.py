@@ -339,6 +339,53 @@ class AccessLogConfig(_Schema):
                     "\"\": off.")
 
 
+class StructuredOutputLimits(_Schema):
+    """Bounds on the structured-output inputs of a request (``edge.structured_output``).
+
+    vLLM compiles a schema, regex or grammar into a token mask before it generates, and
+    that work grows with the constraint, not with the prompt: a 57 KB ``response_format``
+    schema of 2,000 properties took vLLM 92 s on a CPU server and was billed 13 tokens.
+    Bounded fields: ``response_format`` and ``structured_outputs`` (vLLM 0.32's
+    ``ChatCompletionRequest`` / ``CompletionRequest``), and the legacy ``guided_json``,
+    ``guided_regex``, ``guided_grammar``, ``guided_choice`` (ignored by vLLM 0.32, compiled
+    by older servers). A string that holds a JSON schema (``structured_outputs.json``,
+    ``structural_tag``) is measured as the schema it decodes to.
+    """
+
+    max_bytes: Positive = Field(
+        default=65536,
+        description="Largest JSON encoding of one structured-output field, bytes (400 above "
+                    "it).")
+    max_depth: Positive = Field(
+        default=24,
+        description="Deepest nesting of one structured-output field, JSON levels (objects "
+                    "and arrays; a schema level is about two: `properties`, then the "
+                    "property).")
+    max_properties: Positive = Field(
+        default=256,
+        description="Most named properties in one structured-output field: the members of "
+                    "every `properties` object in it, at any depth, added up.")
+
+
+# Template variables that a request sets through fields the edge checks (messages, tools,
+# documents) or that vLLM sets itself: allowing one in chat_template_kwargs would let a
+# request replace checked content with unchecked content (vllm/renderers/hf.py merges
+# chat_template_kwargs into the template's arguments).
+TEMPLATE_KWARGS_NEVER_ALLOWED = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents",
+    "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+})
+
+
+def _template_kwargs(names: list[str]) -> list[str]:
+    bad = sorted(set(names) & TEMPLATE_KWARGS_NEVER_ALLOWED)
+    if bad:
+        raise ValueError(f"{', '.join(bad)} cannot be allowed: the request sets "
+                         f"{'it' if len(bad) == 1 else 'them'} through checked fields, or "
+                         "vLLM does")
+    return names
+
+
 class EdgeConfig(_Schema):
     """The nginx edge (``edge``), compiled to JSON for nginx.
 
@@ -378,14 +425,46 @@ class EdgeConfig(_Schema):
     special_tokens: Literal["reject", "strip", "allow"] = Field(
         default="reject",
         description="Literal special-token strings (`<|im_end|>`) in the content, reasoning "
-                    "and tool calls of special_token_roles messages and in every string of "
-                    "tools: `reject` (400), `strip` or `allow`.")
+                    "and tool calls (names, and arguments as vLLM decodes them) of "
+                    "special_token_roles messages and in every string of tools, documents "
+                    "and chat_template_kwargs values; also the structural tokens of "
+                    "structural_token_roles messages: `reject` (400), `strip` or `allow`.")
     special_token_roles: list[Role] = Field(
         default=["user", "assistant", "tool", "function"],
         description="Message roles whose text is checked for special tokens.")
     extra_special_tokens: list[NonEmpty] = Field(
         default=[],
         description="More strings treated like the tokenizer's special tokens.")
+    structural_token_roles: list[Role] = Field(
+        default=["user", "tool", "function"],
+        description="Message roles whose text is checked, under the special_tokens policy, "
+                    "for the model's structural tokens: added tokens that are not special but "
+                    "appear literally in its chat template (Qwen3: `<tool_call>`, "
+                    "`</tool_call>`, `<tool_response>`, `</tool_response>`, `<think>`, "
+                    "`</think>`), with which a user could write a fake tool response. "
+                    "Assistant messages are left out by default: a model's own history holds "
+                    "`<think>` and `<tool_call>` blocks. Tools, documents and the values of "
+                    "chat_template_kwargs are checked for both kinds of token whatever the "
+                    "roles say.")
+    chat_template_kwargs_allowed: Annotated[
+        list[NonEmpty], AfterValidator(_template_kwargs)] = Field(
+        default=["enable_thinking", "reasoning_effort"],
+        description="Keys a request may pass in chat_template_kwargs (Qwen3's template reads "
+                    "`enable_thinking`; vLLM sets `reasoning_effort` and `enable_thinking` "
+                    "from the request's reasoning_effort); any other key is refused with 400 "
+                    "naming `chat_template_kwargs.<key>`, by the edge and the counter alike. "
+                    "String values are checked like message text. messages, tools, "
+                    "documents, add_generation_prompt, continue_final_message, chat_template "
+                    "and tokenize can never be allowed.")
+    structured_output: StructuredOutputLimits = Field(
+        default_factory=StructuredOutputLimits,
+        description="Bounds on response_format, structured_outputs and guided_* (work vLLM "
+                    "does before the first token, whatever the prompt costs).")
+    max_unknown_fields_bytes: int = Field(
+        default=65536, ge=0,
+        description="Total JSON size of the top-level fields that vLLM 0.32's request "
+                    "models do not define (vLLM ignores them; the edge still reads and "
+                    "forwards them), bytes; 400 above it, naming the largest.")
     count_cache_entries: Positive = Field(
         default=4096,
         description="Per-worker LRU of the counts of identical bodies, entries.")

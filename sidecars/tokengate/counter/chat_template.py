@@ -24,6 +24,8 @@ import jinja2.nodes
 import jinja2.sandbox
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from tokengate.counter.model_files import chat_template_source
+
 ContentFormat = Literal["string", "openai"]
 
 # Keys of tokenizer.apply_chat_template that change tokenization, not rendering, or
@@ -150,11 +152,8 @@ class ChatTemplate:
         """
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        jinja_file = model_dir / "chat_template.jinja"
-        source = jinja_file.read_text() if jinja_file.exists() else cfg.get("chat_template")
-        if isinstance(source, list):  # named templates: transformers picks "default"
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not isinstance(source, str):
+        source = chat_template_source(model_dir)
+        if source is None:
             raise TemplateError(f"{model_dir}: no chat template")
         special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "sep_token",
                                         "pad_token", "cls_token", "mask_token",

@@ -3,8 +3,9 @@
 Chat (``/v1/chat/completions``): the messages become vLLM's "conversation" with its
 preprocessing (``vllm/renderers/chat_utils.py`` ``_parse_chat_message_content`` and
 ``_postprocess_messages``; ``vllm/renderers/hf.py`` developer-role handling), the tools
-become ``ChatCompletionToolsParam.model_dump()`` dicts, the template kwargs are merged
-like ``ChatCompletionRequest.build_chat_params``; the chat template renders the text and
+become ``ChatCompletionToolsParam.model_dump()`` dicts, the template kwargs (only the
+keys of ``edge.chat_template_kwargs_allowed``) are merged like
+``ChatCompletionRequest.build_chat_params``; the chat template renders the text and
 the tokenizer counts it without added special tokens.
 
 Completions (``/v1/completions``): a string prompt is tokenized with the tokenizer's
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokengate.config import ModelConfig
+from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.tokenizer import PromptTokenizer
 
@@ -105,27 +107,40 @@ def _depth_ok(v: Any, depth: int = 0) -> bool:
 
 
 class ModelCounter:
-    """Counts request bodies for one served model (tokenizer + chat template + limits)."""
+    """Counts request bodies for one served model (tokenizer + chat template + limits).
+
+    ``template_kwargs_allowed``: the chat_template_kwargs keys a request may pass
+    (``edge.chat_template_kwargs_allowed``, the list the edge applies too).
+    """
 
     def __init__(self, model: ModelConfig, tokenizer: PromptTokenizer,
-                 template: ChatTemplate | None) -> None:
+                 template: ChatTemplate | None,
+                 template_kwargs_allowed: Iterable[str]) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.template_kwargs_allowed = frozenset(template_kwargs_allowed)
         # Identifies what counted: tokenizer.json digest + chat template digest.
         template_digest = "none" if template is None else \
             hashlib.sha256(template.source.encode()).hexdigest()[:8]
         self.fingerprint = f"{tokenizer.fingerprint}-{template_digest}"
 
     @classmethod
-    def load(cls, model: ModelConfig) -> ModelCounter:
-        """Load tokenizer and chat template from the model's directory."""
+    def load(cls, model: ModelConfig,
+             template_kwargs_allowed: Iterable[str] | None = None) -> ModelCounter:
+        """Load tokenizer and chat template from the model's directory.
+
+        ``template_kwargs_allowed``: None for the schema's default of
+        ``edge.chat_template_kwargs_allowed``.
+        """
         tok = PromptTokenizer.from_model_dir(model.dir, model.vocab)
         try:
             template: ChatTemplate | None = ChatTemplate.from_model_dir(model.dir)
         except TemplateError:
             template = None
-        return cls(model, tok, template)
+        if template_kwargs_allowed is None:
+            template_kwargs_allowed = EdgeConfig().chat_template_kwargs_allowed
+        return cls(model, tok, template, template_kwargs_allowed)
 
     # -- entry point ---------------------------------------------------------------------
 
@@ -414,6 +429,12 @@ class ModelCounter:
         for k in user:
             if k in RESERVED_TEMPLATE_KWARGS:
                 raise BadRequest(f"chat_template_kwargs.{k}", "not allowed")
+            # vLLM merges every key into the template's arguments, where one such as
+            # "tools" replaces what the request's checked fields set
+            if k not in self.template_kwargs_allowed:
+                allowed = ", ".join(sorted(self.template_kwargs_allowed)) or "none"
+                raise BadRequest(f"chat_template_kwargs.{k}",
+                                 f"not an allowed chat template argument (allowed: {allowed})")
         add_gen = _opt_bool(body, "add_generation_prompt", True)
         cont = _opt_bool(body, "continue_final_message", False)
         if add_gen and cont:

@@ -44,7 +44,8 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s counter worker {index} %(levelname)s %(message)s")
     cfg = tg_config.load(config_path)
-    counters = {name: ModelCounter.load(m) for name, m in cfg.models.items()}
+    allowed = cfg.edge.chat_template_kwargs_allowed
+    counters = {name: ModelCounter.load(m, allowed) for name, m in cfg.models.items()}
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
                          options=[*grpc_server.OPTIONS,
                                   ("grpc.max_receive_message_length", 64 << 20)])

@@ -6,14 +6,16 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 1,
+      "version": 2,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, upstream, dir, vocab, cost,
           "host": "<IPv4/IPv6 literal>", "port": <int>,     # upstream, resolved here
-          "special_tokens": ["<|im_start|>", ...]           # tokenizer's + extra, longest first
+          "special_tokens": ["<|im_start|>", ...],          # tokenizer's + extra, longest first
+          "structural_tokens": ["<tool_response>", ...]     # added, not special, in the
+                                                            # chat template; longest first
         }
       },
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
@@ -43,10 +45,12 @@ from typing import Any
 
 from tokengate import config as tg_config
 from tokengate.config import ConfigError, EdgeConfig
+from tokengate.counter.model_files import added_tokens, chat_template_source
 
-__all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "write"]
+__all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
+           "write"]
 
-VERSION = 1
+VERSION = 2  # 2: models carry structural_tokens
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
@@ -61,19 +65,24 @@ def special_tokens(model_dir: Path) -> list[str]:
     ``tokenizer_config.json`` (``added_tokens_decoder``): the same files vLLM loads.
     Sorted longest first, so a strip pass removes ``<|im_end|>`` before any prefix of it.
     """
-    found: set[str] = set()
-    tj = model_dir / "tokenizer.json"
-    if tj.is_file():
-        for tok in json.loads(tj.read_text()).get("added_tokens") or []:
-            if tok.get("special") and tok.get("content"):
-                found.add(tok["content"])
-    tc = model_dir / "tokenizer_config.json"
-    if tc.is_file():
-        decoder = json.loads(tc.read_text()).get("added_tokens_decoder") or {}
-        for tok in decoder.values():
-            if isinstance(tok, dict) and tok.get("special") and tok.get("content"):
-                found.add(tok["content"])
-    return _by_length(found)
+    return _by_length({t.content for t in added_tokens(model_dir) if t.special})
+
+
+def structural_tokens(model_dir: Path) -> list[str]:
+    """Added tokens that are not special but that the chat template writes itself, longest
+    first (Qwen3: ``<tool_call>``, ``</tool_call>``, ``<tool_response>``,
+    ``</tool_response>``, ``<think>``, ``</think>``; not ``<|fim_prefix|>``, which no turn
+    uses).
+
+    The tokenizer encodes each of them as its one added id wherever it appears, so a user
+    who types ``</tool_response>`` produces exactly the ids the template uses to close a
+    real tool response. Empty when the directory has no chat template.
+    """
+    source = chat_template_source(model_dir)
+    if source is None:
+        return []
+    return _by_length({t.content for t in added_tokens(model_dir)
+                       if not t.special and t.content in source})
 
 
 def _host_port(upstream: str, where: str) -> tuple[str, int]:
@@ -103,7 +112,8 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     for name, m in cfg.models.items():
         host, port = _host_port(m.upstream, f"models.{name}.upstream")
         doc["models"][name].update(host=host, port=port,
-                                   special_tokens=_by_length(set(special_tokens(m.dir)) | extra))
+                                   special_tokens=_by_length(set(special_tokens(m.dir)) | extra),
+                                   structural_tokens=structural_tokens(m.dir))
     # the edge looks a key up by the digest of the bearer token it was sent
     doc["keys"] = {k.sha256: {"id": key_id, **k.model_dump(mode="json", exclude={"sha256"})}
                    for key_id, k in cfg.keys.items()}

@@ -1,0 +1,202 @@
+-- Bounds on what a request can make the backend do that its prompt tokens do not pay for:
+-- structured-output constraints, which vLLM compiles into a token mask before the first
+-- token (a 2,000-property schema: 92 s of a CPU server's work, billed 13 tokens), and
+-- top-level fields that vLLM does not define (ignored there, yet read, checked and
+-- forwarded here).
+--
+-- check() returns true | nil, err (tokengate.errors: 400, naming the field).
+
+local json = require "tokengate.json"
+local errors = require "tokengate.errors"
+
+local type = type
+local format = string.format
+local is_array = json.is_array
+local is_object = json.is_object
+local encode = json.encode
+local decode = json.decode
+local null = json.null
+local KEYS = json.KEYS
+local clip = errors.clip
+local fail = errors.refuse
+
+local _M = {}
+
+-- set(names) -> {name = true}
+local function set(names)
+    local t = {}
+    for i = 1, #names do
+        t[names[i]] = true
+    end
+    return t
+end
+
+-- The fields (and aliases) of vLLM 0.32's ChatCompletionRequest
+-- (vllm/entrypoints/openai/chat_completion/protocol.py) and CompletionRequest
+-- (.../completion/protocol.py); tests/test_edge_costly_inputs.py compares them with
+-- vLLM's own models. Any other top-level field is ignored by vLLM
+-- (vllm/entrypoints/serve/engine/protocol.py, OpenAIBaseModel: extra="allow").
+local SHARED = {
+    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt",
+    "ec_transfer_params", "echo", "frequency_penalty", "ignore_eos",
+    "include_stop_str_in_output", "kv_transfer_params", "length_penalty", "logit_bias",
+    "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "mm_payload",
+    "model", "n", "presence_penalty", "priority", "prompt_logprobs", "repetition_detection",
+    "repetition_penalty", "request_id", "response_format", "return_mm_kwargs",
+    "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids",
+    "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_token_ids", "stream", "stream_interval",
+    "stream_options", "structured_outputs", "temperature", "thinking_token_budget", "top_k",
+    "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "user",
+    "vllm_xargs", "watermarking",
+}
+local CHAT_ONLY = {
+    "add_generation_prompt", "chat_template", "chat_template_kwargs",
+    "continue_final_message", "documents", "include_reasoning", "max_completion_tokens",
+    "media_io_kwargs", "messages", "mm_processor_kwargs", "parallel_tool_calls",
+    "reasoning_effort", "return_prompt_text", "tool_choice", "tools", "top_logprobs",
+}
+local COMPLETIONS_ONLY = { "prompt", "prompt_embeds", "suffix" }
+
+local KNOWN = { chat = set(SHARED), completions = set(SHARED) }
+for i = 1, #CHAT_ONLY do
+    KNOWN.chat[CHAT_ONLY[i]] = true
+end
+for i = 1, #COMPLETIONS_ONLY do
+    KNOWN.completions[COMPLETIONS_ONLY[i]] = true
+end
+_M.KNOWN = KNOWN
+
+-- The structured-output fields: vLLM 0.32 reads response_format and structured_outputs;
+-- the guided_* fields were removed in vLLM 0.32 (ignored there: they also count as
+-- unknown fields) but older servers still compile them.
+local STRUCTURED = { "response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_grammar", "guided_choice" }
+-- Strings that vLLM decodes as JSON before compiling them (StructuredOutputsParams.json
+-- and .structural_tag, vllm/sampling_params.py; guided_json of older servers): measured
+-- as the value they hold.
+local JSON_TEXT = { ["structured_outputs.json"] = true,
+                    ["structured_outputs.structural_tag"] = true,
+                    guided_json = true }
+-- Keys whose object value lists named properties (JSON Schema).
+local PROPERTY_MAPS = { properties = true, patternProperties = true }
+
+-- shape(v, path, depth, acc, max_json) -> true | nil, err: the deepest level and the
+-- named properties of v, into acc = {depth, properties}; strings at JSON_TEXT paths are
+-- decoded (strictly, as everything the edge reads) and measured in place.
+local function shape(v, path, depth, acc, max_json)
+    if type(v) == "string" then
+        if not JSON_TEXT[path] then
+            return true
+        end
+        local inner, derr = decode(v, max_json)
+        if inner == nil then
+            return fail(400, format("'%s' must hold a JSON value: %s at byte %d", path,
+                derr.message, derr.offset), path, "invalid_json")
+        end
+        return shape(inner, "", depth, acc, max_json)
+    end
+    if type(v) ~= "table" or v == null then
+        return true
+    end
+    depth = depth + 1
+    if depth > acc.depth then
+        acc.depth = depth
+    end
+    if is_object(v) then
+        local keys = v[KEYS]
+        for i = 1, #keys do
+            local k = keys[i]
+            local x = v[k]
+            if PROPERTY_MAPS[k] and is_object(x) then
+                acc.properties = acc.properties + #x[KEYS]
+            end
+            local ok, err = shape(x, depth == 1 and path .. "." .. k or "", depth, acc,
+                max_json)
+            if not ok then
+                return nil, err
+            end
+        end
+    elseif is_array(v) then
+        for i = 1, #v do
+            local ok, err = shape(v[i], "", depth, acc, max_json)
+            if not ok then
+                return nil, err
+            end
+        end
+    end
+    return true
+end
+
+-- check_structured(name, v, lim, max_json) -> true | nil, err (400
+-- structured_output_too_complex): the field's JSON size, nesting and named properties
+-- against edge.structured_output. Paths are kept for the field and its members only (the
+-- places that may hold JSON text), so deeper nodes build no strings.
+local function check_structured(name, v, lim, max_json)
+    local bytes = #encode(v)
+    if bytes > lim.max_bytes then
+        return fail(400, format("'%s' is %d bytes of JSON; the limit is %d bytes (vLLM "
+            .. "compiles it before generating, whatever the prompt costs)", name, bytes,
+            lim.max_bytes), name, "structured_output_too_complex")
+    end
+    local acc = { depth = 0, properties = 0 }
+    local ok, err = shape(v, name, 0, acc, max_json)
+    if not ok then
+        return nil, err
+    end
+    if acc.depth > lim.max_depth then
+        return fail(400, format("'%s' is nested %d levels deep; the limit is %d levels",
+            name, acc.depth, lim.max_depth), name, "structured_output_too_complex")
+    end
+    if acc.properties > lim.max_properties then
+        return fail(400, format("'%s' names %d properties; the limit is %d (vLLM's grammar "
+            .. "grows with each one, whatever the prompt costs)", name, acc.properties,
+            lim.max_properties), name, "structured_output_too_complex")
+    end
+    return true
+end
+
+-- check(route, body, edge) -> true | nil, err (400). route: "chat" | "completions";
+-- edge: the compiled edge settings (structured_output, max_unknown_fields_bytes,
+-- max_json_depth).
+--   structured_output_too_complex: a structured-output field above a bound, named;
+--   invalid_json: a string that vLLM decodes as JSON (structured_outputs.json) is not;
+--   unknown_fields_too_large: the fields vLLM does not define add up to more than
+--   edge.max_unknown_fields_bytes (each counted as the JSON of its key and value);
+--   the largest is named.
+function _M.check(route, body, edge)
+    local lim = edge.structured_output
+    for i = 1, #STRUCTURED do
+        local name = STRUCTURED[i]
+        local v = body[name]
+        if v ~= nil and v ~= null then
+            local ok, err = check_structured(name, v, lim, edge.max_json_depth)
+            if not ok then
+                return nil, err
+            end
+        end
+    end
+    local known = KNOWN[route]
+    local keys = body[KEYS]
+    local total, biggest, biggest_n = 0, nil, 0
+    for i = 1, #keys do
+        local k = keys[i]
+        if not known[k] then
+            local n = #k + 3 + #encode(body[k])
+            total = total + n
+            if n > biggest_n then
+                biggest, biggest_n = k, n
+            end
+        end
+    end
+    if total > edge.max_unknown_fields_bytes then
+        local param = clip(biggest)
+        return fail(400, format("Request has %d bytes of fields that vLLM does not read; the "
+            .. "limit is %d bytes. The largest is '%s' (%d bytes): remove it", total,
+            edge.max_unknown_fields_bytes, param, biggest_n), param,
+            "unknown_fields_too_large")
+    end
+    return true
+end
+
+return _M

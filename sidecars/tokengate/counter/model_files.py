@@ -1,0 +1,58 @@
+"""The served model's own files, read the way transformers (and so vLLM) reads them.
+
+Kept free of heavy imports: the edge's config compiler reads the same files as the counter
+(``tokengate.tools.compile_config``: special and structural tokens) and runs on every
+nginx start and reload.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    """One added token of the tokenizer: its literal text and whether it is special."""
+
+    content: str
+    special: bool
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def chat_template_source(model_dir: Path) -> str | None:
+    """The chat template text: ``chat_template.jinja`` when present, else
+    ``tokenizer_config.json``'s ``chat_template`` (of a list of named templates, the one
+    named "default"), as transformers' tokenizer loading picks it; None when the directory
+    defines none."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    source = _json(model_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source
+                       if isinstance(t, dict) and t.get("name") == "default"), None)
+    return source if isinstance(source, str) else None
+
+
+def added_tokens(model_dir: Path) -> list[AddedToken]:
+    """The tokenizer's added tokens, from ``tokenizer.json`` (``added_tokens``) and
+    ``tokenizer_config.json`` (``added_tokens_decoder``); a token listed in both is special
+    when either says so. Every one of them is matched as a whole token in raw text by HF
+    tokenizers (special or not), which is what lets a literal one forge structure."""
+    found: dict[str, bool] = {}
+    entries: list[Any] = list(_json(model_dir / "tokenizer.json").get("added_tokens") or [])
+    entries += list((_json(model_dir / "tokenizer_config.json")
+                     .get("added_tokens_decoder") or {}).values())
+    for tok in entries:
+        if isinstance(tok, dict) and isinstance(tok.get("content"), str) and tok["content"]:
+            found[tok["content"]] = found.get(tok["content"], False) or bool(tok.get("special"))
+    return [AddedToken(c, s) for c, s in found.items()]
