@@ -40,6 +40,7 @@ from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
 EDGE_PORT = 18080 + PORT_OFFSET
 VARIANT_PORTS = iter(range(18081 + PORT_OFFSET, 18099 + PORT_OFFSET))
+STATUS_PORT_DELTA = 1000  # each edge's status server: its API port + this
 EDGE_DIR = TEST_DIR / "edge"
 
 # API keys of the edge tests: id -> (key, rpm, tpm). Each limit test owns its key, so the
@@ -92,10 +93,22 @@ class Edge:
     port: int
     usage_file: Path
     service: devstack.Service
+    status_port: int         # the loopback status server (edge.status_listen)
 
     @property
     def log_path(self) -> Path:
         return self.service.log_path
+
+    @property
+    def status_url(self) -> str:
+        return f"http://127.0.0.1:{self.status_port}/tokengate/status"
+
+    def status(self) -> dict[str, Any]:
+        """The edge's counters, from its status server (``/tokengate/status``)."""
+        import httpx
+        r = httpx.get(self.status_url, timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
 
     def events(self) -> list[dict[str, Any]]:
         """Every usage event written so far, in order."""
@@ -114,15 +127,23 @@ class Edge:
                 raise AssertionError(f"no usage event for request {request_id}")
             time.sleep(0.05)
 
+    def assert_no_event(self, request_id: str, settle_s: float = 0.3) -> None:
+        """No usage event for ``request_id`` (requests without a valid key write none);
+        waits ``settle_s`` first, as the log phase runs after the answer was sent."""
+        time.sleep(settle_s)
+        found = [ev for ev in self.events() if ev["request_id"] == request_id]
+        assert not found, f"a usage event was written: {found[0]}"
+
 
 def _start_edge(config_path: Path, port: int, name: str, counter_socket: Path,
                 usage_file: Path) -> Edge:
+    status_port = port + STATUS_PORT_DELTA
     svc = devstack.nginx_service(config_path, port=port, counter_socket=counter_socket,
                                  counter_workers=2, workers=2, name=name,
-                                 prefix=EDGE_DIR / name)
+                                 prefix=EDGE_DIR / name, status_port=status_port)
     svc.log_path.unlink(missing_ok=True)
     svc.start()
-    return Edge(f"http://127.0.0.1:{port}/v1", port, usage_file, svc)
+    return Edge(f"http://127.0.0.1:{port}/v1", port, usage_file, svc, status_port)
 
 
 @pytest.fixture(scope="session")

@@ -120,14 +120,17 @@ def sampled_edge(config_path: Path, counter_addr: str,
         raw["models"][MODEL]["upstream"] = slow_upstream_url.removeprefix("http://") \
             .removesuffix("/v1")
         raw["access_log"] = {**RULES, "file": str(log)}
+        raw["edge"]["auth_failures"] = {"log_lines_per_s": 1000}
 
     path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml", edit, usage)
     port = free_port()
+    status_port = free_port()
     svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
-                                 name=svc_name(f"test-{name}"), prefix=EDGE_DIR / name)
+                                 name=svc_name(f"test-{name}"), prefix=EDGE_DIR / name,
+                                 status_port=status_port)
     svc.start()
     try:
-        yield Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc), log
+        yield Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc, status_port), log
     finally:
         svc.stop()
 
@@ -143,7 +146,7 @@ def test_every_request_is_logged_or_not_by_the_rule(sampled_edge: tuple[Edge, Pa
             return httpx.post(f"{url}/chat/completions", headers=good, json=chat, timeout=60)
         if i < 210:    # answered by the edge at once: the sampled tier
             return httpx.get(f"{url}/models", headers=good, timeout=60)
-        if i < 230:    # 401: always
+        if i < 230:    # 401: no usage event, a line in the unauthenticated tier
             return httpx.get(f"{url}/models", headers={"Authorization": "Bearer nope"},
                              timeout=60)
         return httpx.post(f"{url}/chat/completions", content=b'{"model": ', timeout=60,
@@ -154,10 +157,15 @@ def test_every_request_is_logged_or_not_by_the_rule(sampled_edge: tuple[Edge, Pa
     statuses = sorted({r.status_code for r in answers})
     assert statuses == [200, 400, 401]
     events = {r.headers["x-request-id"]: edge.event(r.headers["x-request-id"])
-              for r in answers}
+              for r in answers if r.status_code != 401}
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    logged = {x["request_id"]: x for x in lines}
-    assert len(logged) == len(lines)
+    logged = {x["request_id"]: x for x in lines if x["tier"] != "unauthenticated"}
+    refused = {x["request_id"]: x for x in lines if x["tier"] == "unauthenticated"}
+    assert len(logged) + len(refused) == len(lines)
+    # without a valid key: no usage event, and a line (log_lines_per_s is above the burst)
+    assert set(refused) == {r.headers["x-request-id"] for r in answers if r.status_code == 401}
+    assert {(x["status"], x["key_id"], x["error"], x["sample_rate"], x["client"])
+            for x in refused.values()} == {(401, None, "invalid_api_key", None, "127.0.0.1")}
     rules = AccessLogConfig(**RULES)
     want = {rid for rid, ev in events.items() if keep(rid, ev["status"], ev["total_ms"], rules)}
     assert set(logged) == want
@@ -171,12 +179,13 @@ def test_every_request_is_logged_or_not_by_the_rule(sampled_edge: tuple[Edge, Pa
             (tier, {"error": 1, "slow": 0.5, "sampled": 0.25}[tier])
         tiers[tier] += 1
     # every error is there; each sampled tier kept some and dropped some
-    assert tiers["error"] == 40
+    assert tiers["error"] == 20
     slow = [rid for rid, ev in events.items() if ev["status"] < 400 and ev["total_ms"] > 30]
     fast = [rid for rid, ev in events.items() if ev["status"] < 400 and ev["total_ms"] <= 30]
     assert len(slow) + len(fast) == 210
     assert 0 < tiers["slow"] < len(slow) and 0 < tiers["sampled"] < len(fast)
     forwarded = [x for x in lines if x["uri"] == "/v1/chat/completions" and x["status"] == 200]
     assert all(x["token_estimate"] > 0 and x["limits"] == "local" for x in forwarded)
-    m = httpx.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10).json()
+    m = edge.status()
     assert m["access_log_lines"] == len(lines)
+    assert (m["unauthenticated_log_lines"], m["unauthenticated_invalid_key"]) == (20, 20)

@@ -55,6 +55,14 @@ def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
      "edge.max_body_bytes: input should be greater than or equal to 1024, got 10"),
     ("special_token_roles", "user", "edge.special_token_roles: input should be a valid list"),
     ("special_token_roles", ["usr"], "edge.special_token_roles.0: input should be 'system', "),
+    ("status_listen", "0.0.0.0:8081",
+     ("edge.status_listen: expected a loopback address (127.0.0.1:PORT, [::1]:PORT), "
+      "got '0.0.0.0:8081'")),
+    ("status_listen", "127.0.0.1:8080", "edge.status_listen: 127.0.0.1:8080 is also edge.listen"),
+    ("auth_failures", {"exempt": ["10.0.0.1/8"]},
+     ("edge.auth_failures.exempt.0: expected an address or CIDR network (10.0.0.0/8, "
+      "2001:db8::/32): 10.0.0.1/8 has host bits set")),
+    ("auth_failures", {"treshold": 5}, "edge.auth_failures.treshold: unknown key"),
 ])
 def test_bad_edge_settings_name_the_field(config_path: Path, tmp_path: Path, field: str,
                                           value: Any, message: str) -> None:
@@ -64,14 +72,24 @@ def test_bad_edge_settings_name_the_field(config_path: Path, tmp_path: Path, fie
         compiled(config_path, tmp_path, edit)
 
 
+def test_exempt_networks_are_compiled_to_the_bytes_the_edge_compares(
+        config_path: Path, tmp_path: Path) -> None:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["edge"]["auth_failures"] = {"exempt": ["10.1.0.0/16", "192.0.2.7", "2001:db8::/33"]}
+    af = compiled(config_path, tmp_path, edit)["edge"]["auth_failures"]
+    assert af["exempt"] == ["10.1.0.0/16", "192.0.2.7/32", "2001:db8::/33"]
+    assert af["exempt_networks"] == [["0a010000", 16], ["c0000207", 32],
+                                     ["20010db8" + "0" * 24, 33]]
+    assert (af["threshold"], af["window_s"], af["block_s"], af["log_lines_per_s"]) == \
+        (100, 60, 60, 10)
+
+
 def test_debian_dropin_is_rendered_from_the_template() -> None:
     hint = "run: python -m tokengate.tools.nginx_conf debian --templates nginx"
     dropin = nginx_conf.debian_conf(devstack.NGINX_DIR)
     assert dropin.read_text() == nginx_conf.render_debian(devstack.NGINX_DIR), hint
-    p = nginx_conf.DEBIAN_PATHS
     snippet = nginx_conf.debian_location_conf(devstack.NGINX_DIR)
-    assert snippet.read_text() == nginx_conf.render_location(
-        devstack.NGINX_DIR, Path(p["usage_file"]), Path(p["access_log"])), hint
+    assert snippet.read_text() == nginx_conf.render_debian_location(devstack.NGINX_DIR), hint
 
 
 def test_debian_dropin_passes_nginx_t(config_path: Path, tmp_path: Path) -> None:

@@ -72,13 +72,14 @@ def start_edge(config_path: Path, name: str, upstream: str, socket_path: Path,
     usage.unlink(missing_ok=True)
     path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml",
                       _with_global(upstream, socket_path, timeout_ms, name), usage)
-    port = free_port()
+    port, status_port = free_port(), free_port()
     svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
                                  counter_workers=2, workers=2, name=svc_name(f"test-{name}"),
-                                 prefix=EDGE_DIR / name, limits_workers=limits_workers)
+                                 prefix=EDGE_DIR / name, limits_workers=limits_workers,
+                                 status_port=status_port)
     svc.log_path.unlink(missing_ok=True)
     svc.start()
-    return Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc)
+    return Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc, status_port)
 
 
 @dataclass
@@ -137,12 +138,9 @@ def post(edge: Edge, key: str, max_tokens: int = 40, content: str = "hi") -> htt
                             "max_tokens": max_tokens}, timeout=60)
 
 
-def status(edge: Edge, source: str = "127.0.0.1") -> dict[str, Any]:
-    """The edge's /tokengate/status counters (requested from ``source``)."""
-    with httpx.Client(transport=httpx.HTTPTransport(local_address=source)) as c:
-        r = c.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10)
-    r.raise_for_status()
-    return dict(r.json())
+def status(edge: Edge) -> dict[str, Any]:
+    """The edge's /tokengate/status counters (from its loopback status server)."""
+    return edge.status()
 
 
 def to_hex(lua_expr: str) -> str:
@@ -297,10 +295,9 @@ def test_limits_sidecar_down_serves_on_local_limits(config_path: Path, counter_a
         assert m["global_fallback_down"] + m["global_fallback_backoff"] == 3
         assert m["global_fallback_down"] >= 1
         assert m["global_limits_enabled"] is True
-        # the status location answers loopback 127.0.0.1 only
-        with pytest.raises(httpx.HTTPStatusError) as e:
-            status(edge, source="127.0.0.2")
-        assert e.value.response.status_code == 403
+        # the status is on the status server only, never on the API listener
+        r = httpx.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10)
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_url")
     finally:
         edge.service.stop()
 

@@ -122,11 +122,6 @@ def test_usage_events_have_the_ledgers_schema_with_the_sanitizers_counts(edge: E
         (1, 0, 1)
 
 
-def _status(edge: Edge) -> dict[str, Any]:
-    import httpx
-    return httpx.get(f"http://127.0.0.1:{edge.port}/tokengate/status", timeout=10).json()
-
-
 def test_a_failed_counter_is_skipped_for_its_backoff(edge_variant: Callable[..., Edge],
                                                      slow_counter: Path) -> None:
     def tight(raw: dict[str, Any]) -> None:
@@ -138,7 +133,7 @@ def test_a_failed_counter_is_skipped_for_its_backoff(edge_variant: Callable[...,
         status, headers, data = post_raw(e, "/v1/chat/completions", {**body, "seed": i})
         assert status == 200, data
         assert headers["x-token-count-source"] == "estimate"
-    assert _status(e)["counter_backing_off"] is True
+    assert e.status()["counter_backing_off"] is True
     # only the first request waited for the counter and said why; the others skipped it
     deadline = time.monotonic() + 5
     while "failing open" not in e.log_path.read_text() and time.monotonic() < deadline:

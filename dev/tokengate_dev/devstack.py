@@ -125,8 +125,10 @@ def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
 
 def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | None = None,
                   counter_workers: int = 2, workers: int = 2, name: str = "nginx",
-                  prefix: Path | None = None, limits_workers: int = 1) -> Service:
-    """The nginx + ngx_lua edge on 127.0.0.1:port (the gateway users call).
+                  prefix: Path | None = None, limits_workers: int = 1,
+                  status_port: int | None = None) -> Service:
+    """The nginx + ngx_lua edge on 127.0.0.1:port (the gateway users call), its status
+    server on 127.0.0.1:status_port (default: the configuration's edge.status_listen).
 
     Renders a complete instance (``tokengate.tools.nginx_conf``) into ``prefix``
     (default ``var/run/<name>``): nginx.conf, the http-level include, the compiled
@@ -141,7 +143,8 @@ def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | No
     inst = nginx_conf.EdgeInstance(
         prefix=(prefix or VAR / "run" / name).resolve(), listen=f"127.0.0.1:{port}",
         counter_socket=(counter_socket or VAR / "run" / "counter.sock").resolve(),
-        templates=NGINX_DIR, lua_dir=LUA_DIR, counter_workers=counter_workers, workers=workers, limits_workers=limits_workers)
+        templates=NGINX_DIR, lua_dir=LUA_DIR, counter_workers=counter_workers, workers=workers, limits_workers=limits_workers,
+        status_listen=None if status_port is None else f"127.0.0.1:{status_port}")
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)

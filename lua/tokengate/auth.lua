@@ -58,9 +58,11 @@ end
 local MISSING = errors.new(401, "You didn't provide an API key. Send it as "
     .. "'Authorization: Bearer <key>'.", nil, "invalid_api_key")
 local INVALID = errors.new(401, "Incorrect API key provided.", nil, "invalid_api_key")
+_M.MISSING, _M.INVALID = MISSING, INVALID -- authenticate()'s errors, for telling them apart
 
 -- authenticate(keys, header) -> key entry (from the compiled config: {id, rpm, tpm,
--- models, digest}) | nil, err (401, errors.new shape).
+-- models, digest}) | nil, err (401, errors.new shape: MISSING without a bearer token,
+-- else INVALID).
 function _M.authenticate(keys, header)
     local token = _M.bearer(header)
     if not token then

@@ -111,7 +111,8 @@ function _M.send(ctx, err)
 end
 
 -- What nginx itself answers (error pages before or around the edge's Lua), as errors:
--- status -> {message, code}. 5xx of a proxied request are the backend's failures.
+-- status -> {message, code[, type]}. 5xx of a proxied request are the backend's
+-- failures; 501 and 505 are the client's (what it sent is not HTTP nginx accepts).
 local NGINX = {
     [400] = { "The request could not be parsed (bad request line or headers).",
               "invalid_request" },
@@ -122,10 +123,14 @@ local NGINX = {
     [431] = { "Request headers are too large.", "request_too_large" },
     [494] = { "Request headers are too large.", "request_too_large" },
     [500] = { "The gateway failed to handle the request.", "internal_error" },
+    [501] = { "The request's Transfer-Encoding is not supported (only chunked is).",
+              "invalid_request", "invalid_request_error" },
     [502] = { "The gateway could not reach a service it needs. Please retry.",
               "upstream_unavailable" },
     [503] = { "The gateway is unavailable. Please retry.", "upstream_unavailable" },
     [504] = { "A service behind the gateway did not answer in time.", "upstream_timeout" },
+    [505] = { "The request's HTTP version is not supported.",
+              "invalid_request", "invalid_request_error" },
 }
 local UPSTREAM = {
     [502] = { "The model backend is unreachable. Please retry.", "upstream_unavailable" },
@@ -147,7 +152,7 @@ function _M.nginx(status, proxied)
         status = 400
     end
     if f then
-        return _M.new(status, f[1], nil, f[2])
+        return _M.new(status, f[1], nil, f[2], f[3])
     end
     if proxied then
         return _M.new(status, format("The model backend failed with HTTP %d.", status), nil,

@@ -1,5 +1,6 @@
--- Edge metrics: counters in a lua_shared_dict shared by all workers, served as JSON by the
--- loopback-only location /tokengate/status (tokengate-location.conf).
+-- Edge metrics: counters in a lua_shared_dict shared by all workers, served as JSON by
+-- /tokengate/status on the loopback status server (edge.status_listen,
+-- tokengate-http.conf).
 --
 -- Counters only ever grow (since nginx started; a reload keeps them, a restart clears
 -- them), so a scraper takes rates from differences. incr with an init value is atomic
@@ -30,11 +31,23 @@ local _M = {}
 --                          stays as reserved until it leaves the 60 s window)
 --   global_settle_dropped  settlements not sent because the worker's queue was full
 --   access_log_lines       lines written to the sampled access log
+--   unauthenticated_missing_key   401: no API key (requests without a valid key write no
+--                                 usage event; these four count them by reason)
+--   unauthenticated_invalid_key   401: a key that is not configured
+--   unauthenticated_blocked       429: the client is blocked (edge.auth_failures)
+--   unauthenticated_refused       refused by nginx itself (bad request line or headers,
+--                                 ...) without a valid key
+--   unauthenticated_log_lines     their lines in the sampled access log (at most
+--                                 edge.auth_failures.log_lines_per_s per worker; also
+--                                 in access_log_lines)
+--   auth_blocks            clients blocked after too many invalid keys
 local NAMES = {
     "global_admitted", "global_refused", "global_fallback", "global_fallback_unavailable",
     "global_fallback_down", "global_fallback_timeout", "global_fallback_error",
     "global_fallback_backoff", "global_settled", "global_settle_failed",
-    "global_settle_dropped", "access_log_lines",
+    "global_settle_dropped", "access_log_lines", "unauthenticated_missing_key",
+    "unauthenticated_invalid_key", "unauthenticated_blocked", "unauthenticated_refused",
+    "unauthenticated_log_lines", "auth_blocks",
 }
 
 local dict

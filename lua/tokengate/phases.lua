@@ -9,7 +9,8 @@
 --                  errors that nginx itself or a non-JSON backend produced
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
 --   log:           settle the reservation with the usage billed, write the usage event
---                  and, when sampled, the access-log line
+--                  and, when sampled, the access-log line; a request without a valid
+--                  API key writes no event: counted, and logged at a bounded rate
 --
 -- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
 -- Per-request state is ngx.ctx; nothing here writes globals.
@@ -18,6 +19,7 @@ local ngx = ngx
 local config = require "tokengate.config"
 local errors = require "tokengate.errors"
 local auth = require "tokengate.auth"
+local lockout = require "tokengate.lockout"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
 local count = require "tokengate.count"
@@ -74,6 +76,9 @@ function _M.init_worker()
     if ok then
         ok, err = metrics.init("tokengate_status")
     end
+    if ok then
+        ok, err = lockout.init("tokengate_auth_failures", doc.edge.auth_failures)
+    end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
     end
@@ -88,10 +93,23 @@ local function answer(status, text)
     return ngx_exit(status)
 end
 
--- who(ctx, doc) -> key | nil, err (401): the API key and the limits it is held to.
+-- who(ctx, doc) -> key | nil, err (429 blocked client, 401): the API key and the limits
+-- it is held to. ctx.unauthenticated: why there is no key (the status counter's reason).
 local function who(ctx, doc)
-    local key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
+    local ok, err = lockout.check()
+    if not ok then
+        ctx.unauthenticated = "unauthenticated_blocked"
+        return nil, err
+    end
+    local key
+    key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
     if not key then
+        if err == auth.MISSING then
+            ctx.unauthenticated = "unauthenticated_missing_key"
+        else
+            ctx.unauthenticated = "unauthenticated_invalid_key"
+            lockout.failed()
+        end
         return nil, err
     end
     ctx.key, ctx.limit_req = key, limits.request(key, nil, ngx_var.request_id)
@@ -296,6 +314,25 @@ function _M.body_filter()
     end
 end
 
+-- unauthenticated(ctx, status, aborted): the log phase of a request without a valid
+-- API key (401, a blocked client's 429, what nginx refused): no usage event (the
+-- ledger bills keys; a flood of random keys must not grow the usage file or Redis),
+-- one status counter, and an access-log line for the first
+-- edge.auth_failures.log_lines_per_s of each second (per worker).
+local function unauthenticated(ctx, status, aborted)
+    metrics.incr(ctx.unauthenticated or "unauthenticated_refused")
+    local doc = config.get()
+    if doc.access_log.file == "" or
+            not sampling.keep_unauthenticated(doc.edge.auth_failures.log_lines_per_s) then
+        return
+    end
+    local ev = usage.record(ctx, status, aborted)
+    ngx_var.tg_access_line = usage.line(ev, usage.access_fields(ctx, "unauthenticated",
+        json.null))
+    metrics.incr("access_log_lines")
+    metrics.incr("unauthenticated_log_lines")
+end
+
 -- log(): settle the reservation to what is billed, then the usage event (written by the
 -- location's access_log right after this handler: verified with Debian's nginx 1.22 +
 -- lua 0.10.23 that access_log runs after log_by_lua and sees variables it set) and the
@@ -304,6 +341,14 @@ function _M.log()
     local ctx = ngx.ctx
     local status = ctx.status_sent or ngx.status
     local aborted = usage.outcome(ctx, ngx.status, ngx_var.request_completion)
+    if status >= 400 and status ~= 499 and not ctx.error then
+        -- an answer no filter saw: nginx closes a client that stopped sending its body
+        -- (408) without one
+        ctx.error = errors.nginx(status, ctx.proxied).code
+    end
+    if not ctx.key then
+        return unauthenticated(ctx, status, aborted)
+    end
     local ev = usage.record(ctx, status, aborted)
     if ctx.limit_req then
         limits.settle(ctx.limit_req, ev.prompt_tokens + ev.completion_tokens)
@@ -323,11 +368,18 @@ function _M.log()
 end
 
 -- nginx_error(): content handler of /_tokengate/error, the error_page of what nginx
--- refuses before the edge's Lua runs (a bad request line, headers or URI too large, a
--- body above the backstop): the same OpenAI shape as every other error. The usage
--- event's endpoint is the client's path ("-" when the request line was unreadable).
+-- refuses before the edge's Lua runs (a bad request line, duplicate or conflicting
+-- headers such as Content-Length with Transfer-Encoding, headers or URI too large, a
+-- body above the backstop, an unknown path): the same OpenAI shape as every other
+-- error. The internal redirect dropped ngx.ctx, so the key is looked up again: with a
+-- valid one (an Authorization header nginx read before the line it refused; the first
+-- of two) the request gets its usage event, whose endpoint is the client's path ("-"
+-- when the request line was unreadable); without one it is counted as
+-- unauthenticated_refused. Such requests never count towards blocking a client
+-- (edge.auth_failures).
 function _M.nginx_error()
     local ctx = ngx.ctx
+    ctx.key = auth.authenticate(config.get().keys, ngx_var.http_authorization)
     local path = match(ngx_var.request_uri or "", "^[^?]*")
     if path == "" then
         ctx.endpoint = "-"
@@ -338,8 +390,9 @@ function _M.nginx_error()
     return send(ctx, errors.nginx(status, false))
 end
 
--- status(): content handler of /tokengate/status (loopback only): the metrics as JSON,
--- plus whether the global tier and the counter are skipped after a failure.
+-- status(): content handler of /tokengate/status on the loopback status server
+-- (edge.status_listen): the metrics as JSON, plus whether the global tier and the
+-- counter are skipped after a failure.
 function _M.status()
     local extra = json.object()
     json.set(extra, "global_limits_enabled", config.get().global_limits.enabled == true)

@@ -1,5 +1,5 @@
--- The tiered access log: which requests get a line, and the line. Usage events are
--- written for every request (100 %); this only thins the operator's access log.
+-- The tiered access log: which requests get a line. Usage events are written for every
+-- authenticated request (100 %); this only thins the operator's access log.
 --
 -- The rule is tokengate.ledger.sampling's, exactly (its sampling_vectors.json is
 -- replayed through this module by tests/test_edge_access_log.py):
@@ -15,10 +15,13 @@
 -- every replay keeps the same requests. The first 8 hex digits fit in 32 bits, exact in
 -- LuaJIT's doubles.
 
+local clock = require "tokengate.clock"
+
 local find = string.find
 local sub = string.sub
 local floor = math.floor
 local tonumber = tonumber
+local mono_ms = clock.mono_ms
 
 local _M = {}
 
@@ -68,6 +71,26 @@ function _M.keep(r, request_id, status, total_ms)
         return b < r.slow_threshold, "slow", r.slow_rate
     end
     return b < r.threshold, "sampled", r.rate
+end
+
+-- Requests without a valid API key write no usage event and are not sampled by the
+-- rule above (every 401 would be an "error" line): the first `per_s` of each second
+-- get a line, per worker, so a flood of random keys writes a bounded log. Per-worker
+-- state on purpose: no shared-dict traffic on the path a flood takes.
+local second, lines = -1, 0
+
+-- keep_unauthenticated(per_s) -> kept (bool): whether this request without a valid
+-- key gets an access-log line; per_s: edge.auth_failures.log_lines_per_s (0: none).
+function _M.keep_unauthenticated(per_s)
+    local now = floor(mono_ms() / 1000)
+    if now ~= second then
+        second, lines = now, 0
+    end
+    if lines >= per_s then
+        return false
+    end
+    lines = lines + 1
+    return true
 end
 
 return _M

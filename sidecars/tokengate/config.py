@@ -16,6 +16,7 @@ offending key (``models.tiny-qwen3.max_token_cap: unknown key``).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -88,6 +89,26 @@ def _host_port(value: str) -> str:
     return value
 
 
+def _loopback_host_port(value: str) -> str:
+    host = value.rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"expected a loopback address (127.0.0.1:PORT, [::1]:PORT), "
+                         f"got {value!r}")
+    return value
+
+
+def _network(value: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value))
+    except ValueError as e:
+        raise ValueError(f"expected an address or CIDR network (10.0.0.0/8, 2001:db8::/32): "
+                         f"{e}") from None
+
+
 def _sha256(value: str) -> str:
     digest = value.lower()
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -112,6 +133,11 @@ OptionalPath = Annotated[
 HostPort = Annotated[str, AfterValidator(_host_port),
                      WithJsonSchema({"type": "string", "format": "host:port",
                                      "pattern": r"^.+:[0-9]{1,5}$"})]
+LoopbackHostPort = Annotated[str, AfterValidator(_host_port), AfterValidator(_loopback_host_port),
+                             WithJsonSchema({"type": "string", "format": "loopback host:port",
+                                             "pattern": r"^.+:[0-9]{1,5}$"})]
+Network = Annotated[str, AfterValidator(_network),
+                    WithJsonSchema({"type": "string", "format": "CIDR network"})]
 Sha256 = Annotated[str, AfterValidator(_sha256),
                    WithJsonSchema({"type": "string", "format": "sha256 hex",
                                    "pattern": "^[0-9a-fA-F]{64}$"})]
@@ -386,6 +412,42 @@ def _template_kwargs(names: list[str]) -> list[str]:
     return names
 
 
+class AuthFailuresConfig(_Schema):
+    """Requests without a valid API key (``edge.auth_failures``).
+
+    They write no usage event (the ledger bills authenticated requests only); the status
+    listener counts them by reason and the sampled access log gets at most
+    ``log_lines_per_s`` of them per second per nginx worker. A client that keeps
+    presenting wrong keys is blocked: ``threshold`` invalid keys from one client within
+    ``window_s`` (counted from its first failure) and every request from it is answered
+    429 with ``Retry-After`` for ``block_s``, before its key is checked, so a valid key
+    from a blocked client waits too (a blocked guesser learns nothing). A client is an
+    IPv4 address or an IPv6 /64 (one host commonly holds a whole /64); nginx's
+    ``$remote_addr``, so behind a proxy set nginx's real_ip module up or exempt the proxy.
+    Requests without any key are counted and logged but never block.
+    """
+
+    threshold: int = Field(
+        default=100, ge=0,
+        description="Invalid API keys from one client within window_s that block it; 0: "
+                    "never block.")
+    window_s: Positive = Field(
+        default=60,
+        description="How long a client's failures are counted, from its first one, s.")
+    block_s: Positive = Field(
+        default=60,
+        description="How long a blocked client is answered 429 (Retry-After), whatever "
+                    "key it sends, s.")
+    exempt: list[Network] = Field(
+        default=[],
+        description="Client networks never blocked (CIDR or address): a NAT gateway or "
+                    "proxy that many clients share.")
+    log_lines_per_s: int = Field(
+        default=10, ge=0,
+        description="Sampled access-log lines of requests without a valid key, at most, "
+                    "per second and nginx worker (all are counted on the status listener).")
+
+
 class EdgeConfig(_Schema):
     """The nginx edge (``edge``), compiled to JSON for nginx.
 
@@ -393,12 +455,20 @@ class EdgeConfig(_Schema):
     ``redis.timeout_ms`` (the limits sidecar's own Redis deadline), so a Redis outage
     reaches the edge as UNAVAILABLE rather than as a timeout; ``listen`` is neither a
     model's ``upstream`` (the edge would proxy to itself) nor, with global limits on,
-    ``global_limits.listen``.
+    ``global_limits.listen``; nor is ``status_listen`` any of these.
     """
 
     listen: HostPort = Field(
         default="127.0.0.1:8080",
         description="host:port the gateway serves the API on (`make run`).")
+    status_listen: LoopbackHostPort = Field(
+        default="127.0.0.1:8081",
+        description="Loopback host:port of the edge's status server (`/tokengate/status`), "
+                    "a server of its own so the API listener never answers it.")
+    client_body_timeout_s: Positive = Field(
+        default=60,
+        description="nginx's client_body_timeout: a client that sends nothing of its body "
+                    "for this long gets 408 (the event's error: request_timeout), s.")
     max_body_bytes: int = Field(
         default=4 << 20, ge=1024, le=COUNTER_MAX_MESSAGE_BYTES,
         description="Largest request body, bytes (413 above it); at most the counter's gRPC "
@@ -483,6 +553,10 @@ class EdgeConfig(_Schema):
         default=500, ge=0,
         description="After a failure of the global tier, requests skip it (local limits "
                     "only) for this long, ms; then one request probes again.")
+    auth_failures: AuthFailuresConfig = Field(
+        default_factory=AuthFailuresConfig,
+        description="Requests without a valid API key: counted, logged at a bounded rate, "
+                    "and clients that keep failing blocked for a while.")
 
 
 # --- the file --------------------------------------------------------------------------
@@ -570,6 +644,13 @@ class Config(_Schema):
         if self.global_limits.enabled and self.global_limits.listen == edge.listen:
             problems.append(("global_limits.listen",
                              f"{self.global_limits.listen} is also edge.listen"))
+        taken = {edge.listen: "edge.listen", **{m.upstream: f"models.{name}.upstream"
+                                                for name, m in self.models.items()}}
+        if self.global_limits.enabled:
+            taken[self.global_limits.listen] = "global_limits.listen"
+        if edge.status_listen in taken:
+            problems.append(("edge.status_listen",
+                             f"{edge.status_listen} is also {taken[edge.status_listen]}"))
         _check(problems)
         for name, m in self.models.items():
             m._name = name

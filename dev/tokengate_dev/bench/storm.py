@@ -147,7 +147,7 @@ class Gateway:
         edge = devstack.nginx_service(self.config_path, port=self.port, counter_socket=sock,
                                       counter_workers=self.opts.counter_workers,
                                       workers=self.opts.edge_workers, name="bench-edge",
-                                      prefix=BENCH_VAR / "edge")
+                                      prefix=BENCH_VAR / "edge", status_port=free_port())
         self.services.append(edge.start())
         return self
 

@@ -1,15 +1,24 @@
 """The usage event: one JSON line per finished request, written by the edge.
 
 The edge appends one line to the usage file (default ``var/usage/usage.jsonl``) for
-every request it finished, rejected ones (401, 413, 429, ...) included, before the
-request's log phase ends. The ledger (``tokengate-ledger``) is the only reader.
+every request it finished that presented a valid API key, rejected ones (400, 413, 429,
+nginx's own refusals, a 408 body timeout ...) included, before the request's log phase
+ends. Requests without a valid key write none: a 401 (no key, or one that is not
+configured), a 429 of a client blocked for sending invalid keys
+(``edge.auth_failures``), and what nginx refuses itself while no valid key is known (a
+bad request line, an unsupported HTTP version, a request whose headers carry no valid
+key); the edge counts those on its status server instead, so a flood of random keys
+costs the ledger and Redis nothing. Files written by older edges may hold events with
+``key_id: null``; they are applied like any other. The ledger (``tokengate-ledger``) is
+the only reader.
 
 Schema (every key is present; ``null`` only where shown)::
 
     request_id        32 hex digits, unique per request (the edge's $request_id)
     ts                wall-clock time of the event, RFC 3339 UTC, e.g.
                       "2026-11-29T16:40:00.123Z"
-    key_id            the API key's id from tokengate.yaml (never the key) | null
+    key_id            the API key's id from tokengate.yaml (never the key); null only
+                      in files of older edges
     model             served model name from the body | null
     endpoint          "chat" | "completions" | the request path
     status            HTTP status sent to the client (int)

@@ -20,7 +20,10 @@ fields only the edge needs, derived here:
       },
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
                                 "models": {"<model>": {"rpm": <int>, "tpm": <int>}}}},
-      "edge": {... ``EdgeConfig``, usage_file absolute},
+      "edge": {... ``EdgeConfig``, usage_file absolute,
+               "auth_failures": {... ``AuthFailuresConfig``,
+                                 "exempt_networks": [["<network address bytes, hex>",
+                                                      <prefix length>], ...]}},
       "global_limits": {"enabled": <bool>, "listen": "<host:port>",
                         "unix_socket": "<absolute path or null>"},
       "access_log": {"error_status": <status>, "slow_ms": <ms>, "slow_rate": <0..1>,
@@ -37,6 +40,7 @@ Errors: ``ConfigError`` naming the key (exit status 2 from the CLI).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import socket
 import sys
@@ -118,6 +122,10 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     doc["keys"] = {k.sha256: {"id": key_id, **k.model_dump(mode="json", exclude={"sha256"})}
                    for key_id, k in cfg.keys.items()}
     doc["access_log"]["file"] = doc["access_log"]["file"] or ""
+    # the edge matches $binary_remote_addr, raw bytes: no address parsing in Lua
+    af = doc["edge"]["auth_failures"]
+    af["exempt_networks"] = [[n.network_address.packed.hex(), n.prefixlen]
+                             for n in map(ipaddress.ip_network, af["exempt"])]
     return doc
 
 

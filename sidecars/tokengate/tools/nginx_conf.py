@@ -89,23 +89,27 @@ def debian_location_conf(templates: Path) -> Path:
     return templates / "debian" / "tokengate-location.conf"
 
 
-def render_location(templates: Path, usage_file: Path, access_log: Path | None) -> str:
+def render_location(templates: Path, usage_file: Path, access_log: Path | None,
+                    client_body_timeout_s: int) -> str:
     """The server-level snippet (``<templates>/tokengate-location.conf.in``): the usage
-    events go to ``usage_file``, the sampled access log to ``access_log`` (None: off)."""
+    events go to ``usage_file``, the sampled access log to ``access_log`` (None: off);
+    ``client_body_timeout_s``: edge.client_body_timeout_s, seconds."""
     access = (f"    access_log {access_log} tokengate_access if=$tg_access_line;"
               if access_log else "    # (access_log.file is off)")
     return _fill((templates / "tokengate-location.conf.in").read_text(), {
         "USAGE_FILE": str(usage_file), "ACCESS_LOG": access,
+        "CLIENT_BODY_TIMEOUT_S": str(client_body_timeout_s),
     })
 
 
 def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket: Path,
                 counter_workers: int, hop_address: str, count_timeout_ms: int,
-                limits: list[str], limits_timeout_ms: int) -> str:
+                limits: list[str], limits_timeout_ms: int, status_listen: str) -> str:
     """The http-level part (``<templates>/tokengate-http.conf.in``) for the given paths.
 
     hop_address: where the loopback-hop server listens, ``unix:<path>`` or ``host:port``.
     limits: the global-limit sidecar's addresses (``limits_servers``); timeouts in ms.
+    status_listen: the status server's loopback ``host:port`` (edge.status_listen).
     """
     servers = "\n".join(f"    server unix:{s} max_fails=0;"
                         for s in counter_sockets(counter_socket, counter_workers))
@@ -113,7 +117,7 @@ def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket:
         "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
         "HOP_ADDRESS": hop_address, "COUNT_TIMEOUT_MS": str(count_timeout_ms),
         "LIMITS_SERVERS": "\n".join(f"    server {a} max_fails=0;" for a in limits),
-        "LIMITS_TIMEOUT_MS": str(limits_timeout_ms),
+        "LIMITS_TIMEOUT_MS": str(limits_timeout_ms), "STATUS_LISTEN": status_listen,
     })
 
 
@@ -129,6 +133,7 @@ class EdgeInstance:
     counter_workers: int = 2
     workers: int = 2               # nginx worker processes
     limits_workers: int = 1        # tokengate-limits --workers (sockets <unix_socket>.<i>)
+    status_listen: str | None = None  # host:port of the status server; None: edge.status_listen
 
     @property
     def conf(self) -> Path:
@@ -162,14 +167,16 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     usage_file.parent.mkdir(parents=True, exist_ok=True)
     if access_log:
         access_log.parent.mkdir(parents=True, exist_ok=True)
-    inst.location_conf.write_text(render_location(inst.templates, usage_file, access_log))
+    inst.location_conf.write_text(render_location(inst.templates, usage_file, access_log,
+                                                  doc["edge"]["client_body_timeout_s"]))
     gl = doc["global_limits"]
     sock = Path(gl["unix_socket"]) if gl["unix_socket"] else None
     http = render_http(inst.templates, inst.lua_dir, inst.edge_json, inst.counter_socket,
                        inst.counter_workers, f"unix:{inst.hop_socket}",
                        doc["edge"]["count_timeout_ms"],
                        limits_servers(sock, inst.limits_workers, gl["listen"]),
-                       doc["edge"]["global_limits_timeout_ms"])
+                       doc["edge"]["global_limits_timeout_ms"],
+                       inst.status_listen or doc["edge"]["status_listen"])
     (inst.prefix / "tokengate-http.conf").write_text(http)
     # A root master would run workers as nobody, who cannot use the project's sockets
     # and files; run them as the invoking user instead.
@@ -207,7 +214,15 @@ def render_debian(templates: Path) -> str:
                                 Path(p["counter_socket"]), 2,
                                 str(p["hop_address"]), d.count_timeout_ms,
                                 limits_servers(Path(p["limits_socket"]), 2, ""),
-                                d.global_limits_timeout_ms)
+                                d.global_limits_timeout_ms, d.status_listen)
+
+
+def render_debian_location(templates: Path) -> str:
+    """The Debian server-level snippet (committed as nginx/debian/tokengate-location.conf):
+    the drop-in's literal paths, the schema's default timeouts."""
+    p = DEBIAN_PATHS
+    return render_location(templates, Path(p["usage_file"]), Path(p["access_log"]),
+                           compile_config.EdgeConfig().client_body_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     i.add_argument("--counter-workers", type=int, default=2)
     i.add_argument("--workers", type=int, default=2)
     i.add_argument("--limits-workers", type=int, default=1)
+    i.add_argument("--status-listen", default=None,
+                   help="host:port of the status server (default: edge.status_listen)")
     d = sub.add_parser("debian", help="rewrite nginx/debian/ (the drop-in and its snippet)")
     d.add_argument("--templates", type=Path, required=True,
                    help="the checkout's nginx/ folder")
@@ -241,16 +258,14 @@ def main(argv: list[str] | None = None) -> None:
             counter_socket=args.counter_socket.resolve(),
             templates=args.templates.resolve(), lua_dir=args.lua_dir.resolve(),
             counter_workers=args.counter_workers, workers=args.workers,
-            limits_workers=args.limits_workers))
+            limits_workers=args.limits_workers, status_listen=args.status_listen))
         print(f"nginx -p {args.prefix.resolve()} -c {conf}")
     else:
         out = args.out or debian_conf(args.templates).parent
         out.mkdir(parents=True, exist_ok=True)
-        p = DEBIAN_PATHS
         for path, text in ((out / "tokengate.conf", render_debian(args.templates)),
                            (out / "tokengate-location.conf",
-                            render_location(args.templates, Path(p["usage_file"]),
-                                            Path(p["access_log"])))):
+                            render_debian_location(args.templates))):
             path.write_text(text)
             print(f"wrote {path}")
 
