@@ -18,6 +18,9 @@ aborted before its first output (it waited in the queue) adds nothing to either.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -40,6 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PORT = 18050 + PORT_OFFSET  # the suite's plain vLLM is on 18000 + offset
 SCHEDULER = "tokengate_vllm.scheduler.TokenWeightedScheduler"
+GPU_CHECK = Path(__file__).resolve().parents[1] / "vllm_patches" / "gpu_check.py"
 
 
 @dataclass
@@ -438,3 +442,22 @@ def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: Pl
     for check in expect.values():
         check(recs)
     assert {r.edge_request_id is not None for r in records} == {True}
+
+
+def test_the_gpu_checks_workload_reconciles_on_the_cpu_server(plugin_vllm: PluginVllm,
+                                                              tmp_path: Path):
+    """vllm_patches/gpu_check.py, the part of gpu_check.sh that needs no GPU: its mixed
+    workload (short, long, leaving, n = 2, timing out) against this server reconciles."""
+    out = tmp_path / "figures.json"
+    r = subprocess.run([sys.executable, str(GPU_CHECK), "run",
+                        "--url", f"http://127.0.0.1:{PORT}", "--model", MODEL,
+                        "--usage-file", str(plugin_vllm.usage_file), "--duration", "8",
+                        "--rate", "1.5", "--burst", "0", "--seed", "4", "--label", "cpu",
+                        "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    f = json.loads(out.read_text())
+    assert f["reconciled"] and f["errors"] == 0 and f["missing"] == []
+    assert f["records"] == f["records_expected"] > 0
+    assert f["generation_tokens"] == f["generation_counter"] > 0
+    assert f["prompt_tokens"] == f["prompt_counter"] > 0

@@ -1,0 +1,367 @@
+"""The workload and the figures of ``gpu_check.sh``: one run against one vLLM server
+with the tokengate plugin, then a side-by-side of two runs (FCFS, token-weighted).
+
+    python gpu_check.py run --url http://127.0.0.1:8000 --model tiny-qwen3 \\
+        --usage-file engine.jsonl --duration 50 --label fcfs --out fcfs.json
+    python gpu_check.py compare fcfs.json weighted.json
+
+``run`` sends a seeded open-loop workload (Poisson arrivals plus a burst every 10 s):
+short streaming chats, long ones (prompts of 1500-3000 tokens), streams whose client
+leaves after a few chunks, non-streaming ``n = 2`` chats and non-streaming clients
+that time out. Each request carries an ``X-Request-Id`` as the edge sends it. After
+the last answer it waits for the engine records of every request and reports:
+
+- TTFT p50/p99 of completed short and long streams (client side, ms), the longest
+  engine queue wait (the records' ``queued_ms``), output tokens/s (the records'
+  generated tokens over the run's wall time);
+- vLLM's own batch figures from ``/metrics``: mean ``vllm:num_requests_running``
+  (sampled every 0.5 s while requests are in flight) and tokens per engine iteration
+  (``vllm:iteration_tokens_total`` sum / count over the run);
+- the reconciliation: one record per engine request sent (``n = 2``: two), Σ
+  ``num_generation_tokens`` = growth of ``vllm:generation_tokens_total``, Σ
+  ``num_prompt_tokens`` of prefilled records = growth of ``vllm:prompt_tokens_total``;
+  exit status 1 when any of these fails.
+
+Standard library only: it runs in any vLLM environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CLASSES = ("short", "long", "leave", "n2", "timeout")
+WEIGHTS = (0.62, 0.18, 0.08, 0.07, 0.05)
+
+
+@dataclass
+class Sent:
+    """One request of the workload and what its client saw (times: monotonic s)."""
+
+    request_id: str
+    kind: str
+    n: int
+    arrival: float
+    ttft: float | None = None       # first content token, s after arrival
+    end: float | None = None
+    completion_tokens: int | None = None  # the last usage the client saw
+    error: str | None = None
+
+
+@dataclass
+class Figures:
+    """What one run measured (see the module docstring)."""
+
+    label: str
+    duration_s: float
+    requests: dict[str, int] = field(default_factory=dict)
+    ttft_ms: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    max_queued_ms: float | None = None
+    output_tokens_per_s: float = 0.0
+    mean_running: float | None = None
+    tokens_per_iteration: float | None = None
+    records: int = 0
+    records_expected: int = 0
+    missing: list[str] = field(default_factory=list)
+    generation_tokens: int = 0
+    generation_counter: float = 0.0
+    prompt_tokens: int = 0
+    prompt_counter: float = 0.0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reconciled(self) -> bool:
+        return (not self.missing and self.records == self.records_expected
+                and self.generation_tokens == self.generation_counter
+                and self.prompt_tokens == self.prompt_counter)
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The p-th percentile (0..100, nearest rank) of ``values``; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-p * len(s) // 100)) - 1))
+    return s[k]
+
+
+def metrics(base: str) -> dict[str, float]:
+    """vLLM's ``/metrics``: every ``vllm:*`` sample summed over its label sets."""
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and " " in line:
+            name, _, value = line.rpartition(" ")
+            key = name.split("{", 1)[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def read_records(path: Path, offset: int) -> list[dict[str, Any]]:
+    """Engine records in complete lines after byte ``offset``."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()[offset:]
+    return [json.loads(x) for x in data[: data.rfind(b"\n") + 1].splitlines() if x.strip()]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(5000)}" for _ in range(n))
+
+
+def send(base: str, model: str, s: Sent, body: dict[str, Any], leave_after: int | None,
+         timeout_s: float) -> None:
+    """One chat request over HTTP/1.1; fills ``s``. A client that leaves closes the
+    connection, which is how vLLM learns it (and aborts the request)."""
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps({"model": model, **body}),
+                     {"Content-Type": "application/json", "X-Request-Id": s.request_id})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            s.error = f"HTTP {resp.status}"
+            resp.read()
+            return
+        if not body.get("stream"):
+            out = json.loads(resp.read())
+            s.completion_tokens = out["usage"]["completion_tokens"]
+            return
+        chunks = 0
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                s.completion_tokens = ev["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
+                chunks += 1
+                if s.ttft is None:
+                    s.ttft = time.monotonic() - s.arrival
+                if leave_after is not None and chunks >= leave_after:
+                    return  # finally closes the socket mid-stream
+    except TimeoutError:
+        s.error = None if s.kind == "timeout" else "timeout"
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        s.error = type(e).__name__
+    finally:
+        s.end = time.monotonic()
+        conn.close()
+
+
+def workload(rng: random.Random, duration_s: float, rate: float, burst: int
+             ) -> list[tuple[float, str]]:
+    """(start offset s, class) of every request: Poisson arrivals at ``rate`` per
+    second, plus ``burst`` requests at once every 10 s."""
+    out: list[tuple[float, str]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            break
+        out.append((t, rng.choices(CLASSES, WEIGHTS)[0]))
+    for b in range(1, int(duration_s // 10) + 1):
+        out += [(b * 10.0 - 5.0, rng.choices(CLASSES, WEIGHTS)[0]) for _ in range(burst)]
+    return sorted(out)
+
+
+def body_for(rng: random.Random, kind: str) -> tuple[dict[str, Any], int | None, float, int]:
+    """(request body, chunks after which the client leaves, client timeout s, n)."""
+    stream = {"stream": True, "stream_options": {"include_usage": True,
+                                                 "continuous_usage_stats": True}}
+    if kind == "short":
+        return ({"messages": [{"role": "user", "content": _words(rng, rng.randint(10, 80))}],
+                 "max_tokens": rng.randint(8, 48), "ignore_eos": True, **stream}, None, 300, 1)
+    if kind == "long":
+        return ({"messages": [{"role": "user",
+                               "content": _words(rng, rng.randint(300, 600))}],
+                 "max_tokens": rng.randint(200, 400), "ignore_eos": True, **stream},
+                None, 300, 1)
+    if kind == "leave":
+        return ({"messages": [{"role": "user", "content": _words(rng, 50)}],
+                 "max_tokens": 1000, "ignore_eos": True, **stream}, rng.randint(1, 12), 300, 1)
+    if kind == "n2":
+        return ({"messages": [{"role": "user", "content": _words(rng, 30)}], "n": 2,
+                 "max_tokens": rng.randint(8, 32), "ignore_eos": True}, None, 300, 2)
+    return ({"messages": [{"role": "user", "content": _words(rng, 40)}],
+             "max_tokens": 4000, "ignore_eos": True}, None, 0.5, 1)
+
+
+def run(base: str, model: str, usage_file: Path, duration_s: float, rate: float, burst: int,
+        seed: int, label: str, progress: Callable[[str], None] = print) -> Figures:
+    """Send the workload, wait for its engine records, measure (module docstring)."""
+    rng = random.Random(seed)
+    plan = workload(rng, duration_s, rate, burst)
+    offset = usage_file.stat().st_size if usage_file.exists() else 0
+    before = metrics(base)
+    sent: list[Sent] = []
+    running: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            try:
+                running.append(metrics(base).get("vllm:num_requests_running", 0.0))
+            except OSError:
+                pass
+
+    progress(f"{label}: {len(plan)} requests over {duration_s:.0f} s")
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(256) as pool:
+        futs = []
+        for at, kind in plan:
+            delay = t0 + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            body, leave_after, timeout_s, n = body_for(rng, kind)
+            s = Sent(uuid.uuid4().hex, kind, n, time.monotonic())
+            sent.append(s)
+            futs.append(pool.submit(send, base, model, s, body, leave_after, timeout_s))
+        for f in futs:
+            f.result()
+    wall = time.monotonic() - t0
+    done.set()
+    keys = {f"chatcmpl-{s.request_id}#{i}" for s in sent if s.error is None for i in range(s.n)}
+    deadline = time.monotonic() + 120
+    while True:
+        recs = read_records(usage_file, offset)
+        got = {f"{r['request_id']}#{r['index']}" for r in recs}
+        if keys <= got or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    prev = metrics(base)
+    while True:  # the counters move in the same loop iteration as the records
+        time.sleep(0.5)
+        after = metrics(base)
+        if after == prev:
+            break
+        prev = after
+    return summarize(label, wall, sent, recs, keys, before, after, running)
+
+
+def summarize(label: str, wall_s: float, sent: list[Sent], recs: list[dict[str, Any]],
+              keys: set[str], before: dict[str, float], after: dict[str, float],
+              running: list[float]) -> Figures:
+    """The figures of one run from what was sent, the engine records written after the
+    run began (only those of ``keys`` count) and ``/metrics`` before and after."""
+    mine = [r for r in recs if f"{r['request_id']}#{r['index']}" in keys]
+    got = {f"{r['request_id']}#{r['index']}" for r in mine}
+    f = Figures(label=label, duration_s=round(wall_s, 1))
+    for kind in CLASSES:
+        f.requests[kind] = sum(1 for s in sent if s.kind == kind)
+    for kind in ("short", "long"):
+        ttfts = [s.ttft * 1000 for s in sent if s.kind == kind and s.ttft is not None
+                 and s.error is None]
+        f.ttft_ms[kind] = {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)}
+    queued = [r["queued_ms"] for r in mine if r["queued_ms"] is not None]
+    f.max_queued_ms = max(queued) if queued else None
+    f.generation_tokens = sum(r["num_generation_tokens"] for r in mine)
+    f.prompt_tokens = sum(r["num_prompt_tokens"] for r in mine if r["prefilled"])
+    f.output_tokens_per_s = round(f.generation_tokens / wall_s, 1) if wall_s else 0.0
+    f.generation_counter = after.get("vllm:generation_tokens_total", 0.0) - \
+        before.get("vllm:generation_tokens_total", 0.0)
+    f.prompt_counter = after.get("vllm:prompt_tokens_total", 0.0) - \
+        before.get("vllm:prompt_tokens_total", 0.0)
+    f.mean_running = round(statistics.fmean(running), 2) if running else None
+    n_iter = after.get("vllm:iteration_tokens_total_count", 0.0) - \
+        before.get("vllm:iteration_tokens_total_count", 0.0)
+    s_iter = after.get("vllm:iteration_tokens_total_sum", 0.0) - \
+        before.get("vllm:iteration_tokens_total_sum", 0.0)
+    f.tokens_per_iteration = round(s_iter / n_iter, 2) if n_iter else None
+    f.records, f.records_expected = len(mine), len(keys)
+    f.missing = sorted(keys - got)[:20]
+    f.errors = sum(1 for s in sent if s.error is not None)
+    for s in sent:
+        if s.error is not None:
+            f.error_kinds[f"{s.kind}: {s.error}"] = f.error_kinds.get(f"{s.kind}: {s.error}",
+                                                                      0) + 1
+    return f
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def compare(runs: list[dict[str, Any]]) -> str:
+    """A side-by-side table of run figures (``Figures`` as JSON)."""
+    rows: list[tuple[str, list[Any]]] = [
+        ("requests", [sum(r["requests"].values()) for r in runs]),
+        ("TTFT short p50 ms", [r["ttft_ms"]["short"]["p50"] for r in runs]),
+        ("TTFT short p99 ms", [r["ttft_ms"]["short"]["p99"] for r in runs]),
+        ("TTFT long p50 ms", [r["ttft_ms"]["long"]["p50"] for r in runs]),
+        ("TTFT long p99 ms", [r["ttft_ms"]["long"]["p99"] for r in runs]),
+        ("longest queue wait ms", [r["max_queued_ms"] for r in runs]),
+        ("output tokens/s", [r["output_tokens_per_s"] for r in runs]),
+        ("mean running requests", [r["mean_running"] for r in runs]),
+        ("tokens per iteration", [r["tokens_per_iteration"] for r in runs]),
+        ("records / expected", [f"{r['records']}/{r['records_expected']}" for r in runs]),
+        ("generated: records / counter",
+         [f"{r['generation_tokens']}/{r['generation_counter']:.0f}" for r in runs]),
+        ("prompt: records / counter",
+         [f"{r['prompt_tokens']}/{r['prompt_counter']:.0f}" for r in runs]),
+        ("reconciled", ["yes" if r["reconciled"] else "NO" for r in runs]),
+        ("client errors", [r["errors"] for r in runs]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    head = " " * width + "".join(f"{r['label']:>18}" for r in runs)
+    return "\n".join([head] + [f"{name:<{width}}" + "".join(f"{_fmt(v):>18}" for v in vals)
+                               for name, vals in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one run against one server; figures as JSON")
+    r.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    r.add_argument("--model", required=True, help="served model name")
+    r.add_argument("--usage-file", type=Path, required=True,
+                   help="the server's TOKENGATE_ENGINE_USAGE_FILE")
+    r.add_argument("--duration", type=float, default=50.0, help="seconds of arrivals")
+    r.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
+    r.add_argument("--burst", type=int, default=40, help="requests at once every 10 s")
+    r.add_argument("--seed", type=int, default=0, help="workload seed (same for every run)")
+    r.add_argument("--label", default="run", help="name of the run in the table")
+    r.add_argument("--out", type=Path, required=True, help="figures JSON to write")
+    c = sub.add_parser("compare", help="side-by-side table of runs")
+    c.add_argument("runs", type=Path, nargs="+", help="figures JSON files")
+    a = p.parse_args(argv)
+    if a.cmd == "compare":
+        runs = [json.loads(x.read_text()) for x in a.runs]
+        print(compare(runs))
+        return 0 if all(x["reconciled"] for x in runs) else 1
+    f = run(a.url, a.model, a.usage_file, a.duration, a.rate, a.burst, a.seed, a.label,
+            progress=lambda m: print(m, flush=True))
+    a.out.write_text(json.dumps({**asdict(f), "reconciled": f.reconciled}, indent=2))
+    print(compare([{**asdict(f), "reconciled": f.reconciled}]))
+    return 0 if f.reconciled else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
