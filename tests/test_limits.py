@@ -314,7 +314,7 @@ def test_several_workers_serve_tcp_and_one_unix_socket_each(config_path, redis_u
         wait_until(lambda: all(Path(f"{sock}.{i}").exists() for i in range(2)), 20,
                    what="both worker sockets")
         for i in range(2):
-            assert oct(os.stat(f"{sock}.{i}").st_mode & 0o777) == "0o666"
+            assert oct(os.stat(f"{sock}.{i}").st_mode & 0o777) == "0o660"
             with grpc.insecure_channel(f"unix:{sock}.{i}") as ch:
                 r = reserve(pb_grpc.GlobalLimitsStub(ch), 100 + i, 10, rpm=5)
                 assert r.admitted and r.remaining_requests == 4 - i

@@ -2,9 +2,10 @@
 
 Python holds one GIL per process, so a sidecar (``tokengate-counter``,
 ``tokengate-limits``) runs N worker processes (``run_workers``). Every worker listens on
-the same TCP addresses (``SO_REUSEPORT``: the kernel spreads connections) and, when a
-unix socket PATH is given, on its own socket ``PATH.<i>`` (i = 0..N-1, mode 0666 so
-nginx workers running as another user can connect), which the nginx edge lists as the
+the same TCP addresses (``SO_REUSEPORT``: the kernel spreads connections; none at all
+is allowed when a unix socket is given) and, when a unix socket PATH is given, on its
+own socket ``PATH.<i>`` (i = 0..N-1, mode 0660: the owner and the process's group, which
+the systemd units set to nginx's workers' group), which the nginx edge lists as the
 servers of its upstream. The parent restarts a worker that dies and stops all of them
 on SIGTERM/SIGINT.
 
@@ -48,6 +49,10 @@ class Listen:
     tcp: tuple[str, ...]
     unix_socket: str | None = None
 
+    def __post_init__(self) -> None:
+        if not self.tcp and not self.unix_socket:
+            raise ValueError("no address to listen on: give a TCP address or a unix socket")
+
     def socket_of(self, index: int) -> str | None:
         return f"{self.unix_socket}.{index}" if self.unix_socket else None
 
@@ -78,7 +83,9 @@ def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
 def _open_socket(listen: Listen, index: int) -> None:
     sock = listen.socket_of(index)
     if sock:
-        os.chmod(sock, 0o666)  # nginx workers may run as another user
+        # nginx's workers run as another user: the group (the units' Group=, nginx's
+        # workers' group) may connect, other local users may not.
+        os.chmod(sock, 0o660)
 
 
 def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: int,

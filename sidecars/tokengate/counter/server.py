@@ -16,8 +16,10 @@ DESCRIPTION
     Python holds one GIL per process, so the counter runs N worker processes. Every
     worker listens on HOST:PORT (SO_REUSEPORT: the kernel spreads connections) and, with
     --unix-socket PATH, on its own socket PATH.<i> (i = 0..N-1), which the nginx edge
-    lists as the servers of its counter upstream. The parent restarts a worker that
-    dies and stops all of them on SIGTERM/SIGINT.
+    lists as the servers of its counter upstream (mode 0660: the owner and the
+    process's group, nginx's workers' group under the systemd unit). --port 0 serves
+    the unix sockets only. The parent restarts a worker that dies and stops all of
+    them on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="YAML configuration (default: $TOKENGATE_CONFIG, else "
                              "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
     parser.add_argument("--host", default="127.0.0.1", help="TCP address (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="TCP port (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50051,
+                        help="TCP port (default: %(default)s); 0: no TCP listener, the unix "
+                             "sockets only (needs --unix-socket)")
     parser.add_argument("--unix-socket", default=None,
                         help="also listen on PATH.<i> for worker i")
     parser.add_argument("--workers", type=int, default=2,
@@ -82,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         tg_config.load(args.config)
     except (OSError, tg_config.ConfigError) as e:
         sys.exit(f"tokengate-counter: {e}")
-    listen = grpc_server.Listen((f"{args.host}:{args.port}",), args.unix_socket)
+    if args.port == 0 and args.unix_socket is None:
+        sys.exit("tokengate-counter: --port 0 needs --unix-socket")
+    tcp = (f"{args.host}:{args.port}",) if args.port else ()
+    listen = grpc_server.Listen(tcp, args.unix_socket)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
                             args.workers)
 

@@ -22,8 +22,10 @@ DESCRIPTION
 
     --workers N runs N processes (the GIL: one Python process serves a few thousand
     calls per second): all listen on the TCP addresses (SO_REUSEPORT) and, with
-    --unix-socket PATH, worker i on PATH.<i> (mode 0666, for nginx workers); the
-    parent restarts a worker that dies. Server reflection is served too.
+    --unix-socket PATH, worker i on PATH.<i> (mode 0660: the owner and the process's
+    group, nginx's workers' group under the systemd unit); the parent restarts a
+    worker that dies. Server reflection is served too. --listen none serves the unix
+    sockets only: on a TCP port any local user could call Reserve and Settle.
 
 EXIT STATUS
     0 after SIGTERM/SIGINT, 2 on a usage or configuration error.
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
                              "else /etc/tokengate/tokengate.yaml)")
     parser.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
-                        help="TCP address, repeatable (default: global_limits.listen)")
+                        help="TCP address, repeatable (default: global_limits.listen); "
+                             "'none': unix sockets only (needs --unix-socket)")
     parser.add_argument("--unix-socket", default=None, metavar="PATH",
                         help="also listen on PATH.<i> per worker i (default: "
                              "global_limits.unix_socket; 'none': TCP only)")
@@ -191,8 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         args.unix_socket = str(cfg.global_limits.unix_socket)
     elif args.unix_socket == "none":
         args.unix_socket = None
-    listen = grpc_server.Listen(tuple(args.listen or [cfg.global_limits.listen]),
-                                args.unix_socket)
+    tcp = tuple(a for a in args.listen or [cfg.global_limits.listen] if a != "none")
+    if not tcp and args.unix_socket is None:
+        parser.exit(2, "tokengate-limits: --listen none needs a unix socket\n")
+    listen = grpc_server.Listen(tcp, args.unix_socket)
     grpc_server.run_workers("limits", _serve_worker, (args.config, listen, args.redis_url),
                             args.workers)
 
