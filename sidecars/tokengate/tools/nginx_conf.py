@@ -41,19 +41,28 @@ from tokengate.tools import compile_config
 # Where an install puts the templates (the checkout's nginx/) and the Lua modules.
 SHARE_DIR = Path("/usr/share/tokengate")
 
-# Where the Debian drop-in expects things (see nginx/debian/README in the file header).
-DEBIAN_PATHS: dict[str, Path | str] = {
+# Where the Debian drop-in expects things (the steps are in the drop-in's header; the
+# systemd units of systemd/ and `tokengate install` use the same places).
+DEBIAN_PATHS: dict[str, Path] = {
     "lua_dir": SHARE_DIR / "lua",
     "edge_json": Path("/etc/tokengate/edge.json"),
     "counter_socket": Path("/run/tokengate/counter.sock"),
     "limits_socket": Path("/run/tokengate/limits.sock"),
-    # The master (root) would create a unix socket that the www-data workers cannot
-    # connect to; loopback TCP has no such problem.
-    "hop_address": "127.0.0.1:50052",
-    # set ledger.usage_file and access_log.file of /etc/tokengate/tokengate.yaml to these
+    # nginx chmods its unix listen sockets to 0666 itself, so what keeps other local users
+    # from the hop (Settle, Reserve) is the folder: /run/tokengate is 0750, group
+    # www-data (systemd/tokengate.tmpfiles). The root master binds there; the www-data
+    # workers connect through the group. Loopback TCP would admit every local user.
+    "hop_socket": Path("/run/tokengate/hop.sock"),
+    # ledger.usage_file and access_log.file of /etc/tokengate/tokengate.yaml
     "usage_file": Path("/var/lib/tokengate/usage/usage.jsonl"),
     "access_log": Path("/var/log/tokengate/access.sampled.log"),
 }
+
+
+def debian_paths(root: Path = Path("/")) -> dict[str, Path]:
+    """``DEBIAN_PATHS`` under another root folder (an install prefix): every path moved
+    below ``root``; ``/`` gives them as they are."""
+    return {k: root / v.relative_to("/") for k, v in DEBIAN_PATHS.items()}
 
 
 def _fill(template: str, values: dict[str, str]) -> str:
@@ -189,40 +198,47 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     return inst.conf
 
 
-def render_debian(templates: Path) -> str:
+def render_debian(templates: Path, paths: dict[str, Path] = DEBIAN_PATHS,
+                  edge: compile_config.EdgeConfig | None = None) -> str:
     """The Debian drop-in's http-level part (committed as nginx/debian/tokengate.conf),
-    from the templates in ``templates``."""
-    p = DEBIAN_PATHS
+    from the templates in ``templates``. ``paths``: ``DEBIAN_PATHS`` or ``debian_paths
+    (prefix)``; ``edge``: the configuration's edge section (timeouts, status_listen),
+    default the schema's defaults (the committed file)."""
+    p = paths
+    run = p["hop_socket"].parent
     header = (
         "# Debian drop-in for an existing nginx (apt install nginx libnginx-mod-http-lua\n"
-        "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson):\n"
-        f"#   cp -r lua {Path(p['lua_dir']).parent}/            # the edge's Lua modules\n"
-        "#   cp nginx/debian/tokengate.conf /etc/nginx/conf.d/\n"
-        "#   cp nginx/debian/tokengate-location.conf /etc/nginx/snippets/\n"
-        f"#   python -m tokengate.tools.compile_config --config /etc/tokengate/tokengate.yaml"
-        f" --out {p['edge_json']}\n"
+        "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson).\n"
+        "# `tokengate install` puts it in conf.d/, the snippet tokengate-location.conf in\n"
+        f"# snippets/, the Lua modules in {p['lua_dir']}, compiles {p['edge_json']}\n"
+        "# and installs the sidecars' systemd units (README: Deploy on GPU hosts). Then:\n"
         "#   add `include snippets/tokengate-location.conf;` to a server { } block\n"
-        f"#   run tokengate-counter --unix-socket {p['counter_socket']} --workers 2 as a user\n"
-        "#   www-data can reach (with global_limits.enabled also tokengate-limits\n"
-        f"#   --unix-socket {p['limits_socket']} --workers 2), set ledger.usage_file to\n"
-        f"#   {p['usage_file']} and access_log.file to {p['access_log']}\n"
-        "#   (the snippet's literal paths), make their folders writable by www-data, then\n"
+        "#   systemctl enable --now tokengate-counter tokengate-ledger\n"
         "#   nginx -t && systemctl reload nginx\n"
-        "# After editing tokengate.yaml: compile_config again, then `nginx -s reload`.\n")
-    d = compile_config.EdgeConfig()  # the schema's defaults
-    return header + render_http(templates, Path(p["lua_dir"]), Path(p["edge_json"]),
-                                Path(p["counter_socket"]), 2,
-                                str(p["hop_address"]), d.count_timeout_ms,
-                                limits_servers(Path(p["limits_socket"]), 2, ""),
+        f"# The sidecars' sockets and the hop server's below are in {run} (mode 0750,\n"
+        "# group www-data, made at boot by /etc/tmpfiles.d/tokengate.conf): only nginx's\n"
+        "# workers and the tokengate units reach them. tokengate.yaml's ledger.usage_file\n"
+        f"# is {p['usage_file']} and access_log.file\n"
+        f"# {p['access_log']} (the snippet's literal paths).\n"
+        "# After editing tokengate.yaml: `tokengate install` again (recompiles edge.json,\n"
+        "# keeps the file), then `nginx -s reload`.\n")
+    d = edge or compile_config.EdgeConfig()
+    return header + render_http(templates, p["lua_dir"], p["edge_json"],
+                                p["counter_socket"], 2,
+                                f"unix:{p['hop_socket']}", d.count_timeout_ms,
+                                limits_servers(p["limits_socket"], 2, ""),
                                 d.global_limits_timeout_ms, d.status_listen)
 
 
-def render_debian_location(templates: Path) -> str:
+def render_debian_location(templates: Path, paths: dict[str, Path] = DEBIAN_PATHS,
+                           edge: compile_config.EdgeConfig | None = None,
+                           access_log: bool = True) -> str:
     """The Debian server-level snippet (committed as nginx/debian/tokengate-location.conf):
-    the drop-in's literal paths, the schema's default timeouts."""
-    p = DEBIAN_PATHS
-    return render_location(templates, Path(p["usage_file"]), Path(p["access_log"]),
-                           compile_config.EdgeConfig().client_body_timeout_s)
+    the drop-in's literal paths (``paths`` as in ``render_debian``), the timeouts of
+    ``edge`` (default the schema's); ``access_log``: False when access_log.file is off."""
+    return render_location(templates, paths["usage_file"],
+                           paths["access_log"] if access_log else None,
+                           (edge or compile_config.EdgeConfig()).client_body_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
