@@ -35,10 +35,10 @@ def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
     assert (m["max_model_len"], m["output_reserve"], m["max_tokens_cap"]) == (8192, 256, 4096)
     assert m["host"] == "127.0.0.1" and isinstance(m["port"], int)
     # every special token of the model's tokenizer, longest first; added tokens that are
-    # not special (<think>, <tool_call>) are ordinary text for the policy
+    # not special (<think>, <tool_call>) are the template's structural tokens, listed apart
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>"} <= \
         set(m["special_tokens"])
-    assert "<think>" not in m["special_tokens"]
+    assert "<think>" not in m["special_tokens"] and "<think>" in m["structural_tokens"]
     assert m["special_tokens"] == sorted(m["special_tokens"], key=lambda s: (-len(s), s))
     demo = doc["keys"]["e7aab4b439baa8c615eb31e352f5b4259085813fbcd95a65a5a346a6bdfb1bb3"]
     assert (demo["id"], demo["rpm"], demo["tpm"]) == ("demo", 600, 200000)
