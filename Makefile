@@ -11,8 +11,9 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
+# CONFIG=path: another tokengate.yaml (e.g. in front of vLLM servers of your own)
 run: setup
-	@$(PY) -m tokengate_dev.devstack run
+	@$(PY) -m tokengate_dev.devstack run $(if $(CONFIG),--config $(CONFIG))
 
 test: setup
 	@$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -51,7 +51,7 @@ def config_path() -> Path:
     raw = yaml.safe_load(REPO_CONFIG.read_text())
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
-        m["upstream"] = f"127.0.0.1:{VLLM_PORT}"
+        m["upstreams"] = [f"127.0.0.1:{VLLM_PORT}"]
     TEST_DIR.mkdir(parents=True, exist_ok=True)
     path = TEST_DIR / "tokengate.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

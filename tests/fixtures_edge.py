@@ -39,7 +39,9 @@ from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
 # TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
 EDGE_PORT = 18080 + PORT_OFFSET
-VARIANT_PORTS = iter(range(18081 + PORT_OFFSET, 18099 + PORT_OFFSET))
+# 50 extra edges a session (their status servers at + STATUS_PORT_DELTA); below the next
+# offset's ranges, off the main edge's status port (19080 + offset)
+VARIANT_PORTS = iter(range(19100 + PORT_OFFSET, 19150 + PORT_OFFSET))
 STATUS_PORT_DELTA = 1000  # each edge's status server: its API port + this
 EDGE_DIR = TEST_DIR / "edge"
 

@@ -100,8 +100,9 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
     (f"models.{MODEL}.output_reserve", 0, "input should be greater than or equal to 1, got 0"),
     (f"models.{MODEL}.vocab", "tiktoken",
      "input should be 'auto', 'hf' or 'qwen3.6', got 'tiktoken'"),
-    (f"models.{MODEL}.upstream", "localhost",
+    (f"models.{MODEL}.upstreams", ["localhost"],
      "expected host:port (port 1..65535), got 'localhost'"),
+    (f"models.{MODEL}.upstreams", [], "list should have at least 1 item after validation, not 0, got []"),
     (f"models.{MODEL}.cost.output", "1.35", "input should be a valid number, got '1.35'"),
     ("keys.demo.sha256", "abc",
      "expected the key's SHA-256 as 64 hex digits (printf %s \"$KEY\" | sha256sum)"),
@@ -127,7 +128,9 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
 ])
 def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
                                                 path: str, value: Any, message: str) -> None:
-    where = path + (".1" if path == "edge.special_token_roles" else "")
+    # a list's error names the offending item
+    where = path + {"edge.special_token_roles": ".1", f"models.{MODEL}.upstreams": ".0"}.get(
+        path, "") * bool(value)
     assert errors_of(repo_raw, put(path, value), tmp_path) == [f"{where}: {message}"]
 
 
@@ -165,9 +168,17 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
     (put("redis.timeout_ms", 200),
      [("edge.global_limits_timeout_ms: 250 must exceed the limits sidecar's Redis deadline, "
        "2 x redis.timeout_ms = 400")]),
-    (put(f"models.{MODEL}.upstream", "127.0.0.1:8080"),
-     [(f"models.{MODEL}.upstream: 127.0.0.1:8080 is edge.listen: the edge would proxy to "
+    (every(put(f"models.{MODEL}.embedded", False),
+           put(f"models.{MODEL}.upstreams", ["127.0.0.1:9", "127.0.0.1:8080"])),
+     [(f"models.{MODEL}.upstreams.1: 127.0.0.1:8080 is edge.listen: the edge would proxy to "
        "itself")]),
+    (every(put(f"models.{MODEL}.embedded", False),
+           put(f"models.{MODEL}.upstreams", ["127.0.0.1:9", "127.0.0.1:9"])),
+     [f"models.{MODEL}.upstreams: lists the same host:port twice"]),
+    (every(put(f"models.{MODEL}.embedded", True),
+           put(f"models.{MODEL}.upstreams", ["127.0.0.1:9", "127.0.0.1:10"])),
+     [(f"models.{MODEL}.embedded: the embedded vLLM serves one loopback upstream, got "
+       "['127.0.0.1:9', '127.0.0.1:10']")]),
     (put("global_limits", {"enabled": True, "listen": "127.0.0.1:8080"}),
      ["global_limits.listen: 127.0.0.1:8080 is also edge.listen"]),
 ])
@@ -241,14 +252,15 @@ def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 2 and doc["source"] == str(config_path)
+    assert doc["version"] == 3 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
                               "default_max_tokens", "max_n")} == \
         {"max_model_len": 8192, "output_reserve": 256, "max_tokens_cap": 4096,
          "default_max_tokens": None, "max_n": 8}
-    assert (m["host"], m["port"]) == ("127.0.0.1", int(m["upstream"].rpartition(":")[2]))
+    [u] = cfg.models[MODEL].upstreams
+    assert m["upstreams"] == [{"name": u, "addr": "127.0.0.1", "port": int(u.rpartition(":")[2])}]
     assert "<|im_end|>" in m["special_tokens"]
     # added, not special, and written by the chat template; <|fim_prefix|> is added and not
     # special too, but no turn uses it
@@ -375,7 +387,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 2: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 3: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

@@ -117,8 +117,8 @@ def sampled_edge(config_path: Path, counter_addr: str,
     usage.unlink(missing_ok=True)
 
     def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = slow_upstream_url.removeprefix("http://") \
-            .removesuffix("/v1")
+        raw["models"][MODEL]["upstreams"] = [slow_upstream_url.removeprefix("http://")
+            .removesuffix("/v1")]
         raw["access_log"] = {**RULES, "file": str(log)}
         raw["edge"]["auth_failures"] = {"log_lines_per_s": 1000}
 

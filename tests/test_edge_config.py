@@ -33,7 +33,8 @@ def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
     doc = compiled(config_path, tmp_path)
     m = doc["models"][MODEL]
     assert (m["max_model_len"], m["output_reserve"], m["max_tokens_cap"]) == (8192, 256, 4096)
-    assert m["host"] == "127.0.0.1" and isinstance(m["port"], int)
+    [r] = m["upstreams"]
+    assert r["addr"] == "127.0.0.1" and isinstance(r["port"], int)
     # every special token of the model's tokenizer, longest first; added tokens that are
     # not special (<think>, <tool_call>) are the template's structural tokens, listed apart
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>"} <= \

@@ -110,7 +110,7 @@ def test_vllm_down_is_502_with_retry_after(edge_variant_off_vllm: Callable[..., 
     port = free_port()  # nothing listens there
 
     def dead(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{port}"]
     e = edge_variant_off_vllm("vllm-down", dead)
     t0 = time.monotonic()
     r = post(e, chat())
@@ -130,7 +130,7 @@ def test_vllm_down_is_502_with_retry_after(edge_variant_off_vllm: Callable[..., 
 
 def _edge_on(edge_variant: Callable[..., Edge], name: str, up: FakeUpstream) -> Edge:
     def fake(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = f"127.0.0.1:{up.port}"
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
     return edge_variant(name, fake)
 
 
@@ -224,7 +224,7 @@ def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
                                         name=f"abort-upstream{os.getpid()}").start()
     try:
         def slow(raw: dict[str, Any]) -> None:
-            raw["models"][MODEL]["upstream"] = f"127.0.0.1:{port}"
+            raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{port}"]
         e = edge_variant_off_vllm("client-abort", slow)
         window_room(15)
         with pytest.raises(httpx.ReadTimeout):

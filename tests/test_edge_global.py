@@ -51,7 +51,7 @@ def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
     """YAML edit: the fast upstream as the model, global limits on via ``socket_path``."""
 
     def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = upstream
+        raw["models"][MODEL]["upstreams"] = [upstream]
         for key_id, (key, rpm, tpm) in GLOBAL_KEYS.items():
             raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": rpm, "tpm": tpm}
         raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",

@@ -29,7 +29,7 @@ CL = b"Content-Length: %d\r\n" % len(BODY)
 
 def dead_upstream(raw: dict[str, Any]) -> None:
     # nothing here is forwarded: a dead port proves it
-    raw["models"][MODEL]["upstream"] = f"127.0.0.1:{free_port()}"
+    raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{free_port()}"]
 
 
 @pytest.fixture

@@ -105,8 +105,8 @@ def test_a_flood_of_invalid_keys_leaves_the_ledger_unchanged_and_valid_keys_work
     log.unlink(missing_ok=True)
 
     def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = fast_upstream_url.removeprefix("http://") \
-            .removesuffix("/v1")
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+            .removesuffix("/v1")]
         raw["access_log"] = {"file": str(log)}
         raw["edge"]["auth_failures"] = {"threshold": 50, "window_s": 60, "block_s": 120,
                                         "exempt": ["127.0.0.2/31"], "log_lines_per_s": 5}
@@ -176,8 +176,8 @@ def test_a_flood_of_invalid_keys_leaves_the_ledger_unchanged_and_valid_keys_work
 def test_a_blocked_client_gets_429_whatever_its_key_until_the_block_ends(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
     def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstream"] = fast_upstream_url.removeprefix("http://") \
-            .removesuffix("/v1")
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+            .removesuffix("/v1")]
         raw["edge"]["auth_failures"] = {"threshold": 5, "window_s": 60, "block_s": 2}
     e = edge_variant_off_vllm("unauth-block", edit)
     assert bad_keys(e, "127.0.0.1", 5) == {401: 5}

@@ -29,7 +29,7 @@ def test_429s_are_split_by_limit_with_rejected_and_admitted_tokens(
 
     def edit(raw: dict[str, Any]) -> None:
         for m in raw["models"].values():
-            m["upstream"] = f"127.0.0.1:{port}"
+            m["upstreams"] = [f"127.0.0.1:{port}"]
         raw["keys"]["storm-rpm"] = {"sha256": key_digest(RPM_KEY), "rpm": 10,
                                     "tpm": 1_000_000}
         raw["keys"]["storm-tpm"] = {"sha256": key_digest(TPM_KEY), "rpm": 1000, "tpm": 1000}

@@ -175,11 +175,11 @@ Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
 
 def stack(config_path: Path) -> list[Service]:
     """The services ``make run`` starts, in start order: Redis, the counter, the
-    global-limit sidecar (only with ``global_limits.enabled``), vLLM, the nginx edge
-    (rendered into ``var/run/nginx``) and the usage ledger."""
+    global-limit sidecar (only with ``global_limits.enabled``), the embedded vLLM of each
+    model that says ``embedded: true`` (none when every model's upstreams are servers of
+    their own), the nginx edge (rendered into ``var/run/nginx``) and the usage ledger."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
-    model = next(iter(cfg.models.values()))
     from tokengate.tools.compile_config import edge_config
 
     edge_port = int(edge_config(cfg).listen.rpartition(":")[2])
@@ -193,8 +193,11 @@ def stack(config_path: Path) -> list[Service]:
         # local limits, and says so, whenever the sidecar is not answering)
         services.append(limits_service(config_path, port=int(gl.listen.rpartition(":")[2]),
                                        unix_socket=gl.unix_socket))
+    # the schema allows embedded only with one loopback upstream
+    services += [vllm_service(m, port=int(m.upstreams[0].rpartition(":")[2]),
+                              name="vllm" if len(cfg.models) == 1 else f"vllm-{name}")
+                 for name, m in cfg.models.items() if m.embedded]
     return services + [
-        vllm_service(model, port=int(model.upstream.rpartition(":")[2])),
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
         ledger_service(config_path),
     ]

@@ -17,7 +17,7 @@ local find = string.find
 
 local _M = {}
 
-local VERSION = 2 -- tokengate.tools.compile_config.VERSION
+local VERSION = 3 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log

@@ -4,7 +4,7 @@
 --   access:        who (key) -> what (body, model, sanitized) -> how much (prompt
 --                  tokens, completion budget, reservation) -> limits (every tier) ->
 --                  forward (the parsed body, its count, the normalized path)
---   balancer:      the model's upstream address, keepalive pool
+--   balancer:      the request's replica (tokengate.upstream), another one on a retry
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
 --                  errors that nginx itself or a non-JSON backend produced
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
@@ -25,6 +25,7 @@ local sanitize = require "tokengate.sanitize"
 local count = require "tokengate.count"
 local limits = require "tokengate.limits"
 local metrics = require "tokengate.metrics"
+local upstream = require "tokengate.upstream"
 local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
@@ -45,6 +46,7 @@ local match = string.match
 local type = type
 local tostring = tostring
 local tonumber = tonumber
+local pairs = pairs
 local json_integer = json.integer
 
 local _M = {}
@@ -78,6 +80,9 @@ function _M.init_worker()
     end
     if ok then
         ok, err = lockout.init("tokengate_auth_failures", doc.edge.auth_failures)
+    end
+    if ok then
+        ok, err = upstream.init_worker(doc, DICT)
     end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
@@ -219,17 +224,39 @@ function _M.access()
     ngx_req.set_body_data(ctx.text)
     ngx_req.set_uri(request.PATHS[ctx.route])
     local model = ctx.model_entry
-    ctx.peer_host, ctx.peer_port, ctx.upstream = model.host, model.port, model.upstream
+    upstream.take(ctx, model, upstream.pick(model), ctx.limit_req.tokens)
     ctx.proxied = true
 end
 
--- balancer(): the model's vLLM server; no retries (a POST that reached vLLM may have
--- started generating).
+-- balancer(): the request's replica. Called again when nginx retries, which it does only
+-- for a replica that failed before anything of the request was sent to it (nginx never
+-- resends a POST): that one counts a failure and another untried replica takes over.
 function _M.balancer()
     local ctx = ngx.ctx
-    local ok, err = balancer.set_current_peer(ctx.peer_host, ctx.peer_port)
+    local model = ctx.model_entry
+    local r = ctx.replica
+    if ctx.balanced then
+        local state, code = balancer.get_last_failure()
+        upstream.failed(model.name, r, (state or "failed") .. " " .. tostring(code or ""))
+        upstream.release(ctx)
+        local tried = ctx.tried or {}
+        tried[r.name] = true
+        ctx.tried = tried
+        r = upstream.pick(model, tried)
+        if not r then
+            return ngx_exit(502)
+        end
+        upstream.take(ctx, model, r, ctx.limit_req.tokens)
+    else
+        ctx.balanced = true
+        local more = #model.upstreams - 1
+        if more > 0 then
+            balancer.set_more_tries(more)
+        end
+    end
+    local ok, err = balancer.set_current_peer(r.addr, r.port)
     if not ok then
-        ngx_log(ERR, "tokengate: set_current_peer: ", err)
+        ngx_log(ERR, "tokengate: set_current_peer ", r.name, ": ", err)
         return ngx_exit(500)
     end
 end
@@ -259,6 +286,9 @@ function _M.header_filter()
     end
     if ctx.limits_tier then
         h["X-Tokengate-Limits"] = ctx.limits_tier
+    end
+    if ctx.replica then
+        h["X-Tokengate-Upstream"] = ctx.replica.name
     end
     local status = ngx.status
     if status >= 400 and not is_json(h["Content-Type"]) then
@@ -353,6 +383,13 @@ function _M.log()
     if ctx.limit_req then
         limits.settle(ctx.limit_req, ev.prompt_tokens + ev.completion_tokens)
     end
+    if ctx.replica then
+        -- the last try's failure never reaches the balancer: count it here
+        if ctx.error == "upstream_unavailable" or ctx.error == "upstream_timeout" then
+            upstream.failed(ctx.model, ctx.replica, ctx.error)
+        end
+        upstream.release(ctx)
+    end
     local line_usage = usage.line(ev)
     ngx_var.tg_usage_line = line_usage
     local al = config.get().access_log
@@ -398,6 +435,18 @@ function _M.status()
     json.set(extra, "global_limits_enabled", config.get().global_limits.enabled == true)
     json.set(extra, "global_limits_backing_off", limits.global_backing_off())
     json.set(extra, "counter_backing_off", count.backing_off())
+    local ups = json.object()
+    for name, replicas in pairs(upstream.states(config.get())) do
+        local m = json.object()
+        for rname, st in pairs(replicas) do
+            local o = json.object()
+            json.set(o, "outstanding_tokens", st.outstanding_tokens)
+            json.set(o, "out", st.out)
+            json.set(m, rname, o)
+        end
+        json.set(ups, name, m)
+    end
+    json.set(extra, "upstreams", ups)
     return answer(200, metrics.json_text(extra))
 end
 

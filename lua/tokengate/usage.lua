@@ -270,7 +270,7 @@ function _M.record(ctx, status, aborted)
         client_aborted = aborted,
         ttft_ms = (t0 and ctx.t_first) and round3(ctx.t_first - t0) or nil,
         total_ms = round3(max(0, total)),
-        upstream = ctx.proxied and (ngx_var.upstream_addr or ctx.upstream) or nil,
+        upstream = ctx.replica and ctx.replica.name or nil,
         error = ctx.error,
         sanitized_chars = counts and counts.removed or 0,
         stripped_special_tokens = counts and counts.stripped or 0,

@@ -89,13 +89,16 @@ def _host_port(value: str) -> str:
     return value
 
 
-def _loopback_host_port(value: str) -> str:
-    host = value.rpartition(":")[0].strip("[]")
+def _is_loopback(host_port: str) -> bool:
+    host = host_port.rpartition(":")[0].strip("[]")
     try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = False
-    if not loopback:
+        return False
+
+
+def _loopback_host_port(value: str) -> str:
+    if not _is_loopback(value):
         raise ValueError(f"expected a loopback address (127.0.0.1:PORT, [::1]:PORT), "
                          f"got {value!r}")
     return value
@@ -212,10 +215,16 @@ class ModelConfig(_Schema):
         default=8,
         description="Most completions one request may ask for (`n`); each costs a full "
                     "output.")
-    upstream: HostPort = Field(
-        default="127.0.0.1:8000",
-        description="host:port of the model's vLLM OpenAI server; a host name is resolved "
-                    "when the edge's configuration is compiled.")
+    upstreams: list[HostPort] = Field(
+        default=["127.0.0.1:8000"], min_length=1,
+        description="host:port of each vLLM OpenAI server (replica) serving the model; "
+                    "the edge sends each request to the one with the fewest outstanding "
+                    "reserved tokens. Host names are resolved when the edge's configuration "
+                    "is compiled (start and `nginx -s reload`).")
+    embedded: bool = Field(
+        default=False,
+        description="`make run` starts the embedded vLLM CPU server for this model on its "
+                    "one loopback upstream. false: the upstreams are your own servers.")
     cost: ModelCost = Field(
         default_factory=ModelCost,
         description="Billing weights, in `currency` per 1M tokens.")
@@ -230,6 +239,11 @@ class ModelConfig(_Schema):
     @model_validator(mode="after")
     def _budgets(self) -> ModelConfig:
         problems = []
+        if len(set(self.upstreams)) != len(self.upstreams):
+            problems.append(("upstreams", "lists the same host:port twice"))
+        if self.embedded and (len(self.upstreams) != 1 or not _is_loopback(self.upstreams[0])):
+            why = f"the embedded vLLM serves one loopback upstream, got {self.upstreams}"
+            problems.append(("embedded", why))
         cap = self.max_tokens_cap
         if cap is not None and cap > self.max_model_len:
             problems.append(("max_tokens_cap",
@@ -454,7 +468,7 @@ class EdgeConfig(_Schema):
     Coupled (checked on the whole file): ``global_limits_timeout_ms`` exceeds twice
     ``redis.timeout_ms`` (the limits sidecar's own Redis deadline), so a Redis outage
     reaches the edge as UNAVAILABLE rather than as a timeout; ``listen`` is neither a
-    model's ``upstream`` (the edge would proxy to itself) nor, with global limits on,
+    model's upstream (the edge would proxy to itself) nor, with global limits on,
     ``global_limits.listen``; nor is ``status_listen`` any of these.
     """
 
@@ -541,6 +555,21 @@ class EdgeConfig(_Schema):
     upstream_retry_after_s: Positive = Field(
         default=5,
         description="Retry-After of a 502/503 for an unreachable backend, s.")
+    upstream_max_fails: Positive = Field(
+        default=1,
+        description="Failures of a replica (connect error, or no answer before the "
+                    "connection broke) within upstream_eject_s that take it out.")
+    upstream_eject_s: Positive = Field(
+        default=10,
+        description="How long a failed replica is skipped, s (a passing health probe "
+                    "brings it back sooner).")
+    upstream_health_interval_ms: int = Field(
+        default=2000, ge=0,
+        description="Every this many ms one nginx worker probes each replica's /health; "
+                    "a replica that does not answer 200 is out until it does. 0: no probes.")
+    upstream_health_timeout_ms: Positive = Field(
+        default=1000,
+        description="How long a health probe waits for the answer's status line, ms.")
     usage_file: RelPath = Field(
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the edge writes. Default: ledger.usage_file.")
@@ -638,14 +667,16 @@ class Config(_Schema):
             problems.append(("edge.global_limits_timeout_ms",
                              f"{edge.global_limits_timeout_ms} must exceed {why}"))
         for name, m in self.models.items():
-            if m.upstream == edge.listen:
-                problems.append((f"models.{name}.upstream",
-                                 f"{m.upstream} is edge.listen: the edge would proxy to itself"))
+            for i, u in enumerate(m.upstreams):
+                if u == edge.listen:
+                    problems.append((f"models.{name}.upstreams.{i}",
+                                     f"{u} is edge.listen: the edge would proxy to itself"))
         if self.global_limits.enabled and self.global_limits.listen == edge.listen:
             problems.append(("global_limits.listen",
                              f"{self.global_limits.listen} is also edge.listen"))
-        taken = {edge.listen: "edge.listen", **{m.upstream: f"models.{name}.upstream"
-                                                for name, m in self.models.items()}}
+        taken = {edge.listen: "edge.listen", **{u: f"models.{name}.upstreams.{i}"
+                                                for name, m in self.models.items()
+                                                for i, u in enumerate(m.upstreams)}}
         if self.global_limits.enabled:
             taken[self.global_limits.listen] = "global_limits.listen"
         if edge.status_listen in taken:

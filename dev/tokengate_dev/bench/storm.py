@@ -122,7 +122,7 @@ class Gateway:
         raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
         for m in raw["models"].values():
             m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
-            m["upstream"] = f"127.0.0.1:{upstream_port}"
+            m["upstreams"] = [f"127.0.0.1:{upstream_port}"]
         raw["keys"] = {"bench": {"sha256": hashlib.sha256(BENCH_KEY.encode()).hexdigest(),
                                  "rpm": 1_000_000_000, "tpm": 1_000_000_000_000}}
         usage = BENCH_VAR / "usage.jsonl"

@@ -11,8 +11,9 @@ fields only the edge needs, derived here:
       "models": {
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
-          default_max_tokens (or null), max_n, upstream, dir, vocab, cost,
-          "host": "<IPv4/IPv6 literal>", "port": <int>,     # upstream, resolved here
+          default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
+          "upstreams": [{"name": "<host:port as configured>",
+                         "addr": "<IPv4/IPv6 literal, resolved here>", "port": <int>}],
           "special_tokens": ["<|im_start|>", ...],          # tokenizer's + extra, longest first
           "structural_tokens": ["<tool_response>", ...]     # added, not special, in the
                                                             # chat template; longest first
@@ -54,7 +55,7 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 2  # 2: models carry structural_tokens
+VERSION = 3  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
@@ -114,8 +115,11 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
                            **cfg.model_dump(mode="json", exclude={"redis"})}
     extra = set(cfg.edge.extra_special_tokens)
     for name, m in cfg.models.items():
-        host, port = _host_port(m.upstream, f"models.{name}.upstream")
-        doc["models"][name].update(host=host, port=port,
+        replicas = []
+        for i, u in enumerate(m.upstreams):
+            addr, port = _host_port(u, f"models.{name}.upstreams.{i}")
+            replicas.append({"name": u, "addr": addr, "port": port})
+        doc["models"][name].update(upstreams=replicas,
                                    special_tokens=_by_length(set(special_tokens(m.dir)) | extra),
                                    structural_tokens=structural_tokens(m.dir))
     # the edge looks a key up by the digest of the bearer token it was sent

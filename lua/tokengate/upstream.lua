@@ -1,0 +1,170 @@
+-- A model's vLLM replicas: which one serves a request, and which are out.
+--
+-- Choice: the replica with the fewest outstanding reserved tokens, i.e. the sum of the
+-- TPM reservations (prompt + output reserve) of the requests it is serving now, kept in
+-- a shared dict by every worker (incr at admission, back at the end). A request count
+-- would treat a 30k-token prompt like a 30-token one; the edge knows each request's
+-- reservation before forwarding, so it can balance by tokens. Ties go to the replica
+-- after the one this worker chose last.
+--
+-- Out: a replica that failed to connect or whose connection broke before any answer
+-- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is skipped for
+-- upstream_eject_s; a health probe (GET /health every upstream_health_interval_ms, by
+-- worker 0) takes a replica out when it does not answer 200 and back in when it does.
+-- When every replica is out, the least loaded is tried anyway: better a likely failure
+-- than a certain one.
+--
+-- Retries: nginx passes a request to the next replica only when nothing of it was sent
+-- to the failed one (a POST is not idempotent; nginx never resends one after sending);
+-- the balancer then picks another replica that this request has not tried.
+
+local ngx = ngx
+
+local ngx_log = ngx.log
+local WARN = ngx.WARN
+local tcp = ngx.socket.tcp
+local timer_every = ngx.timer.every
+local tonumber = tonumber
+local pairs = pairs
+local match = string.match
+
+local _M = {}
+
+local dict -- the shared dict of outstanding tokens, failures and "out" marks
+local eject_s, max_fails, health_timeout_ms
+local rotate = 0 -- this worker's tie breaker
+
+local function key(kind, model, r)
+    return kind .. model .. "\0" .. r.name
+end
+
+-- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
+-- (models.<name>.upstreams = [{name = "host:port", addr = <IP literal>, port}], edge:
+-- upstream_max_fails, upstream_eject_s (s), upstream_health_interval_ms (0: off),
+-- upstream_health_timeout_ms).
+function _M.init_worker(doc, dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. dict_name
+    end
+    local edge = doc.edge
+    eject_s, max_fails = edge.upstream_eject_s, edge.upstream_max_fails
+    health_timeout_ms = edge.upstream_health_timeout_ms
+    local interval = edge.upstream_health_interval_ms
+    if interval > 0 and ngx.worker.id() == 0 then
+        local ok, err = timer_every(interval / 1000, _M.probe_all, doc.models)
+        if not ok then
+            return nil, "health probe timer: " .. err
+        end
+    end
+    return true
+end
+
+-- is_out(model, r) -> true while the replica is skipped
+local function is_out(model, r)
+    return dict:get(key("out:", model, r)) == true
+end
+
+-- pick(model, tried) -> replica | nil: the replica of model (compiled model entry) with
+-- the fewest outstanding tokens among those not out and not in tried (a set of names);
+-- when all untried ones are out, the least loaded of them; nil when every one was tried.
+function _M.pick(model, tried)
+    local list = model.upstreams
+    local n = #list
+    rotate = rotate + 1
+    local best, best_out, fallback, fallback_out
+    for i = 0, n - 1 do
+        local r = list[(rotate + i) % n + 1]
+        if not (tried and tried[r.name]) then
+            local out = dict:get(key("tok:", model.name, r)) or 0
+            if is_out(model.name, r) then
+                if not fallback or out < fallback_out then
+                    fallback, fallback_out = r, out
+                end
+            elseif not best or out < best_out then
+                best, best_out = r, out
+            end
+        end
+    end
+    return best or fallback
+end
+
+-- take(ctx, model, r, tokens): r now serves the request: its tokens count as outstanding
+-- there until release(ctx).
+function _M.take(ctx, model, r, tokens)
+    dict:incr(key("tok:", model.name, r), tokens, 0)
+    ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, model.name
+end
+
+-- release(ctx): the request left its replica (it ended, or is retried elsewhere).
+function _M.release(ctx)
+    local r = ctx.replica
+    if r and ctx.replica_tokens then
+        dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
+        ctx.replica_tokens = nil
+    end
+end
+
+-- failed(model_name, r, why): one failure of r (connect error, broken before answering);
+-- at upstream_max_fails within upstream_eject_s the replica is out for upstream_eject_s.
+function _M.failed(model_name, r, why)
+    local fails = dict:incr(key("fail:", model_name, r), 1, 0, eject_s)
+    if fails and fails >= max_fails then
+        if not is_out(model_name, r) then
+            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", model_name, " out for ",
+                eject_s, " s (", why, ")")
+        end
+        dict:set(key("out:", model_name, r), true, eject_s)
+    end
+end
+
+-- probe(r) -> true when GET /health answers 200 within upstream_health_timeout_ms
+local function probe(r)
+    local sock = tcp()
+    sock:settimeouts(health_timeout_ms, health_timeout_ms, health_timeout_ms)
+    local ok = sock:connect(r.addr, r.port)
+    if not ok then
+        return false
+    end
+    ok = sock:send("GET /health HTTP/1.1\r\nHost: " .. r.name .. "\r\nConnection: close\r\n\r\n")
+    local line = ok and sock:receive("*l")
+    sock:close()
+    return line ~= nil and tonumber(match(line, "^HTTP/1%.%d (%d%d%d)")) == 200
+end
+
+-- probe_all(premature, models): the health timer: every replica of every model.
+function _M.probe_all(premature, models)
+    if premature then
+        return
+    end
+    for name, m in pairs(models) do
+        for i = 1, #m.upstreams do
+            local r = m.upstreams[i]
+            if probe(r) then
+                dict:delete(key("out:", name, r))
+                dict:delete(key("fail:", name, r))
+            elseif not is_out(name, r) then
+                ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
+                    " failed its health probe: out until it answers")
+                dict:set(key("out:", name, r), true, 0)
+            end
+        end
+    end
+end
+
+-- states(doc) -> {[model] = {[replica name] = {outstanding_tokens, out}}} (for status)
+function _M.states(doc)
+    local all = {}
+    for name, m in pairs(doc.models) do
+        local s = {}
+        for i = 1, #m.upstreams do
+            local r = m.upstreams[i]
+            s[r.name] = { outstanding_tokens = dict:get(key("tok:", name, r)) or 0,
+                          out = is_out(name, r) }
+        end
+        all[name] = s
+    end
+    return all
+end
+
+return _M

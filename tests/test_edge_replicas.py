@@ -1,0 +1,144 @@
+"""Several vLLM replicas behind one model: the edge sends each request to the replica with
+the fewest outstanding reserved tokens, takes a replica that fails out (and back in when
+its health probe passes), and tries another one only when nothing was sent yet.
+
+The replicas are TokenStorm's fast upstream (it answers like vLLM 0.32) on several
+ports, standing in for GPU vLLM servers; one of them is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.upstream import UpstreamOptions
+
+from tests.conftest import MODEL
+from tests.fixtures_edge import MAIN_KEY, Edge
+
+HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
+    """Factory: ``replicas(ttft_ms=...)`` starts a fast upstream; all stop at the end."""
+    started: list[FastUpstream] = []
+
+    def start(ttft_ms: float = 0, itl_ms: float = 0) -> FastUpstream:
+        up = FastUpstream(UpstreamOptions(model=MODEL, ttft_ms=ttft_ms, itl_ms=itl_ms),
+                          name=f"replica{len(started)}", state_dir=tmp_path)
+        started.append(up.start())
+        return up
+
+    try:
+        yield start
+    finally:
+        for up in started:
+            up.stop()
+
+
+def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str, ups: list[FastUpstream],
+          **edge: Any) -> Edge:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{u.port}" for u in ups]
+        raw["models"][MODEL]["embedded"] = False
+        raw["edge"].update(edge)
+    return edge_variant_off_vllm(name, edit)
+
+
+def _chat(e: Edge, max_tokens: int = 4, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens, "stream": stream}
+    return httpx.post(e.base_url + "/chat/completions", content=json.dumps(body),
+                      headers=HEADERS, timeout=60)
+
+
+def test_requests_go_to_the_replica_with_the_fewest_outstanding_tokens(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    slow, fast = replicas(ttft_ms=1500), replicas()
+    e = _edge(edge_variant_off_vllm, "replicas-balance", [slow, fast])
+    # 24 requests, 4 at a time: a request on the slow replica holds its reservation for
+    # 1.5 s, so while one is there every new request goes to the fast one
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: _chat(e), range(24)))
+    assert [r.status_code for r in answers] == [200] * 24
+    served = Counter(r.headers["x-tokengate-upstream"] for r in answers)
+    assert served[f"127.0.0.1:{fast.port}"] >= 18, served
+    # the usage event names the replica that served
+    r = answers[-1]
+    assert e.event(r.headers["x-request-id"])["upstream"] == r.headers["x-tokengate-upstream"]
+    # nothing is outstanding once every request ended
+    deadline = time.monotonic() + 5
+    while any(st["outstanding_tokens"] for st in e.status()["upstreams"][MODEL].values()):
+        assert time.monotonic() < deadline, e.status()["upstreams"]
+        time.sleep(0.1)
+
+
+def test_a_dead_replica_costs_no_request_and_is_taken_out(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "replicas-dead", [a, b], upstream_eject_s=30,
+              upstream_health_interval_ms=0)
+    a.stop()
+    dead, alive = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+    # connection refused before anything was sent: nginx passes the request on
+    answers = [_chat(e, stream=i % 2 == 1) for i in range(10)]
+    assert [r.status_code for r in answers] == [200] * 10
+    assert {r.headers["x-tokengate-upstream"] for r in answers} == {alive}
+    st = e.status()["upstreams"][MODEL]
+    assert (st[dead]["out"], st[alive]["out"]) == (True, False)
+    assert "upstream " + dead + " of " + MODEL + " out for 30 s" in e.log_path.read_text()
+
+
+def test_the_health_probe_takes_a_replica_out_and_back_in(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "replicas-health", [a, b],
+              upstream_health_interval_ms=200, upstream_health_timeout_ms=150)
+    name = f"127.0.0.1:{a.port}"
+
+    def out() -> bool:
+        return bool(e.status()["upstreams"][MODEL][name]["out"])
+
+    def wait_for(want: bool) -> None:
+        deadline = time.monotonic() + 10
+        while out() != want:
+            assert time.monotonic() < deadline, f"{name} out={out()}, wanted {want}"
+            time.sleep(0.1)
+
+    wait_for(False)
+    a.stop()
+    wait_for(True)
+    # no request is sent to it while it is out
+    answers = [_chat(e) for _ in range(6)]
+    assert {r.headers["x-tokengate-upstream"] for r in answers} == {f"127.0.0.1:{b.port}"}
+    a.start()
+    wait_for(False)
+
+
+def test_every_replica_down_is_a_502_in_openai_shape(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "replicas-all-down", [a, b],
+              upstream_health_interval_ms=0)
+    a.stop()
+    b.stop()
+    r = _chat(e)
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unavailable"
+    assert r.headers["retry-after"] == "5"
+    ev = e.event(r.headers["x-request-id"])
+    assert (ev["status"], ev["error"], ev["upstream"]) == \
+        (502, "upstream_unavailable", r.headers["x-tokengate-upstream"])
