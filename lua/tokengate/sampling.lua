@@ -1,8 +1,9 @@
 -- The tiered access log: which requests get a line. Usage events are written for every
 -- authenticated request (100 %); this only thins the operator's access log.
 --
--- The rule is tokengate.ledger.sampling's, exactly (its sampling_vectors.json is
--- replayed through this module by tests/test_edge_access_log.py):
+-- The rule is the Python reference's (tests/sampling_reference.py), exactly: its
+-- tests/sampling_vectors.json is replayed through this module by
+-- tests/test_edge_access_log.py:
 --
 --     keep = status >= error_status                        (every error)
 --         or bucket(request_id) < threshold(rate_for(total_ms))

@@ -161,6 +161,15 @@ class EdgeInstance:
         return self.prefix / "tokengate-location.conf"
 
 
+def _alive(pid_file: Path) -> bool:
+    """Whether the process named by an nginx pid file still runs."""
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     """Compile ``config_path`` and render ``inst`` into its prefix; returns nginx.conf.
 
@@ -169,6 +178,9 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     (``global_limits``). Raises ``ConfigError``.
     """
     doc = compile_config.write(config_path, inst.edge_json)
+    if not _alive(inst.prefix / "nginx.pid"):
+        # a killed nginx leaves its hop socket behind, and the next one could not bind it
+        inst.hop_socket.unlink(missing_ok=True)
     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
     usage_file = Path(doc["edge"]["usage_file"])
