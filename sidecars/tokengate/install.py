@@ -1,0 +1,513 @@
+"""``tokengate install``: put tokengate in a Debian host's places, or under a prefix.
+
+What goes where (every path below ``--prefix``; ``/`` on a host)::
+
+    /usr/share/tokengate/lua/tokengate/*.lua    the edge's Lua modules (mirrored)
+    /usr/share/tokengate/nginx/*.in             the nginx templates (tokengate.tools.nginx_conf)
+    /etc/nginx/conf.d/tokengate.conf            the drop-in, http level  } rendered for the
+    /etc/nginx/snippets/tokengate-location.conf the server-level snippet } prefix and config
+    /etc/tokengate/tokengate.yaml               the configuration: written once, never
+                                                overwritten
+    /etc/tokengate/edge.json                    compiled from it on every run
+    /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
+    /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
+        tokengate-limits.service, tokengate-vllm@.service
+    /etc/systemd/system/nginx.service.d/tokengate.conf   removes a stale hop socket
+    /etc/tmpfiles.d/tokengate.conf              /run/tokengate at every boot
+    /var/lib/tokengate/usage/                   usage events: nginx writes, the ledger reads
+    /var/log/tokengate/                         the sampled access log
+    /run/tokengate/                             the sidecars' and the hop server's sockets
+
+Owners: the services run as the system user ``tokengate`` (created at ``--prefix /``)
+with nginx's workers' group ``www-data``. /run/tokengate is ``tokengate:www-data`` 0750
+(only nginx's workers and the units enter it); /var/lib/tokengate/usage and
+/var/log/tokengate are ``root:www-data`` 0750 (nginx's root master creates the files, its
+workers reopen them, the ledger reads: no tokengate process can alter a usage record);
+tokengate.yaml and edge.json are ``root:www-data`` 0640 (the config may hold a Redis
+password). Under a prefix where the user ``tokengate`` does not exist, root stands in
+for it.
+
+The units name their paths with systemd specifiers (%E = /etc, %t = /run), so they are
+the same for every prefix; install only replaces the executables' folders in them
+(``/opt/tokengate/bin``: where this ``tokengate`` runs from; ``/opt/vllm/bin/python``:
+``--vllm-python``). Everything else is written for the prefix as the root folder, so a
+prefix is a working tree that nginx and the sidecars run from as they are (the tests do).
+
+Install never starts, stops, reloads, enables or disables a service (nginx, Redis,
+tokengate's own): it prints what to run next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import importlib.util
+import json
+import os
+import pwd
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+import tokengate
+from tokengate import config as tg_config
+from tokengate.tools import compile_config, nginx_conf
+
+USER = "tokengate"
+GROUP = "www-data"   # nginx's workers' group on Debian (`user www-data;` in nginx.conf)
+UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
+         "tokengate-limits.service", "tokengate-vllm@.service")
+TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf.in")
+# Where the committed units expect the executables; replaced at install.
+UNIT_BIN_DIR = "/opt/tokengate/bin"
+UNIT_VLLM_PYTHON = "/opt/vllm/bin/python"
+# ProtectHome=yes in every unit: a service sees nothing below these.
+HIDDEN = (Path("/home"), Path("/root"), Path("/run/user"))
+
+HELP = """\
+Install tokengate on this host (Debian's places) or under --prefix: the systemd units,
+the edge's Lua modules and nginx templates, the nginx drop-in and snippet, the
+configuration (kept when it exists) and its compiled edge.json, the state folders.
+
+Run it from a checkout (or give --source) with the `tokengate` of the virtualenv the
+services will run from, outside /home and /root (the units have ProtectHome=yes):
+
+  python3 -m venv /opt/tokengate && /opt/tokengate/bin/pip install ./sidecars
+  sudo /opt/tokengate/bin/tokengate install --vllm-python /opt/vllm/bin/python
+
+It never starts, stops, reloads, enables or disables a service (nginx, Redis, the
+units); it prints the commands that do. Running it again updates everything but
+/etc/tokengate/tokengate.yaml, and recompiles edge.json from it.
+
+EXIT STATUS
+  0 installed (or, with --dry-run, nothing wrong found); 1 a problem, one line each
+  on stderr, and nothing changed.
+"""
+
+
+class InstallError(Exception):
+    """Something that stops the install before any change; ``problems``: one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``tokengate install`` was asked to do."""
+
+    prefix: Path                # the root folder of the install (/ on a host)
+    source: Path                # a checkout: lua/, nginx/, systemd/, tokengate.yaml
+    config: Path | None         # the configuration to install when none is there
+    bin_dir: Path               # the folder of tokengate-counter, -ledger, -limits
+    vllm_python: Path           # the interpreter of the host's vLLM
+    dry_run: bool = False
+
+    @property
+    def on_host(self) -> bool:
+        return self.prefix.resolve() == Path("/")
+
+    def at(self, path: str) -> Path:
+        """``path`` (absolute, as on a host) under the prefix."""
+        return self.prefix / path.lstrip("/")
+
+
+@dataclass
+class Plan:
+    """The changes, in order, each a printed line and what does it."""
+
+    dry_run: bool
+    steps: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, what: str, do: Callable[[], None]) -> None:
+        self.steps.append((what, do))
+
+    def run(self) -> None:
+        for what, do in self.steps:
+            print(("would " if self.dry_run else "") + what, flush=True)
+            if not self.dry_run:
+                do()
+
+
+def _ids(user: str, group: str, stand_in: bool) -> tuple[int, int]:
+    """uid and gid; with ``stand_in`` root replaces a user that does not exist."""
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        if not stand_in:
+            raise
+        uid = 0
+    return uid, grp.getgrnam(group).gr_gid
+
+
+def _chown(path: Path, user: str, group: str, stand_in: bool) -> None:
+    # Only root may give files away; a non-root prefix install keeps its own ids.
+    if os.geteuid() == 0:
+        os.chown(path, *_ids(user, group, stand_in))
+
+
+def _write(path: Path, data: bytes, mode: int, owner: tuple[str, str] | None,
+           stand_in: bool) -> None:
+    """Write atomically (a rename in the same folder): nginx reloading meanwhile reads
+    the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        if owner is not None:
+            _chown(Path(tmp), *owner, stand_in)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _run(argv: list[str]) -> None:
+    subprocess.run(argv, check=True)
+
+
+def _bind(fn: Callable[..., None], *args: object) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _dir(path: Path, mode: int, owner: tuple[str, str] | None, stand_in: bool) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if owner is not None:
+        os.chmod(path, mode)
+        _chown(path, *owner, stand_in)
+
+
+# --- the configuration -------------------------------------------------------------------
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./@+-]+")
+
+
+def _scalar(value: str) -> str:
+    return value if _PLAIN.fullmatch(value) else json.dumps(value)
+
+
+def _get(node: yaml.Node, key: str) -> yaml.Node | None:
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.value == key:
+                return v
+    return None
+
+
+def _is_off(node: yaml.Node) -> bool:
+    """A plain false / null / empty scalar: the setting is off (access_log.file: false)."""
+    return isinstance(node, yaml.ScalarNode) and node.style is None and \
+        node.value.lower() in ("", "~", "null", "false", "no", "off")
+
+
+def deploy_config_text(text: str, base: Path, paths: dict[str, Path]) -> str:
+    """The configuration ``text`` (from a file in ``base``) as installed: the paths the
+    drop-in fixes set (ledger.usage_file, edge.usage_file where given, access_log.file
+    and global_limits.unix_socket unless off) and relative model dirs made absolute,
+    every comment and all other text kept. Raises ``InstallError`` for a section written
+    in a form it cannot edit (flow style, empty)."""
+    root = yaml.compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        raise InstallError(["(top level): expected a mapping of sections"])
+    edits: list[tuple[int, int, str]] = []
+    tail: list[str] = []
+    problems: list[str] = []
+
+    def put(section: str, key: str, value: Path, keep_off: bool, only_if_given: bool) -> None:
+        sec = _get(root, section)
+        if sec is None:
+            if not only_if_given:
+                tail.append(f"\n{section}:\n  {key}: {_scalar(str(value))}\n")
+            return
+        if not isinstance(sec, yaml.MappingNode) or sec.flow_style or not sec.value:
+            problems.append(f"{section}: write it as a block mapping (`{section}:` then "
+                            f"indented keys) so that install can set {section}.{key}")
+            return
+        node = _get(sec, key)
+        if node is None:
+            if not only_if_given:
+                first = sec.value[0][0].start_mark
+                at = first.index - first.column
+                edits.append((at, at, f"{' ' * first.column}{key}: {_scalar(str(value))}\n"))
+        elif keep_off and _is_off(node):
+            return
+        elif isinstance(node, yaml.ScalarNode):
+            edits.append((node.start_mark.index, node.end_mark.index, _scalar(str(value))))
+        else:
+            problems.append(f"{section}.{key}: expected a path")
+
+    put("ledger", "usage_file", paths["usage_file"], keep_off=False, only_if_given=False)
+    put("edge", "usage_file", paths["usage_file"], keep_off=False, only_if_given=True)
+    put("access_log", "file", paths["access_log"], keep_off=True, only_if_given=False)
+    put("global_limits", "unix_socket", paths["limits_socket"], keep_off=True,
+        only_if_given=False)
+    models = _get(root, "models")
+    if isinstance(models, yaml.MappingNode):
+        for _name, model in models.value:
+            d = _get(model, "dir")
+            if isinstance(d, yaml.ScalarNode) and d.value and not Path(d.value).is_absolute():
+                edits.append((d.start_mark.index, d.end_mark.index,
+                              _scalar(str((base / d.value).resolve()))))
+    if problems:
+        raise InstallError(problems)
+    out = text
+    for start, end, new in sorted(edits, reverse=True):
+        out = out[:start] + new + out[end:]
+    if tail and not out.endswith("\n"):
+        out += "\n"
+    return out + "".join(tail)
+
+
+def _header(source: Path) -> str:
+    return (f"# Installed by `tokengate install` from {source}: ledger.usage_file,\n"
+            "# access_log.file and global_limits.unix_socket set to the Debian drop-in's\n"
+            "# paths, relative paths made absolute. Install never overwrites this file;\n"
+            "# run it again after editing (it recompiles edge.json), then `nginx -s reload`.\n")
+
+
+def _check_paths(cfg: tg_config.Config, paths: dict[str, Path], where: Path) -> list[str]:
+    """Lines for every path of ``cfg`` that disagrees with the drop-in's."""
+    bad = []
+    if cfg.edge.usage_file != paths["usage_file"]:
+        bad.append(f"{where}: ledger.usage_file (and edge.usage_file) must be "
+                   f"{paths['usage_file']}, the file the drop-in's snippet writes; it is "
+                   f"{cfg.edge.usage_file}")
+    if cfg.access_log.file is not None and cfg.access_log.file != paths["access_log"]:
+        bad.append(f"{where}: access_log.file must be {paths['access_log']} (or false), "
+                   f"the file the drop-in's snippet writes; it is {cfg.access_log.file}")
+    return bad
+
+
+def _hidden(path: Path) -> bool:
+    p = path.resolve()
+    return any(p == h or h in p.parents for h in HIDDEN)
+
+
+# --- the plan ----------------------------------------------------------------------------
+
+def default_vllm_python() -> Path:
+    """This interpreter when it can import vllm, else ``/opt/vllm/bin/python``."""
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
+    return Path(UNIT_VLLM_PYTHON)
+
+
+def plan(opts: Options) -> Plan:
+    """Check everything and list the changes; raises ``InstallError`` (nothing changed)."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    src = opts.source.resolve()
+    lua_src = src / "lua" / "tokengate"
+    tpl_src = src / "nginx"
+    unit_src = src / "systemd"
+    for need in (lua_src, *(tpl_src / t for t in TEMPLATES), *(unit_src / u for u in UNITS)):
+        if not need.exists():
+            problems.append(f"{need}: missing (run install from a tokengate checkout, "
+                            f"or give --source)")
+    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits"):
+        if not os.access(opts.bin_dir / exe, os.X_OK):
+            problems.append(f"{opts.bin_dir / exe}: not found (--bin-dir: the bin folder of "
+                            "the virtualenv the services run from)")
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        problems.append(f"group {GROUP} does not exist (nginx's workers' group on Debian)")
+    if problems:
+        raise InstallError(problems)
+
+    paths = nginx_conf.debian_paths(opts.prefix.resolve())
+    target = opts.at("/etc/tokengate/tokengate.yaml")
+    try:
+        if target.exists():
+            cfg = tg_config.load(target)
+            config_text = None
+        else:
+            source_config = (opts.config or src / "tokengate.yaml").resolve()
+            tg_config.load(source_config)  # the source itself is valid (duplicate keys too)
+            config_text = _header(source_config) + deploy_config_text(
+                source_config.read_text(), source_config.parent, paths)
+            cfg = tg_config.parse(yaml.safe_load(config_text), target)
+        compile_config.compile_config(cfg)  # resolves upstreams, reads tokenizer files
+    except tg_config.ConfigError as e:
+        raise InstallError(e.errors) from None
+    except OSError as e:
+        raise InstallError([str(e)]) from None
+    problems += _check_paths(cfg, paths, target)
+
+    hidden = [("--bin-dir", opts.bin_dir), ("the tokengate package",
+                                            Path(tokengate.__file__).parent),
+              ("--vllm-python", opts.vllm_python),
+              *((f"models.{n}.dir", m.dir) for n, m in cfg.models.items())]
+    for what, path in hidden:
+        if _hidden(path):
+            line = (f"{what} {path.resolve()} is below {', '.join(map(str, HIDDEN))}, which "
+                    "the units hide (ProtectHome=yes): use a virtualenv or folder such as "
+                    "/opt/tokengate")
+            (problems if opts.on_host else warnings).append(line)
+    if not opts.vllm_python.exists():
+        warnings.append(f"{opts.vllm_python}: not found; tokengate-vllm@.service will not "
+                        "start until --vllm-python names the interpreter of your vLLM")
+    if problems:
+        raise InstallError(problems)
+
+    try:
+        pwd.getpwnam(USER)
+        user_exists = True
+    except KeyError:
+        user_exists = False
+    stand_in = not opts.on_host
+    todo = Plan(opts.dry_run)
+    todo.notes += warnings
+    if not user_exists:
+        if opts.on_host:
+            argv = ["useradd", "--system", "--gid", GROUP, "--home-dir", "/var/lib/tokengate",
+                    "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    "--comment", "tokengate sidecars", USER]
+            todo.add(f"create the system user {USER} (group {GROUP}): {' '.join(argv)}",
+                     lambda: _run(argv))
+        else:
+            todo.notes.append(f"user {USER} does not exist here: root owns what it would own "
+                              "under this prefix")
+
+    share = opts.at("/usr/share/tokengate")
+    root_owned = ("root", "root")
+    for path, mode, owner in (
+            (opts.at("/etc/tokengate"), 0o750, ("root", GROUP)),
+            (opts.at("/etc/tokengate/vllm"), 0o750, ("root", GROUP)),
+            (opts.at("/var/lib/tokengate"), 0o750, (USER, GROUP)),
+            (opts.at("/var/lib/tokengate/usage"), 0o750, ("root", GROUP)),
+            (opts.at("/var/log/tokengate"), 0o750, ("root", GROUP)),
+            # what tmpfiles.d makes at boot; made now so that nginx can reload at once
+            (opts.at("/run/tokengate"), 0o750, (USER, GROUP)),
+            (share, 0o755, root_owned), (share / "lua" / "tokengate", 0o755, root_owned),
+            (share / "nginx", 0o755, root_owned)):
+        todo.add(f"create {path} ({mode:o} {owner[0]}:{owner[1]})",
+                 _bind(_dir, path, mode, owner, stand_in))
+
+    lua_dst = share / "lua" / "tokengate"
+    sources = sorted(lua_src.glob("*.lua"))
+    stale = sorted({q.name for q in lua_dst.glob("*.lua")} - {q.name for q in sources})
+
+    def copy_lua() -> None:
+        for f in sources:
+            _write(lua_dst / f.name, f.read_bytes(), 0o644, None, stand_in)
+        for name in stale:
+            (lua_dst / name).unlink()
+    todo.add(f"copy {len(sources)} Lua modules to {lua_dst}"
+          + (f", remove {', '.join(stale)}" if stale else ""), copy_lua)
+
+    def file(dst: Path, data: bytes, mode: int = 0o644,
+             owner: tuple[str, str] | None = None) -> None:
+        todo.add(f"write {dst}", lambda: _write(dst, data, mode, owner, stand_in))
+
+    for t in TEMPLATES:
+        file(share / "nginx" / t, (tpl_src / t).read_bytes())
+    for u in UNITS:
+        text = (unit_src / u).read_text()
+        text = text.replace(UNIT_BIN_DIR + "/", f"{opts.bin_dir.absolute()}/")
+        text = text.replace(UNIT_VLLM_PYTHON, str(opts.vllm_python.absolute()))
+        file(opts.at(f"/etc/systemd/system/{u}"), text.encode())
+    file(opts.at("/etc/systemd/system/nginx.service.d/tokengate.conf"),
+         (unit_src / "nginx.service.d" / "tokengate.conf").read_bytes())
+    file(opts.at("/etc/tmpfiles.d/tokengate.conf"), (unit_src / "tokengate.tmpfiles").read_bytes())
+    example = opts.at("/etc/tokengate/vllm/example.env")
+    if not example.exists():
+        file(example, (unit_src / "vllm.env.example").read_bytes())
+
+    if config_text is None:
+        todo.add(f"keep {target} (it exists)", lambda: None)
+    else:
+        file(target, config_text.encode(), 0o640, ("root", GROUP))
+        todo.notes.append(f"{target}: from {opts.config or src / 'tokengate.yaml'}; set models "
+                       "(your vLLM's model directory and address), keys and redis.url")
+    edge_json = paths["edge_json"]
+
+    def compile_edge() -> None:
+        compile_config.write(target, edge_json)
+        os.chmod(edge_json, 0o640)
+        _chown(edge_json, "root", GROUP, stand_in)
+    todo.add(f"compile {edge_json} from {target}", compile_edge)
+
+    templates = tpl_src
+    file(opts.at("/etc/nginx/conf.d/tokengate.conf"),
+         nginx_conf.render_debian(templates, paths, cfg.edge).encode())
+    file(opts.at("/etc/nginx/snippets/tokengate-location.conf"),
+         nginx_conf.render_debian_location(templates, paths, cfg.edge,
+                                           cfg.access_log.file is not None).encode())
+    if not opts.at("/etc/nginx/nginx.conf").exists():
+        todo.notes.append(f"{opts.at('/etc/nginx/nginx.conf')}: not found; install nginx "
+                       "(apt install nginx libnginx-mod-http-lua libnginx-mod-http-ndk "
+                       "lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns)")
+    if opts.on_host and Path("/run/systemd/system").is_dir():
+        todo.add("reload systemd's unit files (systemctl daemon-reload; no service is "
+                 "started or stopped)",
+                 lambda: _run(["systemctl", "daemon-reload"]))
+    return todo
+
+
+NEXT_STEPS = """\
+Next (install changed no running service):
+  edit /etc/tokengate/tokengate.yaml, then run tokengate install again (edge.json)
+  add `include snippets/tokengate-location.conf;` to a server { } block of nginx
+  systemctl enable --now tokengate-counter tokengate-ledger   (+ tokengate-limits with
+      global_limits.enabled)
+  cp /etc/tokengate/vllm/example.env /etc/tokengate/vllm/8000.env, edit it, then
+      systemctl enable --now tokengate-vllm@8000   (one per replica and port)
+  nginx -t && systemctl reload nginx"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``install`` on a ``tokengate`` subcommand parser."""
+    p = sub.add_parser("install", help="install units, Lua, the nginx drop-in and the config",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefix", type=Path, default=Path("/"),
+                   help="root folder of the install (default: /); every file is written "
+                        "for it as the root")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check and print what would be done; change nothing")
+    p.add_argument("--source", type=Path, default=Path("."),
+                   help="the checkout holding lua/, nginx/ and systemd/ (default: .)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="configuration to install when <prefix>/etc/tokengate/tokengate.yaml "
+                        "does not exist (default: <source>/tokengate.yaml)")
+    p.add_argument("--bin-dir", type=Path, default=Path(sysconfig.get_path("scripts")),
+                   help="folder of tokengate-counter, -ledger, -limits that the units run "
+                        "(default: this tokengate's, %(default)s)")
+    p.add_argument("--vllm-python", type=Path, default=None,
+                   help="the Python of the host's vLLM, for tokengate-vllm@.service "
+                        "(default: this one when it imports vllm, else "
+                        f"{UNIT_VLLM_PYTHON})")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tokengate install``: 0 done, 1 a problem (nothing changed)."""
+    opts = Options(prefix=args.prefix, source=args.source, config=args.config,
+                   bin_dir=args.bin_dir, vllm_python=args.vllm_python or default_vllm_python(),
+                   dry_run=args.dry_run)
+    try:
+        todo = plan(opts)
+    except InstallError as e:
+        for line in e.problems:
+            print(line, file=sys.stderr)
+        print(f"tokengate install: {len(e.problems)} problem(s); nothing changed",
+              file=sys.stderr)
+        return 1
+    todo.run()
+    for note in todo.notes:
+        print(f"note: {note}")
+    if opts.on_host and not opts.dry_run:
+        print(NEXT_STEPS)
+    return 0

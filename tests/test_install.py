@@ -1,0 +1,448 @@
+"""`tokengate install` and the units of systemd/: what lands where with which owner, the
+configuration kept, every unit accepted by `systemd-analyze verify`, and each service
+started from its installed unit's own ExecStart and environment (tests/units.py)
+answering: the counter a CountTokens call, the global limits their health and a
+Reserve, the ledger an event applied to Redis, vLLM (CPU build) a tools request with
+the usage details billing reads."""
+
+from __future__ import annotations
+
+import grp
+import json
+import pwd
+import re
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokengate import config as tg_config
+from tokengate.install import deploy_config_text
+from tokengate.ledger import store
+from tokengate.process import free_port
+from tokengate.tools import nginx_conf
+from tokengate.v1 import counter_pb2, counter_pb2_grpc, limits_pb2, limits_pb2_grpc
+from tokengate_dev import devstack
+
+from tests import units
+from tests.conftest import MODEL, REPO_CONFIG
+from tests.fixtures_ledger import make_event
+
+ROOT = devstack.ROOT
+TOKENGATE = Path(sys.executable).parent / "tokengate"
+SIDECARS = ("tokengate-counter.service", "tokengate-ledger.service", "tokengate-limits.service")
+LEDGER_DB = 9  # the session Redis, a database of its own (ledger tests flush database 0)
+BODY = json.dumps({"model": MODEL, "messages": [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 16}).encode()
+
+
+def install(prefix: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`tokengate install --prefix PREFIX ...` from the checkout, as an operator runs it."""
+    return subprocess.run([str(TOKENGATE), "install", "--prefix", str(prefix),
+                           "--source", str(ROOT), "--vllm-python", sys.executable,
+                           *map(str, args)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def owner_of_tokengate() -> str:
+    """Who owns what the tokengate user would own: root stands in under a prefix on a
+    machine without that user."""
+    try:
+        pwd.getpwnam("tokengate")
+        return "tokengate"
+    except KeyError:
+        return "root"
+
+
+def ledger_url(redis_url: str) -> str:
+    return f"{redis_url.rsplit('/', 1)[0]}/{LEDGER_DB}"
+
+
+@dataclass
+class Installed:
+    prefix: Path
+    config: Path      # the source configuration given to --config
+    logs: Path
+
+    def unit(self, name: str) -> Path:
+        return self.prefix / "etc/systemd/system" / name
+
+    @property
+    def run(self) -> Path:
+        return self.prefix / "run/tokengate"
+
+
+def test_config(config_path: Path, redis_url: str, out: Path) -> Path:
+    """The session's test configuration (the embedded model, the test vLLM port) with
+    the ledger's Redis database of these tests."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw["redis"]["url"] = ledger_url(redis_url)
+    raw.setdefault("ledger", {})["rotate_wait_s"] = 0.5
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+test_config.__test__ = False  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def installed(config_path: Path, redis_url: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    base = tmp_path_factory.mktemp("install")
+    cfg = test_config(config_path, redis_url, base / "tokengate.yaml")
+    prefix = base / "root"
+    r = install(prefix, "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    return Installed(prefix, cfg, base / "logs")
+
+
+def stat_of(path: Path) -> tuple[str, str, str]:
+    st = path.stat()
+    return (oct(st.st_mode & 0o7777), pwd.getpwuid(st.st_uid).pw_name,
+            grp.getgrgid(st.st_gid).gr_name)
+
+
+def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installed) -> None:
+    p, tg = installed.prefix, owner_of_tokengate()
+    want = {
+        "etc/tokengate": ("0o750", "root", "www-data"),
+        "etc/tokengate/tokengate.yaml": ("0o640", "root", "www-data"),
+        "etc/tokengate/edge.json": ("0o640", "root", "www-data"),
+        "etc/tokengate/vllm": ("0o750", "root", "www-data"),
+        "etc/tokengate/vllm/example.env": ("0o644", "root", "root"),
+        "var/lib/tokengate": ("0o750", tg, "www-data"),
+        "var/lib/tokengate/usage": ("0o750", "root", "www-data"),
+        "var/log/tokengate": ("0o750", "root", "www-data"),
+        "run/tokengate": ("0o750", tg, "www-data"),
+        "usr/share/tokengate/lua/tokengate/phases.lua": ("0o644", "root", "root"),
+        "usr/share/tokengate/nginx/tokengate-http.conf.in": ("0o644", "root", "root"),
+        "etc/nginx/conf.d/tokengate.conf": ("0o644", "root", "root"),
+        "etc/nginx/snippets/tokengate-location.conf": ("0o644", "root", "root"),
+        "etc/systemd/system/nginx.service.d/tokengate.conf": ("0o644", "root", "root"),
+        "etc/tmpfiles.d/tokengate.conf": ("0o644", "root", "root"),
+        **{f"etc/systemd/system/{u}": ("0o644", "root", "root")
+           for u in (*SIDECARS, "tokengate-vllm@.service")},
+    }
+    assert {k: stat_of(p / k) for k in want} == want
+    lua = sorted(f.name for f in (p / "usr/share/tokengate/lua/tokengate").iterdir())
+    assert lua == sorted(f.name for f in (ROOT / "lua/tokengate").glob("*.lua"))
+    # the units run this virtualenv's programs and the given vLLM interpreter
+    counter = units.read_unit(installed.unit("tokengate-counter.service"))
+    assert counter.value("Service", "ExecStart").split()[0] == \
+        f"{Path(sys.executable).parent.resolve()}/tokengate-counter"
+    vllm = units.read_unit(installed.unit("tokengate-vllm@.service"))
+    assert vllm.value("Service", "ExecStart").split()[0] == str(Path(sys.executable).absolute())
+
+
+def test_the_installed_dropin_is_the_committed_one_under_the_prefix(
+        installed: Installed) -> None:
+    # the test configuration's edge section is the schema's defaults, as for the
+    # committed files: only the prefix in front of every path differs
+    for installed_file, committed in (
+            ("etc/nginx/conf.d/tokengate.conf", nginx_conf.debian_conf(devstack.NGINX_DIR)),
+            ("etc/nginx/snippets/tokengate-location.conf",
+             nginx_conf.debian_location_conf(devstack.NGINX_DIR))):
+        text = (installed.prefix / installed_file).read_text()
+        assert text.replace(str(installed.prefix), "") == committed.read_text()
+    assert f"listen unix:{installed.run}/hop.sock;" in \
+        (installed.prefix / "etc/nginx/conf.d/tokengate.conf").read_text()
+
+
+def test_the_installed_config_names_the_dropins_paths(installed: Installed) -> None:
+    p = installed.prefix
+    cfg = tg_config.load(p / "etc/tokengate/tokengate.yaml")
+    assert cfg.ledger.usage_file == cfg.edge.usage_file == \
+        p / "var/lib/tokengate/usage/usage.jsonl"
+    assert cfg.access_log.file == p / "var/log/tokengate/access.sampled.log"
+    assert cfg.global_limits.unix_socket == p / "run/tokengate/limits.sock"
+    assert cfg.models[MODEL].dir == (ROOT / "var/models/tiny-qwen3").resolve()
+    edge = json.loads((p / "etc/tokengate/edge.json").read_text())
+    assert edge["source"] == str(p / "etc/tokengate/tokengate.yaml")
+    assert edge["edge"]["usage_file"] == str(p / "var/lib/tokengate/usage/usage.jsonl")
+
+
+def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
+    text = REPO_CONFIG.read_text()
+    paths = nginx_conf.debian_paths()
+    out = deploy_config_text(text, REPO_CONFIG.parent, paths)
+    changed = [(a, b) for a, b in zip(text.splitlines(), out.splitlines(), strict=True)
+               if a != b]
+    assert [b.split("#")[0].strip() for _a, b in changed] == [
+        f"dir: {(REPO_CONFIG.parent / 'var/models/tiny-qwen3').resolve()}",
+        "usage_file: /var/lib/tokengate/usage/usage.jsonl",
+        "unix_socket: /run/tokengate/limits.sock",
+        "file: /var/log/tokengate/access.sampled.log",
+    ]
+    # comments after the changed values stay
+    assert all("#" in b for a, b in changed if "#" in a)
+    # a section without the key gets it as its first key; a missing one is added
+    out = deploy_config_text("models: {}\naccess_log:\n  rate: 0.5   # x\n"
+                             "global_limits:\n  unix_socket: false\n", Path("/"), paths)
+    assert yaml.safe_load(out) == {
+        "models": {}, "access_log": {"file": "/var/log/tokengate/access.sampled.log",
+                                     "rate": 0.5},
+        "global_limits": {"unix_socket": False},
+        "ledger": {"usage_file": "/var/lib/tokengate/usage/usage.jsonl"}}
+
+
+def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
+        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+    prefix = tmp_path / "root"
+    assert install(prefix, "--config",
+                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
+    target = prefix / "etc/tokengate/tokengate.yaml"
+    edited = target.read_text().replace("rpm: 600", "rpm: 7")
+    target.write_text(edited)
+    r = install(prefix, "--config", tmp_path / "c.yaml")
+    assert r.returncode == 0, r.stderr
+    assert f"keep {target} (it exists)" in r.stdout
+    assert target.read_text() == edited
+    keys = json.loads((prefix / "etc/tokengate/edge.json").read_text())["keys"]
+    assert [k["rpm"] for k in keys.values() if k["id"] == "demo"] == [7]
+
+
+def test_a_config_whose_usage_file_is_not_the_dropins_is_refused_and_nothing_changes(
+        config_path: Path, tmp_path: Path) -> None:
+    prefix = tmp_path / "root"
+    target = prefix / "etc/tokengate/tokengate.yaml"
+    target.parent.mkdir(parents=True)
+    raw = yaml.safe_load(config_path.read_text())
+    raw["ledger"] = {"usage_file": "/srv/usage.jsonl"}
+    raw["access_log"] = {"file": False}  # off: fine (the snippet then writes none)
+    target.write_text(yaml.safe_dump(raw))
+    before = sorted(prefix.rglob("*"))
+    r = install(prefix)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [
+        f"{target}: ledger.usage_file (and edge.usage_file) must be "
+        f"{prefix}/var/lib/tokengate/usage/usage.jsonl, the file the drop-in's snippet "
+        "writes; it is /srv/usage.jsonl",
+        "tokengate install: 1 problem(s); nothing changed"]
+    assert sorted(prefix.rglob("*")) == before
+
+
+def test_dry_run_prints_the_plan_and_changes_nothing(config_path: Path, redis_url: str,
+                                                     tmp_path: Path) -> None:
+    cfg = test_config(config_path, redis_url, tmp_path / "c.yaml")
+    r = install(tmp_path / "root", "--config", cfg, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in r.stdout.splitlines() if not line.startswith("note:")]
+    assert steps and all(line.startswith("would ") for line in steps)
+    assert f"would write {tmp_path}/root/etc/nginx/conf.d/tokengate.conf" in steps
+    assert not (tmp_path / "root").exists()
+
+
+def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path) -> None:
+    # --prefix / with --dry-run: checks only. This checkout's virtualenv (or the Python
+    # it is made from) lives under /root or /home, which ProtectHome=yes hides from
+    # every unit.
+    hidden = [(opt, path) for opt, path in (("--bin-dir", TOKENGATE.parent),
+                                            ("--vllm-python", Path(sys.executable)))
+              if str(path.resolve()).startswith(("/root/", "/home/"))]
+    if not hidden:
+        pytest.skip("this virtualenv and its Python are outside /home and /root")
+    r = subprocess.run([str(TOKENGATE), "install", "--dry-run", "--source", str(ROOT),
+                        "--config", str(REPO_CONFIG), "--vllm-python", sys.executable],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1
+    for opt, path in hidden:
+        assert f"{opt} {path.resolve()} is below /home, /root, /run/user, which the units " \
+               "hide (ProtectHome=yes): use a virtualenv or folder such as /opt/tokengate" \
+               in r.stderr.splitlines(), r.stderr
+    assert r.stderr.splitlines()[-1] == \
+        f"tokengate install: {len(hidden)} problem(s); nothing changed"
+
+
+def verify(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-analyze", "verify", *map(str, paths)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
+                                                  tmp_path: Path) -> None:
+    d = installed.prefix / "etc/systemd/system"
+    # a template is verified as an instance; a warning (unknown key, bad value) fails too
+    r = verify(*(d / u for u in SIDECARS), d / "tokengate-vllm@8000.service")
+    assert (r.returncode, r.stdout + r.stderr) == (0, "")
+    # the drop-in for Debian's own nginx.service, loaded next to a copy of that unit
+    (tmp_path / "nginx.service.d").mkdir()
+    (tmp_path / "nginx.service").write_text(Path("/lib/systemd/system/nginx.service")
+                                            .read_text())
+    (tmp_path / "nginx.service.d/tokengate.conf").write_text(
+        (d / "nginx.service.d/tokengate.conf").read_text())
+    r = verify(tmp_path / "nginx.service")
+    assert (r.returncode, r.stdout + r.stderr) == (0, "")
+
+
+def test_the_units_settings_fit_together(installed: Installed) -> None:
+    dropin = (installed.prefix / "etc/nginx/conf.d/tokengate.conf").read_text()
+    for name in SIDECARS:
+        u = units.read_unit(installed.unit(name))
+        got = {k: u.value("Service", k) for k in (
+            "User", "Group", "Restart", "NoNewPrivileges", "ProtectSystem", "ProtectHome",
+            "PrivateTmp", "RuntimeDirectory", "RuntimeDirectoryMode",
+            "RuntimeDirectoryPreserve")}
+        assert got == {"User": "tokengate", "Group": "www-data", "Restart": "on-failure",
+                       "NoNewPrivileges": "yes", "ProtectSystem": "strict",
+                       "ProtectHome": "yes", "PrivateTmp": "yes",
+                       "RuntimeDirectory": "tokengate", "RuntimeDirectoryMode": "0750",
+                       "RuntimeDirectoryPreserve": "yes"}, name
+        assert not u.values("Service", "ExecReload"), "no sidecar reloads on a signal yet"
+    # --workers N of a socket sidecar = the N servers of its upstream in the drop-in
+    for name, sock in (("tokengate-counter.service", "counter.sock"),
+                       ("tokengate-limits.service", "limits.sock")):
+        argv = units.read_unit(installed.unit(name)).value("Service", "ExecStart").split()
+        workers = int(argv[argv.index("--workers") + 1])
+        servers = re.findall(rf"server unix:\S+/{re.escape(sock)}\.(\d+) ", dropin)
+        assert servers == [str(i) for i in range(workers)], name
+    tmpfiles = (installed.prefix / "etc/tmpfiles.d/tokengate.conf").read_text()
+    assert "d /run/tokengate 0750 tokengate www-data -" in tmpfiles.splitlines()
+    vllm = units.read_unit(installed.unit("tokengate-vllm@.service"))
+    start = vllm.value("Service", "ExecStart")
+    for flag in ("--served-model-name", "--enable-prompt-tokens-details",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "--max-model-len",
+                 "--port %i"):
+        assert flag in start, flag
+    assert {k: vllm.value("Service", k) for k in (
+        "Restart", "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp")} == {
+        "Restart": "on-failure", "NoNewPrivileges": "yes", "ProtectSystem": "strict",
+        "ProtectHome": "yes", "PrivateTmp": "yes"}
+
+
+def exposure(unit: Path) -> float:
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+                        str(unit)], capture_output=True, text=True, timeout=60, check=False)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1))
+
+
+def test_systemd_rates_the_sidecars_exposure_low(installed: Installed) -> None:
+    # 0 (locked down) .. 10 (nothing restricted); 2 and below reads "OK" or "SAFE".
+    # vLLM keeps the devices, JIT and system calls CUDA needs.
+    d = installed.prefix / "etc/systemd/system"
+    got = {u: exposure(d / u) for u in (*SIDECARS, "tokengate-vllm@8000.service")}
+    assert all(got[u] <= 2.0 for u in SIDECARS), got
+    assert got["tokengate-vllm@8000.service"] < 5.0, got
+
+
+# --- the services, from their units' command lines ---------------------------------------
+
+@pytest.fixture
+def started(installed: Installed) -> Iterator[list[units.Running]]:
+    """Start units with ``started.append(units.start(...))``; stopped after the test."""
+    running: list[units.Running] = []
+    yield running
+    for r in running:
+        r.stop()
+
+
+def listening_tcp_pids() -> set[int]:
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return {int(p) for p in re.findall(r"pid=(\d+)", out)}
+
+
+def test_the_counter_unit_counts_on_its_unix_sockets_only(
+        installed: Installed, started: list[units.Running], counter_addr: str) -> None:
+    c = units.start(installed.unit("tokengate-counter.service"), installed.prefix,
+                    installed.logs)
+    started.append(c)
+    socks = [installed.run / f"counter.sock.{i}" for i in range(2)]
+    c.wait_for(lambda: all(s.exists() for s in socks), 90, "socket of each worker")
+    # what the session's counter (TCP) says for the same body
+    with grpc.insecure_channel(counter_addr) as ch:
+        want = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
+            endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30).prompt_tokens
+    assert want > 20
+    for s in socks:
+        assert stat_of(s)[0::2] == ("0o660", "www-data")
+        with grpc.insecure_channel(f"unix:{s}") as ch:
+            got = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
+                endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30)
+        assert (got.prompt_tokens, got.max_model_len) == (want, 8192)
+    assert not c.group_pids() & listening_tcp_pids(), "the counter unit listens on TCP"
+
+
+def test_the_limits_unit_serves_health_and_reserve_on_its_unix_sockets(
+        installed: Installed, started: list[units.Running]) -> None:
+    lim = units.start(installed.unit("tokengate-limits.service"), installed.prefix,
+                      installed.logs)
+    started.append(lim)
+    socks = [installed.run / f"limits.sock.{i}" for i in range(2)]
+    lim.wait_for(lambda: all(s.exists() for s in socks), 60, "socket of each worker")
+    for i, s in enumerate(socks):
+        with grpc.insecure_channel(f"unix:{s}") as ch:
+            h = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="tokengate.v1.GlobalLimits"), timeout=10)
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+            r = limits_pb2_grpc.GlobalLimitsStub(ch).Reserve(limits_pb2.ReserveRequest(
+                key_id=f"install-{uuid.uuid4().hex}", model=MODEL, rpm_limit=5,
+                tpm_limit=1000, tokens=100, request_id=uuid.uuid4().hex), timeout=10)
+        assert (r.admitted, r.remaining_requests, r.remaining_tokens) == (True, 4, 900), i
+    assert not lim.group_pids() & listening_tcp_pids(), "the limits unit listens on TCP"
+
+
+def test_the_ledger_unit_applies_an_event_to_redis(
+        installed: Installed, started: list[units.Running], redis_url: str) -> None:
+    client = redis.Redis.from_url(ledger_url(redis_url), decode_responses=True)
+    client.flushdb()
+    usage = installed.prefix / "var/lib/tokengate/usage/usage.jsonl"
+    ev = make_event(prompt_tokens=41, completion_tokens=9)
+    with open(usage, "a") as f:
+        f.write(ev.to_json() + "\n")
+    led = units.start(installed.unit("tokengate-ledger.service"), installed.prefix,
+                      installed.logs)
+    started.append(led)
+    status = installed.run / "ledger.status.json"
+    led.wait_for(lambda: json.loads(status.read_text())["applied"] == 1, 60,
+                 "the event applied (status file)")
+    row = client.hgetall(store.usage_key(ev.day, ev.key_id, ev.model))
+    assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == \
+        ("1", "41", "9")
+    assert json.loads(status.read_text())["redis_up"] is True
+    client.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_vllm_unit_serves_with_the_flags_billing_needs(
+        installed: Installed, started: list[units.Running]) -> None:
+    port = free_port()
+    env = installed.prefix / f"etc/tokengate/vllm/{port}.env"
+    env.write_text(f"TOKENGATE_VLLM_MODEL={(ROOT / 'var/models/tiny-qwen3').resolve()}\n"
+                   f"TOKENGATE_VLLM_SERVED_MODEL_NAME={MODEL}\n"
+                   "TOKENGATE_VLLM_MAX_MODEL_LEN=8192\n"
+                   "# the CPU build of the tests; a GPU host sets none of these\n"
+                   "VLLM_CPU_KVCACHE_SPACE=1\n")
+    (installed.prefix / "var/cache/tokengate-vllm").mkdir(parents=True, exist_ok=True)
+    v = units.start(installed.unit("tokengate-vllm@.service"), installed.prefix,
+                    installed.logs, instance=str(port))
+    started.append(v)
+    base = f"http://127.0.0.1:{port}"
+    v.wait_for(lambda: urllib.request.urlopen(f"{base}/health", timeout=2).status == 200,
+               400, "/health")
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+        models = json.load(r)["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 8192)]
+    body = {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}
+    req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        usage = json.load(r)["usage"]
+    # tools accepted (the tool parser is on: else 400) and cached tokens reported
+    # (--enable-prompt-tokens-details: else prompt_tokens_details is null)
+    assert usage["completion_tokens"] <= 4 and usage["prompt_tokens"] > 100
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
