@@ -31,10 +31,10 @@ bench: setup
 	@$(PY) -m tokengate_dev.bench.storm $(BENCH_ARGS)
 
 lint: setup
-	@.venv/bin/ruff check sidecars dev vllm_patches tests
-	@cd sidecars && ../.venv/bin/mypy tokengate
-	@cd dev && ../.venv/bin/mypy tokengate_dev
-	@cd vllm_patches && ../.venv/bin/mypy tokengate_vllm
+	@$(PY) -m ruff check sidecars dev vllm_patches tests
+	@cd sidecars && ../$(PY) -m mypy tokengate
+	@cd dev && ../$(PY) -m mypy tokengate_dev
+	@cd vllm_patches && ../$(PY) -m mypy tokengate_vllm
 
 clean:
 	rm -rf var/run var/log

@@ -3,9 +3,9 @@
 #   - Debian packages: nginx + ngx_lua + lua-resty-core + lua-cjson, redis-server,
 #     systemd (systemd-analyze: the tests verify the units of systemd/; a Debian
 #     container image lacks it)
-#   - a virtualenv with vLLM (CPU build) and the sidecars, kept outside the
-#     checkout under ~/.cache/tokengate keyed by a hash of requirements.txt,
-#     linked from .venv
+#   - a virtualenv with vLLM (CPU build) and the other pinned packages, kept outside
+#     the checkout under ~/.cache/tokengate keyed by a hash of requirements.txt, and
+#     the checkout's own small .venv on top of it with the project's editable installs
 #   - editable installs of sidecars/ (runtime), dev/ (development tooling) and
 #     vllm_patches/ (the vLLM plugin, loaded by vLLM through its entry points)
 #   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson redis-server systemd"
+APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns redis-server systemd"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -40,16 +40,35 @@ if [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$VENV/.complete"
 fi
-ln -sfn "$VENV" .venv
+
+# This checkout's own small virtualenv on top of the shared one: the heavy packages are
+# the shared venv's (a .pth file puts its site-packages on the path), the project's
+# editable installs and console scripts are this checkout's. Two checkouts on one machine
+# (a clone, CI) then never re-point each other's code, as one shared editable install did.
+[ -L .venv ] && rm .venv   # older setups linked the shared venv itself
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.shared 2>/dev/null)" != "$VENV" ]; then
+  rm -rf .venv
+  python3 -m venv --without-pip .venv
+  echo "$VENV" > .venv/.shared
+fi
+SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+  > "$SITE/tokengate-shared.pth"
+# The shared venv holds no project code: a copy there (older setups) would register the
+# vLLM plugin's entry points twice.
+if "$VENV/bin/python" -m pip show -q tokengate-vllm tokengate tokengate-dev >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip uninstall -y -q tokengate tokengate-dev tokengate-vllm
+fi
 
 # The project itself, editable installs pointing at this checkout: the runtime package
 # (sidecars/) and the development tooling (dev/: the loopback stack, benchmarks, model
 # builder), kept apart so that what ships holds only what runs in production, and the
-# vLLM plugin (vllm_patches/, its entry points). Redone when the checkout moves or a
-# pyproject.toml changes (console scripts, entry points, package data).
-STAMP="$ROOT $(cat sidecars/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
+# vLLM plugin (vllm_patches/, its entry points). Redone when a pyproject.toml changes
+# (console scripts, entry points, package data).
+STAMP="$(cat sidecars/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
 if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
-  .venv/bin/pip install -q --no-deps --no-build-isolation -e sidecars -e dev -e vllm_patches
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation \
+    -e sidecars -e dev -e vllm_patches
   echo "$STAMP" > .venv/.tokengate-install
 fi
 

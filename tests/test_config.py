@@ -260,7 +260,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
         {"max_model_len": 8192, "output_reserve": 256, "max_tokens_cap": 4096,
          "default_max_tokens": None, "max_n": 8}
     [u] = cfg.models[MODEL].upstreams
-    assert m["upstreams"] == [{"name": u, "addr": "127.0.0.1", "port": int(u.rpartition(":")[2])}]
+    assert m["upstreams"] == [{"name": u, "host": "127.0.0.1", "addr": "127.0.0.1",
+                               "port": int(u.rpartition(":")[2]), "resolve": False}]
     assert "<|im_end|>" in m["special_tokens"]
     # added, not special, and written by the chat template; <|fim_prefix|> is added and not
     # special too, but no turn uses it
@@ -269,6 +270,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {}}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
+    # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
+    dump["dns_servers"] = compile_config.dns_servers([])
     assert doc["edge"] == {**dump, "usage_file": str(cfg.ledger.usage_file)}
     assert doc["edge"]["counter_backoff_ms"] == 500
     assert doc["global_limits"] == {"enabled": False, "listen": "127.0.0.1:50061",
@@ -398,3 +401,12 @@ def test_the_edge_refuses_a_stale_compiled_document(config_path: Path, tmp_path:
     edit(doc)
     err = lua_load(doc, tmp_path)["err"]
     assert err.startswith(f"tokengate config: {tmp_path / 'edge.json'}: {message}")
+
+
+def test_dns_servers_come_from_the_setting_else_resolv_conf(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# comment\nsearch example\nnameserver 10.0.0.2\nnameserver ::1\n")
+    assert compile_config.dns_servers([], conf) == [["10.0.0.2", 53], ["::1", 53]]
+    assert compile_config.dns_servers(["127.0.0.1:5353", "[::1]:53"], conf) == \
+        [["127.0.0.1", 5353], ["::1", 53]]
+    assert compile_config.dns_servers([], tmp_path / "missing") == []

@@ -9,6 +9,8 @@ ports, standing in for GPU vLLM servers; one of them is slow.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.null_server import FastUpstream, free_port
 from tokengate.storm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL
@@ -142,3 +144,96 @@ def test_every_replica_down_is_a_502_in_openai_shape(
     ev = e.event(r.headers["x-request-id"])
     assert (ev["status"], ev["error"], ev["upstream"]) == \
         (502, "upstream_unavailable", r.headers["x-tokengate-upstream"])
+
+
+class FakeDNS:
+    """A DNS server on 127.0.0.1 (UDP) answering A queries for the names in ``records``
+    (changeable while it runs) and NXDOMAIN for anything else, in RFC 1035's wire format:
+    the edge's resolver speaks real DNS to it."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, str] = {}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _answer(self, q: bytes) -> bytes:
+        i, labels = 12, []
+        while q[i]:
+            labels.append(q[i + 1:i + 1 + q[i]].decode())
+            i += 1 + q[i]
+        qtype = int.from_bytes(q[i + 1:i + 3], "big")
+        question = q[12:i + 5]
+        addr = self.records.get(".".join(labels)) if qtype == 1 else None
+        if addr is None:  # NXDOMAIN, no answer
+            return q[:2] + b"\x81\x83\x00\x01\x00\x00\x00\x00\x00\x00" + question
+        answer = (b"\xc0\x0c\x00\x01\x00\x01" + (1).to_bytes(4, "big") + b"\x00\x04"
+                  + socket.inet_aton(addr))
+        return q[:2] + b"\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00" + question + answer
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                q, peer = self.sock.recvfrom(512)
+            except TimeoutError:
+                continue
+            self.sock.sendto(self._answer(q), peer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def test_a_replica_given_by_name_follows_its_dns_record(
+        edge_variant_off_vllm: Callable[..., Edge], tmp_path: Path) -> None:
+    port = free_port()
+    a = FastUpstream(UpstreamOptions(model=MODEL), port=port, name="dns-a",
+                     state_dir=tmp_path).start()
+    b = FastUpstream(UpstreamOptions(model=MODEL), port=port, name="dns-b",
+                     state_dir=tmp_path, host="127.0.0.2").start()
+    dns = FakeDNS()
+    name = f"replica.tokengate.test:{port}"
+    try:
+        def edit(raw: dict[str, Any]) -> None:
+            raw["models"][MODEL]["upstreams"] = [name]
+            raw["models"][MODEL]["embedded"] = False
+            raw["edge"].update(dns_resolvers=[f"127.0.0.1:{dns.port}"],
+                               upstream_resolve_interval_ms=200,
+                               upstream_health_interval_ms=0)
+        # the name resolves nowhere yet: compiled without an address, out meanwhile
+        e = edge_variant_off_vllm("replicas-dns", edit)
+        r = _chat(e)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "upstream_unavailable"
+
+        def address() -> Any:
+            return e.status()["upstreams"][MODEL][name]["address"]
+
+        def wait_for(addr: str) -> None:
+            deadline = time.monotonic() + 10
+            while address() != addr:
+                assert time.monotonic() < deadline, f"address {address()}, wanted {addr}"
+                time.sleep(0.1)
+
+        dns.records["replica.tokengate.test"] = "127.0.0.1"
+        wait_for("127.0.0.1")
+        assert _chat(e).status_code == 200
+        # the replica moves: the edge follows without a reload, and the old one can go
+        dns.records["replica.tokengate.test"] = "127.0.0.2"
+        wait_for("127.0.0.2")
+        a.stop()
+        answers = [_chat(e) for _ in range(4)]
+        assert [x.status_code for x in answers] == [200] * 4
+        # a name that stops resolving keeps the address it had
+        dns.records.clear()
+        time.sleep(0.6)
+        assert address() == "127.0.0.2" and _chat(e).status_code == 200
+    finally:
+        dns.close()
+        a.stop()
+        b.stop()

@@ -8,9 +8,10 @@
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
 --                  errors that nginx itself or a non-JSON backend produced
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
---   log:           settle the reservation with the usage billed, write the usage event
---                  and, when sampled, the access-log line; a request without a valid
---                  API key writes no event: counted, and logged at a bounded rate
+--   log:           settle the reservation with the usage billed, note a count drift
+--                  (tokengate.drift), write the usage event and, when sampled, the
+--                  access-log line; a request without a valid API key writes no
+--                  event: counted, and logged at a bounded rate
 --
 -- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
 -- Per-request state is ngx.ctx; nothing here writes globals.
@@ -29,6 +30,7 @@ local upstream = require "tokengate.upstream"
 local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
+local drift = require "tokengate.drift"
 local request = require "tokengate.request"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
@@ -178,6 +180,7 @@ local function how_much(ctx, doc)
     end
     ctx.token_estimate, ctx.count_source = counted.prompt, counted.source
     ctx.system_tokens = counted.system
+    ctx.prompt_count, ctx.n = counted.prompts, json_integer(body.n) or 1
     local out
     out, err = request.budget(route, model, body, counted)
     if not out then
@@ -224,7 +227,13 @@ function _M.access()
     ngx_req.set_body_data(ctx.text)
     ngx_req.set_uri(request.PATHS[ctx.route])
     local model = ctx.model_entry
-    upstream.take(ctx, model, upstream.pick(model), ctx.limit_req.tokens)
+    local r = upstream.pick(model)
+    if not r then
+        return send(ctx, errors.new(503, "No replica of model " .. model.name .. " has an "
+            .. "address yet (its host names did not resolve). Please retry.", nil,
+            "upstream_unavailable", nil, { ["Retry-After"] = "5" }))
+    end
+    upstream.take(ctx, model, r, ctx.limit_req.tokens)
     ctx.proxied = true
 end
 
@@ -254,7 +263,7 @@ function _M.balancer()
             balancer.set_more_tries(more)
         end
     end
-    local ok, err = balancer.set_current_peer(r.addr, r.port)
+    local ok, err = balancer.set_current_peer(upstream.address(model.name, r), r.port)
     if not ok then
         ngx_log(ERR, "tokengate: set_current_peer ", r.name, ": ", err)
         return ngx_exit(500)
@@ -383,6 +392,7 @@ function _M.log()
     if ctx.limit_req then
         limits.settle(ctx.limit_req, ev.prompt_tokens + ev.completion_tokens)
     end
+    drift.report(ctx, ev.count_drift)
     if ctx.replica then
         -- the last try's failure never reaches the balancer: count it here
         if ctx.error == "upstream_unavailable" or ctx.error == "upstream_timeout" then
@@ -442,6 +452,7 @@ function _M.status()
             local o = json.object()
             json.set(o, "outstanding_tokens", st.outstanding_tokens)
             json.set(o, "out", st.out)
+            json.set(o, "address", st.address or json.null)
             json.set(m, rname, o)
         end
         json.set(ups, name, m)

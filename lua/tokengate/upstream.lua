@@ -17,6 +17,11 @@
 -- Retries: nginx passes a request to the next replica only when nothing of it was sent
 -- to the failed one (a POST is not idempotent; nginx never resends one after sending);
 -- the balancer then picks another replica that this request has not tried.
+--
+-- Names: a replica given by host name is resolved again every
+-- upstream_resolve_interval_ms by worker 0 (DNS A records from edge.dns_servers, with
+-- Debian's lua-nginx-dns), and every worker uses the address found last; a name that
+-- has no address yet is out. A failed lookup keeps the address the replica had.
 
 local ngx = ngx
 
@@ -27,6 +32,7 @@ local timer_every = ngx.timer.every
 local tonumber = tonumber
 local pairs = pairs
 local match = string.match
+local type = type
 
 local _M = {}
 
@@ -39,7 +45,8 @@ local function key(kind, model, r)
 end
 
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
--- (models.<name>.upstreams = [{name = "host:port", addr = <IP literal>, port}], edge:
+-- (models.<name>.upstreams = [{name = "host:port", host, addr = <IP literal> | null,
+-- port, resolve}], edge: dns_servers, upstream_resolve_interval_ms,
 -- upstream_max_fails, upstream_eject_s (s), upstream_health_interval_ms (0: off),
 -- upstream_health_timeout_ms).
 function _M.init_worker(doc, dict_name)
@@ -50,24 +57,48 @@ function _M.init_worker(doc, dict_name)
     local edge = doc.edge
     eject_s, max_fails = edge.upstream_eject_s, edge.upstream_max_fails
     health_timeout_ms = edge.upstream_health_timeout_ms
+    if ngx.worker.id() ~= 0 then
+        return true
+    end
     local interval = edge.upstream_health_interval_ms
-    if interval > 0 and ngx.worker.id() == 0 then
+    if interval > 0 then
         local ok, err = timer_every(interval / 1000, _M.probe_all, doc.models)
         if not ok then
             return nil, "health probe timer: " .. err
         end
     end
+    interval = edge.upstream_resolve_interval_ms
+    if interval > 0 and #edge.dns_servers > 0 and _M.has_names(doc.models) then
+        local ok, err = ngx.timer.at(0, _M.resolve_all, doc.models, edge.dns_servers)
+        if ok then
+            ok, err = timer_every(interval / 1000, _M.resolve_all, doc.models,
+                edge.dns_servers)
+        end
+        if not ok then
+            return nil, "resolve timer: " .. err
+        end
+    end
     return true
 end
 
--- is_out(model, r) -> true while the replica is skipped
+-- address(model, r) -> the replica's IP literal: the last one resolved, else the one
+-- compiled; nil while a name has none yet
+function _M.address(model, r)
+    if r.resolve then
+        return dict:get(key("addr:", model, r)) or (type(r.addr) == "string" and r.addr or nil)
+    end
+    return r.addr
+end
+
+-- is_out(model, r) -> true while the replica is skipped (failed, or no address yet)
 local function is_out(model, r)
-    return dict:get(key("out:", model, r)) == true
+    return dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
 end
 
 -- pick(model, tried) -> replica | nil: the replica of model (compiled model entry) with
 -- the fewest outstanding tokens among those not out and not in tried (a set of names);
--- when all untried ones are out, the least loaded of them; nil when every one was tried.
+-- when all untried ones are out, the least loaded of them; nil when every one was tried
+-- or none has an address.
 function _M.pick(model, tried)
     local list = model.upstreams
     local n = #list
@@ -75,7 +106,7 @@ function _M.pick(model, tried)
     local best, best_out, fallback, fallback_out
     for i = 0, n - 1 do
         local r = list[(rotate + i) % n + 1]
-        if not (tried and tried[r.name]) then
+        if not (tried and tried[r.name]) and _M.address(model.name, r) then
             local out = dict:get(key("tok:", model.name, r)) or 0
             if is_out(model.name, r) then
                 if not fallback or out < fallback_out then
@@ -118,11 +149,11 @@ function _M.failed(model_name, r, why)
     end
 end
 
--- probe(r) -> true when GET /health answers 200 within upstream_health_timeout_ms
-local function probe(r)
+-- probe(r, addr) -> true when GET /health answers 200 within upstream_health_timeout_ms
+local function probe(r, addr)
     local sock = tcp()
     sock:settimeouts(health_timeout_ms, health_timeout_ms, health_timeout_ms)
-    local ok = sock:connect(r.addr, r.port)
+    local ok = sock:connect(addr, r.port)
     if not ok then
         return false
     end
@@ -140,7 +171,9 @@ function _M.probe_all(premature, models)
     for name, m in pairs(models) do
         for i = 1, #m.upstreams do
             local r = m.upstreams[i]
-            if probe(r) then
+            local addr = _M.address(name, r)
+            if not addr then -- unresolved: nothing to probe yet
+            elseif probe(r, addr) then
                 dict:delete(key("out:", name, r))
                 dict:delete(key("fail:", name, r))
             elseif not is_out(name, r) then
@@ -152,7 +185,60 @@ function _M.probe_all(premature, models)
     end
 end
 
--- states(doc) -> {[model] = {[replica name] = {outstanding_tokens, out}}} (for status)
+-- has_names(models) -> true when some replica is given by a host name
+function _M.has_names(models)
+    for _, m in pairs(models) do
+        for i = 1, #m.upstreams do
+            if m.upstreams[i].resolve then
+                return true
+            end
+        end
+    end
+    return false
+end
+
+-- resolve_all(premature, models, servers): the resolve timer: the A record of every
+-- replica given by name, from servers ({{address, port}, ...}).
+function _M.resolve_all(premature, models, servers)
+    if premature then
+        return
+    end
+    local resolver = require "nginx.dns.resolver" -- Debian's lua-nginx-dns
+    local r, err = resolver:new({ nameservers = servers, retrans = 2, timeout = 1000 })
+    if not r then
+        ngx_log(WARN, "tokengate: DNS resolver: ", err)
+        return
+    end
+    for name, m in pairs(models) do
+        for i = 1, #m.upstreams do
+            local u = m.upstreams[i]
+            if u.resolve then
+                local answers, qerr = r:query(u.host, { qtype = r.TYPE_A })
+                local addr
+                if answers and not answers.errcode then
+                    for j = 1, #answers do
+                        if answers[j].address then
+                            addr = answers[j].address
+                            break
+                        end
+                    end
+                end
+                local k = key("addr:", name, u)
+                if addr and addr ~= dict:get(k) then
+                    ngx_log(WARN, "tokengate: upstream ", u.name, " of ", name, " is now ", addr)
+                    dict:set(k, addr)
+                elseif not addr then
+                    ngx_log(WARN, "tokengate: upstream ", u.name, " of ", name,
+                        " did not resolve (", qerr or (answers and answers.errstr) or
+                        "no A record", "): keeping its address")
+                end
+            end
+        end
+    end
+end
+
+-- states(doc) -> {[model] = {[replica name] = {outstanding_tokens, out, address}}}
+-- (for the status server)
 function _M.states(doc)
     local all = {}
     for name, m in pairs(doc.models) do
@@ -160,7 +246,7 @@ function _M.states(doc)
         for i = 1, #m.upstreams do
             local r = m.upstreams[i]
             s[r.name] = { outstanding_tokens = dict:get(key("tok:", name, r)) or 0,
-                          out = is_out(name, r) }
+                          out = is_out(name, r), address = _M.address(name, r) }
         end
         all[name] = s
     end

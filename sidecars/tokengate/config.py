@@ -570,6 +570,18 @@ class EdgeConfig(_Schema):
     upstream_health_timeout_ms: Positive = Field(
         default=1000,
         description="How long a health probe waits for the answer's status line, ms.")
+    upstream_resolve_interval_ms: int = Field(
+        default=30000, ge=0,
+        description="Every this many ms one nginx worker resolves the upstreams given by "
+                    "host name again (DNS A records), so a replica that moves is followed "
+                    "without a reload. 0: only when the configuration is compiled.")
+    dns_resolvers: list[HostPort] = Field(
+        default=[],
+        description="DNS servers (host:port) the edge asks for the upstreams given by "
+                    "name; empty: the nameservers of /etc/resolv.conf. With servers set, "
+                    "such names are resolved by the edge only (a replica is out until its "
+                    "name resolves). Names /etc/hosts gives are resolved once, when "
+                    "compiling.")
     usage_file: RelPath = Field(
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the edge writes. Default: ledger.usage_file.")

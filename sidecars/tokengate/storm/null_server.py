@@ -21,12 +21,12 @@ __all__ = ["FastUpstream", "free_port", "upstream_service"]
 
 
 def upstream_service(opts: upstream.UpstreamOptions, port: int, state_dir: Path,
-                     name: str = "fast-upstream") -> Service:
-    """The fast upstream on 127.0.0.1:port as a ``Service``: its nginx configuration
+                     name: str = "fast-upstream", host: str = "127.0.0.1") -> Service:
+    """The fast upstream on host:port as a ``Service``: its nginx configuration
     rendered into ``<state_dir>/run/<name>``, its log ``<state_dir>/log/<name>.log``;
     ready when ``/health`` answers."""
-    conf = upstream.render(opts, state_dir / "run" / name, port)
-    return Service(name, upstream.argv(conf), http_ready(f"http://127.0.0.1:{port}/health"),
+    conf = upstream.render(opts, state_dir / "run" / name, port, host)
+    return Service(name, upstream.argv(conf), http_ready(f"http://{host}:{port}/health"),
                    start_timeout_s=20.0, log_dir=state_dir / "log")
 
 
@@ -38,19 +38,21 @@ class FastUpstream:
     """
 
     def __init__(self, opts: upstream.UpstreamOptions | None = None, port: int | None = None,
-                 name: str = "fast-upstream", state_dir: Path | None = None) -> None:
+                 name: str = "fast-upstream", state_dir: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.opts = opts or upstream.UpstreamOptions()
         self.port = port or free_port()
         self._temp: Path | None = None
         if state_dir is None:
             state_dir = self._temp = Path(tempfile.mkdtemp(prefix="tokenstorm-"))
+        self.host = host
         self.service = upstream_service(self.opts, self.port, state_dir,
-                                        name=f"{name}-{self.port}")
+                                        name=f"{name}-{self.port}", host=host)
 
     @property
     def url(self) -> str:
         """Base URL (…/v1)."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self.host}:{self.port}/v1"
 
     def start(self) -> Self:
         """Start and wait for ``/health``; raises ``tokengate.process.ServiceError``."""

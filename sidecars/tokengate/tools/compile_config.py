@@ -12,8 +12,9 @@ fields only the edge needs, derived here:
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
-          "upstreams": [{"name": "<host:port as configured>",
-                         "addr": "<IPv4/IPv6 literal, resolved here>", "port": <int>}],
+          "upstreams": [{"name": "<host:port as configured>", "host": "<host>",
+                         "addr": "<IPv4/IPv6 literal resolved here, or null>",
+                         "port": <int>, "resolve": <bool: a name, resolved again>}],
           "special_tokens": ["<|im_start|>", ...],          # tokenizer's + extra, longest first
           "structural_tokens": ["<tool_response>", ...]     # added, not special, in the
                                                             # chat template; longest first
@@ -22,6 +23,7 @@ fields only the edge needs, derived here:
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
                                 "models": {"<model>": {"rpm": <int>, "tpm": <int>}}}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
+               "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
                                  "exempt_networks": [["<network address bytes, hex>",
                                                       <prefix length>], ...]}},
@@ -90,16 +92,56 @@ def structural_tokens(model_dir: Path) -> list[str]:
                        if not t.special and t.content in source})
 
 
-def _host_port(upstream: str, where: str) -> tuple[str, int]:
-    """``host:port`` (checked by the schema) → (IP literal, port); host names are
-    resolved once, here, because the edge's balancer takes addresses only."""
+def _replica(upstream: str, where: str, edge_resolves: bool) -> dict[str, Any]:
+    """``host:port`` (checked by the schema) → the edge's replica entry {name, host, addr
+    (IP literal, or None until the edge resolves it), port, resolve (the edge resolves the
+    name again while running)}. The balancer takes addresses only. A name /etc/hosts
+    gives is resolved here, once; with ``edge_resolves`` (``edge.dns_resolvers`` set)
+    other names are left to the edge, else resolved here too. Raises ``ConfigError``
+    for a name that does not resolve here."""
     host, _, port = upstream.rpartition(":")
     host = host.strip("[]")
+    entry: dict[str, Any] = {"name": upstream, "host": host, "addr": None, "port": int(port),
+                             "resolve": False}
     try:
-        addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0]
+        ipaddress.ip_address(host)
+        return {**entry, "addr": host}
+    except ValueError:
+        pass
+    if edge_resolves and host.lower() not in hosts_names():
+        return {**entry, "resolve": True}
+    try:
+        addr = str(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0])
     except OSError as e:
         raise ConfigError(f"{where}: cannot resolve {host!r}: {e}") from e
-    return str(addr), int(port)
+    # a name the machine resolves (not from /etc/hosts) moves with its DNS record
+    return {**entry, "addr": addr, "resolve": host.lower() not in hosts_names()}
+
+
+def hosts_names(hosts: Path = Path("/etc/hosts")) -> set[str]:
+    """The host names /etc/hosts lists (hosts(5)), lower-case; localhost always."""
+    names = {"localhost"}
+    try:
+        lines = hosts.read_text().splitlines()
+    except OSError:
+        return names
+    for line in lines:
+        names.update(n.lower() for n in line.split("#", 1)[0].split()[1:])
+    return names
+
+
+def dns_servers(resolvers: list[str], resolv_conf: Path = Path("/etc/resolv.conf")
+                ) -> list[list[Any]]:
+    """The edge's DNS servers as [[address, port], ...]: ``edge.dns_resolvers``, else the
+    ``nameserver`` lines of resolv.conf (port 53; resolv.conf(5)); [] when neither."""
+    if resolvers:
+        return [[h.strip("[]"), int(p)] for h, _, p in (r.rpartition(":") for r in resolvers)]
+    try:
+        lines = resolv_conf.read_text().splitlines()
+    except OSError:
+        return []
+    return [[parts[1], 53] for parts in (line.split() for line in lines)
+            if len(parts) >= 2 and parts[0] == "nameserver"]
 
 
 def _by_length(tokens: set[str]) -> list[str]:
@@ -115,10 +157,9 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
                            **cfg.model_dump(mode="json", exclude={"redis"})}
     extra = set(cfg.edge.extra_special_tokens)
     for name, m in cfg.models.items():
-        replicas = []
-        for i, u in enumerate(m.upstreams):
-            addr, port = _host_port(u, f"models.{name}.upstreams.{i}")
-            replicas.append({"name": u, "addr": addr, "port": port})
+        edge_resolves = bool(cfg.edge.dns_resolvers)
+        replicas = [_replica(u, f"models.{name}.upstreams.{i}", edge_resolves)
+                    for i, u in enumerate(m.upstreams)]
         doc["models"][name].update(upstreams=replicas,
                                    special_tokens=_by_length(set(special_tokens(m.dir)) | extra),
                                    structural_tokens=structural_tokens(m.dir))
@@ -126,6 +167,7 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     doc["keys"] = {k.sha256: {"id": key_id, **k.model_dump(mode="json", exclude={"sha256"})}
                    for key_id, k in cfg.keys.items()}
     doc["access_log"]["file"] = doc["access_log"]["file"] or ""
+    doc["edge"]["dns_servers"] = dns_servers(cfg.edge.dns_resolvers)
     # the edge matches $binary_remote_addr, raw bytes: no address parsing in Lua
     af = doc["edge"]["auth_failures"]
     af["exempt_networks"] = [[n.network_address.packed.hex(), n.prefixlen]

@@ -220,7 +220,7 @@ def render_debian(templates: Path, paths: dict[str, Path] = DEBIAN_PATHS,
     run = p["hop_socket"].parent
     header = (
         "# Debian drop-in for an existing nginx (apt install nginx libnginx-mod-http-lua\n"
-        "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson).\n"
+        "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns).\n"
         "# `tokengate install` puts it in conf.d/, the snippet tokengate-location.conf in\n"
         f"# snippets/, the Lua modules in {p['lua_dir']}, compiles {p['edge_json']}\n"
         "# and installs the sidecars' systemd units (README: Deploy on GPU hosts). Then:\n"
