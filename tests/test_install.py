@@ -121,6 +121,7 @@ def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installe
         "etc/tokengate/vllm/example.env": ("0o644", "root", "root"),
         "var/lib/tokengate": ("0o750", tg, "www-data"),
         "var/lib/tokengate/usage": ("0o750", "root", "www-data"),
+        "var/lib/tokengate/engine": ("0o750", tg, "www-data"),
         "var/log/tokengate": ("0o750", "root", "www-data"),
         "run/tokengate": ("0o750", tg, "www-data"),
         "usr/share/tokengate/lua/tokengate/phases.lua": ("0o644", "root", "root"),
@@ -446,3 +447,11 @@ def test_the_vllm_unit_serves_with_the_flags_billing_needs(
     # (--enable-prompt-tokens-details: else prompt_tokens_details is null)
     assert usage["completion_tokens"] <= 4 and usage["prompt_tokens"] > 100
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    # the tokengate vLLM plugin (installed in the test venv) records the request in the
+    # one folder the unit lets vLLM write
+    engine = installed.prefix / f"var/lib/tokengate/engine/{port}.jsonl"
+    v.wait_for(lambda: engine.exists() and engine.read_text().endswith("\n"), 30,
+               "an engine usage record")
+    record = json.loads(engine.read_text().splitlines()[-1])
+    assert (record["num_prompt_tokens"], record["num_generation_tokens"]) == \
+        (usage["prompt_tokens"], usage["completion_tokens"])

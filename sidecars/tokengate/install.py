@@ -15,6 +15,7 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/systemd/system/nginx.service.d/tokengate.conf   removes a stale hop socket
     /etc/tmpfiles.d/tokengate.conf              /run/tokengate at every boot
     /var/lib/tokengate/usage/                   usage events: nginx writes, the ledger reads
+    /var/lib/tokengate/engine/                  the vLLM plugin's records, one file per replica
     /var/log/tokengate/                         the sampled access log
     /run/tokengate/                             the sidecars' and the hop server's sockets
 
@@ -387,6 +388,8 @@ def plan(opts: Options) -> Plan:
             (opts.at("/etc/tokengate/vllm"), 0o750, ("root", GROUP)),
             (opts.at("/var/lib/tokengate"), 0o750, (USER, GROUP)),
             (opts.at("/var/lib/tokengate/usage"), 0o750, ("root", GROUP)),
+            # the vLLM plugin's engine records (tokengate-vllm@.service writes, the ledger reads)
+            (opts.at("/var/lib/tokengate/engine"), 0o750, (USER, GROUP)),
             (opts.at("/var/log/tokengate"), 0o750, ("root", GROUP)),
             # what tmpfiles.d makes at boot; made now so that nginx can reload at once
             (opts.at("/run/tokengate"), 0o750, (USER, GROUP)),
