@@ -224,9 +224,9 @@ def test_a_config_whose_usage_file_is_not_the_dropins_is_refused_and_nothing_cha
     r = install(prefix)
     assert r.returncode == 1
     assert r.stderr.splitlines() == [
-        f"{target}: ledger.usage_file (and edge.usage_file) must be "
-        f"{prefix}/var/lib/tokengate/usage/usage.jsonl, the file the drop-in's snippet "
-        "writes; it is /srv/usage.jsonl",
+        (f"{target}: ledger.usage_file (and edge.usage_file) must be "
+         f"{prefix}/var/lib/tokengate/usage/usage.jsonl, the file the drop-in's snippet "
+         "writes; it is /srv/usage.jsonl"),
         "tokengate install: 1 problem(s); nothing changed"]
     assert sorted(prefix.rglob("*")) == before
 
