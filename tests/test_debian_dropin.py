@@ -169,22 +169,26 @@ def host(config_path: Path, redis_url: str, vllm_url: str) -> Iterator[Host]:
     # Not pytest's tmp_path: its folders are 0700, and nginx's www-data workers must
     # reach the Lua modules, the sockets and the usage file below this root.
     root = Path(tempfile.mkdtemp(prefix="tg-debian-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    port = free_port()
-    conf = debian_layout(root, port)
-    cfg = _config(config_path, redis_url, root / "source-tokengate.yaml")
-    r = subprocess.run([str(TOKENGATE), "install", "--prefix", str(root), "--source", str(ROOT),
-                        "--config", str(cfg), "--vllm-python", sys.executable],
-                       capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
+    started: list[units.Running | Service] = []
+    h: Host | None = None
     client = redis.Redis.from_url(f"{redis_url.rsplit('/', 1)[0]}/{LEDGER_DB}",
                                   decode_responses=True)
-    client.flushdb()
-    units_dir = root / "etc/systemd/system"
-    counter = units.start(units_dir / "tokengate-counter.service", root, root / "var/log")
-    ledger = units.start(units_dir / "tokengate-ledger.service", root, root / "var/log")
-    h = Host(root, conf, port, None, counter, ledger, client)  # type: ignore[arg-type]
     try:
+        os.chmod(root, 0o755)
+        port = free_port()
+        conf = debian_layout(root, port)
+        cfg = _config(config_path, redis_url, root / "source-tokengate.yaml")
+        r = subprocess.run([str(TOKENGATE), "install", "--prefix", str(root), "--source",
+                            str(ROOT), "--config", str(cfg), "--vllm-python", sys.executable],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        client.flushdb()
+        units_dir = root / "etc/systemd/system"
+        counter = units.start(units_dir / "tokengate-counter.service", root, root / "var/log")
+        started.append(counter)
+        ledger = units.start(units_dir / "tokengate-ledger.service", root, root / "var/log")
+        started.append(ledger)
+        h = Host(root, conf, port, None, counter, ledger, client)  # type: ignore[arg-type]
         counter.wait_for(lambda: all((h.run / f"counter.sock.{i}").exists() for i in range(2)),
                          90, "socket of each worker")
         ledger.wait_for((h.run / "ledger.status.json").exists, 60, "status file")
@@ -195,10 +199,9 @@ def host(config_path: Path, redis_url: str, vllm_url: str) -> Iterator[Host]:
         h.nginx = h.nginx_service().start()
         yield h
     finally:
-        if h.nginx is not None:
-            h.nginx.stop()
-        counter.stop()
-        ledger.stop()
+        # the nginx of the last test may be another than the first (a restart)
+        for svc in ([h.nginx] if h is not None and h.nginx is not None else []) + started:
+            svc.stop()
         client.close()
         shutil.rmtree(root, ignore_errors=True)
 
