@@ -340,6 +340,21 @@ class LedgerConfig(_Schema):
     rotate_wait_s: float = Field(
         default=5.0, ge=0.0,
         description="Keep reading a rotated file this long after its last write, s.")
+    engine_usage_files: list[RelPath] = Field(
+        default_factory=list,
+        description="Engine usage files of the vLLM plugin (`TOKENGATE_ENGINE_USAGE_FILE`): "
+                    "the ledger joins their records with the edge's events by request id "
+                    "and bills the engine's numbers. Empty: the edge's numbers, at once. "
+                    "One list for every host: a file that does not exist here is waited "
+                    "for; on a vLLM host run `tokengate-ledger --engine-only`.")
+    engine_wait_s: float = Field(
+        default=5.0, ge=0.0,
+        description="How long an edge event waits for its engine records before it is "
+                    "billed with its own numbers (counted as engine_missing), s.")
+    engine_orphan_s: float = Field(
+        default=3600.0, gt=0.0,
+        description="Engine records whose edge event has not come after this long are "
+                    "dropped and counted as unmatched (not billed), s.")
 
 
 class GlobalLimitsConfig(_Schema):
