@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tokengate import config as tg_config
 from tokengate import redis_client
 from tokengate.config import RedisConfig
 from tokengate.ledger.ledger import Ledger
+from tokengate.ledger.report import query
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate_dev import devstack
 
@@ -90,3 +92,34 @@ def test_ledger_applies_exactly_once_on_the_cluster(cluster_url, cfg: tg_config.
     assert_ledger_equals(client, events + [extra], cfg)
     led.close()
     writer.close()
+
+
+@pytest.mark.slow
+def test_the_engine_join_on_the_cluster(cluster_url, cfg: tg_config.Config, tmp_path: Path):
+    """Edge events, engine records (an n = 2 request, a client that left) and a missing
+    record: every key the join touches lives in the ledger's slot."""
+    from tests.test_ledger_engine import EngineWriter, record
+
+    client = redis_client.connect(RedisConfig(url=cluster_url, cluster=True))
+    writer = UsageWriter(tmp_path / "usage.jsonl")
+    engine = EngineWriter(tmp_path / "engine.jsonl")
+    key = {"key_id": "cluster-join"}  # the cluster is not flushed between tests
+    two = make_event(prompt_tokens=12, completion_tokens=12, **key)
+    left = make_event(usage_source="running", client_aborted=True, completion_tokens=2, **key)
+    lost = make_event(prompt_tokens=7, completion_tokens=5, **key)
+    for ev in (two, left, lost):
+        writer.write(ev)
+    engine.record(record(two.request_id, n=2, index=0, gen=5))
+    engine.record(record(two.request_id, n=2, index=1, gen=7))
+    engine.record(record(left.request_id, gen=9, finish="abort", source="abort"))
+    led = Ledger(cfg, client, writer.path, "cluster-join", engine_files=[engine.path],
+                 engine_wait_s=0.3)
+    led.drain()
+    time.sleep(0.4)
+    totals = led.drain()
+    assert (totals.applied, totals.settled_engine, totals.engine_missing) == (3, 2, 1)
+    (row,) = query(client, key_id="cluster-join")
+    assert (row.prompt_tokens, row.completion_tokens) == (12 + 12 + 7, 12 + 9 + 5)
+    led.close()
+    writer.close()
+    engine.close()

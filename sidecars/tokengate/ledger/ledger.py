@@ -1,4 +1,5 @@
-"""The usage ledger: applies the edge's usage events to Redis, each exactly once.
+"""The usage ledger: applies the edge's usage events to Redis, each exactly once, and
+bills them with the engine's usage records where it tails those too.
 
 ``tokengate-ledger`` tails the usage file (``tokengate.ledger.tail``), parses each line
 (``tokengate.ledger.event``), bills it (``tokengate.ledger.calculator``) and applies a
@@ -31,6 +32,30 @@ expire ``dedupe_days`` after their day's last event. A Redis that comes back wit
 its data (no persistence) has no checkpoint: the ledger reads every usage file still
 on disk from the start, rebuilding the counters from the durable record.
 
+Engine records (``ledger.engine_usage_files``, the vLLM plugin's files): every engine
+file is one more tailed file with its own checkpoint, and the join with the edge's
+events lives in Redis (``tokengate.ledger.store``), so a ledger on a vLLM host
+(``--engine-only``) and one on the edge host can share one Redis, in any order:
+
+- an edge event whose records are all there is billed with them at once
+  (``tokengate.ledger.reconcile``); otherwise it waits in ``pending`` (and its owner's
+  ``wait`` zset) for ``engine_wait_s``;
+- an engine record is kept in ``eng:<request id>`` until its event arrives; when the
+  event waits and the records are now complete, the record's batch bills it;
+- a waiting event whose time is up is billed by its owner's sweep with the records that
+  arrived, or with its own numbers when none did (``engine_missing``); the sweep runs
+  only once this ledger's own engine files have been read up to that time;
+- records whose event never came are dropped after ``engine_orphan_s`` and counted as
+  unmatched; records of a request already billed are counted as late; records that
+  are not an edge request's (no edge id in vLLM's id) are counted as unmatched at once.
+
+Several processes change that shared state, so every decision is taken in Python from
+what it read and then applied by the same script, which first checks that each of
+those reads still holds (a request's number of kept records, whether its event waits,
+whether it was billed, whether a record was read before) and otherwise changes nothing
+and answers ``retry``: the batch is read again and decided again. The checkpoint, the
+records, the join and the bill of a batch still change in one script.
+
 Redis down: the ledger logs, waits (0.1 s doubling to 5 s) and retries; the events
 wait in the usage file, the edge never waits for the ledger.
 """
@@ -42,93 +67,207 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
 from tokengate.config import Config
 from tokengate.ledger import store
-from tokengate.ledger.calculator import Calculator
-from tokengate.ledger.event import EventError, UsageEvent, parse_event, parse_ts
+from tokengate.ledger.engine_record import parse_record
+from tokengate.ledger.event import EventError, parse_event, parse_ts
+from tokengate.ledger.join import Item, Join, Keys
 from tokengate.ledger.tail import Batch, Finished, Position, UsageTail
 from tokengate.redis_client import SyncRedis
 
 log = logging.getLogger("tokengate.ledger")
 
-# KEYS[1] checkpoint hash, KEYS[2] stats hash, KEYS[3] audit stream, KEYS[4] days zset,
-# KEYS[5] done zset (finished files), KEYS[6..] the batch's seen / usage / idx keys,
-# referenced by index from ARGV[5].
-# ARGV: expected pos ("" = no checkpoint yet), new pos ("-<file_id>" = after that file), seen ttl
-# (s), audit maxlen, batch (JSON), bad lines in the batch, file path (for humans),
-# wall-clock time (for humans), id of a file finished by this call ("" = none).
+# KEYS[1] checkpoint hash, KEYS[2] stats hash (of the file read), KEYS[3] audit stream,
+# KEYS[4] days zset, KEYS[5] done zset (finished files), KEYS[6] pending hash, KEYS[7]
+# eng_wait zset, KEYS[8..] the batch's other keys, referenced by index from ARGV[5].
+# ARGV: expected pos ("" = no checkpoint yet), new pos ("-<file_id>" = after that file),
+# ttl of the seen sets and kept records (s), audit maxlen, items (JSON), bad lines, file
+# path (for humans), wall-clock time (for humans), id of a file finished by this call
+# ("" = none), engine wait (ms), "1" = compare and store the checkpoint ("0": a sweep,
+# which reads no file), extra counts for KEYS[2] (JSON [field, n, ...]).
+#
+# Items (``t``): "b" bill a request, "p" park an edge event until its engine records
+# arrive, "s" keep engine records, "l" remember records that bill nothing (late,
+# unmatched), "o" drop the records of an edge request that never came. Checked before
+# anything is written (``retry`` otherwise): ``e``/``h`` the request's kept records
+# (KEYS[e], HLEN h), ``pp`` whether its event waits (0/1), ``ns`` seen sets that must
+# not hold the request, ``rec`` [eseen key, record key, line, ...] records that must be
+# new. ``ed``: an edge event, a duplicate when its request id was billed or waits.
 APPLY_LUA = """
-local pos = redis.call('HGET', KEYS[1], 'pos') or ''
-if pos ~= ARGV[1] then
-  return {'conflict', pos}
+local check = ARGV[11] == '1'
+if check then
+  local pos = redis.call('HGET', KEYS[1], 'pos') or ''
+  if pos ~= ARGV[1] then
+    return {'conflict', pos}
+  end
 end
 local ttl = tonumber(ARGV[3])
 local batch = cjson.decode(ARGV[5])
-local applied, dup = 0, 0
+local pending = KEYS[6]
+local dup = {}
 for i = 1, #batch do
   local e = batch[i]
-  local seen = KEYS[e.s]
-  if redis.call('SADD', seen, e.r) == 1 then
-    redis.call('EXPIRE', seen, ttl)
-    local u = KEYS[e.u]
-    local n = e.n
-    for j = 1, #n, 2 do
-      redis.call('HINCRBY', u, n[j], n[j + 1])
-    end
-    if e.c ~= '0' then
-      redis.call('HINCRBYFLOAT', u, 'cost', e.c)
-    end
-    redis.call('SADD', KEYS[e.x], e.m)
-    redis.call('ZADD', KEYS[4], e.ds, e.d)
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
-    applied = applied + 1
+  if e.ed and (redis.call('SISMEMBER', KEYS[e.s], e.r) == 1
+               or redis.call('HEXISTS', pending, e.r) == 1) then
+    dup[i] = true
   else
-    dup = dup + 1
+    if e.e and redis.call('HLEN', KEYS[e.e]) ~= e.h then
+      return {'retry', i, 'records'}
+    end
+    if e.pp and redis.call('HEXISTS', pending, e.r) ~= e.pp then
+      return {'retry', i, 'waiting'}
+    end
+    if e.ns then
+      for j = 1, #e.ns do
+        if redis.call('SISMEMBER', KEYS[e.ns[j]], e.r) == 1 then
+          return {'retry', i, 'billed'}
+        end
+      end
+    end
+    if e.rec then
+      for j = 1, #e.rec, 3 do
+        if redis.call('SISMEMBER', KEYS[e.rec[j]], e.rec[j + 1]) == 1 then
+          return {'retry', i, 'record read'}
+        end
+      end
+    end
+  end
+end
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+local until_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[10])
+local mask = {}
+local dups = 0
+for i = 1, #batch do
+  local e = batch[i]
+  local ok = false
+  if not dup[i] then
+    if e.t == 'b' then
+      ok = redis.call('SADD', KEYS[e.s], e.r) == 1
+    elseif e.t == 'p' then
+      ok = redis.call('HSETNX', pending, e.r, e.v) == 1
+    else
+      ok = true
+    end
+  end
+  if ok then
+    if e.t == 'b' then
+      redis.call('EXPIRE', KEYS[e.s], ttl)
+      local u = KEYS[e.u]
+      local n = e.n
+      for j = 1, #n, 2 do
+        redis.call('HINCRBY', u, n[j], n[j + 1])
+      end
+      if e.c ~= '0' then
+        redis.call('HINCRBYFLOAT', u, 'cost', e.c)
+      end
+      redis.call('SADD', KEYS[e.x], e.m)
+      redis.call('ZADD', KEYS[4], e.ds, e.d)
+      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
+      if e.w then
+        redis.call('HDEL', pending, e.r)
+        redis.call('ZREM', KEYS[e.w], e.r)
+      end
+    elseif e.t == 'p' then
+      redis.call('ZADD', KEYS[e.w], until_ms, e.r)
+    end
+    if e.rec then
+      for j = 1, #e.rec, 3 do
+        redis.call('SADD', KEYS[e.rec[j]], e.rec[j + 1])
+        redis.call('EXPIRE', KEYS[e.rec[j]], ttl)
+        if e.t == 's' then
+          redis.call('HSET', KEYS[e.e], e.rec[j + 1], e.rec[j + 2])
+        end
+      end
+    end
+    if e.t == 's' then
+      redis.call('EXPIRE', KEYS[e.e], ttl)
+      redis.call('ZADD', KEYS[7], 'NX', now_s, e.r)
+    elseif e.e and (e.t == 'b' or e.t == 'o') then
+      redis.call('DEL', KEYS[e.e])
+      redis.call('ZREM', KEYS[7], e.r)
+    end
+    if e.st then
+      for j = 1, #e.st, 3 do
+        redis.call('HINCRBY', KEYS[e.st[j]], e.st[j + 1], e.st[j + 2])
+      end
+    end
+    mask[i] = '1'
+  else
+    mask[i] = '0'
+    if e.ed then
+      dups = dups + 1
+    end
   end
 end
 if ARGV[9] ~= '' then
-  redis.call('ZADD', KEYS[5], redis.call('TIME')[1], ARGV[9])
+  redis.call('ZADD', KEYS[5], now_s, ARGV[9])
   redis.call('HINCRBY', KEYS[2], 'files_done', 1)
 end
-redis.call('HSET', KEYS[1], 'pos', ARGV[2], 'path', ARGV[7], 'ts', ARGV[8])
-redis.call('HINCRBY', KEYS[2], 'applied', applied)
-redis.call('HINCRBY', KEYS[2], 'duplicates', dup)
+if check then
+  redis.call('HSET', KEYS[1], 'pos', ARGV[2], 'path', ARGV[7], 'ts', ARGV[8])
+  redis.call('HINCRBY', KEYS[2], 'batches', 1)
+end
+local extra = cjson.decode(ARGV[12])
+for j = 1, #extra, 2 do
+  redis.call('HINCRBY', KEYS[2], extra[j], extra[j + 1])
+end
+redis.call('HINCRBY', KEYS[2], 'duplicates', dups)
 redis.call('HINCRBY', KEYS[2], 'bad_lines', tonumber(ARGV[6]))
-redis.call('HINCRBY', KEYS[2], 'batches', 1)
-return {'ok', applied, dup}
+return {'ok', table.concat(mask)}
 """
 
+# Redis's clock, read on the node that holds the ledger's keys (Redis Cluster: the
+# node whose TIME the script used for the waits).
+TIME_LUA = "return redis.call('TIME')"
+
 MEASURE_EVERY_S = 0.25  # lag refresh while the ledger is busy or Redis is down
+SWEEP_EVERY_S = 0.1     # how often waiting events and old records are looked at
+
+_P = TypeVar("_P")
 
 
 def _age_s(line: bytes | None) -> float | None:
-    """Seconds since the edge wrote the event ``line`` (its ``ts``, the request's start,
-    plus ``total_ms``), at least 0; None for a line that is not an event (it will be
-    counted as a bad line)."""
+    """Seconds since the line was written (its ``ts`` plus ``total_ms`` for an edge
+    event: the request's start plus its duration; ``ts`` alone for an engine record,
+    written when the request finished), at least 0; None for a line that is neither (it
+    will be counted as a bad line)."""
     try:
         obj = json.loads(line or b"")
-        written = parse_ts(obj["ts"]).timestamp() + float(obj["total_ms"]) / 1000
-    except (ValueError, KeyError, TypeError, EventError):
+        written = parse_ts(obj["ts"]).timestamp() + float(obj.get("total_ms", 0)) / 1000
+    except (ValueError, KeyError, TypeError, AttributeError, EventError):
         return None
     return max(0.0, round(time.time() - written, 3))
 
 
 @dataclass
 class Totals:
-    """What this ledger process did so far (events, lines)."""
+    """What this ledger process did so far (events, records, lines)."""
 
-    applied: int = 0      # events applied to the counters
-    duplicates: int = 0   # events skipped: their request id was applied before
-    bad_lines: int = 0    # lines that are not valid events (logged, skipped)
+    applied: int = 0      # events billed (edge and engine files together)
+    duplicates: int = 0   # events skipped: their request id was billed (or waits) already
+    bad_lines: int = 0    # lines of the usage file that are not valid events (skipped)
     conflicts: int = 0    # checkpoint mismatches (re-positioned from Redis)
     batches: int = 0
+    # -- with engine files (ledger.engine_usage_files) ------------------------------
+    settled_engine: int = 0     # events billed with their engine records
+    engine_missing: int = 0     # events billed with their own numbers: no record came
+    disagreements: int = 0      # final usage of the edge != the engine's numbers
+    parked: int = 0             # events that waited for their records
+    engine_records: int = 0     # engine records read (each once)
+    engine_duplicates: int = 0  # engine records read before (replays)
+    engine_bad_lines: int = 0   # lines of the engine files that are not records
+    engine_unmatched: int = 0   # records of no edge request (or of one that never came)
+    engine_late: int = 0        # records of a request billed before they came
+    retries: int = 0            # batches decided again: another ledger changed a request
 
 
 def default_ledger_id(usage_file: Path) -> str:
@@ -136,182 +275,324 @@ def default_ledger_id(usage_file: Path) -> str:
     return f"{socket.gethostname()}:{Path(usage_file).resolve()}"
 
 
+def engine_ledger_id(ledger_id: str, engine_file: Path) -> str:
+    """``<ledger id>|engine:<absolute engine file path>``: the checkpoint of one engine
+    file read by that ledger."""
+    return f"{ledger_id}|engine:{Path(engine_file).resolve()}"
+
+
+class _Source:
+    """One tailed file (the usage file or an engine file) and its checkpoint."""
+
+    def __init__(self, kind: str, path: Path, ledger_id: str, rotate_wait_s: float,
+                 max_lines: int) -> None:
+        self.kind = kind  # "edge" | "engine"
+        self.path = path
+        self.ledger_id = ledger_id
+        self.tail = UsageTail(path, rotate_wait_s, max_lines)
+        self.ckpt_key = store.ckpt_key(ledger_id)
+        self.stats_key = store.stats_key(ledger_id)
+        self.done_key = store.done_key(ledger_id)
+        self.expected: str | None = None   # checkpoint Redis should hold; None: ask it
+        self.committed: str | None = None  # last checkpoint this process wrote
+        # monotonic time of the last read after which nothing was left to read: every
+        # line written before it has been applied (None: not yet)
+        self.caught_up: float | None = None
+
+
 class Ledger:
-    """Applies the usage file to Redis (see the module docstring).
+    """Applies the usage file, and the engine files when configured, to Redis (see the
+    module docstring).
 
     ``client``: a blocking Redis or RedisCluster client (``tokengate.redis_client.connect``);
     ``usage_file`` and ``ledger_id`` default to the configuration's file and
-    ``default_ledger_id``; ``max_lines``: events per script call.
+    ``default_ledger_id``; ``max_lines``: events (or records) per script call;
+    ``engine_files``, ``engine_wait_s`` and ``engine_orphan_s`` default to
+    ``ledger.engine_usage_files`` / ``engine_wait_s`` / ``engine_orphan_s``;
+    ``engine_only``: read no usage file (a ledger on a vLLM host). Raises ``ValueError``
+    for ``engine_only`` without engine files.
     """
 
     def __init__(self, cfg: Config, client: SyncRedis, usage_file: Path | None = None,
                  ledger_id: str | None = None, max_lines: int = 500,
-                 rotate_wait_s: float | None = None) -> None:
+                 rotate_wait_s: float | None = None,
+                 engine_files: Sequence[Path] | None = None, engine_only: bool = False,
+                 engine_wait_s: float | None = None,
+                 engine_orphan_s: float | None = None) -> None:
         self.cfg = cfg
         self.client = client
         self.usage_file = Path(usage_file or cfg.ledger.usage_file)
         self.ledger_id = ledger_id or default_ledger_id(self.usage_file)
         wait = cfg.ledger.rotate_wait_s if rotate_wait_s is None else rotate_wait_s
-        self.tail = UsageTail(self.usage_file, wait, max_lines)
-        self.calc = Calculator(cfg)
+        files = list(cfg.ledger.engine_usage_files if engine_files is None else engine_files)
+        if engine_only and not files:
+            raise ValueError("engine_only without engine files: nothing to read")
+        # Without engine files every event is billed with its own numbers, at once.
+        self.engine_mode = bool(files)
+        self.engine_wait_s = cfg.ledger.engine_wait_s if engine_wait_s is None \
+            else engine_wait_s
+        self.engine_orphan_s = cfg.ledger.engine_orphan_s if engine_orphan_s is None \
+            else engine_orphan_s
+        self.max_lines = max_lines
+        self.edge = None if engine_only else _Source("edge", self.usage_file, self.ledger_id,
+                                                     wait, max_lines)
+        self.engines = [_Source("engine", Path(f), engine_ledger_id(self.ledger_id, Path(f)),
+                                wait, max_lines) for f in files]
+        self.sources = ([self.edge] if self.edge else []) + self.engines
+        self.tail = (self.edge or self.engines[0]).tail
+        self.join = Join(cfg, client, self.ledger_id, self.engine_mode, self.engine_wait_s,
+                         self.engine_orphan_s)
         self.totals = Totals()
         self._script = client.register_script(APPLY_LUA)
-        self._ckpt_key = store.ckpt_key(self.ledger_id)
-        self._stats_key = store.stats_key(self.ledger_id)
-        self._done_key = store.done_key(self.ledger_id)
-        self._expected: str | None = None   # checkpoint Redis should hold; None: ask it
-        self._committed: str | None = None  # last checkpoint this process wrote
+        self._time = client.register_script(TIME_LUA)
+        self._wait_key = store.wait_key(self.ledger_id)
+        self._next_sweep = 0.0
         # Read by other threads (status); written by the thread that runs the ledger.
         # lag_bytes / lag_s: bytes of the usage files not applied yet, and the age of the
         # oldest of those events (s since the edge wrote it, 0.0 when none waits); None
-        # until a checkpoint was read (Redis down since the start: nobody knows).
+        # until a checkpoint was read (Redis down since the start: nobody knows). With
+        # engine_only they are the engine files'. engine_lag_bytes: the engine files'
+        # bytes not read yet; waiting: this ledger's events waiting for engine records.
         self.redis_up = False
         self.lag_bytes: int | None = None
         self.lag_s: float | None = None
+        self.engine_lag_bytes: int | None = None
+        self.waiting: int | None = None
         self.position: str | None = None
         self._positioned = False
 
     # -- positioning ---------------------------------------------------------------
 
     def resync(self) -> None:
-        """Read the checkpoint from Redis and position the tail there (unless the tail
-        already is). Raises ``RedisError``."""
-        pos = self.client.hget(self._ckpt_key, "pos") or ""
+        """Read every file's checkpoint from Redis and position its tail there (unless
+        it already is). Raises ``RedisError``."""
+        for src in self.sources:
+            self._resync(src)
+
+    def _resync(self, src: _Source) -> None:
+        pos = self.client.hget(src.ckpt_key, "pos") or ""
         assert isinstance(pos, str)
-        if self._committed is None or pos != self._committed:
-            done = {str(f) for f in self.client.zrange(self._done_key, 0, -1)}
-            log.info("ledger %s: starting from checkpoint %s (%d files done)", self.ledger_id,
+        if src.committed is None or pos != src.committed:
+            done = {str(f) for f in self.client.zrange(src.done_key, 0, -1)}
+            log.info("ledger %s: starting from checkpoint %s (%d files done)", src.ledger_id,
                      pos or "(none)", len(done))
-            self.tail.seek(Position.decode(pos), done)
-        self._expected = self._committed = pos
-        self._positioned = True
+            src.tail.seek(Position.decode(pos), done)
+        src.expected = src.committed = pos
+        self._positioned = all(s.expected is not None for s in self.sources)
 
-    # -- applying ------------------------------------------------------------------
+    # -- the script ------------------------------------------------------------------
 
-    def _parse(self, batch: Batch) -> tuple[list[UsageEvent], int]:
-        events: list[UsageEvent] = []
+    def _fixed_keys(self, src: _Source) -> list[str]:
+        return [src.ckpt_key, src.stats_key, store.AUDIT_KEY, store.DAYS_KEY, src.done_key,
+                store.PENDING_KEY, store.ENG_WAIT_KEY]
+
+    def _apply(self, src: _Source, keys: Keys, items: list[Item], *, path: Path | None,
+               new_pos: str | None, bad: int = 0, finished_id: str = "",
+               extra: Sequence[str | int] = ()) -> str | None:
+        """Run the script: a file's batch (``new_pos``: its checkpoint after it) or a
+        sweep (``new_pos`` None: no checkpoint). The reply's mask ('1' applied, '0' a
+        duplicate, one per item), or None after a conflict or a retry (nothing was
+        applied). Raises ``RedisError``."""
+        now = datetime.now(UTC).isoformat(timespec="milliseconds")
+        argv: list[Any] = [src.expected or "", new_pos or "",
+                           self.cfg.ledger.dedupe_days * 86400, self.cfg.ledger.audit_maxlen,
+                           json.dumps([i.lua for i in items], separators=(",", ":"),
+                                      ensure_ascii=False),
+                           bad, str(path or ""), now, finished_id,
+                           round(self.engine_wait_s * 1000),
+                           "1" if new_pos is not None else "0",
+                           json.dumps(list(extra), separators=(",", ":"))]
+        try:
+            res = self._script(keys=keys.names, args=argv)
+        except RedisError:
+            src.expected = None  # the script may have run: ask Redis before going on
+            raise
+        if res[0] == "conflict":
+            self.totals.conflicts += 1
+            log.warning("ledger %s: checkpoint in Redis is %r, expected %r (Redis restarted "
+                        "or lost data, or another ledger uses this id): re-positioning",
+                        src.ledger_id, res[1], src.expected)
+            src.expected = None
+            src.committed = None
+            return None
+        if res[0] == "retry":
+            # Another ledger changed a request this batch decided on: decide again.
+            self.totals.retries += 1
+            log.debug("ledger %s: item %s changed meanwhile (%s): deciding again",
+                      src.ledger_id, res[1], res[2])
+            return None
+        mask = str(res[1])
+        for item, applied in zip(items, mask, strict=True):
+            if applied == "1":
+                for name, n in item.totals.items():
+                    setattr(self.totals, name, getattr(self.totals, name) + n)
+                for level, msg in item.logs:
+                    log.log(level, "%s", msg)
+            elif item.edge:
+                self.totals.duplicates += 1
+        return mask
+
+    # -- the usage file --------------------------------------------------------------
+
+    def _parse(self, batch: Batch, parser: Callable[[bytes], _P],
+               what: str) -> tuple[list[_P], int]:
+        out: list[_P] = []
         bad = 0
         offset = batch.start
         for line in batch.lines:
             try:
                 if not line.strip():
                     raise EventError("empty line")
-                events.append(parse_event(line))
+                out.append(parser(line))
             except EventError as e:
                 bad += 1
-                log.warning("%s:%d: bad usage line skipped (%s): %.200r", batch.path, offset,
-                            e, line)
+                log.warning("%s:%d: bad %s line skipped (%s): %.200r", batch.path, offset,
+                            what, e, line)
             offset += len(line) + 1
-        return events, bad
+        return out, bad
 
-    def _build(self, path: Path, events: list[UsageEvent], bad: int, new_pos: str,
-               finished_id: str = "") -> tuple[list[str], list[Any]]:
-        keys = [self._ckpt_key, self._stats_key, store.AUDIT_KEY, store.DAYS_KEY,
-                self._done_key]
-        index: dict[str, int] = {}
+    # -- stepping --------------------------------------------------------------------
 
-        def k(name: str) -> int:
-            if name not in index:
-                keys.append(name)
-                index[name] = len(keys)  # Lua indexes from 1
-            return index[name]
-
-        items = []
-        for ev in events:
-            day = ev.day
-            ch = self.calc.charge_event(ev)
-            counts = {"requests": 1, f"status:{ev.status}": 1,
-                      "errors": int(ev.status >= 400), "aborted": int(ev.client_aborted),
-                      "estimated": int(ev.usage_source == "estimate"),
-                      "prompt_tokens": ev.prompt_tokens,
-                      "completion_tokens": ev.completion_tokens,
-                      "cached_tokens": ev.cached_tokens, "system_tokens": ev.system_tokens}
-            n: list[str] = []
-            for f, v in counts.items():
-                if v:
-                    n += [f, str(v)]
-            cost = repr(ch.cost) if ch.cost else "0"
-            audit = ["rid", ev.request_id, "ts", ev.ts, "key", ev.key_id or "",
-                     "model", ev.model or "", "endpoint", ev.endpoint, "status", str(ev.status),
-                     "prompt", str(ev.prompt_tokens), "completion", str(ev.completion_tokens),
-                     "cached", str(ev.cached_tokens), "system", str(ev.system_tokens),
-                     "cost", cost, "usage", ev.usage_source,
-                     "aborted", str(int(ev.client_aborted)), "ledger", self.ledger_id]
-            items.append({"s": k(store.seen_key(day)),
-                          "u": k(store.usage_key(day, ev.key_id, ev.model)),
-                          "x": k(store.idx_key(day)), "r": ev.request_id,
-                          "m": json.dumps([ev.key_id, ev.model]), "d": day,
-                          "ds": store.day_score(day), "n": n, "c": cost, "a": audit})
-        now = datetime.now(UTC).isoformat(timespec="milliseconds")
-        argv: list[Any] = [self._expected or "", new_pos, self.cfg.ledger.dedupe_days * 86400,
-                           self.cfg.ledger.audit_maxlen,
-                           json.dumps(items, separators=(",", ":"), ensure_ascii=False),
-                           bad, str(path), now, finished_id]
-        return keys, argv
+    def _step_source(self, src: _Source) -> bool:
+        if src.expected is None:
+            self._resync(src)
+        started = time.monotonic()
+        item = src.tail.read()
+        if item is None:
+            src.caught_up = started
+            return False
+        keys = Keys(self._fixed_keys(src))
+        if isinstance(item, Finished):
+            if item.file_id is None:  # never had a line: nothing to remember
+                src.tail.advance()
+                return True
+            after = "-" + item.file_id   # between files: after this one
+            if self._apply(src, keys, [], path=item.path, new_pos=after,
+                           finished_id=item.file_id) is not None:
+                src.tail.advance()
+                src.expected = src.committed = after
+            return True
+        new_pos = item.position.encode()
+        if src.kind == "edge":
+            events, bad = self._parse(item, parse_event, "usage")
+            items = self.join.edge_items(keys, events)
+            extra: list[str | int] = []
+        else:
+            records, bad = self._parse(item, parse_record, "engine record")
+            items, dups = self.join.engine_items(keys, src.stats_key, src.path, records)
+            extra = ["engine_duplicates", dups, "engine_bad_lines", bad] if dups or bad else []
+        mask = self._apply(src, keys, items, path=item.path, new_pos=new_pos,
+                           bad=bad if src.kind == "edge" else 0, extra=extra)
+        if mask is not None:
+            src.tail.commit(item)
+            src.expected = src.committed = new_pos
+            self.totals.batches += 1
+            if src.kind == "edge":
+                self.totals.bad_lines += bad
+            else:
+                self.totals.engine_duplicates += dups
+                self.totals.engine_bad_lines += bad
+            if src.tail.lag_bytes() == 0:
+                src.caught_up = started
+        return True
 
     def step(self) -> bool:
-        """Apply the next batch, if any. True when something happened (a batch applied,
-        a finished file recorded, a conflict re-positioned the tail), False when
-        nothing new is there.
+        """Apply the next batch of each file, if any, and every ``SWEEP_EVERY_S`` the
+        waits that are over. True when something happened (a batch applied, a finished
+        file recorded, a conflict re-positioned a tail, a batch to decide again, a
+        request billed by the sweep), False when nothing new is there.
 
         Raises ``RedisError`` when Redis fails; the batch is then not consumed and the
         next call re-reads the checkpoint first.
         """
-        if self._expected is None:
-            self.resync()
-        item = self.tail.read()
-        if item is None:
+        busy = False
+        for src in self.sources:
+            busy = self._step_source(src) or busy
+        if self.engine_mode and time.monotonic() >= self._next_sweep:
+            busy = self.sweep() or busy
+        return busy
+
+    # -- sweeps ------------------------------------------------------------------------
+
+    def _redis_now(self) -> tuple[int, int]:
+        """(s, ms) of the clock the script uses."""
+        s, us = self._time(keys=[store.PENDING_KEY])
+        return int(s), int(s) * 1000 + int(us) // 1000
+
+    @staticmethod
+    def _stale_s(sources: Sequence[_Source]) -> float | None:
+        """How long ago the least recently caught-up of ``sources`` had nothing left to
+        read, s; None when one never had."""
+        now = time.monotonic()
+        worst = 0.0
+        for s in sources:
+            if s.caught_up is None:
+                return None
+            worst = max(worst, now - s.caught_up)
+        return worst
+
+    def sweep(self) -> bool:
+        """Bill this ledger's waiting events whose wait is over, and drop the records
+        whose edge event never came (module docstring). True when anything changed.
+        Raises ``RedisError``."""
+        if not self.engine_mode:
             return False
-        if isinstance(item, Finished):
-            if item.file_id is None:  # never had a line: nothing to remember
-                self.tail.advance()
-                return True
-            after = "-" + item.file_id   # between files: after this one
-            keys, argv = self._build(item.path, [], 0, after, item.file_id)
-            if self._run(keys, argv):
-                self.tail.advance()
-                self._expected = self._committed = after
-            return True
-        events, bad = self._parse(item)
-        new_pos = item.position.encode()
-        keys, argv = self._build(item.path, events, bad, new_pos)
-        res = self._run(keys, argv)
-        if res:
-            self.tail.commit(item)
-            self._expected = self._committed = new_pos
-            self.totals.applied += int(res[1])
-            self.totals.duplicates += int(res[2])
-            self.totals.bad_lines += bad
-            self.totals.batches += 1
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        now_s, now_ms = self._redis_now()
+        done = self._sweep_waiting(now_ms) if self.edge is not None else False
+        return self._sweep_orphans(now_s) or done
+
+    def _sweep_waiting(self, now_ms: int) -> bool:
+        src = self.edge
+        assert src is not None
+        stale = self._stale_s(self.engines)
+        if stale is None:  # an engine file not read to its end yet: its records may be there
+            return False
+        cutoff = now_ms - round(stale * 1000)
+        rids = [str(r) for r in self.client.zrangebyscore(self._wait_key, "-inf", cutoff,
+                                                          start=0, num=self.max_lines)]
+        if not rids:
+            self.waiting = int(self.client.zcard(self._wait_key))
+            return False
+        keys = Keys(self._fixed_keys(src))
+        items = self.join.waiting_items(keys, rids)
+        if items:
+            self._apply(src, keys, items, path=None, new_pos=None)
+        self.waiting = int(self.client.zcard(self._wait_key))
         return True
 
-    def _run(self, keys: list[str], argv: list[Any]) -> list[Any] | None:
-        """Run the script; None after a conflict (the tail will be re-positioned)."""
-        try:
-            res = self._script(keys=keys, args=argv)
-        except RedisError:
-            self._expected = None  # the script may have run: ask Redis before going on
-            raise
-        if res[0] == "conflict":
-            self.totals.conflicts += 1
-            log.warning("ledger %s: checkpoint in Redis is %r, expected %r (Redis restarted "
-                        "or lost data, or another ledger uses this id): re-positioning",
-                        self.ledger_id, res[1], self._expected)
-            self._expected = None
-            self._committed = None
-            return None
-        return list(res)
+    def _sweep_orphans(self, now_s: int) -> bool:
+        edge_stale = self._stale_s([self.edge]) if self.edge is not None else 0.0
+        if edge_stale is None or not self.engines:
+            return False
+        cutoff = now_s - self.engine_orphan_s - edge_stale
+        rids = [str(r) for r in self.client.zrangebyscore(store.ENG_WAIT_KEY, "-inf", cutoff,
+                                                          start=0, num=self.max_lines)]
+        if not rids:
+            return False
+        src = self.engines[0]
+        keys = Keys(self._fixed_keys(src))
+        items = self.join.orphan_items(keys, src.stats_key, rids)
+        if not items:
+            return False
+        self._apply(src, keys, items, path=None, new_pos=None)
+        return True
+
+    # -- running -------------------------------------------------------------------------
 
     def measure(self) -> None:
-        """Refresh ``lag_bytes``, ``lag_s`` and ``position`` from the tail (from the thread
-        that runs the ledger: the tail is not thread-safe). Before the first checkpoint
-        is read they stay None."""
+        """Refresh ``lag_bytes``, ``lag_s``, ``engine_lag_bytes`` and ``position`` from
+        the tails (from the thread that runs the ledger: the tails are not thread-safe).
+        Before the first checkpoints are read they stay None."""
         if not self._positioned:
             return
-        lag = self.tail.lag_bytes()
-        self.lag_s = _age_s(self.tail.pending_line()) if lag else 0.0
+        main = self.edge or self.engines[0]
+        lag = main.tail.lag_bytes()
+        self.lag_s = _age_s(main.tail.pending_line()) if lag else 0.0
         self.lag_bytes = lag
-        self.position = self._committed
+        if self.engines:
+            self.engine_lag_bytes = sum(s.tail.lag_bytes() for s in self.engines)
+        self.position = main.committed
 
     def _wait_measuring(self, stop: threading.Event, seconds: float) -> None:
         """Wait ``seconds`` (or until ``stop``), refreshing the lag meanwhile."""
@@ -322,8 +603,9 @@ class Ledger:
                 return
 
     def drain(self) -> Totals:
-        """Apply everything there is now, then return; raises ``RedisError``."""
-        while self.step():
+        """Apply everything there is now (and bill the waits that are over), then
+        return; raises ``RedisError``."""
+        while self.step() or self.sweep():
             pass
         return self.totals
 
@@ -362,5 +644,6 @@ class Ledger:
                 stop.wait(poll_s)
 
     def close(self) -> None:
-        """Close the usage files (Redis client is the caller's)."""
-        self.tail.close()
+        """Close the tailed files (Redis client is the caller's)."""
+        for src in self.sources:
+            src.tail.close()

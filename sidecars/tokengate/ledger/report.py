@@ -24,7 +24,8 @@ from tokengate.redis_client import SyncRedis, connect
 
 GROUPS = ("key", "model", "day")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
-              "completion_tokens", "cached_tokens", "system_tokens")
+              "completion_tokens", "cached_tokens", "system_tokens", "settled_engine",
+              "engine_missing", "disagreements")
 
 
 @dataclass
@@ -44,6 +45,9 @@ class UsageRow:
     completion_tokens: int = 0
     cached_tokens: int = 0
     system_tokens: int = 0
+    settled_engine: int = 0    # billed with the engine's records (ledger.engine_usage_files)
+    engine_missing: int = 0    # waited for engine records that never came: edge's numbers
+    disagreements: int = 0     # the edge's final usage differed from the engine's numbers
     cost: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
 
@@ -137,12 +141,14 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
     dims = [d for d in ("day", "key", "model") if d in by]
     for d in dims:
         table.add_column(d)
-    for name in ("requests", "errors", "prompt", "cached", "completion", f"cost {currency}"):
+    for name in ("requests", "errors", "engine", "prompt", "cached", "completion",
+                 f"cost {currency}"):
         table.add_column(name, justify="right")
 
     def cells(r: UsageRow) -> list[str]:
-        return [f"{r.requests:,}", f"{r.errors:,}", f"{r.prompt_tokens:,}",
-                f"{r.cached_tokens:,}", f"{r.completion_tokens:,}", _fmt_cost(r.cost)]
+        return [f"{r.requests:,}", f"{r.errors:,}", f"{r.settled_engine:,}",
+                f"{r.prompt_tokens:,}", f"{r.cached_tokens:,}", f"{r.completion_tokens:,}",
+                _fmt_cost(r.cost)]
 
     names = {"day": lambda r: r.day, "key": lambda r: r.key_id if r.key_id is not None
              else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)"}
@@ -161,15 +167,22 @@ Report usage per API key / model / UTC day from the ledger's counters in Redis.
 COLUMNS
   requests    finished requests, rejected ones included (status 401, 429, ...)
   errors      requests with status >= 400
-  prompt      vLLM usage.prompt_tokens (cached tokens included)
+  engine      requests billed with the engine's own records (the vLLM plugin's,
+              ledger.engine_usage_files); 0 without engine files
+  prompt      vLLM usage.prompt_tokens (cached tokens included); billed from the
+              engine's records: each prompt once, if the engine computed it
   cached      prompt tokens served from vLLM's prefix cache
-  completion  vLLM usage.completion_tokens; for a client that disconnected, the
-              tokens generated up to the last chunk the edge saw
+  completion  vLLM usage.completion_tokens; billed from the engine's records: what
+              the engine generated, also for a client that disconnected (without
+              them: the tokens up to the last chunk the edge saw)
   cost        the billing formula (README "Usage report and billing") with the
               model's weights at the time the ledger applied the event
 
   --json adds aborted (client disconnects), estimated (usage from the admission
-  estimate), system_tokens and the count per status.
+  estimate), system_tokens, settled_engine (the engine column), engine_missing
+  (waited for engine records that never came: billed with the edge's numbers),
+  disagreements (the edge's final usage and the engine's records differed: the
+  engine's numbers were billed) and the count per status.
 
 DAYS
   --since and --until take YYYY-MM-DD, today, yesterday or Nd (N days ago); both

@@ -56,12 +56,28 @@ BAD LINES
   A line that is not a valid event is logged with its file and offset, counted
   (bad_lines in the status file and in Redis) and skipped.
 
+ENGINE RECORDS
+  With engine usage files (ledger.engine_usage_files, or --engine-file), the vLLM
+  plugin's records of each engine request are joined with the edge's events by
+  request id, in any order and across restarts, and the engine's numbers are the
+  bill: a client that left pays what the engine generated. An event waits up to
+  ledger.engine_wait_s for its records, then is billed with its own numbers
+  (engine_missing). Where the edge's final usage and the engine disagree, the
+  engine's numbers are billed and the request is counted (disagreements) and
+  logged. Records of no edge request are counted (engine_unmatched), records that
+  come after their request was billed too (engine_late); neither is billed. On a
+  vLLM host, run a ledger with --engine-only against the same Redis.
+
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
   conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
   (age of the oldest event not yet applied, seconds; 0 when none waits), redis_up,
   position. Both lags keep growing while Redis is down; they are null until the
-  ledger has read its checkpoint once (started while Redis was down).
+  ledger has read its checkpoint once (started while Redis was down). With engine
+  files also settled_engine, engine_missing, disagreements, engine_records,
+  engine_duplicates, engine_bad_lines, engine_unmatched, engine_late,
+  engine_lag_bytes and waiting (events waiting for their records). The counts are
+  this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>).
 
 EXIT STATUS
   0 after SIGTERM/SIGINT (or --once done), 1 when --once cannot reach Redis,
@@ -70,6 +86,8 @@ EXIT STATUS
 EXAMPLES
   tokengate-ledger                              # the configuration's file and Redis
   tokengate-ledger --usage-file /var/log/tokengate/usage.jsonl --once
+  tokengate-ledger --engine-file var/usage/engine.jsonl       # bill the engine's numbers
+  tokengate-ledger --engine-only                               # on a vLLM host
 """
 
 
@@ -92,6 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ledger-id", default=None,
                         help="name of this ledger's checkpoint (default: <hostname>:<absolute "
                              "usage file path>); one per usage file")
+    parser.add_argument("--engine-file", type=Path, action="append", default=None,
+                        metavar="PATH", dest="engine_files",
+                        help="an engine usage file of the vLLM plugin; repeat for several "
+                             "(default: ledger.engine_usage_files)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="read the engine files only, no usage file (a ledger on a "
+                             "vLLM host that shares the edge's Redis)")
     parser.add_argument("--batch", type=int, default=500, metavar="N",
                         help="events per Redis script call (default: 500)")
     parser.add_argument("--status-file", type=Path, default=None,
@@ -109,8 +134,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"tokengate-ledger: {e}\n")
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
-    ledger = Ledger(cfg, client, usage_file, args.ledger_id or default_ledger_id(usage_file),
-                    max_lines=args.batch, rotate_wait_s=0.0 if args.once else None)
+    try:
+        ledger = Ledger(cfg, client, usage_file,
+                        args.ledger_id or default_ledger_id(usage_file), max_lines=args.batch,
+                        rotate_wait_s=0.0 if args.once else None,
+                        engine_files=args.engine_files, engine_only=args.engine_only)
+    except ValueError as e:
+        parser.exit(2, f"tokengate-ledger: {e}\n")
     if args.once:
         try:
             t = ledger.drain()
@@ -118,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"tokengate-ledger: Redis unavailable: {e}", file=sys.stderr)
             sys.exit(1)
         print(f"applied {t.applied}, duplicates {t.duplicates}, bad lines {t.bad_lines}")
+        if ledger.engine_mode:
+            print(f"settled by the engine {t.settled_engine}, engine records missing "
+                  f"{t.engine_missing}, disagreements {t.disagreements}, engine records "
+                  f"{t.engine_records} (unmatched {t.engine_unmatched}, late "
+                  f"{t.engine_late}), waiting {ledger.waiting or 0}")
         return
 
     stop = threading.Event()
@@ -127,13 +162,16 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("ledger %s: %s -> %s", ledger.ledger_id, usage_file,
-             args.redis_url or cfg.redis.url)
+    log.info("ledger %s: %s -> %s", ledger.ledger_id,
+             " + ".join(str(src.path) for src in ledger.sources), args.redis_url or cfg.redis.url)
 
     def snapshot() -> dict[str, object]:
-        return {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
+        snap = {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
                 "lag_s": ledger.lag_s, "redis_up": ledger.redis_up, "position": ledger.position,
                 "ledger_id": ledger.ledger_id, "pid": os.getpid()}
+        if ledger.engine_mode:
+            snap.update(engine_lag_bytes=ledger.engine_lag_bytes, waiting=ledger.waiting)
+        return snap
 
     if args.status_file:
         _write_status(args.status_file, snapshot())

@@ -19,13 +19,33 @@ one as the empty string)::
                                        a finished file), path, ts
     <p>:done:<ledger_id>               zset: ids of usage files read to their end
     <p>:stats:<ledger_id>              hash: applied, duplicates, bad_lines, batches,
-                                       files_done
+                                       files_done; settled_engine, engine_missing,
+                                       disagreements (of the events of its usage file);
+                                       engine_records, engine_duplicates,
+                                       engine_unmatched, engine_late (of an engine file)
+
+The join of edge events and engine records (``tokengate.ledger.reconcile``)::
+
+    <p>:pending                        hash: request id -> {"o": owner ledger id,
+                                       "ev": usage event line} of an edge event
+                                       waiting for its engine records
+    <p>:wait:<ledger_id>               zset: request ids its owner parked, score the
+                                       Redis time (ms) its wait ends
+    <p>:eng:<request_id>               hash: record key -> engine record line, records
+                                       of an edge request not settled yet; expires
+                                       dedupe_days after its last addition
+    <p>:eng_wait                       zset: request ids with records kept, score the
+                                       Redis time (s) the first arrived
+    <p>:eseen:<day>                    set: record keys read, by the record's ts day;
+                                       expires dedupe_days after its last addition
 
 Fields of a usage hash (integers unless noted)::
 
     requests  errors (status >= 400)  status:<code>  aborted  estimated (usage from the
     admission estimate)  prompt_tokens  completion_tokens  cached_tokens  system_tokens
-    cost (float, INCRBYFLOAT, currency units)
+    cost (float, INCRBYFLOAT, currency units)  settled_engine (billed with the engine's
+    records)  engine_missing (no engine record within ledger.engine_wait_s: billed with
+    the edge's numbers)  disagreements (edge and engine numbers differ)
 """
 
 from __future__ import annotations
@@ -66,6 +86,22 @@ def done_key(ledger_id: str) -> str:
 
 def stats_key(ledger_id: str) -> str:
     return f"{PREFIX}:stats:{_enc(ledger_id)}"
+
+
+PENDING_KEY = f"{PREFIX}:pending"
+ENG_WAIT_KEY = f"{PREFIX}:eng_wait"
+
+
+def wait_key(ledger_id: str) -> str:
+    return f"{PREFIX}:wait:{_enc(ledger_id)}"
+
+
+def eng_key(request_id: str) -> str:
+    return f"{PREFIX}:eng:{request_id}"
+
+
+def eseen_key(day: str) -> str:
+    return f"{PREFIX}:eseen:{day}"
 
 
 def day_score(day: str) -> int:
