@@ -7,7 +7,15 @@ is allowed when a unix socket is given) and, when a unix socket PATH is given, o
 own socket ``PATH.<i>`` (i = 0..N-1, mode 0660: the owner and the process's group, which
 the systemd units set to nginx's workers' group), which the nginx edge lists as the
 servers of its upstream. The parent restarts a worker that dies and stops all of them
-on SIGTERM/SIGINT.
+on SIGTERM/SIGINT; a worker gets SIGTERM when its parent dies (Linux), so none outlives
+a parent killed with SIGKILL.
+
+A worker binds its unix socket under a private name and renames it to ``PATH.<i>``
+once it listens (a client never sees a half-ready socket, and the rename replaces a
+dead worker's file atomically); on exit it removes ``PATH.<i>`` only while that is still
+the socket it created. gRPC itself unlinks the path it bound when the server stops,
+which is why that path is the private one: a worker that outlived its parent would
+otherwise remove the socket of the worker started in its place.
 
 Each worker serves, next to its own services, the standard health service
 (``grpc.health.v1.Health``: SERVING for "" and every service once it listens, NOT_SERVING
@@ -19,9 +27,11 @@ asyncio one (``grpc.aio.server``); both return after SIGTERM/SIGINT and a gracef
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,30 +72,67 @@ class Listen:
         return [*self.tcp, *([f"unix:{sock}"] if sock else [])]
 
 
+@dataclass(frozen=True)
+class _Socket:
+    """A worker's unix socket: ``path`` (``PATH.<i>``, what clients connect to) and
+    ``private`` (what gRPC binds: ``.<name>.<pid>`` in the same folder, so that a
+    rename reaches ``path``)."""
+
+    path: Path
+    private: Path
+
+    @classmethod
+    def of(cls, listen: Listen, index: int) -> _Socket | None:
+        sock = listen.socket_of(index)
+        if not sock:
+            return None
+        path = Path(sock)
+        return cls(path, path.with_name(f".{path.name}.{os.getpid()}"))
+
+    def publish(self) -> tuple[int, int]:
+        """Make the bound socket reachable at ``path``; returns its identity,
+        ``(st_dev, st_ino)``."""
+        # nginx's workers run as another user: the group (the units' Group=, nginx's
+        # workers' group) may connect, other local users may not. Set before the
+        # rename: the socket is never reachable with a wider mode.
+        os.chmod(self.private, 0o660)
+        st = os.stat(self.private)
+        os.replace(self.private, self.path)
+        return st.st_dev, st.st_ino
+
+    def withdraw(self, identity: tuple[int, int] | None) -> None:
+        """Remove ``path`` if it is still the socket published as ``identity`` (a
+        worker started in this one's place may have replaced it)."""
+        if identity is None:
+            return
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == identity:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
           services: Sequence[str],
-          servicer: health.HealthServicer | health.aio.HealthServicer) -> list[str]:
+          servicer: health.HealthServicer | health.aio.HealthServicer
+          ) -> tuple[list[str], _Socket | None]:
     """Add health, reflection and the worker's ports to ``server``; returns the
-    addresses. A socket file left by a dead worker is removed first (bind would fail)."""
+    addresses clients use (``unix:PATH.<i>`` last) and the unix socket to publish once
+    the server started."""
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    sock = listen.socket_of(index)
-    if sock:
-        Path(sock).parent.mkdir(parents=True, exist_ok=True)
-        Path(sock).unlink(missing_ok=True)
-    addresses = listen.addresses(index)
-    for addr in addresses:
+    sock = _Socket.of(listen, index)
+    for addr in listen.tcp:
         server.add_insecure_port(addr)
-    return addresses
-
-
-def _open_socket(listen: Listen, index: int) -> None:
-    sock = listen.socket_of(index)
-    if sock:
-        # nginx's workers run as another user: the group (the units' Group=, nginx's
-        # workers' group) may connect, other local users may not.
-        os.chmod(sock, 0o660)
+    if sock is None:
+        return list(listen.tcp), None
+    sock.path.parent.mkdir(parents=True, exist_ok=True)
+    # left by a worker of this pid that was killed (pids are reused); bind would fail
+    sock.private.unlink(missing_ok=True)
+    server.add_insecure_port(f"unix:{sock.private}")
+    return [*listen.tcp, f"unix:{sock.path}"], sock
 
 
 def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: int,
@@ -94,19 +141,25 @@ def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: i
     SIGTERM/SIGINT, then stop, letting calls in flight finish for ``grace_s`` seconds.
     ``services``: full names reported SERVING; ``on_ready(addresses)`` once listening."""
     servicer = health.HealthServicer()
-    addresses = _bind(server, listen, index, services, servicer)
-    server.start()
-    _open_socket(listen, index)
-    for name in ("", *services):
-        servicer.set(name, SERVING)
-    if on_ready is not None:
-        on_ready(addresses)
+    addresses, sock = _bind(server, listen, index, services, servicer)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    servicer.enter_graceful_shutdown()
-    server.stop(grace=grace_s).wait()
+    identity = None
+    try:
+        server.start()
+        identity = sock.publish() if sock else None
+        for name in ("", *services):
+            servicer.set(name, SERVING)
+        if on_ready is not None:
+            on_ready(addresses)
+        stop.wait()
+        servicer.enter_graceful_shutdown()
+    finally:
+        # first: new connections go to the other workers while calls in flight finish
+        if sock is not None:
+            sock.withdraw(identity)
+        server.stop(grace=grace_s).wait()
 
 
 async def serve_async(server: grpc.aio.Server, services: Sequence[str], listen: Listen,
@@ -117,27 +170,55 @@ async def serve_async(server: grpc.aio.Server, services: Sequence[str], listen: 
     caller reports more than SERVING at start (a service that turns NOT_SERVING while
     its backend is down); a new one otherwise."""
     servicer = servicer or health.aio.HealthServicer()
-    addresses = _bind(server, listen, index, services, servicer)
-    await server.start()
-    _open_socket(listen, index)
-    for name in ("", *services):
-        await servicer.set(name, SERVING)
-    if on_ready is not None:
-        on_ready(addresses)
+    addresses, sock = _bind(server, listen, index, services, servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await servicer.enter_graceful_shutdown()
-    await server.stop(grace=grace_s)
+    identity = None
+    try:
+        await server.start()
+        identity = sock.publish() if sock else None
+        for name in ("", *services):
+            await servicer.set(name, SERVING)
+        if on_ready is not None:
+            on_ready(addresses)
+        await stop.wait()
+        await servicer.enter_graceful_shutdown()
+    finally:
+        if sock is not None:
+            sock.withdraw(identity)
+        await server.stop(grace=grace_s)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel send this process SIGTERM when its parent dies (a
+    SIGKILLed parent cannot stop its workers itself); exits at once when the parent is
+    already gone. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    # the parent may have died before prctl: then no signal will ever come
+    if os.getppid() != parent_pid:
+        sys.exit(f"worker: parent {parent_pid} exited before this worker started")
+
+
+def _worker(parent_pid: int, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    _die_with_parent(parent_pid)
+    target(*args)
 
 
 def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
                 workers: int) -> None:
     """Run ``target(*args, index)`` for index 0..workers-1, each in its own (spawned)
-    process, until SIGTERM/SIGINT; a worker that dies is started again. With one worker
-    it runs in this process. Returns once every worker stopped (SIGKILL after 5 s)."""
+    process, until SIGTERM/SIGINT; a worker that dies is started again, a worker whose
+    parent dies gets SIGTERM. With one worker it runs in this process. Returns once
+    every worker stopped (SIGKILL after 5 s)."""
     if workers <= 1:
         target(*args, 0)
         return
@@ -146,7 +227,10 @@ def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
     stopping = False
 
     def start(i: int) -> None:
-        procs[i] = ctx.Process(target=target, args=(*args, i), name=f"{name}-{i}", daemon=True)
+        # started from this (the main) thread: PDEATHSIG fires when the thread that
+        # forked exits, which here is when the process does
+        procs[i] = ctx.Process(target=_worker, args=(os.getpid(), target, (*args, i)),
+                               name=f"{name}-{i}", daemon=True)
         procs[i].start()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -1,0 +1,109 @@
+"""Worker processes of a gRPC sidecar (tokengate.grpc_server, here the counter's): they die
+with their parent, and one that exits removes its unix socket only while it is still the
+one it created.
+
+Real ``tokengate-counter`` processes with two workers each, sockets in the test folder;
+about 10 s per test (the workers load the model).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokengate.process import Service, free_port, group_members
+from tokengate_dev import devstack
+
+from tests.conftest import PORT_OFFSET, TEST_DIR
+from tests.fixtures_ledger import wait_until
+
+SERVICE = "tokengate.v1.TokenCounter"
+
+
+def identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def serving(path: Path) -> bool:
+    """The gRPC health service on unix socket ``path`` says SERVING for the counter."""
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def workers_of(parent: int) -> list[int]:
+    """The worker processes of a sidecar whose main process is ``parent`` (multiprocessing's
+    resource tracker, also in the group, is not one)."""
+    found = []
+    for pid in group_members(parent):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"spawn_main" in a for a in argv) and b"--multiprocessing-fork" in argv:
+            found.append(pid)
+    return found
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    d = TEST_DIR / "grpc-workers"
+    d.mkdir(parents=True, exist_ok=True)
+    for p in d.iterdir():
+        p.unlink()
+    yield d
+
+
+def counter(config_path: Path, sock: Path, label: str) -> Service:
+    return devstack.counter_service(config_path, port=free_port(), unix_socket=sock, workers=2,
+                                    name=f"test-grpc-workers-{label}{PORT_OFFSET or ''}")
+
+
+def test_a_worker_leaves_the_socket_of_the_worker_started_in_its_place(
+        config_path: Path, sock_dir: Path) -> None:
+    sock = sock_dir / "counter.sock"
+    paths = [Path(f"{sock}.{i}") for i in range(2)]
+    old = counter(config_path, sock, "old").start()
+    new = counter(config_path, sock, "new")
+    try:
+        wait_until(lambda: all(p.is_socket() for p in paths), 20, what="the old sockets")
+        before = [identity(p) for p in paths]
+        # the new workers take the paths over while the old ones still run, as when a
+        # parent was killed and its workers outlive it
+        new.start()
+        wait_until(lambda: all(identity(p) not in before for p in paths), 20,
+                   what="the new workers' sockets")
+        taken = [identity(p) for p in paths]
+        old.stop()
+        assert [identity(p) for p in paths] == taken
+        assert all(serving(p) for p in paths)
+    finally:
+        old.stop()
+        new.stop()
+    # each worker removed its own socket, and nothing else is left (the names gRPC bound)
+    assert sorted(p.name for p in sock_dir.iterdir()) == []
+
+
+def test_workers_exit_when_their_parent_is_killed(config_path: Path, sock_dir: Path) -> None:
+    sock = sock_dir / "counter.sock"
+    svc = counter(config_path, sock, "orphans").start()
+    try:
+        assert svc.proc is not None
+        parent = svc.proc.pid
+        wait_until(lambda: len(workers_of(parent)) == 2 and Path(f"{sock}.1").is_socket(), 20,
+                   what="two workers")
+        os.kill(parent, signal.SIGKILL)
+        # SIGTERM from the kernel, then their graceful stop (grace 2 s); the resource
+        # tracker follows once no process holds its pipe
+        wait_until(lambda: group_members(parent) == [], 10, step_s=0.1,
+                   what="the workers to exit")
+        assert sorted(p.name for p in sock_dir.iterdir()) == []
+    finally:
+        svc.stop()
