@@ -66,7 +66,10 @@ def cfg(config_path: Path) -> tg_config.Config:
 @pytest.fixture(scope="session")
 def vllm_url(cfg: tg_config.Config) -> Iterator[str]:
     """Base URL (…/v1) of the real vLLM CPU server on the embedded model."""
-    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT, name=f"test-vllm{PORT_OFFSET or ''}").start()
+    # engine records in the test folder: test traffic never lands in make run's file
+    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT,
+                                name=f"test-vllm{PORT_OFFSET or ''}",
+                                engine_usage_file=TEST_DIR / "usage" / "engine.jsonl").start()
     try:
         yield f"http://127.0.0.1:{VLLM_PORT}/v1"
     finally:

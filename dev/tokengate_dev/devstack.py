@@ -6,7 +6,15 @@ fixtures call the same builders (with other ports) so tests run exactly what a u
 
 Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
 socket under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
-global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket.
+global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket. All but
+the counter's come from the configuration (``--counter-port`` sets that one), and
+``--var DIR`` moves logs, sockets and rendered configurations out of the checkout's
+``var/``: a second stack (a test of ``make run`` itself) runs beside the first.
+
+``run`` supervises: a part that dies is stopped entirely (its workers too) and started
+again after 1 s, 2 s, 4 s ... up to 30 s (back to 1 s once it stayed up a minute), each
+restart said on the terminal, the other parts up meanwhile. SIGINT, SIGTERM or SIGHUP
+at any moment, also while a part is still starting, stops everything.
 """
 
 from __future__ import annotations
@@ -15,12 +23,12 @@ import argparse
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from tokengate import config as tg_config
-from tokengate.process import Service, http_ready, tcp_ready
+from tokengate.process import Service, ServiceError, Supervisor, http_ready, tcp_ready
 
 # Dev tooling runs from a checkout: its folders are found from this file.
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,17 +39,22 @@ PYTHON = sys.executable
 
 
 def _service(name: str, argv: list[str], ready: Callable[[], bool],
-             env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> Service:
+             env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+             prepare: Callable[[], None] | None = None) -> Service:
     """A process of the stack: run from the checkout, logging to ``var/log/<name>.log``."""
-    return Service(name, argv, ready, env or {}, start_timeout_s, cwd=ROOT, log_dir=VAR / "log")
+    return Service(name, argv, ready, env or {}, start_timeout_s, cwd=ROOT, log_dir=VAR / "log",
+                   prepare=prepare)
 
 
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
-                 name: str = "vllm") -> Service:
+                 name: str = "vllm", engine_usage_file: Path | None = None) -> Service:
     """vLLM's OpenAI server (CPU build) on the model directory, served under its name.
 
     Started as a module (the ``vllm`` console script of the CPU build looks for a
-    distribution named ``vllm`` and fails); startup takes 60-90 s on 2 cores.
+    distribution named ``vllm`` and fails); startup takes 60-90 s on 2 cores. The
+    tokengate plugin writes its engine usage records to ``engine_usage_file`` (default
+    ``var/usage/engine.jsonl``): given explicitly, so that a test's vLLM never writes
+    into ``make run``'s file.
     """
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model.dir), "--served-model-name", model.name,
@@ -51,7 +64,8 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--disable-uvicorn-access-log"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl")}
     return _service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
                    start_timeout_s=400.0)
 
@@ -80,11 +94,11 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
     """The usage ledger (``tokengate-ledger``): tails the usage file into Redis.
 
     Ready once it wrote its status file (``var/run/<name>.status.json``, refreshed every
-    second: applied, lag_bytes, redis_up, ...); a stale one is removed here.
+    second: applied, lag_bytes, redis_up, ...); one left by an earlier ledger is
+    removed before each start.
     """
     status = VAR / "run" / f"{name}.status.json"
     status.parent.mkdir(parents=True, exist_ok=True)
-    status.unlink(missing_ok=True)
     argv = [PYTHON, "-m", "tokengate.ledger.service", "--config", str(config_path),
             "--status-file", str(status)]
     if usage_file is not None:
@@ -93,7 +107,9 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
         argv += ["--redis-url", redis_url]
     if ledger_id is not None:
         argv += ["--ledger-id", ledger_id]
-    return _service(name, argv, status.exists, start_timeout_s=30.0)
+    # the status file is the probe: the one a previous ledger wrote must not count
+    return _service(name, argv, status.exists, start_timeout_s=30.0,
+                    prepare=lambda: status.unlink(missing_ok=True))
 
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
@@ -147,7 +163,23 @@ def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | No
         status_listen=None if status_port is None else f"127.0.0.1:{status_port}")
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
-    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
+
+    def prepare() -> None:
+        # a restart after a SIGKILL: the master's hop socket is still there and the new
+        # one could not bind it (write_instance removed it only for the first start)
+        if not _pid_alive(inst.prefix / "nginx.pid"):
+            inst.hop_socket.unlink(missing_ok=True)
+
+    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0,
+                    prepare=prepare)
+
+
+def _pid_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 DEMO_KEY = "tg-demo-key"
@@ -173,8 +205,9 @@ Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
 {usage_file}. Ctrl-C stops everything."""
 
 
-def stack(config_path: Path) -> list[Service]:
-    """The services ``make run`` starts, in start order: Redis, the counter, the
+def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
+    """The services ``make run`` starts, in start order: Redis (on the port of
+    ``redis.url``), the counter (gRPC on ``counter_port``), the
     global-limit sidecar (only with ``global_limits.enabled``), the embedded vLLM of each
     model that says ``embedded: true`` (none when every model's upstreams are servers of
     their own), the nginx edge (rendered into ``var/run/nginx``) and the usage ledger."""
@@ -184,8 +217,8 @@ def stack(config_path: Path) -> list[Service]:
 
     edge_port = int(edge_config(cfg).listen.rpartition(":")[2])
     services = [
-        redis_service(),
-        counter_service(config_path, unix_socket=VAR / "run" / "counter.sock"),
+        redis_service(port=urlsplit(cfg.redis.url).port or 6379),
+        counter_service(config_path, port=counter_port, unix_socket=VAR / "run" / "counter.sock"),
     ]
     gl = cfg.global_limits
     if gl.enabled:
@@ -203,8 +236,10 @@ def stack(config_path: Path) -> list[Service]:
     ]
 
 
-def run(config_path: Path) -> None:
-    """Start every part (``stack``), print how to call the gateway, stop all on Ctrl-C."""
+def run(config_path: Path, counter_port: int = 50051) -> int:
+    """Start every part (``stack``), print how to call the gateway, keep the parts up
+    (``Supervisor``) until SIGINT/SIGTERM/SIGHUP, then stop all. Returns the exit
+    status: 0, or 1 when a part failed its first start (its log's tail on stderr)."""
     cfg = tg_config.load(config_path)
     model = next(iter(cfg.models.values()))
     from tokengate.tools.compile_config import edge_config
@@ -212,38 +247,41 @@ def run(config_path: Path) -> None:
     edge = edge_config(cfg)
     usage_file = os.path.relpath(edge.usage_file, ROOT)
     edge_port = int(edge.listen.rpartition(":")[2])
-    services = stack(config_path)
-    started: list[Service] = []
+    sup = Supervisor(stack(config_path, counter_port),
+                     say=lambda line: print(line, flush=True))
 
     def terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        # a flag, not an exception: one raised inside Popen would lose the child
+        if not sup.stopping():
+            print("\nstopping ...", flush=True)
+        sup.request_stop()
 
-    # SIGTERM (and SIGINT even when started in the background) stop everything cleanly.
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, terminate)
+    # SIGINT also when started in the background; SIGHUP: the terminal went away
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, terminate)
     try:
-        for svc in services:
-            print(f"starting {svc.name} (log: {svc.log_path.relative_to(ROOT)}) ...", flush=True)
-            started.append(svc.start())
-        print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name, usage_file), flush=True)
-        while all(s.proc is not None and s.proc.poll() is None for s in started):
-            time.sleep(1)
-        dead = [s.name for s in started if s.proc is not None and s.proc.poll() is not None]
-        print(f"stopped: {', '.join(dead)} exited", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
-    finally:
-        for svc in reversed(started):
-            svc.stop()
+        sup.run(on_up=lambda: print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name,
+                                           usage_file), flush=True))
+    except ServiceError as e:
+        print(f"not started: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main() -> None:
+    global VAR
     parser = argparse.ArgumentParser(prog="python -m tokengate_dev.devstack",
                                      description="Run the tokengate stack on loopback.")
     parser.add_argument("command", choices=["run"])
     parser.add_argument("--config", type=Path, default=ROOT / "tokengate.yaml")
+    parser.add_argument("--counter-port", type=int, default=50051,
+                        help="the counter's gRPC port (default: %(default)s)")
+    parser.add_argument("--var", type=Path, default=VAR,
+                        help="folder of logs, sockets and rendered configurations "
+                             "(default: the checkout's var/)")
     args = parser.parse_args()
-    run(args.config)
+    VAR = args.var.resolve()
+    sys.exit(run(args.config, args.counter_port))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,289 @@
+"""``make run`` supervises: a child killed with SIGKILL is restarted and the gateway answers
+exactly again; SIGINT at any moment, also mid-start, leaves no process and no socket.
+
+Each stack is ``python -m tokengate_dev.devstack run --config FILE`` as ``make run`` runs it,
+with a configuration of its own (free loopback ports, files under the test folder) and
+``--var`` / ``--counter-port`` so that it runs beside a ``make run``. Without vLLM: the
+model is ``embedded: false`` and its upstream the session's fast upstream. A process left
+behind is found by a marker in its environment or, for those that write their title over
+it (nginx, Redis), by a descriptor open under the stack's folder (every child's stdout is
+its log there). One test starts vLLM (SIGINT while it starts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from tokengate.process import free_port, group_members
+from tokengate_dev import devstack
+
+from tests.conftest import REPO_CONFIG, TEST_DIR
+from tests.fixtures_ledger import wait_until
+
+MARK = "TOKENGATE_TEST_STACK"
+KEY = devstack.DEMO_KEY
+BODY = {"model": "tiny-qwen3", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hello there, how are you doing today?"}]}
+# argv words of each child of the stack
+CHILDREN = {"redis": "redis-server", "counter": "tokengate.counter.server",
+            "nginx": "nginx: master process", "ledger": "tokengate.ledger.service",
+            "vllm": "vllm.entrypoints.openai.api_server"}
+
+
+def _holds_file_under(pid: int, folder: Path) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{folder}/"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def leftovers(token: str, folder: Path) -> list[str]:
+    """Live processes of a stack: its marker in their environment, or a descriptor open
+    under ``folder``; as ``"pid argv"``."""
+    needle = f"{MARK}={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_bytes().rpartition(b")")[2].split()[0]
+        except OSError:
+            continue
+        if state in (b"Z", b"X"):
+            continue
+        if needle in env or _holds_file_under(int(entry), folder):
+            found.append(f"{entry} {cmdline(int(entry))}")
+    return found
+
+
+def children_of(parent: int) -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _ppid(int(e)) == parent]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def write_config(var: Path, upstream: str, embedded: bool = False) -> tuple[Path, str]:
+    """The repository's configuration on free ports with its files under ``var``;
+    returns the path and the edge's base URL."""
+    raw = yaml.safe_load(REPO_CONFIG.read_text())
+    for m in raw["models"].values():
+        m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
+        m["upstreams"] = [upstream]
+        m["embedded"] = embedded
+    edge = f"127.0.0.1:{free_port()}"
+    raw["redis"]["url"] = f"redis://127.0.0.1:{free_port()}/0"
+    raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
+    raw["access_log"]["file"] = str(var / "log" / "access.sampled.log")
+    raw["global_limits"]["unix_socket"] = str(var / "run" / "limits.sock")
+    raw["edge"]["listen"] = edge
+    raw["edge"]["status_listen"] = f"127.0.0.1:{free_port()}"
+    path = var / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path, f"http://{edge}/v1"
+
+
+class Stack:
+    """One ``devstack run`` in a subprocess; its output lines are collected as they come."""
+
+    def __init__(self, name: str, upstream: str, embedded: bool = False) -> None:
+        self.var = TEST_DIR / f"make-run-{name}"
+        self.var.mkdir(parents=True, exist_ok=True)
+        self.config, self.url = write_config(self.var, upstream, embedded)
+        self.token = uuid.uuid4().hex
+        self.lines: list[str] = []
+        argv = [sys.executable, "-m", "tokengate_dev.devstack", "run", "--config",
+                str(self.config), "--var", str(self.var), "--counter-port", str(free_port())]
+        self.proc = subprocess.Popen(argv, cwd=devstack.ROOT, env={**os.environ, MARK: self.token},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_line(self, text: str, timeout_s: float) -> None:
+        """Until a line of the output starts with ``text``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(x.startswith(text) for x in self.lines):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line {text!r} after {timeout_s:.0f} s; output:\n"
+                             + self.output())
+
+    def children(self, name: str) -> list[int]:
+        """Pids of the main process of the stack's child ``name`` (one while it runs)."""
+        return [p for p in children_of(self.proc.pid) if CHILDREN[name] in cmdline(p)]
+
+    def child(self, name: str) -> int:
+        pids = self.children(name)
+        assert len(pids) == 1, (name, pids)
+        return pids[0]
+
+    def interrupt(self, timeout_s: float = 60.0) -> int:
+        """SIGINT (Ctrl-C) and the exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout_s)
+
+    def leftovers(self) -> list[str]:
+        return leftovers(self.token, self.var)
+
+    def sockets(self) -> list[str]:
+        return sorted(str(p.relative_to(self.var)) for p in self.var.rglob("*") if p.is_socket())
+
+    def close(self) -> None:
+        """Whatever a failed test left: the stack stopped, then whatever of it is left killed."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for line in self.leftovers():
+            try:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def post(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/chat/completions", json=BODY, timeout=10,
+                      headers={"Authorization": f"Bearer {KEY}"})
+
+
+def upstream_of(fast_upstream_url: str) -> str:
+    return fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def stack(fast_upstream_url: str) -> Iterator[Stack]:
+    """A stack in front of the fast upstream, up (its banner printed)."""
+    s = Stack("kill", upstream_of(fast_upstream_url))
+    try:
+        s.wait_line("tokengate is up.", 120)
+        yield s
+        assert s.interrupt() == 0, s.output()
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def exact(stack: Stack) -> int:
+    """The counter's count of BODY (X-Token-Count of an answer counted by the counter)."""
+    r = post(stack.url)
+    assert (r.status_code, r.headers["x-token-count-source"]) == (200, "counter"), r.text
+    return int(r.headers["x-token-count"])
+
+
+def answered_exactly(url: str, count: int) -> bool:
+    r = post(url)
+    return (r.status_code, r.headers.get("x-token-count-source"),
+            r.headers.get("x-token-count")) == (200, "counter", str(count))
+
+
+@pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis"])
+def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name: str) -> None:
+    pid = stack.child(name)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    if name in ("ledger", "redis"):
+        # not on the request path: the gateway does not notice
+        assert answered_exactly(stack.url, exact)
+    elif name == "counter":
+        # the edge forwards on its estimate meanwhile (on_counter_failure: open)
+        r = post(stack.url)
+        assert r.status_code == 200, r.text
+    stack.wait_line(f"restarted {name} (exit -9) after 1 s", 60)
+    assert f"{name} exited (exit -9); restarting in 1 s" in stack.lines
+    # nothing of the dead one's process group is left (nginx's or the counter's workers)
+    assert group_members(pid) == []
+    wait_until(lambda: answered_exactly(stack.url, exact), 10, step_s=0.2,
+               what=f"exact answers after the restart of {name}")
+    assert time.monotonic() - t0 < 60
+    if name == "counter":
+        # the old workers are gone and no late exit of theirs removes the new sockets
+        time.sleep(3)
+        assert [p for p in stack.sockets() if "counter" in p] == \
+            ["run/counter.sock.0", "run/counter.sock.1"]
+        assert all(answered_exactly(stack.url, exact) for _ in range(4))
+    if name == "ledger":
+        wait_until(lambda: '"redis_up": true' in (stack.var / "run" / "ledger.status.json")
+                   .read_text(), 20, what="the new ledger's status")
+
+
+@pytest.mark.parametrize("moment", ["starting redis", "starting counter", "starting nginx",
+                                    "starting ledger", "tokengate is up."])
+def test_ctrl_c_at_any_moment_leaves_nothing_behind(fast_upstream_url: str, moment: str) -> None:
+    s = Stack("stop-" + re.sub(r"\W+", "-", moment).strip("-"), upstream_of(fast_upstream_url))
+    try:
+        s.wait_line(moment, 120)
+        if moment == "starting counter":
+            # its workers are loading the model: the parent and its workers all run
+            wait_until(lambda: any(len(group_members(p)) >= 3 for p in s.children("counter")),
+                       20, what="the counter's workers")
+        assert s.interrupt() == 0, s.output()
+        assert "stopping ..." in s.lines
+        assert s.leftovers() == [], s.output()
+        assert s.sockets() == []
+    finally:
+        s.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_while_vllm_starts_stops_it() -> None:
+    s = Stack("stop-vllm", f"127.0.0.1:{free_port()}", embedded=True)
+    try:
+        s.wait_line("starting vllm", 120)
+        wait_until(lambda: len(s.children("vllm")) == 1, 10, what="vLLM's API server")
+        vllm = s.child("vllm")
+        env = Path(f"/proc/{vllm}/environ").read_bytes().split(b"\0")
+        assert f"TOKENGATE_ENGINE_USAGE_FILE={s.var}/usage/engine.jsonl".encode() in env
+        # the engine core is a process of its own (titled VLLM::EngineCore): stop once it
+        # runs too, loading the model
+        wait_until(lambda: any("EngineCore" in cmdline(p) for p in group_members(vllm)), 150,
+                   step_s=0.5, what="vLLM's engine core process")
+        assert s.interrupt(90) == 0, s.output()
+        assert "tokengate is up." not in s.lines
+        assert s.leftovers() == [], s.output()
+        assert s.sockets() == []
+    finally:
+        s.close()
