@@ -256,3 +256,11 @@ def test_models_and_health_match_vllm(vllm_url: str, fast_upstream_url: str) -> 
     fast_root = fast_upstream_url.removesuffix("/v1")
     assert httpx.get(root + "/health").status_code == httpx.get(fast_root + "/health").status_code \
         == 200
+
+
+def test_version_matches_vllm(vllm_url: str, fast_upstream_url: str) -> None:
+    # what `tokengate doctor` reads to tell the vLLM release behind an upstream
+    real = call(vllm_url.removesuffix("/v1"), "GET", "/version")
+    fast = call(fast_upstream_url.removesuffix("/v1"), "GET", "/version")
+    assert real.status == fast.status == 200
+    assert (real.content_type, fast.body) == (fast.content_type, real.body)

@@ -38,7 +38,11 @@ class UpstreamOptions:
     ``max_model_len`` (tokens) drives vLLM's length checks and clamping; ``ttft_ms`` and
     ``itl_ms`` (milliseconds) are the simulated time to first token and inter-token
     latency; ``block_size`` (tokens) is the KV block used for ``created_cache_tokens``
-    (vLLM's CPU backend uses 128); ``workers`` is nginx's worker_processes.
+    (vLLM's CPU backend uses 128); ``workers`` is nginx's worker_processes;
+    ``vllm_version`` is what ``GET /version`` answers (``{"version": ...}``, as vLLM's
+    ``vllm/entrypoints/serve/instrumentator/basic.py``); ``prompt_tokens_delta``
+    (tokens) is added to the ``X-Token-Count`` it reports as ``usage.prompt_tokens``
+    (never below 0): a stand-in for a vLLM that counts differently from the edge.
     """
 
     model: str = "tiny-qwen3"
@@ -48,6 +52,8 @@ class UpstreamOptions:
     block_size: int = 128
     workers: int = 1
     root: str = ""
+    vllm_version: str = "0.32.0"
+    prompt_tokens_delta: int = 0
 
     def lua_options(self) -> dict[str, object]:
         """The JSON object passed to ``vllm_like.init`` at nginx start."""
@@ -55,7 +61,7 @@ class UpstreamOptions:
         opts.pop("workers")
         opts["root"] = self.root or self.model
         digest = hashlib.sha256(self.model.encode()).hexdigest()[:8]
-        opts["fingerprint"] = f"vllm-0.32.0-{digest}"
+        opts["fingerprint"] = f"vllm-{self.vllm_version}-{digest}"
         return opts
 
 

@@ -53,6 +53,8 @@ local conf = {
     fingerprint = "vllm-0.32.0-00000000",
     root = "",
     created = 0,
+    vllm_version = "0.32.0",
+    prompt_tokens_delta = 0,
 }
 local model_json = '"tiny-qwen3"'
 local fp_json = '"vllm-0.32.0-00000000"'
@@ -208,11 +210,13 @@ local function text_bytes(content)
     return n
 end
 
--- Prompt tokens: the edge's exact count when present, else an estimate.
+-- Prompt tokens: the edge's exact count when present (plus prompt_tokens_delta, a
+-- vLLM that counts otherwise), else an estimate.
 local function prompt_tokens(kind, req)
     local h = tonumber(ngx_var.http_x_token_count)
     if h and h >= 0 and h == floor(h) then
-        return h
+        local p = h + conf.prompt_tokens_delta
+        return p > 0 and p or 0
     end
     if kind == "chat" then
         -- Qwen's ChatML: <|im_start|>role\n ... <|im_end|>\n per message (5 tokens),
@@ -547,6 +551,11 @@ function _M.models()
         .. '"allow_search_indices":false,"allow_view":true,"allow_fine_tuning":false,'
         .. '"organization":"*","group":null,"is_blocking":false}]}]}'
     return send_json(200, body)
+end
+
+-- GET /version: vLLM's {"version": "<vllm.__version__>"}
+function _M.version()
+    return send_json(200, '{"version":' .. cjson.encode(conf.vllm_version) .. '}')
 end
 
 function _M.not_found()
