@@ -88,3 +88,18 @@ def test_every_field_is_required(name):
 def test_malformed_lines_are_refused(line, why):
     with pytest.raises(EventError, match=why):
         parse_event(line)
+
+
+def test_count_drift_is_signed_and_zero_when_absent():
+    # LINE predates the field: an older edge's event
+    assert parse_event(LINE).count_drift == 0
+    for drift in (3, -2, 0):
+        ev = parse_event(json.dumps({**json.loads(LINE), "count_drift": drift}))
+        assert ev.count_drift == drift
+        assert parse_event(ev.to_json()) == ev
+
+
+@pytest.mark.parametrize("value", [1.5, "3", None, True, 2**60])
+def test_a_count_drift_that_is_not_an_integer_is_named(value):
+    with pytest.raises(EventError, match="^count_drift: expected an integer"):
+        parse_event(json.dumps({**json.loads(LINE), "count_drift": value}))

@@ -41,13 +41,16 @@ local _M = {}
 --                                 edge.auth_failures.log_lines_per_s per worker; also
 --                                 in access_log_lines)
 --   auth_blocks            clients blocked after too many invalid keys
+--   count_drift_requests   requests whose usage.prompt_tokens from vLLM differed from the
+--                          counter's count (tokengate.drift; the event's count_drift)
+--   count_drift_tokens     the sum of those differences, absolute, tokens
 local NAMES = {
     "global_admitted", "global_refused", "global_fallback", "global_fallback_unavailable",
     "global_fallback_down", "global_fallback_timeout", "global_fallback_error",
     "global_fallback_backoff", "global_settled", "global_settle_failed",
     "global_settle_dropped", "access_log_lines", "unauthenticated_missing_key",
     "unauthenticated_invalid_key", "unauthenticated_blocked", "unauthenticated_refused",
-    "unauthenticated_log_lines", "auth_blocks",
+    "unauthenticated_log_lines", "auth_blocks", "count_drift_requests", "count_drift_tokens",
 }
 
 local dict
@@ -70,6 +73,14 @@ function _M.incr(name, n)
     if not ok then
         ngx_log(ERR, "tokengate metrics: incr ", name, ": ", err)
     end
+end
+
+-- first_in(key, seconds) -> true for the first call with key in each period of that
+-- many seconds, across all workers (add is atomic; its ttl ends the period): what
+-- bounds a repeated log line. A full dict answers false: better a missed line than a
+-- flood.
+function _M.first_in(key, seconds)
+    return dict ~= nil and dict:add(key, true, seconds) == true
 end
 
 -- get(name) -> the counter's value (0 when never incremented)

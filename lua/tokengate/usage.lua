@@ -19,6 +19,7 @@ local json = require "tokengate.json"
 local clock = require "tokengate.clock"
 local errors = require "tokengate.errors"
 local request = require "tokengate.request"
+local drift = require "tokengate.drift"
 
 local find = string.find
 local sub = string.sub
@@ -214,6 +215,7 @@ local FIELDS = {
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
+    "count_drift",
 }
 _M.FIELDS = FIELDS
 
@@ -222,7 +224,8 @@ _M.FIELDS = FIELDS
 -- token_estimate, count_source, reserved, prompt_tokens, completion_tokens,
 -- cached_tokens, system_tokens (tokens), usage_source, client_aborted, ttft_ms, total_ms
 -- (ms), upstream, error, and the sanitizer's counts: sanitized_chars (invisible or
--- control characters removed), stripped_special_tokens, dropped_system_messages.
+-- control characters removed), stripped_special_tokens, dropped_system_messages; and
+-- count_drift (vLLM's usage.prompt_tokens - token_estimate, tokens: tokengate.drift).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -275,6 +278,7 @@ function _M.record(ctx, status, aborted)
         sanitized_chars = counts and counts.removed or 0,
         stripped_special_tokens = counts and counts.stripped or 0,
         dropped_system_messages = counts and counts.collapsed or 0,
+        count_drift = drift.of(ctx),
     })
 end
 

@@ -43,6 +43,12 @@ Schema (every key is present; ``null`` only where shown)::
                              these three fields existed)
     stripped_special_tokens  literal special tokens removed (edge.special_tokens: strip)
     dropped_system_messages  system messages dropped as exact repeats of an earlier one
+    count_drift       vLLM's usage.prompt_tokens - token_estimate, tokens, signed: not 0
+                      when the counter and the upstream disagree on the prompt (the
+                      upstream is not the vLLM the counter mirrors: `tokengate doctor`);
+                      0 when they agree or are not compared (count_source "estimate",
+                      no usage from vLLM, several completions prompts, n > 1) and in
+                      events written before the field existed
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/test_edge_access_log.py`` checks a real edge's lines against
@@ -101,6 +107,7 @@ class UsageEvent:
     sanitized_chars: int = 0
     stripped_special_tokens: int = 0
     dropped_system_messages: int = 0
+    count_drift: int = 0
 
     @property
     def time(self) -> datetime:
@@ -169,6 +176,11 @@ def _int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = 2**53) -> int:
 def _count(obj: dict[str, Any], name: str) -> int:
     """An optional non-negative count: 0 when absent (older edges did not write it)."""
     return _int(obj, name) if name in obj else 0
+
+
+def _signed(obj: dict[str, Any], name: str) -> int:
+    """An optional signed count: 0 when absent (older edges did not write it)."""
+    return _int(obj, name, -2**53, 2**53) if name in obj else 0
 
 
 def _bool(obj: dict[str, Any], name: str) -> bool:
@@ -240,6 +252,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         sanitized_chars=_count(obj, "sanitized_chars"),
         stripped_special_tokens=_count(obj, "stripped_special_tokens"),
         dropped_system_messages=_count(obj, "dropped_system_messages"),
+        count_drift=_signed(obj, "count_drift"),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "
