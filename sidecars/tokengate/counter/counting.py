@@ -28,6 +28,9 @@ from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.tokenizer import PromptTokenizer
 
+# vLLM releases (major, minor; any patch level) whose preprocessing this module mirrors
+# and the parity tests ran against; `tokengate doctor` refuses other upstreams by default.
+VERIFIED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # vLLM's TEXT_PART_TYPES and the field holding each part's text.
 TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text",

@@ -6,6 +6,7 @@ NAME
 SYNOPSIS
     tokengate-counter [--config FILE] [--host HOST] [--port PORT]
                       [--unix-socket PATH] [--workers N] [--threads T]
+                      [--check-upstreams [--allow-unverified-vllm] [--upstream-wait-s S]]
 
 DESCRIPTION
     Serves tokengate.v1.TokenCounter/CountTokens (proto/tokengate/v1/counter.proto),
@@ -20,6 +21,12 @@ DESCRIPTION
     process's group, nginx's workers' group under the systemd unit). --port 0 serves
     the unix sockets only. The parent restarts a worker that dies and stops all of
     them on SIGTERM/SIGINT.
+
+    --check-upstreams runs `tokengate doctor`'s checks on every upstream before serving
+    (its lines on stdout) and exits with status 1, serving nothing, when one fails: a
+    vLLM the counter does not mirror, or one started without the flags billing reads.
+    Off by default, so the counter can start before vLLM; --upstream-wait-s first waits
+    that long for every upstream's /health.
 """
 
 from __future__ import annotations
@@ -64,6 +71,24 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
     grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready)
 
 
+def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:
+    """`tokengate doctor` in the parent, once, before any worker starts; exits 1 on a
+    failed check."""
+    from tokengate import doctor
+
+    def out(line: str) -> None:
+        print(f"counter: upstream check: {line}", flush=True)
+
+    if wait_s > 0:
+        doctor.wait_healthy(cfg, wait_s, out)
+    checks = doctor.run(cfg, allow_unverified=allow_unverified, out=out)
+    out(doctor.summary(checks))
+    if any(c.status == "FAIL" for c in checks):
+        print("tokengate-counter: an upstream check failed (lines above); not serving",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokengate-counter", description=__doc__.split("DESCRIPTION")[1],
@@ -81,13 +106,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="worker processes (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2,
                         help="RPC threads per worker (default: %(default)s)")
+    parser.add_argument("--check-upstreams", action="store_true",
+                        help="check every upstream as `tokengate doctor` does before serving; "
+                             "exit 1 when a check fails (default: off)")
+    parser.add_argument("--allow-unverified-vllm", action="store_true",
+                        help="with --check-upstreams: a vLLM release the counter was not "
+                             "verified against only warns")
+    parser.add_argument("--upstream-wait-s", type=float, default=0.0,
+                        help="with --check-upstreams: wait up to this long for every "
+                             "upstream's /health first, s (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        tg_config.load(args.config)
+        cfg = tg_config.load(args.config)
     except (OSError, tg_config.ConfigError) as e:
         sys.exit(f"tokengate-counter: {e}")
     if args.port == 0 and args.unix_socket is None:
         sys.exit("tokengate-counter: --port 0 needs --unix-socket")
+    if args.check_upstreams:
+        _check_upstreams(cfg, args.allow_unverified_vllm, args.upstream_wait_s)
     tcp = (f"{args.host}:{args.port}",) if args.port else ()
     listen = grpc_server.Listen(tcp, args.unix_socket)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),

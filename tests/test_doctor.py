@@ -1,0 +1,281 @@
+"""``tokengate doctor`` and ``tokengate-counter --check-upstreams``: every upstream is
+checked against what the counter mirrors and billing reads (model name, vLLM release,
+--enable-prompt-tokens-details, the tool parser, counts equal to vLLM's /tokenize).
+
+Against the real vLLM CPU server (the session's, and one started without the billing
+flags), TokenStorm's fast upstream for a replica that serves another model or reports
+another vLLM release, and a copy of the model directory whose chat template differs from
+the one vLLM loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tokengate import config as tg_config
+from tokengate import doctor
+from tokengate.process import Service, free_port, tcp_ready
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.upstream import UpstreamOptions
+from tokengate_dev import devstack
+
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
+
+# the suite's vLLM is on 18000 + offset, the plugin test's on 18050 + offset
+BARE_VLLM_PORT = 18010 + PORT_OFFSET
+BILLING_FLAGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "hermes")
+CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
+          *(f"count {p[0]}" for p in doctor.PROBES)]
+VLLM = f"127.0.0.1:{VLLM_PORT}"
+
+
+def _config(base: Path, out: Path, upstreams: list[str],
+            edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    raw = yaml.safe_load(base.read_text())
+    raw["models"][MODEL]["upstreams"] = upstreams
+    raw["models"][MODEL]["embedded"] = False
+    if edit is not None:
+        edit(raw)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+def _doctor(config: Path, *args: str) -> tuple[int, list[str], str]:
+    """(exit status, stdout lines, stderr) of ``tokengate doctor --config config``."""
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "doctor", "--config",
+                        str(config), *args], capture_output=True, text=True, timeout=300,
+                       check=False)
+    return r.returncode, r.stdout.splitlines(), r.stderr
+
+
+def _lines_of(lines: list[str], upstream: str) -> dict[str, str]:
+    """check name -> its line, for the lines of one upstream."""
+    out = {}
+    for line in lines:
+        status, (model, where, rest) = line[:4].strip(), line[5:].split(" ", 2)
+        if where == upstream:
+            assert model == MODEL
+            out[rest.partition(":")[0]] = f"{status} {rest}"
+    return out
+
+
+@pytest.fixture
+def fast(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
+    """Factory of fast upstreams (``UpstreamOptions`` keywords), stopped at the end."""
+    started: list[FastUpstream] = []
+
+    def start(**opts: Any) -> FastUpstream:
+        up = FastUpstream(UpstreamOptions(**opts), name=f"doctor{len(started)}",
+                          state_dir=tmp_path)
+        started.append(up.start())
+        return up
+
+    try:
+        yield start
+    finally:
+        for up in started:
+            up.stop()
+
+
+def test_versions_are_verified_by_major_and_minor() -> None:
+    verified = ((0, 32),)
+    assert [doctor.version_verified(v, verified) for v in
+            ("0.32.0", "0.32.3+cpu", "0.32.1rc2", "0.33.0", "0.3.2", "0.320.1", "dev")] == \
+        [True, True, True, False, False, False, False]
+
+
+def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str) -> None:
+    status, lines, err = _doctor(config_path)
+    assert status == 0, "\n".join(lines) + err
+    got = _lines_of(lines, VLLM)
+    assert list(got) == CHECKS
+    assert all(line.startswith("OK ") for line in got.values()), lines
+    assert got["model"] == "OK model: serves tiny-qwen3 (max_model_len 8192)"
+    assert got["version"] == "OK version: vLLM 0.32.0 (the counter mirrors 0.32.x)"
+    assert got["usage"] == "OK usage: usage.prompt_tokens 10 = counter 10"
+    assert got["count chat_tools"] == "OK count chat_tools: 191 tokens, vLLM /tokenize agrees"
+    assert err.strip() == f"tokengate doctor: 1 upstream(s): {len(CHECKS)} OK, 0 warning(s), " \
+                          "0 failed, 0 skipped"
+
+
+def test_a_replica_serving_another_model_fails_loudly(
+        config_path: Path, vllm_url: str, fast: Callable[..., FastUpstream]) -> None:
+    other = fast(model="other-model")
+    replica = f"127.0.0.1:{other.port}"
+    cfg = _config(config_path, TEST_DIR / "doctor" / "other-model.yaml", [VLLM, replica])
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    assert all(line.startswith("OK ") for line in _lines_of(lines, VLLM).values())
+    got = _lines_of(lines, replica)
+    assert list(got) == CHECKS
+    assert got["health"].startswith("OK ")
+    assert got["model"] == ("FAIL model: serves other-model, not tiny-qwen3: the edge's "
+                            "requests would get 404 (vLLM's --served-model-name)")
+    assert got["usage"] == ("FAIL usage: a chat request got HTTP 404: The model `tiny-qwen3` "
+                            "does not exist. Valid aliases: other-model.")
+    assert "13 OK, 0 warning(s), 9 failed" in err
+
+
+def test_an_unverified_vllm_release_fails_unless_allowed(
+        config_path: Path, vllm_url: str, fast: Callable[..., FastUpstream]) -> None:
+    newer = fast(model=MODEL, vllm_version="0.33.1")
+    replica = f"127.0.0.1:{newer.port}"
+    cfg = _config(config_path, TEST_DIR / "doctor" / "newer.yaml", [replica])
+    status, lines, _ = _doctor(cfg)
+    assert status == 1
+    assert _lines_of(lines, replica)["version"] == (
+        "FAIL version: vLLM 0.33.1 is not a release the counter was verified against "
+        "(0.32.x): its prompt preprocessing may count differently; --allow-unverified-vllm "
+        "accepts it")
+    _, lines, _ = _doctor(cfg, "--allow-unverified-vllm")
+    assert _lines_of(lines, replica)["version"] == (
+        "WARN version: vLLM 0.33.1 is not a release the counter was verified against "
+        "(0.32.x); accepted (--allow-unverified-vllm): the count checks below are the "
+        "evidence")
+    # a real vLLM whose release is not in the verified list: the override lets the
+    # run pass on the evidence of the count checks
+    cfg_real = tg_config.load(config_path)
+    seen: list[str] = []
+    checks = doctor.run(cfg_real, verified=((0, 31),), out=seen.append)
+    assert [(c.name, c.status) for c in checks if c.status != "OK"] == [("version", "FAIL")]
+    checks = doctor.run(cfg_real, verified=((0, 31),), allow_unverified=True,
+                        out=seen.append)
+    assert [(c.name, c.status) for c in checks if c.status != "OK"] == [("version", "WARN")]
+    assert doctor.summary(checks).endswith(f"{len(CHECKS) - 1} OK, 1 warning(s), 0 failed, "
+                                           "0 skipped")
+
+
+def test_counts_that_differ_from_vllms_tokenize_fail(config_path: Path, vllm_url: str) -> None:
+    # the counter reads a copy of the model whose tool preamble has three more words
+    # than the template vLLM loads: bodies with tools count differently, others agree
+    src = tg_config.load(config_path).models[MODEL].dir
+    copy = TEST_DIR / "doctor" / "other-template"
+    copy.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(src / name, copy / name)
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    preamble = "You may call one or more functions"
+    assert preamble in tc["chat_template"]
+    tc["chat_template"] = tc["chat_template"].replace(preamble, preamble + " or none at all")
+    (copy / "tokenizer_config.json").write_text(json.dumps(tc))
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["dir"] = str(copy)
+
+    cfg = _config(config_path, TEST_DIR / "doctor" / "other-template.yaml", [VLLM], edit)
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    got = _lines_of(lines, VLLM)
+    assert {k for k, v in got.items() if not v.startswith("OK ")} == \
+        {"count chat_tools", "count chat_multi_turn"}
+    assert got["count chat_tools"] == (
+        "FAIL count chat_tools: vLLM /tokenize 191, counter 195 (-4): is "
+        "models.tiny-qwen3.dir the directory this vLLM loads (tokenizer, chat template)?")
+    assert "2 failed" in err
+
+
+def test_an_unreachable_upstream_fails_and_skips_the_rest(config_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = _config(config_path, TEST_DIR / "doctor" / "dead.yaml", [dead])
+    status, lines, err = _doctor(cfg, "--timeout-s", "2")
+    assert status == 1
+    got = _lines_of(lines, dead)
+    assert list(got) == CHECKS
+    assert got["health"].startswith("FAIL health: unreachable (")
+    assert {v for k, v in got.items() if k != "health"} == \
+        {f"SKIP {k}: not checked: the upstream is not healthy" for k in CHECKS[1:]}
+    assert "0 OK, 0 warning(s), 1 failed, 10 skipped" in err
+
+
+def test_a_config_that_cannot_be_read_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "tokengate.yaml"
+    bad.write_text("models: {}\n")
+    status, lines, err = _doctor(bad)
+    assert (status, lines) == (2, [])
+    assert err.startswith("models: ")
+
+
+@pytest.fixture(scope="module")
+def bare_vllm(cfg: tg_config.Config) -> Iterator[str]:
+    """host:port of a second vLLM CPU server on the same model, started without the flags
+    billing relies on (--enable-prompt-tokens-details, the tool parser)."""
+    svc = devstack.vllm_service(cfg.models[MODEL], port=BARE_VLLM_PORT,
+                                name=f"test-vllm-bare{PORT_OFFSET or ''}")
+    missing = [f for f in BILLING_FLAGS if f not in svc.argv]
+    assert not missing, f"devstack's vLLM no longer passes {missing}"
+    svc.argv = [a for a in svc.argv if a not in BILLING_FLAGS]
+    svc.start()
+    try:
+        yield f"127.0.0.1:{BARE_VLLM_PORT}"
+    finally:
+        svc.stop()
+
+
+def test_a_vllm_without_the_billing_flags_fails(config_path: Path, vllm_url: str,
+                                                bare_vllm: str) -> None:
+    cfg = _config(config_path, TEST_DIR / "doctor" / "bare.yaml", [VLLM, bare_vllm])
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    assert all(line.startswith("OK ") for line in _lines_of(lines, VLLM).values())
+    got = _lines_of(lines, bare_vllm)
+    assert {k for k, v in got.items() if not v.startswith("OK ")} == \
+        {"prompt_tokens_details", "tool_parser"}
+    assert got["prompt_tokens_details"] == (
+        "FAIL prompt_tokens_details: usage.prompt_tokens_details is missing: start vLLM "
+        "with --enable-prompt-tokens-details (without it prefix-cache hits are billed as "
+        "uncached input)")
+    assert got["tool_parser"].startswith("FAIL tool_parser: a request with tools got HTTP 400: ")
+    assert got["tool_parser"].endswith(": start vLLM with --enable-auto-tool-choice "
+                                       "--tool-call-parser <the model's parser> (hermes for "
+                                       "Qwen3)")
+    assert "2 failed" in err
+
+
+def _counter(config: Path, port: int, *args: str) -> Service:
+    argv = [sys.executable, "-m", "tokengate.counter.server", "--config", str(config),
+            "--port", str(port), "--workers", "1", *args]
+    return Service(f"test-counter-check{PORT_OFFSET or ''}", argv,
+                   tcp_ready("127.0.0.1", port), start_timeout_s=120.0,
+                   log_dir=TEST_DIR / "doctor")
+
+
+def test_the_counter_refuses_to_start_on_a_failed_upstream_check(
+        config_path: Path, fast: Callable[..., FastUpstream]) -> None:
+    other = fast(model="other-model")
+    cfg = _config(config_path, TEST_DIR / "doctor" / "counter-other.yaml",
+                  [f"127.0.0.1:{other.port}"])
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "tokengate.counter.server", "--config",
+                        str(cfg), "--port", str(port), "--workers", "1", "--check-upstreams"],
+                       capture_output=True, text=True, timeout=120, check=False,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 1
+    assert (f"counter: upstream check: FAIL tiny-qwen3 127.0.0.1:{other.port} model: serves "
+            "other-model, not tiny-qwen3") in r.stdout
+    assert "listening" not in r.stdout
+    assert r.stderr.strip().endswith("an upstream check failed (lines above); not serving")
+
+
+def test_the_counter_serves_after_a_passing_upstream_check(config_path: Path,
+                                                           vllm_url: str) -> None:
+    svc = _counter(config_path, free_port(), "--check-upstreams")
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    try:
+        log = svc.log_tail(200)
+        assert f"counter: upstream check: OK   tiny-qwen3 {VLLM} count chat_cjk" in log
+        assert (f"counter: upstream check: 1 upstream(s): {len(CHECKS)} OK, 0 warning(s), "
+                "0 failed, 0 skipped") in log
+    finally:
+        svc.stop()
