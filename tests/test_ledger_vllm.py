@@ -1,0 +1,258 @@
+"""The ledger reconciles with vLLM's own counters: the real vLLM CPU server with the plugin
+behind the real edge, a real ledger reading the edge's usage file and the plugin's engine
+records, and a mixed workload whose clients leave early.
+
+What must hold exactly (vLLM 0.32's counting, ``tokengate_vllm.record``):
+
+    Σ completion_tokens in the ledger = growth of vllm:generation_tokens_total
+    Σ prompt_tokens in the ledger     = growth of vllm:prompt_tokens_total
+                                        - Σ over n > 1 engine requests of
+                                          (children prefilled - 1) x its prompt
+
+(vLLM counts a prompt once per child that the engine computed; the ledger bills it once
+per engine request.) One request's record never reaches the ledger (the engine file the
+ledger reads is the plugin's file less that record, a lost write): after
+``ledger.engine_wait_s`` it is billed its own final usage, which equals what the engine
+counted for it, so both sums still hold. The ledger is killed with SIGKILL in the middle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+from tokengate import config as tg_config
+from tokengate.ledger import store
+from tokengate.ledger.engine_record import EngineRecord, parse_record
+from tokengate.ledger.ledger import engine_ledger_id
+from tokengate.ledger.report import query
+from tokengate_dev import devstack
+
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
+from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.fixtures_ledger import svc_name, wait_until
+from tests.test_ledger_engine import joined_config, start_ledger, status
+from tests.test_vllm_plugin import PluginVllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PORT = 18052 + PORT_OFFSET   # the plugin test's vLLM is on 18050 + offset, the suite's 18000
+DROPPED_MAX_TOKENS = 13      # the one request whose record the ledger never sees
+WAIT_S = 3.0                 # ledger.engine_wait_s of this test's ledger
+
+
+@pytest.fixture(scope="module")
+def engine_vllm(cfg: tg_config.Config) -> Iterator[PluginVllm]:
+    """vLLM CPU with the plugin (its stat logger is on once installed), engine records in
+    a file of its own; vLLM's default scheduler."""
+    usage = TEST_DIR / "ledger-vllm" / "engine.jsonl"
+    usage.parent.mkdir(parents=True, exist_ok=True)
+    usage.unlink(missing_ok=True)
+    svc = devstack.vllm_service(cfg.models[MODEL], port=PORT,
+                                name=f"test-vllm-ledger{PORT_OFFSET or ''}")
+    svc.env["TOKENGATE_ENGINE_USAGE_FILE"] = str(usage)
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    try:
+        yield PluginVllm(f"http://127.0.0.1:{PORT}/v1", usage, svc.log_path)
+    finally:
+        svc.stop()
+
+
+class Relay(threading.Thread):
+    """Copies the plugin's complete lines into the file the ledger reads, as they come,
+    less the records ``drop`` picks (one write per batch, like the plugin)."""
+
+    def __init__(self, src: Path, dst: Path, drop: Callable[[EngineRecord], bool]) -> None:
+        super().__init__(daemon=True)
+        self.src, self.dst, self.drop = src, dst, drop
+        self.offset = src.stat().st_size if src.exists() else 0
+        self.stop = threading.Event()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+
+    def copy(self) -> None:
+        if not self.src.exists():
+            return
+        with self.src.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        if not end:
+            return
+        keep = [ln + b"\n" for ln in data[:end].splitlines() if not self.drop(parse_record(ln))]
+        fd = os.open(self.dst, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if keep:
+                os.write(fd, b"".join(keep))
+        finally:
+            os.close(fd)
+        self.offset += end
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            self.copy()
+
+
+def settled_metrics(v: PluginVllm, offset: int, engine_requests: int) -> dict[str, float]:
+    """vLLM's counters once ``engine_requests`` records were written after ``offset`` and
+    the counters stopped moving."""
+    wait_until(lambda: len(v.records_since(offset)) >= engine_requests, 120,
+               what=f"{engine_requests} engine records")
+    prev = v.metrics()
+    while True:
+        time.sleep(0.5)
+        now = v.metrics()
+        if now == prev:
+            return now
+        prev = now
+
+
+def test_the_ledger_bills_exactly_what_vllm_counted(
+        cfg, engine_vllm: PluginVllm, edge_variant_off_vllm: Callable[..., Edge],
+        ledger_config_path: Path, ledger_redis: redis.Redis, redis_url: str, tmp_path: Path):
+    """Streaming and non-streaming chats, a chat free to stop at EOS, streams whose
+    client leaves after a few chunks (one of them n = 2), non-streaming requests whose
+    client times out, completions with two prompts, an n = 2 chat, and the request whose
+    record is lost; the ledger is killed (SIGKILL) and restarted while they run."""
+    v = engine_vllm
+
+    def upstream(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{PORT}"]
+
+    edge = edge_variant_off_vllm("ledger-vllm", upstream)
+    engine_file = tmp_path / "engine" / "engine.jsonl"
+    relay = Relay(v.usage_file, engine_file, lambda r: r.max_tokens == DROPPED_MAX_TOKENS)
+    config = joined_config(ledger_config_path, tmp_path / "tokengate.yaml",
+                           engine_wait_s=WAIT_S)
+    name = svc_name("test-ledger-vllm")
+    offset, before = v.size(), v.metrics()
+    relay.start()
+    ledger = start_ledger(config, redis_url, name, usage_file=edge.usage_file,
+                          engine_files=[engine_file])
+
+    def client(timeout: float = 300) -> openai.OpenAI:
+        return openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY, max_retries=0,
+                             timeout=timeout)
+
+    exact = {"ignore_eos": True}
+    usage_opts = {"include_usage": True}
+
+    def chat(max_tokens: int, free: bool = False) -> None:
+        client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"chat {max_tokens}"}],
+            max_tokens=max_tokens, extra_body=None if free else exact)
+
+    def stream(max_tokens: int, leave_after: int | None = None, n: int = 1) -> None:
+        s = client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"stream {max_tokens}"}],
+            max_tokens=max_tokens, n=n, stream=True, stream_options=usage_opts,
+            extra_body=exact)
+        chunks = 0
+        for chunk in s:
+            chunks += bool(chunk.choices and chunk.choices[0].delta.content)
+            if leave_after is not None and chunks >= leave_after:
+                break
+        s.close()
+
+    def timeout(max_tokens: int) -> None:
+        with pytest.raises(openai.APITimeoutError):
+            client(timeout=1.5).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "timeout"}],
+                max_tokens=max_tokens, extra_body=exact)
+
+    def completions(max_tokens: int) -> None:
+        client().completions.create(model=MODEL, prompt=["first prompt", "the second one"],
+                                    max_tokens=max_tokens, extra_body=exact)
+
+    def n2(max_tokens: int) -> None:
+        client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "two"}], max_tokens=max_tokens,
+            n=2, extra_body=exact)
+
+    # (job, engine requests it makes)
+    jobs: list[tuple[Callable[[], None], int]] = [
+        (lambda: chat(5), 1), (lambda: chat(17), 1), (lambda: chat(40), 1),
+        (lambda: chat(30, free=True), 1), (lambda: chat(DROPPED_MAX_TOKENS), 1),
+        (lambda: stream(12), 1), (lambda: stream(33), 1),
+        (lambda: stream(400, leave_after=3), 1), (lambda: stream(300, leave_after=10), 1),
+        (lambda: stream(300, leave_after=4, n=2), 2),
+        (lambda: timeout(3000), 1), (lambda: timeout(3000), 1),
+        (lambda: completions(8), 2), (lambda: n2(11), 2),
+    ]
+    killed_mid_stream = False
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            futs = [pool.submit(job) for job, _n in jobs]
+            wait_until(lambda: 2 <= len(edge.events()) < len(jobs), 120,
+                       what="some requests finished, not all")
+            assert ledger.proc is not None
+            os.kill(ledger.proc.pid, signal.SIGKILL)
+            ledger.proc.wait(5)
+            killed_mid_stream = len(edge.events()) < len(jobs)
+            ledger = start_ledger(config, redis_url, name, usage_file=edge.usage_file,
+                                  engine_files=[engine_file])
+            for f in futs:
+                f.result()
+        after = settled_metrics(v, offset, sum(n for _job, n in jobs))
+        wait_until(lambda: len(edge.events()) == len(jobs), 30, what="every usage event")
+        wait_until(lambda: relay.offset == v.size(), 10, what="the relay caught up")
+        wait_until(lambda: (status(name)["waiting"], int(ledger_redis.hget(
+            store.stats_key(name), "applied") or 0)) == (0, len(jobs)), 60,
+            what="every request billed")
+    finally:
+        ledger.stop()
+        relay.stop.set()
+        relay.join(5)
+    assert killed_mid_stream
+
+    records = v.records_since(offset)
+    events = {ev["request_id"]: ev for ev in edge.events()}
+    assert {r.edge_request_id for r in records} == set(events)
+    (row,) = query(ledger_redis)
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    prompt_counted = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    per_request: dict[str, list[EngineRecord]] = {}
+    for r in records:
+        per_request.setdefault(r.request_id, []).append(r)
+    repeated_prompts = sum((sum(c.prefilled for c in children) - 1) * children[0].num_prompt_tokens
+                           for children in per_request.values()
+                           if children[0].n > 1 and any(c.prefilled for c in children))
+    assert repeated_prompts > 0      # the n = 2 requests' second prompts
+    assert row.completion_tokens == generated > 0
+    assert row.prompt_tokens == prompt_counted - repeated_prompts > 0
+    assert (row.requests, row.settled_engine, row.engine_missing, row.disagreements) == \
+        (len(jobs), len(jobs) - 1, 1, 0)
+
+    # Each request: clients that left pay what the engine generated, not what the edge saw.
+    audit = {f["rid"]: f for _id, f in ledger_redis.xrange(store.AUDIT_KEY)}
+    (lost,) = [r for r in records if r.max_tokens == DROPPED_MAX_TOKENS]
+    assert audit[lost.edge_request_id]["settled"] == "edge"
+    assert (int(audit[lost.edge_request_id]["completion"]),
+            int(audit[lost.edge_request_id]["prompt"])) == \
+        (lost.num_generation_tokens, lost.num_prompt_tokens) == \
+        (events[lost.edge_request_id]["completion_tokens"],
+         events[lost.edge_request_id]["prompt_tokens"])
+    left = [rid for rid, ev in events.items() if ev["client_aborted"]]
+    assert len(left) == 5
+    for rid in left:
+        gen = sum(r.num_generation_tokens for r in records if r.edge_request_id == rid)
+        assert audit[rid]["settled"] == "engine"
+        assert int(audit[rid]["completion"]) == gen
+        assert int(audit[rid]["edge_completion"]) == events[rid]["completion_tokens"]
+    assert any(int(audit[rid]["completion"]) != events[rid]["completion_tokens"]
+               for rid in left)
+    s = status(name)
+    assert (s["engine_unmatched"], s["engine_late"], s["disagreements"]) == (0, 0, 0)
+    eng = {k: int(x) for k, x in ledger_redis.hgetall(
+        store.stats_key(engine_ledger_id(name, engine_file))).items()}
+    assert (eng["engine_records"], eng.get("engine_duplicates", 0)) == (len(records) - 1, 0)
