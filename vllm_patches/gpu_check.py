@@ -11,18 +11,20 @@ leaves after a few chunks, non-streaming ``n = 2`` chats and non-streaming clien
 that time out. Each request carries an ``X-Request-Id`` as the edge sends it. After
 the last answer it waits for the engine records of every request and reports:
 
-- TTFT p50/p99 of completed short and long streams (client side, ms), the longest
-  engine queue wait (the records' ``queued_ms``), output tokens/s (the records'
-  generated tokens over the run's wall time);
-- vLLM's own batch figures from ``/metrics``: mean ``vllm:num_requests_running``
-  (sampled every 0.5 s while requests are in flight) and tokens per engine iteration
-  (``vllm:iteration_tokens_total`` sum / count over the run);
+- TTFT p50/p99 of completed short and long streams (client side, ms);
+- the engine side, as ``tokengate_vllm.figures`` defines it (``make bench-scheduler``
+  reports the same): the longest engine queue wait (the records' ``queued_ms``), output
+  tokens/s (the records' generated tokens over the run's wall time), vLLM's own batch
+  figures from ``/metrics`` (mean ``vllm:num_requests_running``, sampled every 0.5 s while
+  requests are in flight, and tokens per engine iteration, ``vllm:iteration_tokens_total``
+  sum / count over the run);
 - the reconciliation: one record per engine request sent (``n = 2``: two), Σ
   ``num_generation_tokens`` = growth of ``vllm:generation_tokens_total``, Σ
   ``num_prompt_tokens`` of prefilled records = growth of ``vllm:prompt_tokens_total``;
   exit status 1 when any of these fails.
 
-Standard library only: it runs in any vLLM environment.
+Standard library only (with ``tokengate_vllm.figures``, found next to this file): it
+runs in any vLLM environment.
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ import argparse
 import http.client
 import json
 import random
-import statistics
 import sys
-import threading
 import time
 import urllib.parse
 import uuid
@@ -42,6 +42,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tokengate_vllm.figures import (
+    RUNNING,
+    EngineFigures,
+    GaugeSampler,
+    engine_figures,
+    metrics,
+    percentile,
+    record_key,
+    settled_metrics,
+    wait_for_records,
+)
 
 CLASSES = ("short", "long", "leave", "n2", "timeout")
 WEIGHTS = (0.62, 0.18, 0.08, 0.07, 0.05)
@@ -62,67 +74,16 @@ class Sent:
 
 
 @dataclass
-class Figures:
-    """What one run measured (see the module docstring)."""
+class Figures(EngineFigures):
+    """What one run measured (see the module docstring): the engine side plus what the
+    clients saw."""
 
-    label: str
-    duration_s: float
+    label: str = ""
+    duration_s: float = 0.0
     requests: dict[str, int] = field(default_factory=dict)
     ttft_ms: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    max_queued_ms: float | None = None
-    output_tokens_per_s: float = 0.0
-    mean_running: float | None = None
-    tokens_per_iteration: float | None = None
-    records: int = 0
-    records_expected: int = 0
-    missing: list[str] = field(default_factory=list)
-    generation_tokens: int = 0
-    generation_counter: float = 0.0
-    prompt_tokens: int = 0
-    prompt_counter: float = 0.0
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def reconciled(self) -> bool:
-        return (not self.missing and self.records == self.records_expected
-                and self.generation_tokens == self.generation_counter
-                and self.prompt_tokens == self.prompt_counter)
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """The p-th percentile (0..100, nearest rank) of ``values``; None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, int(-(-p * len(s) // 100)) - 1))
-    return s[k]
-
-
-def metrics(base: str) -> dict[str, float]:
-    """vLLM's ``/metrics``: every ``vllm:*`` sample summed over its label sets."""
-    u = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:") and " " in line:
-            name, _, value = line.rpartition(" ")
-            key = name.split("{", 1)[0]
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def read_records(path: Path, offset: int) -> list[dict[str, Any]]:
-    """Engine records in complete lines after byte ``offset``."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()[offset:]
-    return [json.loads(x) for x in data[: data.rfind(b"\n") + 1].splitlines() if x.strip()]
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -216,83 +177,44 @@ def run(base: str, model: str, usage_file: Path, duration_s: float, rate: float,
     offset = usage_file.stat().st_size if usage_file.exists() else 0
     before = metrics(base)
     sent: list[Sent] = []
-    running: list[float] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.5):
-            try:
-                running.append(metrics(base).get("vllm:num_requests_running", 0.0))
-            except OSError:
-                pass
-
     progress(f"{label}: {len(plan)} requests over {duration_s:.0f} s")
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(256) as pool:
-        futs = []
-        for at, kind in plan:
-            delay = t0 + at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            body, leave_after, timeout_s, n = body_for(rng, kind)
-            s = Sent(uuid.uuid4().hex, kind, n, time.monotonic())
-            sent.append(s)
-            futs.append(pool.submit(send, base, model, s, body, leave_after, timeout_s))
-        for f in futs:
-            f.result()
-    wall = time.monotonic() - t0
-    done.set()
+    sampler = GaugeSampler(base, (RUNNING,))
+    with sampler:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(256) as pool:
+            futs = []
+            for at, kind in plan:
+                delay = t0 + at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                body, leave_after, timeout_s, n = body_for(rng, kind)
+                s = Sent(uuid.uuid4().hex, kind, n, time.monotonic())
+                sent.append(s)
+                futs.append(pool.submit(send, base, model, s, body, leave_after, timeout_s))
+            for f in futs:
+                f.result()
+        wall = time.monotonic() - t0
     keys = {f"chatcmpl-{s.request_id}#{i}" for s in sent if s.error is None for i in range(s.n)}
-    deadline = time.monotonic() + 120
-    while True:
-        recs = read_records(usage_file, offset)
-        got = {f"{r['request_id']}#{r['index']}" for r in recs}
-        if keys <= got or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    prev = metrics(base)
-    while True:  # the counters move in the same loop iteration as the records
-        time.sleep(0.5)
-        after = metrics(base)
-        if after == prev:
-            break
-        prev = after
-    return summarize(label, wall, sent, recs, keys, before, after, running)
+    recs = wait_for_records(usage_file, offset,
+                            lambda rs: keys <= {record_key(r) for r in rs})
+    after = settled_metrics(base)
+    return summarize(label, wall, sent, recs, keys, before, after, sampler.samples[RUNNING])
 
 
 def summarize(label: str, wall_s: float, sent: list[Sent], recs: list[dict[str, Any]],
               keys: set[str], before: dict[str, float], after: dict[str, float],
               running: list[float]) -> Figures:
     """The figures of one run from what was sent, the engine records written after the
-    run began (only those of ``keys`` count) and ``/metrics`` before and after."""
-    mine = [r for r in recs if f"{r['request_id']}#{r['index']}" in keys]
-    got = {f"{r['request_id']}#{r['index']}" for r in mine}
-    f = Figures(label=label, duration_s=round(wall_s, 1))
+    run began (only those of ``keys`` count), ``/metrics`` before and after and the
+    ``vllm:num_requests_running`` samples."""
+    e = engine_figures(recs, wall_s, before, after, {RUNNING: running}, keys=keys)
+    f = Figures(label=label, duration_s=round(wall_s, 1), **vars(e))
     for kind in CLASSES:
         f.requests[kind] = sum(1 for s in sent if s.kind == kind)
     for kind in ("short", "long"):
         ttfts = [s.ttft * 1000 for s in sent if s.kind == kind and s.ttft is not None
                  and s.error is None]
         f.ttft_ms[kind] = {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)}
-    queued = [r["queued_ms"] for r in mine if r["queued_ms"] is not None]
-    f.max_queued_ms = max(queued) if queued else None
-    f.generation_tokens = sum(r["num_generation_tokens"] for r in mine)
-    f.prompt_tokens = sum(r["num_prompt_tokens"] for r in mine if r["prefilled"])
-    f.output_tokens_per_s = round(f.generation_tokens / wall_s, 1) if wall_s else 0.0
-    f.generation_counter = after.get("vllm:generation_tokens_total", 0.0) - \
-        before.get("vllm:generation_tokens_total", 0.0)
-    f.prompt_counter = after.get("vllm:prompt_tokens_total", 0.0) - \
-        before.get("vllm:prompt_tokens_total", 0.0)
-    f.mean_running = round(statistics.fmean(running), 2) if running else None
-    n_iter = after.get("vllm:iteration_tokens_total_count", 0.0) - \
-        before.get("vllm:iteration_tokens_total_count", 0.0)
-    s_iter = after.get("vllm:iteration_tokens_total_sum", 0.0) - \
-        before.get("vllm:iteration_tokens_total_sum", 0.0)
-    f.tokens_per_iteration = round(s_iter / n_iter, 2) if n_iter else None
-    f.records, f.records_expected = len(mine), len(keys)
-    f.missing = sorted(keys - got)[:20]
     f.errors = sum(1 for s in sent if s.error is not None)
     for s in sent:
         if s.error is not None:
