@@ -45,6 +45,7 @@ from typing import Any
 
 from tokengate_vllm.figures import (
     RUNNING,
+    WAITING,
     EngineFigures,
     GaugeSampler,
     engine_figures,
@@ -178,7 +179,7 @@ def run(base: str, model: str, usage_file: Path, duration_s: float, rate: float,
     before = metrics(base)
     sent: list[Sent] = []
     progress(f"{label}: {len(plan)} requests over {duration_s:.0f} s")
-    sampler = GaugeSampler(base, (RUNNING,))
+    sampler = GaugeSampler(base, (RUNNING, WAITING))
     with sampler:
         t0 = time.monotonic()
         with ThreadPoolExecutor(256) as pool:
@@ -198,16 +199,18 @@ def run(base: str, model: str, usage_file: Path, duration_s: float, rate: float,
     recs = wait_for_records(usage_file, offset,
                             lambda rs: keys <= {record_key(r) for r in rs})
     after = settled_metrics(base)
-    return summarize(label, wall, sent, recs, keys, before, after, sampler.samples[RUNNING])
+    return summarize(label, wall, sent, recs, keys, before, after, sampler.samples[RUNNING],
+                     sampler.samples[WAITING])
 
 
 def summarize(label: str, wall_s: float, sent: list[Sent], recs: list[dict[str, Any]],
               keys: set[str], before: dict[str, float], after: dict[str, float],
-              running: list[float]) -> Figures:
+              running: list[float], waiting: list[float] | None = None) -> Figures:
     """The figures of one run from what was sent, the engine records written after the
     run began (only those of ``keys`` count), ``/metrics`` before and after and the
-    ``vllm:num_requests_running`` samples."""
-    e = engine_figures(recs, wall_s, before, after, {RUNNING: running}, keys=keys)
+    ``vllm:num_requests_running`` and ``_waiting`` samples."""
+    e = engine_figures(recs, wall_s, before, after,
+                       {RUNNING: running, WAITING: waiting or []}, keys=keys)
     f = Figures(label=label, duration_s=round(wall_s, 1), **vars(e))
     for kind in CLASSES:
         f.requests[kind] = sum(1 for s in sent if s.kind == kind)
