@@ -6,7 +6,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast bench-counter bench lint model clean
+.PHONY: setup run test test-fast bench-counter bench bench-scheduler lint model clean
 
 setup:
 	@bash scripts/setup.sh
@@ -29,6 +29,12 @@ bench-counter: setup
 # `python -m tokengate_dev.bench.storm --help`.
 bench: setup
 	@$(PY) -m tokengate_dev.bench.storm $(BENCH_ARGS)
+
+# vLLM's FCFS order against the plugin's token-weighted scheduler: the vLLM CPU server
+# started twice, the same TokenStorm workload each time; results in bench/results/.
+# BENCH_ARGS: see `python -m tokengate_dev.bench.scheduler --help`.
+bench-scheduler: setup
+	@$(PY) -m tokengate_dev.bench.scheduler $(BENCH_ARGS)
 
 lint: setup
 	@$(PY) -m ruff check sidecars dev vllm_patches tests
