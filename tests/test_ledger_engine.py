@@ -516,3 +516,25 @@ def test_engine_only_needs_engine_files(config_path):
                         str(config_path), "--engine-only", "--once"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "engine_only without engine files" in r.stderr
+
+
+def test_make_runs_ledger_reads_the_embedded_vllms_engine_records(
+        config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make run``'s ledger gets the file the embedded vLLM's plugin writes, unless the
+    configuration names engine files itself (then those, from the configuration)."""
+    monkeypatch.setattr(devstack, "nginx_service",
+                        lambda *a, **k: devstack.Service("nginx", ["true"], lambda: False))
+    raw = yaml.safe_load(config_path.read_text())
+
+    def ledger_argv(**ledger: Any) -> list[str]:
+        raw["ledger"] = {**raw.get("ledger", {}), **ledger}
+        path = tmp_path / "tokengate.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        (svc,) = [s for s in devstack.stack(path) if s.name == "ledger"]
+        (vllm,) = [s for s in devstack.stack(path) if s.name == "vllm"]
+        assert vllm.env["TOKENGATE_ENGINE_USAGE_FILE"] == str(devstack.VAR / "usage/engine.jsonl")
+        return svc.argv
+
+    argv = ledger_argv()
+    assert argv[argv.index("--engine-file") + 1] == str(devstack.VAR / "usage" / "engine.jsonl")
+    assert "--engine-file" not in ledger_argv(engine_usage_files=["elsewhere/engine.jsonl"])

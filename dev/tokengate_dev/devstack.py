@@ -23,7 +23,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -90,8 +90,10 @@ def redis_service(port: int = 6380, name: str = "redis") -> Service:
 
 def ledger_service(config_path: Path, usage_file: Path | None = None,
                    redis_url: str | None = None, ledger_id: str | None = None,
-                   name: str = "ledger") -> Service:
-    """The usage ledger (``tokengate-ledger``): tails the usage file into Redis.
+                   name: str = "ledger", engine_files: Sequence[Path] = ()) -> Service:
+    """The usage ledger (``tokengate-ledger``): tails the usage file into Redis, and the
+    vLLM plugin's ``engine_files`` when given (``--engine-file``; else those of
+    ``ledger.engine_usage_files``), whose records then settle the bill.
 
     Ready once it wrote its status file (``var/run/<name>.status.json``, refreshed every
     second: applied, lag_bytes, redis_up, ...); one left by an earlier ledger is
@@ -107,6 +109,8 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
         argv += ["--redis-url", redis_url]
     if ledger_id is not None:
         argv += ["--ledger-id", ledger_id]
+    for f in engine_files:
+        argv += ["--engine-file", str(f)]
     # the status file is the probe: the one a previous ledger wrote must not count
     return _service(name, argv, status.exists, start_timeout_s=30.0,
                     prepare=lambda: status.unlink(missing_ok=True))
@@ -210,7 +214,8 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     ``redis.url``), the counter (gRPC on ``counter_port``), the
     global-limit sidecar (only with ``global_limits.enabled``), the embedded vLLM of each
     model that says ``embedded: true`` (none when every model's upstreams are servers of
-    their own), the nginx edge (rendered into ``var/run/nginx``) and the usage ledger."""
+    their own), the nginx edge (rendered into ``var/run/nginx``) and the usage ledger
+    (which reads the embedded vLLM's engine usage records too)."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
     from tokengate.tools.compile_config import edge_config
@@ -230,9 +235,14 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     services += [vllm_service(m, port=int(m.upstreams[0].rpartition(":")[2]),
                               name="vllm" if len(cfg.models) == 1 else f"vllm-{name}")
                  for name, m in cfg.models.items() if m.embedded]
+    # the embedded vLLM's engine records (vllm_service's default file) settle the bill,
+    # unless the configuration names the engine files itself
+    engine = [VAR / "usage" / "engine.jsonl"] \
+        if any(m.embedded for m in cfg.models.values()) and not cfg.ledger.engine_usage_files \
+        else []
     return services + [
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
-        ledger_service(config_path),
+        ledger_service(config_path, engine_files=engine),
     ]
 
 
