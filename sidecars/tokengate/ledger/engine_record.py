@@ -47,7 +47,6 @@ The parser is strict about the keys it knows and ignores keys it does not know, 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +58,8 @@ from tokengate.ledger.event import (
     _get,
     _int,
     _ms,
-    _no_duplicates,
-    _reject_constant,
     _str,
+    json_object,
     parse_ts,
 )
 
@@ -123,16 +121,7 @@ def parse_record(line: bytes | str) -> EngineRecord:
     ``index >= n``, an abort record whose finish_reason is not ``abort``, generated
     tokens without ``prefilled``, or ``num_cached_tokens > num_prompt_tokens``.
     """
-    try:
-        text = line.decode("utf-8") if isinstance(line, bytes) else line
-        obj = json.loads(text, object_pairs_hook=_no_duplicates,
-                         parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise EventError(f"not UTF-8: {e}") from None
-    except json.JSONDecodeError as e:
-        raise EventError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise EventError("not a JSON object")
+    obj = json_object(line)
     ts, arrival = _str(obj, "ts"), _str(obj, "arrival_ts")
     parse_ts(ts)
     parse_ts(arrival)

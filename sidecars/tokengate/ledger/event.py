@@ -150,6 +150,22 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def json_object(line: bytes | str) -> dict[str, Any]:
+    """One line as a strict JSON object: UTF-8, no duplicate keys, no NaN/Infinity.
+    Raises ``EventError``. Shared by the edge's events and the engine's records."""
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        obj = json.loads(text, object_pairs_hook=_no_duplicates,
+                         parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise EventError(f"not UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise EventError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise EventError("not a JSON object")
+    return obj
+
+
 def _get(obj: dict[str, Any], name: str) -> Any:
     if name not in obj:
         raise EventError(f"{name}: missing")
@@ -213,16 +229,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
     duplicate keys, NaN/Infinity, a missing key, a wrong type, a value out of range,
     or ``cached_tokens > prompt_tokens``.
     """
-    try:
-        text = line.decode("utf-8") if isinstance(line, bytes) else line
-        obj = json.loads(text, object_pairs_hook=_no_duplicates,
-                         parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise EventError(f"not UTF-8: {e}") from None
-    except json.JSONDecodeError as e:
-        raise EventError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise EventError("not a JSON object")
+    obj = json_object(line)
     rid = _str(obj, "request_id")
     if not _REQUEST_ID.fullmatch(rid):
         raise EventError(f"request_id: expected 32 hex digits, got {rid!r}")
