@@ -264,9 +264,22 @@ def test_events_without_engine_usage_are_billed_at_once(ledger_redis, usage_writ
     ev = make_event(status=429, usage_source="none", prompt_tokens=0, completion_tokens=0,
                     error="rate_limit_exceeded")
     usage_writer.write(ev)
-    totals = joined().drain()
+    led = joined()
+    totals = led.drain()
     assert (totals.applied, totals.parked, totals.settled_engine) == (1, 0, 0)
     assert audit(ledger_redis)[ev.request_id]["settled"] == "edge"
+    # A vLLM that failed after it started generating (500, no usage): records that came
+    # first bill nothing either, whichever order (counted late, dropped).
+    failed = make_event(status=500, usage_source="none", prompt_tokens=0, completion_tokens=0,
+                        error="upstream_error")
+    engine_writer.record(record(failed.request_id, gen=7, finish="error"))
+    led.drain()
+    usage_writer.write(failed)
+    totals = led.drain()
+    assert (totals.applied, totals.engine_late, totals.settled_engine) == (2, 1, 0)
+    assert not ledger_redis.exists(store.eng_key(failed.request_id))
+    assert ledger_redis.zcard(store.ENG_WAIT_KEY) == 0
+    assert the_row(ledger_redis).completion_tokens == 0
 
 
 def test_records_of_no_edge_request_are_counted_not_billed(ledger_redis, engine_writer,
