@@ -92,6 +92,8 @@ def test_errors_nginx_makes_itself_have_the_openai_shape(edge: Edge) -> None:
          "request_too_large"),
         (b"GET /elsewhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404,
          "unknown_url"),
+        (b"TRACE /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 405,
+         "method_not_allowed"),
         (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH.encode()
          + b"Content-Type: application/json\r\nContent-Length: 70000000\r\n"
          b"Connection: close\r\n\r\n", 413, "request_too_large"),
@@ -139,3 +141,21 @@ def test_a_failed_counter_is_skipped_for_its_backoff(edge_variant: Callable[...,
     while "failing open" not in e.log_path.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert e.log_path.read_text().count("counter unavailable (timeout") == 1
+
+
+def test_a_large_body_that_times_out_does_not_switch_the_counter_off(
+        edge_variant: Callable[..., Edge], slow_counter: Path) -> None:
+    def tight(raw: dict[str, Any]) -> None:
+        raw["edge"]["count_timeout_ms"] = 300
+        raw["edge"]["counter_backoff_ms"] = 60000
+    e = edge_variant("counter-heavy", tight, counter_socket=slow_counter)
+    heavy = {"model": MODEL, "max_tokens": 2,
+             "messages": [{"role": "user", "content": "word " * 60000}]}
+    status, headers, _ = post_raw(e, "/v1/chat/completions", heavy)
+    assert headers["x-token-count-source"] == "estimate"
+    # one slow body says nothing about the counter: the next request still asks it
+    assert e.status()["counter_backing_off"] is False
+    small = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, headers, _ = post_raw(e, "/v1/chat/completions", small)
+    assert (status, headers["x-token-count-source"]) == (200, "estimate")
+    assert e.status()["counter_backing_off"] is True

@@ -23,6 +23,9 @@ local ENDPOINT = { chat = 1, completions = 2 }
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
+-- a body this large may take the counter longer than count_timeout_ms by itself (a 1k-
+-- token prompt is ~5 KB): its timeout does not open the counter's breaker
+local HEAVY_BYTES = 256 * 1024
 
 local cache -- per-worker LRU: route .. model .. sha1(body) -> reply
 local client -- tokengate.sidecar client of the counter
@@ -45,7 +48,8 @@ local function ask(route, model, body)
     if hit then
         return hit
     end
-    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT[route], body))
+    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT[route], body),
+        #body > HEAVY_BYTES)
     if not msg then
         return nil, failure
     end

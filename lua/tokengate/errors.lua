@@ -117,6 +117,8 @@ local NGINX = {
     [400] = { "The request could not be parsed (bad request line or headers).",
               "invalid_request" },
     [404] = { "Invalid URL: the API is under /v1/.", "unknown_url" },
+    [405] = { "Method not allowed (nginx refuses TRACE, and methods it does not know).",
+              "method_not_allowed" },
     [408] = { "The request was not received in time.", "request_timeout" },
     [413] = { "Request body is larger than the gateway accepts.", "request_too_large" },
     [414] = { "Request URI is too long.", "request_too_large" },

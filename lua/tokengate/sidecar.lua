@@ -192,25 +192,29 @@ local function exchange(sock, path, frame)
     return read_response(sock)
 end
 
--- failure(self, reason, message, grpc_status) -> nil, failure; opens the breaker for
--- the reasons that say the sidecar is down or slow.
-local function failure(self, reason, message, grpc_status)
-    if reason ~= "error" and reason ~= "backoff" and self.backoff_s > 0 then
+-- failure(self, reason, message, grpc_status, heavy) -> nil, failure; opens the breaker
+-- for the reasons that say the sidecar is down or slow. heavy: the call was large, so a
+-- timeout says nothing about the sidecar (a client must not be able to switch a sidecar
+-- off for everyone with one slow body).
+local function failure(self, reason, message, grpc_status, heavy)
+    if reason ~= "error" and reason ~= "backoff" and self.backoff_s > 0
+            and not (heavy and reason == "timeout") then
         self.dict:set(self.breaker_key, true, self.backoff_s)
     end
     return nil, { reason = reason, message = message, grpc_status = grpc_status }
 end
 
--- call(path, message) -> reply message bytes | nil, failure
+-- call(path, message, heavy) -> reply message bytes | nil, failure
 --   path: the gRPC method, "/tokengate.v1.TokenCounter/CountTokens"; message: the
---   serialized request (unframed protobuf bytes). Every method called through here is
+--   serialized request (unframed protobuf bytes); heavy: a large call whose timeout
+--   does not open the breaker. Every method called through here is
 --   idempotent, so a pooled connection the hop server had closed is retried once.
 --   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
 --                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
 --                      | "status" (another non-zero gRPC status: the sidecar's verdict)
 --                      | "error" (a broken reply or an unexpected HTTP status),
 --               grpc_status = <number> | nil, message = <grpc-message or why> }
-function _M.call(self, path, message)
+function _M.call(self, path, message, heavy)
     if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
         return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
     end
@@ -234,7 +238,8 @@ function _M.call(self, path, message)
     if not code then
         sock:close()
         if h == "timeout" then
-            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
+            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil,
+                heavy)
         end
         return failure(self, "down", tostring(h))
     end
@@ -248,14 +253,14 @@ function _M.call(self, path, message)
         if gs == GRPC_UNAVAILABLE then
             return failure(self, "unavailable", h.grpc_message or "", gs)
         elseif gs == GRPC_DEADLINE_EXCEEDED then
-            return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", gs)
+            return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", gs, heavy)
         end
         return nil, { reason = "status", grpc_status = gs, message = h.grpc_message or "" }
     end
     if code == 502 then
         return failure(self, "down", self.name .. " unreachable (hop answered 502)")
     elseif code == 504 then
-        return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
+        return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil, heavy)
     elseif code ~= 200 then
         return failure(self, "error", "hop answered HTTP " .. code)
     end
