@@ -34,7 +34,8 @@ local _M = { name = "global" }
 local RESERVE = "/tokengate.v1.GlobalLimits/Reserve"
 local SETTLE = "/tokengate.v1.GlobalLimits/Settle"
 local LIMITED_BY = { [1] = "requests", [2] = "tokens" }
-local WINDOW = 60 -- s: Retry-After of a request that can never fit, as tokengate.local_limit
+-- s: Retry-After of a request that can never fit, the same window as the local tier's
+local WINDOW = require("tokengate.local_limit").WINDOW
 local MAX_QUEUE = 10000 -- settlements waiting per worker
 local DRAINERS = 4 -- timers sending settlements per worker
 -- the sidecar client's failure reasons -> the fallback counters' names

@@ -65,7 +65,6 @@ local function retry_after(prev, cur, limit, cost, f)
     end
     return max(1, ceil(dt - 1e-9))
 end
-_M.retry_after = retry_after
 
 -- reset_s(prev, cur, f) -> seconds until the window counts have slid out completely.
 local function reset_s(prev, cur, f)

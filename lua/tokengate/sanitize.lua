@@ -637,6 +637,4 @@ function _M.request(route, body, model, edge)
     return st
 end
 
-_M.find_special = find_special
-
 return _M
