@@ -28,6 +28,7 @@ from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate.ledger.report import UsageRow, query
+from tokengate.ledger.tail import UsageTail
 from tokengate_dev import devstack
 
 from tests.fixtures_ledger import (
@@ -236,6 +237,31 @@ def test_restart_resumes_across_two_rotations(cfg, ledger_redis, usage_writer, l
     again = ledger_factory(rotate_wait_s=0.0)
     totals = again.drain()
     assert (totals.applied, totals.duplicates) == (300, 0)
+    assert_ledger_equals(ledger_redis, events, cfg)
+
+
+def test_a_rotation_while_the_ledger_starts_loses_no_file(cfg, ledger_redis, usage_writer,
+                                                          ledger_factory, monkeypatch):
+    """The ledger lists the usage folder and then opens each name; a logrotate between
+    the two made it open the new file under the old name and never see the renamed one
+    (150 of 300 events applied until the next restart)."""
+    events = workload(300, seed=13)
+    for ev in events[:150]:
+        usage_writer.write(ev)
+    listing = UsageTail._listing
+    rotated = []
+
+    def rotate_after_first_listing(self: UsageTail) -> dict[str, tuple[int, int]]:
+        names = listing(self)
+        if not rotated:
+            rotated.append(usage_writer.rotate())
+            for ev in events[150:]:
+                usage_writer.write(ev)
+        return names
+
+    monkeypatch.setattr(UsageTail, "_listing", rotate_after_first_listing)
+    totals = ledger_factory(rotate_wait_s=0.0).drain()
+    assert rotated and (totals.applied, totals.duplicates) == (300, 0)
     assert_ledger_equals(ledger_redis, events, cfg)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -133,27 +134,53 @@ class UsageTail:
 
     # -- positioning ---------------------------------------------------------------
 
-    def _siblings(self) -> list[_Open]:
-        """The usage file and its rotated siblings, open; by mtime, the live file last."""
-        out: list[_Open] = []
-        seen: set[tuple[int, int]] = set()
-        live = self._live_ino()
-        if not self.path.parent.is_dir():
-            return []
-        for p in sorted(self.path.parent.iterdir()):
-            if not p.name.startswith(self.path.name) or p.name.endswith(COMPRESSED):
+    def _listing(self) -> dict[str, tuple[int, int]]:
+        """Names of the usage file and its uncompressed rotated siblings -> (dev, ino)."""
+        out: dict[str, tuple[int, int]] = {}
+        try:
+            entries = list(os.scandir(self.path.parent))
+        except OSError:
+            return out
+        for e in entries:
+            if not e.name.startswith(self.path.name) or e.name.endswith(COMPRESSED):
                 continue
             try:
-                fd = os.open(p, os.O_RDONLY)
+                st = os.stat(e.path)
             except OSError:
                 continue
-            st = os.fstat(fd)
-            ino = (st.st_dev, st.st_ino)
-            if ino in seen or not os.path.isfile(p):
-                os.close(fd)
-                continue
-            seen.add(ino)
-            out.append(_Open(p, fd, ino, fingerprint(fd)))
+            if stat.S_ISREG(st.st_mode):
+                out[e.name] = (st.st_dev, st.st_ino)
+        return out
+
+    def _siblings(self) -> list[_Open]:
+        """The usage file and its rotated siblings, open; by mtime, the live file last.
+
+        A rotation can run while they are listed and opened (the ledger starting during
+        a logrotate): a name listed before a rename opens the new file, and the renamed
+        one would be missed until the next start. So the folder is listed again after
+        the files are open, until both listings agree with what was opened."""
+        out: list[_Open] = []
+        for attempt in range(20):
+            before = self._listing()
+            out = []
+            for name, ino in sorted(before.items()):
+                if any(o.ino == ino for o in out):  # a second name of one file
+                    continue
+                try:
+                    fd = os.open(self.path.parent / name, os.O_RDONLY)
+                except OSError:
+                    continue
+                st = os.fstat(fd)
+                out.append(_Open(self.path.parent / name, fd, (st.st_dev, st.st_ino),
+                                 fingerprint(fd)))
+            stable = before == self._listing() and \
+                {o.ino for o in out} == set(before.values())
+            if stable or attempt == 19:
+                break
+            for o in out:
+                o.close()
+            time.sleep(0.01)
+        live = self._live_ino()
         out.sort(key=lambda o: (o.ino == live, os.fstat(o.fd).st_mtime))
         return out
 
