@@ -99,15 +99,8 @@ if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
   echo "$STAMP" > .venv/.tokengate-install
 fi
 
-# gRPC stubs, generated from proto/ (never edited by hand).
-for proto in proto/tokengate/v1/*.proto; do
-  name=$(basename "$proto" .proto)
-  out=sidecars/tokengate/v1/${name}_pb2.py
-  if [ ! -f "$out" ] || [ "$proto" -nt "$out" ]; then
-    .venv/bin/python -m grpc_tools.protoc -Iproto --python_out=sidecars --pyi_out=sidecars \
-      --grpc_python_out=sidecars "$proto"
-  fi
-done
+# gRPC stubs, generated from proto/ (never edited by hand; the package build does the same).
+.venv/bin/python sidecars/build_stubs.py
 
 # The embedded model (deterministic: same files on every machine).
 if [ ! -f var/models/tiny-qwen3/.complete ]; then

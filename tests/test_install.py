@@ -455,3 +455,70 @@ def test_the_vllm_unit_serves_with_the_flags_billing_needs(
     record = json.loads(engine.read_text().splitlines()[-1])
     assert (record["num_prompt_tokens"], record["num_generation_tokens"]) == \
         (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+@dataclass
+class BaseVenv:
+    python: Path
+    size_mb: int
+
+
+@pytest.fixture(scope="module")
+def base_venv(tmp_path_factory: pytest.TempPathFactory) -> BaseVenv:
+    """A fresh virtualenv with only the runtime (``pip install ./sidecars``, as the README
+    tells a GPU host's operator): its dependencies resolved by pip, no vLLM, no torch."""
+    venv = tmp_path_factory.mktemp("base") / "venv"
+    # the machine's own Python, as an operator's venv would be (not the dev venv's)
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT / "sidecars")],
+                       capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    du = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True, check=True)
+    return BaseVenv(py, int(du.stdout.split()[0]))
+
+
+@pytest.mark.slow
+def test_the_base_install_needs_no_vllm_or_torch_and_is_consistent(
+        base_venv: BaseVenv) -> None:
+    def imports(module: str) -> bool:
+        return subprocess.run([str(base_venv.python), "-c", f"import {module}"],
+                              capture_output=True, timeout=120, check=False).returncode == 0
+
+    assert not imports("torch") and not imports("vllm")
+    assert imports("tokengate.counter.server") and imports("tokengate.v1.counter_pb2_grpc")
+    check = subprocess.run([str(base_venv.python), "-m", "pip", "check"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert check.returncode == 0, check.stdout
+    print(f"base install: {base_venv.size_mb} MB")
+
+
+@pytest.mark.slow
+def test_the_counter_unit_of_a_base_install_counts_like_the_full_one(
+        base_venv: BaseVenv, config_path: Path, redis_url: str, counter_addr: str,
+        tmp_path: Path) -> None:
+    """`tokengate install` run with the base install's own `tokengate`: its counter unit
+    starts from that virtualenv and gives the same count as the development one."""
+    cfg = test_config(config_path, redis_url, tmp_path / "tokengate.yaml")
+    prefix = tmp_path / "root"
+    r = subprocess.run([str(base_venv.python.parent / "tokengate"), "install", "--prefix",
+                        str(prefix), "--source", str(ROOT), "--config", str(cfg),
+                        "--vllm-python", sys.executable],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    unit = prefix / "etc/systemd/system/tokengate-counter.service"
+    assert units.read_unit(unit).value("Service", "ExecStart").split()[0] == \
+        str(base_venv.python.parent / "tokengate-counter")
+    with grpc.insecure_channel(counter_addr) as ch:
+        want = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
+            endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30).prompt_tokens
+    c = units.start(unit, prefix, tmp_path / "logs")
+    try:
+        sock = prefix / "run/tokengate/counter.sock.0"
+        c.wait_for(sock.exists, 90, "socket of the first worker")
+        with grpc.insecure_channel(f"unix:{sock}") as ch:
+            got = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
+                endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30)
+    finally:
+        c.stop()
+    assert got.prompt_tokens == want
