@@ -49,9 +49,6 @@ PORT = 18052 + PORT_OFFSET   # the plugin test's vLLM is on 18050 + offset, the 
 DROPPED_MAX_TOKENS = 13      # the one request whose record the ledger never sees
 WAIT_S = 3.0                 # ledger.engine_wait_s of this test's ledger
 
-# These run against the real vLLM CPU server and depend on how fast it generates
-# relative to the test's own steps; they are not yet reliable on a loaded machine.
-TIMING = ("timing-dependent on a shared 2-core machine: in a fresh-clone CI run the blockers did not overlap or a timed-out client was answered first (see the closing note); kept running, not yet reliable")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +118,6 @@ def settled_metrics(v: PluginVllm, offset: int, engine_requests: int) -> dict[st
         prev = now
 
 
-@pytest.mark.xfail(strict=False, reason=TIMING)
 def test_the_ledger_bills_exactly_what_vllm_counted(
         cfg, engine_vllm: PluginVllm, edge_variant_off_vllm: Callable[..., Edge],
         ledger_config_path: Path, ledger_redis: redis.Redis, redis_url: str, tmp_path: Path):

@@ -155,12 +155,14 @@ class Service:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout_s``; returns once no
-        process of the group is alive (at most 5 s after the SIGKILL). Also stops what
-        is left of a group whose main process has already exited."""
+        process of the group is alive (at most 30 s after the SIGKILL: a killed process
+        with a large address space, vLLM's engine core loading torch, can take seconds to
+        exit on a loaded machine). Also stops what is left of a group whose main process
+        has already exited."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the main process leads its group
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 30.0)):
             if self._group_gone(pgid):
                 return
             try:
