@@ -123,6 +123,13 @@ function _M.load(path)
     end
     for digest, k in pairs(d.keys) do
         k.digest = digest
+        -- null: every model; else the set of names the key may use
+        if k.allowed_models ~= cjson.null then
+            k.allowed = {}
+            for _, name in ipairs(k.allowed_models) do
+                k.allowed[name] = true
+            end
+        end
     end
     doc = setmetatable(d, nil)
     rules = sampling.rules(d.access_log)

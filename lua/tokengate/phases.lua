@@ -133,10 +133,10 @@ local function listing(ctx, doc)
         return nil, err
     end
     if route == "models" then
-        return answer(200, models.list(doc))
+        return answer(200, models.list(doc, ctx.key))
     elseif route == "model" then
         local text
-        text, err = models.retrieve(doc, ctx.model_id)
+        text, err = models.retrieve(doc, ctx.key, ctx.model_id)
         if not text then
             return nil, err
         end
@@ -153,6 +153,9 @@ local function what(ctx, doc)
     if not body then
         ctx.model = err.model
         return nil, err
+    end
+    if not models.allowed(ctx.key, body.model) then
+        return models.not_found(body.model)
     end
     local model = doc.models[body.model]
     ctx.model, ctx.model_entry = model.name, model
