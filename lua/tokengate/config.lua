@@ -14,6 +14,7 @@ local ipairs = ipairs
 local setmetatable = setmetatable
 local sort = table.sort
 local find = string.find
+local floor = math.floor
 
 local _M = {}
 
@@ -123,6 +124,13 @@ function _M.load(path)
     end
     for digest, k in pairs(d.keys) do
         k.digest = digest
+        for _, b in ipairs(k.budgets) do
+            b.model = b.model ~= cjson.null and b.model or nil
+            b.tokens = b.tokens ~= cjson.null and b.tokens or nil
+            -- tokengate.budget counts spend in whole nano-units of the currency
+            b.spend = b.spend ~= cjson.null and b.spend or nil
+            b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
+        end
         -- null: every model; else the set of names the key may use
         if k.allowed_models ~= cjson.null then
             k.allowed = {}
