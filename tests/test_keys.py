@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import EDGE_DIR, PORT_OFFSET, Edge
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
 
@@ -140,3 +142,43 @@ def test_keys_list_json_never_shows_a_key(keys_edge: tuple[Edge, Path, Path]) ->
         {"rpm": 7, "tpm": 700, "allowed_models": [MODEL], "models": {}}
     assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
         [("day", None, 2.5, None), ("month", MODEL, None, 1000)]
+
+
+def test_a_reload_under_streaming_load_drops_nothing(
+        edge_variant_off_vllm: Callable[..., Edge], slow_upstream_url: str) -> None:
+    name = "keys-stream"
+    hostport = slow_upstream_url.removeprefix("http://").removesuffix("/v1")
+    edge = edge_variant_off_vllm(name, _with_fast(hostport))
+    path = EDGE_DIR / name / "tokengate.yaml"
+    prefix = EDGE_DIR / f"test-nginx-{name}{PORT_OFFSET or ''}"
+    client = openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY, max_retries=0)
+
+    def stream(_: int) -> tuple[int, str | None, str | None]:
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1500,
+            stream=True, stream_options={"include_usage": True})
+        finish, usage, rid = None, None, None
+        for c in chunks:
+            rid = rid or c.id
+            if c.choices and c.choices[0].finish_reason:
+                finish = c.choices[0].finish_reason
+            if c.usage is not None:
+                usage = c.usage.completion_tokens
+        return usage or 0, finish, rid
+
+    with ThreadPoolExecutor(16) as pool:
+        running = [pool.submit(stream, i) for i in range(32)]
+        time.sleep(0.3)  # under way: 1500 tokens at 2 ms each, >= 3 s a stream, two waves
+        in_flight = []
+        for i in range(2):
+            made = tokengate("keys", "create", f"during-{i}", "--rpm", "10", "--tpm", "1000",
+                             "--config", path, "--edge", prefix)
+            assert made.returncode == 0, made.stderr
+            in_flight.append(sum(not f.done() for f in running))
+        results = [f.result() for f in running]
+    assert in_flight[0] > 0  # the reloads happened while streams were being answered
+    assert results == [(1500, "length", r[2]) for r in results]
+    assert all(ev["status"] == 200 and not ev["client_aborted"]
+               and ev["completion_tokens"] == 1500
+               for ev in edge.events() if ev["key_id"] == "edge-main")
+    assert len([ev for ev in edge.events() if ev["key_id"] == "edge-main"]) == 32
