@@ -434,7 +434,7 @@ def test_client_strings_are_clipped_in_answers_and_usage_events(edge: Edge) -> N
     r = post(edge, json.dumps({**chat("hi"), "model": name}))
     assert_error(r, 404, "model_not_found", "model")
     assert r.json()["error"]["message"] == \
-        f"The model `{'m' * 64}…` does not exist"
+        f"The model `{'m' * 64}…` does not exist or you do not have access to it."
     ev = edge.event(r.headers["x-request-id"])
     assert (ev["model"], ev["error"], ev["key_id"]) == (None, "model_not_found", "edge-main")
     # an unknown configured-looking name is not logged either; a known one is

@@ -73,7 +73,8 @@ def test_models_retrieve_answers_like_openai(edge: Edge) -> None:
     except openai.NotFoundError as e:
         assert e.status_code == 404
         assert e.body["code"] == "model_not_found"
-        assert e.body["message"] == "The model 'no-such-model' does not exist"
+        assert e.body["message"] == ("The model `no-such-model` does not exist or you do not "
+                                     "have access to it.")
 
 
 def _openai_error(status: int, headers: dict[str, str], body: bytes) -> dict[str, Any]:

@@ -9,6 +9,7 @@ local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 local bounds = require "tokengate.bounds"
+local models_mod = require "tokengate.models"
 
 local ngx_req = ngx.req
 local io_open = io.open
@@ -194,8 +195,7 @@ local function check_common(body, models)
     end
     local m = models[model]
     if not m then
-        return fail(404, format("The model `%s` does not exist", clip(model)), "model",
-            "model_not_found")
+        return models_mod.not_found(model)
     end
     -- n completions cost n times the output: bounded per model (max_n, default 8)
     local n = json_integer(body.n)

@@ -14,10 +14,11 @@ local ipairs = ipairs
 local setmetatable = setmetatable
 local sort = table.sort
 local find = string.find
+local floor = math.floor
 
 local _M = {}
 
-local VERSION = 3 -- tokengate.tools.compile_config.VERSION
+local VERSION = 4 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -123,6 +124,20 @@ function _M.load(path)
     end
     for digest, k in pairs(d.keys) do
         k.digest = digest
+        for _, b in ipairs(k.budgets) do
+            b.model = b.model ~= cjson.null and b.model or nil
+            b.tokens = b.tokens ~= cjson.null and b.tokens or nil
+            -- tokengate.budget counts spend in whole nano-units of the currency
+            b.spend = b.spend ~= cjson.null and b.spend or nil
+            b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
+        end
+        -- null: every model; else the set of names the key may use
+        if k.allowed_models ~= cjson.null then
+            k.allowed = {}
+            for _, name in ipairs(k.allowed_models) do
+                k.allowed[name] = true
+            end
+        end
     end
     doc = setmetatable(d, nil)
     rules = sampling.rules(d.access_log)

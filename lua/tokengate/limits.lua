@@ -10,12 +10,15 @@
 --
 -- What a request reserves (DESIGN contract 3): RPM 1 and TPM
 --     prompt + n x prompts x min(max_tokens_effective, model.output_reserve)
--- settled at the end by (prompt + completion) - reserved.
+-- settled at the end by (prompt + completion) - reserved. A key's budgets
+-- (tokengate.budget, req.budget) are reserved after every rate tier admitted, and
+-- settled with the real cost.
 
 local ngx = ngx
 local errors = require "tokengate.errors"
 local local_limit = require "tokengate.local_limit"
 local global_limit = require "tokengate.global_limit"
+local budget = require "tokengate.budget"
 
 local ngx_now = ngx.now
 local format = string.format
@@ -32,6 +35,9 @@ local TIERS = { local_limit }
 -- dict_name: the lua_shared_dict of the windows and the breakers.
 function _M.init_worker(doc, hop_address, dict_name)
     local ok, err = local_limit.init(dict_name)
+    if ok then
+        ok, err = budget.init(dict_name)
+    end
     if not ok then
         return nil, err
     end
@@ -123,19 +129,32 @@ function _M.reserve(req)
             return nil, rejection(req, refused)
         end
     end
+    if req.budget then
+        local ok, err = budget.reserve(req.budget)
+        if not ok then
+            for j = n, 1, -1 do
+                admitted[j].uncommit(req)
+            end
+            return nil, err
+        end
+    end
     req.admitted = admitted
     return true
 end
 
--- settle(req, actual): the request ended having used actual tokens (prompt + completion);
--- every tier that admitted it corrects its window.
-function _M.settle(req, actual)
+-- settle(req, actual, cost): the request ended having used actual tokens (prompt +
+-- completion) that cost cost (currency units; needed only with req.budget); every tier
+-- that admitted it corrects its window, and its budgets their spend.
+function _M.settle(req, actual, cost)
     local admitted = req.admitted
     if not admitted then
         return
     end
     for i = 1, #admitted do
         admitted[i].settle(req, actual)
+    end
+    if req.budget then
+        budget.settle(req.budget, actual, cost)
     end
 end
 

@@ -3,7 +3,9 @@
 --   list:  {"object": "list", "data": [<model>, ...]}   (sorted by id)
 --   model: {"id", "object": "model", "created": 0, "owned_by": "tokengate",
 --           "max_model_len": <tokens>}
--- An unknown id is 404 model_not_found, as OpenAI answers it.
+-- A key with allowed_models sees only those. An unknown id, and a model the key may not
+-- use, is 404 model_not_found with OpenAI's message for both (so a key cannot tell a
+-- model it may not use from one that does not exist).
 
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
@@ -29,37 +31,71 @@ local function model_object(id, m)
     return o
 end
 
-local function build(doc)
-    local names = {}
+-- names(doc, key) -> the model names the key may use, sorted
+local function names(doc, key)
+    local out = {}
     for name in pairs(doc.models) do
-        names[#names + 1] = name
+        if not key.allowed or key.allowed[name] then
+            out[#out + 1] = name
+        end
     end
-    sort(names)
+    sort(out)
+    return out
+end
+
+-- build(doc, key) -> {list = text, by_id = {id -> text}} of what the key sees
+local function build(doc, key)
+    local ids = names(doc, key)
     local data, by_id = json.array(), {}
-    for i = 1, #names do
-        local o = model_object(names[i], doc.models[names[i]])
+    for i = 1, #ids do
+        local o = model_object(ids[i], doc.models[ids[i]])
         data[i] = o
-        by_id[names[i]] = json.encode(o)
+        by_id[ids[i]] = json.encode(o)
     end
     local list = json.object()
     json.set(list, "object", "list")
     json.set(list, "data", data)
-    local b = { list = json.encode(list), by_id = by_id }
-    built[doc] = b
+    return { list = json.encode(list), by_id = by_id }
+end
+
+-- seen(doc, key) -> build(doc, key), built once per configuration and key
+local function seen(doc, key)
+    local per_key = built[doc]
+    if not per_key then
+        per_key = {}
+        built[doc] = per_key
+    end
+    local b = per_key[key]
+    if not b then
+        b = build(doc, key)
+        per_key[key] = b
+    end
     return b
 end
 
--- list(doc) -> JSON text of the model list. doc: the compiled configuration.
-function _M.list(doc)
-    return (built[doc] or build(doc)).list
+-- not_found(id) -> nil, err: 404 model_not_found, OpenAI's answer to a model that does
+-- not exist or that the key may not use. id: the requested model name (clipped).
+function _M.not_found(id)
+    return errors.refuse(404, format("The model `%s` does not exist or you do not have "
+        .. "access to it.", errors.clip(id)), "model", "model_not_found")
 end
 
--- retrieve(doc, id) -> JSON text of one model | nil, err (404 model_not_found).
-function _M.retrieve(doc, id)
-    local text = (built[doc] or build(doc)).by_id[id]
+-- allowed(key, name) -> true when the key may use the served model name
+function _M.allowed(key, name)
+    return not key.allowed or key.allowed[name] == true
+end
+
+-- list(doc, key) -> JSON text of the models the key may use. doc: the compiled
+-- configuration; key: the compiled key.
+function _M.list(doc, key)
+    return seen(doc, key).list
+end
+
+-- retrieve(doc, key, id) -> JSON text of one model | nil, err (404 model_not_found).
+function _M.retrieve(doc, key, id)
+    local text = seen(doc, key).by_id[id]
     if not text then
-        return errors.refuse(404, format("The model '%s' does not exist", errors.clip(id)),
-            "model", "model_not_found")
+        return _M.not_found(id)
     end
     return text
 end

@@ -31,6 +31,7 @@ local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
 local drift = require "tokengate.drift"
+local budget = require "tokengate.budget"
 local request = require "tokengate.request"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
@@ -43,6 +44,7 @@ local ngx_exit = ngx.exit
 local ngx_print = ngx.print
 local ERR = ngx.ERR
 local mono_ms = clock.mono_ms
+local ngx_now = ngx.now
 local find = string.find
 local match = string.match
 local type = type
@@ -133,10 +135,10 @@ local function listing(ctx, doc)
         return nil, err
     end
     if route == "models" then
-        return answer(200, models.list(doc))
+        return answer(200, models.list(doc, ctx.key))
     elseif route == "model" then
         local text
-        text, err = models.retrieve(doc, ctx.model_id)
+        text, err = models.retrieve(doc, ctx.key, ctx.model_id)
         if not text then
             return nil, err
         end
@@ -153,6 +155,9 @@ local function what(ctx, doc)
     if not body then
         ctx.model = err.model
         return nil, err
+    end
+    if not models.allowed(ctx.key, body.model) then
+        return models.not_found(body.model)
     end
     local model = doc.models[body.model]
     ctx.model, ctx.model_entry = model.name, model
@@ -189,8 +194,11 @@ local function how_much(ctx, doc)
     if counted.body_changed then
         text = json.encode(body)
     end
-    limits.reservation(ctx.limit_req, counted.prompt, counted.prompts, out,
-        json_integer(body.n) or 1, model.output_reserve)
+    local n = json_integer(body.n) or 1
+    limits.reservation(ctx.limit_req, counted.prompt, counted.prompts, out, n,
+        model.output_reserve)
+    ctx.limit_req.budget = budget.request(ctx.key, model, doc, counted.prompt,
+        out * n * counted.prompts, ngx_now())
     ctx.text = text
     return text
 end
@@ -288,6 +296,10 @@ function _M.header_filter()
     h["X-Request-Id"] = ngx_var.request_id
     if ctx.rate then
         limits.headers(h, ctx.rate)
+    end
+    local req = ctx.limit_req
+    if req and req.budget then
+        budget.headers(h, req.budget)
     end
     if ctx.token_estimate then
         h["X-Token-Count"] = ctx.token_estimate
@@ -389,8 +401,11 @@ function _M.log()
         return unauthenticated(ctx, status, aborted)
     end
     local ev = usage.record(ctx, status, aborted)
-    if ctx.limit_req then
-        limits.settle(ctx.limit_req, ev.prompt_tokens + ev.completion_tokens)
+    local req = ctx.limit_req
+    if req then
+        local cost = req.budget and budget.cost(ctx.model_entry.cost, config.get().billing,
+            ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
+        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost)
     end
     drift.report(ctx, ev.count_drift)
     if ctx.replica then

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tokengate import config as tg_config
-from tokengate import doctor, install
+from tokengate import doctor, install, keys
 from tokengate.ledger import report
 
 CONFIG_HELP = """\
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     _config_parser(sub)
     install.add_parser(sub)
     doctor.add_parser(sub)
+    keys.add_parser(sub)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tokengate usage | head` ends quietly
     sys.exit(args.func(args))

@@ -269,11 +269,47 @@ class Limits(_Schema):
     tpm: Positive = Field(description="Tokens per minute (prompt + completion).")
 
 
+class Budget(_Schema):
+    """A spend limit and/or a token quota of one key (or of one key and model) per UTC
+    calendar period. Admission reserves a request's worst-case cost (its prompt at the
+    input price with the context penalty, plus its whole completion budget at the output
+    price: ``tokengate.ledger.calculator``) and the response settles the real cost, so
+    concurrent requests never spend past ``spend`` or ``tokens``."""
+
+    period: Literal["day", "month"] = Field(
+        description="The UTC calendar period the budget covers: `day` (resets at 00:00 "
+                    "UTC), `month` (resets on the 1st at 00:00 UTC).")
+    spend: float | None = Field(
+        default=None, gt=0.0,
+        description="Spend limit per period, in `currency` (the cost `tokengate usage` "
+                    "reports). null: no spend limit.")
+    tokens: Positive | None = Field(
+        default=None,
+        description="Token quota per period, tokens (prompt + completion). null: none.")
+    model: NonEmpty | None = Field(
+        default=None,
+        description="Served model name: the budget counts that model's requests only. "
+                    "null: every request of the key.")
+
+    @model_validator(mode="after")
+    def _something(self) -> Budget:
+        if self.spend is None and self.tokens is None:
+            raise _Rules([("spend", "a budget needs spend, tokens or both")])
+        return self
+
+    @property
+    def scope(self) -> str:
+        """What the budget counts: ``*`` (every model) or the model's name."""
+        return self.model or "*"
+
+
 class KeyConfig(_Schema):
     """One API key (``keys.<key id>``); only the SHA-256 digest of the key is stored.
 
-    Coupled (checked on the whole file): each ``models`` override names a configured
-    model, and no two keys share a digest (the edge finds a key by its digest).
+    Coupled (checked on the whole file): each ``models`` override, ``allowed_models``
+    entry and budget ``model`` names a configured model, a key has at most one budget
+    per (model, period), and no two keys share a digest (the edge finds a key by its
+    digest).
     """
 
     sha256: Sha256 = Field(
@@ -283,6 +319,15 @@ class KeyConfig(_Schema):
     models: dict[str, Limits] = Field(
         default={},
         description="Per-model limits of this key, by served model name.")
+    allowed_models: list[NonEmpty] | None = Field(
+        default=None,
+        description="Served models this key may use; any other is answered 404 "
+                    "`model_not_found` like a model that does not exist, and /v1/models "
+                    "lists only these. null: every model.")
+    budgets: list[Budget] = Field(
+        default=[],
+        description="Spend limits and token quotas per UTC day or month (429 "
+                    "`insufficient_quota` once spent).")
 
 
 # --- sidecars --------------------------------------------------------------------------
@@ -679,10 +724,21 @@ class Config(_Schema):
         problems: list[tuple[str, str]] = []
         owner: dict[str, str] = {}
         for key_id, k in self.keys.items():
+            known = f"not a configured model ({', '.join(self.models)})"
             for model in k.models:
                 if model not in self.models:
-                    problems.append((f"keys.{key_id}.models.{model}",
-                                     f"not a configured model ({', '.join(self.models)})"))
+                    problems.append((f"keys.{key_id}.models.{model}", known))
+            for i, model in enumerate(k.allowed_models or []):
+                if model not in self.models:
+                    problems.append((f"keys.{key_id}.allowed_models.{i}", known))
+            seen: set[tuple[str, str]] = set()
+            for i, b in enumerate(k.budgets):
+                if b.model is not None and b.model not in self.models:
+                    problems.append((f"keys.{key_id}.budgets.{i}.model", known))
+                if (b.scope, b.period) in seen:
+                    why = f"a second {b.period} budget for {b.model or 'every model'}"
+                    problems.append((f"keys.{key_id}.budgets.{i}", why))
+                seen.add((b.scope, b.period))
             if k.sha256 in owner:
                 problems.append((f"keys.{key_id}.sha256",
                                  f"same digest as keys.{owner[k.sha256]}"))
@@ -784,17 +840,23 @@ def parse(raw: Any, path: Path) -> Config:
         raise ConfigError(errors_of(e)) from None
 
 
+def loads(text: str, path: Path) -> Config:
+    """Validate ``text``, the YAML of the file ``path`` (which need not exist yet: the
+    ``tokengate keys`` commands check an edit before writing it). Raises ``ConfigError``."""
+    try:
+        raw = yaml.load(text, Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"(yaml):{where}: {problem}") from None
+    return parse(raw, path)
+
+
 def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read and validate the configuration file (``default_path()`` when ``path`` is None).
 
     Raises ``ConfigError`` (one line per problem, each naming its key) or ``OSError``.
     """
     p = Path(path if path is not None else default_path()).resolve()
-    try:
-        raw = yaml.load(p.read_text(), Loader=_Loader) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"(yaml):{where}: {problem}") from None
-    return parse(raw, p)
+    return loads(p.read_text(), p)

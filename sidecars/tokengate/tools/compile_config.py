@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 2,
+      "version": 4,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -21,7 +21,12 @@ fields only the edge needs, derived here:
         }
       },
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
-                                "models": {"<model>": {"rpm": <int>, "tpm": <int>}}}},
+                                "models": {"<model>": {"rpm": <int>, "tpm": <int>}},
+                                "allowed_models": ["<model>", ...] or null (every model),
+                                "budgets": [{"period": "day" | "month",
+                                             "spend": <currency> or null,
+                                             "tokens": <int> or null,
+                                             "model": "<model>" or null}]}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
@@ -57,7 +62,8 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 3  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved
+VERSION = 4  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+#             4: keys carry allowed_models and budgets
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

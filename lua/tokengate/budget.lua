@@ -1,0 +1,262 @@
+-- Budgets: spend limits and token quotas per key (or key and model) per UTC day or
+-- month (keys.<id>.budgets, tokengate.config.Budget), in the lua_shared_dict of the
+-- limits, shared by every worker of this edge. A shared dict survives `nginx -s reload`.
+--
+-- Admission reserves the request's worst case: its prompt at the input price with the
+-- context penalty (no cache hit assumed) plus its whole completion budget (max_tokens
+-- effective x n x prompts; not the TPM's output_reserve, which may be less) at the
+-- output price; the response settles the real cost. Spend is counted in integer
+-- nano-units of the currency (1e-9), each request's cost rounded up, so the counter is
+-- never below the ledger's sum and integer adds stay exact. incr-then-check (as in
+-- tokengate.local_limit): incr is atomic across workers and returns the total with
+-- every concurrent reservation, so concurrent requests can never reserve past a budget.
+--
+-- cost() is the formula of tokengate.ledger.calculator.charge (its docstring is the
+-- source; tests/test_budgets.py checks the two agree).
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+
+local floor = math.floor
+local ceil = math.ceil
+local min = math.min
+local max = math.max
+local os_date = os.date
+local format = string.format
+local tostring = tostring
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+
+local _M = {}
+
+local NANO = 1e9
+local PER_TOKENS = 1e6 -- prices are per 1M tokens
+local DAY = 86400
+local TTL = { day = 2 * DAY, month = 33 * DAY } -- a period's counters outlive it
+local NAMES = { day = "daily", month = "monthly" }
+
+local dict
+
+-- init(dict_name) -> true | nil, err
+function _M.init(dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. tostring(dict_name)
+    end
+    return true
+end
+
+-- cost(weights, billing, prompt, completion, cached, system) -> currency units.
+-- weights: the model's cost {input, output, cached} per 1M tokens; billing: the compiled
+-- billing section {exclude_system_tokens, context_penalty = {threshold, rate}}; token
+-- counts as in vLLM's usage (prompt includes cached).
+function _M.cost(weights, billing, prompt, completion, cached, system)
+    local c = min(cached, prompt)
+    local excluded = billing.exclude_system_tokens and min(system, prompt) or 0
+    local from_cached = min(excluded, c)
+    local cached_billed = c - from_cached
+    local input_billed = (prompt - c) - (excluded - from_cached)
+    local pen = billing.context_penalty
+    local factor = prompt > pen.threshold and 1.0 + pen.rate * (prompt - pen.threshold)
+        or 1.0
+    return (input_billed * factor * weights.input + completion * weights.output
+        + cached_billed * weights.cached) / PER_TOKENS
+end
+
+-- nano(cost) -> whole nano-units, rounded up
+local function nano(cost)
+    return ceil(cost * NANO - 1e-6)
+end
+
+-- days_from_civil(y, m, d) -> days since 1970-01-01 (H. Hinnant's algorithm,
+-- "chrono-Compatible Low-Level Date Algorithms")
+local function days_from_civil(y, m, d)
+    if m <= 2 then
+        y = y - 1
+    end
+    local era = floor(y / 400)
+    local yoe = y - era * 400
+    local mp = (m + 9) % 12
+    local doy = floor((153 * mp + 2) / 5) + d - 1
+    local doe = yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + doy
+    return era * 146097 + doe - 719468
+end
+
+-- period(kind, now) -> id (days or months since the epoch), seconds until it ends,
+-- its end as "YYYY-MM-DDT00:00:00Z"
+local function period(kind, now)
+    if kind == "day" then
+        local id = floor(now / DAY)
+        return id, (id + 1) * DAY - now, os_date("!%Y-%m-%dT00:00:00Z", (id + 1) * DAY)
+    end
+    local t = os_date("!*t", floor(now))
+    local y, m = t.year, t.month + 1
+    if m > 12 then
+        y, m = y + 1, 1
+    end
+    local ends = days_from_civil(y, m, 1) * DAY
+    return (t.year - 1970) * 12 + t.month - 1, ends - now,
+        format("%04d-%02d-01T00:00:00Z", y, m)
+end
+
+-- request(key, model, doc, prompt, completion, now) -> the request's budget
+-- reservation | nil (no budget applies). key: the compiled key (budgets list); model:
+-- the compiled model (name, cost); doc: the compiled configuration (billing,
+-- currency); prompt: prompt tokens; completion: the most completion tokens it may
+-- generate (all completions of all prompts).
+function _M.request(key, model, doc, prompt, completion, now)
+    local list = key.budgets
+    if #list == 0 then
+        return nil
+    end
+    local items = {}
+    for i = 1, #list do
+        local b = list[i]
+        if not b.model or b.model == model.name then
+            local id, left, ends = period(b.period, now)
+            items[#items + 1] = {
+                b = b, left = left, ends = ends,
+                name = key.id .. ":" .. (b.model or "*") .. ":" .. b.period .. ":" .. id,
+            }
+        end
+    end
+    if #items == 0 then
+        return nil
+    end
+    return {
+        key_id = key.id, items = items, currency = doc.currency,
+        cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0)),
+        tokens = prompt + completion,
+    }
+end
+
+-- add(name, delta, ttl) -> the counter's new value | nil (logged)
+local function add(name, delta, ttl)
+    local v, err = dict:incr(name, delta, 0, ttl)
+    if not v then
+        ngx_log(ERR, "tokengate budget: incr ", name, ": ", err)
+    end
+    return v
+end
+
+-- take_back(bud, upto): the reservation of items 1..upto is taken back
+local function take_back(bud, upto)
+    for i = 1, upto do
+        local it = bud.items[i]
+        local ttl = TTL[it.b.period]
+        if it.b.spend_nano then
+            add("bs" .. it.name, -bud.cost, ttl)
+        end
+        if it.b.tokens then
+            add("bt" .. it.name, -bud.tokens, ttl)
+        end
+    end
+end
+
+-- rejection(bud, it, kind, used) -> the 429 insufficient_quota error
+local function rejection(bud, it, kind, used)
+    local b = it.b
+    local scope = b.model and ("model " .. b.model) or "every model"
+    local what
+    if kind == "spend" then
+        what = format("%s spend limit of %s %s (%s): %.6f spent or reserved, this request "
+            .. "may cost up to %.6f", NAMES[b.period], tostring(b.spend), bud.currency, scope,
+            used / NANO, bud.cost / NANO)
+    else
+        what = format("%s token quota of %d tokens (%s): %d used or reserved, this request "
+            .. "may use up to %d", NAMES[b.period], b.tokens, scope, used, bud.tokens)
+    end
+    local retry = max(1, ceil(it.left))
+    return errors.new(429, format("You exceeded your current quota on key %s: the %s. It "
+        .. "resets at %s (in %ds).", bud.key_id, what, it.ends, retry), nil,
+        "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry) })
+end
+
+-- reserve(bud) -> true | nil, err (429 insufficient_quota). Sets bud.state: the
+-- remaining budget for the headers.
+function _M.reserve(bud)
+    local items = bud.items
+    for i = 1, #items do
+        local it = items[i]
+        local b, ttl = it.b, TTL[it.b.period]
+        if b.spend_nano then
+            local v = add("bs" .. it.name, bud.cost, ttl)
+            if v and v > b.spend_nano then
+                add("bs" .. it.name, -bud.cost, ttl)
+                take_back(bud, i - 1)
+                return nil, rejection(bud, it, "spend", v - bud.cost)
+            end
+            it.spent = v or 0
+        end
+        if b.tokens then
+            local v = add("bt" .. it.name, bud.tokens, ttl)
+            if v and v > b.tokens then
+                add("bt" .. it.name, -bud.tokens, ttl)
+                if b.spend_nano then
+                    add("bs" .. it.name, -bud.cost, ttl)
+                end
+                take_back(bud, i - 1)
+                return nil, rejection(bud, it, "tokens", v - bud.tokens)
+            end
+            it.used = v or 0
+        end
+    end
+    bud.admitted = true
+    return true
+end
+
+-- settle(bud, tokens, cost): the request ended having used tokens (prompt +
+-- completion) that cost cost (currency units, tokengate.ledger.calculator's formula):
+-- each counter of the period it was admitted in is corrected by real - reserved.
+function _M.settle(bud, tokens, cost)
+    if not bud.admitted then
+        return
+    end
+    bud.admitted = nil
+    local real = nano(cost)
+    for i = 1, #bud.items do
+        local it = bud.items[i]
+        local ttl = TTL[it.b.period]
+        if it.b.spend_nano and real ~= bud.cost then
+            add("bs" .. it.name, real - bud.cost, ttl)
+        end
+        if it.b.tokens and tokens ~= bud.tokens then
+            add("bt" .. it.name, tokens - bud.tokens, ttl)
+        end
+    end
+end
+
+-- headers(h, bud): x-budget-{limit,remaining,reset}-{spend,tokens} of the budget of
+-- each kind with the least left after this request's reservation (spend in the
+-- currency, 6 decimals; reset as seconds, whole).
+function _M.headers(h, bud)
+    local spend, tokens
+    for i = 1, #bud.items do
+        local it = bud.items[i]
+        local b = it.b
+        if b.spend_nano and it.spent then
+            local left = b.spend_nano - it.spent
+            if not spend or left < spend.left then
+                spend = { left = left, b = b, reset = it.left }
+            end
+        end
+        if b.tokens and it.used then
+            local left = b.tokens - it.used
+            if not tokens or left < tokens.left then
+                tokens = { left = left, b = b, reset = it.left }
+            end
+        end
+    end
+    if spend then
+        h["x-budget-limit-spend"] = format("%.6f", spend.b.spend)
+        h["x-budget-remaining-spend"] = format("%.6f", max(0, spend.left) / NANO)
+        h["x-budget-reset-spend"] = tostring(ceil(spend.reset))
+    end
+    if tokens then
+        h["x-budget-limit-tokens"] = tokens.b.tokens
+        h["x-budget-remaining-tokens"] = max(0, tokens.left)
+        h["x-budget-reset-tokens"] = tostring(ceil(tokens.reset))
+    end
+end
+
+return _M

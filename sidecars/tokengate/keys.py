@@ -1,0 +1,476 @@
+"""``tokengate keys``: create, list, change and revoke API keys in ``tokengate.yaml``.
+
+The file is edited with ruamel.yaml's round-trip mode, so its comments, order and layout
+stay as the operator wrote them; the edited text is validated with the configuration
+schema (``tokengate.config.loads``) and compiled for the edge before anything is
+written, so an edit that would leave a broken file is refused and the file is left as it
+was. A new key is ``tg-`` + 43 URL-safe random characters (256 bits), printed once;
+only its SHA-256 digest is stored.
+
+Applying: after writing, each running edge gets the new configuration: its compiled
+``edge.json`` is written again (atomically) and its nginx master gets SIGHUP (what
+``nginx -s reload`` sends). The command returns once every master runs new workers and
+the old ones are shutting down (their listening sockets closed; streams in flight on
+them continue): from then on a created key is admitted and a revoked one refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from tokengate import config as tg_config
+from tokengate.ledger import report
+from tokengate.redis_client import connect
+
+KEY_PREFIX = "tg-"
+RELOAD_TIMEOUT_S = 10.0
+# --budget: [MODEL:]PERIOD=AMOUNT, AMOUNT a currency amount or a token count ("2000000t")
+BUDGET_SPEC = re.compile(r"^(?:(?P<model>[^:=]+):)?(?P<period>day|month)="
+                         r"(?P<amount>\d+(?:\.\d+)?)(?P<tokens>t)?$")
+
+KEYS_HELP = """\
+Create, list, change and revoke API keys in tokengate.yaml, and apply the change to the
+running edges at once (no restart; streams in flight continue).
+
+  tokengate keys create NAME --rpm N --tpm N [--models a,b] [--budget SPEC]...
+        prints the new key once (tg-...); the file stores only its SHA-256
+  tokengate keys list [--json]
+        names, limits, models, budgets and the spend of the current day / month
+        (from the ledger's Redis: what `tokengate usage` reports); never a key
+  tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
+        [--no-budgets]
+  tokengate keys revoke NAME
+        removes the key: refused (401) once the command returns
+
+  --budget [MODEL:]day=AMOUNT | [MODEL:]month=AMOUNT, AMOUNT in the configuration's
+  currency (day=5.00) or in tokens with a t (month=2000000t); repeat it for several.
+  `set --budget` replaces the key's budget of that model and period.
+
+APPLYING
+  The edges to reload are --edge DIR (a folder with edge.json and nginx.pid, as
+  `make run` renders under var/run/nginx; repeatable), else the ones found: var/run/nginx
+  next to the configuration file (`make run`), and /etc/tokengate/edge.json with
+  /run/nginx.pid (`tokengate install`). --no-apply only writes the file.
+
+EXIT STATUS
+  0 done; 1 the edit is invalid (the file is unchanged; one line per problem) or an
+  edge did not reload; 2 usage error, unknown key, or the file cannot be read.
+"""
+
+
+@dataclass(frozen=True)
+class EdgeTarget:
+    """A running edge: its compiled configuration and its nginx master's pid file."""
+
+    edge_json: Path
+    pid_file: Path
+
+
+def new_key() -> str:
+    """A new API key: ``tg-`` + 43 URL-safe characters (32 random bytes)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def digest(key: str) -> str:
+    """The SHA-256 hex digest the configuration stores for ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_budget(spec: str) -> dict[str, Any]:
+    """``[MODEL:]PERIOD=AMOUNT`` -> a ``Budget`` mapping (model, period, spend or tokens).
+    Raises ``argparse.ArgumentTypeError``."""
+    m = BUDGET_SPEC.match(spec)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"expected [MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the currency, "
+            f"or tokens as 2000000t), got {spec!r}")
+    out: dict[str, Any] = {"period": m["period"]}
+    if m["model"]:
+        out["model"] = m["model"]
+    if m["tokens"]:
+        if "." in m["amount"]:
+            raise argparse.ArgumentTypeError(f"a token quota is a whole number: {spec!r}")
+        out["tokens"] = int(m["amount"])
+    else:
+        out["spend"] = float(m["amount"])
+    return out
+
+
+def _yaml() -> YAML:
+    y = YAML()  # round-trip: comments, order and quoting are kept
+    y.preserve_quotes = True
+    y.width = 4096
+    y.indent(mapping=2, sequence=4, offset=2)  # the layout of the shipped tokengate.yaml
+    return y
+
+
+def _flow(items: list[str]) -> CommentedSeq:
+    seq = CommentedSeq(items)
+    seq.fa.set_flow_style()
+    return seq
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One ``keys`` edit of ``path`` at a time (a lock file beside it)."""
+    lock = path.with_name(f".{path.name}.lock")
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _merge_budgets(key: CommentedMap, budgets: list[dict[str, Any]]) -> None:
+    """Add ``budgets`` to the key's list, each replacing one of the same model and
+    period."""
+    current = key.get("budgets")
+    if current is None:
+        current = CommentedSeq()
+        key["budgets"] = current
+    for b in budgets:
+        for i in reversed(range(len(current))):
+            old = current[i]
+            if old.get("period") == b["period"] and old.get("model") == b.get("model"):
+                del current[i]
+        current.append(CommentedMap(b))
+
+
+def edit(path: Path, change: Any) -> tg_config.Config:
+    """Apply ``change(data)`` (it edits the round-trip YAML data in place) to the file,
+    validate the result and write it atomically. Returns the new configuration.
+    Raises ``ConfigError`` (nothing written) or ``OSError``."""
+    from tokengate.tools.compile_config import compile_config
+
+    y = _yaml()
+    with _locked(path):
+        data = y.load(path.read_text())
+        change(data)
+        buf = io.StringIO()
+        y.dump(data, buf)
+        text = buf.getvalue()
+        cfg = tg_config.loads(text, path.resolve())
+        compile_config(cfg)  # what the edge will load: upstreams resolve, tokenizer files
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
+        tmp.replace(path)
+    return cfg
+
+
+def find_edges(config_path: Path, dirs: list[Path]) -> list[EdgeTarget]:
+    """The edges to reload: ``dirs`` (each with edge.json and nginx.pid), else those of
+    ``make run`` (var/run/nginx beside the file) and of an install (/etc/tokengate)
+    whose pid file exists."""
+    if dirs:
+        return [EdgeTarget(d / "edge.json", d / "nginx.pid") for d in dirs]
+    found = [EdgeTarget(d / "edge.json", d / "nginx.pid")
+             for d in [config_path.resolve().parent / "var" / "run" / "nginx"]]
+    found.append(EdgeTarget(Path("/etc/tokengate/edge.json"), Path("/run/nginx.pid")))
+    return [t for t in found if t.pid_file.exists() and t.edge_json.exists()]
+
+
+def _workers(master: int) -> dict[int, str]:
+    """The master's children: pid -> process title ("nginx: worker process", "nginx:
+    worker process is shutting down", ...)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == master:
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ") \
+                    .decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def reload_edge(target: EdgeTarget, cfg: tg_config.Config,
+                timeout_s: float = RELOAD_TIMEOUT_S) -> None:
+    """Compile ``cfg`` into the edge's edge.json, SIGHUP its master and wait until new
+    workers serve and every old one is shutting down. Raises ``RuntimeError`` when the
+    master is gone or did not reload in time (its error log says why)."""
+    from tokengate.tools import compile_config
+
+    try:
+        master = int(target.pid_file.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{target.pid_file}: no nginx master: {e}") from e
+    compile_config.write(cfg.path, target.edge_json)
+    old = {pid for pid, title in _workers(master).items() if "worker process" in title}
+    try:
+        os.kill(master, signal.SIGHUP)
+    except OSError as e:
+        raise RuntimeError(f"nginx master {master} ({target.pid_file}): {e}") from e
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = _workers(master)
+        fresh = [p for p, t in now.items() if p not in old and t.endswith("worker process")]
+        still = [p for p in old if p in now and not now[p].endswith("shutting down")]
+        if fresh and not still:
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"nginx master {master} ({target.pid_file}) did not reload within "
+                       f"{timeout_s:.0f} s: see its error log")
+
+
+def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
+    """Reload every edge found; prints one line each. Returns the exit status."""
+    if args.no_apply:
+        return 0
+    targets = find_edges(cfg.path, args.edge or [])
+    if not targets:
+        print("no running edge found (--edge DIR): the file is written, reload the edges "
+              "yourself", file=sys.stderr)
+        return 0
+    status = 0
+    for t in targets:
+        try:
+            reload_edge(t, cfg)
+            print(f"applied: {t.edge_json} (nginx reloaded)", file=sys.stderr)
+        except (RuntimeError, OSError, tg_config.ConfigError) as e:
+            print(f"tokengate keys: {e}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def _path(args: argparse.Namespace) -> Path:
+    return Path(args.config if args.config is not None else tg_config.default_path())
+
+
+def _keys(data: CommentedMap) -> CommentedMap:
+    keys = data.get("keys")
+    if keys is None:
+        keys = CommentedMap()
+        data["keys"] = keys
+    return keys
+
+
+def _models(text: str) -> list[str] | None:
+    return None if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _run_edit(args: argparse.Namespace, change: Any) -> tuple[int, tg_config.Config | None]:
+    try:
+        return 0, edit(_path(args), change)
+    except tg_config.ConfigError as e:
+        for line in e.errors:
+            print(line, file=sys.stderr)
+        print(f"{_path(args)}: not changed", file=sys.stderr)
+        return 1, None
+    except LookupError as e:
+        print(f"tokengate keys: {e.args[0]}", file=sys.stderr)
+        return 2, None
+    except OSError as e:
+        print(f"tokengate keys: {e}", file=sys.stderr)
+        return 2, None
+
+
+def create(args: argparse.Namespace) -> int:
+    """``tokengate keys create``: prints the new key on stdout (once)."""
+    key = new_key()
+
+    def change(data: CommentedMap) -> None:
+        keys = _keys(data)
+        if args.name in keys:
+            raise LookupError(f"key {args.name!r} exists (keys set, or keys revoke first)")
+        entry = CommentedMap(sha256=digest(key), rpm=args.rpm, tpm=args.tpm)
+        if args.models is not None:
+            entry["allowed_models"] = _flow(args.models)
+        if args.budget:
+            _merge_budgets(entry, args.budget)
+        keys[args.name] = entry
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(key)
+    print(f"created key {args.name!r}: the key above is shown only now", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def set_(args: argparse.Namespace) -> int:
+    """``tokengate keys set``: changes limits, models or budgets of a key."""
+
+    def change(data: CommentedMap) -> None:
+        keys = _keys(data)
+        if args.name not in keys:
+            raise LookupError(f"no key {args.name!r}")
+        entry = keys[args.name]
+        if args.rpm is not None:
+            entry["rpm"] = args.rpm
+        if args.tpm is not None:
+            entry["tpm"] = args.tpm
+        if args.models is not None:
+            if args.models == "all":
+                entry.pop("allowed_models", None)
+            else:
+                entry["allowed_models"] = _flow(_models(args.models) or [])
+        if args.no_budgets:
+            entry.pop("budgets", None)
+        if args.budget:
+            _merge_budgets(entry, args.budget)
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(f"changed key {args.name!r}", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def revoke(args: argparse.Namespace) -> int:
+    """``tokengate keys revoke``: removes the key from the file."""
+
+    def change(data: CommentedMap) -> None:
+        keys = _keys(data)
+        if args.name not in keys:
+            raise LookupError(f"no key {args.name!r}")
+        del keys[args.name]
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(f"revoked key {args.name!r}", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def period_start(period: str, today: date) -> date:
+    """First UTC day of the budget period holding ``today``."""
+    return today if period == "day" else today.replace(day=1)
+
+
+def listing(cfg: tg_config.Config, rows: list[report.UsageRow] | None,
+            today: date) -> list[dict[str, Any]]:
+    """``keys list --json``'s entries: per key its limits, models and budgets with the
+    spend (currency) and tokens of the current period from ``rows`` (the ledger's
+    per key / model / day rows; None: Redis unavailable, spend unknown)."""
+    out = []
+    for key_id, k in cfg.keys.items():
+        budgets = []
+        for b in k.budgets:
+            start = period_start(b.period, today).isoformat()
+            entry: dict[str, Any] = {"period": b.period, "model": b.model, "spend": b.spend,
+                                     "tokens": b.tokens, "since": start,
+                                     "spent": None, "tokens_used": None}
+            if rows is not None:
+                mine = [r for r in rows if r.key_id == key_id and (r.day or "") >= start
+                        and (b.model is None or r.model == b.model)]
+                entry["spent"] = sum(r.cost for r in mine)
+                entry["tokens_used"] = sum(r.prompt_tokens + r.completion_tokens
+                                           for r in mine)
+            budgets.append(entry)
+        out.append({"name": key_id, "rpm": k.rpm, "tpm": k.tpm,
+                    "allowed_models": k.allowed_models,
+                    "models": {m: lim.model_dump() for m, lim in k.models.items()},
+                    "budgets": budgets})
+    return out
+
+
+def list_(args: argparse.Namespace) -> int:
+    """``tokengate keys list``: a table, or ``--json``."""
+    try:
+        cfg = tg_config.load(_path(args))
+    except (tg_config.ConfigError, OSError) as e:
+        print(f"tokengate keys: {e}", file=sys.stderr)
+        return 2
+    today = datetime.now(UTC).date()
+    rows: list[report.UsageRow] | None = None
+    if any(k.budgets for k in cfg.keys.values()):
+        try:
+            client = connect(cfg.redis, timeout_s=2.0, url=args.redis_url)
+            rows = report.query(client, since=today.replace(day=1))
+        except (RedisError, OSError) as e:
+            print(f"tokengate keys: Redis unavailable, spend unknown: {e}", file=sys.stderr)
+    entries = listing(cfg, rows, today)
+    if args.json:
+        json.dump({"currency": cfg.currency, "keys": entries}, sys.stdout, indent=1)
+        print()
+        return 0
+    for entry in entries:
+        models = ", ".join(entry["allowed_models"]) \
+            if entry["allowed_models"] is not None else "all"
+        print(f"{entry['name']}: rpm {entry['rpm']}, tpm {entry['tpm']}, models {models}")
+        for m, lim in entry["models"].items():
+            print(f"  {m}: rpm {lim['rpm']}, tpm {lim['tpm']}")
+        for b in entry["budgets"]:
+            scope = b["model"] or "all models"
+            spent = "?" if b["spent"] is None else f"{b['spent']:.6f}"
+            used = "?" if b["tokens_used"] is None else str(b["tokens_used"])
+            parts = []
+            if b["spend"] is not None:
+                parts.append(f"spend {spent} of {b['spend']:.2f} {cfg.currency}")
+            if b["tokens"] is not None:
+                parts.append(f"tokens {used} of {b['tokens']}")
+            print(f"  budget per {b['period']} ({scope}, since {b['since']}): "
+                  + ", ".join(parts))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``keys`` on a ``tokengate`` subcommand parser."""
+    p = sub.add_parser("keys", help="create, list, change and revoke API keys",
+                       description=KEYS_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=None,
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else "
+                             "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
+    apply_opts = argparse.ArgumentParser(add_help=False)
+    apply_opts.add_argument("--edge", type=Path, action="append", metavar="DIR",
+                            help="an edge to reload: DIR holds edge.json and nginx.pid "
+                                 "(repeatable; default: the ones found)")
+    apply_opts.add_argument("--no-apply", action="store_true",
+                            help="write the file only; reload nothing")
+    verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
+    c = verbs.add_parser("create", parents=[common, apply_opts], help="create a key")
+    c.add_argument("name", help="key id (what usage events and reports show)")
+    c.add_argument("--rpm", type=int, required=True, help="requests per minute")
+    c.add_argument("--tpm", type=int, required=True, help="tokens per minute")
+    c.add_argument("--models", type=_models, default=None, metavar="A,B",
+                   help="the only models the key may use (default: all)")
+    c.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
+                   help="[MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
+                        "currency, or tokens: 2000000t); repeatable")
+    c.set_defaults(func=create)
+    s = verbs.add_parser("set", parents=[common, apply_opts], help="change a key")
+    s.add_argument("name")
+    s.add_argument("--rpm", type=int, default=None)
+    s.add_argument("--tpm", type=int, default=None)
+    s.add_argument("--models", default=None, metavar="A,B|all",
+                   help="the only models the key may use; all: every model")
+    s.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
+                   help="as for create; replaces the budget of that model and period")
+    s.add_argument("--no-budgets", action="store_true",
+                   help="remove the key's budgets (before adding --budget ones)")
+    s.set_defaults(func=set_)
+    r = verbs.add_parser("revoke", parents=[common, apply_opts], help="revoke a key")
+    r.add_argument("name")
+    r.set_defaults(func=revoke)
+    ls = verbs.add_parser("list", parents=[common], help="list the keys (never the key)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    ls.set_defaults(func=list_)

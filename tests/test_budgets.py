@@ -1,0 +1,128 @@
+"""Budgets at the edge: spend limits and token quotas per key per UTC day / month.
+
+Real nginx (2 workers), the real counter, TokenStorm's fast upstream (it generates
+exactly max_tokens and caches nothing, so a request's real cost equals its worst case
+and the expected numbers are exact), the official openai client. The edge's formula is
+checked against the ledger's calculator (one formula, two languages).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from tokengate.config import BillingConfig, ContextPenalty, ModelCost
+from tokengate.ledger.calculator import charge
+
+from tests.conftest import MODEL, key_digest
+from tests.fixtures_edge import Edge, run_lua
+
+MAX_TOKENS = 100
+BUDGET_KEYS: dict[str, tuple[str, list[dict[str, Any]]]] = {
+    "bg-spend": ("tg-test-bg-spend", [{"period": "day", "spend": 0.001}]),
+    "bg-tokens": ("tg-test-bg-tokens", [{"period": "month", "tokens": 1000,
+                                         "model": MODEL}]),
+    "bg-probe": ("tg-test-bg-probe", []),
+}
+
+
+def test_the_edge_bills_with_the_ledgers_formula() -> None:
+    cases = [(9, 100, 0, 0, False), (40_000, 17, 1_000, 30, False),
+             (40_000, 17, 1_000, 30, True), (33_000, 0, 33_000, 500, True),
+             (100, 5, 200, 300, True), (0, 0, 0, 0, False)]
+    weights = ModelCost(input=1.0, output=1.35, cached=0.1)
+    lua_cases = ", ".join(f"{{{p}, {o}, {c}, {s}, {str(x).lower()}}}"
+                          for p, o, c, s, x in cases)
+    out = run_lua(f"""
+        local budget = require "tokengate.budget"
+        local cjson = require "cjson"
+        local res = {{}}
+        for _, c in ipairs({{{lua_cases}}}) do
+            local billing = {{exclude_system_tokens = c[5],
+                             context_penalty = {{threshold = 32768, rate = 0.00015}}}}
+            res[#res + 1] = string.format("%.17g", budget.cost(
+                {{input = 1.0, output = 1.35, cached = 0.1}}, billing, c[1], c[2], c[3], c[4]))
+        end
+        return cjson.encode(res)""")
+    got = [float(x) for x in json.loads(out)]
+    want = [charge(p, o, c, s, weights=weights,
+                   billing=BillingConfig(exclude_system_tokens=x,
+                                         context_penalty=ContextPenalty())).cost
+            for p, o, c, s, x in cases]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [upstream]
+        raw["models"][MODEL]["embedded"] = False
+        for key_id, (key, budgets) in BUDGET_KEYS.items():
+            raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000,
+                                   "tpm": 10_000_000, "budgets": budgets}
+    return edit
+
+
+@pytest.fixture
+def budget_edge(edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> Edge:
+    hostport = fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+    return edge_variant_off_vllm("budgets", _with_budgets(hostport))
+
+
+def post(edge: Edge, key: str) -> httpx.Response:
+    return httpx.post(f"{edge.base_url}/chat/completions",
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": MAX_TOKENS}, timeout=60)
+
+
+def _burst(edge: Edge, key: str, n: int = 64) -> list[httpx.Response]:
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda _: post(edge, key), range(n)))
+
+
+def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge) -> None:
+    probe = post(budget_edge, BUDGET_KEYS["bg-probe"][0])
+    assert probe.status_code == 200
+    prompt = int(probe.headers["x-token-count"])
+    cost = charge(prompt, MAX_TOKENS).cost  # the defaults are the test model's weights
+    nano = math.ceil(cost * 1e9 - 1e-6)
+    fits = int(1_000_000 // nano)  # 0.001 in nano-units of the currency
+    answers = _burst(budget_edge, BUDGET_KEYS["bg-spend"][0])
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(ok) == fits
+    assert {r.status_code for r in refused} == {429}
+    err = refused[0].json()["error"]
+    assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert err["message"].startswith("You exceeded your current quota on key bg-spend: the "
+                                     "daily spend limit of 0.001 USD (every model): ")
+    assert "It resets at " in err["message"] and "T00:00:00Z" in err["message"]
+    assert 1 <= int(refused[0].headers["retry-after"]) <= 86_400
+    # what the ledger bills for them (its formula, on the edge's usage events)
+    events = [budget_edge.event(r.headers["x-request-id"]) for r in ok]
+    spent = sum(charge(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"],
+                       ev["system_tokens"]).cost for ev in events)
+    assert spent <= 0.001
+    assert spent == pytest.approx(fits * cost)
+    # remaining after each admission, down to what is left for less than one more
+    remaining = min(float(r.headers["x-budget-remaining-spend"]) for r in ok)
+    assert remaining == pytest.approx((1_000_000 - fits * nano) / 1e9, abs=1e-9)
+    assert ok[0].headers["x-budget-limit-spend"] == "0.001000"
+
+
+def test_a_token_quota_per_model_and_month(budget_edge: Edge) -> None:
+    answers = _burst(budget_edge, BUDGET_KEYS["bg-tokens"][0], 32)
+    ok = [r for r in answers if r.status_code == 200]
+    prompt = int(ok[0].headers["x-token-count"])
+    assert len(ok) == 1000 // (prompt + MAX_TOKENS)
+    assert min(int(r.headers["x-budget-remaining-tokens"]) for r in ok) == \
+        1000 - len(ok) * (prompt + MAX_TOKENS)
+    refused = [r.json()["error"] for r in answers if r.status_code == 429]
+    assert len(refused) == 32 - len(ok)
+    assert refused[0]["code"] == "insufficient_quota"
+    assert f"monthly token quota of 1000 tokens (model {MODEL})" in refused[0]["message"]

@@ -1,0 +1,184 @@
+"""``tokengate keys`` against a running edge: real nginx, the real counter, TokenStorm's
+fast upstream as the model server, the official openai client.
+
+A key the CLI creates is admitted as soon as the command returns and a revoked one is
+refused as soon as it returns (the command reloads the edge and waits for its new
+workers); a key limited to one model cannot use another and sees only its own in
+/v1/models; an edit that the schema refuses leaves the file as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from tests.conftest import MODEL
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
+
+OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
+
+
+def _with_fast(upstream: str) -> Callable[[dict[str, Any]], None]:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [upstream]
+        raw["models"][MODEL]["embedded"] = False
+        raw["models"][OTHER] = {**raw["models"][MODEL], "upstreams": [upstream]}
+    return edit
+
+
+def tokengate(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """The ``tokengate`` CLI of this checkout."""
+    return subprocess.run([sys.executable, "-m", "tokengate.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def keys_edge(edge_variant_off_vllm: Callable[..., Edge],
+              fast_upstream_url: str) -> tuple[Edge, Path, Path]:
+    """An edge in front of the fast upstream: (edge, its tokengate.yaml, its folder)."""
+    name = "keys"
+    hostport = fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+    e = edge_variant_off_vllm(name, _with_fast(hostport))
+    return e, EDGE_DIR / name / "tokengate.yaml", EDGE_DIR / f"test-nginx-{name}{PORT_OFFSET or ''}"
+
+
+def _chat(client: openai.OpenAI, model: str = MODEL) -> Any:
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+
+
+def test_a_created_key_works_at_once_and_a_revoked_one_is_refused_at_once(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    edge, path, prefix = keys_edge
+    made = tokengate("keys", "create", "cli-made", "--rpm", "100", "--tpm", "100000",
+                     "--config", path, "--edge", prefix)
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("tg-") and len(key) == 46
+    raw = yaml.safe_load(path.read_text())
+    assert key not in path.read_text()
+    assert set(raw["keys"]["cli-made"]) == {"sha256", "rpm", "tpm"}
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key, max_retries=0)
+    reply = _chat(client)
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+    gone = tokengate("keys", "revoke", "cli-made", "--config", path, "--edge", prefix)
+    assert gone.returncode == 0, gone.stderr
+    with pytest.raises(openai.AuthenticationError) as e:
+        _chat(client)
+    assert e.value.status_code == 401
+    assert e.value.body["code"] == "invalid_api_key"
+    assert "cli-made" not in yaml.safe_load(path.read_text())["keys"]
+
+
+def test_a_key_limited_to_one_model_sees_and_uses_only_it(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    edge, path, prefix = keys_edge
+    made = tokengate("keys", "create", "one-model", "--rpm", "100", "--tpm", "100000",
+                     "--models", MODEL, "--config", path, "--edge", prefix)
+    assert made.returncode == 0, made.stderr
+    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+                           max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert _chat(client).model == MODEL
+    denied = ("The model `other-qwen3` does not exist or you do not have access to it.")
+    with pytest.raises(openai.NotFoundError) as e:
+        _chat(client, OTHER)
+    assert e.value.body == {"message": denied, "type": "invalid_request_error",
+                            "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve(OTHER)
+    assert e.value.body["message"] == denied
+    # the same answer as a model that does not exist
+    with pytest.raises(openai.NotFoundError) as e:
+        _chat(client, "no-such-model")
+    assert e.value.body["message"] == denied.replace(OTHER, "no-such-model")
+    ev = edge.event(e.value.response.headers["x-request-id"])
+    assert (ev["key_id"], ev["model"], ev["error"]) == ("one-model", None, "model_not_found")
+    # every model again
+    changed = tokengate("keys", "set", "one-model", "--models", "all", "--config", path,
+                        "--edge", prefix)
+    assert changed.returncode == 0, changed.stderr
+    assert [m.id for m in client.models.list()] == sorted([MODEL, OTHER])
+
+
+def test_keys_refuses_to_write_a_file_with_a_typo(keys_edge: tuple[Edge, Path, Path]) -> None:
+    _, path, prefix = keys_edge
+    text = path.read_text().replace("max_tokens_cap:", "max_token_cap:", 1)
+    assert "max_token_cap:" in text
+    path.write_text(text)
+    made = tokengate("keys", "create", "typo", "--rpm", "1", "--tpm", "1", "--config", path,
+                     "--edge", prefix)
+    assert made.returncode == 1
+    assert made.stdout == ""  # no key printed: none was stored
+    assert made.stderr.splitlines() == [f"models.{MODEL}.max_token_cap: unknown key",
+                                        f"{path}: not changed"]
+    assert path.read_text() == text
+
+
+def test_keys_list_json_never_shows_a_key(keys_edge: tuple[Edge, Path, Path]) -> None:
+    _, path, _ = keys_edge
+    made = tokengate("keys", "create", "listed", "--rpm", "7", "--tpm", "700", "--models",
+                     MODEL, "--budget", "day=2.5", "--budget", f"{MODEL}:month=1000t",
+                     "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    listed = tokengate("keys", "list", "--json", "--config", path)
+    assert listed.returncode == 0, listed.stderr
+    doc = json.loads(listed.stdout)
+    entry = next(k for k in doc["keys"] if k["name"] == "listed")
+    assert made.stdout.strip() not in listed.stdout
+    assert {k: entry[k] for k in ("rpm", "tpm", "allowed_models", "models")} == \
+        {"rpm": 7, "tpm": 700, "allowed_models": [MODEL], "models": {}}
+    assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
+        [("day", None, 2.5, None), ("month", MODEL, None, 1000)]
+
+
+def test_a_reload_under_streaming_load_drops_nothing(
+        edge_variant_off_vllm: Callable[..., Edge], slow_upstream_url: str) -> None:
+    name = "keys-stream"
+    hostport = slow_upstream_url.removeprefix("http://").removesuffix("/v1")
+    edge = edge_variant_off_vllm(name, _with_fast(hostport))
+    path = EDGE_DIR / name / "tokengate.yaml"
+    prefix = EDGE_DIR / f"test-nginx-{name}{PORT_OFFSET or ''}"
+    client = openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY, max_retries=0)
+
+    def stream(_: int) -> tuple[int, str | None, str | None]:
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1500,
+            stream=True, stream_options={"include_usage": True})
+        finish, usage, rid = None, None, None
+        for c in chunks:
+            rid = rid or c.id
+            if c.choices and c.choices[0].finish_reason:
+                finish = c.choices[0].finish_reason
+            if c.usage is not None:
+                usage = c.usage.completion_tokens
+        return usage or 0, finish, rid
+
+    with ThreadPoolExecutor(16) as pool:
+        running = [pool.submit(stream, i) for i in range(32)]
+        time.sleep(0.3)  # under way: 1500 tokens at 2 ms each, >= 3 s a stream, two waves
+        in_flight = []
+        for i in range(2):
+            made = tokengate("keys", "create", f"during-{i}", "--rpm", "10", "--tpm", "1000",
+                             "--config", path, "--edge", prefix)
+            assert made.returncode == 0, made.stderr
+            in_flight.append(sum(not f.done() for f in running))
+        results = [f.result() for f in running]
+    assert in_flight[0] > 0  # the reloads happened while streams were being answered
+    assert results == [(1500, "length", r[2]) for r in results]
+    assert all(ev["status"] == 200 and not ev["client_aborted"]
+               and ev["completion_tokens"] == 1500
+               for ev in edge.events() if ev["key_id"] == "edge-main")
+    assert len([ev for ev in edge.events() if ev["key_id"] == "edge-main"]) == 32
