@@ -252,7 +252,7 @@ def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 3 and doc["source"] == str(config_path)
+    assert doc["version"] == 4 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
@@ -267,7 +267,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     # special too, but no turn uses it
     assert m["structural_tokens"] == ["</tool_response>", "<tool_response>", "</tool_call>",
                                       "<tool_call>", "</think>", "<think>"]
-    assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {}}
+    assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {},
+                                 "priority": "normal"}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -390,7 +391,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 3: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 4: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

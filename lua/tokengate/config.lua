@@ -17,7 +17,7 @@ local find = string.find
 
 local _M = {}
 
-local VERSION = 3 -- tokengate.tools.compile_config.VERSION
+local VERSION = 4 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -121,8 +121,11 @@ function _M.load(path)
             m.role_tokens[r] = #list > 0 and list or nil
         end
     end
+    local priorities = edge.admission.priorities
     for digest, k in pairs(d.keys) do
         k.digest = digest
+        -- the schema checked that the name is configured
+        k.admission = priorities[k.priority]
     end
     doc = setmetatable(d, nil)
     rules = sampling.rules(d.access_log)

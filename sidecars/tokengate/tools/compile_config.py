@@ -21,7 +21,8 @@ fields only the edge needs, derived here:
         }
       },
       "keys": {"<sha256 hex>": {"id": "<key id>", "rpm": <int>, "tpm": <int>,
-                                "models": {"<model>": {"rpm": <int>, "tpm": <int>}}}},
+                                "models": {"<model>": {"rpm": <int>, "tpm": <int>}},
+                                "priority": "<a name in edge.admission.priorities>"}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
@@ -57,7 +58,9 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 3  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved
+# 2: models carry structural_tokens; 3: upstreams (replicas) resolved; 4: edge.admission
+# and the keys' priority
+VERSION = 4
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
