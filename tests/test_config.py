@@ -181,6 +181,12 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
        "['127.0.0.1:9', '127.0.0.1:10']")]),
     (put("global_limits", {"enabled": True, "listen": "127.0.0.1:8080"}),
      ["global_limits.listen: 127.0.0.1:8080 is also edge.listen"]),
+    (put("keys.demo.priority", "batch"),
+     ["keys.demo.priority: 'batch' is not in edge.admission.priorities (low, normal)"]),
+    (put("edge.admission", {"priorities": {"batch": {}}}),
+     ["keys.demo.priority: 'normal' is not in edge.admission.priorities (batch)"]),
+    (put("edge.admission", {"metrics_interval_ms": 3000}),
+     ["edge.admission.metrics_stale_ms: 3000 must exceed metrics_interval_ms (3000)"]),
 ])
 def test_coupled_settings_are_checked(repo_raw: dict[str, Any], tmp_path: Path, edit: Edit,
                                       errors: list[str]) -> None:

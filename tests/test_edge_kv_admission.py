@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 from tokengate.storm.null_server import FastUpstream
 
@@ -113,7 +114,7 @@ def test_the_installed_vllm_exports_the_metrics_admission_reads() -> None:
     # each of them with the labels model_name and engine (one sample per engine)
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.submodule_search_locations
-    source = (Path(list(spec.submodule_search_locations)[0]) / "v1" / "metrics"
+    source = (Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics"
               / "loggers.py").read_text()
     assert 'labelnames = ["model_name", "engine"]' in source
     for gauge in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",

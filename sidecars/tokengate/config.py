@@ -553,8 +553,9 @@ class AdmissionConfig(_Schema):
     @model_validator(mode="after")
     def _stale(self) -> AdmissionConfig:
         if self.metrics_interval_ms and self.metrics_stale_ms <= self.metrics_interval_ms:
-            _check([("metrics_stale_ms", f"{self.metrics_stale_ms} must exceed "
-                     f"metrics_interval_ms ({self.metrics_interval_ms})")])
+            why = f"{self.metrics_stale_ms} must exceed metrics_interval_ms " \
+                  f"({self.metrics_interval_ms})"
+            _check([("metrics_stale_ms", why)])
         return self
 
 
@@ -773,9 +774,9 @@ class Config(_Schema):
                                  f"same digest as keys.{owner[k.sha256]}"))
             owner.setdefault(k.sha256, key_id)
             if k.priority not in self.edge.admission.priorities:
+                names = ", ".join(self.edge.admission.priorities)
                 problems.append((f"keys.{key_id}.priority",
-                                 f"{k.priority!r} is not in edge.admission.priorities "
-                                 f"({', '.join(self.edge.admission.priorities)})"))
+                                 f"{k.priority!r} is not in edge.admission.priorities ({names})"))
         edge = self.edge
         deadline = 2 * self.redis.timeout_ms
         if edge.global_limits_timeout_ms <= deadline:
