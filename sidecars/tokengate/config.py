@@ -526,7 +526,8 @@ class AdmissionConfig(_Schema):
                     "0: off (every replica unknown: no request is shed).")
     metrics_timeout_ms: Positive = Field(
         default=500,
-        description="How long one read of a replica's /metrics may take, ms.")
+        description="How long each step of reading a replica's /metrics (connect, send, "
+                    "each line of the answer) may wait, ms.")
     metrics_stale_ms: Positive = Field(
         default=3000,
         description="Metrics older than this are unknown, ms (a replica that stops answering "
