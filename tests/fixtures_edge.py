@@ -9,6 +9,7 @@
   ``edge_variant_off_vllm`` is the same for variants in front of another upstream than
   vLLM (no vLLM started: ``make test-fast`` runs those).
 - ``vllm_requests``: vLLM's own count of HTTP requests, to prove that nothing reached it.
+- ``replicas``: starts fast upstreams (TokenStorm's, answering like vLLM) as replicas.
 - ``run_lua``: runs a chunk of Lua inside nginx's own LuaJIT with the edge's modules on
   the path (for pure functions: codecs, the sampling rule).
 """
@@ -32,6 +33,8 @@ from typing import Any
 import pytest
 import yaml
 from tokengate.process import free_port
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.upstream import UpstreamOptions
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
@@ -216,7 +219,7 @@ class FakeUpstream:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.port = free_port()
-        self.requests = 0
+        self.requests = 0  # API requests (POST) received
         self._srv = socket.create_server(("127.0.0.1", self.port))
         self._srv.settimeout(0.2)
         self._stop = threading.Event()
@@ -239,7 +242,8 @@ class FakeUpstream:
                 if not chunk:
                     return
                 data += chunk
-            self.requests += 1
+            if data.startswith(b"POST "):  # not the edge's GET /health and /metrics
+                self.requests += 1
             if self.mode == "html500":
                 page = b"<html><body>Internal Server Error</body></html>"
                 conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/html\r\n"
@@ -275,6 +279,25 @@ def fake_upstream() -> Iterator[Callable[[str], FakeUpstream]]:
     finally:
         for f in made:
             f.close()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
+    """Factory: ``replicas(ttft_ms=..., itl_ms=...)`` starts a fast upstream of the test
+    model (a vLLM replica); all stop at the end of the test."""
+    started: list[FastUpstream] = []
+
+    def start(ttft_ms: float = 0, itl_ms: float = 0) -> FastUpstream:
+        up = FastUpstream(UpstreamOptions(model=MODEL, ttft_ms=ttft_ms, itl_ms=itl_ms),
+                          name=f"replica{len(started)}", state_dir=tmp_path)
+        started.append(up.start())
+        return up
+
+    try:
+        yield start
+    finally:
+        for up in started:
+            up.stop()
 
 
 @pytest.fixture

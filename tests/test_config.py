@@ -181,6 +181,12 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
        "['127.0.0.1:9', '127.0.0.1:10']")]),
     (put("global_limits", {"enabled": True, "listen": "127.0.0.1:8080"}),
      ["global_limits.listen: 127.0.0.1:8080 is also edge.listen"]),
+    (put("keys.demo.priority", "batch"),
+     ["keys.demo.priority: 'batch' is not in edge.admission.priorities (low, normal)"]),
+    (put("edge.admission", {"priorities": {"batch": {}}}),
+     ["keys.demo.priority: 'normal' is not in edge.admission.priorities (batch)"]),
+    (put("edge.admission", {"metrics_interval_ms": 3000}),
+     ["edge.admission.metrics_stale_ms: 3000 must exceed metrics_interval_ms (3000)"]),
 ])
 def test_coupled_settings_are_checked(repo_raw: dict[str, Any], tmp_path: Path, edit: Edit,
                                       errors: list[str]) -> None:
@@ -252,7 +258,7 @@ def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 4 and doc["source"] == str(config_path)
+    assert doc["version"] == 5 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
@@ -268,7 +274,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     assert m["structural_tokens"] == ["</tool_response>", "<tool_response>", "</tool_call>",
                                       "<tool_call>", "</think>", "<think>"]
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {},
-                                 "allowed_models": None, "budgets": []}
+                                 "allowed_models": None, "budgets": [],
+                                 "priority": "normal"}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -391,7 +398,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 4: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 5: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

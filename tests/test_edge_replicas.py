@@ -13,13 +13,12 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from tokengate.storm.null_server import FastUpstream, free_port
 from tokengate.storm.upstream import UpstreamOptions
 
@@ -27,24 +26,6 @@ from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
-
-
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
-    """Factory: ``replicas(ttft_ms=...)`` starts a fast upstream; all stop at the end."""
-    started: list[FastUpstream] = []
-
-    def start(ttft_ms: float = 0, itl_ms: float = 0) -> FastUpstream:
-        up = FastUpstream(UpstreamOptions(model=MODEL, ttft_ms=ttft_ms, itl_ms=itl_ms),
-                          name=f"replica{len(started)}", state_dir=tmp_path)
-        started.append(up.start())
-        return up
-
-    try:
-        yield start
-    finally:
-        for up in started:
-            up.stop()
 
 
 def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str, ups: list[FastUpstream],

@@ -18,7 +18,7 @@ local floor = math.floor
 
 local _M = {}
 
-local VERSION = 4 -- tokengate.tools.compile_config.VERSION
+local VERSION = 5 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -122,6 +122,7 @@ function _M.load(path)
             m.role_tokens[r] = #list > 0 and list or nil
         end
     end
+    local priorities = edge.admission.priorities
     for digest, k in pairs(d.keys) do
         k.digest = digest
         for _, b in ipairs(k.budgets) do
@@ -138,6 +139,8 @@ function _M.load(path)
                 k.allowed[name] = true
             end
         end
+        -- the schema checked that the name is configured
+        k.admission = priorities[k.priority]
     end
     doc = setmetatable(d, nil)
     rules = sampling.rules(d.access_log)

@@ -44,6 +44,11 @@ local _M = {}
 --   count_drift_requests   requests whose usage.prompt_tokens from vLLM differed from the
 --                          counter's count (tokengate.drift; the event's count_drift)
 --   count_drift_tokens     the sum of those differences, absolute, tokens
+--   admission_shed         requests answered 503 overloaded: every replica's KV cache or
+--                          queue above the bounds of the key's priority
+--                          (tokengate.admission; each has a usage event)
+--   admission_headroom     small prompts sent to a replica above its KV-cache threshold
+--                          (edge.admission.small_prompt_headroom)
 local NAMES = {
     "global_admitted", "global_refused", "global_fallback", "global_fallback_unavailable",
     "global_fallback_down", "global_fallback_timeout", "global_fallback_error",
@@ -51,6 +56,7 @@ local NAMES = {
     "global_settle_dropped", "access_log_lines", "unauthenticated_missing_key",
     "unauthenticated_invalid_key", "unauthenticated_blocked", "unauthenticated_refused",
     "unauthenticated_log_lines", "auth_blocks", "count_drift_requests", "count_drift_tokens",
+    "admission_shed", "admission_headroom",
 }
 
 local dict

@@ -2,7 +2,8 @@
 -- the concern modules in order; the logic (and the policy) lives there.
 --
 --   access:        who (key) -> what (body, model, sanitized) -> how much (prompt
---                  tokens, completion budget, reservation) -> limits (every tier) ->
+--                  tokens, completion budget, reservation) -> where (a replica with
+--                  room in its KV cache, else shed) -> limits (every tier) ->
 --                  forward (the parsed body, its count, the normalized path)
 --   balancer:      the request's replica (tokengate.upstream), another one on a retry
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
@@ -27,6 +28,7 @@ local count = require "tokengate.count"
 local limits = require "tokengate.limits"
 local metrics = require "tokengate.metrics"
 local upstream = require "tokengate.upstream"
+local admission = require "tokengate.admission"
 local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
@@ -87,6 +89,9 @@ function _M.init_worker()
     end
     if ok then
         ok, err = upstream.init_worker(doc, DICT)
+    end
+    if ok then
+        ok, err = admission.init_worker(doc, DICT)
     end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
@@ -203,6 +208,30 @@ local function how_much(ctx, doc)
     return text
 end
 
+-- where(ctx) -> true | nil, err (503): the replica that will serve the request, chosen
+-- before anything is reserved: one with room in its KV cache for the key's priority,
+-- else one whose metrics are unknown (tokengate.admission); when the best is full, the
+-- request is shed (503 overloaded, Retry-After). ctx.pick: the replica.
+local function where(ctx)
+    local model = ctx.model_entry
+    local r, rank = upstream.pick(model, nil, admission.rank, ctx.key.admission,
+        ctx.token_estimate)
+    if not r then
+        return nil, errors.new(503, "No replica of model " .. model.name .. " has an "
+            .. "address yet (its host names did not resolve). Please retry.", nil,
+            "upstream_unavailable", nil, { ["Retry-After"] = "5" })
+    end
+    if rank == admission.FULL then
+        metrics.incr("admission_shed")
+        return nil, admission.overloaded(model)
+    end
+    if rank == admission.HEADROOM then
+        metrics.incr("admission_headroom")
+    end
+    ctx.pick = r
+    return true
+end
+
 -- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier.
 local function reserve(ctx)
     local req = ctx.limit_req
@@ -211,7 +240,7 @@ local function reserve(ctx)
     return ok, err
 end
 
-local STAGES = { who, listing, what, how_much, reserve }
+local STAGES = { who, listing, what, how_much, where, reserve }
 
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
@@ -234,14 +263,7 @@ function _M.access()
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
     ngx_req.set_body_data(ctx.text)
     ngx_req.set_uri(request.PATHS[ctx.route])
-    local model = ctx.model_entry
-    local r = upstream.pick(model)
-    if not r then
-        return send(ctx, errors.new(503, "No replica of model " .. model.name .. " has an "
-            .. "address yet (its host names did not resolve). Please retry.", nil,
-            "upstream_unavailable", nil, { ["Retry-After"] = "5" }))
-    end
-    upstream.take(ctx, model, r, ctx.limit_req.tokens)
+    upstream.take(ctx, ctx.model_entry, ctx.pick, ctx.limit_req.tokens)
     ctx.proxied = true
 end
 
@@ -259,7 +281,9 @@ function _M.balancer()
         local tried = ctx.tried or {}
         tried[r.name] = true
         ctx.tried = tried
-        r = upstream.pick(model, tried)
+        -- admitted already: any untried replica, full or not
+        r = upstream.pick(model, tried, admission.rank, ctx.key.admission,
+            ctx.token_estimate)
         if not r then
             return ngx_exit(502)
         end
@@ -461,13 +485,19 @@ function _M.status()
     json.set(extra, "global_limits_backing_off", limits.global_backing_off())
     json.set(extra, "counter_backing_off", count.backing_off())
     local ups = json.object()
-    for name, replicas in pairs(upstream.states(config.get())) do
+    for name, replicas in pairs(upstream.states(config.get(), admission.state)) do
         local m = json.object()
         for rname, st in pairs(replicas) do
             local o = json.object()
             json.set(o, "outstanding_tokens", st.outstanding_tokens)
             json.set(o, "out", st.out)
             json.set(o, "address", st.address or json.null)
+            -- the replica's vLLM metrics; null while unknown (tokengate.admission)
+            local kv = st.more
+            json.set(o, "kv_cache_usage", kv and kv.kv_cache_usage or json.null)
+            json.set(o, "num_requests_waiting", kv and kv.waiting or json.null)
+            json.set(o, "num_requests_running", kv and kv.running or json.null)
+            json.set(o, "finish_rate", kv and kv.finish_rate or json.null)
             json.set(m, rname, o)
         end
         json.set(ups, name, m)

@@ -5,7 +5,8 @@
 -- a shared dict by every worker (incr at admission, back at the end). A request count
 -- would treat a 30k-token prompt like a 30-token one; the edge knows each request's
 -- reservation before forwarding, so it can balance by tokens. Ties go to the replica
--- after the one this worker chose last.
+-- after the one this worker chose last. A rank function (tokengate.admission: room in
+-- the KV cache) may order the replicas first: the fewest tokens among the best rank.
 --
 -- Out: a replica that failed to connect or whose connection broke before any answer
 -- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is skipped for
@@ -95,29 +96,34 @@ local function is_out(model, r)
     return dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
 end
 
--- pick(model, tried) -> replica | nil: the replica of model (compiled model entry) with
--- the fewest outstanding tokens among those not out and not in tried (a set of names);
--- when all untried ones are out, the least loaded of them; nil when every one was tried
--- or none has an address.
-function _M.pick(model, tried)
+local OUT = math.huge -- the rank of a replica that is out: after every other
+
+-- pick(model, tried, rank, ...) -> replica, its rank | nil: the replica of model
+-- (compiled model entry) not in tried (a set of names) with the best rank, then the
+-- fewest outstanding tokens; rank(model_name, r, ...) -> number, lower is better (nil:
+-- all rank alike). Replicas that are out rank OUT: taken only when all untried ones are
+-- out. nil when every one was tried or none has an address.
+function _M.pick(model, tried, rank, ...)
     local list = model.upstreams
     local n = #list
     rotate = rotate + 1
-    local best, best_out, fallback, fallback_out
+    local best, best_rank, best_out
     for i = 0, n - 1 do
         local r = list[(rotate + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(model.name, r) then
             local out = dict:get(key("tok:", model.name, r)) or 0
+            local k = 0
             if is_out(model.name, r) then
-                if not fallback or out < fallback_out then
-                    fallback, fallback_out = r, out
-                end
-            elseif not best or out < best_out then
-                best, best_out = r, out
+                k = OUT
+            elseif rank then
+                k = rank(model.name, r, ...)
+            end
+            if not best or k < best_rank or (k == best_rank and out < best_out) then
+                best, best_rank, best_out = r, k, out
             end
         end
     end
-    return best or fallback
+    return best, best_rank
 end
 
 -- take(ctx, model, r, tokens): r now serves the request: its tokens count as outstanding
@@ -149,18 +155,35 @@ function _M.failed(model_name, r, why)
     end
 end
 
--- probe(r, addr) -> true when GET /health answers 200 within upstream_health_timeout_ms
-local function probe(r, addr)
+-- get(r, addr, path, timeout_ms) -> sock, status | nil: GET path from replica r at addr
+-- (timer context: cosockets), over HTTP/1.0 so that the answer is never chunked and
+-- ends when the replica closes; connect, send and each read wait at most timeout_ms.
+-- sock stands after the status line (headers, blank line, body follow): the caller
+-- reads what it needs and closes it.
+function _M.get(r, addr, path, timeout_ms)
     local sock = tcp()
-    sock:settimeouts(health_timeout_ms, health_timeout_ms, health_timeout_ms)
+    sock:settimeouts(timeout_ms, timeout_ms, timeout_ms)
     local ok = sock:connect(addr, r.port)
     if not ok then
-        return false
+        return nil
     end
-    ok = sock:send("GET /health HTTP/1.1\r\nHost: " .. r.name .. "\r\nConnection: close\r\n\r\n")
+    ok = sock:send("GET " .. path .. " HTTP/1.0\r\nHost: " .. r.name .. "\r\n\r\n")
     local line = ok and sock:receive("*l")
-    sock:close()
-    return line ~= nil and tonumber(match(line, "^HTTP/1%.%d (%d%d%d)")) == 200
+    local status = line and tonumber(match(line, "^HTTP/1%.%d (%d%d%d)"))
+    if not status then
+        sock:close()
+        return nil
+    end
+    return sock, status
+end
+
+-- probe(r, addr) -> true when GET /health answers 200 within upstream_health_timeout_ms
+local function probe(r, addr)
+    local sock, status = _M.get(r, addr, "/health", health_timeout_ms)
+    if sock then
+        sock:close()
+    end
+    return status == 200
 end
 
 -- probe_all(premature, models): the health timer: every replica of every model.
@@ -237,16 +260,17 @@ function _M.resolve_all(premature, models, servers)
     end
 end
 
--- states(doc) -> {[model] = {[replica name] = {outstanding_tokens, out, address}}}
--- (for the status server)
-function _M.states(doc)
+-- states(doc, more) -> {[model] = {[replica name] = {outstanding_tokens, out, address,
+-- more = more(model name, r)}}} (for the status server)
+function _M.states(doc, more)
     local all = {}
     for name, m in pairs(doc.models) do
         local s = {}
         for i = 1, #m.upstreams do
             local r = m.upstreams[i]
             s[r.name] = { outstanding_tokens = dict:get(key("tok:", name, r)) or 0,
-                          out = is_out(name, r), address = _M.address(name, r) }
+                          out = is_out(name, r), address = _M.address(name, r),
+                          more = more and more(name, r) }
         end
         all[name] = s
     end

@@ -308,8 +308,8 @@ class KeyConfig(_Schema):
 
     Coupled (checked on the whole file): each ``models`` override, ``allowed_models``
     entry and budget ``model`` names a configured model, a key has at most one budget
-    per (model, period), and no two keys share a digest (the edge finds a key by its
-    digest).
+    per (model, period), ``priority`` names one of ``edge.admission.priorities``, and no
+    two keys share a digest (the edge finds a key by its digest).
     """
 
     sha256: Sha256 = Field(
@@ -328,6 +328,10 @@ class KeyConfig(_Schema):
         default=[],
         description="Spend limits and token quotas per UTC day or month (429 "
                     "`insufficient_quota` once spent).")
+    priority: NonEmpty = Field(
+        default="normal",
+        description="Admission priority: a name in edge.admission.priorities (a lower "
+                    "priority is shed first when replicas fill up).")
 
 
 # --- sidecars --------------------------------------------------------------------------
@@ -522,6 +526,84 @@ class AuthFailuresConfig(_Schema):
                     "per second and nginx worker (all are counted on the status listener).")
 
 
+class PriorityConfig(_Schema):
+    """When replicas are too full for the keys of one priority
+    (``edge.admission.priorities.<name>``): a lower priority has lower bounds, so its
+    requests are shed first."""
+
+    kv_cache_threshold: Rate = Field(
+        default=0.92,
+        description="A replica whose vllm:kv_cache_usage_perc (0..1) is above this takes "
+                    "no new request of this priority (except small prompts, "
+                    "small_prompt_headroom).")
+    max_waiting: int = Field(
+        default=32, ge=0,
+        description="A replica whose vllm:num_requests_waiting is above this takes no new "
+                    "request of this priority, requests.")
+
+
+def _default_priorities() -> dict[str, PriorityConfig]:
+    return {"low": PriorityConfig(kv_cache_threshold=0.85, max_waiting=8),
+            "normal": PriorityConfig()}
+
+
+class AdmissionConfig(_Schema):
+    """KV-cache-aware admission (``edge.admission``).
+
+    One nginx worker reads every replica's vLLM ``/metrics`` every
+    ``metrics_interval_ms``: ``vllm:kv_cache_usage_perc`` (largest of its engines),
+    ``vllm:num_requests_waiting`` and ``vllm:num_requests_running`` (summed),
+    ``vllm:request_success_total`` (its finish rate). For a request of a key whose
+    priority is P, a replica is *full* when its KV-cache usage is above
+    P's ``kv_cache_threshold`` (a prompt of at most ``small_prompt_tokens`` may go up to
+    ``kv_cache_threshold + small_prompt_headroom``) or its waiting queue above P's
+    ``max_waiting``; *unknown* when its metrics are older than ``metrics_stale_ms`` (it
+    stopped answering them, or does not serve them); else it has *room*. A request goes to
+    a replica with room, else to an unknown one; when every replica that is not out is
+    full it is answered 503 ``overloaded`` before anything is reserved, with a
+    ``Retry-After`` estimated from the queue.
+    """
+
+    metrics_interval_ms: int = Field(
+        default=1000, ge=0,
+        description="Every this many ms one nginx worker reads each replica's /metrics, ms. "
+                    "0: off (every replica unknown: no request is shed).")
+    metrics_timeout_ms: Positive = Field(
+        default=500,
+        description="How long each step of reading a replica's /metrics (connect, send, "
+                    "each line of the answer) may wait, ms.")
+    metrics_stale_ms: Positive = Field(
+        default=3000,
+        description="Metrics older than this are unknown, ms (a replica that stops answering "
+                    "/metrics is unknown after this long); more than metrics_interval_ms.")
+    priorities: dict[str, PriorityConfig] = Field(
+        default_factory=_default_priorities, min_length=1,
+        description="Bounds by priority name; each key has one (keys.<id>.priority, "
+                    "default `normal`).")
+    small_prompt_tokens: int = Field(
+        default=256, ge=0,
+        description="A prompt of at most this many tokens may still go to a replica above "
+                    "its priority's kv_cache_threshold (a small prefill needs few KV-cache "
+                    "blocks), tokens; 0: none may.")
+    small_prompt_headroom: Rate = Field(
+        default=0.03,
+        description="How far above kv_cache_threshold a small prompt is still admitted "
+                    "(0..1 of the KV cache). The max_waiting bound applies to it all the "
+                    "same: it queues like any other request.")
+    max_retry_after_s: Positive = Field(
+        default=30,
+        description="Largest Retry-After of a shed request, s; also the answer when no "
+                    "replica is finishing requests.")
+
+    @model_validator(mode="after")
+    def _stale(self) -> AdmissionConfig:
+        if self.metrics_interval_ms and self.metrics_stale_ms <= self.metrics_interval_ms:
+            why = f"{self.metrics_stale_ms} must exceed metrics_interval_ms " \
+                  f"({self.metrics_interval_ms})"
+            _check([("metrics_stale_ms", why)])
+        return self
+
+
 class EdgeConfig(_Schema):
     """The nginx edge (``edge``), compiled to JSON for nginx.
 
@@ -658,6 +740,10 @@ class EdgeConfig(_Schema):
         default_factory=AuthFailuresConfig,
         description="Requests without a valid API key: counted, logged at a bounded rate, "
                     "and clients that keep failing blocked for a while.")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="KV-cache-aware admission: replicas too full for a key's priority take "
+                    "no new request; when all are, 503 overloaded with Retry-After.")
 
 
 # --- the file --------------------------------------------------------------------------
@@ -743,6 +829,10 @@ class Config(_Schema):
                 problems.append((f"keys.{key_id}.sha256",
                                  f"same digest as keys.{owner[k.sha256]}"))
             owner.setdefault(k.sha256, key_id)
+            if k.priority not in self.edge.admission.priorities:
+                names = ", ".join(self.edge.admission.priorities)
+                problems.append((f"keys.{key_id}.priority",
+                                 f"{k.priority!r} is not in edge.admission.priorities ({names})"))
         edge = self.edge
         deadline = 2 * self.redis.timeout_ms
         if edge.global_limits_timeout_ms <= deadline:

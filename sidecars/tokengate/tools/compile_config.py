@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 4,
+      "version": 5,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -26,7 +26,8 @@ fields only the edge needs, derived here:
                                 "budgets": [{"period": "day" | "month",
                                              "spend": <currency> or null,
                                              "tokens": <int> or null,
-                                             "model": "<model>" or null}]}},
+                                             "model": "<model>" or null}],
+                                "priority": "<a name in edge.admission.priorities>"}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
@@ -62,8 +63,9 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 4  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
-#             4: keys carry allowed_models and budgets
+VERSION = 5  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+#             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
+#             priority
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

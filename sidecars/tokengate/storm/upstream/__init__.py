@@ -14,6 +14,11 @@ estimate (``ceil(bytes / 4)`` plus ChatML overhead) and not vLLM's number.
 
 Timing (``UpstreamOptions.ttft_ms``, ``itl_ms``): TTFT (ms) before the first token,
 ITL (ms) between tokens; a non-streaming answer takes ``ttft + itl * (tokens - 1)``.
+
+Engine metrics: ``GET /metrics`` serves vLLM's ``vllm:kv_cache_usage_perc``,
+``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (what the edge's admission
+reads) and ``vllm:request_success_total``; ``POST /tokenstorm/metrics`` with a JSON object
+sets the gauges while it runs (``vllm_like.lua``, "Engine metrics").
 """
 
 from __future__ import annotations

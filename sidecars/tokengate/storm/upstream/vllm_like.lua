@@ -40,6 +40,8 @@ local floor = math.floor
 local ceil = math.ceil
 local random = math.random
 local io_open = io.open
+local ipairs = ipairs
+local pairs = pairs
 
 local _M = { _VERSION = "0.1.0" }
 
@@ -560,6 +562,90 @@ end
 
 function _M.not_found()
     return send_json(404, '{"detail":"Not Found"}')
+end
+
+-- Engine metrics -------------------------------------------------------------------
+--
+-- GET /metrics serves, in vLLM 0.32's exposition (names, help, labels model_name and
+-- engine: vllm/v1/metrics/loggers.py), the gauges a test sets with POST
+-- /tokenstorm/metrics (JSON: kv_cache_usage_perc 0..1, num_requests_waiting,
+-- num_requests_running; all 0 at start; metrics_delay_ms: how long /metrics waits
+-- before answering, to stand for a replica that stops answering) and
+-- vllm:request_success_total, the answers with status 200 it sent (finished_reason
+-- "length": every request generates its whole max_tokens). The state is in the
+-- shared dict vllm_like, common to the workers.
+
+local SETTABLE = { kv_cache_usage_perc = true, num_requests_waiting = true,
+                   num_requests_running = true, metrics_delay_ms = true }
+
+local GAUGES = {
+    { "num_requests_running", "Number of requests in model execution batches." },
+    { "num_requests_waiting", "Number of requests waiting to be processed." },
+    { "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage." },
+}
+
+-- value(v) -> v as prometheus_client writes a float ("3.0", "0.95")
+local function value(v)
+    if v == floor(v) then
+        return str_format("%d.0", v)
+    end
+    return tostring(v)
+end
+
+function _M.metrics()
+    local state = ngx.shared.vllm_like
+    local delay = state:get("metrics_delay_ms") or 0
+    if delay > 0 then
+        ngx_sleep(delay / 1000)
+    end
+    local labels = '{engine="0",model_name=' .. model_json .. '}'
+    local out = {}
+    for _, g in ipairs(GAUGES) do
+        local name = "vllm:" .. g[1]
+        out[#out + 1] = "# HELP " .. name .. " " .. g[2] .. "\n# TYPE " .. name .. " gauge\n"
+            .. name .. labels .. " " .. value(state:get(g[1]) or 0) .. "\n"
+    end
+    out[#out + 1] = "# HELP vllm:request_success_total Count of successfully processed "
+        .. "requests.\n# TYPE vllm:request_success_total counter\n"
+        .. 'vllm:request_success_total{engine="0",finished_reason="length",model_name='
+        .. model_json .. "} " .. value(state:get("request_success") or 0) .. "\n"
+    local body = concat(out)
+    ngx.status = 200
+    ngx_header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+    ngx_header["Content-Length"] = #body
+    ngx_print(body)
+    return ngx_exit(200)
+end
+
+-- POST /tokenstorm/metrics {"kv_cache_usage_perc": 0.95, ...}: sets the fields given
+-- (numbers >= 0, SETTABLE); answers the fields' values after the change.
+function _M.set_metrics()
+    local state = ngx.shared.vllm_like
+    local req = cjson.decode(read_body())
+    if type(req) ~= "table" then
+        return send_error(400, "expected a JSON object", "BadRequestError", nil)
+    end
+    for k, v in pairs(req) do
+        if not SETTABLE[k] or type(v) ~= "number" or v < 0 then
+            return send_error(400, "unknown field or not a number >= 0: " .. tostring(k),
+                "BadRequestError", tostring(k))
+        end
+    end
+    local now = {}
+    for k in pairs(SETTABLE) do
+        if req[k] then
+            state:set(k, req[k])
+        end
+        now[k] = state:get(k) or 0
+    end
+    return send_json(200, cjson.encode(now))
+end
+
+-- log phase of the completion routes: one more finished request when the answer was 200
+function _M.finished()
+    if ngx.status == 200 then
+        ngx.shared.vllm_like:incr("request_success", 1, 0)
+    end
 end
 
 return _M

@@ -1,0 +1,288 @@
+-- KV-cache-aware admission: which replicas may take a new request, read from what each
+-- replica's vLLM says on its /metrics, and when the edge sheds a request instead.
+--
+-- Why: above about 0.92 of the KV cache, vLLM preempts running requests and a new
+-- prompt's prefill waits for blocks to free, so its time to first token rises steeply;
+-- a queue of waiting requests says the same. The edge sees this before forwarding and
+-- sends the request to a replica with room, or answers 503 at once with a Retry-After,
+-- rather than adding to a queue it cannot see the end of.
+--
+-- Metrics: one worker (worker 0, like the health probe) reads every replica's /metrics
+-- every edge.admission.metrics_interval_ms and keeps, in the shared dict, with a ttl
+-- of metrics_stale_ms (vLLM 0.32's names, vllm/v1/metrics/loggers.py; one sample per
+-- engine, labels model_name and engine):
+--   kv:   vllm:kv_cache_usage_perc, 0..1 (1 = full), the largest of the engines
+--   wait: vllm:num_requests_waiting, requests, summed over the engines
+--   run:  vllm:num_requests_running, requests, summed
+--   rate: finished requests per second, from vllm:request_success_total (summed over
+--         engines and finish reasons): an exponential moving average of the rate between
+--         two reads, time constant RATE_TAU_S
+-- Only that worker writes them (plain set is enough: one writer). A replica whose
+-- metrics were not refreshed within metrics_stale_ms (it stopped answering /metrics,
+-- never served them, or answers something else) has none: it is UNKNOWN.
+--
+-- Rank of a replica for one request (its key's priority: kv_cache_threshold,
+-- max_waiting; its prompt tokens), best first; tokengate.upstream picks the replica
+-- with the fewest outstanding tokens among the best rank:
+--   ROOM      known, queue <= max_waiting and KV cache <= kv_cache_threshold
+--   HEADROOM  known, queue <= max_waiting, KV cache above the threshold but at most
+--             threshold + small_prompt_headroom, and a prompt of at most
+--             small_prompt_tokens (a small prefill needs few KV-cache blocks)
+--   UNKNOWN   no fresh metrics: used when no known replica has room, never counted as
+--             full (shedding claims the fleet is full; only metrics can say so; a dead
+--             replica is the health probe's and the ejection's business)
+--   FULL      known, and the queue or the KV cache is above the bounds
+-- A request whose best replica is FULL is shed: 503 overloaded, before anything is
+-- reserved.
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local upstream = require "tokengate.upstream"
+local metrics = require "tokengate.metrics"
+
+local ngx_log = ngx.log
+local WARN = ngx.WARN
+local ngx_now = ngx.now
+local timer_every = ngx.timer.every
+local timer_at = ngx.timer.at
+local spawn = ngx.thread.spawn
+local wait = ngx.thread.wait
+local pairs = pairs
+local tonumber = tonumber
+local tostring = tostring
+local match = string.match
+local find = string.find
+local ceil = math.ceil
+local exp = math.exp
+local max = math.max
+local min = math.min
+
+local _M = {}
+
+local ROOM, HEADROOM, UNKNOWN, FULL = 1, 2, 3, 4
+_M.ROOM, _M.HEADROOM, _M.UNKNOWN, _M.FULL = ROOM, HEADROOM, UNKNOWN, FULL
+
+local RATE_TAU_S = 10 -- s: time constant of the finish-rate average
+
+local dict, conf
+local stale_s
+local last = {} -- the scraping worker's previous read per replica: {count, t}
+
+local function key(kind, model, r)
+    return kind .. model .. "\0" .. r.name
+end
+
+-- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
+-- (edge.admission: metrics_interval_ms (0: off), metrics_timeout_ms, metrics_stale_ms,
+-- small_prompt_tokens, small_prompt_headroom, max_retry_after_s). Worker 0 reads the
+-- metrics: once at once, then every metrics_interval_ms.
+function _M.init_worker(doc, dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. dict_name
+    end
+    conf = doc.edge.admission
+    stale_s = conf.metrics_stale_ms / 1000
+    local interval = conf.metrics_interval_ms
+    if interval == 0 or ngx.worker.id() ~= 0 then
+        return true
+    end
+    local ok, err = timer_at(0, _M.scrape_all, doc.models)
+    if ok then
+        ok, err = timer_every(interval / 1000, _M.scrape_all, doc.models)
+    end
+    if not ok then
+        return nil, "metrics timer: " .. err
+    end
+    return true
+end
+
+-- WANT: the vLLM metrics read, and how the samples of several engines combine
+local WANT = {
+    ["vllm:kv_cache_usage_perc"] = "max",
+    ["vllm:num_requests_waiting"] = "sum",
+    ["vllm:num_requests_running"] = "sum",
+    ["vllm:request_success_total"] = "sum",
+}
+
+-- read(sock) -> {[metric name] = value} of the WANT metrics in a Prometheus text
+-- exposition (lines `name{labels} value [timestamp]`), read line by line until the
+-- replica closes; nil when a read fails. Each sample's value is the field after the
+-- labels.
+local function read(sock)
+    local got = {}
+    while true do
+        local line, err = sock:receive("*l")
+        if not line then
+            return err == "closed" and got or nil
+        end
+        local name = match(line, "^vllm:[%w_]+")
+        local how = name and WANT[name]
+        if how then
+            local at = find(line, "}", #name + 1, true) or #name
+            local v = tonumber(match(line, "^%s*(%S+)", at + 1))
+            if v then
+                local old = got[name]
+                if not old then
+                    got[name] = v
+                elseif how == "max" then
+                    got[name] = max(old, v)
+                else
+                    got[name] = old + v
+                end
+            end
+        end
+    end
+end
+
+-- parse(text) -> read()'s table for a whole exposition text (for tests).
+function _M.parse(text)
+    local pos = 1
+    local fake = { receive = function()
+        if pos > #text then
+            return nil, "closed"
+        end
+        local nl = find(text, "\n", pos, true) or #text + 1
+        local line = text:sub(pos, nl - 1)
+        pos = nl + 1
+        return line
+    end }
+    return read(fake)
+end
+
+-- finish_rate(k, count, t) -> requests/s finished since the previous read of the
+-- replica whose rate is kept under k (count: its vllm:request_success_total, t: s),
+-- averaged; nil until there are two reads (a counter that went down is a restarted
+-- replica: start again).
+local function finish_rate(k, count, t)
+    local prev = last[k]
+    last[k] = { count, t }
+    if not prev or count < prev[1] or t <= prev[2] then
+        return nil
+    end
+    local dt = t - prev[2]
+    local x = (count - prev[1]) / dt
+    local old = dict:get(k)
+    if not old then
+        return x
+    end
+    return old + (1 - exp(-dt / RATE_TAU_S)) * (x - old)
+end
+
+-- scrape(name, r): one read of replica r of model name; stores what it found.
+local function scrape(name, r)
+    local addr = upstream.address(name, r)
+    if not addr then
+        return
+    end
+    local sock, status = upstream.get(r, addr, "/metrics", conf.metrics_timeout_ms)
+    local got
+    if sock then
+        got = status == 200 and read(sock) or nil
+        sock:close()
+    end
+    local kv = got and got["vllm:kv_cache_usage_perc"]
+    if not kv then
+        -- what it had stays until it expires (metrics_stale_ms)
+        if dict:get(key("kv:", name, r)) == nil and metrics.first_in(key("nokv:", name, r),
+                60) then
+            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " sends no vLLM "
+                .. "metrics (GET /metrics): its KV cache is unknown")
+        end
+        return
+    end
+    dict:set(key("kv:", name, r), kv, stale_s)
+    dict:set(key("wait:", name, r), got["vllm:num_requests_waiting"] or 0, stale_s)
+    dict:set(key("run:", name, r), got["vllm:num_requests_running"] or 0, stale_s)
+    local done = got["vllm:request_success_total"]
+    local k = key("rate:", name, r)
+    local rate = done and finish_rate(k, done, ngx_now())
+    if rate then
+        dict:set(k, rate, stale_s)
+    end
+end
+
+local sweeping = false -- this worker's sweep is still running (a hung replica)
+
+-- scrape_all(premature, models): the metrics timer: every replica of every model, each
+-- in a light thread of its own, so one that hangs delays no other.
+function _M.scrape_all(premature, models)
+    if premature or sweeping then
+        return
+    end
+    sweeping = true
+    ngx.update_time()
+    local threads = {}
+    for name, m in pairs(models) do
+        for i = 1, #m.upstreams do
+            threads[#threads + 1] = spawn(scrape, name, m.upstreams[i])
+        end
+    end
+    for i = 1, #threads do
+        wait(threads[i])
+    end
+    sweeping = false
+end
+
+-- rank(model_name, r, level, prompt) -> ROOM | HEADROOM | UNKNOWN | FULL (module
+-- comment) of replica r for a request of priority level (a compiled
+-- edge.admission.priorities entry: kv_cache_threshold, max_waiting) whose prompt has
+-- `prompt` tokens.
+function _M.rank(model_name, r, level, prompt)
+    local kv = dict:get(key("kv:", model_name, r))
+    if kv == nil then
+        return UNKNOWN
+    end
+    if (dict:get(key("wait:", model_name, r)) or 0) > level.max_waiting then
+        return FULL
+    end
+    local limit = level.kv_cache_threshold
+    if kv <= limit then
+        return ROOM
+    end
+    if prompt <= conf.small_prompt_tokens and kv <= limit + conf.small_prompt_headroom then
+        return HEADROOM
+    end
+    return FULL
+end
+
+-- estimate(waiting, rate, most) -> s: how long until a replica that finishes `rate`
+-- requests/s and has `waiting` queued may take one more: (waiting + 1) / rate (the
+-- queue ahead, then the request itself, served in order), rounded up, within
+-- 1..most; most when nothing finishes (rate nil or 0).
+function _M.estimate(waiting, rate, most)
+    if not rate or rate <= 0 then
+        return most
+    end
+    return max(1, min(most, ceil((waiting + 1) / rate)))
+end
+
+-- overloaded(model) -> err (503 overloaded) with Retry-After: the soonest estimate()
+-- of the model's replicas.
+function _M.overloaded(model)
+    local most = conf.max_retry_after_s
+    local s = most
+    for i = 1, #model.upstreams do
+        local r = model.upstreams[i]
+        local rate = dict:get(key("rate:", model.name, r))
+        s = min(s, _M.estimate(dict:get(key("wait:", model.name, r)) or 0, rate, most))
+    end
+    return errors.new(503, "Every replica of model " .. errors.clip(model.name) .. " is too "
+        .. "busy to take this request now (KV cache or queue above its bounds). Please "
+        .. "retry after " .. s .. " s.", nil, "overloaded", nil,
+        { ["Retry-After"] = tostring(s) })
+end
+
+-- state(model_name, r) -> {kv_cache_usage, waiting, running, finish_rate} of replica
+-- r, nil when unknown (for the status server).
+function _M.state(model_name, r)
+    local kv = dict:get(key("kv:", model_name, r))
+    if kv == nil then
+        return nil
+    end
+    return { kv_cache_usage = kv, waiting = dict:get(key("wait:", model_name, r)) or 0,
+             running = dict:get(key("run:", model_name, r)) or 0,
+             finish_rate = dict:get(key("rate:", model_name, r)) }
+end
+
+return _M
