@@ -20,6 +20,7 @@ at any moment, also while a part is still starting, stops everything.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
@@ -189,20 +190,28 @@ def _pid_alive(pid_file: Path) -> bool:
 DEMO_KEY = "tg-demo-key"
 
 
-def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl") -> str:
-    """What ``make run`` prints once the stack is up: base URL, demo key, examples."""
+def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
+           config: tg_config.Config | None = None, config_name: str = "tokengate.yaml") -> str:
+    """What ``make run`` prints once the stack is up: base URL, the demo key (when the
+    configuration holds it; else the key placeholder), examples."""
+    demo = config is None or any(k.sha256 == hashlib.sha256(DEMO_KEY.encode()).hexdigest()
+                                 for k in config.keys.values())
+    key = DEMO_KEY if demo else "$TOKENGATE_API_KEY"
+    py_key = f'"{DEMO_KEY}"' if demo else '__import__("os").environ["TOKENGATE_API_KEY"]'
+    said = f"demo key of {config_name}" if demo else \
+        f"{config_name} has no demo key: use one of its keys (tokengate keys create)"
     return f"""
 tokengate is up.
   base URL : {base_url}
-  API key  : {DEMO_KEY}   (demo key of tokengate.yaml)
+  API key  : {key}   ({said})
   model    : {model}
 
   curl {base_url}/chat/completions \\
-    -H "Authorization: Bearer {DEMO_KEY}" -H "Content-Type: application/json" \\
+    -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
 
   .venv/bin/python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}", \\
-    api_key="{DEMO_KEY}"); print(c.chat.completions.create(model="{model}", \\
+    api_key={py_key}); print(c.chat.completions.create(model="{model}", \\
     messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=16))'
 
 Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
@@ -246,6 +255,14 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     ]
 
 
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the checkout when it lies in it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def run(config_path: Path, counter_port: int = 50051) -> int:
     """Start every part (``stack``), print how to call the gateway, keep the parts up
     (``Supervisor``) until SIGINT/SIGTERM/SIGHUP, then stop all. Returns the exit
@@ -271,7 +288,8 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
         signal.signal(sig, terminate)
     try:
         sup.run(on_up=lambda: print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name,
-                                           usage_file), flush=True))
+                                           usage_file, cfg, _shown_path(config_path)),
+                                    flush=True))
     except ServiceError as e:
         print(f"not started: {e}", file=sys.stderr)
         return 1
