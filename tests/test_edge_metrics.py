@@ -92,14 +92,14 @@ def test_metrics_count_a_known_workload_exactly(
     assert unknown.status_code == 404
     no_key = _post(e, "/chat/completions", _chat(), key=None)
     assert no_key.status_code == 401
-    rpm = [_post(e, "/chat/completions", _chat(), key=RPM_KEY).status_code for _ in range(3)]
-    assert rpm == [200, 200, 429]
+    rpm = [_post(e, "/chat/completions", _chat(), key=RPM_KEY) for _ in range(3)]
+    assert [r.status_code for r in rpm] == [200, 200, 429]
     # 150 TPM: prompt + 140 reserved can never fit
-    tpm = [_post(e, "/chat/completions", _chat(max_tokens=n), key=TPM_KEY).status_code
-           for n in (5, 140)]
-    assert tpm == [200, 429]
+    tpm = [_post(e, "/chat/completions", _chat(max_tokens=n), key=TPM_KEY) for n in (5, 140)]
+    assert [r.status_code for r in tpm] == [200, 429]
 
-    ids = {r.headers["x-request-id"] for r in [*ok, special, unknown]}
+    # the log phase (metrics, then the event line) runs after the answer was sent
+    ids = {r.headers["x-request-id"] for r in [*ok, special, unknown, *rpm, *tpm]}
     wait_until(lambda: ids <= {ev["request_id"] for ev in e.events()})
     events = e.events()
     got = samples(scrape(e))
