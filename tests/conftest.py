@@ -52,6 +52,9 @@ def config_path() -> Path:
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
         m["upstreams"] = [f"127.0.0.1:{VLLM_PORT}"]
+    # many sidecars run at once in a session (and beside make run): a test that reads a
+    # sidecar's metrics gives it a port of its own
+    raw["metrics"] = {"counter_listen": None, "ledger_listen": None, "limits_listen": None}
     TEST_DIR.mkdir(parents=True, exist_ok=True)
     path = TEST_DIR / "tokengate.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

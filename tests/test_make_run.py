@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -87,9 +88,10 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def write_config(var: Path, upstream: str, embedded: bool = False) -> tuple[Path, str]:
-    """The repository's configuration on free ports with its files under ``var``;
-    returns the path and the edge's base URL."""
+def write_config(var: Path, upstream: str, embedded: bool = False,
+                 edit: Callable[[dict[str, Any]], None] | None = None) -> tuple[Path, str]:
+    """The repository's configuration on free ports with its files under ``var``, then
+    ``edit(raw)``; returns the path and the edge's base URL."""
     raw = yaml.safe_load(REPO_CONFIG.read_text())
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
@@ -102,6 +104,10 @@ def write_config(var: Path, upstream: str, embedded: bool = False) -> tuple[Path
     raw["global_limits"]["unix_socket"] = str(var / "run" / "limits.sock")
     raw["edge"]["listen"] = edge
     raw["edge"]["status_listen"] = f"127.0.0.1:{free_port()}"
+    raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{free_port()}"
+                      for part in ("counter", "ledger", "limits")}
+    if edit is not None:
+        edit(raw)
     path = var / "tokengate.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path, f"http://{edge}/v1"
@@ -110,10 +116,11 @@ def write_config(var: Path, upstream: str, embedded: bool = False) -> tuple[Path
 class Stack:
     """One ``devstack run`` in a subprocess; its output lines are collected as they come."""
 
-    def __init__(self, name: str, upstream: str, embedded: bool = False) -> None:
+    def __init__(self, name: str, upstream: str, embedded: bool = False,
+                 edit: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.var = TEST_DIR / f"make-run-{name}"
         self.var.mkdir(parents=True, exist_ok=True)
-        self.config, self.url = write_config(self.var, upstream, embedded)
+        self.config, self.url = write_config(self.var, upstream, embedded, edit)
         self.token = uuid.uuid4().hex
         self.lines: list[str] = []
         argv = [sys.executable, "-m", "tokengate_dev.devstack", "run", "--config",

@@ -264,3 +264,19 @@ def test_version_matches_vllm(vllm_url: str, fast_upstream_url: str) -> None:
     fast = call(fast_upstream_url.removesuffix("/v1"), "GET", "/version")
     assert real.status == fast.status == 200
     assert (real.content_type, fast.body) == (fast.content_type, real.body)
+
+
+def test_vllm_exports_the_metrics_the_grafana_board_reads(vllm_url: str) -> None:
+    """docs/grafana/tokengate.json reads these of vLLM's own /metrics (after a request, so
+    the TTFT histogram has a sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_observability import VLLM_METRICS, board_metrics
+
+    call(vllm_url, "POST", "/chat/completions",
+         {"model": "tiny-qwen3", "max_tokens": 2,
+          "messages": [{"role": "user", "content": "Hi"}]})
+    text = httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert VLLM_METRICS <= exported, VLLM_METRICS - exported
+    assert {n for n in board_metrics() if n.startswith("vllm:")} <= VLLM_METRICS

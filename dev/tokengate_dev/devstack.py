@@ -71,11 +71,19 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
                    start_timeout_s=400.0)
 
 
+def _metrics_args(metrics_listen: str | None) -> list[str]:
+    """``--metrics-listen`` of a sidecar: host:port or "none"; None: the configuration's
+    ``metrics.*_listen``."""
+    return [] if metrics_listen is None else ["--metrics-listen", metrics_listen]
+
+
 def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | None = None,
-                    workers: int = 2, name: str = "counter") -> Service:
-    """The token counter sidecar (``tokengate-counter``): gRPC on TCP and a unix socket."""
+                    workers: int = 2, name: str = "counter",
+                    metrics_listen: str | None = None) -> Service:
+    """The token counter sidecar (``tokengate-counter``): gRPC on TCP and a unix socket,
+    its Prometheus metrics on ``metrics_listen`` (default ``metrics.counter_listen``)."""
     argv = [PYTHON, "-m", "tokengate.counter.server", "--config", str(config_path),
-            "--port", str(port), "--workers", str(workers)]
+            "--port", str(port), "--workers", str(workers), *_metrics_args(metrics_listen)]
     if unix_socket is not None:
         argv += ["--unix-socket", str(unix_socket)]
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
@@ -91,10 +99,12 @@ def redis_service(port: int = 6380, name: str = "redis") -> Service:
 
 def ledger_service(config_path: Path, usage_file: Path | None = None,
                    redis_url: str | None = None, ledger_id: str | None = None,
-                   name: str = "ledger", engine_files: Sequence[Path] = ()) -> Service:
+                   name: str = "ledger", engine_files: Sequence[Path] = (),
+                   metrics_listen: str | None = None) -> Service:
     """The usage ledger (``tokengate-ledger``): tails the usage file into Redis, and the
     vLLM plugin's ``engine_files`` when given (``--engine-file``; else those of
-    ``ledger.engine_usage_files``), whose records then settle the bill.
+    ``ledger.engine_usage_files``), whose records then settle the bill. Its Prometheus
+    metrics on ``metrics_listen`` (default ``metrics.ledger_listen``).
 
     Ready once it wrote its status file (``var/run/<name>.status.json``, refreshed every
     second: applied, lag_bytes, redis_up, ...); one left by an earlier ledger is
@@ -103,7 +113,7 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
     status = VAR / "run" / f"{name}.status.json"
     status.parent.mkdir(parents=True, exist_ok=True)
     argv = [PYTHON, "-m", "tokengate.ledger.service", "--config", str(config_path),
-            "--status-file", str(status)]
+            "--status-file", str(status), *_metrics_args(metrics_listen)]
     if usage_file is not None:
         argv += ["--usage-file", str(usage_file)]
     if redis_url is not None:
@@ -119,13 +129,15 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
                    unix_socket: Path | None = None, workers: int = 1,
-                   name: str = "limits") -> Service:
+                   name: str = "limits", metrics_listen: str | None = None) -> Service:
     """The global-limit sidecar (``tokengate-limits``): gRPC ``GlobalLimits`` on
     127.0.0.1:port (and worker i on ``<unix_socket>.<i>`` when given) in front of the
-    Redis sliding windows shared by every edge."""
+    Redis sliding windows shared by every edge; its Prometheus metrics on
+    ``metrics_listen`` (default ``metrics.limits_listen``)."""
     argv = [PYTHON, "-m", "tokengate.limits.server", "--config", str(config_path),
             "--listen", f"127.0.0.1:{port}", "--workers", str(workers),
-            "--unix-socket", str(unix_socket) if unix_socket is not None else "none"]
+            "--unix-socket", str(unix_socket) if unix_socket is not None else "none",
+            *_metrics_args(metrics_listen)]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
@@ -191,21 +203,26 @@ DEMO_KEY = "tg-demo-key"
 
 
 def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
-           config: tg_config.Config | None = None, config_name: str = "tokengate.yaml") -> str:
+           observe: Sequence[tuple[str, str]] = (), config: tg_config.Config | None = None,
+           config_name: str = "tokengate.yaml") -> str:
     """What ``make run`` prints once the stack is up: base URL, the demo key (when the
-    configuration holds it; else the key placeholder), examples."""
+    configuration holds it; else the key placeholder), examples; ``observe``: (what,
+    URL) lines of the health and metrics endpoints."""
     demo = config is None or any(k.sha256 == hashlib.sha256(DEMO_KEY.encode()).hexdigest()
                                  for k in config.keys.values())
     key = DEMO_KEY if demo else "$TOKENGATE_API_KEY"
     py_key = f'"{DEMO_KEY}"' if demo else '__import__("os").environ["TOKENGATE_API_KEY"]'
     said = f"demo key of {config_name}" if demo else \
         f"{config_name} has no demo key: use one of its keys (tokengate keys create)"
+    block = "".join(f"  {what:<15}: {url}\n" for what, url in observe)
+    if block:
+        block = "\n  health and metrics (no key needed):\n" + block
     return f"""
 tokengate is up.
   base URL : {base_url}
   API key  : {key}   ({said})
   model    : {model}
-
+{block}
   curl {base_url}/chat/completions \\
     -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
@@ -216,6 +233,23 @@ tokengate is up.
 
 Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
 {usage_file}. Ctrl-C stops everything."""
+
+
+def endpoints(cfg: tg_config.Config, listen: str, status_listen: str) -> list[tuple[str, str]]:
+    """(what, URL) of the stack's health and metrics endpoints: the edge's /healthz and
+    /readyz (API listener), its /metrics (status server) and each sidecar's /metrics
+    that ``make run`` starts."""
+    m = cfg.metrics
+    out = [("edge liveness", f"http://{listen}/healthz"),
+           ("edge readiness", f"http://{listen}/readyz"),
+           ("edge metrics", f"http://{status_listen}/metrics")]
+    for what, addr in (("counter metrics", m.counter_listen),
+                       ("ledger metrics", m.ledger_listen),
+                       ("limits metrics", m.limits_listen if cfg.global_limits.enabled
+                        else None)):
+        if addr is not None:
+            out.append((what, f"http://{addr}/metrics"))
+    return out
 
 
 def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
@@ -276,6 +310,7 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     edge_port = int(edge.listen.rpartition(":")[2])
     sup = Supervisor(stack(config_path, counter_port),
                      say=lambda line: print(line, flush=True))
+    observe = endpoints(cfg, edge.listen, edge.status_listen)
 
     def terminate(signum: int, frame: object) -> None:
         # a flag, not an exception: one raised inside Popen would lose the child
@@ -288,8 +323,8 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
         signal.signal(sig, terminate)
     try:
         sup.run(on_up=lambda: print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name,
-                                           usage_file, cfg, _shown_path(config_path)),
-                                    flush=True))
+                                           usage_file, observe, cfg,
+                                           _shown_path(config_path)), flush=True))
     except ServiceError as e:
         print(f"not started: {e}", file=sys.stderr)
         return 1

@@ -117,6 +117,20 @@ function _M.prompt(route, model, body, edge)
              source = "estimate", system = 0 }
 end
 
+local PING = '{"prompt":"ok"}'
+
+-- ping(model) -> true | nil, reason: the counter counted a one-token completions prompt
+-- of model (a real call: the per-worker cache is not asked). reason: tokengate.sidecar's
+-- failure reason ("backoff", "down", "timeout", "unavailable", "status", "error").
+function _M.ping(model)
+    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT.completions,
+        PING))
+    if not msg then
+        return nil, failure.reason
+    end
+    return true
+end
+
 -- backing_off() -> true while the counter's breaker is open
 function _M.backing_off()
     return client ~= nil and client:backing_off()

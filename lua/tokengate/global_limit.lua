@@ -82,7 +82,6 @@ function _M.incoming(req)
     end
     if not r then
         local reason = FALLBACK[failure.reason] or "error"
-        metrics.incr("global_fallback")
         metrics.incr("global_fallback_" .. reason)
         if reason ~= "backoff" then
             ngx_log(WARN, "tokengate: global limits ", reason, " (", failure.message,

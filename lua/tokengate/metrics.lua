@@ -1,10 +1,19 @@
--- Edge metrics: counters in a lua_shared_dict shared by all workers, served as JSON by
--- /tokengate/status on the loopback status server (edge.status_listen,
--- tokengate-http.conf).
+-- Edge metrics: counters and histograms in a lua_shared_dict shared by all workers, served
+-- by the loopback status server (edge.status_listen, tokengate-http.conf) in two views of
+-- the same entries: /metrics in Prometheus's text format (version 0.0.4) and
+-- /tokengate/status as JSON (the STATUS counters below, named as before).
 --
 -- Counters only ever grow (since nginx started; a reload keeps them, a restart clears
 -- them), so a scraper takes rates from differences. incr with an init value is atomic
--- across workers.
+-- across workers; nothing here reads a value to write it back.
+--
+-- Entries: "<family>\t<labels>" for a counter, "<family>\t<labels>\t<i>" for the
+-- observations of a histogram that fell into bucket i (not cumulative: one incr per
+-- observation; the exposition adds them up) and "<family>\t<labels>\ts" for their sum.
+-- <labels> is the exposition's own text (key="demo",model="tiny-qwen3"), so a scrape
+-- only splits keys. Label values come from the configuration (key ids, model and
+-- replica names) or from fixed sets, never from the client: the number of series is
+-- bounded by the configuration (NONE stands for "no key", "no model" and "unknown").
 
 local ngx = ngx
 local json = require "tokengate.json"
@@ -12,52 +21,131 @@ local json = require "tokengate.json"
 local ngx_log = ngx.log
 local ERR = ngx.ERR
 local tostring = tostring
+local tonumber = tonumber
+local find = string.find
+local sub = string.sub
+local gsub = string.gsub
+local match = string.match
+local concat = table.concat
+local sort = table.sort
+local pairs = pairs
 
 local _M = {}
 
--- The counters, in the order /tokengate/status lists them:
---   global_admitted        admitted by the global (Redis) window
---   global_refused         refused by the global window (429)
---   global_fallback        admitted on the local limits alone because the global tier
---                          failed (sum of the five reasons below)
---   global_fallback_unavailable   the limits sidecar answered UNAVAILABLE (Redis down)
---   global_fallback_down          the limits sidecar is unreachable (not running)
---   global_fallback_timeout       no answer within edge.global_limits_timeout_ms
---   global_fallback_error         anything else (an unexpected gRPC status, a bad reply)
---   global_fallback_backoff       not asked: the tier failed less than
---                                 edge.global_limits_backoff_ms ago
---   global_settled         settlements the sidecar applied (found or not)
---   global_settle_failed   settlements that did not reach Redis (the reservation then
---                          stays as reserved until it leaves the 60 s window)
---   global_settle_dropped  settlements not sent because the worker's queue was full
---   access_log_lines       lines written to the sampled access log
---   unauthenticated_missing_key   401: no API key (requests without a valid key write no
---                                 usage event; these four count them by reason)
---   unauthenticated_invalid_key   401: a key that is not configured
---   unauthenticated_blocked       429: the client is blocked (edge.auth_failures)
---   unauthenticated_refused       refused by nginx itself (bad request line or headers,
---                                 ...) without a valid key
---   unauthenticated_log_lines     their lines in the sampled access log (at most
---                                 edge.auth_failures.log_lines_per_s per worker; also
---                                 in access_log_lines)
---   auth_blocks            clients blocked after too many invalid keys
---   count_drift_requests   requests whose usage.prompt_tokens from vLLM differed from the
---                          counter's count (tokengate.drift; the event's count_drift)
---   count_drift_tokens     the sum of those differences, absolute, tokens
---   admission_shed         requests answered 503 overloaded: every replica's KV cache or
---                          queue above the bounds of the key's priority
---                          (tokengate.admission; each has a usage event)
---   admission_headroom     small prompts sent to a replica above its KV-cache threshold
---                          (edge.admission.small_prompt_headroom)
-local NAMES = {
-    "global_admitted", "global_refused", "global_fallback", "global_fallback_unavailable",
-    "global_fallback_down", "global_fallback_timeout", "global_fallback_error",
-    "global_fallback_backoff", "global_settled", "global_settle_failed",
-    "global_settle_dropped", "access_log_lines", "unauthenticated_missing_key",
-    "unauthenticated_invalid_key", "unauthenticated_blocked", "unauthenticated_refused",
-    "unauthenticated_log_lines", "auth_blocks", "count_drift_requests", "count_drift_tokens",
-    "admission_shed", "admission_headroom",
+_M.NONE = "none"
+
+-- Bucket bounds, seconds.
+local LATENCY = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60 }
+local DURATION = { 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600 }
+local FAST = { 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1 }
+
+-- The families, in the order /metrics lists them: name, type, help[, buckets]. Gauges are
+-- not stored: the status server passes their samples at scrape time (exposition()).
+local FAMILIES = {
+    { "tokengate_requests_total", "counter",
+      "Requests that ended, by API key, model, endpoint (chat, completions, models, "
+      .. "model, other) and status class (2xx..5xx)." },
+    { "tokengate_prompt_tokens_total", "counter",
+      "Prompt tokens billed (the usage events' prompt_tokens), by API key and model." },
+    { "tokengate_completion_tokens_total", "counter",
+      "Completion tokens billed (the usage events' completion_tokens), by API key and model." },
+    { "tokengate_cached_tokens_total", "counter",
+      "Prompt tokens served from vLLM's prefix cache (the usage events' cached_tokens), "
+      .. "by API key and model." },
+    { "tokengate_rate_limited_total", "counter",
+      "Requests refused with 429 by a key's limit, by API key, limit (rpm, tpm) and tier "
+      .. "(local, global)." },
+    { "tokengate_prompt_counts_total", "counter",
+      "Prompts counted, by model and source (counter: exact; estimate: the counter was "
+      .. "unavailable)." },
+    { "tokengate_count_drift_requests_total", "counter",
+      "Requests whose usage.prompt_tokens from vLLM differed from the counter's count." },
+    { "tokengate_count_drift_tokens_total", "counter",
+      "Sum of those differences, absolute, tokens." },
+    { "tokengate_sanitizer_actions_total", "counter",
+      "What the sanitizer did, by action: remove_invisible_char (characters), "
+      .. "strip_special_token (tokens), drop_repeated_system_message (messages), "
+      .. "refuse_special_token (requests refused)." },
+    { "tokengate_global_limit_decisions_total", "counter",
+      "Answers of the global (Redis) tier, by result (admitted, refused)." },
+    { "tokengate_global_limit_fallbacks_total", "counter",
+      "Requests admitted on the local limits alone because the global tier failed, by "
+      .. "reason (unavailable, down, timeout, error, backoff)." },
+    { "tokengate_global_limit_settlements_total", "counter",
+      "Settlements of the global tier, by result (applied, failed, dropped)." },
+    { "tokengate_unauthenticated_requests_total", "counter",
+      "Requests without a valid API key (no usage event), by reason (missing_key, "
+      .. "invalid_key, blocked, refused)." },
+    { "tokengate_admission_shed_total", "counter",
+      "Requests answered 503 overloaded before reserving: every replica's KV cache or "
+      .. "queue above the bounds of the key's priority (tokengate.admission; each has a "
+      .. "usage event)." },
+    { "tokengate_admission_headroom_total", "counter",
+      "Small prompts sent to a replica above its KV-cache threshold "
+      .. "(edge.admission.small_prompt_headroom)." },
+    { "tokengate_auth_blocks_total", "counter",
+      "Clients blocked after too many invalid keys (edge.auth_failures)." },
+    { "tokengate_access_log_lines_total", "counter",
+      "Lines written to the sampled access log." },
+    { "tokengate_unauthenticated_log_lines_total", "counter",
+      "Access-log lines of requests without a valid key (also in "
+      .. "tokengate_access_log_lines_total)." },
+    { "tokengate_time_to_first_token_seconds", "histogram",
+      "Time from the request's arrival to the first byte of vLLM's answer, forwarded "
+      .. "requests, by model.", LATENCY },
+    { "tokengate_request_duration_seconds", "histogram",
+      "Time from the request's arrival to its end, forwarded requests, by model.", DURATION },
+    { "tokengate_count_duration_seconds", "histogram",
+      "Time to count a prompt (the counter's call, or the edge's cache of its answers).",
+      FAST },
+    { "tokengate_upstream_connect_duration_seconds", "histogram",
+      "Time to connect to the replica (nginx's $upstream_connect_time, last try), by model.",
+      FAST },
+    { "tokengate_upstream_up", "gauge",
+      "1 while the replica takes requests, 0 while it is out (failed, health probe, no "
+      .. "address), by model and replica." },
+    { "tokengate_upstream_outstanding_tokens", "gauge",
+      "Reserved tokens of the requests the replica is serving now, by model and replica." },
 }
+local FAMILY = {}
+for i = 1, #FAMILIES do
+    FAMILY[FAMILIES[i][1]] = FAMILIES[i]
+end
+
+-- The counters of /tokengate/status: name -> family and labels (global_fallback, the sum
+-- of the five fallback reasons, is added up when the page is made).
+local STATUS = {
+    { "global_admitted", "tokengate_global_limit_decisions_total", 'result="admitted"' },
+    { "global_refused", "tokengate_global_limit_decisions_total", 'result="refused"' },
+    { "global_fallback_unavailable", "tokengate_global_limit_fallbacks_total",
+      'reason="unavailable"' },
+    { "global_fallback_down", "tokengate_global_limit_fallbacks_total", 'reason="down"' },
+    { "global_fallback_timeout", "tokengate_global_limit_fallbacks_total", 'reason="timeout"' },
+    { "global_fallback_error", "tokengate_global_limit_fallbacks_total", 'reason="error"' },
+    { "global_fallback_backoff", "tokengate_global_limit_fallbacks_total", 'reason="backoff"' },
+    { "global_settled", "tokengate_global_limit_settlements_total", 'result="applied"' },
+    { "global_settle_failed", "tokengate_global_limit_settlements_total", 'result="failed"' },
+    { "global_settle_dropped", "tokengate_global_limit_settlements_total", 'result="dropped"' },
+    { "access_log_lines", "tokengate_access_log_lines_total", "" },
+    { "unauthenticated_missing_key", "tokengate_unauthenticated_requests_total",
+      'reason="missing_key"' },
+    { "unauthenticated_invalid_key", "tokengate_unauthenticated_requests_total",
+      'reason="invalid_key"' },
+    { "unauthenticated_blocked", "tokengate_unauthenticated_requests_total",
+      'reason="blocked"' },
+    { "unauthenticated_refused", "tokengate_unauthenticated_requests_total",
+      'reason="refused"' },
+    { "unauthenticated_log_lines", "tokengate_unauthenticated_log_lines_total", "" },
+    { "auth_blocks", "tokengate_auth_blocks_total", "" },
+    { "count_drift_requests", "tokengate_count_drift_requests_total", "" },
+    { "count_drift_tokens", "tokengate_count_drift_tokens_total", "" },
+    { "admission_shed", "tokengate_admission_shed_total", "" },
+    { "admission_headroom", "tokengate_admission_headroom_total", "" },
+}
+local STATUS_KEY = {}
+for i = 1, #STATUS do
+    STATUS_KEY[STATUS[i][1]] = STATUS[i][2] .. "\t" .. STATUS[i][3]
+end
 
 local dict
 
@@ -70,36 +158,88 @@ function _M.init(dict_name)
     return true
 end
 
--- incr(name, n?): adds n (default 1) to a counter; a full dict only logs.
-function _M.incr(name, n)
+-- value(v) -> v as a label value: \, " and newline escaped (exposition format)
+function _M.value(v)
+    v = tostring(v)
+    if find(v, '[\\"\n]') then
+        v = gsub(gsub(gsub(v, "\\", "\\\\"), '"', '\\"'), "\n", "\\n")
+    end
+    return v
+end
+
+local function add(k, n)
+    local ok, err = dict:incr(k, n, 0)
+    if not ok then
+        ngx_log(ERR, "tokengate metrics: incr ", k, ": ", err)
+    end
+end
+
+-- count(family, labels, n?): adds n (default 1) to a counter of a declared family;
+-- labels: the exposition's label text ('key="demo",model="m"', values through value()).
+function _M.count(family, labels, n)
+    if dict then
+        add(family .. "\t" .. labels, n or 1)
+    end
+end
+
+-- observe(family, labels, seconds): one observation of a declared histogram.
+function _M.observe(family, labels, seconds)
     if not dict then
         return
     end
-    local ok, err = dict:incr(name, n or 1, 0)
-    if not ok then
-        ngx_log(ERR, "tokengate metrics: incr ", name, ": ", err)
+    local bounds = FAMILY[family][4]
+    local i = #bounds + 1
+    for b = 1, #bounds do
+        if seconds <= bounds[b] then
+            i = b
+            break
+        end
+    end
+    local k = family .. "\t" .. labels .. "\t"
+    add(k .. i, 1)
+    add(k .. "s", seconds)
+end
+
+-- incr(name, n?): adds n (default 1) to a counter of /tokengate/status (STATUS).
+function _M.incr(name, n)
+    local k = STATUS_KEY[name]
+    if not k then
+        ngx_log(ERR, "tokengate metrics: no status counter ", name)
+    elseif dict then
+        add(k, n or 1)
     end
 end
 
 -- first_in(key, seconds) -> true for the first call with key in each period of that
 -- many seconds, across all workers (add is atomic; its ttl ends the period): what
 -- bounds a repeated log line. A full dict answers false: better a missed line than a
--- flood.
+-- flood. (Keys without a tab: never part of the exposition.)
 function _M.first_in(key, seconds)
     return dict ~= nil and dict:add(key, true, seconds) == true
 end
 
--- get(name) -> the counter's value (0 when never incremented)
+-- get(name) -> the status counter's value (0 when never incremented)
 function _M.get(name)
-    return dict and dict:get(name) or 0
+    return dict and dict:get(STATUS_KEY[name]) or 0
 end
 
 -- json_text(extra) -> {"<counter>": n, ..., <extra fields>} as JSON text; extra: a
 -- json.object whose fields are appended (state that is not a counter).
 function _M.json_text(extra)
     local o = json.object()
-    for i = 1, #NAMES do
-        json.set(o, NAMES[i], _M.get(NAMES[i]))
+    local fallback = 0
+    for i = 1, #STATUS do
+        local name = STATUS[i][1]
+        if sub(name, 1, 16) == "global_fallback_" then
+            fallback = fallback + _M.get(name)
+        end
+    end
+    for i = 1, #STATUS do
+        local name = STATUS[i][1]
+        json.set(o, name, _M.get(name))
+        if name == "global_refused" then
+            json.set(o, "global_fallback", fallback)
+        end
     end
     if extra then
         local keys = extra[json.KEYS]
@@ -108,6 +248,190 @@ function _M.json_text(extra)
         end
     end
     return json.encode(o)
+end
+
+local ENDPOINTS = { chat = true, completions = true, models = true, model = true }
+local LIMIT = { requests = "rpm", tokens = "tpm" }
+
+-- connect_s(v) -> nginx's $upstream_connect_time of the last try, seconds, or nil
+-- ("0.001, 0.000" after a retry; "-" when it never connected)
+local function connect_s(v)
+    return v and tonumber((match(v, "([%d%.]+)%s*$")))
+end
+
+-- request(ctx, status, ev, models): the log phase's record of one request. ctx: the
+-- phases' fields (key, model, route, count_source, count_s, sanitized, error,
+-- limit_req, limits_tier, proxied); status: the status sent; ev: its usage event
+-- (usage.record) or nil (no valid key: nothing billed); models: the configuration's
+-- models (a model label must name one); upstream_connect_time: nginx's variable.
+function _M.request(ctx, status, ev, models, upstream_connect_time)
+    if not dict then
+        return
+    end
+    local key = ctx.key and _M.value(ctx.key.id) or _M.NONE
+    local model = ctx.model and models[ctx.model] and _M.value(ctx.model) or _M.NONE
+    local km = 'key="' .. key .. '",model="' .. model .. '"'
+    local endpoint = ENDPOINTS[ctx.route] and ctx.route or "other"
+    local class = (status >= 100 and status < 600) and sub(tostring(status), 1, 1) .. "xx"
+        or "5xx"
+    add("tokengate_requests_total\t" .. km .. ',endpoint="' .. endpoint .. '",status="'
+        .. class .. '"', 1)
+    local m = 'model="' .. model .. '"'
+    if ev then
+        local p, c, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
+        if p > 0 then
+            add("tokengate_prompt_tokens_total\t" .. km, p)
+        end
+        if c > 0 then
+            add("tokengate_completion_tokens_total\t" .. km, c)
+        end
+        if cached > 0 then
+            add("tokengate_cached_tokens_total\t" .. km, cached)
+        end
+    end
+    local req = ctx.limit_req
+    local st = req and not req.admitted and req.state
+    if status == 429 and st and st.reject then
+        add('tokengate_rate_limited_total\tkey="' .. key .. '",limit="' .. LIMIT[st.reject]
+            .. '",tier="' .. (ctx.limits_tier or "local") .. '"', 1)
+    end
+    if ctx.count_source == "counter" or ctx.count_source == "estimate" then
+        add("tokengate_prompt_counts_total\t" .. m .. ',source="' .. ctx.count_source .. '"', 1)
+        if ctx.count_s then
+            _M.observe("tokengate_count_duration_seconds", "", ctx.count_s)
+        end
+    end
+    local counts = ctx.sanitized
+    if counts then
+        local A = "tokengate_sanitizer_actions_total\taction="
+        if counts.removed > 0 then
+            add(A .. '"remove_invisible_char"', counts.removed)
+        end
+        if counts.stripped > 0 then
+            add(A .. '"strip_special_token"', counts.stripped)
+        end
+        if counts.collapsed > 0 then
+            add(A .. '"drop_repeated_system_message"', counts.collapsed)
+        end
+    end
+    if ctx.error == "special_token_in_content" then
+        add('tokengate_sanitizer_actions_total\taction="refuse_special_token"', 1)
+    end
+    if ctx.proxied and ev then
+        if ev.ttft_ms ~= json.null then
+            _M.observe("tokengate_time_to_first_token_seconds", m, ev.ttft_ms / 1000)
+        end
+        _M.observe("tokengate_request_duration_seconds", m, ev.total_ms / 1000)
+        local cs = connect_s(upstream_connect_time)
+        if cs then
+            _M.observe("tokengate_upstream_connect_duration_seconds", m, cs)
+        end
+    end
+end
+
+-- sorted_keys(t) -> t's keys, sorted
+local function sorted_keys(t)
+    local ks, n = {}, 0
+    for k in pairs(t) do
+        n = n + 1
+        ks[n] = k
+    end
+    sort(ks)
+    return ks
+end
+
+-- with_le(labels, le) -> the label text of a bucket
+local function with_le(labels, le)
+    if labels == "" then
+        return 'le="' .. le .. '"'
+    end
+    return labels .. ',le="' .. le .. '"'
+end
+
+-- histogram(out, n, name, bounds, series) -> n: the _bucket (cumulative, +Inf last),
+-- _sum and _count lines of every label set of one family.
+local function histogram(out, n, name, bounds, series)
+    local ls = sorted_keys(series)
+    for j = 1, #ls do
+        local labels, s = ls[j], series[ls[j]]
+        local cum = 0
+        for b = 1, #bounds + 1 do
+            cum = cum + (s[b] or 0)
+            local le = b <= #bounds and tostring(bounds[b]) or "+Inf"
+            n = n + 1
+            out[n] = name .. "_bucket{" .. with_le(labels, le) .. "} " .. cum
+        end
+        local braces = labels == "" and "" or "{" .. labels .. "}"
+        out[n + 1] = name .. "_sum" .. braces .. " " .. tostring(s.sum or 0)
+        out[n + 2] = name .. "_count" .. braces .. " " .. cum
+        n = n + 2
+    end
+    return n
+end
+
+-- exposition(gauges) -> the text of /metrics (Content-Type: text/plain; version=0.0.4)
+--   gauges: {[family] = {[labels] = value}} for the gauge families (state read at
+--   scrape time). Every declared family gets its HELP and TYPE lines; label sets are
+--   sorted, so two scrapes list series in the same order.
+-- get_keys(0) locks the dict while it copies the keys: a scrape's cost grows with the
+-- number of series, which the configuration bounds.
+function _M.exposition(gauges)
+    local by = {}
+    if dict then
+        local keys = dict:get_keys(0)
+        for i = 1, #keys do
+            local k = keys[i]
+            local t1 = find(k, "\t", 1, true)
+            local fam = t1 and FAMILY[sub(k, 1, t1 - 1)]
+            local v = fam and dict:get(k)
+            if v then
+                local name = fam[1]
+                local series = by[name]
+                if not series then
+                    series = {}
+                    by[name] = series
+                end
+                if fam[2] == "histogram" then
+                    local t2 = find(k, "\t", t1 + 1, true)
+                    local labels, slot = sub(k, t1 + 1, t2 - 1), sub(k, t2 + 1)
+                    local s = series[labels]
+                    if not s then
+                        s = {}
+                        series[labels] = s
+                    end
+                    if slot == "s" then
+                        s.sum = v
+                    else
+                        s[tonumber(slot)] = v
+                    end
+                else
+                    series[sub(k, t1 + 1)] = v
+                end
+            end
+        end
+    end
+    local out, n = {}, 0
+    for i = 1, #FAMILIES do
+        local f = FAMILIES[i]
+        local name, typ = f[1], f[2]
+        out[n + 1] = "# HELP " .. name .. " " .. f[3]
+        out[n + 2] = "# TYPE " .. name .. " " .. typ
+        n = n + 2
+        local series = typ == "gauge" and gauges and gauges[name] or by[name]
+        if typ == "histogram" then
+            n = histogram(out, n, name, f[4], series or {})
+        elseif series then
+            local ls = sorted_keys(series)
+            for j = 1, #ls do
+                local labels = ls[j]
+                n = n + 1
+                out[n] = name .. (labels == "" and "" or "{" .. labels .. "}") .. " "
+                    .. tostring(series[labels])
+            end
+        end
+    end
+    out[n + 1] = ""
+    return concat(out, "\n")
 end
 
 return _M

@@ -53,6 +53,8 @@ local type = type
 local tostring = tostring
 local tonumber = tonumber
 local pairs = pairs
+local sort = table.sort
+local concat = table.concat
 local json_integer = json.integer
 
 local _M = {}
@@ -184,7 +186,9 @@ end
 local function how_much(ctx, doc)
     local route, body, model = ctx.route, ctx.body, ctx.model_entry
     local text = json.encode(body)
+    local t = mono_ms()
     local counted, err = count.prompt(route, model.name, text, doc.edge)
+    ctx.count_s = (mono_ms() - t) / 1000
     if not counted then
         return nil, err
     end
@@ -396,6 +400,7 @@ end
 -- edge.auth_failures.log_lines_per_s of each second (per worker).
 local function unauthenticated(ctx, status, aborted)
     metrics.incr(ctx.unauthenticated or "unauthenticated_refused")
+    metrics.request(ctx, status, nil, config.get().models)
     local doc = config.get()
     if doc.access_log.file == "" or
             not sampling.keep_unauthenticated(doc.edge.auth_failures.log_lines_per_s) then
@@ -432,6 +437,7 @@ function _M.log()
         limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost)
     end
     drift.report(ctx, ev.count_drift)
+    metrics.request(ctx, status, ev, config.get().models, ngx_var.upstream_connect_time)
     if ctx.replica then
         -- the last try's failure never reaches the balancer: count it here
         if ctx.error == "upstream_unavailable" or ctx.error == "upstream_timeout" then
@@ -504,6 +510,89 @@ function _M.status()
     end
     json.set(extra, "upstreams", ups)
     return answer(200, metrics.json_text(extra))
+end
+
+-- prometheus(): content handler of /metrics on the status server: every edge metric in
+-- Prometheus's text format, with the replicas' state read now (tokengate.upstream).
+function _M.prometheus()
+    local up, outstanding = {}, {}
+    for name, replicas in pairs(upstream.states(config.get())) do
+        local m = 'model="' .. metrics.value(name) .. '",replica="'
+        for rname, st in pairs(replicas) do
+            local labels = m .. metrics.value(rname) .. '"'
+            up[labels] = st.out and 0 or 1
+            outstanding[labels] = st.outstanding_tokens
+        end
+    end
+    local text = metrics.exposition({ tokengate_upstream_up = up,
+                                      tokengate_upstream_outstanding_tokens = outstanding })
+    ngx.status = 200
+    ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+    ngx.header["Content-Length"] = #text
+    ngx_print(text)
+    return ngx_exit(200)
+end
+
+-- healthz(): GET /healthz, unauthenticated: this nginx worker runs Lua (liveness).
+function _M.healthz()
+    return answer(200, '{"object":"health","status":"ok"}')
+end
+
+-- readyz(): GET /readyz, unauthenticated (readiness, for a load balancer): 200 when the
+-- configuration is loaded, the counter answers a one-token count (a real call through
+-- the hop, never the edge's cache of answers; a counter in backoff after a failure is
+-- not asked) and every model has a replica that is not out; else 503 in OpenAI's error
+-- shape naming what is not ready. Both bodies list the checks:
+--   {"object": "readiness", "status": "ready" | "not_ready", "config": "ok",
+--    "counter": "ok" | "<reason>", "models": {"<model>": {"replicas": n,
+--    "healthy_replicas": n}}}
+-- and the 503 adds "error": {message, type, param, code = "not_ready"}.
+function _M.readyz()
+    local doc = config.get()
+    local o = json.object()
+    json.set(o, "object", "readiness")
+    local problems, names = {}, {}
+    for name in pairs(doc.models) do
+        names[#names + 1] = name
+    end
+    sort(names)
+    local ok, why = count.ping(names[1])
+    if not ok then
+        problems[#problems + 1] = "counter: " .. why
+    end
+    local ms = json.object()
+    local states = upstream.states(doc)
+    for i = 1, #names do
+        local n, healthy = 0, 0
+        for _, st in pairs(states[names[i]]) do
+            n = n + 1
+            if not st.out then
+                healthy = healthy + 1
+            end
+        end
+        local m = json.object()
+        json.set(m, "replicas", n)
+        json.set(m, "healthy_replicas", healthy)
+        json.set(ms, names[i], m)
+        if healthy == 0 then
+            problems[#problems + 1] = "model " .. names[i] .. ": no healthy replica"
+        end
+    end
+    local ready = #problems == 0
+    json.set(o, "status", ready and "ready" or "not_ready")
+    json.set(o, "config", "ok")
+    json.set(o, "counter", ok and "ok" or why)
+    json.set(o, "models", ms)
+    if ready then
+        return answer(200, json.encode(o))
+    end
+    local e = json.object()
+    json.set(e, "message", "Not ready: " .. concat(problems, "; ") .. ".")
+    json.set(e, "type", "server_error")
+    json.set(e, "param", json.null)
+    json.set(e, "code", "not_ready")
+    json.set(o, "error", e)
+    return answer(503, json.encode(o))
 end
 
 return _M

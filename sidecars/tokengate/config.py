@@ -422,6 +422,23 @@ class GlobalLimitsConfig(_Schema):
                     "null: TCP only.")
 
 
+class MetricsConfig(_Schema):
+    """Prometheus endpoints (``/metrics``, text format) of the sidecars, each on a
+    loopback port of its own; the edge's ``/metrics`` is on ``edge.status_listen``."""
+
+    counter_listen: LoopbackHostPort | None = Field(
+        default="127.0.0.1:8082",
+        description="Loopback host:port of tokengate-counter's metrics (all its worker "
+                    "processes together). null: none.")
+    ledger_listen: LoopbackHostPort | None = Field(
+        default="127.0.0.1:8083",
+        description="Loopback host:port of tokengate-ledger's metrics. null: none.")
+    limits_listen: LoopbackHostPort | None = Field(
+        default="127.0.0.1:8084",
+        description="Loopback host:port of tokengate-limits' metrics (all its worker "
+                    "processes together). null: none.")
+
+
 class AccessLogConfig(_Schema):
     """Tiered access-log sampling (usage events are never sampled)."""
 
@@ -748,7 +765,8 @@ class EdgeConfig(_Schema):
 
 # --- the file --------------------------------------------------------------------------
 
-SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "access_log", "edge")
+SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
+            "edge")
 
 
 class Config(_Schema):
@@ -775,6 +793,9 @@ class Config(_Schema):
     global_limits: GlobalLimitsConfig = Field(
         default_factory=GlobalLimitsConfig,
         description="Limits shared by every edge (`tokengate-limits`).")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="Prometheus endpoints of the sidecars.")
     access_log: AccessLogConfig = Field(
         default_factory=AccessLogConfig,
         description="Tiered access-log sampling at the edge.")
@@ -852,9 +873,15 @@ class Config(_Schema):
                                                 for i, u in enumerate(m.upstreams)}}
         if self.global_limits.enabled:
             taken[self.global_limits.listen] = "global_limits.listen"
-        if edge.status_listen in taken:
-            problems.append(("edge.status_listen",
-                             f"{edge.status_listen} is also {taken[edge.status_listen]}"))
+        for field, addr in (("edge.status_listen", edge.status_listen),
+                            ("metrics.counter_listen", self.metrics.counter_listen),
+                            ("metrics.ledger_listen", self.metrics.ledger_listen),
+                            ("metrics.limits_listen", self.metrics.limits_listen)):
+            if addr is None:
+                continue
+            if addr in taken:
+                problems.append((field, f"{addr} is also {taken[addr]}"))
+            taken[addr] = field
         _check(problems)
         for name, m in self.models.items():
             m._name = name

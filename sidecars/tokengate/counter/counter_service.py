@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from typing import Any, NoReturn
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from tokengate.counter.counting import BadRequest, CountResult, ModelCounter
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
@@ -19,6 +22,23 @@ from tokengate.v1 import counter_pb2, counter_pb2_grpc
 log = logging.getLogger(__name__)
 
 _MAX_DETAILS = 512  # characters of an error message sent back
+UNKNOWN = "unknown"  # the model label of a model that is not configured
+
+# Metrics (tokengate.metrics serves them, summed over the worker processes). The model
+# label is a configured model name or UNKNOWN, never the client's string.
+CALLS = Counter("tokengate_counter_calls_total",
+                "CountTokens calls, by model and gRPC status code (OK, INVALID_ARGUMENT, "
+                "NOT_FOUND, INTERNAL).", ["model", "code"])
+CALL_SECONDS = Histogram("tokengate_counter_call_duration_seconds",
+                         "Time to answer CountTokens inside the counter (parse, render, "
+                         "tokenize), by model.", ["model"],
+                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                  0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+PROMPT_TOKENS = Counter("tokengate_counter_prompt_tokens_total",
+                        "Prompt tokens counted (replies sent), by model.", ["model"])
+CACHE_LOOKUPS = Counter("tokengate_counter_segment_cache_lookups_total",
+                        "Segment cache lookups (a prompt's pieces between special tokens), "
+                        "by model and result (hit, miss).", ["model", "result"])
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
 
 
@@ -39,6 +59,9 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
 
     def __init__(self, counters: dict[str, ModelCounter]) -> None:
         self.counters = counters
+        # the segment caches' hits and misses already exported, per model
+        self._exported = {name: (0, 0) for name in counters}
+        self._lock = threading.Lock()
 
     def CountTokens(self, request: counter_pb2.CountRequest,
                     context: grpc.ServicerContext) -> counter_pb2.CountReply:
@@ -46,8 +69,43 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
 
         Errors: INVALID_ARGUMENT "<field path>: <problem>" (bad JSON, bad field, unknown
         endpoint); NOT_FOUND for a model that is not configured; INTERNAL for a bug
-        (logged with a traceback; the worker keeps serving).
+        (logged with a traceback; the worker keeps serving). Every call is counted by
+        model and code, and timed.
         """
+        t0 = time.perf_counter()
+        # the edge always names the model in the request; a body-only one that fails
+        # is counted as UNKNOWN
+        label = request.model if request.model in self.counters else UNKNOWN
+        try:
+            reply, label = self._count(request, context)
+        except Exception:
+            code = context.code()  # set by context.abort; None: an unexpected error
+            CALLS.labels(label, code.name if code else "INTERNAL").inc()
+            raise
+        finally:
+            CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
+        CALLS.labels(label, "OK").inc()
+        PROMPT_TOKENS.labels(label).inc(reply.prompt_tokens)
+        self._export_cache(label)
+        return reply
+
+    def _export_cache(self, model: str) -> None:
+        """Adds what ``model``'s segment cache counted since the last call to
+        CACHE_LOOKUPS (the threads of this worker share the cache: under a lock, the sum
+        of the increments is exact)."""
+        cache = self.counters[model].tokenizer.cache
+        with self._lock:
+            hits, misses = cache.hits, cache.misses
+            h0, m0 = self._exported[model]
+            self._exported[model] = hits, misses
+        if hits > h0:
+            CACHE_LOOKUPS.labels(model, "hit").inc(hits - h0)
+        if misses > m0:
+            CACHE_LOOKUPS.labels(model, "miss").inc(misses - m0)
+
+    def _count(self, request: counter_pb2.CountRequest,
+               context: grpc.ServicerContext) -> tuple[counter_pb2.CountReply, str]:
+        """CountTokens' work: the reply and the model it counted for."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
@@ -75,7 +133,7 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             log.exception("CountTokens failed on a %d-byte body", len(request.body))
             _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
         try:
-            return _reply(r, counter)
+            return _reply(r, counter), model
         except Exception:  # e.g. a field out of range: the worker keeps serving
             log.exception("CountTokens could not build a reply for %s", r)
             _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")

@@ -6,6 +6,7 @@ NAME
 SYNOPSIS
     tokengate-counter [--config FILE] [--host HOST] [--port PORT]
                       [--unix-socket PATH] [--workers N] [--threads T]
+                      [--metrics-listen HOST:PORT]
                       [--check-upstreams [--allow-unverified-vllm] [--upstream-wait-s S]]
 
 DESCRIPTION
@@ -22,6 +23,10 @@ DESCRIPTION
     the unix sockets only. The parent restarts a worker that dies and stops all of
     them on SIGTERM/SIGINT.
 
+    --metrics-listen (metrics.counter_listen) serves Prometheus /metrics: calls by
+    model and gRPC code, their latency, prompt tokens counted and segment cache
+    lookups by result, summed over the workers.
+
     --check-upstreams runs `tokengate doctor`'s checks on every upstream before serving
     (its lines on stdout) and exits with status 1, serving nothing, when one fails: a
     vLLM the counter does not mirror, or one started without the flags billing reads.
@@ -36,7 +41,7 @@ import logging
 import sys
 
 from tokengate import config as tg_config
-from tokengate import grpc_server
+from tokengate import grpc_server, metrics
 
 
 def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: int,
@@ -106,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="worker processes (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2,
                         help="RPC threads per worker (default: %(default)s)")
+    parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus /metrics there, all workers summed "
+                             "(default: metrics.counter_listen; 'none': off)")
     parser.add_argument("--check-upstreams", action="store_true",
                         help="check every upstream as `tokengate doctor` does before serving; "
                              "exit 1 when a check fails (default: off)")
@@ -126,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         _check_upstreams(cfg, args.allow_unverified_vllm, args.upstream_wait_s)
     tcp = (f"{args.host}:{args.port}",) if args.port else ()
     listen = grpc_server.Listen(tcp, args.unix_socket)
+    metrics.serve(args.metrics_listen or cfg.metrics.counter_listen, "counter", args.workers)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
                             args.workers)
 

@@ -268,6 +268,7 @@ class Totals:
     engine_unmatched: int = 0   # records of no edge request (or of one that never came)
     engine_late: int = 0        # records of a request billed before they came
     retries: int = 0            # batches decided again: another ledger changed a request
+    redis_errors: int = 0       # steps that failed on Redis (retried: nothing is lost)
 
 
 def default_ledger_id(usage_file: Path) -> str:
@@ -626,6 +627,7 @@ class Ledger:
                 self.redis_up = True
             except RedisError as e:
                 self.redis_up = False
+                self.totals.redis_errors += 1
                 if not down:
                     down = True
                     log.warning("ledger %s: Redis unavailable (%s); events stay in the usage "

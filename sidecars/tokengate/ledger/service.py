@@ -10,14 +10,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import redis_client
+from tokengate import metrics, redis_client
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 log = logging.getLogger("tokengate.ledger")
@@ -68,6 +71,11 @@ ENGINE RECORDS
   come after their request was billed too (engine_late); neither is billed. On a
   vLLM host, run a ledger with --engine-only against the same Redis.
 
+METRICS
+  --metrics-listen (metrics.ledger_listen) serves Prometheus /metrics: events applied,
+  duplicates, bad lines, Redis errors, lag in bytes and seconds, Redis up, and with
+  engine files the engine's reconciliation counts: the numbers of the status file.
+
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
   conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
@@ -89,6 +97,56 @@ EXAMPLES
   tokengate-ledger --engine-file var/usage/engine.jsonl       # bill the engine's numbers
   tokengate-ledger --engine-only                               # on a vLLM host
 """
+
+
+# Prometheus counters read from the ledger's Totals at scrape time: name, help, field.
+_COUNTERS = (
+    ("tokengate_ledger_events_applied", "Usage events billed (applied to Redis).", "applied"),
+    ("tokengate_ledger_duplicate_events",
+     "Events skipped: their request id was billed already.", "duplicates"),
+    ("tokengate_ledger_bad_lines",
+     "Lines of the usage file that are not events (skipped).", "bad_lines"),
+    ("tokengate_ledger_redis_errors",
+     "Ledger steps that failed on Redis (retried; nothing is lost).", "redis_errors"),
+    ("tokengate_ledger_engine_settled",
+     "Events billed with the vLLM plugin's engine records (reconciled).", "settled_engine"),
+    ("tokengate_ledger_engine_missing",
+     "Events billed with their own numbers: no engine record came in time.",
+     "engine_missing"),
+    ("tokengate_ledger_engine_disagreements",
+     "Events whose final usage differed from the engine's numbers (those were billed).",
+     "disagreements"),
+    ("tokengate_ledger_engine_records", "Engine records read.", "engine_records"),
+    ("tokengate_ledger_engine_unmatched",
+     "Engine records of no edge request (not billed).", "engine_unmatched"),
+)
+_LAG_BYTES = ("Bytes of the usage files written but not yet applied (absent until the "
+              "checkpoint was read).")
+_LAG_S = ("Age of the oldest event not yet applied, s (0 when none waits; absent until "
+          "the checkpoint was read).")
+
+
+class LedgerCollector(Collector):
+    """The ledger's own numbers (``Ledger.totals``, its lags) as Prometheus metrics, read
+    at scrape time: the status file and /metrics show the same values. Counts are this
+    process's, since it started."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.ledger.totals
+        for name, doc, field in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(t, field))
+        for name, doc, value in (
+                ("tokengate_ledger_lag_bytes", _LAG_BYTES, self.ledger.lag_bytes),
+                ("tokengate_ledger_lag_seconds", _LAG_S, self.ledger.lag_s),
+                ("tokengate_ledger_redis_up", "1 while the ledger's Redis answers, else 0.",
+                 int(self.ledger.redis_up))):
+            g = GaugeMetricFamily(name, doc)
+            if value is not None:
+                g.add_metric([], value)
+            yield g
 
 
 def _write_status(path: Path, data: dict[str, object]) -> None:
@@ -124,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--once", action="store_true",
                         help="apply what the files hold now and exit (rotated files count "
                              "as finished at once)")
+    parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus /metrics there (default: "
+                             "metrics.ledger_listen; 'none': off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -175,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.status_file:
         _write_status(args.status_file, snapshot())
+    REGISTRY.register(LedgerCollector(ledger))
+    metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger")
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()

@@ -5,7 +5,7 @@ NAME
 
 SYNOPSIS
     tokengate-limits [--config FILE] [--listen HOST:PORT]... [--unix-socket PATH]
-                     [--redis-url URL] [--workers N]
+                     [--redis-url URL] [--workers N] [--metrics-listen HOST:PORT]
 
 DESCRIPTION
     Serves tokengate.v1.GlobalLimits (proto/tokengate/v1/limits.proto): Reserve
@@ -27,6 +27,10 @@ DESCRIPTION
     worker that dies. Server reflection is served too. --listen none serves the unix
     sockets only: on a TCP port any local user could call Reserve and Settle.
 
+    --metrics-listen (metrics.limits_listen) serves Prometheus /metrics: calls by
+    method and gRPC code, their latency, and the calls answered UNAVAILABLE (the
+    edge's fallbacks) by reason, summed over the workers.
+
 EXIT STATUS
     0 after SIGTERM/SIGINT, 2 on a usage or configuration error.
 """
@@ -42,10 +46,11 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health
+from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import grpc_server, redis_client
+from tokengate import grpc_server, metrics, redis_client
 from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
@@ -58,6 +63,21 @@ _LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUEST
 _U32 = 2**32 - 1
 T = TypeVar("T")
 
+# Metrics (tokengate.metrics serves them, summed over the worker processes).
+CALLS = Counter("tokengate_limits_calls_total",
+                "Reserve and Settle calls, by method and gRPC status code (OK, "
+                "INVALID_ARGUMENT, UNAVAILABLE).", ["method", "code"])
+CALL_SECONDS = Histogram("tokengate_limits_call_duration_seconds",
+                         "Time to answer Reserve / Settle inside the sidecar (Redis "
+                         "included), by method.", ["method"],
+                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                  0.5, 1.0))
+FALLBACKS = Counter("tokengate_limits_fallbacks_total",
+                    "Calls answered UNAVAILABLE, so that the edge decides on its local "
+                    "limits, by method and reason (redis_error: Redis failed or timed out "
+                    "on this call; backoff: within 0.5 s of such a failure, Redis not "
+                    "asked).", ["method", "reason"])
+
 
 class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
     """Reserve / Settle over a ``GlobalLimiter``, with a fail-fast breaker."""
@@ -69,11 +89,12 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
         self.down_until = 0.0       # monotonic time until which calls fail fast; 0: up
         self.on_health = on_health
 
-    async def _call(self, coro_fn: Callable[[], Awaitable[T]],
+    async def _call(self, method: str, coro_fn: Callable[[], Awaitable[T]],
                     context: grpc.aio.ServicerContext) -> T:
         """Run one Redis call under the breaker; aborts the RPC with UNAVAILABLE."""
         now = time.monotonic()
         if now < self.down_until:
+            FALLBACKS.labels(method, "backoff").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "redis unavailable (backing off): use local limits")
         try:
@@ -83,6 +104,7 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
                 log.warning("Redis unavailable (%s): answering UNAVAILABLE", e or type(e))
                 await self._health(False)
             self.down_until = time.monotonic() + BACKOFF_S
+            FALLBACKS.labels(method, "redis_error").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"redis unavailable: {e or 'timeout'}")
         if self.down_until:
@@ -103,12 +125,16 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
     async def Reserve(self, request: limits_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
         """See proto/tokengate/v1/limits.proto."""
+        return await _measured("Reserve", self._reserve(request, context), context)
+
+    async def _reserve(self, request: limits_pb2.ReserveRequest,
+                       context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
         await self._validate(request.key_id, request.request_id, request.per_model,
                              request.model, context)
         await self._check(context, request.rpm_limit >= 1, "rpm_limit: must be >= 1")
         await self._check(context, request.tpm_limit >= 1, "tpm_limit: must be >= 1")
         model = request.model if request.per_model else None
-        r = await self._call(lambda: self.limiter.reserve(
+        r = await self._call("Reserve", lambda: self.limiter.reserve(
             request.key_id, model, request.rpm_limit, request.tpm_limit, request.tokens,
             request.request_id), context)
         return limits_pb2.ReserveReply(
@@ -122,10 +148,14 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
     async def Settle(self, request: limits_pb2.SettleRequest,
                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
         """See proto/tokengate/v1/limits.proto."""
+        return await _measured("Settle", self._settle(request, context), context)
+
+    async def _settle(self, request: limits_pb2.SettleRequest,
+                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
         await self._validate(request.key_id, request.request_id, request.per_model,
                              request.model, context)
         model = request.model if request.per_model else None
-        s = await self._call(lambda: self.limiter.settle(
+        s = await self._call("Settle", lambda: self.limiter.settle(
             request.key_id, model, request.request_id, request.actual_tokens), context)
         return limits_pb2.SettleReply(found=s.found, delta=s.delta,
                                       window_tokens=max(0, s.window_tokens))
@@ -137,6 +167,22 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
                           "request_id: required, must not start with '#'")
         await self._check(context, not per_model or bool(model),
                           "model: required when per_model is true")
+
+
+async def _measured(method: str, call: Awaitable[T], context: grpc.aio.ServicerContext) -> T:
+    """``call``'s answer, counted in CALLS by its gRPC code and timed in CALL_SECONDS."""
+    t0 = time.perf_counter()
+    try:
+        answer = await call
+    except BaseException:
+        code = context.code()  # set by context.abort; None: an unexpected error
+        CALLS.labels(method, code.name if isinstance(code, grpc.StatusCode)
+                     else "INTERNAL").inc()
+        raise
+    finally:
+        CALL_SECONDS.labels(method).observe(time.perf_counter() - t0)
+    CALLS.labels(method, "OK").inc()
+    return answer
 
 
 def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
@@ -185,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="worker processes (default: 1)")
+    parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus /metrics there, all workers summed "
+                             "(default: metrics.limits_listen; 'none': off)")
     args = parser.parse_args(argv)
     try:
         cfg = tg_config.load(args.config)
@@ -198,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     if not tcp and args.unix_socket is None:
         parser.exit(2, "tokengate-limits: --listen none needs a unix socket\n")
     listen = grpc_server.Listen(tcp, args.unix_socket)
+    metrics.serve(args.metrics_listen or cfg.metrics.limits_listen, "limits", args.workers)
     grpc_server.run_workers("limits", _serve_worker, (args.config, listen, args.redis_url),
                             args.workers)
 
