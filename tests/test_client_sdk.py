@@ -1,0 +1,309 @@
+"""The client SDK (``tokengate.client``): the adaptive streaming buffer and token-aware
+pacing.
+
+- The buffer's rules on fixed deltas (times given, no clock), then through ``stream_text``
+  against a scripted stream (a local SSE server speaking vLLM's chunks) and the real vLLM
+  stream behind the edge.
+- Pacing against the real stack (edge, counter, the fast upstream): a paced loop asking for
+  more than its key's TPM gets no 429 and what the limit admits; an unpaced one gets 429s
+  and recovers at the ``Retry-After`` they gave. Outcomes are counts (429s, tokens), never
+  latencies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokengate.client import Client, RateLimits, TextBuffer, buffer_size
+from tokengate.client.pacing import parse_duration
+from tokengate.process import free_port
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.upstream import UpstreamOptions
+
+from tests.conftest import MODEL, key_digest
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge, window_room
+
+# -- the buffer's rules ------------------------------------------------------------------
+
+
+def _pieces(deltas: list[str], size: int = 256, bound_s: float = 0.05) -> list[str]:
+    """Pieces of deltas fed one a millisecond."""
+    buf = TextBuffer(size, bound_s)
+    out = [p for i, d in enumerate(deltas) if (p := buf.feed(d, i * 0.001))]
+    rest = buf.end()
+    return out + ([rest] if rest else [])
+
+
+def test_buffer_size_follows_the_expected_answer_length() -> None:
+    assert [buffer_size(n) for n in (0, 16, 4096, 8000, 65536, 10 ** 6)] == \
+        [256, 256, 256, 500, 4096, 4096]
+
+
+def test_pieces_end_at_sentence_ends_and_newlines() -> None:
+    deltas = ["Pi is", " 3.", "14 and", " e.g.", " more. Next", " one! And?", " \"Quoted.\"",
+              " Then", "\nnew line", " 你好", "。再", "见！", "「好。」", "尾"]
+    assert _pieces(deltas) == [
+        "Pi is 3.14 and e.g. more.",    # "3." is no end; the last end in the buffer cuts
+        " Next one!",                    # "And?" still waits for what follows it
+        " And?",
+        " \"Quoted.\"",                  # the closing quote stays with its sentence
+        " Then\n",
+        "new line 你好。",                # CJK ends need no space after them
+        "再见！",
+        "「好。」",
+        "尾",
+    ]
+    assert "".join(_pieces(deltas)) == "".join(deltas)
+
+
+def test_a_latin_sentence_end_waits_for_what_follows() -> None:
+    buf = TextBuffer(256, 1.0)
+    assert buf.feed("It costs 3.", 0.0) is None      # 3.14 or the end of a sentence
+    assert buf.feed(" Then", 0.001) == "It costs 3."
+    assert buf.end() == " Then"
+
+
+def test_text_without_boundaries_is_cut_at_the_buffer_size() -> None:
+    deltas = ["abcd"] * 200  # 800 characters, no boundary
+    pieces = _pieces(deltas, size=256, bound_s=10.0)
+    assert [len(p) for p in pieces] == [256, 256, 256, 32]
+    assert "".join(pieces) == "".join(deltas)
+
+
+def test_the_first_piece_is_held_at_most_its_time_bound() -> None:
+    buf = TextBuffer(256, 0.05)
+    assert buf.feed("Hel", 10.0) is None
+    assert buf.deadline() == pytest.approx(10.05)
+    assert buf.due(10.049) is None
+    assert buf.feed("lo", 10.03) is None
+    assert buf.due(10.05) == "Hello"
+    # later pieces have no time bound: only boundaries, size and the end
+    assert buf.feed(" wor", 10.06) is None
+    assert buf.deadline() is None
+    assert buf.due(99.0) is None
+    assert buf.feed("ld. Bye", 99.0) == " world."
+    assert buf.end() == " Bye"
+
+
+def test_rate_limit_headers_parse_as_the_edge_writes_them() -> None:
+    assert [parse_duration(t) for t in ("250ms", "1.2s", "59s", "6m0s", "1m5s", "0s")] == \
+        [0.25, 1.2, 59.0, 360.0, 65.0, 0.0]
+    assert parse_duration("soon") is None and parse_duration("5") is None
+    limits = RateLimits.from_headers({
+        "x-ratelimit-limit-requests": "60", "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-requests": "59", "x-ratelimit-remaining-tokens": "5950",
+        "x-ratelimit-reset-requests": "1m30s", "x-ratelimit-reset-tokens": "1m30s",
+        "retry-after": "3"})
+    assert limits == RateLimits(60, 6000, 59, 5950, 90.0, 90.0, 3.0)
+    assert RateLimits.from_headers({"x-ratelimit-limit-tokens": "6000"}) is None
+
+
+# -- stream_text against a scripted stream -------------------------------------------------
+
+SCRIPT = ["Hel", "lo world", ". This is", " 3.14", " percent", " sure!", "\n", "中文", "句子",
+          "。", "Last", " words"]
+LIMIT_HEADERS = {"x-ratelimit-limit-requests": "100", "x-ratelimit-limit-tokens": "10000",
+                 "x-ratelimit-remaining-requests": "99",
+                 "x-ratelimit-remaining-tokens": "9900",
+                 "x-ratelimit-reset-requests": "1m30s", "x-ratelimit-reset-tokens": "1m30s"}
+PROMPT_TOKENS = 11
+
+
+class ScriptedStream:
+    """A local server answering every chat request with SSE chunks of ``SCRIPT`` shaped as
+    vLLM's (cumulative usage in each, a final usage-only chunk, ``[DONE]``) and the edge's
+    headers. After the first chunk it waits for ``go`` (set by the test once it holds the
+    first piece), so that only the buffer's time bound can have released that piece."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.port = free_port()
+        script, go = SCRIPT, self.go
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _event(self, obj: dict[str, Any] | str) -> None:
+                data = obj if isinstance(obj, str) else json.dumps(obj)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("X-Token-Count", str(PROMPT_TOKENS))
+                for k, v in LIMIT_HEADERS.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                        "model": MODEL}
+                for i, text in enumerate(script, 1):
+                    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i,
+                             "total_tokens": PROMPT_TOKENS + i}
+                    self._event({**base, "usage": usage, "choices": [
+                        {"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+                    if i == 1:
+                        go.wait(30)
+                self._event({**base, "choices": [], "usage": usage})
+                self._event("[DONE]")
+                self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.go.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedStream]:
+    s = ScriptedStream()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> None:
+    client = Client(base_url=f"http://127.0.0.1:{scripted.port}/v1", api_key="k",
+                    first_piece_ms=30)
+    stream = client.stream_text(model=MODEL, max_tokens=64,
+                                messages=[{"role": "user", "content": "Say hello."}])
+    first = next(stream)  # the server holds the rest until it is here
+    scripted.go.set()
+    rest = list(stream)
+    assert [first, *rest] == ["Hel", "lo world.", " This is 3.14 percent sure!\n",
+                              "中文句子。", "Last words"]
+    assert "".join([first, *rest]) == "".join(SCRIPT)
+    assert stream.usage is not None
+    assert (stream.usage.prompt_tokens, stream.usage.completion_tokens) == \
+        (PROMPT_TOKENS, len(SCRIPT))
+    assert stream.billing.token_count == PROMPT_TOKENS
+    assert stream.billing.rate_limits == RateLimits(100, 10000, 99, 9900, 90.0, 90.0)
+    client.close()
+
+
+# -- pacing against the real stack ---------------------------------------------------------
+
+TPM = 6000          # 100 tokens/s
+MAX_TOKENS = 30     # the fast upstream generates exactly this; reservation = billed
+PACED_KEY, UNPACED_KEY = "tg-test-client-paced", "tg-test-client-unpaced"
+STEADY_S = 20       # how long the loops run into the window after the one they start in
+
+
+@pytest.fixture
+def paced_edge(edge_variant_off_vllm: Callable[..., Edge], tmp_path: Path) -> Iterator[Edge]:
+    """An edge in front of the fast upstream, with two keys of TPM ``TPM``."""
+    up = FastUpstream(UpstreamOptions(model=MODEL), name="client-sdk", state_dir=tmp_path)
+    up.start()
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
+        raw["models"][MODEL]["embedded"] = False
+        for name, key in (("client-paced", PACED_KEY), ("client-unpaced", UNPACED_KEY)):
+            raw["keys"][name] = {"sha256": key_digest(key), "rpm": 100000, "tpm": TPM}
+    try:
+        yield edge_variant_off_vllm("client-sdk", edit)
+    finally:
+        up.stop()
+
+
+def _loop(client: Client, stop_at: float, out: dict[str, Any]) -> None:
+    """Sequential chat calls until wall-clock ``stop_at``; records per call the billed
+    tokens, X-Token-Count vs usage and the 429s it waited out, and errors."""
+    calls: list[tuple[int, int, int | None, int]] = []
+    out["calls"], out["errors"] = calls, []
+    i = 0
+    while time.time() < stop_at:
+        i += 1
+        try:
+            r = client.chat.completions.create(
+                model=MODEL, max_tokens=MAX_TOKENS,
+                messages=[{"role": "user", "content": f"Question number {i}: why?"}])
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            out["errors"].append(repr(e))
+            return
+        assert r.usage is not None
+        calls.append((r.usage.total_tokens, r.usage.prompt_tokens, r.token_count,
+                      r.billing.rate_limited))
+
+
+def test_pacing_reaches_the_key_rate_without_429s_and_unpaced_recovers_at_retry_after(
+        paced_edge: Edge) -> None:
+    # both loops start in window k (the edge's windows are wall-clock minutes) with room
+    # to spend its TPM there, and stop STEADY_S seconds into window k + 1
+    window_room(15)
+    boundary = (time.time() // 60 + 1) * 60
+    stop_at = boundary + STEADY_S
+    config = EDGE_DIR / "client-sdk" / "tokengate.yaml"
+    paced = Client(base_url=paced_edge.base_url, api_key=PACED_KEY, config=config)
+    unpaced = Client(base_url=paced_edge.base_url, api_key=UNPACED_KEY, config=config,
+                     pacing=False)
+    results: dict[str, dict[str, Any]] = {"paced": {}, "unpaced": {}}
+    threads = [threading.Thread(target=_loop, args=(c, stop_at, results[n]))
+               for n, c in (("paced", paced), ("unpaced", unpaced))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    paced.close()
+    unpaced.close()
+
+    p, u = results["paced"], results["unpaced"]
+    assert p["errors"] == [] and u["errors"] == []
+    # the key admits TPM in window k (fresh), then TPM/60 per second as window k slides
+    # out: TPM x (1 + g) by fraction g of window k + 1, when the loops stopped sending
+    # (lower) and when their last answers were in (upper)
+    capacity = TPM * (1 + STEADY_S / 60)
+    capacity_end = TPM * (1 + min(1.0, (time.time() - boundary) / 60))
+    paced_tokens = sum(c[0] for c in p["calls"])
+    print(f"paced: {len(p['calls'])} calls, {paced_tokens} tokens of {capacity:.0f} "
+          f"admissible ({paced_tokens / capacity:.1%}); unpaced: {len(u['calls'])} calls, "
+          f"{sum(c[3] for c in u['calls'])} 429s")
+    assert sum(c[3] for c in p["calls"]) == 0                  # no 429: it waited
+    assert 0.95 * capacity <= paced_tokens <= capacity_end
+    assert all(c[2] == c[1] for c in p["calls"])               # X-Token-Count = prompt
+    # unpaced: 429s, each waited out by its Retry-After, after which the retry got in
+    assert sum(c[3] for c in u["calls"]) > 0
+    assert max(c[3] for c in u["calls"]) == 1
+
+
+# -- the real vLLM stream ------------------------------------------------------------------
+
+_END = re.compile("(\n|[\u3002\uff01\uff1f\uff1b\uff0e\u2026][\"'\u201d\u2019)\\]}\u00bb"
+                  "\u300d\u300f\uff09\u3011]*|[.!?][\"'\u201d\u2019)\\]}\u00bb\u300d\u300f"
+                  "\uff09\u3011]*)$")
+
+
+def test_stream_text_of_the_real_vllm_stream(edge: Edge) -> None:
+    client = Client(base_url=edge.base_url, api_key=MAIN_KEY, first_piece_ms=40)
+    body: dict[str, Any] = {
+        "model": MODEL, "max_tokens": 96, "temperature": 0, "seed": 7,
+        "messages": [{"role": "user", "content": "Tell a story. In two sentences.\n"}]}
+    stream = client.stream_text(**body)
+    pieces = list(stream)
+    whole = client.chat.completions.create(**body)  # greedy: the same text
+    assert "".join(pieces) == whole.response.choices[0].message.content
+    assert stream.usage is not None and whole.usage is not None
+    assert stream.usage.completion_tokens == whole.usage.completion_tokens
+    assert stream.usage.prompt_tokens == stream.billing.token_count
+    size = buffer_size(96)
+    for piece, nxt in itertools.pairwise(pieces[1:]):  # the first: maybe the time bound's
+        end = _END.search(piece)
+        assert end or len(piece) >= size, (piece, nxt)
+        if end and end.group()[0] in ".!?":  # a Latin end: white space follows
+            assert nxt[:1].isspace(), (piece, nxt)
+    client.close()
