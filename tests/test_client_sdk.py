@@ -12,6 +12,7 @@ pacing.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokengate.client import Client, RateLimits, TextBuffer, buffer_size
+from tokengate.client import AsyncClient, Client, RateLimits, TextBuffer, buffer_size
 from tokengate.client.pacing import parse_duration
 from tokengate.process import free_port
 from tokengate.storm.null_server import FastUpstream
@@ -194,6 +195,25 @@ def test_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> No
     assert stream.billing.token_count == PROMPT_TOKENS
     assert stream.billing.rate_limits == RateLimits(100, 10000, 99, 9900, 90.0, 90.0)
     client.close()
+
+
+def test_async_stream_text_of_a_scripted_stream(scripted: ScriptedStream) -> None:
+    async def run() -> tuple[list[str], Any]:
+        client = AsyncClient(base_url=f"http://127.0.0.1:{scripted.port}/v1", api_key="k",
+                             first_piece_ms=30)
+        stream = await client.stream_text(
+            model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "Say hello."}])
+        first = await anext(stream)
+        scripted.go.set()
+        pieces = [first] + [p async for p in stream]
+        await client.close()
+        return pieces, stream
+
+    pieces, stream = asyncio.run(run())
+    assert pieces == ["Hel", "lo world.", " This is 3.14 percent sure!\n", "中文句子。",
+                      "Last words"]
+    assert stream.usage.completion_tokens == len(SCRIPT)
+    assert stream.billing.token_count == PROMPT_TOKENS
 
 
 # -- pacing against the real stack ---------------------------------------------------------
