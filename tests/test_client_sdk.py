@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import re
 import threading
 import time
@@ -24,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokengate.client import AsyncClient, Client, RateLimits, TextBuffer, buffer_size
+from tokengate.client import (
+    AsyncClient,
+    Client,
+    Pacer,
+    RateLimits,
+    TextBuffer,
+    buffer_size,
+)
 from tokengate.client.pacing import parse_duration
 from tokengate.process import free_port
 from tokengate.storm.null_server import FastUpstream
@@ -106,6 +114,45 @@ def test_rate_limit_headers_parse_as_the_edge_writes_them() -> None:
         "retry-after": "3"})
     assert limits == RateLimits(60, 6000, 59, 5950, 90.0, 90.0, 3.0)
     assert RateLimits.from_headers({"x-ratelimit-limit-tokens": "6000"}) is None
+
+
+def _edge_headers(limit: int, prev: float, cur: float, f: float) -> RateLimits:
+    """The x-ratelimit-* (tokens; requests unlimited) the edge would write for these
+    window counts (lua/tokengate/local_limit.lua state(), limits.lua duration())."""
+    reset = (2 - f) * 60 if cur > 0 else (1 - f) * 60 if prev > 0 else 0.0
+    reset = float(math.ceil(reset)) if reset >= 60 else math.ceil(reset * 10) / 10
+    remaining = max(0, math.floor(limit - prev * (1 - f) - cur + 1e-9))
+    return RateLimits(10 ** 6, limit, 10 ** 6, remaining, reset, reset)
+
+
+def test_the_pacer_fills_a_sliding_window_without_refusals() -> None:
+    """The pacer against the edge's window formula on a simulated clock: three minutes of
+    a client that always wants more, each answer 0.2 s after its admission."""
+    limit, cost = 6000, 47
+    clock = [17.3]  # seconds; the edge's windows are [0, 60), [60, 120), ...
+    pacer = Pacer(clock=lambda: clock[0])
+    counts: dict[int, float] = {}
+    admitted = refused = 0
+    while clock[0] < 180:
+        wait, ticket = pacer.acquire(cost)
+        if wait > 0:
+            clock[0] += wait
+            continue
+        w, f = int(clock[0] // 60), clock[0] % 60 / 60
+        prev, cur = counts.get(w - 1, 0.0), counts.get(w, 0.0)
+        if prev * (1 - f) + cur + cost > limit:
+            refused += 1
+            clock[0] += 1
+            continue
+        counts[w] = cur + cost
+        admitted += cost
+        headers = _edge_headers(limit, prev, cur + cost, f)
+        clock[0] += 0.2
+        pacer.admitted(ticket, headers)
+        pacer.settle(ticket, cost)
+    assert refused == 0
+    # admissible: the first window's limit, then 100 tokens/s as it slides out
+    assert admitted >= 0.95 * (limit + limit * 2)
 
 
 # -- stream_text against a scripted stream -------------------------------------------------

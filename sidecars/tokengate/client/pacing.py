@@ -36,6 +36,9 @@ from dataclasses import dataclass
 WINDOW_S = 60.0  # the edge's limits are per minute (lua/tokengate/local_limit.lua WINDOW)
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# a wait this short is float rounding of "fits now"; one this long at least, so that a
+# clock's resolution cannot make it zero again
+_FITS_S, _MIN_WAIT_S = 1e-6, 0.001
 
 
 def parse_duration(text: str) -> float | None:
@@ -218,8 +221,8 @@ class Pacer:
             if wait_t is None or wait_r is None:
                 return 0.0, ticket  # can never fit: the edge says why
             wait = max(wait_t, wait_r)
-            if wait > 0:
-                return wait, ticket
+            if wait > _FITS_S:
+                return max(wait, _MIN_WAIT_S), ticket
             self._tokens.cur += tokens
             self._requests.cur += 1
             self._seq += 1
