@@ -175,7 +175,8 @@ local function scrape(name, r)
     if not addr then
         return
     end
-    local sock, status = upstream.get(r, addr, "/metrics", conf.metrics_timeout_ms)
+    local sock, status = upstream.call(r, addr, "GET", "/metrics",
+        conf.metrics_timeout_ms)
     local got
     if sock then
         got = status == 200 and read(sock) or nil

@@ -18,7 +18,7 @@ local floor = math.floor
 
 local _M = {}
 
-local VERSION = 5 -- tokengate.tools.compile_config.VERSION
+local VERSION = 6 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log

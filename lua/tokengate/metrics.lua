@@ -83,6 +83,16 @@ local FAMILIES = {
     { "tokengate_admission_headroom_total", "counter",
       "Small prompts sent to a replica above its KV-cache threshold "
       .. "(edge.admission.small_prompt_headroom)." },
+    { "tokengate_idle_sleeps_total", "counter",
+      "Replicas put to sleep after models.<name>.idle_unload.idle_s without a request "
+      .. "(tokengate.idle)." },
+    { "tokengate_idle_wakes_total", "counter",
+      "Replicas woken again (POST /wake_up answered awake)." },
+    { "tokengate_idle_held_total", "counter",
+      "Requests held while their replica woke from idle unload (each has a usage event)." },
+    { "tokengate_idle_wake_timeouts_total", "counter",
+      "Held requests answered 503 model_waking: the wake took longer than "
+      .. "idle_unload.max_hold_ms (also in tokengate_idle_held_total)." },
     { "tokengate_auth_blocks_total", "counter",
       "Clients blocked after too many invalid keys (edge.auth_failures)." },
     { "tokengate_access_log_lines_total", "counter",
@@ -141,6 +151,10 @@ local STATUS = {
     { "count_drift_tokens", "tokengate_count_drift_tokens_total", "" },
     { "admission_shed", "tokengate_admission_shed_total", "" },
     { "admission_headroom", "tokengate_admission_headroom_total", "" },
+    { "idle_sleeps", "tokengate_idle_sleeps_total", "" },
+    { "idle_wakes", "tokengate_idle_wakes_total", "" },
+    { "idle_held", "tokengate_idle_held_total", "" },
+    { "idle_wake_timeouts", "tokengate_idle_wake_timeouts_total", "" },
 }
 local STATUS_KEY = {}
 for i = 1, #STATUS do

@@ -4,7 +4,8 @@
 --   access:        who (key) -> what (body, model, sanitized) -> how much (prompt
 --                  tokens, completion budget, reservation) -> where (a replica with
 --                  room in its KV cache, else shed) -> limits (every tier) ->
---                  forward (the parsed body, its count, the normalized path)
+--                  awake (the replica takes it; held while it wakes from idle
+--                  unload) -> forward (the parsed body, its count, the normalized path)
 --   balancer:      the request's replica (tokengate.upstream), another one on a retry
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
 --                  errors that nginx itself or a non-JSON backend produced
@@ -29,6 +30,7 @@ local limits = require "tokengate.limits"
 local metrics = require "tokengate.metrics"
 local upstream = require "tokengate.upstream"
 local admission = require "tokengate.admission"
+local idle = require "tokengate.idle"
 local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
 local usage = require "tokengate.usage"
@@ -94,6 +96,9 @@ function _M.init_worker()
     end
     if ok then
         ok, err = admission.init_worker(doc, DICT)
+    end
+    if ok then
+        ok, err = idle.init_worker(doc, DICT)
     end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
@@ -244,7 +249,15 @@ local function reserve(ctx)
     return ok, err
 end
 
-local STAGES = { who, listing, what, how_much, where, reserve }
+-- awake(ctx) -> true | nil, err (503 model_waking): the replica takes the request (its
+-- outstanding tokens count from here), and the request waits while the replica wakes
+-- from idle unload (tokengate.idle).
+local function awake(ctx)
+    upstream.take(ctx, ctx.model_entry, ctx.pick, ctx.limit_req.tokens)
+    return idle.hold(ctx)
+end
+
+local STAGES = { who, listing, what, how_much, where, reserve, awake }
 
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
@@ -267,7 +280,6 @@ function _M.access()
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
     ngx_req.set_body_data(ctx.text)
     ngx_req.set_uri(request.PATHS[ctx.route])
-    upstream.take(ctx, ctx.model_entry, ctx.pick, ctx.limit_req.tokens)
     ctx.proxied = true
 end
 
@@ -292,6 +304,7 @@ function _M.balancer()
             return ngx_exit(502)
         end
         upstream.take(ctx, model, r, ctx.limit_req.tokens)
+        idle.nudge(model, r)
     else
         ctx.balanced = true
         local more = #model.upstreams - 1
@@ -497,6 +510,7 @@ function _M.status()
             local o = json.object()
             json.set(o, "outstanding_tokens", st.outstanding_tokens)
             json.set(o, "out", st.out)
+            json.set(o, "asleep", st.asleep)
             json.set(o, "address", st.address or json.null)
             -- the replica's vLLM metrics; null while unknown (tokengate.admission)
             local kv = st.more

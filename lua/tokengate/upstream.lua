@@ -19,6 +19,10 @@
 -- to the failed one (a POST is not idempotent; nginx never resends one after sending);
 -- the balancer then picks another replica that this request has not tried.
 --
+-- Asleep: a replica that tokengate.idle put to sleep (vLLM's sleep mode) ranks after
+-- every awake replica of the same rank, so light traffic stays on the awake ones; it is
+-- still taken (and woken) when it is the best.
+--
 -- Names: a replica given by host name is resolved again every
 -- upstream_resolve_interval_ms by worker 0 (DNS A records from edge.dns_servers, with
 -- Debian's lua-nginx-dns), and every worker uses the address found last; a name that
@@ -29,6 +33,7 @@ local ngx = ngx
 local ngx_log = ngx.log
 local WARN = ngx.WARN
 local tcp = ngx.socket.tcp
+local ngx_now = ngx.now
 local timer_every = ngx.timer.every
 local tonumber = tonumber
 local pairs = pairs
@@ -37,7 +42,7 @@ local type = type
 
 local _M = {}
 
-local dict -- the shared dict of outstanding tokens, failures and "out" marks
+local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
 local eject_s, max_fails, health_timeout_ms
 local rotate = 0 -- this worker's tie breaker
 
@@ -92,34 +97,70 @@ function _M.address(model, r)
 end
 
 -- is_out(model, r) -> true while the replica is skipped (failed, or no address yet)
-local function is_out(model, r)
+function _M.is_out(model, r)
     return dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
 end
 
 local OUT = math.huge -- the rank of a replica that is out: after every other
 
+-- asleep(model_name, r) -> true while r is marked asleep (tokengate.idle: put to sleep,
+-- being put to sleep, or not yet awake again)
+function _M.asleep(model_name, r)
+    return dict:get(key("asleep:", model_name, r)) == true
+end
+
+-- mark_asleep(model_name, r, on): sets (on) or clears the mark; only tokengate.idle
+-- calls it.
+function _M.mark_asleep(model_name, r, on)
+    if on then
+        dict:set(key("asleep:", model_name, r), true)
+    else
+        dict:delete(key("asleep:", model_name, r))
+    end
+end
+
+-- outstanding(model_name, r) -> tokens reserved by the requests r serves now (0: none
+-- in flight; every reservation is at least one token: output_reserve >= 1)
+function _M.outstanding(model_name, r)
+    return dict:get(key("tok:", model_name, r)) or 0
+end
+
+-- last_active(model_name, r) -> s (ngx.now) when a request last started or ended on r;
+-- nil when none did since the shared dict was created. touch(model_name, r) sets it
+-- to now.
+function _M.last_active(model_name, r)
+    return dict:get(key("last:", model_name, r))
+end
+
+function _M.touch(model_name, r)
+    -- plain set: every writer writes "now", so the last one is the latest
+    dict:set(key("last:", model_name, r), ngx_now())
+end
+
 -- pick(model, tried, rank, ...) -> replica, its rank | nil: the replica of model
--- (compiled model entry) not in tried (a set of names) with the best rank, then the
--- fewest outstanding tokens; rank(model_name, r, ...) -> number, lower is better (nil:
--- all rank alike). Replicas that are out rank OUT: taken only when all untried ones are
--- out. nil when every one was tried or none has an address.
+-- (compiled model entry) not in tried (a set of names) with the best rank, then awake
+-- before asleep, then the fewest outstanding tokens; rank(model_name, r, ...) -> number,
+-- lower is better (nil: all rank alike). Replicas that are out rank OUT: taken only
+-- when all untried ones are out. nil when every one was tried or none has an address.
 function _M.pick(model, tried, rank, ...)
     local list = model.upstreams
     local n = #list
     rotate = rotate + 1
-    local best, best_rank, best_out
+    local best, best_rank, best_asleep, best_out
     for i = 0, n - 1 do
         local r = list[(rotate + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(model.name, r) then
             local out = dict:get(key("tok:", model.name, r)) or 0
+            local asleep = _M.asleep(model.name, r)
             local k = 0
-            if is_out(model.name, r) then
+            if _M.is_out(model.name, r) then
                 k = OUT
             elseif rank then
                 k = rank(model.name, r, ...)
             end
-            if not best or k < best_rank or (k == best_rank and out < best_out) then
-                best, best_rank, best_out = r, k, out
+            if not best or k < best_rank or (k == best_rank and (asleep ~= best_asleep
+                    and not asleep or asleep == best_asleep and out < best_out)) then
+                best, best_rank, best_asleep, best_out = r, k, asleep, out
             end
         end
     end
@@ -127,10 +168,13 @@ function _M.pick(model, tried, rank, ...)
 end
 
 -- take(ctx, model, r, tokens): r now serves the request: its tokens count as outstanding
--- there until release(ctx).
+-- there until release(ctx). The increment comes before any look at r's asleep mark
+-- (tokengate.idle.hold): the sleeper marks first and reads the tokens after, so one of
+-- the two always sees the other.
 function _M.take(ctx, model, r, tokens)
     dict:incr(key("tok:", model.name, r), tokens, 0)
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, model.name
+    _M.touch(model.name, r)
 end
 
 -- release(ctx): the request left its replica (it ended, or is retried elsewhere).
@@ -139,6 +183,7 @@ function _M.release(ctx)
     if r and ctx.replica_tokens then
         dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
         ctx.replica_tokens = nil
+        _M.touch(ctx.replica_model, r)
     end
 end
 
@@ -147,7 +192,7 @@ end
 function _M.failed(model_name, r, why)
     local fails = dict:incr(key("fail:", model_name, r), 1, 0, eject_s)
     if fails and fails >= max_fails then
-        if not is_out(model_name, r) then
+        if not _M.is_out(model_name, r) then
             ngx_log(WARN, "tokengate: upstream ", r.name, " of ", model_name, " out for ",
                 eject_s, " s (", why, ")")
         end
@@ -155,19 +200,20 @@ function _M.failed(model_name, r, why)
     end
 end
 
--- get(r, addr, path, timeout_ms) -> sock, status | nil: GET path from replica r at addr
--- (timer context: cosockets), over HTTP/1.0 so that the answer is never chunked and
--- ends when the replica closes; connect, send and each read wait at most timeout_ms.
--- sock stands after the status line (headers, blank line, body follow): the caller
--- reads what it needs and closes it.
-function _M.get(r, addr, path, timeout_ms)
+-- call(r, addr, method, path, timeout_ms) -> sock, status | nil: method ("GET", or
+-- "POST" with an empty body) path on replica r at addr (timer context: cosockets),
+-- over HTTP/1.0 so that the answer is never chunked and ends when the replica closes;
+-- connect, send and each read wait at most timeout_ms. sock stands after the status
+-- line (headers, blank line, body follow): the caller reads what it needs and closes it.
+function _M.call(r, addr, method, path, timeout_ms)
     local sock = tcp()
     sock:settimeouts(timeout_ms, timeout_ms, timeout_ms)
     local ok = sock:connect(addr, r.port)
     if not ok then
         return nil
     end
-    ok = sock:send("GET " .. path .. " HTTP/1.0\r\nHost: " .. r.name .. "\r\n\r\n")
+    ok = sock:send(method .. " " .. path .. " HTTP/1.0\r\nHost: " .. r.name
+        .. (method == "POST" and "\r\nContent-Length: 0" or "") .. "\r\n\r\n")
     local line = ok and sock:receive("*l")
     local status = line and tonumber(match(line, "^HTTP/1%.%d (%d%d%d)"))
     if not status then
@@ -179,7 +225,7 @@ end
 
 -- probe(r, addr) -> true when GET /health answers 200 within upstream_health_timeout_ms
 local function probe(r, addr)
-    local sock, status = _M.get(r, addr, "/health", health_timeout_ms)
+    local sock, status = _M.call(r, addr, "GET", "/health", health_timeout_ms)
     if sock then
         sock:close()
     end
@@ -199,7 +245,7 @@ function _M.probe_all(premature, models)
             elseif probe(r, addr) then
                 dict:delete(key("out:", name, r))
                 dict:delete(key("fail:", name, r))
-            elseif not is_out(name, r) then
+            elseif not _M.is_out(name, r) then
                 ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
                     " failed its health probe: out until it answers")
                 dict:set(key("out:", name, r), true, 0)
@@ -260,8 +306,8 @@ function _M.resolve_all(premature, models, servers)
     end
 end
 
--- states(doc, more) -> {[model] = {[replica name] = {outstanding_tokens, out, address,
--- more = more(model name, r)}}} (for the status server)
+-- states(doc, more) -> {[model] = {[replica name] = {outstanding_tokens, out, asleep,
+-- address, more = more(model name, r)}}} (for the status server)
 function _M.states(doc, more)
     local all = {}
     for name, m in pairs(doc.models) do
@@ -269,7 +315,8 @@ function _M.states(doc, more)
         for i = 1, #m.upstreams do
             local r = m.upstreams[i]
             s[r.name] = { outstanding_tokens = dict:get(key("tok:", name, r)) or 0,
-                          out = is_out(name, r), address = _M.address(name, r),
+                          out = _M.is_out(name, r), asleep = _M.asleep(name, r),
+                          address = _M.address(name, r),
                           more = more and more(name, r) }
         end
         all[name] = s

@@ -180,6 +180,40 @@ class ModelCost(_Schema):
                     "(prompt_tokens_details.cached_tokens), per 1M tokens.")
 
 
+class IdleUnload(_Schema):
+    """Idle unload of a model's replicas (``models.<name>.idle_unload``): vLLM's sleep mode.
+
+    A replica that has served no request for ``idle_s`` (and has none in flight) is put
+    to sleep (``POST /sleep?level=<level>``: level 1 moves the weights to CPU memory and
+    drops the KV cache, level 2 drops both) by one edge worker; the next request for it
+    wakes it (``POST /wake_up``) and is held until it is awake, at most ``max_hold_ms``,
+    then answered 503 ``model_waking`` with ``Retry-After: retry_after_s`` (the wake goes
+    on). A replica asleep is chosen only when no awake one has room. vLLM serves these
+    routes only when started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
+    (CUDA or ROCm builds; the CPU build refuses sleep mode).
+    """
+
+    idle_s: int = Field(
+        default=0, ge=0,
+        description="A replica with no request for this long is put to sleep, s. 0: never "
+                    "(off).")
+    level: Literal[1, 2] = Field(
+        default=1,
+        description="vLLM's sleep level: 1 offloads the weights to CPU memory (a wake "
+                    "copies them back), 2 discards them (a wake reloads them).")
+    max_hold_ms: Positive = Field(
+        default=30000,
+        description="How long a request for a sleeping replica is held while it wakes, ms; "
+                    "then 503 model_waking with Retry-After.")
+    retry_after_s: Positive = Field(
+        default=5,
+        description="Retry-After of a 503 model_waking, s.")
+    call_timeout_ms: Positive = Field(
+        default=120000,
+        description="How long the edge waits for vLLM's answer to /sleep or /wake_up, ms "
+                    "(a wake that answers later is tried again by the next request).")
+
+
 class ModelConfig(_Schema):
     """One served model (``models.<served model name>``).
 
@@ -228,6 +262,10 @@ class ModelConfig(_Schema):
     cost: ModelCost = Field(
         default_factory=ModelCost,
         description="Billing weights, in `currency` per 1M tokens.")
+    idle_unload: IdleUnload = Field(
+        default_factory=IdleUnload,
+        description="Put idle replicas to sleep (vLLM's sleep mode) and wake them on the "
+                    "next request; off by default.")
 
     _name: str = PrivateAttr("")
 

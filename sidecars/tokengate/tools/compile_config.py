@@ -6,12 +6,13 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 5,
+      "version": 6,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
+          idle_unload: {idle_s, level, max_hold_ms, retry_after_s, call_timeout_ms},
           "upstreams": [{"name": "<host:port as configured>", "host": "<host>",
                          "addr": "<IPv4/IPv6 literal resolved here, or null>",
                          "port": <int>, "resolve": <bool: a name, resolved again>}],
@@ -63,9 +64,9 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 5  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 6  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
-#             priority
+#             priority; 6: models carry idle_unload
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

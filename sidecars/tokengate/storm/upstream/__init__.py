@@ -19,6 +19,13 @@ Engine metrics: ``GET /metrics`` serves vLLM's ``vllm:kv_cache_usage_perc``,
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (what the edge's admission
 reads) and ``vllm:request_success_total``; ``POST /tokenstorm/metrics`` with a JSON object
 sets the gauges while it runs (``vllm_like.lua``, "Engine metrics").
+
+Sleep mode: ``POST /sleep?level=N``, ``POST /wake_up`` and ``GET /is_sleeping`` as vLLM
+serves them with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (``/sleep`` cuts
+running streams short; a request that arrives while asleep is queued until a wake);
+``wake_delay_ms`` (settable like the gauges) is how long a wake takes, and
+``GET /tokenstorm/metrics`` reads the ``sleeps``, ``wakes`` and ``queued_asleep`` counts
+(``vllm_like.lua``, "Sleep mode").
 """
 
 from __future__ import annotations

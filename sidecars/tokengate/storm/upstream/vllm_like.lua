@@ -389,8 +389,12 @@ local function stream(kind, id, created, n, p, c, include_usage, continuous, cre
     local ok = ngx_print(concat(events, "", 1, first))
     ngx_flush(false)
     local i = first
+    local state = ngx.shared.vllm_like
     while ok and i < total do
         ngx_sleep(itl)
+        if state:get("asleep") then
+            return ngx_exit(200) -- POST /sleep aborted it (vLLM's default mode "abort")
+        end
         local upto = i + n
         if upto >= total - tail then
             upto = total  -- the last token leaves with the usage chunk and [DONE]
@@ -400,6 +404,70 @@ local function stream(kind, id, created, n, p, c, include_usage, continuous, cre
         i = upto
     end
     return ngx_exit(200)
+end
+
+-- Sleep mode -----------------------------------------------------------------------
+--
+-- vLLM's sleep-mode routes (vllm/entrypoints/serve/dev/sleep/api_router.py, served with
+-- --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1): POST /sleep?level=0..2 aborts what is
+-- running (its default mode "abort": a stream here stops at its next token) and answers
+-- {"status": "sleeping", "level": n}; POST /wake_up waits wake_delay_ms (settable with
+-- POST /tokenstorm/metrics, 0 at start: the time a GPU needs to load the weights back)
+-- and answers {"status": "awake", "tags": null}; GET /is_sleeping answers
+-- {"is_sleeping": bool}. A completion request that arrives while asleep is queued, not
+-- refused, until a wake (vLLM's scheduler under PAUSED_NEW, vllm/v1/engine/core.py):
+-- it counts in queued_asleep. sleeps, wakes and queued_asleep are read with
+-- GET /tokenstorm/metrics.
+
+local WAIT_S = 0.01 -- s: how often a queued request looks whether the engine woke
+
+-- wait_awake(): returns once the engine is awake (at once when it is)
+local function wait_awake()
+    local state = ngx.shared.vllm_like
+    if not state:get("asleep") then
+        return
+    end
+    state:incr("queued_asleep", 1, 0)
+    while state:get("asleep") do
+        ngx_sleep(WAIT_S)
+    end
+end
+
+function _M.sleep()
+    if ngx_req.get_method() ~= "POST" then
+        return send_json(405, '{"detail":"Method Not Allowed"}', { allow = "POST" })
+    end
+    local raw = ngx_var.arg_level
+    local level = tonumber(raw or "1")
+    if not level or level ~= floor(level) or level < 0 or level > 2 then
+        -- FastAPI's query validation (Query(ge=0, le=2))
+        return send_json(422, '{"detail":[{"type":"less_than_equal","loc":["query","level"],'
+            .. '"msg":"Input should be a valid integer between 0 and 2","input":'
+            .. cjson.encode(tostring(raw)) .. '}]}')
+    end
+    local state = ngx.shared.vllm_like
+    state:set("asleep", true)
+    state:incr("sleeps", 1, 0)
+    return send_json(200, '{"status":"sleeping","level":' .. level .. '}')
+end
+
+function _M.wake_up()
+    if ngx_req.get_method() ~= "POST" then
+        return send_json(405, '{"detail":"Method Not Allowed"}', { allow = "POST" })
+    end
+    local state = ngx.shared.vllm_like
+    local delay = state:get("wake_delay_ms") or 0
+    if delay > 0 then
+        ngx_sleep(delay / 1000)
+    end
+    state:delete("asleep")
+    state:incr("wakes", 1, 0)
+    return send_json(200, '{"status":"awake","tags":null}')
+end
+
+function _M.is_sleeping()
+    local asleep = ngx.shared.vllm_like:get("asleep") == true
+    return send_json(200, '{"is_sleeping":' .. tostring(asleep) .. '}')
 end
 
 -- Request handling -------------------------------------------------------------------
@@ -515,6 +583,7 @@ local function handle(kind)
     -- is ever a hit here.
     local created_cache = floor(p / conf.block_size) * conf.block_size
 
+    wait_awake()
     local id = next_id()
     local created = ngx_time()
     if streaming then
@@ -576,7 +645,9 @@ end
 -- shared dict vllm_like, common to the workers.
 
 local SETTABLE = { kv_cache_usage_perc = true, num_requests_waiting = true,
-                   num_requests_running = true, metrics_delay_ms = true }
+                   num_requests_running = true, metrics_delay_ms = true,
+                   wake_delay_ms = true }
+local COUNTED = { "sleeps", "wakes", "queued_asleep" } -- read-only (sleep mode)
 
 local GAUGES = {
     { "num_requests_running", "Number of requests in model execution batches." },
@@ -618,10 +689,11 @@ function _M.metrics()
 end
 
 -- POST /tokenstorm/metrics {"kv_cache_usage_perc": 0.95, ...}: sets the fields given
--- (numbers >= 0, SETTABLE); answers the fields' values after the change.
+-- (numbers >= 0, SETTABLE); answers the fields' values after the change, and the sleep
+-- mode's COUNTED ones. GET answers them unchanged.
 function _M.set_metrics()
     local state = ngx.shared.vllm_like
-    local req = cjson.decode(read_body())
+    local req = ngx_req.get_method() == "GET" and {} or cjson.decode(read_body())
     if type(req) ~= "table" then
         return send_error(400, "expected a JSON object", "BadRequestError", nil)
     end
@@ -636,6 +708,9 @@ function _M.set_metrics()
         if req[k] then
             state:set(k, req[k])
         end
+        now[k] = state:get(k) or 0
+    end
+    for _, k in ipairs(COUNTED) do
         now[k] = state:get(k) or 0
     end
     return send_json(200, cjson.encode(now))

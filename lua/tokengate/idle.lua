@@ -1,0 +1,250 @@
+-- Idle unload: a replica that has served nothing for models.<name>.idle_unload.idle_s is
+-- put to sleep through vLLM's sleep mode, and the next request for it wakes it and waits
+-- until it is awake.
+--
+-- vLLM's routes (vllm/entrypoints/serve/dev/sleep/api_router.py; served only with
+-- --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1): POST /sleep?level=1|2 answers
+-- {"status": "sleeping", "level": n} once the engine sleeps; POST /wake_up answers
+-- {"status": "awake" | "sleeping", ...} once the memory is back; GET /is_sleeping
+-- answers {"is_sleeping": bool}. /sleep's default mode "abort" aborts every request
+-- the engine holds, and a request sent to a sleeping engine is queued unscheduled until
+-- a wake (vllm/v1/engine/core.py: sleep, pause_scheduler): so the edge puts a replica to
+-- sleep only with nothing in flight on it, and never forwards to one marked asleep.
+--
+-- State (shared dict, every worker): tokengate.upstream's "asleep" mark, set before
+-- /sleep is sent and cleared when /wake_up answered "awake"; its outstanding tokens
+-- (what is in flight) and last activity; a lock ("idle-lock:") held by whoever is
+-- sending /sleep or /wake_up to a replica, so one call at a time goes to each.
+--
+-- Sleeping (worker 0, one timer every SWEEP_S, like the health probe and the metrics
+-- reader): a replica idle for idle_s, not out, with no outstanding tokens is marked,
+-- then its outstanding tokens are read again: a request that took the replica after
+-- the first read has incremented them before looking at the mark (upstream.take, then
+-- hold), so either it sees the mark and waits, or the sweep sees its tokens and gives
+-- up. When /sleep fails (sleep mode not enabled, an error) the mark is cleared and the
+-- replica is tried again after another idle_s.
+--
+-- Waking (any worker, in a timer of its own so that a client leaving stops nothing):
+-- started by the first request that finds the mark and the lock free, and again by a
+-- held request whenever the lock is free and the mark still set (a wake that failed).
+-- A request waits at most max_hold_ms, polling the mark every POLL_S; then it is
+-- answered 503 model_waking with Retry-After, and the wake goes on.
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local upstream = require "tokengate.upstream"
+local metrics = require "tokengate.metrics"
+
+local ngx_log = ngx.log
+local WARN = ngx.WARN
+local ngx_now = ngx.now
+local ngx_sleep = ngx.sleep
+local timer_every = ngx.timer.every
+local timer_at = ngx.timer.at
+local pairs = pairs
+local find = string.find
+local tostring = tostring
+local floor = math.floor
+
+local _M = {}
+
+local SWEEP_S = 1      -- s: how often worker 0 looks for idle replicas
+local POLL_S = 0.05    -- s: how often a held request looks at the mark
+local LOCK_MARGIN_S = 5 -- s: the lock outlives a call by this much (a worker that died)
+
+local dict
+
+local function lock_key(model_name, r)
+    return "idle-lock:" .. model_name .. "\0" .. r.name
+end
+
+-- enabled(models) -> true when some model has idle_unload.idle_s > 0
+local function enabled(models)
+    for _, m in pairs(models) do
+        if m.idle_unload.idle_s > 0 then
+            return true
+        end
+    end
+    return false
+end
+
+-- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
+-- (models.<name>.idle_unload: idle_s (0: off), level, max_hold_ms, retry_after_s,
+-- call_timeout_ms). Worker 0 runs the sweep when some model has idle unload on.
+function _M.init_worker(doc, dict_name)
+    dict = ngx.shared[dict_name]
+    if not dict then
+        return nil, "shared dict not found: " .. dict_name
+    end
+    if ngx.worker.id() ~= 0 or not enabled(doc.models) then
+        return true
+    end
+    local ok, err = timer_every(SWEEP_S, _M.sweep, doc.models)
+    if not ok then
+        return nil, "idle unload timer: " .. err
+    end
+    return true
+end
+
+-- post(name, r, path, timeout_ms) -> status, body | nil: POST path on replica r of
+-- model name; body: the answer after the headers (vLLM's JSON is a few bytes).
+local function post(name, r, path, timeout_ms)
+    local addr = upstream.address(name, r)
+    if not addr then
+        return nil
+    end
+    local sock, status = upstream.call(r, addr, "POST", path, timeout_ms)
+    if not sock then
+        return nil
+    end
+    local body = sock:receive("*a")
+    sock:close()
+    return status, body
+end
+
+-- is_sleeping(name, r, c) -> true when GET /is_sleeping answers {"is_sleeping": true}
+local function is_sleeping(name, r, c)
+    local addr = upstream.address(name, r)
+    if not addr then
+        return false
+    end
+    local sock, status = upstream.call(r, addr, "GET", "/is_sleeping", c.call_timeout_ms)
+    if not sock then
+        return false
+    end
+    local body = sock:receive("*a")
+    sock:close()
+    return status == 200 and body ~= nil and find(body, '"is_sleeping":%s*true') ~= nil
+end
+
+-- wake_up(premature, name, r, c): the wake timer: POST /wake_up, clears the mark when
+-- vLLM answers that the replica is awake; releases the lock either way.
+local function wake_up(premature, name, r, c)
+    if not premature and upstream.asleep(name, r) then
+        ngx.update_time()
+        local t0 = ngx_now()
+        local status, body = post(name, r, "/wake_up", c.call_timeout_ms)
+        if status == 200 and body and find(body, '"awake"', 1, true) then
+            upstream.mark_asleep(name, r, false)
+            upstream.touch(name, r)
+            metrics.incr("idle_wakes")
+            ngx.update_time()
+            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " is awake after ",
+                floor((ngx_now() - t0) * 1000), " ms")
+        else
+            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, ": POST /wake_up ",
+                "answered ", status or "nothing", ": still asleep")
+        end
+    end
+    dict:delete(lock_key(name, r))
+end
+
+-- wake(name, r, c): starts a wake of replica r unless one (or a sleep) is under way.
+local function wake(name, r, c)
+    local k = lock_key(name, r)
+    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+        return
+    end
+    local ok, err = timer_at(0, wake_up, name, r, c)
+    if not ok then
+        dict:delete(k)
+        ngx_log(WARN, "tokengate: wake timer for ", r.name, " of ", name, ": ", err)
+    end
+end
+
+-- put_to_sleep(name, r, c): one replica, idle and not locked: mark, check, /sleep.
+local function put_to_sleep(name, r, c)
+    local k = lock_key(name, r)
+    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+        return
+    end
+    upstream.mark_asleep(name, r, true)
+    if upstream.outstanding(name, r) > 0 then -- a request took it meanwhile
+        upstream.mark_asleep(name, r, false)
+        dict:delete(k)
+        return
+    end
+    local status = post(name, r, "/sleep?level=" .. c.level, c.call_timeout_ms)
+    if status ~= 200 then
+        upstream.mark_asleep(name, r, false)
+        upstream.touch(name, r) -- next try after another idle_s
+        dict:delete(k)
+        ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, ": POST /sleep answered ",
+            status or "nothing", " (vLLM needs --enable-sleep-mode and "
+            .. "VLLM_SERVER_DEV_MODE=1): it stays awake")
+        return
+    end
+    metrics.incr("idle_sleeps")
+    ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " is asleep (level ",
+        c.level, ") after ", c.idle_s, " s idle")
+    -- requests that came while it fell asleep are held: the first of them to find the
+    -- lock free wakes it
+    dict:delete(k)
+end
+
+-- sweep(premature, models): the idle timer (worker 0): every replica of every model
+-- with idle unload on.
+function _M.sweep(premature, models)
+    if premature then
+        return
+    end
+    ngx.update_time()
+    local now = ngx_now()
+    for name, m in pairs(models) do
+        local c = m.idle_unload
+        if c.idle_s > 0 then
+            for i = 1, #m.upstreams do
+                local r = m.upstreams[i]
+                local last = upstream.last_active(name, r)
+                if not last then
+                    -- first sight since the dict was created (an edge restart): a
+                    -- replica may be asleep already
+                    upstream.touch(name, r)
+                    if is_sleeping(name, r, c) then
+                        upstream.mark_asleep(name, r, true)
+                    end
+                elseif not upstream.asleep(name, r) and now - last >= c.idle_s
+                        and upstream.outstanding(name, r) == 0
+                        and not upstream.is_out(name, r) then
+                    put_to_sleep(name, r, c)
+                end
+            end
+        end
+    end
+end
+
+-- nudge(model, r): starts a wake of r when it is marked asleep, without waiting (the
+-- balancer's retry, which cannot wait: vLLM queues the request until it is awake).
+function _M.nudge(model, r)
+    if upstream.asleep(model.name, r) then
+        wake(model.name, r, model.idle_unload)
+    end
+end
+
+-- hold(ctx) -> true | nil, err (503 model_waking): the request's replica (taken:
+-- upstream.take) is awake, or woken within max_hold_ms. Every held request counts in
+-- idle_held, every one that waited in vain in idle_wake_timeouts.
+function _M.hold(ctx)
+    local model, r = ctx.model_entry, ctx.replica
+    local name = model.name
+    if not upstream.asleep(name, r) then
+        return true
+    end
+    local c = model.idle_unload
+    metrics.incr("idle_held")
+    local deadline = ngx_now() + c.max_hold_ms / 1000
+    repeat
+        wake(name, r, c)
+        ngx_sleep(POLL_S)
+        if not upstream.asleep(name, r) then
+            return true
+        end
+    until ngx_now() >= deadline
+    metrics.incr("idle_wake_timeouts")
+    return nil, errors.new(503, "Model " .. errors.clip(name) .. " is waking up from "
+        .. "idle (its replica was put to sleep) and was not ready within "
+        .. c.max_hold_ms .. " ms. Please retry after " .. c.retry_after_s .. " s.", nil,
+        "model_waking", nil, { ["Retry-After"] = tostring(c.retry_after_s) })
+end
+
+return _M
