@@ -104,6 +104,9 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
      "expected host:port (port 1..65535), got 'localhost'"),
     (f"models.{MODEL}.upstreams", [], "list should have at least 1 item after validation, not 0, got []"),
     (f"models.{MODEL}.cost.output", "1.35", "input should be a valid number, got '1.35'"),
+    (f"models.{MODEL}.idle_unload.idle_s", -1,
+     "input should be greater than or equal to 0, got -1"),
+    (f"models.{MODEL}.idle_unload.level", 2, "unknown key"),
     ("keys.demo.sha256", "abc",
      "expected the key's SHA-256 as 64 hex digits (printf %s \"$KEY\" | sha256sum)"),
     ("keys.demo.tpm", 1.5, "input should be a valid integer, got 1.5"),
@@ -266,6 +269,9 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
         {"max_model_len": 8192, "output_reserve": 256, "max_tokens_cap": 4096,
          "default_max_tokens": None, "max_n": 8}
     [u] = cfg.models[MODEL].upstreams
+    # idle unload is off unless asked for
+    assert m["idle_unload"] == {"idle_s": 0, "max_hold_ms": 30000, "retry_after_s": 5,
+                                "call_timeout_ms": 120000}
     assert m["upstreams"] == [{"name": u, "host": "127.0.0.1", "addr": "127.0.0.1",
                                "port": int(u.rpartition(":")[2]), "resolve": False}]
     assert "<|im_end|>" in m["special_tokens"]

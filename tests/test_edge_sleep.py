@@ -129,7 +129,13 @@ def test_an_idle_replica_sleeps_and_the_next_request_wakes_it(
     e = _edge(edge_variant_off_vllm, "sleep-wake", [up], idle_s=1, max_hold_ms=20000)
     _fell_asleep(e, up)
     assert e.status()["idle_sleeps"] >= 1
-    _counts(up, wake_delay_ms=500)
+    sleeps = _counts(up, wake_delay_ms=500)["sleeps"]
+    # vLLM's dev-mode routes are the edge's to call, never a client's
+    root = e.base_url.removesuffix("/v1")
+    for path in ("/sleep?level=1", "/v1/../sleep", "/v1/sleep", "/wake_up", "/collective_rpc"):
+        r = httpx.post(root + path, headers=HEADERS, timeout=10)
+        assert r.status_code == 404, (path, r.text)
+    assert (_counts(up)["sleeps"], _counts(up)["wakes"]) == (sleeps, 0)
     raw = _client(e).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=5)
     reply = raw.parse()

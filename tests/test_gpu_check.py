@@ -10,10 +10,14 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from tokengate.storm.null_server import FastUpstream
+
+from tests.conftest import MODEL
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE.parent / "vllm_patches" / "gpu_check.sh"
@@ -79,7 +83,26 @@ def test_dry_run_prints_the_steps(tmp_path: Path):
             f"+ pyx {DRIVER} run --url http://127.0.0.1:18999 --model tiny-qwen3 "
             f"--usage-file {tmp_path}/engine-{policy}.jsonl --duration 7 --rate 2 --burst 5 "
             f"--label {policy} --out {tmp_path}/figures-{policy}.json")
-    assert len(steps) == 6
+    # sleep mode (the edge's idle unload): the flag and the dev-mode routes, then the check
+    assert steps[6] == (f"+ TOKENGATE_SCHED_POLICY=weighted TOKENGATE_ENGINE_USAGE_FILE="
+                        f"{tmp_path}/engine-sleep.jsonl VLLM_SERVER_DEV_MODE=1 {server} "
+                        "--enable-sleep-mode")
+    assert steps[7] == (f"+ pyx {DRIVER} sleep --url http://127.0.0.1:18999 --model "
+                        f"tiny-qwen3 --out {tmp_path}/sleep.json")
+    assert len(steps) == 8
+
+
+def test_the_sleep_check_passes_against_a_server_with_sleep_mode(
+        replicas: Callable[..., FastUpstream]) -> None:
+    # the fast upstream serves vLLM's sleep routes (tests/test_edge_sleep.py); its
+    # completions generate exactly max_tokens, as ignore_eos does
+    up = replicas()
+    fig = driver().sleep_check(f"http://127.0.0.1:{up.port}", MODEL)
+    assert fig["checks"] == {
+        "request before sleeping": True, "POST /sleep?level=1 answers sleeping": True,
+        "GET /is_sleeping is true": True, "POST /wake_up answers awake": True,
+        "GET /is_sleeping is false": True, "request after waking generates 16 tokens": True}
+    assert fig["ok"] and fig["usage_after_wake"]["completion_tokens"] == 16
 
 
 def test_the_workload_is_seeded_and_mixed():

@@ -4,6 +4,7 @@ with the tokengate plugin, then a side-by-side of two runs (FCFS, token-weighted
     python gpu_check.py run --url http://127.0.0.1:8000 --model tiny-qwen3 \\
         --usage-file engine.jsonl --duration 50 --label fcfs --out fcfs.json
     python gpu_check.py compare fcfs.json weighted.json
+    python gpu_check.py sleep --url http://127.0.0.1:8000 --model tiny-qwen3 --out sleep.json
 
 ``run`` sends a seeded open-loop workload (Poisson arrivals plus a burst every 10 s):
 short streaming chats, long ones (prompts of 1500-3000 tokens), streams whose client
@@ -23,6 +24,13 @@ the last answer it waits for the engine records of every request and reports:
   ``num_prompt_tokens`` of prefilled records = growth of ``vllm:prompt_tokens_total``;
   exit status 1 when any of these fails.
 
+``sleep`` checks what the edge's idle unload calls on a server started with
+``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``: a request, ``POST /sleep?level=1``
+(then ``GET /is_sleeping`` must say true), ``POST /wake_up`` (then false), and a request
+after waking that must generate exactly its ``max_tokens`` (``ignore_eos``); it reports
+how long sleeping and waking took and the GPU memory in use (``nvidia-smi``) awake,
+asleep and woken; exit status 1 when a check fails.
+
 Standard library only (with ``tokengate_vllm.figures``, found next to this file): it
 runs in any vLLM environment.
 """
@@ -33,6 +41,7 @@ import argparse
 import http.client
 import json
 import random
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -130,6 +139,64 @@ def send(base: str, model: str, s: Sent, body: dict[str, Any], leave_after: int 
     finally:
         s.end = time.monotonic()
         conn.close()
+
+
+def _call(base: str, method: str, path: str, body: dict[str, Any] | None = None,
+          timeout_s: float = 600) -> tuple[int, Any]:
+    """(status, decoded JSON answer) of one request to the server."""
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw) if raw else None
+    finally:
+        conn.close()
+
+
+def gpu_memory_mib() -> int | None:
+    """MiB of GPU memory in use on the first GPU (nvidia-smi), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def sleep_check(base: str, model: str, max_tokens: int = 16) -> dict[str, Any]:
+    """The sleep-mode round trip (module docstring); returns the figures, with ``ok``."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": max_tokens, "ignore_eos": True}
+    fig: dict[str, Any] = {"checks": {}}
+    checks = fig["checks"]
+    status, out = _call(base, "POST", "/v1/chat/completions", chat)
+    checks["request before sleeping"] = status == 200
+    fig["memory_awake_mib"] = gpu_memory_mib()
+    t0 = time.monotonic()
+    status, out = _call(base, "POST", "/sleep?level=1")
+    fig["sleep_s"] = round(time.monotonic() - t0, 3)
+    checks["POST /sleep?level=1 answers sleeping"] = \
+        (status, out) == (200, {"status": "sleeping", "level": 1})
+    checks["GET /is_sleeping is true"] = \
+        _call(base, "GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    fig["memory_asleep_mib"] = gpu_memory_mib()
+    t0 = time.monotonic()
+    status, out = _call(base, "POST", "/wake_up")
+    fig["wake_s"] = round(time.monotonic() - t0, 3)
+    checks["POST /wake_up answers awake"] = status == 200 and out["status"] == "awake"
+    checks["GET /is_sleeping is false"] = \
+        _call(base, "GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    fig["memory_woken_mib"] = gpu_memory_mib()
+    status, out = _call(base, "POST", "/v1/chat/completions", chat)
+    fig["usage_after_wake"] = out.get("usage") if status == 200 else None
+    checks[f"request after waking generates {max_tokens} tokens"] = \
+        status == 200 and out["usage"]["completion_tokens"] == max_tokens
+    fig["ok"] = all(checks.values())
+    return fig
 
 
 def workload(rng: random.Random, duration_s: float, rate: float, burst: int
@@ -276,7 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True, help="figures JSON to write")
     c = sub.add_parser("compare", help="side-by-side table of runs")
     c.add_argument("runs", type=Path, nargs="+", help="figures JSON files")
+    s = sub.add_parser("sleep", help="sleep mode: sleep, wake, then a request")
+    s.add_argument("--url", required=True, help="server base URL, started with "
+                   "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1")
+    s.add_argument("--model", required=True, help="served model name")
+    s.add_argument("--out", type=Path, required=True, help="figures JSON to write")
     a = p.parse_args(argv)
+    if a.cmd == "sleep":
+        fig = sleep_check(a.url, a.model)
+        a.out.write_text(json.dumps(fig, indent=2))
+        for name, ok in fig["checks"].items():
+            print(f"sleep mode: {'ok ' if ok else 'FAILED'} {name}")
+        print(f"sleep mode: sleep {fig['sleep_s']} s, wake {fig['wake_s']} s; GPU memory "
+              f"awake {fig['memory_awake_mib']} MiB, asleep {fig['memory_asleep_mib']} MiB, "
+              f"woken {fig['memory_woken_mib']} MiB")
+        return 0 if fig["ok"] else 1
     if a.cmd == "compare":
         runs = [json.loads(x.read_text()) for x in a.runs]
         print(compare(runs))

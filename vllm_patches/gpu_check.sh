@@ -13,8 +13,14 @@
 #      (gpu_check.py run) and prints the figures side by side (gpu_check.py compare):
 #      TTFT of short and long requests, the longest wait, output tokens/s, vLLM's
 #      running requests and tokens per iteration, and the usage reconciliation (engine
-#      records against vllm:generation_tokens_total and vllm:prompt_tokens_total).
-# Exit status 0 when both runs reconciled and the AsyncScheduler path was taken.
+#      records against vllm:generation_tokens_total and vllm:prompt_tokens_total);
+#   5. sleep mode, what the edge's idle unload calls (models.<name>.idle_unload): vLLM
+#      once more with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, then
+#      gpu_check.py sleep: POST /sleep?level=1, POST /wake_up, a request after waking
+#      (its exact max_tokens), with the times taken and the GPU memory in use (skipped
+#      with --allow-cpu: vLLM's CPU build refuses sleep mode).
+# Exit status 0 when both runs reconciled, the AsyncScheduler path was taken and the
+# sleep-mode checks passed.
 #
 # Usage: vllm_patches/gpu_check.sh [options]
 #   --python PY        Python of the vLLM environment (default: python3)
@@ -101,27 +107,32 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# start_server POLICY: start vLLM with the plugin, wait until /health answers.
+# start_server POLICY [LABEL [ENV=VALUE...]]: start vLLM with the plugin, its engine
+# usage file and log named after LABEL (default POLICY); label sleep adds sleep mode
+# (--enable-sleep-mode, VLLM_SERVER_DEV_MODE=1). Waits until /health answers.
 start_server() {
-  local policy=$1 log=$WORK/vllm-$1.log
+  local policy=$1 label=${2:-$1} log
+  log=$WORK/vllm-$label.log
+  local envs=("TOKENGATE_SCHED_POLICY=$policy" "TOKENGATE_ENGINE_USAGE_FILE=$WORK/engine-$label.jsonl")
   vllm_argv
-  echo "gpu_check: starting vLLM ($policy), log $log"
-  printf '+ TOKENGATE_SCHED_POLICY=%s TOKENGATE_ENGINE_USAGE_FILE=%q' "$policy" \
-    "$WORK/engine-$policy.jsonl"
-  printf ' %q' "${VLLM_ARGV[@]}"; printf '\n'
+  if [ "$label" = sleep ]; then
+    envs+=(VLLM_SERVER_DEV_MODE=1)
+    VLLM_ARGV+=(--enable-sleep-mode)
+  fi
+  echo "gpu_check: starting vLLM ($label), log $log"
+  printf '+'; printf ' %q' "${envs[@]}" "${VLLM_ARGV[@]}"; printf '\n'
   [ "$DRY_RUN" -eq 1 ] && return 0
-  rm -f "$WORK/engine-$policy.jsonl"
-  TOKENGATE_SCHED_POLICY=$policy TOKENGATE_ENGINE_USAGE_FILE=$WORK/engine-$policy.jsonl \
-    "${VLLM_ARGV[@]}" >"$log" 2>&1 &
+  rm -f "$WORK/engine-$label.jsonl"
+  env "${envs[@]}" "${VLLM_ARGV[@]}" >"$log" 2>&1 &
   SERVER_PID=$!
   local t=0
   until "$PY" -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
       "http://127.0.0.1:$PORT/health" 2>/dev/null; do
-    kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 40 "$log" >&2; die "vLLM ($policy) exited"; }
-    t=$((t + 2)); [ "$t" -le 900 ] || die "vLLM ($policy) not ready after 900 s"
+    kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 40 "$log" >&2; die "vLLM ($label) exited"; }
+    t=$((t + 2)); [ "$t" -le 900 ] || die "vLLM ($label) not ready after 900 s"
     sleep 2
   done
-  echo "gpu_check: vLLM ($policy) ready after ~${t} s"
+  echo "gpu_check: vLLM ($label) ready after ~${t} s"
 }
 
 mkdir -p "$WORK"
@@ -176,9 +187,20 @@ for policy in fcfs weighted; do
     --burst "$BURST" --label "$policy" --out "$WORK/figures-$policy.json" || echo "gpu_check: $policy run did not reconcile"
   stop_server
 done
+
+# 5. Sleep mode (the edge's idle unload): sleep, wake, a request after waking.
+sleep_status=0
+if [ "$ALLOW_CPU" -eq 1 ]; then
+  echo "gpu_check: sleep mode skipped (--allow-cpu: vLLM's CPU build refuses it)"
+else
+  start_server weighted sleep
+  run "$PY" "$HERE/gpu_check.py" sleep --url "http://127.0.0.1:$PORT" --model "$SERVED" \
+    --out "$WORK/sleep.json" || sleep_status=1
+  stop_server
+fi
 [ "$DRY_RUN" -eq 1 ] && exit 0
 
-status=0
+status=$sleep_status
 expect=AsyncScheduler
 if [ "$ALLOW_CPU" -eq 1 ]; then expect=Scheduler; fi
 if grep -q "token-weighted scheduler: on $expect," "$WORK/vllm-weighted.log"; then

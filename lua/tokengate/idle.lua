@@ -3,7 +3,9 @@
 -- until it is awake.
 --
 -- vLLM's routes (vllm/entrypoints/serve/dev/sleep/api_router.py; served only with
--- --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1): POST /sleep?level=1|2 answers
+-- --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1): POST /sleep?level=1 (the weights
+-- to CPU memory, the KV cache dropped; level 2 would discard the weights, which
+-- /wake_up does not load again) answers
 -- {"status": "sleeping", "level": n} once the engine sleeps; POST /wake_up answers
 -- {"status": "awake" | "sleeping", ...} once the memory is back; GET /is_sleeping
 -- answers {"is_sleeping": bool}. /sleep's default mode "abort" aborts every request
@@ -69,7 +71,7 @@ local function enabled(models)
 end
 
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
--- (models.<name>.idle_unload: idle_s (0: off), level, max_hold_ms, retry_after_s,
+-- (models.<name>.idle_unload: idle_s (0: off), max_hold_ms, retry_after_s,
 -- call_timeout_ms). Worker 0 runs the sweep when some model has idle unload on.
 function _M.init_worker(doc, dict_name)
     dict = ngx.shared[dict_name]
@@ -164,7 +166,7 @@ local function put_to_sleep(name, r, c)
         dict:delete(k)
         return
     end
-    local status = post(name, r, "/sleep?level=" .. c.level, c.call_timeout_ms)
+    local status = post(name, r, "/sleep?level=1", c.call_timeout_ms)
     if status ~= 200 then
         upstream.mark_asleep(name, r, false)
         upstream.touch(name, r) -- next try after another idle_s
@@ -175,8 +177,8 @@ local function put_to_sleep(name, r, c)
         return
     end
     metrics.incr("idle_sleeps")
-    ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " is asleep (level ",
-        c.level, ") after ", c.idle_s, " s idle")
+    ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " is asleep after ",
+        c.idle_s, " s idle")
     -- requests that came while it fell asleep are held: the first of them to find the
     -- lock free wakes it
     dict:delete(k)

@@ -184,23 +184,22 @@ class IdleUnload(_Schema):
     """Idle unload of a model's replicas (``models.<name>.idle_unload``): vLLM's sleep mode.
 
     A replica that has served no request for ``idle_s`` (and has none in flight) is put
-    to sleep (``POST /sleep?level=<level>``: level 1 moves the weights to CPU memory and
-    drops the KV cache, level 2 drops both) by one edge worker; the next request for it
+    to sleep (``POST /sleep?level=1``: the weights move to CPU memory, the KV cache is
+    dropped, so the GPU memory is free) by one edge worker; the next request for it
     wakes it (``POST /wake_up``) and is held until it is awake, at most ``max_hold_ms``,
     then answered 503 ``model_waking`` with ``Retry-After: retry_after_s`` (the wake goes
     on). A replica asleep is chosen only when no awake one has room. vLLM serves these
     routes only when started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
-    (CUDA or ROCm builds; the CPU build refuses sleep mode).
+    (CUDA or ROCm builds; the CPU build refuses sleep mode). Level 2 is not offered: it
+    discards the weights and ``/wake_up`` does not load them again (vLLM restores only
+    the model's buffers, ``vllm/v1/worker/gpu_worker.py``), so the replica would answer
+    from garbage weights.
     """
 
     idle_s: int = Field(
         default=0, ge=0,
         description="A replica with no request for this long is put to sleep, s. 0: never "
                     "(off).")
-    level: Literal[1, 2] = Field(
-        default=1,
-        description="vLLM's sleep level: 1 offloads the weights to CPU memory (a wake "
-                    "copies them back), 2 discards them (a wake reloads them).")
     max_hold_ms: Positive = Field(
         default=30000,
         description="How long a request for a sleeping replica is held while it wakes, ms; "

@@ -12,7 +12,7 @@ fields only the edge needs, derived here:
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
-          idle_unload: {idle_s, level, max_hold_ms, retry_after_s, call_timeout_ms},
+          idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
           "upstreams": [{"name": "<host:port as configured>", "host": "<host>",
                          "addr": "<IPv4/IPv6 literal resolved here, or null>",
                          "port": <int>, "resolve": <bool: a name, resolved again>}],
