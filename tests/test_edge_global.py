@@ -13,6 +13,9 @@ sidecar or Redis fails, the edge admits on its local limits and says so
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -26,6 +29,12 @@ import httpx
 import pytest
 import redis
 import yaml
+from tokengate import config as tg_config
+from tokengate import redis_client
+from tokengate.config import ModelCost
+from tokengate.ledger.calculator import charge
+from tokengate.ledger.ledger import Ledger
+from tokengate.limits.budget import reservation_key
 from tokengate.limits.window import window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
@@ -44,6 +53,10 @@ GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {
     "gl-recover": ("tg-test-gl-recover", 10_000, 1_000_000),
 }
 LIMITS_SOCKET = TEST_DIR / "edge-limits.sock"
+# a key with a daily spend limit, at prices that make one answer cost cents (per 1M
+# tokens; the fast upstream's answers cost prompt x input + max_tokens x output)
+BUDGET_KEY = ("gl-budget", "tg-test-gl-budget", 10.0)
+PRICES = {"input": 10_000.0, "output": 13_500.0, "cached": 1_000.0}
 
 
 def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
@@ -52,8 +65,12 @@ def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
 
     def edit(raw: dict[str, Any]) -> None:
         raw["models"][MODEL]["upstreams"] = [upstream]
+        raw["models"][MODEL]["cost"] = PRICES
         for key_id, (key, rpm, tpm) in GLOBAL_KEYS.items():
             raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": rpm, "tpm": tpm}
+        key_id, key, spend = BUDGET_KEY
+        raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000, "tpm": 10_000_000,
+                               "budgets": [{"period": "day", "spend": spend}]}
         raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
                                 "unix_socket": str(socket_path)}
         # a 2-core machine also runs the counter and two edges: no timeouts in the
@@ -191,6 +208,104 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
     assert got["settled"] == {"found": True, "delta": -400, "window_tokens": 200}
     assert got["positive"] == {"found": True, "delta": 44, "window_tokens": 309}
     assert got["framed"] == "0000000003616263"
+
+
+def test_lua_budget_codec_matches_python() -> None:
+    counters = [pb.BudgetCounter(name="*:day:20423", spend_limit_nano=10_000_000_000,
+                                 ttl_s=172_800),
+                pb.BudgetCounter(name="tiny-qwen3:month:671", token_limit=2_000_000,
+                                 ttl_s=2_851_200)]
+    want = pb.BudgetReserveRequest(key_id="demo", request_id="ab12", counters=counters,
+                                   cost_nano=630_000_000, tokens=49).SerializeToString()
+    settle = pb.BudgetSettleRequest(key_id="demo", request_id="ab12", cost_nano=0,
+                                    tokens=7).SerializeToString()
+    refused = pb.BudgetReserveReply(
+        admitted=False, refused=2, limited_by=pb.BUDGET_TOKENS,
+        usage=[pb.BudgetUsage(spent_nano=9_450_000_000, tokens=735),
+               pb.BudgetUsage(tokens=1_999_990)]).SerializeToString()
+    out = run_lua(f"""
+        local pb = require "tokengate.pb"
+        local cjson = require "cjson"
+        local function unhex(h) return (h:gsub("%x%x", function(x)
+            return string.char(tonumber(x, 16)) end)) end
+        local counters = {{
+            {{counter = "*:day:20423", spend_limit_nano = 10000000000, token_limit = 0,
+              ttl_s = 172800}},
+            {{counter = "tiny-qwen3:month:671", spend_limit_nano = 0, token_limit = 2000000,
+              ttl_s = 2851200}}}}
+        return cjson.encode({{
+            reserve = {to_hex('pb.budget_request("demo", "ab12", counters, 630000000, 49)')},
+            settle = {to_hex('pb.budget_request("demo", "ab12", {}, 0, 7)')},
+            refused = pb.budget_reserve_reply(unhex("{refused.hex()}")),
+            settled = pb.budget_settle_reply(unhex("{pb.BudgetSettleReply(
+                applied=True).SerializeToString().hex()}")),
+        }})""")
+    got = json.loads(out)
+    assert got["reserve"] == want.hex()
+    assert got["settle"] == settle.hex()
+    assert got["refused"] == {"admitted": False, "refused": 2, "limited_by": 2,
+                              "usage": [{"spent_nano": 9_450_000_000, "tokens": 735},
+                                        {"spent_nano": 0, "tokens": 1_999_990}]}
+    assert got["settled"] == {"applied": True, "reserved": False}
+
+
+def test_two_edges_never_spend_past_a_budget_and_bill_it_like_the_ledger(
+        clean_redis: Pair, config_path: Path, redis_url: str,
+        upstream_hostport: str) -> None:
+    p = clean_redis
+    key_id, key, spend = BUDGET_KEY
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda e: (e, post(e, key)), [p.a, p.b] * 32))
+    ok = [(e, r) for e, r in results if r.status_code == 200]
+    refused = [r for _e, r in results if r.status_code != 200]
+    prompt = int(ok[0][1].headers["x-token-count"])
+    weights = ModelCost(**PRICES)
+    cost_nano = math.ceil(charge(prompt, 40, weights=weights).cost * 1e9 - 1e-6)
+    budget_nano = round(spend * 1e9)
+    # each edge alone would have admitted budget // cost itself: Redis holds the total
+    assert len(ok) == budget_nano // cost_nano
+    assert {e.port for e, _r in ok} == {p.a.port, p.b.port}
+    assert {r.status_code for r in refused} == {429}
+    err = refused[0].json()["error"]
+    assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota")
+    # what Redis holds when it refuses: every admission of both edges
+    assert err["message"].startswith(
+        f"You exceeded your current quota on key {key_id}: the daily spend limit of 10 USD "
+        f"(every model): {len(ok) * cost_nano / 1e9:.6f} spent or reserved, this request "
+        f"may cost up to {cost_nano / 1e9:.6f}. It resets at ")
+    assert min(float(r.headers["x-budget-remaining-spend"]) for _e, r in ok) == \
+        pytest.approx((budget_nano - len(ok) * cost_nano) / 1e9, abs=1e-9)
+    # every reservation settled (the fast upstream's answer costs its worst case)
+    for _e, r in ok:
+        rkey = reservation_key(key_id, r.headers["x-request-id"])
+        wait_until(lambda k=rkey: p.redis.get(k) == "settled", 10, what="the settlement")
+    (spend_key,) = p.redis.keys(f"tg:bg:{{{key_id}}}:*:day:*:s")
+    spent_nano = int(p.redis.get(spend_key))
+    assert spent_nano == len(ok) * cost_nano <= budget_nano
+    assert int(p.redis.get(spend_key[:-1] + "t")) == len(ok) * (prompt + 40)
+    # the ledger bills the two edges' usage events: `tokengate usage` agrees to the cent
+    edge_yaml = EDGE_DIR / "gl-a" / "tokengate.yaml"
+    cfg = tg_config.load(edge_yaml)
+    for edge in (p.a, p.b):
+        client = redis_client.connect(cfg.redis, url=redis_url)
+        Ledger(cfg, client, edge.usage_file).drain()
+        client.close()
+    out = subprocess.run([sys.executable, "-m", "tokengate.cli", "usage", "--config", str(edge_yaml),
+                          "--redis-url", redis_url, "--key", key_id, "--by", "key", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    billed = json.loads(out)["total"]
+    assert billed["requests"] == len(ok) + len(refused)
+    assert round(billed["cost"], 2) == round(spent_nano / 1e9, 2)
+    assert billed["cost"] == pytest.approx(spent_nano / 1e9, abs=len(ok) * 1e-9)
+    # a fresh edge (an empty shared dict, as after a restart) is held to what Redis holds
+    c = start_edge(config_path, "gl-c", upstream_hostport, LIMITS_SOCKET)
+    try:
+        again = post(c, key)
+        assert again.status_code == 429
+        assert again.json()["error"]["code"] == "insufficient_quota"
+        assert status(c)["global_budget_refused"] == 1
+    finally:
+        c.service.stop()
 
 
 def test_two_edges_share_one_tpm_limit(clean_redis: Pair) -> None:

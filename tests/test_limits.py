@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import redis_client
 from tokengate.config import RedisConfig
+from tokengate.limits.budget import budget_keys, reservation_key
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
@@ -288,6 +290,102 @@ def test_redis_down_or_stalled_answers_unavailable_quickly(config_path, private_
     finally:
         channel.close()
         svc.stop()
+
+
+# -- budgets: spend and tokens per key and UTC period, shared by every edge -------------
+
+DAY_COUNTER = "*:day:20000"
+
+
+def counters(spend_limit: int = 0, token_limit: int = 0) -> list[pb.BudgetCounter]:
+    """The key's daily counter (spend in nano-units, tokens; 0: no limit)."""
+    return [pb.BudgetCounter(name=DAY_COUNTER, spend_limit_nano=spend_limit,
+                             token_limit=token_limit, ttl_s=172_800)]
+
+
+def reserve_budget(stub: pb_grpc.GlobalLimitsStub, i: int, cost: int, tokens: int = 10,
+                   spend_limit: int = 0, token_limit: int = 0) -> pb.BudgetReserveReply:
+    return stub.ReserveBudget(pb.BudgetReserveRequest(
+        key_id="k", request_id=rid(i), counters=counters(spend_limit, token_limit),
+        cost_nano=cost, tokens=tokens), timeout=2)
+
+
+def settle_budget(stub: pb_grpc.GlobalLimitsStub, i: int, cost: int,
+                  tokens: int = 10) -> pb.BudgetSettleReply:
+    return stub.SettleBudget(pb.BudgetSettleRequest(
+        key_id="k", request_id=rid(i), counters=counters(), cost_nano=cost, tokens=tokens),
+        timeout=2)
+
+
+def test_a_budget_admits_what_fits_and_names_the_limit(limits, ledger_redis):
+    got = [reserve_budget(limits, i, 300, spend_limit=1000) for i in range(4)]
+    assert [r.admitted for r in got] == [True, True, True, False]
+    assert [r.usage[0].spent_nano for r in got] == [300, 600, 900, 900]
+    assert (got[3].refused, got[3].limited_by) == (1, pb.BUDGET_SPEND)
+    assert (got[0].refused, got[0].limited_by) == (0, pb.BUDGET_NONE)
+    tokens = reserve_budget(limits, 9, 1, tokens=40, token_limit=45)  # 30 + 40 > 45
+    assert (tokens.admitted, tokens.limited_by, tokens.usage[0].tokens) == \
+        (False, pb.BUDGET_TOKENS, 30)
+    spend_key, tokens_key = budget_keys("k", DAY_COUNTER)
+    assert (ledger_redis.get(spend_key), ledger_redis.get(tokens_key)) == ("900", "30")
+    assert 172_700 < ledger_redis.ttl(spend_key) <= 172_800
+
+
+def test_a_retried_budget_reservation_is_charged_once(limits):
+    assert reserve_budget(limits, 1, 400, spend_limit=1000).admitted
+    again = reserve_budget(limits, 1, 400, spend_limit=1000)
+    assert again.admitted and again.usage[0].spent_nano == 400
+
+
+def test_settling_a_budget_corrects_it_by_real_minus_reserved(limits, ledger_redis):
+    assert reserve_budget(limits, 1, 600, tokens=100, spend_limit=1000).admitted
+    assert not reserve_budget(limits, 2, 600, spend_limit=1000).admitted
+    s = settle_budget(limits, 1, 250, tokens=70)
+    assert (s.applied, s.reserved) == (True, True)
+    assert ledger_redis.get(reservation_key("k", rid(1))) == "settled"
+    # a retried settlement changes nothing
+    assert (settle_budget(limits, 1, 250, tokens=70).applied) is False
+    r = reserve_budget(limits, 2, 600, spend_limit=1000)
+    assert r.admitted and r.usage[0].spent_nano == 850 and r.usage[0].tokens == 80
+
+
+def test_a_request_admitted_without_a_reservation_is_charged_its_real_cost(limits):
+    # the edge admitted it on its own counters while Redis was unreachable
+    s = settle_budget(limits, 5, 700, tokens=30)
+    assert (s.applied, s.reserved) == (True, False)
+    r = reserve_budget(limits, 6, 400, spend_limit=1000)
+    assert (r.admitted, r.usage[0].spent_nano, r.usage[0].tokens) == (False, 700, 30)
+
+
+def test_concurrent_budget_reservations_never_pass_the_limit(config_path, redis_url,
+                                                             ledger_redis):
+    # two sidecars (two edges' worth), 64 concurrent reservations of 7 against 100
+    ports, svcs = [], []
+    for name in ("a", "b"):
+        ports.append(free_port(LIMITS_PORTS))
+        svcs.append(devstack.limits_service(config_path, ports[-1], redis_url,
+                                            name=svc_name(f"test-limits-bg-{name}")).start())
+    channels = [grpc.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+    stubs = [pb_grpc.GlobalLimitsStub(c) for c in channels]
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda i: reserve_budget(stubs[i % 2], i, 7, spend_limit=100),
+                                range(64)))
+        assert sum(r.admitted for r in got) == 100 // 7
+        assert ledger_redis.get(budget_keys("k", DAY_COUNTER)[0]) == str(7 * (100 // 7))
+    finally:
+        for c in channels:
+            c.close()
+        for svc in svcs:
+            svc.stop()
+
+
+def test_a_budget_call_without_counters_is_invalid(limits):
+    with pytest.raises(grpc.RpcError) as e:
+        limits.ReserveBudget(pb.BudgetReserveRequest(key_id="k", request_id=rid(1),
+                                                     cost_nano=1), timeout=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "counters: required"
 
 
 # -- the wire format the Lua edge encodes and decodes by hand ---------------------------

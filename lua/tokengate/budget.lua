@@ -11,8 +11,14 @@
 -- tokengate.local_limit): incr is atomic across workers and returns the total with
 -- every concurrent reservation, so concurrent requests can never reserve past a budget.
 --
+-- With global_limits.enabled the same reservation is then made in Redis
+-- (tokengate.global_limit.reserve_budget, one atomic script for every edge; spend
+-- survives restarts): these counters are this edge's share, Redis's the total, which
+-- decides. When Redis fails, these alone decide, as the local TPM window does.
+--
 -- cost() is the formula of tokengate.ledger.calculator.charge (its docstring is the
--- source; tests/test_budgets.py checks the two agree).
+-- source; tests/test_budgets.py checks the two agree). nano() rounds it; the sidecar only
+-- adds the nano-units it is sent.
 
 local ngx = ngx
 local errors = require "tokengate.errors"
@@ -67,6 +73,7 @@ end
 local function nano(cost)
     return ceil(cost * NANO - 1e-6)
 end
+_M.nano = nano
 
 -- days_from_civil(y, m, d) -> days since 1970-01-01 (H. Hinnant's algorithm,
 -- "chrono-Compatible Low-Level Date Algorithms")
@@ -114,9 +121,13 @@ function _M.request(key, model, doc, prompt, completion, now)
         local b = list[i]
         if not b.model or b.model == model.name then
             local id, left, ends = period(b.period, now)
+            local counter = (b.model or "*") .. ":" .. b.period .. ":" .. id
+            -- counter, spend_limit_nano, token_limit, ttl_s: the Redis counter
+            -- (tokengate.pb.budget_request)
             items[#items + 1] = {
-                b = b, left = left, ends = ends,
-                name = key.id .. ":" .. (b.model or "*") .. ":" .. b.period .. ":" .. id,
+                b = b, left = left, ends = ends, name = key.id .. ":" .. counter,
+                counter = counter, spend_limit_nano = b.spend_nano or 0,
+                token_limit = b.tokens or 0, ttl_s = TTL[b.period],
             }
         end
     end
@@ -172,8 +183,14 @@ local function rejection(bud, it, kind, used)
         "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry) })
 end
 
--- reserve(bud) -> true | nil, err (429 insufficient_quota). Sets bud.state: the
--- remaining budget for the headers.
+-- refusal(bud, index, kind, used) -> the 429 of items[index] refusing: kind "spend" |
+-- "tokens", used: its total before this request (nano-units or tokens).
+function _M.refusal(bud, index, kind, used)
+    return rejection(bud, bud.items[index], kind, used)
+end
+
+-- reserve(bud) -> true | nil, err (429 insufficient_quota). Sets each item's spent /
+-- used: the totals after this reservation, for the headers.
 function _M.reserve(bud)
     local items = bud.items
     for i = 1, #items do
@@ -205,12 +222,21 @@ function _M.reserve(bud)
     return true
 end
 
--- settle(bud, tokens, cost): the request ended having used tokens (prompt +
--- completion) that cost cost (currency units, tokengate.ledger.calculator's formula):
--- each counter of the period it was admitted in is corrected by real - reserved.
+-- uncommit(bud): a later tier (Redis's counters) refused: the reservation is taken back.
+function _M.uncommit(bud)
+    if bud.admitted then
+        bud.admitted = nil
+        take_back(bud, #bud.items)
+    end
+end
+
+-- settle(bud, tokens, cost) -> the real cost in nano-units | nil (not admitted). The
+-- request ended having used tokens (prompt + completion) that cost cost (currency units,
+-- tokengate.ledger.calculator's formula): each counter of the period it was admitted in
+-- is corrected by real - reserved.
 function _M.settle(bud, tokens, cost)
     if not bud.admitted then
-        return
+        return nil
     end
     bud.admitted = nil
     local real = nano(cost)
@@ -224,6 +250,7 @@ function _M.settle(bud, tokens, cost)
             add("bt" .. it.name, tokens - bud.tokens, ttl)
         end
     end
+    return real
 end
 
 -- headers(h, bud): x-budget-{limit,remaining,reset}-{spend,tokens} of the budget of

@@ -1,6 +1,8 @@
 -- The global limit tier (see tokengate.limits for how tiers combine): one RPM/TPM window
 -- per key in Redis, shared by every edge, through the tokengate-limits sidecar
--- (tokengate.v1.GlobalLimits, proto/tokengate/v1/limits.proto) and tokengate.sidecar.
+-- (tokengate.v1.GlobalLimits, proto/tokengate/v1/limits.proto) and tokengate.sidecar;
+-- and the key's budgets (tokengate.budget's counters, in Redis: ReserveBudget,
+-- SettleBudget), which survive restarts and are shared by every edge.
 --
 -- Reserve is called in the access phase. Settle is needed in the log phase, where
 -- cosockets do not exist: settlements are queued per worker and sent by timers. One
@@ -8,13 +10,17 @@
 -- lua_max_running_timers (256) under load; instead at most DRAINERS timers per worker
 -- each empty the queue. A settlement that cannot be sent leaves the reservation as
 -- reserved until it slides out of the 60 s window (counted in global_settle_failed /
--- global_settle_dropped): the error is on the safe side.
+-- global_settle_dropped): the error is on the safe side. A budget settlement lost so
+-- leaves the worst case charged in Redis (safe too), or, for a request admitted while
+-- Redis was unreachable, its cost uncharged there (the edge's own counters have it).
 --
 -- Failure: when the sidecar (or Redis behind it) is down, answers UNAVAILABLE, or does
 -- not answer within edge.global_limits_timeout_ms, the tier is skipped and the local
 -- limits alone decide (X-Tokengate-Limits: local, counter global_fallback_<reason>). The
 -- sidecar client's breaker then skips the tier for edge.global_limits_backoff_ms
--- (global_fallback_backoff), so an outage costs one timeout per backoff period.
+-- (global_fallback_backoff), so an outage costs one timeout per backoff period. Budgets
+-- alike: the edge's own budget counters decide (global_budget_fallback), and the
+-- settlement charges Redis the real cost once it is back.
 
 local ngx = ngx
 local pb = require "tokengate.pb"
@@ -26,6 +32,7 @@ local ngx_log = ngx.log
 local ERR = ngx.ERR
 local WARN = ngx.WARN
 local pcall = pcall
+local tostring = tostring
 local ceil = math.ceil
 local max = math.max
 
@@ -33,6 +40,9 @@ local _M = { name = "global" }
 
 local RESERVE = "/tokengate.v1.GlobalLimits/Reserve"
 local SETTLE = "/tokengate.v1.GlobalLimits/Settle"
+local RESERVE_BUDGET = "/tokengate.v1.GlobalLimits/ReserveBudget"
+local SETTLE_BUDGET = "/tokengate.v1.GlobalLimits/SettleBudget"
+local SETTLED = { [SETTLE] = pb.settle_reply, [SETTLE_BUDGET] = pb.budget_settle_reply }
 local LIMITED_BY = { [1] = "requests", [2] = "tokens" }
 -- s: Retry-After of a request that can never fit, the same window as the local tier's
 local WINDOW = require("tokengate.local_limit").WINDOW
@@ -64,6 +74,17 @@ local function state(r, limits)
     }
 end
 
+-- fallback(failure, what) -> the fallback counters' reason; logged unless the breaker
+-- was open. what: what decides instead.
+local function fallback(failure, what)
+    local reason = FALLBACK[failure.reason] or "error"
+    if reason ~= "backoff" then
+        ngx_log(WARN, "tokengate: global limits ", reason, " (", failure.message,
+            "): admitting on ", what)
+    end
+    return reason
+end
+
 -- incoming(req) -> state | nil, refused state | nil, nil (the tier failed: skipped)
 --   req = {key_id, model, per_model (limits are the key's override for model),
 --          limits = {rpm, tpm}, tokens, request_id ($request_id: retries are idempotent,
@@ -81,12 +102,7 @@ function _M.incoming(req)
         end
     end
     if not r then
-        local reason = FALLBACK[failure.reason] or "error"
-        metrics.incr("global_fallback_" .. reason)
-        if reason ~= "backoff" then
-            ngx_log(WARN, "tokengate: global limits ", reason, " (", failure.message,
-                "): admitting on local limits")
-        end
+        metrics.incr("global_fallback_" .. fallback(failure, "local limits"))
         return nil, nil
     end
     local st = state(r, req.limits)
@@ -101,9 +117,51 @@ function _M.incoming(req)
     return nil, st
 end
 
+-- reserve_budget(bud, request_id) -> true | nil, refusal {index, kind, used} | nil, nil
+--   (the tier failed: the edge's own counters decided). bud: a tokengate.budget
+--   reservation already admitted by the edge's counters; admitted: each item's spent /
+--   used become Redis's totals (every edge's). refusal: items[index] refused, kind
+--   "spend" | "tokens", used: its total before this request (nano-units or tokens).
+function _M.reserve_budget(bud, request_id)
+    local items = bud.items
+    local msg, failure = client:call(RESERVE_BUDGET, pb.budget_request(bud.key_id,
+        request_id, items, bud.cost, bud.tokens))
+    local r, err
+    if msg then
+        r, err = pb.budget_reserve_reply(msg)
+        if r and (#r.usage ~= #items or (not r.admitted and not items[r.refused])) then
+            r, err = nil, "usage of " .. #r.usage .. " counters (refused "
+                .. tostring(r.refused) .. "), not " .. #items
+        end
+        if not r then
+            failure = { reason = "error", message = "reply: " .. err }
+        end
+    end
+    if not r then
+        fallback(failure, "the edge's budget counters")
+        metrics.incr("global_budget_fallback")
+        return nil, nil
+    end
+    if r.admitted then
+        for i = 1, #items do
+            local it, u = items[i], r.usage[i]
+            it.spent = it.b.spend_nano and u.spent_nano or nil
+            it.used = it.b.tokens and u.tokens or nil
+        end
+        metrics.incr("global_budget_admitted")
+        return true
+    end
+    metrics.incr("global_budget_refused")
+    local u = r.usage[r.refused]
+    local kind = r.limited_by == 2 and "tokens" or "spend"
+    return nil, { index = r.refused, kind = kind,
+                  used = kind == "tokens" and u.tokens or u.spent_nano }
+end
+
 -- ------------------------------------------------------------------ settlement
 
-local queue, qhead, qtail = {}, 1, 0 -- worker-local FIFO of serialized SettleRequests
+-- worker-local FIFO of serialized SettleRequests / BudgetSettleRequests, and their paths
+local queue, paths, qhead, qtail = {}, {}, 1, 0
 local running = 0 -- drainer timers alive in this worker
 
 -- drain(): timer handler; sends queued settlements until the queue is empty (also when
@@ -111,11 +169,11 @@ local running = 0 -- drainer timers alive in this worker
 local function drain()
     local ok, perr = pcall(function()
         while qhead <= qtail do
-            local msg = queue[qhead]
-            queue[qhead] = nil
+            local msg, path = queue[qhead], paths[qhead]
+            queue[qhead], paths[qhead] = nil, nil
             qhead = qhead + 1
-            local reply, failure = client:call(SETTLE, msg)
-            if reply and pb.settle_reply(reply) then
+            local reply, failure = client:call(path, msg)
+            if reply and SETTLED[path](reply) then
                 metrics.incr("global_settled")
             else
                 metrics.incr("global_settle_failed")
@@ -133,16 +191,15 @@ local function drain()
     running = running - 1
 end
 
--- enqueue(req, actual): sets the request's Redis reservation to actual tokens,
--- asynchronously (callable from the log phase; never blocks).
-local function enqueue(req, actual)
+-- enqueue(path, msg): sends the settlement msg (serialized) to path, asynchronously
+-- (callable from the log phase; never blocks).
+local function enqueue(path, msg)
     if qtail - qhead + 1 >= MAX_QUEUE then
         metrics.incr("global_settle_dropped")
         return
     end
     qtail = qtail + 1
-    queue[qtail] = pb.settle_request(req.key_id, req.model, req.per_model, req.request_id,
-        actual)
+    queue[qtail], paths[qtail] = msg, path
     -- one more drainer while there is more queued than the running ones are taking
     if running < DRAINERS and qtail - qhead + 1 > running then
         local ok, err = timer_at(0, drain)
@@ -155,16 +212,31 @@ local function enqueue(req, actual)
     end
 end
 
+-- settle_window(req, actual): sets the request's Redis reservation to actual tokens.
+local function settle_window(req, actual)
+    enqueue(SETTLE, pb.settle_request(req.key_id, req.model, req.per_model, req.request_id,
+        actual))
+end
+
 -- uncommit(req): a later tier refused: nothing of the reservation was used.
 function _M.uncommit(req)
-    enqueue(req, 0)
+    settle_window(req, 0)
 end
 
 -- settle(req, actual): the request ended having used actual tokens (prompt + completion).
 function _M.settle(req, actual)
     if actual ~= req.tokens then
-        enqueue(req, actual)
+        settle_window(req, actual)
     end
+end
+
+-- settle_budget(bud, request_id, tokens, cost_nano): the request the edge's budget
+-- counters admitted ended having used tokens that cost cost_nano (nano-units): Redis
+-- corrects its reservation, or charges the real cost when it holds none (the
+-- reservation failed). Always sent: it also ends the reservation's record in Redis.
+function _M.settle_budget(bud, request_id, tokens, cost_nano)
+    enqueue(SETTLE_BUDGET, pb.budget_request(bud.key_id, request_id, bud.items, cost_nano,
+        tokens))
 end
 
 -- backing_off() -> true while the tier is skipped after a failure (for /tokengate/status)

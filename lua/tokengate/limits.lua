@@ -11,8 +11,10 @@
 -- What a request reserves (DESIGN contract 3): RPM 1 and TPM
 --     prompt + n x prompts x min(max_tokens_effective, model.output_reserve)
 -- settled at the end by (prompt + completion) - reserved. A key's budgets
--- (tokengate.budget, req.budget) are reserved after every rate tier admitted, and
--- settled with the real cost.
+-- (tokengate.budget, req.budget) are reserved after every rate tier admitted, in the
+-- edge's counters and then, with global limits, in Redis's (which decide for all
+-- edges; skipped when they fail, like the global window), and settled with the real
+-- cost in both.
 
 local ngx = ngx
 local errors = require "tokengate.errors"
@@ -30,6 +32,7 @@ local min = math.min
 local _M = {}
 
 local TIERS = { local_limit }
+local global_budgets = false -- budgets are reserved in Redis too (global_limits.enabled)
 
 -- init_worker(doc, hop_address, dict_name) -> true | nil, err. doc: the compiled config;
 -- dict_name: the lua_shared_dict of the windows and the breakers.
@@ -42,7 +45,8 @@ function _M.init_worker(doc, hop_address, dict_name)
         return nil, err
     end
     TIERS = { local_limit }
-    if doc.global_limits.enabled then
+    global_budgets = doc.global_limits.enabled == true
+    if global_budgets then
         ok, err = global_limit.init_worker(doc.edge, hop_address, ngx.shared[dict_name])
         if not ok then
             return nil, "global limits: " .. err
@@ -129,8 +133,17 @@ function _M.reserve(req)
             return nil, rejection(req, refused)
         end
     end
-    if req.budget then
-        local ok, err = budget.reserve(req.budget)
+    local bud = req.budget
+    if bud then
+        local ok, err = budget.reserve(bud)
+        if ok and global_budgets then
+            -- admitted, or failed (nil, nil: the edge's counters decided), or refused
+            local _, refusal = global_limit.reserve_budget(bud, req.request_id)
+            if refusal then
+                budget.uncommit(bud)
+                ok, err = nil, budget.refusal(bud, refusal.index, refusal.kind, refusal.used)
+            end
+        end
         if not ok then
             for j = n, 1, -1 do
                 admitted[j].uncommit(req)
@@ -153,8 +166,12 @@ function _M.settle(req, actual, cost)
     for i = 1, #admitted do
         admitted[i].settle(req, actual)
     end
-    if req.budget then
-        budget.settle(req.budget, actual, cost)
+    local bud = req.budget
+    if bud then
+        local real = budget.settle(bud, actual, cost)
+        if real and global_budgets then
+            global_limit.settle_budget(bud, req.request_id, actual, real)
+        end
     end
 end
 

@@ -72,7 +72,11 @@ local FAMILIES = {
       "Requests admitted on the local limits alone because the global tier failed, by "
       .. "reason (unavailable, down, timeout, error, backoff)." },
     { "tokengate_global_limit_settlements_total", "counter",
-      "Settlements of the global tier, by result (applied, failed, dropped)." },
+      "Settlements of the global tier, windows' and budgets', by result (applied, failed, "
+      .. "dropped)." },
+    { "tokengate_global_budget_decisions_total", "counter",
+      "Answers of the keys' budgets in Redis (global tier), by result (admitted, refused; "
+      .. "fallback: Redis's counters could not be asked, the edge's own decided)." },
     { "tokengate_unauthenticated_requests_total", "counter",
       "Requests without a valid API key (no usage event), by reason (missing_key, "
       .. "invalid_key, blocked, refused)." },
@@ -136,6 +140,9 @@ local STATUS = {
     { "global_settled", "tokengate_global_limit_settlements_total", 'result="applied"' },
     { "global_settle_failed", "tokengate_global_limit_settlements_total", 'result="failed"' },
     { "global_settle_dropped", "tokengate_global_limit_settlements_total", 'result="dropped"' },
+    { "global_budget_admitted", "tokengate_global_budget_decisions_total", 'result="admitted"' },
+    { "global_budget_refused", "tokengate_global_budget_decisions_total", 'result="refused"' },
+    { "global_budget_fallback", "tokengate_global_budget_decisions_total", 'result="fallback"' },
     { "access_log_lines", "tokengate_access_log_lines_total", "" },
     { "unauthenticated_missing_key", "tokengate_unauthenticated_requests_total",
       'reason="missing_key"' },

@@ -1,7 +1,8 @@
 -- The protobuf messages the edge exchanges with its sidecars, encoded and decoded by hand:
 -- tokengate.v1.TokenCounter (proto/tokengate/v1/counter.proto) and tokengate.v1.GlobalLimits
--- (proto/tokengate/v1/limits.proto). Debian ships no Lua protobuf library, and a few fixed
--- messages need only varints and length-delimited fields. gRPC framing (1 flag byte,
+-- (proto/tokengate/v1/limits.proto: the windows and the budgets). Debian ships no Lua
+-- protobuf library, and a few fixed messages need only varints and length-delimited
+-- fields. gRPC framing (1 flag byte,
 -- 4-byte big-endian length) is here too. Encoders omit fields equal to their proto3
 -- default (0, false, ""), as the reference implementation does, so the bytes are the
 -- same as Python's SerializeToString (tests/test_edge_global.py checks them).
@@ -101,6 +102,22 @@ end
 function _M.settle_request(key_id, model, per_model, request_id, actual_tokens)
     return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
         .. str_field(4, request_id) .. uint_field(5, actual_tokens)
+end
+
+-- budget_request(key_id, request_id, counters, cost_nano, tokens) -> serialized
+-- tokengate.v1.BudgetReserveRequest, or BudgetSettleRequest (the same fields).
+-- counters: list of {counter (name), spend_limit_nano, token_limit (0: none), ttl_s};
+-- cost_nano: nano-units of the currency; tokens: tokens.
+function _M.budget_request(key_id, request_id, counters, cost_nano, tokens)
+    local out = { str_field(1, key_id), str_field(2, request_id) }
+    for i = 1, #counters do
+        local c = counters[i]
+        local m = str_field(1, c.counter) .. uint_field(2, c.spend_limit_nano)
+            .. uint_field(3, c.token_limit) .. uint_field(4, c.ttl_s)
+        out[#out + 1] = key_byte(3, 2) .. varint(#m) .. m
+    end
+    out[#out + 1] = uint_field(4, cost_nano) .. uint_field(5, tokens)
+    return concat(out)
 end
 
 -- frame(msg) -> one uncompressed gRPC message frame.
@@ -241,6 +258,42 @@ function _M.settle_reply(msg)
         r.delta = -(z + 1) / 2
     end
     r.found = r.found ~= 0
+    return r
+end
+
+local BUDGET_USAGE = { [1] = "spent_nano", [2] = "tokens" }
+
+local BUDGET_RESERVE_REPLY = {
+    [1] = "admitted", [2] = "refused", [3] = "limited_by",
+    [4] = function(into, bytes)
+        local u, err = fields(bytes, { spent_nano = 0, tokens = 0 }, BUDGET_USAGE)
+        into.usage[#into.usage + 1] = u
+        return u, err
+    end,
+}
+
+-- budget_reserve_reply(msg) -> {admitted (bool), refused (1-based counter index, 0
+-- admitted), limited_by (0 none, 1 spend, 2 tokens), usage = {{spent_nano, tokens},
+-- ...} (one per counter)} | nil, err.
+function _M.budget_reserve_reply(msg)
+    local r, err = fields(msg, { admitted = 0, refused = 0, limited_by = 0, usage = {} },
+        BUDGET_RESERVE_REPLY)
+    if not r then
+        return nil, err
+    end
+    r.admitted = r.admitted ~= 0
+    return r
+end
+
+local BUDGET_SETTLE_REPLY = { [1] = "applied", [2] = "reserved" }
+
+-- budget_settle_reply(msg) -> {applied (bool), reserved (bool)} | nil, err.
+function _M.budget_settle_reply(msg)
+    local r, err = fields(msg, { applied = 0, reserved = 0 }, BUDGET_SETTLE_REPLY)
+    if not r then
+        return nil, err
+    end
+    r.applied, r.reserved = r.applied ~= 0, r.reserved ~= 0
     return r
 end
 

@@ -11,7 +11,9 @@ DESCRIPTION
     Serves tokengate.v1.GlobalLimits (proto/tokengate/v1/limits.proto): Reserve
     charges a request and its tokens against its API key's 60 s sliding window in
     Redis, atomically for all edges; Settle corrects the reservation with the real
-    usage. The algorithm and key layout are in tokengate.limits.window. Also
+    usage. The algorithm and key layout are in tokengate.limits.window.
+    ReserveBudget and SettleBudget do the same for a key's budgets (spend and
+    tokens per UTC day or month; tokengate.limits.budget). Also
     serves grpc.health.v1.Health: "tokengate.v1.GlobalLimits" is NOT_SERVING while
     Redis is failing.
 
@@ -51,6 +53,7 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate import grpc_server, metrics, redis_client
+from tokengate.limits.budget import BudgetCounter, GlobalBudgets
 from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
@@ -60,15 +63,18 @@ SERVICE = limits_pb2.DESCRIPTOR.services_by_name["GlobalLimits"].full_name
 BACKOFF_S = 0.5
 _LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUESTS,
                "tokens": limits_pb2.LIMIT_TOKENS}
+_BUDGET_ENUM = {None: limits_pb2.BUDGET_NONE, "spend": limits_pb2.BUDGET_SPEND,
+                "tokens": limits_pb2.BUDGET_TOKENS}
 _U32 = 2**32 - 1
 T = TypeVar("T")
 
 # Metrics (tokengate.metrics serves them, summed over the worker processes).
 CALLS = Counter("tokengate_limits_calls_total",
-                "Reserve and Settle calls, by method and gRPC status code (OK, "
-                "INVALID_ARGUMENT, UNAVAILABLE).", ["method", "code"])
+                "GlobalLimits calls, by method (Reserve, Settle, ReserveBudget, "
+                "SettleBudget) and gRPC status code (OK, INVALID_ARGUMENT, UNAVAILABLE).",
+                ["method", "code"])
 CALL_SECONDS = Histogram("tokengate_limits_call_duration_seconds",
-                         "Time to answer Reserve / Settle inside the sidecar (Redis "
+                         "Time to answer a GlobalLimits call inside the sidecar (Redis "
                          "included), by method.", ["method"],
                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                   0.5, 1.0))
@@ -80,11 +86,13 @@ FALLBACKS = Counter("tokengate_limits_fallbacks_total",
 
 
 class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
-    """Reserve / Settle over a ``GlobalLimiter``, with a fail-fast breaker."""
+    """Reserve / Settle over a ``GlobalLimiter``, ReserveBudget / SettleBudget over
+    ``GlobalBudgets``, with one fail-fast breaker."""
 
-    def __init__(self, limiter: GlobalLimiter, timeout_s: float,
+    def __init__(self, limiter: GlobalLimiter, budgets: GlobalBudgets, timeout_s: float,
                  on_health: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.limiter = limiter
+        self.budgets = budgets
         self.timeout_s = timeout_s
         self.down_until = 0.0       # monotonic time until which calls fail fast; 0: up
         self.on_health = on_health
@@ -160,6 +168,49 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
         return limits_pb2.SettleReply(found=s.found, delta=s.delta,
                                       window_tokens=max(0, s.window_tokens))
 
+    async def ReserveBudget(self, request: limits_pb2.BudgetReserveRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> limits_pb2.BudgetReserveReply:
+        """See proto/tokengate/v1/limits.proto."""
+        return await _measured("ReserveBudget", self._reserve_budget(request, context),
+                               context)
+
+    async def _reserve_budget(self, request: limits_pb2.BudgetReserveRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> limits_pb2.BudgetReserveReply:
+        counters = await self._counters(request, context)
+        r = await self._call("ReserveBudget", lambda: self.budgets.reserve(
+            request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
+            context)
+        return limits_pb2.BudgetReserveReply(
+            admitted=r.admitted, refused=r.refused, limited_by=_BUDGET_ENUM[r.limited_by],
+            usage=[limits_pb2.BudgetUsage(spent_nano=max(0, s), tokens=max(0, t))
+                   for s, t in r.usage])
+
+    async def SettleBudget(self, request: limits_pb2.BudgetSettleRequest,
+                           context: grpc.aio.ServicerContext) -> limits_pb2.BudgetSettleReply:
+        """See proto/tokengate/v1/limits.proto."""
+        return await _measured("SettleBudget", self._settle_budget(request, context), context)
+
+    async def _settle_budget(self, request: limits_pb2.BudgetSettleRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> limits_pb2.BudgetSettleReply:
+        counters = await self._counters(request, context)
+        applied, reserved = await self._call("SettleBudget", lambda: self.budgets.settle(
+            request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
+            context)
+        return limits_pb2.BudgetSettleReply(applied=applied, reserved=reserved)
+
+    async def _counters(self, request: limits_pb2.BudgetReserveRequest
+                        | limits_pb2.BudgetSettleRequest,
+                        context: grpc.aio.ServicerContext) -> list[BudgetCounter]:
+        await self._validate(request.key_id, request.request_id, False, "", context)
+        await self._check(context, len(request.counters) > 0, "counters: required")
+        await self._check(context, all(c.name and c.ttl_s >= 1 for c in request.counters),
+                          "counters: name and ttl_s (>= 1) required")
+        return [BudgetCounter(c.name, c.spend_limit_nano, c.token_limit, c.ttl_s)
+                for c in request.counters]
+
     async def _validate(self, key_id: str, request_id: str, per_model: bool, model: str,
                         context: grpc.aio.ServicerContext) -> None:
         await self._check(context, bool(key_id), "key_id: required")
@@ -202,7 +253,8 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
             await health_servicer.set(SERVICE, grpc_server.SERVING if up
                                       else grpc_server.NOT_SERVING)
 
-        service = GlobalLimitsService(GlobalLimiter(client), timeout_s * 2, on_health)
+        service = GlobalLimitsService(GlobalLimiter(client), GlobalBudgets(client),
+                                      timeout_s * 2, on_health)
         limits_pb2_grpc.add_GlobalLimitsServicer_to_server(service, server)
 
         def ready(addresses: list[str]) -> None:
