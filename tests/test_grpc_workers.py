@@ -1,6 +1,6 @@
 """Worker processes of a gRPC sidecar (tokengate.grpc_server, here the counter's): they die
-with their parent, and one that exits removes its unix socket only while it is still the
-one it created.
+with their parent, one that exits removes its unix socket only while it is still the
+one it created, and SIGHUP reloads the configuration without failing a call.
 
 Real ``tokengate-counter`` processes with two workers each, sockets in the test folder;
 about 10 s per test (the workers load the model).
@@ -8,18 +8,22 @@ about 10 s per test (the workers load the model).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate.process import Service, free_port, group_members
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
 
-from tests.conftest import PORT_OFFSET, TEST_DIR
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_ledger import wait_until
 
 SERVICE = "tokengate.v1.TokenCounter"
@@ -106,4 +110,58 @@ def test_workers_exit_when_their_parent_is_killed(config_path: Path, sock_dir: P
                    what="the workers to exit")
         assert sorted(p.name for p in sock_dir.iterdir()) == []
     finally:
+        svc.stop()
+
+
+def test_sighup_reloads_the_models_without_failing_a_call(config_path: Path,
+                                                          sock_dir: Path) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    before = raw["models"][MODEL]["max_model_len"]
+    after = before - 2048  # still above the model's max_tokens_cap
+    path = sock_dir / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    sock = sock_dir / "counter.sock"
+    svc = counter(path, sock, "reload").start()
+    paths = [Path(f"{sock}.{i}") for i in range(2)]
+    channels = [grpc.insecure_channel(f"unix:{p}") for p in paths]
+    try:
+        assert svc.proc is not None
+        wait_until(lambda: all(p.is_socket() for p in paths), 20, what="both workers")
+        stubs = [counter_pb2_grpc.TokenCounterStub(c) for c in channels]
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        request = counter_pb2.CountRequest(model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT,
+                                           body=body.encode())
+        stop = threading.Event()
+        seen: list[list[int]] = [[] for _ in range(4)]
+        failed: list[grpc.RpcError] = []
+
+        def calls(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    seen[i].append(stubs[i % 2].CountTokens(request, timeout=10).max_model_len)
+                except grpc.RpcError as e:
+                    failed.append(e)
+
+        threads = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(seen), 20, what="calls on both workers")
+        raw["models"][MODEL]["max_model_len"] = after
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(svc.proc.pid, signal.SIGHUP)
+        try:
+            wait_until(lambda: all(s and s[-1] == after for s in seen), 30, step_s=0.1,
+                       what="the new max_model_len from both workers")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(15)
+        assert failed == []
+        for s in seen:
+            # the old value until the swap, the new one after it, nothing in between
+            assert set(s) == {before, after}
+            assert s == sorted(s, reverse=True)
+    finally:
+        for c in channels:
+            c.close()
         svc.stop()

@@ -297,7 +297,7 @@ def test_the_units_settings_fit_together(installed: Installed) -> None:
                        "ProtectHome": "yes", "PrivateTmp": "yes",
                        "RuntimeDirectory": "tokengate", "RuntimeDirectoryMode": "0750",
                        "RuntimeDirectoryPreserve": "yes"}, name
-        assert not u.values("Service", "ExecReload"), "no sidecar reloads on a signal yet"
+        assert u.values("Service", "ExecReload") == ["/bin/kill -HUP $MAINPID"], name
     # --workers N of a socket sidecar = the N servers of its upstream in the drop-in
     for name, sock in (("tokengate-counter.service", "counter.sock"),
                        ("tokengate-limits.service", "limits.sock")):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
 from tokengate import config as tg_config
 from tokengate import redis_client
 from tokengate.ledger import store
@@ -515,3 +516,34 @@ def test_the_lag_is_unknown_until_the_checkpoint_was_read(cfg, usage_writer):
     worker.join(10)
     assert (led.redis_up, led.lag_bytes, led.lag_s) == (False, None, None)
     led.close()
+
+
+def test_sighup_bills_later_events_with_the_reloaded_prices(ledger_config_path, redis_url,
+                                                            ledger_redis, usage_writer,
+                                                            tmp_path):
+    raw = yaml.safe_load(ledger_config_path.read_text())
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    name = svc_name("test-ledger-reload")
+    svc = devstack.ledger_service(path, usage_writer.path, redis_url, ledger_id=name, name=name)
+    svc.log_path.unlink(missing_ok=True)  # its lines from an earlier run
+    svc.start()
+    try:
+        usage_writer.write(make_event(key_id="before", prompt_tokens=1000,
+                                      completion_tokens=100))
+        wait_until(lambda: applied(ledger_redis, name) == 1, 20, what="the first event")
+        raw["models"]["tiny-qwen3"]["cost"] = {"input": 2.0, "output": 3.0, "cached": 0.5}
+        path.write_text(yaml.safe_dump(raw))
+        assert svc.proc is not None
+        os.kill(svc.proc.pid, signal.SIGHUP)
+        wait_until(lambda: "configuration reloaded" in svc.log_path.read_text(), 10,
+                   what="the reload")
+        usage_writer.write(make_event(key_id="after", prompt_tokens=1000,
+                                      completion_tokens=100))
+        wait_until(lambda: applied(ledger_redis, name) == 2, 20, what="the second event")
+        assert svc.proc.poll() is None
+    finally:
+        svc.stop()
+    cost = {r.key_id: r.cost for r in query(ledger_redis)}
+    # (1000 x 1.0 + 100 x 1.35) / 1e6, then (1000 x 2.0 + 100 x 3.0) / 1e6
+    assert cost == pytest.approx({"before": 0.001135, "after": 0.0023})

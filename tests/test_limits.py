@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import redis_client
 from tokengate.config import RedisConfig
@@ -425,3 +427,65 @@ def test_several_workers_serve_tcp_and_one_unix_socket_each(config_path, redis_u
                 assert r.admitted and r.remaining_requests == 4 - i
     finally:
         svc.stop()
+
+
+def test_sighup_moves_to_a_changed_redis_without_failing_a_call(config_path, redis_url,
+                                                                ledger_redis, private_redis,
+                                                                tmp_path):
+    raw = yaml.safe_load(config_path.read_text())
+    raw["redis"]["url"] = redis_url
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    port = free_port(LIMITS_PORTS)
+    # no --redis-url: the file's redis.url decides
+    svc = devstack.limits_service(path, port, None, workers=2,
+                                  name=svc_name("test-limits-reload")).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GlobalLimitsStub(channel)
+    stop = threading.Event()
+    failed: list[grpc.RpcError] = []
+    calls = [0]
+
+    def hammer() -> None:
+        while not stop.is_set():
+            calls[0] += 1
+            try:
+                reserve(stub, calls[0], 1, rpm=1_000_000, tpm=1_000_000_000, key="moving")
+            except grpc.RpcError as e:
+                failed.append(e)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: ledger_redis.exists(window_keys("moving")[0]), 10,
+                   what="reservations in the first Redis")
+        moved = private_redis()
+        raw["redis"]["url"] = moved.url
+        path.write_text(yaml.safe_dump(raw))
+        assert svc.proc is not None
+        os.kill(svc.proc.pid, signal.SIGHUP)
+        client = moved.client()
+        # both workers (the kernel spreads the connections: ask on fresh channels too)
+        wait_until(lambda: client.zcard(window_keys("moving")[0]) >= 50, 20,
+                   what="reservations in the new Redis")
+        wait_until(lambda: all(
+            _reserved_in(port, client, i) for i in range(6)), 20, what="every worker moved")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        channel.close()
+        svc.stop()
+    assert failed == []
+
+
+def _reserved_in(port: int, client: Any, i: int) -> bool:
+    """A reservation over a new connection (any worker) lands in ``client``'s Redis."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}",
+                               options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        request_id = f"probe{i}{time.monotonic_ns()}"
+        pb_grpc.GlobalLimitsStub(ch).Reserve(pb.ReserveRequest(
+            key_id="probe", model="tiny-qwen3", rpm_limit=1000, tpm_limit=1000, tokens=1,
+            request_id=request_id), timeout=2)
+    return client.zscore(window_keys("probe")[0], request_id) is not None

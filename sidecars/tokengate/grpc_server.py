@@ -22,12 +22,19 @@ Each worker serves, next to its own services, the standard health service
 while it shuts down) and server reflection (``grpcurl`` works without the .proto files).
 ``serve`` is the blocking flavour (a thread-pool ``grpc.server``), ``serve_async`` the
 asyncio one (``grpc.aio.server``); both return after SIGTERM/SIGINT and a graceful stop.
+
+SIGHUP reloads the configuration without dropping a call: the parent passes it on to
+every worker, and each worker's ``on_reload`` (given to ``serve``/``serve_async``)
+builds its new state from the file and swaps it in; calls in flight finish with the
+state they started with, later ones get the new one. A reload that fails (a broken
+file) is logged and the worker keeps serving the old configuration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
@@ -44,11 +51,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+log = logging.getLogger("tokengate.grpc_server")
+
 # Every worker binds the same TCP port: without SO_REUSEPORT the second one fails.
 OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 1)]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+RELOAD_POLL_S = 0.1  # how soon serve()'s main thread acts on a SIGHUP, s
 
 
 @dataclass(frozen=True)
@@ -135,16 +145,31 @@ def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
     return [*listen.tcp, f"unix:{sock.path}"], sock
 
 
+def _reload(on_reload: Callable[[], None] | None) -> None:
+    """Run a SIGHUP's ``on_reload``; a failure is logged, the old state keeps serving."""
+    if on_reload is None:
+        log.info("SIGHUP: nothing to reload")
+        return
+    try:
+        on_reload()
+    except Exception:  # a broken file must not stop a serving worker
+        log.exception("reload failed, serving the previous configuration")
+
+
 def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: int,
-          grace_s: float, on_ready: Callable[[list[str]], None] | None = None) -> None:
+          grace_s: float, on_ready: Callable[[list[str]], None] | None = None,
+          on_reload: Callable[[], None] | None = None) -> None:
     """Serve ``server`` (its servicers already added) as worker ``index`` until
     SIGTERM/SIGINT, then stop, letting calls in flight finish for ``grace_s`` seconds.
-    ``services``: full names reported SERVING; ``on_ready(addresses)`` once listening."""
+    ``services``: full names reported SERVING; ``on_ready(addresses)`` once listening;
+    ``on_reload()`` on SIGHUP, in the main thread while the server's threads serve."""
     servicer = health.HealthServicer()
     addresses, sock = _bind(server, listen, index, services, servicer)
     stop = threading.Event()
+    hup = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
     identity = None
     try:
         server.start()
@@ -153,7 +178,10 @@ def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: i
             servicer.set(name, SERVING)
         if on_ready is not None:
             on_ready(addresses)
-        stop.wait()
+        while not stop.wait(RELOAD_POLL_S):
+            if hup.is_set():
+                hup.clear()
+                _reload(on_reload)
         servicer.enter_graceful_shutdown()
     finally:
         # first: new connections go to the other workers while calls in flight finish
@@ -165,16 +193,18 @@ def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: i
 async def serve_async(server: grpc.aio.Server, services: Sequence[str], listen: Listen,
                       index: int, grace_s: float,
                       on_ready: Callable[[list[str]], None] | None = None,
-                      servicer: health.aio.HealthServicer | None = None) -> None:
+                      servicer: health.aio.HealthServicer | None = None,
+                      on_reload: Callable[[], None] | None = None) -> None:
     """``serve`` for an asyncio server. ``servicer``: the health servicer, when the
     caller reports more than SERVING at start (a service that turns NOT_SERVING while
-    its backend is down); a new one otherwise."""
+    its backend is down); a new one otherwise. ``on_reload()`` runs in the event loop."""
     servicer = servicer or health.aio.HealthServicer()
     addresses, sock = _bind(server, listen, index, services, servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, on_reload)
     identity = None
     try:
         await server.start()
@@ -209,6 +239,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker(parent_pid: int, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    # a SIGHUP before serve() installs its handler would end the process (the default
+    # action): this worker is reading the file then anyway
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     target(*args)
 
@@ -217,9 +250,10 @@ def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
                 workers: int) -> None:
     """Run ``target(*args, index)`` for index 0..workers-1, each in its own (spawned)
     process, until SIGTERM/SIGINT; a worker that dies is started again, a worker whose
-    parent dies gets SIGTERM. With one worker it runs in this process. Returns once
-    every worker stopped (SIGKILL after 5 s)."""
+    parent dies gets SIGTERM; SIGHUP is passed on to every worker. With one worker it
+    runs in this process. Returns once every worker stopped (SIGKILL after 5 s)."""
     if workers <= 1:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it
         target(*args, 0)
         return
     ctx = multiprocessing.get_context("spawn")
@@ -237,8 +271,14 @@ def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
         nonlocal stopping
         stopping = True
 
+    def on_hup(signum: int, frame: object) -> None:
+        for p in list(procs.values()):
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hup)
     for i in range(workers):
         start(i)
     while not stopping:

@@ -27,6 +27,12 @@ DESCRIPTION
     model and gRPC code, their latency, prompt tokens counted and segment cache
     lookups by result, summed over the workers.
 
+    SIGHUP (systemctl reload) reloads the configuration: each worker loads the models
+    anew and swaps them in once loaded (max_model_len, max_tokens_cap, output
+    reserve, a new tokenizer directory, models added or removed); calls in flight
+    finish with the models they started with, none is dropped. A file that does not
+    load is logged and the worker keeps the previous models.
+
     --check-upstreams runs `tokengate doctor`'s checks on every upstream before serving
     (its lines on stdout) and exits with status 1, serving nothing, when one fails: a
     vLLM the counter does not mirror, or one started without the flags billing reads.
@@ -57,14 +63,26 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s counter worker {index} %(levelname)s %(message)s")
-    cfg = tg_config.load(config_path)
-    allowed = cfg.edge.chat_template_kwargs_allowed
-    counters = {name: ModelCounter.load(m, allowed) for name, m in cfg.models.items()}
+
+    def load() -> dict[str, ModelCounter]:
+        cfg = tg_config.load(config_path)
+        allowed = cfg.edge.chat_template_kwargs_allowed
+        return {name: ModelCounter.load(m, allowed) for name, m in cfg.models.items()}
+
+    counters = load()
+    service = TokenCounterService(counters)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
                          options=[*grpc_server.OPTIONS,
                                   ("grpc.max_receive_message_length", 64 << 20)])
-    counter_pb2_grpc.add_TokenCounterServicer_to_server(TokenCounterService(counters), server)
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(service, server)
     service_name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
+
+    def reload() -> None:
+        # one assignment: a call reads service.counters once, so it sees the old models
+        # or the new ones, never a mix
+        service.counters = load()
+        print(f"counter worker {index}: configuration reloaded: models "
+              f"{', '.join(service.counters)}", flush=True)
 
     def ready(addresses: list[str]) -> None:
         for name, c in counters.items():
@@ -73,7 +91,8 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
                   f"fingerprint {c.fingerprint}", flush=True)
         print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
 
-    grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready)
+    grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready,
+                      on_reload=reload)
 
 
 def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:

@@ -77,6 +77,7 @@ from redis.exceptions import RedisError
 
 from tokengate.config import Config
 from tokengate.ledger import store
+from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import parse_record
 from tokengate.ledger.event import EventError, parse_event, parse_ts
 from tokengate.ledger.join import Item, Join, Keys
@@ -361,6 +362,13 @@ class Ledger:
         self.waiting: int | None = None
         self.position: str | None = None
         self._positioned = False
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Bill the events applied from now on with ``cfg`` (models' weights, billing,
+        ledger.dedupe_days and audit_maxlen); callable from another thread (each is one
+        reference swap). Files and Redis stay as they were opened."""
+        self.join.calc = Calculator(cfg)
+        self.cfg = cfg
 
     # -- positioning ---------------------------------------------------------------
 

@@ -76,6 +76,12 @@ METRICS
   duplicates, bad lines, Redis errors, lag in bytes and seconds, Redis up, and with
   engine files the engine's reconciliation counts: the numbers of the status file.
 
+RELOAD
+  SIGHUP (systemctl reload) reads the configuration again: events applied from then
+  on are billed with its models' weights and billing options (and its
+  ledger.dedupe_days, ledger.audit_maxlen). The files and Redis it reads need a
+  restart. A file that does not load is logged and the old configuration kept.
+
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
   conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
@@ -217,12 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     stop = threading.Event()
+    hup = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
     log.info("ledger %s: %s -> %s", ledger.ledger_id,
              " + ".join(str(src.path) for src in ledger.sources), args.redis_url or cfg.redis.url)
 
@@ -247,6 +255,13 @@ def main(argv: list[str] | None = None) -> None:
             log.error("ledger %s: worker died; exiting (the checkpoint is safe)",
                       ledger.ledger_id)
             sys.exit(1)
+        if hup.is_set():
+            hup.clear()
+            try:
+                ledger.reconfigure(tg_config.load(args.config))
+                log.info("ledger %s: configuration reloaded", ledger.ledger_id)
+            except (tg_config.ConfigError, OSError) as e:
+                log.error("reload failed, billing with the previous configuration: %s", e)
         if args.status_file:
             _write_status(args.status_file, snapshot())
         t = ledger.totals

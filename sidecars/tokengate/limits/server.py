@@ -22,6 +22,11 @@ DESCRIPTION
     without touching Redis; then one call probes again. The edge falls back to its
     local limits on UNAVAILABLE (or its own deadline).
 
+    SIGHUP (systemctl reload) reloads the configuration: a changed redis section
+    (url, timeout_ms, ...) gets a new Redis client, swapped in at once; calls in
+    flight finish on the old one, closed 5 s later. The limits themselves come with
+    each call from the edge, so a key's change needs no reload here.
+
     --workers N runs N processes (the GIL: one Python process serves a few thousand
     calls per second): all listen on the TCP addresses (SO_REUSEPORT) and, with
     --unix-socket PATH, worker i on PATH.<i> (mode 0660: the owner and the process's
@@ -236,6 +241,13 @@ async def _measured(method: str, call: Awaitable[T], context: grpc.aio.ServicerC
     return answer
 
 
+async def _close_later(client: redis_client.AsyncRedis, after_s: float = 5.0) -> None:
+    """Close a Redis client replaced by a reload once its calls in flight are over
+    (each is bounded by the service's timeout)."""
+    await asyncio.sleep(after_s)
+    await client.aclose()
+
+
 def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
                   redis_url: str | None, index: int) -> None:
     """One worker process: serve until SIGTERM."""
@@ -246,6 +258,7 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
 
     async def main() -> None:
         client = redis_client.connect_async(cfg.redis, timeout_s, url=redis_url)
+        closing: set[asyncio.Task[None]] = set()  # reloads' old clients, until closed
         server = grpc.aio.server(options=grpc_server.OPTIONS)
         health_servicer = health.aio.HealthServicer()
 
@@ -256,14 +269,32 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
         service = GlobalLimitsService(GlobalLimiter(client), GlobalBudgets(client),
                                       timeout_s * 2, on_health)
         limits_pb2_grpc.add_GlobalLimitsServicer_to_server(service, server)
+        current = cfg.redis
+
+        def reload() -> None:
+            nonlocal current
+            new = tg_config.load(config_path).redis
+            if new == current:
+                log.info("configuration reloaded: the redis section is unchanged")
+                return
+            t = new.timeout_ms / 1000.0
+            fresh = redis_client.connect_async(new, t, url=redis_url)
+            old = service.limiter.client
+            service.limiter, service.budgets = GlobalLimiter(fresh), GlobalBudgets(fresh)
+            service.timeout_s, current = t * 2, new
+            task = asyncio.get_running_loop().create_task(_close_later(old))
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+            log.info("configuration reloaded: Redis %s", redis_url or new.url)
 
         def ready(addresses: list[str]) -> None:
             log.info("serving GlobalLimits on %s (Redis %s)", ", ".join(addresses),
                      redis_url or cfg.redis.url)
 
         await grpc_server.serve_async(server, [SERVICE], listen, index, grace_s=1.0,
-                                      on_ready=ready, servicer=health_servicer)
-        await client.aclose()
+                                      on_ready=ready, servicer=health_servicer,
+                                      on_reload=reload)
+        await service.limiter.client.aclose()
 
     asyncio.run(main())
 
