@@ -448,8 +448,8 @@ class GlobalLimitsConfig(_Schema):
 
     enabled: bool = Field(
         default=False,
-        description="The edge also reserves in Redis: one RPM/TPM window per key shared by "
-                    "every edge.")
+        description="The edge also reserves in Redis: one RPM/TPM window per key and the "
+                    "keys' budgets, shared by every edge.")
     listen: HostPort = Field(
         default="127.0.0.1:50061",
         description="host:port of tokengate-limits (gRPC).")
