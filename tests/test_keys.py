@@ -182,3 +182,17 @@ def test_a_reload_under_streaming_load_drops_nothing(
                and ev["completion_tokens"] == 1500
                for ev in edge.events() if ev["key_id"] == "edge-main")
     assert len([ev for ev in edge.events() if ev["key_id"] == "edge-main"]) == 32
+
+
+def test_a_budget_below_a_ten_thousandth_is_written_as_typed(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    """A float written by repr (5e-05) is a string to the configuration's YAML reader:
+    the key was refused with "spend: input should be a valid number"."""
+    _, path, _ = keys_edge
+    made = tokengate("keys", "create", "tiny-budget", "--rpm", "5", "--tpm", "500",
+                     "--budget", "day=0.00005", "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    assert "spend: 0.00005\n" in path.read_text()
+    listed = tokengate("keys", "list", "--json", "--config", path)
+    entry = next(k for k in json.loads(listed.stdout)["keys"] if k["name"] == "tiny-budget")
+    assert [b["spend"] for b in entry["budgets"]] == [0.00005]

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from redis.exceptions import RedisError
 from ruamel.yaml import YAML
@@ -112,8 +112,21 @@ def parse_budget(spec: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(f"a token quota is a whole number: {spec!r}")
         out["tokens"] = int(m["amount"])
     else:
-        out["spend"] = float(m["amount"])
+        out["spend"] = _Amount(m["amount"])
     return out
+
+
+class _Amount(float):
+    """A currency amount that the YAML file gets as it was typed (``0.00005``): ruamel
+    writes floats by ``repr`` (``5e-05``), which YAML 1.1 readers (the configuration's
+    loader) take for a string."""
+
+    text: str
+
+    def __new__(cls, text: str) -> Self:
+        obj = super().__new__(cls, text)
+        obj.text = text
+        return obj
 
 
 def _yaml() -> YAML:
@@ -121,6 +134,8 @@ def _yaml() -> YAML:
     y.preserve_quotes = True
     y.width = 4096
     y.indent(mapping=2, sequence=4, offset=2)  # the layout of the shipped tokengate.yaml
+    y.representer.add_representer(
+        _Amount, lambda r, a: r.represent_scalar("tag:yaml.org,2002:float", a.text))
     return y
 
 
@@ -422,7 +437,7 @@ def list_(args: argparse.Namespace) -> int:
             used = "?" if b["tokens_used"] is None else str(b["tokens_used"])
             parts = []
             if b["spend"] is not None:
-                parts.append(f"spend {spent} of {b['spend']:.2f} {cfg.currency}")
+                parts.append(f"spend {spent} of {b['spend']:.6f} {cfg.currency}")
             if b["tokens"] is not None:
                 parts.append(f"tokens {used} of {b['tokens']}")
             print(f"  budget per {b['period']} ({scope}, since {b['since']}): "
