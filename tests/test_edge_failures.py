@@ -67,6 +67,21 @@ def test_counter_down_fails_open_with_an_estimate(edge_variant: Callable[..., Ed
     assert ev["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
 
 
+def test_an_estimate_over_a_keys_tpm_is_a_retryable_503_not_too_large(
+        edge_variant: Callable[..., Edge]) -> None:
+    """An estimate is an upper bound: "too large for the key, retrying cannot help" was
+    said of prompts that fit once the counter answered again."""
+    e = edge_variant("counter-down", counter_socket=no_counter("open"))
+    r = post(e, chat("word " * 120), key="tg-test-edge-tpm")  # 120 TPM; ~210 estimated
+    assert r.status_code == 503, r.text
+    assert r.headers["x-token-count-source"] == "estimate"
+    assert r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("server_error", "count_unavailable")
+    assert err["message"].startswith("The prompt could not be counted in time (the estimate, "
+                                     f"{r.headers['x-token-count']} tokens")
+
+
 def test_counter_down_fails_closed_when_configured(edge_variant: Callable[..., Edge],
                                                    vllm_requests: Callable[[], int]) -> None:
     def closed(raw: dict[str, Any]) -> None:

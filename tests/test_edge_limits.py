@@ -114,6 +114,7 @@ def test_request_larger_than_tpm_is_told_retrying_cannot_help(edge: Edge) -> Non
     prompt = int(r.headers["x-token-count"])
     assert f"it needs {prompt + 200} tokens ({prompt} prompt + 200 reserved" in err["message"]
     assert r.headers["retry-after"] == "60"
+    assert r.headers["x-should-retry"] == "false"  # the openai clients then do not retry
 
 
 def test_concurrent_burst_never_admits_more_than_tpm(edge: Edge) -> None:

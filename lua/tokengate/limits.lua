@@ -87,7 +87,8 @@ end
 
 -- rejection(req, st) -> the 429 (errors.new shape) of a refused state: which limit,
 -- Retry-After in whole seconds, and a request that alone exceeds the TPM limit is told
--- that retrying cannot help.
+-- that retrying cannot help (x-should-retry: false) unless its prompt count is only the
+-- estimate (req.estimated): then 503 count_unavailable, Retry-After 1.
 local function rejection(req, st)
     local retry = st.retry_after
     local msg
@@ -95,11 +96,22 @@ local function rejection(req, st)
         msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
             .. "remaining %d. Please try again in %ds.", req.key_id, st.rpm,
             st.remaining_requests, retry)
+    elseif st.alone and req.estimated then
+        -- The prompt's size is an over-count (the counter did not answer): the request
+        -- may well fit, so this is not the final "too large" verdict.
+        return errors.new(503, format("The prompt could not be counted in time (the "
+            .. "estimate, %d tokens, is an upper bound and exceeds key %s's limit of %d "
+            .. "tokens per minute). Please try again.", req.prompt, req.key_id, st.tpm),
+            nil, "count_unavailable", nil, { ["Retry-After"] = "1" })
     elseif st.alone then
         msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d "
             .. "reserved for the completion) but the limit is %d tokens per minute, so "
             .. "retrying cannot help. Reduce the prompt or max_tokens.", req.key_id,
             req.tokens, req.prompt, req.out_reserve, st.tpm)
+        -- Retry-After stays (every 429 has one); x-should-retry: false keeps the
+        -- official openai clients from retrying what can never fit.
+        return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
+            { ["Retry-After"] = tostring(retry), ["x-should-retry"] = "false" })
     else
         msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
             .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "

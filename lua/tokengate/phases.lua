@@ -211,6 +211,7 @@ local function how_much(ctx, doc)
     local n = json_integer(body.n) or 1
     limits.reservation(ctx.limit_req, counted.prompt, counted.prompts, out, n,
         model.output_reserve)
+    ctx.limit_req.estimated = counted.source == "estimate"
     ctx.limit_req.budget = budget.request(ctx.key, model, doc, counted.prompt,
         out * n * counted.prompts, ngx_now())
     ctx.text = text
