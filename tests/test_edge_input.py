@@ -6,6 +6,7 @@ clean text is sent to it directly.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 from collections.abc import Callable
@@ -66,6 +67,12 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
     ("latin-1 charset", lambda: (json.dumps(chat("hi")).encode(),
                                  {"Content-Type": "application/json; charset=latin-1"}),
      415, "unsupported_media_type", None, "UTF-8"),
+    ("gzip body", lambda: (gzip.compress(json.dumps(chat("hi")).encode()),
+                           {"Content-Encoding": "gzip"}),
+     415, "unsupported_media_type", None, "Content-Encoding \"gzip\""),
+    ("plain body said to be br", lambda: (json.dumps(chat("hi")).encode(),
+                                          {"Content-Encoding": "br"}),
+     415, "unsupported_media_type", None, "uncompressed"),
     ("invalid JSON", lambda: (b'{"model": "tiny-qwen3", "messages": [}', {}), 400,
      "invalid_json", "messages[0]", "not valid JSON"),
     ("trailing data", lambda: (json.dumps(chat("hi")).encode() + b" {}", {}), 400,

@@ -37,7 +37,8 @@ local _M = {}
 
 -- check_headers(headers, max_bytes) -> true | nil, err (415 or 413).
 -- headers: ngx.req.get_headers() result. Only application/json is accepted; a charset
--- parameter, when present, must be utf-8 (JSON is UTF-8, RFC 8259 §8.1).
+-- parameter, when present, must be utf-8 (JSON is UTF-8, RFC 8259 §8.1); a
+-- Content-Encoding other than identity is refused (415).
 function _M.check_headers(headers, max_bytes)
     local ct = headers["content-type"]
     if type(ct) == "table" then
@@ -52,6 +53,16 @@ function _M.check_headers(headers, max_bytes)
     if charset and charset ~= "utf-8" and charset ~= "utf8" then
         return fail(415, format("Unsupported charset %q: JSON request bodies must be UTF-8",
             clip(charset)), nil, "unsupported_media_type")
+    end
+    -- A compressed body would be read as bytes that are not JSON (or, with a plain body
+    -- under the header, forwarded with a header vLLM may act on): neither is accepted.
+    local ce = headers["content-encoding"]
+    if type(ce) == "table" then
+        ce = concat(ce, ",")
+    end
+    if ce and not find(lower(ce), "^[%s,]*identity[%s,]*$") and not find(ce, "^%s*$") then
+        return fail(415, format("Unsupported Content-Encoding %q: send the request body "
+            .. "uncompressed", clip(ce)), nil, "unsupported_media_type")
     end
     local len = tonumber(headers["content-length"])
     if len and len > max_bytes then
