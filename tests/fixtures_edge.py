@@ -42,10 +42,24 @@ from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
 # TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
 EDGE_PORT = 18080 + PORT_OFFSET
-# 50 extra edges a session (their status servers at + STATUS_PORT_DELTA); below the next
-# offset's ranges, off the main edge's status port (19080 + offset)
-VARIANT_PORTS = iter(range(19100 + PORT_OFFSET, 19150 + PORT_OFFSET))
 STATUS_PORT_DELTA = 1000  # each edge's status server: its API port + this
+
+
+def _variant_ports() -> Iterator[int]:
+    """Ports of the extra edges of a session (their status servers at +
+    STATUS_PORT_DELTA): up to 100, below the next offset's range, off the main edge's
+    status port (19080 + offset); a port something else holds is skipped."""
+    for port in range(19100 + PORT_OFFSET, 19200 + PORT_OFFSET):
+        try:
+            for p in (port, port + STATUS_PORT_DELTA):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        yield port
+
+
+VARIANT_PORTS = _variant_ports()
 EDGE_DIR = TEST_DIR / "edge"
 
 # API keys of the edge tests: id -> (key, rpm, tpm). Each limit test owns its key, so the
