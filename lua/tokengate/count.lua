@@ -121,11 +121,16 @@ local PING = '{"prompt":"ok"}'
 
 -- ping(model) -> true | nil, reason: the counter counted a one-token completions prompt
 -- of model (a real call: the per-worker cache is not asked). reason: tokengate.sidecar's
--- failure reason ("backoff", "down", "timeout", "unavailable", "status", "error").
+-- failure reason ("backoff", "down", "timeout", "unavailable", "status", "error"), with
+-- the sidecar's message in parentheses when it gave one (e.g. the counter's gRPC message
+-- for a model it does not serve).
 function _M.ping(model)
     local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT.completions,
         PING))
     if not msg then
+        if failure.message and failure.message ~= "" then
+            return nil, failure.reason .. " (" .. failure.message .. ")"
+        end
         return nil, failure.reason
     end
     return true

@@ -571,7 +571,15 @@ function _M.readyz()
         names[#names + 1] = name
     end
     sort(names)
-    local ok, why = count.ping(names[1])
+    -- every model: a model the counter does not know (a configuration it has not
+    -- reloaded) is as unready as a counter that does not answer
+    local ok, why = true, nil
+    for i = 1, #names do
+        local m_ok, m_why = count.ping(names[i])
+        if not m_ok then
+            ok, why = false, (why and why .. "; " or "") .. "model " .. names[i] .. ": " .. m_why
+        end
+    end
     if not ok then
         problems[#problems + 1] = "counter: " .. why
     end
