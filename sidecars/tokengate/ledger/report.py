@@ -229,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokengate usage: --by takes key, model and/or day, got {args.by!r}",
               file=sys.stderr)
         return 2
+    if args.since and args.until and args.since > args.until:
+        print(f"tokengate usage: --since {args.since} is after --until {args.until}",
+              file=sys.stderr)
+        return 2
     try:
         cfg = tg_config.load(args.config)
     except (tg_config.ConfigError, OSError) as e:
