@@ -226,6 +226,13 @@ def test_wrong_method_and_path(edge: Edge) -> None:
     assert_error(r, 405, "method_not_allowed", None, "use POST")
     r = httpx.post(edge.base_url + "/embeddings", headers={**AUTH, **JSON}, content=b"{}")
     assert_error(r, 404, "unknown_url", None, "/v1/embeddings")
+    r = httpx.delete(edge.base_url + "/models", headers=AUTH)
+    assert_error(r, 405, "method_not_allowed", None, "use GET")
+    assert r.headers["allow"] == "GET, HEAD"
+    # HEAD wherever GET: the list's headers, no body
+    r = httpx.head(edge.base_url + "/models", headers=AUTH)
+    assert (r.status_code, r.headers["content-type"], r.content) == \
+        (200, "application/json", b"")
 
 
 def test_invisible_characters_are_removed_before_counting(edge: Edge) -> None:

@@ -55,15 +55,21 @@ function _M.endpoint(route, uri)
 end
 
 -- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
+-- The model list and a model's entry take GET and HEAD (RFC 9110 §9.3.2: HEAD wherever
+-- GET; nginx sends a HEAD answer's headers only), completions POST.
 function _M.check_method(route, method, uri)
     if not route then
         return errors.new(404, format("Invalid URL (%s %s)", clip(method), clip(uri)), nil,
             "unknown_url")
     end
-    local want = (route == "models" or route == "model") and "GET" or "POST"
-    if method ~= want then
-        return errors.new(405, format("Method not allowed: use %s %s", want, uri), nil,
-            "method_not_allowed", nil, { Allow = want })
+    if route == "models" or route == "model" then
+        if method ~= "GET" and method ~= "HEAD" then
+            return errors.new(405, format("Method not allowed: use GET %s", uri), nil,
+                "method_not_allowed", nil, { Allow = "GET, HEAD" })
+        end
+    elseif method ~= "POST" then
+        return errors.new(405, format("Method not allowed: use POST %s", uri), nil,
+            "method_not_allowed", nil, { Allow = "POST" })
     end
     return nil
 end
