@@ -217,6 +217,7 @@ ERROR_CASES: dict[str, tuple[str, str, dict[str, Any] | None, bytes | None, dict
     "unknown model": ("POST", CHAT, {**chat(), "model": "nope"}, None, {}, True),
     "n 0": ("POST", COMPL, completion(n=0), None, {}, True),
     "n 2 with greedy sampling": ("POST", CHAT, chat(n=2), None, {}, True),
+    "temperature not a number": ("POST", CHAT, chat(temperature="hot"), None, {}, True),
     "max_tokens with a fraction": ("POST", COMPL, completion(2.5), None, {}, False),
     "stream_options without stream": ("POST", CHAT, chat(stream_options=BOTH), None, {},
                                       True),

@@ -7,6 +7,7 @@
 
 local ngx = ngx
 local json = require "tokengate.json"
+local cjson = require "cjson.safe"
 
 local ngx_print = ngx.print
 local pairs = pairs
@@ -18,6 +19,8 @@ local set = json.set
 local sub = string.sub
 local byte = string.byte
 local format = string.format
+local match = string.match
+local type = type
 
 local _M = {}
 
@@ -162,6 +165,40 @@ function _M.nginx(status, proxied)
     end
     return _M.new(status, format("The gateway answered HTTP %d.", status), nil,
         status >= 500 and "internal_error" or "invalid_request")
+end
+
+-- upstream_status(status) -> the status the client gets for a backend's 4xx error: the
+-- same, except 422 (vLLM's UnprocessableEntityError, FastAPI's validation status),
+-- which OpenAI answers as 400.
+function _M.upstream_status(status)
+    return status == 422 and 400 or status
+end
+
+-- upstream(status, text) -> err (new()'s shape) | nil: a backend's (vLLM's) 4xx JSON
+-- error body in OpenAI's shape. vLLM writes {"error": {"message", "type": "Bad Request"
+-- | "BadRequestError" | "NotFoundError" | ..., "param": "body.temperature" | ... | null,
+-- "code": 400}} (vllm/entrypoints/serve/engine/protocol.py ErrorInfo: code is the HTTP
+-- status). Kept: the message (cut to 1024 bytes by body()) and the param without
+-- FastAPI's "body." prefix ("body" itself, the whole body, is no param); type becomes
+-- invalid_request_error; code is kept only when it is a string. nil when text is not
+-- JSON or has no error object with a string message: such a body passes unchanged.
+function _M.upstream(status, text)
+    local doc = cjson.decode(text)
+    local e = type(doc) == "table" and doc.error
+    if type(e) ~= "table" or type(e.message) ~= "string" then
+        return nil
+    end
+    local param = e.param
+    if type(param) == "string" then
+        param = match(param, "^body%.(.+)") or param
+        if param == "body" then
+            param = nil
+        end
+    else
+        param = nil
+    end
+    local code = type(e.code) == "string" and _M.clip(e.code) or nil
+    return _M.new(_M.upstream_status(status), e.message, param, code)
 end
 
 return _M

@@ -8,7 +8,8 @@
 --                  unload) -> forward (the parsed body, its count, the normalized path)
 --   balancer:      the request's replica (tokengate.upstream), another one on a retry
 --   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
---                  errors that nginx itself or a non-JSON backend produced
+--                  errors that nginx itself or a non-JSON backend produced, and for
+--                  the backend's own 4xx JSON errors (vLLM's shape)
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
 --   log:           settle the reservation with the usage billed, note a count drift
 --                  (tokengate.drift), write the usage event and, when sampled, the
@@ -330,7 +331,8 @@ end
 
 -- header_filter(): headers every answer carries; an error page nginx made itself (a
 -- backend down or slow, a body that timed out) or a non-JSON error from the backend
--- becomes an OpenAI-shaped error (the body filter sends it).
+-- becomes an OpenAI-shaped error (the body filter sends it); so does the backend's 4xx
+-- JSON error, rewritten by the body filter (no Content-Length: its length changes).
 function _M.header_filter()
     local ctx = ngx.ctx
     local h = ngx.header
@@ -367,6 +369,13 @@ function _M.header_filter()
         if ctx.proxied and status >= 502 and status <= 504 then
             h["Retry-After"] = tostring(config.get().edge.upstream_retry_after_s)
         end
+    elseif ctx.proxied and status >= 400 and status < 500 then
+        -- the backend refused the request (vLLM's JSON error, a stream's too: vLLM
+        -- refuses before the first chunk): the body filter answers it in OpenAI's shape
+        ctx.upstream_error = {}
+        h["Content-Length"] = nil
+        status = errors.upstream_status(status)
+        ngx.status = status
     elseif ctx.proxied then
         local ct = h["Content-Type"]
         if type(ct) == "table" then
@@ -380,13 +389,39 @@ function _M.header_filter()
     ctx.status_sent = status
 end
 
--- body_filter(): the replacement error body, or the usage watch (tokengate.usage).
+-- upstream_error(ctx, chunk, eof) -> what to send of the backend's 4xx body: nothing
+-- until eof, then the whole body in OpenAI's shape (tokengate.errors.upstream; its code
+-- or type becomes the usage event's error), or unchanged when it is no JSON error
+-- object. A body above MAX_UPSTREAM_ERROR bytes is no error object vLLM writes (its
+-- messages are bounded): it passes unchanged from there on.
+local MAX_UPSTREAM_ERROR = 65536
+local function upstream_error(ctx, chunk, eof)
+    local parts = ctx.upstream_error
+    parts[#parts + 1] = chunk
+    parts.bytes = (parts.bytes or 0) + #chunk
+    if not eof and parts.bytes <= MAX_UPSTREAM_ERROR then
+        return ""
+    end
+    ctx.upstream_error = nil
+    local text = concat(parts)
+    local err = eof and errors.upstream(ctx.status_sent, text)
+    if not err then
+        return text
+    end
+    ctx.error = err.code or err.type
+    return errors.body(err.message, err.type, err.param, err.code)
+end
+
+-- body_filter(): the replacement error body, the backend's error in OpenAI's shape, or
+-- the usage watch (tokengate.usage).
 function _M.body_filter()
     local ctx = ngx.ctx
     local chunk, eof = ngx.arg[1], ngx.arg[2]
-    local replace = ctx.replace_body
+    local replace, rewrite = ctx.replace_body, ctx.upstream_error
     if replace then
         ngx.arg[1] = eof and replace or ""
+    elseif rewrite then
+        ngx.arg[1] = upstream_error(ctx, chunk, eof)
     end
     if not ctx.proxied then
         return
@@ -397,7 +432,7 @@ function _M.body_filter()
     if eof then
         ctx.eof = true
     end
-    if replace then
+    if replace or rewrite then
         return
     end
     if ctx.sse then

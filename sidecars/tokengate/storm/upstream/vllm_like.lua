@@ -3,10 +3,11 @@
 -- Bodies, SSE framing, field sets and order, cumulative usage chunks
 -- (stream_options.continuous_usage_stats), the final `"choices": []` usage chunk
 -- (stream_options.include_usage), the `data: [DONE]` terminator and the 400/404/405
--- error shapes are copied from the real server (checked by
--- tests/test_upstream_contract.py against a live vLLM CPU server). The generated text
--- is a fixed 4-byte piece per token; every request generates exactly its effective
--- max_tokens (as vLLM with ignore_eos).
+-- error shapes (pydantic's validation errors for messages, prompt, max_tokens, n and a
+-- temperature string that is not a number among them) are copied from the real server
+-- (checked by tests/test_upstream_contract.py against a live vLLM CPU server). The
+-- generated text is a fixed 4-byte piece per token; every request generates exactly its
+-- effective max_tokens (as vLLM with ignore_eos).
 --
 -- Prompt tokens: this server cannot tokenize. It takes the count from the
 -- X-Token-Count request header (set by the tokengate edge, or by TokenStorm on direct
@@ -545,6 +546,12 @@ local function handle(kind)
             py_repr(n))
     else
         n = lax_int(n)
+    end
+    local temperature = req.temperature
+    if type(temperature) == "string" and not tonumber(temperature) then
+        return validation_error("float_parsing", "body.temperature",
+            "Input should be a valid number, unable to parse string as a number",
+            py_repr(temperature))
     end
     if n < 1 then
         return send_error(400, "n must be at least 1, got " .. int_str(n) .. ".",
