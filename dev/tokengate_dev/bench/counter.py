@@ -1,25 +1,31 @@
-"""make bench-counter: the counter against HF ``tokenizers`` and raw tiktoken, one run.
+"""make bench-counter: the counter against raw tiktoken and HF ``tokenizers``, one run.
 
-For two workloads it measures prompt tokens per second of
+For two workloads, on the same rendered prompts, it measures
 
-  (a) HF ``tokenizers`` ``encode`` of the rendered prompt (what an exact counter
-      without our fast path spends: the reference),
-  (b) raw tiktoken ``encode`` of the same rendered prompt (a lower bound on tokenizing
-      cost, no rendering, no RPC),
-  (c) ``CountTokens`` over gRPC end to end (JSON parse, validation, chat template,
-      counting, protobuf, a real ``tokengate-counter`` with 2 worker processes, 16
-      requests in flight from a grpc.aio client),
+  (a) HF ``tokenizers`` ``encode`` (what an exact counter without the fast path spends),
+      tokens per CPU-second of this process;
+  (b) raw tiktoken ``encode`` (a lower bound on tokenizing cost: no JSON, no rendering,
+      no RPC, no cache), tokens per CPU-second of this process (one core);
+  (c) ``ModelCounter.count`` in this process on the parsed bodies (empty segment cache at
+      the start, as a fresh server): the counter's Python path without gRPC;
+  (d) ``CountTokens`` over gRPC end to end against a real ``tokengate-counter``
+      (``--workers``, default 2; 16 requests in flight from a grpc.aio client), per
+      CPU-second of the counter's processes (what the counter costs behind the C nginx
+      edge; the client's CPU is not counted);
+  (e) the same calls against a no-op counter (the counter's gRPC server setup, a
+      CountTokens that answers a constant): the Python gRPC floor per call.
 
-and prints (c)/(a). Both cores serve (c) *and* run its Python client, so the bench also
-reports (c) per CPU-second of the counter workers (what the counter costs behind the C
-nginx edge) against (a), which runs on one core. Workloads: "cold" chat prompts of ~1,000 tokens with unique text
-(nothing cached), and "conversation": 150 conversations of 10 turns, each turn sent with
-the whole history (as chat clients do), so the counter's segment cache sees the history
-again and tokenizes only the new turn. Results: ``bench/results/counter.json``.
+The aims (``AIMS``) are (d) / (b); the aims table also prints (c) / (b) and the ratio
+the gRPC floor (e) allows at best, counting for free. Workloads: "cold" chat prompts of
+~1,000 tokens with unique text (nothing cached), and "conversation": 150 conversations
+of 10 turns, each turn sent with the whole history (as chat clients do), so the
+counter's segment cache sees the history again and tokenizes only the new turn.
+Results: ``bench/results/counter.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -29,32 +35,94 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+from rich.table import Table
 from tokengate import config as tg_config
+from tokengate import grpc_server
 from tokengate.counter.counting import ModelCounter
+from tokengate.counter.server import new_grpc_server
+from tokengate.process import Service, tcp_ready
+from tokengate.storm.null_server import free_port
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tokengate_dev import devstack
 
 WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "scheduler", "reservation", "settlement", "模型", "推理", "缓存", "日本語", "한국어", "emoji", "😀", "code", "def", "return", "{}", "[]", "()", "123", "4.56", "naïve", "café", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "I", "this", "are", "or", "his"]
-BENCH_PORT = 50151
+
+
+# The counter's aims (issue 14), as (label, workload, target): tokens per counter
+# CPU-second over gRPC / raw tiktoken's tokens per CPU-second on the same texts.
+AIMS = [
+    ("cold 1k-token prompts: counter / raw tiktoken, per CPU-second", "cold", 0.6),
+    ("10-turn conversations: counter / raw tiktoken, per CPU-second", "conversation", 2.0),
+]
 
 
 @dataclass
 class Row:
+    """One workload's figures: tokens per second of HF ``tokenizers`` (one core), tokens
+    per CPU-second of raw tiktoken, of ``ModelCounter.count`` in this process and of the
+    counter's workers over gRPC; the counter's and the no-op server's CPU per call (µs)."""
+
     workload: str
     requests: int
     prompt_tokens: int
     hf_tokens_per_s: float
-    tiktoken_tokens_per_s: float
+    tiktoken_tokens_per_cpu_s: float
+    inprocess_tokens_per_cpu_s: float
     counter_tokens_per_s: float
     counter_tokens_per_cpu_s: float
-
-    @property
-    def ratio_per_core(self) -> float:
-        return self.counter_tokens_per_cpu_s / self.hf_tokens_per_s
+    counter_cpu_us_per_call: float
+    noop_cpu_us_per_call: float
 
     @property
     def ratio(self) -> float:
-        return self.counter_tokens_per_s / self.hf_tokens_per_s
+        """The aims' figure: counter over gRPC / raw tiktoken, per CPU-second."""
+        return self.counter_tokens_per_cpu_s / self.tiktoken_tokens_per_cpu_s
+
+    @property
+    def inprocess_ratio(self) -> float:
+        return self.inprocess_tokens_per_cpu_s / self.tiktoken_tokens_per_cpu_s
+
+    @property
+    def floor_ratio(self) -> float:
+        """The best ``ratio`` a counter could reach whose calls cost what the no-op
+        server's do (counting for free): the Python gRPC floor."""
+        tokens_per_call = self.prompt_tokens / self.requests
+        return tokens_per_call / (self.noop_cpu_us_per_call * 1e-6) \
+            / self.tiktoken_tokens_per_cpu_s
+
+
+class _NoopCounter(counter_pb2_grpc.TokenCounterServicer):
+    """CountTokens that answers a constant of a real reply's size: no JSON, no counting,
+    no metrics."""
+
+    REPLY = counter_pb2.CountReply(
+        prompt_tokens=1000, max_model_len=4096, max_tokens_effective=16,
+        max_tokens_requested=16, breakdown=counter_pb2.Breakdown(messages=990,
+                                                                 template_overhead=10),
+        tokenizer_fingerprint="0123456789abcdef-01234567", tokenizer_backend="tiktoken")
+
+    def CountTokens(self, request: counter_pb2.CountRequest,
+                    context: grpc.ServicerContext) -> counter_pb2.CountReply:
+        return self.REPLY
+
+
+def _serve_noop(listen: grpc_server.Listen, threads: int, index: int) -> None:
+    """One no-op worker: the counter's own gRPC server setup (``new_grpc_server``,
+    ``grpc_server.serve``), serving ``_NoopCounter``."""
+    server = new_grpc_server(threads)
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(_NoopCounter(), server)
+    name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
+    grpc_server.serve(server, [name], listen, index, grace_s=1)
+
+
+def noop_service(port: int, workers: int) -> Service:
+    """The no-op counter as a process: ``workers`` workers on 127.0.0.1:``port``."""
+    argv = [devstack.PYTHON, "-m", "tokengate_dev.bench.counter", "--noop-server", str(port),
+            "--workers", str(workers)]
+    return Service("bench-noop-counter", argv, tcp_ready("127.0.0.1", port), {}, 60.0,
+                   cwd=devstack.ROOT, log_dir=devstack.VAR / "log")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -83,8 +151,8 @@ def conversation_bodies(conversations: int, turns: int = 10, seed: int = 2) \
 
 
 async def _grpc_run(bodies: list[bytes], port: int, concurrency: int = 16) -> tuple[float, int]:
-    import grpc
-    from tokengate.v1 import counter_pb2, counter_pb2_grpc
+    """(seconds, prompt tokens answered) of CountTokens for every body, ``concurrency``
+    in flight."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = counter_pb2_grpc.TokenCounterStub(channel)
         queue = list(reversed(bodies))
@@ -113,39 +181,94 @@ def _cpu_seconds(pid: int) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
 
 
-def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter, port: int,
-            server_pid: int) -> Row:
+def _cpu_per_call_us(bodies: list[bytes], port: int, pid: int) -> tuple[float, float, int]:
+    """(server CPU µs per call, wall seconds, tokens answered) of ``bodies`` sent to the
+    server of ``pid`` on ``port``."""
+    before = _cpu_seconds(pid)
+    seconds, tokens = asyncio.run(_grpc_run(bodies, port))
+    return (_cpu_seconds(pid) - before) / len(bodies) * 1e6, seconds, tokens
+
+
+def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
+            counter: tuple[int, int], noop: tuple[int, int]) -> Row:
+    """One workload's Row; ``counter`` and ``noop``: (port, pid) of each server."""
     assert mc.template is not None
     template, tok = mc.template, mc.tokenizer
     hf = tok.hf
     assert hf is not None
     texts = [template.render(b["messages"], None, {"add_generation_prompt": True})
              for b in bodies]
-    start = time.perf_counter()
+    start = time.process_time()
     hf_tokens = sum(len(hf.encode(t, add_special_tokens=False).ids) for t in texts)
-    hf_s = time.perf_counter() - start
+    hf_s = time.process_time() - start
     import tiktoken
     from tokengate.counter.tokenizer import _encoding_from_spec
     enc: tiktoken.Encoding = _encoding_from_spec(
         json.loads((mc.model.dir / "tokenizer.json").read_text()), tok.added)
-    start = time.perf_counter()
+    start = time.process_time()
     tt_tokens = sum(len(enc.encode(t, allowed_special="all")) for t in texts)
-    tt_s = time.perf_counter() - start
+    tt_s = time.process_time() - start
     raw = [json.dumps(b).encode() for b in bodies]
-    cpu_before = _cpu_seconds(server_pid)
-    grpc_s, grpc_tokens = asyncio.run(_grpc_run(raw, port))
-    server_cpu_s = _cpu_seconds(server_pid) - cpu_before
-    if hf_tokens != grpc_tokens:
-        raise SystemExit(f"{name}: counter says {grpc_tokens} tokens, HF {hf_tokens}")
+    # in this process, a counter with an empty segment cache, as the server's
+    fresh = ModelCounter.load(mc.model)
+    start = time.process_time()
+    in_tokens = sum(fresh.count("chat", json.loads(r)).prompt_tokens for r in raw)
+    in_s = time.process_time() - start
+    counter_us, grpc_s, grpc_tokens = _cpu_per_call_us(raw, *counter)
+    noop_us, _, _ = _cpu_per_call_us(raw, *noop)
+    if not hf_tokens == tt_tokens == in_tokens == grpc_tokens:
+        raise SystemExit(f"{name}: counter says {grpc_tokens} tokens ({in_tokens} in this "
+                         f"process), HF {hf_tokens}, raw tiktoken {tt_tokens}")
     return Row(name, len(bodies), hf_tokens, hf_tokens / hf_s, tt_tokens / tt_s,
-               grpc_tokens / grpc_s, grpc_tokens / server_cpu_s)
+               in_tokens / in_s, grpc_tokens / grpc_s,
+               grpc_tokens / (counter_us * 1e-6 * len(bodies)), counter_us, noop_us)
 
 
-def main() -> None:
+def render(rows: dict[str, Row]) -> tuple[Table, Table]:
+    """The figures table and the aims table."""
+    table = Table(title="prompt tokens per second (HF, gRPC) and per CPU-second (tiktoken, "
+                        "in-process, counter); CPU µs per call of the counter and of a no-op "
+                        "gRPC server", header_style="bold")
+    for col in ("workload", "requests", "tokens", "HF tokenizers", "raw tiktoken",
+                "count() in-process", "gRPC (wall)", "counter CPU", "counter µs/call",
+                "no-op µs/call"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows.values():
+        table.add_row(r.workload, str(r.requests), f"{r.prompt_tokens:,}",
+                      f"{r.hf_tokens_per_s:,.0f}", f"{r.tiktoken_tokens_per_cpu_s:,.0f}",
+                      f"{r.inprocess_tokens_per_cpu_s:,.0f} ({r.inprocess_ratio:.2f}x)",
+                      f"{r.counter_tokens_per_s:,.0f}",
+                      f"{r.counter_tokens_per_cpu_s:,.0f} ({r.ratio:.2f}x)",
+                      f"{r.counter_cpu_us_per_call:,.0f}", f"{r.noop_cpu_us_per_call:,.0f}")
+    aims = Table(title="make bench-counter: aims vs measured (ratios to raw tiktoken per "
+                       "CPU-second; floor: the no-op server's calls, counting for free)",
+                 header_style="bold")
+    for c in ("aim", "measured", "target", "in-process", "gRPC floor allows", ""):
+        aims.add_column(c, justify="left" if c == "aim" else "right")
+    for label, workload, target in AIMS:
+        r = rows[workload]
+        aims.add_row(label, f"{r.ratio:.2f}x", f">= {target:g}x", f"{r.inprocess_ratio:.2f}x",
+                     f"{r.floor_ratio:.2f}x",
+                     "[green]met[/]" if r.ratio >= target else "[red]not met[/]")
+    return table, aims
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tokengate_dev.bench.counter",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2, help="counter worker processes")
+    p.add_argument("--noop-server", type=int, default=None, metavar="PORT",
+                   help="serve the no-op counter on PORT (what the bench starts)")
+    a = p.parse_args(argv)
+    if a.noop_server is not None:
+        grpc_server.run_workers("noop-counter", _serve_noop,
+                                (grpc_server.Listen((f"127.0.0.1:{a.noop_server}",)), 2),
+                                a.workers)
+        return
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console(width=150)
+    console = Console(width=170)
     cfg = tg_config.load(devstack.ROOT / "tokengate.yaml")
     model = cfg.models["tiny-qwen3"]
     mc = ModelCounter.load(model)
@@ -153,37 +276,33 @@ def main() -> None:
         cfg_path = Path(tmp) / "tokengate.yaml"
         cfg_path.write_text((devstack.ROOT / "tokengate.yaml").read_text().replace(
             "dir: var/models/", f"dir: {devstack.ROOT}/var/models/"))
-        console.print("starting tokengate-counter (2 workers) ...")
-        svc = devstack.counter_service(cfg_path, port=BENCH_PORT, workers=2,
-                                       name="bench-counter").start()
-        assert svc.proc is not None
-        pid = svc.proc.pid
+        console.print(f"starting tokengate-counter and the no-op counter ({a.workers} "
+                      "workers each) ...")
+        port, noop_port = free_port(), free_port()
+        svc = devstack.counter_service(cfg_path, port=port, workers=a.workers,
+                                       name="bench-counter",
+                                       metrics_listen=f"127.0.0.1:{free_port()}").start()
+        noop = noop_service(noop_port, a.workers).start()
+        assert svc.proc is not None and noop.proc is not None
         try:
-            rows = []
+            ends = (port, svc.proc.pid), (noop_port, noop.proc.pid)
+            rows = {}
             console.print("cold 1k-token prompts ...")
-            rows.append(measure("cold 1k-token prompts", cold_bodies(2000), mc,
-                                BENCH_PORT, pid))
+            rows["cold"] = measure("cold 1k-token prompts", cold_bodies(2000), mc, *ends)
             console.print("10-turn conversations ...")
-            rows.append(measure("10-turn conversations",
-                                conversation_bodies(150), mc, BENCH_PORT, pid))
+            rows["conversation"] = measure("10-turn conversations", conversation_bodies(150),
+                                           mc, *ends)
         finally:
+            noop.stop()
             svc.stop()
-    table = Table(title="prompt tokens per second: (a) HF tokenizers encode, (b) raw tiktoken, "
-                        "(c) CountTokens over gRPC; per core = (c) per counter CPU-second / (a)")
-    for col in ("workload", "requests", "tokens", "(a) HF", "(b) tiktoken", "(c) gRPC",
-                "(c)/(a)", "(c)/counter CPU-s", "per core"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(r.workload, str(r.requests), f"{r.prompt_tokens:,}",
-                      f"{r.hf_tokens_per_s:,.0f}", f"{r.tiktoken_tokens_per_s:,.0f}",
-                      f"{r.counter_tokens_per_s:,.0f}", f"{r.ratio:.2f}x",
-                      f"{r.counter_tokens_per_cpu_s:,.0f}", f"{r.ratio_per_core:.2f}x")
-    console.print(table)
+    for t in render(rows):
+        console.print(t)
     out = devstack.ROOT / "bench" / "results" / "counter.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps([{**asdict(r), "ratio_c_over_a": r.ratio,
-                                "ratio_per_core_c_over_a": r.ratio_per_core} for r in rows],
-                              indent=2))
+    out.write_text(json.dumps({k: {**asdict(r), "ratio_to_tiktoken": r.ratio,
+                                   "inprocess_ratio_to_tiktoken": r.inprocess_ratio,
+                                   "grpc_floor_ratio_to_tiktoken": r.floor_ratio}
+                               for k, r in rows.items()}, indent=2))
     console.print(f"results: {out.relative_to(devstack.ROOT)}")
 
 

@@ -6,16 +6,20 @@ One command, a few minutes, loopback only:
    closed loop, streamed and not.
 2. **``vllm bench serve``'s client** against the same null server at the same
    concurrency (its chat backend always streams): the ratio of the two ceilings.
-3. **Direct vs through the gateway**, non-streaming and streaming, 1000-token prompts
-   (exact, counted by the gateway's counter) and 16 output tokens: the fast upstream
-   alone, then the nginx edge with everything on (exact count, RPM and TPM limits with
-   reservations, usage watch on every response, usage events written) in front of it.
-   Each at saturation (closed loop) and at fixed open-loop rates below it (by default
-   25 % and 50 % of the gateway's non-streaming saturation). Reports the RPS ratio,
-   added p50/p99 end-to-end latency and added TTFT (streams).
+3. **Direct vs plain nginx vs through the gateway**, non-streaming and streaming,
+   1000-token prompts (exact, counted by the gateway's counter) and 16 output tokens:
+   the fast upstream alone, a plain nginx ``proxy_pass`` in front of it (the same nginx
+   binary and worker count, the edge's keepalive and proxy settings, no Lua:
+   ``PLAIN_NGINX_CONF``), then the nginx edge with everything on (exact count, RPM and
+   TPM limits with reservations, usage watch on every response, usage events written).
+   Each at saturation (closed loop), with the CPU per request of every part, and direct
+   and gateway at fixed open-loop rates below it (by default 25 % and 50 % of the
+   gateway's non-streaming saturation). Reports the RPS ratios, the edge's CPU per
+   request over plain nginx's, added p50/p99 end-to-end latency and added TTFT
+   (streams).
 
-Direct runs send ``X-Token-Count`` themselves (what the gateway sends upstream), so
-both sides see the same upstream work. Results: ``bench/results/bench-<time>.json``
+Direct and plain nginx runs send ``X-Token-Count`` themselves (what the gateway sends
+upstream), so every side sees the same upstream work. Results: ``bench/results/bench-<time>.json``
 (every run's summary plus the derived figures) and ``bench/results/latest.json``.
 """
 
@@ -36,6 +40,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
+from tokengate.process import Service, tcp_ready
 from tokengate.storm import report
 from tokengate.storm.arrivals import ArrivalSpec
 from tokengate.storm.null_server import FastUpstream, free_port
@@ -50,11 +55,15 @@ RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench"
 BENCH_KEY = "tg-bench-key"
 
-# The aims of issue 5, as (label, figure name, comparison, target).
+# The aims (issues 5 and 14), as (label, figure name, comparison, target). The edge's
+# ratios to plain nginx and the latencies are the worse of streamed and not.
 AIMS = [
     ("gateway throughput, full accounting (req/s)", "gateway_rps", ">=", 2200.0),
+    ("edge nginx CPU per request / plain nginx's, at saturation", "edge_cpu_ratio", "<=",
+     3.0),
+    ("gateway saturation / plain nginx's (req/s ratio)", "plain_rps_ratio", ">=", 0.3),
     ("added p50 latency, lowest fixed rate (ms)", "added_p50_ms", "<=", 1.0),
-    ("added p99 latency, lowest fixed rate (ms)", "added_p99_ms", "<=", 5.0),
+    ("added p99 latency, lowest fixed rate (ms)", "added_p99_ms", "<=", 3.0),
     ("added TTFT p50, lowest fixed rate (ms)", "added_ttft_p50_ms", "<=", 1.0),
     ("TokenStorm ceiling / vllm bench serve ceiling", "ceiling_ratio", ">=", 2.0),
 ]
@@ -160,6 +169,68 @@ class Gateway:
         workers)."""
         return {name: s.proc.pid for name, s in zip(("counter", "edge nginx"), self.services)
                 if s.proc is not None}
+
+
+# The reference: the same nginx binary proxying to the fast upstream with the edge's
+# connection settings (nginx/nginx.conf.in, the tokengate_vllm upstream of
+# tokengate-http.conf.in and the proxy directives of tokengate-location.conf.in), no
+# Lua module loaded: what nginx alone costs per request.
+PLAIN_NGINX_CONF = """worker_processes {workers};
+daemon off;
+pid {prefix}/nginx.pid;
+error_log stderr notice;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    client_body_temp_path {prefix}/tmp/client_body;
+    proxy_temp_path {prefix}/tmp/proxy;
+    default_type application/octet-stream;
+    server_tokens off;
+    access_log off;
+    keepalive_timeout 75s;
+    upstream fast_upstream {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 64;
+        keepalive_timeout 4s;
+        keepalive_requests 10000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location /v1/ {{
+            client_max_body_size 64m;
+            client_body_buffer_size 16k;
+            proxy_pass http://fast_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Authorization "";
+            proxy_set_header Accept-Encoding "";
+            proxy_set_header X-Request-Id $request_id;
+            proxy_buffering off;
+            proxy_cache off;
+            gzip off;
+            proxy_connect_timeout 3s;
+            proxy_send_timeout 60s;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+def plain_nginx_service(upstream_port: int, workers: int) -> tuple[Service, int]:
+    """nginx with ``PLAIN_NGINX_CONF`` in front of the fast upstream: (service, port)."""
+    port = free_port()
+    prefix = (BENCH_VAR / "plain-nginx").resolve()
+    for d in ("tmp/client_body", "tmp/proxy"):
+        (prefix / d).mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(PLAIN_NGINX_CONF.format(workers=workers, prefix=prefix, port=port,
+                                            upstream_port=upstream_port))
+    svc = Service("bench-plain-nginx", ["nginx", "-p", str(prefix), "-c", str(conf), "-e",
+                                        "stderr"], tcp_ready("127.0.0.1", port), {}, 20.0,
+                  cwd=devstack.ROOT, log_dir=devstack.VAR / "log")
+    return svc, port
 
 
 def _spec(name: str, url: str, cfg: tg_config.ModelConfig, opts: BenchOptions, *,
@@ -270,35 +341,60 @@ def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
         if opts.skip_gateway:
             return out
         gw = Gateway(up.port, opts)
-        with console.status("starting the gateway (counter + nginx edge) ..."):
+        plain, plain_port = plain_nginx_service(up.port, opts.edge_workers)
+        with console.status("starting the gateway (counter + nginx edge) and plain nginx ..."):
             gw.start()
+            plain.start()
         try:
+            assert plain.proc is not None
             groups.update(gw.groups())
-            _direct_vs_gateway(up.url, gw, model, opts, console, runs, fig, groups)
+            groups["plain nginx"] = plain.proc.pid
+            _direct_vs_gateway(up.url, f"http://127.0.0.1:{plain_port}/v1", gw, model, opts,
+                               console, runs, fig, groups)
         finally:
+            plain.stop()
             gw.stop()
         lines = gw.usage_file.read_text().count("\n") if gw.usage_file.exists() else 0
         fig["usage_events_written"] = lines
     return out
 
 
-def _direct_vs_gateway(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
-                       opts: BenchOptions, console: Console, runs: dict[str, Any],
-                       fig: dict[str, Any], groups: dict[str, int]) -> None:
-    console.rule(f"direct vs gateway: {opts.prompt_tokens}-token prompts, "
+def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
+                       model: tg_config.ModelConfig, opts: BenchOptions, console: Console,
+                       runs: dict[str, Any], fig: dict[str, Any],
+                       groups: dict[str, int]) -> None:
+    console.rule(f"direct vs plain nginx vs gateway: {opts.prompt_tokens}-token prompts, "
                  f"{opts.output_tokens} output tokens, {opts.duration_s:g} s per run")
     sat: dict[tuple[str, bool], float] = {}
     cpu: dict[str, dict[str, float]] = {}
     for stream in (False, True):
         mode = "stream" if stream else "no stream"
-        for where, url in (("direct", direct_url), ("gateway", gw.url)):
+        for where, url in (("direct", direct_url), ("plain nginx", plain_url),
+                           ("gateway", gw.url)):
             r = _run(_spec(f"{where} {mode} saturation", url, model, opts, stream=stream,
-                           concurrency=opts.concurrency, direct=where == "direct"),
+                           concurrency=opts.concurrency, direct=where != "gateway"),
                      console, runs, groups)
             sat[(where, stream)] = r.summary.all.rps
             cpu[f"{where} {mode}"] = runs[r.spec.name].get("cpu_us_per_request", {})
     fig["cpu_us_per_request_at_saturation"] = cpu
     console.print(_cpu_table(cpu, list(groups)))
+    # The edge's aims: the worse of streamed and not.
+    edge_cpu, plain_rps = [], []
+    for stream in (False, True):
+        mode, k = ("stream", "stream") if stream else ("no stream", "nostream")
+        edge, plain = (cpu[f"gateway {mode}"].get("edge nginx"),
+                       cpu[f"plain nginx {mode}"].get("plain nginx"))
+        if edge and plain:
+            fig[f"edge_cpu_ratio_{k}"] = edge / plain
+            edge_cpu.append(edge / plain)
+        fig[f"plain_nginx_{k}_rps"] = sat[("plain nginx", stream)]
+        if sat[("plain nginx", stream)]:
+            fig[f"plain_rps_ratio_{k}"] = sat[("gateway", stream)] / sat[("plain nginx", stream)]
+            plain_rps.append(fig[f"plain_rps_ratio_{k}"])
+    if edge_cpu:
+        fig["edge_cpu_ratio"] = max(edge_cpu)
+    if plain_rps:
+        fig["plain_rps_ratio"] = min(plain_rps)
     rates = opts.rates or [max(50.0, round(sat[("gateway", False)] * f / 50) * 50)
                            for f in (0.25, 0.5)]
     fig["fixed_rates_rps"] = rates
@@ -356,7 +452,7 @@ def _sub(a: float | None, b: float | None) -> float | None:
 
 
 def render(out: dict[str, Any]) -> Table:
-    """The aims of issue 5 against what was measured, as ratios."""
+    """The aims against what was measured, as ratios."""
     fig = out["figures"]
     t = Table(title="make bench: aims vs measured", header_style="bold")
     for c in ("figure", "measured", "aim", "ratio to aim", ""):
@@ -383,6 +479,18 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"added at {rate:g} req/s, {k.replace('no', 'no ')} (ms)",
                       f"p50 {e['added_p50_ms']:+.2f}, p99 {e['added_p99_ms']:+.2f}{ttft}", "",
                       "", "" if e["valid"] else "[red]invalid run[/]")
+    for k in ("nostream", "stream"):
+        if f"plain_rps_ratio_{k}" in fig:
+            t.add_row(f"gateway / plain nginx saturation RPS ({k.replace('no', 'no ')})",
+                      f"{fig[f'gateway_{k}_rps']:,.0f} / {fig[f'plain_nginx_{k}_rps']:,.0f}",
+                      "", f"{fig[f'plain_rps_ratio_{k}']:.3f}", "")
+        if f"edge_cpu_ratio_{k}" in fig:
+            cpu = fig["cpu_us_per_request_at_saturation"]
+            mode = k.replace("no", "no ")
+            t.add_row(f"edge / plain nginx CPU per request ({mode}, µs)",
+                      f"{cpu[f'gateway {mode}']['edge nginx']:,.0f} / "
+                      f"{cpu[f'plain nginx {mode}']['plain nginx']:,.0f}", "",
+                      f"{fig[f'edge_cpu_ratio_{k}']:.2f}", "")
     for k in ("nostream", "stream"):
         if f"rps_ratio_{k}" in fig:
             t.add_row(f"gateway / direct saturation RPS ({k.replace('no', 'no ')})",

@@ -105,9 +105,30 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Environment(jinja2.Environment):
+    """jinja2's Environment whose ``message.role`` on a plain dict skips the failed
+    attribute lookup (an AttributeError raised and caught per access).
+
+    Same result by construction: ``Environment.getattr`` tries ``getattr(obj, name)``
+    first, which on a plain dict fails for every name that is not a dict attribute,
+    then ``obj[name]``, then returns an undefined.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def _fast_environment() -> jinja2.Environment:
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
-                             extensions=["jinja2.ext.loopcontrols"])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True,
+                       extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

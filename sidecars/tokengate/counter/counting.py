@@ -32,6 +32,8 @@ from tokengate.counter.tokenizer import PromptTokenizer
 # and the parity tests ran against; `tokengate doctor` refuses other upstreams by default.
 VERIFIED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# Roles whose message of a role and a string content only is kept as it is.
+_PLAIN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # vLLM's TEXT_PART_TYPES and the field holding each part's text.
 TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text",
                     "refusal": "refusal", "thinking": "thinking"}
@@ -99,14 +101,21 @@ def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _depth_ok(v: Any, depth: int = 0) -> bool:
-    if depth > _MAX_JSON_DEPTH:
-        return False
-    if isinstance(v, dict):
-        return all(_depth_ok(x, depth + 1) for x in v.values())
-    if isinstance(v, list):
-        return all(_depth_ok(x, depth + 1) for x in v)
-    return True
+def _depth_ok(body: Any) -> bool:
+    """No value of parsed JSON ``body`` lies deeper than ``_MAX_JSON_DEPTH`` (the body
+    itself at depth 0); level by level, without recursion."""
+    level = [body]
+    for _ in range(_MAX_JSON_DEPTH):
+        deeper: list[Any] = []
+        for v in level:
+            if isinstance(v, dict):
+                deeper.extend(v.values())
+            elif isinstance(v, list):
+                deeper.extend(v)
+        if not deeper:
+            return True
+        level = deeper
+    return not any(isinstance(v, (dict, list)) and v for v in level)
 
 
 class ModelCounter:
@@ -123,6 +132,7 @@ class ModelCounter:
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs_allowed = frozenset(template_kwargs_allowed)
+        self._string_content = template is not None and template.content_format == "string"
         # Identifies what counted: tokenizer.json digest + chat template digest.
         template_digest = "none" if template is None else \
             hashlib.sha256(template.source.encode()).hexdigest()[:8]
@@ -256,13 +266,14 @@ class ModelCounter:
             raise BadRequest("messages", f"chat template rejected the request: {e}") from e
         tok = self.tokenizer
         pieces = tok.split(text)
-        total = tok.count_pieces(pieces)
+        counts = tok.piece_counts(pieces)
+        total = sum(counts)
         system = content = 0
         cursor = 0  # templates render messages in order: search forward only
         for m in conversation:
             c = m.get("content")
             if isinstance(c, str) and c:
-                n, cursor = _tokens_inside(tok, pieces, c, cursor)
+                n, cursor = _tokens_inside(tok, pieces, counts, c, cursor)
                 if m["role"] == "system":
                     system += n
                 else:
@@ -270,7 +281,8 @@ class ModelCounter:
         tool_tokens = 0
         cursor = 0
         for t in tools or []:
-            n, cursor = _tokens_inside(tok, pieces, json.dumps(t, ensure_ascii=False), cursor)
+            n, cursor = _tokens_inside(tok, pieces, counts, json.dumps(t, ensure_ascii=False),
+                                       cursor)
             tool_tokens += n
         parts = system + content + tool_tokens
         if parts > total:  # content the template dropped (e.g. an unknown role)
@@ -281,6 +293,13 @@ class ModelCounter:
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         """vLLM's ConversationMessage for ``messages[i]``."""
+        if type(m) is dict and len(m) == 2 and self._string_content:
+            # the common message, {"role": ..., "content": "..."}: what the checks below
+            # give it, without them
+            role, content = m.get("role"), m.get("content")
+            if type(content) is str and type(role) is str and role in _PLAIN_ROLES and not (
+                    role == "system" and content.startswith(_CLAUDE_BILLING_HEADER)):
+                return {"role": role, "content": content}
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(where, f"expected an object, got {_type_name(m)}")
@@ -455,30 +474,32 @@ class ModelCounter:
         return {k: v for k, v in merged.items() if self.template.accepts(k)}
 
 
-def _tokens_inside(tok: PromptTokenizer, pieces: list[str], text: str,
+def _tokens_inside(tok: PromptTokenizer, pieces: list[str], counts: list[int], text: str,
                    start: int) -> tuple[int, int]:
     """(tokens that ``text`` contributes to the prompt cut into ``pieces``, next start).
 
-    Searches the text pieces (even indexes) from ``start`` on. In a chat template a
-    message's content usually ends its piece (``"user\n" + content`` before
-    ``<|im_end|>``), so a piece that ends with ``text`` is preferred; the tokens are
-    ``count(piece) - count(piece without text)``: the piece's count is already cached
-    from the total and the rest is a short role header, so content is not tokenized
-    twice. When no piece holds ``text`` (content with literal special tokens, or a
-    template that reorders), ``text`` is counted on its own and ``start`` stays. Never
-    negative; exact up to BPE merges across the content boundary.
+    ``counts``: ``tok.piece_counts(pieces)``. Searches the text pieces (even indexes)
+    from ``start`` on. In a chat template a message's content usually ends its piece
+    (``"user\n" + content`` before ``<|im_end|>``), so a piece that ends with ``text``
+    is preferred; the tokens are ``count(piece) - count(piece without text)``: the
+    piece's count is known from the total and the rest is a short role header (a
+    prefix of the piece: no added token in it, one cached lookup), so content is not
+    tokenized twice. When no piece holds ``text`` (content with literal special
+    tokens, or a template that reorders), ``text`` is counted on its own and ``start``
+    stays. Never negative; exact up to BPE merges across the content boundary.
     """
     first = start + (start % 2)
     for k in range(first, len(pieces), 2):
         piece = pieces[k]
         if piece.endswith(text):
-            rest = piece[:len(piece) - len(text)]
+            rest = tok.count_piece(piece[:len(piece) - len(text)])
         else:
             at = piece.rfind(text)
             if at < 0:
                 continue
-            rest = piece[:at] + piece[at + len(text):]
-        return max(0, tok.count(piece) - tok.count(rest)), k + 2
+            # the two sides joined may form an added token: split again
+            rest = tok.count(piece[:at] + piece[at + len(text):])
+        return max(0, counts[k] - rest), k + 2
     return tok.count(text), start
 
 

@@ -45,18 +45,30 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tokengate import config as tg_config
 from tokengate import grpc_server, metrics
+
+if TYPE_CHECKING:
+    import grpc
+
+
+def new_grpc_server(threads: int) -> grpc.Server:
+    """A worker's gRPC server, no servicer added yet: ``threads`` RPC threads, request
+    bodies up to 64 MiB (``make bench-counter`` serves its no-op counter with it too)."""
+    from concurrent import futures
+
+    import grpc
+
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+                       options=[*grpc_server.OPTIONS,
+                                ("grpc.max_receive_message_length", 64 << 20)])
 
 
 def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: int,
                   index: int) -> None:
     """One worker process: load every model, serve until SIGTERM/SIGINT."""
-    from concurrent import futures
-
-    import grpc
-
     from tokengate.counter.counter_service import TokenCounterService
     from tokengate.counter.counting import ModelCounter
     from tokengate.v1 import counter_pb2, counter_pb2_grpc
@@ -71,9 +83,7 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
 
     counters = load()
     service = TokenCounterService(counters)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
-                         options=[*grpc_server.OPTIONS,
-                                  ("grpc.max_receive_message_length", 64 << 20)])
+    server = new_grpc_server(threads)
     counter_pb2_grpc.add_TokenCounterServicer_to_server(service, server)
     service_name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
 

@@ -90,8 +90,11 @@ class AddedToken:
 class SegmentCache:
     """LRU map from a text segment to its token count, bounded by total characters.
 
-    Thread-safe: the counter serves RPCs from a thread pool. The lock covers only the
-    map; counting a missed segment runs outside it (tiktoken releases the GIL).
+    Thread-safe: the counter serves RPCs from a thread pool. Lookups take no lock: a
+    dict read and ``move_to_end`` are each one C call, atomic under the GIL, and a
+    segment evicted between the two is simply not refreshed. Inserting, evicting and
+    adding to ``hits``/``misses`` (once per ``counts`` call) hold the lock; counting a
+    missed segment runs outside it (tiktoken releases the GIL).
     """
 
     def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
@@ -102,24 +105,43 @@ class SegmentCache:
         self.hits = 0
         self.misses = 0
 
-    def get_or_compute(self, segment: str, compute: Callable[[str], int]) -> int:
+    def counts(self, segments: Iterable[str], compute: Callable[[str], int]) -> list[int]:
+        """Token count of each segment: cached, else ``compute(segment)`` (then cached);
+        0 for an empty one (not a lookup)."""
+        get, refresh = self._map.get, self._map.move_to_end
+        out: list[int] = []
+        hits = misses = 0
+        for segment in segments:
+            if not segment:
+                out.append(0)
+                continue
+            n = get(segment)
+            if n is None:
+                misses += 1
+                n = compute(segment)
+                self._put(segment, n)
+            else:
+                hits += 1
+                try:
+                    refresh(segment)
+                except KeyError:  # evicted by another thread meanwhile
+                    pass
+            out.append(n)
         with self._lock:
-            n = self._map.get(segment)
-            if n is not None:
-                self._map.move_to_end(segment)
-                self.hits += 1
-                return n
-            self.misses += 1
-        n = compute(segment)
-        if len(segment) <= self._max_chars // 4:
-            with self._lock:
-                if segment not in self._map:
-                    self._map[segment] = n
-                    self._chars += len(segment)
-                    while self._chars > self._max_chars:
-                        old, _ = self._map.popitem(last=False)
-                        self._chars -= len(old)
-        return n
+            self.hits += hits
+            self.misses += misses
+        return out
+
+    def _put(self, segment: str, n: int) -> None:
+        if len(segment) > self._max_chars // 4:
+            return
+        with self._lock:
+            if segment not in self._map:
+                self._map[segment] = n
+                self._chars += len(segment)
+                while self._chars > self._max_chars:
+                    old, _ = self._map.popitem(last=False)
+                    self._chars -= len(old)
 
 
 class PromptTokenizer:
@@ -243,18 +265,20 @@ class PromptTokenizer:
         With HF as the backend each piece is still encoded separately: added tokens
         split the text first in HF too, so the sum is exact.
         """
-        return self.count_pieces(self.split(text))
+        return sum(self.piece_counts(self.split(text)))
 
-    def count_pieces(self, parts: list[str]) -> int:
-        """Tokens of a text already cut by ``split`` (odd positions are added tokens)."""
-        n = 0
-        cache = self.cache
-        for i, part in enumerate(parts):
-            if i % 2:
-                n += 1
-            elif part:
-                n += cache.get_or_compute(part, self._count_piece)
-        return n
+    def count_piece(self, piece: str) -> int:
+        """Tokens of ``piece``, a text holding no added token (a part of ``split`` or a
+        prefix of one), cached."""
+        return self.cache.counts((piece,), self._count_piece)[0]
+
+    def piece_counts(self, parts: list[str]) -> list[int]:
+        """Tokens of each part of a text already cut by ``split``: 1 for an added token
+        (odd positions), the cached count of a text piece (even positions; 0 when empty).
+        Their sum is the text's count."""
+        counts = [1] * len(parts)
+        counts[0::2] = self.cache.counts(parts[0::2], self._count_piece)
+        return counts
 
     def first_mismatch(self, texts: Iterable[str]) -> str | None:
         """The first text whose fast-path ids differ from HF's, or None."""
