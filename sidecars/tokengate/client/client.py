@@ -205,7 +205,28 @@ class CompletionStream(Iterator[Any]):
 _END = object()
 
 
-class TextStream(Iterator[str]):
+class _Pieces:
+    """What ``TextStream`` and ``AsyncTextStream`` share: one queued item (a chunk, the
+    end, or the reader's exception) through the buffer."""
+
+    _buffer: TextBuffer
+    _done: bool
+    usage: CompletionUsage | None
+
+    def _take(self, item: Any, now: float) -> str | None:
+        """The piece ``item`` completes (None: none yet); raises the reader's exception."""
+        if item is _END:
+            self._done = True
+            return self._buffer.end()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if getattr(item, "usage", None) is not None:
+            self.usage = item.usage
+        return self._buffer.feed(_delta_text(item), now)
+
+
+class TextStream(_Pieces, Iterator[str]):
     """``stream_text``'s pieces (``tokengate.client.buffer`` rules); ``usage``: the
     running usage of the text yielded so far; ``billing`` as for ``Completion``.
 
@@ -239,16 +260,7 @@ class TextStream(Iterator[str]):
             except queue.Empty:
                 piece = buf.due(time.monotonic())
             else:
-                if item is _END:
-                    self._done = True
-                    piece = buf.end()
-                elif isinstance(item, BaseException):
-                    self._done = True
-                    raise item
-                else:
-                    if getattr(item, "usage", None) is not None:
-                        self.usage = item.usage
-                    piece = buf.feed(_delta_text(item), time.monotonic())
+                piece = self._take(item, time.monotonic())
             if piece:
                 return piece
         raise StopIteration
@@ -383,7 +395,7 @@ class AsyncCompletionStream(AsyncIterator[Any]):
         await self.close()
 
 
-class AsyncTextStream(AsyncIterator[str]):
+class AsyncTextStream(_Pieces, AsyncIterator[str]):
     """``TextStream`` for ``AsyncClient``: a task takes the chunks off the connection."""
 
     def __init__(self, stream: AsyncCompletionStream, buffer: TextBuffer) -> None:
@@ -413,16 +425,7 @@ class AsyncTextStream(AsyncIterator[str]):
             except TimeoutError:
                 piece = buf.due(loop.time())
             else:
-                if item is _END:
-                    self._done = True
-                    piece = buf.end()
-                elif isinstance(item, BaseException):
-                    self._done = True
-                    raise item
-                else:
-                    if getattr(item, "usage", None) is not None:
-                        self.usage = item.usage
-                    piece = buf.feed(_delta_text(item), loop.time())
+                piece = self._take(item, loop.time())
             if piece:
                 return piece
         raise StopAsyncIteration
