@@ -77,7 +77,7 @@ def test_bad_request_error_is_openai_shaped(fast_edge: Edge) -> None:
 
 def test_the_rule_on_backend_bodies() -> None:
     """errors.upstream on bodies the real edge cannot get from the fast upstream: a 422,
-    a string code, the whole body as param, a long message, and bodies that are no JSON
+    a string code, the whole body as param, a long message, a 5xx, and bodies that are no JSON
     error object (nil: they pass unchanged)."""
     out = run_lua(r"""
         local errors = require "tokengate.errors"
@@ -99,6 +99,8 @@ def test_the_rule_on_backend_bodies() -> None:
                 .. '"code":400}}'),
             #shaped(400, '{"error":{"message":"' .. string.rep("m", 5000) .. '",'
                 .. '"type":"BadRequestError","code":400}}')[2].message,
+            shaped(500, '{"error":{"message":"engine dead","type":"InternalServerError",'
+                .. '"param":null,"code":500}}'),
             shaped(401, '{"error":"Unauthorized"}'),
             shaped(405, '{"detail":"Method Not Allowed"}'),
             shaped(400, 'Bad Request'),
@@ -110,6 +112,7 @@ def test_the_rule_on_backend_bodies() -> None:
                "code": "model_not_found"}],
         [400, {"message": "x", "type": inv, "param": None, "code": None}],
         1024 + len("…".encode()),
+        [500, {"message": "engine dead", "type": "server_error", "param": None, "code": None}],
         "unchanged", "unchanged", "unchanged",
     ]
 

@@ -174,13 +174,14 @@ function _M.upstream_status(status)
     return status == 422 and 400 or status
 end
 
--- upstream(status, text) -> err (new()'s shape) | nil: a backend's (vLLM's) 4xx JSON
+-- upstream(status, text) -> err (new()'s shape) | nil: a backend's (vLLM's) JSON
 -- error body in OpenAI's shape. vLLM writes {"error": {"message", "type": "Bad Request"
 -- | "BadRequestError" | "NotFoundError" | ..., "param": "body.temperature" | ... | null,
 -- "code": 400}} (vllm/entrypoints/serve/engine/protocol.py ErrorInfo: code is the HTTP
 -- status). Kept: the message (cut to 1024 bytes by body()) and the param without
 -- FastAPI's "body." prefix ("body" itself, the whole body, is no param); type becomes
--- invalid_request_error; code is kept only when it is a string. nil when text is not
+-- invalid_request_error for a 4xx, server_error for a 5xx (vLLM's InternalServerError,
+-- EngineDeadError); code is kept only when it is a string. nil when text is not
 -- JSON or has no error object with a string message: such a body passes unchanged.
 function _M.upstream(status, text)
     local doc = cjson.decode(text)

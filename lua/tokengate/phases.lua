@@ -369,9 +369,10 @@ function _M.header_filter()
         if ctx.proxied and status >= 502 and status <= 504 then
             h["Retry-After"] = tostring(config.get().edge.upstream_retry_after_s)
         end
-    elseif ctx.proxied and status >= 400 and status < 500 then
-        -- the backend refused the request (vLLM's JSON error, a stream's too: vLLM
-        -- refuses before the first chunk): the body filter answers it in OpenAI's shape
+    elseif ctx.proxied and status >= 400 then
+        -- the backend refused or failed the request (vLLM's JSON error, a stream's too:
+        -- vLLM refuses before the first chunk): the body filter answers it in OpenAI's
+        -- shape
         ctx.upstream_error = {}
         h["Content-Length"] = nil
         status = errors.upstream_status(status)
@@ -389,7 +390,7 @@ function _M.header_filter()
     ctx.status_sent = status
 end
 
--- upstream_error(ctx, chunk, eof) -> what to send of the backend's 4xx body: nothing
+-- upstream_error(ctx, chunk, eof) -> what to send of the backend's error body: nothing
 -- until eof, then the whole body in OpenAI's shape (tokengate.errors.upstream; its code
 -- or type becomes the usage event's error), or unchanged when it is no JSON error
 -- object. A body above MAX_UPSTREAM_ERROR bytes is no error object vLLM writes (its
