@@ -162,7 +162,27 @@ def _delta_text(chunk: Any) -> str:
 
 # -- sync -------------------------------------------------------------------------------
 
-class CompletionStream(Iterator[Any]):
+class _Settles:
+    """What ``CompletionStream`` and ``AsyncCompletionStream`` share: the running usage
+    of the chunks seen, and one settlement of the pacer's ticket when the stream ends."""
+
+    _core: _Core
+    _ticket: Ticket | None
+    _ended: bool
+    usage: CompletionUsage | None
+
+    def _seen(self, chunk: Any) -> Any:
+        if getattr(chunk, "usage", None) is not None:
+            self.usage = chunk.usage
+        return chunk
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._core.settle(self._ticket, self.usage)
+
+
+class CompletionStream(_Settles, Iterator[Any]):
     """The chunks of a streamed answer (openai ``ChatCompletionChunk`` or completions
     chunks). ``usage`` is the running usage (cumulative: the last chunk's), the billed
     one once the stream ended; ``billing`` as for ``Completion``. Closing it (or leaving
@@ -182,14 +202,7 @@ class CompletionStream(Iterator[Any]):
         except BaseException:
             self._end()
             raise
-        if getattr(chunk, "usage", None) is not None:
-            self.usage = chunk.usage
-        return chunk
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._core.settle(self._ticket, self.usage)
+        return self._seen(chunk)
 
     def close(self) -> None:
         self._stream.close()
@@ -358,7 +371,7 @@ class Client:
 
 # -- async ------------------------------------------------------------------------------
 
-class AsyncCompletionStream(AsyncIterator[Any]):
+class AsyncCompletionStream(_Settles, AsyncIterator[Any]):
     """``CompletionStream`` for ``AsyncClient``."""
 
     def __init__(self, stream: openai.AsyncStream[Any], core: _Core, ticket: Ticket | None,
@@ -375,14 +388,7 @@ class AsyncCompletionStream(AsyncIterator[Any]):
         except BaseException:
             self._end()
             raise
-        if getattr(chunk, "usage", None) is not None:
-            self.usage = chunk.usage
-        return chunk
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._core.settle(self._ticket, self.usage)
+        return self._seen(chunk)
 
     async def close(self) -> None:
         await self._stream.close()
