@@ -4,6 +4,11 @@ Real nginx (2 workers), the real counter, TokenStorm's fast upstream (it generat
 exactly max_tokens and caches nothing, so a request's real cost equals its worst case
 and the expected numbers are exact), the official openai client. The edge's formula is
 checked against the ledger's calculator (one formula, two languages).
+
+Budgets need ``global_limits.enabled`` (Redis keeps their spend; tests/test_edge_global.py
+shows two edges sharing it). Here nothing listens on the limits sidecar's socket, so
+every request is decided by the edge's own budget counters, the tier that decides while
+Redis or the sidecar is unreachable: it must be as exact on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import pytest
 from tokengate.config import BillingConfig, ContextPenalty, ModelCost
 from tokengate.ledger.calculator import charge
 
-from tests.conftest import MODEL, key_digest
+from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import Edge, run_lua
 
 MAX_TOKENS = 100
@@ -64,6 +69,8 @@ def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
         for key_id, (key, budgets) in BUDGET_KEYS.items():
             raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000,
                                    "tpm": 10_000_000, "budgets": budgets}
+        raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
+                                "unix_socket": str(TEST_DIR / "no-limits-sidecar.sock")}
     return edit
 
 
@@ -96,6 +103,7 @@ def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge
     ok = [r for r in answers if r.status_code == 200]
     refused = [r for r in answers if r.status_code != 200]
     assert len(ok) == fits
+    assert {r.headers["x-tokengate-limits"] for r in ok} == {"local"}
     assert {r.status_code for r in refused} == {429}
     err = refused[0].json()["error"]
     assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota")

@@ -53,6 +53,11 @@ GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {
     "gl-recover": ("tg-test-gl-recover", 10_000, 1_000_000),
 }
 LIMITS_SOCKET = TEST_DIR / "edge-limits.sock"
+# this machine's first IPv4 address that is not loopback, to reach the admin view from
+# "outside" (None on a machine with loopback only: that step is then left out)
+NON_LOOPBACK = next((a for a in subprocess.run(["hostname", "-I"], capture_output=True,
+                                               text=True, check=False).stdout.split()
+                     if "." in a), None)
 # a key with a daily spend limit, at prices that make one answer cost cents (per 1M
 # tokens; the fast upstream's answers cost prompt x input + max_tokens x output)
 BUDGET_KEY = ("gl-budget", "tg-test-gl-budget", 10.0)
@@ -297,6 +302,35 @@ def test_two_edges_never_spend_past_a_budget_and_bill_it_like_the_ledger(
     assert billed["requests"] == len(ok) + len(refused)
     assert round(billed["cost"], 2) == round(spent_nano / 1e9, 2)
     assert billed["cost"] == pytest.approx(spent_nano / 1e9, abs=len(ok) * 1e-9)
+    # `keys list --json` and the ledger's admin view show the same: the ledger's bill and
+    # the live counter Redis decides on (nothing is in flight now)
+    listed = subprocess.run([sys.executable, "-m", "tokengate.cli", "keys", "list", "--json",
+                             "--config", str(edge_yaml), "--redis-url", redis_url],
+                            capture_output=True, text=True, check=True).stdout
+    entry = next(k for k in json.loads(listed)["keys"] if k["name"] == key_id)
+    (b,) = entry["budgets"]
+    assert (b["spend"], b["spent"], b["committed_spend"], b["tokens_used"]) == \
+        (spend, round(billed["cost"], 9), spent_nano / 1e9, len(ok) * (prompt + 40))
+    port = free_port()
+    ledger = devstack.ledger_service(edge_yaml, p.a.usage_file, redis_url,
+                                     name=svc_name("test-gl-admin"),
+                                     metrics_listen=f"0.0.0.0:{port}")
+    ledger.start()
+    try:
+        view = httpx.get(f"http://127.0.0.1:{port}/keys/{key_id}", timeout=10)
+        assert view.status_code == 200
+        assert view.json() == {"currency": "USD", **entry}
+        assert [k["name"] for k in httpx.get(f"http://127.0.0.1:{port}/keys").json()["keys"]] \
+            == [k["name"] for k in json.loads(listed)["keys"]]
+        missing = httpx.get(f"http://127.0.0.1:{port}/keys/nobody", timeout=10)
+        assert (missing.status_code, missing.json()) == (404, {"error": "no key named 'nobody'"})
+        if NON_LOOPBACK is not None:
+            # bound to every address, the view still answers loopback clients only
+            outside = httpx.get(f"http://{NON_LOOPBACK}:{port}/keys", timeout=10)
+            assert outside.status_code == 403
+            assert httpx.get(f"http://{NON_LOOPBACK}:{port}/metrics").status_code == 200
+    finally:
+        ledger.stop()
     # a fresh edge (an empty shared dict, as after a restart) is held to what Redis holds
     c = start_edge(config_path, "gl-c", upstream_hostport, LIMITS_SOCKET)
     try:

@@ -75,6 +75,11 @@ def test_a_refused_request_with_a_valid_key_gets_its_event_and_code(
     assert headers["content-type"] == "application/json"
     err = json.loads(body)["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", code)
+    if status == 400:
+        assert err["message"] == (
+            "The request is not HTTP that the gateway accepts: a bad request line or header, "
+            "a header that may appear once sent twice (Host, Authorization, Content-Length), "
+            "Content-Length with Transfer-Encoding, or a broken chunked body.")
     ev = refusing_edge.event(headers["x-request-id"])
     assert (ev["status"], ev["error"], ev["key_id"], ev["endpoint"], ev["usage_source"],
             ev["prompt_tokens"], ev["upstream"]) == \

@@ -127,8 +127,44 @@ def test_keys_refuses_to_write_a_file_with_a_typo(keys_edge: tuple[Edge, Path, P
     assert path.read_text() == text
 
 
-def test_keys_list_json_never_shows_a_key(keys_edge: tuple[Edge, Path, Path]) -> None:
-    _, path, _ = keys_edge
+def _with_global_limits(path: Path, out: Path) -> Path:
+    """A copy of ``path`` with global_limits.enabled (which budgets need), for edits that
+    are not applied to a running edge."""
+    raw = yaml.safe_load(path.read_text())
+    raw["global_limits"] = {"enabled": True}
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+def test_a_budget_without_global_limits_is_refused_and_nothing_is_written(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    _, path, prefix = keys_edge
+    text = path.read_text()
+    made = tokengate("keys", "create", "no-redis", "--rpm", "5", "--tpm", "500",
+                     "--budget", "day=1", "--config", path, "--edge", prefix)
+    assert (made.returncode, made.stdout) == (1, "")
+    assert made.stderr.splitlines() == [
+        ("keys.no-redis.budgets: budgets need global_limits.enabled: true (their spend is "
+         "kept in Redis by tokengate-limits, so it survives restarts and is shared by every "
+         "edge)"), f"{path}: not changed"]
+    assert path.read_text() == text
+
+
+def test_a_key_id_with_a_space_is_refused(keys_edge: tuple[Edge, Path, Path]) -> None:
+    _, path, prefix = keys_edge
+    text = path.read_text()
+    made = tokengate("keys", "create", "team a", "--rpm", "5", "--tpm", "500",
+                     "--config", path, "--edge", prefix)
+    assert (made.returncode, made.stdout) == (1, "")
+    assert made.stderr.splitlines()[0] == (
+        "keys.team a: a key id is 1-64 letters, digits, '.', '_', '-' or '@', starting "
+        "with a letter or digit")
+    assert path.read_text() == text
+
+
+def test_keys_list_json_never_shows_a_key(keys_edge: tuple[Edge, Path, Path],
+                                          tmp_path: Path) -> None:
+    path = _with_global_limits(keys_edge[1], tmp_path / "tokengate.yaml")
     made = tokengate("keys", "create", "listed", "--rpm", "7", "--tpm", "700", "--models",
                      MODEL, "--budget", "day=2.5", "--budget", f"{MODEL}:month=1000t",
                      "--config", path, "--no-apply")
@@ -185,10 +221,10 @@ def test_a_reload_under_streaming_load_drops_nothing(
 
 
 def test_a_budget_below_a_ten_thousandth_is_written_as_typed(
-        keys_edge: tuple[Edge, Path, Path]) -> None:
+        keys_edge: tuple[Edge, Path, Path], tmp_path: Path) -> None:
     """A float written by repr (5e-05) is a string to the configuration's YAML reader:
     the key was refused with "spend: input should be a valid number"."""
-    _, path, _ = keys_edge
+    path = _with_global_limits(keys_edge[1], tmp_path / "tokengate.yaml")
     made = tokengate("keys", "create", "tiny-budget", "--rpm", "5", "--tpm", "500",
                      "--budget", "day=0.00005", "--config", path, "--no-apply")
     assert made.returncode == 0, made.stderr

@@ -182,6 +182,13 @@ local function scrape(name, r)
         got = status == 200 and read(sock) or nil
         sock:close()
     end
+    if sock and status == 200 and not got
+            and metrics.first_in(key("slow:", name, r), 60) then
+        -- the cosocket's own error line names no replica; this one does
+        ngx_log(WARN, "tokengate: GET /metrics of upstream ", r.name, " of ", name,
+            " failed before its end (edge.admission.metrics_timeout_ms ",
+            conf.metrics_timeout_ms, "): its KV cache stays as last read")
+    end
     local kv = got and got["vllm:kv_cache_usage_perc"]
     if not kv then
         -- what it had stays until it expires (metrics_stale_ms)

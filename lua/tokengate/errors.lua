@@ -117,8 +117,10 @@ end
 -- status -> {message, code[, type]}. 5xx of a proxied request are the backend's
 -- failures; 501 and 505 are the client's (what it sent is not HTTP nginx accepts).
 local NGINX = {
-    [400] = { "The request could not be parsed (bad request line or headers).",
-              "invalid_request" },
+    [400] = { "The request is not HTTP that the gateway accepts: a bad request line or "
+        .. "header, a header that may appear once sent twice (Host, Authorization, "
+        .. "Content-Length), Content-Length with Transfer-Encoding, or a broken chunked "
+        .. "body.", "invalid_request" },
     [404] = { "Invalid URL: the API is under /v1/.", "unknown_url" },
     [405] = { "Method not allowed (nginx refuses TRACE, and methods it does not know).",
               "method_not_allowed" },

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -340,13 +341,27 @@ class Budget(_Schema):
         return self.model or "*"
 
 
+# a key id: what `tokengate keys create NAME` accepts
+KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+KEY_ID_RULE = "a key id is 1-64 letters, digits, '.', '_', '-' or '@', starting with a " \
+              "letter or digit"
+
+
+BUDGETS_NEED_REDIS = ("budgets need global_limits.enabled: true (their spend is kept in "
+                      "Redis by tokengate-limits, so it survives restarts and is shared by "
+                      "every edge)")
+
+
 class KeyConfig(_Schema):
     """One API key (``keys.<key id>``); only the SHA-256 digest of the key is stored.
 
-    Coupled (checked on the whole file): each ``models`` override, ``allowed_models``
-    entry and budget ``model`` names a configured model, a key has at most one budget
-    per (model, period), ``priority`` names one of ``edge.admission.priorities``, and no
-    two keys share a digest (the edge finds a key by its digest).
+    Coupled (checked on the whole file): the key id is a name (``KEY_ID``: it appears
+    in headers, metric labels, Redis keys and reports), each ``models`` override,
+    ``allowed_models`` entry and budget ``model`` names a configured model, a key has at
+    most one budget per (model, period), budgets need ``global_limits.enabled`` (their
+    spend is kept in Redis, so it survives restarts and is shared by every edge),
+    ``priority`` names one of ``edge.admission.priorities``, and no two keys share a
+    digest (the edge finds a key by its digest).
     """
 
     sha256: Sha256 = Field(
@@ -868,6 +883,10 @@ class Config(_Schema):
         problems: list[tuple[str, str]] = []
         owner: dict[str, str] = {}
         for key_id, k in self.keys.items():
+            if not KEY_ID.fullmatch(key_id):
+                problems.append((f"keys.{key_id}", KEY_ID_RULE))
+            if k.budgets and not self.global_limits.enabled:
+                problems.append((f"keys.{key_id}.budgets", BUDGETS_NEED_REDIS))
             known = f"not a configured model ({', '.join(self.models)})"
             for model in k.models:
                 if model not in self.models:

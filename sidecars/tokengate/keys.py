@@ -27,7 +27,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -40,7 +40,8 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from tokengate import config as tg_config
 from tokengate.ledger import report
-from tokengate.redis_client import connect
+from tokengate.limits.budget import committed, counter_name
+from tokengate.redis_client import SyncRedis, connect
 
 KEY_PREFIX = "tg-"
 RELOAD_TIMEOUT_S = 10.0
@@ -56,7 +57,8 @@ running edges at once (no restart; streams in flight continue).
         prints the new key once (tg-...); the file stores only its SHA-256
   tokengate keys list [--json]
         names, limits, models, budgets and the spend of the current day / month
-        (from the ledger's Redis: what `tokengate usage` reports); never a key
+        (from the ledger's Redis: what `tokengate usage` reports, and what the budget
+        counters hold with the reservations of requests in flight); never a key
   tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
         [--no-budgets]
   tokengate keys revoke NAME
@@ -379,10 +381,15 @@ def period_start(period: str, today: date) -> date:
 
 
 def listing(cfg: tg_config.Config, rows: list[report.UsageRow] | None,
-            today: date) -> list[dict[str, Any]]:
-    """``keys list --json``'s entries: per key its limits, models and budgets with the
-    spend (currency) and tokens of the current period from ``rows`` (the ledger's
-    per key / model / day rows; None: Redis unavailable, spend unknown)."""
+            today: date, live: dict[tuple[str, str], tuple[int, int]] | None = None
+            ) -> list[dict[str, Any]]:
+    """``keys list --json``'s entries: per key its limits, models and budgets. Each
+    budget has ``spent`` (currency) and ``tokens_used`` of the current period from
+    ``rows`` (the ledger's per key / model / day rows: what ``tokengate usage`` bills;
+    None: Redis unavailable, unknown), and ``committed_spend`` / ``committed_tokens``
+    from ``live`` ((key id, counter) -> the budget counter in Redis, nano-units and
+    tokens: billed plus reserved by requests in flight, what admission compares with the
+    limit; None: unknown)."""
     out = []
     for key_id, k in cfg.keys.items():
         budgets = []
@@ -390,19 +397,68 @@ def listing(cfg: tg_config.Config, rows: list[report.UsageRow] | None,
             start = period_start(b.period, today).isoformat()
             entry: dict[str, Any] = {"period": b.period, "model": b.model, "spend": b.spend,
                                      "tokens": b.tokens, "since": start,
-                                     "spent": None, "tokens_used": None}
+                                     "spent": None, "tokens_used": None,
+                                     "committed_spend": None, "committed_tokens": None}
             if rows is not None:
                 mine = [r for r in rows if r.key_id == key_id and (r.day or "") >= start
                         and (b.model is None or r.model == b.model)]
-                entry["spent"] = sum(r.cost for r in mine)
+                entry["spent"] = round(sum(r.cost for r in mine), 9)
                 entry["tokens_used"] = sum(r.prompt_tokens + r.completion_tokens
                                            for r in mine)
+            counter = (key_id, counter_name(b.scope, b.period, today))
+            if live is not None and counter in live:
+                nano, tokens = live[counter]
+                entry["committed_spend"] = nano / 1e9
+                entry["committed_tokens"] = tokens
             budgets.append(entry)
         out.append({"name": key_id, "rpm": k.rpm, "tpm": k.tpm,
                     "allowed_models": k.allowed_models,
                     "models": {m: lim.model_dump() for m, lim in k.models.items()},
-                    "budgets": budgets})
+                    "priority": k.priority, "budgets": budgets})
     return out
+
+
+def snapshot(cfg: tg_config.Config, client: SyncRedis | None,
+             today: date) -> list[dict[str, Any]]:
+    """``listing`` with what Redis holds now (``client``; None or a failing Redis: the
+    spend is unknown, said on stderr): the ledger's rows of this month and, with global
+    limits, the live budget counters. The admin endpoint (``tokengate.admin``) serves
+    the same entries."""
+    rows: list[report.UsageRow] | None = None
+    live: dict[tuple[str, str], tuple[int, int]] | None = None
+    counters = [(key_id, counter_name(b.scope, b.period, today))
+                for key_id, k in cfg.keys.items() for b in k.budgets]
+    if counters and client is not None:
+        try:
+            rows = report.query(client, since=today.replace(day=1))
+            if cfg.global_limits.enabled:
+                live = dict(zip(counters, committed(client, counters), strict=True))
+        except (RedisError, OSError) as e:
+            print(f"tokengate keys: Redis unavailable, spend unknown: {e}", file=sys.stderr)
+    return listing(cfg, rows, today, live)
+
+
+def admin(current: Callable[[], tg_config.Config], client: SyncRedis
+          ) -> Callable[[str], tuple[int, Any] | None]:
+    """The admin view that the ledger serves on its metrics port (``metrics.serve``):
+    ``GET /keys`` -> ``{"currency", "keys": [entry...]}``, ``keys list --json``'s
+    document; ``GET /keys/<name>`` -> that key's entry, or 404 ``{"error"}``. ``current``
+    gives the configuration in force (the ledger's, reloaded on SIGHUP)."""
+    def answer(path: str) -> tuple[int, Any] | None:
+        if path.rstrip("/") == "/keys":
+            cfg = current()
+            return 200, {"currency": cfg.currency,
+                         "keys": snapshot(cfg, client, datetime.now(UTC).date())}
+        if not path.startswith("/keys/"):
+            return None
+        name = path.removeprefix("/keys/")
+        cfg = current()
+        if name not in cfg.keys:
+            return 404, {"error": f"no key named {name!r}"}
+        entry = snapshot(cfg.model_copy(update={"keys": {name: cfg.keys[name]}}), client,
+                         datetime.now(UTC).date())[0]
+        return 200, {"currency": cfg.currency, **entry}
+    return answer
 
 
 def list_(args: argparse.Namespace) -> int:
@@ -412,15 +468,8 @@ def list_(args: argparse.Namespace) -> int:
     except (tg_config.ConfigError, OSError) as e:
         print(f"tokengate keys: {e}", file=sys.stderr)
         return 2
-    today = datetime.now(UTC).date()
-    rows: list[report.UsageRow] | None = None
-    if any(k.budgets for k in cfg.keys.values()):
-        try:
-            client = connect(cfg.redis, timeout_s=2.0, url=args.redis_url)
-            rows = report.query(client, since=today.replace(day=1))
-        except (RedisError, OSError) as e:
-            print(f"tokengate keys: Redis unavailable, spend unknown: {e}", file=sys.stderr)
-    entries = listing(cfg, rows, today)
+    entries = snapshot(cfg, connect(cfg.redis, timeout_s=2.0, url=args.redis_url),
+                       datetime.now(UTC).date())
     if args.json:
         json.dump({"currency": cfg.currency, "keys": entries}, sys.stdout, indent=1)
         print()
@@ -437,9 +486,15 @@ def list_(args: argparse.Namespace) -> int:
             used = "?" if b["tokens_used"] is None else str(b["tokens_used"])
             parts = []
             if b["spend"] is not None:
-                parts.append(f"spend {spent} of {b['spend']:.6f} {cfg.currency}")
+                part = f"spend {spent} of {b['spend']:.6f} {cfg.currency}"
+                if b["committed_spend"] is not None:
+                    part += f" ({b['committed_spend']:.6f} with reservations)"
+                parts.append(part)
             if b["tokens"] is not None:
-                parts.append(f"tokens {used} of {b['tokens']}")
+                part = f"tokens {used} of {b['tokens']}"
+                if b["committed_tokens"] is not None:
+                    part += f" ({b['committed_tokens']} with reservations)"
+                parts.append(part)
             print(f"  budget per {b['period']} ({scope}, since {b['since']}): "
                   + ", ".join(parts))
     return 0

@@ -10,15 +10,26 @@ serves the sum of them all on one port. A worker that dies and is restarted leav
 counts in its files: counters keep growing, as Prometheus expects. With one worker
 (which runs in the parent itself) and for the ledger (one process) the default registry
 is served.
+
+The ledger's port also serves the admin view (``admin``): JSON for dashboards, answered
+to loopback clients only, whatever address the port is bound to.
 """
 
 from __future__ import annotations
 
 import atexit
+import ipaddress
+import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -31,11 +42,51 @@ def parse_listen(value: str | None) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def serve(listen: str | None, name: str, workers: int = 1) -> bool:
+# admin(path) -> (HTTP status, JSON document) | None (not an admin path)
+Admin = Callable[[str], tuple[int, Any] | None]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
+         ) -> Callable[..., Iterable[bytes]]:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        answer = admin(path) if admin is not None and path != "/metrics" else None
+        if answer is None:
+            return metrics_app(environ, start_response)
+        status, doc = answer
+        peer = ipaddress.ip_address(environ["REMOTE_ADDR"])
+        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped:
+            peer = peer.ipv4_mapped
+        if not peer.is_loopback:
+            status, doc = 403, {"error": "the admin view answers loopback clients only"}
+        body = json.dumps(doc, indent=1).encode() + b"\n"
+        start_response(f"{status} {'OK' if status == 200 else 'Error'}",
+                       [("Content-Type", "application/json"),
+                        ("Content-Length", str(len(body)))])
+        return [body]
+    return app
+
+
+def serve(listen: str | None, name: str, workers: int = 1, admin: Admin | None = None
+          ) -> bool:
     """Serve ``/metrics`` on ``listen`` (``host:port``; None or "none": nothing) from a
     daemon thread of this process. ``name``: the sidecar, for the folder's name;
     ``workers``: the worker processes it is about to spawn (1: none, it serves in this
-    process). A port that cannot be bound is said on stderr and the sidecar goes on
+    process); ``admin``: other paths it answers with JSON (loopback clients only, else
+    403). A port that cannot be bound is said on stderr and the sidecar goes on
     without metrics: an observability port never stops counting, limits or billing.
     Returns whether it serves."""
     addr = parse_listen(listen)
@@ -46,7 +97,7 @@ def serve(listen: str | None, name: str, workers: int = 1) -> bool:
         folder = tempfile.mkdtemp(prefix=f"tokengate-{name}-metrics-")
         os.environ[MULTIPROC_ENV] = folder
         atexit.register(shutil.rmtree, folder, True)
-    from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+    from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
     registry = REGISTRY
     if multiprocess:
@@ -55,9 +106,12 @@ def serve(listen: str | None, name: str, workers: int = 1) -> bool:
         registry = CollectorRegistry()
         mp.MultiProcessCollector(registry)
     try:
-        start_http_server(addr[1], addr=addr[0], registry=registry)
+        server = make_server(addr[0], addr[1], _app(make_wsgi_app(registry), admin),
+                             _Server6 if ":" in addr[0] else _Server, handler_class=_Quiet)
     except OSError as e:
         print(f"tokengate-{name}: metrics not served on {listen}: {e}", file=sys.stderr,
               flush=True)
         return False
+    threading.Thread(target=server.serve_forever, name=f"{name}-metrics",
+                     daemon=True).start()
     return True

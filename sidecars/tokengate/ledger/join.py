@@ -139,7 +139,9 @@ class Join:
         for f, v in counts.items():
             if v:
                 n += [f, str(v)]
-        cost = repr(ch.cost) if ch.cost else "0"
+        # 15 significant digits, the decimal precision of a double: the formula's last-bit
+        # noise (0.00023610000000000002) stays out of the audit stream and the counters
+        cost = f"{ch.cost:.15g}" if ch.cost else "0"
         audit = ["rid", ev.request_id, "ts", ev.ts, "key", ev.key_id or "",
                  "model", ev.model or "", "endpoint", ev.endpoint, "status", str(ev.status),
                  "prompt", str(prompt), "completion", str(st.completion_tokens),

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import metrics, redis_client
+from tokengate import keys, metrics, redis_client
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 log = logging.getLogger("tokengate.ledger")
@@ -75,6 +75,9 @@ METRICS
   --metrics-listen (metrics.ledger_listen) serves Prometheus /metrics: events applied,
   duplicates, bad lines, Redis errors, lag in bytes and seconds, Redis up, and with
   engine files the engine's reconciliation counts: the numbers of the status file.
+  The same port serves the admin view to loopback clients only (403 otherwise):
+  GET /keys (what `tokengate keys list --json` prints: every key's limits, models,
+  budgets and their spend) and GET /keys/NAME (one key; 404 for no such key).
 
 RELOAD
   SIGHUP (systemctl reload) reads the configuration again: events applied from then
@@ -245,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.status_file:
         _write_status(args.status_file, snapshot())
     REGISTRY.register(LedgerCollector(ledger))
-    metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger")
+    metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
+                  admin=keys.admin(lambda: ledger.cfg, client))
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date
 from urllib.parse import quote
 
 from tokengate import redis_client
@@ -121,6 +122,28 @@ def budget_keys(key_id: str, counter: str) -> tuple[str, str]:
 def reservation_key(key_id: str, request_id: str) -> str:
     """The Redis key of one request's reservation."""
     return f"tg:bg:{{{quote(key_id, safe='')}}}:r:{quote(request_id, safe='')}"
+
+
+def counter_name(scope: str, period: str, day: date) -> str:
+    """The counter the edge names for a budget of ``scope`` (``*`` or a model) and
+    ``period`` (day | month) in the UTC period holding ``day``: its id is the days since
+    1970-01-01, or the months since 1970-01 (``period`` in lua/tokengate/budget.lua)."""
+    pid = (day - date(1970, 1, 1)).days if period == "day" \
+        else (day.year - 1970) * 12 + day.month - 1
+    return f"{scope}:{period}:{pid}"
+
+
+def committed(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]]
+              ) -> list[tuple[int, int]]:
+    """(spend nano-units, tokens) each ``(key_id, counter)`` holds now: what was settled
+    plus the reservations of requests still in flight, the totals admission compares with
+    a limit (0 for a counter nothing was charged to). Raises ``RedisError``."""
+    pipe = client.pipeline(transaction=False)
+    for key_id, counter in counters:
+        for k in budget_keys(key_id, counter):
+            pipe.get(k)
+    vals = [int(v or 0) for v in pipe.execute()]
+    return [(vals[2 * i], vals[2 * i + 1]) for i in range(len(counters))]
 
 
 def _keys(key_id: str, request_id: str, counters: Sequence[BudgetCounter]) -> list[str]:
