@@ -33,6 +33,7 @@ BUDGET_KEYS: dict[str, tuple[str, list[dict[str, Any]]]] = {
     "bg-tokens": ("tg-test-bg-tokens", [{"period": "month", "tokens": 1000,
                                          "model": MODEL}]),
     "bg-probe": ("tg-test-bg-probe", []),
+    "bg-big": ("tg-test-bg-big", [{"period": "day", "tokens": 1_000_000}]),
 }
 
 
@@ -134,3 +135,24 @@ def test_a_token_quota_per_model_and_month(budget_edge: Edge) -> None:
     assert len(refused) == 32 - len(ok)
     assert refused[0]["code"] == "insufficient_quota"
     assert f"monthly token quota of 1000 tokens (model {MODEL})" in refused[0]["message"]
+
+
+def test_without_the_counter_a_budget_reserves_the_whole_completion_the_body_allows(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    """The counter is down (on_counter_failure: open): the prompt is the bytes/3 estimate
+    and a request without max_tokens gets min(max_tokens_cap, room) written into its body;
+    the budget reserves all of that, not the TPM's smaller output_reserve."""
+    hostport = fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+    edge = edge_variant_off_vllm("budgets-no-counter", _with_budgets(hostport),
+                                 counter_socket=TEST_DIR / "no-counter.sock")
+    answer = httpx.post(f"{edge.base_url}/chat/completions",
+                        headers={"Authorization": f"Bearer {BUDGET_KEYS['bg-big'][0]}"},
+                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                        timeout=60)
+    assert answer.status_code == 200
+    ev = edge.event(answer.headers["x-request-id"])
+    assert ev["count_source"] == "estimate"
+    estimate = int(answer.headers["x-token-count"])
+    # tiny-qwen3: max_model_len 8192, max_tokens_cap 4096, output_reserve 256
+    assert int(answer.headers["x-budget-remaining-tokens"]) == \
+        1_000_000 - (estimate + min(4096, 8192 - estimate))

@@ -147,26 +147,29 @@ local function counted_budget(route, model, body, reply)
     return room, false
 end
 
--- estimate_budget(route, body, model, prompt) -> completion tokens assumed when the
--- counter could not answer, body_changed: the explicit max_completion_tokens /
--- max_tokens (already capped by adjust), else model.output_reserve. Without an explicit
--- one, the default or cap is written into the body as in completion_budget, clipped to
--- the room the estimated prompt (tokens, an over-count) leaves, at least 1; except a
--- completions request without the key, which vLLM gives 16 tokens.
+-- estimated_budget(route, body, model, prompt) -> the most completion tokens the request
+-- may generate when the counter could not answer, body_changed: the explicit
+-- max_completion_tokens / max_tokens (already capped by adjust); without one, the
+-- default or cap, clipped to the room the estimated prompt (tokens, an over-count)
+-- leaves, at least 1, and written into the body as in completion_budget; a completions
+-- request without the key gets vLLM's 16 tokens; with neither a default nor a cap, the
+-- whole context (vLLM may generate to its end). Budgets reserve this worst case; the
+-- TPM window takes at most output_reserve of it (tokengate.limits.reservation).
 local function estimated_budget(route, body, model, prompt)
     local given = json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
     if given then
         return given, false
     end
     if route == "completions" and body.max_tokens == nil then
-        return min(16, model.output_reserve), false
+        return 16, false
     end
     local limit = model.default_max_tokens or model.max_tokens_cap
     if limit then
-        json_set(body, "max_tokens", min(limit, max(1, model.max_model_len - prompt)))
-        return model.output_reserve, true
+        local out = min(limit, max(1, model.max_model_len - prompt))
+        json_set(body, "max_tokens", out)
+        return out, true
     end
-    return model.output_reserve, false
+    return model.max_model_len, false
 end
 
 -- budget(route, model, body, counted) -> completion tokens the request may generate
