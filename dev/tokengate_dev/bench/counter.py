@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.noop_server is not None:
         grpc_server.run_workers("noop-counter", _serve_noop,
-                                (grpc_server.Listen((f"127.0.0.1:{a.noop_server}",)), 2),
+                                (grpc_server.Listen((f"127.0.0.1:{a.noop_server}",)), 1),
                                 a.workers)
         return
     from rich.console import Console

@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="also listen on PATH.<i> for worker i")
     parser.add_argument("--workers", type=int, default=2,
                         help="worker processes (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="RPC threads per worker (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="RPC threads per worker (default: %(default)s: the GIL runs "
+                             "one call at a time anyway, and a second thread made each call "
+                             "cost 15-25%% more CPU in make bench-counter; the edge sends a "
+                             "call to the worker with the fewest in progress)")
     parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics there, all workers summed "
                              "(default: metrics.counter_listen; 'none': off)")
