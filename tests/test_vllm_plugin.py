@@ -4,7 +4,10 @@ light request before a heavy one that arrived earlier.
 
 The server is the one ``make run`` starts (``devstack.vllm_service``) plus the plugin's
 scheduler (``--scheduler-cls``) and two running slots (``--max-num-seqs 2``), so that
-requests wait in the queue the scheduler orders. The stat-logger part is loaded by vLLM
+requests wait in the queue the scheduler orders. The scheduler is wrapped by
+tests/paced_scheduler.py, which slows the engine's steps only while a queue test holds
+its file: the tests that need requests queued behind blockers then end the blockers
+themselves, whatever the machine's speed. The stat-logger part is loaded by vLLM
 from the plugin's entry point (installed by ``make setup``).
 
 How vLLM 0.32 counts (vllm/v1/metrics/stats.py, loggers.py, engine/output_processor.py,
@@ -27,6 +30,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -39,11 +43,15 @@ from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
+from tests.paced_scheduler import PACE_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PORT = 18050 + PORT_OFFSET  # the suite's plain vLLM is on 18000 + offset
-SCHEDULER = "tokengate_vllm.scheduler.TokenWeightedScheduler"
+# the plugin's scheduler, whose steps the queue tests can slow down (tests/paced_scheduler.py)
+SCHEDULER = "tests.paced_scheduler.PacedTokenWeightedScheduler"
+PACE_FILE = TEST_DIR / "vllm-plugin" / "pace"
+ROOT = Path(__file__).resolve().parents[1]  # on the engine's path: tests.paced_scheduler
 GPU_CHECK = Path(__file__).resolve().parents[1] / "vllm_patches" / "gpu_check.py"
 
 
@@ -93,8 +101,10 @@ def plugin_vllm(cfg: tg_config.Config) -> Iterator[PluginVllm]:
     svc = devstack.vllm_service(cfg.models[MODEL], port=PORT,
                                 name=f"test-vllm-plugin{PORT_OFFSET or ''}")
     svc.argv += ["--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"]
+    PACE_FILE.unlink(missing_ok=True)
     svc.env.update({"TOKENGATE_ENGINE_USAGE_FILE": str(usage),
-                    "TOKENGATE_SCHED_MAX_WAIT_S": "3600"})
+                    "TOKENGATE_SCHED_MAX_WAIT_S": "3600", PACE_ENV: str(PACE_FILE),
+                    "PYTHONPATH": str(ROOT)})
     svc.log_path.unlink(missing_ok=True)
     svc.start()
     try:
@@ -216,26 +226,27 @@ def test_an_n_2_request_is_two_records_and_counts_its_prompt_twice(plugin_vllm: 
     assert sorted(r.index for r in records) == [0, 1]
 
 
-# The two tests below need vLLM's queue to hold requests behind two blockers long enough
-# to be seen; a blocker is bounded by max_model_len (8192), which the tiny model generates
-# in 2-3 s on a quiet machine, too short to see both queued requests every time (seen
-# here: "timed out waiting for the light request queued"). They run, and a failure does
-# not stop CI; tests/test_scheduler_queue.py checks the ordering and the aging bound on
-# the real queue class deterministically.
-QUEUE_TIMING = ("the blockers' duration is bounded by max_model_len: on a quiet machine "
-                "they may end before both queued requests were observed")
+@contextmanager
+def paced() -> Iterator[None]:
+    """vLLM's engine steps slowed (tests/paced_scheduler.py) while the block runs: a
+    blocker then runs until the test's client leaves, however fast the machine."""
+    PACE_FILE.touch()
+    try:
+        yield
+    finally:
+        PACE_FILE.unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(strict=False, reason=QUEUE_TIMING)
 def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
         plugin_vllm: PluginVllm):
     """Both slots busy (two streams); a heavy request (a ~2000-token prompt) arrives,
-    then a light one. The first slot to free goes to the light one: FCFS would give it
-    to the heavy one, which arrived first."""
+    then a light one. The first slot to free (block-a's client leaves) goes to the light
+    one: FCFS would give it to the heavy one, which arrived first."""
     v = plugin_vllm
     ids = {name: rid() for name in ("block-a", "block-b", "heavy", "light")}
     first_token: dict[str, float] = {}
     started = {name: threading.Event() for name in ids}
+    leave = {name: threading.Event() for name in ("block-a", "block-b")}
     offset, before = v.size(), v.metrics()
 
     def stream(name: str, content: str, max_tokens: int) -> None:
@@ -246,21 +257,27 @@ def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
             if chunk.choices and chunk.choices[0].delta.content and name not in first_token:
                 first_token[name] = time.monotonic()
                 started[name].set()
+            if name in leave and leave[name].is_set():
+                break
+        s.close()
 
     heavy_prompt = " ".join(f"w{i}" for i in range(1000))
 
     def waiting(n: int) -> Callable[[], bool]:
         return lambda: v.metrics()["vllm:num_requests_waiting"] == n
 
-    with ThreadPoolExecutor(4) as pool:
-        # long enough to still run on a fast, quiet machine when the others queue
-        futs = [pool.submit(stream, "block-a", "a", 6000),
-                pool.submit(stream, "block-b", "b", 7000)]
+    with paced(), ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(stream, "block-a", "a", BLOCKER_TOKENS),
+                pool.submit(stream, "block-b", "b", BLOCKER_TOKENS)]
         assert started["block-a"].wait(120) and started["block-b"].wait(120)
         futs.append(pool.submit(stream, "heavy", heavy_prompt, 20))
         wait_for(waiting(1), "the heavy request queued")
         futs.append(pool.submit(stream, "light", "hi", 5))
         wait_for(waiting(2), "the light request queued")
+        time.sleep(0.6)  # both wait at least this long (queued_ms below)
+        leave["block-a"].set()
+        assert started["light"].wait(120)
+        leave["block-b"].set()
         for f in futs:
             f.result()
     keys = {f"chatcmpl-{i}#0" for i in ids.values()}
@@ -279,7 +296,6 @@ def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
     assert rec["light"].ts < rec["heavy"].ts
 
 
-@pytest.mark.xfail(strict=False, reason=QUEUE_TIMING)
 def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: PluginVllm):
     """A client that leaves while its request waits for a slot: vLLM removes it from the
     scheduler's (token-weighted) waiting queue; its record has no tokens generated and
@@ -300,7 +316,7 @@ def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: P
                 break
         s.close()
 
-    with ThreadPoolExecutor(2) as pool:
+    with paced(), ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(blocker, n) for n in running]
         assert all(e.wait(120) for e in running.values())
         waiter = v.client(timeout=300).chat.completions.create(
