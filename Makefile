@@ -11,9 +11,11 @@ PY := .venv/bin/python
 setup:
 	@bash scripts/setup.sh
 
-# CONFIG=path: another tokengate.yaml (e.g. in front of vLLM servers of your own)
+# CONFIG=path: another tokengate.yaml (e.g. in front of vLLM servers of your own);
+# COUNTER_PORT=N: the counter's gRPC port (default 50051)
 run: setup
-	@$(PY) -m tokengate_dev.devstack run $(if $(CONFIG),--config $(CONFIG))
+	@$(PY) -m tokengate_dev.devstack run $(if $(CONFIG),--config $(CONFIG)) \
+		$(if $(COUNTER_PORT),--counter-port $(COUNTER_PORT))
 
 test: setup
 	@$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -294,3 +295,38 @@ def test_ctrl_c_while_vllm_starts_stops_it() -> None:
         assert s.sockets() == []
     finally:
         s.close()
+
+
+def test_a_second_stack_on_busy_ports_names_them_and_starts_nothing(
+        fast_upstream_url: str) -> None:
+    """Another process (here a plain listener; usually another `make run`) holds the
+    edge's and the ledger's metrics addresses: the stack lists each busy address with
+    its setting, starts nothing and exits 1."""
+    holders = []
+    for _ in range(2):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        holders.append(sock)
+    edge, ledger = (f"127.0.0.1:{h.getsockname()[1]}" for h in holders)
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["edge"]["listen"] = edge
+        raw["metrics"]["ledger_listen"] = ledger
+
+    s = Stack("busy", upstream_of(fast_upstream_url), edit=edit)
+    try:
+        assert s.proc.wait(60) == 1
+        time.sleep(0.2)  # the reader thread has the last lines
+        width = max(len(edge), len(ledger))
+        assert s.lines == [
+            ("not started: these addresses are in use by other processes (another `make "
+             "run`, of this checkout or another?):"),
+            f"  {edge:<{width}}  edge.listen", f"  {ledger:<{width}}  metrics.ledger_listen",
+            ("Stop them, or give this stack other ports: a copy of the configuration with "
+             "those settings changed, then `make run CONFIG=<that file>`.")]
+        assert s.leftovers() == []
+    finally:
+        s.close()
+        for h in holders:
+            h.close()

@@ -289,6 +289,41 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     ]
 
 
+def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]:
+    """(setting, host:port) of every TCP address the stack that ``stack`` starts
+    listens on."""
+    from tokengate.tools.compile_config import edge_config
+
+    edge = edge_config(cfg)
+    redis_port = urlsplit(cfg.redis.url).port or 6379
+    out = [("redis.url", f"127.0.0.1:{redis_port}"),
+           ("the counter's gRPC port (make run COUNTER_PORT=N)",
+            f"127.0.0.1:{counter_port}"),
+           ("edge.listen", edge.listen), ("edge.status_listen", edge.status_listen)]
+    if cfg.global_limits.enabled:
+        out.append(("global_limits.listen", cfg.global_limits.listen))
+    out += [(f"models.{name}.upstreams.0 (embedded vLLM)", m.upstreams[0])
+            for name, m in cfg.models.items() if m.embedded]
+    m = cfg.metrics
+    for setting, addr in (("metrics.counter_listen", m.counter_listen),
+                          ("metrics.ledger_listen", m.ledger_listen),
+                          ("metrics.limits_listen",
+                           m.limits_listen if cfg.global_limits.enabled else None)):
+        if addr is not None:
+            out.append((setting, addr))
+    return out
+
+
+def busy(addresses: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (setting, host:port) of ``addresses`` that something already listens on."""
+    out = []
+    for setting, addr in addresses:
+        host, _, port = addr.rpartition(":")
+        if tcp_ready(host.strip("[]"), int(port))():
+            out.append((setting, addr))
+    return out
+
+
 def _shown_path(path: Path) -> str:
     """``path`` relative to the checkout when it lies in it."""
     try:
@@ -308,6 +343,16 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     edge = edge_config(cfg)
     usage_file = os.path.relpath(edge.usage_file, ROOT)
     edge_port = int(edge.listen.rpartition(":")[2])
+    taken = busy(listeners(cfg, counter_port))
+    if taken:
+        width = max(len(addr) for _, addr in taken)
+        print("not started: these addresses are in use by other processes (another "
+              "`make run`, of this checkout or another?):\n"
+              + "".join(f"  {addr:<{width}}  {setting}\n" for setting, addr in taken)
+              + "Stop them, or give this stack other ports: a copy of the configuration "
+              "with those settings changed, then `make run CONFIG=<that file>`.",
+              file=sys.stderr)
+        return 1
     sup = Supervisor(stack(config_path, counter_port),
                      say=lambda line: print(line, flush=True))
     observe = endpoints(cfg, edge.listen, edge.status_listen)
