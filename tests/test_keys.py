@@ -9,6 +9,7 @@ workers); a key limited to one model cannot use another and sees only its own in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, REPO_CONFIG
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
@@ -232,3 +233,30 @@ def test_a_budget_below_a_ten_thousandth_is_written_as_typed(
     listed = tokengate("keys", "list", "--json", "--config", path)
     entry = next(k for k in json.loads(listed.stdout)["keys"] if k["name"] == "tiny-budget")
     assert [b["spend"] for b in entry["budgets"]] == [0.00005]
+
+
+def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
+        tmp_path: Path) -> None:
+    """ruamel.yaml keeps the comment lines after the last key (the heading of the next
+    section) on that key: a key appended after it would have been written below them."""
+    text = REPO_CONFIG.read_text().replace(
+        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var' / 'models'}/").replace(
+        "enabled: false                  # true: the edge",
+        "enabled: true                   # true: the edge")
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(text)
+    heading = "\n# Redis: the usage ledger's counters and the global (cross-edge) limits.\nredis:\n"
+    assert heading in text
+    made = tokengate("keys", "create", "last", "--rpm", "5", "--tpm", "500", "--budget",
+                     "day=1", "--budget", f"{MODEL}:month=2.50", "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    edited = path.read_text()
+    assert heading in edited
+    keys_block = edited[edited.index("\nkeys:\n"):edited.index(heading)]
+    assert keys_block.rstrip().endswith(
+        f"  last:\n    sha256: {hashlib.sha256(made.stdout.strip().encode()).hexdigest()}\n"
+        "    rpm: 5\n    tpm: 500\n    budgets:\n      - period: day\n        spend: 1\n"
+        f"      - period: month\n        model: {MODEL}\n        spend: 2.50")
+    revoked = tokengate("keys", "revoke", "last", "--config", path, "--no-apply")
+    assert revoked.returncode == 0, revoked.stderr
+    assert path.read_text() == text

@@ -37,6 +37,8 @@ from typing import Any, Self
 from redis.exceptions import RedisError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import CommentMark
+from ruamel.yaml.tokens import CommentToken
 
 from tokengate import config as tg_config
 from tokengate.ledger import report
@@ -136,8 +138,11 @@ def _yaml() -> YAML:
     y.preserve_quotes = True
     y.width = 4096
     y.indent(mapping=2, sequence=4, offset=2)  # the layout of the shipped tokengate.yaml
+    # a whole amount ("5") as an integer, which the schema takes for a float: with the
+    # float tag ruamel would write !!float '5'
     y.representer.add_representer(
-        _Amount, lambda r, a: r.represent_scalar("tag:yaml.org,2002:float", a.text))
+        _Amount, lambda r, a: r.represent_scalar(
+            "tag:yaml.org,2002:float" if "." in a.text else "tag:yaml.org,2002:int", a.text))
     return y
 
 
@@ -287,6 +292,49 @@ def _keys(data: CommentedMap) -> CommentedMap:
     return keys
 
 
+def _last_item(node: Any) -> tuple[Any, Any] | None:
+    """(container, key or index) of the last item of a block mapping or sequence, down
+    through nested blocks: where ruamel.yaml keeps the comment lines that follow the
+    block (for the last key of ``keys``: the next section's heading)."""
+    found = None
+    while isinstance(node, (CommentedMap, CommentedSeq)) and len(node) \
+            and not node.fa.flow_style():
+        at = next(reversed(node)) if isinstance(node, CommentedMap) else len(node) - 1
+        found, node = (node, at), node[at]
+    return found
+
+
+def _take_trailing(node: Any) -> str | None:
+    """Removes the comment lines that follow ``node``'s last line (its own end-of-line
+    comment stays) and returns them, or None."""
+    last = _last_item(node)
+    if last is None:
+        return None
+    container, at = last
+    slot = container.ca.items.get(at)
+    token = slot[2] if slot and len(slot) > 2 else None
+    if token is None or "\n" not in token.value:
+        return None
+    own, rest = token.value.split("\n", 1)
+    if not rest.strip():
+        return None
+    token.value = own + "\n"
+    return rest
+
+
+def _put_trailing(node: Any, lines: str | None) -> None:
+    """Puts comment ``lines`` (from ``_take_trailing``) after ``node``'s last line."""
+    last = _last_item(node) if lines else None
+    if last is None or lines is None:
+        return
+    container, at = last
+    slot = container.ca.items.setdefault(at, [None, None, None, None])
+    if slot[2] is None:
+        slot[2] = CommentToken("\n" + lines, CommentMark(0), None)
+    else:
+        slot[2].value = slot[2].value.rstrip("\n") + "\n" + lines
+
+
 def _models(text: str) -> list[str] | None:
     return None if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
 
@@ -320,7 +368,10 @@ def create(args: argparse.Namespace) -> int:
             entry["allowed_models"] = _flow(args.models)
         if args.budget:
             _merge_budgets(entry, args.budget)
+        # the lines after the last key (the next section's heading) stay after the keys
+        trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
         keys[args.name] = entry
+        _put_trailing(entry, trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -366,7 +417,11 @@ def revoke(args: argparse.Namespace) -> int:
         keys = _keys(data)
         if args.name not in keys:
             raise LookupError(f"no key {args.name!r}")
+        trailing = _take_trailing(keys[args.name]) \
+            if next(reversed(keys)) == args.name else None
         del keys[args.name]
+        if keys:
+            _put_trailing(keys[next(reversed(keys))], trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
