@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import redis_client
 from tokengate.config import RedisConfig
+from tokengate.ledger import store
 from tokengate.limits.budget import budget_keys, reservation_key
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
 from tokengate_dev import devstack
 
+from tests.conftest import MODEL
 from tests.fixtures_ledger import PORT_OFFSET, free_port, svc_name, wait_until
 
 LIMITS_PORTS = range(15061 + PORT_OFFSET, 15070 + PORT_OFFSET)
@@ -328,7 +331,7 @@ def test_a_budget_admits_what_fits_and_names_the_limit(limits, ledger_redis):
     tokens = reserve_budget(limits, 9, 1, tokens=40, token_limit=45)  # 30 + 40 > 45
     assert (tokens.admitted, tokens.limited_by, tokens.usage[0].tokens) == \
         (False, pb.BUDGET_TOKENS, 30)
-    spend_key, tokens_key = budget_keys("k", DAY_COUNTER)
+    spend_key, tokens_key, *_ = budget_keys("k", DAY_COUNTER)
     assert (ledger_redis.get(spend_key), ledger_redis.get(tokens_key)) == ("900", "30")
     assert 172_700 < ledger_redis.ttl(spend_key) <= 172_800
 
@@ -357,6 +360,34 @@ def test_a_request_admitted_without_a_reservation_is_charged_its_real_cost(limit
     assert (s.applied, s.reserved) == (True, False)
     r = reserve_budget(limits, 6, 400, spend_limit=1000)
     assert (r.admitted, r.usage[0].spent_nano, r.usage[0].tokens) == (False, 700, 30)
+
+
+def test_a_budget_holds_at_least_what_the_ledger_billed(limits, ledger_redis):
+    """Spend that never reached the budget's counters (admitted by an edge on its own
+    counters, its settlement lost; a Redis that lost them) is in the ledger's bill: a
+    counter holds at least the bill plus the reservations in flight."""
+    day = (date(1970, 1, 1) + timedelta(days=20000)).isoformat()  # DAY_COUNTER's day
+    ledger_redis.hset(store.usage_key(day, "kb", MODEL),
+                      mapping={"cost": "0.0000009", "prompt_tokens": 20,
+                               "completion_tokens": 10})
+
+    def reserve(i: int, cost: int) -> pb.BudgetReserveReply:
+        return limits.ReserveBudget(pb.BudgetReserveRequest(
+            key_id="kb", request_id=rid(i), counters=counters(1000, 100), cost_nano=cost,
+            tokens=10), timeout=2)
+
+    refused = reserve(1, 300)
+    assert (refused.admitted, refused.limited_by, refused.usage[0].spent_nano,
+            refused.usage[0].tokens) == (False, pb.BUDGET_SPEND, 900, 30)
+    assert [reserve(2, 50).usage[0].spent_nano, reserve(3, 50).usage[0].spent_nano] == \
+        [950, 1000]  # the bill plus what is in flight
+    assert not reserve(4, 1).admitted
+    s = limits.SettleBudget(pb.BudgetSettleRequest(
+        key_id="kb", request_id=rid(2), counters=counters(), cost_nano=40, tokens=10),
+        timeout=2)
+    assert (s.applied, s.reserved) == (True, True)
+    # request 2 settled (in flight no more; its bill not yet in the ledger's): 900 + 50
+    assert reserve(5, 50).usage[0].spent_nano == 1000
 
 
 def test_concurrent_budget_reservations_never_pass_the_limit(config_path, redis_url,

@@ -89,11 +89,17 @@ def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | No
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
 
 
-def redis_service(port: int = 6380, name: str = "redis") -> Service:
-    """redis-server on loopback, persistence off (the usage file is the durable record)."""
+def redis_service(port: int = 6380, name: str = "redis", persist: bool = False) -> Service:
+    """redis-server on loopback. ``persist``: an append-only file in ``var/redis``
+    (fsync every second), as ``make run`` uses it: the budgets' counters live only in
+    Redis (the ledger's counters are rebuilt from the usage files when Redis lost them;
+    the budgets' are not), so they survive a restart of the stack. Without it (the
+    tests), nothing is written to disk."""
+    data = VAR / ("redis" if persist else "run")
+    data.mkdir(parents=True, exist_ok=True)
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(VAR / "run")]
-    (VAR / "run").mkdir(parents=True, exist_ok=True)
+            "--appendonly", "yes" if persist else "no", "--appendfsync", "everysec",
+            "--dir", str(data)]
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0)
 
 
@@ -265,7 +271,7 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
 
     edge_port = int(edge_config(cfg).listen.rpartition(":")[2])
     services = [
-        redis_service(port=urlsplit(cfg.redis.url).port or 6379),
+        redis_service(port=urlsplit(cfg.redis.url).port or 6379, persist=True),
         counter_service(config_path, port=counter_port, unix_socket=VAR / "run" / "counter.sock"),
     ]
     gl = cfg.global_limits

@@ -487,7 +487,8 @@ def snapshot(cfg: tg_config.Config, client: SyncRedis | None,
         try:
             rows = report.query(client, since=today.replace(day=1))
             if cfg.global_limits.enabled:
-                live = dict(zip(counters, committed(client, counters), strict=True))
+                live = dict(zip(counters, committed(client, counters, list(cfg.models)),
+                                strict=True))
         except (RedisError, OSError) as e:
             print(f"tokengate keys: Redis unavailable, spend unknown: {e}", file=sys.stderr)
     return listing(cfg, rows, today, live)

@@ -266,21 +266,27 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen,
             await health_servicer.set(SERVICE, grpc_server.SERVING if up
                                       else grpc_server.NOT_SERVING)
 
-        service = GlobalLimitsService(GlobalLimiter(client), GlobalBudgets(client),
+        models = list(cfg.models)  # the scope "*" of the ledger's bill; reloaded
+
+        service = GlobalLimitsService(GlobalLimiter(client),
+                                      GlobalBudgets(client, lambda: models),
                                       timeout_s * 2, on_health)
         limits_pb2_grpc.add_GlobalLimitsServicer_to_server(service, server)
         current = cfg.redis
 
         def reload() -> None:
-            nonlocal current
-            new = tg_config.load(config_path).redis
+            nonlocal current, models
+            loaded = tg_config.load(config_path)
+            models = list(loaded.models)
+            new = loaded.redis
             if new == current:
                 log.info("configuration reloaded: the redis section is unchanged")
                 return
             t = new.timeout_ms / 1000.0
             fresh = redis_client.connect_async(new, t, url=redis_url)
             old = service.limiter.client
-            service.limiter, service.budgets = GlobalLimiter(fresh), GlobalBudgets(fresh)
+            service.limiter = GlobalLimiter(fresh)
+            service.budgets = GlobalBudgets(fresh, lambda: models)
             service.timeout_s, current = t * 2, new
             task = asyncio.get_running_loop().create_task(_close_later(old))
             closing.add(task)
