@@ -324,6 +324,18 @@ def test_two_edges_never_spend_past_a_budget_and_bill_it_like_the_ledger(
             == [k["name"] for k in json.loads(listed)["keys"]]
         missing = httpx.get(f"http://127.0.0.1:{port}/keys/nobody", timeout=10)
         assert (missing.status_code, missing.json()) == (404, {"error": "no key named 'nobody'"})
+        assert httpx.post(f"http://127.0.0.1:{port}/keys", timeout=10).status_code == 405
+        assert httpx.get(f"http://127.0.0.1:{port}/keysx", timeout=10).status_code == 404
+        # a key `tokengate keys` adds to the file is in the view at once (no reload)
+        cli = [sys.executable, "-m", "tokengate.cli", "keys"]
+        subprocess.run([*cli, "create", "late", "--rpm", "1", "--tpm", "10", "--config",
+                        str(edge_yaml), "--no-apply"], capture_output=True, check=True)
+        try:
+            late = httpx.get(f"http://127.0.0.1:{port}/keys/late", timeout=10)
+            assert (late.status_code, late.json()["rpm"]) == (200, 1)
+        finally:
+            subprocess.run([*cli, "revoke", "late", "--config", str(edge_yaml), "--no-apply"],
+                           capture_output=True, check=True)
         if NON_LOOPBACK is not None:
             # bound to every address, the view still answers loopback clients only
             outside = httpx.get(f"http://{NON_LOOPBACK}:{port}/keys", timeout=10)

@@ -494,20 +494,33 @@ def snapshot(cfg: tg_config.Config, client: SyncRedis | None,
     return listing(cfg, rows, today, live)
 
 
-def admin(current: Callable[[], tg_config.Config], client: SyncRedis
-          ) -> Callable[[str], tuple[int, Any] | None]:
+def admin(path: Path, client: SyncRedis) -> Callable[[str], tuple[int, Any] | None]:
     """The admin view that the ledger serves on its metrics port (``metrics.serve``):
     ``GET /keys`` -> ``{"currency", "keys": [entry...]}``, ``keys list --json``'s
-    document; ``GET /keys/<name>`` -> that key's entry, or 404 ``{"error"}``. ``current``
-    gives the configuration in force (the ledger's, reloaded on SIGHUP)."""
-    def answer(path: str) -> tuple[int, Any] | None:
-        if path.rstrip("/") == "/keys":
+    document; ``GET /keys/<name>`` -> that key's entry, or 404 ``{"error"}``. ``path``:
+    the configuration file, read again whenever it changed (``tokengate keys`` edits
+    it; a file that does not load leaves the last one that did)."""
+    loaded: dict[str, Any] = {"stamp": None, "cfg": tg_config.load(path)}
+
+    def current() -> tg_config.Config:
+        try:
+            st = path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != loaded["stamp"]:
+                loaded["cfg"], loaded["stamp"] = tg_config.load(path), stamp
+        except (tg_config.ConfigError, OSError):
+            pass
+        cfg: tg_config.Config = loaded["cfg"]
+        return cfg
+
+    def answer(path_info: str) -> tuple[int, Any] | None:
+        if path_info.rstrip("/") == "/keys":
             cfg = current()
             return 200, {"currency": cfg.currency,
                          "keys": snapshot(cfg, client, datetime.now(UTC).date())}
-        if not path.startswith("/keys/"):
+        if not path_info.startswith("/keys/"):
             return None
-        name = path.removeprefix("/keys/")
+        name = path_info.removeprefix("/keys/")
         cfg = current()
         if name not in cfg.keys:
             return 404, {"error": f"no key named {name!r}"}

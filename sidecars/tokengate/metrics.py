@@ -61,22 +61,33 @@ class _Quiet(WSGIRequestHandler):
 
 def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
          ) -> Callable[..., Iterable[bytes]]:
+    """``/`` and ``/metrics``: Prometheus; an ``admin`` path: its JSON (GET and HEAD,
+    loopback clients only); anything else: 404."""
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
-        answer = admin(path) if admin is not None and path != "/metrics" else None
-        if answer is None:
+        if path in ("/", "/metrics"):
             return metrics_app(environ, start_response)
-        status, doc = answer
+        headers = [("Content-Type", "application/json")]
+        method = environ.get("REQUEST_METHOD", "GET")
         peer = ipaddress.ip_address(environ["REMOTE_ADDR"])
         if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped:
             peer = peer.ipv4_mapped
-        if not peer.is_loopback:
+        answer = admin(path) if admin is not None and peer.is_loopback \
+            and method in ("GET", "HEAD") else None
+        if admin is not None and not peer.is_loopback:
             status, doc = 403, {"error": "the admin view answers loopback clients only"}
+        elif admin is not None and method not in ("GET", "HEAD"):
+            status, doc = 405, {"error": f"{method[:20]} is not allowed here: GET or HEAD"}
+            headers.append(("Allow", "GET, HEAD"))
+        elif answer is None:
+            status, doc = 404, {"error": f"no such path: {path[:200]}"}
+        else:
+            status, doc = answer
         body = json.dumps(doc, indent=1).encode() + b"\n"
-        start_response(f"{status} {'OK' if status == 200 else 'Error'}",
-                       [("Content-Type", "application/json"),
-                        ("Content-Length", str(len(body)))])
-        return [body]
+        headers.append(("Content-Length", str(len(body))))
+        reason = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
+        start_response(f"{status} {reason.get(status, 'Error')}", headers)
+        return [b""] if method == "HEAD" else [body]
     return app
 
 

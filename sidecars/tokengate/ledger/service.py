@@ -77,7 +77,8 @@ METRICS
   engine files the engine's reconciliation counts: the numbers of the status file.
   The same port serves the admin view to loopback clients only (403 otherwise):
   GET /keys (what `tokengate keys list --json` prints: every key's limits, models,
-  budgets and their spend) and GET /keys/NAME (one key; 404 for no such key).
+  budgets and their spend) and GET /keys/NAME (one key; 404 for no such key), from
+  the configuration file as it is now (`tokengate keys` changes need no reload).
 
 RELOAD
   SIGHUP (systemctl reload) reads the configuration again: events applied from then
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         _write_status(args.status_file, snapshot())
     REGISTRY.register(LedgerCollector(ledger))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
-                  admin=keys.admin(lambda: ledger.cfg, client))
+                  admin=keys.admin(cfg.path, client))
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()
