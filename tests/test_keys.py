@@ -235,16 +235,70 @@ def test_a_budget_below_a_ten_thousandth_is_written_as_typed(
     assert [b["spend"] for b in entry["budgets"]] == [0.00005]
 
 
-def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
-        tmp_path: Path) -> None:
-    """ruamel.yaml keeps the comment lines after the last key (the heading of the next
-    section) on that key: a key appended after it would have been written below them."""
+def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
+    """The repository's tokengate.yaml (comments and all) with global limits on, in
+    ``tmp_path``: (its path, its text)."""
     text = REPO_CONFIG.read_text().replace(
         "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var' / 'models'}/").replace(
         "enabled: false                  # true: the edge",
         "enabled: true                   # true: the edge")
     path = tmp_path / "tokengate.yaml"
     path.write_text(text)
+    return path, text
+
+
+REFUSED = [
+    (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=99999999999999999999999"],
+     ("keys.x.budgets.0.spend: input should be less than or equal to 1000000000, got "
+      "99999999999999999999999")),
+    (["create", "x", "--rpm", "99999999999999999999", "--tpm", "9"],
+     ("keys.x.rpm: input should be less than or equal to 1000000000000, got "
+      "99999999999999999999")),
+    (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=0.0000000001"],
+     "keys.x.budgets.0.spend: input should be greater than or equal to 0.000001, got 1e-10"),
+    (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=5", "--budget", "day=6"],
+     "tokengate keys: --budget: two day budgets for every model"),
+    (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
+      f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
+    (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
+                       "--budget or --no-budgets")),
+    (["set", "demo", "--models", ","], ("tokengate keys: --models: name at least one "
+                                        "model, or all")),
+]
+
+
+@pytest.mark.parametrize("args,message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_keys_refuses_what_the_edge_cannot_enforce_and_writes_nothing(
+        tmp_path: Path, args: list[str], message: str) -> None:
+    path, text = _repo_copy(tmp_path)
+    if "other-qwen3" in args:
+        text = text.replace("\ncurrency:", "\n  other-qwen3:\n    dir: "
+                            f"{REPO_CONFIG.parent / 'var' / 'models' / 'tiny-qwen3'}\n"
+                            "    max_model_len: 8192\n    upstreams: [127.0.0.1:8000]\n"
+                            "\ncurrency:", 1)
+        path.write_text(text)
+    out = tokengate("keys", *args, "--config", path, "--no-apply")
+    assert out.returncode in (1, 2) and out.stdout == ""
+    assert out.stderr.splitlines()[0] == message
+    assert path.read_text() == text
+
+
+def test_keys_on_a_file_that_is_not_yaml_says_so_in_one_line(tmp_path: Path) -> None:
+    path, text = _repo_copy(tmp_path)
+    path.write_text(text + "keys:\n  bad: [\n")
+    out = tokengate("keys", "create", "x", "--rpm", "1", "--tpm", "1", "--config", path,
+                    "--no-apply")
+    assert out.returncode == 1
+    first, last = out.stderr.splitlines()
+    assert first.startswith(f"{path}: not YAML: while parsing a flow node")
+    assert last == f"{path}: not changed"
+
+
+def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
+        tmp_path: Path) -> None:
+    """ruamel.yaml keeps the comment lines after the last key (the heading of the next
+    section) on that key: a key appended after it would have been written below them."""
+    path, text = _repo_copy(tmp_path)
     heading = "\n# Redis: the usage ledger's counters and the global (cross-edge) limits.\nredis:\n"
     assert heading in text
     made = tokengate("keys", "create", "last", "--rpm", "5", "--tpm", "500", "--budget",

@@ -148,7 +148,9 @@ Sha256 = Annotated[str, AfterValidator(_sha256),
 RedisUrl = Annotated[str, AfterValidator(_redis_url),
                      WithJsonSchema({"type": "string", "format": "uri",
                                      "pattern": "^(redis|rediss|unix)://"})]
-Positive = Annotated[int, Field(ge=1)]  # the unit is in each field's description
+# the unit is in each field's description; at most a trillion: the edge computes with
+# Lua numbers and writes them in headers as integers (%.14g)
+Positive = Annotated[int, Field(ge=1, le=10**12)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -318,9 +320,10 @@ class Budget(_Schema):
         description="The UTC calendar period the budget covers: `day` (resets at 00:00 "
                     "UTC), `month` (resets on the 1st at 00:00 UTC).")
     spend: float | None = Field(
-        default=None, gt=0.0,
+        default=None, ge=1e-6, le=1e9,
         description="Spend limit per period, in `currency` (the cost `tokengate usage` "
-                    "reports). null: no spend limit.")
+                    "reports), from 0.000001 to 1e9 (spend is counted in nano-units). "
+                    "null: no spend limit.")
     tokens: Positive | None = Field(
         default=None,
         description="Token quota per period, tokens (prompt + completion). null: none.")
@@ -372,7 +375,7 @@ class KeyConfig(_Schema):
         default={},
         description="Per-model limits of this key, by served model name.")
     allowed_models: list[NonEmpty] | None = Field(
-        default=None,
+        default=None, min_length=1,
         description="Served models this key may use; any other is answered 404 "
                     "`model_not_found` like a model that does not exist, and /v1/models "
                     "lists only these. null: every model.")
@@ -894,10 +897,16 @@ class Config(_Schema):
             for i, model in enumerate(k.allowed_models or []):
                 if model not in self.models:
                     problems.append((f"keys.{key_id}.allowed_models.{i}", known))
+                elif model in (k.allowed_models or [])[:i]:
+                    problems.append((f"keys.{key_id}.allowed_models.{i}", "listed twice"))
             seen: set[tuple[str, str]] = set()
             for i, b in enumerate(k.budgets):
                 if b.model is not None and b.model not in self.models:
                     problems.append((f"keys.{key_id}.budgets.{i}.model", known))
+                elif b.model is not None and k.allowed_models is not None \
+                        and b.model not in k.allowed_models:
+                    problems.append((f"keys.{key_id}.budgets.{i}.model",
+                                     "not one of the key's allowed_models"))
                 if (b.scope, b.period) in seen:
                     why = f"a second {b.period} budget for {b.model or 'every model'}"
                     problems.append((f"keys.{key_id}.budgets.{i}", why))

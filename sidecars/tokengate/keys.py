@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from redis.exceptions import RedisError
-from ruamel.yaml import YAML
+from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import CommentMark
 from ruamel.yaml.tokens import CommentToken
@@ -187,7 +187,11 @@ def edit(path: Path, change: Any) -> tg_config.Config:
 
     y = _yaml()
     with _locked(path):
-        data = y.load(path.read_text())
+        try:
+            data = y.load(path.read_text())
+        except YAMLError as e:
+            raise tg_config.ConfigError(
+                f"{path}: not YAML: {' '.join(str(e).split())[:300]}") from e
         change(data)
         buf = io.StringIO()
         y.dump(data, buf)
@@ -336,7 +340,24 @@ def _put_trailing(node: Any, lines: str | None) -> None:
 
 
 def _models(text: str) -> list[str] | None:
-    return None if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+    """``--models``: "all" -> None, else the names in order, each once; at least one."""
+    if text == "all":
+        return None
+    names = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one model, or all")
+    return names
+
+
+def _once_per_period(budgets: list[dict[str, Any]]) -> None:
+    """Raises ``LookupError`` when ``budgets`` (one command's --budget) holds two for
+    one model and period."""
+    seen = set()
+    for b in budgets:
+        scope = (b.get("model") or "every model", b["period"])
+        if scope in seen:
+            raise LookupError(f"--budget: two {scope[1]} budgets for {scope[0]}")
+        seen.add(scope)
 
 
 def _run_edit(args: argparse.Namespace, change: Any) -> tuple[int, tg_config.Config | None]:
@@ -367,6 +388,7 @@ def create(args: argparse.Namespace) -> int:
         if args.models is not None:
             entry["allowed_models"] = _flow(args.models)
         if args.budget:
+            _once_per_period(args.budget)
             _merge_budgets(entry, args.budget)
         # the lines after the last key (the next section's heading) stay after the keys
         trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
@@ -388,6 +410,10 @@ def set_(args: argparse.Namespace) -> int:
         keys = _keys(data)
         if args.name not in keys:
             raise LookupError(f"no key {args.name!r}")
+        if (args.rpm, args.tpm, args.models, args.budget) == (None, None, None, None) \
+                and not args.no_budgets:
+            raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget "
+                              "or --no-budgets")
         entry = keys[args.name]
         if args.rpm is not None:
             entry["rpm"] = args.rpm
@@ -397,10 +423,15 @@ def set_(args: argparse.Namespace) -> int:
             if args.models == "all":
                 entry.pop("allowed_models", None)
             else:
-                entry["allowed_models"] = _flow(_models(args.models) or [])
+                try:
+                    names = _models(args.models)
+                except argparse.ArgumentTypeError as e:
+                    raise LookupError(f"--models: {e}") from e
+                entry["allowed_models"] = _flow(names or [])
         if args.no_budgets:
             entry.pop("budgets", None)
         if args.budget:
+            _once_per_period(args.budget)
             _merge_budgets(entry, args.budget)
 
     status, cfg = _run_edit(args, change)
