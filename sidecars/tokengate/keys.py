@@ -279,7 +279,8 @@ def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
             reload_edge(t, cfg)
             print(f"applied: {t.edge_json} (nginx reloaded)", file=sys.stderr)
         except (RuntimeError, OSError, tg_config.ConfigError) as e:
-            print(f"tokengate keys: {e}", file=sys.stderr)
+            print(f"tokengate keys: not applied: {e} (the file is written: reload that "
+                  "edge yourself)", file=sys.stderr)
             status = 1
     return status
 
