@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,6 +29,12 @@ from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import Edge, run_lua
 
 MAX_TOKENS = 100
+
+
+def amount(nano: int) -> str:
+    """Nano-units as the edge writes an amount in a message: 9 decimals, trailing zeros
+    dropped down to 6."""
+    return re.sub("0?0?0$", "", f"{nano / 1e9:.9f}")
 BUDGET_KEYS: dict[str, tuple[str, list[dict[str, Any]]]] = {
     "bg-spend": ("tg-test-bg-spend", [{"period": "day", "spend": 0.001}]),
     "bg-tokens": ("tg-test-bg-tokens", [{"period": "month", "tokens": 1000,
@@ -110,6 +117,9 @@ def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge
     assert (err["type"], err["code"]) == ("insufficient_quota", "insufficient_quota")
     assert err["message"].startswith("You exceeded your current quota on key bg-spend: the "
                                      "daily spend limit of 0.001 USD (every model): ")
+    # (what is spent or reserved may include a concurrent refusal's reservation, taken
+    # back a moment later: incr-then-check)
+    assert f" spent or reserved, this request may cost up to {amount(nano)}. " in err["message"]
     assert "It resets at " in err["message"] and "T00:00:00Z" in err["message"]
     assert 1 <= int(refused[0].headers["retry-after"]) <= 86_400
     # what the ledger bills for them (its formula, on the edge's usage events)

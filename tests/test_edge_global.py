@@ -43,6 +43,7 @@ from tokengate_dev import devstack
 from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import EDGE_DIR, Edge, _edge_yaml, free_port, run_lua
 from tests.fixtures_ledger import svc_name, wait_until
+from tests.test_budgets import amount
 
 # key id -> (key, rpm, tpm); the fast upstream's answers cost prompt + max_tokens.
 GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {
@@ -276,8 +277,8 @@ def test_two_edges_never_spend_past_a_budget_and_bill_it_like_the_ledger(
     # what Redis holds when it refuses: every admission of both edges
     assert err["message"].startswith(
         f"You exceeded your current quota on key {key_id}: the daily spend limit of 10 USD "
-        f"(every model): {len(ok) * cost_nano / 1e9:.6f} spent or reserved, this request "
-        f"may cost up to {cost_nano / 1e9:.6f}. It resets at ")
+        f"(every model): {amount(len(ok) * cost_nano)} spent or reserved, this request "
+        f"may cost up to {amount(cost_nano)}. It resets at ")
     assert min(float(r.headers["x-budget-remaining-spend"]) for _e, r in ok) == \
         pytest.approx((budget_nano - len(ok) * cost_nano) / 1e9, abs=1e-9)
     # every reservation settled (the fast upstream's answer costs its worst case)

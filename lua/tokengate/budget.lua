@@ -164,15 +164,22 @@ local function take_back(bud, upto)
     end
 end
 
+-- amount(n) -> nano-units n as currency text: 9 decimals, trailing zeros dropped down
+-- to 6 (7.75e-05 is "0.0000775", not 6 decimals' "0.000077")
+local function amount(n)
+    local text = format("%.9f", n / NANO)
+    return (text:gsub("0?0?0$", ""))
+end
+
 -- rejection(bud, it, kind, used) -> the 429 insufficient_quota error
 local function rejection(bud, it, kind, used)
     local b = it.b
     local scope = b.model and ("model " .. b.model) or "every model"
     local what
     if kind == "spend" then
-        what = format("%s spend limit of %s %s (%s): %.6f spent or reserved, this request "
-            .. "may cost up to %.6f", NAMES[b.period], tostring(b.spend), bud.currency, scope,
-            used / NANO, bud.cost / NANO)
+        what = format("%s spend limit of %s %s (%s): %s spent or reserved, this request "
+            .. "may cost up to %s", NAMES[b.period], tostring(b.spend), bud.currency, scope,
+            amount(used), amount(bud.cost))
     else
         what = format("%s token quota of %d tokens (%s): %d used or reserved, this request "
             .. "may use up to %d", NAMES[b.period], b.tokens, scope, used, bud.tokens)
