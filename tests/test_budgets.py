@@ -32,9 +32,9 @@ MAX_TOKENS = 100
 
 
 def amount(nano: int) -> str:
-    """Nano-units as the edge writes an amount in a message: 9 decimals, trailing zeros
-    dropped down to 6."""
-    return re.sub("0?0?0$", "", f"{nano / 1e9:.9f}")
+    """Nano-units as the edge writes an amount in a message: to the nano-unit, without
+    trailing zeros."""
+    return re.sub(r"\.?0+$", "", f"{nano / 1e9:.9f}")
 BUDGET_KEYS: dict[str, tuple[str, list[dict[str, Any]]]] = {
     "bg-spend": ("tg-test-bg-spend", [{"period": "day", "spend": 0.001}]),
     "bg-tokens": ("tg-test-bg-tokens", [{"period": "month", "tokens": 1000,

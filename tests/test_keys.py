@@ -311,6 +311,11 @@ def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
         f"  last:\n    sha256: {hashlib.sha256(made.stdout.strip().encode()).hexdigest()}\n"
         "    rpm: 5\n    tpm: 500\n    budgets:\n      - period: day\n        spend: 1\n"
         f"      - period: month\n        model: {MODEL}\n        spend: 2.50")
+    for change in (["--budget", "day=6"], ["--no-budgets", "--models", MODEL],
+                   ["--budget", f"{MODEL}:month=200t"]):
+        changed = tokengate("keys", "set", "last", *change, "--config", path, "--no-apply")
+        assert changed.returncode == 0, changed.stderr
+        assert heading in path.read_text(), change
     revoked = tokengate("keys", "revoke", "last", "--config", path, "--no-apply")
     assert revoked.returncode == 0, revoked.stderr
     assert path.read_text() == text

@@ -164,11 +164,11 @@ local function take_back(bud, upto)
     end
 end
 
--- amount(n) -> nano-units n as currency text: 9 decimals, trailing zeros dropped down
--- to 6 (7.75e-05 is "0.0000775", not 6 decimals' "0.000077")
+-- amount(n) -> nano-units n as currency text, to the nano-unit without trailing zeros
+-- (77500 is "0.0000775", not 6 decimals' "0.000077"; 1e10 is "10")
 local function amount(n)
     local text = format("%.9f", n / NANO)
-    return (text:gsub("0?0?0$", ""))
+    return (text:gsub("%.?0+$", ""))
 end
 
 -- rejection(bud, it, kind, used) -> the 429 insufficient_quota error
@@ -178,7 +178,7 @@ local function rejection(bud, it, kind, used)
     local what
     if kind == "spend" then
         what = format("%s spend limit of %s %s (%s): %s spent or reserved, this request "
-            .. "may cost up to %s", NAMES[b.period], tostring(b.spend), bud.currency, scope,
+            .. "may cost up to %s", NAMES[b.period], amount(b.spend_nano), bud.currency, scope,
             amount(used), amount(bud.cost))
     else
         what = format("%s token quota of %d tokens (%s): %d used or reserved, this request "

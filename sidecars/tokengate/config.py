@@ -890,19 +890,20 @@ class Config(_Schema):
                 problems.append((f"keys.{key_id}", KEY_ID_RULE))
             if k.budgets and not self.global_limits.enabled:
                 problems.append((f"keys.{key_id}.budgets", BUDGETS_NEED_REDIS))
-            known = f"not a configured model ({', '.join(self.models)})"
+            def known(model: str) -> str:
+                return f"{model!r} is not a configured model ({', '.join(self.models)})"
             for model in k.models:
                 if model not in self.models:
-                    problems.append((f"keys.{key_id}.models.{model}", known))
+                    problems.append((f"keys.{key_id}.models.{model}", known(model)))
             for i, model in enumerate(k.allowed_models or []):
                 if model not in self.models:
-                    problems.append((f"keys.{key_id}.allowed_models.{i}", known))
+                    problems.append((f"keys.{key_id}.allowed_models.{i}", known(model)))
                 elif model in (k.allowed_models or [])[:i]:
                     problems.append((f"keys.{key_id}.allowed_models.{i}", "listed twice"))
             seen: set[tuple[str, str]] = set()
             for i, b in enumerate(k.budgets):
                 if b.model is not None and b.model not in self.models:
-                    problems.append((f"keys.{key_id}.budgets.{i}.model", known))
+                    problems.append((f"keys.{key_id}.budgets.{i}.model", known(b.model)))
                 elif b.model is not None and k.allowed_models is not None \
                         and b.model not in k.allowed_models:
                     problems.append((f"keys.{key_id}.budgets.{i}.model",

@@ -416,6 +416,8 @@ def set_(args: argparse.Namespace) -> int:
             raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget "
                               "or --no-budgets")
         entry = keys[args.name]
+        # the lines after the last key (the next section's heading) stay after it
+        trailing = _take_trailing(entry) if next(reversed(keys)) == args.name else None
         if args.rpm is not None:
             entry["rpm"] = args.rpm
         if args.tpm is not None:
@@ -434,6 +436,7 @@ def set_(args: argparse.Namespace) -> int:
         if args.budget:
             _once_per_period(args.budget)
             _merge_budgets(entry, args.budget)
+        _put_trailing(entry, trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -562,6 +565,12 @@ def admin(path: Path, client: SyncRedis) -> Callable[[str], tuple[int, Any] | No
     return answer
 
 
+def _amount(value: float) -> str:
+    """A currency amount to the nano-unit budgets count in, without trailing zeros (as
+    the edge writes it in a refusal)."""
+    return f"{value:.9f}".rstrip("0").rstrip(".")
+
+
 def list_(args: argparse.Namespace) -> int:
     """``tokengate keys list``: a table, or ``--json``."""
     try:
@@ -583,13 +592,13 @@ def list_(args: argparse.Namespace) -> int:
             print(f"  {m}: rpm {lim['rpm']}, tpm {lim['tpm']}")
         for b in entry["budgets"]:
             scope = b["model"] or "all models"
-            spent = "?" if b["spent"] is None else f"{b['spent']:.6f}"
+            spent = "?" if b["spent"] is None else _amount(b["spent"])
             used = "?" if b["tokens_used"] is None else str(b["tokens_used"])
             parts = []
             if b["spend"] is not None:
-                part = f"spend {spent} of {b['spend']:.6f} {cfg.currency}"
+                part = f"spend {spent} of {_amount(b['spend'])} {cfg.currency}"
                 if b["committed_spend"] is not None:
-                    part += f" ({b['committed_spend']:.6f} with reservations)"
+                    part += f" ({_amount(b['committed_spend'])} with reservations)"
                 parts.append(part)
             if b["tokens"] is not None:
                 part = f"tokens {used} of {b['tokens']}"
