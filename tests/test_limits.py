@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import redis_client
 from tokengate.config import RedisConfig
 from tokengate.ledger import store
-from tokengate.limits.budget import budget_keys, reservation_key
+from tokengate.limits.budget import budget_keys, committed, reservation_key, this_hour
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
@@ -331,9 +331,11 @@ def test_a_budget_admits_what_fits_and_names_the_limit(limits, ledger_redis):
     tokens = reserve_budget(limits, 9, 1, tokens=40, token_limit=45)  # 30 + 40 > 45
     assert (tokens.admitted, tokens.limited_by, tokens.usage[0].tokens) == \
         (False, pb.BUDGET_TOKENS, 30)
-    spend_key, tokens_key, *_ = budget_keys("k", DAY_COUNTER)
-    assert (ledger_redis.get(spend_key), ledger_redis.get(tokens_key)) == ("900", "30")
-    assert 172_700 < ledger_redis.ttl(spend_key) <= 172_800
+    assert committed(ledger_redis, [("k", DAY_COUNTER)], [MODEL]) == [(900, 30)]
+    # in flight in this hour's bucket (nothing settled yet), kept two hours
+    _s, _t, in_flight, *_ = budget_keys("k", DAY_COUNTER, this_hour())
+    assert ledger_redis.get(in_flight) == "900"
+    assert 7100 < ledger_redis.ttl(in_flight) <= 7200
 
 
 def test_a_retried_budget_reservation_is_charged_once(limits):
@@ -352,6 +354,23 @@ def test_settling_a_budget_corrects_it_by_real_minus_reserved(limits, ledger_red
     assert (settle_budget(limits, 1, 250, tokens=70).applied) is False
     r = reserve_budget(limits, 2, 600, spend_limit=1000)
     assert r.admitted and r.usage[0].spent_nano == 850 and r.usage[0].tokens == 80
+
+
+def test_a_reservation_never_settled_leaves_the_budget_with_its_hours_bucket(
+        limits, ledger_redis):
+    """Its edge died before the settlement: what it reserved is in flight only while the
+    bucket of its hour is kept (two hours), not until the period ends."""
+    assert reserve_budget(limits, 1, 600, spend_limit=1000).admitted
+    assert not reserve_budget(limits, 2, 600, spend_limit=1000).admitted
+    # as two hours later: the bucket has expired (and with it the reservation)
+    for key in budget_keys("k", DAY_COUNTER, this_hour()):
+        ledger_redis.delete(key)
+    ledger_redis.delete(reservation_key("k", rid(1)))
+    assert reserve_budget(limits, 3, 600, spend_limit=1000).admitted
+    # a settlement that still comes is charged its real cost, once
+    assert (settle_budget(limits, 1, 250).applied, settle_budget(limits, 1, 250).applied) \
+        == (True, False)
+    assert committed(ledger_redis, [("k", DAY_COUNTER)], [MODEL]) == [(850, 20)]
 
 
 def test_a_request_admitted_without_a_reservation_is_charged_its_real_cost(limits):
@@ -405,7 +424,8 @@ def test_concurrent_budget_reservations_never_pass_the_limit(config_path, redis_
             got = list(pool.map(lambda i: reserve_budget(stubs[i % 2], i, 7, spend_limit=100),
                                 range(64)))
         assert sum(r.admitted for r in got) == 100 // 7
-        assert ledger_redis.get(budget_keys("k", DAY_COUNTER)[0]) == str(7 * (100 // 7))
+        assert committed(ledger_redis, [("k", DAY_COUNTER)], [MODEL]) == \
+            [(7 * (100 // 7), 10 * (100 // 7))]
     finally:
         for c in channels:
             c.close()

@@ -6,31 +6,38 @@ The edge computes each request's cost (``lua/tokengate/budget.lua``, the formula
 and names the counters of its period; here the counters are only added to, atomically.
 Keys, all with the hash tag ``{<key_id>}`` (one Redis Cluster slot per key)::
 
-    tg:bg:{<key_id>}:<counter>:s   string  spend of the period, nano-units
-    tg:bg:{<key_id>}:<counter>:t   string  tokens of the period (prompt + completion)
-    tg:bg:{<key_id>}:<counter>:rs  string  of that spend, what reservations still in
-    tg:bg:{<key_id>}:<counter>:rt  string    flight hold (settled: taken out again)
-    tg:bg:{<key_id>}:r:<request>   string  "<cost_nano> <tokens>": a reservation not yet
-                                           settled; "settled" for 10 minutes after
+    tg:bg:{<key_id>}:<counter>:s        string  settled spend of the period, nano-units
+    tg:bg:{<key_id>}:<counter>:t        string  settled tokens (prompt + completion)
+    tg:bg:{<key_id>}:<counter>:rs:<h>   string  spend and tokens reserved in UTC hour h
+    tg:bg:{<key_id>}:<counter>:rt:<h>   string    (hours since the epoch) by requests
+                                                  not settled yet; kept two hours
+    tg:bg:{<key_id>}:r:<request>        string  "<cost_nano> <tokens> <h>": a
+                                                reservation not yet settled (two hours);
+                                                "settled" for 10 minutes after
     counter = "<model or *>:<day|month>:<period id>"
 
-What a counter holds for a limit is the larger of its spend and what the ledger billed
-the key in that period and scope (``billed``: its per key / model / day counters, the
-bill ``tokengate usage`` reports) plus the reservations in flight. The counters alone
-miss spend that never reached them: requests an edge admitted on its own counters while
-Redis or this sidecar was unreachable and whose settlement could not reach Redis either
-(an nginx restarted in between), a Redis that lost its data (the ledger rebuilds its
-counters from the usage files), a bill the engine's records raised above the edge's
-numbers. The ledger's bill lags its usage files by about a second; in that time the
-counters decide, and they are never below the bill of what they admitted.
+What a counter holds for a limit (``used``) is the larger of its settled spend and what
+the ledger billed the key in that period and scope (``billed``: its per key / model /
+day counters, the bill ``tokengate usage`` reports), plus what the requests of this hour
+and the last hold in flight. The settled counters alone miss spend that never reached
+them: requests an edge admitted on its own counters while Redis or this sidecar was
+unreachable and whose settlement could not reach Redis either (an nginx restarted in
+between), a Redis that lost its data (the ledger rebuilds its counters from the usage
+files), a bill the engine's records raised above the edge's numbers. The ledger's bill
+lags its usage files by about a second; in that time the settled counters decide. A
+reservation whose settlement never comes (its edge died) leaves what is in flight when
+its hour's bucket expires, at most two hours later, instead of holding the budget until
+the period ends; the ledger bills what such a request generated, if an event of it was
+written.
 
 ``RESERVE_LUA`` (one script, so concurrent reservations from any number of edges never
 pass a limit: no get-then-set) checks every counter that has a limit against
-``used + cost``, then charges all of them or none, and records the reservation.
-``SETTLE_LUA`` corrects the counters by ``real - reserved``, takes the reservation out of
-what is in flight and marks the request settled; a request the edge admitted without a
-reservation (Redis was unreachable at admission) is charged its real cost then, so spend
-admitted during an outage still reaches Redis when the settlement does.
+``used + cost``, then puts the cost in flight on all of them or none, and records the
+reservation. ``SETTLE_LUA`` adds the real cost to the settled counters, takes the
+reservation out of flight and marks the request settled; a request the edge admitted
+without a reservation (Redis was unreachable at admission, or its reservation expired)
+is charged its real cost the same way, so spend admitted during an outage still reaches
+Redis when the settlement does.
 """
 
 from __future__ import annotations
@@ -45,28 +52,29 @@ from urllib.parse import quote
 from tokengate import redis_client
 from tokengate.ledger import store
 
-RESERVATION_TTL_S = 86_400   # a reservation outlives any request
+HOUR_S = 3600
+IN_FLIGHT_TTL_S = 2 * HOUR_S  # an hour's bucket is read in that hour and the next
+RESERVATION_TTL_S = IN_FLIGHT_TTL_S  # as long as the bucket it is in flight in
 SETTLED_TTL_S = 600          # a settlement's retries come within seconds
 
-# KEYS: reservation, then per counter its spend, tokens, in-flight spend and in-flight
-# tokens keys. ARGV: cost_nano, tokens, reservation ttl, then per counter spend_limit
-# (0: none), token_limit (0: none), ttl, billed spend (nano-units), billed tokens.
-# Returns {admitted, refused (1-based counter index), limited_by (1 spend, 2 tokens),
-#          then per counter what it holds for its limits, spend and tokens: after this
-#          reservation when admitted, before it when refused}.
+# KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
+# spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, reservation
+# ttl, bucket ttl, h, then per counter spend_limit (0: none), token_limit (0: none),
+# ttl, billed spend (nano-units), billed tokens. Returns {admitted, refused (1-based
+# counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
+# tokens: after this reservation when admitted, before it when refused}.
 RESERVE_LUA = """
 local cost, tokens, rttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = (#KEYS - 1) / 4
+local bttl, hour = tonumber(ARGV[4]), ARGV[5]
+local n = (#KEYS - 1) / 6
+local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local used = {}
 for i = 1, n do
-  local k = 4 * i - 2
-  local a = 5 * i - 1
-  local s = tonumber(redis.call('GET', KEYS[k]) or '0')
-  local t = tonumber(redis.call('GET', KEYS[k + 1]) or '0')
-  local rs = tonumber(redis.call('GET', KEYS[k + 2]) or '0')
-  local rt = tonumber(redis.call('GET', KEYS[k + 3]) or '0')
-  used[2 * i - 1] = math.max(s, tonumber(ARGV[a + 3]) + rs)
-  used[2 * i] = math.max(t, tonumber(ARGV[a + 4]) + rt)
+  local k, a = 6 * i - 4, 5 * i + 1
+  used[2 * i - 1] = math.max(num(KEYS[k]), tonumber(ARGV[a + 3]))
+    + num(KEYS[k + 2]) + num(KEYS[k + 4])
+  used[2 * i] = math.max(num(KEYS[k + 1]), tonumber(ARGV[a + 4]))
+    + num(KEYS[k + 3]) + num(KEYS[k + 5])
 end
 local function reply(admitted, refused, limited)
   local r = {admitted, refused, limited}
@@ -77,47 +85,52 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return reply(1, 0, 0)
 end
 for i = 1, n do
-  local a = 5 * i - 1
+  local a = 5 * i + 1
   local ls, lt = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if ls > 0 and used[2 * i - 1] + cost > ls then return reply(0, i, 1) end
   if lt > 0 and used[2 * i] + tokens > lt then return reply(0, i, 2) end
 end
 for i = 1, n do
-  local k = 4 * i - 2
-  local ttl = tonumber(ARGV[5 * i + 1])
+  local k = 6 * i - 4
   used[2 * i - 1] = used[2 * i - 1] + cost
   used[2 * i] = used[2 * i] + tokens
-  for j, delta in ipairs({cost, tokens, cost, tokens}) do
-    redis.call('INCRBY', KEYS[k + j - 1], delta)
-    redis.call('EXPIRE', KEYS[k + j - 1], ttl)
-  end
+  redis.call('INCRBY', KEYS[k + 2], cost)
+  redis.call('INCRBY', KEYS[k + 3], tokens)
+  redis.call('EXPIRE', KEYS[k + 2], bttl)
+  redis.call('EXPIRE', KEYS[k + 3], bttl)
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'EX', rttl)
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour, 'EX', rttl)
 return reply(1, 0, 0)
 """
 
-# KEYS as for RESERVE_LUA. ARGV: real cost_nano, real tokens, settled ttl, then per
+# KEYS as for RESERVE_LUA. ARGV: real cost_nano, real tokens, settled ttl, h, then per
 # counter its ttl. Returns {applied, reserved}.
 SETTLE_LUA = """
 local cost, tokens, sttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local hour = tonumber(ARGV[4])
 local r = redis.call('GET', KEYS[1])
 if r == 'settled' then return {0, 0} end
-local dc, dt, rc, rt, reserved = cost, tokens, 0, 0, 0
+local rc, rt, at = 0, 0, nil
 if r then
-  local c, t = string.match(r, '^(%d+) (%d+)$')
-  rc, rt, reserved = tonumber(c), tonumber(t), 1
-  dc, dt = cost - rc, tokens - rt
+  local c, t, h = string.match(r, '^(%d+) (%d+) (%d+)$')
+  rc, rt = tonumber(c), tonumber(t)
+  if tonumber(h) == hour then at = 2 elseif tonumber(h) == hour - 1 then at = 4 end
 end
 redis.call('SET', KEYS[1], 'settled', 'EX', sttl)
-for i = 1, (#KEYS - 1) / 4 do
-  local k = 4 * i - 2
-  local ttl = tonumber(ARGV[3 + i])
-  for j, delta in ipairs({dc, dt, -rc, -rt}) do
-    if delta ~= 0 then redis.call('INCRBY', KEYS[k + j - 1], delta) end
-    redis.call('EXPIRE', KEYS[k + j - 1], ttl)
+for i = 1, (#KEYS - 1) / 6 do
+  local k = 6 * i - 4
+  local ttl = tonumber(ARGV[4 + i])
+  if cost ~= 0 then redis.call('INCRBY', KEYS[k], cost) end
+  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], tokens) end
+  redis.call('EXPIRE', KEYS[k], ttl)
+  redis.call('EXPIRE', KEYS[k + 1], ttl)
+  -- its bucket, while it is kept (an expired one is not made again, negative)
+  if at and redis.call('EXISTS', KEYS[k + at]) == 1 then
+    redis.call('DECRBY', KEYS[k + at], rc)
+    redis.call('DECRBY', KEYS[k + at + 1], rt)
   end
 end
-return {1, reserved}
+return {1, r and 1 or 0}
 """
 
 BILLED_CACHE_S = 1.0  # how long one read of the ledger's bill serves a key's reservations
@@ -145,11 +158,18 @@ class BudgetReservation:
     usage: list[tuple[int, int]]
 
 
-def budget_keys(key_id: str, counter: str) -> tuple[str, str, str, str]:
-    """The (spend, tokens, in-flight spend, in-flight tokens) Redis keys of one counter
-    of ``key_id``."""
+def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
+    """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
+    epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
+    of ``hour - 1``."""
     base = f"tg:bg:{{{quote(key_id, safe='')}}}:{quote(counter, safe='*:')}"
-    return base + ":s", base + ":t", base + ":rs", base + ":rt"
+    return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
+            f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
+
+
+def this_hour() -> int:
+    """The UTC hour now, in hours since the epoch (the in-flight buckets' id)."""
+    return int(time.time() // HOUR_S)
 
 
 def period_days(counter: str) -> tuple[str, list[date]]:
@@ -182,14 +202,15 @@ def committed(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]
     (module docstring: what was settled, or the ledger's bill, plus the reservations
     of requests still in flight; 0 for a counter nothing was charged to). ``models``:
     the configured models (the scope ``*``). Raises ``RedisError``."""
+    hour = this_hour()
     pipe = client.pipeline(transaction=False)
     for key_id, counter in counters:
-        for k in budget_keys(key_id, counter):
+        for k in budget_keys(key_id, counter, hour):
             pipe.get(k)
-    vals = [int(v or 0) for v in pipe.execute()]
+    v = [int(x or 0) for x in pipe.execute()]
     bills = billed_sync(client, counters, models)
-    return [(max(vals[4 * i], bills[i][0] + vals[4 * i + 2]),
-             max(vals[4 * i + 1], bills[i][1] + vals[4 * i + 3]))
+    return [(max(v[6 * i], bills[i][0]) + v[6 * i + 2] + v[6 * i + 4],
+             max(v[6 * i + 1], bills[i][1]) + v[6 * i + 3] + v[6 * i + 5])
             for i in range(len(counters))]
 
 
@@ -230,10 +251,11 @@ def billed_sync(client: redis_client.SyncRedis, counters: Sequence[tuple[str, st
     return out
 
 
-def _keys(key_id: str, request_id: str, counters: Sequence[BudgetCounter]) -> list[str]:
+def _keys(key_id: str, request_id: str, counters: Sequence[BudgetCounter],
+          hour: int) -> list[str]:
     keys = [reservation_key(key_id, request_id)]
     for c in counters:
-        keys.extend(budget_keys(key_id, c.name))
+        keys.extend(budget_keys(key_id, c.name, hour))
     return keys
 
 
@@ -281,18 +303,20 @@ class GlobalBudgets:
         """Charge ``cost_nano`` and ``tokens`` to every counter, or to none when one
         would pass its limit; see the module docstring."""
         bills = await self.billed(key_id, counters)
-        args: list[int] = [cost_nano, tokens, RESERVATION_TTL_S]
+        hour = this_hour()
+        args: list[int] = [cost_nano, tokens, RESERVATION_TTL_S, IN_FLIGHT_TTL_S, hour]
         for c, (bs, bt) in zip(counters, bills, strict=True):
             args.extend((c.spend_limit_nano, c.token_limit, c.ttl_s, bs, bt))
         r = [int(x) for x in await self._reserve(
-            keys=_keys(key_id, request_id, counters), args=args)]
+            keys=_keys(key_id, request_id, counters, hour), args=args)]
         usage = [(r[3 + 2 * i], r[4 + 2 * i]) for i in range(len(counters))]
         return BudgetReservation(bool(r[0]), r[1], {1: "spend", 2: "tokens"}.get(r[2]), usage)
 
     async def settle(self, key_id: str, request_id: str, counters: Sequence[BudgetCounter],
                      cost_nano: int, tokens: int) -> tuple[bool, bool]:
         """Settle the request's real cost and tokens; returns (applied, reserved)."""
-        r = await self._settle(keys=_keys(key_id, request_id, counters),
-                               args=[cost_nano, tokens, SETTLED_TTL_S,
+        hour = this_hour()
+        r = await self._settle(keys=_keys(key_id, request_id, counters, hour),
+                               args=[cost_nano, tokens, SETTLED_TTL_S, hour,
                                      *(c.ttl_s for c in counters)])
         return bool(int(r[0])), bool(int(r[1]))
