@@ -257,7 +257,7 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=0.0000000001"],
      "keys.x.budgets.0.spend: input should be greater than or equal to 0.000001, got 1e-10"),
     (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=5", "--budget", "day=6"],
-     "tokengate keys: --budget: two day budgets for every model"),
+     "tokengate keys: --budget: two day spend limits for every model"),
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
@@ -319,3 +319,18 @@ def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
     revoked = tokengate("keys", "revoke", "last", "--config", path, "--no-apply")
     assert revoked.returncode == 0, revoked.stderr
     assert path.read_text() == text
+
+
+def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    made = tokengate("keys", "create", "both", "--rpm", "5", "--tpm", "500", "--budget",
+                     "day=1", "--budget", "day=2000t", "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    changed = tokengate("keys", "set", "both", "--budget", "day=3", "--config", path,
+                        "--no-apply")  # sets the spend limit; the token quota stays
+    assert changed.returncode == 0, changed.stderr
+    listed = json.loads(tokengate("keys", "list", "--json", "--config", path,
+                                  "--redis-url", "redis://127.0.0.1:1/0").stdout)
+    entry = next(k for k in listed["keys"] if k["name"] == "both")
+    assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
+        [("day", None, 3, 2000)]

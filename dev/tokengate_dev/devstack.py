@@ -379,6 +379,7 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     except ServiceError as e:
         print(f"not started: {e}", file=sys.stderr)
         return 1
+    print("stopped.", flush=True)
     return 0
 
 

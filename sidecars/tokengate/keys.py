@@ -68,7 +68,9 @@ running edges at once (no restart; streams in flight continue).
 
   --budget [MODEL:]day=AMOUNT | [MODEL:]month=AMOUNT, AMOUNT in the configuration's
   currency (day=5.00) or in tokens with a t (month=2000000t); repeat it for several.
-  `set --budget` replaces the key's budget of that model and period.
+  A spend SPEC and a token SPEC of one model and period make one budget; `set
+  --budget` sets that kind of the key's budget of that model and period (the other
+  kind stays; --no-budgets first to drop it).
 
 APPLYING
   The edges to reload are --edge DIR (a folder with edge.json and nginx.pid, as
@@ -165,18 +167,19 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _merge_budgets(key: CommentedMap, budgets: list[dict[str, Any]]) -> None:
-    """Add ``budgets`` to the key's list, each replacing one of the same model and
-    period."""
+    """Add ``budgets`` to the key's list; one of the same model and period as a budget
+    there sets that budget's spend limit or token quota (the other stays)."""
     current = key.get("budgets")
     if current is None:
         current = CommentedSeq()
         key["budgets"] = current
     for b in budgets:
-        for i in reversed(range(len(current))):
-            old = current[i]
-            if old.get("period") == b["period"] and old.get("model") == b.get("model"):
-                del current[i]
-        current.append(CommentedMap(b))
+        same = [old for old in current
+                if old.get("period") == b["period"] and old.get("model") == b.get("model")]
+        if same:
+            same[0].update({k: v for k, v in b.items() if k in ("spend", "tokens")})
+        else:
+            current.append(CommentedMap(b))
 
 
 def edit(path: Path, change: Any) -> tg_config.Config:
@@ -350,15 +353,19 @@ def _models(text: str) -> list[str] | None:
     return names
 
 
-def _once_per_period(budgets: list[dict[str, Any]]) -> None:
-    """Raises ``LookupError`` when ``budgets`` (one command's --budget) holds two for
-    one model and period."""
-    seen = set()
+def _combine(budgets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One command's --budget specs, a spend limit and a token quota of one model and
+    period made one budget. Raises ``LookupError`` for two of one kind."""
+    out: dict[tuple[str | None, str], dict[str, Any]] = {}
     for b in budgets:
-        scope = (b.get("model") or "every model", b["period"])
-        if scope in seen:
-            raise LookupError(f"--budget: two {scope[1]} budgets for {scope[0]}")
-        seen.add(scope)
+        scope = (b.get("model"), b["period"])
+        have = out.setdefault(scope, {})
+        for kind in ("spend", "tokens"):
+            if kind in b and kind in have:
+                raise LookupError(f"--budget: two {b['period']} {kind} limits for "
+                                  f"{b.get('model') or 'every model'}")
+        have.update(b)
+    return list(out.values())
 
 
 def _run_edit(args: argparse.Namespace, change: Any) -> tuple[int, tg_config.Config | None]:
@@ -389,8 +396,7 @@ def create(args: argparse.Namespace) -> int:
         if args.models is not None:
             entry["allowed_models"] = _flow(args.models)
         if args.budget:
-            _once_per_period(args.budget)
-            _merge_budgets(entry, args.budget)
+            _merge_budgets(entry, _combine(args.budget))
         # the lines after the last key (the next section's heading) stay after the keys
         trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
         keys[args.name] = entry
@@ -434,8 +440,7 @@ def set_(args: argparse.Namespace) -> int:
         if args.no_budgets:
             entry.pop("budgets", None)
         if args.budget:
-            _once_per_period(args.budget)
-            _merge_budgets(entry, args.budget)
+            _merge_budgets(entry, _combine(args.budget))
         _put_trailing(entry, trailing)
 
     status, cfg = _run_edit(args, change)
@@ -542,9 +547,13 @@ def admin(path: Path, client: SyncRedis) -> Callable[[str], tuple[int, Any] | No
             st = path.stat()
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if stamp != loaded["stamp"]:
-                loaded["cfg"], loaded["stamp"] = tg_config.load(path), stamp
-        except (tg_config.ConfigError, OSError):
-            pass
+                loaded["stamp"] = stamp
+                loaded["cfg"] = tg_config.load(path)
+        except (tg_config.ConfigError, OSError) as e:
+            # once per change of the file
+            print(f"tokengate admin view: {path} does not load, showing the last "
+                  f"configuration that did: {' '.join(str(e).split())[:300]}",
+                  file=sys.stderr, flush=True)
         cfg: tg_config.Config = loaded["cfg"]
         return cfg
 
@@ -643,7 +652,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--models", default=None, metavar="A,B|all",
                    help="the only models the key may use; all: every model")
     s.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
-                   help="as for create; replaces the budget of that model and period")
+                   help="as for create; sets that kind (spend or tokens) of the budget of "
+                        "that model and period")
     s.add_argument("--no-budgets", action="store_true",
                    help="remove the key's budgets (before adding --budget ones)")
     s.set_defaults(func=set_)
