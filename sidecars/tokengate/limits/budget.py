@@ -47,33 +47,34 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date, timedelta
+from typing import Any
 from urllib.parse import quote
 
 from tokengate import redis_client
 from tokengate.ledger import store
 
 HOUR_S = 3600
-IN_FLIGHT_TTL_S = 2 * HOUR_S  # an hour's bucket is read in that hour and the next
-RESERVATION_TTL_S = IN_FLIGHT_TTL_S  # as long as the bucket it is in flight in
+# an hour's bucket is read in that hour and the next; a reservation is kept as long
+IN_FLIGHT_TTL_S = 2 * HOUR_S
 SETTLED_TTL_S = 600          # a settlement's retries come within seconds
 
 # KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
-# spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, reservation
-# ttl, bucket ttl, h, then per counter spend_limit (0: none), token_limit (0: none),
-# ttl, billed spend (nano-units), billed tokens. Returns {admitted, refused (1-based
+# spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, in-flight ttl
+# (of the buckets and the reservation), h, then per counter spend_limit (0: none),
+# token_limit (0: none), billed spend (nano-units), billed tokens. Returns {admitted, refused (1-based
 # counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
 # tokens: after this reservation when admitted, before it when refused}.
 RESERVE_LUA = """
-local cost, tokens, rttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local bttl, hour = tonumber(ARGV[4]), ARGV[5]
+local cost, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local hour = ARGV[4]
 local n = (#KEYS - 1) / 6
 local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local used = {}
 for i = 1, n do
-  local k, a = 6 * i - 4, 5 * i + 1
-  used[2 * i - 1] = math.max(num(KEYS[k]), tonumber(ARGV[a + 3]))
+  local k, a = 6 * i - 4, 4 * i + 1
+  used[2 * i - 1] = math.max(num(KEYS[k]), tonumber(ARGV[a + 2]))
     + num(KEYS[k + 2]) + num(KEYS[k + 4])
-  used[2 * i] = math.max(num(KEYS[k + 1]), tonumber(ARGV[a + 4]))
+  used[2 * i] = math.max(num(KEYS[k + 1]), tonumber(ARGV[a + 3]))
     + num(KEYS[k + 3]) + num(KEYS[k + 5])
 end
 local function reply(admitted, refused, limited)
@@ -85,7 +86,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return reply(1, 0, 0)
 end
 for i = 1, n do
-  local a = 5 * i + 1
+  local a = 4 * i + 1
   local ls, lt = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if ls > 0 and used[2 * i - 1] + cost > ls then return reply(0, i, 1) end
   if lt > 0 and used[2 * i] + tokens > lt then return reply(0, i, 2) end
@@ -96,10 +97,10 @@ for i = 1, n do
   used[2 * i] = used[2 * i] + tokens
   redis.call('INCRBY', KEYS[k + 2], cost)
   redis.call('INCRBY', KEYS[k + 3], tokens)
-  redis.call('EXPIRE', KEYS[k + 2], bttl)
-  redis.call('EXPIRE', KEYS[k + 3], bttl)
+  redis.call('EXPIRE', KEYS[k + 2], ttl)
+  redis.call('EXPIRE', KEYS[k + 3], ttl)
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour, 'EX', rttl)
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour, 'EX', ttl)
 return reply(1, 0, 0)
 """
 
@@ -214,6 +215,9 @@ def committed(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]
             for i in range(len(counters))]
 
 
+BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usage hash
+
+
 def _bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
                  ) -> list[list[str]]:
     """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
@@ -225,12 +229,26 @@ def _bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
     return out
 
 
-def _bill_sum(rows: Sequence[Sequence[str | bytes | None]]) -> tuple[int, int]:
-    """(spend nano-units, rounded down, tokens) of HMGET cost, prompt_tokens,
-    completion_tokens rows."""
-    cost = sum(float(r[0] or 0) for r in rows)
-    tokens = sum(int(r[1] or 0) + int(r[2] or 0) for r in rows)
-    return math.floor(cost * 1e9 + 1e-6), tokens
+def _queue_bills(pipe: Any, fields: Sequence[Sequence[str]]) -> None:
+    """HMGET the ``BILL_FIELDS`` of every hash of ``fields`` (``_bill_fields``) on
+    ``pipe`` (a sync or asyncio pipeline)."""
+    for keys in fields:
+        for k in keys:
+            pipe.hmget(k, *BILL_FIELDS)
+
+
+def _bill_sums(fields: Sequence[Sequence[str]], rows: Sequence[Sequence[Any]]
+               ) -> list[tuple[int, int]]:
+    """Per entry of ``fields``, (spend nano-units, rounded down, tokens) of its rows of
+    the pipeline ``_queue_bills`` filled."""
+    out, at = [], 0
+    for keys in fields:
+        mine = rows[at:at + len(keys)]
+        at += len(keys)
+        cost = sum(float(r[0] or 0) for r in mine)
+        tokens = sum(int(r[1] or 0) + int(r[2] or 0) for r in mine)
+        out.append((math.floor(cost * 1e9 + 1e-6), tokens))
+    return out
 
 
 def billed_sync(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]],
@@ -240,15 +258,8 @@ def billed_sync(client: redis_client.SyncRedis, counters: Sequence[tuple[str, st
     model of ``models``). Raises ``RedisError``."""
     fields = _bill_fields(counters, models)
     pipe = client.pipeline(transaction=False)
-    for keys in fields:
-        for k in keys:
-            pipe.hmget(k, "cost", "prompt_tokens", "completion_tokens")
-    rows = pipe.execute()
-    out, at = [], 0
-    for keys in fields:
-        out.append(_bill_sum(rows[at:at + len(keys)]))
-        at += len(keys)
-    return out
+    _queue_bills(pipe, fields)
+    return _bill_sums(fields, pipe.execute())
 
 
 def _keys(key_id: str, request_id: str, counters: Sequence[BudgetCounter],
@@ -285,14 +296,9 @@ class GlobalBudgets:
         if want:
             fields = _bill_fields(want, self.models())
             pipe = self.client.pipeline(transaction=False)
-            for keys in fields:
-                for k in keys:
-                    pipe.hmget(k, "cost", "prompt_tokens", "completion_tokens")
-            rows = await pipe.execute()
-            at = 0
-            for kc, keys in zip(want, fields, strict=True):
-                self._bills[kc] = (now, _bill_sum(rows[at:at + len(keys)]))
-                at += len(keys)
+            _queue_bills(pipe, fields)
+            for kc, bill in zip(want, _bill_sums(fields, await pipe.execute()), strict=True):
+                self._bills[kc] = (now, bill)
             if len(self._bills) > 100_000:  # periods end: forget the old ones
                 self._bills = {k: v for k, v in self._bills.items()
                                if now - v[0] <= BILLED_CACHE_S}
@@ -304,9 +310,9 @@ class GlobalBudgets:
         would pass its limit; see the module docstring."""
         bills = await self.billed(key_id, counters)
         hour = this_hour()
-        args: list[int] = [cost_nano, tokens, RESERVATION_TTL_S, IN_FLIGHT_TTL_S, hour]
+        args: list[int] = [cost_nano, tokens, IN_FLIGHT_TTL_S, hour]
         for c, (bs, bt) in zip(counters, bills, strict=True):
-            args.extend((c.spend_limit_nano, c.token_limit, c.ttl_s, bs, bt))
+            args.extend((c.spend_limit_nano, c.token_limit, bs, bt))
         r = [int(x) for x in await self._reserve(
             keys=_keys(key_id, request_id, counters, hour), args=args)]
         usage = [(r[3 + 2 * i], r[4 + 2 * i]) for i in range(len(counters))]
