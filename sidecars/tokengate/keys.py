@@ -368,9 +368,22 @@ def _combine(budgets: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
+def _keeping_heading(change: Any) -> Any:
+    """``change``, with the comment lines after the last key (ruamel keeps the next
+    section's heading on it) put after whichever key is last once it ran."""
+    def changed(data: CommentedMap) -> None:
+        keys = data.get("keys")
+        trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
+        change(data)
+        keys = data.get("keys")
+        if keys:
+            _put_trailing(keys[next(reversed(keys))], trailing)
+    return changed
+
+
 def _run_edit(args: argparse.Namespace, change: Any) -> tuple[int, tg_config.Config | None]:
     try:
-        return 0, edit(_path(args), change)
+        return 0, edit(_path(args), _keeping_heading(change))
     except tg_config.ConfigError as e:
         for line in e.errors:
             print(line, file=sys.stderr)
@@ -397,10 +410,7 @@ def create(args: argparse.Namespace) -> int:
             entry["allowed_models"] = _flow(args.models)
         if args.budget:
             _merge_budgets(entry, _combine(args.budget))
-        # the lines after the last key (the next section's heading) stay after the keys
-        trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
         keys[args.name] = entry
-        _put_trailing(entry, trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -422,8 +432,6 @@ def set_(args: argparse.Namespace) -> int:
             raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget "
                               "or --no-budgets")
         entry = keys[args.name]
-        # the lines after the last key (the next section's heading) stay after it
-        trailing = _take_trailing(entry) if next(reversed(keys)) == args.name else None
         if args.rpm is not None:
             entry["rpm"] = args.rpm
         if args.tpm is not None:
@@ -441,7 +449,6 @@ def set_(args: argparse.Namespace) -> int:
             entry.pop("budgets", None)
         if args.budget:
             _merge_budgets(entry, _combine(args.budget))
-        _put_trailing(entry, trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -457,11 +464,7 @@ def revoke(args: argparse.Namespace) -> int:
         keys = _keys(data)
         if args.name not in keys:
             raise LookupError(f"no key {args.name!r}")
-        trailing = _take_trailing(keys[args.name]) \
-            if next(reversed(keys)) == args.name else None
         del keys[args.name]
-        if keys:
-            _put_trailing(keys[next(reversed(keys))], trailing)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
