@@ -43,6 +43,18 @@ def tokengate(*args: str | Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, check=False)
 
 
+def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
+    """The repository's tokengate.yaml (comments and all) with global limits on, in
+    ``tmp_path``: (its path, its text)."""
+    text = REPO_CONFIG.read_text().replace(
+        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var' / 'models'}/").replace(
+        "enabled: false                  # true: the edge",
+        "enabled: true                   # true: the edge")
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(text)
+    return path, text
+
+
 @pytest.fixture
 def keys_edge(edge_variant_off_vllm: Callable[..., Edge],
               fast_upstream_url: str) -> tuple[Edge, Path, Path]:
@@ -128,15 +140,6 @@ def test_keys_refuses_to_write_a_file_with_a_typo(keys_edge: tuple[Edge, Path, P
     assert path.read_text() == text
 
 
-def _with_global_limits(path: Path, out: Path) -> Path:
-    """A copy of ``path`` with global_limits.enabled (which budgets need), for edits that
-    are not applied to a running edge."""
-    raw = yaml.safe_load(path.read_text())
-    raw["global_limits"] = {"enabled": True}
-    out.write_text(yaml.safe_dump(raw))
-    return out
-
-
 def test_a_budget_without_global_limits_is_refused_and_nothing_is_written(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     _, path, prefix = keys_edge
@@ -163,14 +166,14 @@ def test_a_key_id_with_a_space_is_refused(keys_edge: tuple[Edge, Path, Path]) ->
     assert path.read_text() == text
 
 
-def test_keys_list_json_never_shows_a_key(keys_edge: tuple[Edge, Path, Path],
-                                          tmp_path: Path) -> None:
-    path = _with_global_limits(keys_edge[1], tmp_path / "tokengate.yaml")
+def test_keys_list_json_never_shows_a_key(tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
     made = tokengate("keys", "create", "listed", "--rpm", "7", "--tpm", "700", "--models",
                      MODEL, "--budget", "day=2.5", "--budget", f"{MODEL}:month=1000t",
                      "--config", path, "--no-apply")
     assert made.returncode == 0, made.stderr
-    listed = tokengate("keys", "list", "--json", "--config", path)
+    listed = tokengate("keys", "list", "--json", "--config", path, "--redis-url",
+                       "redis://127.0.0.1:1/0")
     assert listed.returncode == 0, listed.stderr
     doc = json.loads(listed.stdout)
     entry = next(k for k in doc["keys"] if k["name"] == "listed")
@@ -221,30 +224,18 @@ def test_a_reload_under_streaming_load_drops_nothing(
     assert len([ev for ev in edge.events() if ev["key_id"] == "edge-main"]) == 32
 
 
-def test_a_budget_below_a_ten_thousandth_is_written_as_typed(
-        keys_edge: tuple[Edge, Path, Path], tmp_path: Path) -> None:
+def test_a_budget_below_a_ten_thousandth_is_written_as_typed(tmp_path: Path) -> None:
     """A float written by repr (5e-05) is a string to the configuration's YAML reader:
     the key was refused with "spend: input should be a valid number"."""
-    path = _with_global_limits(keys_edge[1], tmp_path / "tokengate.yaml")
+    path, _ = _repo_copy(tmp_path)
     made = tokengate("keys", "create", "tiny-budget", "--rpm", "5", "--tpm", "500",
                      "--budget", "day=0.00005", "--config", path, "--no-apply")
     assert made.returncode == 0, made.stderr
     assert "spend: 0.00005\n" in path.read_text()
-    listed = tokengate("keys", "list", "--json", "--config", path)
+    listed = tokengate("keys", "list", "--json", "--config", path, "--redis-url",
+                       "redis://127.0.0.1:1/0")
     entry = next(k for k in json.loads(listed.stdout)["keys"] if k["name"] == "tiny-budget")
     assert [b["spend"] for b in entry["budgets"]] == [0.00005]
-
-
-def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
-    """The repository's tokengate.yaml (comments and all) with global limits on, in
-    ``tmp_path``: (its path, its text)."""
-    text = REPO_CONFIG.read_text().replace(
-        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var' / 'models'}/").replace(
-        "enabled: false                  # true: the edge",
-        "enabled: true                   # true: the edge")
-    path = tmp_path / "tokengate.yaml"
-    path.write_text(text)
-    return path, text
 
 
 REFUSED = [
