@@ -241,21 +241,25 @@ Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
 {usage_file}. Ctrl-C stops everything."""
 
 
+def sidecar_metrics(cfg: tg_config.Config) -> list[tuple[str, str, str]]:
+    """(what, setting, host:port) of the /metrics port of each sidecar ``make run``
+    starts (the limits sidecar only with global limits); ports set to none left out."""
+    m = cfg.metrics
+    out = [("counter metrics", "metrics.counter_listen", m.counter_listen),
+           ("ledger metrics", "metrics.ledger_listen", m.ledger_listen),
+           ("limits metrics", "metrics.limits_listen",
+            m.limits_listen if cfg.global_limits.enabled else None)]
+    return [(what, setting, addr) for what, setting, addr in out if addr is not None]
+
+
 def endpoints(cfg: tg_config.Config, listen: str, status_listen: str) -> list[tuple[str, str]]:
     """(what, URL) of the stack's health and metrics endpoints: the edge's /healthz and
     /readyz (API listener), its /metrics (status server) and each sidecar's /metrics
     that ``make run`` starts."""
-    m = cfg.metrics
-    out = [("edge liveness", f"http://{listen}/healthz"),
-           ("edge readiness", f"http://{listen}/readyz"),
-           ("edge metrics", f"http://{status_listen}/metrics")]
-    for what, addr in (("counter metrics", m.counter_listen),
-                       ("ledger metrics", m.ledger_listen),
-                       ("limits metrics", m.limits_listen if cfg.global_limits.enabled
-                        else None)):
-        if addr is not None:
-            out.append((what, f"http://{addr}/metrics"))
-    return out
+    return [("edge liveness", f"http://{listen}/healthz"),
+            ("edge readiness", f"http://{listen}/readyz"),
+            ("edge metrics", f"http://{status_listen}/metrics"),
+            *((what, f"http://{addr}/metrics") for what, _, addr in sidecar_metrics(cfg))]
 
 
 def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
@@ -310,14 +314,7 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
         out.append(("global_limits.listen", cfg.global_limits.listen))
     out += [(f"models.{name}.upstreams.0 (embedded vLLM)", m.upstreams[0])
             for name, m in cfg.models.items() if m.embedded]
-    m = cfg.metrics
-    for setting, addr in (("metrics.counter_listen", m.counter_listen),
-                          ("metrics.ledger_listen", m.ledger_listen),
-                          ("metrics.limits_listen",
-                           m.limits_listen if cfg.global_limits.enabled else None)):
-        if addr is not None:
-            out.append((setting, addr))
-    return out
+    return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 
 
 def busy(addresses: list[tuple[str, str]]) -> list[tuple[str, str]]:
