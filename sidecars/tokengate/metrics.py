@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -85,8 +86,7 @@ def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
             status, doc = answer
         body = json.dumps(doc, indent=1).encode() + b"\n"
         headers.append(("Content-Length", str(len(body))))
-        reason = {200: "OK", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
-        start_response(f"{status} {reason.get(status, 'Error')}", headers)
+        start_response(f"{status} {HTTPStatus(status).phrase}", headers)
         return [b""] if method == "HEAD" else [body]
     return app
 
