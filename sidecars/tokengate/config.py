@@ -885,13 +885,14 @@ class Config(_Schema):
     def _coupled(self, info: ValidationInfo) -> Config:
         problems: list[tuple[str, str]] = []
         owner: dict[str, str] = {}
+        def known(model: str) -> str:
+            return f"{model!r} is not a configured model ({', '.join(self.models)})"
+
         for key_id, k in self.keys.items():
             if not KEY_ID.fullmatch(key_id):
                 problems.append((f"keys.{key_id}", KEY_ID_RULE))
             if k.budgets and not self.global_limits.enabled:
                 problems.append((f"keys.{key_id}.budgets", BUDGETS_NEED_REDIS))
-            def known(model: str) -> str:
-                return f"{model!r} is not a configured model ({', '.join(self.models)})"
             for model in k.models:
                 if model not in self.models:
                     problems.append((f"keys.{key_id}.models.{model}", known(model)))
