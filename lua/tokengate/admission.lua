@@ -68,9 +68,7 @@ local dict, conf
 local stale_s
 local last = {} -- the scraping worker's previous read per replica: {count, t}
 
-local function key(kind, model, r)
-    return kind .. model .. "\0" .. r.name
-end
+local key = upstream.key
 
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (edge.admission: metrics_interval_ms (0: off), metrics_timeout_ms, metrics_stale_ms,

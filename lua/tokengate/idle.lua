@@ -57,7 +57,7 @@ local LOCK_MARGIN_S = 5 -- s: the lock outlives a call by this much (a worker th
 local dict
 
 local function lock_key(model_name, r)
-    return "idle-lock:" .. model_name .. "\0" .. r.name
+    return upstream.key("idle-lock:", model_name, r)
 end
 
 -- enabled(models) -> true when some model has idle_unload.idle_s > 0

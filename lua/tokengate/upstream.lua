@@ -46,9 +46,12 @@ local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep
 local eject_s, max_fails, health_timeout_ms
 local rotate = 0 -- this worker's tie breaker
 
+-- key(kind, model, r) -> the shared-dict key of replica r of model for kind (a prefix
+-- such as "tok:"); the modules that keep state per replica (admission, idle) use it too
 local function key(kind, model, r)
     return kind .. model .. "\0" .. r.name
 end
+_M.key = key
 
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (models.<name>.upstreams = [{name = "host:port", host, addr = <IP literal> | null,
