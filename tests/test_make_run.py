@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 from tokengate.process import free_port, group_members
 from tokengate_dev import devstack
@@ -118,10 +120,13 @@ class Stack:
     """One ``devstack run`` in a subprocess; its output lines are collected as they come."""
 
     def __init__(self, name: str, upstream: str, embedded: bool = False,
-                 edit: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 edit: Callable[[dict[str, Any]], None] | None = None,
+                 again: Stack | None = None) -> None:
+        """``again``: a stopped stack to start again, with its configuration and files."""
         self.var = TEST_DIR / f"make-run-{name}"
         self.var.mkdir(parents=True, exist_ok=True)
-        self.config, self.url = write_config(self.var, upstream, embedded, edit)
+        self.config, self.url = (again.config, again.url) if again is not None \
+            else write_config(self.var, upstream, embedded, edit)
         self.token = uuid.uuid4().hex
         self.lines: list[str] = []
         argv = [sys.executable, "-m", "tokengate_dev.devstack", "run", "--config",
@@ -330,3 +335,27 @@ def test_a_second_stack_on_busy_ports_names_them_and_starts_nothing(
         s.close()
         for h in holders:
             h.close()
+
+
+def test_the_stacks_redis_keeps_its_data_across_a_restart(fast_upstream_url: str) -> None:
+    """make run's Redis keeps an append-only file (var/redis): the budgets' counters,
+    which only Redis holds, survive a restart of the stack."""
+    shutil.rmtree(TEST_DIR / "make-run-aof" / "redis", ignore_errors=True)
+    first = Stack("aof", upstream_of(fast_upstream_url))
+    url = yaml.safe_load(first.config.read_text())["redis"]["url"]
+    try:
+        first.wait_line("tokengate is up.", 120)
+        with redis.Redis.from_url(url) as client:
+            assert client.get("tg:test:kept") is None
+            client.set("tg:test:kept", "1")
+        assert first.interrupt() == 0, first.output()
+    finally:
+        first.close()
+    again = Stack("aof", upstream_of(fast_upstream_url), again=first)
+    try:
+        again.wait_line("tokengate is up.", 120)
+        with redis.Redis.from_url(url) as client:
+            assert client.get("tg:test:kept") == b"1"
+        assert again.interrupt() == 0, again.output()
+    finally:
+        again.close()
