@@ -5,6 +5,7 @@
 
 local cjson = require "cjson.safe"
 local sampling = require "tokengate.sampling"
+local cors = require "tokengate.cors"
 
 local io_open = io.open
 local type = type
@@ -18,7 +19,7 @@ local floor = math.floor
 
 local _M = {}
 
-local VERSION = 6 -- tokengate.tools.compile_config.VERSION
+local VERSION = 7 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -100,6 +101,7 @@ function _M.load(path)
         allowed[k] = true
     end
     edge.template_kwargs_allowed = allowed
+    cors.compile(edge.cors)
     for name, m in pairs(d.models) do
         -- JSON null (no cap, no default) reads as cjson.null, which is truthy
         if m.max_tokens_cap == cjson.null then

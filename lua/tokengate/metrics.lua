@@ -97,6 +97,9 @@ local FAMILIES = {
     { "tokengate_idle_wake_timeouts_total", "counter",
       "Held requests answered 503 model_waking: the wake took longer than "
       .. "idle_unload.max_hold_ms (also in tokengate_idle_held_total)." },
+    { "tokengate_cors_preflights_total", "counter",
+      "Browser preflights (OPTIONS with Origin) answered by the edge, by result (allowed: "
+      .. "204; refused: an origin edge.cors does not list, or a bad header list)." },
     { "tokengate_auth_blocks_total", "counter",
       "Clients blocked after too many invalid keys (edge.auth_failures)." },
     { "tokengate_access_log_lines_total", "counter",
@@ -154,6 +157,8 @@ local STATUS = {
       'reason="refused"' },
     { "unauthenticated_log_lines", "tokengate_unauthenticated_log_lines_total", "" },
     { "auth_blocks", "tokengate_auth_blocks_total", "" },
+    { "cors_preflight_allowed", "tokengate_cors_preflights_total", 'result="allowed"' },
+    { "cors_preflight_refused", "tokengate_cors_preflights_total", 'result="refused"' },
     { "count_drift_requests", "tokengate_count_drift_requests_total", "" },
     { "count_drift_tokens", "tokengate_count_drift_tokens_total", "" },
     { "admission_shed", "tokengate_admission_shed_total", "" },

@@ -1,15 +1,17 @@
 -- The request lifecycle of the tokengate edge, one function per nginx phase. Each calls
 -- the concern modules in order; the logic (and the policy) lives there.
 --
---   access:        who (key) -> what (body, model, sanitized) -> how much (prompt
+--   access:        a browser's preflight (tokengate.cors) is answered first; then
+--                  who (key) -> what (body, model, sanitized) -> how much (prompt
 --                  tokens, completion budget, reservation) -> where (a replica with
 --                  room in its KV cache, else shed) -> limits (every tier) ->
 --                  awake (the replica takes it; held while it wakes from idle
 --                  unload) -> forward (the parsed body, its count, the normalized path)
 --   balancer:      the request's replica (tokengate.upstream), another one on a retry
---   header_filter: x-ratelimit-* and X-Token-Count on every answer; OpenAI shape for
---                  errors that nginx itself or a non-JSON backend produced, and for
---                  the backend's own 4xx JSON errors (vLLM's shape)
+--   header_filter: x-ratelimit-*, X-Token-Count and CORS (tokengate.cors) on every
+--                  answer; OpenAI shape for errors that nginx itself or a non-JSON
+--                  backend produced, and for the backend's own 4xx JSON errors
+--                  (vLLM's shape)
 --   body_filter:   watch usage (SSE or JSON), drop what the client did not ask for
 --   log:           settle the reservation with the usage billed, note a count drift
 --                  (tokengate.drift), write the usage event and, when sampled, the
@@ -38,6 +40,7 @@ local usage = require "tokengate.usage"
 local drift = require "tokengate.drift"
 local budget = require "tokengate.budget"
 local request = require "tokengate.request"
+local cors = require "tokengate.cors"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
 local balancer = require "ngx.balancer"
@@ -270,6 +273,8 @@ function _M.access()
     local uri = ngx_var.uri
     ctx.route, ctx.model_id = request.route(uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
+    -- a browser's preflight carries no key: answered before any is asked for
+    cors.preflight(ctx, doc.edge.cors, ctx.route)
     for i = 1, #STAGES do
         local ok, err = STAGES[i](ctx, doc)
         if not ok then
@@ -354,6 +359,10 @@ function _M.header_filter()
     end
     if ctx.replica then
         h["X-Tokengate-Upstream"] = ctx.replica.name
+    end
+    local cors_cfg = config.get().edge.cors
+    if cors_cfg.enabled and not ctx.preflight then
+        cors.headers(h, cors_cfg)
     end
     local status = ngx.status
     if status >= 400 and not is_json(h["Content-Type"]) then
@@ -475,6 +484,11 @@ function _M.log()
         -- an answer no filter saw: nginx closes a client that stopped sending its body
         -- (408) without one
         ctx.error = errors.nginx(status, ctx.proxied).code
+    end
+    if ctx.preflight then
+        -- no key, no usage event, not an authentication failure
+        metrics.incr("cors_preflight_" .. ctx.preflight)
+        return metrics.request(ctx, status, nil, config.get().models)
     end
     if not ctx.key then
         return unauthenticated(ctx, status, aborted)

@@ -7,6 +7,7 @@ local errors = require "tokengate.errors"
 
 local format = string.format
 local sub = string.sub
+local match = string.match
 local clip = errors.clip
 local min = math.min
 local max = math.max
@@ -54,22 +55,23 @@ function _M.endpoint(route, uri)
     return clip(uri)
 end
 
+-- ALLOW: route -> the methods it takes (the Allow header of a 405, and of a CORS
+-- preflight). The model list and a model's entry take GET and HEAD (RFC 9110 §9.3.2:
+-- HEAD wherever GET; nginx sends a HEAD answer's headers only), completions POST.
+_M.ALLOW = { chat = "POST", completions = "POST", models = "GET, HEAD", model = "GET, HEAD" }
+local ALLOW = _M.ALLOW
+local TAKES = { POST = "POST", GET = "GET, HEAD", HEAD = "GET, HEAD" }
+
 -- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
--- The model list and a model's entry take GET and HEAD (RFC 9110 §9.3.2: HEAD wherever
--- GET; nginx sends a HEAD answer's headers only), completions POST.
 function _M.check_method(route, method, uri)
     if not route then
         return errors.new(404, format("Invalid URL (%s %s)", clip(method), clip(uri)), nil,
             "unknown_url")
     end
-    if route == "models" or route == "model" then
-        if method ~= "GET" and method ~= "HEAD" then
-            return errors.new(405, format("Method not allowed: use GET %s", uri), nil,
-                "method_not_allowed", nil, { Allow = "GET, HEAD" })
-        end
-    elseif method ~= "POST" then
-        return errors.new(405, format("Method not allowed: use POST %s", uri), nil,
-            "method_not_allowed", nil, { Allow = "POST" })
+    local allow = ALLOW[route]
+    if TAKES[method] ~= allow then
+        return errors.new(405, format("Method not allowed: use %s %s", match(allow, "^%u+"),
+            uri), nil, "method_not_allowed", nil, { Allow = allow })
     end
     return nil
 end

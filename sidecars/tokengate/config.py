@@ -121,6 +121,19 @@ def _sha256(value: str) -> str:
     return digest
 
 
+# An origin as browsers send it in the Origin header (RFC 6454 §6.1): scheme, host and an
+# optional port, lowercase, nothing after them.
+_ORIGIN = re.compile(r"https?://(\[[0-9a-f:.]+\]|[a-z0-9]([a-z0-9.-]*[a-z0-9])?)(:[0-9]{1,5})?")
+
+
+def _origin(value: str) -> str:
+    if value != "*" and not _ORIGIN.fullmatch(value.lower()):
+        raise ValueError(f"expected an origin such as https://app.example.com or "
+                         f"http://localhost:3000 (scheme, host, optional port; no path), or "
+                         f"*, got {value!r}")
+    return value.lower()
+
+
 def _redis_url(value: str) -> str:
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {value!r}")
@@ -140,6 +153,7 @@ HostPort = Annotated[str, AfterValidator(_host_port),
 LoopbackHostPort = Annotated[str, AfterValidator(_host_port), AfterValidator(_loopback_host_port),
                              WithJsonSchema({"type": "string", "format": "loopback host:port",
                                              "pattern": r"^.+:[0-9]{1,5}$"})]
+Origin = Annotated[str, AfterValidator(_origin)]
 Network = Annotated[str, AfterValidator(_network),
                     WithJsonSchema({"type": "string", "format": "CIDR network"})]
 Sha256 = Annotated[str, AfterValidator(_sha256),
@@ -598,6 +612,40 @@ class AuthFailuresConfig(_Schema):
                     "per second and nginx worker (all are counted on the status listener).")
 
 
+class CorsConfig(_Schema):
+    """Browsers calling the API from web pages of other origins (``edge.cors``): the
+    Fetch standard's CORS protocol (https://fetch.spec.whatwg.org/#http-cors-protocol).
+
+    Off while ``allow_origins`` is empty: the edge then sends no CORS header, and a
+    browser's preflight (OPTIONS with Origin and Access-Control-Request-Method) is
+    answered 403. With origins listed, a preflight to an API path from one of them is
+    answered 204 before any key is asked for (browsers send none on a preflight) with
+    the path's methods, the request headers it asked for and ``max_age_s``; every answer
+    to a request from one of them (errors and 429s included) carries
+    ``Access-Control-Allow-Origin`` and exposes the x-ratelimit-*, x-budget-*,
+    Retry-After, X-Request-Id and X-Token-Count headers to the page. The API key still
+    decides everything else: a page holding a key can do what the key can.
+    """
+
+    allow_origins: list[Origin] = Field(
+        default=[],
+        description="Origins whose pages may call the API (`https://app.example.com`, "
+                    "`http://localhost:3000`: scheme, host, optional port), or `*` for "
+                    "any (then the only entry); empty: CORS off.")
+    max_age_s: int = Field(
+        default=600, ge=0, le=86400,
+        description="How long a browser may cache a preflight's answer "
+                    "(Access-Control-Max-Age), s.")
+
+    @model_validator(mode="after")
+    def _star_alone(self) -> CorsConfig:
+        if "*" in self.allow_origins and len(self.allow_origins) > 1:
+            _check([("allow_origins", "`*` already allows every origin: list it alone")])
+        if len(set(self.allow_origins)) != len(self.allow_origins):
+            _check([("allow_origins", "an origin is listed twice")])
+        return self
+
+
 class PriorityConfig(_Schema):
     """When replicas are too full for the keys of one priority
     (``edge.admission.priorities.<name>``): a lower priority has lower bounds, so its
@@ -812,6 +860,10 @@ class EdgeConfig(_Schema):
         default_factory=AuthFailuresConfig,
         description="Requests without a valid API key: counted, logged at a bounded rate, "
                     "and clients that keep failing blocked for a while.")
+    cors: CorsConfig = Field(
+        default_factory=CorsConfig,
+        description="Browsers calling the API from other origins: which origins may, and "
+                    "how long a preflight's answer is cached. Off by default.")
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig,
         description="KV-cache-aware admission: replicas too full for a key's priority take "

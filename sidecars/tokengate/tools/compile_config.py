@@ -64,9 +64,9 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 6  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 7  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
-#             priority; 6: models carry idle_unload
+#             priority; 6: models carry idle_unload; 7: edge.cors
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
