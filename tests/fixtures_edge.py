@@ -411,6 +411,7 @@ http {{
     client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};
     uwsgi_temp_path {d}; scgi_temp_path {d};
     lua_package_path "{lua}/?.lua;;";
+    lua_shared_dict tokengate_limits 1m;
     init_by_lua_block {{
         local f = assert(loadfile("{d}/chunk.lua"))
         local ok, out = pcall(f)
@@ -424,7 +425,8 @@ http {{
 
 def run_lua(chunk: str) -> str:
     """Runs ``chunk`` (Lua, ``return <string>``) in init_by_lua of a throwaway nginx
-    (Debian's ngx_lua: the edge's own LuaJIT, ``ngx`` and the edge's modules available),
+    (Debian's ngx_lua: the edge's own LuaJIT, ``ngx``, the edge's modules and an empty
+    shared dict ``tokengate_limits`` available),
     which exits right after; returns the chunk's string. Raises AssertionError with the
     Lua error. (``nginx -t`` does not run init_by_lua, so nginx really starts.)"""
     with tempfile.TemporaryDirectory(prefix="tg-lua-") as d:

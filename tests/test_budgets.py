@@ -70,6 +70,40 @@ def test_the_edge_bills_with_the_ledgers_formula() -> None:
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
+def test_a_reservation_never_settled_stops_holding_the_budget_within_two_hours() -> None:
+    # A request admitted at 01:00 UTC whose nginx worker crashed (no settlement) holds
+    # the edge's own budget counters in its hour and the next, not the rest of the day;
+    # its settlement, when it comes late, is charged once. Each request may cost up to
+    # 200 + 200 tokens x 0.5 per 1M = 0.0002; the limit is 0.0003 a day.
+    out = run_lua("""
+        local budget = require "tokengate.budget"
+        assert(budget.init("tokengate_limits"))
+        local key = {id = "k", budgets = {{period = "day", spend = 0.0003,
+                                           spend_nano = 300000}}}
+        local model = {name = "m", cost = {input = 0.5, output = 0.5, cached = 0}}
+        local doc = {currency = "USD", billing = {exclude_system_tokens = false,
+                     context_penalty = {threshold = 1000000, rate = 0}}}
+        local t0 = 20000 * 86400 + 3600
+        local res = {}
+        local function try(at)
+            local bud = budget.request(key, model, doc, 200, 200, t0 + at)
+            local ok = budget.reserve(bud)
+            res[#res + 1] = (ok and "admitted " .. bud.items[1].spent or "refused")
+            return bud
+        end
+        local crashed = try(0)
+        try(1800)   -- the same hour
+        try(3600)   -- the next hour still counts it
+        local b = try(7200)  -- two hours on: it no longer does
+        budget.settle(b, 300, 0.0001)
+        try(7300)   -- 0.0001 settled + its own 0.0002
+        budget.settle(crashed, 400, 0.0002)  -- late: charged once, its bucket not read
+        try(7400)   -- 0.0003 settled + 0.0002 in flight + its own
+        return table.concat(res, ", ")""")
+    assert out == ("admitted 200000, refused, refused, admitted 200000, admitted 300000, "
+                   "refused")
+
+
 def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
     def edit(raw: dict[str, Any]) -> None:
         raw["models"][MODEL]["upstreams"] = [upstream]

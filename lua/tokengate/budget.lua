@@ -10,6 +10,8 @@
 -- never below the ledger's sum and integer adds stay exact. incr-then-check (as in
 -- tokengate.local_limit): incr is atomic across workers and returns the total with
 -- every concurrent reservation, so concurrent requests can never reserve past a budget.
+-- Reservations are counted apart from settled spend, per hour of admission (see KINDS),
+-- so one whose settlement never comes stops counting within two hours.
 --
 -- With global_limits.enabled the same reservation is then made in Redis
 -- (tokengate.global_limit.reserve_budget, one atomic script for every edge; spend
@@ -38,6 +40,10 @@ local _M = {}
 local NANO = 1e9
 local PER_TOKENS = 1e6 -- prices are per 1M tokens
 local DAY = 86400
+local HOUR = 3600
+-- an in-flight bucket made in hour h lives past the end of h + 1, the last hour that
+-- reads it
+local IN_FLIGHT_TTL = 2 * HOUR
 local TTL = { day = 2 * DAY, month = 33 * DAY } -- a period's counters outlive it
 local NAMES = { day = "daily", month = "monthly" }
 
@@ -135,7 +141,7 @@ function _M.request(key, model, doc, prompt, completion, now)
         return nil
     end
     return {
-        key_id = key.id, items = items, currency = doc.currency,
+        key_id = key.id, items = items, currency = doc.currency, hour = floor(now / HOUR),
         cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0)),
         tokens = prompt + completion,
     }
@@ -150,16 +156,33 @@ local function add(name, delta, ttl)
     return v
 end
 
--- take_back(bud, upto): the reservation of items 1..upto is taken back
-local function take_back(bud, upto)
-    for i = 1, upto do
+-- What an item limits, by kind: spend in nano-units (the request's bud.cost) or tokens
+-- (bud.tokens). An item's total is its settled counter ("bs"/"bt" .. name, kept for the
+-- period) plus what is in flight, reserved and not settled yet, counted per UTC hour of
+-- admission ("fs"/"ft" .. hour .. ":" .. name) in the hour's bucket and the next
+-- one's: a reservation whose settlement never comes (its nginx worker crashed) stops
+-- counting within two hours, not at the end of the period (tokengate.limits.budget
+-- keeps Redis's the same way).
+local KINDS = {
+    { kind = "spend", settled = "bs", flight = "fs", limit = "spend_nano", amount = "cost",
+      total = "spent" },
+    { kind = "tokens", settled = "bt", flight = "ft", limit = "tokens", amount = "tokens",
+      total = "used" },
+}
+-- in_flight(k, hour, name) -> the shared-dict key of k's bucket of hour for item name
+local function in_flight(k, hour, name)
+    return k.flight .. hour .. ":" .. name
+end
+
+-- take_back(bud): the whole reservation leaves its buckets
+local function take_back(bud)
+    for i = 1, #bud.items do
         local it = bud.items[i]
-        local ttl = TTL[it.b.period]
-        if it.b.spend_nano then
-            add("bs" .. it.name, -bud.cost, ttl)
-        end
-        if it.b.tokens then
-            add("bt" .. it.name, -bud.tokens, ttl)
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            if it.b[k.limit] then
+                add(in_flight(k, bud.hour, it.name), -bud[k.amount], IN_FLIGHT_TTL)
+            end
         end
     end
 end
@@ -197,32 +220,37 @@ function _M.refusal(bud, index, kind, used)
 end
 
 -- reserve(bud) -> true | nil, err (429 insufficient_quota). Sets each item's spent /
--- used: the totals after this reservation, for the headers.
+-- used: the totals after this reservation, for the headers. incr-then-check: the
+-- bucket's incr counts every concurrent reservation; a settlement moves its amount from
+-- the bucket to the settled counter settled-first, so a reservation that reads the two
+-- meanwhile counts it twice (the safe side), never not at all.
 function _M.reserve(bud)
-    local items = bud.items
+    local items, hour = bud.items, bud.hour
+    local taken = {} -- buckets added to so far, with their amounts
     for i = 1, #items do
         local it = items[i]
-        local b, ttl = it.b, TTL[it.b.period]
-        if b.spend_nano then
-            local v = add("bs" .. it.name, bud.cost, ttl)
-            if v and v > b.spend_nano then
-                add("bs" .. it.name, -bud.cost, ttl)
-                take_back(bud, i - 1)
-                return nil, rejection(bud, it, "spend", v - bud.cost)
-            end
-            it.spent = v or 0
-        end
-        if b.tokens then
-            local v = add("bt" .. it.name, bud.tokens, ttl)
-            if v and v > b.tokens then
-                add("bt" .. it.name, -bud.tokens, ttl)
-                if b.spend_nano then
-                    add("bs" .. it.name, -bud.cost, ttl)
+        local name = it.name
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            local limit = it.b[k.limit]
+            if limit then
+                local amount = bud[k.amount]
+                local key = in_flight(k, hour, name)
+                local v = add(key, amount, IN_FLIGHT_TTL)
+                if v then
+                    taken[#taken + 1] = key
+                    taken[#taken + 1] = amount
+                    v = v + (dict:get(in_flight(k, hour - 1, name)) or 0)
+                        + (dict:get(k.settled .. name) or 0)
+                    if v > limit then
+                        for t = 1, #taken, 2 do
+                            add(taken[t], -taken[t + 1], IN_FLIGHT_TTL)
+                        end
+                        return nil, rejection(bud, it, k.kind, v - amount)
+                    end
                 end
-                take_back(bud, i - 1)
-                return nil, rejection(bud, it, "tokens", v - bud.tokens)
+                it[k.total] = v or 0
             end
-            it.used = v or 0
         end
     end
     bud.admitted = true
@@ -233,31 +261,32 @@ end
 function _M.uncommit(bud)
     if bud.admitted then
         bud.admitted = nil
-        take_back(bud, #bud.items)
+        take_back(bud)
     end
 end
 
 -- settle(bud, tokens, cost) -> the real cost in nano-units | nil (not admitted). The
 -- request ended having used tokens (prompt + completion) that cost cost (currency units,
--- tokengate.ledger.calculator's formula): each counter of the period it was admitted in
--- is corrected by real - reserved.
+-- tokengate.ledger.calculator's formula): the period it was admitted in is charged the
+-- real amounts, and its reservation leaves the hour's bucket.
 function _M.settle(bud, tokens, cost)
     if not bud.admitted then
         return nil
     end
     bud.admitted = nil
-    local real = nano(cost)
+    local real_cost = nano(cost)
     for i = 1, #bud.items do
         local it = bud.items[i]
-        local ttl = TTL[it.b.period]
-        if it.b.spend_nano and real ~= bud.cost then
-            add("bs" .. it.name, real - bud.cost, ttl)
-        end
-        if it.b.tokens and tokens ~= bud.tokens then
-            add("bt" .. it.name, tokens - bud.tokens, ttl)
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            if it.b[k.limit] then
+                add(k.settled .. it.name, k.amount == "cost" and real_cost or tokens,
+                    TTL[it.b.period])
+                add(in_flight(k, bud.hour, it.name), -bud[k.amount], IN_FLIGHT_TTL)
+            end
         end
     end
-    return real
+    return real_cost
 end
 
 -- headers(h, bud): x-budget-{limit,remaining,reset}-{spend,tokens} of the budget of
