@@ -16,10 +16,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+import socketserver
 import subprocess
 import tempfile
 import threading
@@ -314,37 +316,60 @@ def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
             up.stop()
 
 
-@pytest.fixture
-def slow_counter() -> Iterator[Path]:
-    """A TokenCounter that answers after 5 s, on two unix sockets (``<path>.0``, ``.1``);
-    yields ``<path>`` (the edge's counter_socket)."""
-    from concurrent import futures
+class _Frames(socketserver.StreamRequestHandler):
+    """One connection of a fake counter: counter frames in, ``frames.answer`` out."""
 
-    import grpc
-    from tokengate.v1 import counter_pb2, counter_pb2_grpc
+    def handle(self) -> None:
+        from tokengate.counter import frames
 
-    class Slow(counter_pb2_grpc.TokenCounterServicer):
-        def CountTokens(self, request: Any, context: Any) -> Any:
-            time.sleep(5)
-            return counter_pb2.CountReply(prompt_tokens=1)
+        while True:
+            head = self.rfile.read(5)
+            if len(head) < 5:
+                return
+            message = self.rfile.read(int.from_bytes(head[1:5], "big"))
+            self.wfile.write(frames.answer(self.server.count, message))  # type: ignore[attr-defined]
 
-    path = EDGE_DIR / "slow-counter.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    counter_pb2_grpc.add_TokenCounterServicer_to_server(Slow(), server)
+
+@contextlib.contextmanager
+def fake_counter(path: Path, count: Callable[[Any], Any]) -> Iterator[Path]:
+    """A fake counter speaking the real counter frames (tokengate.counter.frames) on two
+    unix sockets, ``<path>.0`` and ``.1``, a thread per connection; ``count(request)``
+    answers each CountRequest (a CountReply, or raises CountFailure). Yields ``path``
+    (the edge's counter_socket)."""
+    servers = []
     for i in range(2):
         sock = path.with_name(f"{path.name}.{i}")
         sock.unlink(missing_ok=True)
-        server.add_insecure_port(f"unix:{sock}")
-    server.start()
+        server = socketserver.ThreadingUnixStreamServer(str(sock), _Frames)
+        server.daemon_threads = True
+        server.count = count  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
     try:
         yield path
     finally:
-        server.stop(0)
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def slow_counter() -> Iterator[Path]:
+    """A counter that answers after 5 s, on two unix sockets (``<path>.0``, ``.1``);
+    yields ``<path>`` (the edge's counter_socket)."""
+    from tokengate.v1 import counter_pb2
+
+    def slow(request: Any) -> Any:
+        time.sleep(5)
+        return counter_pb2.CountReply(prompt_tokens=1)
+
+    with fake_counter(EDGE_DIR / "slow-counter.sock", slow) as path:
+        yield path
 
 
 @dataclass
 class FixedCounter:
-    """A TokenCounter that answers every call with ``prompt_tokens`` and counts calls."""
+    """A counter that answers every call with ``prompt_tokens`` and counts calls."""
 
     path: Path               # the edge's counter_socket (workers listen on <path>.<i>)
     prompt_tokens: int
@@ -354,31 +379,18 @@ class FixedCounter:
 @pytest.fixture
 def fixed_counter() -> Iterator[FixedCounter]:
     """A fast fake counter (7 prompt tokens for every body) on two unix sockets."""
-    from concurrent import futures
-
-    import grpc
-    from tokengate.v1 import counter_pb2, counter_pb2_grpc
+    from tokengate.v1 import counter_pb2
 
     fc = FixedCounter(EDGE_DIR / "fixed-counter.sock", 7)
 
-    class Fixed(counter_pb2_grpc.TokenCounterServicer):
-        def CountTokens(self, request: Any, context: Any) -> Any:
-            fc.calls += 1
-            return counter_pb2.CountReply(prompt_tokens=fc.prompt_tokens, max_model_len=8192,
-                                          max_tokens_effective=1, max_tokens_requested=1,
-                                          prompt_count=1)
+    def fixed(request: Any) -> Any:
+        fc.calls += 1
+        return counter_pb2.CountReply(prompt_tokens=fc.prompt_tokens, max_model_len=8192,
+                                      max_tokens_effective=1, max_tokens_requested=1,
+                                      prompt_count=1)
 
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    counter_pb2_grpc.add_TokenCounterServicer_to_server(Fixed(), server)
-    for i in range(2):
-        sock = fc.path.with_name(f"{fc.path.name}.{i}")
-        sock.unlink(missing_ok=True)
-        server.add_insecure_port(f"unix:{sock}")
-    server.start()
-    try:
+    with fake_counter(fc.path, fixed):
         yield fc
-    finally:
-        server.stop(0)
 
 
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'

@@ -1,6 +1,7 @@
-"""Worker processes of a gRPC sidecar (tokengate.grpc_server, here the counter's): they die
-with their parent, one that exits removes its unix socket only while it is still the
-one it created, and SIGHUP reloads the configuration without failing a call.
+"""Worker processes of a sidecar (tokengate.grpc_server's, here the counter's, whose unix
+sockets speak counter frames): they die with their parent, one that exits removes its
+unix socket only while it is still the one it created, and SIGHUP reloads the
+configuration without failing a call.
 
 Real ``tokengate-counter`` processes with two workers each, sockets in the test folder;
 about 10 s per test (the workers load the model).
@@ -15,18 +16,16 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokengate.counter import frames
+from tokengate.counter.counter_service import CountFailure
 from tokengate.process import Service, free_port, group_members
-from tokengate.v1 import counter_pb2, counter_pb2_grpc
+from tokengate.v1 import counter_pb2
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_ledger import wait_until
-
-SERVICE = "tokengate.v1.TokenCounter"
 
 
 def identity(path: Path) -> tuple[int, int]:
@@ -34,12 +33,14 @@ def identity(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+REQUEST = counter_pb2.CountRequest(model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY)
+
+
 def serving(path: Path) -> bool:
-    """The gRPC health service on unix socket ``path`` says SERVING for the counter."""
-    with grpc.insecure_channel(f"unix:{path}") as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    """The counter worker on unix socket ``path`` counts."""
+    with frames.Client(str(path), timeout_s=5) as c:
+        return c.count(REQUEST).prompt_tokens > 0
 
 
 def workers_of(parent: int) -> list[int]:
@@ -123,24 +124,21 @@ def test_sighup_reloads_the_models_without_failing_a_call(config_path: Path,
     sock = sock_dir / "counter.sock"
     svc = counter(path, sock, "reload").start()
     paths = [Path(f"{sock}.{i}") for i in range(2)]
-    channels = [grpc.insecure_channel(f"unix:{p}") for p in paths]
     try:
         assert svc.proc is not None
         wait_until(lambda: all(p.is_socket() for p in paths), 20, what="both workers")
-        stubs = [counter_pb2_grpc.TokenCounterStub(c) for c in channels]
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-        request = counter_pb2.CountRequest(model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT,
-                                           body=body.encode())
         stop = threading.Event()
         seen: list[list[int]] = [[] for _ in range(4)]
-        failed: list[grpc.RpcError] = []
+        failed: list[Exception] = []
 
         def calls(i: int) -> None:
-            while not stop.is_set():
-                try:
-                    seen[i].append(stubs[i % 2].CountTokens(request, timeout=10).max_model_len)
-                except grpc.RpcError as e:
-                    failed.append(e)
+            with frames.Client(str(paths[i % 2]), timeout_s=10) as c:
+                while not stop.is_set():
+                    try:
+                        seen[i].append(c.count(REQUEST).max_model_len)
+                    except (OSError, CountFailure) as e:
+                        failed.append(e)
+                        return
 
         threads = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
         for t in threads:
@@ -162,6 +160,4 @@ def test_sighup_reloads_the_models_without_failing_a_call(config_path: Path,
             assert set(s) == {before, after}
             assert s == sorted(s, reverse=True)
     finally:
-        for c in channels:
-            c.close()
         svc.stop()

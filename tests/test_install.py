@@ -25,6 +25,7 @@ import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import config as tg_config
+from tokengate.counter import frames
 from tokengate.install import deploy_config_text
 from tokengate.ledger import store
 from tokengate.process import free_port
@@ -298,12 +299,15 @@ def test_the_units_settings_fit_together(installed: Installed) -> None:
                        "RuntimeDirectory": "tokengate", "RuntimeDirectoryMode": "0750",
                        "RuntimeDirectoryPreserve": "yes"}, name
         assert u.values("Service", "ExecReload") == ["/bin/kill -HUP $MAINPID"], name
-    # --workers N of a socket sidecar = the N servers of its upstream in the drop-in
-    for name, sock in (("tokengate-counter.service", "counter.sock"),
-                       ("tokengate-limits.service", "limits.sock")):
+    # --workers N of a socket sidecar = the N sockets the drop-in calls: the counter's
+    # in init_by_lua's argument (the edge speaks counter frames to them), the limits'
+    # as the servers of its upstream
+    for name, sock, pattern in (
+            ("tokengate-counter.service", "counter.sock", r"unix:\S+/{}\.(\d+)[ \"]"),
+            ("tokengate-limits.service", "limits.sock", r"server unix:\S+/{}\.(\d+) ")):
         argv = units.read_unit(installed.unit(name)).value("Service", "ExecStart").split()
         workers = int(argv[argv.index("--workers") + 1])
-        servers = re.findall(rf"server unix:\S+/{re.escape(sock)}\.(\d+) ", dropin)
+        servers = re.findall(pattern.format(re.escape(sock)), dropin)
         assert servers == [str(i) for i in range(workers)], name
     tmpfiles = (installed.prefix / "etc/tmpfiles.d/tokengate.conf").read_text()
     assert "d /run/tokengate 0750 tokengate www-data -" in tmpfiles.splitlines()
@@ -366,9 +370,9 @@ def test_the_counter_unit_counts_on_its_unix_sockets_only(
     assert want > 20
     for s in socks:
         assert stat_of(s)[0::2] == ("0o660", "www-data")
-        with grpc.insecure_channel(f"unix:{s}") as ch:
-            got = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
-                endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30)
+        with frames.Client(str(s), timeout_s=30) as fc:
+            got = fc.count(counter_pb2.CountRequest(endpoint=counter_pb2.ENDPOINT_CHAT,
+                                                    body=BODY))
         assert (got.prompt_tokens, got.max_model_len) == (want, 8192)
     assert not c.group_pids() & listening_tcp_pids(), "the counter unit listens on TCP"
 
@@ -516,9 +520,9 @@ def test_the_counter_unit_of_a_base_install_counts_like_the_full_one(
     try:
         sock = prefix / "run/tokengate/counter.sock.0"
         c.wait_for(sock.exists, 90, "socket of the first worker")
-        with grpc.insecure_channel(f"unix:{sock}") as ch:
-            got = counter_pb2_grpc.TokenCounterStub(ch).CountTokens(counter_pb2.CountRequest(
-                endpoint=counter_pb2.ENDPOINT_CHAT, body=BODY), timeout=30)
+        with frames.Client(str(sock), timeout_s=30) as fc:
+            got = fc.count(counter_pb2.CountRequest(endpoint=counter_pb2.ENDPOINT_CHAT,
+                                                    body=BODY))
     finally:
         c.stop()
     assert got.prompt_tokens == want

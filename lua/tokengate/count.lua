@@ -1,5 +1,6 @@
 -- Prompt tokens of a request: the counter sidecar's exact count
--- (tokengate.v1.TokenCounter/CountTokens, through tokengate.sidecar), and what happens
+-- (tokengate.v1.TokenCounter/CountTokens, in counter frames through tokengate.sidecar),
+-- and what happens
 -- when the counter cannot answer (edge.on_counter_failure): "open" forwards with an
 -- over-counting estimate, "closed" refuses with 503.
 
@@ -30,13 +31,14 @@ local HEAVY_BYTES = 256 * 1024
 local cache -- per-worker LRU: route .. model .. sha1(body) -> reply
 local client -- tokengate.sidecar client of the counter
 
--- init_worker(edge, hop_address, dict) -> true | nil, err. edge: the compiled edge
--- section (count_cache_entries, count_timeout_ms, counter_backoff_ms); hop_address: the
--- hop server ("unix:/path" | "host:port"); dict: the breaker's shared dict.
-function _M.init_worker(edge, hop_address, dict)
+-- init_worker(edge, sockets, dict) -> true | nil, err. edge: the compiled edge section
+-- (count_cache_entries, count_timeout_ms, counter_backoff_ms); sockets: the counter
+-- workers' unix sockets ({"unix:/path.0", ...}, spoken to in counter frames);
+-- dict: the breaker's shared dict.
+function _M.init_worker(edge, sockets, dict)
     cache = lrucache.new(edge.count_cache_entries)
     local err
-    client, err = sidecar.new("counter", hop_address, edge.count_timeout_ms,
+    client, err = sidecar.frames("counter", sockets, edge.count_timeout_ms,
         edge.counter_backoff_ms, dict)
     return client ~= nil, err
 end

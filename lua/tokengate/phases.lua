@@ -55,6 +55,7 @@ local mono_ms = clock.mono_ms
 local ngx_now = ngx.now
 local find = string.find
 local match = string.match
+local gmatch = string.gmatch
 local type = type
 local tostring = tostring
 local tonumber = tonumber
@@ -69,23 +70,30 @@ local send = errors.send
 local DICT = "tokengate_limits" -- the windows and the sidecar breakers
 
 local hop_address -- where this nginx's loopback hop server listens (init's argument)
+local counter_sockets -- the counter workers' unix sockets (init's argument)
 
--- init(path, hop): init_by_lua (master; again on every reload). Loads the compiled config;
--- a broken file stops nginx from starting or reloading instead of failing requests.
--- hop: the hop server's address, "unix:/path" or "host:port" (the sidecars' calls).
-function _M.init(path, hop)
+-- init(path, hop, counter): init_by_lua (master; again on every reload). Loads the
+-- compiled config; a broken file stops nginx from starting or reloading instead of
+-- failing requests. hop: the hop server's address, "unix:/path" or "host:port" (the
+-- global limits' calls); counter: the counter workers' sockets, "unix:/path.0
+-- unix:/path.1 ..." (its calls, in counter frames).
+function _M.init(path, hop, counter)
     local doc, err = config.load(path)
     if not doc then
         error(err)
     end
     hop_address = hop
+    counter_sockets = {}
+    for s in gmatch(counter or "", "%S+") do
+        counter_sockets[#counter_sockets + 1] = s
+    end
 end
 
 -- init_worker(): per-worker state: the counter client and its cache, the limit tiers,
 -- the status counters.
 function _M.init_worker()
     local doc = config.get()
-    local ok, err = count.init_worker(doc.edge, hop_address, ngx.shared[DICT])
+    local ok, err = count.init_worker(doc.edge, counter_sockets, ngx.shared[DICT])
     if ok then
         ok, err = limits.init_worker(doc, hop_address, DICT)
     end

@@ -1,13 +1,22 @@
--- The one client of tokengate's gRPC sidecars (the counter's CountTokens, the global
--- limits' Reserve and Settle), usable from the access phase and from timers alike.
+-- The one client of tokengate's sidecars (the counter's CountTokens, the global limits'
+-- Reserve and Settle), usable from the access phase and from timers alike. Two
+-- transports, one call():
 --
--- Transport: a cosocket speaks plain HTTP/1.1 to this nginx's own loopback hop server
--- (tokengate-http.conf), which grpc_passes to the sidecar. Lua has no HTTP/2 client, and
--- ngx.location.capture straight to a grpc_pass location crashes the worker with Debian's
--- lua module (and subrequests do not exist in timers). What comes back, verified with
--- Debian's nginx 1.22: success is HTTP 200 with the framed reply and grpc-status 0 as a
--- chunked trailer; a gRPC error is a trailers-only response, so grpc-status and
--- grpc-message arrive as headers; a dead or slow sidecar gives the hop's own 502/504.
+-- The counter (frames()): a cosocket speaks counter frames (tokengate.counter.frames:
+-- a gRPC length-prefixed request; a status byte and a length-prefixed reply) straight
+-- to its workers' unix sockets. Each call goes to the socket with the fewest calls in
+-- progress from this nginx worker (a short count does not wait behind a long one while
+-- another counter worker is free); a socket that cannot be connected to falls through
+-- to the next one, once.
+--
+-- The global limits (new()): a cosocket speaks plain HTTP/1.1 to this nginx's own
+-- loopback hop server (tokengate-http.conf), which grpc_passes to the sidecar. Lua has
+-- no HTTP/2 client, and ngx.location.capture straight to a grpc_pass location crashes
+-- the worker with Debian's lua module (and subrequests do not exist in timers). What
+-- comes back, verified with Debian's nginx 1.22: success is HTTP 200 with the framed
+-- reply and grpc-status 0 as a chunked trailer; a gRPC error is a trailers-only
+-- response, so grpc-status and grpc-message arrive as headers; a dead or slow sidecar
+-- gives the hop's own 502/504.
 --
 -- Breaker: one per sidecar, in a shared dict so every worker sees it. After a failure
 -- that says the sidecar is down or slow (unreachable, timeout, UNAVAILABLE, DEADLINE
@@ -18,6 +27,8 @@ local ngx = ngx
 local pb = require "tokengate.pb"
 
 local tcp = ngx.socket.tcp
+local ngx_now = ngx.now
+local byte = string.byte
 local tonumber = tonumber
 local tostring = tostring
 local setmetatable = setmetatable
@@ -67,6 +78,30 @@ function _M.new(name, address, timeout_ms, backoff_ms, dict)
         name = name, host = host, port = port, timeout_ms = timeout_ms,
         backoff_s = backoff_ms / 1000, dict = dict, breaker_key = "breaker:" .. name,
         pool = "tokengate_hop:" .. address,
+    }, mt)
+end
+
+-- frames(name, sockets, timeout_ms, backoff_ms, dict) -> client | nil, err
+--   sockets: the counter workers' unix sockets, {"unix:/run/tokengate/counter.sock.0",
+--   ...}; the other arguments as new()'s.
+function _M.frames(name, sockets, timeout_ms, backoff_ms, dict)
+    if not dict then
+        return nil, "sidecar " .. tostring(name) .. ": shared dict not found"
+    end
+    if #sockets == 0 then
+        return nil, "sidecar " .. name .. ": no sockets"
+    end
+    local peers = {}
+    for i = 1, #sockets do
+        if sub(sockets[i], 1, 5) ~= "unix:" then
+            return nil, "sidecar " .. name .. ": not a unix socket: " .. tostring(sockets[i])
+        end
+        peers[i] = { host = sockets[i], pool = "tokengate_frames:" .. sockets[i], busy = 0,
+                     changed = 0 }
+    end
+    return setmetatable({
+        name = name, peers = peers, turn = 0, timeout_ms = timeout_ms,
+        backoff_s = backoff_ms / 1000, dict = dict, breaker_key = "breaker:" .. name,
     }, mt)
 end
 
@@ -162,16 +197,17 @@ local function read_response(sock)
     return code, h, body
 end
 
--- connect(self) -> sock | nil, err: a pooled connection to the hop server
-local function connect(self)
+-- connect(self, peer) -> sock | nil, err: a pooled connection to peer (the hop server:
+-- self; a counter socket: one of self.peers)
+local function connect(self, peer)
     local sock = tcp()
     local t = self.timeout_ms
     sock:settimeouts(t, t, t)
     local ok, err
-    if self.port then
-        ok, err = sock:connect(self.host, self.port, { pool = self.pool })
+    if peer.port then
+        ok, err = sock:connect(peer.host, peer.port, { pool = peer.pool })
     else
-        ok, err = sock:connect(self.host, { pool = self.pool })
+        ok, err = sock:connect(peer.host, { pool = peer.pool })
     end
     if not ok then
         return nil, err
@@ -204,6 +240,119 @@ local function failure(self, reason, message, grpc_status, heavy)
     return nil, { reason = reason, message = message, grpc_status = grpc_status }
 end
 
+-- exchange_frames(sock, frame) -> status, payload | nil, err: one counter frame sent,
+-- its reply read (tokengate.counter.frames): the gRPC status code and the reply message
+-- (status 0) or the status message
+local function exchange_frames(sock, frame)
+    local ok, err = sock:send(frame)
+    if not ok then
+        return nil, err
+    end
+    local head
+    head, err = sock:receive(6)
+    if not head then
+        return nil, err
+    end
+    local status, flag, b1, b2, b3, b4 = byte(head, 1, 6)
+    if flag ~= 0 then
+        return nil, "compressed reply"
+    end
+    local n = ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+    if n == 0 then
+        return status, ""
+    end
+    local payload
+    payload, err = sock:receive(n)
+    if not payload then
+        return nil, err
+    end
+    return status, payload
+end
+
+-- pick(self, skip) -> the peer with the fewest calls in progress from this worker, other
+-- than skip; ties go round. A count left by a call whose request was ended mid-way
+-- (the client left: its coroutine never resumes) is forgotten once that peer has
+-- seen no call start or end for twice the call's deadline.
+local function pick(self, skip)
+    local peers, n = self.peers, #self.peers
+    local stale = ngx_now() - 2 * self.timeout_ms / 1000
+    self.turn = self.turn % n + 1
+    local best
+    for i = 0, n - 1 do
+        local p = peers[(self.turn + i - 1) % n + 1]
+        if p.busy > 0 and p.changed < stale then
+            p.busy = 0
+        end
+        if p ~= skip and (not best or p.busy < best.busy) then
+            best = p
+        end
+    end
+    return best
+end
+
+-- busy(peer, delta): this worker's calls in progress to peer
+local function busy(peer, delta)
+    peer.busy = peer.busy + delta
+    peer.changed = ngx_now()
+end
+
+-- attempt(self, peer, frame) -> status, payload | nil, err, connected: one call to peer,
+-- on a pooled connection (again on a fresh one when a reused connection turns out
+-- closed: the counter worker restarted). connected: false when peer could not be
+-- reached at all.
+local function attempt(self, peer, frame)
+    local sock, err = connect(self, peer)
+    if not sock then
+        return nil, "connect: " .. tostring(err), false
+    end
+    local status, payload = exchange_frames(sock, frame)
+    if not status and payload ~= "timeout" and sock:getreusedtimes() > 0 then
+        sock:close()
+        sock, err = connect(self, peer)
+        if not sock then
+            return nil, "connect: " .. tostring(err), false
+        end
+        status, payload = exchange_frames(sock, frame)
+    end
+    if not status then
+        sock:close()
+        return nil, payload, true
+    end
+    sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+    return status, payload, true
+end
+
+-- call_frames(self, frame, heavy) -> call()'s results, over counter frames
+local function call_frames(self, frame, heavy)
+    local peer = pick(self)
+    busy(peer, 1)
+    local status, payload, connected = attempt(self, peer, frame)
+    busy(peer, -1)
+    if not status and not connected and #self.peers > 1 then
+        -- idempotent: a dead worker's socket falls through to another one
+        peer = pick(self, peer)
+        busy(peer, 1)
+        status, payload, connected = attempt(self, peer, frame)
+        busy(peer, -1)
+    end
+    if not status then
+        if payload == "timeout" then
+            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil,
+                heavy)
+        end
+        return failure(self, "down", tostring(payload))
+    end
+    if status == 0 then
+        return payload
+    end
+    if status == GRPC_UNAVAILABLE then
+        return failure(self, "unavailable", payload, status)
+    elseif status == GRPC_DEADLINE_EXCEEDED then
+        return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", status, heavy)
+    end
+    return nil, { reason = "status", grpc_status = status, message = payload }
+end
+
 -- call(path, message, heavy) -> reply message bytes | nil, failure
 --   path: the gRPC method, "/tokengate.v1.TokenCounter/CountTokens"; message: the
 --   serialized request (unframed protobuf bytes); heavy: a large call whose timeout
@@ -219,7 +368,10 @@ function _M.call(self, path, message, heavy)
         return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
     end
     local frame = pb.frame(message)
-    local sock, err = connect(self)
+    if self.peers then
+        return call_frames(self, frame, heavy)
+    end
+    local sock, err = connect(self, self)
     if not sock then
         return failure(self, "down", "connect: " .. tostring(err))
     end
@@ -229,7 +381,7 @@ function _M.call(self, path, message, heavy)
     if not code and reused and h ~= "timeout" then
         -- the hop server may have closed an idle pooled connection
         sock:close()
-        sock, err = connect(self)
+        sock, err = connect(self, self)
         if not sock then
             return failure(self, "down", "connect: " .. tostring(err))
         end

@@ -83,7 +83,7 @@ class Listen:
 
 
 @dataclass(frozen=True)
-class _Socket:
+class UnixSocket:
     """A worker's unix socket: ``path`` (``PATH.<i>``, what clients connect to) and
     ``private`` (what gRPC binds: ``.<name>.<pid>`` in the same folder, so that a
     rename reaches ``path``)."""
@@ -92,7 +92,7 @@ class _Socket:
     private: Path
 
     @classmethod
-    def of(cls, listen: Listen, index: int) -> _Socket | None:
+    def of(cls, listen: Listen, index: int) -> UnixSocket | None:
         sock = listen.socket_of(index)
         if not sock:
             return None
@@ -123,17 +123,17 @@ class _Socket:
             pass
 
 
-def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
+def bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
           services: Sequence[str],
           servicer: health.HealthServicer | health.aio.HealthServicer
-          ) -> tuple[list[str], _Socket | None]:
+          ) -> tuple[list[str], UnixSocket | None]:
     """Add health, reflection and the worker's ports to ``server``; returns the
     addresses clients use (``unix:PATH.<i>`` last) and the unix socket to publish once
     the server started."""
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    sock = _Socket.of(listen, index)
+    sock = UnixSocket.of(listen, index)
     for addr in listen.tcp:
         server.add_insecure_port(addr)
     if sock is None:
@@ -145,7 +145,7 @@ def _bind(server: grpc.Server | grpc.aio.Server, listen: Listen, index: int,
     return [*listen.tcp, f"unix:{sock.path}"], sock
 
 
-def _reload(on_reload: Callable[[], None] | None) -> None:
+def reload(on_reload: Callable[[], None] | None) -> None:
     """Run a SIGHUP's ``on_reload``; a failure is logged, the old state keeps serving."""
     if on_reload is None:
         log.info("SIGHUP: nothing to reload")
@@ -164,7 +164,7 @@ def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: i
     ``services``: full names reported SERVING; ``on_ready(addresses)`` once listening;
     ``on_reload()`` on SIGHUP, in the main thread while the server's threads serve."""
     servicer = health.HealthServicer()
-    addresses, sock = _bind(server, listen, index, services, servicer)
+    addresses, sock = bind(server, listen, index, services, servicer)
     stop = threading.Event()
     hup = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,7 +181,7 @@ def serve(server: grpc.Server, services: Sequence[str], listen: Listen, index: i
         while not stop.wait(RELOAD_POLL_S):
             if hup.is_set():
                 hup.clear()
-                _reload(on_reload)
+                reload(on_reload)
         servicer.enter_graceful_shutdown()
     finally:
         # first: new connections go to the other workers while calls in flight finish
@@ -199,12 +199,12 @@ async def serve_async(server: grpc.aio.Server, services: Sequence[str], listen: 
     caller reports more than SERVING at start (a service that turns NOT_SERVING while
     its backend is down); a new one otherwise. ``on_reload()`` runs in the event loop."""
     servicer = servicer or health.aio.HealthServicer()
-    addresses, sock = _bind(server, listen, index, services, servicer)
+    addresses, sock = bind(server, listen, index, services, servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _reload, on_reload)
+    loop.add_signal_handler(signal.SIGHUP, reload, on_reload)
     identity = None
     try:
         await server.start()

@@ -8,15 +8,17 @@ For two workloads, on the same rendered prompts, it measures
       no RPC, no cache), tokens per CPU-second of this process (one core);
   (c) ``ModelCounter.count`` in this process on the parsed bodies (empty segment cache at
       the start, as a fresh server): the counter's Python path without gRPC;
-  (d) ``CountTokens`` over gRPC end to end against a real ``tokengate-counter``
-      (``--workers``, default 2; 16 requests in flight from a grpc.aio client), per
-      CPU-second of the counter's processes (what the counter costs behind the C nginx
-      edge; the client's CPU is not counted);
-  (e) the same calls against a no-op counter (the counter's gRPC server setup, a
-      CountTokens that answers a constant): the Python gRPC floor per call.
+  (d) ``CountTokens`` end to end against a real ``tokengate-counter`` (``--workers``,
+      default 2; 16 requests in flight), per CPU-second of the counter's processes (what
+      the counter costs behind the C nginx edge; the client's CPU is not counted): in
+      counter frames on the workers' unix sockets (what the edge speaks,
+      ``tokengate.counter.frames``), and over gRPC on TCP (what tools speak);
+  (e) the same calls against a no-op counter (the counter's servers, a CountTokens that
+      answers a constant): each transport's floor per call.
 
-The aims (``AIMS``) are (d) / (b); the aims table also prints (c) / (b) and the ratio
-the gRPC floor (e) allows at best, counting for free. Workloads: "cold" chat prompts of
+The aims (``AIMS``) are (d) / (b) in counter frames; the aims table also prints (c) /
+(b), the same over gRPC and the ratio the frames' floor (e) allows at best, counting for
+free. Workloads: "cold" chat prompts of
 ~1,000 tokens with unique text (nothing cached), and "conversation": 150 conversations
 of 10 turns, each turn sent with the whole history (as chat clients do), so the
 counter's segment cache sees the history again and tokenizes only the new turn.
@@ -27,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ import grpc
 from rich.table import Table
 from tokengate import config as tg_config
 from tokengate import grpc_server
+from tokengate.counter import frames
 from tokengate.counter.counting import ModelCounter
 from tokengate.counter.server import new_grpc_server
 from tokengate.process import Service, tcp_ready
@@ -74,11 +79,19 @@ class Row:
     counter_tokens_per_cpu_s: float
     counter_cpu_us_per_call: float
     noop_cpu_us_per_call: float
+    grpc_cpu_us_per_call: float
+    noop_grpc_cpu_us_per_call: float
 
     @property
     def ratio(self) -> float:
-        """The aims' figure: counter over gRPC / raw tiktoken, per CPU-second."""
+        """The aims' figure: counter in counter frames / raw tiktoken, per CPU-second."""
         return self.counter_tokens_per_cpu_s / self.tiktoken_tokens_per_cpu_s
+
+    @property
+    def grpc_ratio(self) -> float:
+        """The same over gRPC."""
+        return self.counter_tokens_per_cpu_s * self.counter_cpu_us_per_call \
+            / self.grpc_cpu_us_per_call / self.tiktoken_tokens_per_cpu_s
 
     @property
     def inprocess_ratio(self) -> float:
@@ -87,7 +100,7 @@ class Row:
     @property
     def floor_ratio(self) -> float:
         """The best ``ratio`` a counter could reach whose calls cost what the no-op
-        server's do (counting for free): the Python gRPC floor."""
+        server's do in counter frames (counting for free): the transport's floor."""
         tokens_per_call = self.prompt_tokens / self.requests
         return tokens_per_call / (self.noop_cpu_us_per_call * 1e-6) \
             / self.tiktoken_tokens_per_cpu_s
@@ -109,18 +122,22 @@ class _NoopCounter(counter_pb2_grpc.TokenCounterServicer):
 
 
 def _serve_noop(listen: grpc_server.Listen, threads: int, index: int) -> None:
-    """One no-op worker: the counter's own gRPC server setup (``new_grpc_server``,
-    ``grpc_server.serve``), serving ``_NoopCounter``."""
+    """One no-op worker: the counter's own servers (``new_grpc_server`` on TCP, counter
+    frames on the unix socket, as ``tokengate-counter`` serves them), answering
+    ``_NoopCounter``'s constant."""
     server = new_grpc_server(threads)
-    counter_pb2_grpc.add_TokenCounterServicer_to_server(_NoopCounter(), server)
+    noop = _NoopCounter()
+    counter_pb2_grpc.add_TokenCounterServicer_to_server(noop, server)
     name = counter_pb2.DESCRIPTOR.services_by_name["TokenCounter"].full_name
-    grpc_server.serve(server, [name], listen, index, grace_s=1)
+    asyncio.run(frames.serve(lambda request: noop.REPLY, listen, index, grace_s=1,
+                             tcp_server=server, services=[name]))
 
 
-def noop_service(port: int, workers: int) -> Service:
-    """The no-op counter as a process: ``workers`` workers on 127.0.0.1:``port``."""
+def noop_service(port: int, sock: Path, workers: int) -> Service:
+    """The no-op counter as a process: ``workers`` workers on 127.0.0.1:``port`` (gRPC)
+    and ``<sock>.<i>`` (counter frames)."""
     argv = [devstack.PYTHON, "-m", "tokengate_dev.bench.counter", "--noop-server", str(port),
-            "--workers", str(workers)]
+            "--noop-socket", str(sock), "--workers", str(workers)]
     return Service("bench-noop-counter", argv, tcp_ready("127.0.0.1", port), {}, 60.0,
                    cwd=devstack.ROOT, log_dir=devstack.VAR / "log")
 
@@ -173,6 +190,35 @@ async def _grpc_run(bodies: list[bytes], port: int, concurrency: int = 16) -> tu
         return time.perf_counter() - start, total
 
 
+async def _frames_run(bodies: list[bytes], sockets: list[Path], concurrency: int = 16
+                      ) -> tuple[float, int]:
+    """``_grpc_run`` in counter frames: the ``concurrency`` connections spread over the
+    workers' ``sockets``."""
+    queue = list(reversed(bodies))
+    total = 0
+
+    async def worker(path: Path) -> None:
+        nonlocal total
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        try:
+            while queue:
+                body = queue.pop()
+                message = counter_pb2.CountRequest(endpoint=counter_pb2.ENDPOINT_CHAT,
+                                                   body=body).SerializeToString()
+                writer.write(bytes(1) + len(message).to_bytes(4, "big") + message)
+                head = await reader.readexactly(6)
+                payload = await reader.readexactly(int.from_bytes(head[2:], "big"))
+                if head[0] != 0:
+                    raise SystemExit(f"counter frames: status {head[0]}: {payload!r}")
+                total += counter_pb2.CountReply.FromString(payload).prompt_tokens
+        finally:
+            writer.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(sockets[i % len(sockets)]) for i in range(concurrency)))
+    return time.perf_counter() - start, total
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its children (the counter workers)."""
     import psutil
@@ -181,17 +227,30 @@ def _cpu_seconds(pid: int) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
 
 
-def _cpu_per_call_us(bodies: list[bytes], port: int, pid: int) -> tuple[float, float, int]:
-    """(server CPU µs per call, wall seconds, tokens answered) of ``bodies`` sent to the
-    server of ``pid`` on ``port``."""
-    before = _cpu_seconds(pid)
-    seconds, tokens = asyncio.run(_grpc_run(bodies, port))
-    return (_cpu_seconds(pid) - before) / len(bodies) * 1e6, seconds, tokens
+@dataclass(frozen=True)
+class Server:
+    """A counter under test: its gRPC ``port``, its workers' frame ``sockets``, ``pid``."""
+
+    port: int
+    sockets: list[Path]
+    pid: int
+
+
+def _cpu_per_call_us(bodies: list[bytes], server: Server, grpc_: bool = False
+                     ) -> tuple[float, float, int]:
+    """(server CPU µs per call, wall seconds, tokens answered) of ``bodies`` sent to
+    ``server`` in counter frames (``grpc_``: over gRPC)."""
+    before = _cpu_seconds(server.pid)
+    seconds, tokens = asyncio.run(_grpc_run(bodies, server.port) if grpc_
+                                  else _frames_run(bodies, server.sockets))
+    return (_cpu_seconds(server.pid) - before) / len(bodies) * 1e6, seconds, tokens
 
 
 def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
-            counter: tuple[int, int], noop: tuple[int, int]) -> Row:
-    """One workload's Row; ``counter`` and ``noop``: (port, pid) of each server."""
+            fresh_counter: Callable[[], contextlib.AbstractContextManager[Server]],
+            noop: Server) -> Row:
+    """One workload's Row. ``fresh_counter()``: a real counter just started (an empty
+    segment cache, as the in-process one), once per transport."""
     assert mc.template is not None
     template, tok = mc.template, mc.tokenizer
     hf = tok.hf
@@ -214,24 +273,31 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
     start = time.process_time()
     in_tokens = sum(fresh.count("chat", json.loads(r)).prompt_tokens for r in raw)
     in_s = time.process_time() - start
-    counter_us, grpc_s, grpc_tokens = _cpu_per_call_us(raw, *counter)
-    noop_us, _, _ = _cpu_per_call_us(raw, *noop)
-    if not hf_tokens == tt_tokens == in_tokens == grpc_tokens:
-        raise SystemExit(f"{name}: counter says {grpc_tokens} tokens ({in_tokens} in this "
-                         f"process), HF {hf_tokens}, raw tiktoken {tt_tokens}")
+    with fresh_counter() as counter:
+        counter_us, frames_s, frames_tokens = _cpu_per_call_us(raw, counter)
+    with fresh_counter() as counter:
+        grpc_us, _, grpc_tokens = _cpu_per_call_us(raw, counter, grpc_=True)
+    noop_us, _, _ = _cpu_per_call_us(raw, noop)
+    noop_grpc_us, _, _ = _cpu_per_call_us(raw, noop, grpc_=True)
+    if not hf_tokens == tt_tokens == in_tokens == frames_tokens == grpc_tokens:
+        raise SystemExit(f"{name}: counter says {frames_tokens} tokens ({grpc_tokens} over "
+                         f"gRPC, {in_tokens} in this process), HF {hf_tokens}, raw "
+                         f"tiktoken {tt_tokens}")
     return Row(name, len(bodies), hf_tokens, hf_tokens / hf_s, tt_tokens / tt_s,
-               in_tokens / in_s, grpc_tokens / grpc_s,
-               grpc_tokens / (counter_us * 1e-6 * len(bodies)), counter_us, noop_us)
+               in_tokens / in_s, frames_tokens / frames_s,
+               frames_tokens / (counter_us * 1e-6 * len(bodies)), counter_us, noop_us,
+               grpc_us, noop_grpc_us)
 
 
 def render(rows: dict[str, Row]) -> tuple[Table, Table]:
     """The figures table and the aims table."""
-    table = Table(title="prompt tokens per second (HF, gRPC) and per CPU-second (tiktoken, "
-                        "in-process, counter); CPU µs per call of the counter and of a no-op "
-                        "gRPC server", header_style="bold")
+    table = Table(title="prompt tokens per second (HF, counter frames) and per CPU-second "
+                        "(tiktoken, in-process, counter in frames); CPU µs per call of the "
+                        "counter and of a no-op one, in counter frames and over gRPC",
+                  header_style="bold")
     for col in ("workload", "requests", "tokens", "HF tokenizers", "raw tiktoken",
-                "count() in-process", "gRPC (wall)", "counter CPU", "counter µs/call",
-                "no-op µs/call"):
+                "count() in-process", "frames (wall)", "counter CPU", "µs/call frames",
+                "no-op frames", "µs/call gRPC", "no-op gRPC"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows.values():
         table.add_row(r.workload, str(r.requests), f"{r.prompt_tokens:,}",
@@ -239,16 +305,18 @@ def render(rows: dict[str, Row]) -> tuple[Table, Table]:
                       f"{r.inprocess_tokens_per_cpu_s:,.0f} ({r.inprocess_ratio:.2f}x)",
                       f"{r.counter_tokens_per_s:,.0f}",
                       f"{r.counter_tokens_per_cpu_s:,.0f} ({r.ratio:.2f}x)",
-                      f"{r.counter_cpu_us_per_call:,.0f}", f"{r.noop_cpu_us_per_call:,.0f}")
+                      f"{r.counter_cpu_us_per_call:,.0f}", f"{r.noop_cpu_us_per_call:,.0f}",
+                      f"{r.grpc_cpu_us_per_call:,.0f}",
+                      f"{r.noop_grpc_cpu_us_per_call:,.0f}")
     aims = Table(title="make bench-counter: aims vs measured (ratios to raw tiktoken per "
-                       "CPU-second; floor: the no-op server's calls, counting for free)",
-                 header_style="bold")
-    for c in ("aim", "measured", "target", "in-process", "gRPC floor allows", ""):
+                       "CPU-second, the counter in frames as the edge calls it; floor: the "
+                       "no-op counter's calls, counting for free)", header_style="bold")
+    for c in ("aim", "measured", "target", "in-process", "over gRPC", "floor allows", ""):
         aims.add_column(c, justify="left" if c == "aim" else "right")
     for label, workload, target in AIMS:
         r = rows[workload]
         aims.add_row(label, f"{r.ratio:.2f}x", f">= {target:g}x", f"{r.inprocess_ratio:.2f}x",
-                     f"{r.floor_ratio:.2f}x",
+                     f"{r.grpc_ratio:.2f}x", f"{r.floor_ratio:.2f}x",
                      "[green]met[/]" if r.ratio >= target else "[red]not met[/]")
     return table, aims
 
@@ -260,11 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="counter worker processes")
     p.add_argument("--noop-server", type=int, default=None, metavar="PORT",
                    help="serve the no-op counter on PORT (what the bench starts)")
+    p.add_argument("--noop-socket", default=None, metavar="PATH",
+                   help="with --noop-server: its counter frames on PATH.<i>")
     a = p.parse_args(argv)
     if a.noop_server is not None:
         grpc_server.run_workers("noop-counter", _serve_noop,
-                                (grpc_server.Listen((f"127.0.0.1:{a.noop_server}",)), 1),
-                                a.workers)
+                                (grpc_server.Listen((f"127.0.0.1:{a.noop_server}",),
+                                                    a.noop_socket), 1), a.workers)
         return
     from rich.console import Console
 
@@ -276,16 +346,31 @@ def main(argv: list[str] | None = None) -> None:
         cfg_path = Path(tmp) / "tokengate.yaml"
         cfg_path.write_text((devstack.ROOT / "tokengate.yaml").read_text().replace(
             "dir: var/models/", f"dir: {devstack.ROOT}/var/models/"))
-        console.print(f"starting tokengate-counter and the no-op counter ({a.workers} "
-                      "workers each) ...")
-        port, noop_port = free_port(), free_port()
-        svc = devstack.counter_service(cfg_path, port=port, workers=a.workers,
-                                       name="bench-counter",
-                                       metrics_listen=f"127.0.0.1:{free_port()}").start()
-        noop = noop_service(noop_port, a.workers).start()
-        assert svc.proc is not None and noop.proc is not None
+
+        def sockets(base: Path) -> list[Path]:
+            return [base.with_name(f"{base.name}.{i}") for i in range(a.workers)]
+
+        @contextlib.contextmanager
+        def fresh_counter() -> Iterator[Server]:
+            port, sock = free_port(), Path(tmp) / "counter.sock"
+            svc = devstack.counter_service(cfg_path, port=port, unix_socket=sock,
+                                           workers=a.workers, name="bench-counter",
+                                           metrics_listen=f"127.0.0.1:{free_port()}").start()
+            try:
+                assert svc.proc is not None
+                _wait_for(sockets(sock))
+                yield Server(port, sockets(sock), svc.proc.pid)
+            finally:
+                svc.stop()
+
+        console.print(f"tokengate-counter ({a.workers} workers, started afresh for each "
+                      "transport) and a no-op counter ...")
+        noop_port, noop_sock = free_port(), Path(tmp) / "noop.sock"
+        noop = noop_service(noop_port, noop_sock, a.workers).start()
+        assert noop.proc is not None
         try:
-            ends = (port, svc.proc.pid), (noop_port, noop.proc.pid)
+            _wait_for(sockets(noop_sock))
+            ends = fresh_counter, Server(noop_port, sockets(noop_sock), noop.proc.pid)
             rows = {}
             console.print("cold 1k-token prompts ...")
             rows["cold"] = measure("cold 1k-token prompts", cold_bodies(2000), mc, *ends)
@@ -294,16 +379,26 @@ def main(argv: list[str] | None = None) -> None:
                                            mc, *ends)
         finally:
             noop.stop()
-            svc.stop()
     for t in render(rows):
         console.print(t)
     out = devstack.ROOT / "bench" / "results" / "counter.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({k: {**asdict(r), "ratio_to_tiktoken": r.ratio,
+                                   "grpc_ratio_to_tiktoken": r.grpc_ratio,
                                    "inprocess_ratio_to_tiktoken": r.inprocess_ratio,
-                                   "grpc_floor_ratio_to_tiktoken": r.floor_ratio}
+                                   "floor_ratio_to_tiktoken": r.floor_ratio}
                                for k, r in rows.items()}, indent=2))
     console.print(f"results: {out.relative_to(devstack.ROOT)}")
+
+
+def _wait_for(paths: list[Path], timeout_s: float = 60.0) -> None:
+    """Until every worker published its socket (the TCP port answers before the last
+    worker has loaded its model)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.is_socket() for p in paths):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the counter's sockets did not appear: {paths}")
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
-"""gRPC servicer of ``tokengate.v1.TokenCounter`` (proto/tokengate/v1/counter.proto).
-
-Served by grpc's thread-pool server: its per-call cost measured here is about half of
-grpc.aio's (~100 µs vs ~200 µs of CPU for a 4 KB body), and tiktoken releases the GIL
-while it encodes, so a few threads overlap tokenizing with RPC work.
+"""``tokengate.v1.TokenCounter`` (proto/tokengate/v1/counter.proto): the counting of one
+call (``TokenCounterService.count``), served over gRPC (``CountTokens``, TCP: tools,
+other clients) and over the counter frames of ``tokengate.counter.frames`` (the workers'
+unix sockets: the nginx edge).
 """
 
 from __future__ import annotations
@@ -42,16 +41,22 @@ CACHE_LOOKUPS = Counter("tokengate_counter_segment_cache_lookups_total",
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """Abort the RPC with a short, always-encodable message.
+class CountFailure(Exception):
+    """A call the counter answers with a gRPC status other than OK: ``code`` and a short,
+    always-encodable ``message`` (at most 512 characters; a lone surrogate echoed from
+    the body, a model named "\\ud800", is escaped: grpc sends no status at all for a
+    message it cannot encode)."""
 
-    Details travel as a UTF-8 header: a lone surrogate echoed from the body (a model
-    named "\\ud800") cannot be encoded, and grpc then never sends the status at all.
-    """
-    if len(message) > _MAX_DETAILS:
-        message = message[:_MAX_DETAILS] + "..."
-    context.abort(code, message.encode("utf-8", "backslashreplace").decode("utf-8"))
-    raise AssertionError("context.abort returned")
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        if len(message) > _MAX_DETAILS:
+            message = message[:_MAX_DETAILS] + "..."
+        self.code = code
+        self.message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(f"{code.name}: {self.message}")
+
+
+def _fail(code: grpc.StatusCode, message: str) -> NoReturn:
+    raise CountFailure(code, message)
 
 
 class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
@@ -63,24 +68,25 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         self._exported = {name: (0, 0) for name in counters}
         self._lock = threading.Lock()
 
-    def CountTokens(self, request: counter_pb2.CountRequest,
-                    context: grpc.ServicerContext) -> counter_pb2.CountReply:
-        """Exact prompt tokens of ``request.body``.
+    def count(self, request: counter_pb2.CountRequest) -> counter_pb2.CountReply:
+        """Exact prompt tokens of ``request.body``, whatever the transport.
 
-        Errors: INVALID_ARGUMENT "<field path>: <problem>" (bad JSON, bad field, unknown
-        endpoint); NOT_FOUND for a model that is not configured; INTERNAL for a bug
-        (logged with a traceback; the worker keeps serving). Every call is counted by
-        model and code, and timed.
+        Raises ``CountFailure``: INVALID_ARGUMENT "<field path>: <problem>" (bad JSON,
+        bad field, unknown endpoint); NOT_FOUND for a model that is not configured;
+        INTERNAL for a bug (logged with a traceback; the worker keeps serving). Every
+        call is counted by model and code, and timed.
         """
         t0 = time.perf_counter()
         # the edge always names the model in the request; a body-only one that fails
         # is counted as UNKNOWN
         label = request.model if request.model in self.counters else UNKNOWN
         try:
-            reply, label = self._count(request, context)
+            reply, label = self._count(request)
+        except CountFailure as e:
+            CALLS.labels(label, e.code.name).inc()
+            raise
         except Exception:
-            code = context.code()  # set by context.abort; None: an unexpected error
-            CALLS.labels(label, code.name if code else "INTERNAL").inc()
+            CALLS.labels(label, "INTERNAL").inc()
             raise
         finally:
             CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
@@ -88,6 +94,15 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         PROMPT_TOKENS.labels(label).inc(reply.prompt_tokens)
         self._export_cache(label)
         return reply
+
+    def CountTokens(self, request: counter_pb2.CountRequest,
+                    context: grpc.ServicerContext) -> counter_pb2.CountReply:
+        """The gRPC method: ``count``, its ``CountFailure`` as the call's status."""
+        try:
+            return self.count(request)
+        except CountFailure as e:
+            context.abort(e.code, e.message)
+            raise AssertionError("context.abort returned") from None
 
     def _export_cache(self, model: str) -> None:
         """Adds what ``model``'s segment cache counted since the last call to
@@ -103,40 +118,39 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         if misses > m0:
             CACHE_LOOKUPS.labels(model, "miss").inc(misses - m0)
 
-    def _count(self, request: counter_pb2.CountRequest,
-               context: grpc.ServicerContext) -> tuple[counter_pb2.CountReply, str]:
-        """CountTokens' work: the reply and the model it counted for."""
+    def _count(self, request: counter_pb2.CountRequest
+               ) -> tuple[counter_pb2.CountReply, str]:
+        """``count``'s work: the reply and the model it counted for."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
-            _abort(context, invalid, "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
+            _fail(invalid, "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
         try:
             body: Any = json.loads(request.body)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            _abort(context, invalid, f"body: invalid JSON: {e}")
+            _fail(invalid, f"body: invalid JSON: {e}")
         if not isinstance(body, dict):
-            _abort(context, invalid, "body: expected a JSON object")
+            _fail(invalid, "body: expected a JSON object")
         model = request.model or body.get("model")
         if not isinstance(model, str) or not model:
-            _abort(context, invalid, "model: required string")
+            _fail(invalid, "model: required string")
         counter = self.counters.get(model)
         if counter is None:
-            _abort(context, grpc.StatusCode.NOT_FOUND,
-                   f"model: the model '{model}' does not exist")
+            _fail(grpc.StatusCode.NOT_FOUND, f"model: the model '{model}' does not exist")
         try:
             r = counter.count(endpoint, body)
         except BadRequest as e:
-            _abort(context, invalid, str(e))
+            _fail(invalid, str(e))
         except RecursionError:
-            _abort(context, invalid, "body: nested too deeply")
+            _fail(invalid, "body: nested too deeply")
         except Exception:  # a bug must cost one request, not the worker
             log.exception("CountTokens failed on a %d-byte body", len(request.body))
-            _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
+            _fail(grpc.StatusCode.INTERNAL, "counter failed on this body")
         try:
             return _reply(r, counter), model
         except Exception:  # e.g. a field out of range: the worker keeps serving
             log.exception("CountTokens could not build a reply for %s", r)
-            _abort(context, grpc.StatusCode.INTERNAL, "counter failed on this body")
+            _fail(grpc.StatusCode.INTERNAL, "counter failed on this body")
 
 
 def _reply(r: CountResult, counter: ModelCounter) -> counter_pb2.CountReply:

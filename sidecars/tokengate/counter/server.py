@@ -10,17 +10,19 @@ SYNOPSIS
                       [--check-upstreams [--allow-unverified-vllm] [--upstream-wait-s S]]
 
 DESCRIPTION
-    Serves tokengate.v1.TokenCounter/CountTokens (proto/tokengate/v1/counter.proto),
-    the standard gRPC health service (grpc.health.v1.Health) and server reflection.
+    Serves tokengate.v1.TokenCounter/CountTokens (proto/tokengate/v1/counter.proto):
+    over gRPC on HOST:PORT, with the standard gRPC health service (grpc.health.v1.Health)
+    and server reflection, and as counter frames (tokengate.counter.frames: the same
+    messages without HTTP/2, what the nginx edge speaks) on the unix sockets.
     Models come from the YAML configuration (models.<name>.dir: the served model's own
     directory, the same tokenizer.json and chat template vLLM loads).
 
     Python holds one GIL per process, so the counter runs N worker processes. Every
     worker listens on HOST:PORT (SO_REUSEPORT: the kernel spreads connections) and, with
     --unix-socket PATH, on its own socket PATH.<i> (i = 0..N-1), which the nginx edge
-    lists as the servers of its counter upstream (mode 0660: the owner and the
-    process's group, nginx's workers' group under the systemd unit). --port 0 serves
-    the unix sockets only. The parent restarts a worker that dies and stops all of
+    calls (mode 0660: the owner and the process's group, nginx's workers' group under
+    the systemd unit). A worker answers its socket's calls one at a time, in one thread.
+    --port 0 serves the unix sockets only. The parent restarts a worker that dies and stops all of
     them on SIGTERM/SIGINT.
 
     --metrics-listen (metrics.counter_listen) serves Prometheus /metrics: calls by
@@ -101,8 +103,17 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
                   f"fingerprint {c.fingerprint}", flush=True)
         print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
 
-    grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready,
-                      on_reload=reload)
+    if listen.unix_socket is None:
+        grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready,
+                          on_reload=reload)
+        return
+    import asyncio
+
+    from tokengate.counter import frames
+
+    asyncio.run(frames.serve(service.count, listen, index, grace_s=2,
+                             tcp_server=server if listen.tcp else None,
+                             services=[service_name], on_ready=ready, on_reload=reload))
 
 
 def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:
@@ -135,14 +146,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="TCP port (default: %(default)s); 0: no TCP listener, the unix "
                              "sockets only (needs --unix-socket)")
     parser.add_argument("--unix-socket", default=None,
-                        help="also listen on PATH.<i> for worker i")
+                        help="also listen on PATH.<i> for worker i (counter frames, the "
+                             "edge's calls)")
     parser.add_argument("--workers", type=int, default=2,
                         help="worker processes (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="RPC threads per worker (default: %(default)s: the GIL runs "
-                             "one call at a time anyway, and a second thread made each call "
-                             "cost 15-25%% more CPU in make bench-counter; the edge sends a "
-                             "call to the worker with the fewest in progress)")
+                        help="gRPC threads per worker, for HOST:PORT (default: "
+                             "%(default)s: the GIL runs one call at a time anyway, and a "
+                             "second thread made each call cost 15-25%% more CPU in make "
+                             "bench-counter)")
     parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics there, all workers summed "
                              "(default: metrics.counter_listen; 'none': off)")

@@ -112,19 +112,20 @@ def render_location(templates: Path, usage_file: Path, access_log: Path | None,
 
 
 def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket: Path,
-                counter_workers: int, hop_address: str, count_timeout_ms: int,
-                limits: list[str], limits_timeout_ms: int, status_listen: str) -> str:
+                counter_workers: int, hop_address: str, limits: list[str],
+                limits_timeout_ms: int, status_listen: str) -> str:
     """The http-level part (``<templates>/tokengate-http.conf.in``) for the given paths.
 
-    hop_address: where the loopback-hop server listens, ``unix:<path>`` or ``host:port``.
-    limits: the global-limit sidecar's addresses (``limits_servers``); timeouts in ms.
-    status_listen: the status server's loopback ``host:port`` (edge.status_listen).
+    counter_socket, counter_workers: the counter's --unix-socket and --workers (the edge
+    calls its sockets directly). hop_address: where the loopback-hop server listens,
+    ``unix:<path>`` or ``host:port``. limits: the global-limit sidecar's addresses
+    (``limits_servers``); timeouts in ms. status_listen: the status server's loopback
+    ``host:port`` (edge.status_listen).
     """
-    servers = "\n".join(f"    server unix:{s} max_fails=0;"
-                        for s in counter_sockets(counter_socket, counter_workers))
+    sockets = " ".join(f"unix:{s}" for s in counter_sockets(counter_socket, counter_workers))
     return _fill((templates / "tokengate-http.conf.in").read_text(), {
-        "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SERVERS": servers,
-        "HOP_ADDRESS": hop_address, "COUNT_TIMEOUT_MS": str(count_timeout_ms),
+        "LUA_DIR": str(lua_dir), "EDGE_JSON": str(edge_json), "COUNTER_SOCKETS": sockets,
+        "HOP_ADDRESS": hop_address,
         "LIMITS_SERVERS": "\n".join(f"    server {a} max_fails=0;" for a in limits),
         "LIMITS_TIMEOUT_MS": str(limits_timeout_ms), "STATUS_LISTEN": status_listen,
     })
@@ -194,7 +195,6 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     sock = Path(gl["unix_socket"]) if gl["unix_socket"] else None
     http = render_http(inst.templates, inst.lua_dir, inst.edge_json, inst.counter_socket,
                        inst.counter_workers, f"unix:{inst.hop_socket}",
-                       doc["edge"]["count_timeout_ms"],
                        limits_servers(sock, inst.limits_workers, gl["listen"]),
                        doc["edge"]["global_limits_timeout_ms"],
                        inst.status_listen or doc["edge"]["status_listen"])
@@ -237,7 +237,7 @@ def render_debian(templates: Path, paths: dict[str, Path] = DEBIAN_PATHS,
     d = edge or compile_config.EdgeConfig()
     return header + render_http(templates, p["lua_dir"], p["edge_json"],
                                 p["counter_socket"], 2,
-                                f"unix:{p['hop_socket']}", d.count_timeout_ms,
+                                f"unix:{p['hop_socket']}",
                                 limits_servers(p["limits_socket"], 2, ""),
                                 d.global_limits_timeout_ms, d.status_listen)
 
