@@ -1,17 +1,23 @@
-"""Bad bodies get INVALID_ARGUMENT naming the field; nothing crashes the counter."""
+"""Bad bodies get INVALID_ARGUMENT naming the field; nothing crashes the counter. Over
+gRPC (TCP) and in counter frames (the workers' unix sockets, the edge's transport) alike;
+a frame that is none is refused and the worker keeps serving."""
 
 from __future__ import annotations
 
 import json
 import random
+import socket
+import struct
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokengate.counter import frames
+from tokengate.counter.counter_service import CountFailure
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, TEST_DIR
 from tests.counter_cases import CASES
 
 CHAT = counter_pb2.ENDPOINT_CHAT
@@ -208,3 +214,67 @@ def test_health_and_reflection_are_served(counter_addr: str) -> None:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert {"tokengate.v1.TokenCounter", "grpc.health.v1.Health"} <= services
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def frames_result(c: frames.Client, request: counter_pb2.CountRequest) -> object:
+    try:
+        return c.count(request)
+    except CountFailure as e:
+        return e.code, e.message
+
+
+def grpc_result(stub: counter_pb2_grpc.TokenCounterStub,
+                request: counter_pb2.CountRequest) -> object:
+    try:
+        return stub.CountTokens(request)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+def test_counter_frames_answer_what_grpc_answers(stub: counter_pb2_grpc.TokenCounterStub,
+                                                 counter_addr: str) -> None:
+    requests = [counter_pb2.CountRequest(endpoint=CHAT, body=json.dumps(
+        msgs({"role": "user", "content": "hi"})).encode())]
+    requests += [counter_pb2.CountRequest(endpoint=CHAT, body=b if isinstance(b, bytes)
+                                          else json.dumps(b).encode()) for b, _ in BAD_CHAT]
+    requests += [counter_pb2.CountRequest(endpoint=CHAT, body=json.dumps(
+                     {"model": "\ud800", "messages": []}).encode()),
+                 counter_pb2.CountRequest(endpoint=counter_pb2.ENDPOINT_UNSPECIFIED,
+                                          body=b"{}")]
+    for i in range(2):
+        with frames.Client(str(TEST_DIR / f"counter.sock.{i}")) as c:
+            got = [frames_result(c, r) for r in requests]
+        assert got == [grpc_result(stub, r) for r in requests]
+    assert got[0].prompt_tokens == 9  # type: ignore[attr-defined]
+    assert got[-2] == (grpc.StatusCode.NOT_FOUND, "model: the model '\\ud800' does not exist")
+
+
+def raw_reply(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    """(status, message, what follows: b"" when the counter closed the connection)."""
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    status, _, n = struct.unpack(">BBI", data[:6])
+    return status, data[6:6 + n], data[6 + n:]
+
+
+@pytest.mark.parametrize("frame,message", [
+    (b"\x01\x00\x00\x00\x02{}", b"request: compressed"),
+    (b"\x00\x7f\xff\xff\xff", b"request: larger than 64 MiB"),
+])
+def test_a_frame_that_is_none_is_refused_and_the_worker_keeps_serving(
+        counter_addr: str, frame: bytes, message: bytes) -> None:
+    path = str(TEST_DIR / "counter.sock.0")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(frame)
+        # answered, then closed: what follows a length it cannot trust is no request
+        assert raw_reply(sock) == (3, message, b"")
+    with frames.Client(path) as c:
+        assert c.send(b"\xff\xff") == (3, b"request: not a CountRequest")
+        assert c.count(counter_pb2.CountRequest(endpoint=CHAT, body=json.dumps(
+            msgs({"role": "user", "content": "hi"})).encode())).prompt_tokens == 9

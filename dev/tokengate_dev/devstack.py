@@ -4,8 +4,8 @@ Each part is a ``tokengate.process.Service``: an argv, an environment, a readine
 and a log file under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test
 fixtures call the same builders (with other ports) so tests run exactly what a user runs.
 
-Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and a unix
-socket under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
+Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and, for the edge,
+its workers' counter-frame sockets under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
 global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket. All but
 the counter's come from the configuration (``--counter-port`` sets that one), and
 ``--var DIR`` moves logs, sockets and rendered configurations out of the checkout's
@@ -80,13 +80,22 @@ def _metrics_args(metrics_listen: str | None) -> list[str]:
 def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | None = None,
                     workers: int = 2, name: str = "counter",
                     metrics_listen: str | None = None) -> Service:
-    """The token counter sidecar (``tokengate-counter``): gRPC on TCP and a unix socket,
-    its Prometheus metrics on ``metrics_listen`` (default ``metrics.counter_listen``)."""
+    """The token counter sidecar (``tokengate-counter``): gRPC on TCP and, with
+    ``unix_socket``, counter frames on its workers' ``<unix_socket>.<i>``; its Prometheus
+    metrics on ``metrics_listen`` (default ``metrics.counter_listen``)."""
     argv = [PYTHON, "-m", "tokengate.counter.server", "--config", str(config_path),
             "--port", str(port), "--workers", str(workers), *_metrics_args(metrics_listen)]
+    ready = tcp_ready("127.0.0.1", port)
     if unix_socket is not None:
         argv += ["--unix-socket", str(unix_socket)]
-    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=60.0)
+        sockets = [unix_socket.with_name(f"{unix_socket.name}.{i}") for i in range(workers)]
+        port_ready = ready
+
+        def ready() -> bool:
+            # every worker publishes its socket once its models are loaded; the shared
+            # TCP port answers as soon as the first one listens
+            return port_ready() and all(s.is_socket() for s in sockets)
+    return _service(name, argv, ready, start_timeout_s=60.0)
 
 
 def redis_service(port: int = 6380, name: str = "redis", persist: bool = False) -> Service:
