@@ -1,41 +1,19 @@
 -- API keys: `Authorization: Bearer <key>`. The configuration stores only SHA-256 hex
 -- digests (never keys), so the edge hashes the presented key and looks the digest up.
--- SHA-256 comes from the OpenSSL libcrypto that nginx itself is linked against.
+-- SHA-256: tokengate.digest.
 
-local ffi = require "ffi"
 local lrucache = require "resty.lrucache"
 local errors = require "tokengate.errors"
+local digest = require "tokengate.digest"
 
-local ffi_new = ffi.new
-local ffi_string = ffi.string
-local C = ffi.C
-local byte = string.byte
-local format = string.format
 local find = string.find
 local sub = string.sub
-local concat = table.concat
 local type = type
-
-ffi.cdef [[
-unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);
-]]
 
 local _M = {}
 
-local md = ffi_new("unsigned char[32]")
 -- presented key -> hex digest; a worker hashes each distinct key once.
 local digests = lrucache.new(1024)
-
--- sha256_hex(s) -> 64 lowercase hex digits of SHA-256(s).
-function _M.sha256_hex(s)
-    C.SHA256(s, #s, md)
-    local raw = ffi_string(md, 32)
-    local out = {}
-    for i = 1, 32 do
-        out[i] = format("%02x", byte(raw, i))
-    end
-    return concat(out)
-end
 
 -- bearer(header) -> the token of an "Authorization: Bearer <token>" value, or nil.
 -- The scheme is case-insensitive (RFC 7235); surrounding spaces are ignored.
@@ -68,12 +46,12 @@ function _M.authenticate(keys, header)
     if not token then
         return nil, MISSING
     end
-    local digest = digests:get(token)
-    if not digest then
-        digest = _M.sha256_hex(token)
-        digests:set(token, digest)
+    local hex = digests:get(token)
+    if not hex then
+        hex = digest.sha256_hex(token)
+        digests:set(token, hex)
     end
-    local key = keys[digest]
+    local key = keys[hex]
     if not key then
         return nil, INVALID
     end

@@ -8,9 +8,10 @@ local ngx = ngx
 local pb = require "tokengate.pb"
 local sidecar = require "tokengate.sidecar"
 local errors = require "tokengate.errors"
+local digest = require "tokengate.digest"
 local lrucache = require "resty.lrucache"
 
-local sha1_bin = ngx.sha1_bin
+local sha256 = digest.sha256
 local ngx_log = ngx.log
 local WARN = ngx.WARN
 local ceil = math.ceil
@@ -28,7 +29,10 @@ local GRPC_NOT_FOUND = 5
 -- token prompt is ~5 KB): its timeout does not open the counter's breaker
 local HEAVY_BYTES = 256 * 1024
 
-local cache -- per-worker LRU: route .. model .. sha1(body) -> reply
+-- per-worker LRU: route .. model .. SHA-256(body) -> reply. A digest, not the body
+-- itself, is the key: count_cache_entries bodies of up to max_body_bytes each would be
+-- held otherwise; SHA-256 (no known collision, unlike SHA-1) keeps it exact.
+local cache
 local client -- tokengate.sidecar client of the counter
 
 -- init_worker(edge, sockets, dict) -> true | nil, err. edge: the compiled edge section
@@ -45,7 +49,7 @@ end
 
 -- ask(route, model, body) -> reply | nil, failure (tokengate.sidecar's shape)
 local function ask(route, model, body)
-    local ckey = route .. "\0" .. model .. "\0" .. sha1_bin(body)
+    local ckey = route .. "\0" .. model .. "\0" .. sha256(body)
     local hit = cache:get(ckey)
     if hit then
         return hit
