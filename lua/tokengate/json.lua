@@ -470,18 +470,17 @@ for c = 0, 31 do
     end
 end
 
--- encode_string(s) -> JSON string literal of s (s is valid UTF-8)
-local function encode_string(s)
+-- escape(s) -> the inside of the JSON string literal of s (s is valid UTF-8): s itself
+-- when nothing in it needs escaping
+local function escape(s)
     local p = cast(u8p, s)
     for i = 0, #s - 1 do
         if ESC_NEED[p[i]] ~= 0 then
-            s = gsub(s, '[%z\1-\31"\\]', ESC_OUT)
-            break
+            return (gsub(s, '[%z\1-\31"\\]', ESC_OUT))
         end
     end
-    return '"' .. s .. '"'
+    return s
 end
-_M.encode_string = encode_string
 
 -- encode_number(v) -> shortest text that reads back as v; integers without exponent;
 -- NaN and infinities (never produced by decode) as null
@@ -519,8 +518,9 @@ end
 encode_into = function(v, buf, n)
     local tv = type(v)
     if tv == "string" then
-        n = n + 1
-        buf[n] = encode_string(v)
+        -- the quotes as pieces of their own: a prompt is not copied once more to quote it
+        buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(v), '"'
+        n = n + 3
     elseif tv == "number" then
         n = n + 1
         buf[n] = encode_number(v)
@@ -561,10 +561,8 @@ encode_into = function(v, buf, n)
                         buf[n] = ","
                     end
                     first = false
-                    n = n + 1
-                    buf[n] = encode_string(k)
-                    n = n + 1
-                    buf[n] = ":"
+                    buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(k), '":'
+                    n = n + 3
                     n = encode_into(fv, buf, n)
                 end
             end
@@ -572,8 +570,8 @@ encode_into = function(v, buf, n)
             buf[n] = "}"
         end
     else
-        n = n + 1
-        buf[n] = encode_string(tostring(v))
+        buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(tostring(v)), '"'
+        n = n + 3
     end
     return n
 end
