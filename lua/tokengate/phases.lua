@@ -145,7 +145,7 @@ local function who(ctx, doc)
         end
         return nil, err
     end
-    ctx.key, ctx.limit_req = key, limits.request(key, nil, ngx_var.request_id)
+    ctx.key, ctx.limit_req = key, limits.request(key, nil, request.id(ctx))
     ctx.rate = limits.peek(ctx.limit_req)
     return key
 end
@@ -153,7 +153,7 @@ end
 -- listing(ctx, doc) -> true | nil, err (404/405): a known route with its method; the
 -- model list and GET /v1/models/{id} are answered here.
 local function listing(ctx, doc)
-    local route, uri = ctx.route, ngx_var.uri
+    local route, uri = ctx.route, ctx.uri
     local err = request.check_method(route, ngx_req.get_method(), uri)
     if err then
         return nil, err
@@ -185,7 +185,7 @@ local function what(ctx, doc)
     end
     local model = doc.models[body.model]
     ctx.model, ctx.model_entry = model.name, model
-    ctx.limit_req = limits.request(ctx.key, model.name, ngx_var.request_id)
+    ctx.limit_req = limits.request(ctx.key, model.name, request.id(ctx))
     ctx.rate = limits.peek(ctx.limit_req)
     local counts
     counts, err = sanitize.request(route, body, model, edge)
@@ -278,7 +278,8 @@ function _M.access()
     local ctx = ngx.ctx
     ctx.t0 = mono_ms()
     local doc = config.get()
-    local uri = ngx_var.uri
+    local uri = ngx_var.uri -- the client's path: set_uri below changes $uri
+    ctx.uri = uri
     ctx.route, ctx.model_id = request.route(uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
     -- a browser's preflight carries no key: answered before any is asked for
@@ -350,7 +351,7 @@ function _M.header_filter()
     local ctx = ngx.ctx
     local h = ngx.header
     -- the usage event's request_id; vLLM also uses it in its response ids
-    h["X-Request-Id"] = ngx_var.request_id
+    h["X-Request-Id"] = request.id(ctx)
     if ctx.rate then
         limits.headers(h, ctx.rate)
     end

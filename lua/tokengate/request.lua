@@ -2,9 +2,11 @@
 -- (max_tokens after the server cap, the model's default, the context window) and the
 -- stream options the edge needs. Errors use the errors.new shape.
 
+local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 
+local ngx_var = ngx.var
 local format = string.format
 local sub = string.sub
 local match = string.match
@@ -25,6 +27,17 @@ local ROUTES = {
 }
 _M.PATHS = { chat = "/v1/chat/completions", completions = "/v1/completions" }
 local MODEL_PREFIX = "/v1/models/"
+
+-- id(ctx) -> the request's $request_id (32 hex digits), kept in ctx: an ngx.var read
+-- looks the variable up by its name each time, and the phases need the id four times.
+function _M.id(ctx)
+    local id = ctx.request_id
+    if not id then
+        id = ngx_var.request_id
+        ctx.request_id = id
+    end
+    return id
+end
 
 -- route(uri) -> route name ("chat" | "completions" | "models" | "model") or nil, and for
 -- "model" (GET /v1/models/{id}, the openai client's models.retrieve) the id.

@@ -253,13 +253,17 @@ function _M.record(ctx, status, aborted)
     local t0 = ctx.t0
     local total = t0 and (mono_ms() - t0) or (ngx_now() - ngx_req.start_time()) * 1000
     local req, counts = ctx.limit_req, ctx.sanitized
-    local uri = ngx_var.uri
+    local endpoint = ctx.endpoint
+    if not endpoint then
+        local uri = ngx_var.uri
+        endpoint = request.endpoint(request.route(uri), uri)
+    end
     return _M.event({
-        request_id = ngx_var.request_id,
+        request_id = request.id(ctx),
         ts = clock.rfc3339_ms(ngx_req.start_time()),
         key_id = ctx.key and ctx.key.id,
         model = ctx.model,
-        endpoint = ctx.endpoint or request.endpoint(request.route(uri), uri),
+        endpoint = endpoint,
         status = status,
         stream = ctx.stream == true,
         token_estimate = ctx.token_estimate or 0,
