@@ -23,6 +23,7 @@ local drift = require "tokengate.drift"
 
 local find = string.find
 local sub = string.sub
+local byte = string.byte
 local match = string.match
 local gsub = string.gsub
 local concat = table.concat
@@ -37,17 +38,46 @@ local mono_ms = clock.mono_ms
 
 local _M = {}
 
+-- count_after(text, key) -> the number written after key in text, what
+-- match(text, key .. "%s*(%d+)") finds (key plain), or nil. A plain find and a byte scan:
+-- LuaJIT compiles them, where string.match leaves the trace, and a stream reads three
+-- counts from every chunk.
+local function count_after(text, key)
+    local init = 1
+    while true do
+        local _, e = find(text, key, init, true)
+        if not e then
+            return nil
+        end
+        local i = e + 1
+        local b = byte(text, i)
+        while b == 32 or (b and b >= 9 and b <= 13) do -- %s
+            i = i + 1
+            b = byte(text, i)
+        end
+        local j = i
+        while b and b >= 48 and b <= 57 do
+            j = j + 1
+            b = byte(text, j)
+        end
+        if j > i then
+            return sub(text, i, j - 1)
+        end
+        init = e + 1
+    end
+end
+
 -- read_usage(ctx, usage_text, final): stores the cumulative counts of one usage object
 -- (text of {"prompt_tokens":..}) in ctx; final marks the last ("choices": []) chunk.
 local function read_usage(ctx, usage_text, final)
-    local p = match(usage_text, '"prompt_tokens":%s*(%d+)')
-    local c = match(usage_text, '"completion_tokens":%s*(%d+)')
+    local p = count_after(usage_text, '"prompt_tokens":')
+    local c = count_after(usage_text, '"completion_tokens":')
     if not p and not c then
         return
     end
     ctx.u_prompt = tonumber(p) or ctx.u_prompt or 0
     ctx.u_completion = tonumber(c) or 0
-    local cached = match(usage_text, '"cached_tokens":%s*(%d+)')
+    local cached = count_after(usage_text, '"cached_tokens":')
     if cached then
         ctx.u_cached = tonumber(cached)
     end
