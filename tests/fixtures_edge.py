@@ -327,15 +327,19 @@ class _Frames(socketserver.StreamRequestHandler):
             if len(head) < 5:
                 return
             message = self.rfile.read(int.from_bytes(head[1:5], "big"))
+            if self.server.broken:  # type: ignore[attr-defined]
+                return  # a worker that dies with the call: the connection closes
             self.wfile.write(frames.answer(self.server.count, message))  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
-def fake_counter(path: Path, count: Callable[[Any], Any]) -> Iterator[Path]:
+def fake_counter(path: Path, count: Callable[[Any], Any],
+                 broken: int | None = None) -> Iterator[Path]:
     """A fake counter speaking the real counter frames (tokengate.counter.frames) on two
     unix sockets, ``<path>.0`` and ``.1``, a thread per connection; ``count(request)``
-    answers each CountRequest (a CountReply, or raises CountFailure). Yields ``path``
-    (the edge's counter_socket)."""
+    answers each CountRequest (a CountReply, or raises CountFailure). ``broken``: the
+    index of a socket whose worker reads each call and closes the connection without an
+    answer. Yields ``path`` (the edge's counter_socket)."""
     servers = []
     for i in range(2):
         sock = path.with_name(f"{path.name}.{i}")
@@ -343,6 +347,7 @@ def fake_counter(path: Path, count: Callable[[Any], Any]) -> Iterator[Path]:
         server = socketserver.ThreadingUnixStreamServer(str(sock), _Frames)
         server.daemon_threads = True
         server.count = count  # type: ignore[attr-defined]
+        server.broken = i == broken  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
     try:
@@ -379,18 +384,23 @@ class FixedCounter:
 @pytest.fixture
 def fixed_counter() -> Iterator[FixedCounter]:
     """A fast fake counter (7 prompt tokens for every body) on two unix sockets."""
-    from tokengate.v1 import counter_pb2
-
     fc = FixedCounter(EDGE_DIR / "fixed-counter.sock", 7)
 
     def fixed(request: Any) -> Any:
         fc.calls += 1
-        return counter_pb2.CountReply(prompt_tokens=fc.prompt_tokens, max_model_len=8192,
-                                      max_tokens_effective=1, max_tokens_requested=1,
-                                      prompt_count=1)
+        return fixed_reply(fc.prompt_tokens)
 
     with fake_counter(fc.path, fixed):
         yield fc
+
+
+def fixed_reply(prompt_tokens: int) -> Any:
+    """A CountReply of ``prompt_tokens`` for a one-prompt request (the fake counters')."""
+    from tokengate.v1 import counter_pb2
+
+    return counter_pb2.CountReply(prompt_tokens=prompt_tokens, max_model_len=8192,
+                                  max_tokens_effective=1, max_tokens_requested=1,
+                                  prompt_count=1)
 
 
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'

@@ -6,17 +6,20 @@ headers are what is tested, no browser is needed to send them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from tokengate import config as tg_config
 from tokengate.config import ConfigError
 
-from tests.conftest import MODEL, REPO_CONFIG
-from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.conftest import MODEL, PORT_OFFSET, REPO_CONFIG
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge
 
 APP = "https://app.example.com"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -24,7 +27,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 ASKED = ("authorization,content-type,x-stainless-arch,x-stainless-lang,x-stainless-os,"
          "x-stainless-package-version,x-stainless-retry-count,x-stainless-runtime,"
          "x-stainless-runtime-version,x-stainless-timeout")
+PREFLIGHT_VARY = "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
 EXPOSED = {"x-request-id", "x-token-count", "x-token-count-source", "x-tokengate-limits",
+           "x-tokengate-upstream",
            "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-limit-tokens",
            "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
            "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens", "x-budget-limit-spend",
@@ -63,8 +68,7 @@ def test_a_preflight_from_an_allowed_origin_is_answered_204_without_a_key(
     assert r.status_code == 204 and r.content == b""
     assert (r.headers["access-control-allow-origin"], r.headers["access-control-allow-methods"],
             r.headers["access-control-allow-headers"], r.headers["access-control-max-age"],
-            r.headers["vary"]) == (APP, "POST", ASKED, "3600",
-                                   "Origin, Access-Control-Request-Headers")
+            r.headers["vary"]) == (APP, "POST", ASKED, "3600", PREFLIGHT_VARY)
     assert "access-control-allow-credentials" not in r.headers
     # the model list takes GET and HEAD; the origin is compared without case
     r = preflight(cors_edge, "/models", "http://localhost:3000", "GET", asked=None)
@@ -72,9 +76,14 @@ def test_a_preflight_from_an_allowed_origin_is_answered_204_without_a_key(
     assert (r.headers["access-control-allow-origin"], r.headers["access-control-allow-methods"]) \
         == ("http://localhost:3000", "GET, HEAD")
     assert "access-control-allow-headers" not in r.headers
+    # a path that is no route: its 404, readable by the page (not the key's 401)
+    r = preflight(cors_edge, "/embeddings", APP)
+    assert (r.status_code, r.headers["access-control-allow-origin"], r.json()["error"]) == \
+        (404, APP, {"message": "Invalid URL (OPTIONS /v1/embeddings)",
+                    "type": "invalid_request_error", "param": None, "code": "unknown_url"})
     m = cors_edge.status()
     assert (m["cors_preflight_allowed"], m["cors_preflight_refused"],
-            m["unauthenticated_missing_key"]) == (2, 0, 0)
+            m["unauthenticated_missing_key"]) == (2, 1, 0)
     assert cors_edge.events() == []
 
 
@@ -105,11 +114,13 @@ def test_another_origin_gets_no_cors_headers_and_its_preflight_is_refused(
                    "this gateway.",
         "type": "invalid_request_error", "param": None, "code": "cors_origin_not_allowed"}}
     assert "access-control-allow-origin" not in r.headers
-    # the request itself is served (the browser withholds the answer from the page)
+    # the request itself is served (the browser withholds the answer from the page);
+    # the answer varies by Origin, for any cache between
     r = httpx.post(f"{cors_edge.base_url}/chat/completions", json=CHAT, timeout=30,
                    headers={"Origin": "https://evil.example",
                             "Authorization": f"Bearer {MAIN_KEY}"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.headers["vary"] == "Origin"
     # a header list that is none
     r = preflight(cors_edge, "/chat/completions", APP, asked="content-type;evil")
     assert r.status_code == 400
@@ -148,15 +159,43 @@ NOT_AN_ORIGIN = ("expected an origin such as https://app.example.com or http://l
                  "(scheme, host, optional port; no path), or *")
 
 
+def test_config_apply_turns_cors_on_in_a_running_edge(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    e = _edge(edge_variant_off_vllm, fast_upstream_url, "cors-apply", None)
+    assert preflight(e, "/chat/completions", APP).status_code == 403
+    path = EDGE_DIR / "cors-apply" / "tokengate.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["edge"]["cors"] = {"allow_origins": [APP]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    prefix = EDGE_DIR / f"test-nginx-cors-apply{PORT_OFFSET or ''}"
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "config", "apply", str(path),
+                        "--edge", str(prefix)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[-1] == f"applied: {prefix / 'edge.json'} (nginx reloaded)"
+    assert preflight(e, "/chat/completions", APP).status_code == 204
+    # a file that does not validate is not applied
+    raw["edge"]["cors"] = {"allow_origins": [APP + ":443"]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "config", "apply", str(path),
+                        "--edge", str(prefix)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 1 and r.stderr.startswith("edge.cors.allow_origins.0: ")
+    assert preflight(e, "/chat/completions", APP).status_code == 204
+
+
 @pytest.mark.parametrize("origins,error", [
     (["*", APP], "edge.cors.allow_origins: `*` already allows every origin: list it alone"),
     ([APP, APP.upper()], "edge.cors.allow_origins: an origin is listed twice"),
     ([APP + "/chat"], f"edge.cors.allow_origins.0: {NOT_AN_ORIGIN}, got '{APP}/chat'"),
     (["app.example.com"], f"edge.cors.allow_origins.0: {NOT_AN_ORIGIN}, got 'app.example.com'"),
+    ([APP + ":443"], (f"edge.cors.allow_origins.0: browsers send '{APP}', never the default "
+                      "port: list it without ':443'")),
+    (["http://localhost:99999"], ("edge.cors.allow_origins.0: port 99999 is not 1..65535 in "
+                                  "'http://localhost:99999'")),
 ])
 def test_an_origin_list_that_cannot_be_meant_is_refused(origins: list[str], error: str,
                                                         tmp_path: Path) -> None:
-    import yaml
     raw = yaml.safe_load(REPO_CONFIG.read_text())
     raw.setdefault("edge", {})["cors"] = {"allow_origins": origins}
     with pytest.raises(ConfigError) as e:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from tests.fixtures_edge import (
     Edge,
     FakeUpstream,
     FixedCounter,
+    fake_counter,
+    fixed_reply,
     free_port,
     window_room,
 )
@@ -107,6 +110,57 @@ def test_slow_counter_fails_open_within_its_timeout(edge_variant: Callable[..., 
     assert r.status_code == 200, r.text
     assert r.headers["x-token-count-source"] == "estimate"
     assert elapsed < 3, f"took {elapsed:.1f} s with a 300 ms count timeout"
+
+
+@pytest.mark.parametrize("death", ["refuses", "dies with the call"])
+def test_a_dead_counter_worker_falls_through_to_the_other_one(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str,
+        death: str) -> None:
+    # counter worker 0 is dead: its socket refuses connections (the worker exited, the
+    # file is left until the next one publishes its own), or it takes each call and
+    # dies with it (the connection closes without an answer). Worker 1 counts.
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+    calls = []
+
+    def count(request: Any) -> Any:
+        calls.append(request.model)
+        return fixed_reply(7)
+    path = EDGE_DIR / "dead-worker-counter.sock"
+    with fake_counter(path, count, broken=0 if death != "refuses" else None) as sock:
+        if death == "refuses":
+            with socket.socket(socket.AF_UNIX) as s:  # a socket nobody listens on
+                worker0 = path.with_name(f"{path.name}.0")
+                worker0.unlink()
+                s.bind(str(worker0))
+        e = edge_variant_off_vllm("dead-worker", edit, counter_socket=sock)
+        answers = [post(e, chat(f"question {i}", max_tokens=1)) for i in range(12)]
+    assert [(r.status_code, r.headers["x-token-count-source"], r.headers["x-token-count"])
+            for r in answers] == [(200, "counter", "7")] * 12
+    assert len(calls) == 12
+    assert e.status()["counter_backing_off"] is False
+
+
+def test_a_large_body_gets_the_count_deadline_per_256_kib(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    # a counter that takes 450 ms for every call; count_timeout_ms 300 per started 256 KiB
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+        raw["edge"]["count_timeout_ms"] = 300
+        raw["edge"]["counter_backoff_ms"] = 0
+
+    def slow(request: Any) -> Any:
+        time.sleep(0.45)
+        return fixed_reply(7)
+    with fake_counter(EDGE_DIR / "deadline-counter.sock", slow) as sock:
+        e = edge_variant_off_vllm("count-deadline", edit, counter_socket=sock)
+        small = post(e, chat("hi", max_tokens=1))
+        large = post(e, chat("word " * 60000, max_tokens=1))  # 300 KB: 2 x 300 ms
+    assert (small.status_code, small.headers["x-token-count-source"]) == (200, "estimate")
+    assert (large.status_code, large.headers["x-token-count-source"],
+            large.headers["x-token-count"]) == (200, "counter", "7")
 
 
 def test_counts_of_identical_bodies_are_cached_per_worker(

@@ -3,9 +3,10 @@
 --
 -- A preflight (OPTIONS with Origin and Access-Control-Request-Method) is answered by
 -- the edge itself before any key is asked for: browsers never send credentials or an
--- Authorization header on one. It is answered for the API's routes only; anything else
--- goes on as a request (401, 404, 405). Every other answer to an allowed origin carries
--- Access-Control-Allow-Origin and exposes the headers a page needs to follow its limits.
+-- Authorization header on one: 204 for the API's routes, 404 for other paths. Every
+-- other answer to an allowed origin carries Access-Control-Allow-Origin and exposes the
+-- headers a page needs to follow its limits; with origins listed (not "*") every answer
+-- varies by Origin, so a cache between never gives one origin another's headers.
 -- No Access-Control-Allow-Credentials: the API key travels in Authorization, set by the
 -- page's script, which is an ordinary request header for CORS (no cookies are involved).
 
@@ -25,6 +26,7 @@ local _M = {}
 
 -- What a page may read of an answer beyond the CORS-safelisted headers.
 local EXPOSE = "X-Request-Id, X-Token-Count, X-Token-Count-Source, X-Tokengate-Limits, "
+    .. "X-Tokengate-Upstream, "
     .. "Retry-After, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
     .. "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
     .. "x-ratelimit-reset-requests, x-ratelimit-reset-tokens, x-budget-limit-spend, "
@@ -61,56 +63,60 @@ local function allowed(cors, origin)
     return cors.origins[lower(origin)] and origin or nil
 end
 
--- preflight(ctx, cors, route) -> nothing when the request is no preflight of an API
--- route; else ends it: 204 with Access-Control-Allow-{Origin,Methods,Headers} and
--- Max-Age for an allowed origin, 403 (cors_origin_not_allowed) for any other, 400 for
--- an Access-Control-Request-Headers that is no list of header names. ctx.preflight:
+-- preflight(ctx, cors, route, uri) -> nothing when the request is no preflight; else
+-- ends it: 204 with Access-Control-Allow-{Origin,Methods,Headers} and Max-Age for an
+-- allowed origin and an API route, 403 (cors_origin_not_allowed) for any other origin,
+-- 404 (unknown_url) for a path that is no route, 400 for an
+-- Access-Control-Request-Headers that is no list of header names. ctx.preflight:
 -- "allowed" | "refused" (the status counter and the log phase read it).
-function _M.preflight(ctx, cors, route)
-    if not route or ngx_req.get_method() ~= "OPTIONS" then
+function _M.preflight(ctx, cors, route, uri)
+    if ngx_req.get_method() ~= "OPTIONS" then
         return
     end
     local origin = ngx_var.http_origin
     if not origin or not ngx_var.http_access_control_request_method then
         return
     end
+    ctx.preflight = "refused"
     local allow = cors.enabled and allowed(cors, origin)
     if not allow then
-        ctx.preflight = "refused"
         return errors.send(ctx, errors.new(403, "Cross-origin requests from "
             .. errors.clip(origin) .. " are not allowed by this gateway.", nil,
             "cors_origin_not_allowed"))
     end
+    local h = ngx.header
+    h["Access-Control-Allow-Origin"] = allow
+    h["Vary"] = "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
+    if not route then
+        return errors.send(ctx, request.check_method(nil, "OPTIONS", uri))
+    end
     local asked = ngx_var.http_access_control_request_headers
     if asked and (#asked > MAX_REQUEST_HEADERS or find(asked, NOT_HEADER_LIST)) then
-        ctx.preflight = "refused"
+        h["Access-Control-Allow-Origin"] = nil
         return errors.send(ctx, errors.new(400, "Access-Control-Request-Headers is not a "
             .. "list of header names.", nil, "invalid_request"))
     end
     ctx.preflight = "allowed"
-    local h = ngx.header
-    h["Access-Control-Allow-Origin"] = allow
     h["Access-Control-Allow-Methods"] = request.ALLOW[route]
     if asked then
         h["Access-Control-Allow-Headers"] = asked
     end
     h["Access-Control-Max-Age"] = cors.max_age
-    h["Vary"] = "Origin, Access-Control-Request-Headers"
     ngx.status = 204
     return ngx_exit(204)
 end
 
--- headers(h, cors): the CORS headers of an answer (any status) to a request whose
--- Origin is allowed; nothing for other requests. h: ngx.header.
+-- headers(h, cors): the CORS headers of an answer (any status): for a request whose
+-- Origin is allowed, Access-Control-Allow-Origin and -Expose-Headers; Vary: Origin on
+-- every answer while origins are listed (the answer depends on it). h: ngx.header.
 function _M.headers(h, cors)
-    local allow = allowed(cors, ngx_var.http_origin)
-    if not allow then
-        return
-    end
-    h["Access-Control-Allow-Origin"] = allow
-    h["Access-Control-Expose-Headers"] = EXPOSE
-    if allow ~= "*" then
+    if not cors.any then
         h["Vary"] = "Origin"
+    end
+    local allow = allowed(cors, ngx_var.http_origin)
+    if allow then
+        h["Access-Control-Allow-Origin"] = allow
+        h["Access-Control-Expose-Headers"] = EXPOSE
     end
 end
 

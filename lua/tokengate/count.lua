@@ -25,8 +25,10 @@ local ENDPOINT = { chat = 1, completions = 2 }
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
--- a body this large may take the counter longer than count_timeout_ms by itself (a 1k-
--- token prompt is ~5 KB): its timeout does not open the counter's breaker
+-- The counter's deadline is count_timeout_ms per started HEAVY_BYTES of body: a 1k-token
+-- prompt is ~5 KB, and a body of several hundred KB (tens of thousands of messages) takes
+-- the counter that much longer by itself. A larger body's timeout does not open the
+-- counter's breaker either.
 local HEAVY_BYTES = 256 * 1024
 
 -- per-worker LRU: route .. model .. SHA-256(body) -> reply. A digest, not the body
@@ -55,7 +57,7 @@ local function ask(route, model, body)
         return hit
     end
     local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT[route], body),
-        #body > HEAVY_BYTES)
+        max(1, ceil(#body / HEAVY_BYTES)))
     if not msg then
         return nil, failure
     end

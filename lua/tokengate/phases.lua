@@ -283,7 +283,7 @@ function _M.access()
     ctx.route, ctx.model_id = request.route(uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
     -- a browser's preflight carries no key: answered before any is asked for
-    cors.preflight(ctx, doc.edge.cors, ctx.route)
+    cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
     for i = 1, #STAGES do
         local ok, err = STAGES[i](ctx, doc)
         if not ok then

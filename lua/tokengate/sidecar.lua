@@ -97,7 +97,7 @@ function _M.frames(name, sockets, timeout_ms, backoff_ms, dict)
             return nil, "sidecar " .. name .. ": not a unix socket: " .. tostring(sockets[i])
         end
         peers[i] = { host = sockets[i], pool = "tokengate_frames:" .. sockets[i], busy = 0,
-                     changed = 0 }
+                     changed = 0, down_until = 0 }
     end
     return setmetatable({
         name = name, peers = peers, turn = 0, timeout_ms = timeout_ms,
@@ -197,11 +197,12 @@ local function read_response(sock)
     return code, h, body
 end
 
--- connect(self, peer) -> sock | nil, err: a pooled connection to peer (the hop server:
--- self; a counter socket: one of self.peers)
-local function connect(self, peer)
+-- connect(self, peer, timeout_ms) -> sock | nil, err: a pooled connection to peer (the
+-- hop server: self; a counter socket: one of self.peers), each step of the call within
+-- timeout_ms (default self.timeout_ms)
+local function connect(self, peer, timeout_ms)
     local sock = tcp()
-    local t = self.timeout_ms
+    local t = timeout_ms or self.timeout_ms
     sock:settimeouts(t, t, t)
     local ok, err
     if peer.port then
@@ -269,25 +270,36 @@ local function exchange_frames(sock, frame)
     return status, payload
 end
 
+-- A counter socket that refused a connection (its worker died; the new one publishes the
+-- socket once its models are loaded, seconds later) is skipped by this nginx worker for
+-- this long, s: one failed connect, not one per request, and one error-log line.
+local DOWN_S = 1
+
 -- pick(self, skip) -> the peer with the fewest calls in progress from this worker, other
--- than skip; ties go round. A count left by a call whose request was ended mid-way
--- (the client left: its coroutine never resumes) is forgotten once that peer has
--- seen no call start or end for twice the call's deadline.
+-- than skip and those marked down (unless every other one is); ties go round. A count
+-- left by a call whose request was ended mid-way (the client left: its coroutine never
+-- resumes) is forgotten once that peer has seen no call start or end for twice the
+-- call's deadline.
 local function pick(self, skip)
     local peers, n = self.peers, #self.peers
-    local stale = ngx_now() - 2 * self.timeout_ms / 1000
+    local now = ngx_now()
+    local stale = now - 2 * self.timeout_ms / 1000
     self.turn = self.turn % n + 1
-    local best
+    local best, best_down
     for i = 0, n - 1 do
         local p = peers[(self.turn + i - 1) % n + 1]
         if p.busy > 0 and p.changed < stale then
             p.busy = 0
         end
-        if p ~= skip and (not best or p.busy < best.busy) then
-            best = p
+        if p ~= skip then
+            if p.down_until > now then
+                best_down = best_down or p
+            elseif not best or p.busy < best.busy then
+                best = p
+            end
         end
     end
-    return best
+    return best or best_down
 end
 
 -- busy(peer, delta): this worker's calls in progress to peer
@@ -296,48 +308,54 @@ local function busy(peer, delta)
     peer.changed = ngx_now()
 end
 
--- attempt(self, peer, frame) -> status, payload | nil, err, connected: one call to peer,
--- on a pooled connection (again on a fresh one when a reused connection turns out
--- closed: the counter worker restarted). connected: false when peer could not be
--- reached at all.
-local function attempt(self, peer, frame)
-    local sock, err = connect(self, peer)
-    if not sock then
-        return nil, "connect: " .. tostring(err), false
-    end
-    local status, payload = exchange_frames(sock, frame)
-    if not status and payload ~= "timeout" and sock:getreusedtimes() > 0 then
-        sock:close()
-        sock, err = connect(self, peer)
-        if not sock then
-            return nil, "connect: " .. tostring(err), false
+-- attempt(self, peer, frame, timeout_ms) -> status, payload | nil, err: one call to
+-- peer, on a pooled connection (again on a fresh one when a reused connection turns out
+-- closed: the counter worker restarted). A peer that refuses the connection is marked
+-- down for DOWN_S.
+local function attempt(self, peer, frame, timeout_ms)
+    local sock, err = connect(self, peer, timeout_ms)
+    if sock then
+        local status, payload = exchange_frames(sock, frame)
+        if not status and payload ~= "timeout" and sock:getreusedtimes() > 0 then
+            sock:close()
+            sock, err = connect(self, peer, timeout_ms)
+            if sock then
+                status, payload = exchange_frames(sock, frame)
+            end
         end
-        status, payload = exchange_frames(sock, frame)
+        if sock then
+            if not status then
+                sock:close()
+                return nil, payload
+            end
+            sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+            return status, payload
+        end
     end
-    if not status then
-        sock:close()
-        return nil, payload, true
-    end
-    sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
-    return status, payload, true
+    peer.down_until = ngx_now() + DOWN_S
+    return nil, "connect: " .. tostring(err)
 end
 
--- call_frames(self, frame, heavy) -> call()'s results, over counter frames
-local function call_frames(self, frame, heavy)
+-- call_frames(self, frame, weight) -> call()'s results, over counter frames
+local function call_frames(self, frame, weight)
+    local timeout_ms = self.timeout_ms * weight
     local peer = pick(self)
     busy(peer, 1)
-    local status, payload, connected = attempt(self, peer, frame)
+    local status, payload = attempt(self, peer, frame, timeout_ms)
     busy(peer, -1)
-    if not status and not connected and #self.peers > 1 then
-        -- idempotent: a dead worker's socket falls through to another one
+    if not status and payload ~= "timeout" and #self.peers > 1 then
+        -- counting is idempotent: a call that a worker could not answer (its socket
+        -- refused, or the worker died with the call) goes to another worker, once. A
+        -- slow one's does not: the edge's wait stays within the deadline.
         peer = pick(self, peer)
         busy(peer, 1)
-        status, payload, connected = attempt(self, peer, frame)
+        status, payload = attempt(self, peer, frame, timeout_ms)
         busy(peer, -1)
     end
+    local heavy = weight > 1
     if not status then
         if payload == "timeout" then
-            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil,
+            return failure(self, "timeout", "no answer in " .. timeout_ms .. " ms", nil,
                 heavy)
         end
         return failure(self, "down", tostring(payload))
@@ -353,23 +371,25 @@ local function call_frames(self, frame, heavy)
     return nil, { reason = "status", grpc_status = status, message = payload }
 end
 
--- call(path, message, heavy) -> reply message bytes | nil, failure
---   path: the gRPC method, "/tokengate.v1.TokenCounter/CountTokens"; message: the
---   serialized request (unframed protobuf bytes); heavy: a large call whose timeout
---   does not open the breaker. Every method called through here is
---   idempotent, so a pooled connection the hop server had closed is retried once.
+-- call(path, message, weight) -> reply message bytes | nil, failure
+--   path: the gRPC method, "/tokengate.v1.GlobalLimits/Reserve" (the hop's; a frames
+--   client serves CountTokens only and ignores it); message: the serialized request
+--   (unframed protobuf bytes); weight: counter frames only, an integer >= 1 (default
+--   1): the call may take weight x timeout_ms, and when above 1 (a large body) its
+--   timeout does not open the breaker. Every method called through here is
+--   idempotent, so a pooled connection the server had closed is retried once.
 --   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
 --                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
 --                      | "status" (another non-zero gRPC status: the sidecar's verdict)
 --                      | "error" (a broken reply or an unexpected HTTP status),
 --               grpc_status = <number> | nil, message = <grpc-message or why> }
-function _M.call(self, path, message, heavy)
+function _M.call(self, path, message, weight)
     if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
         return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
     end
     local frame = pb.frame(message)
     if self.peers then
-        return call_frames(self, frame, heavy)
+        return call_frames(self, frame, weight or 1)
     end
     local sock, err = connect(self, self)
     if not sock then
@@ -390,8 +410,7 @@ function _M.call(self, path, message, heavy)
     if not code then
         sock:close()
         if h == "timeout" then
-            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil,
-                heavy)
+            return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
         end
         return failure(self, "down", tostring(h))
     end
@@ -405,14 +424,14 @@ function _M.call(self, path, message, heavy)
         if gs == GRPC_UNAVAILABLE then
             return failure(self, "unavailable", h.grpc_message or "", gs)
         elseif gs == GRPC_DEADLINE_EXCEEDED then
-            return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", gs, heavy)
+            return failure(self, "timeout", "gRPC DEADLINE_EXCEEDED", gs)
         end
         return nil, { reason = "status", grpc_status = gs, message = h.grpc_message or "" }
     end
     if code == 502 then
         return failure(self, "down", self.name .. " unreachable (hop answered 502)")
     elseif code == 504 then
-        return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms", nil, heavy)
+        return failure(self, "timeout", "no answer in " .. self.timeout_ms .. " ms")
     elseif code ~= 200 then
         return failure(self, "error", "hop answered HTTP " .. code)
     end

@@ -13,13 +13,21 @@ from tokengate import doctor, install, keys
 from tokengate.ledger import report
 
 CONFIG_HELP = """\
-Validate tokengate.yaml, or print what describes it.
+Validate tokengate.yaml, apply it to the running edges, or print what describes it.
 
   tokengate config check [FILE]   validate FILE (default: $TOKENGATE_CONFIG, else
                                   ./tokengate.yaml, else /etc/tokengate/tokengate.yaml)
                                   the way the sidecars and the edge's compiler read it:
                                   the schema, the coupled settings, the models'
                                   upstream addresses and tokenizer files
+  tokengate config apply [FILE] [--edge DIR]
+                                  check FILE, then recompile the edge's edge.json and
+                                  reload its nginx, for every running edge found: `make
+                                  run`'s (var/run/nginx beside FILE) and an install's
+                                  (/etc/tokengate/edge.json, /run/nginx.pid), or each
+                                  --edge DIR (holding edge.json and nginx.pid); returns
+                                  once the new nginx workers serve. The sidecars read
+                                  FILE on SIGHUP (systemctl reload tokengate-counter ...)
   tokengate config schema         print the JSON Schema of the file (for editors)
   tokengate config docs [--out F] print the configuration reference (docs/config.md)
 
@@ -27,6 +35,8 @@ EXIT STATUS
   check: 0 valid (one summary line on stdout); 1 invalid (one line per problem on
   stderr, each starting with the key's dotted path, e.g.
   `models.tiny-qwen3.max_token_cap: unknown key`); 2 the file cannot be read.
+  apply: check's statuses; then 1 when an edge could not be reloaded (its line says
+  why), else 0 (also when no running edge was found: said on stderr).
 """
 
 
@@ -40,6 +50,14 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
                             "else /etc/tokengate/tokengate.yaml)")
     check.set_defaults(func=config_check)
+    apply_p = verbs.add_parser("apply", help="check the file and reload the running edges "
+                                             "with it")
+    apply_p.add_argument("file", type=Path, nargs="?", default=None,
+                         help="tokengate.yaml (default: as for check)")
+    apply_p.add_argument("--edge", type=Path, action="append", metavar="DIR",
+                         help="an edge to reload: DIR holds edge.json and nginx.pid "
+                              "(repeatable; default: the ones found)")
+    apply_p.set_defaults(func=config_apply, no_apply=False)
     schema = verbs.add_parser("schema", help="print the JSON Schema of tokengate.yaml")
     schema.set_defaults(func=config_schema)
     docs = verbs.add_parser("docs", help="print the configuration reference (Markdown)")
@@ -71,6 +89,16 @@ def config_check(args: argparse.Namespace) -> int:
     print(f"{cfg.path}: ok: {len(cfg.models)} model(s) ({', '.join(cfg.models)}), "
           f"{len(cfg.keys)} key(s), global limits {gl}, sampled access log {log}")
     return 0
+
+
+def config_apply(args: argparse.Namespace) -> int:
+    """``tokengate config apply``: ``config check``, then every running edge reloaded
+    with the file (tokengate.keys.apply, what ``tokengate keys`` does after an edit)."""
+    status = config_check(args)
+    if status != 0:
+        return status
+    path = args.file if args.file is not None else tg_config.default_path()
+    return keys.apply(args, tg_config.load(path))
 
 
 def config_schema(args: argparse.Namespace) -> int:

@@ -126,12 +126,27 @@ def _sha256(value: str) -> str:
 _ORIGIN = re.compile(r"https?://(\[[0-9a-f:.]+\]|[a-z0-9]([a-z0-9.-]*[a-z0-9])?)(:[0-9]{1,5})?")
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _origin(value: str) -> str:
-    if value != "*" and not _ORIGIN.fullmatch(value.lower()):
+    origin = value.lower()
+    if origin == "*":
+        return origin
+    m = _ORIGIN.fullmatch(origin)
+    if not m:
         raise ValueError(f"expected an origin such as https://app.example.com or "
                          f"http://localhost:3000 (scheme, host, optional port; no path), or "
                          f"*, got {value!r}")
-    return value.lower()
+    if m.group(3):
+        port, scheme = int(m.group(3)[1:]), origin.split(":", 1)[0]
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} is not 1..65535 in {value!r}")
+        if port == _DEFAULT_PORTS[scheme]:
+            # browsers leave a scheme's default port out of Origin (RFC 6454 §6.2)
+            raise ValueError(f"browsers send {origin.rsplit(':', 1)[0]!r}, never the "
+                             f"default port: list it without ':{port}'")
+    return origin
 
 
 def _redis_url(value: str) -> str:
@@ -754,7 +769,8 @@ class EdgeConfig(_Schema):
         description="Deepest JSON nesting accepted (400 above it), levels.")
     count_timeout_ms: Positive = Field(
         default=500,
-        description="How long admission waits for the counter, ms; then on_counter_failure "
+        description="How long admission waits for the counter, ms, per started 256 KiB of "
+                    "body (a 1 MiB body may take 4 x this); then on_counter_failure "
                     "applies.")
     counter_backoff_ms: int = Field(
         default=500, ge=0,

@@ -273,7 +273,7 @@ def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
         return 0
     targets = find_edges(cfg.path, args.edge or [])
     if not targets:
-        print("no running edge found (--edge DIR): the file is written, reload the edges "
+        print("no running edge found (--edge DIR): nothing reloaded; reload the edges "
               "yourself", file=sys.stderr)
         return 0
     status = 0
@@ -282,8 +282,8 @@ def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
             reload_edge(t, cfg)
             print(f"applied: {t.edge_json} (nginx reloaded)", file=sys.stderr)
         except (RuntimeError, OSError, tg_config.ConfigError) as e:
-            print(f"tokengate keys: not applied: {e} (the file is written: reload that "
-                  "edge yourself)", file=sys.stderr)
+            print(f"not applied: {e} (the file is as it is: reload that edge yourself)",
+                  file=sys.stderr)
             status = 1
     return status
 
