@@ -114,6 +114,7 @@ def test_another_origin_gets_no_cors_headers_and_its_preflight_is_refused(
                    "this gateway.",
         "type": "invalid_request_error", "param": None, "code": "cors_origin_not_allowed"}}
     assert "access-control-allow-origin" not in r.headers
+    assert r.headers["vary"] == PREFLIGHT_VARY
     # the request itself is served (the browser withholds the answer from the page);
     # the answer varies by Origin, for any cache between
     r = httpx.post(f"{cors_edge.base_url}/chat/completions", json=CHAT, timeout=30,

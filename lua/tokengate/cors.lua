@@ -79,14 +79,16 @@ function _M.preflight(ctx, cors, route, uri)
     end
     ctx.preflight = "refused"
     local allow = cors.enabled and allowed(cors, origin)
+    local h = ngx.header
+    if cors.enabled and not cors.any then
+        h["Vary"] = "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
+    end
     if not allow then
         return errors.send(ctx, errors.new(403, "Cross-origin requests from "
             .. errors.clip(origin) .. " are not allowed by this gateway.", nil,
             "cors_origin_not_allowed"))
     end
-    local h = ngx.header
     h["Access-Control-Allow-Origin"] = allow
-    h["Vary"] = "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
     if not route then
         return errors.send(ctx, request.check_method(nil, "OPTIONS", uri))
     end

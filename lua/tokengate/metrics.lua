@@ -99,7 +99,8 @@ local FAMILIES = {
       .. "idle_unload.max_hold_ms (also in tokengate_idle_held_total)." },
     { "tokengate_cors_preflights_total", "counter",
       "Browser preflights (OPTIONS with Origin) answered by the edge, by result (allowed: "
-      .. "204; refused: an origin edge.cors does not list, or a bad header list)." },
+      .. "204; refused: an origin edge.cors does not list, a path that is no route, or a "
+      .. "bad header list)." },
     { "tokengate_auth_blocks_total", "counter",
       "Clients blocked after too many invalid keys (edge.auth_failures)." },
     { "tokengate_access_log_lines_total", "counter",

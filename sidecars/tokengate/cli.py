@@ -50,8 +50,12 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
                             "else /etc/tokengate/tokengate.yaml)")
     check.set_defaults(func=config_check)
-    apply_p = verbs.add_parser("apply", help="check the file and reload the running edges "
-                                             "with it")
+    apply_p = verbs.add_parser(
+        "apply", help="check the file and reload the running edges with it",
+        description="Check tokengate.yaml as `config check` does, then recompile each running "
+                    "edge's edge.json and reload its nginx: make run's (var/run/nginx beside "
+                    "the file), an install's (/etc/tokengate/edge.json with /run/nginx.pid), "
+                    "or each --edge DIR. Returns once the new nginx workers serve.")
     apply_p.add_argument("file", type=Path, nargs="?", default=None,
                          help="tokengate.yaml (default: as for check)")
     apply_p.add_argument("--edge", type=Path, action="append", metavar="DIR",
@@ -79,7 +83,7 @@ def config_check(args: argparse.Namespace) -> int:
         for line in e.errors:
             print(line, file=sys.stderr)
         n = len(e.errors)
-        print(f"{path}: {n} problem{'s' if n != 1 else ''}", file=sys.stderr)
+        print(f"{Path(path).resolve()}: {n} problem{'s' if n != 1 else ''}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"tokengate config check: {e}", file=sys.stderr)
