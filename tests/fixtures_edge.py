@@ -323,10 +323,11 @@ class _Frames(socketserver.StreamRequestHandler):
         from tokengate.counter import frames
 
         while True:
-            head = self.rfile.read(5)
-            if len(head) < 5:
+            head = self.rfile.read(frames.MESSAGE_HEADER.size)
+            if len(head) < frames.MESSAGE_HEADER.size:
                 return
-            message = self.rfile.read(int.from_bytes(head[1:5], "big"))
+            _, n = frames.MESSAGE_HEADER.unpack(head)
+            message = self.rfile.read(n)
             if self.server.broken:  # type: ignore[attr-defined]
                 return  # a worker that dies with the call: the connection closes
             self.wfile.write(frames.answer(self.server.count, message))  # type: ignore[attr-defined]

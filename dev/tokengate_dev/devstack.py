@@ -88,7 +88,9 @@ def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | No
     ready = tcp_ready("127.0.0.1", port)
     if unix_socket is not None:
         argv += ["--unix-socket", str(unix_socket)]
-        sockets = [unix_socket.with_name(f"{unix_socket.name}.{i}") for i in range(workers)]
+        from tokengate.tools.nginx_conf import counter_sockets
+
+        sockets = counter_sockets(unix_socket, workers)
         port_ready = ready
 
         def ready() -> bool:

@@ -88,17 +88,17 @@ function _M.preflight(ctx, cors, route, uri)
             .. errors.clip(origin) .. " are not allowed by this gateway.", nil,
             "cors_origin_not_allowed"))
     end
-    h["Access-Control-Allow-Origin"] = allow
     if not route then
+        h["Access-Control-Allow-Origin"] = allow -- the page may read why: no such path
         return errors.send(ctx, request.check_method(nil, "OPTIONS", uri))
     end
     local asked = ngx_var.http_access_control_request_headers
     if asked and (#asked > MAX_REQUEST_HEADERS or find(asked, NOT_HEADER_LIST)) then
-        h["Access-Control-Allow-Origin"] = nil
         return errors.send(ctx, errors.new(400, "Access-Control-Request-Headers is not a "
             .. "list of header names.", nil, "invalid_request"))
     end
     ctx.preflight = "allowed"
+    h["Access-Control-Allow-Origin"] = allow
     h["Access-Control-Allow-Methods"] = request.ALLOW[route]
     if asked then
         h["Access-Control-Allow-Headers"] = asked

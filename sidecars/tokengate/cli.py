@@ -70,8 +70,9 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     docs.set_defaults(func=config_docs)
 
 
-def config_check(args: argparse.Namespace) -> int:
-    """``tokengate config check``: 0 valid, 1 invalid, 2 unreadable."""
+def _checked(args: argparse.Namespace) -> tuple[tg_config.Config | None, int]:
+    """``config check``'s work: (the configuration, 0), or (None, 1 invalid | 2
+    unreadable) with the problems said on stderr."""
     from tokengate.tools.compile_config import compile_config
 
     path = args.file if args.file is not None else tg_config.default_path()
@@ -84,25 +85,29 @@ def config_check(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         n = len(e.errors)
         print(f"{Path(path).resolve()}: {n} problem{'s' if n != 1 else ''}", file=sys.stderr)
-        return 1
+        return None, 1
     except OSError as e:
         print(f"tokengate config check: {e}", file=sys.stderr)
-        return 2
+        return None, 2
     gl = "on" if cfg.global_limits.enabled else "off"
     log = "on" if cfg.access_log.file else "off"
     print(f"{cfg.path}: ok: {len(cfg.models)} model(s) ({', '.join(cfg.models)}), "
           f"{len(cfg.keys)} key(s), global limits {gl}, sampled access log {log}")
-    return 0
+    return cfg, 0
+
+
+def config_check(args: argparse.Namespace) -> int:
+    """``tokengate config check``: 0 valid, 1 invalid, 2 unreadable."""
+    return _checked(args)[1]
 
 
 def config_apply(args: argparse.Namespace) -> int:
     """``tokengate config apply``: ``config check``, then every running edge reloaded
     with the file (tokengate.keys.apply, what ``tokengate keys`` does after an edit)."""
-    status = config_check(args)
-    if status != 0:
+    cfg, status = _checked(args)
+    if cfg is None:
         return status
-    path = args.file if args.file is not None else tg_config.default_path()
-    return keys.apply(args, tg_config.load(path))
+    return keys.apply(args, cfg)
 
 
 def config_schema(args: argparse.Namespace) -> int:

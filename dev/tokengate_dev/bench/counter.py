@@ -48,6 +48,7 @@ from tokengate.counter.counting import ModelCounter
 from tokengate.counter.server import new_grpc_server
 from tokengate.process import Service, tcp_ready
 from tokengate.storm.null_server import free_port
+from tokengate.tools.nginx_conf import counter_sockets
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tokengate_dev import devstack
@@ -205,11 +206,12 @@ async def _frames_run(bodies: list[bytes], sockets: list[Path], concurrency: int
                 body = queue.pop()
                 message = counter_pb2.CountRequest(endpoint=counter_pb2.ENDPOINT_CHAT,
                                                    body=body).SerializeToString()
-                writer.write(bytes(1) + len(message).to_bytes(4, "big") + message)
-                head = await reader.readexactly(6)
-                payload = await reader.readexactly(int.from_bytes(head[2:], "big"))
-                if head[0] != 0:
-                    raise SystemExit(f"counter frames: status {head[0]}: {payload!r}")
+                writer.write(frames.framed(message))
+                code, _, n = frames.REPLY_HEADER.unpack(
+                    await reader.readexactly(frames.REPLY_HEADER.size))
+                payload = await reader.readexactly(n)
+                if code != 0:
+                    raise SystemExit(f"counter frames: status {code}: {payload!r}")
                 total += counter_pb2.CountReply.FromString(payload).prompt_tokens
         finally:
             writer.close()
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             "dir: var/models/", f"dir: {devstack.ROOT}/var/models/"))
 
         def sockets(base: Path) -> list[Path]:
-            return [base.with_name(f"{base.name}.{i}") for i in range(a.workers)]
+            return counter_sockets(base, a.workers)
 
         @contextlib.contextmanager
         def fresh_counter() -> Iterator[Server]:

@@ -47,19 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = COUNTER_MAX_MESSAGE_BYTES
-_HEADER = struct.Struct(">BI")  # compressed flag, length
+# a Length-Prefixed-Message's header: compressed flag, length
+MESSAGE_HEADER = struct.Struct(">BI")
+# a reply's: status code, then the message's header
+REPLY_HEADER = struct.Struct(">BBI")
 
 Count = Callable[[counter_pb2.CountRequest], counter_pb2.CountReply]
 
 
-def _message(payload: bytes) -> bytes:
-    return _HEADER.pack(0, len(payload)) + payload
+def framed(payload: bytes) -> bytes:
+    """``payload`` as a Length-Prefixed-Message: a request (a serialized CountRequest),
+    or the message part of a reply."""
+    return MESSAGE_HEADER.pack(0, len(payload)) + payload
 
 
 def reply(code: grpc.StatusCode, payload: bytes) -> bytes:
     """One reply: ``code``'s number, then ``payload`` (a serialized CountReply for OK,
     else the UTF-8 message) as a Length-Prefixed-Message."""
-    return bytes((code.value[0],)) + _message(payload)
+    return bytes((code.value[0],)) + framed(payload)
 
 
 def answer(count: Count, message: bytes) -> bytes:
@@ -95,17 +100,17 @@ class _Connection(asyncio.Protocol):
         buf, transport = self._buf, self._transport
         assert transport is not None
         buf += data
-        while len(buf) >= _HEADER.size:
-            flag, n = _HEADER.unpack_from(buf)
+        while len(buf) >= MESSAGE_HEADER.size:
+            flag, n = MESSAGE_HEADER.unpack_from(buf)
             if flag != 0 or n > MAX_MESSAGE_BYTES:
                 why = b"request: compressed" if flag else b"request: larger than 64 MiB"
                 transport.write(reply(grpc.StatusCode.INVALID_ARGUMENT, why))
                 transport.close()
                 return
-            if len(buf) < _HEADER.size + n:
+            if len(buf) < MESSAGE_HEADER.size + n:
                 return
-            message = bytes(buf[_HEADER.size:_HEADER.size + n])
-            del buf[:_HEADER.size + n]
+            message = bytes(buf[MESSAGE_HEADER.size:MESSAGE_HEADER.size + n])
+            del buf[:MESSAGE_HEADER.size + n]
             transport.write(answer(self._count, message))
 
 
@@ -196,8 +201,8 @@ class Client:
 
     def send(self, message: bytes) -> tuple[int, bytes]:
         """``message`` (any bytes, framed as a request) -> (status code, payload)."""
-        self._sock.sendall(_message(message))
-        code, _, n = struct.unpack(">BBI", self._read(6))
+        self._sock.sendall(framed(message))
+        code, _, n = REPLY_HEADER.unpack(self._read(REPLY_HEADER.size))
         return code, self._read(n)
 
     def count(self, request: counter_pb2.CountRequest) -> counter_pb2.CountReply:

@@ -103,16 +103,11 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
                   f"fingerprint {c.fingerprint}", flush=True)
         print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
 
-    if listen.unix_socket is None:
-        grpc_server.serve(server, [service_name], listen, index, grace_s=2, on_ready=ready,
-                          on_reload=reload)
-        return
     import asyncio
 
     from tokengate.counter import frames
 
-    asyncio.run(frames.serve(service.count, listen, index, grace_s=2,
-                             tcp_server=server if listen.tcp else None,
+    asyncio.run(frames.serve(service.count, listen, index, grace_s=2, tcp_server=server,
                              services=[service_name], on_ready=ready, on_reload=reload))
 
 
