@@ -24,6 +24,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from tokengate.counter import template_trace
 from tokengate.counter.model_files import chat_template_source
 
 ContentFormat = Literal["string", "openai"]
@@ -132,6 +133,7 @@ def _fast_environment() -> jinja2.Environment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    template_trace.wrap_environment(env)
     return env
 
 
@@ -139,7 +141,9 @@ class ChatTemplate:
     """One model's chat template plus what vLLM derives from it.
 
     Attributes: ``source`` (template text), ``content_format``, ``variables`` (names
-    the template reads), ``supports_developer_role``, ``special_tokens_map``.
+    the template reads), ``supports_developer_role``, ``special_tokens_map``,
+    ``why_not_traced`` ("" when conversations are rendered through ``traces``, a
+    ``template_trace.TraceCache``).
     """
 
     def __init__(self, source: str, special_tokens_map: dict[str, Any]) -> None:
@@ -149,9 +153,10 @@ class ChatTemplate:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         try:
-            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+            root = env.parse(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not parse: {e}") from e
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(root))
         # The template is the operator's (the model directory vLLM loads), so it may run
         # outside jinja's sandbox, which halves rendering time; the environment matches
         # transformers' (trim_blocks, lstrip_blocks, loopcontrols, tojson,
@@ -162,6 +167,10 @@ class ChatTemplate:
             self._fast = _fast_environment().from_string(source)
         except jinja2.TemplateError:
             self._fast = None
+        self.why_not_traced = "needs transformers' renderer" if self._fast is None else \
+            "content format openai" if self.content_format == "openai" else \
+            template_trace.traceable(root)
+        self.traces = template_trace.TraceCache()
         # vLLM: ``_detect_developer_role_support`` looks for the quoted role name.
         self.supports_developer_role = '"developer"' in source or "'developer'" in source
 
@@ -199,10 +208,18 @@ class ChatTemplate:
             args.pop("continue_final_message", None)
             args.setdefault("add_generation_prompt", False)
             args.setdefault("documents", None)
-            try:
-                return self._fast.render(messages=conversation, tools=tools, **args)
-            except Exception as e:  # a template may raise anything from user input
-                raise TemplateError(str(e) or type(e).__name__) from e
+            fast = self._fast
+
+            def render(messages: list[dict[str, Any]]) -> str:
+                try:
+                    return fast.render(messages=messages, tools=tools, **args)
+                except Exception as e:  # a template may raise anything from user input
+                    raise TemplateError(str(e) or type(e).__name__) from e
+            key = None if tools is not None or self.why_not_traced or args["documents"] \
+                is not None else template_trace.shape_key(conversation, kwargs)
+            if key is None:
+                return render(conversation)
+            return self.traces.render(key, conversation, render)
         try:
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
                 conversations=[conversation], tools=tools,  # type: ignore[arg-type]

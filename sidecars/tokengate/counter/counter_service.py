@@ -67,6 +67,8 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         # the segment caches' hits and misses already exported, per model
         self._exported = {name: (0, 0) for name in counters}
         self._lock = threading.Lock()
+        # each model's series of a successful call (labels() costs more than inc())
+        self._ok = {name: _Series(name) for name in counters}
 
     def count(self, request: counter_pb2.CountRequest) -> counter_pb2.CountReply:
         """Exact prompt tokens of ``request.body``, whatever the transport.
@@ -84,14 +86,16 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             reply, label = self._count(request)
         except CountFailure as e:
             CALLS.labels(label, e.code.name).inc()
+            CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
             raise
         except Exception:
             CALLS.labels(label, "INTERNAL").inc()
-            raise
-        finally:
             CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
-        CALLS.labels(label, "OK").inc()
-        PROMPT_TOKENS.labels(label).inc(reply.prompt_tokens)
+            raise
+        series = self._ok[label]
+        series.seconds.observe(time.perf_counter() - t0)
+        series.calls.inc()
+        series.prompt_tokens.inc(reply.prompt_tokens)
         self._export_cache(label)
         return reply
 
@@ -114,9 +118,9 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             h0, m0 = self._exported[model]
             self._exported[model] = hits, misses
         if hits > h0:
-            CACHE_LOOKUPS.labels(model, "hit").inc(hits - h0)
+            self._ok[model].hits.inc(hits - h0)
         if misses > m0:
-            CACHE_LOOKUPS.labels(model, "miss").inc(misses - m0)
+            self._ok[model].misses.inc(misses - m0)
 
     def _count(self, request: counter_pb2.CountRequest
                ) -> tuple[counter_pb2.CountReply, str]:
@@ -151,6 +155,17 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         except Exception:  # e.g. a field out of range: the worker keeps serving
             log.exception("CountTokens could not build a reply for %s", r)
             _fail(grpc.StatusCode.INTERNAL, "counter failed on this body")
+
+
+class _Series:
+    """One model's metric series that every successful call adds to."""
+
+    def __init__(self, model: str) -> None:
+        self.calls = CALLS.labels(model, "OK")
+        self.seconds = CALL_SECONDS.labels(model)
+        self.prompt_tokens = PROMPT_TOKENS.labels(model)
+        self.hits = CACHE_LOOKUPS.labels(model, "hit")
+        self.misses = CACHE_LOOKUPS.labels(model, "miss")
 
 
 def _reply(r: CountResult, counter: ModelCounter) -> counter_pb2.CountReply:

@@ -104,18 +104,15 @@ def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
 def _depth_ok(body: Any) -> bool:
     """No value of parsed JSON ``body`` lies deeper than ``_MAX_JSON_DEPTH`` (the body
     itself at depth 0); level by level, without recursion."""
-    level = [body]
+    level = [body] if isinstance(body, (dict, list)) else []
     for _ in range(_MAX_JSON_DEPTH):
-        deeper: list[Any] = []
-        for v in level:
-            if isinstance(v, dict):
-                deeper.extend(v.values())
-            elif isinstance(v, list):
-                deeper.extend(v)
+        # only the containers go down a level (json.loads makes exact dicts and lists)
+        deeper = [x for v in level for x in (v.values() if type(v) is dict else v)
+                  if type(x) is dict or type(x) is list]
         if not deeper:
             return True
         level = deeper
-    return not any(isinstance(v, (dict, list)) and v for v in level)
+    return not any(level)
 
 
 class ModelCounter:

@@ -132,6 +132,22 @@ class SegmentCache:
             self.misses += misses
         return out
 
+    def count(self, segment: str, compute: Callable[[str], int]) -> int:
+        """One segment's count, as ``counts`` gives it, without adding to ``hits`` or
+        ``misses`` (a lookup that is no piece of a prompt: a prefix of one)."""
+        n = self._map.get(segment)
+        if n is None:
+            if not segment:
+                return 0
+            n = compute(segment)
+            self._put(segment, n)
+            return n
+        try:
+            self._map.move_to_end(segment)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+        return n
+
     def _put(self, segment: str, n: int) -> None:
         if len(segment) > self._max_chars // 4:
             return
@@ -268,9 +284,9 @@ class PromptTokenizer:
         return sum(self.piece_counts(self.split(text)))
 
     def count_piece(self, piece: str) -> int:
-        """Tokens of ``piece``, a text holding no added token (a part of ``split`` or a
-        prefix of one), cached."""
-        return self.cache.counts((piece,), self._count_piece)[0]
+        """Tokens of ``piece``, a text holding no added token (a prefix of a part of
+        ``split``), cached; not a lookup of the cache's hits and misses."""
+        return self.cache.count(piece, self._count_piece)
 
     def piece_counts(self, parts: list[str]) -> list[int]:
         """Tokens of each part of a text already cut by ``split``: 1 for an added token
