@@ -129,6 +129,13 @@ def test_sidecar_metrics_count_a_known_workload_and_the_board_is_exported(
                  'tokengate_counter_prompt_tokens_total{model="tiny-qwen3"}') == sum(counts)
     assert delta("counter metrics",
                  'tokengate_counter_call_duration_seconds_count{model="tiny-qwen3"}') == N
+    # one shape (a user message): each worker renders it at most once, the rest is
+    # assembled from its trace
+    renders = {how: delta("counter metrics", "tokengate_counter_template_renders_total"
+                                             f'{{how="{how}",model="tiny-qwen3"}}')
+               for how in ("trace", "recorded", "plain")}
+    assert (renders["trace"] + renders["recorded"], renders["plain"]) == (N, 0), renders
+    assert renders["recorded"] <= 2
     assert delta("limits metrics",
                  'tokengate_limits_calls_total{code="OK",method="Reserve"}') == N
     assert delta("limits metrics",

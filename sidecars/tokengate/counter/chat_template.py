@@ -201,7 +201,9 @@ class ChatTemplate:
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any]) -> str:
         """The prompt text. ``kwargs`` holds add_generation_prompt, continue_final_message,
-        documents and template variables. Raises ``TemplateError``.
+        documents and template variables. A conversation of plain messages without tools
+        or documents is assembled from ``traces`` once a conversation of its shape was
+        rendered (``template_trace``: the same text). Raises ``TemplateError``.
         """
         args = {**self.special_tokens_map, **kwargs}
         if self._fast is not None and not args.get("continue_final_message"):
@@ -218,8 +220,10 @@ class ChatTemplate:
             key = None if tools is not None or self.why_not_traced or args["documents"] \
                 is not None else template_trace.shape_key(conversation, kwargs)
             if key is None:
+                self.traces.count_plain()
                 return render(conversation)
             return self.traces.render(key, conversation, render)
+        self.traces.count_plain()
         try:
             rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
                 conversations=[conversation], tools=tools,  # type: ignore[arg-type]

@@ -38,6 +38,12 @@ PROMPT_TOKENS = Counter("tokengate_counter_prompt_tokens_total",
 CACHE_LOOKUPS = Counter("tokengate_counter_segment_cache_lookups_total",
                         "Segment cache lookups (a prompt's pieces between special tokens), "
                         "by model and result (hit, miss).", ["model", "result"])
+TEMPLATE_RENDERS = Counter("tokengate_counter_template_renders_total",
+                           "Chat prompts rendered, by model and how: trace (assembled from "
+                           "a conversation of the same shape, tokengate.counter."
+                           "template_trace), recorded (rendered and traced), plain "
+                           "(rendered; a conversation or template that is not traced).",
+                           ["model", "how"])
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
 
 
@@ -64,11 +70,10 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
 
     def __init__(self, counters: dict[str, ModelCounter]) -> None:
         self.counters = counters
-        # the segment caches' hits and misses already exported, per model
-        self._exported = {name: (0, 0) for name in counters}
         self._lock = threading.Lock()
-        # each model's series of a successful call (labels() costs more than inc())
-        self._ok = {name: _Series(name) for name in counters}
+        # each model's series of a successful call, made at its first (a reload may
+        # add models)
+        self._series: dict[str, _Series] = {}
 
     def count(self, request: counter_pb2.CountRequest) -> counter_pb2.CountReply:
         """Exact prompt tokens of ``request.body``, whatever the transport.
@@ -83,7 +88,7 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         # is counted as UNKNOWN
         label = request.model if request.model in self.counters else UNKNOWN
         try:
-            reply, label = self._count(request)
+            reply, label, counter = self._count(request)
         except CountFailure as e:
             CALLS.labels(label, e.code.name).inc()
             CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
@@ -92,11 +97,11 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             CALLS.labels(label, "INTERNAL").inc()
             CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
             raise
-        series = self._ok[label]
+        series = self._series.get(label) or self._new_series(label)
         series.seconds.observe(time.perf_counter() - t0)
         series.calls.inc()
         series.prompt_tokens.inc(reply.prompt_tokens)
-        self._export_cache(label)
+        series.export(counter, self._lock)
         return reply
 
     def CountTokens(self, request: counter_pb2.CountRequest,
@@ -108,23 +113,13 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             context.abort(e.code, e.message)
             raise AssertionError("context.abort returned") from None
 
-    def _export_cache(self, model: str) -> None:
-        """Adds what ``model``'s segment cache counted since the last call to
-        CACHE_LOOKUPS (the threads of this worker share the cache: under a lock, the sum
-        of the increments is exact)."""
-        cache = self.counters[model].tokenizer.cache
+    def _new_series(self, model: str) -> _Series:
         with self._lock:
-            hits, misses = cache.hits, cache.misses
-            h0, m0 = self._exported[model]
-            self._exported[model] = hits, misses
-        if hits > h0:
-            self._ok[model].hits.inc(hits - h0)
-        if misses > m0:
-            self._ok[model].misses.inc(misses - m0)
+            return self._series.setdefault(model, _Series(model))
 
     def _count(self, request: counter_pb2.CountRequest
-               ) -> tuple[counter_pb2.CountReply, str]:
-        """``count``'s work: the reply and the model it counted for."""
+               ) -> tuple[counter_pb2.CountReply, str, ModelCounter]:
+        """``count``'s work: the reply, the model it counted for and its counter."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
@@ -151,21 +146,43 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             log.exception("CountTokens failed on a %d-byte body", len(request.body))
             _fail(grpc.StatusCode.INTERNAL, "counter failed on this body")
         try:
-            return _reply(r, counter), model
+            return _reply(r, counter), model, counter
         except Exception:  # e.g. a field out of range: the worker keeps serving
             log.exception("CountTokens could not build a reply for %s", r)
             _fail(grpc.StatusCode.INTERNAL, "counter failed on this body")
 
 
 class _Series:
-    """One model's metric series that every successful call adds to."""
+    """One model's metric series that every successful call adds to, and what its
+    caches had counted when they were last exported (``export``)."""
 
     def __init__(self, model: str) -> None:
         self.calls = CALLS.labels(model, "OK")
         self.seconds = CALL_SECONDS.labels(model)
         self.prompt_tokens = PROMPT_TOKENS.labels(model)
-        self.hits = CACHE_LOOKUPS.labels(model, "hit")
-        self.misses = CACHE_LOOKUPS.labels(model, "miss")
+        self._lookups = (CACHE_LOOKUPS.labels(model, "hit"),
+                         CACHE_LOOKUPS.labels(model, "miss"))
+        self._renders = tuple(TEMPLATE_RENDERS.labels(model, how)
+                              for how in ("trace", "recorded", "plain"))
+        self._counter: ModelCounter | None = None
+        self._exported = (0, 0, 0, 0, 0)
+
+    def export(self, counter: ModelCounter, lock: threading.Lock) -> None:
+        """Adds what ``counter``'s segment cache and template traces counted since the
+        last call to CACHE_LOOKUPS and TEMPLATE_RENDERS (the threads of a worker share
+        them: under ``lock``, the sum of the increments is exact; a reload's new
+        counter starts from 0)."""
+        cache, template = counter.tokenizer.cache, counter.template
+        with lock:
+            if counter is not self._counter:
+                self._counter, self._exported = counter, (0, 0, 0, 0, 0)
+            traces = template.traces if template is not None else None
+            now = (cache.hits, cache.misses, *((traces.hits, traces.recorded, traces.plain)
+                                               if traces is not None else (0, 0, 0)))
+            before, self._exported = self._exported, now
+        for series, n, n0 in zip((*self._lookups, *self._renders), now, before, strict=True):
+            if n > n0:
+                series.inc(n - n0)
 
 
 def _reply(r: CountResult, counter: ModelCounter) -> counter_pb2.CountReply:

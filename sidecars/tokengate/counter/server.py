@@ -99,8 +99,11 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
     def ready(addresses: list[str]) -> None:
         for name, c in counters.items():
             why = f" ({c.tokenizer.why_not_fast})" if c.tokenizer.why_not_fast else ""
+            template = "none" if c.template is None else "traced" \
+                if not c.template.why_not_traced else \
+                f"rendered every time ({c.template.why_not_traced})"
             print(f"counter worker {index}: model {name}: backend {c.tokenizer.backend}{why}, "
-                  f"fingerprint {c.fingerprint}", flush=True)
+                  f"chat template {template}, fingerprint {c.fingerprint}", flush=True)
         print(f"counter worker {index}: listening on {', '.join(addresses)}", flush=True)
 
     import asyncio

@@ -226,9 +226,16 @@ class TraceCache:
     def __init__(self, max_shapes: int = 4096) -> None:
         self._max = max_shapes
         self._map: OrderedDict[Shape, Trace | None] = OrderedDict()
-        self._lock = threading.Lock()  # inserting and evicting (the gRPC threads)
-        self.hits = 0
-        self.recorded = 0
+        # inserting, evicting, counting: a worker's frames and gRPC threads share it
+        self._lock = threading.Lock()
+        self.hits = 0  # conversations assembled from a trace
+        self.recorded = 0  # conversations rendered and traced (or found untraceable)
+        self.plain = 0  # conversations of a shape found untraceable, rendered
+
+    def count_plain(self) -> None:
+        """One more conversation rendered without a trace (``plain``)."""
+        with self._lock:
+            self.plain += 1
 
     def render(self, key: Shape, conversation: list[dict[str, Any]],
                render: Callable[[list[dict[str, Any]]], str]) -> str:
@@ -239,9 +246,11 @@ class TraceCache:
         contents = [m["content"] for m in conversation]
         trace = self._map.get(key, False)
         if trace is None:
+            self.count_plain()
             return render(conversation)
         if trace is not False and trace.holds(contents):  # type: ignore[union-attr]
-            self.hits += 1
+            with self._lock:
+                self.hits += 1
             try:
                 self._map.move_to_end(key)
             except KeyError:  # evicted meanwhile
