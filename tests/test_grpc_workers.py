@@ -159,5 +159,23 @@ def test_sighup_reloads_the_models_without_failing_a_call(config_path: Path,
             # the old value until the swap, the new one after it, nothing in between
             assert set(s) == {before, after}
             assert s == sorted(s, reverse=True)
+        # a model that a reload adds is counted from then on (its metric series are made
+        # at its first call)
+        raw["models"]["added"] = {**raw["models"][MODEL], "upstreams": ["127.0.0.1:9"],
+                                  "embedded": False}
+        path.write_text(yaml.safe_dump(raw))
+        os.kill(svc.proc.pid, signal.SIGHUP)
+        added = counter_pb2.CountRequest(model="added", endpoint=counter_pb2.ENDPOINT_CHAT,
+                                         body=BODY)
+
+        def counts_added(p: Path) -> bool:
+            with frames.Client(str(p), timeout_s=30) as c:
+                try:
+                    return c.count(added).prompt_tokens == c.count(REQUEST).prompt_tokens
+                except CountFailure as e:
+                    assert e.code.name == "NOT_FOUND", e  # not reloaded yet
+                    return False
+        wait_until(lambda: all(counts_added(p) for p in paths), 60, step_s=0.2,
+                   what="both workers to count the added model")
     finally:
         svc.stop()
