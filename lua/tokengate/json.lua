@@ -56,6 +56,19 @@ for b = 128, 255 do
     STR_STOP[b] = 1
 end
 STR_STOP[34], STR_STOP[92], ESC_NEED[34], ESC_NEED[92] = 1, 1, 1, 1
+-- WS: JSON's whitespace (RFC 8259: space, tab, CR, LF); DIGIT: '0'..'9'; HEX: the hex
+-- digits' values + 1 (0: not a hex digit). string.find with a pattern would leave the
+-- JIT-compiled trace for the interpreter on every call.
+local WS = ffi.new("uint8_t[256]")
+local DIGIT = ffi.new("uint8_t[256]")
+local HEX = ffi.new("uint8_t[256]")
+WS[32], WS[9], WS[13], WS[10] = 1, 1, 1, 1
+for b = 48, 57 do
+    DIGIT[b], HEX[b] = 1, b - 47
+end
+for b = 0, 5 do
+    HEX[65 + b], HEX[97 + b] = 11 + b, 11 + b
+end
 
 -- P: bytes of the text being decoded (set by decode(); decoding never yields, so one
 -- per worker is enough). The string stays referenced by decode()'s argument meanwhile.
@@ -187,13 +200,18 @@ local function utf8_len(s, i)
 end
 _M.utf8_len = utf8_len
 
--- hex4(s, i) -> value of the 4 hex digits at s[i..i+3], or nil
-local function hex4(s, i)
-    local h = sub(s, i, i + 3)
-    if #h < 4 or find(h, "[^%x]") then
-        return nil
+-- hex4(i) -> value of the 4 hex digits at the text's (1-based) i..i+3, or nil. The
+-- NUL after the text is no hex digit, so a short text stops the scan.
+local function hex4(i)
+    local v = 0
+    for k = i - 1, i + 2 do
+        local h = HEX[P[k]]
+        if h == 0 then
+            return nil
+        end
+        v = v * 16 + h - 1
     end
-    return tonumber(h, 16)
+    return v
 end
 
 -- decode_string(s, i) -> string, next index | nil, err, offset
@@ -245,13 +263,13 @@ local function decode_string(s, i)
                 parts[np] = simple
                 i = j + 2
             elseif e == 117 then -- \uXXXX
-                local cp = hex4(s, j + 2)
+                local cp = hex4(j + 2)
                 if not cp then
                     return nil, "invalid \\u escape", j - 1
                 end
                 i = j + 6
                 if cp >= 0xD800 and cp <= 0xDBFF then
-                    local lo = byte(s, i) == 92 and byte(s, i + 1) == 117 and hex4(s, i + 2)
+                    local lo = byte(s, i) == 92 and byte(s, i + 1) == 117 and hex4(i + 2)
                     if not lo or lo < 0xDC00 or lo > 0xDFFF then
                         return nil, format("lone surrogate escape \\u%04x (not a Unicode character)",
                             cp), j - 1, "surrogate"
@@ -274,34 +292,52 @@ local function decode_string(s, i)
     end
 end
 
--- skip_ws(s, i) -> index of the first non-whitespace byte at or after i
-local function skip_ws(s, i)
-    local _, e = find(s, "^[ \t\r\n]*", i)
-    return e + 1
+-- skip_ws(i) -> index of the first non-whitespace byte of the text (P) at or after i
+-- (#s + 1 at its end: the NUL after it is no whitespace)
+local function skip_ws(i)
+    while WS[P[i - 1]] ~= 0 do
+        i = i + 1
+    end
+    return i
+end
+
+-- digits_end(i) -> the last index of the run of ASCII digits starting at i; i - 1 when
+-- there is none
+local function digits_end(i)
+    while DIGIT[P[i - 1]] ~= 0 do
+        i = i + 1
+    end
+    return i - 1
 end
 
 -- decode_number(s, i) -> number or literal box, next index | nil, err, offset
 -- (RFC 8259 grammar: no leading zeros, no "1.", no "+1")
 local function decode_number(s, i)
-    local _, e = find(s, "^-?%d+", i)
-    if not e then
+    local int_start = P[i - 1] == 45 and i + 1 or i
+    local e = digits_end(int_start)
+    if e < int_start then
         return nil, "invalid number", i - 1
     end
-    local int_start = byte(s, i) == 45 and i + 1 or i
-    if byte(s, int_start) == 48 and e > int_start then
+    if P[int_start - 1] == 48 and e > int_start then
         return nil, "invalid number (leading zero)", i - 1
     end
     local plain = true
-    local _, e2 = find(s, "^%.%d+", e + 1)
-    if e2 then
+    if P[e] == 46 then -- '.': at least one digit must follow
+        local e2 = digits_end(e + 2)
+        if e2 < e + 2 then
+            return nil, "invalid number", i - 1
+        end
         e, plain = e2, false
-    elseif byte(s, e + 1) == 46 then
-        return nil, "invalid number", i - 1
     end
-    local c = byte(s, e + 1)
-    if c == 101 or c == 69 then
-        _, e2 = find(s, "^[eE][-+]?%d+", e + 1)
-        if not e2 then
+    local c = P[e]
+    if c == 101 or c == 69 then -- 'e', 'E', an optional sign, at least one digit
+        local k = e + 2
+        c = P[k - 1]
+        if c == 45 or c == 43 then
+            k = k + 1
+        end
+        local e2 = digits_end(k)
+        if e2 < k then
             return nil, "invalid number", i - 1
         end
         e, plain = e2, false
@@ -319,18 +355,18 @@ end
 local function decode_array(s, i, depth, max_depth)
     local t = setmetatable({}, ARRAY)
     local n = 0
-    i = skip_ws(s, i)
+    i = skip_ws(i)
     if byte(s, i) == 93 then
         return t, i + 1
     end
     while true do
-        local v, ni, err_off, path, kind = decode_value(s, skip_ws(s, i), depth, max_depth)
+        local v, ni, err_off, path, kind = decode_value(s, skip_ws(i), depth, max_depth)
         if v == nil then
             return nil, ni, err_off, "[" .. n .. "]" .. (path or ""), kind
         end
         n = n + 1
         t[n] = v
-        i = skip_ws(s, ni)
+        i = skip_ws(ni)
         local c = byte(s, i)
         if c == 44 then
             i = i + 1
@@ -356,7 +392,7 @@ local function decode_object(s, i, depth, max_depth)
     local keys = {}
     local t = setmetatable({ [KEYS] = keys }, OBJECT)
     local n = 0
-    i = skip_ws(s, i)
+    i = skip_ws(i)
     if byte(s, i) == 125 then
         return t, i + 1
     end
@@ -371,21 +407,21 @@ local function decode_object(s, i, depth, max_depth)
         if t[k] ~= nil then
             return nil, format("duplicate key %q", k), i - 1, key_path(k), "duplicate"
         end
-        i = skip_ws(s, ni)
+        i = skip_ws(ni)
         if byte(s, i) ~= 58 then
             return nil, "expected ':' after object key", i - 1, key_path(k)
         end
-        local v, vi, verr_off, path, vkind = decode_value(s, skip_ws(s, i + 1), depth, max_depth)
+        local v, vi, verr_off, path, vkind = decode_value(s, skip_ws(i + 1), depth, max_depth)
         if v == nil then
             return nil, vi, verr_off, key_path(k) .. (path or ""), vkind
         end
         n = n + 1
         keys[n] = k
         t[k] = v
-        i = skip_ws(s, vi)
+        i = skip_ws(vi)
         local c = byte(s, i)
         if c == 44 then
-            i = skip_ws(s, i + 1)
+            i = skip_ws(i + 1)
         elseif c == 125 then
             return t, i + 1
         else
@@ -441,7 +477,10 @@ end
 -- Accepts exactly RFC 8259 JSON text in UTF-8: no BOM, no trailing data.
 function _M.decode(s, max_depth)
     P = cast(u8p, s)
-    local v, ni, off, path, kind = decode_value(s, skip_ws(s, 1), 0, max_depth or 64)
+    local v, ni, off, path, kind = decode_value(s, skip_ws(1), 0, max_depth or 64)
+    if v ~= nil then
+        ni = skip_ws(ni)
+    end
     P = nil
     if v == nil then
         if path and byte(path, 1) == 46 then
@@ -449,7 +488,6 @@ function _M.decode(s, max_depth)
         end
         return nil, { message = ni, offset = off, path = path, kind = kind or "syntax" }
     end
-    ni = skip_ws(s, ni)
     if ni <= #s then
         return nil, { message = "unexpected data after the JSON value", offset = ni - 1,
                       kind = "syntax" }
