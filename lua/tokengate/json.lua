@@ -552,65 +552,88 @@ local function sorted_keys(t)
     return keys
 end
 
--- encode_into(v, buf, n) -> new n: appends the JSON text of v to buf[n+1..]
-encode_into = function(v, buf, n)
-    local tv = type(v)
+-- encode_scalar(v, tv, buf, n) -> new n: appends the JSON text of v, which is no array
+-- or object (tv = type(v)), to buf[n+1..]
+local function encode_scalar(v, tv, buf, n)
     if tv == "string" then
         -- the quotes as pieces of their own: a prompt is not copied once more to quote it
         buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(v), '"'
-        n = n + 3
+        return n + 3
     elseif tv == "number" then
-        n = n + 1
-        buf[n] = encode_number(v)
+        buf[n + 1] = encode_number(v)
     elseif tv == "boolean" then
-        n = n + 1
-        buf[n] = v and "true" or "false"
+        buf[n + 1] = v and "true" or "false"
     elseif v == null or v == nil then
-        n = n + 1
-        buf[n] = "null"
-    elseif tv == "table" then
-        local mt = getmetatable(v)
-        if mt == NUMBER then
-            n = n + 1
-            buf[n] = v.lit
-        elseif mt == ARRAY or (mt == nil and v[1] ~= nil) then
-            n = n + 1
-            buf[n] = "["
-            for i = 1, #v do
-                if i > 1 then
-                    n = n + 1
-                    buf[n] = ","
-                end
-                n = encode_into(v[i], buf, n)
-            end
-            n = n + 1
-            buf[n] = "]"
-        else
-            local keys = v[KEYS] or sorted_keys(v)
-            n = n + 1
-            buf[n] = "{"
-            local first = true
-            for i = 1, #keys do
-                local k = keys[i]
-                local fv = v[k]
-                if fv ~= nil then
-                    if not first then
-                        n = n + 1
-                        buf[n] = ","
-                    end
-                    first = false
-                    buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(k), '":'
-                    n = n + 3
-                    n = encode_into(fv, buf, n)
-                end
-            end
-            n = n + 1
-            buf[n] = "}"
-        end
+        buf[n + 1] = "null"
+    elseif tv == "table" then -- a literal box
+        buf[n + 1] = v.lit
     else
         buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(tostring(v)), '"'
-        n = n + 3
+        return n + 3
     end
+    return n + 1
+end
+
+-- composite(v, tv) -> true when v is an array or an object (a table that is neither null
+-- nor a literal box), which encode_into recurses into
+local function composite(v, tv)
+    return tv == "table" and v ~= null and getmetatable(v) ~= NUMBER
+end
+
+-- encode_into(v, buf, n) -> new n: appends the JSON text of v to buf[n+1..]. Scalars in
+-- arrays and objects are written in the loop, without a recursive call: LuaJIT does not
+-- compile a loop whose body recurses, and most values are scalars.
+encode_into = function(v, buf, n)
+    local tv = type(v)
+    if not composite(v, tv) then
+        return encode_scalar(v, tv, buf, n)
+    end
+    local mt = getmetatable(v)
+    if mt == ARRAY or (mt == nil and v[1] ~= nil) then
+        n = n + 1
+        buf[n] = "["
+        for i = 1, #v do
+            if i > 1 then
+                n = n + 1
+                buf[n] = ","
+            end
+            local e = v[i]
+            local te = type(e)
+            if composite(e, te) then
+                n = encode_into(e, buf, n)
+            else
+                n = encode_scalar(e, te, buf, n)
+            end
+        end
+        n = n + 1
+        buf[n] = "]"
+        return n
+    end
+    local keys = v[KEYS] or sorted_keys(v)
+    n = n + 1
+    buf[n] = "{"
+    local first = true
+    for i = 1, #keys do
+        local k = keys[i]
+        local fv = v[k]
+        if fv ~= nil then
+            if not first then
+                n = n + 1
+                buf[n] = ","
+            end
+            first = false
+            buf[n + 1], buf[n + 2], buf[n + 3] = '"', escape(k), '":'
+            n = n + 3
+            local tf = type(fv)
+            if composite(fv, tf) then
+                n = encode_into(fv, buf, n)
+            else
+                n = encode_scalar(fv, tf, buf, n)
+            end
+        end
+    end
+    n = n + 1
+    buf[n] = "}"
     return n
 end
 
