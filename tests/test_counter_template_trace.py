@@ -83,6 +83,28 @@ def test_a_conversation_resent_with_its_history_reuses_the_shape_of_others(
     assert t.render(thinking, None, {"add_generation_prompt": True}) == \
         reference(t, thinking, {"add_generation_prompt": True})
     assert (t.traces.recorded, t.traces.hits) == (3, 1)
+    # that content was split by the template (a recording it spoiled): the shape's
+    # trace stays for the conversations it fits
+    again = [*other, {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    assert t.render(again, None, {"add_generation_prompt": True}) == \
+        reference(t, again, {"add_generation_prompt": True})
+    assert (t.traces.recorded, t.traces.hits) == (3, 2)
+
+
+def test_a_shape_first_seen_with_a_spoiling_content_is_recorded_again_later() -> None:
+    t = ChatTemplate.from_model_dir(MODEL_DIR)
+    kwargs = {"add_generation_prompt": True}
+
+    def conv(answer: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "q2"}]
+    t.render(conv("<think>r</think>a"), None, kwargs)
+    for i in range(63):  # rendered every time until the 64th
+        assert t.render(conv(f"a{i}"), None, kwargs) == reference(t, conv(f"a{i}"), kwargs)
+    assert (t.traces.recorded, t.traces.plain, t.traces.hits) == (1, 63, 0)
+    t.render(conv("b"), None, kwargs)
+    assert t.render(conv("c"), None, kwargs) == reference(t, conv("c"), kwargs)
+    assert (t.traces.recorded, t.traces.plain, t.traces.hits) == (2, 63, 1)
 
 
 def test_a_content_the_template_reads_spoils_the_shape_and_renders_plainly(

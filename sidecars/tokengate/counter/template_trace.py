@@ -7,9 +7,10 @@ much of it the segment cache already knows. A trace renders a conversation *shap
 and assembles later conversations of that shape from it, exactly:
 
 - The shape (``shape_key``) is what the template may read besides message contents:
-  the roles in order and the request's template arguments (scalars only). A conversation qualifies
-  when every message is a plain ``{"role": str, "content": str}`` (what
-  ``counting.ModelCounter._message`` gives the common message) and there are no tools.
+  the roles in order and the request's template arguments (scalars only). A
+  conversation qualifies when every message is a plain ``{"role": str, "content":
+  str}`` (what ``counting.ModelCounter._message`` gives the common message) and there
+  are no tools.
 - Recording renders the template once with each content replaced by a ``_Probe``: a
   ``str`` whose text is a placeholder (``\\ue000<i>\\ue001``, private-use characters)
   and which answers every question the template asks about it from the real content.
@@ -22,6 +23,7 @@ and assembles later conversations of that shape from it, exactly:
 - A later conversation of the same shape uses the trace when every recorded question
   gets the same answer from its contents: the template would then take the same
   branches and emit the same text with the contents in the placeholders' places.
+  Other answers are recorded afresh (``TraceCache``).
 
 Where the probe cannot see a use, the template is not traced at all
 (``traceable``): a method called with an argument that is no constant (``x.find(y)``
@@ -29,8 +31,9 @@ would read a placeholder's text without asking it), or ``a in b`` with ``a`` no
 constant and ``b`` no literal list (``str.__contains__`` reads ``a``'s text itself).
 Nor is a template that calls a global whose answer changes (``strftime_now``).
 Filters and tests are wrapped (``wrap_environment``) so that a probe reaching them
-spoils the trace and they get the real content. A trace is checked once against a plain render when it is recorded; a
-mismatch spoils that shape for good (logged).
+spoils the recording and they get the real content. Each trace is checked once against
+the plain render of the conversation it was recorded from; a mismatch (which the rules
+above should make impossible) is logged and that shape is rendered every time.
 """
 
 from __future__ import annotations
@@ -219,21 +222,38 @@ def shape_key(conversation: list[dict[str, Any]], args: dict[str, Any]) -> Shape
     return tuple(roles), tuple(sorted(args.items()))
 
 
+class _Untraced:
+    """A shape without a trace: its last recording was spoiled (tried again every
+    ``RETRY``-th conversation, which may give answers that do not spoil), or a trace
+    differed from its render (never again: ``retry`` False)."""
+
+    RETRY = 64
+
+    def __init__(self, retry: bool) -> None:
+        self.retry = retry
+        self.renders = 0
+
+
 class TraceCache:
-    """Traces by shape, least recently used first out (``max_shapes``); a shape whose
-    trace was spoiled maps to None (rendered plainly from then on)."""
+    """Traces by shape, least recently used first out (``max_shapes``).
+
+    A conversation whose answers differ from its shape's trace is rendered and recorded
+    afresh; its trace replaces the old one, unless it spoiled (a content that the
+    template split or stripped, say): then the old trace stays for the conversations it
+    fits.
+    """
 
     def __init__(self, max_shapes: int = 4096) -> None:
         self._max = max_shapes
-        self._map: OrderedDict[Shape, Trace | None] = OrderedDict()
+        self._map: OrderedDict[Shape, Trace | _Untraced] = OrderedDict()
         # inserting, evicting, counting: a worker's frames and gRPC threads share it
         self._lock = threading.Lock()
         self.hits = 0  # conversations assembled from a trace
-        self.recorded = 0  # conversations rendered and traced (or found untraceable)
-        self.plain = 0  # conversations of a shape found untraceable, rendered
+        self.recorded = 0  # conversations rendered and recorded
+        self.plain = 0  # conversations rendered without a recording
 
     def count_plain(self) -> None:
-        """One more conversation rendered without a trace (``plain``)."""
+        """One more conversation rendered without a recording (``plain``)."""
         with self._lock:
             self.plain += 1
 
@@ -241,37 +261,42 @@ class TraceCache:
                render: Callable[[list[dict[str, Any]]], str]) -> str:
         """The template's output for ``conversation`` (of shape ``key``): from its
         trace, else by ``render`` (the template's own render of a conversation; raises
-        a ``ValueError`` when the template raises), which records a trace when the
-        shape has none. Raises what ``render`` raises."""
+        a ``ValueError`` when the template raises), recording a trace. Raises what
+        ``render`` raises."""
         contents = [m["content"] for m in conversation]
-        trace = self._map.get(key, False)
-        if trace is None:
-            self.count_plain()
-            return render(conversation)
-        if trace is not False and trace.holds(contents):  # type: ignore[union-attr]
-            with self._lock:
-                self.hits += 1
-            try:
-                self._map.move_to_end(key)
-            except KeyError:  # evicted meanwhile
-                pass
-            return trace.text(contents)  # type: ignore[union-attr]
+        entry = self._map.get(key)
+        if isinstance(entry, Trace):
+            if entry.holds(contents):
+                with self._lock:
+                    self.hits += 1
+                try:
+                    self._map.move_to_end(key)
+                except KeyError:  # evicted meanwhile
+                    pass
+                return entry.text(contents)
+        elif entry is not None:
+            entry.renders += 1
+            if not entry.retry or entry.renders % _Untraced.RETRY:
+                self.count_plain()
+                return render(conversation)
         plain = render(conversation)  # raises first, with the real contents
         recording = Recording()
         probes = [{"role": m["role"], "content": _Probe(m["content"], i, recording)}
                   for i, m in enumerate(conversation)]
         try:
             output = render(probes)
-        except ValueError:  # e.g. a use that a probe cannot answer: never traced
+        except ValueError:  # e.g. a use that a probe cannot answer
             recording.spoiled = True
             output = ""
-        new: Trace | None = None
-        if not recording.spoiled:
+        new: Trace | _Untraced
+        if recording.spoiled:
+            new = entry if isinstance(entry, Trace) else _Untraced(retry=True)
+        else:
             new = Trace(recording, output)
             if new.text(contents) != plain:
                 log.warning("chat template trace differs from its render for %d messages; "
-                            "that shape is rendered plainly", len(conversation))
-                new = None
+                            "that shape is rendered every time", len(conversation))
+                new = _Untraced(retry=False)
         with self._lock:
             self._map[key] = new
             self.recorded += 1
