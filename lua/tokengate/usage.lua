@@ -14,6 +14,7 @@
 -- json_parts (non-stream body), error.
 
 local ngx = ngx
+local ffi = require "ffi"
 local cjson = require "cjson.safe"
 local json = require "tokengate.json"
 local clock = require "tokengate.clock"
@@ -24,8 +25,6 @@ local drift = require "tokengate.drift"
 local find = string.find
 local sub = string.sub
 local byte = string.byte
-local match = string.match
-local gsub = string.gsub
 local concat = table.concat
 local tonumber = tonumber
 local type = type
@@ -35,6 +34,8 @@ local ngx_var = ngx.var
 local ngx_req = ngx.req
 local ngx_now = ngx.now
 local mono_ms = clock.mono_ms
+local cast = ffi.cast
+local u8p = ffi.typeof("const uint8_t *")
 
 local _M = {}
 
@@ -84,6 +85,62 @@ local function read_usage(ctx, usage_text, final)
     ctx.u_source = final and "final" or "running"
 end
 
+-- SPACE: the bytes of Lua's %s (C isspace: space, \t \n \v \f \r)
+local SPACE = ffi.new("uint8_t[256]")
+SPACE[32] = 1
+for b = 9, 13 do
+    SPACE[b] = 1
+end
+
+-- usage_object(ev, p, init) -> first, last (1-based, inclusive) of the object after the
+-- first '"usage":' at or after init that is followed by %s* and a balanced {...}, and
+-- where that '"usage":' starts | nil. p: ev's bytes (FFI pointer). What
+-- find(ev, '"usage":%s*(%b{})', init) finds, scanned byte by byte: %b{} counts braces
+-- and nothing else (braces inside JSON strings count too, as they do for the pattern),
+-- and a '"usage":' whose braces never balance is passed over for the next one.
+-- string.match leaves the JIT-compiled trace on every call; a stream has an event per token.
+local function usage_object(ev, p, init)
+    local n = #ev
+    while true do
+        local q, e = find(ev, '"usage":', init, true)
+        if not q then
+            return nil
+        end
+        local i = e -- 0-based index of the byte after the key
+        while i < n and SPACE[p[i]] ~= 0 do
+            i = i + 1
+        end
+        if i < n and p[i] == 123 then -- {
+            local depth = 1
+            for j = i + 1, n - 1 do
+                local b = p[j]
+                if b == 125 then -- }
+                    depth = depth - 1
+                    if depth == 0 then
+                        return i + 1, j + 1, q
+                    end
+                elseif b == 123 then
+                    depth = depth + 1
+                end
+            end
+        end
+        init = q + 1
+    end
+end
+
+-- after_comma(p, q) -> the 1-based index of the ',' that ends where only %s stands
+-- between it and index q, or nil
+local function after_comma(p, q)
+    local i = q - 2 -- 0-based index of the byte before q
+    while i >= 0 and SPACE[p[i]] ~= 0 do
+        i = i - 1
+    end
+    if i >= 0 and p[i] == 44 then -- ,
+        return i + 1
+    end
+    return nil
+end
+
 -- One SSE event (without its blank-line terminator) -> the text to send, or nil to drop.
 local function sse_event(ctx, ev)
     if sub(ev, 1, 6) ~= "data: " then
@@ -95,7 +152,7 @@ local function sse_event(ctx, ev)
     end
     local a = find(ev, '"usage":', 7, true)
     if not a then
-        if not ctx.error and find(ev, '^data: {"error"') then
+        if not ctx.error and sub(ev, 7, 14) == '{"error"' then
             local d = cjson.decode(sub(ev, 7))
             local e = type(d) == "table" and type(d.error) == "table" and d.error
             ctx.error = e and (type(e.code) == "string" and e.code
@@ -103,12 +160,13 @@ local function sse_event(ctx, ev)
         end
         return ev
     end
-    local usage_text = match(ev, '"usage":%s*(%b{})', a)
-    if not usage_text then
+    local p = cast(u8p, ev)
+    local first, last, q = usage_object(ev, p, a)
+    if not first then
         return ev -- "usage": null
     end
     local final = find(ev, '"choices":[]', 7, true) ~= nil
-    read_usage(ctx, usage_text, final)
+    read_usage(ctx, sub(ev, first, last), final)
     if final then
         if not ctx.want_usage then
             return nil
@@ -118,7 +176,17 @@ local function sse_event(ctx, ev)
     if ctx.want_usage and ctx.want_continuous then
         return ev
     end
-    return (gsub(ev, ',%s*"usage":%s*%b{}', "", 1))
+    -- the first ',%s*"usage":%s*%b{}' removed, as gsub(ev, that, "", 1) does: the
+    -- first '"usage":' object found above, or a later one, that a comma precedes
+    local comma = after_comma(p, q)
+    while not comma do
+        first, last, q = usage_object(ev, p, q + 1)
+        if not first then
+            return ev
+        end
+        comma = after_comma(p, q)
+    end
+    return sub(ev, 1, comma - 1) .. sub(ev, last + 1)
 end
 
 -- sse(ctx, chunk, eof) -> text to pass on for this body_filter call.
