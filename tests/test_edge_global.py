@@ -36,6 +36,7 @@ from tokengate.ledger.calculator import charge
 from tokengate.ledger.ledger import Ledger
 from tokengate.limits.budget import reservation_key
 from tokengate.limits.window import window_keys
+from tokengate.v1 import counter_pb2
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
 from tokengate_dev import devstack
@@ -180,11 +181,18 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
                               remaining_requests=3, remaining_tokens=2**40,
                               reset_requests_ms=59_999, reset_tokens_ms=1,
                               retry_after_ms=12_345).SerializeToString()
+    body = "[" + "x" * 300 + "]"  # two length bytes
     out = run_lua(f"""
         local pb = require "tokengate.pb"
         local cjson = require "cjson"
         local function unhex(h) return (h:gsub("%x%x", function(x)
             return string.char(tonumber(x, 16)) end)) end
+        local function flat(t)  -- a frame's pieces (nested lists), as a cosocket sends them
+            if type(t) == "string" then return t end
+            local out = {{}}
+            for i = 1, #t do out[i] = flat(t[i]) end
+            return table.concat(out)
+        end
         return cjson.encode({{
             reserve = {to_hex('pb.reserve_request("demo", "tiny-qwen3", false, 600, 200000, '
                               f'268, "{rid}")')},
@@ -195,7 +203,10 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
             settled = pb.settle_reply("\\8\\1\\16\\159\\6\\24\\200\\1"),
             positive = pb.settle_reply(unhex("{pb.SettleReply(found=True, delta=44,
                 window_tokens=309).SerializeToString().hex()}")),
-            framed = {to_hex('pb.frame("abc")')},
+            framed = {to_hex('flat(pb.frame("abc"))')},
+            framed_size = select(2, pb.frame("abc")),
+            count = {to_hex(f'flat(pb.frame(pb.count_request("tiny-qwen3", 1, "{body}")))')},
+            count_size = select(2, pb.frame(pb.count_request("tiny-qwen3", 1, "{body}"))),
         }})""")
     got = json.loads(out)
     assert got["reserve"] == ("0a0464656d6f" "120a74696e792d7177656e33" "20d804" "28c09a0c"
@@ -213,7 +224,11 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
                               "retry_after_ms": 12_345}
     assert got["settled"] == {"found": True, "delta": -400, "window_tokens": 200}
     assert got["positive"] == {"found": True, "delta": 44, "window_tokens": 309}
-    assert got["framed"] == "0000000003616263"
+    assert (got["framed"], got["framed_size"]) == ("0000000003616263", 8)
+    count = counter_pb2.CountRequest(model="tiny-qwen3", endpoint=counter_pb2.ENDPOINT_CHAT,
+                                     body=body.encode()).SerializeToString()
+    assert got["count"] == (b"\0" + len(count).to_bytes(4, "big") + count).hex()
+    assert got["count_size"] == 5 + len(count)
 
 
 def test_lua_budget_codec_matches_python() -> None:

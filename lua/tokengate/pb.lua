@@ -51,11 +51,13 @@ local function read_varint(s, i)
     return nil
 end
 
--- count_request(model, endpoint, body) -> serialized CountRequest.
--- model: served model name; endpoint: 1 chat, 2 completions; body: bytes.
+-- count_request(model, endpoint, body) -> serialized CountRequest, in pieces: a list of
+-- two strings whose concatenation is the message (fields 1 and 2 and the key and length
+-- of field 3; then body itself, not copied: a cosocket sends a list of strings as they
+-- are). model: served model name; endpoint: 1 chat, 2 completions; body: bytes.
 function _M.count_request(model, endpoint, body)
-    return "\10" .. varint(#model) .. model .. "\16" .. varint(endpoint)
-        .. "\26" .. varint(#body) .. body
+    return { "\10" .. varint(#model) .. model .. "\16" .. varint(endpoint)
+        .. "\26" .. varint(#body), body }
 end
 
 -- key_byte(num, wt) -> the field key (num * 8 + wire type): one byte, as every field
@@ -120,11 +122,21 @@ function _M.budget_request(key_id, request_id, counters, cost_nano, tokens)
     return concat(out)
 end
 
--- frame(msg) -> one uncompressed gRPC message frame.
+-- frame(msg) -> frame, size: one uncompressed gRPC message frame as a list of pieces for
+-- a cosocket's send (the 5-byte header, then msg: nothing is copied), and its size in
+-- bytes. msg: the message bytes, a string or a list of strings (count_request's pieces).
 function _M.frame(msg)
-    local n = #msg
-    return "\0" .. char(floor(n / 16777216) % 256, floor(n / 65536) % 256,
-        floor(n / 256) % 256, n % 256) .. msg
+    local n
+    if type(msg) == "table" then
+        n = 0
+        for i = 1, #msg do
+            n = n + #msg[i]
+        end
+    else
+        n = #msg
+    end
+    return { "\0" .. char(floor(n / 16777216) % 256, floor(n / 65536) % 256,
+        floor(n / 256) % 256, n % 256), msg }, 5 + n
 end
 
 -- unframe(data) -> the first message of a gRPC response body | nil, err.

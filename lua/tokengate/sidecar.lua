@@ -216,11 +216,12 @@ local function connect(self, peer, timeout_ms)
     return sock
 end
 
--- exchange(sock, path, frame) -> code, headers, body | nil, err
-local function exchange(sock, path, frame)
+-- exchange(sock, path, frame, size) -> code, headers, body | nil, err. frame, size:
+-- pb.frame()'s.
+local function exchange(sock, path, frame, size)
     local ok, err = sock:send({
         "POST ", path, " HTTP/1.1\r\nHost: tokengate-hop\r\n",
-        "Content-Type: application/grpc\r\nTE: trailers\r\nContent-Length: ", #frame,
+        "Content-Type: application/grpc\r\nTE: trailers\r\nContent-Length: ", size,
         "\r\n\r\n", frame,
     })
     if not ok then
@@ -374,7 +375,8 @@ end
 -- call(path, message, weight) -> reply message bytes | nil, failure
 --   path: the gRPC method, "/tokengate.v1.GlobalLimits/Reserve" (the hop's; a frames
 --   client serves CountTokens only and ignores it); message: the serialized request
---   (unframed protobuf bytes); weight: counter frames only, an integer >= 1 (default
+--   (unframed protobuf bytes: a string, or a list of strings sent one after the other,
+--   pb.count_request's pieces); weight: counter frames only, an integer >= 1 (default
 --   1): the call may take weight x timeout_ms, and when above 1 (a large body) its
 --   timeout does not open the breaker. Every method called through here is
 --   idempotent, so a pooled connection the server had closed is retried once.
@@ -387,7 +389,7 @@ function _M.call(self, path, message, weight)
     if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
         return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
     end
-    local frame = pb.frame(message)
+    local frame, size = pb.frame(message)
     if self.peers then
         return call_frames(self, frame, weight or 1)
     end
@@ -397,7 +399,7 @@ function _M.call(self, path, message, weight)
     end
     local reused = sock:getreusedtimes() > 0
     -- exchange() -> code, headers, body | nil, err
-    local code, h, body = exchange(sock, path, frame)
+    local code, h, body = exchange(sock, path, frame, size)
     if not code and reused and h ~= "timeout" then
         -- the hop server may have closed an idle pooled connection
         sock:close()
@@ -405,7 +407,7 @@ function _M.call(self, path, message, weight)
         if not sock then
             return failure(self, "down", "connect: " .. tostring(err))
         end
-        code, h, body = exchange(sock, path, frame)
+        code, h, body = exchange(sock, path, frame, size)
     end
     if not code then
         sock:close()
