@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL, VLLM_PORT
 from tests.fixtures_edge import MAIN_KEY, Edge
@@ -464,3 +465,37 @@ def test_client_strings_are_clipped_in_answers_and_usage_events(edge: Edge) -> N
     assert_error(r, 404, "unknown_url", None)
     assert r.json()["error"]["message"] == f"Invalid URL (POST {path[:64]}…)"
     assert edge.event(r.headers["x-request-id"])["endpoint"] == path[:64] + "…"
+
+
+@pytest.fixture
+def fast_edge(edge_variant_off_vllm: Callable[..., Edge],
+              replicas: Callable[..., FastUpstream]) -> Edge:
+    up = replicas()
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
+        raw["models"][MODEL]["embedded"] = False
+    return edge_variant_off_vllm("input-headers", edit)
+
+
+@pytest.mark.parametrize("headers,status,message_has", [
+    ([("Content-Type", "application/json"), ("Content-Type", "text/plain")], 200, ""),
+    ([("Content-Type", "text/plain"), ("Content-Type", "application/json")], 415,
+     'Content-Type "text/plain"'),
+    ([("Content-Type", "application/json;charset=utf-16")], 415, 'charset "utf-16"'),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "identity")], 200, ""),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "identity"),
+      ("Content-Encoding", "gzip")], 415, 'Content-Encoding "identity,gzip"'),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "")], 200, ""),
+], ids=["first content type counts", "first content type refused",
+        "utf-16", "identity", "every encoding counts", "empty encoding"])
+def test_content_headers_repeated_or_spelled_otherwise(
+        fast_edge: Edge, headers: list[tuple[str, str]], status: int, message_has: str) -> None:
+    r = httpx.post(fast_edge.base_url + "/chat/completions",
+                   content=json.dumps(chat("hi")).encode(),
+                   headers=[("Authorization", f"Bearer {MAIN_KEY}"), *headers], timeout=60)
+    if status == 200:
+        assert r.status_code == 200, r.text
+        assert r.json()["object"] == "chat.completion"
+    else:
+        assert_error(r, status, "unsupported_media_type", None, message_has)

@@ -12,6 +12,7 @@ local bounds = require "tokengate.bounds"
 local models_mod = require "tokengate.models"
 
 local ngx_req = ngx.req
+local ngx_var = ngx.var
 local io_open = io.open
 local type = type
 local tonumber = tonumber
@@ -35,28 +36,34 @@ local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
 
 local _M = {}
 
--- check_headers(headers, max_bytes) -> true | nil, err (415 or 413).
--- headers: ngx.req.get_headers() result. Only application/json is accepted; a charset
--- parameter, when present, must be utf-8 (JSON is UTF-8, RFC 8259 §8.1); a
--- Content-Encoding other than identity is refused (415).
-function _M.check_headers(headers, max_bytes)
-    local ct = headers["content-type"]
-    if type(ct) == "table" then
-        ct = ct[1]
-    end
+-- check_headers(max_bytes) -> true | nil, err (415 or 413), from the request's headers.
+-- Only application/json is accepted; a charset parameter, when present, must be utf-8
+-- (JSON is UTF-8, RFC 8259 §8.1); a Content-Encoding other than identity is refused
+-- (415). A repeated Content-Type: the first one counts; every Content-Encoding counts;
+-- nginx refuses a repeated Content-Length itself. The headers are read as nginx
+-- variables ($http_<name> is the first header of that name with nginx 1.22): the table
+-- of all headers is built only when a Content-Encoding is there.
+function _M.check_headers(max_bytes)
+    local ct = ngx_var.http_content_type
     ct = ct and lower(ct) or ""
-    if not find(ct, "^%s*application/json%s*$") and not find(ct, "^%s*application/json%s*;") then
-        return fail(415, format("Unsupported Content-Type %q: send the request body as "
-            .. "application/json", clip(ct)), nil, "unsupported_media_type")
-    end
-    local charset = ct:match(";%s*charset%s*=%s*\"?([%w%-_]+)")
-    if charset and charset ~= "utf-8" and charset ~= "utf8" then
-        return fail(415, format("Unsupported charset %q: JSON request bodies must be UTF-8",
-            clip(charset)), nil, "unsupported_media_type")
+    if ct ~= "application/json" then -- the usual one passes without the patterns
+        if not find(ct, "^%s*application/json%s*$")
+                and not find(ct, "^%s*application/json%s*;") then
+            return fail(415, format("Unsupported Content-Type %q: send the request body as "
+                .. "application/json", clip(ct)), nil, "unsupported_media_type")
+        end
+        local charset = ct:match(";%s*charset%s*=%s*\"?([%w%-_]+)")
+        if charset and charset ~= "utf-8" and charset ~= "utf8" then
+            return fail(415, format("Unsupported charset %q: JSON request bodies must be "
+                .. "UTF-8", clip(charset)), nil, "unsupported_media_type")
+        end
     end
     -- A compressed body would be read as bytes that are not JSON (or, with a plain body
     -- under the header, forwarded with a header vLLM may act on): neither is accepted.
-    local ce = headers["content-encoding"]
+    local ce = ngx_var.http_content_encoding
+    if ce then
+        ce = ngx_req.get_headers()["content-encoding"]
+    end
     if type(ce) == "table" then
         ce = concat(ce, ",")
     end
@@ -64,7 +71,7 @@ function _M.check_headers(headers, max_bytes)
         return fail(415, format("Unsupported Content-Encoding %q: send the request body "
             .. "uncompressed", clip(ce)), nil, "unsupported_media_type")
     end
-    local len = tonumber(headers["content-length"])
+    local len = tonumber(ngx_var.http_content_length)
     if len and len > max_bytes then
         return fail(413, format("Request body is %d bytes; the limit is %d bytes", len,
             max_bytes), nil, "request_too_large")
@@ -326,7 +333,7 @@ end
 -- body's "model" when it names a configured model (for the usage event; a client's
 -- unknown name is never passed on: it can be any size).
 function _M.parse(route, models, edge)
-    local ok, err = _M.check_headers(ngx_req.get_headers(), edge.max_body_bytes)
+    local ok, err = _M.check_headers(edge.max_body_bytes)
     if not ok then
         return nil, err
     end
