@@ -140,12 +140,15 @@ function _M.touch(model_name, r)
     dict:set(key("last:", model_name, r), ngx_now())
 end
 
--- pick(model, tried, rank, ...) -> replica, its rank | nil: the replica of model
--- (compiled model entry) not in tried (a set of names) with the best rank, then awake
--- before asleep, then the fewest outstanding tokens; rank(model_name, r, ...) -> number,
--- lower is better (nil: all rank alike). Replicas that are out rank OUT: taken only
--- when all untried ones are out. nil when every one was tried or none has an address.
-function _M.pick(model, tried, rank, ...)
+-- pick(model, tried, rank, level, prompt) -> replica, its rank | nil: the replica of
+-- model (compiled model entry) not in tried (a set of names) with the best rank, then
+-- awake before asleep, then the fewest outstanding tokens; rank(model_name, r, level,
+-- prompt) -> number, lower is better (nil: all rank alike; tokengate.admission.rank:
+-- level, prompt are its priority level and prompt tokens). Replicas that are out rank
+-- OUT: taken only when all untried ones are out. nil when every one was tried or none
+-- has an address. (Named arguments, not varargs: a loop that passes varargs on is never
+-- compiled.)
+function _M.pick(model, tried, rank, level, prompt)
     local list = model.upstreams
     local n = #list
     rotate = rotate + 1
@@ -159,7 +162,7 @@ function _M.pick(model, tried, rank, ...)
             if _M.is_out(model.name, r) then
                 k = OUT
             elseif rank then
-                k = rank(model.name, r, ...)
+                k = rank(model.name, r, level, prompt)
             end
             if not best or k < best_rank or (k == best_rank and (asleep ~= best_asleep
                     and not asleep or asleep == best_asleep and out < best_out)) then
