@@ -342,6 +342,7 @@ def fake_counter(path: Path, count: Callable[[Any], Any],
     index of a socket whose worker reads each call and closes the connection without an
     answer. Yields ``path`` (the edge's counter_socket)."""
     servers = []
+    path.parent.mkdir(parents=True, exist_ok=True)  # whichever test runs first
     for i in range(2):
         sock = path.with_name(f"{path.name}.{i}")
         sock.unlink(missing_ok=True)
