@@ -17,6 +17,9 @@ One command, a few minutes, loopback only:
    gateway's non-streaming saturation). Reports the RPS ratios, the edge's CPU per
    request over plain nginx's, added p50/p99 end-to-end latency and added TTFT
    (streams).
+4. **A process round trip**, back to back and after the lowest fixed rate's gap between
+   requests idle: the wake-up cost every extra process on the gateway's path pays at
+   low rates (``process_round_trip_us``).
 
 Direct and plain nginx runs send ``X-Token-Count`` themselves (what the gateway sends
 upstream), so every side sees the same upstream work. Results: ``bench/results/bench-<time>.json``
@@ -356,7 +359,47 @@ def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
             gw.stop()
         lines = gw.usage_file.read_text().count("\n") if gw.usage_file.exists() else 0
         fig["usage_events_written"] = lines
+    gap_s = 1.0 / min(fig["fixed_rates_rps"])
+    fig["process_round_trip_us"] = {"back to back": process_round_trip_us(0.0),
+                                    f"after {gap_s * 1e3:.1f} ms idle": process_round_trip_us(gap_s)}
     return out
+
+
+_ECHO = ("import socket, sys\n"
+         "s = socket.socket(fileno=int(sys.argv[1]))\n"
+         "while (d := s.recv(64)):\n"
+         "    s.send(d)\n")
+
+
+def process_round_trip_us(gap_s: float, n: int = 200) -> float:
+    """The p50 of a 1-byte round trip (µs) over a unix socket pair to an echoing process,
+    each after ``gap_s`` seconds idle: what waking an idle process costs on this machine
+    (in a VM, an idle vCPU wakes far slower than a busy one answers). At a low rate each
+    request of the gateway crosses more processes than a direct one (client, edge,
+    counter, edge, upstream, edge), and each crossing pays it: the floor under the added
+    latency that no edge code sets."""
+    import socket
+    import statistics
+
+    a, b = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", _ECHO, str(b.fileno())],
+                             pass_fds=[b.fileno()])
+    b.close()
+    try:
+        a.send(b"x")
+        a.recv(64)  # the child is up
+        times = []
+        for _ in range(n):
+            if gap_s:
+                time.sleep(gap_s)
+            start = time.perf_counter()
+            a.send(b"x")
+            a.recv(64)
+            times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+    finally:
+        a.close()
+        child.wait(10)
 
 
 def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
@@ -496,6 +539,9 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"gateway / direct saturation RPS ({k.replace('no', 'no ')})",
                       f"{fig[f'gateway_{k}_rps']:,.0f} / {fig[f'direct_{k}_rps']:,.0f}",
                       "", f"{fig[f'rps_ratio_{k}']:.3f}", "")
+    for label, us in fig.get("process_round_trip_us", {}).items():
+        t.add_row(f"round trip to another process, {label} (µs p50)", f"{us:,.0f}", "", "",
+                  "")
     if "tokenstorm_ceiling_stream_rps" in fig and "vllm_bench_ceiling_rps" in fig:
         t.add_row("ceilings, stream: TokenStorm / vllm bench serve (req/s)",
                   f"{fig['tokenstorm_ceiling_stream_rps']:,.0f} / "
