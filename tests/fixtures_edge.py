@@ -316,6 +316,20 @@ def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
             up.stop()
 
 
+@pytest.fixture
+def fast_edge(request: pytest.FixtureRequest, edge_variant_off_vllm: Callable[..., Edge],
+              replicas: Callable[..., FastUpstream]) -> Edge:
+    """An edge variant (named after the test module) whose model's only upstream is a
+    fast upstream (the fast upstream's own validation stands in for vLLM's)."""
+    up = replicas()
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
+        raw["models"][MODEL]["embedded"] = False
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return edge_variant_off_vllm(f"{name}-fast", edit)
+
+
 class _Frames(socketserver.StreamRequestHandler):
     """One connection of a fake counter: counter frames in, ``frames.answer`` out."""
 

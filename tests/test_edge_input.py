@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL, VLLM_PORT
 from tests.fixtures_edge import MAIN_KEY, Edge
@@ -465,17 +464,6 @@ def test_client_strings_are_clipped_in_answers_and_usage_events(edge: Edge) -> N
     assert_error(r, 404, "unknown_url", None)
     assert r.json()["error"]["message"] == f"Invalid URL (POST {path[:64]}…)"
     assert edge.event(r.headers["x-request-id"])["endpoint"] == path[:64] + "…"
-
-
-@pytest.fixture
-def fast_edge(edge_variant_off_vllm: Callable[..., Edge],
-              replicas: Callable[..., FastUpstream]) -> Edge:
-    up = replicas()
-
-    def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
-        raw["models"][MODEL]["embedded"] = False
-    return edge_variant_off_vllm("input-headers", edit)
 
 
 @pytest.mark.parametrize("headers,status,message_has", [

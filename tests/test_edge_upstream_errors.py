@@ -12,12 +12,9 @@ checks that against a live vLLM); one test goes through the real vLLM.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
-from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge, run_lua
@@ -46,17 +43,6 @@ def assert_refused(e: Edge, r: httpx.Response, error: dict[str, Any]) -> None:
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"error": error}
     assert e.event(r.headers["x-request-id"])["error"] == (error["code"] or error["type"])
-
-
-@pytest.fixture
-def fast_edge(edge_variant_off_vllm: Callable[..., Edge],
-              replicas: Callable[..., FastUpstream]) -> Edge:
-    up = replicas()
-
-    def edit(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{up.port}"]
-        raw["models"][MODEL]["embedded"] = False
-    return edge_variant_off_vllm("upstream-errors", edit)
 
 
 def test_validation_error_is_openai_shaped(fast_edge: Edge) -> None:
