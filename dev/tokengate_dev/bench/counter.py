@@ -286,6 +286,13 @@ class Server:
     pid: int
 
 
+def _cpu_timed(work: Callable[[], int]) -> tuple[float, int]:
+    """(CPU seconds of this process, result) of ``work()``: a token count."""
+    start = time.process_time()
+    tokens = work()
+    return time.process_time() - start, tokens
+
+
 def _cpu_per_call_us(bodies: list[bytes], server: Server, grpc_: bool = False
                      ) -> tuple[float, float, int]:
     """(server CPU µs per call, wall seconds, tokens answered) of ``bodies`` sent to
@@ -308,36 +315,27 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
     assert hf is not None
     texts = [template.render(b["messages"], None, {"add_generation_prompt": True})
              for b in bodies]
-    start = time.process_time()
-    hf_tokens = sum(len(hf.encode(t, add_special_tokens=False).ids) for t in texts)
-    hf_s = time.process_time() - start
+    hf_s, hf_tokens = _cpu_timed(lambda: sum(len(hf.encode(t, add_special_tokens=False).ids)
+                                             for t in texts))
     import tiktoken
     from tokengate.counter.tokenizer import _encoding_from_spec
     enc: tiktoken.Encoding = _encoding_from_spec(
         json.loads((mc.model.dir / "tokenizer.json").read_text()), tok.added)
-    tt_s = tt_tokens = 0.0
-    for _ in range(RUNS):
-        start = time.process_time()
-        tokens = sum(len(enc.encode(t, allowed_special="all")) for t in texts)
-        seconds = time.process_time() - start
-        if not tt_s or seconds < tt_s:
-            tt_s, tt_tokens = seconds, tokens
+    tt_s, tt_tokens = min(_cpu_timed(lambda: sum(len(enc.encode(t, allowed_special="all"))
+                                                  for t in texts)) for _ in range(RUNS))
     raw = [json.dumps(b).encode() for b in bodies]
-    in_s = in_tokens = 0.0
-    for _ in range(RUNS):
-        # in this process, a counter with an empty segment cache, as the server's
+
+    def in_process() -> tuple[float, int]:
+        # a counter with an empty segment cache, as the server's
         fresh = ModelCounter.load(mc.model)
-        start = time.process_time()
-        tokens = sum(fresh.count("chat", json.loads(r)).prompt_tokens for r in raw)
-        seconds = time.process_time() - start
-        if not in_s or seconds < in_s:
-            in_s, in_tokens = seconds, tokens
-    counter_us = 0.0
-    for _ in range(SERVER_RUNS):
+        return _cpu_timed(lambda: sum(fresh.count("chat", json.loads(r)).prompt_tokens
+                                      for r in raw))
+    in_s, in_tokens = min(in_process() for _ in range(RUNS))
+
+    def in_frames() -> tuple[float, float, int]:
         with fresh_counter() as counter:
-            us, seconds, tokens = _cpu_per_call_us(raw, counter)
-        if not counter_us or us < counter_us:
-            counter_us, frames_s, frames_tokens = us, seconds, tokens
+            return _cpu_per_call_us(raw, counter)
+    counter_us, frames_s, frames_tokens = min(in_frames() for _ in range(SERVER_RUNS))
     with fresh_counter() as counter:
         grpc_us, _, grpc_tokens = _cpu_per_call_us(raw, counter, grpc_=True)
     noop_us, _, _ = _cpu_per_call_us(raw, noop)

@@ -89,12 +89,9 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         label = request.model if request.model in self.counters else UNKNOWN
         try:
             reply, label, counter = self._count(request)
-        except CountFailure as e:
-            CALLS.labels(label, e.code.name).inc()
-            CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
-            raise
-        except Exception:
-            CALLS.labels(label, "INTERNAL").inc()
+        except Exception as e:
+            code = e.code.name if isinstance(e, CountFailure) else "INTERNAL"
+            CALLS.labels(label, code).inc()
             CALL_SECONDS.labels(label).observe(time.perf_counter() - t0)
             raise
         series = self._series.get(label) or self._new_series(label)

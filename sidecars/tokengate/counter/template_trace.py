@@ -91,18 +91,6 @@ def _real(v: Any) -> Any:
     return v
 
 
-def _holds_probe(v: Any, depth: int = 0) -> bool:
-    if isinstance(v, _Probe):
-        return True
-    if depth > 8:  # deeper than any conversation: assume the worst
-        return True
-    if isinstance(v, (list, tuple)):
-        return any(_holds_probe(x, depth + 1) for x in v)
-    if isinstance(v, dict):
-        return any(_holds_probe(x, depth + 1) for x in v.values())
-    return False
-
-
 class _Probe(str):
     """A message content during a recording: its ``str`` text is the placeholder of
     message ``position``; ``real`` is the content."""
@@ -348,33 +336,33 @@ def wrap_environment(env: jinja2.Environment) -> None:
             env.tests[name] = _wrapped(cast(Callable[..., Any], t))
 
 
-def _probes(values: Iterator[Any], shape_only: bool) -> Iterator[_Probe]:
-    for v in values:
-        if isinstance(v, _Probe) if shape_only else _holds_probe(v):
-            yield from _first_probe(v)
-
-
-def _first_probe(v: Any, depth: int = 0) -> Iterator[_Probe]:
+def _probes(v: Any, depth: int = 0) -> Iterator[_Probe]:
+    """The probes in ``v``, itself or inside its lists, tuples and dict values (down to
+    8 levels: deeper than any conversation)."""
     if isinstance(v, _Probe):
         yield v
     elif depth <= 8 and isinstance(v, (list, tuple)):
         for x in v:
-            yield from _first_probe(x, depth + 1)
+            yield from _probes(x, depth + 1)
     elif depth <= 8 and isinstance(v, dict):
         for x in v.values():
-            yield from _first_probe(x, depth + 1)
+            yield from _probes(x, depth + 1)
 
 
 def _wrapped(f: Callable[..., Any], shape_only: bool = False) -> Callable[..., Any]:
+    """``f`` (a filter or test) that spoils the recording of every probe among its
+    arguments (``shape_only``: only a probe that is an argument itself, not one inside a
+    list or dict) and gets the real contents in their place."""
     def call(*args: Any, **kwargs: Any) -> Any:
-        probes = list(_probes(iter((*args, *kwargs.values())), shape_only))
+        values = (*args, *kwargs.values())
+        probes = [v for v in values if isinstance(v, _Probe)] if shape_only else \
+            [p for v in values for p in _probes(v)]
         if not probes:
             return f(*args, **kwargs)
         for p in probes:
             p.recording.spoiled = True
         return f(*_real(args), **_real(kwargs))
-    # keep jinja's pass_context/pass_environment/pass_eval_context markers
-    for marker in ("jinja_pass_arg",):
-        if hasattr(f, marker):
-            setattr(call, marker, getattr(f, marker))
+    # keep jinja's pass_context/pass_environment/pass_eval_context marker
+    if hasattr(f, "jinja_pass_arg"):
+        call.jinja_pass_arg = f.jinja_pass_arg  # type: ignore[attr-defined]
     return call

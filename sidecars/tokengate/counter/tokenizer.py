@@ -105,9 +105,11 @@ class SegmentCache:
         self.hits = 0
         self.misses = 0
 
-    def counts(self, segments: Iterable[str], compute: Callable[[str], int]) -> list[int]:
+    def counts(self, segments: Iterable[str], compute: Callable[[str], int],
+               tally: bool = True) -> list[int]:
         """Token count of each segment: cached, else ``compute(segment)`` (then cached);
-        0 for an empty one (not a lookup)."""
+        0 for an empty one (not a lookup). ``tally``: added to ``hits`` and ``misses``
+        (False for lookups that are no pieces of a prompt: prefixes of them)."""
         get, refresh = self._map.get, self._map.move_to_end
         out: list[int] = []
         hits = misses = 0
@@ -127,26 +129,11 @@ class SegmentCache:
                 except KeyError:  # evicted by another thread meanwhile
                     pass
             out.append(n)
-        with self._lock:
-            self.hits += hits
-            self.misses += misses
+        if tally:
+            with self._lock:
+                self.hits += hits
+                self.misses += misses
         return out
-
-    def count(self, segment: str, compute: Callable[[str], int]) -> int:
-        """One segment's count, as ``counts`` gives it, without adding to ``hits`` or
-        ``misses`` (a lookup that is no piece of a prompt: a prefix of one)."""
-        n = self._map.get(segment)
-        if n is None:
-            if not segment:
-                return 0
-            n = compute(segment)
-            self._put(segment, n)
-            return n
-        try:
-            self._map.move_to_end(segment)
-        except KeyError:  # evicted by another thread meanwhile
-            pass
-        return n
 
     def _put(self, segment: str, n: int) -> None:
         if len(segment) > self._max_chars // 4:
@@ -286,7 +273,7 @@ class PromptTokenizer:
     def count_piece(self, piece: str) -> int:
         """Tokens of ``piece``, a text holding no added token (a prefix of a part of
         ``split``), cached; not a lookup of the cache's hits and misses."""
-        return self.cache.count(piece, self._count_piece)
+        return self.cache.counts((piece,), self._count_piece, tally=False)[0]
 
     def piece_counts(self, parts: list[str]) -> list[int]:
         """Tokens of each part of a text already cut by ``split``: 1 for an added token
