@@ -22,13 +22,19 @@ free. Workloads: "cold" chat prompts of ~1,000 tokens with unique text (nothing
 cached), and "conversation": 150 conversations of 10 turns, each turn sent with the
 whole history (as chat clients do), so the counter's segment cache sees the history
 again and tokenizes only the new turn, and its template traces render each shape once.
+Bodies are sent as the edge forwards them (raw UTF-8).
 
-One worker by default: raw tiktoken (b) runs on one core with nothing beside it, and so
-does one worker while this client takes the other core. With two workers on a 2-core
-machine three busy processes share two cores, and each call's CPU time grows by about
-a half for that alone (measured: in-process counting beside two busy processes went
-from 351-372 to 444-519 µs a call; the conversations' ratio fell from 1.93x with one
-worker to 1.27x with two in back-to-back runs). ``--workers 2`` measures that too.
+(b), (c) and (d) are paired (``BATCH``): batch by batch, one right after the other, on
+one core. This machine's cores each drift in speed from second to second, so figures
+taken apart swing by half, and the ratios with them; paired, the ratios held within a
+tenth over five runs while the absolute figures still moved by a third.
+
+One worker by default, on the core of (b) and (c), while this client sends from the
+other core. With two workers on a 2-core machine three busy processes share two cores,
+and each call's CPU time grows by about a half for that alone (measured: in-process
+counting beside two busy processes went from 351-372 to 444-519 µs a call; the
+conversations' ratio fell from 1.93x with one worker to 1.27x with two in back-to-back
+runs). ``--workers 2`` measures that too (its workers are not pinned).
 Results: ``bench/results/counter.json``.
 """
 
@@ -39,10 +45,11 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +71,17 @@ from tokengate_dev import devstack
 WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "scheduler", "reservation", "settlement", "模型", "推理", "缓存", "日本語", "한국어", "emoji", "😀", "code", "def", "return", "{}", "[]", "()", "123", "4.56", "naïve", "café", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "I", "this", "are", "or", "his"]
 
 
-# Noise: raw tiktoken and the in-process counter are the best of RUNS passes, the counter
-# in frames the best of SERVER_RUNS freshly started counters (one pass over the bodies on
-# this 2-core machine swings by a third from one run to the next).
-RUNS = 3
-SERVER_RUNS = 2
+# Noise: on this 2-core machine each core's speed drifts on its own from second to second
+# (raw tiktoken on the same texts: 212-372 µs a 1k-token prompt over 18 passes, either
+# core faster at times), so figures taken seconds apart, or on the two cores, make ratios
+# that swing by half. The aims' figures are paired instead: the bodies go in batches of
+# BATCH, and each batch is tokenized by raw tiktoken, counted in this process and counted
+# by the counter in frames, one right after the other, all three on the same core (the
+# counter's worker and this process pinned there; this process sends the frames from the
+# other core). PASSES passes, each with a fresh counter (an empty segment cache) in this
+# process and in frames.
+BATCH = 250
+PASSES = 2
 # The counter's aims (issue 14), as (label, workload, target): tokens per counter
 # CPU-second over gRPC / raw tiktoken's tokens per CPU-second on the same texts.
 AIMS = [
@@ -208,14 +221,13 @@ async def _grpc_run(requests: list[counter_pb2.CountRequest], port: int,
 
 
 class _FramesClient(asyncio.Protocol):
-    """One connection of ``_frames_run``: sends the next request of ``queue`` when the
-    previous one's reply is in (as an nginx worker's cosocket does), adds up the prompt
-    tokens; ``done`` when the queue is empty. Requests are framed before the clock
-    starts, so that the client takes as little of the 2 cores from the counter as it
-    can."""
+    """One connection of ``_FramesPool``: sends the next request of the pool's queue when
+    the previous one's reply is in (as an nginx worker's cosocket does), adds up the
+    prompt tokens; sets its future when the queue is empty."""
 
-    def __init__(self, queue: list[bytes], done: asyncio.Future[int]) -> None:
-        self._queue, self._done = queue, done
+    def __init__(self, queue: list[bytes]) -> None:
+        self._queue = queue
+        self._done: asyncio.Future[int] | None = None
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self.total = 0
@@ -223,10 +235,15 @@ class _FramesClient(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+
+    def start(self, done: asyncio.Future[int]) -> None:
+        """Send requests until the queue is empty; then ``done`` gets this connection's
+        prompt tokens of this batch."""
+        self._done, self.total = done, 0
         self._next()
 
     def _next(self) -> None:
-        assert self._transport is not None
+        assert self._transport is not None and self._done is not None
         if self._queue:
             self._transport.write(self._queue.pop())
         elif not self._done.done():
@@ -243,6 +260,7 @@ class _FramesClient(asyncio.Protocol):
             return
         payload = bytes(buf[head:head + n])
         del buf[:head + n]
+        assert self._done is not None
         if code != 0:
             self._done.set_exception(SystemExit(f"counter frames: status {code}: "
                                                 f"{payload!r}"))
@@ -251,22 +269,50 @@ class _FramesClient(asyncio.Protocol):
         self._next()
 
 
-async def _frames_run(requests: list[counter_pb2.CountRequest], sockets: list[Path],
-                      concurrency: int = 16) -> tuple[float, int]:
-    """``_grpc_run`` in counter frames: the ``concurrency`` connections spread over the
-    workers' ``sockets``, one call in flight on each."""
-    loop = asyncio.get_running_loop()
-    queue = [frames.framed(r.SerializeToString()) for r in reversed(requests)]
-    done = [loop.create_future() for _ in range(concurrency)]
+class _FramesPool:
+    """``concurrency`` connections in counter frames spread over the workers'
+    ``sockets``, one call in flight on each, kept open from batch to batch. Requests are
+    framed before a batch starts, so that the client takes as little of the 2 cores from
+    the counter as it can."""
+
+    def __init__(self, conns: Sequence[tuple[asyncio.BaseTransport, _FramesClient]],
+                 queue: list[bytes]) -> None:
+        self._conns, self._queue = conns, queue
+
+    @classmethod
+    async def connect(cls, sockets: list[Path], concurrency: int = 16) -> _FramesPool:
+        loop = asyncio.get_running_loop()
+        queue: list[bytes] = []
+        conns = [await loop.create_unix_connection(functools.partial(_FramesClient, queue),
+                                                   str(sockets[i % len(sockets)]))
+                 for i in range(concurrency)]
+        return cls(conns, queue)
+
+    async def run(self, requests: list[bytes]) -> int:
+        """Prompt tokens answered to ``requests`` (framed), sent in order."""
+        loop = asyncio.get_running_loop()
+        self._queue[:] = reversed(requests)
+        done = [loop.create_future() for _ in self._conns]
+        for (_, client), f in zip(self._conns, done, strict=True):
+            client.start(f)
+        return sum(await asyncio.gather(*done))
+
+    def close(self) -> None:
+        for transport, _ in self._conns:
+            transport.close()
+
+
+async def _frames_run(requests: list[counter_pb2.CountRequest], sockets: list[Path]
+                      ) -> tuple[float, int]:
+    """``_grpc_run`` in counter frames (``_FramesPool``)."""
+    framed = [frames.framed(r.SerializeToString()) for r in requests]
     start = time.perf_counter()
-    conns = [await loop.create_unix_connection(functools.partial(_FramesClient, queue, f),
-                                               str(sockets[i % len(sockets)]))
-             for i, f in enumerate(done)]
-    total = sum(await asyncio.gather(*done))
-    seconds = time.perf_counter() - start
-    for transport, _ in conns:
-        transport.close()
-    return seconds, total
+    pool = await _FramesPool.connect(sockets)
+    try:
+        total = await pool.run(framed)
+    finally:
+        pool.close()
+    return time.perf_counter() - start, total
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -304,11 +350,75 @@ def _cpu_per_call_us(bodies: list[bytes], server: Server, grpc_: bool = False
     return (_cpu_seconds(server.pid) - before) / len(bodies) * 1e6, seconds, tokens
 
 
+@dataclass
+class _Paired:
+    """CPU seconds and prompt tokens of ``_paired_pass``es: raw tiktoken's, the in-process
+    counter's, the counter's in frames (its workers' CPU, and the client's wall time)."""
+
+    tiktoken_s: float = 0.0
+    tiktoken_tokens: int = 0
+    inprocess_s: float = 0.0
+    inprocess_tokens: int = 0
+    frames_cpu_s: float = 0.0
+    frames_wall_s: float = 0.0
+    frames_tokens: int = 0
+
+
+def _cores() -> tuple[int, int]:
+    """(the core the paired figures are taken on, the core the frames client runs on):
+    two cores of this process's affinity, or the same one twice."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[0], cores[-1]
+
+
+async def _paired_pass(texts: list[str], raw: list[bytes], enc: Any, fresh: ModelCounter,
+                       server: Server, into: _Paired) -> None:
+    """One pass over the bodies in batches of BATCH (see there): raw tiktoken ``enc`` on
+    the batch's rendered ``texts``, ``fresh.count`` on its ``raw`` bodies, then the same
+    bodies to ``server`` in counter frames; added to ``into``. With one worker, it and
+    the first two run on one core (``_cores``)."""
+    import psutil
+
+    measured, client = _cores()
+    everywhere = os.sched_getaffinity(0)
+    if len(server.sockets) == 1:  # the worker's main thread counts; the others wait
+        top = psutil.Process(server.pid)
+        for proc in (top, *top.children(recursive=True)):
+            proc.cpu_affinity([measured])
+    def tokenized(texts: list[str]) -> int:
+        return sum(len(enc.encode(t, allowed_special="all")) for t in texts)
+
+    def counted(bodies: list[bytes]) -> int:
+        return sum(fresh.count("chat", json.loads(b)).prompt_tokens for b in bodies)
+
+    framed = [frames.framed(r.SerializeToString()) for r in _requests(raw)]
+    pool = await _FramesPool.connect(server.sockets)
+    try:
+        for i in range(0, len(raw), BATCH):
+            os.sched_setaffinity(0, {measured})
+            s, n = _cpu_timed(functools.partial(tokenized, texts[i:i + BATCH]))
+            into.tiktoken_s += s
+            into.tiktoken_tokens += n
+            s, n = _cpu_timed(functools.partial(counted, raw[i:i + BATCH]))
+            into.inprocess_s += s
+            into.inprocess_tokens += n
+            os.sched_setaffinity(0, {client})
+            cpu, start = _cpu_seconds(server.pid), time.perf_counter()
+            into.frames_tokens += await pool.run(framed[i:i + BATCH])
+            into.frames_wall_s += time.perf_counter() - start
+            into.frames_cpu_s += _cpu_seconds(server.pid) - cpu
+    finally:
+        os.sched_setaffinity(0, everywhere)
+        pool.close()
+
+
 def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
             fresh_counter: Callable[[], contextlib.AbstractContextManager[Server]],
             noop: Server) -> Row:
-    """One workload's Row. ``fresh_counter()``: a real counter just started (an empty
-    segment cache, as the in-process one), once per transport."""
+    """One workload's Row: HF once; raw tiktoken, the in-process counter and the counter
+    in frames paired (``_paired_pass``, PASSES times); gRPC and the no-op counter once.
+    ``fresh_counter()``: a real counter just started (an empty segment cache, as the
+    in-process one)."""
     assert mc.template is not None
     template, tok = mc.template, mc.tokenizer
     hf = tok.hf
@@ -321,33 +431,27 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
     from tokengate.counter.tokenizer import _encoding_from_spec
     enc: tiktoken.Encoding = _encoding_from_spec(
         json.loads((mc.model.dir / "tokenizer.json").read_text()), tok.added)
-    tt_s, tt_tokens = min(_cpu_timed(lambda: sum(len(enc.encode(t, allowed_special="all"))
-                                                  for t in texts)) for _ in range(RUNS))
-    raw = [json.dumps(b).encode() for b in bodies]
-
-    def in_process() -> tuple[float, int]:
-        # a counter with an empty segment cache, as the server's
-        fresh = ModelCounter.load(mc.model)
-        return _cpu_timed(lambda: sum(fresh.count("chat", json.loads(r)).prompt_tokens
-                                      for r in raw))
-    in_s, in_tokens = min(in_process() for _ in range(RUNS))
-
-    def in_frames() -> tuple[float, float, int]:
+    # as the edge forwards them: raw UTF-8, only '"', '\\' and controls escaped
+    # (lua/tokengate/json.lua); with \u escapes json.loads took twice as long
+    raw = [json.dumps(b, ensure_ascii=False).encode() for b in bodies]
+    p = _Paired()
+    for _ in range(PASSES):
         with fresh_counter() as counter:
-            return _cpu_per_call_us(raw, counter)
-    counter_us, frames_s, frames_tokens = min(in_frames() for _ in range(SERVER_RUNS))
+            asyncio.run(_paired_pass(texts, raw, enc, ModelCounter.load(mc.model), counter, p))
     with fresh_counter() as counter:
         grpc_us, _, grpc_tokens = _cpu_per_call_us(raw, counter, grpc_=True)
     noop_us, _, _ = _cpu_per_call_us(raw, noop)
     noop_grpc_us, _, _ = _cpu_per_call_us(raw, noop, grpc_=True)
-    if not hf_tokens == tt_tokens == in_tokens == frames_tokens == grpc_tokens:
-        raise SystemExit(f"{name}: counter says {frames_tokens} tokens ({grpc_tokens} over "
-                         f"gRPC, {in_tokens} in this process), HF {hf_tokens}, raw "
-                         f"tiktoken {tt_tokens}")
-    return Row(name, len(bodies), hf_tokens, hf_tokens / hf_s, tt_tokens / tt_s,
-               in_tokens / in_s, frames_tokens / frames_s,
-               frames_tokens / (counter_us * 1e-6 * len(bodies)), counter_us, noop_us,
-               grpc_us, noop_grpc_us)
+    counts = (p.tiktoken_tokens, p.inprocess_tokens, p.frames_tokens)
+    if not all(n == hf_tokens * PASSES for n in counts) or grpc_tokens != hf_tokens:
+        raise SystemExit(f"{name}: HF says {hf_tokens} tokens, over {PASSES} passes raw "
+                         f"tiktoken, this process and the counter in frames {counts}, "
+                         f"gRPC {grpc_tokens}")
+    calls = len(bodies) * PASSES
+    return Row(name, len(bodies), hf_tokens, hf_tokens / hf_s,
+               p.tiktoken_tokens / p.tiktoken_s, p.inprocess_tokens / p.inprocess_s,
+               p.frames_tokens / p.frames_wall_s, p.frames_tokens / p.frames_cpu_s,
+               p.frames_cpu_s / calls * 1e6, noop_us, grpc_us, noop_grpc_us)
 
 
 def render(rows: dict[str, Row]) -> tuple[Table, Table]:
