@@ -200,10 +200,16 @@ class ChatTemplate:
 
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any]) -> str:
-        """The prompt text. ``kwargs`` holds add_generation_prompt, continue_final_message,
+        """The prompt text (``prompt``'s). Raises ``TemplateError``."""
+        return self.prompt(conversation, tools, kwargs).text
+
+    def prompt(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               kwargs: dict[str, Any]) -> template_trace.Rendered:
+        """The prompt. ``kwargs`` holds add_generation_prompt, continue_final_message,
         documents and template variables. A conversation of plain messages without tools
         or documents is assembled from ``traces`` once a conversation of its shape was
-        rendered (``template_trace``: the same text). Raises ``TemplateError``.
+        rendered (``template_trace``: the same text; the result then names the trace).
+        Raises ``TemplateError``.
         """
         args = {**self.special_tokens_map, **kwargs}
         if self._fast is not None and not args.get("continue_final_message"):
@@ -221,7 +227,7 @@ class ChatTemplate:
                 is not None else template_trace.shape_key(conversation, kwargs)
             if key is None:
                 self.traces.count_plain()
-                return render(conversation)
+                return template_trace.Rendered(render(conversation))
             return self.traces.render(key, conversation, render)
         self.traces.count_plain()
         try:
@@ -230,4 +236,4 @@ class ChatTemplate:
                 chat_template=self.source, **args)
         except Exception as e:  # a template may raise anything from user input
             raise TemplateError(str(e) or type(e).__name__) from e
-        return str(rendered[0])
+        return template_trace.Rendered(str(rendered[0]))

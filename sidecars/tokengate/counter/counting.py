@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokengate.config import EdgeConfig, ModelConfig
+from tokengate.counter import segment_plan
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.tokenizer import PromptTokenizer
 
@@ -258,13 +259,29 @@ class ModelCounter:
         if tools is not None:
             kwargs["tools"] = tools
         try:
-            text = template.render(conversation, kwargs.pop("tools", None), kwargs)
+            rendered = template.prompt(conversation, kwargs.pop("tools", None), kwargs)
         except TemplateError as e:
             raise BadRequest("messages", f"chat template rejected the request: {e}") from e
         tok = self.tokenizer
-        pieces = tok.split(text)
-        counts = tok.piece_counts(pieces)
-        total = sum(counts)
+        by_plan = segment_plan.cut(rendered, tok)
+        if by_plan is not None:
+            plan, texts = by_plan
+            counts = tok.text_counts(texts)
+            total = sum(counts) + len(plan.specials)
+            assert rendered.contents is not None
+            inside = plan.content_tokens(rendered.contents, texts, counts)
+            if inside is not None:
+                system = sum(n for m, n in zip(conversation, inside, strict=True)
+                             if m["role"] == "system")
+                return total, _fit_parts(total, system, 0, sum(inside) - system)
+            pieces, counts_of_texts = [""] * (2 * len(texts) - 1), counts
+            pieces[0::2], pieces[1::2] = texts, plan.specials
+            counts = [1] * len(pieces)
+            counts[0::2] = counts_of_texts
+        else:
+            pieces = tok.split(rendered.text)
+            counts = tok.piece_counts(pieces)
+            total = sum(counts)
         system = content = 0
         cursor = 0  # templates render messages in order: search forward only
         for m in conversation:
@@ -281,12 +298,7 @@ class ModelCounter:
             n, cursor = _tokens_inside(tok, pieces, counts, json.dumps(t, ensure_ascii=False),
                                        cursor)
             tool_tokens += n
-        parts = system + content + tool_tokens
-        if parts > total:  # content the template dropped (e.g. an unknown role)
-            system, tool_tokens, content = (x * total // parts
-                                            for x in (system, tool_tokens, content))
-        return total, Breakdown(system, tool_tokens, content,
-                                total - system - content - tool_tokens)
+        return total, _fit_parts(total, system, tool_tokens, content)
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         """vLLM's ConversationMessage for ``messages[i]``."""
@@ -498,6 +510,16 @@ def _tokens_inside(tok: PromptTokenizer, pieces: list[str], counts: list[int], t
             rest = tok.count(piece[:at] + piece[at + len(text):])
         return max(0, counts[k] - rest), k + 2
     return tok.count(text), start
+
+
+def _fit_parts(total: int, system: int, tools: int, messages: int) -> Breakdown:
+    """The breakdown of a prompt of ``total`` tokens whose system, tool and message
+    contents were found to hold these many; scaled down when they add up to more
+    (content the template dropped, e.g. an unknown role)."""
+    parts = system + tools + messages
+    if parts > total:
+        system, tools, messages = (x * total // parts for x in (system, tools, messages))
+    return Breakdown(system, tools, messages, total - system - tools - messages)
 
 
 def _fit(b: Breakdown, total: int) -> Breakdown:

@@ -166,13 +166,15 @@ for _name in dir(str):
 
 class Trace:
     """A recorded render: the questions and their answers, and the output as pieces of
-    text and message indexes (``text``)."""
+    text and message indexes (``text``). ``plan``: what the model's counter made of
+    it (``tokengate.counter.segment_plan``), None until its first count."""
 
     def __init__(self, recording: Recording, output: str) -> None:
         self.questions = list(recording.questions.items())
         parts = _PLACEHOLDER.split(output)
         self.pieces: list[str | int] = [p if i % 2 == 0 else int(p)
                                         for i, p in enumerate(parts) if p or i % 2]
+        self.plan: object = None
 
     def holds(self, contents: list[str]) -> bool:
         """Whether ``contents`` answer every recorded question the same."""
@@ -185,6 +187,25 @@ class Trace:
         """The output for ``contents`` (a conversation of the trace's shape that
         ``holds``)."""
         return "".join([contents[p] if isinstance(p, int) else p for p in self.pieces])
+
+
+class Rendered:
+    """A template's output for one conversation: ``text``; when it was assembled from a
+    trace, also that ``trace`` and the ``contents`` in it (the text is then joined at
+    its first use: a counter that counts by the trace's segments never needs it)."""
+
+    __slots__ = ("_text", "contents", "trace")
+
+    def __init__(self, text: str | None, trace: Trace | None = None,
+                 contents: list[str] | None = None) -> None:
+        self._text, self.trace, self.contents = text, trace, contents
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            assert self.trace is not None and self.contents is not None
+            self._text = self.trace.text(self.contents)
+        return self._text
 
 
 Shape = tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]
@@ -246,7 +267,7 @@ class TraceCache:
             self.plain += 1
 
     def render(self, key: Shape, conversation: list[dict[str, Any]],
-               render: Callable[[list[dict[str, Any]]], str]) -> str:
+               render: Callable[[list[dict[str, Any]]], str]) -> Rendered:
         """The template's output for ``conversation`` (of shape ``key``): from its
         trace, else by ``render`` (the template's own render of a conversation; raises
         a ``ValueError`` when the template raises), recording a trace. Raises what
@@ -261,12 +282,12 @@ class TraceCache:
                     self._map.move_to_end(key)
                 except KeyError:  # evicted meanwhile
                     pass
-                return entry.text(contents)
+                return Rendered(None, entry, contents)
         elif entry is not None:
             entry.renders += 1
             if not entry.retry or entry.renders % _Untraced.RETRY:
                 self.count_plain()
-                return render(conversation)
+                return Rendered(render(conversation))
         plain = render(conversation)  # raises first, with the real contents
         recording = Recording()
         probes = [{"role": m["role"], "content": _Probe(m["content"], i, recording)}
@@ -290,7 +311,7 @@ class TraceCache:
             self.recorded += 1
             while len(self._map) > self._max:
                 self._map.popitem(last=False)
-        return plain
+        return Rendered(plain)
 
 
 def traceable(root: jinja2.nodes.Template) -> str:

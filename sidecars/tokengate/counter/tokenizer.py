@@ -171,6 +171,10 @@ class PromptTokenizer:
         alternation = "|".join(re.escape(t) for t in sorted(self._added_ids, key=len,
                                                              reverse=True))
         self._split_re = re.compile(f"({alternation})") if alternation else None
+        # for inert() and may_run_on(): how an added token can begin
+        self._firsts = "".join(sorted({t[0] for t in self._added_ids if t}))
+        self._prefixes = frozenset(t[:k] for t in self._added_ids for k in range(1, len(t)))
+        self._longest_prefix = max(map(len, self._prefixes), default=0)
         self._fast = fast
         self._nfc = nfc
         self.why_not_fast = why_not_fast
@@ -238,6 +242,27 @@ class PromptTokenizer:
             return [text]
         return self._split_re.split(text)
 
+    def may_run_on(self, text: str) -> bool:
+        """Whether an added token could begin inside ``text`` and run on past its end:
+        ``text`` ends with the beginning of one (a proper prefix: ``"<|im"``)."""
+        prefixes = self._prefixes
+        return any(text[-k:] in prefixes
+                   for k in range(1, min(len(text), self._longest_prefix) + 1))
+
+    def inert(self, text: str) -> bool:
+        """Whether no added token can begin inside ``text``, whatever text comes before
+        or after it: it holds none and does not end with the beginning of one. Then
+        ``split`` of ``a + text + b`` cuts nowhere inside ``text``, provided no added
+        token runs from ``a`` into it (``may_run_on(a)`` False)."""
+        firsts = self._firsts
+        if len(firsts) == 1:
+            if firsts not in text:
+                return True
+        elif not any(ch in text for ch in firsts):
+            return True
+        assert self._split_re is not None
+        return self._split_re.search(text) is None and not self.may_run_on(text)
+
     def _encode_piece(self, piece: str) -> list[int]:
         if self._fast is None:
             assert self.hf is not None
@@ -280,8 +305,13 @@ class PromptTokenizer:
         (odd positions), the cached count of a text piece (even positions; 0 when empty).
         Their sum is the text's count."""
         counts = [1] * len(parts)
-        counts[0::2] = self.cache.counts(parts[0::2], self._count_piece)
+        counts[0::2] = self.text_counts(parts[0::2])
         return counts
+
+    def text_counts(self, pieces: list[str]) -> list[int]:
+        """Tokens of each of ``pieces``, the text pieces of a cut text (no added token
+        in any; the even positions of ``split``), cached; 0 for an empty one."""
+        return self.cache.counts(pieces, self._count_piece)
 
     def first_mismatch(self, texts: Iterable[str]) -> str | None:
         """The first text whose fast-path ids differ from HF's, or None."""
