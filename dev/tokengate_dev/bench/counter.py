@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from rich.table import Table
@@ -67,6 +67,9 @@ from tokengate.tools.nginx_conf import counter_sockets
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tokengate_dev import devstack
+
+if TYPE_CHECKING:
+    import tiktoken
 
 WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "scheduler", "reservation", "settlement", "模型", "推理", "缓存", "日本語", "한국어", "emoji", "😀", "code", "def", "return", "{}", "[]", "()", "123", "4.56", "naïve", "café", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "I", "this", "are", "or", "his"]
 
@@ -371,12 +374,13 @@ def _cores() -> tuple[int, int]:
     return cores[0], cores[-1]
 
 
-async def _paired_pass(texts: list[str], raw: list[bytes], enc: Any, fresh: ModelCounter,
-                       server: Server, into: _Paired) -> None:
+async def _paired_pass(texts: list[str], raw: list[bytes], enc: tiktoken.Encoding,
+                       fresh: ModelCounter, server: Server, into: _Paired) -> None:
     """One pass over the bodies in batches of BATCH (see there): raw tiktoken ``enc`` on
     the batch's rendered ``texts``, ``fresh.count`` on its ``raw`` bodies, then the same
-    bodies to ``server`` in counter frames; added to ``into``. With one worker, it and
-    the first two run on one core (``_cores``)."""
+    bodies to ``server`` in counter frames; added to ``into``. With one worker, that
+    worker and this process's tokenizing and counting run on one core, the frames
+    client on the other (``_cores``)."""
     import psutil
 
     measured, client = _cores()
@@ -427,7 +431,6 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
              for b in bodies]
     hf_s, hf_tokens = _cpu_timed(lambda: sum(len(hf.encode(t, add_special_tokens=False).ids)
                                              for t in texts))
-    import tiktoken
     from tokengate.counter.tokenizer import _encoding_from_spec
     enc: tiktoken.Encoding = _encoding_from_spec(
         json.loads((mc.model.dir / "tokenizer.json").read_text()), tok.added)
