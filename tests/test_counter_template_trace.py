@@ -107,6 +107,17 @@ def test_a_shape_first_seen_with_a_spoiling_content_is_recorded_again_later() ->
     assert (t.traces.recorded, t.traces.plain, t.traces.hits) == (2, 63, 1)
 
 
+@pytest.mark.parametrize("falsy", [0, 0.0, None, ""])
+def test_an_argument_equal_to_false_but_not_false_has_its_own_trace(falsy: object) -> None:
+    """Qwen3 tests ``enable_thinking is false``: 0 == False in Python, not in jinja."""
+    t = ChatTemplate.from_model_dir(MODEL_DIR)
+    conv = [{"role": "user", "content": "hello"}]
+    for value in (False, falsy, False, falsy):
+        kwargs = {"add_generation_prompt": True, "enable_thinking": value}
+        assert t.render(conv, None, kwargs) == reference(t, conv, kwargs), value
+    assert t.traces.hits == 2
+
+
 def test_a_content_the_template_reads_spoils_the_shape_and_renders_plainly(
         tmp_path: Path) -> None:
     source = ("{% for m in messages %}{{ m.role }}:{{ m.content | trim }}|"
@@ -136,7 +147,7 @@ def test_templates_a_probe_could_not_follow_are_never_traced(source: str, why: s
 def test_only_plain_messages_and_scalar_arguments_have_a_shape() -> None:
     plain = [{"role": "user", "content": "x"}]
     assert shape_key(plain, {"add_generation_prompt": True}) == \
-        (("user",), (("add_generation_prompt", True),))
+        (("user",), (("add_generation_prompt", bool, True),))
     assert shape_key([{"role": "user", "content": ["x"]}], {}) is None
     assert shape_key([{"role": "assistant", "content": "x", "tool_calls": []}], {}) is None
     assert shape_key(plain, {"documents": [{"text": "d"}]}) is None

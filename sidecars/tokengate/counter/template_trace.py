@@ -208,13 +208,14 @@ class Rendered:
         return self._text
 
 
-Shape = tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]
+Shape = tuple[tuple[str, ...], tuple[tuple[str, type, Any], ...]]
 
 
 def shape_key(conversation: list[dict[str, Any]], args: dict[str, Any]) -> Shape | None:
-    """The conversation's shape (roles, template arguments), or None when it does not
-    qualify for a trace (a message other than role and string content, a template
-    argument that is no scalar, a placeholder character anywhere but in contents)."""
+    """The conversation's shape (roles, template arguments with their types), or None
+    when it does not qualify for a trace (a message other than role and string content,
+    a template argument that is no scalar, a placeholder character anywhere but in
+    contents)."""
     roles = []
     for m in conversation:
         if type(m) is not dict or len(m) != 2 or type(m.get("content")) is not str:
@@ -228,7 +229,9 @@ def shape_key(conversation: list[dict[str, Any]], args: dict[str, Any]) -> Shape
             return None
         if type(v) is str and _OPEN in v:
             return None
-    return tuple(roles), tuple(sorted(args.items()))
+    # each value with its type: 0 == False and 1.0 == 1 in Python, but not to a
+    # template's ``is false`` or ``is integer`` (Qwen3: ``enable_thinking is false``)
+    return tuple(roles), tuple(sorted((k, type(v), v) for k, v in args.items()))
 
 
 class _Untraced:
