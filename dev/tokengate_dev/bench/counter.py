@@ -86,7 +86,7 @@ WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "schedu
 BATCH = 250
 PASSES = 2
 # The counter's aims (issue 14), as (label, workload, target): tokens per counter
-# CPU-second over gRPC / raw tiktoken's tokens per CPU-second on the same texts.
+# CPU-second in counter frames / raw tiktoken's tokens per CPU-second on the same texts.
 AIMS = [
     ("cold 1k-token prompts: counter / raw tiktoken, per CPU-second", "cold", 0.6),
     ("10-turn conversations: counter / raw tiktoken, per CPU-second", "conversation", 2.0),
@@ -95,9 +95,10 @@ AIMS = [
 
 @dataclass
 class Row:
-    """One workload's figures: tokens per second of HF ``tokenizers`` (one core), tokens
-    per CPU-second of raw tiktoken, of ``ModelCounter.count`` in this process and of the
-    counter's workers over gRPC; the counter's and the no-op server's CPU per call (µs)."""
+    """One workload's figures: tokens per CPU-second of HF ``tokenizers``, of raw
+    tiktoken, of ``ModelCounter.count`` in this process and of the counter's workers in
+    counter frames (and their tokens per second of wall time); the counter's and the
+    no-op server's CPU per call in frames and over gRPC (µs)."""
 
     workload: str
     requests: int
@@ -459,13 +460,13 @@ def measure(name: str, bodies: list[dict[str, Any]], mc: ModelCounter,
 
 def render(rows: dict[str, Row]) -> tuple[Table, Table]:
     """The figures table and the aims table."""
-    table = Table(title="prompt tokens per second (HF, counter frames) and per CPU-second "
-                        "(tiktoken, in-process, counter in frames); CPU µs per call of the "
-                        "counter and of a no-op one, in counter frames and over gRPC",
+    table = Table(title="prompt tokens per CPU-second (HF, raw tiktoken, in-process, "
+                        "counter in frames) and per second (frames, wall); CPU µs per call "
+                        "of the counter and of a no-op one, in counter frames and over gRPC",
                   header_style="bold")
-    for col in ("workload", "requests", "tokens", "HF tokenizers", "raw tiktoken",
-                "count() in-process", "frames (wall)", "counter CPU", "µs/call frames",
-                "no-op frames", "µs/call gRPC", "no-op gRPC"):
+    for col in ("workload", "requests", "tokens", "HF\ntokenizers", "raw\ntiktoken",
+                "count()\nin-process", "frames\n(wall)", "counter CPU\n(frames)",
+                "µs/call\nframes", "no-op\nframes", "µs/call\ngRPC", "no-op\ngRPC"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows.values():
         table.add_row(r.workload, str(r.requests), f"{r.prompt_tokens:,}",
