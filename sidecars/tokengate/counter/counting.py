@@ -266,18 +266,19 @@ class ModelCounter:
         by_plan = segment_plan.cut(rendered, tok)
         if by_plan is not None:
             plan, texts = by_plan
-            counts = tok.text_counts(texts)
-            total = sum(counts) + len(plan.specials)
+            text_counts = tok.text_counts(texts)
+            total = sum(text_counts) + len(plan.specials)
             assert rendered.contents is not None
-            inside = plan.content_tokens(rendered.contents, texts, counts)
+            inside = plan.content_tokens(rendered.contents, texts, text_counts)
             if inside is not None:
                 system = sum(n for m, n in zip(conversation, inside, strict=True)
                              if m["role"] == "system")
                 return total, _fit_parts(total, system, 0, sum(inside) - system)
-            pieces, counts_of_texts = [""] * (2 * len(texts) - 1), counts
+            # the search below, on the pieces as split() and piece_counts() give them
+            pieces = [""] * (2 * len(texts) - 1)
             pieces[0::2], pieces[1::2] = texts, plan.specials
             counts = [1] * len(pieces)
-            counts[0::2] = counts_of_texts
+            counts[0::2] = text_counts
         else:
             pieces = tok.split(rendered.text)
             counts = tok.piece_counts(pieces)
