@@ -7,12 +7,15 @@ the usage details billing reads."""
 
 from __future__ import annotations
 
+import ast
 import grp
+import importlib.metadata
 import json
 import pwd
 import re
 import subprocess
 import sys
+import tomllib
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -461,6 +464,60 @@ def test_the_vllm_unit_serves_with_the_flags_billing_needs(
         (usage["prompt_tokens"], usage["completion_tokens"])
 
 
+def _dist(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imports(tree: ast.Module) -> Iterator[tuple[str, bool]]:
+    """(top-level module, imported at module level) of every absolute import in
+    ``tree`` that no ``except ImportError`` guards."""
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
+                                                               "ModuleNotFoundError")
+                for h in node.handlers):
+            guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            yield name.split(".")[0], id(node) in top
+
+
+def test_the_runtime_declares_every_package_it_imports() -> None:
+    # `pip install ./sidecars` then `import tokengate.client` (or any module): whatever a
+    # module imports at its top is a base dependency; what a function imports on demand
+    # (matplotlib for tokenstorm's plots) is at least in an extra
+    project = tomllib.loads((ROOT / "sidecars/pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {_dist(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in reqs}
+
+    base = names(project["dependencies"])
+    extras = set().union(*map(names, project["optional-dependencies"].values()))
+    providers = importlib.metadata.packages_distributions()
+    undeclared = set()
+    for f in sorted((ROOT / "sidecars/tokengate").rglob("*.py")):
+        if "_pb2" in f.name:
+            continue
+        for module, at_top in _imports(ast.parse(f.read_text())):
+            if module in sys.stdlib_module_names or module == "tokengate":
+                continue
+            dists = {_dist(d) for d in providers.get(module, [module])}
+            if not dists & (base if at_top else base | extras):
+                undeclared.add((str(f.relative_to(ROOT)), module))
+    assert sorted(undeclared) == []
+
+
 @dataclass
 class BaseVenv:
     python: Path
@@ -491,6 +548,7 @@ def test_the_base_install_needs_no_vllm_or_torch_and_is_consistent(
 
     assert not imports("torch") and not imports("vllm")
     assert imports("tokengate.counter.server") and imports("tokengate.v1.counter_pb2_grpc")
+    assert imports("tokengate.client")
     check = subprocess.run([str(base_venv.python), "-m", "pip", "check"],
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout
