@@ -106,3 +106,5 @@ fi
 if [ ! -f var/models/tiny-qwen3/.complete ]; then
   .venv/bin/python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
 fi
+# Readable by a service user (a unit's tokengate): older builds left the weights 0600.
+chmod -R a+rX var/models/tiny-qwen3

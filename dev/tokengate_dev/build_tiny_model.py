@@ -33,8 +33,18 @@ def qwen3_tokenizer_files() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
+def make_readable(model_dir: Path) -> None:
+    """Every file of ``model_dir`` 0644 and the folder 0755: readable by the service
+    user a vLLM unit or the counter runs as (safetensors writes its weights 0600)."""
+    model_dir.chmod(0o755)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+
+
 def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
-    """Write config, seeded weights and tokenizer files to ``out``."""
+    """Write config, seeded weights and tokenizer files to ``out``, every file
+    readable by every user (``make_readable``)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -64,6 +74,7 @@ def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
         json.dumps({"eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "do_sample": False}, indent=2)
     )
     (tmp / ".complete").write_text("")
+    make_readable(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 

@@ -474,7 +474,7 @@ class LedgerConfig(_Schema):
         default=5.0, ge=0.0,
         description="Keep reading a rotated file this long after its last write, s.")
     engine_usage_files: list[RelPath] = Field(
-        default_factory=list,
+        default=[],
         description="Engine usage files of the vLLM plugin (`TOKENGATE_ENGINE_USAGE_FILE`): "
                     "the ledger joins their records with the edge's events by request id "
                     "and bills the engine's numbers. Empty: the edge's numbers, at once. "
@@ -751,7 +751,10 @@ class EdgeConfig(_Schema):
 
     listen: HostPort = Field(
         default="127.0.0.1:8080",
-        description="host:port the gateway serves the API on (`make run`).")
+        description="host:port of the API. `make run`'s nginx listens on it; with the "
+                    "Debian drop-in the host's `server { listen ...; }` that includes the "
+                    "snippet serves the API instead: set this to that address (no upstream "
+                    "may be it, or the edge would proxy to itself).")
     status_listen: LoopbackHostPort = Field(
         default="127.0.0.1:8081",
         description="Loopback host:port of the edge's status server (`/tokengate/status`), "
