@@ -14,13 +14,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 from tokengate.storm.null_server import FastUpstream, free_port
 from tokengate.storm.upstream import UpstreamOptions
+from tokengate.v1 import limits_pb2 as pb
+from tokengate.v1 import limits_pb2_grpc as pb_grpc
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge
@@ -108,6 +112,48 @@ def test_the_health_probe_takes_a_replica_out_and_back_in(
     assert {r.headers["x-tokengate-upstream"] for r in answers} == {f"127.0.0.1:{b.port}"}
     a.start()
     wait_for(False)
+
+
+
+def test_an_ejected_replica_stays_out_until_a_probe_passes(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    # ejections of 1 s, probes 1.5 s apart: an ejection that expired by itself would
+    # show the dead replica in again between the two
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "replicas-stay-out", [a, b], upstream_eject_s=1,
+              upstream_health_interval_ms=1500, upstream_health_timeout_ms=300)
+    dead, alive = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+    a.stop()
+
+    def out() -> bool:
+        return bool(e.status()["upstreams"][MODEL][dead]["out"])
+
+    served: list[str] = []
+    while not out():  # a request that tries it fails over and takes it out
+        r = _chat(e)
+        assert r.status_code == 200, r.text
+        served.append(r.headers["x-tokengate-upstream"])
+    outs: list[bool] = []
+    deadline = time.monotonic() + 4  # four ejection periods, two probes or more
+    while time.monotonic() < deadline:
+        r = _chat(e)
+        assert r.status_code == 200, r.text
+        served.append(r.headers["x-tokengate-upstream"])
+        outs.append(out())
+    assert set(served) == {alive}
+    assert set(outs) == {True}, outs
+    a.start()
+    deadline = time.monotonic() + 10
+    while out():
+        assert time.monotonic() < deadline, "the replica was not readmitted"
+        time.sleep(0.1)
+    log = e.log_path.read_text()
+    # one line when it went out (the first failed request or probe), one when back in
+    went_out = log.count(f"upstream {dead} of {MODEL} out until its health probe passes") \
+        + log.count(f"upstream {dead} of {MODEL} failed its health probe")
+    assert (went_out, log.count(f"upstream {dead} of {MODEL} passed its health probe: "
+                                "back in")) == (1, 1), log
 
 
 def test_every_replica_down_is_a_502_in_openai_shape(
@@ -218,3 +264,56 @@ def test_a_replica_given_by_name_follows_its_dns_record(
         dns.close()
         a.stop()
         b.stop()
+
+
+
+class SlowAdmittingLimits(pb_grpc.GlobalLimitsServicer):
+    """A GlobalLimits that admits every request after 50 ms (a Redis round trip under
+    load): the access phase yields between choosing a replica and forwarding to it."""
+
+    def Reserve(self, request: Any, context: Any) -> Any:
+        time.sleep(0.05)
+        return pb.ReserveReply(admitted=True, remaining_requests=request.rpm_limit - 1,
+                               remaining_tokens=request.tpm_limit - request.tokens)
+
+    def Settle(self, request: Any, context: Any) -> Any:
+        return pb.SettleReply(found=True)
+
+
+def test_a_burst_on_two_idle_equal_replicas_splits_evenly(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream], tmp_path: Path) -> None:
+    sock = tmp_path / "limits.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(32))
+    pb_grpc.add_GlobalLimitsServicer_to_server(SlowAdmittingLimits(), server)
+    server.add_insecure_port(f"unix:{sock}.0")
+    server.start()
+    # each request holds its replica for 1 s: all 32 are in flight together
+    a, b = replicas(ttft_ms=1000), replicas(ttft_ms=1000)
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{u.port}" for u in (a, b)]
+        raw["models"][MODEL]["embedded"] = False
+        raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
+                                "unix_socket": str(sock)}
+        raw["edge"]["global_limits_timeout_ms"] = 3000
+
+    try:
+        e = edge_variant_off_vllm("replicas-burst", edit)
+        first = _chat(e)  # the count of this body is cached from here on
+        assert (first.status_code, first.headers["x-tokengate-limits"]) == (200, "global")
+        start = threading.Barrier(32)
+
+        def one(_: int) -> httpx.Response:
+            start.wait()
+            return _chat(e)
+
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(one, range(32)))
+    finally:
+        server.stop(0)
+    assert [(r.status_code, r.headers["x-tokengate-limits"]) for r in answers] == \
+        [(200, "global")] * 32
+    served = Counter(r.headers["x-tokengate-upstream"] for r in answers)
+    # the pick and the count of what the replica now carries are one step: 16/16 +- 2
+    assert len(served) == 2 and min(served.values()) >= 14, served

@@ -233,24 +233,26 @@ end
 -- where(ctx) -> true | nil, err (503): the replica that will serve the request, chosen
 -- before anything is reserved: one with room in its KV cache for the key's priority,
 -- else one whose metrics are unknown (tokengate.admission); when the best is full, the
--- request is shed (503 overloaded, Retry-After). ctx.pick: the replica.
+-- request is shed (503 overloaded, Retry-After). The replica carries the request's
+-- tokens from here (upstream.take), so the requests that arrive while this one waits
+-- for its limits see it.
 local function where(ctx)
     local model = ctx.model_entry
-    local r, rank = upstream.pick(model, nil, admission.rank, ctx.key.admission,
-        ctx.token_estimate)
+    local r, rank = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
+        ctx.token_estimate, ctx.limit_req.tokens)
     if not r then
         return nil, errors.new(503, "No replica of model " .. model.name .. " has an "
             .. "address yet (its host names did not resolve). Please retry.", nil,
             "upstream_unavailable", nil, { ["Retry-After"] = "5" })
     end
     if rank == admission.FULL then
+        upstream.release(ctx, true)
         metrics.incr("admission_shed")
         return nil, admission.overloaded(model)
     end
     if rank == admission.HEADROOM then
         metrics.incr("admission_headroom")
     end
-    ctx.pick = r
     return true
 end
 
@@ -259,14 +261,15 @@ local function reserve(ctx)
     local req = ctx.limit_req
     local ok, err = limits.reserve(req)
     ctx.rate, ctx.limits_tier = req.state, req.tier
+    if not ok then
+        upstream.release(ctx, true)
+    end
     return ok, err
 end
 
--- awake(ctx) -> true | nil, err (503 model_waking): the replica takes the request (its
--- outstanding tokens count from here), and the request waits while the replica wakes
--- from idle unload (tokengate.idle).
+-- awake(ctx) -> true | nil, err (503 model_waking): the request waits while its replica
+-- wakes from idle unload (tokengate.idle).
 local function awake(ctx)
-    upstream.take(ctx, ctx.model_entry, ctx.pick, ctx.limit_req.tokens)
     return idle.hold(ctx)
 end
 
@@ -314,15 +317,20 @@ function _M.balancer()
         tried[r.name] = true
         ctx.tried = tried
         -- admitted already: any untried replica, full or not
-        r = upstream.pick(model, tried, admission.rank, ctx.key.admission,
-            ctx.token_estimate)
+        r = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+            ctx.token_estimate, ctx.limit_req.tokens)
         if not r then
             return ngx_exit(502)
         end
-        upstream.take(ctx, model, r, ctx.limit_req.tokens)
         idle.nudge(model, r)
     else
         ctx.balanced = true
+        if upstream.is_out(model.name, r) then
+            -- taken out while this request waited for its limits: choose again
+            r = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
+                ctx.token_estimate, ctx.limit_req.tokens)
+            idle.nudge(model, r)
+        end
         local more = #model.upstreams - 1
         if more > 0 then
             balancer.set_more_tries(more)

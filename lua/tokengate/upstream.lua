@@ -2,18 +2,22 @@
 --
 -- Choice: the replica with the fewest outstanding reserved tokens, i.e. the sum of the
 -- TPM reservations (prompt + output reserve) of the requests it is serving now, kept in
--- a shared dict by every worker (incr at admission, back at the end). A request count
--- would treat a 30k-token prompt like a 30-token one; the edge knows each request's
--- reservation before forwarding, so it can balance by tokens. Ties go to the replica
--- after the one this worker chose last. A rank function (tokengate.admission: room in
--- the KV cache) may order the replicas first: the fewest tokens among the best rank.
+-- a shared dict by every worker (incr when the replica is chosen, back at the end). A
+-- request count would treat a 30k-token prompt like a 30-token one; the edge knows each
+-- request's reservation before forwarding, so it can balance by tokens. Ties go to the
+-- replica after the one this worker chose last. A rank function (tokengate.admission:
+-- room in the KV cache) may order the replicas first: the fewest tokens among the best
+-- rank. Choosing and counting are one step (take): a burst that arrives while the
+-- requests before it wait for their limits still sees them.
 --
 -- Out: a replica that failed to connect or whose connection broke before any answer
--- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is skipped for
--- upstream_eject_s; a health probe (GET /health every upstream_health_interval_ms, by
--- worker 0) takes a replica out when it does not answer 200 and back in when it does.
--- When every replica is out, the least loaded is tried anyway: better a likely failure
--- than a certain one.
+-- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is out: with
+-- health probes (GET /health every upstream_health_interval_ms, by worker 0) until a
+-- probe answers 200, without them for upstream_eject_s. A probe that does not answer
+-- 200 takes a replica out too. Each ejection and each readmission is one log line; no
+-- request is sent to a replica that is out (nginx logs one connect() error per try),
+-- except when every replica is out: then the least loaded is tried anyway, better a
+-- likely failure than a certain one.
 --
 -- Retries: nginx passes a request to the next replica only when nothing of it was sent
 -- to the failed one (a POST is not idempotent; nginx never resends one after sending);
@@ -44,6 +48,7 @@ local _M = {}
 
 local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
 local eject_s, max_fails, health_timeout_ms
+local probing -- health probes run (upstream_health_interval_ms > 0)
 local rotate = 0 -- this worker's tie breaker
 
 -- key(kind, model, r) -> the shared-dict key of replica r of model for kind (a prefix
@@ -66,6 +71,7 @@ function _M.init_worker(doc, dict_name)
     local edge = doc.edge
     eject_s, max_fails = edge.upstream_eject_s, edge.upstream_max_fails
     health_timeout_ms = edge.upstream_health_timeout_ms
+    probing = edge.upstream_health_interval_ms > 0
     if ngx.worker.id() ~= 0 then
         return true
     end
@@ -140,69 +146,125 @@ function _M.touch(model_name, r)
     dict:set(key("last:", model_name, r), ngx_now())
 end
 
+-- best(model, tried, rank, level, prompt, first) -> replica, its rank, its outstanding
+-- tokens | nil: pick()'s choice; the scan starts at `first` (a replica of model) when
+-- given, else after the one this worker chose last, and the first of equals wins.
+local function best(model, tried, rank, level, prompt, first)
+    local list = model.upstreams
+    local n = #list
+    local start = rotate
+    if first then
+        for i = 1, n do
+            if list[i] == first then
+                start = i - 1
+                break
+            end
+        end
+    else
+        rotate = rotate + 1
+        start = rotate
+    end
+    local name = model.name
+    local choice, best_rank, best_asleep, best_out
+    for i = 0, n - 1 do
+        local r = list[(start + i) % n + 1]
+        if not (tried and tried[r.name]) and _M.address(name, r) then
+            local out = dict:get(key("tok:", name, r)) or 0
+            local asleep = _M.asleep(name, r)
+            local k = 0
+            if _M.is_out(name, r) then
+                k = OUT
+            elseif rank then
+                k = rank(name, r, level, prompt)
+            end
+            if not choice or k < best_rank or (k == best_rank and (asleep ~= best_asleep
+                    and not asleep or asleep == best_asleep and out < best_out)) then
+                choice, best_rank, best_asleep, best_out = r, k, asleep, out
+            end
+        end
+    end
+    return choice, best_rank, best_out
+end
+
 -- pick(model, tried, rank, level, prompt) -> replica, its rank | nil: the replica of
 -- model (compiled model entry) not in tried (a set of names) with the best rank, then
 -- awake before asleep, then the fewest outstanding tokens; rank(model_name, r, level,
 -- prompt) -> number, lower is better (nil: all rank alike; tokengate.admission.rank:
 -- level, prompt are its priority level and prompt tokens). Replicas that are out rank
 -- OUT: taken only when all untried ones are out. nil when every one was tried or none
--- has an address. (Named arguments, not varargs: a loop that passes varargs on is never
--- compiled.)
+-- has an address. Counts nothing: take() is pick() and the count in one step.
 function _M.pick(model, tried, rank, level, prompt)
-    local list = model.upstreams
-    local n = #list
-    rotate = rotate + 1
-    local best, best_rank, best_asleep, best_out
-    for i = 0, n - 1 do
-        local r = list[(rotate + i) % n + 1]
-        if not (tried and tried[r.name]) and _M.address(model.name, r) then
-            local out = dict:get(key("tok:", model.name, r)) or 0
-            local asleep = _M.asleep(model.name, r)
-            local k = 0
-            if _M.is_out(model.name, r) then
-                k = OUT
-            elseif rank then
-                k = rank(model.name, r, level, prompt)
-            end
-            if not best or k < best_rank or (k == best_rank and (asleep ~= best_asleep
-                    and not asleep or asleep == best_asleep and out < best_out)) then
-                best, best_rank, best_asleep, best_out = r, k, asleep, out
-            end
-        end
+    local r, k = best(model, tried, rank, level, prompt)
+    return r, k
+end
+
+-- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil:
+-- pick()'s replica, which serves the request from now on: its `tokens` (the request's
+-- reservation) count as outstanding there until release(ctx). A replica ctx held
+-- before (a retry) is released first.
+--
+-- The choice and the count are one step, so a burst spreads: no yield comes between the
+-- read and the incr, so the next request of this worker sees this one's tokens. Another
+-- worker may incr between this worker's read and its incr (both chose the same replica
+-- on the same reading); the incr's result says so (it exceeds what was read by more
+-- than `tokens`), and then the choice is made again with this request's own tokens left
+-- out: it moves when another replica now carries strictly fewer (once, so two workers
+-- never chase each other).
+--
+-- The increment comes before any look at r's asleep mark (tokengate.idle.hold): the
+-- sleeper marks first and reads the tokens after, so one of the two always sees the
+-- other.
+function _M.take(ctx, model, tried, rank, level, prompt, tokens)
+    _M.release(ctx)
+    local r, k, seen = best(model, tried, rank, level, prompt)
+    if not r then
+        return nil
     end
-    return best, best_rank
+    local name = model.name
+    local now = dict:incr(key("tok:", name, r), tokens, 0)
+    if now and now - tokens > seen then
+        dict:incr(key("tok:", name, r), -tokens, 0)
+        local r2, k2 = best(model, tried, rank, level, prompt, r)
+        r, k = r2 or r, r2 and k2 or k
+        dict:incr(key("tok:", name, r), tokens, 0)
+    end
+    ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
+    _M.touch(name, r)
+    return r, k
 end
 
--- take(ctx, model, r, tokens): r now serves the request: its tokens count as outstanding
--- there until release(ctx). The increment comes before any look at r's asleep mark
--- (tokengate.idle.hold): the sleeper marks first and reads the tokens after, so one of
--- the two always sees the other.
-function _M.take(ctx, model, r, tokens)
-    dict:incr(key("tok:", model.name, r), tokens, 0)
-    ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, model.name
-    _M.touch(model.name, r)
-end
-
--- release(ctx): the request left its replica (it ended, or is retried elsewhere).
-function _M.release(ctx)
+-- release(ctx, forget): the request left its replica (it ended, is retried elsewhere,
+-- or was refused before it was forwarded: forget, and it names no replica).
+function _M.release(ctx, forget)
     local r = ctx.replica
     if r and ctx.replica_tokens then
         dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
         ctx.replica_tokens = nil
         _M.touch(ctx.replica_model, r)
     end
+    if forget then
+        ctx.replica = nil
+    end
 end
 
 -- failed(model_name, r, why): one failure of r (connect error, broken before answering);
--- at upstream_max_fails within upstream_eject_s the replica is out for upstream_eject_s.
+-- at upstream_max_fails within upstream_eject_s the replica is out: with health probes,
+-- until a probe passes (a mark that expired by itself would send requests to a replica
+-- that is still dead, one failed connect each, until the next probe); without them,
+-- for upstream_eject_s, after which a request tries it again. One log line per
+-- ejection: add, not set, decides which worker writes it.
 function _M.failed(model_name, r, why)
     local fails = dict:incr(key("fail:", model_name, r), 1, 0, eject_s)
     if fails and fails >= max_fails then
-        if not _M.is_out(model_name, r) then
-            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", model_name, " out for ",
-                eject_s, " s (", why, ")")
+        local k = key("out:", model_name, r)
+        local ttl = probing and 0 or eject_s
+        if dict:add(k, true, ttl) then
+            ngx_log(WARN, "tokengate: upstream ", r.name, " of ", model_name, " out ",
+                probing and "until its health probe passes" or "for " .. eject_s .. " s",
+                " (", why, ")")
+        elseif not probing then
+            dict:set(k, true, ttl) -- tried again while out (every one was): out again
         end
-        dict:set(key("out:", model_name, r), true, eject_s)
     end
 end
 
@@ -249,11 +311,19 @@ function _M.probe_all(premature, models)
             local addr = _M.address(name, r)
             if not addr then -- unresolved: nothing to probe yet
             elseif probe(r, addr) then
-                dict:delete(key("out:", name, r))
+                local k = key("out:", name, r)
+                if dict:get(k) then -- one writer (this timer): one line per readmission
+                    ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
+                        " passed its health probe: back in")
+                    dict:delete(k)
+                end
                 dict:delete(key("fail:", name, r))
-            elseif not _M.is_out(name, r) then
+            elseif dict:add(key("out:", name, r), true, 0) then
                 ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
                     " failed its health probe: out until it answers")
+            else
+                -- out already: an ejection made before probes were on may expire; no
+                -- longer
                 dict:set(key("out:", name, r), true, 0)
             end
         end
