@@ -28,6 +28,7 @@ import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import config as tg_config
+from tokengate import install as install_mod
 from tokengate.counter import frames
 from tokengate.install import deploy_config_text
 from tokengate.ledger import store
@@ -187,8 +188,10 @@ def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
         "unix_socket: /run/tokengate/limits.sock",
         "file: /var/log/tokengate/access.sampled.log",
     ]
-    # comments after the changed values stay
+    # comments after the changed values stay, naming the new value where they named the old
     assert all("#" in b for a, b in changed if "#" in a)
+    assert "  unix_socket: /run/tokengate/limits.sock   # worker i listens on " \
+           "/run/tokengate/limits.sock.<i>" in out.splitlines()
     # a section without the key gets it as its first key; a missing one is added
     out = deploy_config_text("models: {}\naccess_log:\n  rate: 0.5   # x\n"
                              "global_limits:\n  unix_socket: false\n", Path("/"), paths)
@@ -263,8 +266,125 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
         assert f"{opt} {path.resolve()} is below /home, /root, /run/user, which the units " \
                "hide (ProtectHome=yes): use a virtualenv or folder such as /opt/tokengate" \
                in r.stderr.splitlines(), r.stderr
+    # a virtualenv outside them whose interpreter is not (a pyenv Python under /root)
+    seen = [p for p in install_mod.interpreter_files(Path(sys.executable)) if install_mod._hidden(p)]
+    unseen = 1 if seen and ("--bin-dir", TOKENGATE.parent) not in hidden else 0
     assert r.stderr.splitlines()[-1] == \
-        f"tokengate install: {len(hidden)} problem(s); nothing changed"
+        f"tokengate install: {len(hidden) + unseen} problem(s); nothing changed"
+
+
+def fake_venv(root: Path, python_target: Path | None, home: Path) -> Path:
+    """A virtualenv's shape under ``root`` (outside /home and /root): bin/python, a link
+    to ``python_target`` (None: a copy of this machine's python3, as ``venv --copies``
+    makes), pyvenv.cfg naming ``home``, and the three sidecar scripts whose ``#!`` line
+    is bin/python. Returns bin/."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    if python_target is None:
+        python.write_bytes(Path("/usr/bin/python3").resolve().read_bytes())
+        python.chmod(0o755)
+    else:
+        python.symlink_to(python_target)
+    (root / "pyvenv.cfg").write_text(f"home = {home}\ninclude-system-site-packages = false\n")
+    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits"):
+        (bin_dir / exe).write_text(f"#!{python}\nimport sys\n")
+        (bin_dir / exe).chmod(0o755)
+    return bin_dir
+
+
+def test_on_the_host_a_virtualenv_whose_interpreter_the_units_cannot_see_is_refused(
+        tmp_path: Path) -> None:
+    # the venv is in /tmp (visible), its python a link to a pyenv Python under /root, or
+    # a copy whose pyvenv.cfg home (its standard library) is there: ProtectHome=yes hides
+    # both from every unit, which then fails at start with 203/EXEC or no encodings
+    pyenv = Path("/root/.pyenv/versions/3.11.7/bin")
+    for name, target in (("link", pyenv / "python3.11"), ("copy", None)):
+        bin_dir = fake_venv(tmp_path / name, target, pyenv)
+        r = subprocess.run([str(TOKENGATE), "install", "--dry-run", "--source", str(ROOT),
+                            "--config", str(REPO_CONFIG), "--bin-dir", str(bin_dir),
+                            "--vllm-python", "/usr/bin/python3"],
+                           capture_output=True, text=True, timeout=120, check=False)
+        needs = pyenv / "python3.11" if target is not None else pyenv
+        assert (r.returncode, r.stderr.splitlines()) == (1, [
+            (f"--bin-dir: its interpreter {bin_dir}/python needs {needs}, which is below "
+            "/home, /root, /run/user, hidden from the units (ProtectHome=yes): make the "
+            "virtualenv from a Python outside them, e.g. /usr/bin/python3 -m venv "
+            "/opt/tokengate"),
+            "tokengate install: 1 problem(s); nothing changed"]), name
+
+
+def test_without_config_install_writes_one_made_for_the_host(tmp_path: Path) -> None:
+    prefix = tmp_path / "root"
+    model_dir = (ROOT / "var/models/tiny-qwen3").resolve()
+    r = install(prefix, "--model", "qwen3-8b", "--model-dir", model_dir,
+                "--max-model-len", "8192", "--upstream", "127.0.0.1:8100",
+                "--upstream", "10.0.0.7:8000")
+    assert r.returncode == 0, r.stderr
+    target = prefix / "etc/tokengate/tokengate.yaml"
+    cfg = tg_config.load(target)
+    assert list(cfg.models) == ["qwen3-8b"]
+    m = cfg.models["qwen3-8b"]
+    assert (m.dir, m.max_model_len, m.upstreams, m.embedded) == \
+        (model_dir, 8192, ["127.0.0.1:8100", "10.0.0.7:8000"], False)
+    assert cfg.keys == {}
+    # Debian's redis-server, the local replica's engine records, the drop-in's paths
+    assert cfg.redis.url == "redis://127.0.0.1:6379/0"
+    assert cfg.ledger.engine_usage_files == [prefix / "var/lib/tokengate/engine/8100.jsonl"]
+    assert cfg.ledger.usage_file == prefix / "var/lib/tokengate/usage/usage.jsonl"
+    assert cfg.global_limits.unix_socket == prefix / "run/tokengate/limits.sock"
+    # no port of the demo's (make run) nor vLLM's default one
+    demo = tg_config.load(REPO_CONFIG)
+
+    def ports(c: tg_config.Config) -> set[str]:
+        return {a.rpartition(":")[2] for a in (
+            c.edge.status_listen, c.metrics.counter_listen, c.metrics.ledger_listen,
+            c.metrics.limits_listen, c.global_limits.listen) if a is not None}
+
+    assert ports(cfg) & (ports(demo) | {"8000", "8080", "6379", "6380"}) == set()
+    assert "var/run" not in target.read_text()
+    check = subprocess.run([str(TOKENGATE), "config", "check", str(target)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert (check.returncode, check.stderr) == (0, "")
+
+
+def test_without_config_install_asks_for_the_model_and_its_upstreams(tmp_path: Path) -> None:
+    prefix = tmp_path / "root"
+    r = install(prefix, "--model", "qwen3-8b", "--dry-run")
+    assert (r.returncode, r.stderr.splitlines()) == (1, [
+        (f"{prefix}/etc/tokengate/tokengate.yaml does not exist: give --model-dir, "
+        "--max-model-len, --upstream (the served model name, its directory, vLLM's "
+        "--max-model-len, each vLLM's host:port, --upstream once per replica), or "
+        "--config FILE"),
+        "tokengate install: 1 problem(s); nothing changed"])
+    assert not prefix.exists()
+
+
+def test_a_model_dir_without_tokenizer_files_fails_config_check_and_install(
+        config_path: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    for model_dir, why in ((tmp_path / "no-such-model", ("does not exist (the served "
+                            "model's own directory: the files vLLM loads)")),
+                           (empty, ("has no tokenizer.json (the counter's tokenizer, from "
+                            "the model's own files)"))):
+        raw = yaml.safe_load(config_path.read_text())
+        raw["models"][MODEL]["dir"] = str(model_dir)
+        cfg = tmp_path / f"{model_dir.name}.yaml"
+        cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+        line = f"models.{MODEL}.dir: {model_dir} {why}"
+        check = subprocess.run([str(TOKENGATE), "config", "check", str(cfg)],
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert (check.returncode, check.stderr.splitlines()) == \
+            (1, [line, f"{cfg}: 1 problem"])
+        prefix = tmp_path / f"root-{model_dir.name}"
+        for args in (("--config", cfg, "--dry-run"), ("--config", cfg),
+                     ("--model", MODEL, "--model-dir", model_dir, "--max-model-len", "8192",
+                      "--upstream", "127.0.0.1:8100")):
+            r = install(prefix, *args)
+            assert (r.returncode, r.stderr.splitlines()) == \
+                (1, [line, "tokengate install: 1 problem(s); nothing changed"]), args
+            assert not prefix.exists()
 
 
 def verify(*paths: Path) -> subprocess.CompletedProcess[str]:
@@ -420,17 +540,44 @@ def test_the_ledger_unit_applies_an_event_to_redis(
     client.close()
 
 
+def cpu_host_env(example: str, **values: str) -> str:
+    """``example.env`` as an operator of a CPU host edits it: each of ``values`` set,
+    the CPU build's commented ``VLLM_CPU_KVCACHE_SPACE`` line uncommented."""
+    out = []
+    for line in example.splitlines():
+        name = line.partition("=")[0]
+        if name in values:
+            line = f"{name}={values.pop(name)}"
+        elif line.startswith("#VLLM_CPU_KVCACHE_SPACE="):
+            line = line[1:]
+        out.append(line)
+    assert not values, f"example.env has no {sorted(values)}"
+    return "\n".join(out) + "\n"
+
+
+def test_the_vllm_env_example_says_what_a_cpu_host_needs(installed: Installed) -> None:
+    # the CPU build stops at start without VLLM_CPU_KVCACHE_SPACE ("Available memory ...
+    # less than desired CPU memory utilization"): the example carries the line to enable
+    example = (installed.prefix / "etc/tokengate/vllm/example.env").read_text()
+    env = cpu_host_env(example, TOKENGATE_VLLM_MODEL="/srv/m",
+                       TOKENGATE_VLLM_SERVED_MODEL_NAME="m", TOKENGATE_VLLM_MAX_MODEL_LEN="8")
+    assert "VLLM_CPU_KVCACHE_SPACE=1" in env.splitlines()
+    assert "# CPU build (vllm-cpu) only: the KV cache's size, GiB. Without it vLLM stops " \
+           "at start" in example
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_vllm_unit_serves_with_the_flags_billing_needs(
         installed: Installed, started: list[units.Running]) -> None:
     port = free_port()
     env = installed.prefix / f"etc/tokengate/vllm/{port}.env"
-    env.write_text(f"TOKENGATE_VLLM_MODEL={(ROOT / 'var/models/tiny-qwen3').resolve()}\n"
-                   f"TOKENGATE_VLLM_SERVED_MODEL_NAME={MODEL}\n"
-                   "TOKENGATE_VLLM_MAX_MODEL_LEN=8192\n"
-                   "# the CPU build of the tests; a GPU host sets none of these\n"
-                   "VLLM_CPU_KVCACHE_SPACE=1\n")
+    # what the example tells an operator: its three settings, and on a CPU host (the
+    # CPU build of the tests) its VLLM_CPU_KVCACHE_SPACE line uncommented
+    env.write_text(cpu_host_env(
+        (installed.prefix / "etc/tokengate/vllm/example.env").read_text(),
+        TOKENGATE_VLLM_MODEL=str((ROOT / "var/models/tiny-qwen3").resolve()),
+        TOKENGATE_VLLM_SERVED_MODEL_NAME=MODEL, TOKENGATE_VLLM_MAX_MODEL_LEN="8192"))
     (installed.prefix / "var/cache/tokengate-vllm").mkdir(parents=True, exist_ok=True)
     v = units.start(installed.unit("tokengate-vllm@.service"), installed.prefix,
                     installed.logs, instance=str(port))

@@ -1115,3 +1115,25 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """
     p = Path(path if path is not None else default_path()).resolve()
     return loads(p.read_text(), p)
+
+
+def check_model_dirs(cfg: Config) -> None:
+    """Raise ``ConfigError`` with one ``models.<name>.dir: ...`` line for each model
+    whose directory the counter cannot load from: missing, not a directory, or without
+    ``tokenizer.json`` (which only ``vocab: qwen3.6`` does without). Not part of the
+    schema, so that a host that only reads the file (the ledger's, the limits') needs no
+    model files; what reads the files calls it (the edge's compiler: ``config check``,
+    ``config apply``, ``install``, nginx's start)."""
+    problems = []
+    for name, m in cfg.models.items():
+        where = f"models.{name}.dir"
+        if not m.dir.exists():
+            problems.append(f"{where}: {m.dir} does not exist (the served model's own "
+                            "directory: the files vLLM loads)")
+        elif not m.dir.is_dir():
+            problems.append(f"{where}: {m.dir} is not a directory")
+        elif m.vocab != "qwen3.6" and not (m.dir / "tokenizer.json").is_file():
+            problems.append(f"{where}: {m.dir} has no tokenizer.json (the counter's "
+                            "tokenizer, from the model's own files)")
+    if problems:
+        raise ConfigError(problems)

@@ -7,7 +7,8 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/nginx/conf.d/tokengate.conf            the drop-in, http level  } rendered for the
     /etc/nginx/snippets/tokengate-location.conf the server-level snippet } prefix and config
     /etc/tokengate/tokengate.yaml               the configuration: written once, never
-                                                overwritten
+                                                overwritten (``--config``, else made for
+                                                the host from systemd/tokengate.host.yaml.in)
     /etc/tokengate/edge.json                    compiled from it on every run
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
@@ -33,6 +34,12 @@ the same for every prefix; install only replaces the executables' folders in the
 (``/opt/tokengate/bin``: where this ``tokengate`` runs from; ``/opt/vllm/bin/python``:
 ``--vllm-python``). Everything else is written for the prefix as the root folder, so a
 prefix is a working tree that nginx and the sidecars run from as they are (the tests do).
+
+Without ``--config`` the configuration is made for the host, not for ``make run``:
+Debian's redis-server (6379), the operator's model and vLLM upstreams (``--model``,
+``--model-dir``, ``--max-model-len``, ``--upstream``; asked for when missing), their
+engine records, and loopback ports of their own for the status and metrics servers
+(946x), clear of vLLM's 8000 and the demo's 8080-8084.
 
 Install never starts, stops, reloads, enables or disables a service (nginx, Redis,
 tokengate's own): it prints what to run next.
@@ -65,6 +72,7 @@ USER = "tokengate"
 GROUP = "www-data"   # nginx's workers' group on Debian (`user www-data;` in nginx.conf)
 UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
          "tokengate-limits.service", "tokengate-vllm@.service")
+HOST_CONFIG = "tokengate.host.yaml.in"  # in systemd/: the configuration made for a host
 TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf.in")
 # Where the committed units expect the executables; replaced at install.
 UNIT_BIN_DIR = "/opt/tokengate/bin"
@@ -78,10 +86,17 @@ the edge's Lua modules and nginx templates, the nginx drop-in and snippet, the
 configuration (kept when it exists) and its compiled edge.json, the state folders.
 
 Run it from a checkout (or give --source) with the `tokengate` of the virtualenv the
-services will run from, outside /home and /root (the units have ProtectHome=yes):
+services will run from, made from a Python outside /home and /root (the units have
+ProtectHome=yes; a pyenv Python under /root is hidden from them):
 
-  python3 -m venv /opt/tokengate && /opt/tokengate/bin/pip install ./sidecars
-  sudo /opt/tokengate/bin/tokengate install --vllm-python /opt/vllm/bin/python
+  /usr/bin/python3 -m venv /opt/tokengate && /opt/tokengate/bin/pip install ./sidecars
+  sudo /opt/tokengate/bin/tokengate install --vllm-python /opt/vllm/bin/python \
+      --model qwen3-8b --model-dir /srv/models/Qwen3-8B --max-model-len 32768 \
+      --upstream 127.0.0.1:8100
+
+The configuration it writes is made for the host (Debian's Redis on 6379, the given
+model and upstreams, ports clear of vLLM's and the demo's); --config FILE installs
+another instead.
 
 It never starts, stops, reloads, enables or disables a service (nginx, Redis, the
 units); it prints the commands that do. Running it again updates everything but
@@ -111,6 +126,11 @@ class Options:
     bin_dir: Path               # the folder of tokengate-counter, -ledger, -limits
     vllm_python: Path           # the interpreter of the host's vLLM
     dry_run: bool = False
+    # the model of a configuration made for the host (no --config)
+    model: str | None = None
+    model_dir: Path | None = None
+    max_model_len: int | None = None
+    upstreams: tuple[str, ...] = ()
 
     @property
     def on_host(self) -> bool:
@@ -244,7 +264,13 @@ def deploy_config_text(text: str, base: Path, paths: dict[str, Path]) -> str:
         elif keep_off and _is_off(node):
             return
         elif isinstance(node, yaml.ScalarNode):
-            edits.append((node.start_mark.index, node.end_mark.index, _scalar(str(value))))
+            # the rest of the line too: a comment naming the old value names the new one
+            end = text.find("\n", node.end_mark.index)
+            end = len(text) if end < 0 else end
+            rest = text[node.end_mark.index:end]
+            if node.value:
+                rest = rest.replace(node.value, str(value))
+            edits.append((node.start_mark.index, end, _scalar(str(value)) + rest))
         else:
             problems.append(f"{section}.{key}: expected a path")
 
@@ -295,6 +321,70 @@ def _hidden(path: Path) -> bool:
     return any(p == h or h in p.parents for h in HIDDEN)
 
 
+def script_interpreter(script: Path) -> Path | None:
+    """The interpreter a console script runs: its ``#!`` line, or the ``exec`` line of
+    pip's ``#!/bin/sh`` wrapper for a long path; None when it names none."""
+    try:
+        with open(script, "rb") as f:
+            head = f.read(4096).decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if not head or not head[0].startswith("#!"):
+        return None
+    first = head[0][2:].strip().split()
+    if first and first[0] == "/bin/sh" and len(head) > 1:
+        m = re.match(r"""'''exec' "?([^" ]+)"?""", head[1])
+        return Path(m.group(1)) if m else None
+    return Path(first[0]) if first else None
+
+
+def interpreter_files(python: Path) -> list[Path]:
+    """What a unit must see to start ``python``: the path, where its symbolic links end,
+    and for a virtualenv's interpreter the base Python's folder that its pyvenv.cfg
+    names (``home``: its standard library, and the binary a link or copy stands for),
+    resolved too. A venv's own path says nothing about these: one made from a pyenv
+    Python under /root is a link to it."""
+    out = [python.absolute(), python.resolve()]
+    for cfg in (python.absolute().parent.parent / "pyvenv.cfg",
+                python.resolve().parent.parent / "pyvenv.cfg"):
+        try:
+            lines = cfg.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, sep, value = line.partition("=")
+            if sep and key.strip() == "home" and value.strip():
+                home = Path(value.strip())
+                out += [home, home.resolve()]
+    return list(dict.fromkeys(out))
+
+
+def _unseen_interpreter(what: str, python: Path) -> str | None:
+    """A problem line when the units cannot see a file that starting ``python`` needs."""
+    for f in interpreter_files(python):
+        if _hidden(f):
+            return (f"{what}: its interpreter {python} needs {f.resolve()}, which is below "
+                    f"{', '.join(map(str, HIDDEN))}, hidden from the units (ProtectHome=yes): "
+                    "make the virtualenv from a Python outside them, e.g. /usr/bin/python3 "
+                    "-m venv /opt/tokengate")
+    return None
+
+
+def host_config_text(template: str, model: str, model_dir: Path, max_model_len: int,
+                     upstreams: tuple[str, ...], engine_dir: Path) -> str:
+    """The configuration made for a host (systemd/tokengate.host.yaml.in filled in): one
+    model with its directory, context length and upstreams, and the engine record file
+    of each loopback upstream (``tokengate-vllm@PORT`` writes ``engine_dir``/PORT.jsonl,
+    /var/lib/tokengate/engine on a host); the schema checks the values."""
+    engine = [_scalar(str(engine_dir / f"{u.rpartition(':')[2]}.jsonl")) for u in upstreams
+              if tg_config._is_loopback(u)]
+    return (template.replace("@MODEL@", _scalar(model))
+            .replace("@MODEL_DIR@", _scalar(str(model_dir.absolute())))
+            .replace("@MAX_MODEL_LEN@", str(max_model_len))
+            .replace("@UPSTREAMS@", "\n".join(f"      - {_scalar(u)}" for u in upstreams))
+            .replace("@ENGINE_FILES@", "".join(f"\n    - {e}" for e in engine) or " []"))
+
+
 # --- the plan ----------------------------------------------------------------------------
 
 def default_vllm_python() -> Path:
@@ -312,7 +402,8 @@ def plan(opts: Options) -> Plan:
     lua_src = src / "lua" / "tokengate"
     tpl_src = src / "nginx"
     unit_src = src / "systemd"
-    for need in (lua_src, *(tpl_src / t for t in TEMPLATES), *(unit_src / u for u in UNITS)):
+    for need in (lua_src, *(tpl_src / t for t in TEMPLATES), *(unit_src / u for u in UNITS),
+                 unit_src / HOST_CONFIG):
         if not need.exists():
             problems.append(f"{need}: missing (run install from a tokengate checkout, "
                             f"or give --source)")
@@ -333,12 +424,28 @@ def plan(opts: Options) -> Plan:
         if target.exists():
             cfg = tg_config.load(target)
             config_text = None
-        else:
-            source_config = (opts.config or src / "tokengate.yaml").resolve()
+        elif opts.config is not None:
+            source_config = opts.config.resolve()
             tg_config.load(source_config)  # the source itself is valid (duplicate keys too)
             config_text = _header(source_config) + deploy_config_text(
                 source_config.read_text(), source_config.parent, paths)
-            cfg = tg_config.parse(yaml.safe_load(config_text), target)
+            cfg = tg_config.loads(config_text, target)
+        else:
+            asked = [flag for flag, given in (
+                ("--model", opts.model), ("--model-dir", opts.model_dir),
+                ("--max-model-len", opts.max_model_len), ("--upstream", opts.upstreams))
+                if not given]
+            if asked:
+                why = (f"{target} does not exist: give {', '.join(asked)} (the served model "
+                       "name, its directory, vLLM's --max-model-len, each vLLM's host:port, "
+                       "--upstream once per replica), or --config FILE")
+                raise InstallError([why])
+            assert opts.model and opts.model_dir and opts.max_model_len
+            template = unit_src / HOST_CONFIG
+            config_text = _header(template) + deploy_config_text(host_config_text(
+                template.read_text(), opts.model, opts.model_dir, opts.max_model_len,
+                opts.upstreams, opts.at("/var/lib/tokengate/engine")), template.parent, paths)
+            cfg = tg_config.loads(config_text, target)
         compile_config.compile_config(cfg)  # resolves upstreams, reads tokenizer files
     except tg_config.ConfigError as e:
         raise InstallError(e.errors) from None
@@ -356,6 +463,13 @@ def plan(opts: Options) -> Plan:
                     "the units hide (ProtectHome=yes): use a virtualenv or folder such as "
                     "/opt/tokengate")
             (problems if opts.on_host else warnings).append(line)
+    for what, python in (("--bin-dir", script_interpreter(opts.bin_dir / "tokengate-counter")),
+                         ("--vllm-python", opts.vllm_python)):
+        if python is None or any(what == w and _hidden(p) for w, p in hidden):
+            continue  # no interpreter named, or its path itself was refused above
+        unseen = _unseen_interpreter(what, python)
+        if unseen is not None:
+            (problems if opts.on_host else warnings).append(unseen)
     if not opts.vllm_python.exists():
         warnings.append(f"{opts.vllm_python}: not found; tokengate-vllm@.service will not "
                         "start until --vllm-python names the interpreter of your vLLM")
@@ -432,8 +546,9 @@ def plan(opts: Options) -> Plan:
         todo.add(f"keep {target} (it exists)", lambda: None)
     else:
         file(target, config_text.encode(), 0o640, ("root", GROUP))
-        todo.notes.append(f"{target}: from {opts.config or src / 'tokengate.yaml'}; set models "
-                       "(your vLLM's model directory and address), keys and redis.url")
+        made = opts.config or f"{unit_src / HOST_CONFIG}, for this host"
+        todo.notes.append(f"{target}: from {made}; check redis.url and the ports, create "
+                          "keys with `tokengate keys create`")
     edge_json = paths["edge_json"]
 
     def compile_edge() -> None:
@@ -465,8 +580,9 @@ Next (install changed no running service):
   add `include snippets/tokengate-location.conf;` to a server { } block of nginx
   systemctl enable --now tokengate-counter tokengate-ledger   (+ tokengate-limits with
       global_limits.enabled)
-  cp /etc/tokengate/vllm/example.env /etc/tokengate/vllm/8000.env, edit it, then
-      systemctl enable --now tokengate-vllm@8000   (one per replica and port)
+  cp /etc/tokengate/vllm/example.env /etc/tokengate/vllm/8100.env, edit it, then
+      systemctl enable --now tokengate-vllm@8100   (one per replica and port: one the
+      model's upstreams name, not a port the host's own vLLM holds)
   nginx -t && systemctl reload nginx"""
 
 
@@ -483,7 +599,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
                    help="the checkout holding lua/, nginx/ and systemd/ (default: .)")
     p.add_argument("--config", type=Path, default=None,
                    help="configuration to install when <prefix>/etc/tokengate/tokengate.yaml "
-                        "does not exist (default: <source>/tokengate.yaml)")
+                        "does not exist (default: one made for this host from --model, "
+                        "--model-dir, --max-model-len and --upstream)")
+    p.add_argument("--model", default=None,
+                   help="without --config: the served model name (vLLM's "
+                        "--served-model-name, what clients send as model)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="without --config: the model's directory, the files vLLM loads "
+                        "(outside /home and /root)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="without --config: the model's context, vLLM's --max-model-len, "
+                        "tokens")
+    p.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT",
+                   help="without --config: a vLLM OpenAI server of the model (repeat for "
+                        "each replica)")
     p.add_argument("--bin-dir", type=Path, default=Path(sysconfig.get_path("scripts")),
                    help="folder of tokengate-counter, -ledger, -limits that the units run "
                         "(default: this tokengate's, %(default)s)")
@@ -499,7 +628,8 @@ def run(args: argparse.Namespace) -> int:
     """``tokengate install``: 0 done, 1 a problem (nothing changed)."""
     opts = Options(prefix=args.prefix, source=args.source, config=args.config,
                    bin_dir=args.bin_dir, vllm_python=args.vllm_python or default_vllm_python(),
-                   dry_run=args.dry_run)
+                   dry_run=args.dry_run, model=args.model, model_dir=args.model_dir,
+                   max_model_len=args.max_model_len, upstreams=tuple(args.upstream))
     try:
         todo = plan(opts)
     except InstallError as e:

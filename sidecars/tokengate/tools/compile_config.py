@@ -160,8 +160,10 @@ def _by_length(tokens: set[str]) -> list[str]:
 def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     """The edge's JSON document (shape in the module docstring) for ``cfg``.
 
-    Raises ``ConfigError`` when a model's upstream host does not resolve.
+    Raises ``ConfigError`` when a model's directory lacks the tokenizer files
+    (``tokengate.config.check_model_dirs``) or an upstream host does not resolve.
     """
+    tg_config.check_model_dirs(cfg)
     doc: dict[str, Any] = {"version": VERSION, "source": str(cfg.path),
                            **cfg.model_dump(mode="json", exclude={"redis"})}
     extra = set(cfg.edge.extra_special_tokens)
