@@ -15,18 +15,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import yaml
 from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
 
@@ -227,3 +232,64 @@ def test_light_traffic_stays_on_the_awake_replica(
         served.add(r.headers["x-tokengate-upstream"])
     assert len(served) == 1
     assert _counts(a)["wakes"] + _counts(b)["wakes"] == 1
+
+
+def _apply(e: Edge, name: str, **idle: Any) -> None:
+    """``tokengate config apply`` of the edge's own file with ``idle_unload`` changed: the
+    edge's nginx reloads (new workers, the same shared dicts)."""
+    path = EDGE_DIR / name / "tokengate.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["models"][MODEL]["idle_unload"].update(idle)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "config", "apply", str(path),
+                        "--edge", str(EDGE_DIR / f"test-nginx-{name}{PORT_OFFSET or ''}")],
+                       capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+
+
+def test_turning_idle_unload_off_wakes_the_replicas_it_put_to_sleep(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(ttft_ms=500), replicas(ttft_ms=500)
+    e = _edge(edge_variant_off_vllm, "sleep-off", [a, b], idle_s=1)
+    _fell_asleep(e, a)
+    _fell_asleep(e, b)
+    _apply(e, "sleep-off", idle_s=0)
+    # nothing would wake the one that ranks last: the edge wakes both, once each
+    _wait(lambda: not _asleep(e, a) and not _asleep(e, b), "a replica stayed marked asleep")
+    for up in (a, b):
+        assert {k: _counts(up)[k] for k in ("sleeps", "wakes")} == {"sleeps": 1, "wakes": 1}
+        assert httpx.get(f"http://127.0.0.1:{up.port}/is_sleeping",
+                         timeout=5).json() == {"is_sleeping": False}
+    # and both serve: 8 requests at once split 4/4
+    start = threading.Barrier(8)
+
+    def one(_: int) -> httpx.Response:
+        start.wait()
+        return _chat(e)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(8)))
+    assert [r.status_code for r in answers] == [200] * 8
+    assert Counter(r.headers["x-tokengate-upstream"] for r in answers) == \
+        {f"127.0.0.1:{a.port}": 4, f"127.0.0.1:{b.port}": 4}
+    assert (_counts(a)["queued_asleep"], _counts(b)["queued_asleep"]) == (0, 0)
+
+
+def test_a_replica_woken_by_hand_is_seen_awake(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "sleep-by-hand", [a, b], idle_s=3)
+    _fell_asleep(e, a)
+    _fell_asleep(e, b)
+    r = httpx.post(f"http://127.0.0.1:{a.port}/wake_up", timeout=5)
+    assert r.json() == {"status": "awake", "tags": None}
+    _wait(lambda: not _asleep(e, a), "the replica woken by hand stayed marked asleep")
+    # the awake one takes the request; the one still asleep is not woken for it
+    served = _chat(e)
+    assert (served.status_code, served.headers["x-tokengate-upstream"]) == \
+        (200, f"127.0.0.1:{a.port}")
+    assert (_counts(a)["wakes"], _counts(b)["wakes"], _counts(a)["queued_asleep"]) == (1, 0, 0)
+    assert _asleep(e, b)

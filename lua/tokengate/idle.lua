@@ -26,6 +26,13 @@
 -- up. When /sleep fails (sleep mode not enabled, an error) the mark is cleared and the
 -- replica is tried again after another idle_s.
 --
+-- Re-learning (the same sweep, for every model, idle unload on or off): the marks live
+-- in the shared dict and outlive a reload, and a replica may be woken by someone else;
+-- so a replica marked asleep is asked (GET /is_sleeping) every SWEEP_S: awake, and the
+-- mark goes; still asleep while its model's idle unload is off (turned off by a
+-- reload while it slept), and it is woken, since it ranks after every awake replica and
+-- no request would wake it while another one takes them.
+--
 -- Waking (any worker, in a timer of its own so that a client leaving stops nothing):
 -- started by the first request that finds the mark and the lock free, and again by a
 -- held request whenever the lock is free and the mark still set (a wake that failed).
@@ -60,25 +67,16 @@ local function lock_key(model_name, r)
     return upstream.key("idle-lock:", model_name, r)
 end
 
--- enabled(models) -> true when some model has idle_unload.idle_s > 0
-local function enabled(models)
-    for _, m in pairs(models) do
-        if m.idle_unload.idle_s > 0 then
-            return true
-        end
-    end
-    return false
-end
-
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (models.<name>.idle_unload: idle_s (0: off), max_hold_ms, retry_after_s,
--- call_timeout_ms). Worker 0 runs the sweep when some model has idle unload on.
+-- call_timeout_ms). Worker 0 runs the sweep, also with idle unload off: replicas may
+-- still be marked asleep from before a reload (sweep).
 function _M.init_worker(doc, dict_name)
     dict = ngx.shared[dict_name]
     if not dict then
         return nil, "shared dict not found: " .. dict_name
     end
-    if ngx.worker.id() ~= 0 or not enabled(doc.models) then
+    if ngx.worker.id() ~= 0 then
         return true
     end
     local ok, err = timer_every(SWEEP_S, _M.sweep, doc.models)
@@ -104,19 +102,23 @@ local function post(name, r, path, timeout_ms)
     return status, body
 end
 
--- is_sleeping(name, r, c) -> true when GET /is_sleeping answers {"is_sleeping": true}
+-- is_sleeping(name, r, c) -> true when GET /is_sleeping answers {"is_sleeping": true},
+-- false for any other answer (a vLLM without sleep mode: 404), nil for none
 local function is_sleeping(name, r, c)
     local addr = upstream.address(name, r)
     if not addr then
-        return false
+        return nil
     end
     local sock, status = upstream.call(r, addr, "GET", "/is_sleeping", c.call_timeout_ms)
     if not sock then
-        return false
+        return nil
     end
     local body = sock:receive("*a")
     sock:close()
-    return status == 200 and body ~= nil and find(body, '"is_sleeping":%s*true') ~= nil
+    if not body then
+        return nil
+    end
+    return status == 200 and find(body, '"is_sleeping":%s*true') ~= nil
 end
 
 -- wake_up(premature, name, r, c): the wake timer: POST /wake_up, clears the mark when
@@ -154,6 +156,28 @@ local function wake(name, r, c)
     end
 end
 
+-- relearn(name, r, c): a replica marked asleep, not locked: asks it. Awake (woken by
+-- someone else, or never asleep): the mark goes, so it takes requests again. Asleep
+-- while idle unload is off for its model (turned off while it slept): woken, since
+-- nothing else would wake it while another replica takes the requests. No answer: the
+-- mark stays (a replica that is down is the health probe's business).
+local function relearn(name, r, c)
+    local k = lock_key(name, r)
+    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+        return -- a wake or a sleep is under way
+    end
+    local sleeping = is_sleeping(name, r, c)
+    dict:delete(k)
+    if sleeping == false then
+        upstream.mark_asleep(name, r, false)
+        upstream.touch(name, r) -- idle from now: asleep again after idle_s, not at once
+        ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name, " is awake (GET ",
+            "/is_sleeping): it takes requests again")
+    elseif sleeping and c.idle_s == 0 then
+        wake(name, r, c)
+    end
+end
+
 -- put_to_sleep(name, r, c): one replica, idle and not locked: mark, check, /sleep.
 local function put_to_sleep(name, r, c)
     local k = lock_key(name, r)
@@ -184,8 +208,11 @@ local function put_to_sleep(name, r, c)
     dict:delete(k)
 end
 
--- sweep(premature, models): the idle timer (worker 0): every replica of every model
--- with idle unload on.
+-- sweep(premature, models): the idle timer (worker 0): every replica of every model.
+-- A replica marked asleep is asked whether it still is (relearn), whatever the
+-- model's idle_s: the mark outlives a reload (shared dict) that turned idle unload off,
+-- and a replica may be woken by hand. Only models with idle unload on put replicas to
+-- sleep.
 function _M.sweep(premature, models)
     if premature then
         return
@@ -194,22 +221,22 @@ function _M.sweep(premature, models)
     local now = ngx_now()
     for name, m in pairs(models) do
         local c = m.idle_unload
-        if c.idle_s > 0 then
-            for i = 1, #m.upstreams do
-                local r = m.upstreams[i]
-                local last = upstream.last_active(name, r)
-                if not last then
-                    -- first sight since the dict was created (an edge restart): a
-                    -- replica may be asleep already
-                    upstream.touch(name, r)
-                    if is_sleeping(name, r, c) then
-                        upstream.mark_asleep(name, r, true)
-                    end
-                elseif not upstream.asleep(name, r) and now - last >= c.idle_s
-                        and upstream.outstanding(name, r) == 0
-                        and not upstream.is_out(name, r) then
-                    put_to_sleep(name, r, c)
+        for i = 1, #m.upstreams do
+            local r = m.upstreams[i]
+            local last = upstream.last_active(name, r)
+            if upstream.asleep(name, r) then
+                relearn(name, r, c)
+            elseif c.idle_s == 0 then -- off: nothing to put to sleep
+            elseif not last then
+                -- first sight since the dict was created (an edge restart): a
+                -- replica may be asleep already
+                upstream.touch(name, r)
+                if is_sleeping(name, r, c) then
+                    upstream.mark_asleep(name, r, true)
                 end
+            elseif now - last >= c.idle_s and upstream.outstanding(name, r) == 0
+                    and not upstream.is_out(name, r) then
+                put_to_sleep(name, r, c)
             end
         end
     end
