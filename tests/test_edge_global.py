@@ -53,6 +53,10 @@ GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {
     "gl-settle": ("tg-test-gl-settle", 10_000, 1_000_000),
     "gl-local": ("tg-test-gl-local", 3, 1_000_000),
     "gl-recover": ("tg-test-gl-recover", 10_000, 1_000_000),
+    # RPMs a uint32 cannot hold (2^32 arrived as 0, 2^32 + 5 as 5), and the schema's largest
+    "gl-rpm-2p32": ("tg-test-gl-rpm-2p32", 2**32, 1_000_000),
+    "gl-rpm-wrap": ("tg-test-gl-rpm-wrap", 2**32 + 5, 1_000_000),
+    "gl-rpm-max": ("tg-test-gl-rpm-max", 10**12, 1_000_000),
 }
 LIMITS_SOCKET = TEST_DIR / "edge-limits.sock"
 # this machine's first IPv4 address that is not loopback, to reach the admin view from
@@ -270,6 +274,45 @@ def test_lua_budget_codec_matches_python() -> None:
     assert got["settled"] == {"applied": True, "reserved": False}
 
 
+def test_lua_codec_refuses_what_a_uint64_cannot_hold() -> None:
+    """An infinite cost (a price of .inf) reached varint once and failed there as "bad
+    argument #1 to 'char'" (a 500): the encoder now names the field and the value, and
+    tokengate.budget caps a request's cost and tokens at 2^60, above every limit."""
+    out = run_lua("""
+        local pb = require "tokengate.pb"
+        local budget = require "tokengate.budget"
+        local cjson = require "cjson"
+        local function refused(n)
+            local ok, err = pcall(pb.reserve_request, "k", "m", false, 1, 1, n, "r")
+            return ok and "encoded" or err:match("tokengate%.pb: .*$")
+        end
+        local key = { id = "k", budgets = { { period = "day", spend_nano = 1e18 } } }
+        local model = { name = "m", cost = { input = 1e9, output = 1e9, cached = 0 } }
+        local doc = { currency = "USD", billing = { exclude_system_tokens = false,
+            context_penalty = { threshold = 0, rate = 1 } } }
+        local bud = budget.request(key, model, doc, 1e12, 1e24, 0)
+        return cjson.encode({
+            inf = refused(math.huge), nan = refused(0 / 0), negative = refused(-1),
+            fraction = refused(0.5), two_64 = refused(2 ^ 64),
+            below_2_64 = refused(2 ^ 64 - 2 ^ 11), exact = refused(2 ^ 53 + 2),
+            cost = string.format("%.0f", bud.cost), tokens = string.format("%.0f", bud.tokens),
+            nano_inf = string.format("%.0f", budget.nano(math.huge)),
+            wire = (pb.budget_request("k", "r", bud.items, bud.cost, bud.tokens)
+                :gsub(".", function(c) return string.format("%02x", c:byte()) end)),
+        })""")
+    got = json.loads(out)
+    field = "tokengate.pb: field 6: {} is not an integer in 0..2^64-1"
+    assert {k: got[k] for k in ("inf", "nan", "negative", "fraction", "two_64")} == {
+        "inf": field.format("inf"), "nan": field.format("nan"), "negative": field.format(-1),
+        "fraction": field.format(0.5), "two_64": field.format("1.844674407371e+19")}
+    assert (got["below_2_64"], got["exact"]) == ("encoded", "encoded")
+    assert (got["cost"], got["tokens"], got["nano_inf"]) == (str(2**60),) * 3
+    want = pb.BudgetReserveRequest(key_id="k", request_id="r", counters=[pb.BudgetCounter(
+        name="*:day:0", spend_limit_nano=10**18, ttl_s=172_800)], cost_nano=2**60,
+        tokens=2**60)
+    assert got["wire"] == want.SerializeToString().hex()
+
+
 def test_two_edges_never_spend_past_a_budget_and_bill_it_like_the_ledger(
         clean_redis: Pair, config_path: Path, redis_url: str,
         upstream_hostport: str) -> None:
@@ -435,6 +478,20 @@ def test_a_redis_refusal_has_the_local_429_shape(clean_redis: Pair) -> None:
     # room for 2 more of its own, which the shared window refuses too
     again = post(p.b, key)
     assert again.status_code == 429 and again.headers["x-tokengate-limits"] == "global"
+
+
+@pytest.mark.parametrize("key_id", ["gl-rpm-2p32", "gl-rpm-wrap", "gl-rpm-max"])
+def test_an_rpm_above_2_to_the_32_is_enforced_exactly(clean_redis: Pair, key_id: str) -> None:
+    """One bound for every limit from the schema (at most 1e12) through the wire (uint64)
+    to Redis: as a uint32, rpm_limit 2^32 + 5 was enforced as 5 per minute and 2^32 failed
+    every global call (0: INVALID_ARGUMENT; the edge fell back to its local limits)."""
+    key, rpm, _tpm = GLOBAL_KEYS[key_id]
+    for n in (1, 2):
+        r = post(clean_redis.a if n == 1 else clean_redis.b, key)
+        assert (r.status_code, r.headers["x-tokengate-limits"],
+                r.headers["x-ratelimit-limit-requests"],
+                r.headers["x-ratelimit-remaining-requests"]) == \
+            (200, "global", str(rpm), str(rpm - n))
 
 
 def test_settlement_corrects_the_shared_window(clean_redis: Pair) -> None:

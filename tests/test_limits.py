@@ -433,6 +433,29 @@ def test_concurrent_budget_reservations_never_pass_the_limit(config_path, redis_
             svc.stop()
 
 
+@pytest.mark.parametrize("rpm", [2**32, 2**32 + 5, 10**12])
+def test_an_rpm_above_2_to_the_32_is_enforced_exactly(limits, rpm):
+    """rpm_limit is a uint64 like every limit: as a uint32 the sidecar kept the low 32 bits
+    (4294967301 was enforced as 5 per minute, 2^32 as 0: INVALID_ARGUMENT)."""
+    got = [reserve(limits, i, 100, rpm=rpm) for i in range(2)]
+    assert [(r.admitted, r.remaining_requests) for r in got] == \
+        [(True, rpm - 1), (True, rpm - 2)]
+
+
+def test_a_budget_adds_costs_of_1e17_nano_units_and_more_exactly(limits, ledger_redis):
+    """Costs from 1e17 nano-units (1e8 of the currency: within the schema's 1e9 spend
+    limit) reach the counters as the exact integers sent: Redis writes a Lua number as
+    %.17g, and INCRBY refused "1e+17" (UNAVAILABLE: the edge fell back on every such
+    call). The limit checks compare in doubles (within 1 part in 2^52)."""
+    big = 10**17 + 3
+    r = reserve_budget(limits, 1, big, tokens=7, spend_limit=10**18)
+    assert r.admitted and r.usage[0].spent_nano == pytest.approx(big, rel=1e-15)
+    assert committed(ledger_redis, [("k", DAY_COUNTER)], [MODEL]) == [(big, 7)]
+    assert settle_budget(limits, 1, big - 2, tokens=5).applied
+    assert committed(ledger_redis, [("k", DAY_COUNTER)], [MODEL]) == [(big - 2, 5)]
+    assert not reserve_budget(limits, 2, 9 * 10**17 + 1000, spend_limit=10**18).admitted
+
+
 def test_a_budget_call_without_counters_is_invalid(limits):
     with pytest.raises(grpc.RpcError) as e:
         limits.ReserveBudget(pb.BudgetReserveRequest(key_id="k", request_id=rid(1),

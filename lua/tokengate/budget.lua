@@ -75,9 +75,14 @@ function _M.cost(weights, billing, prompt, completion, cached, system)
         + cached_billed * weights.cached) / PER_TOKENS
 end
 
--- nano(cost) -> whole nano-units, rounded up
+-- A request's cost or tokens above every limit (spend at most 1e18 nano-units, tokens
+-- 1e12: tokengate.config) count as CAP, still above them, so they stay exact integers
+-- within the wire's uint64 and Redis's int64 (tokengate.pb refuses larger).
+local CAP = 2 ^ 60
+
+-- nano(cost) -> whole nano-units, rounded up, at most CAP
 local function nano(cost)
-    return ceil(cost * NANO - 1e-6)
+    return min(ceil(cost * NANO - 1e-6), CAP)
 end
 _M.nano = nano
 
@@ -143,7 +148,7 @@ function _M.request(key, model, doc, prompt, completion, now)
     return {
         key_id = key.id, items = items, currency = doc.currency, hour = floor(now / HOUR),
         cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0)),
-        tokens = prompt + completion,
+        tokens = min(prompt + completion, CAP),
     }
 end
 

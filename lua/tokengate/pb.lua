@@ -7,8 +7,15 @@
 -- default (0, false, ""), as the reference implementation does, so the bytes are the
 -- same as Python's SerializeToString (tests/test_edge_global.py checks them).
 --
--- Numbers stay below 2^53 (lengths, token counts), so plain Lua arithmetic is exact;
--- LuaJIT's bit ops are 32-bit and are not used.
+-- Numbers: varints are built with / and % by 128, exact for any integer-valued double,
+-- so every integer a Lua number holds exactly (up to 2^53) is sent exactly, and so is
+-- every double from 2^53 to 2^64 (all of them are integers); LuaJIT's bit ops are 32-bit
+-- and are not used. The configuration bounds every limit and count to 1e12 and every
+-- spend to 1e18 nano-units (tokengate.config, MAX_COUNT and MAX_AMOUNT), and
+-- tokengate.budget caps a request's cost, so the integer fields receive 0 <= n < 2^64;
+-- uint_field refuses anything else (NaN, an infinity, a fraction, a negative) with an
+-- error naming the field, where string.char would fail on it ("bad argument #1 to
+-- 'char'": an infinite cost_nano, from a price of .inf, reached varint once).
 
 local byte = string.byte
 local char = string.char
@@ -16,6 +23,8 @@ local sub = string.sub
 local concat = table.concat
 local floor = math.floor
 local type = type
+local error = error
+local tostring = tostring
 
 local _M = {}
 
@@ -74,10 +83,19 @@ local function str_field(num, s)
     return key_byte(num, 2) .. varint(#s) .. s
 end
 
--- uint_field(num, n) -> varint field bytes, "" for 0 (default); n integer, 0 <= n < 2^53
+local TWO_64 = 2 ^ 64
+
+-- uint_field(num, n) -> varint field bytes, "" for 0 (default); n an integer,
+-- 0 <= n < 2^64 (a uint64). Raises an error naming the field for any other value: a
+-- caller's bug, never the request's (see the numbers note at the top).
 local function uint_field(num, n)
     if n == 0 then
         return ""
+    end
+    -- false for NaN too (every comparison with it is)
+    if not (type(n) == "number" and n > 0 and n < TWO_64 and floor(n) == n) then
+        error("tokengate.pb: field " .. num .. ": " .. tostring(n)
+            .. " is not an integer in 0..2^64-1", 2)
     end
     return key_byte(num, 0) .. varint(n)
 end

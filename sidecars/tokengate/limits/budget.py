@@ -95,8 +95,10 @@ for i = 1, n do
   local k = 6 * i - 4
   used[2 * i - 1] = used[2 * i - 1] + cost
   used[2 * i] = used[2 * i] + tokens
-  redis.call('INCRBY', KEYS[k + 2], cost)
-  redis.call('INCRBY', KEYS[k + 3], tokens)
+  -- the ARGV strings, not the Lua numbers: Redis writes a number as %.17g, and INCRBY
+  -- refuses 1e+17 (a cost of 1e8 currency units); the strings are the exact int64
+  redis.call('INCRBY', KEYS[k + 2], ARGV[1])
+  redis.call('INCRBY', KEYS[k + 3], ARGV[2])
   redis.call('EXPIRE', KEYS[k + 2], ttl)
   redis.call('EXPIRE', KEYS[k + 3], ttl)
 end
@@ -114,15 +116,15 @@ if r == 'settled' then return {0, 0} end
 local rc, rt, at = 0, 0, nil
 if r then
   local c, t, h = string.match(r, '^(%d+) (%d+) (%d+)$')
-  rc, rt = tonumber(c), tonumber(t)
+  rc, rt = c, t  -- strings, exact for INCRBY / DECRBY (see RESERVE_LUA)
   if tonumber(h) == hour then at = 2 elseif tonumber(h) == hour - 1 then at = 4 end
 end
 redis.call('SET', KEYS[1], 'settled', 'EX', sttl)
 for i = 1, (#KEYS - 1) / 6 do
   local k = 6 * i - 4
   local ttl = tonumber(ARGV[4 + i])
-  if cost ~= 0 then redis.call('INCRBY', KEYS[k], cost) end
-  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], tokens) end
+  if cost ~= 0 then redis.call('INCRBY', KEYS[k], ARGV[1]) end
+  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], ARGV[2]) end
   redis.call('EXPIRE', KEYS[k], ttl)
   redis.call('EXPIRE', KEYS[k + 1], ttl)
   -- its bucket, while it is kept (an expired one is not made again, negative)

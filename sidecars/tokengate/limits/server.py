@@ -70,6 +70,8 @@ _LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUEST
                "tokens": limits_pb2.LIMIT_TOKENS}
 _BUDGET_ENUM = {None: limits_pb2.BUDGET_NONE, "spend": limits_pb2.BUDGET_SPEND,
                 "tokens": limits_pb2.BUDGET_TOKENS}
+# the uint32 fields of ReserveReply are durations within the 60 s window; every count
+# and limit is a uint64 (limits.proto), as large as the schema allows (MAX_COUNT)
 _U32 = 2**32 - 1
 T = TypeVar("T")
 
@@ -152,7 +154,7 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             request.request_id), context)
         return limits_pb2.ReserveReply(
             admitted=r.admitted, limited_by=_LIMIT_ENUM[r.limited_by], never_fits=r.never_fits,
-            remaining_requests=min(r.remaining_requests, _U32),
+            remaining_requests=r.remaining_requests,
             remaining_tokens=r.remaining_tokens,
             reset_requests_ms=min(r.reset_requests_ms, _U32),
             reset_tokens_ms=min(r.reset_tokens_ms, _U32),
