@@ -137,6 +137,132 @@ def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_pa
     assert errors_of(repo_raw, put(path, value), tmp_path) == [f"{where}: {message}"]
 
 
+def _numbers(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(model.field, JSON Schema node) of every integer or number the schema has."""
+    for name, model in schema["$defs"].items():
+        for field, prop in model.get("properties", {}).items():
+            for node in [prop, *prop.get("anyOf", [])]:
+                if node.get("type") in ("integer", "number"):
+                    yield f"{name}.{field}", node
+
+
+def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
+    """Each is held to what the code downstream holds (the edge's Lua doubles, the
+    uint64 wire, Redis): counts and durations to MAX_COUNT, amounts of the currency to
+    MAX_AMOUNT; .inf, .nan and 1e308 had passed `config check` as prices, the context
+    penalty's rate and slow_ms."""
+    numbers = dict(_numbers(tg_config.Config.model_json_schema()))
+    assert len(numbers) >= 60
+    unbounded = [f for f, n in numbers.items()
+                 if "maximum" not in n or ("minimum" not in n and "exclusiveMinimum" not in n)]
+    assert unbounded == []
+    assert max(n["maximum"] for n in numbers.values()) == tg_config.MAX_COUNT == 10**12
+    amounts = {f: n["maximum"] for f, n in numbers.items()
+               if f.startswith(("ModelCost.", "Budget.spend"))}
+    assert amounts == {"ModelCost.input": 1e9, "ModelCost.output": 1e9,
+                       "ModelCost.cached": 1e9, "Budget.spend": 1e9}
+    # every limit the edge sends on the wire (uint64) fits in Lua's exact integers
+    assert tg_config.MAX_COUNT < 2**53 and tg_config.MAX_AMOUNT * 1e9 < 2**63
+
+
+FINITE = "input should be a finite number, got {}"
+
+
+@pytest.mark.parametrize("path,text,message", [
+    (f"models.{MODEL}.cost.input", ".inf", FINITE.format("inf")),
+    (f"models.{MODEL}.cost.output", "1.0e+308",
+     "input should be less than or equal to 1000000000, got 1e+308"),
+    (f"models.{MODEL}.cost.cached", ".nan", FINITE.format("nan")),
+    ("billing.context_penalty.rate", ".inf", FINITE.format("inf")),
+    ("billing.context_penalty.rate", "1.5", "input should be less than or equal to 1, got 1.5"),
+    ("billing.context_penalty.threshold", "1.0e+30", "input should be a valid integer, got 1e+30"),
+    ("access_log.slow_ms", ".inf", FINITE.format("inf")),
+    ("access_log.slow_rate", ".nan", FINITE.format("nan")),
+    ("access_log.error_status", "1000", "input should be less than or equal to 999, got 1000"),
+    ("ledger.engine_wait_s", "-.inf", FINITE.format("-inf")),
+    ("ledger.engine_orphan_s", ".inf", FINITE.format("inf")),
+    ("ledger.rotate_wait_s", "1.0e+13",
+     "input should be less than or equal to 1000000000000, got 10000000000000.0"),
+    ("ledger.dedupe_days", "100000000000000000000",
+     "input should be less than or equal to 36500, got 100000000000000000000"),
+    ("ledger.audit_maxlen", "10000000000000",
+     "input should be less than or equal to 1000000000000, got 10000000000000"),
+    ("keys.demo.rpm", "1000000000001",
+     "input should be less than or equal to 1000000000000, got 1000000000001"),
+    ("edge.upstream_eject_s", "99999999999999999999",
+     "input should be less than or equal to 1000000000000, got 99999999999999999999"),
+    ("edge.admission.priorities.low.max_waiting", "10000000000000",
+     "input should be less than or equal to 1000000000000, got 10000000000000"),
+    (f"models.{MODEL}.idle_unload.idle_s", "10000000000000",
+     "input should be less than or equal to 1000000000000, got 10000000000000"),
+])
+def test_a_number_that_is_not_finite_or_past_its_bound_is_refused_with_its_path(
+        repo_raw: dict[str, Any], tmp_path: Path, path: str, text: str, message: str) -> None:
+    # as written in the YAML (.inf, .nan, 1.0e+308 are YAML's own floats)
+    raw = copy.deepcopy(repo_raw)
+    put(path, yaml.safe_load(text))(raw)
+    with pytest.raises(ConfigError) as e:
+        tg_config.loads(yaml.safe_dump(raw), tmp_path / "tokengate.yaml")
+    assert e.value.errors == [f"{path}: {message}"]
+
+
+def test_a_budgets_spend_must_be_finite(repo_raw: dict[str, Any], tmp_path: Path) -> None:
+    edit = every(put("global_limits.enabled", True),
+                 put("keys.demo.budgets", [{"period": "day", "spend": float("inf")},
+                                           {"period": "month", "spend": float("nan")}]))
+    assert errors_of(repo_raw, edit, tmp_path) == [
+        f"keys.demo.budgets.0.spend: {FINITE.format('inf')}",
+        f"keys.demo.budgets.1.spend: {FINITE.format('nan')}"]
+
+
+@pytest.mark.parametrize("rpm", [2**32, 2**32 + 5, 10**12])
+def test_an_rpm_above_2_to_the_32_is_kept_exactly_in_the_edge_document(
+        repo_raw: dict[str, Any], tmp_path: Path, rpm: int) -> None:
+    """The schema's bound for limits (1e12) is the wire's too: limits.proto's rpm_limit is a
+    uint64 (as a uint32, 2^32 + 5 was enforced as 5; tests/test_edge_global.py sends it)."""
+    raw = copy.deepcopy(repo_raw)
+    put("keys.demo.rpm", rpm)(raw)
+    put(f"keys.demo.models.{MODEL}", {"rpm": rpm, "tpm": 10**12})(raw)
+    cfg = tg_config.loads(yaml.safe_dump(raw), REPO_CONFIG)
+    doc = json.loads(json.dumps(compile_config.compile_config(cfg), allow_nan=False))
+    assert doc["keys"][DEMO]["rpm"] == rpm
+    assert doc["keys"][DEMO]["models"][MODEL] == {"rpm": rpm, "tpm": 10**12}
+
+
+def test_keys_create_takes_an_rpm_above_2_to_the_32_and_refuses_past_the_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokengate keys create` checks its edit with the schema: --rpm 4294967301 is written
+    as given; past MAX_COUNT, or a spend past MAX_AMOUNT, nothing is written."""
+    from tokengate import cli
+
+    path = tmp_path / "tokengate.yaml"
+    raw = yaml.safe_load(REPO_CONFIG.read_text())
+    put(f"models.{MODEL}.dir", str(REPO_CONFIG.parent / "var/models/tiny-qwen3"))(raw)
+    put("global_limits.enabled", True)(raw)
+    path.write_text(yaml.safe_dump(raw))
+
+    def keys(*args: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as done:
+            cli.main(["keys", *args, "--config", str(path), "--no-apply"])
+        return int(done.value.code or 0), capsys.readouterr().err
+
+    assert keys("create", "big", "--rpm", "4294967301", "--tpm", "1000")[0] == 0
+    assert tg_config.load(path).keys["big"].rpm == 4294967301
+    before = path.read_text()
+    status, err = keys("create", "huge", "--rpm", "1000000000001", "--tpm", "1000")
+    assert (status, err.splitlines()[0]) == (1, "keys.huge.rpm: input should be less than "
+                                                "or equal to 1000000000000, got 1000000000001")
+    status, err = keys("create", "spender", "--rpm", "1", "--tpm", "1", "--budget",
+                       "day=10000000000")
+    assert (status, err.splitlines()[0]) == (1, "keys.spender.budgets.0.spend: input should "
+                                                "be less than or equal to 1000000000, got "
+                                                "10000000000")
+    # inf and nan are not amounts to the option's parser already (exit 2, usage)
+    assert keys("create", "spender", "--rpm", "1", "--tpm", "1", "--budget", "day=inf")[0] \
+        == 2
+    assert path.read_text() == before
+
+
 def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
                                                 tmp_path: Path) -> None:
     def drop_len(raw: dict[str, Any]) -> None:

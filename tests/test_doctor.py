@@ -1,6 +1,7 @@
 """``tokengate doctor`` and ``tokengate-counter --check-upstreams``: every upstream is
 checked against what the counter mirrors and billing reads (model name, vLLM release,
---enable-prompt-tokens-details, the tool parser, counts equal to vLLM's /tokenize).
+--enable-prompt-tokens-details, the tool parser, the tokengate plugin's engine records
+in a file the ledger reads, counts equal to vLLM's /tokenize).
 
 Against the real vLLM CPU server (the session's, and one started without the billing
 flags), TokenStorm's fast upstream for a replica that serves another model or reports
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +37,25 @@ BARE_VLLM_PORT = 18010 + PORT_OFFSET
 BILLING_FLAGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice",
                  "--tool-call-parser", "hermes")
 CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
-          *(f"count {p[0]}" for p in doctor.PROBES)]
+          "engine_records", *(f"count {p[0]}" for p in doctor.PROBES)]
 VLLM = f"127.0.0.1:{VLLM_PORT}"
+# where the session's vLLM (conftest) and this module's bare one write engine records
+SESSION_ENGINE = TEST_DIR / "usage" / "engine.jsonl"
+BARE_ENGINE = TEST_DIR / "doctor" / "engine-bare.jsonl"
+PLUGIN_MISSING = (
+    "after 5 s: is the tokengate vLLM plugin installed in this vLLM's environment (pip "
+    "install --no-deps ./vllm_patches; vLLM then logs 'engine usage records: engine 0 "
+    "writes to ...') and is its TOKENGATE_ENGINE_USAGE_FILE one of "
+    "ledger.engine_usage_files?")
 
 
 def _config(base: Path, out: Path, upstreams: list[str],
-            edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
+            edit: Callable[[dict[str, Any]], None] | None = None,
+            engine_files: Sequence[Path] = (SESSION_ENGINE, BARE_ENGINE)) -> Path:
     raw = yaml.safe_load(base.read_text())
     raw["models"][MODEL]["upstreams"] = upstreams
     raw["models"][MODEL]["embedded"] = False
+    raw.setdefault("ledger", {})["engine_usage_files"] = [str(f) for f in engine_files]
     if edit is not None:
         edit(raw)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,12 +108,18 @@ def test_versions_are_verified_by_major_and_minor() -> None:
 
 
 def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str) -> None:
-    status, lines, err = _doctor(config_path)
+    cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM])
+    status, lines, err = _doctor(cfg)
     assert status == 0, "\n".join(lines) + err
     got = _lines_of(lines, VLLM)
     assert list(got) == CHECKS
     assert all(line.startswith("OK ") for line in got.values()), lines
     assert got["model"] == "OK model: serves tiny-qwen3 (max_model_len 8192)"
+    # the plugin (installed in the test venv) wrote the probe's record where the
+    # ledger reads
+    assert re.fullmatch(r"OK engine_records: the tokengate vLLM plugin recorded the probe "
+                        rf"\(chatcmpl-tokengate-doctor-[0-9a-f]{{32}}\) in {SESSION_ENGINE}",
+                        got["engine_records"]), got["engine_records"]
     assert got["version"] == "OK version: vLLM 0.32.0 (the counter mirrors 0.32.x)"
     assert got["usage"] == "OK usage: usage.prompt_tokens 10 = counter 10"
     assert got["count chat_tools"] == "OK count chat_tools: 191 tokens, vLLM /tokenize agrees"
@@ -124,7 +142,9 @@ def test_a_replica_serving_another_model_fails_loudly(
                             "requests would get 404 (vLLM's --served-model-name)")
     assert got["usage"] == ("FAIL usage: a chat request got HTTP 404: The model `tiny-qwen3` "
                             "does not exist. Valid aliases: other-model.")
-    assert "13 OK, 0 warning(s), 9 failed" in err
+    assert got["engine_records"] == \
+        "SKIP engine_records: not checked: the chat request failed (above)"
+    assert "14 OK, 0 warning(s), 9 failed, 1 skipped" in err
 
 
 def test_an_unverified_vllm_release_fails_unless_allowed(
@@ -195,7 +215,66 @@ def test_an_unreachable_upstream_fails_and_skips_the_rest(config_path: Path) -> 
     assert got["health"].startswith("FAIL health: unreachable (")
     assert {v for k, v in got.items() if k != "health"} == \
         {f"SKIP {k}: not checked: the upstream is not healthy" for k in CHECKS[1:]}
-    assert "0 OK, 0 warning(s), 1 failed, 10 skipped" in err
+    assert "0 OK, 0 warning(s), 1 failed, 11 skipped" in err
+
+
+def test_a_replica_without_the_plugin_fails_the_engine_records_check(
+        config_path: Path, fast: Callable[..., FastUpstream]) -> None:
+    # the fast upstream answers like vLLM but has no tokengate plugin: whether the
+    # ledger's engine file is there (another replica's) or not, the probe's record never
+    # comes
+    plain = fast(model=MODEL)
+    replica = f"127.0.0.1:{plain.port}"
+    present = TEST_DIR / "doctor" / "engine-other.jsonl"
+    present.parent.mkdir(parents=True, exist_ok=True)
+    present.write_text("")
+    missing = TEST_DIR / "doctor" / "engine-never-written.jsonl"
+    missing.unlink(missing_ok=True)
+    for files in ([present], [missing]):
+        cfg = _config(config_path, TEST_DIR / "doctor" / "no-plugin.yaml", [replica],
+                      engine_files=files)
+        status, lines, _ = _doctor(cfg)
+        got = _lines_of(lines, replica)
+        assert status == 1
+        assert re.fullmatch(r"FAIL engine_records: no engine record of the probe "
+                            r"\(chatcmpl-tokengate-doctor-[0-9a-f]{32}\) in "
+                            + re.escape(f"{files[0]} {PLUGIN_MISSING}"),
+                            got["engine_records"]), got["engine_records"]
+        # what it does serve like vLLM passes (its /tokenize counts are not vLLM's)
+        assert all(got[k].startswith("OK ") for k in CHECKS[:CHECKS.index("engine_records")])
+
+
+def test_a_ledger_that_reads_no_engine_records_fails_the_engine_records_check(
+        config_path: Path, fast: Callable[..., FastUpstream]) -> None:
+    plain = fast(model=MODEL)
+    replica = f"127.0.0.1:{plain.port}"
+    cfg = _config(config_path, TEST_DIR / "doctor" / "no-engine-files.yaml", [replica],
+                  engine_files=[])
+    status, lines, _ = _doctor(cfg)
+    assert status == 1
+    assert _lines_of(lines, replica)["engine_records"] == (
+        "FAIL engine_records: ledger.engine_usage_files is empty: the ledger reads no engine "
+        "records, so client disconnects and n > 1 are billed from the edge's numbers; list "
+        "each replica's TOKENGATE_ENGINE_USAGE_FILE there (tokengate-vllm@PORT writes "
+        "/var/lib/tokengate/engine/PORT.jsonl)")
+
+
+def test_a_remote_replicas_engine_records_not_on_this_host_are_a_warning(
+        tmp_path: Path) -> None:
+    # a replica on another host writes its records there (read by a `tokengate-ledger
+    # --engine-only` of that host): here the doctor can only say it did not look
+    files = [tmp_path / "8100.jsonl"]
+    seen: list[doctor.Check] = []
+
+    def check(what: str, status: doctor.Status, detail: str) -> doctor.Check:
+        seen.append(doctor.Check(MODEL, "10.0.0.7:8100", what, status, detail))
+        return seen[-1]
+
+    c = doctor._engine_records(check, "10.0.0.7:8100", files, doctor._EngineMarks.take(files),
+                               "chatcmpl-x", True, 0.0)
+    assert (c.status, c.detail) == ("WARN", (
+        f"not checked here: none of ledger.engine_usage_files ({files[0]}) exists on this "
+        "host; run tokengate doctor on the vLLM host, where its records are written"))
 
 
 def test_a_config_that_cannot_be_read_exits_2(tmp_path: Path) -> None:
@@ -211,7 +290,8 @@ def bare_vllm(cfg: tg_config.Config) -> Iterator[str]:
     """host:port of a second vLLM CPU server on the same model, started without the flags
     billing relies on (--enable-prompt-tokens-details, the tool parser)."""
     svc = devstack.vllm_service(cfg.models[MODEL], port=BARE_VLLM_PORT,
-                                name=f"test-vllm-bare{PORT_OFFSET or ''}")
+                                name=f"test-vllm-bare{PORT_OFFSET or ''}",
+                                engine_usage_file=BARE_ENGINE)
     missing = [f for f in BILLING_FLAGS if f not in svc.argv]
     assert not missing, f"devstack's vLLM no longer passes {missing}"
     svc.argv = [a for a in svc.argv if a not in BILLING_FLAGS]

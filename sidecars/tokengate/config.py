@@ -177,10 +177,30 @@ Sha256 = Annotated[str, AfterValidator(_sha256),
 RedisUrl = Annotated[str, AfterValidator(_redis_url),
                      WithJsonSchema({"type": "string", "format": "uri",
                                      "pattern": "^(redis|rediss|unix)://"})]
-# the unit is in each field's description; at most a trillion: the edge computes with
-# Lua numbers and writes them in headers as integers (%.14g)
-Positive = Annotated[int, Field(ge=1, le=10**12)]
-Rate = Annotated[float, Field(ge=0.0, le=1.0)]
+# --- numbers ---------------------------------------------------------------------------
+# Every number of the file has a type from here, so each is finite and bounded by what
+# the code downstream holds: the edge computes in Lua numbers (doubles: integers exact
+# up to 2^53) and writes them in headers as integers (%.14g, exact up to 10^14); the
+# sidecars' messages carry them as uint64 varints (limits.proto); Redis keeps int64
+# counters and long-double floats and refuses a result that is not finite. The unit is
+# in each field's description. YAML's .inf and .nan are refused by every type.
+
+# Counts (tokens, requests, bytes, entries) and durations (ms, s): at most a trillion.
+# A field with bounds of its own has them within these (its Field's ge/le; pydantic
+# keeps an Annotated type's bounds over a Field's, so such a field is a plain int).
+MAX_COUNT = 10**12
+# Amounts of the currency (a price per 1M tokens, a budget's spend): at most 1e9. The
+# budgets count spend in integer nano-units (1e-9), so 1e9 is 1e18 nano-units, within
+# Redis's int64 (9.2e18) and the wire's uint64.
+MAX_AMOUNT = 1e9
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Positive = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+# a duration or size given as a float (s, ms), like Count
+Finite = Annotated[float, Field(ge=0.0, le=float(MAX_COUNT), allow_inf_nan=False)]
+Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# an amount of the currency (a price is one per 1M tokens)
+Amount = Annotated[float, Field(ge=0.0, le=MAX_AMOUNT, allow_inf_nan=False)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
@@ -200,14 +220,14 @@ def _empty_is_defaults(value: Any) -> Any:
 class ModelCost(_Schema):
     """Billing weights of one model, in ``currency`` per 1M tokens."""
 
-    input: float = Field(
-        default=1.0, ge=0.0,
+    input: Amount = Field(
+        default=1.0,
         description="Uncached prompt tokens, per 1M tokens.")
-    output: float = Field(
-        default=1.35, ge=0.0,
+    output: Amount = Field(
+        default=1.35,
         description="Completion tokens, per 1M tokens.")
-    cached: float = Field(
-        default=0.1, ge=0.0,
+    cached: Amount = Field(
+        default=0.1,
         description="Prompt tokens served from vLLM's prefix cache "
                     "(prompt_tokens_details.cached_tokens), per 1M tokens.")
 
@@ -228,8 +248,8 @@ class IdleUnload(_Schema):
     from garbage weights.
     """
 
-    idle_s: int = Field(
-        default=0, ge=0,
+    idle_s: Count = Field(
+        default=0,
         description="A replica with no request for this long is put to sleep, s. 0: never "
                     "(off).")
     max_hold_ms: Positive = Field(
@@ -348,8 +368,8 @@ class Budget(_Schema):
     period: Literal["day", "month"] = Field(
         description="The UTC calendar period the budget covers: `day` (resets at 00:00 "
                     "UTC), `month` (resets on the 1st at 00:00 UTC).")
-    spend: float | None = Field(
-        default=None, ge=1e-6, le=1e9,
+    spend: Annotated[Amount, Field(ge=1e-6)] | None = Field(
+        default=None,
         description="Spend limit per period, in `currency` (the cost `tokengate usage` "
                     "reports), from 0.000001 to 1e9 (spend is counted in nano-units). "
                     "null: no spend limit.")
@@ -439,12 +459,13 @@ class ContextPenalty(_Schema):
     """Long-context surcharge on billed input: above ``threshold`` prompt tokens each
     billed input token counts ``1 + rate * (prompt_tokens - threshold)`` times."""
 
-    threshold: int = Field(
-        default=32768, ge=0,
+    threshold: Count = Field(
+        default=32768,
         description="Prompt size above which the surcharge applies, tokens.")
-    rate: float = Field(
-        default=0.00015, ge=0.0,
-        description="Surcharge per prompt token above the threshold (a factor per token).")
+    rate: Rate = Field(
+        default=0.00015,
+        description="Surcharge per prompt token above the threshold (a factor per token, "
+                    "0..1).")
 
 
 class BillingConfig(_Schema):
@@ -465,13 +486,14 @@ class LedgerConfig(_Schema):
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the ledger tails.")
     dedupe_days: int = Field(
-        default=8, ge=1,
-        description="Request ids remembered against replays, days.")
-    audit_maxlen: int = Field(
-        default=100_000, ge=1,
+        default=8, ge=1, le=36500,
+        description="Request ids remembered against replays, days (at most 36500: the "
+                    "Redis expiry of a day's ids stays within its int64 ms clock).")
+    audit_maxlen: Positive = Field(
+        default=100_000,
         description="Approximate bound of the audit stream, entries.")
-    rotate_wait_s: float = Field(
-        default=5.0, ge=0.0,
+    rotate_wait_s: Finite = Field(
+        default=5.0,
         description="Keep reading a rotated file this long after its last write, s.")
     engine_usage_files: list[RelPath] = Field(
         default=[],
@@ -480,12 +502,12 @@ class LedgerConfig(_Schema):
                     "and bills the engine's numbers. Empty: the edge's numbers, at once. "
                     "One list for every host: a file that does not exist here is waited "
                     "for; on a vLLM host run `tokengate-ledger --engine-only`.")
-    engine_wait_s: float = Field(
-        default=5.0, ge=0.0,
+    engine_wait_s: Finite = Field(
+        default=5.0,
         description="How long an edge event waits for its engine records before it is "
                     "billed with its own numbers (counted as engine_missing), s.")
     engine_orphan_s: float = Field(
-        default=3600.0, gt=0.0,
+        default=3600.0, gt=0.0, le=MAX_COUNT, allow_inf_nan=False,
         description="Engine records whose edge event has not come after this long are "
                     "dropped and counted as unmatched (not billed), s.")
 
@@ -527,10 +549,10 @@ class AccessLogConfig(_Schema):
     """Tiered access-log sampling (usage events are never sampled)."""
 
     error_status: int = Field(
-        default=400, ge=100,
+        default=400, ge=100, le=999,
         description="Status >= this: always logged.")
-    slow_ms: float = Field(
-        default=5000.0, ge=0.0,
+    slow_ms: Finite = Field(
+        default=5000.0,
         description="Total time above this, ms: logged at slow_rate.")
     slow_rate: Rate = Field(
         default=0.1,
@@ -606,8 +628,8 @@ class AuthFailuresConfig(_Schema):
     Requests without any key are counted and logged but never block.
     """
 
-    threshold: int = Field(
-        default=100, ge=0,
+    threshold: Count = Field(
+        default=100,
         description="Invalid API keys from one client within window_s that block it; 0: "
                     "never block.")
     window_s: Positive = Field(
@@ -621,8 +643,8 @@ class AuthFailuresConfig(_Schema):
         default=[],
         description="Client networks never blocked (CIDR or address): a NAT gateway or "
                     "proxy that many clients share.")
-    log_lines_per_s: int = Field(
-        default=10, ge=0,
+    log_lines_per_s: Count = Field(
+        default=10,
         description="Sampled access-log lines of requests without a valid key, at most, "
                     "per second and nginx worker (all are counted on the status listener).")
 
@@ -671,8 +693,8 @@ class PriorityConfig(_Schema):
         description="A replica whose vllm:kv_cache_usage_perc (0..1) is above this takes "
                     "no new request of this priority (except small prompts, "
                     "small_prompt_headroom).")
-    max_waiting: int = Field(
-        default=32, ge=0,
+    max_waiting: Count = Field(
+        default=32,
         description="A replica whose vllm:num_requests_waiting is above this takes no new "
                     "request of this priority, requests.")
 
@@ -699,8 +721,8 @@ class AdmissionConfig(_Schema):
     ``Retry-After`` estimated from the queue.
     """
 
-    metrics_interval_ms: int = Field(
-        default=1000, ge=0,
+    metrics_interval_ms: Count = Field(
+        default=1000,
         description="Every this many ms one nginx worker reads each replica's /metrics, ms. "
                     "0: off (every replica unknown: no request is shed).")
     metrics_timeout_ms: Positive = Field(
@@ -715,8 +737,8 @@ class AdmissionConfig(_Schema):
         default_factory=_default_priorities, min_length=1,
         description="Bounds by priority name; each key has one (keys.<id>.priority, "
                     "default `normal`).")
-    small_prompt_tokens: int = Field(
-        default=256, ge=0,
+    small_prompt_tokens: Count = Field(
+        default=256,
         description="A prompt of at most this many tokens may still go to a replica above "
                     "its priority's kv_cache_threshold (a small prefill needs few KV-cache "
                     "blocks), tokens; 0: none may.")
@@ -768,15 +790,15 @@ class EdgeConfig(_Schema):
         description="Largest request body, bytes (413 above it); at most the counter's gRPC "
                     "message limit, 64 MiB.")
     max_json_depth: int = Field(
-        default=64, ge=4,
+        default=64, ge=4, le=MAX_COUNT,
         description="Deepest JSON nesting accepted (400 above it), levels.")
     count_timeout_ms: Positive = Field(
         default=500,
         description="How long admission waits for the counter, ms, per started 256 KiB of "
                     "body (a 1 MiB body may take 4 x this); then on_counter_failure "
                     "applies.")
-    counter_backoff_ms: int = Field(
-        default=500, ge=0,
+    counter_backoff_ms: Count = Field(
+        default=500,
         description="After a counter failure the edge skips the counter for this long, ms "
                     "(on_counter_failure applies meanwhile); then one request probes again.")
     on_counter_failure: Literal["open", "closed"] = Field(
@@ -825,8 +847,8 @@ class EdgeConfig(_Schema):
         default_factory=StructuredOutputLimits,
         description="Bounds on response_format, structured_outputs and guided_* (work vLLM "
                     "does before the first token, whatever the prompt costs).")
-    max_unknown_fields_bytes: int = Field(
-        default=65536, ge=0,
+    max_unknown_fields_bytes: Count = Field(
+        default=65536,
         description="Total JSON size of the top-level fields that vLLM 0.32's request "
                     "models do not define (vLLM ignores them; the edge still reads and "
                     "forwards them), bytes; 400 above it, naming the largest.")
@@ -844,15 +866,15 @@ class EdgeConfig(_Schema):
         default=10,
         description="How long a failed replica is skipped, s (a passing health probe "
                     "brings it back sooner).")
-    upstream_health_interval_ms: int = Field(
-        default=2000, ge=0,
+    upstream_health_interval_ms: Count = Field(
+        default=2000,
         description="Every this many ms one nginx worker probes each replica's /health; "
                     "a replica that does not answer 200 is out until it does. 0: no probes.")
     upstream_health_timeout_ms: Positive = Field(
         default=1000,
         description="How long a health probe waits for the answer's status line, ms.")
-    upstream_resolve_interval_ms: int = Field(
-        default=30000, ge=0,
+    upstream_resolve_interval_ms: Count = Field(
+        default=30000,
         description="Every this many ms one nginx worker resolves the upstreams given by "
                     "host name again (DNS A records), so a replica that moves is followed "
                     "without a reload. 0: only when the configuration is compiled.")
@@ -871,8 +893,8 @@ class EdgeConfig(_Schema):
         description="With global_limits.enabled: how long admission waits for the "
                     "global-limit sidecar before admitting on the local limits alone, ms; "
                     "more than 2 x redis.timeout_ms.")
-    global_limits_backoff_ms: int = Field(
-        default=500, ge=0,
+    global_limits_backoff_ms: Count = Field(
+        default=500,
         description="After a failure of the global tier, requests skip it (local limits "
                     "only) for this long, ms; then one request probes again.")
     auth_failures: AuthFailuresConfig = Field(

@@ -17,6 +17,16 @@ every model, in order:
     usage                  that answer's usage.prompt_tokens equals the counter's count
     tool_parser            a chat request with ``tools`` gets 200, not 400 (vLLM's
                            --enable-auto-tool-choice --tool-call-parser)
+    engine_records         (``tokengate doctor``) the tokengate vLLM plugin is loaded in
+                           this vLLM and writes where the ledger reads: the chat request
+                           above, sent with ``X-Request-Id: tokengate-doctor-<hex>``, has
+                           its engine record (request_id ``chatcmpl-<that id>``) appended
+                           to one of ``ledger.engine_usage_files`` within
+                           ``engine_wait_s``. vLLM shows no sign of its stat-logger
+                           plugins on any route or metric, so the record is the evidence;
+                           it also proves the file is one the ledger reads. A replica on
+                           another host whose files are not here is a warning (run the
+                           doctor there); a loopback one without its record fails
     count <body>           for each of ``PROBES`` (system prompt, tools, multi-turn with a
                            tool call, CJK and emoji, a completions prompt), the counter's
                            prompt tokens equal vLLM's own ``POST /tokenize`` count
@@ -35,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +94,7 @@ PROBES: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "prompt": "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"}),
 )
 _PLAIN = [{"role": "user", "content": "Hello!"}]
+ENGINE_WAIT_S = 5.0  # how long a probe's engine record may take to appear, s
 
 
 @dataclass(frozen=True)
@@ -111,10 +124,11 @@ class _Answer:
     body: Any  # parsed JSON, or None
 
 
-def _http(method: str, url: str, body: Any, timeout_s: float) -> _Answer:
+def _http(method: str, url: str, body: Any, timeout_s: float,
+          headers: dict[str, str] | None = None) -> _Answer:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             status, raw = r.status, r.read()
@@ -152,12 +166,15 @@ def version_verified(version: str, verified: tuple[tuple[int, int], ...]) -> boo
 def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCounter | str,
                    *, allow_unverified: bool = False,
                    verified: tuple[tuple[int, int], ...] | None = None,
-                   timeout_s: float = 60.0) -> Iterator[Check]:
+                   timeout_s: float = 60.0, engine_files: list[Path] | None = None,
+                   engine_wait_s: float = ENGINE_WAIT_S) -> Iterator[Check]:
     """The checks of one upstream (``host:port``) of ``model``, in the module's order,
     each yielded as soon as it is known. ``counter``: the model's
     ``tokengate.counter.counting.ModelCounter``, or the ``str`` of why it could not be
     loaded (the count checks then fail with it). ``verified``: (major, minor) releases
-    accepted (default ``VERIFIED_VLLM``)."""
+    accepted (default ``VERIFIED_VLLM``). ``engine_files``: ``ledger.engine_usage_files``,
+    for the ``engine_records`` check (None: not run); ``engine_wait_s``: how long its
+    probe's record may take, s."""
     from tokengate.counter.counting import VERIFIED_VLLM, BadRequest
 
     if verified is None:
@@ -176,6 +193,7 @@ def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCo
             return None, f"the counter refused the body: {e}"
 
     names = ["model", "version", "prompt_tokens_details", "usage", "tool_parser",
+             *(["engine_records"] if engine_files is not None else []),
              *(f"count {p[0]}" for p in PROBES)]
     try:
         status = _http("GET", base + "/health", None, timeout_s).status
@@ -192,7 +210,13 @@ def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCo
     try:
         yield from _model(check, model, base, timeout_s)
         yield _version(check, base, allow_unverified, verified, timeout_s)
-        yield from _chat_flags(check, model, base, counted, timeout_s)
+        probe_id = f"tokengate-doctor-{uuid.uuid4().hex}"
+        marks = _EngineMarks.take(engine_files or [])
+        answered: list[bool] = []
+        yield from _chat_flags(check, model, base, counted, timeout_s, probe_id, answered)
+        if engine_files is not None:
+            yield _engine_records(check, upstream, engine_files, marks, f"chatcmpl-{probe_id}",
+                                  answered == [True], engine_wait_s)
         for probe, endpoint, body in PROBES:
             yield _count(check, model, base, counted, probe, endpoint, body, timeout_s)
     except _Unreachable as e:
@@ -244,10 +268,13 @@ def _version(check: Callable[[str, Status, str], Check], base: str, allow_unveri
 
 def _chat_flags(check: Callable[[str, Status, str], Check], model: tg_config.ModelConfig,
                 base: str, counted: Callable[[str, dict[str, Any]], tuple[int | None, str]],
-                timeout_s: float) -> Iterator[Check]:
+                timeout_s: float, request_id: str, answered: list[bool]) -> Iterator[Check]:
+    """The chat probes; the first goes with ``X-Request-Id: request_id`` (vLLM names it
+    ``chatcmpl-<request_id>``), and ``answered`` gets whether it got a 200."""
     url = base + "/v1/chat/completions"
     a = _http("POST", url, {"model": model.name, "messages": _PLAIN, "max_tokens": 1},
-              timeout_s)
+              timeout_s, {"X-Request-Id": request_id})
+    answered.append(a.status == 200)
     usage = a.body.get("usage") if isinstance(a.body, dict) else None
     if a.status != 200 or not isinstance(usage, dict):
         why = f"a chat request got {_why(a)}"
@@ -283,6 +310,101 @@ def _chat_flags(check: Callable[[str, Status, str], Check], model: tg_config.Mod
                     "(hermes for Qwen3)")
     else:
         yield check("tool_parser", "FAIL", f"a request with tools got {_why(a)}")
+
+
+@dataclass(frozen=True)
+class _EngineMarks:
+    """Where each engine usage file ended before the probe: (device, inode, size), or
+    None for a file that was not there, or the ``str`` of why it could not be read."""
+
+    at: dict[Path, tuple[int, int, int] | None | str]
+
+    @classmethod
+    def take(cls, files: list[Path]) -> _EngineMarks:
+        at: dict[Path, tuple[int, int, int] | None | str] = {}
+        for f in files:
+            try:
+                st = os.stat(f)
+                at[f] = (st.st_dev, st.st_ino, st.st_size)
+            except FileNotFoundError:
+                at[f] = None
+            except OSError as e:
+                at[f] = e.strerror or str(e)
+        return cls(at)
+
+
+def _find_record(path: Path, mark: tuple[int, int, int] | None | str,
+                 request_id: str) -> bool | str:
+    """Whether a complete line written to ``path`` since ``mark`` is the engine record
+    of ``request_id`` (a file replaced since, by a rotation, is read from its start), or
+    the ``str`` of why it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            start = 0
+            if isinstance(mark, tuple) and mark[:2] == (st.st_dev, st.st_ino) \
+                    and mark[2] <= st.st_size:
+                start = mark[2]
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        return e.strerror or str(e)
+    for line in data.split(b"\n")[:-1]:  # the last piece is not a whole line yet
+        if request_id.encode() not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("request_id") == request_id:
+            return True
+    return False
+
+
+def _engine_records(check: Callable[[str, Status, str], Check], upstream: str,
+                    files: list[Path], marks: _EngineMarks, request_id: str, answered: bool,
+                    wait_s: float) -> Check:
+    what = "engine_records"
+    if not files:
+        return check(what, "FAIL", "ledger.engine_usage_files is empty: the ledger reads no "
+                                   "engine records, so client disconnects and n > 1 are "
+                                   "billed from the edge's numbers; list each replica's "
+                                   "TOKENGATE_ENGINE_USAGE_FILE there (tokengate-vllm@PORT "
+                                   "writes /var/lib/tokengate/engine/PORT.jsonl)")
+    if not answered:
+        return check(what, "SKIP", "not checked: the chat request failed (above)")
+    listed = ", ".join(map(str, files))
+    deadline = time.monotonic() + wait_s
+    while True:
+        unreadable: dict[Path, str] = {}
+        for f in files:
+            mark = marks.at.get(f)
+            found = _find_record(f, None if isinstance(mark, str) else mark, request_id)
+            if found is True:
+                return check(what, "OK", f"the tokengate vLLM plugin recorded the probe "
+                                         f"({request_id}) in {f}")
+            if isinstance(found, str):
+                unreadable[f] = found
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if unreadable:
+        why = "; ".join(f"{f}: {e}" for f, e in unreadable.items())
+        return check(what, "WARN", f"cannot read {why}: run tokengate doctor as a user that "
+                                   "may (root, or the tokengate user)")
+    present = [f for f in files if f.exists()]
+    if not present and not tg_config._is_loopback(upstream):
+        return check(what, "WARN", f"not checked here: none of ledger.engine_usage_files "
+                                   f"({listed}) exists on this host; run tokengate doctor on "
+                                   "the vLLM host, where its records are written")
+    return check(what, "FAIL", f"no engine record of the probe ({request_id}) in {listed} "
+                               f"after {wait_s:g} s: is the tokengate vLLM plugin installed in "
+                               "this vLLM's environment (pip install --no-deps ./vllm_patches; "
+                               "vLLM then logs 'engine usage records: engine 0 writes to "
+                               "...') and is its TOKENGATE_ENGINE_USAGE_FILE one of "
+                               "ledger.engine_usage_files?")
 
 
 def _count(check: Callable[[str, Status, str], Check], model: tg_config.ModelConfig,
@@ -340,15 +462,20 @@ def wait_healthy(cfg: tg_config.Config, wait_s: float,
 
 def run(cfg: tg_config.Config, *, allow_unverified: bool = False,
         verified: tuple[tuple[int, int], ...] | None = None, timeout_s: float = 60.0,
-        out: Callable[[str], None] = print) -> list[Check]:
+        out: Callable[[str], None] = print, engine_records: bool = False,
+        engine_wait_s: float = ENGINE_WAIT_S) -> list[Check]:
     """Every check of every upstream of every model; ``out`` gets each ``Check.line()``
-    as it is known (progress: a CPU vLLM takes seconds per request)."""
+    as it is known (progress: a CPU vLLM takes seconds per request). ``engine_records``:
+    also check that each replica's plugin writes to ``ledger.engine_usage_files`` (what
+    ``tokengate doctor`` does; the counter's ``--check-upstreams`` checks counts only)."""
     checks: list[Check] = []
+    engine = list(cfg.ledger.engine_usage_files) if engine_records else None
     for model in cfg.models.values():
         counter = _load_counter(model, cfg)
         for upstream in model.upstreams:
             for c in check_upstream(model, upstream, counter, allow_unverified=allow_unverified,
-                                    verified=verified, timeout_s=timeout_s):
+                                    verified=verified, timeout_s=timeout_s,
+                                    engine_files=engine, engine_wait_s=engine_wait_s):
                 out(c.line())
                 checks.append(c)
     return checks
@@ -367,7 +494,9 @@ Check every upstream of every model against what the counter and billing rely on
 /health; /v1/models serves the configured name and max_model_len; /version is a vLLM
 release the counter was verified against (0.32.x); --enable-prompt-tokens-details is on
 (usage.prompt_tokens_details present) and usage.prompt_tokens equals the counter's
-count; the tool-call parser is on (a request with tools gets 200); and for a fixed set
+count; the tool-call parser is on (a request with tools gets 200); the tokengate vLLM
+plugin is loaded and writes where the ledger reads (that chat request's engine record
+appears in one of ledger.engine_usage_files within --engine-wait-s); and for a fixed set
 of bodies (system prompt, tools, multi-turn with a tool call, CJK, a completions prompt)
 the counter's count equals vLLM's own POST /tokenize answer. The counter runs in this
 process from the configuration's model directories. Requests go straight to each
@@ -397,6 +526,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "not a failure (the count checks still run and must pass)")
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="per request to an upstream, s (default: %(default)s)")
+    p.add_argument("--engine-wait-s", type=float, default=ENGINE_WAIT_S,
+                   help="how long a probe's engine record may take to appear in "
+                        "ledger.engine_usage_files, s (default: %(default)s)")
     p.add_argument("--wait-s", type=float, default=0.0,
                    help="first wait up to this long for every upstream's /health, s "
                         "(default: %(default)s: no wait)")
@@ -421,7 +553,7 @@ def doctor_command(args: argparse.Namespace) -> int:
     if args.wait_s > 0:
         wait_healthy(cfg, args.wait_s, out)
     checks = run(cfg, allow_unverified=args.allow_unverified_vllm, timeout_s=args.timeout_s,
-                 out=out)
+                 out=out, engine_records=True, engine_wait_s=args.engine_wait_s)
     failed = any(c.status == "FAIL" for c in checks)
     print(f"tokengate doctor: {summary(checks)}", file=sys.stderr)
     return 1 if failed else 0

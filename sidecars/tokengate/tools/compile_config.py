@@ -193,7 +193,8 @@ def write(config_path: Path | None, out: Path) -> dict[str, Any]:
     doc = compile_config(tg_config.load(config_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    # allow_nan=False: never Infinity or NaN for the edge's cjson (the schema refuses them)
+    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
     tmp.replace(out)
     return doc
 

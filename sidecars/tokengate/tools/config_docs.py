@@ -27,6 +27,12 @@ JSON Schema, for editors.
 Every key is optional unless marked *required*; an unknown key is an error, never
 ignored. Relative paths are relative to the folder of the YAML file. Units: token counts
 in tokens, `*_ms` in milliseconds, `*_s` in seconds, prices in `currency` per 1M tokens.
+Every number is finite (`.inf` and `.nan` are refused) and bounded by what the edge's
+Lua numbers, the sidecars' uint64 messages and Redis hold: counts and durations (tokens,
+requests, bytes, entries, ms, s) are at most 1000000000000 (1e12: `rpm`, `tpm` and token
+quotas included, from the file through limits.proto to Redis), amounts of the currency
+(prices, a budget's `spend`) at most 1000000000 (1e9: spend is counted in integer
+nano-units, 1e18 of them); a key's limits are enforced exactly up to these bounds.
 The default file is `$TOKENGATE_CONFIG`, else `./tokengate.yaml`, else
 `/etc/tokengate/tokengate.yaml`.
 """
