@@ -81,11 +81,9 @@ fi
 SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
   > "$SITE/tokengate-shared.pth"
-# The shared venv holds no project code: a copy there (older setups) would register the
-# vLLM plugin's entry points twice.
-if "$VENV/bin/python" -m pip show -q tokengate-vllm tokengate tokengate-dev >/dev/null 2>&1; then
-  "$VENV/bin/python" -m pip uninstall -y -q tokengate tokengate-dev tokengate-vllm
-fi
+# The shared venv is never changed here for this checkout: another checkout (or an older
+# setup) may have installed the project there, and uninstalling it would break that
+# checkout's vLLM plugin. This checkout's copies come first (check_venv.py, below).
 
 # The project itself, editable installs pointing at this checkout: the runtime package
 # (sidecars/) and the development tooling (dev/: the loopback stack, benchmarks, model
@@ -98,6 +96,9 @@ if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
     -e sidecars -e dev -e vllm_patches
   echo "$STAMP" > .venv/.tokengate-install
 fi
+# This checkout's code and one vLLM plugin entry point, its own, whatever the shared venv
+# holds; stops with what to do when a copy there would be imported instead.
+.venv/bin/python scripts/check_venv.py "$ROOT"
 
 # gRPC stubs, generated from proto/ (never edited by hand; the package build does the same).
 .venv/bin/python sidecars/build_stubs.py

@@ -9,22 +9,37 @@ workers); a key limited to one model cannot use another and sees only its own in
 
 from __future__ import annotations
 
+import fcntl
+import grp
 import hashlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+import tomllib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import yaml
+from tokengate import cli as tokengate_cli
+from tokengate import config as tg_config
+from tokengate import keys
+from tokengate.process import Service, free_port, tcp_ready
+from tokengate.tools import compile_config
 
+from tests import units
 from tests.conftest import MODEL, REPO_CONFIG
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
+from tests.test_debian_dropin import debian_layout
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
 
@@ -325,3 +340,290 @@ def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) 
     entry = next(k for k in listed["keys"] if k["name"] == "both")
     assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
         [("day", None, 3, 2000)]
+
+
+@pytest.mark.parametrize("name", ["yes", "no", "on", "off", "1_000", "null"])
+def test_a_key_named_like_a_yaml_1_1_boolean_or_number_survives_the_round_trip(
+        tmp_path: Path, name: str) -> None:
+    """PyYAML (the configuration's loader) reads YAML 1.1: a plain key `yes:` was the
+    boolean True, and the key was refused ("input should be a valid string, got True")."""
+    path, _ = _repo_copy(tmp_path)
+    made = tokengate("keys", "create", name, "--rpm", "5", "--tpm", "500", "--config", path,
+                     "--no-apply")
+    assert made.returncode == 0, made.stderr
+    assert f"\n  '{name}':\n    sha256: {hashlib.sha256(made.stdout.strip().encode()).hexdigest()}" \
+        in path.read_text()
+    assert name in yaml.safe_load(path.read_text())["keys"]  # any YAML 1.1 reader agrees
+    # the next edit reads it back and writes it again
+    other = tokengate("keys", "create", "after", "--rpm", "5", "--tpm", "500", "--config",
+                      path, "--no-apply")
+    assert other.returncode == 0, other.stderr
+    listed = json.loads(tokengate("keys", "list", "--json", "--config", path, "--redis-url",
+                                  "redis://127.0.0.1:1/0").stdout)
+    assert [k["name"] for k in listed["keys"]] == ["demo", name, "after"]
+    gone = tokengate("keys", "revoke", name, "--config", path, "--no-apply")
+    assert gone.returncode == 0, gone.stderr
+    assert name not in yaml.safe_load(path.read_text())["keys"]
+
+
+def test_a_key_named_yes_written_by_hand_loads(tmp_path: Path) -> None:
+    path, text = _repo_copy(tmp_path)
+    path.write_text(text.replace("\nkeys:\n", f"\nkeys:\n  yes:\n    sha256: {'a' * 64}\n"
+                                 "    rpm: 5\n    tpm: 500\n", 1))
+    listed = tokengate("keys", "list", "--json", "--config", path, "--redis-url",
+                       "redis://127.0.0.1:1/0")
+    assert listed.returncode == 0, listed.stderr
+    assert [k["name"] for k in json.loads(listed.stdout)["keys"]] == ["yes", "demo"]
+
+
+def test_a_ten_thousand_character_name_is_cut_in_the_error(tmp_path: Path) -> None:
+    path, text = _repo_copy(tmp_path)
+    name = "a" * 10_000
+    made = tokengate("keys", "create", name, "--rpm", "5", "--tpm", "500", "--config", path,
+                     "--no-apply")
+    assert (made.returncode, made.stdout) == (1, "")
+    assert made.stderr.splitlines() == [
+        (f"keys.{'a' * 64}... (10000 characters): a key id is 1-64 letters, digits, '.', "
+        "'_', '-' or '@', starting with a letter or digit"), f"{path}: not changed"]
+    gone = tokengate("keys", "revoke", name, "--config", path, "--no-apply")
+    assert (gone.returncode, gone.stderr) == (
+        2, f"tokengate keys: no key '{'a' * 64}'... (10000 characters)\n")
+    assert path.read_text() == text
+
+
+@dataclass
+class Host:
+    """A host with an install, simulated below a folder of the test's (the real /etc is
+    not touched: ``tokengate.config.SYSTEM_CONFIG`` points there): ROOT/etc/tokengate/
+    tokengate.yaml and its edge.json, and ROOT/run/nginx.pid naming a live process that
+    a SIGHUP would end; and a checkout with its own tokengate.yaml, the current
+    directory."""
+
+    root: Path
+    checkout: Path
+    master: subprocess.Popen[bytes]
+
+    @property
+    def config(self) -> Path:
+        return self.root / "etc/tokengate/tokengate.yaml"
+
+    @property
+    def edge_json(self) -> Path:
+        return self.root / "etc/tokengate/edge.json"
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+    root, checkout = tmp_path / "root", tmp_path / "checkout"
+    (root / "etc/tokengate").mkdir(parents=True)
+    (root / "run").mkdir()
+    checkout.mkdir()
+    installed, _ = _repo_copy(root / "etc/tokengate")
+    _repo_copy(checkout)
+    compile_config.write(installed, root / "etc/tokengate/edge.json")
+    master = subprocess.Popen(["sleep", "600"])
+    (root / "run/nginx.pid").write_text(f"{master.pid}\n")
+    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", installed)
+    monkeypatch.delenv(tg_config.CONFIG_ENV, raising=False)
+    monkeypatch.chdir(checkout)
+    try:
+        yield Host(root, checkout, master)
+    finally:
+        master.kill()
+        master.wait()
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``tokengate ARGS`` in this process (so that the simulated host applies):
+    (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as done:
+        tokengate_cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return int(done.value.code or 0), out.out, out.err
+
+
+def test_on_a_host_with_an_install_commands_use_the_installed_config_and_say_so(
+        host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+    checkout_text = (host.checkout / "tokengate.yaml").read_text()
+    said = (f"tokengate: configuration {host.config} (the installed configuration; "
+            "--config FILE for another)")
+    status, out, err = cli(capsys, "config", "check")
+    assert status == 0, err
+    assert out.startswith(f"{host.config}: ok: ")
+    assert err.splitlines() == [said]
+    status, out, err = cli(capsys, "keys", "create", "ops", "--rpm", "5", "--tpm", "500",
+                           "--no-apply")
+    assert status == 0, err
+    assert err.splitlines()[0] == said
+    assert "ops" in yaml.safe_load(host.config.read_text())["keys"]
+    assert (host.checkout / "tokengate.yaml").read_text() == checkout_text
+    # the checkout's file when asked for, said with --verbose
+    status, out, err = cli(capsys, "config", "check", "tokengate.yaml", "--verbose")
+    assert status == 0, err
+    assert err.splitlines() == [(f"tokengate: configuration {host.checkout / 'tokengate.yaml'} "
+                                "(given)")]
+    status, out, err = cli(capsys, "keys", "list", "--config", "tokengate.yaml",
+                           "--redis-url", "redis://127.0.0.1:1/0")
+    assert (status, err) == (0, "")
+    assert "ops" not in out
+
+
+def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(
+        host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+    edge_json = host.edge_json.read_bytes()
+    local = host.checkout / "tokengate.yaml"
+    status, _out, err = cli(capsys, "keys", "create", "dev", "--rpm", "5", "--tpm", "500",
+                           "--config", "tokengate.yaml")
+    assert status == 0, err
+    run = host.checkout / "var/run/nginx"
+    assert err.splitlines() == [
+        "created key 'dev': the key above is shown only now",
+        (f"no running edge of {local} ({run / 'nginx.pid'} with {run / 'edge.json'}; --edge "
+        "DIR for another): nothing reloaded")]
+    assert host.master.poll() is None  # no SIGHUP reached the installed nginx
+    assert host.edge_json.read_bytes() == edge_json
+    assert "dev" not in yaml.safe_load(host.config.read_text())["keys"]
+    # one deployment each: the installed file's edge is the install's, never make run's
+    assert keys.find_edges(local, []) == []
+    assert keys.find_edges(host.config, []) == [
+        keys.EdgeTarget(host.edge_json, host.root / "run/nginx.pid")]
+
+
+# --- an installed host, the services as their own user --------------------------------
+
+SERVICE_USER = "nobody"  # stands in for the units' User=tokengate, with their Group=www-data
+SIDECARS_DIR = Path(tg_config.__file__).resolve().parents[1]  # the code under test
+
+
+def service_bin_dir() -> Path:
+    """The bin folder of a virtualenv that the service user can run, as an operator's
+    (Debian's own Python, outside /root, where the development virtualenv lives): the
+    runtime's dependencies from pip, the code under test from this checkout, one
+    script per entry point. Built once per set of dependencies, kept in /tmp."""
+    project = tomllib.loads((SIDECARS_DIR / "pyproject.toml").read_text())["project"]
+    deps, scripts = project["dependencies"], project["scripts"]
+    py = Path("/usr/bin/python3")
+    stamp = json.dumps([deps, str(SIDECARS_DIR), py.resolve().name])
+    venv = Path(f"/tmp/tokengate-test-service-venv-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}")
+    with open(f"{venv}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / ".complete").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([str(py), "-m", "venv", str(venv)], check=True, timeout=300)
+            r = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", *deps],
+                               capture_output=True, text=True, timeout=900, check=False)
+            assert r.returncode == 0, r.stdout + r.stderr
+            (venv / ".complete").write_text(stamp)
+        site = subprocess.run([str(venv / "bin/python"), "-c",
+                               "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        Path(site, "tokengate-checkout.pth").write_text(f"{SIDECARS_DIR}\n")
+        for name, target in scripts.items():
+            module, func = target.split(":")
+            script = venv / "bin" / name
+            # the guard: the sidecars' workers are spawned, which imports this again
+            script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom {module} import "
+                              f"{func}\nif __name__ == '__main__':\n    sys.exit({func}())\n")
+            script.chmod(0o755)
+    return venv / "bin"
+
+
+def as_service_user(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", f"--reuid={SERVICE_USER}", "--regid=www-data",
+                           "--clear-groups", "--", *map(str, argv)],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def _count_lines(run: units.Running, text: str) -> int:
+    return run.log.read_text(errors="replace").count(text)
+
+
+def test_key_commands_on_an_install_keep_the_files_readable_by_the_services(
+        config_path: Path, fast_upstream_url: str) -> None:
+    """`tokengate keys create` / `revoke` as root on a layout of `tokengate install`:
+    tokengate.yaml went from root:www-data 0640 to root:root 0640 (and edge.json to
+    0644 root:root), so the counter's SIGHUP reload failed with PermissionError and its
+    next start did not come up. Here the counter runs from its installed unit as the
+    service user (group www-data only), Debian's nginx on the installed drop-in."""
+    bin_dir = service_bin_dir()
+    root = Path(tempfile.mkdtemp(prefix="tg-keys-host-", dir="/tmp"))
+    running: list[units.Running] = []
+    nginx: Service | None = None
+    try:
+        os.chmod(root, 0o755)  # nginx's www-data workers and the service user enter it
+        port = free_port()
+        conf = debian_layout(root, port)
+        raw = yaml.safe_load(config_path.read_text())
+        hostport = fast_upstream_url.removeprefix("http://").removesuffix("/v1")
+        raw["models"] = {MODEL: {**raw["models"][MODEL], "upstreams": [hostport],
+                                 "embedded": False}}
+        raw.setdefault("edge", {})["status_listen"] = f"127.0.0.1:{free_port()}"
+        source = root / "source-tokengate.yaml"
+        source.write_text(yaml.safe_dump(raw, sort_keys=False))
+        r = subprocess.run([str(Path(sys.executable).parent / "tokengate"), "install",
+                            "--prefix", root, "--source", REPO_CONFIG.parent, "--config",
+                            source, "--bin-dir", bin_dir, "--vllm-python", sys.executable],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        # what install gives the tokengate user on a host (root stands in under a prefix)
+        for d in ("run/tokengate", "var/lib/tokengate", "var/lib/tokengate/engine"):
+            shutil.chown(root / d, SERVICE_USER, "www-data")
+        config, edge_json = root / "etc/tokengate/tokengate.yaml", root / "etc/tokengate/edge.json"
+        installed = {p: (oct(p.stat().st_mode & 0o7777), p.stat().st_uid, p.stat().st_gid)
+                     for p in (config, edge_json)}
+        www_data = grp.getgrnam("www-data").gr_gid
+        assert set(installed.values()) == {("0o640", 0, www_data)}
+
+        unit = root / "etc/systemd/system/tokengate-counter.service"
+        counter = units.start(unit, root, root / "var/log/first", user=SERVICE_USER)
+        running.append(counter)
+        socks = [root / f"run/tokengate/counter.sock.{i}" for i in range(2)]
+        counter.wait_for(lambda: _count_lines(counter, "listening on") == 2, 120,
+                         "socket of each worker")
+        nginx = Service("debian-nginx", ["nginx", "-c", str(conf), "-g", "daemon off;"],
+                        tcp_ready("127.0.0.1", port), start_timeout_s=30,
+                        log_dir=root / "var/log").start()
+
+        made = tokengate("keys", "create", "ops", "--rpm", "100", "--tpm", "100000",
+                         "--config", config)
+        assert made.returncode == 0, made.stderr
+        # the install's own edge, found from the file's place (no --edge)
+        assert made.stderr.splitlines()[-1] == f"applied: {edge_json} (nginx reloaded)"
+        for p, before in installed.items():
+            assert (oct(p.stat().st_mode & 0o7777), p.stat().st_uid, p.stat().st_gid) == \
+                before, p
+            read = as_service_user("cat", p)
+            assert read.returncode == 0, read.stderr
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                               api_key=made.stdout.strip(), max_retries=0, timeout=60)
+        assert _chat(client).usage.completion_tokens == 4
+
+        # systemctl reload tokengate-counter: ExecReload=/bin/kill -HUP $MAINPID
+        counter.proc.send_signal(signal.SIGHUP)
+        counter.wait_for(lambda: _count_lines(counter, "configuration reloaded") == 2
+                         or "reload failed" in counter.log.read_text(), 60,
+                         "a reload of each worker")
+        assert "reload failed" not in counter.log.read_text(), counter.log_tail()
+        # systemctl restart tokengate-counter
+        counter.stop()
+        for s in socks:
+            s.unlink(missing_ok=True)
+        again = units.start(unit, root, root / "var/log/again", user=SERVICE_USER)
+        running.append(again)
+        again.wait_for(lambda: _count_lines(again, "listening on") == 2, 120,
+                       "socket of each worker")
+        assert _chat(client).usage.completion_tokens == 4
+
+        gone = tokengate("keys", "revoke", "ops", "--config", config)
+        assert gone.returncode == 0, gone.stderr
+        for p, before in installed.items():
+            assert (oct(p.stat().st_mode & 0o7777), p.stat().st_uid, p.stat().st_gid) == \
+                before, p
+        with pytest.raises(openai.AuthenticationError):
+            _chat(client)
+    finally:
+        if nginx is not None:
+            nginx.stop()
+        for run in running:
+            run.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grp
 import os
+import pwd
 import re
 import shlex
 import signal
@@ -178,11 +179,13 @@ class Running:
 
 
 def start(unit_path: Path, prefix: Path, log_dir: Path, instance: str = "",
-          run_as_group: bool = True) -> Running:
+          run_as_group: bool = True, user: str | None = None) -> Running:
     """Run the unit's ExecStart with its environment and UMask=, in ``/``, as systemd
     would, except for the user: the unit's ``Group=`` is applied, ``User=``
     is not (root stays root: the checkout's virtualenv lives under /root, which no
-    other user may enter, and the unit's ``tokengate`` user need not exist here)."""
+    other user may enter, and the unit's ``tokengate`` user need not exist here);
+    ``user``: run as that user instead (with the unit's group only), for a unit whose
+    executables that user can run."""
     unit = read_unit(unit_path)
     spec = specifiers(prefix, instance)
     unit_env = environment(unit, spec)
@@ -198,7 +201,8 @@ def start(unit_path: Path, prefix: Path, log_dir: Path, instance: str = "",
     groups = unit.values("Service", "Group")
     if run_as_group and groups:
         gid = grp.getgrnam(groups[-1]).gr_gid
-        argv = ["setpriv", f"--regid={gid}", "--clear-groups", "--", *argv]
+        who = [f"--reuid={pwd.getpwnam(user).pw_uid}"] if user is not None else []
+        argv = ["setpriv", *who, f"--regid={gid}", "--clear-groups", "--", *argv]
     umask = int(unit.values("Service", "UMask")[-1], 8) \
         if unit.values("Service", "UMask") else 0o022
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -15,17 +15,19 @@ from tokengate.ledger import report
 CONFIG_HELP = """\
 Validate tokengate.yaml, apply it to the running edges, or print what describes it.
 
-  tokengate config check [FILE]   validate FILE (default: $TOKENGATE_CONFIG, else
-                                  ./tokengate.yaml, else /etc/tokengate/tokengate.yaml)
-                                  the way the sidecars and the edge's compiler read it:
+  tokengate config check [FILE]   validate FILE (default: $TOKENGATE_CONFIG, else the
+                                  installed /etc/tokengate/tokengate.yaml where it
+                                  exists, else ./tokengate.yaml; a file not given is
+                                  named on stderr first) the way the sidecars and the edge's compiler read it:
                                   the schema, the coupled settings, the models'
                                   upstream addresses and tokenizer files
   tokengate config apply [FILE] [--edge DIR]
                                   check FILE, then recompile the edge's edge.json and
-                                  reload its nginx, for every running edge found: `make
-                                  run`'s (var/run/nginx beside FILE) and an install's
-                                  (/etc/tokengate/edge.json, /run/nginx.pid), or each
-                                  --edge DIR (holding edge.json and nginx.pid); returns
+                                  reload its nginx: FILE's own edge when it runs (an
+                                  installed FILE's: /etc/tokengate/edge.json with
+                                  /run/nginx.pid; any other's: `make run`'s
+                                  var/run/nginx beside it), or each --edge DIR
+                                  (holding edge.json and nginx.pid); returns
                                   once the new nginx workers serve. The sidecars read
                                   FILE on SIGHUP (systemctl reload tokengate-counter ...)
   tokengate config schema         print the JSON Schema of the file (for editors)
@@ -47,15 +49,16 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
     check = verbs.add_parser("check", help="validate a configuration file")
     check.add_argument("file", type=Path, nargs="?", default=None,
-                       help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
-                            "else /etc/tokengate/tokengate.yaml)")
+                       help="tokengate.yaml (default: $TOKENGATE_CONFIG, else the installed "
+                            "/etc/tokengate/tokengate.yaml, else ./tokengate.yaml)")
     check.set_defaults(func=config_check)
     apply_p = verbs.add_parser(
         "apply", help="check the file and reload the running edges with it",
-        description="Check tokengate.yaml as `config check` does, then recompile each running "
-                    "edge's edge.json and reload its nginx: make run's (var/run/nginx beside "
-                    "the file), an install's (/etc/tokengate/edge.json with /run/nginx.pid), "
-                    "or each --edge DIR. Returns once the new nginx workers serve.")
+        description="Check tokengate.yaml as `config check` does, then recompile its edge's "
+                    "edge.json and reload its nginx: an installed file's (/etc/tokengate/"
+                    "edge.json with /run/nginx.pid), any other file's make run edge "
+                    "(var/run/nginx beside it), or each --edge DIR. Returns once the new nginx "
+                    "workers serve.")
     apply_p.add_argument("file", type=Path, nargs="?", default=None,
                          help="tokengate.yaml (default: as for check)")
     apply_p.add_argument("--edge", type=Path, action="append", metavar="DIR",
@@ -132,18 +135,53 @@ def config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v/--verbose`` on ``parser`` and on every command below it, so it may follow
+    the command (``tokengate keys create ... -v``) or precede it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.add_argument("-v", "--verbose", action="store_true",
+                                   default=argparse.SUPPRESS,
+                                   help="also say which configuration file is used when it "
+                                        "was given")
+                _add_verbose(child)
+
+
+def _config_used(args: argparse.Namespace) -> None:
+    """Fix the configuration file of a command that reads one (``usage``, ``config
+    check|apply``, ``doctor``, ``keys``; ``install``'s --config is the file to install)
+    and say which: on stderr, first, whenever it was not given (``--verbose``: always).
+    The command then uses exactly that file (``tokengate.config.discover``)."""
+    attr = "file" if args.command == "config" else "config"
+    if args.command == "install" or not hasattr(args, attr):
+        return
+    given = getattr(args, attr)
+    path, why = tg_config.discover(given)
+    setattr(args, attr, path)
+    if given is None or args.verbose:
+        print(f"tokengate: configuration {path.absolute()} ({why})", file=sys.stderr,
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokengate", description="tokengate operator commands; `tokengate <command> "
-        "--help` describes each.")
+        "--help` describes each. A command that reads tokengate.yaml uses --config FILE, "
+        "else $TOKENGATE_CONFIG, else the installed /etc/tokengate/tokengate.yaml where it "
+        "exists, else ./tokengate.yaml, and says so on its first line (stderr).")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also say which configuration file is used when it was given")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     report.add_parser(sub)
     _config_parser(sub)
     install.add_parser(sub)
     doctor.add_parser(sub)
     keys.add_parser(sub)
+    _add_verbose(parser)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tokengate usage | head` ends quietly
+    _config_used(args)
     sys.exit(args.func(args))
 
 

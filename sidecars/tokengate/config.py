@@ -19,6 +19,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1078,9 +1080,18 @@ def errors_of(err: ValidationError) -> list[str]:
 
 class _Loader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last
-    silently, which hides an edit as well as a typo does)."""
+    silently, which hides an edit as well as a typo does) and reads every plain
+    scalar key as its text. Every mapping of the file is keyed by names (models, keys,
+    priorities), and PyYAML reads YAML 1.1, where a key ``yes``, ``no``, ``on`` or
+    ``off`` is a boolean, ``1_000`` an integer and ``null`` nothing: a key id the
+    rules allow was refused ("input should be a valid string, got True")."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.style is None \
+                    and key_node.tag != "tag:yaml.org,2002:str" \
+                    and not key_node.tag.startswith("tag:yaml.org,2002:merge"):
+                key_node.tag = "tag:yaml.org,2002:str"
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -1095,14 +1106,86 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def default_path() -> Path:
-    """The file ``load()`` reads without an argument: ``$TOKENGATE_CONFIG``, else
-    ``./tokengate.yaml`` in the current directory, else ``/etc/tokengate/tokengate.yaml``."""
+def _installed() -> bool:
+    """Whether ``SYSTEM_CONFIG`` is there. A folder this user may not enter
+    (/etc/tokengate is 0750 root:www-data) counts as there: reading it then fails with
+    a clear error instead of a checkout's file being used in its place."""
+    try:
+        os.stat(SYSTEM_CONFIG)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def discover(given: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The configuration a command acts on, and why that one: ``given`` (``--config``),
+    else ``$TOKENGATE_CONFIG``, else the installed ``/etc/tokengate/tokengate.yaml``
+    when it exists (a host with an install: a checkout's file is used only when asked
+    for), else ``./tokengate.yaml`` of the current directory (``make run``), else the
+    installed path (which then does not load: ``OSError`` naming it).
+
+    Returns (path, reason), the reason a phrase for the line a command prints about
+    it. ``SYSTEM_CONFIG`` is read at each call (tests point it at a folder of theirs)."""
+    if given is not None:
+        return Path(given), "given"
     env = os.environ.get(CONFIG_ENV)
     if env:
-        return Path(env)
+        return Path(env), f"from ${CONFIG_ENV}"
+    if _installed():
+        return SYSTEM_CONFIG, "the installed configuration; --config FILE for another"
     local = Path("tokengate.yaml")
-    return local if local.is_file() else SYSTEM_CONFIG
+    if local.is_file():
+        return local, f"./tokengate.yaml: no {SYSTEM_CONFIG} on this host"
+    return SYSTEM_CONFIG, f"no ./tokengate.yaml and no ${CONFIG_ENV}"
+
+
+def default_path() -> Path:
+    """The file ``load()`` reads without an argument (``discover()``'s choice)."""
+    return discover()[0]
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Replace the file ``path`` with ``data`` in one rename in its folder, so a reader
+    (nginx reloading, a sidecar's SIGHUP) sees the old file or the new one, never half.
+
+    The new file keeps the replaced one's owner, group and mode: on an install
+    tokengate.yaml and edge.json are ``root:www-data 0640`` and the services read them
+    through that group, so a file written by root with root's group would lock them
+    out. A file that did not exist gets 0666 less the umask, as ``open()`` gives. A
+    symbolic link is followed (its target is replaced). Raises ``OSError``, also when
+    the owner cannot be kept (only root may give a file away): nothing is replaced."""
+    target = Path(os.path.realpath(path))
+    try:
+        old: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        old = None
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if old is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        else:
+            mine = os.stat(tmp)
+            if (mine.st_uid, mine.st_gid) != (old.st_uid, old.st_gid):
+                try:
+                    os.chown(tmp, old.st_uid, old.st_gid)
+                except PermissionError as e:
+                    raise PermissionError(
+                        e.errno, f"cannot keep its owner and group (uid {old.st_uid}, gid "
+                        f"{old.st_gid}): run as root or as its owner; not changed",
+                        str(target)) from None
+            os.chmod(tmp, stat.S_IMODE(old.st_mode))  # after chown, which clears set-id bits
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def parse(raw: Any, path: Path) -> Config:

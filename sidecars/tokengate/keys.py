@@ -7,8 +7,10 @@ written, so an edit that would leave a broken file is refused and the file is le
 was. A new key is ``tg-`` + 43 URL-safe random characters (256 bits), printed once;
 only its SHA-256 digest is stored.
 
-Applying: after writing, each running edge gets the new configuration: its compiled
-``edge.json`` is written again (atomically) and its nginx master gets SIGHUP (what
+Applying: after writing, the file's own running edge (``edge_of``: an installed file's,
+or ``make run``'s beside any other file; or each ``--edge``) gets the new configuration:
+its compiled ``edge.json`` is written again (atomically, keeping its owner, group and
+mode, like the YAML file) and its nginx master gets SIGHUP (what
 ``nginx -s reload`` sends). The command returns once every master runs new workers and
 the old ones are shutting down (their listening sockets closed; streams in flight on
 them continue): from then on a created key is admitted and a revoked one refused.
@@ -34,19 +36,23 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Self
 
+import yaml
 from redis.exceptions import RedisError
 from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import CommentMark
+from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
 from tokengate import config as tg_config
 from tokengate.ledger import report
 from tokengate.limits.budget import committed, counter_name
 from tokengate.redis_client import SyncRedis, connect
+from tokengate.tools import nginx_conf
 
 KEY_PREFIX = "tg-"
 RELOAD_TIMEOUT_S = 10.0
+NGINX_PID = Path("/run/nginx.pid")  # Debian's nginx.conf: `pid /run/nginx.pid;`
 # --budget: [MODEL:]PERIOD=AMOUNT, AMOUNT a currency amount or a token count ("2000000t")
 BUDGET_SPEC = re.compile(r"^(?:(?P<model>[^:=]+):)?(?P<period>day|month)="
                          r"(?P<amount>\d+(?:\.\d+)?)(?P<tokens>t)?$")
@@ -72,11 +78,19 @@ running edges at once (no restart; streams in flight continue).
   --budget` sets that kind of the key's budget of that model and period (the other
   kind stays; --no-budgets first to drop it).
 
+CONFIGURATION
+  --config FILE, else $TOKENGATE_CONFIG, else the installed /etc/tokengate/tokengate.yaml
+  where it exists (a checkout's ./tokengate.yaml only when named), else ./tokengate.yaml;
+  a file not named is said on the first line (stderr). The file keeps its owner, group
+  and mode (an install's is root:www-data 0640, read by the services through the group).
+
 APPLYING
   The edges to reload are --edge DIR (a folder with edge.json and nginx.pid, as
-  `make run` renders under var/run/nginx; repeatable), else the ones found: var/run/nginx
-  next to the configuration file (`make run`), and /etc/tokengate/edge.json with
-  /run/nginx.pid (`tokengate install`). --no-apply only writes the file.
+  `make run` renders under var/run/nginx; repeatable), else the configuration's own
+  edge when it runs: for an installed file (ROOT/etc/tokengate/tokengate.yaml, ROOT /
+  or an install prefix) ROOT/etc/tokengate/edge.json with ROOT/run/nginx.pid; for any
+  other file `make run`'s var/run/nginx beside it. Never both: a command acts on one
+  deployment. --no-apply only writes the file.
 
 EXIT STATUS
   0 done; 1 the edit is invalid (the file is unchanged; one line per problem) or an
@@ -201,23 +215,41 @@ def edit(path: Path, change: Any) -> tg_config.Config:
         text = buf.getvalue()
         cfg = tg_config.loads(text, path.resolve())
         compile_config(cfg)  # what the edge will load: upstreams resolve, tokenizer files
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
-        tmp.replace(path)
+        tg_config.write_atomic(path, text)  # keeps the file's owner, group and mode
     return cfg
 
 
+def installed_root(config_path: Path) -> Path | None:
+    """The root folder of the install whose configuration ``config_path`` is
+    (``<root>/etc/tokengate/tokengate.yaml``: ``/`` on a host, the prefix of ``tokengate
+    install --prefix``), or None for any other file (a checkout's, ``make run``'s)."""
+    p = config_path.resolve()
+    if p.name == "tokengate.yaml" and p.parent.name == "tokengate" \
+            and p.parent.parent.name == "etc":
+        return p.parents[2]
+    return None
+
+
+def edge_of(config_path: Path) -> EdgeTarget:
+    """The one edge a configuration file belongs to: an install's (``<root>/etc/
+    tokengate/edge.json``, Debian nginx's ``<root>/run/nginx.pid``) for an installed
+    file, else ``make run``'s (``var/run/nginx`` beside the file)."""
+    root = installed_root(config_path)
+    if root is not None:
+        return EdgeTarget(nginx_conf.debian_paths(root)["edge_json"],
+                          root / NGINX_PID.relative_to("/"))
+    d = config_path.resolve().parent / "var" / "run" / "nginx"
+    return EdgeTarget(d / "edge.json", d / "nginx.pid")
+
+
 def find_edges(config_path: Path, dirs: list[Path]) -> list[EdgeTarget]:
-    """The edges to reload: ``dirs`` (each with edge.json and nginx.pid), else those of
-    ``make run`` (var/run/nginx beside the file) and of an install (/etc/tokengate)
-    whose pid file exists."""
+    """The edges to reload: ``dirs`` (each with edge.json and nginx.pid), else the
+    configuration's own edge (``edge_of``) when its pid file and edge.json exist. One
+    deployment: a checkout's file never reaches an installed edge, nor the reverse."""
     if dirs:
         return [EdgeTarget(d / "edge.json", d / "nginx.pid") for d in dirs]
-    found = [EdgeTarget(d / "edge.json", d / "nginx.pid")
-             for d in [config_path.resolve().parent / "var" / "run" / "nginx"]]
-    found.append(EdgeTarget(Path("/etc/tokengate/edge.json"), Path("/run/nginx.pid")))
-    return [t for t in found if t.pid_file.exists() and t.edge_json.exists()]
+    own = edge_of(config_path)
+    return [own] if own.pid_file.exists() and own.edge_json.exists() else []
 
 
 def _workers(master: int) -> dict[int, str]:
@@ -273,8 +305,9 @@ def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
         return 0
     targets = find_edges(cfg.path, args.edge or [])
     if not targets:
-        print("no running edge found (--edge DIR): nothing reloaded; reload the edges "
-              "yourself", file=sys.stderr)
+        own = edge_of(cfg.path)
+        print(f"no running edge of {cfg.path} ({own.pid_file} with {own.edge_json}; "
+              "--edge DIR for another): nothing reloaded", file=sys.stderr)
         return 0
     status = 0
     for t in targets:
@@ -290,6 +323,28 @@ def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
 
 def _path(args: argparse.Namespace) -> Path:
     return Path(args.config if args.config is not None else tg_config.default_path())
+
+
+def _cut(name: str, limit: int = 64) -> str:
+    """``name`` cut after ``limit`` characters (a name typed or pasted by mistake can be
+    any length; an error line shows its start and its length)."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
+
+
+def shown(name: str) -> str:
+    """A key id as a message quotes it (cut like ``_cut``)."""
+    return repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+
+
+def _name(name: str) -> Any:
+    """A key id as the YAML file gets it: quoted where a YAML 1.1 reader (PyYAML)
+    would take it for something else than a string (``yes``, ``off``, ``1_000``,
+    ``12:30``), so the file means the same to any reader. Raises ``ConfigError`` for a
+    name the key id rule refuses, the name cut."""
+    if not tg_config.KEY_ID.fullmatch(name):
+        raise tg_config.ConfigError(f"keys.{_cut(name)}: {tg_config.KEY_ID_RULE}")
+    tag = yaml.resolver.Resolver().resolve(yaml.ScalarNode, name, (True, False))
+    return name if tag == "tag:yaml.org,2002:str" else SingleQuotedScalarString(name)
 
 
 def _keys(data: CommentedMap) -> CommentedMap:
@@ -403,20 +458,22 @@ def create(args: argparse.Namespace) -> int:
 
     def change(data: CommentedMap) -> None:
         keys = _keys(data)
+        name = _name(args.name)
         if args.name in keys:
-            raise LookupError(f"key {args.name!r} exists (keys set, or keys revoke first)")
+            raise LookupError(f"key {shown(args.name)} exists (keys set, or keys revoke "
+                              "first)")
         entry = CommentedMap(sha256=digest(key), rpm=args.rpm, tpm=args.tpm)
         if args.models is not None:
             entry["allowed_models"] = _flow(args.models)
         if args.budget:
             _merge_budgets(entry, _combine(args.budget))
-        keys[args.name] = entry
+        keys[name] = entry
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
         return status
     print(key)
-    print(f"created key {args.name!r}: the key above is shown only now", file=sys.stderr)
+    print(f"created key {shown(args.name)}: the key above is shown only now", file=sys.stderr)
     return apply(args, cfg)
 
 
@@ -426,7 +483,7 @@ def set_(args: argparse.Namespace) -> int:
     def change(data: CommentedMap) -> None:
         keys = _keys(data)
         if args.name not in keys:
-            raise LookupError(f"no key {args.name!r}")
+            raise LookupError(f"no key {shown(args.name)}")
         if (args.rpm, args.tpm, args.models, args.budget) == (None, None, None, None) \
                 and not args.no_budgets:
             raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget "
@@ -453,7 +510,7 @@ def set_(args: argparse.Namespace) -> int:
     status, cfg = _run_edit(args, change)
     if cfg is None:
         return status
-    print(f"changed key {args.name!r}", file=sys.stderr)
+    print(f"changed key {shown(args.name)}", file=sys.stderr)
     return apply(args, cfg)
 
 
@@ -463,13 +520,13 @@ def revoke(args: argparse.Namespace) -> int:
     def change(data: CommentedMap) -> None:
         keys = _keys(data)
         if args.name not in keys:
-            raise LookupError(f"no key {args.name!r}")
+            raise LookupError(f"no key {shown(args.name)}")
         del keys[args.name]
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
         return status
-    print(f"revoked key {args.name!r}", file=sys.stderr)
+    print(f"revoked key {shown(args.name)}", file=sys.stderr)
     return apply(args, cfg)
 
 
@@ -629,8 +686,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, default=None,
-                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else "
-                             "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else the "
+                             "installed /etc/tokengate/tokengate.yaml, else ./tokengate.yaml)")
     apply_opts = argparse.ArgumentParser(add_help=False)
     apply_opts.add_argument("--edge", type=Path, action="append", metavar="DIR",
                             help="an edge to reload: DIR holds edge.json and nginx.pid "

@@ -189,13 +189,14 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
 def write(config_path: Path | None, out: Path) -> dict[str, Any]:
     """Load ``config_path`` (``tokengate.config.default_path()`` when None), compile it
     and write ``out`` atomically (rename), so a worker that starts during a reload never
-    reads half a file. Returns the document. Raises ``ConfigError`` or ``OSError``."""
+    reads half a file; a file that is there keeps its owner, group and mode
+    (``tokengate.config.write_atomic``). Returns the document. Raises ``ConfigError`` or
+    ``OSError``."""
     doc = compile_config(tg_config.load(config_path))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     # allow_nan=False: never Infinity or NaN for the edge's cjson (the schema refuses them)
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
-    tmp.replace(out)
+    tg_config.write_atomic(out, json.dumps(doc, indent=1, ensure_ascii=False,
+                                           allow_nan=False) + "\n")
     return doc
 
 

@@ -33,8 +33,10 @@ requests, bytes, entries, ms, s) are at most 1000000000000 (1e12: `rpm`, `tpm` a
 quotas included, from the file through limits.proto to Redis), amounts of the currency
 (prices, a budget's `spend`) at most 1000000000 (1e9: spend is counted in integer
 nano-units, 1e18 of them); a key's limits are enforced exactly up to these bounds.
-The default file is `$TOKENGATE_CONFIG`, else `./tokengate.yaml`, else
-`/etc/tokengate/tokengate.yaml`.
+The default file is `$TOKENGATE_CONFIG`, else the installed
+`/etc/tokengate/tokengate.yaml` where it exists (a checkout's file is then used only when
+named), else `./tokengate.yaml`; a `tokengate` command says on stderr which file it used
+when it was not named (`--verbose`: always).
 """
 
 
@@ -99,6 +101,11 @@ class _Renderer:
             elif "properties" in target:
                 kind = f"section: [`{key}`](#{_anchor(key)})"
                 nested.append((key, target))
+            elif target.get("type") == "array" \
+                    and "properties" in self.deref(target.get("items", {})):
+                sub = f"{key}[]"
+                kind = f"list of section: [`{sub}`](#{_anchor(sub)})"
+                nested.append((sub, target["items"]))
             if name in need:
                 default = "*required*"
             elif "default" in prop:
