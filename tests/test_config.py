@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -373,14 +374,46 @@ def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     yield tmp_path
 
 
-def test_the_default_file_is_env_then_cwd_then_etc(elsewhere: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    assert tg_config.default_path() == Path("/etc/tokengate/tokengate.yaml")
+def test_the_default_file_is_env_then_the_installed_one_then_cwd(
+        elsewhere: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+        ) -> None:
+    """A host where /etc/tokengate/tokengate.yaml exists is simulated by pointing
+    ``SYSTEM_CONFIG`` at a folder of the test's (the real /etc is not touched)."""
+    system = tmp_path_factory.mktemp("host") / "etc" / "tokengate" / "tokengate.yaml"
+    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", system)
+    assert tg_config.discover() == (system, "no ./tokengate.yaml and no $TOKENGATE_CONFIG")
     (elsewhere / "tokengate.yaml").write_text("")
-    assert tg_config.default_path() == Path("tokengate.yaml")
+    assert tg_config.discover() == (
+        Path("tokengate.yaml"), f"./tokengate.yaml: no {system} on this host")
+    system.parent.mkdir(parents=True)
+    system.write_text("")
+    # an installed host: the checkout's file only when asked for
+    assert tg_config.discover() == (
+        system, "the installed configuration; --config FILE for another")
+    assert tg_config.discover("tokengate.yaml") == (Path("tokengate.yaml"), "given")
     monkeypatch.setenv(tg_config.CONFIG_ENV, str(REPO_CONFIG))
+    assert tg_config.discover() == (REPO_CONFIG, "from $TOKENGATE_CONFIG")
     assert tg_config.default_path() == REPO_CONFIG
     assert tg_config.load().path == REPO_CONFIG
+
+
+def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_checkouts(
+        elsewhere: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+        ) -> None:
+    """/etc/tokengate is 0750 root:www-data: a user outside the group cannot even stat
+    tokengate.yaml; the command must fail on that file, not read the checkout's."""
+    system = tmp_path_factory.mktemp("host") / "etc" / "tokengate" / "tokengate.yaml"
+    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", system)
+    (elsewhere / "tokengate.yaml").write_text("")
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if Path(path) == system:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    real_stat = os.stat
+    monkeypatch.setattr(tg_config.os, "stat", stat)
+    assert tg_config.discover()[0] == system
 
 
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
@@ -493,6 +526,19 @@ def test_docs_list_every_key() -> None:
                   tg_config.Config):
         for name in model.model_fields:
             assert f"| `{name}` |" in text, name
+
+
+def test_docs_list_the_fields_of_a_keys_budgets() -> None:
+    """A list of sections (keys.<id>.budgets) was shown as "list of section" without
+    its fields."""
+    text = DOCS.read_text()
+    title = "## `keys.<key id>.budgets[]`\n"
+    assert "| `budgets` | list of section: [`keys.<key id>.budgets[]`](#keyskey-idbudgets) |" \
+        in text
+    section = text[text.index(title):].split("\n## ", 1)[0]
+    assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")] \
+        == [f"| `{name}`" for name in tg_config.Budget.model_fields] \
+        == ["| `period`", "| `spend`", "| `tokens`", "| `model`"]
 
 
 def lua_load(doc: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
