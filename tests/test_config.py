@@ -588,6 +588,22 @@ def test_the_edge_refuses_a_stale_compiled_document(config_path: Path, tmp_path:
     assert err.startswith(f"tokengate config: {tmp_path / 'edge.json'}: {message}")
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_the_edge_refuses_a_compiled_document_with_a_number_that_is_not_finite(
+        config_path: Path, tmp_path: Path, value: float) -> None:
+    """compile_config writes no Infinity or NaN (json allow_nan=False), and the edge's
+    loader refuses one in a file written otherwise: cjson reads them as numbers, and an
+    infinite price had reached the budgets' counters (NaN there) and pb.lua (a 500)."""
+    doc = compile_config.compile_config(tg_config.load(config_path))
+    doc["models"][MODEL]["cost"]["input"] = value
+    with pytest.raises(ValueError):
+        json.dumps(doc, allow_nan=False)
+    err = lua_load(doc, tmp_path)["err"]
+    assert err == (f"tokengate config: {tmp_path / 'edge.json'}: models.{MODEL}.cost.input "
+                   "is not a finite number: compile it again (tokengate config check names "
+                   "what the schema refuses)")
+
+
 def test_dns_servers_come_from_the_setting_else_resolv_conf(tmp_path: Path) -> None:
     conf = tmp_path / "resolv.conf"
     conf.write_text("# comment\nsearch example\nnameserver 10.0.0.2\nnameserver ::1\n")

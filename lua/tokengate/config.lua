@@ -16,6 +16,7 @@ local setmetatable = setmetatable
 local sort = table.sort
 local find = string.find
 local floor = math.floor
+local huge = math.huge
 
 local _M = {}
 
@@ -65,8 +66,30 @@ local function token_list(a, b)
     return list
 end
 
--- load(path) -> doc | nil, err. path: the compiled JSON file. Checks the version and the
--- sections so that a stale or broken file fails `nginx -t`/reload instead of requests.
+-- not_finite(v, path) -> the dotted path of the first number in v that is NaN or
+-- infinite, nil when there is none. cjson reads Infinity, NaN and 1e400 as such numbers;
+-- the schema refuses them and compile_config never writes them (allow_nan=False), and a
+-- hand-edited file must not hand one to the budgets' arithmetic either (an infinite
+-- price once left NaN in a shared-dict counter, where it stayed after the fix).
+local function not_finite(v, path)
+    if type(v) == "number" then
+        if v ~= v or v == huge or v == -huge then
+            return path
+        end
+    elseif type(v) == "table" then
+        for k, x in pairs(v) do
+            local p = not_finite(x, path and path .. "." .. tostring(k) or tostring(k))
+            if p then
+                return p
+            end
+        end
+    end
+    return nil
+end
+
+-- load(path) -> doc | nil, err. path: the compiled JSON file. Checks the version, the
+-- sections and that every number is finite, so that a stale or broken file fails
+-- `nginx -t`/reload instead of requests.
 function _M.load(path)
     local f, err = io_open(path, "rb")
     if not f then
@@ -87,6 +110,11 @@ function _M.load(path)
             return fail(path .. ": no " .. SECTIONS[i] .. " section: compile it again with "
                 .. "this tokengate (tokengate.tools.compile_config)")
         end
+    end
+    local bad = not_finite(d)
+    if bad then
+        return fail(path .. ": " .. bad .. " is not a finite number: compile it again "
+            .. "(tokengate config check names what the schema refuses)")
     end
     local edge = d.edge
     local special_roles, structural_roles = {}, {}
