@@ -156,6 +156,50 @@ def test_an_ejected_replica_stays_out_until_a_probe_passes(
                                 "back in")) == (1, 1), log
 
 
+
+def test_an_outage_under_load_logs_the_ejection_not_every_request(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    # the fault run's replicas (50 ms to the first token, 25 ms a token), 16 clients, the
+    # default probes (2 s), ejections of 1 s: an outage of 5 s
+    a, b = replicas(ttft_ms=50, itl_ms=25), replicas(ttft_ms=50, itl_ms=25)
+    e = _edge(edge_variant_off_vllm, "replicas-outage", [a, b], upstream_eject_s=1)
+    dead = f"127.0.0.1:{a.port}"
+    a.stop()
+    stop_at = time.monotonic() + 5
+
+    def client(_: int) -> list[int]:
+        codes = []
+        while time.monotonic() < stop_at:
+            codes.append(_chat(e).status_code)
+        return codes
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = [c for one in pool.map(client, range(16)) for c in one]
+    a.start()
+    deadline = time.monotonic() + 10
+    while e.status()["upstreams"][MODEL][dead]["out"]:
+        assert time.monotonic() < deadline, "the replica was not readmitted"
+        time.sleep(0.1)
+    assert set(codes) == {200}, Counter(codes)
+    log = e.log_path.read_text().splitlines()
+    # no line per probe or metrics read of the dead replica (every 1-2 s)
+    assert [ln for ln in log if "context: ngx.timer" in ln and "connect()" in ln] == []
+    kinds = Counter()
+    for ln in log:
+        if "connect() failed" in ln and f'upstream: "http://{dead}/' in ln:
+            kinds["connect"] += 1  # a request that chose it before it was out
+        elif dead in ln:
+            kinds[ln.split(f"upstream {dead} of {MODEL} ", 1)[-1].split(" (")[0]] += 1
+    # at most one try per client: the ones on their way when it went out
+    assert kinds.pop("connect", 0) <= 16, kinds
+    went_out = kinds.pop("out until its health probe passes", 0) \
+        + kinds.pop("failed its health probe: out until it answers, context: ngx.timer", 0)
+    assert (went_out, dict(kinds)) == (1, {
+        "passed its health probe: back in, context: ngx.timer": 1,
+        "sends no vLLM metrics": 1}), kinds
+
+
 def test_every_replica_down_is_a_502_in_openai_shape(
         edge_variant_off_vllm: Callable[..., Edge],
         replicas: Callable[..., FastUpstream]) -> None:
