@@ -22,16 +22,27 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from redis.exceptions import ConnectionError as RedisConnectionError
 from tokengate import config as tg_config
 from tokengate import redis_client
+from tokengate.budget_store import (
+    IN_FLIGHT_TTL_S,
+    budget_keys,
+    nano,
+    record_tail,
+    settle_keys,
+    this_hour,
+)
 from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate.ledger.report import UsageRow, query
 from tokengate.ledger.tail import UsageTail
+from tokengate.limits.budget import RESERVE_LUA
 from tokengate_dev import devstack
 
+from tests.conftest import key_digest
 from tests.fixtures_ledger import (
     PrivateRedis,
     UsageWriter,
@@ -549,3 +560,61 @@ def test_sighup_bills_later_events_with_the_reloaded_prices(ledger_config_path, 
     cost = {r.key_id: r.cost for r in query(ledger_redis)}
     # (1000 x 1.0 + 100 x 1.35) / 1e6, then (1000 x 2.0 + 100 x 3.0) / 1e6
     assert cost == pytest.approx({"before": 0.001135, "after": 0.0023})
+
+
+def test_an_open_budget_reservation_is_settled_once_from_its_event(
+        config_path, ledger_redis, redis_url, usage_writer, tmp_path, monkeypatch):
+    """The edge's settlement of a budget reservation failed (the limits sidecar or Redis
+    was down when the request ended): the ledger settles it from the usage event with
+    the real usage, exactly once, also when the batch's script fails after the
+    settlement and runs again; one the edge settled, and a key without budgets, are
+    left alone."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw["keys"]["bk"] = {"sha256": key_digest("tg-test-bk"), "rpm": 10, "tpm": 100_000,
+                         "budgets": [{"period": "day", "tokens": 1000}]}
+    raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1"}
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    cfg = tg_config.load(path)
+    hour, counter = this_hour(), f"*:day:{int(time.time() // 86400)}"
+    reserve = ledger_redis.register_script(RESERVE_LUA)
+    phantom = make_event(request_id="a" * 32, key_id="bk", prompt_tokens=100,
+                         completion_tokens=7)
+    settled = make_event(request_id="b" * 32, key_id="bk", prompt_tokens=50,
+                         completion_tokens=5)
+    for ev in (phantom, settled):  # each reserved 100 + 500 tokens
+        assert reserve(keys=settle_keys("bk", ev.request_id, [counter], hour),
+                       args=[0, 600, IN_FLIGHT_TTL_S, hour, 0, 0, 0, 0,
+                             record_tail([(counter, 172_800)])])[0] == 1
+    # the edge settled the second (55 tokens): the first stays in flight
+    ledger_redis.set(f"tg:bg:{{bk}}:r:{'b' * 32}", "settled")
+    s, t, _rs, rt, *_ = budget_keys("bk", counter, hour)
+    ledger_redis.decrby(rt, 600)
+    ledger_redis.set(t, 55)
+    other = make_event(request_id="c" * 32, key_id="demo")
+    for ev in (phantom, settled, other):
+        usage_writer.write(ev)
+    led = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path,
+                 "test")
+    apply = led._script
+    calls = []
+
+    def fails_once(**kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RedisConnectionError("lost after the settlement")
+        return apply(**kw)
+
+    monkeypatch.setattr(led, "_script", fails_once)
+    with pytest.raises(RedisConnectionError):
+        led.step()
+    totals = led.drain()
+    assert (totals.applied, totals.budgets_settled) == (3, 1)
+    assert ledger_redis.get(f"tg:bg:{{bk}}:r:{'a' * 32}") == "settled"
+    assert (int(ledger_redis.get(t)), int(ledger_redis.get(rt))) == (55 + 107, 0)
+    assert int(ledger_redis.get(s)) == nano(Calculator(cfg).charge_event(phantom).cost)
+    # a replay of the file (another ledger id) settles nothing again
+    again = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path,
+                   "replay").drain()
+    assert (again.duplicates, again.budgets_settled) == (3, 0)
+    assert int(ledger_redis.get(t)) == 55 + 107

@@ -56,6 +56,11 @@ whether it was billed, whether a record was read before) and otherwise changes n
 and answers ``retry``: the batch is read again and decided again. The checkpoint, the
 records, the join and the bill of a batch still change in one script.
 
+Budgets: before a batch of edge events is applied, the budget reservations of its
+requests that are still open in Redis (the edge's settlement failed: the limits sidecar
+or Redis was down when the request ended) are settled from the events, exactly once
+(``tokengate.ledger.budgets``).
+
 Redis down: the ledger logs, waits (0.1 s doubling to 5 s) and retries; the events
 wait in the usage file, the edge never waits for the ledger.
 """
@@ -77,6 +82,7 @@ from redis.exceptions import RedisError
 
 from tokengate.config import Config
 from tokengate.ledger import store
+from tokengate.ledger.budgets import Reservations
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import parse_record
 from tokengate.ledger.event import EventError, parse_event, parse_ts
@@ -270,6 +276,8 @@ class Totals:
     engine_late: int = 0        # records of a request billed before they came
     retries: int = 0            # batches decided again: another ledger changed a request
     redis_errors: int = 0       # steps that failed on Redis (retried: nothing is lost)
+    budgets_settled: int = 0    # budget reservations the edge could not settle, settled
+                                # from their events (tokengate.ledger.budgets)
 
 
 def default_ledger_id(usage_file: Path) -> str:
@@ -345,6 +353,7 @@ class Ledger:
         self.join = Join(cfg, client, self.ledger_id, self.engine_mode, self.engine_wait_s,
                          self.engine_orphan_s)
         self.totals = Totals()
+        self.reservations = Reservations(cfg, client)
         self._script = client.register_script(APPLY_LUA)
         self._time = client.register_script(TIME_LUA)
         self._wait_key = store.wait_key(self.ledger_id)
@@ -368,6 +377,7 @@ class Ledger:
         ledger.dedupe_days and audit_maxlen); callable from another thread (each is one
         reference swap). Files and Redis stay as they were opened."""
         self.join.calc = Calculator(cfg)
+        self.reservations.reconfigure(cfg)
         self.cfg = cfg
 
     # -- positioning ---------------------------------------------------------------
@@ -484,6 +494,12 @@ class Ledger:
         new_pos = item.position.encode()
         if src.kind == "edge":
             events, bad = self._parse(item, parse_event, "usage")
+            # before the batch is applied: a ledger killed in between settles on the replay
+            settled = self.reservations.settle(events)
+            if settled:
+                self.totals.budgets_settled += settled
+                log.info("ledger %s: settled %d budget reservation(s) the edge could not",
+                         src.ledger_id, settled)
             items = self.join.edge_items(keys, events)
             extra: list[str | int] = []
         else:

@@ -129,6 +129,9 @@ _COUNTERS = (
     ("tokengate_ledger_engine_records", "Engine records read.", "engine_records"),
     ("tokengate_ledger_engine_unmatched",
      "Engine records of no edge request (not billed).", "engine_unmatched"),
+    ("tokengate_ledger_budgets_settled",
+     ("Budget reservations the edge could not settle (limits sidecar or Redis down), "
+      "settled from their usage events."), "budgets_settled"),
 )
 _LAG_BYTES = ("Bytes of the usage files written but not yet applied (absent until the "
               "checkpoint was read).")

@@ -4,17 +4,8 @@ every edge node and kept across restarts (``keys.<id>.budgets``).
 The edge computes each request's cost (``lua/tokengate/budget.lua``, the formula of
 ``tokengate.ledger.calculator``, in whole nano-units of the currency, 1e-9, rounded up)
 and names the counters of its period; here the counters are only added to, atomically.
-Keys, all with the hash tag ``{<key_id>}`` (one Redis Cluster slot per key)::
-
-    tg:bg:{<key_id>}:<counter>:s        string  settled spend of the period, nano-units
-    tg:bg:{<key_id>}:<counter>:t        string  settled tokens (prompt + completion)
-    tg:bg:{<key_id>}:<counter>:rs:<h>   string  spend and tokens reserved in UTC hour h
-    tg:bg:{<key_id>}:<counter>:rt:<h>   string    (hours since the epoch) by requests
-                                                  not settled yet; kept two hours
-    tg:bg:{<key_id>}:r:<request>        string  "<cost_nano> <tokens> <h>": a
-                                                reservation not yet settled (two hours);
-                                                "settled" for 10 minutes after
-    counter = "<model or *>:<day|month>:<period id>"
+The Redis keys (the hash tag ``{<key_id>}``: one Redis Cluster slot per key) and the
+reservation record are ``tokengate.budget_store``'s, shared with the ledger.
 
 What a counter holds for a limit (``used``) is the larger of its settled spend and what
 the ledger billed the key in that period and scope (``billed``: its per key / model /
@@ -33,11 +24,14 @@ written.
 ``RESERVE_LUA`` (one script, so concurrent reservations from any number of edges never
 pass a limit: no get-then-set) checks every counter that has a limit against
 ``used + cost``, then puts the cost in flight on all of them or none, and records the
-reservation. ``SETTLE_LUA`` adds the real cost to the settled counters, takes the
-reservation out of flight and marks the request settled; a request the edge admitted
-without a reservation (Redis was unreachable at admission, or its reservation expired)
-is charged its real cost the same way, so spend admitted during an outage still reaches
-Redis when the settlement does.
+reservation with the counters it was put on. ``budget_store.SETTLE_LUA`` adds the real
+cost to the settled counters, takes the reservation out of flight and marks the request
+settled; a request the edge admitted without a reservation (Redis was unreachable at
+admission, or its reservation expired) is charged its real cost the same way, so spend
+admitted during an outage still reaches Redis when the settlement does. A settlement
+that never reaches Redis (the sidecar or Redis was down when the request ended) is made
+by the ledger when it applies the request's usage event (``tokengate.ledger.budgets``),
+once: whichever comes first settles, the other finds the request settled.
 """
 
 from __future__ import annotations
@@ -48,20 +42,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import Any
-from urllib.parse import quote
 
 from tokengate import redis_client
+from tokengate.budget_store import (
+    IN_FLIGHT_TTL_S,
+    SETTLE_LUA,
+    budget_keys,
+    record_tail,
+    reservation_key,
+    settle_args,
+    settle_keys,
+    this_hour,
+)
 from tokengate.ledger import store
 
-HOUR_S = 3600
-# an hour's bucket is read in that hour and the next; a reservation is kept as long
-IN_FLIGHT_TTL_S = 2 * HOUR_S
-SETTLED_TTL_S = 600          # a settlement's retries come within seconds
+__all__ = ["BudgetCounter", "BudgetReservation", "GlobalBudgets", "billed_sync",
+           "budget_keys", "committed", "counter_name", "period_days", "reservation_key",
+           "this_hour"]
 
 # KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
 # spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, in-flight ttl
 # (of the buckets and the reservation), h, then per counter spend_limit (0: none),
-# token_limit (0: none), billed spend (nano-units), billed tokens. Returns {admitted, refused (1-based
+# token_limit (0: none), billed spend (nano-units), billed tokens, and last the record's
+# counters (budget_store.record_tail). Returns {admitted, refused (1-based
 # counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
 # tokens: after this reservation when admitted, before it when refused}.
 RESERVE_LUA = """
@@ -102,38 +105,8 @@ for i = 1, n do
   redis.call('EXPIRE', KEYS[k + 2], ttl)
   redis.call('EXPIRE', KEYS[k + 3], ttl)
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour, 'EX', ttl)
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour .. ARGV[#ARGV], 'EX', ttl)
 return reply(1, 0, 0)
-"""
-
-# KEYS as for RESERVE_LUA. ARGV: real cost_nano, real tokens, settled ttl, h, then per
-# counter its ttl. Returns {applied, reserved}.
-SETTLE_LUA = """
-local cost, tokens, sttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local hour = tonumber(ARGV[4])
-local r = redis.call('GET', KEYS[1])
-if r == 'settled' then return {0, 0} end
-local rc, rt, at = 0, 0, nil
-if r then
-  local c, t, h = string.match(r, '^(%d+) (%d+) (%d+)$')
-  rc, rt = c, t  -- strings, exact for INCRBY / DECRBY (see RESERVE_LUA)
-  if tonumber(h) == hour then at = 2 elseif tonumber(h) == hour - 1 then at = 4 end
-end
-redis.call('SET', KEYS[1], 'settled', 'EX', sttl)
-for i = 1, (#KEYS - 1) / 6 do
-  local k = 6 * i - 4
-  local ttl = tonumber(ARGV[4 + i])
-  if cost ~= 0 then redis.call('INCRBY', KEYS[k], ARGV[1]) end
-  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], ARGV[2]) end
-  redis.call('EXPIRE', KEYS[k], ttl)
-  redis.call('EXPIRE', KEYS[k + 1], ttl)
-  -- its bucket, while it is kept (an expired one is not made again, negative)
-  if at and redis.call('EXISTS', KEYS[k + at]) == 1 then
-    redis.call('DECRBY', KEYS[k + at], rc)
-    redis.call('DECRBY', KEYS[k + at + 1], rt)
-  end
-end
-return {1, r and 1 or 0}
 """
 
 BILLED_CACHE_S = 1.0  # how long one read of the ledger's bill serves a key's reservations
@@ -161,20 +134,6 @@ class BudgetReservation:
     usage: list[tuple[int, int]]
 
 
-def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
-    """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
-    epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
-    of ``hour - 1``."""
-    base = f"tg:bg:{{{quote(key_id, safe='')}}}:{quote(counter, safe='*:')}"
-    return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
-            f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
-
-
-def this_hour() -> int:
-    """The UTC hour now, in hours since the epoch (the in-flight buckets' id)."""
-    return int(time.time() // HOUR_S)
-
-
 def period_days(counter: str) -> tuple[str, list[date]]:
     """``counter`` -> (its scope: ``*`` or a model, the UTC days of its period)."""
     scope, period, pid = counter.rsplit(":", 2)
@@ -183,11 +142,6 @@ def period_days(counter: str) -> tuple[str, list[date]]:
     first = date(1970 + int(pid) // 12, int(pid) % 12 + 1, 1)
     following = date(first.year + first.month // 12, first.month % 12 + 1, 1)
     return scope, [first + timedelta(days=i) for i in range((following - first).days)]
-
-
-def reservation_key(key_id: str, request_id: str) -> str:
-    """The Redis key of one request's reservation."""
-    return f"tg:bg:{{{quote(key_id, safe='')}}}:r:{quote(request_id, safe='')}"
 
 
 def counter_name(scope: str, period: str, day: date) -> str:
@@ -264,14 +218,6 @@ def billed_sync(client: redis_client.SyncRedis, counters: Sequence[tuple[str, st
     return _bill_sums(fields, pipe.execute())
 
 
-def _keys(key_id: str, request_id: str, counters: Sequence[BudgetCounter],
-          hour: int) -> list[str]:
-    keys = [reservation_key(key_id, request_id)]
-    for c in counters:
-        keys.extend(budget_keys(key_id, c.name, hour))
-    return keys
-
-
 class GlobalBudgets:
     """Reserve and settle budgets in Redis (asyncio client: ``redis_client.connect_async``).
     ``models`` gives the configured models (the scope ``*`` of the ledger's bill).
@@ -312,11 +258,13 @@ class GlobalBudgets:
         would pass its limit; see the module docstring."""
         bills = await self.billed(key_id, counters)
         hour = this_hour()
-        args: list[int] = [cost_nano, tokens, IN_FLIGHT_TTL_S, hour]
+        args: list[int | str] = [cost_nano, tokens, IN_FLIGHT_TTL_S, hour]
         for c, (bs, bt) in zip(counters, bills, strict=True):
             args.extend((c.spend_limit_nano, c.token_limit, bs, bt))
+        args.append(record_tail([(c.name, c.ttl_s) for c in counters]))
         r = [int(x) for x in await self._reserve(
-            keys=_keys(key_id, request_id, counters, hour), args=args)]
+            keys=settle_keys(key_id, request_id, [c.name for c in counters], hour),
+            args=args)]
         usage = [(r[3 + 2 * i], r[4 + 2 * i]) for i in range(len(counters))]
         return BudgetReservation(bool(r[0]), r[1], {1: "spend", 2: "tokens"}.get(r[2]), usage)
 
@@ -324,7 +272,7 @@ class GlobalBudgets:
                      cost_nano: int, tokens: int) -> tuple[bool, bool]:
         """Settle the request's real cost and tokens; returns (applied, reserved)."""
         hour = this_hour()
-        r = await self._settle(keys=_keys(key_id, request_id, counters, hour),
-                               args=[cost_nano, tokens, SETTLED_TTL_S, hour,
-                                     *(c.ttl_s for c in counters)])
+        r = await self._settle(
+            keys=settle_keys(key_id, request_id, [c.name for c in counters], hour),
+            args=settle_args(cost_nano, tokens, hour, [c.ttl_s for c in counters]))
         return bool(int(r[0])), bool(int(r[1]))

@@ -1,0 +1,156 @@
+"""The budgets' Redis layout and the script that settles one request's reservation,
+shared by ``tokengate.limits.budget`` (which reserves and settles for the edges) and
+``tokengate.ledger`` (which settles, from the request's usage event, a reservation the
+edge's own settlement never reached: the limits sidecar or Redis was down when the
+request ended).
+
+Keys, all with the hash tag ``{<key_id>}`` (one Redis Cluster slot per key)::
+
+    tg:bg:{<key_id>}:<counter>:s        string  settled spend of the period, nano-units
+    tg:bg:{<key_id>}:<counter>:t        string  settled tokens (prompt + completion)
+    tg:bg:{<key_id>}:<counter>:rs:<h>   string  spend and tokens reserved in UTC hour h
+    tg:bg:{<key_id>}:<counter>:rt:<h>   string    (hours since the epoch) by requests
+                                                  not settled yet; kept two hours
+    tg:bg:{<key_id>}:r:<request>        string  the reservation record of a request not
+                                                settled yet (two hours); "settled" for
+                                                ten minutes after its settlement
+    counter = "<model or *>:<day|month>:<period id>"
+
+A reservation record is ``"<cost_nano> <tokens> <h>"`` then, per counter the
+reservation was put on, ``" <ttl_s> <counter>"`` (the counter percent-encoded as in its
+keys): what a settlement needs besides the real cost, so whoever settles by request id
+needs nothing of the configuration (records of older sidecars end after ``<h>``).
+
+``SETTLE_LUA`` settles a request exactly once, whoever sends it first: the edge (its
+``SettleBudget``), or the ledger when it applies the request's usage event, which asks
+for the record it read (``expected``) and changes nothing when that is gone or changed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+HOUR_S = 3600
+# an hour's bucket is read in that hour and the next; a reservation is kept as long
+IN_FLIGHT_TTL_S = 2 * HOUR_S
+SETTLED_TTL_S = 600  # a settlement's other sender comes within the ledger's lag
+SETTLED = "settled"
+
+# KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
+# spend and tokens of hour h and of hour h - 1 (``settle_keys``). ARGV: real cost_nano,
+# real tokens, settled ttl, h, expected record ("": any, or none: a request admitted
+# without a reservation is charged its real cost), then per counter its ttl. Returns
+# {applied, reserved}.
+SETTLE_LUA = """
+local cost, tokens, sttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local hour = tonumber(ARGV[4])
+local r = redis.call('GET', KEYS[1])
+if r == 'settled' then return {0, 0} end
+if ARGV[5] ~= '' and r ~= ARGV[5] then return {0, 0} end
+-- amounts stay strings (ARGV's, the record's): Redis writes a Lua number as %.17g, which
+-- INCRBY refuses from 1e17 on; the strings are the exact int64
+local rc, rt, at = '0', '0', nil
+if r then
+  local c, t, h = string.match(r, '^(%d+) (%d+) (%d+)')
+  rc, rt = c, t
+  if tonumber(h) == hour then at = 2 elseif tonumber(h) == hour - 1 then at = 4 end
+end
+redis.call('SET', KEYS[1], 'settled', 'EX', sttl)
+for i = 1, (#KEYS - 1) / 6 do
+  local k = 6 * i - 4
+  local ttl = tonumber(ARGV[5 + i])
+  if cost ~= 0 then redis.call('INCRBY', KEYS[k], ARGV[1]) end
+  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], ARGV[2]) end
+  redis.call('EXPIRE', KEYS[k], ttl)
+  redis.call('EXPIRE', KEYS[k + 1], ttl)
+  -- its bucket, while it is kept (an expired one is not made again, negative)
+  if at and redis.call('EXISTS', KEYS[k + at]) == 1 then
+    redis.call('DECRBY', KEYS[k + at], rc)
+    redis.call('DECRBY', KEYS[k + at + 1], rt)
+  end
+end
+return {1, r and 1 or 0}
+"""
+
+
+def this_hour() -> int:
+    """The UTC hour now, in hours since the epoch (the in-flight buckets' id)."""
+    return int(time.time() // HOUR_S)
+
+
+def nano(cost: float) -> int:
+    """A cost in currency units as whole nano-units, rounded up: the edge's rounding
+    (``nano`` in lua/tokengate/budget.lua)."""
+    return math.ceil(cost * 1e9 - 1e-6)
+
+
+def _counter(name: str) -> str:
+    return quote(name, safe="*:")
+
+
+def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
+    """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
+    epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
+    of ``hour - 1``."""
+    base = f"tg:bg:{{{quote(key_id, safe='')}}}:{_counter(counter)}"
+    return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
+            f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
+
+
+def reservation_key(key_id: str, request_id: str) -> str:
+    """The Redis key of one request's reservation."""
+    return f"tg:bg:{{{quote(key_id, safe='')}}}:r:{quote(request_id, safe='')}"
+
+
+def settle_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
+                ) -> list[str]:
+    """KEYS of ``SETTLE_LUA`` (and of the reserve script): the reservation, then each
+    counter's ``budget_keys``."""
+    keys = [reservation_key(key_id, request_id)]
+    for name in counters:
+        keys.extend(budget_keys(key_id, name, hour))
+    return keys
+
+
+def settle_args(cost_nano: int, tokens: int, hour: int, ttls: Sequence[int],
+                expected: str = "") -> list[Any]:
+    """ARGV of ``SETTLE_LUA``: the real cost (nano-units) and tokens, the hour, the
+    record that must still be there (``""``: none required) and each counter's ttl (s)."""
+    return [cost_nano, tokens, SETTLED_TTL_S, hour, expected, *ttls]
+
+
+def record_tail(counters: Sequence[tuple[str, int]]) -> str:
+    """What a reservation record holds after ``"<cost> <tokens> <h>"``: per
+    ``(counter, ttl_s)`` ``" <ttl_s> <counter>"``."""
+    return "".join(f" {ttl} {_counter(name)}" for name, ttl in counters)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A reservation record as read from Redis."""
+
+    cost_nano: int
+    tokens: int
+    hour: int                        # UTC hour of the admission, hours since the epoch
+    counters: list[tuple[str, int]]  # (counter, ttl_s); empty in older sidecars' records
+
+
+def parse_record(value: str | None) -> Reservation | None:
+    """A reservation record -> ``Reservation``; None for no record, a settled one or
+    one that is not a record."""
+    if value is None or value == SETTLED:
+        return None
+    parts = value.split(" ")
+    if len(parts) < 3 or len(parts) % 2 == 0 or not all(p.isdigit() for p in parts[:3]):
+        return None
+    pairs = parts[3:]
+    if not all(t.isdigit() for t in pairs[0::2]):
+        return None
+    return Reservation(int(parts[0]), int(parts[1]), int(parts[2]),
+                       [(unquote(n), int(t)) for t, n in zip(pairs[0::2], pairs[1::2],
+                                                             strict=True)])
