@@ -6,8 +6,9 @@ and the expected numbers are exact), the official openai client. The edge's form
 checked against the ledger's calculator (one formula, two languages).
 
 Budgets need ``global_limits.enabled`` (Redis keeps their spend; tests/test_edge_global.py
-shows two edges sharing it). Here nothing listens on the limits sidecar's socket, so
-every request is decided by the edge's own budget counters, the tier that decides while
+shows two edges sharing it). Here each budget is heard from once through a real limits
+sidecar (a private Redis), which is then stopped, so the requests after are decided by
+the edge's own budget counters and what Redis last said, the tier that decides while
 Redis or the sidecar is unreachable: it must be as exact on its own.
 """
 
@@ -16,17 +17,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from tokengate.config import BillingConfig, ContextPenalty, ModelCost
 from tokengate.ledger.calculator import charge
+from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
-from tests.fixtures_edge import Edge, run_lua
+from tests.fixtures_edge import Edge, free_port, run_lua
+from tests.fixtures_ledger import svc_name, wait_until
 
 MAX_TOKENS = 100
 
@@ -104,6 +108,57 @@ def test_a_reservation_never_settled_stops_holding_the_budget_within_two_hours()
                    "refused")
 
 
+def test_in_fallback_a_budget_counts_from_what_redis_last_said_and_a_restart_knows_nothing(
+        ) -> None:
+    # One edge, a daily limit of 0.001 (1,000,000 nano-units); each request may cost up
+    # to 200 + 200 tokens x 0.5 per 1M = 200,000 and costs that. A fresh shared dict (an
+    # nginx restarted with kill -9) has heard nothing from Redis: in fallback the budget is
+    # refused (503) rather than counted from 0 again. Once Redis answered (700,000 spent
+    # by every edge, this one's 200,000 reservation included), fallback admits what is
+    # left of the limit counted from there, and no more. A new period of a budget heard
+    # from counts from 0.
+    out = run_lua("""
+        local budget = require "tokengate.budget"
+        local cjson = require "cjson"
+        assert(budget.init("tokengate_limits"))
+        local key = {id = "k", budgets = {{period = "day", spend = 0.001,
+                                           spend_nano = 1000000}}}
+        local model = {name = "m", cost = {input = 0.5, output = 0.5, cached = 0}}
+        local doc = {currency = "USD", billing = {exclude_system_tokens = false,
+                     context_penalty = {threshold = 1000000, rate = 0}}}
+        local t0 = 20000 * 86400 + 3600
+        local res = {}
+        local function admit(at)  -- reserved on this edge's counters, Redis unreachable
+            local bud = budget.request(key, model, doc, 200, 200, t0 + at)
+            assert(budget.reserve(bud))
+            local refusal = budget.fallback(bud)
+            if refusal then
+                budget.uncommit(bud)
+                local err = budget.refusal(bud, refusal.index, refusal.kind, refusal.used)
+                res[#res + 1] = err.status .. " " .. (err.code or err.type)
+            else
+                res[#res + 1] = "admitted " .. bud.items[1].spent
+                budget.settle(bud, 400, 0.0002)
+            end
+            return bud
+        end
+        admit(0)
+        local seen = budget.request(key, model, doc, 200, 200, t0 + 1)
+        assert(budget.reserve(seen))
+        budget.learn(seen, {{spent_nano = 700000, tokens = 400}}, true)
+        res[#res + 1] = "redis " .. seen.items[1].spent
+        budget.settle(seen, 400, 0.0002)
+        admit(2)   -- 700,000 + 200,000
+        admit(3)   -- 900,000 + 200,000 > 1,000,000
+        admit(86400)  -- the next day: heard from, nothing known of the new period
+        return table.concat(res, ", ")""")
+    assert out == ("503 budget_unavailable, redis 700000, admitted 900000, "
+                   "429 insufficient_quota, admitted 200000")
+
+
+LIMITS_SOCKET = TEST_DIR / "budgets-limits.sock"
+
+
 def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
     def edit(raw: dict[str, Any]) -> None:
         raw["models"][MODEL]["upstreams"] = [upstream]
@@ -112,14 +167,39 @@ def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
             raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000,
                                    "tpm": 10_000_000, "budgets": budgets}
         raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
-                                "unix_socket": str(TEST_DIR / "no-limits-sidecar.sock")}
+                                "unix_socket": str(LIMITS_SOCKET)}
     return edit
 
 
 @pytest.fixture
-def budget_edge(edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> Edge:
+def limits_sidecar(config_path: Path,
+                   private_redis: Callable[..., Any]) -> Iterator[devstack.Service]:
+    """tokengate-limits (1 worker on ``LIMITS_SOCKET.0``) on a Redis of this test only."""
+    r = private_redis()
+    svc = devstack.limits_service(config_path, free_port(), r.url, unix_socket=LIMITS_SOCKET,
+                                  workers=1, name=svc_name("test-budgets-limits"))
+    svc.start()
+    wait_until(lambda: Path(f"{LIMITS_SOCKET}.0").exists(), 20, what="the limits socket")
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture
+def budget_edge(edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str,
+                limits_sidecar: devstack.Service) -> Edge:
     hostport = fast_upstream_url.removeprefix("http://").removesuffix("/v1")
     return edge_variant_off_vllm("budgets", _with_budgets(hostport))
+
+
+def heard_then_alone(edge: Edge, sidecar: devstack.Service, key: str) -> httpx.Response:
+    """One request of ``key`` decided by Redis (the edge learns the budget's total), then
+    the limits sidecar stopped: what follows is decided by the edge alone."""
+    first = post(edge, key)
+    assert (first.status_code, first.headers["x-tokengate-limits"]) == (200, "global")
+    sidecar.stop()
+    return first
 
 
 def post(edge: Edge, key: str) -> httpx.Response:
@@ -134,17 +214,19 @@ def _burst(edge: Edge, key: str, n: int = 64) -> list[httpx.Response]:
         return list(pool.map(lambda _: post(edge, key), range(n)))
 
 
-def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge) -> None:
+def test_64_concurrent_requests_never_spend_past_a_spend_limit(
+        budget_edge: Edge, limits_sidecar: devstack.Service) -> None:
     probe = post(budget_edge, BUDGET_KEYS["bg-probe"][0])
     assert probe.status_code == 200
     prompt = int(probe.headers["x-token-count"])
     cost = charge(prompt, MAX_TOKENS).cost  # the defaults are the test model's weights
     nano = math.ceil(cost * 1e9 - 1e-6)
     fits = int(1_000_000 // nano)  # 0.001 in nano-units of the currency
+    first = heard_then_alone(budget_edge, limits_sidecar, BUDGET_KEYS["bg-spend"][0])
     answers = _burst(budget_edge, BUDGET_KEYS["bg-spend"][0])
     ok = [r for r in answers if r.status_code == 200]
     refused = [r for r in answers if r.status_code != 200]
-    assert len(ok) == fits
+    assert len(ok) == fits - 1  # and the first, which Redis admitted
     assert {r.headers["x-tokengate-limits"] for r in ok} == {"local"}
     assert {r.status_code for r in refused} == {429}
     err = refused[0].json()["error"]
@@ -157,7 +239,7 @@ def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge
     assert "It resets at " in err["message"] and "T00:00:00Z" in err["message"]
     assert 1 <= int(refused[0].headers["retry-after"]) <= 86_400
     # what the ledger bills for them (its formula, on the edge's usage events)
-    events = [budget_edge.event(r.headers["x-request-id"]) for r in ok]
+    events = [budget_edge.event(r.headers["x-request-id"]) for r in [first, *ok]]
     spent = sum(charge(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"],
                        ev["system_tokens"]).cost for ev in events)
     assert spent <= 0.001
@@ -168,21 +250,24 @@ def test_64_concurrent_requests_never_spend_past_a_spend_limit(budget_edge: Edge
     assert ok[0].headers["x-budget-limit-spend"] == "0.001000"
 
 
-def test_a_token_quota_per_model_and_month(budget_edge: Edge) -> None:
+def test_a_token_quota_per_model_and_month(budget_edge: Edge,
+                                           limits_sidecar: devstack.Service) -> None:
+    first = heard_then_alone(budget_edge, limits_sidecar, BUDGET_KEYS["bg-tokens"][0])
     answers = _burst(budget_edge, BUDGET_KEYS["bg-tokens"][0], 32)
-    ok = [r for r in answers if r.status_code == 200]
+    ok = [first] + [r for r in answers if r.status_code == 200]
     prompt = int(ok[0].headers["x-token-count"])
     assert len(ok) == 1000 // (prompt + MAX_TOKENS)
     assert min(int(r.headers["x-budget-remaining-tokens"]) for r in ok) == \
         1000 - len(ok) * (prompt + MAX_TOKENS)
     refused = [r.json()["error"] for r in answers if r.status_code == 429]
-    assert len(refused) == 32 - len(ok)
+    assert len(refused) == 32 - (len(ok) - 1)
     assert refused[0]["code"] == "insufficient_quota"
     assert f"monthly token quota of 1000 tokens (model {MODEL})" in refused[0]["message"]
 
 
 def test_without_the_counter_a_budget_reserves_the_whole_completion_the_body_allows(
-        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str,
+        limits_sidecar: devstack.Service) -> None:
     """The counter is down (on_counter_failure: open): the prompt is the bytes/3 estimate
     and a request without max_tokens gets min(max_tokens_cap, room) written into its body;
     the budget reserves all of that, not the TPM's smaller output_reserve."""

@@ -12,10 +12,15 @@ sidecar or Redis fails, the edge admits on its local limits and says so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -31,6 +36,7 @@ import redis
 import yaml
 from tokengate import config as tg_config
 from tokengate import redis_client
+from tokengate.budget_store import budget_keys, nano, this_hour
 from tokengate.config import ModelCost
 from tokengate.ledger.calculator import charge
 from tokengate.ledger.ledger import Ledger
@@ -42,7 +48,14 @@ from tokengate.v1 import limits_pb2_grpc as pb_grpc
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
-from tests.fixtures_edge import EDGE_DIR, Edge, _edge_yaml, free_port, run_lua
+from tests.fixtures_edge import (
+    EDGE_DIR,
+    Edge,
+    FakeUpstream,
+    _edge_yaml,
+    free_port,
+    run_lua,
+)
 from tests.fixtures_ledger import svc_name, wait_until
 from tests.test_budgets import amount
 
@@ -67,6 +80,8 @@ NON_LOOPBACK = next((a for a in subprocess.run(["hostname", "-I"], capture_outpu
 # a key with a daily spend limit, at prices that make one answer cost cents (per 1M
 # tokens; the fast upstream's answers cost prompt x input + max_tokens x output)
 BUDGET_KEY = ("gl-budget", "tg-test-gl-budget", 10.0)
+# a key with a daily spend limit and token quota (10 USD, 1000 tokens)
+QUOTA_KEY = ("gl-quota", "tg-test-gl-quota", 10.0, 1000)
 PRICES = {"input": 10_000.0, "output": 13_500.0, "cached": 1_000.0}
 
 
@@ -82,6 +97,10 @@ def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
         key_id, key, spend = BUDGET_KEY
         raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000, "tpm": 10_000_000,
                                "budgets": [{"period": "day", "spend": spend}]}
+        key_id, key, spend, tokens = QUOTA_KEY
+        raw["keys"][key_id] = {"sha256": key_digest(key), "rpm": 10_000, "tpm": 10_000_000,
+                               "budgets": [{"period": "day", "spend": spend,
+                                            "tokens": tokens}]}
         raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
                                 "unix_socket": str(socket_path)}
         # a 2-core machine also runs the counter and two edges: no timeouts in the
@@ -597,6 +616,269 @@ def test_redis_down_falls_back_then_recovers(config_path: Path, counter_addr: st
     finally:
         edge.service.stop()
         sidecar.stop()
+
+
+@dataclass
+class Stack:
+    """One edge, its limits sidecar (1 worker) and a Redis of the test's own."""
+
+    edge: Edge
+    sidecar: devstack.Service
+    redis: Any  # tests.fixtures_ledger.PrivateRedis
+    yaml: Path
+
+    def ledger(self, ledger_id: str | None = None) -> Ledger:
+        """A ledger of the edge's usage file on the stack's Redis (drain() it)."""
+        cfg = tg_config.load(self.yaml)
+        return Ledger(cfg, redis_client.connect(cfg.redis, url=self.redis.url),
+                      self.edge.usage_file, ledger_id=ledger_id)
+
+
+@contextlib.contextmanager
+def make_stack(name: str, config_path: Path, upstream: str,
+               private_redis: Callable[..., Any]) -> Iterator[Stack]:
+    """A ``Stack`` (edge ``name`` before ``upstream``), its Redis persistent (appendfsync
+    always: a kill -9 loses nothing); stopped at the end."""
+    r = private_redis(persist=True)
+    sock = EDGE_DIR / name / "limits.sock"
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    sidecar = devstack.limits_service(config_path, free_port(), r.url, unix_socket=sock,
+                                      workers=1, name=svc_name(f"test-{name}-limits"))
+    sidecar.start()
+    wait_until(lambda: Path(f"{sock}.0").exists(), 20, what="the limits socket")
+    edge = start_edge(config_path, name, upstream, sock, limits_workers=1)
+    try:
+        yield Stack(edge, sidecar, r, EDGE_DIR / name / "tokengate.yaml")
+    finally:
+        edge.service.stop()
+        sidecar.stop()
+
+
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """The process ``pid`` stopped (SIGSTOP) inside the block, continued (SIGCONT) after."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _burst(edge: Edge, key: str, n: int = 64) -> list[httpx.Response]:
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda _: post(edge, key), range(n)))
+
+
+def _until_redis_answers(edge: Edge, key: str) -> tuple[httpx.Response, int]:
+    """Posts until a request is admitted (Redis answered again); (it, the refused ones
+    before it)."""
+    refused = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        r = post(edge, key)
+        if r.status_code == 200:
+            return r, refused
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "budget_unavailable")
+        refused += 1
+        time.sleep(0.1)
+    raise AssertionError("Redis never answered again")
+
+
+def test_one_edge_never_passes_a_budget_however_often_nginx_restarts_while_redis_stalls(
+        config_path: Path, counter_addr: str, upstream_hostport: str,
+        private_redis: Callable[..., Any]) -> None:
+    """Spend with Redis up, then nginx killed with its shared dicts (kill -9 of its
+    process group) and started again, Redis stopped (SIGSTOP) under 64 concurrent
+    requests, twice: a budget the restarted edge has not heard of from Redis is refused
+    (503 budget_unavailable), not counted from 0 again (which billed 0.006645 against a
+    budget of 0.004). Once Redis answered, the next stall admits exactly what is left.
+    The fast upstream's answers cost their reservation, so the bound is exact: over the
+    whole run budget // cost requests are admitted, and the ledger (run as it runs
+    beside the edge: after each stall) bills no more than the budget."""
+    key_id, key, spend = BUDGET_KEY
+    with make_stack("gl-restart", config_path, upstream_hostport, private_redis) as st:
+        edge = st.edge
+        sent = 0
+
+        def burst() -> list[httpx.Response]:
+            nonlocal sent
+            sent += 64
+            with _stopped(st.redis.svc.proc.pid):
+                return _burst(edge, key)
+
+        def ledger_catches_up() -> None:
+            wait_until(lambda: len(edge.events()) >= sent, 10, what="every usage event")
+            ledger = st.ledger()
+            ledger.drain()
+            ledger.client.close()
+
+        first = post(edge, key)
+        assert first.status_code == 200
+        cost = nano(charge(int(first.headers["x-token-count"]), 40,
+                           weights=ModelCost(**PRICES)).cost)
+        budget = round(spend * 1e9)
+        fits = budget // cost
+        spent = [first] + [post(edge, key) for _ in range(fits * 2 // 3 - 1)]
+        sent += len(spent)
+        assert {r.status_code for r in spent} == {200}
+        for _restart in range(2):
+            assert edge.service.proc is not None
+            os.killpg(edge.service.proc.pid, signal.SIGKILL)
+            edge.service.stop()  # (returns once the group is gone)
+            edge.service.start()
+            stalled = burst()
+            assert {r.status_code for r in stalled} == {503}
+            err = stalled[0].json()["error"]
+            assert (err["type"], err["code"]) == ("server_error", "budget_unavailable")
+            assert err["message"].startswith(
+                f"The daily budget of key {key_id} (every model) cannot be checked now: the "
+                "global limits are unreachable")
+            assert stalled[0].headers["retry-after"] == "1"
+            assert status(edge)["global_budget_fallback"] >= 1
+            ledger_catches_up()
+        heard, refused = _until_redis_answers(edge, key)
+        sent += refused + 1
+        assert heard.headers["x-budget-remaining-spend"] == \
+            f"{(budget - (len(spent) + 1) * cost) / 1e9:.6f}"
+        alone = burst()
+        ok = [r for r in alone if r.status_code == 200]
+        assert {r.headers["x-tokengate-limits"] for r in ok} == {"local"}
+        assert len(spent) + 1 + len(ok) == fits
+        assert {r.json()["error"]["code"] for r in alone if r.status_code != 200} == \
+            {"insufficient_quota"}
+        ledger_catches_up()
+        client = st.redis.client()
+        rows = [client.hgetall(k) for k in client.keys(f"tg:{{ledger}}:usage:*:{key_id}:*")]
+        client.close()
+        billed = sum(float(r.get("cost", 0)) for r in rows)
+        assert billed == pytest.approx(fits * cost / 1e9, abs=fits * 1e-9)
+        assert billed <= spend
+        # and Redis, deciding again, holds the budget spent
+        _until_redis_answers_or_429 = post(edge, key)
+        assert (_until_redis_answers_or_429.status_code,
+                _until_redis_answers_or_429.json()["error"]["code"]) == \
+            (429, "insufficient_quota")
+
+
+class GatedUpstream(FakeUpstream):
+    """A chat completion server that answers each request only once ``release`` is set
+    (``arrived`` is set when one is waiting): usage prompt ``PROMPT``, completion
+    ``COMPLETION``. GETs (health probes) get 200."""
+
+    PROMPT, COMPLETION = 9, 7
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+        super().__init__("gated")
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            if not data.startswith(b"POST "):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                return
+            self.requests += 1
+            self.arrived.set()
+            self.release.wait(30)
+            body = json.dumps({
+                "id": "chatcmpl-gated", "object": "chat.completion", "created": 0,
+                "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
+                                             "message": {"role": "assistant",
+                                                         "content": "a"}}],
+                "usage": {"prompt_tokens": self.PROMPT, "completion_tokens": self.COMPLETION,
+                          "total_tokens": self.PROMPT + self.COMPLETION}}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+
+
+@pytest.fixture(scope="module")
+def gated() -> Iterator[GatedUpstream]:
+    up = GatedUpstream()
+    try:
+        yield up
+    finally:
+        up.release.set()
+        up.close()
+
+
+@pytest.fixture
+def gated_hostport(gated: GatedUpstream) -> str:
+    gated.arrived.clear()
+    gated.release.clear()
+    return f"127.0.0.1:{gated.port}"
+
+
+@pytest.mark.parametrize("fault", ["limits sidecar killed", "redis killed"])
+def test_a_settlement_lost_to_an_outage_is_made_once_by_the_ledger(
+        fault: str, gated: GatedUpstream, gated_hostport: str, config_path: Path,
+        counter_addr: str, private_redis: Callable[..., Any]) -> None:
+    """A request admitted in Redis whose settlement fails (the limits sidecar or Redis
+    killed while it runs: global_settle_failed) left its worst case in flight for two
+    hours ("20558 used or reserved" against a bill of 19,305 of 20,000 tokens). The
+    ledger, applying its usage event, settles it: once, also on a replay of the file,
+    and the key's next request is admitted with exactly what is left."""
+    key_id, key, spend, tokens = QUOTA_KEY
+    name = "gl-phantom-" + fault.split()[0]
+    with make_stack(name, config_path, gated_hostport, private_redis) as st:
+        r = st.redis.client()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, st.edge, key)
+            assert gated.arrived.wait(20)
+            (record_key,) = r.keys(f"tg:bg:{{{key_id}}}:r:*")
+            if fault == "redis killed":
+                st.redis.kill()
+            else:
+                assert st.sidecar.proc is not None
+                os.killpg(st.sidecar.proc.pid, signal.SIGKILL)
+                st.sidecar.stop()
+            gated.release.set()
+            first = answer.result(30)
+        assert first.status_code == 200
+        wait_until(lambda: status(st.edge)["global_settle_failed"] >= 1, 10,
+                   what="the failed settlement")
+        if fault == "redis killed":
+            st.redis.start()
+            r = st.redis.client()
+        else:
+            st.sidecar.start()
+        prompt = int(first.headers["x-token-count"])
+        worst = nano(charge(prompt, 40, weights=ModelCost(**PRICES)).cost)
+        real = nano(charge(GatedUpstream.PROMPT, GatedUpstream.COMPLETION,
+                           weights=ModelCost(**PRICES)).cost)
+        used = GatedUpstream.PROMPT + GatedUpstream.COMPLETION
+        s, t, rs, rt, *_ = budget_keys(key_id, f"*:day:{int(time.time() // 86400)}",
+                                       this_hour())
+        # the phantom: the worst case still in flight, nothing settled
+        assert r.get(record_key).startswith(f"{worst} {prompt + 40} ")
+        assert (r.get(s), int(r.get(rs)), int(r.get(rt))) == (None, worst, prompt + 40)
+        ledger = st.ledger()
+        ledger.drain()
+        assert ledger.totals.budgets_settled == 1
+        assert r.get(record_key) == "settled"
+        assert (int(r.get(s)), int(r.get(t)), int(r.get(rs)), int(r.get(rt))) == \
+            (real, used, 0, 0)
+        # a replay (another ledger id reads the file from its start) settles nothing more
+        again = st.ledger("replay")
+        again.drain()
+        assert (again.totals.budgets_settled, again.totals.duplicates) == (0, 1)
+        assert (int(r.get(s)), int(r.get(t))) == (real, used)
+        # the next request is held to what is left, exactly, by Redis
+        probe = GLOBAL_KEYS["gl-settle"][0]  # no budget
+        wait_until(lambda: post(st.edge, probe).headers["x-tokengate-limits"] == "global",
+                   20, step_s=0.2, what="the global tier back")
+        nxt = post(st.edge, key)
+        assert (nxt.status_code, nxt.headers["x-tokengate-limits"]) == (200, "global")
+        assert nxt.headers["x-budget-remaining-tokens"] == str(tokens - used - (prompt + 40))
+        assert nxt.headers["x-budget-remaining-spend"] == \
+            f"{(round(spend * 1e9) - real - worst) / 1e9:.6f}"
+        r.close()
 
 
 def test_make_run_starts_the_limits_sidecar_only_when_enabled(

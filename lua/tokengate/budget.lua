@@ -16,7 +16,10 @@
 -- With global_limits.enabled the same reservation is then made in Redis
 -- (tokengate.global_limit.reserve_budget, one atomic script for every edge; spend
 -- survives restarts): these counters are this edge's share, Redis's the total, which
--- decides. When Redis fails, these alone decide, as the local TPM window does.
+-- decides. Each answer also tells this edge what Redis holds beyond its own counters
+-- (learn); when Redis fails, that and these counters decide (fallback), and a budget
+-- Redis has not answered for since this nginx started (its shared dict is empty after a
+-- restart) is refused until Redis answers, so restarts never reset the count.
 --
 -- cost() is the formula of tokengate.ledger.calculator.charge (its docstring is the
 -- source; tests/test_budgets.py checks the two agree). nano() rounds it; the sidecar only
@@ -80,9 +83,14 @@ end
 -- within the wire's uint64 and Redis's int64 (tokengate.pb refuses larger).
 local CAP = 2 ^ 60
 
--- nano(cost) -> whole nano-units, rounded up, at most CAP
+-- nano(cost) -> whole nano-units, rounded up, at most CAP (also for NaN, which no
+-- comparison with min's catches: a counter that took one would stay NaN)
 local function nano(cost)
-    return min(ceil(cost * NANO - 1e-6), CAP)
+    local n = ceil(cost * NANO - 1e-6)
+    if not (n <= CAP) then
+        return CAP
+    end
+    return n
 end
 _M.nano = nano
 
@@ -137,6 +145,7 @@ function _M.request(key, model, doc, prompt, completion, now)
             -- (tokengate.pb.budget_request)
             items[#items + 1] = {
                 b = b, left = left, ends = ends, name = key.id .. ":" .. counter,
+                scope = key.id .. ":" .. (b.model or "*") .. ":" .. b.period,
                 counter = counter, spend_limit_nano = b.spend_nano or 0,
                 token_limit = b.tokens or 0, ttl_s = TTL[b.period],
             }
@@ -168,12 +177,18 @@ end
 -- one's: a reservation whose settlement never comes (its nginx worker crashed) stops
 -- counting within two hours, not at the end of the period (tokengate.limits.budget
 -- keeps Redis's the same way).
+-- known: the key of what Redis last said beyond this edge's own counters (see learn);
+-- reply: the field of a BudgetUsage with Redis's total.
 local KINDS = {
     { kind = "spend", settled = "bs", flight = "fs", limit = "spend_nano", amount = "cost",
-      total = "spent" },
+      total = "spent", known = "ks", reply = "spent_nano" },
     { kind = "tokens", settled = "bt", flight = "ft", limit = "tokens", amount = "tokens",
-      total = "used" },
+      total = "used", known = "kt", reply = "tokens" },
 }
+-- the shared-dict key that says Redis answered for a budget (key, scope and period kind,
+-- any period id) since this nginx started (see learn)
+local HEARD = "kh"
+
 -- in_flight(k, hour, name) -> the shared-dict key of k's bucket of hour for item name
 local function in_flight(k, hour, name)
     return k.flight .. hour .. ":" .. name
@@ -199,10 +214,18 @@ local function amount(n)
     return (text:gsub("%.?0+$", ""))
 end
 
--- rejection(bud, it, kind, used) -> the 429 insufficient_quota error
+-- rejection(bud, it, kind, used) -> the 429 insufficient_quota error; kind "unknown":
+-- the 503 of a budget that cannot be checked (see fallback)
 local function rejection(bud, it, kind, used)
     local b = it.b
     local scope = b.model and ("model " .. b.model) or "every model"
+    if kind == "unknown" then
+        return errors.new(503, format("The %s budget of key %s (%s) cannot be checked now: "
+            .. "the global limits are unreachable and this gateway has not learned the "
+            .. "key's spend from them since it started. Please try again in a few seconds.",
+            NAMES[b.period], bud.key_id, scope), nil, "budget_unavailable", nil,
+            { ["Retry-After"] = "1" })
+    end
     local what
     if kind == "spend" then
         what = format("%s spend limit of %s %s (%s): %s spent or reserved, this request "
@@ -219,7 +242,8 @@ local function rejection(bud, it, kind, used)
 end
 
 -- refusal(bud, index, kind, used) -> the 429 of items[index] refusing: kind "spend" |
--- "tokens", used: its total before this request (nano-units or tokens).
+-- "tokens", used: its total before this request (nano-units or tokens); kind
+-- "unknown": the 503 of a budget fallback cannot check.
 function _M.refusal(bud, index, kind, used)
     return rejection(bud, bud.items[index], kind, used)
 end
@@ -247,7 +271,7 @@ function _M.reserve(bud)
                     taken[#taken + 1] = amount
                     v = v + (dict:get(in_flight(k, hour - 1, name)) or 0)
                         + (dict:get(k.settled .. name) or 0)
-                    if v > limit then
+                    if not (v <= limit) then -- (a NaN total refuses too)
                         for t = 1, #taken, 2 do
                             add(taken[t], -taken[t + 1], IN_FLIGHT_TTL)
                         end
@@ -268,6 +292,78 @@ function _M.uncommit(bud)
         bud.admitted = nil
         take_back(bud)
     end
+end
+
+-- learn(bud, usage, admitted): Redis answered bud's reservation (admitted, or refused)
+-- with usage, per item {spent_nano, tokens}: every edge's totals, after this reservation
+-- when admitted, before it when refused. Keeps per item what Redis holds beyond this
+-- edge's own counters (the other edges' spend, the ledger's bill of spend no counter
+-- saw: "ks"/"kt" .. name, nano-units / tokens) for fallback, marks the budget heard
+-- from, and when admitted sets each item's spent / used to Redis's totals (the headers).
+function _M.learn(bud, usage, admitted)
+    for i = 1, #bud.items do
+        local it, u = bud.items[i], usage[i]
+        local ttl = TTL[it.b.period]
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            if it.b[k.limit] then
+                local total = u[k.reply]
+                if not admitted then
+                    total = total + bud[k.amount]
+                end
+                -- it[k.total]: this edge's counters with this reservation (reserve)
+                dict:set(k.known .. it.name, total - it[k.total], ttl)
+                if admitted then
+                    it[k.total] = u[k.reply]
+                end
+            end
+        end
+        dict:set(HEARD .. it.scope, true, ttl)
+    end
+end
+
+-- fallback(bud) -> nil (admitted) | refusal {index, kind, used} (as refusal takes it).
+-- Redis did not answer bud's reservation (reserve admitted it on this edge's counters):
+-- each item's total is this edge's counters plus what Redis last held beyond them
+-- (learn), so one edge in fallback stops where Redis's count would have (give or take
+-- the reservations that were on their way to Redis at its last answer), and an nginx
+-- restart (empty shared dicts) does not start the count again from nothing: a budget
+-- Redis has not answered for since this nginx started is refused (kind "unknown", 503)
+-- until it does. A budget heard from whose item has nothing known (a new period began
+-- since) adds 0. incr-then-check, as reserve: each total includes every reservation made
+-- before it on this edge. Sets the admitted items' spent / used (the headers).
+function _M.fallback(bud)
+    local items = bud.items
+    for i = 1, #items do
+        local it = items[i]
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            local limit = it.b[k.limit]
+            if limit then
+                local beyond = dict:get(k.known .. it.name)
+                if beyond == nil then
+                    if not dict:get(HEARD .. it.scope) then
+                        return { index = i, kind = "unknown" }
+                    end
+                    beyond = 0
+                end
+                local total = it[k.total] + beyond
+                if not (total <= limit) then
+                    return { index = i, kind = k.kind, used = total - bud[k.amount] }
+                end
+            end
+        end
+    end
+    for i = 1, #items do
+        local it = items[i]
+        for j = 1, #KINDS do
+            local k = KINDS[j]
+            if it.b[k.limit] then
+                it[k.total] = it[k.total] + (dict:get(k.known .. it.name) or 0)
+            end
+        end
+    end
+    return nil
 end
 
 -- settle(bud, tokens, cost) -> the real cost in nano-units | nil (not admitted). The

@@ -11,21 +11,24 @@
 -- each empty the queue. A settlement that cannot be sent leaves the reservation as
 -- reserved until it slides out of the 60 s window (counted in global_settle_failed /
 -- global_settle_dropped): the error is on the safe side. A budget settlement lost so
--- leaves the worst case charged in Redis (safe too), or, for a request admitted while
--- Redis was unreachable, its cost uncharged there (the edge's own counters have it).
+-- is made by the ledger when it applies the request's usage event, exactly once
+-- (tokengate.ledger.budgets); until then Redis holds the worst case (safe too), or, for
+-- a request admitted while Redis was unreachable, the ledger's bill of it.
 --
 -- Failure: when the sidecar (or Redis behind it) is down, answers UNAVAILABLE, or does
 -- not answer within edge.global_limits_timeout_ms, the tier is skipped and the local
 -- limits alone decide (X-Tokengate-Limits: local, counter global_fallback_<reason>). The
 -- sidecar client's breaker then skips the tier for edge.global_limits_backoff_ms
 -- (global_fallback_backoff), so an outage costs one timeout per backoff period. Budgets
--- alike: the edge's own budget counters decide (global_budget_fallback), and the
--- settlement charges Redis the real cost once it is back.
+-- alike: the edge's own budget counters decide with what Redis last said
+-- (tokengate.budget.fallback; global_budget_fallback), and the settlement charges Redis
+-- the real cost once it is back.
 
 local ngx = ngx
 local pb = require "tokengate.pb"
 local sidecar = require "tokengate.sidecar"
 local metrics = require "tokengate.metrics"
+local budget = require "tokengate.budget"
 
 local timer_at = ngx.timer.at
 local ngx_log = ngx.log
@@ -118,10 +121,12 @@ function _M.incoming(req)
 end
 
 -- reserve_budget(bud, request_id) -> true | nil, refusal {index, kind, used} | nil, nil
---   (the tier failed: the edge's own counters decided). bud: a tokengate.budget
---   reservation already admitted by the edge's counters; admitted: each item's spent /
---   used become Redis's totals (every edge's). refusal: items[index] refused, kind
---   "spend" | "tokens", used: its total before this request (nano-units or tokens).
+--   (the tier failed: the edge's own counters and what Redis last said decided,
+--   tokengate.budget.fallback). bud: a tokengate.budget reservation already admitted by
+--   the edge's counters; admitted: each item's spent / used become Redis's totals
+--   (every edge's). refusal: items[index] refused, kind "spend" | "tokens", used: its
+--   total before this request (nano-units or tokens); or kind "unknown" (fallback: a
+--   budget Redis has not answered for since this nginx started).
 function _M.reserve_budget(bud, request_id)
     local items = bud.items
     local msg, failure = client:call(RESERVE_BUDGET, pb.budget_request(bud.key_id,
@@ -140,14 +145,10 @@ function _M.reserve_budget(bud, request_id)
     if not r then
         fallback(failure, "the edge's budget counters")
         metrics.incr("global_budget_fallback")
-        return nil, nil
+        return nil, budget.fallback(bud)
     end
+    budget.learn(bud, r.usage, r.admitted)
     if r.admitted then
-        for i = 1, #items do
-            local it, u = items[i], r.usage[i]
-            it.spent = it.b.spend_nano and u.spent_nano or nil
-            it.used = it.b.tokens and u.tokens or nil
-        end
         metrics.incr("global_budget_admitted")
         return true
     end
