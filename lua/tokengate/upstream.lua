@@ -134,9 +134,10 @@ function _M.outstanding(model_name, r)
     return dict:get(key("tok:", model_name, r)) or 0
 end
 
--- last_active(model_name, r) -> s (ngx.now) when a request last started or ended on r;
--- nil when none did since the shared dict was created. touch(model_name, r) sets it
--- to now.
+-- last_active(model_name, r) -> s (ngx.now) when a request forwarded to r last ended
+-- (one in flight keeps r busy through its outstanding tokens; one refused before it was
+-- forwarded is no activity); nil when none did since the shared dict was created.
+-- touch(model_name, r) sets it to now.
 function _M.last_active(model_name, r)
     return dict:get(key("last:", model_name, r))
 end
@@ -229,7 +230,6 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         dict:incr(key("tok:", name, r), tokens, 0)
     end
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
-    _M.touch(name, r)
     return r, k
 end
 
@@ -240,7 +240,9 @@ function _M.release(ctx, forget)
     if r and ctx.replica_tokens then
         dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
         ctx.replica_tokens = nil
-        _M.touch(ctx.replica_model, r)
+        if not forget then
+            _M.touch(ctx.replica_model, r)
+        end
     end
     if forget then
         ctx.replica = nil
