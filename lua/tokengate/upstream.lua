@@ -148,8 +148,14 @@ function _M.touch(model_name, r)
 end
 
 -- best(model, tried, rank, level, prompt, first) -> replica, its rank, its outstanding
--- tokens | nil: pick()'s choice; the scan starts at `first` (a replica of model) when
--- given, else after the one this worker chose last, and the first of equals wins.
+-- tokens | nil: the replica of model (compiled model entry) not in tried (a set of
+-- names) with the best rank, then awake before asleep, then the fewest outstanding
+-- tokens; rank(model_name, r, level, prompt) -> number, lower is better (nil: all rank
+-- alike; tokengate.admission.rank: level, prompt are its priority level and prompt
+-- tokens). Replicas that are out rank OUT: taken only when all untried ones are out. nil
+-- when every one was tried or none has an address. The scan starts at `first` (a
+-- replica of model) when given, else after the one this worker chose last; the first of
+-- equals wins. Reads only: take() counts.
 local function best(model, tried, rank, level, prompt, first)
     local list = model.upstreams
     local n = #list
@@ -187,22 +193,11 @@ local function best(model, tried, rank, level, prompt, first)
     return choice, best_rank, best_out
 end
 
--- pick(model, tried, rank, level, prompt) -> replica, its rank | nil: the replica of
--- model (compiled model entry) not in tried (a set of names) with the best rank, then
--- awake before asleep, then the fewest outstanding tokens; rank(model_name, r, level,
--- prompt) -> number, lower is better (nil: all rank alike; tokengate.admission.rank:
--- level, prompt are its priority level and prompt tokens). Replicas that are out rank
--- OUT: taken only when all untried ones are out. nil when every one was tried or none
--- has an address. Counts nothing: take() is pick() and the count in one step.
-function _M.pick(model, tried, rank, level, prompt)
-    local r, k = best(model, tried, rank, level, prompt)
-    return r, k
-end
-
--- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil:
--- pick()'s replica, which serves the request from now on: its `tokens` (the request's
--- reservation) count as outstanding there until release(ctx). A replica ctx held
--- before (a retry) is released first.
+-- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil: the
+-- best replica (best(): tried, rank, level and prompt as there), which serves the
+-- request from now on: its `tokens` (the request's reservation) count as outstanding
+-- there until release(ctx). A replica ctx held before (a retry) is released first.
+-- (Named arguments, not varargs: a loop that passes varargs on is never compiled.)
 --
 -- The choice and the count are one step, so a burst spreads: no yield comes between the
 -- read and the incr, so the next request of this worker sees this one's tokens. Another
