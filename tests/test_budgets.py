@@ -176,6 +176,7 @@ def limits_sidecar(config_path: Path,
                    private_redis: Callable[..., Any]) -> Iterator[devstack.Service]:
     """tokengate-limits (1 worker on ``LIMITS_SOCKET.0``) on a Redis of this test only."""
     r = private_redis()
+    Path(f"{LIMITS_SOCKET}.0").unlink(missing_ok=True)  # (a stale one would pass the wait)
     svc = devstack.limits_service(config_path, free_port(), r.url, unix_socket=LIMITS_SOCKET,
                                   workers=1, name=svc_name("test-budgets-limits"))
     svc.start()

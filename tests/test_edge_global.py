@@ -642,6 +642,7 @@ def make_stack(name: str, config_path: Path, upstream: str,
     r = private_redis(persist=True)
     sock = EDGE_DIR / name / "limits.sock"
     sock.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{sock}.0").unlink(missing_ok=True)  # (a stale one would pass the wait)
     sidecar = devstack.limits_service(config_path, free_port(), r.url, unix_socket=sock,
                                       workers=1, name=svc_name(f"test-{name}-limits"))
     sidecar.start()
