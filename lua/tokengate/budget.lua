@@ -311,8 +311,10 @@ function _M.learn(bud, usage, admitted)
                 if not admitted then
                     total = total + bud[k.amount]
                 end
-                -- it[k.total]: this edge's counters with this reservation (reserve)
-                dict:set(k.known .. it.name, total - it[k.total], ttl)
+                -- it[k.total]: this edge's counters with this reservation (reserve).
+                -- Never below 0: Redis lacks only what this edge admitted on its own
+                -- and the ledger has not billed yet, which its counters hold.
+                dict:set(k.known .. it.name, max(0, total - it[k.total]), ttl)
                 if admitted then
                     it[k.total] = u[k.reply]
                 end
