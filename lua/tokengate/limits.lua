@@ -13,8 +13,10 @@
 -- settled at the end by (prompt + completion) - reserved. A key's budgets
 -- (tokengate.budget, req.budget) are reserved after every rate tier admitted, in the
 -- edge's counters and then, with global limits, in Redis's (which decide for all
--- edges; skipped when they fail, like the global window), and settled with the real
--- cost in both.
+-- edges; when they fail the edge's counters decide, counted from Redis's last answer,
+-- and a budget Redis never answered for since nginx started is refused: 503
+-- budget_unavailable), and settled with the real cost in both; a settlement that fails
+-- is made by the ledger from the usage event (tokengate/ledger/budgets.py).
 
 local ngx = ngx
 local errors = require "tokengate.errors"

@@ -866,8 +866,8 @@ class EdgeConfig(_Schema):
                     "connection broke) within upstream_eject_s that take it out.")
     upstream_eject_s: Positive = Field(
         default=10,
-        description="How long a failed replica is skipped, s (a passing health probe "
-                    "brings it back sooner).")
+        description="Without health probes, how long a failed replica is skipped, s; "
+                    "with probes it is out until a probe answers 200.")
     upstream_health_interval_ms: Count = Field(
         default=2000,
         description="Every this many ms one nginx worker probes each replica's /health; "
