@@ -265,10 +265,20 @@ function _M.reserve(bud)
             if limit then
                 local amount = bud[k.amount]
                 local key = in_flight(k, hour, name)
-                local v = add(key, amount, IN_FLIGHT_TTL)
+                -- an amount that can never fit (or NaN) is refused without touching
+                -- the counter: a huge amount added and taken back blurs it in doubles
+                local fits = amount <= limit
+                local v
+                if fits then
+                    v = add(key, amount, IN_FLIGHT_TTL)
+                else
+                    v = (dict:get(key) or 0) + amount
+                end
                 if v then
-                    taken[#taken + 1] = key
-                    taken[#taken + 1] = amount
+                    if fits then
+                        taken[#taken + 1] = key
+                        taken[#taken + 1] = amount
+                    end
                     v = v + (dict:get(in_flight(k, hour - 1, name)) or 0)
                         + (dict:get(k.settled .. name) or 0)
                     if not (v <= limit) then -- (a NaN total refuses too)
