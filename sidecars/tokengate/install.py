@@ -90,8 +90,8 @@ services will run from, made from a Python outside /home and /root (the units ha
 ProtectHome=yes; a pyenv Python under /root is hidden from them):
 
   /usr/bin/python3 -m venv /opt/tokengate && /opt/tokengate/bin/pip install ./sidecars
-  sudo /opt/tokengate/bin/tokengate install --vllm-python /opt/vllm/bin/python \
-      --model qwen3-8b --model-dir /srv/models/Qwen3-8B --max-model-len 32768 \
+  sudo /opt/tokengate/bin/tokengate install --vllm-python /opt/vllm/bin/python \\
+      --model qwen3-8b --model-dir /srv/models/Qwen3-8B --max-model-len 32768 \\
       --upstream 127.0.0.1:8100
 
 The configuration it writes is made for the host (Debian's Redis on 6379, the given
@@ -268,7 +268,7 @@ def deploy_config_text(text: str, base: Path, paths: dict[str, Path]) -> str:
             end = text.find("\n", node.end_mark.index)
             end = len(text) if end < 0 else end
             rest = text[node.end_mark.index:end]
-            if node.value:
+            if "/" in node.value:  # a path, not a word a comment may also use
                 rest = rest.replace(node.value, str(value))
             edits.append((node.start_mark.index, end, _scalar(str(value)) + rest))
         else:
