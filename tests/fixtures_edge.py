@@ -28,9 +28,10 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -40,6 +41,8 @@ from tokengate.storm.upstream import UpstreamOptions
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
+
+T = TypeVar("T")
 
 # TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
@@ -214,6 +217,18 @@ def edge_variant_off_vllm(config_path: Path,
     yield from _variants(config_path)
 
 
+def at_once(n: int, call: Callable[[], T]) -> list[T]:
+    """``call()`` made by n threads released together (a burst), the results in order."""
+    start = threading.Barrier(n)
+
+    def one(_: int) -> T:
+        start.wait()
+        return call()
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
 def window_room(seconds: float) -> float:
     """Sleep, if needed, until at least ``seconds`` remain in the current wall-clock
     minute (the edge's limit window); returns the seconds elapsed in that window."""
@@ -250,14 +265,23 @@ class FakeUpstream:
                 continue
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
+    @staticmethod
+    def read_head(conn: socket.socket) -> bytes | None:
+        """The request's bytes up to the end of its headers (some of the body may
+        follow); None when the client closed first."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
+            data = self.read_head(conn)
+            if data is None:
+                return
             if data.startswith(b"POST "):  # not the edge's GET /health and /metrics
                 self.requests += 1
             if self.mode == "html500":

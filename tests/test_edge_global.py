@@ -775,12 +775,9 @@ class GatedUpstream(FakeUpstream):
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
+            data = self.read_head(conn)
+            if data is None:
+                return
             if not data.startswith(b"POST "):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
                 return

@@ -27,7 +27,7 @@ from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.fixtures_edge import MAIN_KEY, Edge, at_once
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
 
@@ -346,14 +346,7 @@ def test_a_burst_on_two_idle_equal_replicas_splits_evenly(
         e = edge_variant_off_vllm("replicas-burst", edit)
         first = _chat(e)  # the count of this body is cached from here on
         assert (first.status_code, first.headers["x-tokengate-limits"]) == (200, "global")
-        start = threading.Barrier(32)
-
-        def one(_: int) -> httpx.Response:
-            start.wait()
-            return _chat(e)
-
-        with ThreadPoolExecutor(32) as pool:
-            answers = list(pool.map(one, range(32)))
+        answers = at_once(32, lambda: _chat(e))
     finally:
         server.stop(0)
     assert [(r.status_code, r.headers["x-tokengate-limits"]) for r in answers] == \

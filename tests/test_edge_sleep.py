@@ -21,7 +21,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import yaml
 from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge, at_once
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
 
@@ -263,14 +262,7 @@ def test_turning_idle_unload_off_wakes_the_replicas_it_put_to_sleep(
         assert httpx.get(f"http://127.0.0.1:{up.port}/is_sleeping",
                          timeout=5).json() == {"is_sleeping": False}
     # and both serve: 8 requests at once split 4/4
-    start = threading.Barrier(8)
-
-    def one(_: int) -> httpx.Response:
-        start.wait()
-        return _chat(e)
-
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(one, range(8)))
+    answers = at_once(8, lambda: _chat(e))
     assert [r.status_code for r in answers] == [200] * 8
     assert Counter(r.headers["x-tokengate-upstream"] for r in answers) == \
         {f"127.0.0.1:{a.port}": 4, f"127.0.0.1:{b.port}": 4}
