@@ -620,3 +620,22 @@ def test_the_reference_writes_out_every_default_that_is_not_a_section() -> None:
              if "| see section |" in line and "| section: [" not in line
              and "| map: [" not in line]
     assert vague == []
+
+
+def test_the_cli_called_in_process_leaves_sigpipe_to_python(tmp_path: Path) -> None:
+    """cli.main([...]) from a Python process (a test, a script) keeps Python's SIGPIPE
+    handling: with SIGPIPE's default action that process dies on its next write to a
+    closed socket (a whole pytest run ended so, mid-test, with make's "Broken pipe")."""
+    import signal
+
+    from tokengate import cli
+
+    path = tmp_path / "tokengate.yaml"
+    raw = yaml.safe_load(REPO_CONFIG.read_text())
+    raw["models"][MODEL]["dir"] = str(REPO_CONFIG.parent / "var/models/tiny-qwen3")
+    path.write_text(yaml.safe_dump(raw))
+    before = signal.getsignal(signal.SIGPIPE)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["config", "check", str(path)])
+    assert (done.value.code, signal.getsignal(signal.SIGPIPE)) == (0, before)
+    assert before == signal.SIG_IGN

@@ -180,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     keys.add_parser(sub)
     _add_verbose(parser)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tokengate usage | head` ends quietly
+    if argv is None:
+        # the command line's own process: `tokengate usage | head` ends quietly (a caller
+        # in-process keeps Python's SIGPIPE handling: with the default action a write to
+        # a closed socket would kill it)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     _config_used(args)
     sys.exit(args.func(args))
 
