@@ -33,7 +33,7 @@ end
 
 -- The fields (and aliases) of vLLM 0.32's ChatCompletionRequest
 -- (vllm/entrypoints/openai/chat_completion/protocol.py) and CompletionRequest
--- (.../completion/protocol.py); tests/test_edge_costly_inputs.py compares them with
+-- (.../completion/protocol.py); tests/edge/test_edge_costly_inputs.py compares them with
 -- vLLM's own models. Any other top-level field is ignored by vLLM
 -- (vllm/entrypoints/serve/engine/protocol.py, OpenAIBaseModel: extra="allow").
 local SHARED = {

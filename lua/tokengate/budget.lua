@@ -22,7 +22,7 @@
 -- restart) is refused until Redis answers, so restarts never reset the count.
 --
 -- cost() is the formula of tokengate.ledger.calculator.charge (its docstring is the
--- source; tests/test_budgets.py checks the two agree). nano() rounds it; the sidecar only
+-- source; tests/edge/test_budgets.py checks the two agree). nano() rounds it; the sidecar only
 -- adds the nano-units it is sent.
 
 local ngx = ngx

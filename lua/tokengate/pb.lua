@@ -5,7 +5,7 @@
 -- fields. gRPC framing (1 flag byte,
 -- 4-byte big-endian length) is here too. Encoders omit fields equal to their proto3
 -- default (0, false, ""), as the reference implementation does, so the bytes are the
--- same as Python's SerializeToString (tests/test_edge_global.py checks them).
+-- same as Python's SerializeToString (tests/edge/test_edge_global.py checks them).
 --
 -- Numbers: varints are built with / and % by 128, exact for any integer-valued double,
 -- so every integer a Lua number holds exactly (up to 2^53) is sent exactly, and so is

@@ -3,7 +3,7 @@
 --
 -- The rule is the Python reference's (tests/sampling_reference.py), exactly: its
 -- tests/sampling_vectors.json is replayed through this module by
--- tests/test_edge_access_log.py:
+-- tests/edge/test_edge_access_log.py:
 --
 --     keep = status >= error_status                        (every error)
 --         or bucket(request_id) < threshold(rate_for(total_ms))

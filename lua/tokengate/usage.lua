@@ -307,7 +307,7 @@ end
 
 -- The usage event's keys, in the order they are written. The ledger's parser
 -- (sidecars/tokengate/ledger/event.py, UsageEvent) has the same fields in the same
--- order; tests/test_edge_access_log.py checks a real edge's lines against it.
+-- order; tests/edge/test_edge_access_log.py checks a real edge's lines against it.
 local FIELDS = {
     "request_id", "ts", "key_id", "model", "endpoint", "status", "stream", "token_estimate",
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",

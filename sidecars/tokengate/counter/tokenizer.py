@@ -18,7 +18,7 @@ new turn, so only the new turn is tokenized.
 The fast path is used only when the tokenizer.json has exactly that shape (NFC or no
 normalizer, Split+ByteLevel pre-tokenizer, BPE without dropout/byte fallback, added
 tokens without strip/normalize/single-word flags) and a self-check corpus encodes to
-identical ids; otherwise HF ``tokenizers`` counts everything. ``tests/test_counter_*``
+identical ids; otherwise HF ``tokenizers`` counts everything. ``tests/counter/test_counter_*``
 prove parity on a large mixed corpus and against the real vLLM server.
 """
 

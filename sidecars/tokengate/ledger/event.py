@@ -51,7 +51,7 @@ Schema (every key is present; ``null`` only where shown)::
                       events written before the field existed
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
-in this order; ``tests/test_edge_access_log.py`` checks a real edge's lines against
+in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
 ``UsageEvent``.
 
 The parser is strict about the keys it knows (type, range, enumerations, duplicate

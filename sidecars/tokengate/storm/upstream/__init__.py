@@ -5,7 +5,7 @@ requests/s on this machine and would be the bottleneck; nginx with a small Lua c
 handler (``vllm_like.lua``) answers tens of thousands per core. The protocol (bodies,
 SSE framing, cumulative ``continuous_usage_stats`` usage, the final ``"choices": []``
 usage chunk, error shapes) is checked against the real vLLM CPU server by
-``tests/test_upstream_contract.py``.
+``tests/storm/test_upstream_contract.py``.
 
 Prompt tokens in its usage come from the ``X-Token-Count`` request header (the
 gateway sets it; TokenStorm sets it on direct runs with ``--send-token-count``); a

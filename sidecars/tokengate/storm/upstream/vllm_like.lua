@@ -5,7 +5,7 @@
 -- (stream_options.include_usage), the `data: [DONE]` terminator and the 400/404/405
 -- error shapes (pydantic's validation errors for messages, prompt, max_tokens, n and a
 -- temperature string that is not a number among them) are copied from the real server
--- (checked by tests/test_upstream_contract.py against a live vLLM CPU server). The
+-- (checked by tests/storm/test_upstream_contract.py against a live vLLM CPU server). The
 -- generated text is a fixed 4-byte piece per token; every request generates exactly its
 -- effective max_tokens (as vLLM with ignore_eos).
 --

@@ -12,7 +12,7 @@ from tokengate.config import AccessLogConfig
 
 from tests.sampling_reference import bucket, keep, threshold
 
-VECTORS = Path(__file__).with_name("sampling_vectors.json")
+VECTORS = Path(__file__).parents[1] / "sampling_vectors.json"
 N = 10_000
 
 

@@ -57,7 +57,7 @@ from tests.fixtures_edge import (
     run_lua,
 )
 from tests.fixtures_ledger import svc_name, wait_until
-from tests.test_budgets import amount
+from tests.edge.test_budgets import amount
 
 # key id -> (key, rpm, tpm); the fast upstream's answers cost prompt + max_tokens.
 GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {

@@ -220,7 +220,7 @@ def test_a_budgets_spend_must_be_finite(repo_raw: dict[str, Any], tmp_path: Path
 def test_an_rpm_above_2_to_the_32_is_kept_exactly_in_the_edge_document(
         repo_raw: dict[str, Any], tmp_path: Path, rpm: int) -> None:
     """The schema's bound for limits (1e12) is the wire's too: limits.proto's rpm_limit is a
-    uint64 (as a uint32, 2^32 + 5 was enforced as 5; tests/test_edge_global.py sends it)."""
+    uint64 (as a uint32, 2^32 + 5 was enforced as 5; tests/edge/test_edge_global.py sends it)."""
     raw = copy.deepcopy(repo_raw)
     put("keys.demo.rpm", rpm)(raw)
     put(f"keys.demo.models.{MODEL}", {"rpm": rpm, "tpm": 10**12})(raw)

@@ -272,7 +272,7 @@ def test_vllm_exports_the_metrics_the_grafana_board_reads(vllm_url: str) -> None
     the TTFT histogram has a sample)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.test_observability import VLLM_METRICS, board_metrics
+    from tests.deploy.test_observability import VLLM_METRICS, board_metrics
 
     call(vllm_url, "POST", "/chat/completions",
          {"model": "tiny-qwen3", "max_tokens": 2,

@@ -1,6 +1,6 @@
 """vllm_patches/gpu_check.sh and gpu_check.py without a GPU: the script's options and the
 commands it would run, its shell hygiene, and the figures and reconciliation it prints
-(the run against a real server is in tests/test_vllm_plugin.py)."""
+(the run against a real server is in tests/plugin/test_vllm_plugin.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL
 
-HERE = Path(__file__).resolve().parent
-SCRIPT = HERE.parent / "vllm_patches" / "gpu_check.sh"
-DRIVER = HERE.parent / "vllm_patches" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "vllm_patches" / "gpu_check.sh"
+DRIVER = ROOT / "vllm_patches" / "gpu_check.py"
 
 
 def driver() -> ModuleType:
@@ -94,7 +94,7 @@ def test_dry_run_prints_the_steps(tmp_path: Path):
 
 def test_the_sleep_check_passes_against_a_server_with_sleep_mode(
         replicas: Callable[..., FastUpstream]) -> None:
-    # the fast upstream serves vLLM's sleep routes (tests/test_edge_sleep.py); its
+    # the fast upstream serves vLLM's sleep routes (tests/edge/test_edge_sleep.py); its
     # completions generate exactly max_tokens, as ignore_eos does
     up = replicas()
     fig = driver().sleep_check(f"http://127.0.0.1:{up.port}", MODEL)

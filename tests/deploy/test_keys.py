@@ -39,7 +39,7 @@ from tokengate.tools import compile_config
 from tests import units
 from tests.conftest import MODEL, REPO_CONFIG
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
-from tests.test_debian_dropin import debian_layout
+from tests.deploy.test_debian_dropin import debian_layout
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
 

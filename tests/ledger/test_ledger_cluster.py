@@ -19,7 +19,7 @@ from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate_dev import devstack
 
 from tests.fixtures_ledger import PORT_OFFSET, UsageWriter, make_event, wait_until
-from tests.test_ledger import assert_ledger_equals, workload
+from tests.ledger.test_ledger import assert_ledger_equals, workload
 
 CLUSTER_PORTS = tuple(p + PORT_OFFSET for p in (16391, 16392, 16393))
 
@@ -98,7 +98,7 @@ def test_ledger_applies_exactly_once_on_the_cluster(cluster_url, cfg: tg_config.
 def test_the_engine_join_on_the_cluster(cluster_url, cfg: tg_config.Config, tmp_path: Path):
     """Edge events, engine records (an n = 2 request, a client that left) and a missing
     record: every key the join touches lives in the ledger's slot."""
-    from tests.test_ledger_engine import EngineWriter, record
+    from tests.ledger.test_ledger_engine import EngineWriter, record
 
     client = redis_client.connect(RedisConfig(url=cluster_url, cluster=True))
     writer = UsageWriter(tmp_path / "usage.jsonl")

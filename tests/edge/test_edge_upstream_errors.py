@@ -5,7 +5,7 @@ message is vLLM's, param loses FastAPI's "body." prefix, and the usage event's e
 the OpenAI type. A stream refused before its first chunk (vLLM answers plain JSON) is
 rewritten the same way; a 4xx body that is no JSON error object passes unchanged.
 
-The fast upstream answers vLLM's error bodies byte for byte (tests/test_upstream_contract.py
+The fast upstream answers vLLM's error bodies byte for byte (tests/storm/test_upstream_contract.py
 checks that against a live vLLM); one test goes through the real vLLM.
 """
 

@@ -26,7 +26,7 @@ from tokengate_dev import devstack
 
 from tests.conftest import MODEL
 from tests.fixtures_ledger import make_event, svc_name, wait_until
-from tests.test_ledger import workload
+from tests.ledger.test_ledger import workload
 
 
 def usage_cli(config_path: Path, redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:

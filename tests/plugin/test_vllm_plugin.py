@@ -51,8 +51,8 @@ PORT = 18050 + PORT_OFFSET  # the suite's plain vLLM is on 18000 + offset
 # the plugin's scheduler, whose steps the queue tests can slow down (tests/paced_scheduler.py)
 SCHEDULER = "tests.paced_scheduler.PacedTokenWeightedScheduler"
 PACE_FILE = TEST_DIR / "vllm-plugin" / "pace"
-ROOT = Path(__file__).resolve().parents[1]  # on the engine's path: tests.paced_scheduler
-GPU_CHECK = Path(__file__).resolve().parents[1] / "vllm_patches" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[2]  # on the engine's path: tests.paced_scheduler
+GPU_CHECK = Path(__file__).resolve().parents[2] / "vllm_patches" / "gpu_check.py"
 
 
 

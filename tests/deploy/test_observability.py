@@ -3,7 +3,7 @@ on, in front of TokenStorm's fast upstream): every endpoint the banner prints an
 the sidecars' counts match a known workload exactly, and every metric that an
 expression of the Grafana board (docs/grafana/tokengate.json) names is exported by one of
 them, or is one of vLLM's own (``VLLM_METRICS``, read from a real vLLM server by
-tests/test_upstream_contract.py).
+tests/storm/test_upstream_contract.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokengate.process import free_port
 
 from tests.fixtures_ledger import wait_until
-from tests.test_make_run import KEY, Stack, upstream_of
+from tests.deploy.test_make_run import KEY, Stack, upstream_of
 
-BOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "tokengate.json"
+BOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "tokengate.json"
 # vLLM's metrics that the board reads (vLLM 0.32's names)
 VLLM_METRICS = {"vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
                 "vllm:num_requests_waiting", "vllm:num_requests_running"}

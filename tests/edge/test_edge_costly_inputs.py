@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import Edge, run_lua
-from tests.test_edge_input import assert_error, chat, post
+from tests.edge.test_edge_input import assert_error, chat, post
 
 
 def schema(properties: int, depth: int = 0, described: bool = True) -> dict[str, Any]:

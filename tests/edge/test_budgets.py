@@ -5,7 +5,7 @@ exactly max_tokens and caches nothing, so a request's real cost equals its worst
 and the expected numbers are exact), the official openai client. The edge's formula is
 checked against the ledger's calculator (one formula, two languages).
 
-Budgets need ``global_limits.enabled`` (Redis keeps their spend; tests/test_edge_global.py
+Budgets need ``global_limits.enabled`` (Redis keeps their spend; tests/edge/test_edge_global.py
 shows two edges sharing it). Here each budget is heard from once through a real limits
 sidecar (a private Redis), which is then stopped, so the requests after are decided by
 the edge's own budget counters and what Redis last said, the tier that decides while

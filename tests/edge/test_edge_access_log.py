@@ -25,7 +25,7 @@ from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge, _edge_yaml, free_port,
 from tests.fixtures_ledger import svc_name
 from tests.sampling_reference import bucket, keep, threshold
 
-VECTORS = Path(__file__).with_name("sampling_vectors.json")
+VECTORS = Path(__file__).parents[1] / "sampling_vectors.json"
 RULES = {"error_status": 400, "slow_ms": 30, "slow_rate": 0.5, "rate": 0.25}
 
 

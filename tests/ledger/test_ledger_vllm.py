@@ -40,8 +40,8 @@ from tokengate_dev import devstack
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_edge import MAIN_KEY, Edge
 from tests.fixtures_ledger import svc_name, wait_until
-from tests.test_ledger_engine import joined_config, start_ledger, status
-from tests.test_vllm_plugin import PluginVllm
+from tests.ledger.test_ledger_engine import joined_config, start_ledger, status
+from tests.plugin.test_vllm_plugin import PluginVllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
