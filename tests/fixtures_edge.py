@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -109,6 +110,49 @@ def edge_config_path(config_path: Path) -> Path:
     return _edge_yaml(config_path, EDGE_DIR / "tokengate.yaml")
 
 
+# The Lua folder of the test edges (LUA_PATH): tokengate_test.window_clock, the movable
+# clock of the limit windows (see lua/tokengate/clock.lua). ";;": LuaJIT's own path.
+TEST_LUA_PATH = f"{Path(__file__).parent / 'edge' / 'lua'}/?.lua;;"
+_FRESH_WINDOWS = itertools.count(1)  # each window_clock() gets windows no one has used
+WINDOW_S = 60  # the limit windows' length (tokengate.local_limit)
+
+
+@dataclass
+class WindowClock:
+    """The clock of a test edge's limit windows, set through the file ``window_clock``
+    in the edge's prefix (read by tokengate_test.window_clock on every call).
+
+    ``t``: where a stopped clock stands (seconds since the epoch); ``offset``: what a
+    running one adds to the real time (s). ``t`` starts ``second`` s into a window that no
+    request has used, so its previous window is empty too."""
+
+    path: Path
+    t: float
+    offset: float | None = None  # None: stopped at t
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of the current window gone (of a stopped clock)."""
+        return self.t % WINDOW_S
+
+    def move(self, seconds: float) -> None:
+        """Moves a stopped clock forward by ``seconds``."""
+        assert self.offset is None, "a running clock moves by itself"
+        self.t += seconds
+        self._write()
+
+    def real_time(self, t: float) -> float:
+        """The real time (time.time()) at which a running clock reads ``t``."""
+        assert self.offset is not None, "a stopped clock never reads another time"
+        return t - self.offset
+
+    def _write(self) -> None:
+        line = f"at {self.t!r}" if self.offset is None else f"offset {self.offset!r}"
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(self.path)  # every worker reads a whole line, old or new
+
+
 @dataclass
 class Edge:
     """A running edge instance."""
@@ -133,6 +177,25 @@ class Edge:
         r = httpx.get(self.status_url, timeout=10)
         r.raise_for_status()
         return dict(r.json())
+
+    @contextlib.contextmanager
+    def window_clock(self, second: float = 1.0, running: bool = False
+                     ) -> Iterator[WindowClock]:
+        """The edge's limit windows on a clock of the test's own, ``second`` s into a
+        window no request has used yet (the key's counts start at 0); stopped there
+        until moved (``WindowClock.move``), or ``running`` at the real clock's pace.
+        Back on the real clock when the block ends. Only edges started with
+        ``TEST_LUA_PATH`` (every edge of these fixtures) have the movable clock."""
+        prefix = Path(self.service.argv[self.service.argv.index("-p") + 1])
+        window = (time.time() // WINDOW_S + 1440 * next(_FRESH_WINDOWS)) * WINDOW_S
+        clock = WindowClock(prefix / "window_clock", window + second)
+        if running:
+            clock.offset = clock.t - time.time()
+        clock._write()
+        try:
+            yield clock
+        finally:
+            clock.path.unlink(missing_ok=True)
 
     def events(self) -> list[dict[str, Any]]:
         """Every usage event written so far, in order."""
@@ -165,6 +228,8 @@ def _start_edge(config_path: Path, port: int, name: str, counter_socket: Path,
     svc = devstack.nginx_service(config_path, port=port, counter_socket=counter_socket,
                                  counter_workers=2, workers=2, name=name,
                                  prefix=EDGE_DIR / name, status_port=status_port)
+    svc.env["LUA_PATH"] = TEST_LUA_PATH
+    (EDGE_DIR / name / "window_clock").unlink(missing_ok=True)  # a session cut short
     svc.log_path.unlink(missing_ok=True)
     svc.start()
     return Edge(f"http://127.0.0.1:{port}/v1", port, usage_file, svc, status_port)
@@ -227,15 +292,6 @@ def at_once(n: int, call: Callable[[], T]) -> list[T]:
 
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(one, range(n)))
-
-
-def window_room(seconds: float) -> float:
-    """Sleep, if needed, until at least ``seconds`` remain in the current wall-clock
-    minute (the edge's limit window); returns the seconds elapsed in that window."""
-    left = 60 - time.time() % 60
-    if left < seconds:
-        time.sleep(left + 0.2)
-    return time.time() % 60
 
 
 class FakeUpstream:
@@ -502,4 +558,4 @@ def run_lua(chunk: str) -> str:
 
 
 __all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter", "free_port",
-           "key_of", "run_lua", "window_room"]
+           "key_of", "run_lua"]

@@ -1,6 +1,14 @@
 -- Clocks. Durations (ttft_ms, total_ms) use CLOCK_MONOTONIC; wall-clock
 -- time is only for timestamps in records and for the per-minute limit windows (which
 -- every worker and every edge must agree on).
+--
+-- The limit windows read window_now(). On a production edge it is ngx.now itself (the
+-- same function, no wrapper, nothing to configure). A test edge can move it: when the
+-- module tokengate_test.window_clock is on lua_package_path, window_now is that
+-- module's now(). That module lives in the tests' tree (tests/edge/lua/), which no
+-- install ships, and only the tests' own nginx processes have it on their path (through
+-- LUA_PATH, which the ";;" of lua_package_path expands to): an edge cannot get a movable
+-- clock from its configuration file, by accident or otherwise.
 
 local ffi = require "ffi"
 
@@ -10,6 +18,9 @@ local floor = math.floor
 local format = string.format
 local os_date = os.date
 local tonumber = tonumber
+local ngx = ngx
+local package = package
+local require = require
 
 ffi.cdef [[
 typedef long tg_time_t;
@@ -27,6 +38,15 @@ local _M = {}
 function _M.mono_ms()
     C.clock_gettime(CLOCK_MONOTONIC, ts)
     return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+end
+
+-- window_now() -> seconds since the epoch (float, ms resolution): the clock that numbers
+-- the per-minute limit windows (tokengate.local_limit).
+_M.window_now = ngx.now
+local TEST_CLOCK = "tokengate_test.window_clock"
+if package.searchpath(TEST_CLOCK, package.path) then
+    -- found, so loaded for real: a test clock with an error fails the edge's start
+    _M.window_now = require(TEST_CLOCK).now
 end
 
 -- rfc3339_ms(t) -> "2026-11-29T16:40:00.123Z" for t = seconds since the epoch (float).

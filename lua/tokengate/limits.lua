@@ -23,8 +23,10 @@ local errors = require "tokengate.errors"
 local local_limit = require "tokengate.local_limit"
 local global_limit = require "tokengate.global_limit"
 local budget = require "tokengate.budget"
+local clock = require "tokengate.clock"
 
-local ngx_now = ngx.now
+-- the windows' clock: ngx.now on a production edge (tokengate.clock says how tests move it)
+local window_now = clock.window_now
 local format = string.format
 local tostring = tostring
 local ceil = math.ceil
@@ -74,7 +76,7 @@ end
 -- peek(req) -> the local window's state without admitting anything (the headers of an
 -- answer that is not admitted).
 function _M.peek(req)
-    return local_limit.peek(req.bucket, req.limits, ngx_now())
+    return local_limit.peek(req.bucket, req.limits, window_now())
 end
 
 -- reservation(req, prompt, prompts, completion, n, output_reserve) -> TPM tokens: sets
@@ -130,7 +132,7 @@ end
 --   last that admitted, or the one that refused. Admitted: req.admitted lists the tiers
 --   to settle. Refused: what earlier tiers admitted is taken back.
 function _M.reserve(req)
-    local now = ngx_now()
+    local now = window_now()
     local admitted, n = {}, 0
     for i = 1, #TIERS do
         local t = TIERS[i]

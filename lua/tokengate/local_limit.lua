@@ -10,8 +10,10 @@
 -- never admit more than the limit (a get-then-set could); at worst a request that would
 -- have fitted is refused while another one's increment is being taken back.
 --
--- Windows are numbered by wall-clock minutes (ngx.now()) so every worker, every restart
--- and every edge agrees on them; durations elsewhere use the monotonic clock.
+-- Windows are numbered by wall-clock minutes (tokengate.clock.window_now, which is
+-- ngx.now on a production edge) so every worker, every restart and every edge agrees on
+-- them; durations elsewhere use the monotonic clock. Every function here takes the time
+-- as its now argument (tokengate.limits passes window_now()).
 
 local ngx = ngx
 

@@ -39,7 +39,7 @@ from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, key_digest
-from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge, window_room
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge
 
 # -- the buffer's rules ------------------------------------------------------------------
 
@@ -310,24 +310,26 @@ def _loop(client: Client, stop_at: float, out: dict[str, Any]) -> None:
 
 def test_pacing_reaches_the_key_rate_without_429s_and_unpaced_recovers_at_retry_after(
         paced_edge: Edge) -> None:
-    # both loops start in window k (the edge's windows are wall-clock minutes) with room
-    # to spend its TPM there, and stop STEADY_S seconds into window k + 1
-    window_room(15)
-    boundary = (time.time() // 60 + 1) * 60
-    stop_at = boundary + STEADY_S
-    config = EDGE_DIR / "client-sdk" / "tokengate.yaml"
-    paced = Client(base_url=paced_edge.base_url, api_key=PACED_KEY, config=config)
-    unpaced = Client(base_url=paced_edge.base_url, api_key=UNPACED_KEY, config=config,
-                     pacing=False)
-    results: dict[str, dict[str, Any]] = {"paced": {}, "unpaced": {}}
-    threads = [threading.Thread(target=_loop, args=(c, stop_at, results[n]))
-               for n, c in (("paced", paced), ("unpaced", unpaced))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    paced.close()
-    unpaced.close()
+    # both loops start 15 s before the end of window k, a window of a clock of the
+    # edge's own that runs at the real pace (so the key's counts start at 0), and stop
+    # STEADY_S seconds into window k + 1
+    with paced_edge.window_clock(second=45, running=True) as clock:
+        boundary = clock.real_time(clock.t + 15)
+        stop_at = boundary + STEADY_S
+        config = EDGE_DIR / "client-sdk" / "tokengate.yaml"
+        paced = Client(base_url=paced_edge.base_url, api_key=PACED_KEY, config=config)
+        unpaced = Client(base_url=paced_edge.base_url, api_key=UNPACED_KEY, config=config,
+                         pacing=False)
+        results: dict[str, dict[str, Any]] = {"paced": {}, "unpaced": {}}
+        threads = [threading.Thread(target=_loop, args=(c, stop_at, results[n]))
+                   for n, c in (("paced", paced), ("unpaced", unpaced))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        paced.close()
+        unpaced.close()
+        ended = time.time()
 
     p, u = results["paced"], results["unpaced"]
     assert p["errors"] == [] and u["errors"] == []
@@ -335,7 +337,7 @@ def test_pacing_reaches_the_key_rate_without_429s_and_unpaced_recovers_at_retry_
     # out: TPM x (1 + g) by fraction g of window k + 1, when the loops stopped sending
     # (lower) and when their last answers were in (upper)
     capacity = TPM * (1 + STEADY_S / 60)
-    capacity_end = TPM * (1 + min(1.0, (time.time() - boundary) / 60))
+    capacity_end = TPM * (1 + min(1.0, (ended - boundary) / 60))
     paced_tokens = sum(c[0] for c in p["calls"])
     print(f"paced: {len(p['calls'])} calls, {paced_tokens} tokens of {capacity:.0f} "
           f"admissible ({paced_tokens / capacity:.1%}); unpaced: {len(u['calls'])} calls, "

@@ -38,8 +38,8 @@ from tokengate.tools import compile_config
 
 from tests import units
 from tests.conftest import MODEL, REPO_CONFIG
-from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 from tests.deploy.test_debian_dropin import debian_layout
+from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
 

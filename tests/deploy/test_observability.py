@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokengate.process import free_port
 
-from tests.fixtures_ledger import wait_until
 from tests.deploy.test_make_run import KEY, Stack, upstream_of
+from tests.fixtures_ledger import wait_until
 
 BOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "tokengate.json"
 # vLLM's metrics that the board reads (vLLM 0.32's names)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge, key_of, window_room
+from tests.fixtures_edge import MAIN_KEY, Edge, key_of
 
 RATE_HEADERS = [f"x-ratelimit-{k}-{w}" for k in ("limit", "remaining", "reset")
                 for w in ("requests", "tokens")]
@@ -135,19 +135,19 @@ def test_completions_stream(edge: Edge, include_usage: bool) -> None:
 
 def test_rate_limit_headers_count_down(edge: Edge) -> None:
     c = client(edge, key_of("edge-countdown"))
-    window_room(15)
-    seen = []
-    for _ in range(3):
-        raw = c.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            extra_body={"ignore_eos": True})
-        assert raw.headers["x-ratelimit-limit-requests"] == "50"
-        assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
-        seen.append((int(raw.headers["x-ratelimit-remaining-requests"]),
-                     int(raw.headers["x-ratelimit-remaining-tokens"])))
-    cost = int(raw.headers["x-token-count"]) + 2  # reserved = used: prompt + 2 completion
-    assert seen == [(49, 100000 - cost), (48, 100000 - 2 * cost), (47, 100000 - 3 * cost)]
-    assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+    with edge.window_clock():
+        seen = []
+        for _ in range(3):
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_body={"ignore_eos": True})
+            assert raw.headers["x-ratelimit-limit-requests"] == "50"
+            assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+            seen.append((int(raw.headers["x-ratelimit-remaining-requests"]),
+                         int(raw.headers["x-ratelimit-remaining-tokens"])))
+        cost = int(raw.headers["x-token-count"]) + 2  # reserved = used: prompt + 2 completion
+        assert seen == [(49, 100000 - cost), (48, 100000 - 2 * cost), (47, 100000 - 3 * cost)]
+        assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
 
 
 def test_per_model_override_limits(edge: Edge) -> None:

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, REPO_CONFIG, VLLM_PORT
-from tests.fixtures_edge import Edge
 from tests.edge.test_edge_input import assert_error, post
+from tests.fixtures_edge import Edge
 
 # every added token of the model's tokenizer (special or not), by id
 ADDED = {t["id"]: t["content"] for t in json.loads(

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import Edge, run_lua
 from tests.edge.test_edge_input import assert_error, chat, post
+from tests.fixtures_edge import Edge, run_lua
 
 
 def schema(properties: int, depth: int = 0, described: bool = True) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from tests.fixtures_edge import (
     fake_counter,
     fixed_reply,
     free_port,
-    window_room,
 )
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
@@ -295,24 +294,24 @@ def test_client_abort_of_a_non_streaming_request_is_billed_its_reservation(
         def slow(raw: dict[str, Any]) -> None:
             raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{port}"]
         e = edge_variant_off_vllm("client-abort", slow)
-        window_room(15)
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(e.base_url + "/chat/completions", timeout=0.5, headers=HEADERS,
-                       content=json.dumps(chat("Tell a long story.", max_tokens=100)))
-        deadline = time.monotonic() + 10
-        while not [ev for ev in e.events() if ev["status"] == 499]:
-            assert time.monotonic() < deadline, "no usage event for the aborted request"
-            time.sleep(0.05)
-        ev = next(ev for ev in e.events() if ev["status"] == 499)
-        prompt = ev["token_estimate"]
-        assert (ev["client_aborted"], ev["usage_source"], ev["reserved"], ev["prompt_tokens"],
-                ev["completion_tokens"], ev["error"]) == \
-            (True, "estimate", prompt + 100, prompt, 100, None)
-        # the limiter keeps the whole reservation: a refused request shows what is left
-        r = post(e, chat(max_tokens=0))
-        assert r.status_code == 400
-        assert int(r.headers["x-ratelimit-remaining-tokens"]) == \
-            KEYS["edge-main"][2] - (prompt + 100)
+        with e.window_clock():
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(e.base_url + "/chat/completions", timeout=0.5, headers=HEADERS,
+                           content=json.dumps(chat("Tell a long story.", max_tokens=100)))
+            deadline = time.monotonic() + 10
+            while not [ev for ev in e.events() if ev["status"] == 499]:
+                assert time.monotonic() < deadline, "no usage event for the aborted request"
+                time.sleep(0.05)
+            ev = next(ev for ev in e.events() if ev["status"] == 499)
+            prompt = ev["token_estimate"]
+            assert (ev["client_aborted"], ev["usage_source"], ev["reserved"], ev["prompt_tokens"],
+                    ev["completion_tokens"], ev["error"]) == \
+                (True, "estimate", prompt + 100, prompt, 100, None)
+            # the limiter keeps the whole reservation: a refused request shows what is left
+            r = post(e, chat(max_tokens=0))
+            assert r.status_code == 400
+            assert int(r.headers["x-ratelimit-remaining-tokens"]) == \
+                KEYS["edge-main"][2] - (prompt + 100)
     finally:
         up.stop()
 

@@ -48,6 +48,7 @@ from tokengate.v1 import limits_pb2_grpc as pb_grpc
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.edge.test_budgets import amount
 from tests.fixtures_edge import (
     EDGE_DIR,
     Edge,
@@ -57,7 +58,6 @@ from tests.fixtures_edge import (
     run_lua,
 )
 from tests.fixtures_ledger import svc_name, wait_until
-from tests.edge.test_budgets import amount
 
 # key id -> (key, rpm, tpm); the fast upstream's answers cost prompt + max_tokens.
 GLOBAL_KEYS: dict[str, tuple[str, int, int]] = {

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokengate.storm.null_server import FastUpstream
 
 from tests.conftest import MODEL, key_digest
-from tests.fixtures_edge import Edge, run_lua, window_room
+from tests.fixtures_edge import Edge, run_lua
 
 # keys of these tests: id -> (key, priority)
 KV_KEYS = {"kv-normal": ("tg-test-kv-normal", "normal"), "kv-low": ("tg-test-kv-low", "low")}
@@ -177,54 +177,54 @@ def test_requests_move_off_a_full_replica_then_shed_then_recover(
         replicas: Callable[..., FastUpstream]) -> None:
     a, b = replicas(), replicas()
     e = _edge(edge_variant_off_vllm, "kv-move", [a, b])
-    window_room(40)  # the RPM window checks below read one minute
-    _seen(e, a, 0.0)
-    _seen(e, b, 0.0)
-    assert set(_served([_chat(e) for _ in range(6)])) == {_name(a), _name(b)}
-    # a above the threshold (0.92): new requests go to b
-    _set(a, kv_cache_usage_perc=0.99)
-    _seen(e, a, 0.99)
-    assert _served([_chat(e) for _ in range(6)]) == {_name(b): 6}
-    # a below it again, b's queue above its bound (32 for priority normal): to a
-    _set(a, kv_cache_usage_perc=0.5)
-    _set(b, kv_cache_usage_perc=0.1, num_requests_waiting=33)
-    _seen(e, a, 0.5)
-    _seen(e, b, 0.1, 33)
-    assert _served([_chat(e) for _ in range(6)]) == {_name(a): 6}
-    # both full: 503 overloaded, OpenAI's shape, before anything is reserved
-    _set(a, kv_cache_usage_perc=0.99)
-    _seen(e, a, 0.99)
-    shed = [_chat(e) for _ in range(4)]
-    for r in shed:
-        assert r.status_code == 503, r.text
-        err = r.json()["error"]
-        assert (err["type"], err["code"], err["param"]) == ("server_error", "overloaded", None)
-        retry = int(r.headers["retry-after"])
-        assert 1 <= retry <= 30
-        assert err["message"] == (
-            f"Every replica of model {MODEL} is too busy to take this request now (KV cache "
-            f"or queue above its bounds). Please retry after {retry} s.")
-        # nothing was reserved: the key's window still shows the 18 admitted requests
-        assert r.headers["x-ratelimit-remaining-requests"] == str(RPM - 18)
-        assert "x-tokengate-upstream" not in r.headers
-        # every shed request is a usage event
-        ev = e.event(r.headers["x-request-id"])
-        assert {k: ev[k] for k in ("key_id", "model", "status", "error", "reserved",
-                                   "prompt_tokens", "completion_tokens", "usage_source",
-                                   "upstream")} == \
-            {"key_id": "kv-normal", "model": MODEL, "status": 503, "error": "overloaded",
-             "reserved": 0, "prompt_tokens": 0, "completion_tokens": 0, "usage_source": "none",
-             "upstream": None}
-        assert ev["token_estimate"] > 0  # counted: the prompt's size decides admission
-    assert e.status()["admission_shed"] == 4
-    # both back down: served again, and the window counts only the admitted requests
-    _set(a, kv_cache_usage_perc=0.3)
-    _set(b, num_requests_waiting=0)
-    _seen(e, a, 0.3)
-    _seen(e, b, 0.1)
-    answers = [_chat(e) for _ in range(6)]
-    assert set(_served(answers)) == {_name(a), _name(b)}
-    assert answers[-1].headers["x-ratelimit-remaining-requests"] == str(RPM - 24)
+    with e.window_clock():
+        _seen(e, a, 0.0)
+        _seen(e, b, 0.0)
+        assert set(_served([_chat(e) for _ in range(6)])) == {_name(a), _name(b)}
+        # a above the threshold (0.92): new requests go to b
+        _set(a, kv_cache_usage_perc=0.99)
+        _seen(e, a, 0.99)
+        assert _served([_chat(e) for _ in range(6)]) == {_name(b): 6}
+        # a below it again, b's queue above its bound (32 for priority normal): to a
+        _set(a, kv_cache_usage_perc=0.5)
+        _set(b, kv_cache_usage_perc=0.1, num_requests_waiting=33)
+        _seen(e, a, 0.5)
+        _seen(e, b, 0.1, 33)
+        assert _served([_chat(e) for _ in range(6)]) == {_name(a): 6}
+        # both full: 503 overloaded, OpenAI's shape, before anything is reserved
+        _set(a, kv_cache_usage_perc=0.99)
+        _seen(e, a, 0.99)
+        shed = [_chat(e) for _ in range(4)]
+        for r in shed:
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert (err["type"], err["code"], err["param"]) == ("server_error", "overloaded", None)
+            retry = int(r.headers["retry-after"])
+            assert 1 <= retry <= 30
+            assert err["message"] == (
+                f"Every replica of model {MODEL} is too busy to take this request now (KV cache "
+                f"or queue above its bounds). Please retry after {retry} s.")
+            # nothing was reserved: the key's window still shows the 18 admitted requests
+            assert r.headers["x-ratelimit-remaining-requests"] == str(RPM - 18)
+            assert "x-tokengate-upstream" not in r.headers
+            # every shed request is a usage event
+            ev = e.event(r.headers["x-request-id"])
+            assert {k: ev[k] for k in ("key_id", "model", "status", "error", "reserved",
+                                       "prompt_tokens", "completion_tokens", "usage_source",
+                                       "upstream")} == \
+                {"key_id": "kv-normal", "model": MODEL, "status": 503, "error": "overloaded",
+                 "reserved": 0, "prompt_tokens": 0, "completion_tokens": 0, "usage_source": "none",
+                 "upstream": None}
+            assert ev["token_estimate"] > 0  # counted: the prompt's size decides admission
+        assert e.status()["admission_shed"] == 4
+        # both back down: served again, and the window counts only the admitted requests
+        _set(a, kv_cache_usage_perc=0.3)
+        _set(b, num_requests_waiting=0)
+        _seen(e, a, 0.3)
+        _seen(e, b, 0.1)
+        answers = [_chat(e) for _ in range(6)]
+        assert set(_served(answers)) == {_name(a), _name(b)}
+        assert answers[-1].headers["x-ratelimit-remaining-requests"] == str(RPM - 24)
 
 
 def test_a_low_priority_key_is_shed_first(edge_variant_off_vllm: Callable[..., Edge],

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge, free_port
 from tests.edge.test_edge_pipeline import raw_http
+from tests.fixtures_edge import MAIN_KEY, Edge, free_port
 
 AUTH = f"Authorization: Bearer {MAIN_KEY}\r\n".encode()
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],

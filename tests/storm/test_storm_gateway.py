@@ -16,7 +16,6 @@ from tokengate.storm.profiles import OutputPolicy
 from tokengate.storm.runner import RunSpec, execute
 
 from tests.conftest import key_digest
-from tests.fixtures_edge import window_room
 
 RPM_KEY = "tg-test-storm-rpm"   # 10 requests per minute
 TPM_KEY = "tg-test-storm-tpm"   # 1000 tokens per minute
@@ -44,21 +43,21 @@ def test_429s_are_split_by_limit_with_rejected_and_admitted_tokens(
                    duration_s=1.0, profile="normal:mean=200,sd=0",
                    output=OutputPolicy(fixed=16), keys=(RPM_KEY, TPM_KEY), max_lag_ms=1000.0,
                    name="gateway-429")
-    window_room(10)
-    s = execute(spec, progress=False).summary
-    assert s.requests == 40
-    assert s.status_counts == {"200": 14, "429": 26} and s.errors == {}
-    assert s.keys == {"key0": {"requests": 20, "ok": 10, "429": 10},
-                      "key1": {"requests": 20, "ok": 4, "429": 16}}
-    lim = s.all.limits
-    assert (lim.total, lim.requests, lim.tokens, lim.unknown) == (26, 10, 16, 0)
-    assert lim.rejected_tokens == 26 * 216
-    assert lim.rejected_tokens_by_requests_limit == 10 * 216
-    assert lim.rejected_tokens_by_tokens_limit == 16 * 216
-    assert lim.admitted_tokens == 14 * 216
-    assert lim.retry_after_s is not None and lim.retry_after_s.n == 26
-    # The gateway's exact count reached the upstream (usage) and the client (header).
-    assert s.prompt_check["checked"] == 14 and s.prompt_check["mismatches"] == 0
-    assert s.prompt_check["header_checked"] == 40
-    assert s.prompt_check["header_mismatches"] == 0
-    assert s.valid, s.invalid_reasons
+    with edge.window_clock():  # the 40 requests in one window no one has used
+        s = execute(spec, progress=False).summary
+        assert s.requests == 40
+        assert s.status_counts == {"200": 14, "429": 26} and s.errors == {}
+        assert s.keys == {"key0": {"requests": 20, "ok": 10, "429": 10},
+                          "key1": {"requests": 20, "ok": 4, "429": 16}}
+        lim = s.all.limits
+        assert (lim.total, lim.requests, lim.tokens, lim.unknown) == (26, 10, 16, 0)
+        assert lim.rejected_tokens == 26 * 216
+        assert lim.rejected_tokens_by_requests_limit == 10 * 216
+        assert lim.rejected_tokens_by_tokens_limit == 16 * 216
+        assert lim.admitted_tokens == 14 * 216
+        assert lim.retry_after_s is not None and lim.retry_after_s.n == 26
+        # The gateway's exact count reached the upstream (usage) and the client (header).
+        assert s.prompt_check["checked"] == 14 and s.prompt_check["mismatches"] == 0
+        assert s.prompt_check["header_checked"] == 40
+        assert s.prompt_check["header_mismatches"] == 0
+        assert s.valid, s.invalid_reasons
