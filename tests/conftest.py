@@ -21,9 +21,13 @@ pytest_plugins: list[str] = []
 pytest_plugins.append("tests.fixtures_ledger")
 pytest_plugins.append("tests.fixtures_storm")
 pytest_plugins.append("tests.fixtures_edge")
+pytest_plugins.append("tests.fixtures_vllm")
 
-# TOKENGATE_TEST_PORT_OFFSET lets two test sessions run side by side.
-PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
+# TOKENGATE_TEST_PORT_OFFSET lets two test sessions run side by side; each pytest-xdist
+# worker of a session (gw0, gw1, ...: make test runs two) adds 500 per worker, so its
+# processes, ports and folder (TEST_DIR) are its own.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0")) + 500 * WORKER
 VLLM_PORT = 18000 + PORT_OFFSET
 COUNTER_PORT = 15051 + PORT_OFFSET
 MODEL = "tiny-qwen3"
@@ -37,12 +41,15 @@ def key_digest(key: str) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``vllm`` every test whose fixture closure holds ``vllm_url`` (directly or
-    through ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects them, so no
-    vLLM server is started; ``make test`` runs them all."""
+    """Mark ``vllm`` every test whose fixture closure holds ``vllm_server`` (directly or
+    through ``vllm_url``, ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects
+    them, so no vLLM server is started; ``make test`` runs them all, and in one xdist
+    group, so that one worker boots the session's vLLM servers (60-90 s each on 2 cores,
+    2-3 GB each) and the others never do."""
     for item in items:
-        if "vllm_url" in getattr(item, "fixturenames", ()):
+        if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
 @pytest.fixture(scope="session")
@@ -64,19 +71,6 @@ def config_path() -> Path:
 @pytest.fixture(scope="session")
 def cfg(config_path: Path) -> tg_config.Config:
     return tg_config.load(config_path)
-
-
-@pytest.fixture(scope="session")
-def vllm_url(cfg: tg_config.Config) -> Iterator[str]:
-    """Base URL (…/v1) of the real vLLM CPU server on the embedded model."""
-    # engine records in the test folder: test traffic never lands in make run's file
-    svc = devstack.vllm_service(cfg.models[MODEL], port=VLLM_PORT,
-                                name=f"test-vllm{PORT_OFFSET or ''}",
-                                engine_usage_file=TEST_DIR / "usage" / "engine.jsonl").start()
-    try:
-        yield f"http://127.0.0.1:{VLLM_PORT}/v1"
-    finally:
-        svc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import re
 import socket
 import socketserver
@@ -41,12 +40,10 @@ from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.upstream import UpstreamOptions
 from tokengate_dev import devstack
 
-from tests.conftest import MODEL, TEST_DIR, VLLM_PORT, key_digest
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT, key_digest
 
 T = TypeVar("T")
 
-# TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
-PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
 EDGE_PORT = 18080 + PORT_OFFSET
 STATUS_PORT_DELTA = 1000  # each edge's status server: its API port + this
 

@@ -26,8 +26,8 @@ import yaml
 from tokengate.ledger.event import UsageEvent
 from tokengate_dev import devstack
 
-# TOKENGATE_TEST_PORT_OFFSET (as in conftest) lets two test sessions run side by side.
-PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0"))
+from tests.conftest import PORT_OFFSET
+
 REDIS_PORT = 16380 + PORT_OFFSET
 PRIVATE_REDIS_PORTS = range(16381 + PORT_OFFSET, 16390 + PORT_OFFSET)
 

@@ -28,20 +28,17 @@ from tokengate import doctor
 from tokengate.process import Service, free_port, tcp_ready
 from tokengate.storm.null_server import FastUpstream
 from tokengate.storm.upstream import UpstreamOptions
-from tokengate_dev import devstack
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
+from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer
 
-# the suite's vLLM is on 18000 + offset, the plugin test's on 18050 + offset
-BARE_VLLM_PORT = 18010 + PORT_OFFSET
-BILLING_FLAGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes")
 CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
           "engine_records", *(f"count {p[0]}" for p in doctor.PROBES)]
 VLLM = f"127.0.0.1:{VLLM_PORT}"
-# where the session's vLLM (conftest) and this module's bare one write engine records
+# where the session's vLLM and its queue server (tests/fixtures_vllm.py) write engine
+# records
 SESSION_ENGINE = TEST_DIR / "usage" / "engine.jsonl"
-BARE_ENGINE = TEST_DIR / "doctor" / "engine-bare.jsonl"
+BARE_ENGINE = QUEUE_ENGINE
 PLUGIN_MISSING = (
     "after 5 s: is the tokengate vLLM plugin installed in this vLLM's environment (pip "
     "install --no-deps ./vllm_patches; vLLM then logs 'engine usage records: engine 0 "
@@ -286,21 +283,13 @@ def test_a_config_that_cannot_be_read_exits_2(tmp_path: Path) -> None:
     assert err.startswith("models: ")
 
 
-@pytest.fixture(scope="module")
-def bare_vllm(cfg: tg_config.Config) -> Iterator[str]:
+@pytest.fixture
+def bare_vllm(queue_vllm: VllmServer) -> str:
     """host:port of a second vLLM CPU server on the same model, started without the flags
-    billing relies on (--enable-prompt-tokens-details, the tool parser)."""
-    svc = devstack.vllm_service(cfg.models[MODEL], port=BARE_VLLM_PORT,
-                                name=f"test-vllm-bare{PORT_OFFSET or ''}",
-                                engine_usage_file=BARE_ENGINE)
-    missing = [f for f in BILLING_FLAGS if f not in svc.argv]
-    assert not missing, f"devstack's vLLM no longer passes {missing}"
-    svc.argv = [a for a in svc.argv if a not in BILLING_FLAGS]
-    svc.start()
-    try:
-        yield f"127.0.0.1:{BARE_VLLM_PORT}"
-    finally:
-        svc.stop()
+    billing relies on (--enable-prompt-tokens-details, the tool parser): the session's
+    queue server (tests/fixtures_vllm.py)."""
+    assert not set(BILLING_FLAGS) & set(queue_vllm.argv)
+    return queue_vllm.address
 
 
 def test_a_vllm_without_the_billing_flags_fails(config_path: Path, vllm_url: str,

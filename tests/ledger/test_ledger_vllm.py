@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,22 +30,19 @@ from typing import Any
 import openai
 import pytest
 import redis
-from tokengate import config as tg_config
 from tokengate.ledger import store
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.ledger import engine_ledger_id
 from tokengate.ledger.report import query
-from tokengate_dev import devstack
 
-from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
+from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge
 from tests.fixtures_ledger import svc_name, wait_until
+from tests.fixtures_vllm import VllmFactory, VllmServer
 from tests.ledger.test_ledger_engine import joined_config, start_ledger, status
-from tests.plugin.test_vllm_plugin import PluginVllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PORT = 18052 + PORT_OFFSET   # the plugin test's vLLM is on 18050 + offset, the suite's 18000
 DROPPED_MAX_TOKENS = 13      # the one request whose record the ledger never sees
 # ledger.engine_wait_s of this test's ledger: long enough that a loaded machine's records
 # arrive within it (at 3 s one came late and its request was billed from the edge:
@@ -54,22 +51,14 @@ WAIT_S = 10.0
 
 
 
-@pytest.fixture(scope="module")
-def engine_vllm(cfg: tg_config.Config) -> Iterator[PluginVllm]:
-    """vLLM CPU with the plugin (its stat logger is on once installed), engine records in
-    a file of its own; vLLM's default scheduler."""
-    usage = TEST_DIR / "ledger-vllm" / "engine.jsonl"
-    usage.parent.mkdir(parents=True, exist_ok=True)
-    usage.unlink(missing_ok=True)
-    svc = devstack.vllm_service(cfg.models[MODEL], port=PORT,
-                                name=f"test-vllm-ledger{PORT_OFFSET or ''}")
-    svc.env["TOKENGATE_ENGINE_USAGE_FILE"] = str(usage)
-    svc.log_path.unlink(missing_ok=True)
-    svc.start()
-    try:
-        yield PluginVllm(f"http://127.0.0.1:{PORT}/v1", usage, svc.log_path)
-    finally:
-        svc.stop()
+@pytest.fixture
+def engine_vllm(vllm_server: VllmFactory) -> VllmServer:
+    """The session's vLLM CPU server (the plugin writes its engine records; vLLM's
+    default scheduler), once nothing of an earlier test runs on it: the test's sums are
+    differences of vLLM's counters around its own traffic."""
+    v = vllm_server()
+    v.wait_idle()
+    return v
 
 
 class Relay(threading.Thread):
@@ -107,7 +96,7 @@ class Relay(threading.Thread):
             self.copy()
 
 
-def settled_metrics(v: PluginVllm, offset: int, engine_requests: int) -> dict[str, float]:
+def settled_metrics(v: VllmServer, offset: int, engine_requests: int) -> dict[str, float]:
     """vLLM's counters once ``engine_requests`` records were written after ``offset`` and
     the counters stopped moving."""
     wait_until(lambda: len(v.records_since(offset)) >= engine_requests, 120,
@@ -122,7 +111,7 @@ def settled_metrics(v: PluginVllm, offset: int, engine_requests: int) -> dict[st
 
 
 def test_the_ledger_bills_exactly_what_vllm_counted(
-        cfg, engine_vllm: PluginVllm, edge_variant_off_vllm: Callable[..., Edge],
+        cfg, engine_vllm: VllmServer, edge_variant_off_vllm: Callable[..., Edge],
         ledger_config_path: Path, ledger_redis: redis.Redis, redis_url: str, tmp_path: Path):
     """Streaming and non-streaming chats, a chat free to stop at EOS, streams whose
     client leaves after a few chunks (one of them n = 2), non-streaming requests whose
@@ -131,7 +120,7 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
     v = engine_vllm
 
     def upstream(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{PORT}"]
+        raw["models"][MODEL]["upstreams"] = [v.address]
         # the requests whose client times out must still be generating after 1.5 s on a
         # quiet machine too: room for 8000 tokens
         raw["models"][MODEL]["max_tokens_cap"] = 8150

@@ -2,10 +2,11 @@
 workload add up exactly to vLLM's own counters, and the token-weighted scheduler serves a
 light request before a heavy one that arrived earlier.
 
-The server is the one ``make run`` starts (``devstack.vllm_service``) plus the plugin's
-scheduler (``--scheduler-cls``) and two running slots (``--max-num-seqs 2``), so that
-requests wait in the queue the scheduler orders. The scheduler is wrapped by
-tests/paced_scheduler.py, which slows the engine's steps only while a queue test holds
+The server is the session's queue server (tests/fixtures_vllm.py): the one ``make run``
+starts (``devstack.vllm_service``) with the plugin's scheduler (``--scheduler-cls``) and
+two running slots (``--max-num-seqs 2``), so that requests wait in the queue the
+scheduler orders, and without the billing flags, which the engine records do not
+depend on. The scheduler is wrapped by tests/paced_scheduler.py, which slows the engine's steps only while a queue test holds
 its file: the tests that need requests queued behind blockers then end the blockers
 themselves, whatever the machine's speed. The stat-logger part is loaded by vLLM
 from the plugin's entry point (installed by ``make setup``).
@@ -26,91 +27,30 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-from tokengate import config as tg_config
-from tokengate.ledger.engine_record import EngineRecord, parse_record
-from tokengate_dev import devstack
+from tokengate.ledger.engine_record import EngineRecord
 
-from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
-from tests.paced_scheduler import PACE_ENV
+from tests.conftest import MODEL
+from tests.fixtures_vllm import PACE_FILE, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PORT = 18050 + PORT_OFFSET  # the suite's plain vLLM is on 18000 + offset
-# the plugin's scheduler, whose steps the queue tests can slow down (tests/paced_scheduler.py)
-SCHEDULER = "tests.paced_scheduler.PacedTokenWeightedScheduler"
-PACE_FILE = TEST_DIR / "vllm-plugin" / "pace"
-ROOT = Path(__file__).resolve().parents[2]  # on the engine's path: tests.paced_scheduler
 GPU_CHECK = Path(__file__).resolve().parents[2] / "vllm_patches" / "gpu_check.py"
 
-
-
-@dataclass
-class PluginVllm:
-    url: str                 # .../v1
-    usage_file: Path
-    log_path: Path
-
-    def client(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        """vLLM's counters on /metrics, summed over label sets: name -> value."""
-        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:") and " " in line:
-                name, _, value = line.rpartition(" ")
-                base = name.split("{", 1)[0]
-                out[base] = out.get(base, 0.0) + float(value)
-        return out
-
-    def size(self) -> int:
-        return self.usage_file.stat().st_size if self.usage_file.exists() else 0
-
-    def records_since(self, offset: int) -> list[EngineRecord]:
-        """Records in complete lines after byte ``offset`` (a line being written is not
-        one yet, as for the ledger's tail)."""
-        if not self.usage_file.exists():
-            return []
-        data = self.usage_file.read_bytes()[offset:]
-        return [parse_record(x) for x in data[: data.rfind(b"\n") + 1].splitlines()]
-
-
-@pytest.fixture(scope="module")
-def plugin_vllm(cfg: tg_config.Config) -> Iterator[PluginVllm]:
-    """A vLLM CPU server with the plugin: engine records in a file of its own, the
-    token-weighted scheduler with an aging bound of an hour: the ordering test's queued
-    requests wait as long as its blockers run, which on a loaded machine was over the
-    60 s this fixture once used, and a request that has aged is served oldest first."""
-    usage = TEST_DIR / "vllm-plugin" / "engine.jsonl"
-    usage.parent.mkdir(parents=True, exist_ok=True)
-    usage.unlink(missing_ok=True)
-    svc = devstack.vllm_service(cfg.models[MODEL], port=PORT,
-                                name=f"test-vllm-plugin{PORT_OFFSET or ''}")
-    svc.argv += ["--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"]
-    PACE_FILE.unlink(missing_ok=True)
-    svc.env.update({"TOKENGATE_ENGINE_USAGE_FILE": str(usage),
-                    "TOKENGATE_SCHED_MAX_WAIT_S": "3600", PACE_ENV: str(PACE_FILE),
-                    "PYTHONPATH": str(ROOT)})
-    svc.log_path.unlink(missing_ok=True)
-    svc.start()
-    try:
-        yield PluginVllm(f"http://127.0.0.1:{PORT}/v1", usage, svc.log_path)
-    finally:
-        svc.stop()
+@pytest.fixture
+def plugin_vllm(queue_vllm: VllmServer) -> VllmServer:
+    """The session's queue server (tests/fixtures_vllm.py), once nothing of an earlier
+    test runs on it."""
+    queue_vllm.wait_idle()
+    return queue_vllm
 
 
 def rid() -> str:
@@ -142,7 +82,7 @@ def wait_for(pred: Callable[[], bool], what: str, timeout_s: float = 120.0) -> N
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def settle(v: PluginVllm, offset: int, keys: set[str]) -> tuple[list[EngineRecord],
+def settle(v: VllmServer, offset: int, keys: set[str]) -> tuple[list[EngineRecord],
                                                                  dict[str, float]]:
     """Wait until records with exactly ``keys`` appeared after ``offset`` and vLLM's
     counters stopped moving; the records and the counters then."""
@@ -178,7 +118,7 @@ def by_key(records: list[EngineRecord]) -> dict[str, EngineRecord]:
     return {r.key: r for r in records}
 
 
-def test_vllm_loads_the_plugin_and_the_cpu_scheduler(plugin_vllm: PluginVllm):
+def test_vllm_loads_the_plugin_and_the_cpu_scheduler(plugin_vllm: VllmServer):
     log = plugin_vllm.log_path.read_text()
     assert f"engine usage records: engine 0 writes to {plugin_vllm.usage_file}" in log
     # CPU: async scheduling off, so the factory extends Scheduler, not AsyncScheduler.
@@ -186,7 +126,7 @@ def test_vllm_loads_the_plugin_and_the_cpu_scheduler(plugin_vllm: PluginVllm):
            "aging bound 3600 s" in log
 
 
-def test_a_chat_completion_leaves_one_record_with_its_usage(plugin_vllm: PluginVllm):
+def test_a_chat_completion_leaves_one_record_with_its_usage(plugin_vllm: VllmServer):
     v, r0 = plugin_vllm, rid()
     offset, before = v.size(), v.metrics()
     resp = v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=7,
@@ -206,7 +146,7 @@ def test_a_chat_completion_leaves_one_record_with_its_usage(plugin_vllm: PluginV
     assert rec.e2e_ms > 0 and rec.prefill_ms is not None and rec.decode_ms is not None
 
 
-def test_an_n_2_request_is_two_records_and_counts_its_prompt_twice(plugin_vllm: PluginVllm):
+def test_an_n_2_request_is_two_records_and_counts_its_prompt_twice(plugin_vllm: VllmServer):
     v, r0 = plugin_vllm, rid()
     offset, before = v.size(), v.metrics()
     resp = v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=6, n=2,
@@ -238,7 +178,7 @@ def paced() -> Iterator[None]:
 
 
 def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
-        plugin_vllm: PluginVllm):
+        plugin_vllm: VllmServer):
     """Both slots busy (two streams); a heavy request (a ~2000-token prompt) arrives,
     then a light one. The first slot to free (block-a's client leaves) goes to the light
     one: FCFS would give it to the heavy one, which arrived first."""
@@ -296,7 +236,7 @@ def test_the_scheduler_serves_a_light_request_before_an_earlier_heavy_one(
     assert rec["light"].ts < rec["heavy"].ts
 
 
-def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: PluginVllm):
+def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: VllmServer):
     """A client that leaves while its request waits for a slot: vLLM removes it from the
     scheduler's (token-weighted) waiting queue; its record has no tokens generated and
     ``prefilled`` false, and vLLM's prompt counter did not count it either."""
@@ -343,7 +283,7 @@ def test_a_request_aborted_while_it_waits_is_recorded_unprefilled(plugin_vllm: P
         assert 0 < b.num_generation_tokens < BLOCKER_TOKENS
 
 
-def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: PluginVllm):
+def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: VllmServer):
     """Streaming and non-streaming chats, completions with two prompts, an n = 2 request,
     and clients that leave early (streams closed after a few chunks, non-streaming
     requests timing out), all at once: one record per engine request, Σ generated =
@@ -492,13 +432,13 @@ def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: Pl
     assert {r.edge_request_id is not None for r in records} == {True}
 
 
-def test_the_gpu_checks_workload_reconciles_on_the_cpu_server(plugin_vllm: PluginVllm,
+def test_the_gpu_checks_workload_reconciles_on_the_cpu_server(plugin_vllm: VllmServer,
                                                               tmp_path: Path):
     """vllm_patches/gpu_check.py, the part of gpu_check.sh that needs no GPU: its mixed
     workload (short, long, leaving, n = 2, timing out) against this server reconciles."""
     out = tmp_path / "figures.json"
     r = subprocess.run([sys.executable, str(GPU_CHECK), "run",
-                        "--url", f"http://127.0.0.1:{PORT}", "--model", MODEL,
+                        "--url", plugin_vllm.url.removesuffix("/v1"), "--model", MODEL,
                         "--usage-file", str(plugin_vllm.usage_file), "--duration", "8",
                         "--rate", "1.5", "--burst", "0", "--seed", "4", "--label", "cpu",
                         "--out", str(out)],

@@ -1,0 +1,169 @@
+"""The session's vLLM CPU servers: one per distinct set of flags, booted once (60-90 s on
+2 cores) by the first test that asks for it and stopped when the session ends.
+
+``vllm_url`` is the server ``make run`` starts (``devstack.vllm_service``: the flags
+billing relies on, the tokengate plugin writing engine records); ``vllm_server(...)``
+gives that one with no arguments, or another for other flags: extra arguments (the
+plugin test's scheduler and two running slots), flags left out (the doctor's vLLM
+without the billing flags), extra environment. Tests that read vLLM's own counters on a
+shared server take differences around their own traffic after ``wait_idle()``; each
+server's engine records go to a file of its own (``usage_file``), read from an offset.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tokengate import config as tg_config
+from tokengate.ledger.engine_record import EngineRecord, parse_record
+from tokengate.process import Service
+from tokengate_dev import devstack
+
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
+
+# ports of the servers after the first (18000 + offset): 18050 + offset, 18051 + offset, ...
+OTHER_PORTS = 18050 + PORT_OFFSET
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM CPU server of the session."""
+
+    url: str                 # .../v1
+    port: int
+    usage_file: Path         # the tokengate plugin's engine records
+    log_path: Path
+    argv: list[str]
+
+    @property
+    def address(self) -> str:
+        """host:port, as a model's ``upstreams`` names it."""
+        return f"127.0.0.1:{self.port}"
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's metrics on /metrics, summed over label sets: name -> value."""
+        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and " " in line:
+                name, _, value = line.rpartition(" ")
+                base = name.split("{", 1)[0]
+                out[base] = out.get(base, 0.0) + float(value)
+        return out
+
+    def wait_idle(self, timeout_s: float = 120.0) -> dict[str, float]:
+        """Waits until no request runs or waits and the token counters stood still for
+        0.5 s (what an earlier test left, e.g. a stream whose client left, has ended);
+        returns the metrics then."""
+        deadline = time.monotonic() + timeout_s
+        prev = self.metrics()
+        while True:
+            time.sleep(0.5)
+            now = self.metrics()
+            busy = now.get("vllm:num_requests_running", 0) + now.get("vllm:num_requests_waiting", 0)
+            if not busy and now == prev:
+                return now
+            assert time.monotonic() < deadline, f"vLLM on {self.port} never became idle: {now}"
+            prev = now
+
+    def size(self) -> int:
+        return self.usage_file.stat().st_size if self.usage_file.exists() else 0
+
+    def records_since(self, offset: int) -> list[EngineRecord]:
+        """Records in complete lines after byte ``offset`` (a line being written is not
+        one yet, as for the ledger's tail)."""
+        if not self.usage_file.exists():
+            return []
+        data = self.usage_file.read_bytes()[offset:]
+        return [parse_record(x) for x in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+VllmFactory = Callable[..., VllmServer]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
+    """``vllm_server(extra_args=(), drop=(), env=None, label=None)`` -> the session's
+    server with devstack's flags plus ``extra_args``, less the flags in ``drop``, with
+    ``env`` added to its environment: booted on first use, shared by every test that asks
+    for the same. ``label`` names its folder (``TEST_DIR/vllm-<label>``: its engine
+    records and log name); default: its port."""
+    servers: dict[tuple[Any, ...], tuple[Service, VllmServer]] = {}
+
+    def get(extra_args: Sequence[str] = (), drop: Sequence[str] = (),
+            env: dict[str, str] | None = None, label: str | None = None) -> VllmServer:
+        spec = (tuple(extra_args), tuple(drop), tuple(sorted((env or {}).items())))
+        if spec in servers:
+            return servers[spec][1]
+        default = spec == ((), (), ())  # the one the configuration's upstreams name
+        port = VLLM_PORT if default else OTHER_PORTS + sum(k != ((), (), ()) for k in servers)
+        label = "" if default else f"-{label or port}"
+        name = f"test-vllm{label}{PORT_OFFSET or ''}"
+        usage = TEST_DIR / (f"vllm{label}" if label else "usage") / "engine.jsonl"
+        usage.parent.mkdir(parents=True, exist_ok=True)
+        usage.unlink(missing_ok=True)
+        svc = devstack.vllm_service(cfg.models[MODEL], port=port, name=name,
+                                    engine_usage_file=usage)
+        missing = [f for f in drop if f not in svc.argv]
+        assert not missing, f"devstack's vLLM no longer passes {missing}"
+        svc.argv = [a for a in svc.argv if a not in drop] + list(extra_args)
+        svc.env.update(env or {})
+        svc.log_path.unlink(missing_ok=True)
+        svc.start()
+        server = VllmServer(f"http://127.0.0.1:{port}/v1", port, usage, svc.log_path,
+                            list(svc.argv))
+        servers[spec] = (svc, server)
+        return server
+
+    try:
+        yield get
+    finally:
+        for svc, _server in servers.values():
+            svc.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(vllm_server: VllmFactory) -> str:
+    """Base URL (…/v1) of the real vLLM CPU server on the embedded model (devstack's
+    flags; engine records in the test folder, so test traffic never lands in make run's
+    file)."""
+    return vllm_server().url
+
+
+# The session's second server: the plugin's token-weighted scheduler, whose steps the
+# queue tests can slow down (tests/paced_scheduler.py, on the engine's path through
+# PYTHONPATH), with two running slots so that requests wait in the queue it orders, an
+# aging bound of an hour (a queued request waits as long as its blockers run, which on a
+# loaded machine was over a minute), and none of the flags billing relies on: the
+# doctor's test of a vLLM started without them uses the same boot.
+SCHEDULER = "tests.paced_scheduler.PacedTokenWeightedScheduler"
+BILLING_FLAGS = ("--enable-prompt-tokens-details", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "hermes")
+PACE_FILE = TEST_DIR / "vllm-queue" / "pace"
+QUEUE_ENGINE = TEST_DIR / "vllm-queue" / "engine.jsonl"  # its engine records
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def queue_vllm(vllm_server: VllmFactory) -> VllmServer:
+    """The second server (above): the token-weighted scheduler, two slots, no billing
+    flags; ``PACE_FILE`` exists while a test slows its steps."""
+    from tests.paced_scheduler import PACE_ENV
+
+    PACE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    PACE_FILE.unlink(missing_ok=True)
+    return vllm_server(extra_args=("--scheduler-cls", SCHEDULER, "--max-num-seqs", "2"),
+                       drop=BILLING_FLAGS,
+                       env={"TOKENGATE_SCHED_MAX_WAIT_S": "3600", PACE_ENV: str(PACE_FILE),
+                            "PYTHONPATH": str(ROOT)}, label="queue")
