@@ -3,10 +3,11 @@
 #   make test   install what is missing, run the whole test suite against real processes
 #   make test-fast  every test that needs no vLLM server (edge, counter, ledger, limits,
 #                   storm against fakes and the fast upstream); no vLLM is started
+#   make test-unit  the tests that start no process of the stack (seconds)
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast bench-counter bench bench-scheduler lint model clean
+.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler lint model clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,11 +18,19 @@ run: setup
 	@$(PY) -m tokengate_dev.devstack run $(if $(CONFIG),--config $(CONFIG)) \
 		$(if $(COUNTER_PORT),--counter-port $(COUNTER_PORT))
 
+# pytest-xdist workers of make test: each has ports and a folder of its own, and one of them
+# runs every test that needs vLLM (tests/conftest.py); TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
-	@$(PY) -m pytest tests $(PYTEST_ARGS)
+	@$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	@$(PY) -m pytest tests -m "not vllm" $(PYTEST_ARGS)
+	@$(PY) -m pytest tests -m "not vllm" $(XDIST) $(PYTEST_ARGS)
+
+test-unit: setup
+	@$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
 
 bench-counter: setup
 	@$(PY) -m tokengate_dev.bench.counter
