@@ -48,8 +48,9 @@ bench-scheduler: setup
 	@$(PY) -m tokengate_dev.bench.scheduler $(BENCH_ARGS)
 
 lint: setup
-	@$(PY) -m ruff check sidecars dev vllm_patches tests
+	@$(PY) -m ruff check sidecars client dev vllm_patches tests
 	@cd sidecars && ../$(PY) -m mypy tokengate
+	@cd client && ../$(PY) -m mypy tokengate_client
 	@cd dev && ../$(PY) -m mypy tokengate_dev
 	@cd vllm_patches && ../$(PY) -m mypy tokengate_vllm
 

@@ -1,4 +1,4 @@
-"""The client SDK (``tokengate.client``): the adaptive streaming buffer and token-aware
+"""The client SDK (``tokengate_client``): the adaptive streaming buffer and token-aware
 pacing.
 
 - The buffer's rules on fixed deltas (times given, no clock), then through ``stream_text``
@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokengate.client import (
+from tokengate.process import free_port
+from tokengate.storm.null_server import FastUpstream
+from tokengate.storm.upstream import UpstreamOptions
+from tokengate_client import (
     AsyncClient,
     Client,
     Pacer,
@@ -33,10 +36,7 @@ from tokengate.client import (
     TextBuffer,
     buffer_size,
 )
-from tokengate.client.pacing import parse_duration
-from tokengate.process import free_port
-from tokengate.storm.null_server import FastUpstream
-from tokengate.storm.upstream import UpstreamOptions
+from tokengate_client.pacing import parse_duration
 
 from tests.conftest import MODEL, key_digest
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge

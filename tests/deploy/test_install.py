@@ -640,24 +640,27 @@ def _imports(tree: ast.Module) -> Iterator[tuple[str, bool]]:
             yield name.split(".")[0], id(node) in top
 
 
-def test_the_runtime_declares_every_package_it_imports() -> None:
-    # `pip install ./sidecars` then `import tokengate.client` (or any module): whatever a
+@pytest.mark.parametrize("dist, package", [("sidecars", "tokengate"),
+                                           ("client", "tokengate_client")])
+def test_each_distribution_declares_every_package_it_imports(dist: str, package: str) -> None:
+    # `pip install ./sidecars` then `import tokengate.cli` (or any module): whatever a
     # module imports at its top is a base dependency; what a function imports on demand
-    # (matplotlib for tokenstorm's plots) is at least in an extra
-    project = tomllib.loads((ROOT / "sidecars/pyproject.toml").read_text())["project"]
+    # (matplotlib for tokenstorm's plots, the counter's library for the client's offline
+    # counting) is at least in an extra
+    project = tomllib.loads((ROOT / dist / "pyproject.toml").read_text())["project"]
 
     def names(reqs: list[str]) -> set[str]:
         return {_dist(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in reqs}
 
     base = names(project["dependencies"])
-    extras = set().union(*map(names, project["optional-dependencies"].values()))
+    extras = set().union(*map(names, project.get("optional-dependencies", {}).values()))
     providers = importlib.metadata.packages_distributions()
     undeclared = set()
-    for f in sorted((ROOT / "sidecars/tokengate").rglob("*.py")):
+    for f in sorted((ROOT / dist / package).rglob("*.py")):
         if "_pb2" in f.name:
             continue
         for module, at_top in _imports(ast.parse(f.read_text())):
-            if module in sys.stdlib_module_names or module == "tokengate":
+            if module in sys.stdlib_module_names or module == package:
                 continue
             dists = {_dist(d) for d in providers.get(module, [module])}
             if not dists & (base if at_top else base | extras):
@@ -695,7 +698,7 @@ def test_the_base_install_needs_no_vllm_or_torch_and_is_consistent(
 
     assert not imports("torch") and not imports("vllm")
     assert imports("tokengate.counter.server") and imports("tokengate.v1.counter_pb2_grpc")
-    assert imports("tokengate.client")
+    assert imports("tokengate.cli") and not imports("tokengate_client")
     check = subprocess.run([str(base_venv.python), "-m", "pip", "check"],
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout

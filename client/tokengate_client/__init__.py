@@ -1,7 +1,7 @@
 """tokengate's client SDK: the official ``openai`` client with token-aware pacing, the
 billed usage of every call and an adaptive streaming buffer.
 
-    from tokengate.client import Client
+    from tokengate_client import Client
     client = Client(base_url="http://127.0.0.1:8080/v1", api_key="tg-demo-key",
                     config="tokengate.yaml")
     answer = client.chat.completions.create(model="tiny-qwen3", messages=[...])
@@ -14,8 +14,8 @@ edge keeps them), ``buffer`` (the streaming buffer), ``counting`` (prompts count
 offline with the counter's library).
 """
 
-from tokengate.client.buffer import TextBuffer, buffer_size
-from tokengate.client.client import (
+from tokengate_client.buffer import TextBuffer, buffer_size
+from tokengate_client.client import (
                                      AsyncClient,
                                      AsyncCompletionStream,
                                      AsyncTextStream,
@@ -25,7 +25,7 @@ from tokengate.client.client import (
                                      CompletionStream,
                                      TextStream,
 )
-from tokengate.client.pacing import Pacer, RateLimits
+from tokengate_client.pacing import Pacer, RateLimits
 
 __all__ = ["AsyncClient", "AsyncCompletionStream", "AsyncTextStream", "Billing", "Client",
            "Completion", "CompletionStream", "Pacer", "RateLimits", "TextBuffer", "TextStream",

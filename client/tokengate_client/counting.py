@@ -1,16 +1,25 @@
 """A request's prompt tokens and TPM reservation, counted offline with the counter's own
 library (``tokengate.counter.counting``: the served model's tokenizer and chat template
-from ``models.<name>.dir``), before the request is sent."""
+from ``models.<name>.dir``), before the request is sent.
+
+That library is the ``tokengate`` package's (``pip install ./sidecars``, or
+``tokengate-client[offline]`` beside it): a client given no ``config`` never imports it,
+so the SDK alone needs only ``openai``."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokengate import config as tg_config
-from tokengate.counter.counting import BadRequest, ModelCounter
+if TYPE_CHECKING:
+    from tokengate import config as tg_config
+    from tokengate.counter.counting import ModelCounter
+
+OFFLINE_MISSING = ("counting prompts offline (config=...) needs the tokengate package, "
+                   "the counter's own library: pip install ./sidecars, or "
+                   "'tokengate-client[offline]' beside it; or pass config=None")
 
 # create() keyword arguments that are the openai client's, not the request body's
 _TRANSPORT_KWARGS = frozenset({"extra_headers", "extra_query", "extra_body", "timeout"})
@@ -52,11 +61,21 @@ class PromptCounter:
         self._models: dict[str, ModelCounter] = {}
 
     @classmethod
-    def from_file(cls, path: str | Path) -> PromptCounter:
-        """Raises ``tokengate.config.ConfigError`` for an unreadable or invalid file."""
-        return cls(tg_config.load(Path(path)))
+    def of(cls, config: str | Path | tg_config.Config) -> PromptCounter:
+        """The counter for a configuration, loaded or a path. Raises
+        ``tokengate.config.ConfigError`` for an unreadable or invalid file, ImportError
+        (``OFFLINE_MISSING``) without the tokengate package."""
+        try:
+            from tokengate import config as tg_config
+        except ImportError as e:
+            raise ImportError(OFFLINE_MISSING) from e
+        if isinstance(config, tg_config.Config):
+            return cls(config)
+        return cls(tg_config.load(Path(config)))
 
     def _model(self, name: str) -> ModelCounter | None:
+        from tokengate.counter.counting import ModelCounter
+
         counter = self._models.get(name)
         if counter is None and name in self._cfg.models:
             counter = ModelCounter.load(self._cfg.models[name],
@@ -74,6 +93,8 @@ class PromptCounter:
         counter = self._model(body["model"])
         if counter is None:
             return None
+        from tokengate.counter.counting import BadRequest
+
         try:
             counted = counter.count(endpoint, body)
         except BadRequest:

@@ -1,14 +1,14 @@
 """The client SDK: the official ``openai`` client with pacing, billed usage and the
-adaptive streaming buffer (``tokengate.client`` re-exports what is public here).
+adaptive streaming buffer (``tokengate_client`` re-exports what is public here).
 
 ``Client`` (threads) and ``AsyncClient`` (asyncio) have the openai client's call shapes,
 ``client.chat.completions.create(...)`` and ``client.completions.create(...)``, and
 return the answer with what the gateway billed (``Completion``), or for ``stream=True``
 an iterator of the answer's chunks that keeps the running usage (``CompletionStream``).
 ``client.stream_text(...)`` yields the text of a chat answer in readable pieces
-(``tokengate.client.buffer``). HTTP, retries of other errors and the API types are the
+(``tokengate_client.buffer``). HTTP, retries of other errors and the API types are the
 openai client's; only 429s are handled here: never a blind backoff, always the wait the
-gateway gave (``tokengate.client.pacing``).
+gateway gave (``tokengate_client.pacing``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import openai
 from openai.types import CompletionUsage
 
-from tokengate import config as tg_config
-from tokengate.client.buffer import TextBuffer, buffer_size
-from tokengate.client.counting import Estimate, PromptCounter
-from tokengate.client.pacing import Pacer, RateLimits, Ticket
+from tokengate_client.buffer import TextBuffer, buffer_size
+from tokengate_client.counting import Estimate, PromptCounter
+from tokengate_client.pacing import Pacer, RateLimits, Ticket
+
+if TYPE_CHECKING:  # the tokengate package is needed only to count offline (counting)
+    from tokengate import config as tg_config
 
 R = TypeVar("R")
 DEFAULT_FIRST_PIECE_MS = 50.0
@@ -96,12 +98,7 @@ class _Core:
 
     def __init__(self, config: str | Path | tg_config.Config | None, pacing: bool,
                  margin_tokens: float | None, max_retries: int) -> None:
-        if config is None:
-            self.counter: PromptCounter | None = None
-        elif isinstance(config, tg_config.Config):
-            self.counter = PromptCounter(config)
-        else:
-            self.counter = PromptCounter.from_file(config)
+        self.counter = None if config is None else PromptCounter.of(config)
         self.pacer = Pacer(margin_tokens) if pacing else None
         self.max_retries = max_retries
 
@@ -240,7 +237,7 @@ class _Pieces:
 
 
 class TextStream(_Pieces, Iterator[str]):
-    """``stream_text``'s pieces (``tokengate.client.buffer`` rules); ``usage``: the
+    """``stream_text``'s pieces (``tokengate_client.buffer`` rules); ``usage``: the
     running usage of the text yielded so far; ``billing`` as for ``Completion``.
 
     A reader thread takes the chunks off the connection, so that the first piece's time
