@@ -1,0 +1,127 @@
+"""Runs every Lua spec of tests/edge/unit/lua/ in ONE nginx process and hands each case to
+pytest as a test of its own.
+
+The process is Debian's nginx with ngx_lua, ``master_process off``, prefix a temporary
+folder: its ``init_by_lua_block`` loads ``lua/harness.lua``, runs the specs (the edge's
+modules on ``lua_package_path``, the shared dicts of ``DICTS`` empty before each case),
+writes one JSON result file and exits before nginx opens any socket. It runs once per
+pytest process, when the first test module is collected (about 0.1 s), so each Lua case
+is a parametrized pytest test; a case the spec marks ``xfail`` is a strict xfail (a fix
+makes it fail until the mark goes).
+
+``LUA_PATH`` and ``LUA_CPATH`` are dropped from nginx's environment: the ``;;`` of
+``lua_package_path`` then means LuaJIT's own default path, whatever the caller's shell
+holds (a test edge's path puts a movable clock on it, see tokengate.clock).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SPEC_DIR = Path(__file__).resolve().parent / "lua"
+LUA_DIR = Path(__file__).resolve().parents[3] / "lua"  # the edge's modules
+DICTS = ("tokengate_limits",)  # the edge's dict of the windows and budgets
+
+_CONF = """
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
+daemon off;
+master_process off;
+pid {d}/nginx.pid;
+error_log stderr notice;
+events {{}}
+http {{
+    client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};
+    uwsgi_temp_path {d}; scgi_temp_path {d};
+    lua_package_path "{lua}/?.lua;;";
+{dicts}
+    init_by_lua_block {{
+        local run = dofile("{specs}/harness.lua")
+        run("{specs}", {names}, "{d}/results.json", {dict_names})
+        os.exit(0)
+    }}
+}}
+"""
+
+
+@dataclass(frozen=True)
+class LuaCase:
+    """One case of a spec: its result as the nginx run wrote it."""
+
+    spec: str  # the spec's name: "json" for lua/json_spec.lua
+    name: str
+    passed: bool
+    message: str  # why it failed ("" when it passed)
+    xfail: str | None  # the reason of a case the spec marks as a known bug
+    ms: float  # run time inside nginx
+
+
+def _lua_list(items: list[str]) -> str:
+    return "{" + ", ".join(json.dumps(s) for s in items) + "}"
+
+
+def spec_names() -> list[str]:
+    """Every spec of SPEC_DIR, by name ("json" for json_spec.lua), sorted."""
+    return sorted(p.name.removesuffix("_spec.lua") for p in SPEC_DIR.glob("*_spec.lua"))
+
+
+@functools.cache
+def results() -> dict[str, list[LuaCase]]:
+    """Runs nginx once over every spec; returns the cases by spec, in declaration order.
+    A run that writes no result file (nginx or the harness failed) gives each spec one
+    failed case "nginx run" with nginx's output."""
+    names = spec_names()
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    env = {k: v for k, v in os.environ.items() if k not in ("LUA_PATH", "LUA_CPATH")}
+    with tempfile.TemporaryDirectory(prefix="tg-lua-unit-") as d:
+        conf = Path(d, "nginx.conf")
+        conf.write_text(_CONF.format(
+            d=d, lua=LUA_DIR, specs=SPEC_DIR, names=_lua_list(names),
+            dicts="".join(f"    lua_shared_dict {n} 1m;\n" for n in DICTS),
+            dict_names=_lua_list(list(DICTS))))
+        try:
+            r = subprocess.run([nginx, "-p", d, "-c", str(conf), "-e", "stderr"],
+                               capture_output=True, text=True, timeout=60, check=False,
+                               env=env)
+            output = f"nginx exited {r.returncode}:\n{r.stdout}{r.stderr}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            output = f"nginx did not run: {e}"
+        path = Path(d, "results.json")
+        raw: list[dict[str, Any]] | None = None
+        if path.exists():
+            raw = json.loads(path.read_bytes().decode("utf-8", "backslashreplace"))
+    by_spec: dict[str, list[LuaCase]] = {n: [] for n in names}
+    if raw is None:
+        for n in names:
+            by_spec[n].append(LuaCase(n, "nginx run", False, output, None, 0.0))
+        return by_spec
+    for c in raw:
+        by_spec.setdefault(c["spec"], []).append(LuaCase(
+            c["spec"], c["name"], c["status"] == "pass", c["message"], c["xfail"],
+            float(c["ms"])))
+    return by_spec
+
+
+def params(spec: str) -> list[Any]:
+    """The cases of lua/<spec>_spec.lua as pytest parameters (id: the case's name; a
+    strict xfail mark on those the spec marks)."""
+    cases = results().get(spec) or [LuaCase(spec, "exists", False,
+                                            f"no spec {SPEC_DIR}/{spec}_spec.lua", None, 0.0)]
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)]
+                         if c.xfail else []) for c in cases]
+
+
+def check(case: LuaCase) -> None:
+    """Fails the running test with the Lua case's message unless the case passed."""
+    if not case.passed:
+        pytest.fail(f"{case.spec}_spec.lua: {case.name}\n{case.message}", pytrace=False)
