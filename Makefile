@@ -21,7 +21,8 @@ run: setup
 # pytest-xdist workers of make test: each has ports and a folder of its own, and one of them
 # runs every test that needs vLLM (tests/conftest.py); TEST_WORKERS=0 runs in one process
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+# --basetemp: short paths under the checkout (unix socket paths are at most 107 bytes)
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --basetemp=var/pytest
 
 test: setup
 	@$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
@@ -48,9 +49,10 @@ bench-scheduler: setup
 	@$(PY) -m tokengate_dev.bench.scheduler $(BENCH_ARGS)
 
 lint: setup
-	@$(PY) -m ruff check sidecars client dev vllm_patches tests
+	@$(PY) -m ruff check sidecars client storm dev vllm_patches tests
 	@cd sidecars && ../$(PY) -m mypy tokengate
 	@cd client && ../$(PY) -m mypy tokengate_client
+	@cd storm && ../$(PY) -m mypy tokenstorm
 	@cd dev && ../$(PY) -m mypy tokengate_dev
 	@cd vllm_patches && ../$(PY) -m mypy tokengate_vllm
 

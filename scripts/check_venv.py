@@ -29,7 +29,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-MODULES = ("tokengate", "tokengate_client", "tokengate_dev", "tokengate_vllm")
+MODULES = ("tokengate", "tokengate_client", "tokenstorm", "tokengate_dev", "tokengate_vllm")
 PLUGIN_GROUP = "vllm.stat_logger_plugins"  # tokengate_vllm's entry point (vllm_patches/)
 
 

@@ -6,9 +6,9 @@
 #   - a virtualenv with vLLM (CPU build) and the other pinned packages, kept outside
 #     the checkout under ~/.cache/tokengate keyed by a hash of requirements.txt, and
 #     the checkout's own small .venv on top of it with the project's editable installs
-#   - editable installs of sidecars/ (runtime), client/ (the client SDK), dev/
-#     (development tooling) and vllm_patches/ (the vLLM plugin, loaded by vLLM through
-#     its entry points)
+#   - editable installs of sidecars/ (runtime), client/ (the client SDK), storm/
+#     (TokenStorm), dev/ (development tooling) and vllm_patches/ (the vLLM plugin,
+#     loaded by vLLM through its entry points)
 #   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -87,14 +87,15 @@ SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purel
 # checkout's vLLM plugin. This checkout's copies come first (check_venv.py, below).
 
 # The project itself, editable installs pointing at this checkout: the runtime package
-# (sidecars/), the client SDK (client/) and the development tooling (dev/: the loopback
-# stack, benchmarks, model builder), kept apart so that what ships holds only what runs
-# in production, and the vLLM plugin (vllm_patches/, its entry points). Redone when a
-# pyproject.toml changes (console scripts, entry points, package data).
-STAMP="$(cat sidecars/pyproject.toml client/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
+# (sidecars/), the client SDK (client/), TokenStorm (storm/) and the development tooling
+# (dev/: the loopback stack, benchmarks, model builder), kept apart so that what ships
+# holds only what runs in production, and the vLLM plugin (vllm_patches/, its entry
+# points). Redone when a pyproject.toml changes (console scripts, entry points, package
+# data).
+STAMP="$(cat sidecars/pyproject.toml client/pyproject.toml storm/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
 if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation \
-    -e sidecars -e client -e dev -e vllm_patches
+    -e sidecars -e client -e storm -e dev -e vllm_patches
   echo "$STAMP" > .venv/.tokengate-install
 fi
 # This checkout's code and one vLLM plugin entry point, its own, whatever the shared venv

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 from tokengate import config as tg_config
-from tokengate.storm.null_server import FastUpstream
-from tokengate.storm.prompts import PromptBuilder
-from tokengate.storm.upstream import UpstreamOptions
 from tokengate_dev import devstack
+from tokenstorm.null_server import FastUpstream
+from tokenstorm.prompts import PromptBuilder
+from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import PORT_OFFSET
 

@@ -166,7 +166,7 @@ def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",
     """TokenStorm's fast upstream: nginx + Lua answering like vLLM 0.32 (``tokenstorm
     upstream``), with simulated TTFT and inter-token latency (ms); for gateway benchmarks
     and as the null server. Config rendered under ``var/run/<name>``."""
-    from tokengate.storm import null_server, upstream
+    from tokenstorm import null_server, upstream
 
     opts = upstream.UpstreamOptions(model=model, max_model_len=max_model_len, ttft_ms=ttft_ms,
                                     itl_ms=itl_ms, workers=workers)

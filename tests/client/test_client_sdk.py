@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 from tokengate.process import free_port
-from tokengate.storm.null_server import FastUpstream
-from tokengate.storm.upstream import UpstreamOptions
 from tokengate_client import (
     AsyncClient,
     Client,
@@ -37,6 +35,8 @@ from tokengate_client import (
     buffer_size,
 )
 from tokengate_client.pacing import parse_duration
+from tokenstorm.null_server import FastUpstream
+from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, key_digest
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge

@@ -26,8 +26,8 @@ import yaml
 from tokengate import config as tg_config
 from tokengate import doctor
 from tokengate.process import Service, free_port, tcp_ready
-from tokengate.storm.null_server import FastUpstream
-from tokengate.storm.upstream import UpstreamOptions
+from tokenstorm.null_server import FastUpstream
+from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer

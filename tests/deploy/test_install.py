@@ -31,7 +31,7 @@ from tokengate import config as tg_config
 from tokengate import install as install_mod
 from tokengate.counter import frames
 from tokengate.install import deploy_config_text
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.process import free_port
 from tokengate.tools import nginx_conf
 from tokengate.v1 import counter_pb2, counter_pb2_grpc, limits_pb2, limits_pb2_grpc
@@ -641,7 +641,8 @@ def _imports(tree: ast.Module) -> Iterator[tuple[str, bool]]:
 
 
 @pytest.mark.parametrize("dist, package", [("sidecars", "tokengate"),
-                                           ("client", "tokengate_client")])
+                                           ("client", "tokengate_client"),
+                                           ("storm", "tokenstorm")])
 def test_each_distribution_declares_every_package_it_imports(dist: str, package: str) -> None:
     # `pip install ./sidecars` then `import tokengate.cli` (or any module): whatever a
     # module imports at its top is a base dependency; what a function imports on demand

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 from tokengate.ledger.event import parse_event
-from tokengate.storm.null_server import FastUpstream
-from tokengate.storm.upstream import UpstreamOptions
+from tokenstorm.null_server import FastUpstream
+from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge

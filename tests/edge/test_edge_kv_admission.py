@@ -25,7 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
-from tokengate.storm.null_server import FastUpstream
+from tokenstorm.null_server import FastUpstream
 
 from tests.conftest import MODEL, key_digest
 from tests.fixtures_edge import Edge, run_lua

@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 import httpx
-from tokengate.storm.null_server import FastUpstream, free_port
-from tokengate.storm.upstream import UpstreamOptions
 from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
+from tokenstorm.null_server import FastUpstream, free_port
+from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge, at_once

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import openai
 import yaml
-from tokengate.storm.null_server import FastUpstream
+from tokenstorm.null_server import FastUpstream
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge, at_once

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 from tokengate import config as tg_config
-from tokengate.storm.report import Records
-from tokengate.storm.runner import plan_for, prompt_builder
 from tokengate_dev.bench import scheduler as sb
 from tokengate_vllm import figures as ef
+from tokenstorm.report import Records
+from tokenstorm.runner import plan_for, prompt_builder
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from tokengate.storm.null_server import FastUpstream
+from tokenstorm.null_server import FastUpstream
 
 from tests.conftest import MODEL
 

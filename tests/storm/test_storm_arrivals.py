@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokengate.storm.arrivals import ArrivalSpec, schedule
-from tokengate.storm.profiles import (
+from tokenstorm.arrivals import ArrivalSpec, schedule
+from tokenstorm.profiles import (
     BurstProfile,
     LongTailProfile,
     NormalProfile,

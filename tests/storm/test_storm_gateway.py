@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tokengate import config as tg_config
-from tokengate.storm.arrivals import ArrivalSpec
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.runner import RunSpec, execute
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.runner import RunSpec, execute
 
 from tests.conftest import key_digest
 

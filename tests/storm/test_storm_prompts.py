@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 from tokengate import config as tg_config
-from tokengate.storm.arrivals import ArrivalSpec
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.prompts import PromptBuilder, PromptError, StreamOptions
-from tokengate.storm.runner import RunSpec, execute
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.prompts import PromptBuilder, PromptError, StreamOptions
+from tokenstorm.runner import RunSpec, execute
 
 SIZES = [9, 10, 11, 17, 128, 129, 1000, 2047, 4096, 8000]
 

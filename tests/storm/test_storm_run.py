@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tokengate import config as tg_config
-from tokengate.storm.arrivals import ArrivalSpec
-from tokengate.storm.client import L_REQUESTS, L_TOKENS, L_UNKNOWN, classify_429
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.prompts import StreamOptions
-from tokengate.storm.report import SLO, Records, summarize
-from tokengate.storm.runner import RunSpec, execute
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.client import L_REQUESTS, L_TOKENS, L_UNKNOWN, classify_429
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.prompts import StreamOptions
+from tokenstorm.report import SLO, Records, summarize
+from tokenstorm.runner import RunSpec, execute
 
 PY = sys.executable
 
@@ -158,7 +158,7 @@ def test_429s_are_attributed_to_the_limit_that_refused(body: bytes, headers: byt
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "tokengate.storm.cli", *args], check=False,
+    return subprocess.run([PY, "-m", "tokenstorm.cli", *args], check=False,
                           capture_output=True, text=True, timeout=120)
 
 

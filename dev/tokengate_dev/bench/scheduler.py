@@ -45,14 +45,14 @@ from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
 from tokengate.process import Service
-from tokengate.storm import report
-from tokengate.storm.arrivals import ArrivalSpec
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.prompts import StreamOptions
-from tokengate.storm.report import Records
-from tokengate.storm.runner import RunResult, RunSpec, execute, prompt_builder
 from tokengate_vllm import figures as ef
 from tokengate_vllm import settings as sched_settings
+from tokenstorm import report
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.prompts import StreamOptions
+from tokenstorm.report import Records
+from tokenstorm.runner import RunResult, RunSpec, execute, prompt_builder
 
 from tokengate_dev import devstack
 

@@ -44,13 +44,13 @@ from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
 from tokengate.process import Service, tcp_ready
-from tokengate.storm import report
-from tokengate.storm.arrivals import ArrivalSpec
-from tokengate.storm.null_server import FastUpstream, free_port
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.prompts import StreamOptions
-from tokengate.storm.runner import RunResult, RunSpec, execute
-from tokengate.storm.upstream import UpstreamOptions
+from tokenstorm import report
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.null_server import FastUpstream, free_port
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.prompts import StreamOptions
+from tokenstorm.runner import RunResult, RunSpec, execute
+from tokenstorm.upstream import UpstreamOptions
 
 from tokengate_dev import devstack
 

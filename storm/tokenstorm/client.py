@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from tokengate.storm.profiles import Plan
-from tokengate.storm.prompts import PromptBuilder, StreamOptions
+from tokenstorm.profiles import Plan
+from tokenstorm.prompts import PromptBuilder, StreamOptions
 
 monotonic = time.monotonic
 

@@ -15,7 +15,8 @@ from types import TracebackType
 from typing import Self
 
 from tokengate.process import Service, free_port, http_ready
-from tokengate.storm import upstream
+
+from tokenstorm import upstream
 
 __all__ = ["FastUpstream", "free_port", "upstream_service"]
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokengate import config as tg_config
-from tokengate.storm.arrivals import PROCESSES, ArrivalSpec
-from tokengate.storm.profiles import OutputPolicy
-from tokengate.storm.prompts import StreamOptions
-from tokengate.storm.report import SLO
+
+from tokenstorm.arrivals import PROCESSES, ArrivalSpec
+from tokenstorm.profiles import OutputPolicy
+from tokenstorm.prompts import StreamOptions
+from tokenstorm.report import SLO
 
 if TYPE_CHECKING:
-    from tokengate.storm.runner import RunResult
+    from tokenstorm.runner import RunResult
 
 MAN = """\
 TokenStorm is a token-level load generator for OpenAI-compatible LLM servers and
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _upstream(args: argparse.Namespace) -> None:
-    from tokengate.storm import upstream
+    from tokenstorm import upstream
 
     model, _, mlen = _defaults(args.config)
     opts = upstream.UpstreamOptions(model=args.model or model,
@@ -289,9 +290,9 @@ def measure_ceiling(args: argparse.Namespace, concurrency: int, duration_s: floa
                     console: Any = None) -> RunResult:
     """A closed loop of ``concurrency`` requests per worker for ``duration_s`` against a
     fresh null server, with ``args``' prompt, output and stream options."""
-    from tokengate.storm.null_server import FastUpstream
-    from tokengate.storm.runner import RunSpec, execute
-    from tokengate.storm.upstream import UpstreamOptions
+    from tokenstorm.null_server import FastUpstream
+    from tokenstorm.runner import RunSpec, execute
+    from tokenstorm.upstream import UpstreamOptions
 
     model, model_dir, mlen = _resolve(args)
     with FastUpstream(UpstreamOptions(model=model, max_model_len=mlen), name="null") as up:
@@ -306,7 +307,7 @@ def measure_ceiling(args: argparse.Namespace, concurrency: int, duration_s: floa
 def _ceiling(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tokengate.storm import report
+    from tokenstorm import report
 
     console = Console()
     result = measure_ceiling(args, args.concurrency, args.duration, console)
@@ -322,8 +323,8 @@ def _ceiling(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tokengate.storm import report
-    from tokengate.storm.runner import RunSpec, execute
+    from tokenstorm import report
+    from tokenstorm.runner import RunSpec, execute
 
     console = Console()
     model, model_dir, mlen = _resolve(args)

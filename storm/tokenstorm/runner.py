@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from tokengate.storm import client as sc
-from tokengate.storm.arrivals import ArrivalSpec, schedule
-from tokengate.storm.profiles import BurstProfile, OutputPolicy, Plan, TokenLimits, make_profile
-from tokengate.storm.prompts import PromptBuilder, StreamOptions
-from tokengate.storm.report import SLO, Records, Summary, summarize
+from tokenstorm import client as sc
+from tokenstorm.arrivals import ArrivalSpec, schedule
+from tokenstorm.profiles import BurstProfile, OutputPolicy, Plan, TokenLimits, make_profile
+from tokenstorm.prompts import PromptBuilder, StreamOptions
+from tokenstorm.report import SLO, Records, Summary, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from tokengate.storm.profiles import LengthProfile, Plan
+from tokenstorm.profiles import LengthProfile, Plan
 
 Process = Literal["constant", "poisson", "gamma"]
 MAX_REQUESTS = 20_000_000  # a schedule longer than this is a mistake, not a benchmark

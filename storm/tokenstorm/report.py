@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tokengate.storm.client import ERROR_NAMES, L_REQUESTS, L_TOKENS, L_UNKNOWN
+from tokenstorm.client import ERROR_NAMES, L_REQUESTS, L_TOKENS, L_UNKNOWN
 
 LATE_FRACTION = 0.01
 
