@@ -4,22 +4,14 @@ shared by ``tokengate.limits.budget`` (which reserves and settles for the edges)
 edge's own settlement never reached: the limits sidecar or Redis was down when the
 request ended).
 
-Keys, all with the hash tag ``{<key_id>}`` (one Redis Cluster slot per key)::
-
-    tg:bg:{<key_id>}:<counter>:s        string  settled spend of the period, nano-units
-    tg:bg:{<key_id>}:<counter>:t        string  settled tokens (prompt + completion)
-    tg:bg:{<key_id>}:<counter>:rs:<h>   string  spend and tokens reserved in UTC hour h
-    tg:bg:{<key_id>}:<counter>:rt:<h>   string    (hours since the epoch) by requests
-                                                  not settled yet; kept two hours
-    tg:bg:{<key_id>}:r:<request>        string  the reservation record of a request not
-                                                settled yet (two hours); "settled" for
-                                                ten minutes after its settlement
-    counter = "<model or *>:<day|month>:<period id>"
+The keys (``tg:bg:{<key_id>}:...``, one Redis Cluster slot per API key) are
+``tokengate.redis_keys``'s.
 
 A reservation record is ``"<cost_nano> <tokens> <h>"`` then, per counter the
-reservation was put on, ``" <ttl_s> <counter>"`` (the counter percent-encoded as in its
-keys): what a settlement needs besides the real cost, so whoever settles by request id
-needs nothing of the configuration (records of older sidecars end after ``<h>``).
+reservation was put on, ``" <ttl_s> <counter>"`` (the counter encoded as in its keys,
+``redis_keys.encode_counter``): what a settlement needs besides the real cost, so
+whoever settles by request id needs nothing of the configuration (records of older
+sidecars end after ``<h>``).
 
 ``SETTLE_LUA`` settles a request exactly once, whoever sends it first: the edge (its
 ``SettleBudget``), or the ledger when it applies the request's usage event, which asks
@@ -33,7 +25,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
+
+from tokengate.redis_keys import budget_keys, encode_counter, reservation_key
+
+__all__ = ["HOUR_S", "IN_FLIGHT_TTL_S", "SETTLED", "SETTLED_TTL_S", "SETTLE_LUA", "Reservation",
+           "budget_keys", "nano", "parse_record", "record_tail", "reservation_key",
+           "settle_args", "settle_keys", "this_hour"]
 
 HOUR_S = 3600
 # an hour's bucket is read in that hour and the next; a reservation is kept as long
@@ -89,24 +87,6 @@ def nano(cost: float) -> int:
     return math.ceil(cost * 1e9 - 1e-6)
 
 
-def _counter(name: str) -> str:
-    return quote(name, safe="*:")
-
-
-def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
-    """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
-    epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
-    of ``hour - 1``."""
-    base = f"tg:bg:{{{quote(key_id, safe='')}}}:{_counter(counter)}"
-    return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
-            f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
-
-
-def reservation_key(key_id: str, request_id: str) -> str:
-    """The Redis key of one request's reservation."""
-    return f"tg:bg:{{{quote(key_id, safe='')}}}:r:{quote(request_id, safe='')}"
-
-
 def settle_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
                 ) -> list[str]:
     """KEYS of ``SETTLE_LUA`` (and of the reserve script): the reservation, then each
@@ -127,7 +107,7 @@ def settle_args(cost_nano: int, tokens: int, hour: int, ttls: Sequence[int],
 def record_tail(counters: Sequence[tuple[str, int]]) -> str:
     """What a reservation record holds after ``"<cost> <tokens> <h>"``: per
     ``(counter, ttl_s)`` ``" <ttl_s> <counter>"``."""
-    return "".join(f" {ttl} {_counter(name)}" for name, ttl in counters)
+    return "".join(f" {ttl} {encode_counter(name)}" for name, ttl in counters)
 
 
 @dataclass(frozen=True, slots=True)

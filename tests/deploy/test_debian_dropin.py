@@ -36,7 +36,7 @@ import openai
 import pytest
 import redis
 import yaml
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.process import Service, free_port, tcp_ready
 from tokengate_dev import devstack
 

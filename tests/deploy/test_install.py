@@ -29,9 +29,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import config as tg_config
 from tokengate import install as install_mod
+from tokengate import redis_keys as store
 from tokengate.counter import frames
 from tokengate.install import deploy_config_text
-from tokengate.ledger import store
 from tokengate.process import free_port
 from tokengate.tools import nginx_conf
 from tokengate.v1 import counter_pb2, counter_pb2_grpc, limits_pb2, limits_pb2_grpc

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.ledger.report import query
 from tokengate.process import Service
 from tokengate_dev import devstack

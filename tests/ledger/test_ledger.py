@@ -25,6 +25,7 @@ import yaml
 from redis.exceptions import ConnectionError as RedisConnectionError
 from tokengate import config as tg_config
 from tokengate import redis_client
+from tokengate import redis_keys as store
 from tokengate.budget_store import (
     IN_FLIGHT_TTL_S,
     budget_keys,
@@ -33,7 +34,6 @@ from tokengate.budget_store import (
     settle_keys,
     this_hour,
 )
-from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger

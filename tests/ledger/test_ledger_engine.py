@@ -25,7 +25,7 @@ import redis
 import yaml
 from tokengate import config as tg_config
 from tokengate import redis_client
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.ledger.calculator import charge
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger, engine_ledger_id

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tokengate import config as tg_config
 from tokengate import redis_client
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger

@@ -30,7 +30,7 @@ from typing import Any
 import openai
 import pytest
 import redis
-from tokengate.ledger import store
+from tokengate import redis_keys as store
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.ledger import engine_ledger_id
 from tokengate.ledger.report import query

@@ -24,8 +24,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import redis_client
+from tokengate import redis_keys as store
 from tokengate.config import RedisConfig
-from tokengate.ledger import store
 from tokengate.limits.budget import budget_keys, committed, reservation_key, this_hour
 from tokengate.limits.window import GlobalLimiter, window_keys
 from tokengate.v1 import limits_pb2 as pb

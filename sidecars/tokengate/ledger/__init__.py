@@ -7,7 +7,6 @@
 - ``tail``         reads the usage file across rotations, from a checkpoint
 - ``ledger``       applies events (and engine records) to Redis exactly once
 - ``join``         the script's items: bills, waits and kept records, decided from Redis
-- ``store``        the ledger's Redis key layout
 - ``service``      the ledger process (``tokengate-ledger``)
 - ``report``       ``tokengate usage``: per key / model / day totals
 """

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokengate import budget_store
+from tokengate import budget_store, redis_keys
 from tokengate.config import Config
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.event import UsageEvent
@@ -57,7 +57,7 @@ class Reservations:
         pipe = self.client.pipeline(transaction=False)
         for ev in mine:
             assert ev.key_id is not None
-            pipe.get(budget_store.reservation_key(ev.key_id, ev.request_id))
+            pipe.get(redis_keys.reservation_key(ev.key_id, ev.request_id))
         open_ = [(ev, v) for ev, v in zip(mine, pipe.execute(), strict=True)
                  if v is not None and v != budget_store.SETTLED]
         settled = 0

@@ -19,8 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tokengate import redis_keys
 from tokengate.config import Config
-from tokengate.ledger import store
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.event import UsageEvent, parse_event, parse_ts
@@ -103,7 +103,7 @@ class Join:
         self.client = client
         self.calc = Calculator(cfg)
         self.ledger_id = ledger_id
-        self.wait_key = store.wait_key(ledger_id)
+        self.wait_key = redis_keys.wait_key(ledger_id)
         self.engine_mode = engine_mode
         self.engine_wait_s = engine_wait_s
         self.engine_orphan_s = engine_orphan_s
@@ -152,21 +152,21 @@ class Join:
             audit += ["records", str(st.records), "complete", str(int(st.complete)),
                       "edge_prompt", str(ev.prompt_tokens),
                       "edge_completion", str(ev.completion_tokens)]
-        sk = keys(store.stats_key(owner))
+        sk = keys(redis_keys.stats_key(owner))
         totals = {"applied": 1, "settled_engine": by_engine, "engine_missing": int(missing),
                   "disagreements": disagree, "engine_late": late}
         stats: list[Any] = []
         for name, v in totals.items():
             if v:
                 stats += [sk, name, v]
-        lua: dict[str, Any] = {"t": "b", "s": keys(store.seen_key(day)),
-                               "u": keys(store.usage_key(day, ev.key_id, ev.model)),
-                               "x": keys(store.idx_key(day)), "r": ev.request_id,
+        lua: dict[str, Any] = {"t": "b", "s": keys(redis_keys.seen_key(day)),
+                               "u": keys(redis_keys.usage_key(day, ev.key_id, ev.model)),
+                               "x": keys(redis_keys.idx_key(day)), "r": ev.request_id,
                                "m": json.dumps([ev.key_id, ev.model]), "d": day,
-                               "ds": store.day_score(day), "n": n, "c": cost, "a": audit,
+                               "ds": redis_keys.day_score(day), "n": n, "c": cost, "a": audit,
                                "st": stats}
         if self.engine_mode:
-            lua["e"], lua["h"] = keys(store.eng_key(ev.request_id)), kept
+            lua["e"], lua["h"] = keys(redis_keys.eng_key(ev.request_id)), kept
         if edge:
             lua["ed"] = True
         if wait_key is not None:
@@ -201,7 +201,7 @@ class Join:
         rids = list(dict.fromkeys(ev.request_id for ev in events))
         pipe = self.client.pipeline(transaction=False)
         for rid in rids:
-            pipe.hgetall(store.eng_key(rid))
+            pipe.hgetall(redis_keys.eng_key(rid))
         kept: dict[str, dict[str, str]] = dict(zip(rids, pipe.execute(), strict=True))
         items = []
         for ev in events:
@@ -216,9 +216,9 @@ class Join:
             else:
                 value = json.dumps({"o": self.ledger_id, "ev": ev.to_json()},
                                    separators=(",", ":"), ensure_ascii=False)
-                items.append(Item({"t": "p", "ed": True, "s": keys(store.seen_key(ev.day)),
+                items.append(Item({"t": "p", "ed": True, "s": keys(redis_keys.seen_key(ev.day)),
                                    "r": ev.request_id, "v": value, "w": keys(self.wait_key),
-                                   "e": keys(store.eng_key(ev.request_id)), "h": len(raw)},
+                                   "e": keys(redis_keys.eng_key(ev.request_id)), "h": len(raw)},
                                   {"parked": 1}, [], True))
         return items
 
@@ -239,13 +239,13 @@ class Join:
                 rids.setdefault(rid, []).append(r)
         pipe = self.client.pipeline(transaction=False)
         for r in records:
-            pipe.sismember(store.eseen_key(r.ts[:10]), r.key)
+            pipe.sismember(redis_keys.eseen_key(r.ts[:10]), r.key)
         days = {rid: _days_around(rs) for rid, rs in rids.items()}
         for rid in rids:
-            pipe.hget(store.PENDING_KEY, rid)
-            pipe.hgetall(store.eng_key(rid))
+            pipe.hget(redis_keys.PENDING_KEY, rid)
+            pipe.hgetall(redis_keys.eng_key(rid))
             for d in days[rid]:
-                pipe.sismember(store.seen_key(d), rid)
+                pipe.sismember(redis_keys.seen_key(d), rid)
         replies = iter(pipe.execute())
         read_before = {r.key for r in records if next(replies)}
         fresh: set[str] = set()
@@ -263,7 +263,7 @@ class Join:
             return out
 
         def triples(rs: list[EngineRecord]) -> list[tuple[str, str, str]]:
-            return [(store.eseen_key(r.ts[:10]), r.key, _line(r)) for r in rs]
+            return [(redis_keys.eseen_key(r.ts[:10]), r.key, _line(r)) for r in rs]
 
         sk = keys(stats_key)
         items: list[Item] = []
@@ -283,7 +283,7 @@ class Join:
             fresh_rs = new(rs)
             if not fresh_rs:
                 continue
-            eng = keys(store.eng_key(rid))
+            eng = keys(redis_keys.eng_key(rid))
             recs = triples(fresh_rs)
             counts = [sk, "engine_records", len(fresh_rs)]
             if pend is not None:
@@ -293,7 +293,7 @@ class Join:
                 every = kept_records(raw) + fresh_rs
                 if is_complete(ev, every):
                     item = self.bill(keys, ev, settle_engine(ev, every), owner, edge=False,
-                                     kept=len(raw), wait_key=store.wait_key(owner),
+                                     kept=len(raw), wait_key=redis_keys.wait_key(owner),
                                      new_records=recs)
                     item.lua["st"] += counts
                     item.totals["engine_records"] = len(fresh_rs)
@@ -311,7 +311,7 @@ class Join:
                                         "came after it was billed; not billed"))]))
             else:
                 items.append(Item({"t": "s", "r": rid, "e": eng, "h": len(raw), "pp": 0,
-                                   "ns": [keys(store.seen_key(d)) for d in days[rid]],
+                                   "ns": [keys(redis_keys.seen_key(d)) for d in days[rid]],
                                    "rec": _flat(keys, recs), "st": counts},
                                   {"engine_records": len(fresh_rs)}))
         return items, dups
@@ -324,8 +324,8 @@ class Join:
         ``RedisError``."""
         pipe = self.client.pipeline(transaction=False)
         for rid in rids:
-            pipe.hget(store.PENDING_KEY, rid)
-            pipe.hgetall(store.eng_key(rid))
+            pipe.hget(redis_keys.PENDING_KEY, rid)
+            pipe.hgetall(redis_keys.eng_key(rid))
         replies = iter(pipe.execute())
         items = []
         for rid in rids:
@@ -349,8 +349,8 @@ class Join:
         ``stats_key``. Raises ``RedisError``."""
         pipe = self.client.pipeline(transaction=False)
         for rid in rids:
-            pipe.hexists(store.PENDING_KEY, rid)
-            pipe.hgetall(store.eng_key(rid))
+            pipe.hexists(redis_keys.PENDING_KEY, rid)
+            pipe.hgetall(redis_keys.eng_key(rid))
         replies = iter(pipe.execute())
         sk = keys(stats_key)
         items = []
@@ -359,7 +359,7 @@ class Join:
             if waits:  # its event came and waits: the sweep of its owner bills it
                 continue
             items.append(Item(
-                {"t": "o", "r": rid, "e": keys(store.eng_key(rid)), "h": len(raw), "pp": 0,
+                {"t": "o", "r": rid, "e": keys(redis_keys.eng_key(rid)), "h": len(raw), "pp": 0,
                  "st": [sk, "engine_unmatched", len(raw)]},
                 {"engine_unmatched": len(raw)},
                 [(logging.WARNING, (f"request {rid}: no edge event within "

@@ -80,8 +80,8 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
+from tokengate import redis_keys
 from tokengate.config import Config
-from tokengate.ledger import store
 from tokengate.ledger.budgets import Reservations
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import parse_record
@@ -300,9 +300,9 @@ class _Source:
         self.path = path
         self.ledger_id = ledger_id
         self.tail = UsageTail(path, rotate_wait_s, max_lines)
-        self.ckpt_key = store.ckpt_key(ledger_id)
-        self.stats_key = store.stats_key(ledger_id)
-        self.done_key = store.done_key(ledger_id)
+        self.ckpt_key = redis_keys.ckpt_key(ledger_id)
+        self.stats_key = redis_keys.stats_key(ledger_id)
+        self.done_key = redis_keys.done_key(ledger_id)
         self.expected: str | None = None   # checkpoint Redis should hold; None: ask it
         self.committed: str | None = None  # last checkpoint this process wrote
         # monotonic time of the last read after which nothing was left to read: every
@@ -356,7 +356,7 @@ class Ledger:
         self.reservations = Reservations(cfg, client)
         self._script = client.register_script(APPLY_LUA)
         self._time = client.register_script(TIME_LUA)
-        self._wait_key = store.wait_key(self.ledger_id)
+        self._wait_key = redis_keys.wait_key(self.ledger_id)
         self._next_sweep = 0.0
         # Read by other threads (status); written by the thread that runs the ledger.
         # lag_bytes / lag_s: bytes of the usage files not applied yet, and the age of the
@@ -402,8 +402,8 @@ class Ledger:
     # -- the script ------------------------------------------------------------------
 
     def _fixed_keys(self, src: _Source) -> list[str]:
-        return [src.ckpt_key, src.stats_key, store.AUDIT_KEY, store.DAYS_KEY, src.done_key,
-                store.PENDING_KEY, store.ENG_WAIT_KEY]
+        return [src.ckpt_key, src.stats_key, redis_keys.AUDIT_KEY, redis_keys.DAYS_KEY, src.done_key,
+                redis_keys.PENDING_KEY, redis_keys.ENG_WAIT_KEY]
 
     def _apply(self, src: _Source, keys: Keys, items: list[Item], *, path: Path | None,
                new_pos: str | None, bad: int = 0, finished_id: str = "",
@@ -541,7 +541,7 @@ class Ledger:
 
     def _redis_now(self) -> tuple[int, int]:
         """(s, ms) of the clock the script uses."""
-        s, us = self._time(keys=[store.PENDING_KEY])
+        s, us = self._time(keys=[redis_keys.PENDING_KEY])
         return int(s), int(s) * 1000 + int(us) // 1000
 
     @staticmethod
@@ -591,7 +591,7 @@ class Ledger:
         if edge_stale is None or not self.engines:
             return False
         cutoff = now_s - self.engine_orphan_s - edge_stale
-        rids = [str(r) for r in self.client.zrangebyscore(store.ENG_WAIT_KEY, "-inf", cutoff,
+        rids = [str(r) for r in self.client.zrangebyscore(redis_keys.ENG_WAIT_KEY, "-inf", cutoff,
                                                           start=0, num=self.max_lines)]
         if not rids:
             return False

@@ -19,7 +19,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate.ledger import store
+from tokengate import redis_keys
 from tokengate.redis_client import SyncRedis, connect
 
 GROUPS = ("key", "model", "day")
@@ -71,18 +71,18 @@ def query(client: SyncRedis, since: date | None = None, until: date | None = Non
           key_id: str | None = None, model: str | None = None) -> list[UsageRow]:
     """Rows per key / model / day, days ``since``..``until`` inclusive (UTC), sorted by
     day, key, model; optionally one key and/or model only. Raises ``RedisError``."""
-    lo = store.day_score(since.isoformat()) if since else "-inf"
-    hi = store.day_score(until.isoformat()) if until else "+inf"
-    days = [str(d) for d in client.zrangebyscore(store.DAYS_KEY, lo, hi)]
+    lo = redis_keys.day_score(since.isoformat()) if since else "-inf"
+    hi = redis_keys.day_score(until.isoformat()) if until else "+inf"
+    days = [str(d) for d in client.zrangebyscore(redis_keys.DAYS_KEY, lo, hi)]
     rows: list[UsageRow] = []
     for day in days:
-        pairs = sorted((tuple(json.loads(m)) for m in client.smembers(store.idx_key(day))),
+        pairs = sorted((tuple(json.loads(m)) for m in client.smembers(redis_keys.idx_key(day))),
                        key=lambda p: (p[0] or "", p[1] or ""))
         pairs = [p for p in pairs if (key_id is None or p[0] == key_id)
                  and (model is None or p[1] == model)]
         pipe = client.pipeline(transaction=False)
         for k, m in pairs:
-            pipe.hgetall(store.usage_key(day, k, m))
+            pipe.hgetall(redis_keys.usage_key(day, k, m))
         for (k, m), h in zip(pairs, pipe.execute(), strict=True):
             rows.append(_row(day, k, m, h))
     return rows

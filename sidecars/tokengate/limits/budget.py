@@ -4,8 +4,9 @@ every edge node and kept across restarts (``keys.<id>.budgets``).
 The edge computes each request's cost (``lua/tokengate/budget.lua``, the formula of
 ``tokengate.ledger.calculator``, in whole nano-units of the currency, 1e-9, rounded up)
 and names the counters of its period; here the counters are only added to, atomically.
-The Redis keys (the hash tag ``{<key_id>}``: one Redis Cluster slot per key) and the
-reservation record are ``tokengate.budget_store``'s, shared with the ledger.
+The Redis keys (the hash tag ``{<key_id>}``: one Redis Cluster slot per key) are
+``tokengate.redis_keys``'s and the reservation record ``tokengate.budget_store``'s, both
+shared with the ledger.
 
 What a counter holds for a limit (``used``) is the larger of its settled spend and what
 the ledger billed the key in that period and scope (``billed``: its per key / model /
@@ -43,18 +44,16 @@ from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import Any
 
-from tokengate import redis_client
+from tokengate import redis_client, redis_keys
 from tokengate.budget_store import (
     IN_FLIGHT_TTL_S,
     SETTLE_LUA,
-    budget_keys,
     record_tail,
-    reservation_key,
     settle_args,
     settle_keys,
     this_hour,
 )
-from tokengate.ledger import store
+from tokengate.redis_keys import budget_keys, reservation_key
 
 __all__ = ["BudgetCounter", "BudgetReservation", "GlobalBudgets", "billed_sync",
            "budget_keys", "committed", "counter_name", "period_days", "reservation_key",
@@ -181,7 +180,7 @@ def _bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
     for key_id, counter in counters:
         scope, days = period_days(counter)
         names = list(models) if scope == "*" else [scope]
-        out.append([store.usage_key(d.isoformat(), key_id, m) for d in days for m in names])
+        out.append([redis_keys.usage_key(d.isoformat(), key_id, m) for d in days for m in names])
     return out
 
 

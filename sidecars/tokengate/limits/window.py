@@ -3,7 +3,8 @@
 Every edge node reserves in the same window, so N nodes share one limit. Algorithm: a
 sliding log over the last ``window_ms`` (60 000 ms) on Redis's own clock (``TIME``,
 so the edges' clocks do not matter), kept in two keys that share the hash tag
-``{<key_id>}`` (one Redis Cluster slot per key, keys spread over the cluster)::
+``{<key_id>}`` (one Redis Cluster slot per key, keys spread over the cluster;
+``tokengate.redis_keys.window_keys``)::
 
     tg:gl:{<key_id>}:<scope>:z   zset  request_id -> admission time, ms
     tg:gl:{<key_id>}:<scope>:h   hash  request_id -> tokens reserved (settled);
@@ -24,9 +25,11 @@ the RPM limit per key).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import quote
 
 from tokengate import redis_client
+from tokengate.redis_keys import window_keys
+
+__all__ = ["WINDOW_MS", "GlobalLimiter", "Reservation", "Settlement", "window_keys"]
 
 WINDOW_MS = 60_000
 
@@ -152,13 +155,6 @@ class Settlement:
     found: bool                # the reservation was still in the window
     delta: int                 # actual - reserved, tokens
     window_tokens: int         # tokens in the window afterwards
-
-
-def window_keys(key_id: str, model: str | None = None) -> tuple[str, str]:
-    """The (zset, hash) of a key's window; per model when ``model`` is given."""
-    tag = quote(key_id, safe="")
-    scope = "all" if model is None else "m:" + quote(model, safe="")
-    return f"tg:gl:{{{tag}}}:{scope}:z", f"tg:gl:{{{tag}}}:{scope}:h"
 
 
 class GlobalLimiter:

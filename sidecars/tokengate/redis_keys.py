@@ -1,13 +1,16 @@
-"""The ledger's Redis key layout (shared by the ledger and the report; clients come from
-``tokengate.redis_client``).
+"""Every Redis key tokengate writes: the names, prefixes and their encoding, in one place
+for the ledger, the global limits (windows and budgets), ``tokengate keys`` and
+``tokengate usage``. Clients come from ``tokengate.redis_client``.
 
-Every ledger key carries the hash tag ``{ledger}``, so one script can update a whole
-batch of events and the ledger's checkpoint atomically on Redis Cluster too (the
-ledger writes one script call per batch: its load on that one slot is small). The
-global-limit windows are hashed per API key instead (``tokengate.limits.window``).
+Key ids, model names, request ids and budget counters are percent-encoded where they are
+part of a key (a missing key id or model as the empty string), so no name can reach
+into another key's space. Each family has a Redis Cluster hash tag so that what one
+script touches lives in one slot.
 
-Keys (``<p>`` = ``tg:{ledger}``; key ids and model names percent-encoded, a missing
-one as the empty string)::
+The ledger (``tokengate.ledger``): every key carries the hash tag ``{ledger}``, so one
+script can update a whole batch of events and the ledger's checkpoint atomically on
+Redis Cluster too (one script call per batch: its load on that one slot is small).
+``<p>`` = ``tg:{ledger}``::
 
     <p>:usage:<day>:<key_id>:<model>   hash: counters of one key / model / UTC day
     <p>:idx:<day>                      set: JSON [key_id, model] pairs seen that day
@@ -46,17 +49,43 @@ Fields of a usage hash (integers unless noted)::
     cost (float, INCRBYFLOAT, currency units)  settled_engine (billed with the engine's
     records)  engine_missing (no engine record within ledger.engine_wait_s: billed with
     the edge's numbers)  disagreements (edge and engine numbers differ)
+
+The global-limit windows (``tokengate.limits.window``), hashed per API key (one slot per
+key, keys spread over the cluster)::
+
+    tg:gl:{<key_id>}:<scope>:z   zset  request_id -> admission time, ms
+    tg:gl:{<key_id>}:<scope>:h   hash  request_id -> tokens reserved (settled);
+                                       field "#sum" = tokens in the window
+    scope = "all" (the key's own limits) | "m:<model>" (a per-model override)
+
+The budgets (``tokengate.budget_store``, ``tokengate.limits.budget``), hashed per API
+key too::
+
+    tg:bg:{<key_id>}:<counter>:s        string  settled spend of the period, nano-units
+    tg:bg:{<key_id>}:<counter>:t        string  settled tokens (prompt + completion)
+    tg:bg:{<key_id>}:<counter>:rs:<h>   string  spend and tokens reserved in UTC hour h
+    tg:bg:{<key_id>}:<counter>:rt:<h>   string    (hours since the epoch) by requests
+                                                  not settled yet; kept two hours
+    tg:bg:{<key_id>}:r:<request>        string  the reservation record of a request not
+                                                settled yet (two hours); "settled" for
+                                                ten minutes after its settlement
+    counter = "<model or *>:<day|month>:<period id>"
 """
 
 from __future__ import annotations
 
 from urllib.parse import quote
 
-PREFIX = "tg:{ledger}"
+PREFIX = "tg:{ledger}"     # the ledger's keys
+WINDOW_PREFIX = "tg:gl"    # the global-limit windows
+BUDGET_PREFIX = "tg:bg"    # the budgets
 
 
 def _enc(name: str | None) -> str:
     return "" if name is None else quote(name, safe="")
+
+
+# --- the ledger
 
 
 def usage_key(day: str, key_id: str | None, model: str | None) -> str:
@@ -107,3 +136,36 @@ def eseen_key(day: str) -> str:
 def day_score(day: str) -> int:
     """``2026-11-29`` -> 20261129 (the ``days`` zset's score)."""
     return int(day.replace("-", ""))
+
+
+# --- the global-limit windows
+
+
+def window_keys(key_id: str, model: str | None = None) -> tuple[str, str]:
+    """The (zset, hash) of a key's window; per model when ``model`` is given."""
+    tag = _enc(key_id)
+    scope = "all" if model is None else "m:" + _enc(model)
+    return f"{WINDOW_PREFIX}:{{{tag}}}:{scope}:z", f"{WINDOW_PREFIX}:{{{tag}}}:{scope}:h"
+
+
+# --- the budgets
+
+
+def encode_counter(name: str) -> str:
+    """A budget counter as its keys (and a reservation record) hold it: percent-encoded,
+    its ``*`` and ``:`` kept."""
+    return quote(name, safe="*:")
+
+
+def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
+    """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
+    epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
+    of ``hour - 1``."""
+    base = f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:{encode_counter(counter)}"
+    return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
+            f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
+
+
+def reservation_key(key_id: str, request_id: str) -> str:
+    """The Redis key of one request's budget reservation."""
+    return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:r:{_enc(request_id)}"
