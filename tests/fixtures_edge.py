@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import re
 import socket
 import socketserver
@@ -514,7 +515,7 @@ def vllm_requests(vllm_url: str) -> Callable[[], int]:
     return vllm_request_count
 
 
-_LUA_HARNESS = """
+_INIT_NGINX = """
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 daemon off;
@@ -528,31 +529,45 @@ http {{
     lua_package_path "{lua}/?.lua;;";
     lua_shared_dict tokengate_limits 1m;
     init_by_lua_block {{
-        local f = assert(loadfile("{d}/chunk.lua"))
-        local ok, out = pcall(f)
-        io.stdout:write(ok and "OK\\n" or "ERR\\n", tostring(out))
-        io.stdout:flush()
+{init}
         os.exit(0)
     }}
 }}
 """
 
 
-def run_lua(chunk: str) -> str:
-    """Runs ``chunk`` (Lua, ``return <string>``) in init_by_lua of a throwaway nginx
+def run_init_lua(folder: Path, init: str, timeout_s: float = 30.0
+                 ) -> subprocess.CompletedProcess[str]:
+    """Runs Lua ``init`` in init_by_lua of a throwaway nginx with prefix ``folder``
     (Debian's ngx_lua: the edge's own LuaJIT, ``ngx``, the edge's modules and an empty
-    shared dict ``tokengate_limits`` available),
-    which exits right after; returns the chunk's string. Raises AssertionError with the
-    Lua error. (``nginx -t`` does not run init_by_lua, so nginx really starts.)"""
+    shared dict ``tokengate_limits``), which exits right after, before opening any
+    socket; returns the finished process (stdout, stderr). ``nginx -t`` does not run
+    init_by_lua, so nginx really starts. ``LUA_PATH`` and ``LUA_CPATH`` are dropped from
+    its environment: the ``;;`` of ``lua_package_path`` then means LuaJIT's own default
+    path, whatever the caller's shell holds (a test edge's path puts a movable clock on
+    it, see tokengate.clock). Raises OSError or subprocess.TimeoutExpired."""
+    conf = folder / "nginx.conf"
+    conf.write_text(_INIT_NGINX.format(d=folder, lua=devstack.LUA_DIR, init=init))
+    env = {k: v for k, v in os.environ.items() if k not in ("LUA_PATH", "LUA_CPATH")}
+    return subprocess.run(["nginx", "-p", str(folder), "-c", str(conf), "-e", "stderr"],
+                          capture_output=True, text=True, timeout=timeout_s, check=False,
+                          env=env)
+
+
+def run_lua(chunk: str) -> str:
+    """Runs ``chunk`` (Lua, ``return <string>``) in ``run_init_lua``'s nginx; returns the
+    chunk's string. Raises AssertionError with the Lua error."""
     with tempfile.TemporaryDirectory(prefix="tg-lua-") as d:
         Path(d, "chunk.lua").write_text(chunk)
-        Path(d, "nginx.conf").write_text(_LUA_HARNESS.format(d=d, lua=devstack.LUA_DIR))
-        r = subprocess.run(["nginx", "-p", d, "-c", f"{d}/nginx.conf", "-e", "stderr"],
-                           capture_output=True, text=True, timeout=30, check=False)
+        r = run_init_lua(Path(d), f"""
+        local f = assert(loadfile("{d}/chunk.lua"))
+        local ok, out = pcall(f)
+        io.stdout:write(ok and "OK\\n" or "ERR\\n", tostring(out))
+        io.stdout:flush()""")
     status, _, out = r.stdout.partition("\n")
     assert status == "OK", f"Lua failed: {out or r.stderr}"
     return out
 
 
 __all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter", "free_port",
-           "key_of", "run_lua"]
+           "key_of", "run_init_lua", "run_lua"]

@@ -3,23 +3,20 @@ pytest as a test of its own.
 
 The process is Debian's nginx with ngx_lua, ``master_process off``, prefix a temporary
 folder: its ``init_by_lua_block`` loads ``lua/harness.lua``, runs the specs (the edge's
-modules on ``lua_package_path``, the shared dicts of ``DICTS`` empty before each case),
+modules on ``lua_package_path``, the shared dict ``tokengate_limits`` empty before each
+case),
 writes one JSON result file and exits before nginx opens any socket. It runs once per
 pytest process, when the first test module is collected (about 0.1 s), so each Lua case
 is a parametrized pytest test; a case the spec marks ``xfail`` is a strict xfail (a fix
 makes it fail until the mark goes).
 
-``LUA_PATH`` and ``LUA_CPATH`` are dropped from nginx's environment: the ``;;`` of
-``lua_package_path`` then means LuaJIT's own default path, whatever the caller's shell
-holds (a test edge's path puts a movable clock on it, see tokengate.clock).
+The nginx run is tests/fixtures_edge.py's ``run_init_lua`` (the one ``run_lua`` uses).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -28,30 +25,14 @@ from typing import Any
 
 import pytest
 
-SPEC_DIR = Path(__file__).resolve().parent / "lua"
-LUA_DIR = Path(__file__).resolve().parents[3] / "lua"  # the edge's modules
-DICTS = ("tokengate_limits",)  # the edge's dict of the windows and budgets
+from tests.fixtures_edge import run_init_lua
 
-_CONF = """
-load_module /usr/lib/nginx/modules/ndk_http_module.so;
-load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
-daemon off;
-master_process off;
-pid {d}/nginx.pid;
-error_log stderr notice;
-events {{}}
-http {{
-    client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};
-    uwsgi_temp_path {d}; scgi_temp_path {d};
-    lua_package_path "{lua}/?.lua;;";
-{dicts}
-    init_by_lua_block {{
+SPEC_DIR = Path(__file__).resolve().parent / "lua"
+
+# the harness's call in run_init_lua's init_by_lua (the cases' results go to a file)
+_INIT = """
         local run = dofile("{specs}/harness.lua")
-        run("{specs}", {names}, "{d}/results.json", {dict_names})
-        os.exit(0)
-    }}
-}}
-"""
+        run("{specs}", {names}, "{d}/results.json", {{"tokengate_limits"}})"""
 
 
 @dataclass(frozen=True)
@@ -81,18 +62,10 @@ def results() -> dict[str, list[LuaCase]]:
     A run that writes no result file (nginx or the harness failed) gives each spec one
     failed case "nginx run" with nginx's output."""
     names = spec_names()
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    env = {k: v for k, v in os.environ.items() if k not in ("LUA_PATH", "LUA_CPATH")}
     with tempfile.TemporaryDirectory(prefix="tg-lua-unit-") as d:
-        conf = Path(d, "nginx.conf")
-        conf.write_text(_CONF.format(
-            d=d, lua=LUA_DIR, specs=SPEC_DIR, names=_lua_list(names),
-            dicts="".join(f"    lua_shared_dict {n} 1m;\n" for n in DICTS),
-            dict_names=_lua_list(list(DICTS))))
         try:
-            r = subprocess.run([nginx, "-p", d, "-c", str(conf), "-e", "stderr"],
-                               capture_output=True, text=True, timeout=60, check=False,
-                               env=env)
+            r = run_init_lua(Path(d), _INIT.format(specs=SPEC_DIR, names=_lua_list(names), d=d),
+                             timeout_s=60)
             output = f"nginx exited {r.returncode}:\n{r.stdout}{r.stderr}"
         except (OSError, subprocess.TimeoutExpired) as e:
             output = f"nginx did not run: {e}"
