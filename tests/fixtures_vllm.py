@@ -62,19 +62,28 @@ class VllmServer:
                 out[base] = out.get(base, 0.0) + float(value)
         return out
 
+    def steady_metrics(self, timeout_s: float = 120.0) -> dict[str, float]:
+        """The metrics once they stood still for 0.5 s (every request that finished has
+        been counted)."""
+        return self._poll(lambda _m: True, timeout_s)
+
     def wait_idle(self, timeout_s: float = 120.0) -> dict[str, float]:
         """Waits until no request runs or waits and the token counters stood still for
         0.5 s (what an earlier test left, e.g. a stream whose client left, has ended);
         returns the metrics then."""
+        return self._poll(lambda m: not (m.get("vllm:num_requests_running", 0)
+                                         + m.get("vllm:num_requests_waiting", 0)), timeout_s)
+
+    def _poll(self, done: Callable[[dict[str, float]], bool],
+              timeout_s: float) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s
         prev = self.metrics()
         while True:
             time.sleep(0.5)
             now = self.metrics()
-            busy = now.get("vllm:num_requests_running", 0) + now.get("vllm:num_requests_waiting", 0)
-            if not busy and now == prev:
+            if now == prev and done(now):
                 return now
-            assert time.monotonic() < deadline, f"vLLM on {self.port} never became idle: {now}"
+            assert time.monotonic() < deadline, f"vLLM on {self.port} never settled: {now}"
             prev = now
 
     def size(self) -> int:

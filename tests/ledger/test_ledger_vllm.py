@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -101,13 +100,7 @@ def settled_metrics(v: VllmServer, offset: int, engine_requests: int) -> dict[st
     the counters stopped moving."""
     wait_until(lambda: len(v.records_since(offset)) >= engine_requests, 120,
                what=f"{engine_requests} engine records")
-    prev = v.metrics()
-    while True:
-        time.sleep(0.5)
-        now = v.metrics()
-        if now == prev:
-            return now
-        prev = now
+    return v.steady_metrics()
 
 
 def test_the_ledger_bills_exactly_what_vllm_counted(

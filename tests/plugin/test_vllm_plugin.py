@@ -88,13 +88,7 @@ def settle(v: VllmServer, offset: int, keys: set[str]) -> tuple[list[EngineRecor
     counters stopped moving; the records and the counters then."""
     wait_for(lambda: keys <= {r.key for r in v.records_since(offset)},
              f"records {sorted(keys - {r.key for r in v.records_since(offset)})}")
-    prev = v.metrics()
-    while True:
-        time.sleep(0.5)
-        now = v.metrics()
-        if now == prev:
-            break
-        prev = now
+    now = v.steady_metrics()
     return v.records_since(offset), now
 
 
