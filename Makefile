@@ -21,8 +21,7 @@ run: setup
 # pytest-xdist workers of make test: each has ports and a folder of its own, and one of them
 # runs every test that needs vLLM (tests/conftest.py); TEST_WORKERS=0 runs in one process
 TEST_WORKERS ?= 2
-# --basetemp: short paths under the checkout (unix socket paths are at most 107 bytes)
-XDIST = -n $(TEST_WORKERS) --dist loadgroup --basetemp=var/pytest
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	@$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)

@@ -61,10 +61,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 RELOAD_POLL_S = 0.1  # how soon serve()'s main thread acts on a SIGHUP, s
 
 
+SUN_PATH_MAX = 107  # bytes of a unix socket path: sun_path[108] less its NUL, unix(7)
+
+
 @dataclass(frozen=True)
 class Listen:
     """Where the workers listen: ``tcp`` addresses (``host:port``, shared by every
-    worker) and, when ``unix_socket`` is set, worker i's own ``<unix_socket>.<i>``."""
+    worker) and, when ``unix_socket`` is set, worker i's own ``<unix_socket>.<i>``.
+
+    Raises ValueError when there is no address, or when a worker's socket path (up to
+    100 workers) or the name it binds first (``UnixSocket.private``) is longer than a
+    unix socket address holds (``sun_path``: 107 bytes on Linux, see unix(7))."""
 
     tcp: tuple[str, ...]
     unix_socket: str | None = None
@@ -72,6 +79,14 @@ class Listen:
     def __post_init__(self) -> None:
         if not self.tcp and not self.unix_socket:
             raise ValueError("no address to listen on: give a TCP address or a unix socket")
+        if self.unix_socket:
+            path = Path(f"{self.unix_socket}.99")
+            for p in (path, UnixSocket.private_of(path, 4194304)):  # pid_max on 64-bit
+                if len(os.fsencode(p)) > SUN_PATH_MAX:
+                    raise ValueError(
+                        f"unix socket {self.unix_socket}: a worker's path such as {p} is "
+                        f"{len(os.fsencode(p))} bytes; a unix socket path holds at most "
+                        f"{SUN_PATH_MAX}: choose a shorter folder")
 
     def socket_of(self, index: int) -> str | None:
         return f"{self.unix_socket}.{index}" if self.unix_socket else None
@@ -85,11 +100,15 @@ class Listen:
 @dataclass(frozen=True)
 class UnixSocket:
     """A worker's unix socket: ``path`` (``PATH.<i>``, what clients connect to) and
-    ``private`` (what gRPC binds: ``.<name>.<pid>`` in the same folder, so that a
-    rename reaches ``path``)."""
+    ``private`` (what is bound first: ``.bind.<pid>`` in the same folder, so that a
+    rename reaches ``path``; short, as both must fit ``SUN_PATH_MAX``)."""
 
     path: Path
     private: Path
+
+    @staticmethod
+    def private_of(path: Path, pid: int) -> Path:
+        return path.with_name(f".bind.{pid}")
 
     @classmethod
     def of(cls, listen: Listen, index: int) -> UnixSocket | None:
@@ -97,7 +116,7 @@ class UnixSocket:
         if not sock:
             return None
         path = Path(sock)
-        return cls(path, path.with_name(f".{path.name}.{os.getpid()}"))
+        return cls(path, cls.private_of(path, os.getpid()))
 
     def publish(self) -> tuple[int, int]:
         """Make the bound socket reachable at ``path``; returns its identity,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,3 +181,16 @@ def test_sighup_reloads_the_models_without_failing_a_call(config_path: Path,
                    what="both workers to count the added model")
     finally:
         svc.stop()
+
+
+def test_a_socket_path_too_long_for_the_kernel_stops_the_counter_with_what_to_do(
+        config_path: Path) -> None:
+    # sun_path holds 107 bytes: the check comes before any worker starts, as one line
+    sock = Path("/run") / ("d" * 90) / "counter.sock"
+    r = subprocess.run([sys.executable, "-m", "tokengate.counter.server", "--config",
+                        str(config_path), "--unix-socket", str(sock)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"tokengate-counter: unix socket {sock}: a worker's path such as {sock}.99 is 111 "
+        "bytes; a unix socket path holds at most 107: choose a shorter folder"]

@@ -709,9 +709,10 @@ def test_the_base_install_needs_no_vllm_or_torch_and_is_consistent(
 @pytest.mark.slow
 def test_the_counter_unit_of_a_base_install_counts_like_the_full_one(
         base_venv: BaseVenv, config_path: Path, redis_url: str, counter_addr: str,
-        tmp_path: Path) -> None:
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """`tokengate install` run with the base install's own `tokengate`: its counter unit
     starts from that virtualenv and gives the same count as the development one."""
+    tmp_path = tmp_path_factory.mktemp("base-install")  # short: the unit's socket paths
     cfg = test_config(config_path, redis_url, tmp_path / "tokengate.yaml")
     prefix = tmp_path / "root"
     r = subprocess.run([str(base_venv.python.parent / "tokengate"), "install", "--prefix",

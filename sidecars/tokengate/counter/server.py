@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.check_upstreams:
         _check_upstreams(cfg, args.allow_unverified_vllm, args.upstream_wait_s)
     tcp = (f"{args.host}:{args.port}",) if args.port else ()
-    listen = grpc_server.Listen(tcp, args.unix_socket)
+    try:
+        listen = grpc_server.Listen(tcp, args.unix_socket)
+    except ValueError as e:
+        sys.exit(f"tokengate-counter: {e}")
     metrics.serve(args.metrics_listen or cfg.metrics.counter_listen, "counter", args.workers)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
                             args.workers)

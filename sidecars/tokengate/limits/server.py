@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> None:
     tcp = tuple(a for a in args.listen or [cfg.global_limits.listen] if a != "none")
     if not tcp and args.unix_socket is None:
         parser.exit(2, "tokengate-limits: --listen none needs a unix socket\n")
-    listen = grpc_server.Listen(tcp, args.unix_socket)
+    try:
+        listen = grpc_server.Listen(tcp, args.unix_socket)
+    except ValueError as e:
+        parser.exit(2, f"tokengate-limits: {e}\n")
     metrics.serve(args.metrics_listen or cfg.metrics.limits_listen, "limits", args.workers)
     grpc_server.run_workers("limits", _serve_worker, (args.config, listen, args.redis_url),
                             args.workers)
