@@ -34,7 +34,7 @@ on disk from the start, rebuilding the counters from the durable record.
 
 Engine records (``ledger.engine_usage_files``, the vLLM plugin's files): every engine
 file is one more tailed file with its own checkpoint, and the join with the edge's
-events lives in Redis (``tokengate.ledger.store``), so a ledger on a vLLM host
+events lives in Redis (keys: ``tokengate.redis_keys``), so a ledger on a vLLM host
 (``--engine-only``) and one on the edge host can share one Redis, in any order:
 
 - an edge event whose records are all there is billed with them at once

@@ -1,6 +1,6 @@
 """``tokengate usage``: tokens, cost, requests and errors per key / model / UTC day.
 
-Reads the ledger's counters in Redis (``tokengate.ledger.store``); nothing is computed
+Reads the ledger's counters in Redis (keys: ``tokengate.redis_keys``); nothing is computed
 from the usage files, so the report shows exactly what the ledger applied. Days are UTC
 days of the events' ``ts``.
 """
