@@ -16,6 +16,11 @@ sidecars end after ``<h>``).
 ``SETTLE_LUA`` settles a request exactly once, whoever sends it first: the edge (its
 ``SettleBudget``), or the ledger when it applies the request's usage event, which asks
 for the record it read (``expected``) and changes nothing when that is gone or changed.
+
+The readers (``counter_name``, ``committed``, ``billed_sync``) say what a budget counter
+holds for its limits: what the edges' admission compares (``tokengate.limits.budget``)
+and what ``tokengate keys list`` and the ledger's admin view (``tokengate.ledger.admin``)
+show.
 """
 
 from __future__ import annotations
@@ -24,14 +29,18 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date, timedelta
 from typing import Any
 from urllib.parse import unquote
 
-from tokengate.redis_keys import budget_keys, encode_counter, reservation_key
+from tokengate.redis_client import SyncRedis
+from tokengate.redis_keys import budget_keys, encode_counter, reservation_key, usage_key
 
-__all__ = ["HOUR_S", "IN_FLIGHT_TTL_S", "SETTLED", "SETTLED_TTL_S", "SETTLE_LUA", "Reservation",
-           "budget_keys", "nano", "parse_record", "record_tail", "reservation_key",
-           "settle_args", "settle_keys", "this_hour"]
+__all__ = ["BILL_FIELDS", "HOUR_S", "IN_FLIGHT_TTL_S", "SETTLED", "SETTLED_TTL_S",
+           "SETTLE_LUA", "Reservation", "bill_fields", "bill_sums", "billed_sync",
+           "budget_keys", "committed", "counter_name", "nano", "parse_record",
+           "period_days", "queue_bills", "record_tail", "reservation_key", "settle_args",
+           "settle_keys", "this_hour"]
 
 HOUR_S = 3600
 # an hour's bucket is read in that hour and the next; a reservation is kept as long
@@ -134,3 +143,91 @@ def parse_record(value: str | None) -> Reservation | None:
     return Reservation(int(parts[0]), int(parts[1]), int(parts[2]),
                        [(unquote(n), int(t)) for t, n in zip(pairs[0::2], pairs[1::2],
                                                              strict=True)])
+
+
+# --- reading the budgets
+
+
+def period_days(counter: str) -> tuple[str, list[date]]:
+    """``counter`` -> (its scope: ``*`` or a model, the UTC days of its period)."""
+    scope, period, pid = counter.rsplit(":", 2)
+    if period == "day":
+        return scope, [date(1970, 1, 1) + timedelta(days=int(pid))]
+    first = date(1970 + int(pid) // 12, int(pid) % 12 + 1, 1)
+    following = date(first.year + first.month // 12, first.month % 12 + 1, 1)
+    return scope, [first + timedelta(days=i) for i in range((following - first).days)]
+
+
+def counter_name(scope: str, period: str, day: date) -> str:
+    """The counter the edge names for a budget of ``scope`` (``*`` or a model) and
+    ``period`` (day | month) in the UTC period holding ``day``: its id is the days since
+    1970-01-01, or the months since 1970-01 (``period`` in lua/tokengate/budget.lua)."""
+    pid = (day - date(1970, 1, 1)).days if period == "day" \
+        else (day.year - 1970) * 12 + day.month - 1
+    return f"{scope}:{period}:{pid}"
+
+
+def committed(client: SyncRedis, counters: Sequence[tuple[str, str]],
+              models: Sequence[str]) -> list[tuple[int, int]]:
+    """(spend nano-units, tokens) each ``(key_id, counter)`` holds now for its limits
+    (``tokengate.limits.budget``'s docstring: what was settled, or the ledger's bill,
+    plus the reservations of requests still in flight; 0 for a counter nothing was
+    charged to). ``models``: the configured models (the scope ``*``). Raises
+    ``RedisError``."""
+    hour = this_hour()
+    pipe = client.pipeline(transaction=False)
+    for key_id, counter in counters:
+        for k in budget_keys(key_id, counter, hour):
+            pipe.get(k)
+    v = [int(x or 0) for x in pipe.execute()]
+    bills = billed_sync(client, counters, models)
+    return [(max(v[6 * i], bills[i][0]) + v[6 * i + 2] + v[6 * i + 4],
+             max(v[6 * i + 1], bills[i][1]) + v[6 * i + 3] + v[6 * i + 5])
+            for i in range(len(counters))]
+
+
+BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usage hash
+
+
+def bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
+                ) -> list[list[str]]:
+    """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
+    out = []
+    for key_id, counter in counters:
+        scope, days = period_days(counter)
+        names = list(models) if scope == "*" else [scope]
+        out.append([usage_key(d.isoformat(), key_id, m) for d in days for m in names])
+    return out
+
+
+def queue_bills(pipe: Any, fields: Sequence[Sequence[str]]) -> None:
+    """HMGET the ``BILL_FIELDS`` of every hash of ``fields`` (``bill_fields``) on
+    ``pipe`` (a sync or asyncio pipeline)."""
+    for keys in fields:
+        for k in keys:
+            pipe.hmget(k, *BILL_FIELDS)
+
+
+def bill_sums(fields: Sequence[Sequence[str]], rows: Sequence[Sequence[Any]]
+              ) -> list[tuple[int, int]]:
+    """Per entry of ``fields``, (spend nano-units, rounded down, tokens) of its rows of
+    the pipeline ``queue_bills`` filled."""
+    out, at = [], 0
+    for keys in fields:
+        mine = rows[at:at + len(keys)]
+        at += len(keys)
+        cost = sum(float(r[0] or 0) for r in mine)
+        tokens = sum(int(r[1] or 0) + int(r[2] or 0) for r in mine)
+        out.append((math.floor(cost * 1e9 + 1e-6), tokens))
+    return out
+
+
+def billed_sync(client: SyncRedis, counters: Sequence[tuple[str, str]],
+                models: Sequence[str]) -> list[tuple[int, int]]:
+    """(spend nano-units, tokens) the ledger billed each ``(key_id, counter)``: its
+    key / model / day counters summed over the counter's days and scope (``*``: every
+    model of ``models``). Raises ``RedisError``."""
+    fields = bill_fields(counters, models)
+    pipe = client.pipeline(transaction=False)
+    queue_bills(pipe, fields)
+    return bill_sums(fields, pipe.execute())

@@ -9,4 +9,5 @@
 - ``join``         the script's items: bills, waits and kept records, decided from Redis
 - ``service``      the ledger process (``tokengate-ledger``)
 - ``report``       ``tokengate usage``: per key / model / day totals
+- ``admin``        the admin view: per key limits, budgets and spend (``GET /keys``)
 """

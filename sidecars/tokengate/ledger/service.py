@@ -20,7 +20,8 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import keys, metrics, redis_client
+from tokengate import metrics, redis_client
+from tokengate.ledger import admin
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 log = logging.getLogger("tokengate.ledger")
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         _write_status(args.status_file, snapshot())
     REGISTRY.register(LedgerCollector(ledger))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
-                  admin=keys.admin(cfg.path, client))
+                  admin=admin.view(cfg.path, client))
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()

@@ -37,17 +37,21 @@ once: whichever comes first settles, the other finds the request settled.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import date, timedelta
-from typing import Any
 
-from tokengate import redis_client, redis_keys
+from tokengate import redis_client
 from tokengate.budget_store import (
     IN_FLIGHT_TTL_S,
     SETTLE_LUA,
+    bill_fields,
+    bill_sums,
+    billed_sync,
+    committed,
+    counter_name,
+    period_days,
+    queue_bills,
     record_tail,
     settle_args,
     settle_keys,
@@ -133,90 +137,6 @@ class BudgetReservation:
     usage: list[tuple[int, int]]
 
 
-def period_days(counter: str) -> tuple[str, list[date]]:
-    """``counter`` -> (its scope: ``*`` or a model, the UTC days of its period)."""
-    scope, period, pid = counter.rsplit(":", 2)
-    if period == "day":
-        return scope, [date(1970, 1, 1) + timedelta(days=int(pid))]
-    first = date(1970 + int(pid) // 12, int(pid) % 12 + 1, 1)
-    following = date(first.year + first.month // 12, first.month % 12 + 1, 1)
-    return scope, [first + timedelta(days=i) for i in range((following - first).days)]
-
-
-def counter_name(scope: str, period: str, day: date) -> str:
-    """The counter the edge names for a budget of ``scope`` (``*`` or a model) and
-    ``period`` (day | month) in the UTC period holding ``day``: its id is the days since
-    1970-01-01, or the months since 1970-01 (``period`` in lua/tokengate/budget.lua)."""
-    pid = (day - date(1970, 1, 1)).days if period == "day" \
-        else (day.year - 1970) * 12 + day.month - 1
-    return f"{scope}:{period}:{pid}"
-
-
-def committed(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]],
-              models: Sequence[str]) -> list[tuple[int, int]]:
-    """(spend nano-units, tokens) each ``(key_id, counter)`` holds now for its limits
-    (module docstring: what was settled, or the ledger's bill, plus the reservations
-    of requests still in flight; 0 for a counter nothing was charged to). ``models``:
-    the configured models (the scope ``*``). Raises ``RedisError``."""
-    hour = this_hour()
-    pipe = client.pipeline(transaction=False)
-    for key_id, counter in counters:
-        for k in budget_keys(key_id, counter, hour):
-            pipe.get(k)
-    v = [int(x or 0) for x in pipe.execute()]
-    bills = billed_sync(client, counters, models)
-    return [(max(v[6 * i], bills[i][0]) + v[6 * i + 2] + v[6 * i + 4],
-             max(v[6 * i + 1], bills[i][1]) + v[6 * i + 3] + v[6 * i + 5])
-            for i in range(len(counters))]
-
-
-BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usage hash
-
-
-def _bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
-                 ) -> list[list[str]]:
-    """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
-    out = []
-    for key_id, counter in counters:
-        scope, days = period_days(counter)
-        names = list(models) if scope == "*" else [scope]
-        out.append([redis_keys.usage_key(d.isoformat(), key_id, m) for d in days for m in names])
-    return out
-
-
-def _queue_bills(pipe: Any, fields: Sequence[Sequence[str]]) -> None:
-    """HMGET the ``BILL_FIELDS`` of every hash of ``fields`` (``_bill_fields``) on
-    ``pipe`` (a sync or asyncio pipeline)."""
-    for keys in fields:
-        for k in keys:
-            pipe.hmget(k, *BILL_FIELDS)
-
-
-def _bill_sums(fields: Sequence[Sequence[str]], rows: Sequence[Sequence[Any]]
-               ) -> list[tuple[int, int]]:
-    """Per entry of ``fields``, (spend nano-units, rounded down, tokens) of its rows of
-    the pipeline ``_queue_bills`` filled."""
-    out, at = [], 0
-    for keys in fields:
-        mine = rows[at:at + len(keys)]
-        at += len(keys)
-        cost = sum(float(r[0] or 0) for r in mine)
-        tokens = sum(int(r[1] or 0) + int(r[2] or 0) for r in mine)
-        out.append((math.floor(cost * 1e9 + 1e-6), tokens))
-    return out
-
-
-def billed_sync(client: redis_client.SyncRedis, counters: Sequence[tuple[str, str]],
-                models: Sequence[str]) -> list[tuple[int, int]]:
-    """(spend nano-units, tokens) the ledger billed each ``(key_id, counter)``: its
-    key / model / day counters summed over the counter's days and scope (``*``: every
-    model of ``models``). Raises ``RedisError``."""
-    fields = _bill_fields(counters, models)
-    pipe = client.pipeline(transaction=False)
-    _queue_bills(pipe, fields)
-    return _bill_sums(fields, pipe.execute())
-
-
 class GlobalBudgets:
     """Reserve and settle budgets in Redis (asyncio client: ``redis_client.connect_async``).
     ``models`` gives the configured models (the scope ``*`` of the ledger's bill).
@@ -241,10 +161,10 @@ class GlobalBudgets:
         want = [(key_id, c.name) for c in counters
                 if now - self._bills.get((key_id, c.name), (-1e9, (0, 0)))[0] > BILLED_CACHE_S]
         if want:
-            fields = _bill_fields(want, self.models())
+            fields = bill_fields(want, self.models())
             pipe = self.client.pipeline(transaction=False)
-            _queue_bills(pipe, fields)
-            for kc, bill in zip(want, _bill_sums(fields, await pipe.execute()), strict=True):
+            queue_bills(pipe, fields)
+            for kc, bill in zip(want, bill_sums(fields, await pipe.execute()), strict=True):
                 self._bills[kc] = (now, bill)
             if len(self._bills) > 100_000:  # periods end: forget the old ones
                 self._bills = {k: v for k, v in self._bills.items()

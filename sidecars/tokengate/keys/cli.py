@@ -1,0 +1,197 @@
+"""``tokengate keys``'s subcommands: ``create``, ``set``, ``revoke`` (an edit of the file,
+then the running edges reloaded) and ``list``; ``add_parser`` registers them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ruamel.yaml.comments import CommentedMap
+
+from tokengate import config as tg_config
+from tokengate.keys.edit import (
+    Change,
+    add_key,
+    change_key,
+    edit,
+    keeping_heading,
+    parse_budget,
+    parse_models,
+    remove_key,
+    shown,
+)
+from tokengate.keys.reload import apply
+from tokengate.keys.secret import digest, new_key
+from tokengate.keys.usage import print_table
+from tokengate.ledger.admin import snapshot
+from tokengate.redis_client import connect
+
+KEYS_HELP = """\
+Create, list, change and revoke API keys in tokengate.yaml, and apply the change to the
+running edges at once (no restart; streams in flight continue).
+
+  tokengate keys create NAME --rpm N --tpm N [--models a,b] [--budget SPEC]...
+        prints the new key once (tg-...); the file stores only its SHA-256
+  tokengate keys list [--json]
+        names, limits, models, budgets and the spend of the current day / month
+        (from the ledger's Redis: what `tokengate usage` reports, and what the budget
+        counters hold with the reservations of requests in flight); never a key
+  tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
+        [--no-budgets]
+  tokengate keys revoke NAME
+        removes the key: refused (401) once the command returns
+
+  --budget [MODEL:]day=AMOUNT | [MODEL:]month=AMOUNT, AMOUNT in the configuration's
+  currency (day=5.00) or in tokens with a t (month=2000000t); repeat it for several.
+  A spend SPEC and a token SPEC of one model and period make one budget; `set
+  --budget` sets that kind of the key's budget of that model and period (the other
+  kind stays; --no-budgets first to drop it).
+
+CONFIGURATION
+  --config FILE, else $TOKENGATE_CONFIG, else the installed /etc/tokengate/tokengate.yaml
+  where it exists (a checkout's ./tokengate.yaml only when named), else ./tokengate.yaml;
+  a file not named is said on the first line (stderr). The file keeps its owner, group
+  and mode (an install's is root:www-data 0640, read by the services through the group).
+
+APPLYING
+  The edges to reload are --edge DIR (a folder with edge.json and nginx.pid, as
+  `make run` renders under var/run/nginx; repeatable), else the configuration's own
+  edge when it runs: for an installed file (ROOT/etc/tokengate/tokengate.yaml, ROOT /
+  or an install prefix) ROOT/etc/tokengate/edge.json with ROOT/run/nginx.pid; for any
+  other file `make run`'s var/run/nginx beside it. Never both: a command acts on one
+  deployment. --no-apply only writes the file.
+
+EXIT STATUS
+  0 done; 1 the edit is invalid (the file is unchanged; one line per problem) or an
+  edge did not reload; 2 usage error, unknown key, or the file cannot be read.
+"""
+
+
+def _path(args: argparse.Namespace) -> Path:
+    return Path(args.config if args.config is not None else tg_config.default_path())
+
+
+def _run_edit(args: argparse.Namespace, change: Change
+              ) -> tuple[int, tg_config.Config | None]:
+    try:
+        return 0, edit(_path(args), keeping_heading(change))
+    except tg_config.ConfigError as e:
+        for line in e.errors:
+            print(line, file=sys.stderr)
+        print(f"{_path(args)}: not changed", file=sys.stderr)
+        return 1, None
+    except LookupError as e:
+        print(f"tokengate keys: {e.args[0]}", file=sys.stderr)
+        return 2, None
+    except OSError as e:
+        print(f"tokengate keys: {e}", file=sys.stderr)
+        return 2, None
+
+
+def create(args: argparse.Namespace) -> int:
+    """``tokengate keys create``: prints the new key on stdout (once)."""
+    key = new_key()
+
+    def change(data: CommentedMap) -> None:
+        add_key(data, args.name, digest(key), args.rpm, args.tpm, args.models, args.budget)
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(key)
+    print(f"created key {shown(args.name)}: the key above is shown only now", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def set_(args: argparse.Namespace) -> int:
+    """``tokengate keys set``: changes limits, models or budgets of a key."""
+
+    def change(data: CommentedMap) -> None:
+        change_key(data, args.name, args.rpm, args.tpm, args.models, args.budget,
+                   args.no_budgets)
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(f"changed key {shown(args.name)}", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def revoke(args: argparse.Namespace) -> int:
+    """``tokengate keys revoke``: removes the key from the file."""
+
+    def change(data: CommentedMap) -> None:
+        remove_key(data, args.name)
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(f"revoked key {shown(args.name)}", file=sys.stderr)
+    return apply(args, cfg)
+
+
+def list_(args: argparse.Namespace) -> int:
+    """``tokengate keys list``: a table, or ``--json``."""
+    try:
+        cfg = tg_config.load(_path(args))
+    except (tg_config.ConfigError, OSError) as e:
+        print(f"tokengate keys: {e}", file=sys.stderr)
+        return 2
+    entries = snapshot(cfg, connect(cfg.redis, timeout_s=2.0, url=args.redis_url),
+                       datetime.now(UTC).date())
+    if args.json:
+        json.dump({"currency": cfg.currency, "keys": entries}, sys.stdout, indent=1)
+        print()
+        return 0
+    print_table(entries, cfg.currency)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``keys`` on a ``tokengate`` subcommand parser."""
+    p = sub.add_parser("keys", help="create, list, change and revoke API keys",
+                       description=KEYS_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=None,
+                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else the "
+                             "installed /etc/tokengate/tokengate.yaml, else ./tokengate.yaml)")
+    apply_opts = argparse.ArgumentParser(add_help=False)
+    apply_opts.add_argument("--edge", type=Path, action="append", metavar="DIR",
+                            help="an edge to reload: DIR holds edge.json and nginx.pid "
+                                 "(repeatable; default: the ones found)")
+    apply_opts.add_argument("--no-apply", action="store_true",
+                            help="write the file only; reload nothing")
+    verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
+    c = verbs.add_parser("create", parents=[common, apply_opts], help="create a key")
+    c.add_argument("name", help="key id (what usage events and reports show)")
+    c.add_argument("--rpm", type=int, required=True, help="requests per minute")
+    c.add_argument("--tpm", type=int, required=True, help="tokens per minute")
+    c.add_argument("--models", type=parse_models, default=None, metavar="A,B",
+                   help="the only models the key may use (default: all)")
+    c.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
+                   help="[MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
+                        "currency, or tokens: 2000000t); repeatable")
+    c.set_defaults(func=create)
+    s = verbs.add_parser("set", parents=[common, apply_opts], help="change a key")
+    s.add_argument("name")
+    s.add_argument("--rpm", type=int, default=None)
+    s.add_argument("--tpm", type=int, default=None)
+    s.add_argument("--models", default=None, metavar="A,B|all",
+                   help="the only models the key may use; all: every model")
+    s.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
+                   help="as for create; sets that kind (spend or tokens) of the budget of "
+                        "that model and period")
+    s.add_argument("--no-budgets", action="store_true",
+                   help="remove the key's budgets (before adding --budget ones)")
+    s.set_defaults(func=set_)
+    r = verbs.add_parser("revoke", parents=[common, apply_opts], help="revoke a key")
+    r.add_argument("name")
+    r.set_defaults(func=revoke)
+    ls = verbs.add_parser("list", parents=[common], help="list the keys (never the key)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    ls.set_defaults(func=list_)
