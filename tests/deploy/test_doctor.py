@@ -25,6 +25,7 @@ import pytest
 import yaml
 from tokengate import config as tg_config
 from tokengate import doctor
+from tokengate.counter import upstream_check
 from tokengate.process import Service, free_port, tcp_ready
 from tokenstorm.null_server import FastUpstream
 from tokenstorm.upstream import UpstreamOptions
@@ -268,8 +269,9 @@ def test_a_remote_replicas_engine_records_not_on_this_host_are_a_warning(
         seen.append(doctor.Check(MODEL, "10.0.0.7:8100", what, status, detail))
         return seen[-1]
 
-    c = doctor._engine_records(check, "10.0.0.7:8100", files, doctor._EngineMarks.take(files),
-                               "chatcmpl-x", True, 0.0)
+    c = upstream_check._engine_records(check, "10.0.0.7:8100", files,
+                                       upstream_check._EngineMarks.take(files), "chatcmpl-x",
+                                       True, 0.0)
     assert (c.status, c.detail) == ("WARN", (
         f"not checked here: none of ledger.engine_usage_files ({files[0]}) exists on this "
         "host; run tokengate doctor on the vLLM host, where its records are written"))

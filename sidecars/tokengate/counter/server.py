@@ -115,17 +115,17 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
 
 
 def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:
-    """`tokengate doctor` in the parent, once, before any worker starts; exits 1 on a
-    failed check."""
-    from tokengate import doctor
+    """`tokengate doctor`'s checks (``upstream_check``) in the parent, once, before any
+    worker starts; exits 1 on a failed check."""
+    from tokengate.counter import upstream_check
 
     def out(line: str) -> None:
         print(f"counter: upstream check: {line}", flush=True)
 
     if wait_s > 0:
-        doctor.wait_healthy(cfg, wait_s, out)
-    checks = doctor.run(cfg, allow_unverified=allow_unverified, out=out)
-    out(doctor.summary(checks))
+        upstream_check.wait_healthy(cfg, wait_s, out)
+    checks = upstream_check.run(cfg, allow_unverified=allow_unverified, out=out)
+    out(upstream_check.summary(checks))
     if any(c.status == "FAIL" for c in checks):
         print("tokengate-counter: an upstream check failed (lines above); not serving",
               file=sys.stderr, flush=True)
