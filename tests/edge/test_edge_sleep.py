@@ -7,7 +7,7 @@ sleeps.
 vLLM's CPU build refuses sleep mode, so the replicas are TokenStorm's fast upstream, which
 serves vLLM's sleep routes (with a settable wake delay) and counts the requests that
 reached it asleep; the routes and their flags are checked here against the installed
-vLLM's source. The GPU run is a step of ``vllm_patches/gpu_check.sh``.
+vLLM's source. The GPU run is a step of ``dev/gpu_check.sh``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 from tokengate import config as tg_config
 from tokengate_dev.bench import scheduler as sb
-from tokengate_vllm import figures as ef
+from tokengate_dev.bench import scheduler_figures as ef
 from tokenstorm.report import Records
 from tokenstorm.runner import plan_for, prompt_builder
 

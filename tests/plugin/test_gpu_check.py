@@ -1,36 +1,25 @@
-"""vllm_patches/gpu_check.sh and gpu_check.py without a GPU: the script's options and the
-commands it would run, its shell hygiene, and the figures and reconciliation it prints
-(the run against a real server is in tests/plugin/test_vllm_plugin.py)."""
+"""dev/gpu_check.sh and tokengate_dev.bench.gpu_check without a GPU: the script's options
+and the commands it would run, its shell hygiene, and the figures and reconciliation it
+prints (the run against a real server is in tests/plugin/test_vllm_plugin.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from tokengate_dev.bench import gpu_check
 from tokenstorm.null_server import FastUpstream
 
 from tests.conftest import MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "vllm_patches" / "gpu_check.sh"
-DRIVER = ROOT / "vllm_patches" / "gpu_check.py"
-
-
-def driver() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", DRIVER)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod   # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+SCRIPT = ROOT / "dev" / "gpu_check.sh"
+DRIVER = f"env PYTHONPATH={ROOT / 'dev'} pyx -m tokengate_dev.bench.gpu_check"
 
 
 def sh(*args: str) -> subprocess.CompletedProcess[str]:
@@ -70,7 +59,7 @@ def test_dry_run_prints_the_steps(tmp_path: Path):
     steps = [x for x in r.stdout.splitlines() if x.startswith("+ ")]
     assert "tokengate_dev import build_tiny_model" in steps[0] and "/tok" in steps[0]
     assert steps[1] == f"+ pyx -m pip install -q --no-deps --no-build-isolation " \
-                       f"{SCRIPT.parent}"
+                       f"{ROOT / 'vllm_patches'}"
     server = (f"pyx -m vllm.entrypoints.openai.api_server --model {tmp_path}/tiny-qwen3 "
               "--served-model-name tiny-qwen3 --host 127.0.0.1 --port 18999 "
               "--max-model-len 8192 --max-num-seqs 4 --disable-uvicorn-access-log "
@@ -80,14 +69,14 @@ def test_dry_run_prints_the_steps(tmp_path: Path):
                                     f"TOKENGATE_ENGINE_USAGE_FILE={tmp_path}/engine-"
                                     f"{policy}.jsonl {server}")
         assert steps[3 + 2 * i] == (
-            f"+ pyx {DRIVER} run --url http://127.0.0.1:18999 --model tiny-qwen3 "
+            f"+ {DRIVER} run --url http://127.0.0.1:18999 --model tiny-qwen3 "
             f"--usage-file {tmp_path}/engine-{policy}.jsonl --duration 7 --rate 2 --burst 5 "
             f"--label {policy} --out {tmp_path}/figures-{policy}.json")
     # sleep mode (the edge's idle unload): the flag and the dev-mode routes, then the check
     assert steps[6] == (f"+ TOKENGATE_SCHED_POLICY=weighted TOKENGATE_ENGINE_USAGE_FILE="
                         f"{tmp_path}/engine-sleep.jsonl VLLM_SERVER_DEV_MODE=1 {server} "
                         "--enable-sleep-mode")
-    assert steps[7] == (f"+ pyx {DRIVER} sleep --url http://127.0.0.1:18999 --model "
+    assert steps[7] == (f"+ {DRIVER} sleep --url http://127.0.0.1:18999 --model "
                         f"tiny-qwen3 --out {tmp_path}/sleep.json")
     assert len(steps) == 8
 
@@ -97,7 +86,7 @@ def test_the_sleep_check_passes_against_a_server_with_sleep_mode(
     # the fast upstream serves vLLM's sleep routes (tests/edge/test_edge_sleep.py); its
     # completions generate exactly max_tokens, as ignore_eos does
     up = replicas()
-    fig = driver().sleep_check(f"http://127.0.0.1:{up.port}", MODEL)
+    fig = gpu_check.sleep_check(f"http://127.0.0.1:{up.port}", MODEL)
     assert fig["checks"] == {
         "request before sleeping": True, "POST /sleep?level=1 answers sleeping": True,
         "GET /is_sleeping is true": True, "POST /wake_up answers awake": True,
@@ -106,7 +95,7 @@ def test_the_sleep_check_passes_against_a_server_with_sleep_mode(
 
 
 def test_the_workload_is_seeded_and_mixed():
-    g = driver()
+    g = gpu_check
     a = g.workload(random.Random(3), 50.0, 8.0, 40)
     assert a == g.workload(random.Random(3), 50.0, 8.0, 40)
     assert [t for t, _ in a] == sorted(t for t, _ in a) and a[-1][0] < 50.0
@@ -121,7 +110,7 @@ def test_the_workload_is_seeded_and_mixed():
 
 
 def test_percentile_is_nearest_rank():
-    g = driver()
+    g = gpu_check
     assert g.percentile([], 50) is None
     assert g.percentile([5.0], 99) == 5.0
     assert g.percentile([float(x) for x in range(1, 101)], 50) == 50.0
@@ -130,7 +119,7 @@ def test_percentile_is_nearest_rank():
 
 
 def test_summarize_reconciles_records_with_the_counters_and_compare_prints_them():
-    g = driver()
+    g = gpu_check
     sent = [g.Sent("a" * 32, "short", 1, 0.0, ttft=0.010), g.Sent("b" * 32, "long", 1, 0.0,
             ttft=0.200), g.Sent("c" * 32, "n2", 2, 0.0), g.Sent("d" * 32, "leave", 1, 0.0)]
 

@@ -43,7 +43,6 @@ from tests.fixtures_vllm import PACE_FILE, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-GPU_CHECK = Path(__file__).resolve().parents[2] / "vllm_patches" / "gpu_check.py"
 
 @pytest.fixture
 def plugin_vllm(queue_vllm: VllmServer) -> VllmServer:
@@ -428,10 +427,10 @@ def test_a_mixed_workload_reconciles_exactly_with_vllms_counters(plugin_vllm: Vl
 
 def test_the_gpu_checks_workload_reconciles_on_the_cpu_server(plugin_vllm: VllmServer,
                                                               tmp_path: Path):
-    """vllm_patches/gpu_check.py, the part of gpu_check.sh that needs no GPU: its mixed
+    """tokengate_dev.bench.gpu_check, the part of dev/gpu_check.sh that needs no GPU: its mixed
     workload (short, long, leaving, n = 2, timing out) against this server reconciles."""
     out = tmp_path / "figures.json"
-    r = subprocess.run([sys.executable, str(GPU_CHECK), "run",
+    r = subprocess.run([sys.executable, "-m", "tokengate_dev.bench.gpu_check", "run",
                         "--url", plugin_vllm.url.removesuffix("/v1"), "--model", MODEL,
                         "--usage-file", str(plugin_vllm.usage_file), "--duration", "8",
                         "--rate", "1.5", "--burst", "0", "--seed", "4", "--label", "cpu",

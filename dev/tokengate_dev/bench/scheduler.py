@@ -13,7 +13,7 @@ max_tokens, against ``long_weight`` (2,500 tokens).
 
 Per profile and policy it reports TTFT p50/p99 of short and of long requests (client
 side, ms from the scheduled send, nearest rank), and the engine side as
-``tokengate_vllm.figures`` defines it (what ``vllm_patches/gpu_check.py`` reports on a
+``scheduler_figures`` defines it (what ``gpu_check``, ``dev/gpu_check.sh``, reports on a
 GPU): output tokens/s, the longest queue wait (the engine records' ``queued_ms``), the
 mean one (``vllm:request_queue_time_seconds``), mean running and waiting requests
 (gauges sampled every 0.5 s), tokens per engine iteration
@@ -45,7 +45,6 @@ from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
 from tokengate.process import Service
-from tokengate_vllm import figures as ef
 from tokengate_vllm import settings as sched_settings
 from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
@@ -55,6 +54,7 @@ from tokenstorm.report import Records
 from tokenstorm.runner import RunResult, RunSpec, execute, prompt_builder
 
 from tokengate_dev import devstack
+from tokengate_dev.bench import scheduler_figures as ef
 
 RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench-scheduler"
@@ -350,7 +350,7 @@ def findings(out: dict[str, Any]) -> list[str]:
         "tiny model's KV cache would hold thousands of requests), and on 2 shared CPU "
         "cores a step's time grows with the tokens in it, so there is no idle compute to "
         "fill: mean running and tokens per iteration move with the order of prefills, not "
-        "with freed GPU capacity. vllm_patches/gpu_check.sh measures them on a GPU.")
+        "with freed GPU capacity. dev/gpu_check.sh measures them on a GPU.")
     lines.append(
         "The 2 cores are shared with other work: a single run is noisy; compare ratios "
         "across runs rather than single milliseconds.")

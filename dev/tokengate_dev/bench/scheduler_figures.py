@@ -1,6 +1,6 @@
 """What a scheduler comparison measures on the engine side, from vLLM's ``/metrics`` and
-the engine usage records: the figures ``gpu_check.py`` (the GPU check) and ``make
-bench-scheduler`` (``tokengate_dev.bench.scheduler``, the CPU bench) both report.
+the engine usage records: the figures ``gpu_check`` (the GPU check, ``dev/gpu_check.sh``)
+and ``make bench-scheduler`` (``scheduler``, the CPU bench) both report.
 
 - the longest engine queue wait: the records' ``queued_ms`` (queued to first scheduled);
   the mean one from vLLM's ``vllm:request_queue_time_seconds`` histogram;
@@ -14,8 +14,8 @@ bench-scheduler`` (``tokengate_dev.bench.scheduler``, the CPU bench) both report
   growth of ``vllm:generation_tokens_total``, Σ ``num_prompt_tokens`` of prefilled records
   = the growth of ``vllm:prompt_tokens_total`` (``record`` gives why).
 
-Standard library only, and never imported by the plugin itself: ``gpu_check.py`` runs in
-any vLLM environment straight from the checkout (its folder holds this package).
+Standard library only: ``gpu_check`` runs in any vLLM environment straight from the
+checkout (``PYTHONPATH=dev``), where no tokengate package but the plugin is installed.
 """
 
 from __future__ import annotations

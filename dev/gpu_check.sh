@@ -10,19 +10,20 @@
 #      --scheduler-cls tokengate_vllm.scheduler.TokenWeightedScheduler: async scheduling
 #      is on on GPU, so the factory must extend AsyncScheduler (checked in vLLM's log);
 #   4. runs the same seeded mixed workload against each for --duration seconds
-#      (gpu_check.py run) and prints the figures side by side (gpu_check.py compare):
-#      TTFT of short and long requests, the longest wait, output tokens/s, vLLM's
-#      running requests and tokens per iteration, and the usage reconciliation (engine
-#      records against vllm:generation_tokens_total and vllm:prompt_tokens_total);
+#      (python -m tokengate_dev.bench.gpu_check run, from the checkout's dev/) and
+#      prints the figures side by side (gpu_check compare): TTFT of short and long
+#      requests, the longest wait, output tokens/s, vLLM's running requests and tokens
+#      per iteration, and the usage reconciliation (engine records against
+#      vllm:generation_tokens_total and vllm:prompt_tokens_total);
 #   5. sleep mode, what the edge's idle unload calls (models.<name>.idle_unload): vLLM
-#      once more with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, then
-#      gpu_check.py sleep: POST /sleep?level=1, POST /wake_up, a request after waking
-#      (its exact max_tokens), with the times taken and the GPU memory in use (skipped
-#      with --allow-cpu: vLLM's CPU build refuses sleep mode).
+#      once more with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, then gpu_check
+#      sleep: POST /sleep?level=1, POST /wake_up, a request after waking (its exact
+#      max_tokens), with the times taken and the GPU memory in use (skipped with
+#      --allow-cpu: vLLM's CPU build refuses sleep mode).
 # Exit status 0 when both runs reconciled, the AsyncScheduler path was taken and the
 # sleep-mode checks passed.
 #
-# Usage: vllm_patches/gpu_check.sh [options]
+# Usage: dev/gpu_check.sh [options]
 #   --python PY        Python of the vLLM environment (default: python3)
 #   --work DIR         model, logs, engine usage files, figures (default: ./var/gpu-check)
 #   --model-dir DIR    serve this model directory instead of building the tiny model
@@ -182,7 +183,7 @@ fi
 # 4. FCFS, then token-weighted: same workload, same seed.
 for policy in fcfs weighted; do
   start_server "$policy"
-  run "$PY" "$HERE/gpu_check.py" run --url "http://127.0.0.1:$PORT" --model "$SERVED" \
+  run env PYTHONPATH="$ROOT/dev" "$PY" -m tokengate_dev.bench.gpu_check run --url "http://127.0.0.1:$PORT" --model "$SERVED" \
     --usage-file "$WORK/engine-$policy.jsonl" --duration "$DURATION" --rate "$RATE" \
     --burst "$BURST" --label "$policy" --out "$WORK/figures-$policy.json" || echo "gpu_check: $policy run did not reconcile"
   stop_server
@@ -194,7 +195,7 @@ if [ "$ALLOW_CPU" -eq 1 ]; then
   echo "gpu_check: sleep mode skipped (--allow-cpu: vLLM's CPU build refuses it)"
 else
   start_server weighted sleep
-  run "$PY" "$HERE/gpu_check.py" sleep --url "http://127.0.0.1:$PORT" --model "$SERVED" \
+  run env PYTHONPATH="$ROOT/dev" "$PY" -m tokengate_dev.bench.gpu_check sleep --url "http://127.0.0.1:$PORT" --model "$SERVED" \
     --out "$WORK/sleep.json" || sleep_status=1
   stop_server
 fi
@@ -210,5 +211,5 @@ else
   status=1
 fi
 echo
-"$PY" "$HERE/gpu_check.py" compare "$WORK/figures-fcfs.json" "$WORK/figures-weighted.json" || status=1
+PYTHONPATH="$ROOT/dev" "$PY" -m tokengate_dev.bench.gpu_check compare "$WORK/figures-fcfs.json" "$WORK/figures-weighted.json" || status=1
 exit "$status"

@@ -1,10 +1,14 @@
-"""The workload and the figures of ``gpu_check.sh``: one run against one vLLM server
+"""The workload and the figures of ``dev/gpu_check.sh``: one run against one vLLM server
 with the tokengate plugin, then a side-by-side of two runs (FCFS, token-weighted).
 
-    python gpu_check.py run --url http://127.0.0.1:8000 --model tiny-qwen3 \\
-        --usage-file engine.jsonl --duration 50 --label fcfs --out fcfs.json
-    python gpu_check.py compare fcfs.json weighted.json
-    python gpu_check.py sleep --url http://127.0.0.1:8000 --model tiny-qwen3 --out sleep.json
+From the checkout, in the vLLM environment (``PYTHONPATH=dev``: nothing to install)::
+
+    python -m tokengate_dev.bench.gpu_check run --url http://127.0.0.1:8000 \\
+        --model tiny-qwen3 --usage-file engine.jsonl --duration 50 --label fcfs \\
+        --out fcfs.json
+    python -m tokengate_dev.bench.gpu_check compare fcfs.json weighted.json
+    python -m tokengate_dev.bench.gpu_check sleep --url http://127.0.0.1:8000 \\
+        --model tiny-qwen3 --out sleep.json
 
 ``run`` sends a seeded open-loop workload (Poisson arrivals plus a burst every 10 s):
 short streaming chats, long ones (prompts of 1500-3000 tokens), streams whose client
@@ -13,7 +17,7 @@ that time out. Each request carries an ``X-Request-Id`` as the edge sends it. Af
 the last answer it waits for the engine records of every request and reports:
 
 - TTFT p50/p99 of completed short and long streams (client side, ms);
-- the engine side, as ``tokengate_vllm.figures`` defines it (``make bench-scheduler``
+- the engine side, as ``tokengate_dev.bench.scheduler_figures`` defines it (``make bench-scheduler``
   reports the same): the longest engine queue wait (the records' ``queued_ms``), output
   tokens/s (the records' generated tokens over the run's wall time), vLLM's own batch
   figures from ``/metrics`` (mean ``vllm:num_requests_running``, sampled every 0.5 s while
@@ -31,8 +35,8 @@ after waking that must generate exactly its ``max_tokens`` (``ignore_eos``); it 
 how long sleeping and waking took and the GPU memory in use (``nvidia-smi``) awake,
 asleep and woken; exit status 1 when a check fails.
 
-Standard library only (with ``tokengate_vllm.figures``, found next to this file): it
-runs in any vLLM environment.
+Standard library only (with ``scheduler_figures`` beside it; the packages above it hold
+only docstrings): it runs in any vLLM environment.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokengate_vllm.figures import (
+from tokengate_dev.bench.scheduler_figures import (
     RUNNING,
     WAITING,
     EngineFigures,
@@ -105,7 +109,7 @@ def send(base: str, model: str, s: Sent, body: dict[str, Any], leave_after: int 
     """One chat request over HTTP/1.1; fills ``s``. A client that leaves closes the
     connection, which is how vLLM learns it (and aborts the request)."""
     u = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(u.hostname or "localhost", u.port, timeout=timeout_s)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps({"model": model, **body}),
                      {"Content-Type": "application/json", "X-Request-Id": s.request_id})
@@ -145,7 +149,7 @@ def _call(base: str, method: str, path: str, body: dict[str, Any] | None = None,
           timeout_s: float = 600) -> tuple[int, Any]:
     """(status, decoded JSON answer) of one request to the server."""
     u = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(u.hostname or "localhost", u.port, timeout=timeout_s)
     try:
         conn.request(method, path, json.dumps(body) if body is not None else None,
                      {"Content-Type": "application/json"})
