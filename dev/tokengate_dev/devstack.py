@@ -52,7 +52,12 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     """vLLM's OpenAI server (CPU build) on the model directory, served under its name.
 
     Started as a module (the ``vllm`` console script of the CPU build looks for a
-    distribution named ``vllm`` and fails); startup takes 60-90 s on 2 cores. The
+    distribution named ``vllm`` and fails). ``-O0``: no torch.compile. The CPU build
+    otherwise traces and compiles the model at every start (its AOT cache fails to load:
+    "Compiling model again due to a load failure ... 'function' object has no attribute
+    'finalize_loading'"), 30 s idle and over 100 s on a busy 2-core machine, for no
+    speed the tiny model shows (300 completion tokens take the same time either way).
+    Startup then takes 30-70 s on 2 cores. The
     tokengate plugin writes its engine usage records to ``engine_usage_file`` (default
     ``var/usage/engine.jsonl``): given explicitly, so that a test's vLLM never writes
     into ``make run``'s file.
@@ -63,7 +68,7 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--max-model-len", str(model.max_model_len),
             "--enable-prompt-tokens-details",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log", "-O0"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl")}

@@ -577,7 +577,10 @@ def test_the_vllm_unit_serves_with_the_flags_billing_needs(
     env.write_text(cpu_host_env(
         (installed.prefix / "etc/tokengate/vllm/example.env").read_text(),
         TOKENGATE_VLLM_MODEL=str((ROOT / "var/models/tiny-qwen3").resolve()),
-        TOKENGATE_VLLM_SERVED_MODEL_NAME=MODEL, TOKENGATE_VLLM_MAX_MODEL_LEN="8192"))
+        TOKENGATE_VLLM_SERVED_MODEL_NAME=MODEL, TOKENGATE_VLLM_MAX_MODEL_LEN="8192")
+        # vLLM's own flags, as the example's commented lines show: no torch.compile of
+        # the tiny model (devstack.vllm_service says why)
+        + "TOKENGATE_VLLM_ARGS=-O0\n")
     (installed.prefix / "var/cache/tokengate-vllm").mkdir(parents=True, exist_ok=True)
     v = units.start(installed.unit("tokengate-vllm@.service"), installed.prefix,
                     installed.logs, instance=str(port))
