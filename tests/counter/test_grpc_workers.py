@@ -191,6 +191,6 @@ def test_a_socket_path_too_long_for_the_kernel_stops_the_counter_with_what_to_do
                         str(config_path), "--unix-socket", str(sock)],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [
-        f"tokengate-counter: unix socket {sock}: a worker's path such as {sock}.99 is 111 "
-        "bytes; a unix socket path holds at most 107: choose a shorter folder"]
+    want = (f"tokengate-counter: unix socket {sock}: a worker's path such as {sock}.99 is "
+            "111 bytes; a unix socket path holds at most 107: choose a shorter folder")
+    assert r.stderr.strip().splitlines() == [want]
