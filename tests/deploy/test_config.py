@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from tokengate import config as tg_config
-from tokengate.config import ConfigError
+from tokengate.config import ConfigError, loading
 from tokengate.tools import compile_config, config_docs
 
 from tests.conftest import MODEL, REPO_CONFIG
@@ -380,7 +380,7 @@ def test_the_default_file_is_env_then_the_installed_one_then_cwd(
     """A host where /etc/tokengate/tokengate.yaml exists is simulated by pointing
     ``SYSTEM_CONFIG`` at a folder of the test's (the real /etc is not touched)."""
     system = tmp_path_factory.mktemp("host") / "etc" / "tokengate" / "tokengate.yaml"
-    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", system)
+    monkeypatch.setattr(loading, "SYSTEM_CONFIG", system)
     assert tg_config.discover() == (system, "no ./tokengate.yaml and no $TOKENGATE_CONFIG")
     (elsewhere / "tokengate.yaml").write_text("")
     assert tg_config.discover() == (
@@ -403,7 +403,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
     """/etc/tokengate is 0750 root:www-data: a user outside the group cannot even stat
     tokengate.yaml; the command must fail on that file, not read the checkout's."""
     system = tmp_path_factory.mktemp("host") / "etc" / "tokengate" / "tokengate.yaml"
-    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", system)
+    monkeypatch.setattr(loading, "SYSTEM_CONFIG", system)
     (elsewhere / "tokengate.yaml").write_text("")
 
     def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
@@ -412,7 +412,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
         return real_stat(path, *args, **kwargs)
 
     real_stat = os.stat
-    monkeypatch.setattr(tg_config.os, "stat", stat)
+    monkeypatch.setattr(os, "stat", stat)
     assert tg_config.discover()[0] == system
 
 

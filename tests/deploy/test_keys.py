@@ -394,7 +394,7 @@ def test_a_ten_thousand_character_name_is_cut_in_the_error(tmp_path: Path) -> No
 @dataclass
 class Host:
     """A host with an install, simulated below a folder of the test's (the real /etc is
-    not touched: ``tokengate.config.SYSTEM_CONFIG`` points there): ROOT/etc/tokengate/
+    not touched: ``tokengate.config.loading.SYSTEM_CONFIG`` points there): ROOT/etc/tokengate/
     tokengate.yaml and its edge.json, and ROOT/run/nginx.pid naming a live process that
     a SIGHUP would end; and a checkout with its own tokengate.yaml, the current
     directory."""
@@ -423,7 +423,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
     compile_config.write(installed, root / "etc/tokengate/edge.json")
     master = subprocess.Popen(["sleep", "600"])
     (root / "run/nginx.pid").write_text(f"{master.pid}\n")
-    monkeypatch.setattr(tg_config, "SYSTEM_CONFIG", installed)
+    monkeypatch.setattr(tg_config.loading, "SYSTEM_CONFIG", installed)
     monkeypatch.delenv(tg_config.CONFIG_ENV, raising=False)
     monkeypatch.chdir(checkout)
     try:
@@ -492,7 +492,7 @@ def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(
 # --- an installed host, the services as their own user --------------------------------
 
 SERVICE_USER = "nobody"  # stands in for the units' User=tokengate, with their Group=www-data
-SIDECARS_DIR = Path(tg_config.__file__).resolve().parents[1]  # the code under test
+SIDECARS_DIR = Path(tg_config.__file__).resolve().parents[2]  # the code under test
 
 
 def service_bin_dir() -> Path:

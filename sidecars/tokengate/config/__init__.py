@@ -1,0 +1,54 @@
+"""The one YAML configuration (``tokengate.yaml``): its schema, defaults and checks.
+
+Every sidecar and the edge read the same file; the edge reads a compiled JSON form of it
+(``tokengate.tools.compile_config``: a dump of this schema plus a few derived fields).
+Each section is a frozen pydantic model that refuses unknown keys, so a typo such as
+``max_token_cap:`` is an error, not a silently missing cap. Defaults live here and only
+here; ``docs/config.md`` is generated from this schema (``tokengate config docs``).
+
+Relative paths are resolved against the folder of the YAML file. Units: token counts in
+tokens, durations in ms unless the name ends in ``_s`` (seconds) or ``_days``, prices in
+the configured currency per 1M tokens.
+
+Errors: ``ConfigError``, one line per problem, each starting with the dotted path of the
+offending key (``models.tiny-qwen3.max_token_cap: unknown key``).
+
+One module per part of the file: ``types`` (the field types and bounded numbers every
+section uses), ``models``, ``keys``, ``billing``, ``sidecars`` (``redis``, ``ledger``,
+``global_limits``, ``metrics``), ``edge`` (``edge``, ``access_log``), ``schema`` (the
+whole file, ``Config``, and the rules across sections) and ``loading`` (finding,
+reading, checking and writing the file). This package re-exports what the rest of
+tokengate uses, so callers import from ``tokengate.config``.
+"""
+
+from tokengate.config.billing import BillingConfig, ContextPenalty
+from tokengate.config.edge import (
+    COUNTER_MAX_MESSAGE_BYTES,
+    AccessLogConfig,
+    EdgeConfig,
+    StructuredOutputLimits,
+)
+from tokengate.config.keys import KEY_ID, KEY_ID_RULE, Budget, KeyConfig
+from tokengate.config.loading import (
+    CONFIG_ENV,
+    ConfigError,
+    check_model_dirs,
+    default_path,
+    discover,
+    load,
+    loads,
+    parse,
+    write_atomic,
+)
+from tokengate.config.models import ModelConfig, ModelCost
+from tokengate.config.schema import Config
+from tokengate.config.sidecars import RedisConfig
+from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
+
+__all__ = [
+    "CONFIG_ENV", "COUNTER_MAX_MESSAGE_BYTES", "KEY_ID", "KEY_ID_RULE", "MAX_AMOUNT",
+    "MAX_COUNT", "AccessLogConfig", "BillingConfig", "Budget", "Config",
+    "ConfigError", "ContextPenalty", "EdgeConfig", "KeyConfig", "ModelConfig", "ModelCost",
+    "RedisConfig", "StructuredOutputLimits", "_Schema", "_is_loopback", "check_model_dirs",
+    "default_path", "discover", "load", "loads", "parse", "write_atomic",
+]

@@ -1,0 +1,222 @@
+"""Finding, reading, validating and writing ``tokengate.yaml``: ``discover`` (which
+file), ``load``/``loads``/``parse`` (YAML to ``Config``), ``ConfigError`` and
+``errors_of`` (one line per problem, each naming its key), ``write_atomic`` and
+``check_model_dirs`` (the models' files, for what reads them)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tokengate.config.schema import Config
+from tokengate.config.types import _Rules
+
+CONFIG_ENV = "TOKENGATE_CONFIG"
+SYSTEM_CONFIG = Path("/etc/tokengate/tokengate.yaml")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid. ``errors``: one message per problem, each
+    ``<dotted.path>: <what is wrong>``; ``str()`` joins them with newlines."""
+
+    def __init__(self, errors: str | list[str]) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def errors_of(err: ValidationError) -> list[str]:
+    """pydantic's errors as ``<dotted.path>: <message>`` lines, in the file's order."""
+    out = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, _Rules):
+            out += [f"{loc + '.' if loc else ''}{p}: {m}" for p, m in cause.problems]
+            continue
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required"
+        elif isinstance(cause, ValueError):
+            msg = str(cause)
+        else:
+            msg = f"{e['msg'][:1].lower()}{e['msg'][1:]}, got {_short(e['input'])}"
+        out.append(f"{loc or '(top level)'}: {msg}")
+    return out
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last
+    silently, which hides an edit as well as a typo does) and reads every plain
+    scalar key as its text. Every mapping of the file is keyed by names (models, keys,
+    priorities), and PyYAML reads YAML 1.1, where a key ``yes``, ``no``, ``on`` or
+    ``off`` is a boolean, ``1_000`` an integer and ``null`` nothing: a key id the
+    rules allow was refused ("input should be a valid string, got True")."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.style is None \
+                    and key_node.tag != "tag:yaml.org,2002:str" \
+                    and not key_node.tag.startswith("tag:yaml.org,2002:merge"):
+                key_node.tag = "tag:yaml.org,2002:str"
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                again = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class says so
+                continue
+            if again:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def _installed() -> bool:
+    """Whether ``SYSTEM_CONFIG`` is there. A folder this user may not enter
+    (/etc/tokengate is 0750 root:www-data) counts as there: reading it then fails with
+    a clear error instead of a checkout's file being used in its place."""
+    try:
+        os.stat(SYSTEM_CONFIG)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def discover(given: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The configuration a command acts on, and why that one: ``given`` (``--config``),
+    else ``$TOKENGATE_CONFIG``, else the installed ``/etc/tokengate/tokengate.yaml``
+    when it exists (a host with an install: a checkout's file is used only when asked
+    for), else ``./tokengate.yaml`` of the current directory (``make run``), else the
+    installed path (which then does not load: ``OSError`` naming it).
+
+    Returns (path, reason), the reason a phrase for the line a command prints about
+    it. ``SYSTEM_CONFIG`` is read at each call (tests point it at a folder of theirs)."""
+    if given is not None:
+        return Path(given), "given"
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env), f"from ${CONFIG_ENV}"
+    if _installed():
+        return SYSTEM_CONFIG, "the installed configuration; --config FILE for another"
+    local = Path("tokengate.yaml")
+    if local.is_file():
+        return local, f"./tokengate.yaml: no {SYSTEM_CONFIG} on this host"
+    return SYSTEM_CONFIG, f"no ./tokengate.yaml and no ${CONFIG_ENV}"
+
+
+def default_path() -> Path:
+    """The file ``load()`` reads without an argument (``discover()``'s choice)."""
+    return discover()[0]
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Replace the file ``path`` with ``data`` in one rename in its folder, so a reader
+    (nginx reloading, a sidecar's SIGHUP) sees the old file or the new one, never half.
+
+    The new file keeps the replaced one's owner, group and mode: on an install
+    tokengate.yaml and edge.json are ``root:www-data 0640`` and the services read them
+    through that group, so a file written by root with root's group would lock them
+    out. A file that did not exist gets 0666 less the umask, as ``open()`` gives. A
+    symbolic link is followed (its target is replaced). Raises ``OSError``, also when
+    the owner cannot be kept (only root may give a file away): nothing is replaced."""
+    target = Path(os.path.realpath(path))
+    try:
+        old: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        old = None
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if old is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        else:
+            mine = os.stat(tmp)
+            if (mine.st_uid, mine.st_gid) != (old.st_uid, old.st_gid):
+                try:
+                    os.chown(tmp, old.st_uid, old.st_gid)
+                except PermissionError as e:
+                    raise PermissionError(
+                        e.errno, f"cannot keep its owner and group (uid {old.st_uid}, gid "
+                        f"{old.st_gid}): run as root or as its owner; not changed",
+                        str(target)) from None
+            os.chmod(tmp, stat.S_IMODE(old.st_mode))  # after chown, which clears set-id bits
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def parse(raw: Any, path: Path) -> Config:
+    """Validate ``raw`` (the YAML's data) as the file ``path`` (relative paths resolve
+    against its folder). Raises ``ConfigError``."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"(top level): expected a mapping of sections, got {_short(raw)}")
+    path = path.resolve()
+    try:
+        return Config.model_validate(raw, context={"base": path.parent, "path": path})
+    except ValidationError as e:
+        raise ConfigError(errors_of(e)) from None
+
+
+def loads(text: str, path: Path) -> Config:
+    """Validate ``text``, the YAML of the file ``path`` (which need not exist yet: the
+    ``tokengate keys`` commands check an edit before writing it). Raises ``ConfigError``."""
+    try:
+        raw = yaml.load(text, Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"(yaml):{where}: {problem}") from None
+    return parse(raw, path)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and validate the configuration file (``default_path()`` when ``path`` is None).
+
+    Raises ``ConfigError`` (one line per problem, each naming its key) or ``OSError``.
+    """
+    p = Path(path if path is not None else default_path()).resolve()
+    return loads(p.read_text(), p)
+
+
+def check_model_dirs(cfg: Config) -> None:
+    """Raise ``ConfigError`` with one ``models.<name>.dir: ...`` line for each model
+    whose directory the counter cannot load from: missing, not a directory, or without
+    ``tokenizer.json`` (which only ``vocab: qwen3.6`` does without). Not part of the
+    schema, so that a host that only reads the file (the ledger's, the limits') needs no
+    model files; what reads the files calls it (the edge's compiler: ``config check``,
+    ``config apply``, ``install``, nginx's start)."""
+    problems = []
+    for name, m in cfg.models.items():
+        where = f"models.{name}.dir"
+        if not m.dir.exists():
+            problems.append(f"{where}: {m.dir} does not exist (the served model's own "
+                            "directory: the files vLLM loads)")
+        elif not m.dir.is_dir():
+            problems.append(f"{where}: {m.dir} is not a directory")
+        elif m.vocab != "qwen3.6" and not (m.dir / "tokenizer.json").is_file():
+            problems.append(f"{where}: {m.dir} has no tokenizer.json (the counter's "
+                            "tokenizer, from the model's own files)")
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,164 @@
+"""The whole file: ``Config``, one field per section, and the rules that couple keys
+of different sections (a key's models and priority, the listeners no two services may
+share, the edge's deadline against Redis's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
+
+from tokengate.config.billing import BillingConfig
+from tokengate.config.edge import AccessLogConfig, EdgeConfig
+from tokengate.config.keys import BUDGETS_NEED_REDIS, KEY_ID, KEY_ID_RULE, KeyConfig
+from tokengate.config.models import ModelConfig
+from tokengate.config.sidecars import (
+    GlobalLimitsConfig,
+    LedgerConfig,
+    MetricsConfig,
+    RedisConfig,
+)
+from tokengate.config.types import NonEmpty, _check, _Schema
+
+
+def _empty_is_defaults(value: Any) -> Any:
+    """A section whose keys are all commented out reads as null: the defaults."""
+    return {} if value is None else value
+
+
+SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
+            "edge")
+
+
+class Config(_Schema):
+    """The whole of ``tokengate.yaml``, validated; ``path`` is the file it came from."""
+
+    models: dict[str, ModelConfig] = Field(
+        min_length=1,
+        description="Served models, by the name clients send as `model`.")
+    currency: NonEmpty = Field(
+        default="USD",
+        description="Currency of every `cost`.")
+    keys: dict[str, KeyConfig] = Field(
+        default={},
+        description="API keys, by key id (the id that usage events and reports show).")
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description="Redis: the ledger's counters and the global limits.")
+    billing: BillingConfig = Field(
+        default_factory=BillingConfig,
+        description="Billing rules (`tokengate usage`, the ledger's cost).")
+    ledger: LedgerConfig = Field(
+        default_factory=LedgerConfig,
+        description="The usage ledger (`tokengate-ledger`).")
+    global_limits: GlobalLimitsConfig = Field(
+        default_factory=GlobalLimitsConfig,
+        description="Limits shared by every edge (`tokengate-limits`).")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="Prometheus endpoints of the sidecars.")
+    access_log: AccessLogConfig = Field(
+        default_factory=AccessLogConfig,
+        description="Tiered access-log sampling at the edge.")
+    edge: EdgeConfig = Field(
+        default_factory=EdgeConfig,
+        description="The nginx edge.")
+
+
+    _path: Path = PrivateAttr(default_factory=lambda: Path("tokengate.yaml"))
+
+    @property
+    def path(self) -> Path:
+        """The YAML file, absolute (``tokengate.yaml`` for a Config built in Python)."""
+        return self._path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in SECTIONS:
+            # present, so that the sections' path defaults are resolved like given paths
+            data[name] = _empty_is_defaults(data.get(name))
+        edge, ledger = data["edge"], data["ledger"]
+        if isinstance(edge, dict) and isinstance(ledger, dict) \
+                and "usage_file" not in edge and "usage_file" in ledger:
+            data["edge"] = {**edge, "usage_file": ledger["usage_file"]}
+        return data
+
+    @model_validator(mode="after")
+    def _coupled(self, info: ValidationInfo) -> Config:
+        problems: list[tuple[str, str]] = []
+        owner: dict[str, str] = {}
+        def known(model: str) -> str:
+            return f"{model!r} is not a configured model ({', '.join(self.models)})"
+
+        for key_id, k in self.keys.items():
+            if not KEY_ID.fullmatch(key_id):
+                problems.append((f"keys.{key_id}", KEY_ID_RULE))
+            if k.budgets and not self.global_limits.enabled:
+                problems.append((f"keys.{key_id}.budgets", BUDGETS_NEED_REDIS))
+            for model in k.models:
+                if model not in self.models:
+                    problems.append((f"keys.{key_id}.models.{model}", known(model)))
+            for i, model in enumerate(k.allowed_models or []):
+                if model not in self.models:
+                    problems.append((f"keys.{key_id}.allowed_models.{i}", known(model)))
+                elif model in (k.allowed_models or [])[:i]:
+                    problems.append((f"keys.{key_id}.allowed_models.{i}", "listed twice"))
+            seen: set[tuple[str, str]] = set()
+            for i, b in enumerate(k.budgets):
+                if b.model is not None and b.model not in self.models:
+                    problems.append((f"keys.{key_id}.budgets.{i}.model", known(b.model)))
+                elif b.model is not None and k.allowed_models is not None \
+                        and b.model not in k.allowed_models:
+                    problems.append((f"keys.{key_id}.budgets.{i}.model",
+                                     "not one of the key's allowed_models"))
+                if (b.scope, b.period) in seen:
+                    why = f"a second {b.period} budget for {b.model or 'every model'}"
+                    problems.append((f"keys.{key_id}.budgets.{i}", why))
+                seen.add((b.scope, b.period))
+            if k.sha256 in owner:
+                problems.append((f"keys.{key_id}.sha256",
+                                 f"same digest as keys.{owner[k.sha256]}"))
+            owner.setdefault(k.sha256, key_id)
+            if k.priority not in self.edge.admission.priorities:
+                names = ", ".join(self.edge.admission.priorities)
+                problems.append((f"keys.{key_id}.priority",
+                                 f"{k.priority!r} is not in edge.admission.priorities ({names})"))
+        edge = self.edge
+        deadline = 2 * self.redis.timeout_ms
+        if edge.global_limits_timeout_ms <= deadline:
+            why = f"the limits sidecar's Redis deadline, 2 x redis.timeout_ms = {deadline}"
+            problems.append(("edge.global_limits_timeout_ms",
+                             f"{edge.global_limits_timeout_ms} must exceed {why}"))
+        for name, m in self.models.items():
+            for i, u in enumerate(m.upstreams):
+                if u == edge.listen:
+                    problems.append((f"models.{name}.upstreams.{i}",
+                                     f"{u} is edge.listen: the edge would proxy to itself"))
+        if self.global_limits.enabled and self.global_limits.listen == edge.listen:
+            problems.append(("global_limits.listen",
+                             f"{self.global_limits.listen} is also edge.listen"))
+        taken = {edge.listen: "edge.listen", **{u: f"models.{name}.upstreams.{i}"
+                                                for name, m in self.models.items()
+                                                for i, u in enumerate(m.upstreams)}}
+        if self.global_limits.enabled:
+            taken[self.global_limits.listen] = "global_limits.listen"
+        for field, addr in (("edge.status_listen", edge.status_listen),
+                            ("metrics.counter_listen", self.metrics.counter_listen),
+                            ("metrics.ledger_listen", self.metrics.ledger_listen),
+                            ("metrics.limits_listen", self.metrics.limits_listen)):
+            if addr is None:
+                continue
+            if addr in taken:
+                problems.append((field, f"{addr} is also {taken[addr]}"))
+            taken[addr] = field
+        _check(problems)
+        for name, m in self.models.items():
+            m._name = name
+        if info.context and info.context.get("path") is not None:
+            self._path = info.context["path"]
+        return self
