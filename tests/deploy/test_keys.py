@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from tests import units
 from tests.conftest import MODEL, REPO_CONFIG
 from tests.deploy.test_debian_dropin import debian_layout
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
+from tests.fixtures_ledger import wait_until
 
 OTHER = "other-qwen3"  # a second served model (the same files; never reached here)
 
@@ -208,7 +210,7 @@ def test_a_reload_under_streaming_load_drops_nothing(
     prefix = EDGE_DIR / f"test-nginx-{name}{PORT_OFFSET or ''}"
     client = openai.OpenAI(base_url=edge.base_url, api_key=MAIN_KEY, max_retries=0)
 
-    def stream(_: int) -> tuple[int, str | None, str | None]:
+    def stream() -> tuple[int, str | None, str | None]:
         chunks = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1500,
             stream=True, stream_options={"include_usage": True})
@@ -221,22 +223,40 @@ def test_a_reload_under_streaming_load_drops_nothing(
                 usage = c.usage.completion_tokens
         return usage or 0, finish, rid
 
+    # 16 clients stream one request after another until both key changes are applied: a
+    # reload always meets streams being answered, however long the commands take
+    stop = threading.Event()
+
+    def client_loop(_: int) -> list[tuple[int, str | None, str | None]]:
+        done = [stream()]
+        while not stop.is_set():
+            done.append(stream())
+        return done
+
     with ThreadPoolExecutor(16) as pool:
-        running = [pool.submit(stream, i) for i in range(32)]
-        time.sleep(0.3)  # under way: 1500 tokens at 2 ms each, >= 3 s a stream, two waves
+        running = [pool.submit(client_loop, i) for i in range(16)]
+        time.sleep(0.3)  # under way: 1500 tokens at 2 ms each, >= 3 s a stream
         in_flight = []
-        for i in range(2):
-            made = tokengate("keys", "create", f"during-{i}", "--rpm", "10", "--tpm", "1000",
-                             "--config", path, "--edge", prefix)
-            assert made.returncode == 0, made.stderr
-            in_flight.append(sum(not f.done() for f in running))
-        results = [f.result() for f in running]
-    assert in_flight[0] > 0  # the reloads happened while streams were being answered
+        try:
+            for i in range(2):
+                made = tokengate("keys", "create", f"during-{i}", "--rpm", "10", "--tpm",
+                                 "1000", "--config", path, "--edge", prefix)
+                assert made.returncode == 0, made.stderr
+                in_flight.append(sum(not f.done() for f in running))
+        finally:
+            stop.set()
+        results = [r for f in running for r in f.result()]
+    assert in_flight == [16, 16]  # the reloads happened while streams were being answered
     assert results == [(1500, "length", r[2]) for r in results]
+
+    def mains() -> list[dict[str, Any]]:
+        return [ev for ev in edge.events() if ev["key_id"] == "edge-main"]
+
+    # each usage event is written in the log phase, after its stream's last byte
+    wait_until(lambda: len(mains()) >= len(results), 10, what="a usage event per stream")
     assert all(ev["status"] == 200 and not ev["client_aborted"]
-               and ev["completion_tokens"] == 1500
-               for ev in edge.events() if ev["key_id"] == "edge-main")
-    assert len([ev for ev in edge.events() if ev["key_id"] == "edge-main"]) == 32
+               and ev["completion_tokens"] == 1500 for ev in mains())
+    assert len(mains()) == len(results)
 
 
 def test_a_budget_below_a_ten_thousandth_is_written_as_typed(tmp_path: Path) -> None:
