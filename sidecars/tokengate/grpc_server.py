@@ -80,7 +80,7 @@ class Listen:
         if not self.tcp and not self.unix_socket:
             raise ValueError("no address to listen on: give a TCP address or a unix socket")
         if self.unix_socket:
-            path = Path(f"{self.unix_socket}.99")
+            path = Path(f"{self.socket_of(99)}")
             for p in (path, UnixSocket.private_of(path, 4194304)):  # pid_max on 64-bit
                 if len(os.fsencode(p)) > SUN_PATH_MAX:
                     raise ValueError(
