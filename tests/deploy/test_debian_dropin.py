@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -307,6 +308,16 @@ def test_the_hosts_default_site_still_answers(host: Host) -> None:
         pytest.skip("no Debian default page on this machine")
     with urllib.request.urlopen(f"http://127.0.0.1:{host.port}/", timeout=10) as r:
         assert (r.status, r.read()) == (200, index.read_bytes())
+
+
+def test_the_hosts_own_404_stays_the_hosts(host: Host) -> None:
+    # the snippet's server-level error_page covers only what nginx refuses while reading
+    # a request's head; a missing page of the host's site is its own (HTML) 404
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{host.port}/no-such-page", timeout=10)
+    assert refused.value.code == 404
+    assert refused.value.headers["Content-Type"].startswith("text/html")
+    assert b"unknown_url" not in refused.value.read()
 
 
 def test_rotation_by_nginx_s_reopen_and_the_ledger_applies_both_files(host: Host) -> None:
