@@ -148,6 +148,7 @@ class Plan:
     dry_run: bool
     steps: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    next_steps: str = ""   # what the operator does next (printed after an install on a host)
 
     def add(self, what: str, do: Callable[[], None]) -> None:
         self.steps.append((what, do))
@@ -482,7 +483,7 @@ def plan(opts: Options) -> Plan:
     except KeyError:
         user_exists = False
     stand_in = not opts.on_host
-    todo = Plan(opts.dry_run)
+    todo = Plan(opts.dry_run, next_steps=next_steps(cfg))
     todo.notes += warnings
     if not user_exists:
         if opts.on_host:
@@ -540,7 +541,8 @@ def plan(opts: Options) -> Plan:
     file(opts.at("/etc/tmpfiles.d/tokengate.conf"), (unit_src / "tokengate.tmpfiles").read_bytes())
     example = opts.at("/etc/tokengate/vllm/example.env")
     if not example.exists():
-        file(example, (unit_src / "vllm.env.example").read_bytes())
+        file(example, vllm_env_text((unit_src / "vllm.env.example").read_text(),
+                                    cfg).encode())
 
     if config_text is None:
         todo.add(f"keep {target} (it exists)", lambda: None)
@@ -574,16 +576,48 @@ def plan(opts: Options) -> Plan:
     return todo
 
 
-NEXT_STEPS = """\
-Next (install changed no running service):
-  edit /etc/tokengate/tokengate.yaml, then run tokengate install again (edge.json)
-  add `include snippets/tokengate-location.conf;` to a server { } block of nginx
-  systemctl enable --now tokengate-counter tokengate-ledger   (+ tokengate-limits with
-      global_limits.enabled)
-  cp /etc/tokengate/vllm/example.env /etc/tokengate/vllm/8100.env, edit it, then
-      systemctl enable --now tokengate-vllm@8100   (one per replica and port: one the
-      model's upstreams name, not a port the host's own vLLM holds)
-  nginx -t && systemctl reload nginx"""
+def vllm_env_text(example: str, cfg: tg_config.Config) -> str:
+    """``systemd/vllm.env.example`` with the first configured model's settings: its
+    directory, served name and ``max_model_len`` (tokens) in the three
+    ``TOKENGATE_VLLM_*`` lines, so a copy serves what ``tokengate.yaml`` expects."""
+    if not cfg.models:
+        return example
+    name, model = next(iter(cfg.models.items()))
+    values = {"TOKENGATE_VLLM_MODEL": str(model.dir),
+              "TOKENGATE_VLLM_SERVED_MODEL_NAME": name,
+              "TOKENGATE_VLLM_MAX_MODEL_LEN": str(model.max_model_len)}
+    lines = []
+    for line in example.splitlines():
+        key = line.partition("=")[0]
+        lines.append(f"{key}={values[key]}" if key in values else line)
+    return "\n".join(lines) + "\n"
+
+
+def next_steps(cfg: tg_config.Config) -> str:
+    """What is left after an install, for this configuration: one ``tokengate-vllm@PORT``
+    per loopback upstream (a replica on another host is started there),
+    ``tokengate-limits`` only with ``global_limits.enabled``."""
+    sidecars = "tokengate-counter tokengate-ledger"
+    if cfg.global_limits.enabled:
+        sidecars += " tokengate-limits"
+    lines = ["Next (install changed no running service):",
+             "  edit /etc/tokengate/tokengate.yaml, then run tokengate install again (edge.json)",
+             "  add `include snippets/tokengate-location.conf;` to a server { } block of nginx",
+             f"  systemctl enable --now {sidecars}"]
+    for name, model in cfg.models.items():
+        for upstream in model.upstreams:
+            port = upstream.rpartition(":")[2]
+            if not tg_config._is_loopback(upstream):
+                lines.append(f"  {name} at {upstream}: a replica on another host; start it "
+                             f"there (tokengate-vllm@{port})")
+                continue
+            lines.append(f"  {name} at {upstream}: cp /etc/tokengate/vllm/example.env "
+                         f"/etc/tokengate/vllm/{port}.env, check it, then")
+            lines.append(f"      systemctl enable --now tokengate-vllm@{port}   (skip this "
+                         "if the host's own vLLM serves that port: give it the unit's "
+                         "flags and the plugin)")
+    lines.append("  nginx -t && systemctl reload nginx")
+    return "\n".join(lines)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -642,5 +676,5 @@ def run(args: argparse.Namespace) -> int:
     for note in todo.notes:
         print(f"note: {note}")
     if opts.on_host and not opts.dry_run:
-        print(NEXT_STEPS)
+        print(todo.next_steps)
     return 0

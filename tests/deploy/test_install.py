@@ -343,6 +343,19 @@ def test_without_config_install_writes_one_made_for_the_host(tmp_path: Path) -> 
 
     assert ports(cfg) & (ports(demo) | {"8000", "8080", "6379", "6380"}) == set()
     assert "var/run" not in target.read_text()
+    # the replica's example and what to do next serve what the configuration expects
+    env = (prefix / "etc/tokengate/vllm/example.env").read_text().splitlines()
+    assert {f"TOKENGATE_VLLM_MODEL={model_dir}", "TOKENGATE_VLLM_SERVED_MODEL_NAME=qwen3-8b",
+            "TOKENGATE_VLLM_MAX_MODEL_LEN=8192"} <= set(env)
+    steps = install_mod.next_steps(cfg).splitlines()
+    assert "  systemctl enable --now tokengate-counter tokengate-ledger" in steps
+    assert "  qwen3-8b at 127.0.0.1:8100: cp /etc/tokengate/vllm/example.env " \
+           "/etc/tokengate/vllm/8100.env, check it, then" in steps
+    assert any(line.startswith("      systemctl enable --now tokengate-vllm@8100 ")
+               for line in steps)
+    assert "  qwen3-8b at 10.0.0.7:8000: a replica on another host; start it there " \
+           "(tokengate-vllm@8000)" in steps
+    assert not any("tokengate-vllm@8000 " in line or "8000.env" in line for line in steps)
     check = subprocess.run([str(TOKENGATE), "config", "check", str(target)],
                            capture_output=True, text=True, timeout=120, check=False)
     assert (check.returncode, check.stderr) == (0, "")
@@ -706,6 +719,17 @@ def test_the_base_install_needs_no_vllm_or_torch_and_is_consistent(
     check = subprocess.run([str(base_venv.python), "-m", "pip", "check"],
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout
+    # the Redis scripts are package data (pyproject's package-data), read at import by the
+    # ledger and the limits: the installed package carries each one, byte for byte
+    listing = ("import json; from importlib import resources; from tokengate import redis_scripts\n"
+               "print(json.dumps({p.name: redis_scripts.read(p.name[:-4]) for p in "
+               "resources.files(redis_scripts).iterdir() if p.name.endswith('.lua')}))")
+    scripts = subprocess.run([str(base_venv.python), "-c", listing],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert scripts.returncode == 0, scripts.stderr
+    assert json.loads(scripts.stdout) == {
+        p.name: p.read_bytes().decode("utf-8")
+        for p in (ROOT / "sidecars/tokengate/redis_scripts").glob("*.lua")}
     print(f"base install: {base_venv.size_mb} MB")
 
 
