@@ -13,9 +13,10 @@ reservation was put on, ``" <ttl_s> <counter>"`` (the counter encoded as in its 
 whoever settles by request id needs nothing of the configuration (records of older
 sidecars end after ``<h>``).
 
-``SETTLE_LUA`` settles a request exactly once, whoever sends it first: the edge (its
-``SettleBudget``), or the ledger when it applies the request's usage event, which asks
-for the record it read (``expected``) and changes nothing when that is gone or changed.
+``budget_settle.lua`` (``tokengate.redis_scripts``; ``SETTLE_LUA`` here) settles a
+request exactly once, whoever sends it first: the edge (its ``SettleBudget``), or the
+ledger when it applies the request's usage event, which asks for the record it read
+(``expected``) and changes nothing when that is gone or changed.
 
 The readers (``counter_name``, ``committed``, ``billed_sync``) say what a budget counter
 holds for its limits: what the edges' admission compares (``tokengate.limits.budget``)
@@ -33,6 +34,7 @@ from datetime import date, timedelta
 from typing import Any
 from urllib.parse import unquote
 
+from tokengate import redis_scripts
 from tokengate.redis_client import SyncRedis
 from tokengate.redis_keys import budget_keys, encode_counter, reservation_key, usage_key
 
@@ -53,36 +55,7 @@ SETTLED = "settled"
 # real tokens, settled ttl, h, expected record ("": any, or none: a request admitted
 # without a reservation is charged its real cost), then per counter its ttl. Returns
 # {applied, reserved}.
-SETTLE_LUA = """
-local cost, tokens, sttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local hour = tonumber(ARGV[4])
-local r = redis.call('GET', KEYS[1])
-if r == 'settled' then return {0, 0} end
-if ARGV[5] ~= '' and r ~= ARGV[5] then return {0, 0} end
--- amounts stay strings (ARGV's, the record's): Redis writes a Lua number as %.17g, which
--- INCRBY refuses from 1e17 on; the strings are the exact int64
-local rc, rt, at = '0', '0', nil
-if r then
-  local c, t, h = string.match(r, '^(%d+) (%d+) (%d+)')
-  rc, rt = c, t
-  if tonumber(h) == hour then at = 2 elseif tonumber(h) == hour - 1 then at = 4 end
-end
-redis.call('SET', KEYS[1], 'settled', 'EX', sttl)
-for i = 1, (#KEYS - 1) / 6 do
-  local k = 6 * i - 4
-  local ttl = tonumber(ARGV[5 + i])
-  if cost ~= 0 then redis.call('INCRBY', KEYS[k], ARGV[1]) end
-  if tokens ~= 0 then redis.call('INCRBY', KEYS[k + 1], ARGV[2]) end
-  redis.call('EXPIRE', KEYS[k], ttl)
-  redis.call('EXPIRE', KEYS[k + 1], ttl)
-  -- its bucket, while it is kept (an expired one is not made again, negative)
-  if at and redis.call('EXISTS', KEYS[k + at]) == 1 then
-    redis.call('DECRBY', KEYS[k + at], rc)
-    redis.call('DECRBY', KEYS[k + at + 1], rt)
-  end
-end
-return {1, r and 1 or 0}
-"""
+SETTLE_LUA = redis_scripts.read("budget_settle")
 
 
 def this_hour() -> int:
@@ -98,8 +71,8 @@ def nano(cost: float) -> int:
 
 def settle_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
                 ) -> list[str]:
-    """KEYS of ``SETTLE_LUA`` (and of the reserve script): the reservation, then each
-    counter's ``budget_keys``."""
+    """KEYS of ``budget_settle.lua`` (and of ``budget_reserve.lua``): the reservation,
+    then each counter's ``budget_keys``."""
     keys = [reservation_key(key_id, request_id)]
     for name in counters:
         keys.extend(budget_keys(key_id, name, hour))
@@ -108,7 +81,7 @@ def settle_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
 
 def settle_args(cost_nano: int, tokens: int, hour: int, ttls: Sequence[int],
                 expected: str = "") -> list[Any]:
-    """ARGV of ``SETTLE_LUA``: the real cost (nano-units) and tokens, the hour, the
+    """ARGV of ``budget_settle.lua``: the real cost (nano-units) and tokens, the hour, the
     record that must still be there (``""``: none required) and each counter's ttl (s)."""
     return [cost_nano, tokens, SETTLED_TTL_S, hour, expected, *ttls]
 

@@ -11,14 +11,14 @@ the ledger, before it applies a batch of events, settles each one's reservation 
 still open, with the edge's formula and rounding (``Calculator``, ``budget_store.nano``):
 the same amounts the edge would have sent.
 
-Exactly once: ``budget_store.SETTLE_LUA`` marks the request settled and is given the
-record the ledger read, so an edge settlement that came first (the usual case: it is
-sent milliseconds after the event is written) or a replay of the batch (the ledger
-restarted, Redis failed after the settlement and before the batch) changes nothing. A
-batch is settled before it is applied, so a ledger killed in between settles it on the
-replay, never not at all. Only keys with budgets while ``global_limits.enabled`` are
-looked at: one pipelined GET per batch for their events, and one script call per
-reservation still open.
+Exactly once: ``budget_settle.lua`` (``budget_store.SETTLE_LUA``) marks the request
+settled and is given the record the ledger read, so an edge settlement that came first
+(the usual case: it is sent milliseconds after the event is written) or a replay of the
+batch (the ledger restarted, Redis failed after the settlement and before the batch)
+changes nothing. A batch is settled before it is applied, so a ledger killed in between
+settles it on the replay, never not at all. Only keys with budgets while
+``global_limits.enabled`` are looked at: one pipelined GET per batch for their events,
+and one script call per reservation still open.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The items the ledger's script applies (``tokengate.ledger.ledger.APPLY_LUA``), decided
-from what Redis holds: the bill of an edge event, an event parked until its engine
-records arrive, engine records kept until their event arrives, records that bill nothing.
+"""The items the ledger's script applies (``ledger_apply.lua``,
+``tokengate.ledger.ledger.APPLY_LUA``), decided from what Redis holds: the bill of an edge
+event, an event parked until its engine records arrive, engine records kept until their
+event arrives, records that bill nothing.
 
 Each item carries what its decision was read from (the request's number of kept
 records, whether its event waits, whether it was billed, whether a record was read

@@ -3,7 +3,8 @@ bills them with the engine's usage records where it tails those too.
 
 ``tokengate-ledger`` tails the usage file (``tokengate.ledger.tail``), parses each line
 (``tokengate.ledger.event``), bills it (``tokengate.ledger.calculator``) and applies a
-batch of events with one Redis script (``APPLY_LUA``) that, atomically,
+batch of events with one Redis script (``ledger_apply.lua``, ``tokengate.redis_scripts``)
+that, atomically,
 
 1. compares the ledger's checkpoint in Redis with the position the batch starts
    from (compare-and-set): a mismatch means Redis and the ledger disagree (Redis
@@ -80,7 +81,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from tokengate import redis_keys
+from tokengate import redis_keys, redis_scripts
 from tokengate.config import Config
 from tokengate.ledger.budgets import Reservations
 from tokengate.ledger.calculator import Calculator
@@ -108,133 +109,11 @@ log = logging.getLogger("tokengate.ledger")
 # (KEYS[e], HLEN h), ``pp`` whether its event waits (0/1), ``ns`` seen sets that must
 # not hold the request, ``rec`` [eseen key, record key, line, ...] records that must be
 # new. ``ed``: an edge event, a duplicate when its request id was billed or waits.
-APPLY_LUA = """
-local check = ARGV[11] == '1'
-if check then
-  local pos = redis.call('HGET', KEYS[1], 'pos') or ''
-  if pos ~= ARGV[1] then
-    return {'conflict', pos}
-  end
-end
-local ttl = tonumber(ARGV[3])
-local batch = cjson.decode(ARGV[5])
-local pending = KEYS[6]
-local dup = {}
-for i = 1, #batch do
-  local e = batch[i]
-  if e.ed and (redis.call('SISMEMBER', KEYS[e.s], e.r) == 1
-               or redis.call('HEXISTS', pending, e.r) == 1) then
-    dup[i] = true
-  else
-    if e.e and redis.call('HLEN', KEYS[e.e]) ~= e.h then
-      return {'retry', i, 'records'}
-    end
-    if e.pp and redis.call('HEXISTS', pending, e.r) ~= e.pp then
-      return {'retry', i, 'waiting'}
-    end
-    if e.ns then
-      for j = 1, #e.ns do
-        if redis.call('SISMEMBER', KEYS[e.ns[j]], e.r) == 1 then
-          return {'retry', i, 'billed'}
-        end
-      end
-    end
-    if e.rec then
-      for j = 1, #e.rec, 3 do
-        if redis.call('SISMEMBER', KEYS[e.rec[j]], e.rec[j + 1]) == 1 then
-          return {'retry', i, 'record read'}
-        end
-      end
-    end
-  end
-end
-local t = redis.call('TIME')
-local now_s = tonumber(t[1])
-local until_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[10])
-local mask = {}
-local dups = 0
-for i = 1, #batch do
-  local e = batch[i]
-  local ok = false
-  if not dup[i] then
-    if e.t == 'b' then
-      ok = redis.call('SADD', KEYS[e.s], e.r) == 1
-    elseif e.t == 'p' then
-      ok = redis.call('HSETNX', pending, e.r, e.v) == 1
-    else
-      ok = true
-    end
-  end
-  if ok then
-    if e.t == 'b' then
-      redis.call('EXPIRE', KEYS[e.s], ttl)
-      local u = KEYS[e.u]
-      local n = e.n
-      for j = 1, #n, 2 do
-        redis.call('HINCRBY', u, n[j], n[j + 1])
-      end
-      if e.c ~= '0' then
-        redis.call('HINCRBYFLOAT', u, 'cost', e.c)
-      end
-      redis.call('SADD', KEYS[e.x], e.m)
-      redis.call('ZADD', KEYS[4], e.ds, e.d)
-      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
-      if e.w then
-        redis.call('HDEL', pending, e.r)
-        redis.call('ZREM', KEYS[e.w], e.r)
-      end
-    elseif e.t == 'p' then
-      redis.call('ZADD', KEYS[e.w], until_ms, e.r)
-    end
-    if e.rec then
-      for j = 1, #e.rec, 3 do
-        redis.call('SADD', KEYS[e.rec[j]], e.rec[j + 1])
-        redis.call('EXPIRE', KEYS[e.rec[j]], ttl)
-        if e.t == 's' then
-          redis.call('HSET', KEYS[e.e], e.rec[j + 1], e.rec[j + 2])
-        end
-      end
-    end
-    if e.t == 's' then
-      redis.call('EXPIRE', KEYS[e.e], ttl)
-      redis.call('ZADD', KEYS[7], 'NX', now_s, e.r)
-    elseif e.e and (e.t == 'b' or e.t == 'o') then
-      redis.call('DEL', KEYS[e.e])
-      redis.call('ZREM', KEYS[7], e.r)
-    end
-    if e.st then
-      for j = 1, #e.st, 3 do
-        redis.call('HINCRBY', KEYS[e.st[j]], e.st[j + 1], e.st[j + 2])
-      end
-    end
-    mask[i] = '1'
-  else
-    mask[i] = '0'
-    if e.ed then
-      dups = dups + 1
-    end
-  end
-end
-if ARGV[9] ~= '' then
-  redis.call('ZADD', KEYS[5], now_s, ARGV[9])
-  redis.call('HINCRBY', KEYS[2], 'files_done', 1)
-end
-if check then
-  redis.call('HSET', KEYS[1], 'pos', ARGV[2], 'path', ARGV[7], 'ts', ARGV[8])
-  redis.call('HINCRBY', KEYS[2], 'batches', 1)
-end
-local extra = cjson.decode(ARGV[12])
-for j = 1, #extra, 2 do
-  redis.call('HINCRBY', KEYS[2], extra[j], extra[j + 1])
-end
-redis.call('HINCRBY', KEYS[2], 'duplicates', dups)
-redis.call('HINCRBY', KEYS[2], 'bad_lines', tonumber(ARGV[6]))
-return {'ok', table.concat(mask)}
-"""
+APPLY_LUA = redis_scripts.read("ledger_apply")
 
 # Redis's clock, read on the node that holds the ledger's keys (Redis Cluster: the
 # node whose TIME the script used for the waits).
-TIME_LUA = "return redis.call('TIME')"
+TIME_LUA = redis_scripts.read("ledger_time")
 
 MEASURE_EVERY_S = 0.25  # lag refresh while the ledger is busy or Redis is down
 SWEEP_EVERY_S = 0.1     # how often waiting events and old records are looked at

@@ -22,17 +22,18 @@ its hour's bucket expires, at most two hours later, instead of holding the budge
 the period ends; the ledger bills what such a request generated, if an event of it was
 written.
 
-``RESERVE_LUA`` (one script, so concurrent reservations from any number of edges never
-pass a limit: no get-then-set) checks every counter that has a limit against
-``used + cost``, then puts the cost in flight on all of them or none, and records the
-reservation with the counters it was put on. ``budget_store.SETTLE_LUA`` adds the real
-cost to the settled counters, takes the reservation out of flight and marks the request
-settled; a request the edge admitted without a reservation (Redis was unreachable at
-admission, or its reservation expired) is charged its real cost the same way, so spend
-admitted during an outage still reaches Redis when the settlement does. A settlement
-that never reaches Redis (the sidecar or Redis was down when the request ended) is made
-by the ledger when it applies the request's usage event (``tokengate.ledger.budgets``),
-once: whichever comes first settles, the other finds the request settled.
+``budget_reserve.lua`` (``tokengate.redis_scripts``; one script, so concurrent
+reservations from any number of edges never pass a limit: no get-then-set) checks every
+counter that has a limit against ``used + cost``, then puts the cost in flight on all of
+them or none, and records the reservation with the counters it was put on.
+``budget_settle.lua`` adds the real cost to the settled counters, takes the reservation
+out of flight and marks the request settled; a request the edge admitted without a
+reservation (Redis was unreachable at admission, or its reservation expired) is charged
+its real cost the same way, so spend admitted during an outage still reaches Redis when
+the settlement does. A settlement that never reaches Redis (the sidecar or Redis was down
+when the request ended) is made by the ledger when it applies the request's usage event
+(``tokengate.ledger.budgets``), once: whichever comes first settles, the other finds the
+request settled.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokengate import redis_client
+from tokengate import redis_client, redis_scripts
 from tokengate.budget_store import (
     IN_FLIGHT_TTL_S,
     SETTLE_LUA,
@@ -70,47 +71,7 @@ __all__ = ["BudgetCounter", "BudgetReservation", "GlobalBudgets", "billed_sync",
 # counters (budget_store.record_tail). Returns {admitted, refused (1-based
 # counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
 # tokens: after this reservation when admitted, before it when refused}.
-RESERVE_LUA = """
-local cost, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local hour = ARGV[4]
-local n = (#KEYS - 1) / 6
-local function num(k) return tonumber(redis.call('GET', k) or '0') end
-local used = {}
-for i = 1, n do
-  local k, a = 6 * i - 4, 4 * i + 1
-  used[2 * i - 1] = math.max(num(KEYS[k]), tonumber(ARGV[a + 2]))
-    + num(KEYS[k + 2]) + num(KEYS[k + 4])
-  used[2 * i] = math.max(num(KEYS[k + 1]), tonumber(ARGV[a + 3]))
-    + num(KEYS[k + 3]) + num(KEYS[k + 5])
-end
-local function reply(admitted, refused, limited)
-  local r = {admitted, refused, limited}
-  for i = 1, 2 * n do r[3 + i] = used[i] end
-  return r
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return reply(1, 0, 0)
-end
-for i = 1, n do
-  local a = 4 * i + 1
-  local ls, lt = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  if ls > 0 and used[2 * i - 1] + cost > ls then return reply(0, i, 1) end
-  if lt > 0 and used[2 * i] + tokens > lt then return reply(0, i, 2) end
-end
-for i = 1, n do
-  local k = 6 * i - 4
-  used[2 * i - 1] = used[2 * i - 1] + cost
-  used[2 * i] = used[2 * i] + tokens
-  -- the ARGV strings, not the Lua numbers: Redis writes a number as %.17g, and INCRBY
-  -- refuses 1e+17 (a cost of 1e8 currency units); the strings are the exact int64
-  redis.call('INCRBY', KEYS[k + 2], ARGV[1])
-  redis.call('INCRBY', KEYS[k + 3], ARGV[2])
-  redis.call('EXPIRE', KEYS[k + 2], ttl)
-  redis.call('EXPIRE', KEYS[k + 3], ttl)
-end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour .. ARGV[#ARGV], 'EX', ttl)
-return reply(1, 0, 0)
-"""
+RESERVE_LUA = redis_scripts.read("budget_reserve")
 
 BILLED_CACHE_S = 1.0  # how long one read of the ledger's bill serves a key's reservations
 

@@ -11,13 +11,14 @@ so the edges' clocks do not matter), kept in two keys that share the hash tag
                                        field "#sum" = tokens in the window
     scope = "all" (the key's own limits) | "m:<model>" (a per-model override)
 
-``RESERVE_LUA`` runs atomically (one script): drop entries older than the window
-(subtracting their tokens from ``#sum``), then admit only if both
-``count + 1 <= rpm`` and ``#sum + tokens <= tpm``, recording the entry; so concurrent
-reservations from any number of edges can never overshoot (no get-then-set). A retry
-with the same request id is answered from the recorded entry (idempotent).
-``SETTLE_LUA`` corrects an entry still in the window by ``actual - reserved``
-(reserve at admission, settle with real usage). Both keys expire ``window_ms + 1000`` ms after the last admission.
+``window_reserve.lua`` (``tokengate.redis_scripts``) runs atomically (one script): drop
+entries older than the window (subtracting their tokens from ``#sum``), then admit only
+if both ``count + 1 <= rpm`` and ``#sum + tokens <= tpm``, recording the entry; so
+concurrent reservations from any number of edges can never overshoot (no get-then-set).
+A retry with the same request id is answered from the recorded entry (idempotent).
+``window_settle.lua`` corrects an entry still in the window by ``actual - reserved``
+(reserve at admission, settle with real usage). Both keys expire ``window_ms + 1000`` ms
+after the last admission.
 Memory: one zset and hash entry per request admitted in the last minute (so at most
 the RPM limit per key).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokengate import redis_client
+from tokengate import redis_client, redis_scripts
 from tokengate.redis_keys import window_keys
 
 __all__ = ["WINDOW_MS", "GlobalLimiter", "Reservation", "Settlement", "window_keys"]
@@ -37,99 +38,11 @@ WINDOW_MS = 60_000
 # Returns {admitted, limited_by (0 none, 1 requests, 2 tokens), never_fits,
 #          remaining_requests, remaining_tokens, reset_requests_ms, reset_tokens_ms,
 #          retry_after_ms}.
-RESERVE_LUA = """
-local z, h, rid = KEYS[1], KEYS[2], ARGV[1]
-local rpm, tpm, tokens, window = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
-  tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cutoff = now - window
-
-local sum = tonumber(redis.call('HGET', h, '#sum') or '0')
-local old = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff)
-if #old > 0 then
-  for i = 1, #old, 1000 do
-    local part = {}
-    for j = i, math.min(i + 999, #old) do part[#part + 1] = old[j] end
-    local vals = redis.call('HMGET', h, unpack(part))
-    for j = 1, #vals do sum = sum - (tonumber(vals[j]) or 0) end
-    redis.call('HDEL', h, unpack(part))
-  end
-  redis.call('ZREMRANGEBYSCORE', z, '-inf', cutoff)
-  if sum < 0 then sum = 0 end
-  redis.call('HSET', h, '#sum', sum)
-end
-
-local count = redis.call('ZCARD', z)
-local function reset_ms()
-  if count == 0 then return 0 end
-  local newest = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
-  return math.max(0, tonumber(newest[2]) + window - now)
-end
-local function reply(admitted, limited, never, retry)
-  local r = reset_ms()
-  local rt = r
-  if sum <= 0 then rt = 0 end
-  return {admitted, limited, never, math.max(0, rpm - count), math.max(0, tpm - sum),
-          r, rt, retry}
-end
-
-if redis.call('HEXISTS', h, rid) == 1 then
-  return reply(1, 0, 0, 0)
-end
-if tokens > tpm then
-  return reply(0, 2, 1, 0)
-end
-if count + 1 > rpm then
-  local oldest = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-  return reply(0, 1, 0, math.max(1, tonumber(oldest[2]) + window - now))
-end
-if sum + tokens > tpm then
-  -- walk from the oldest entry until enough tokens would have left the window
-  local need, freed, start = sum + tokens - tpm, 0, 0
-  while true do
-    local part = redis.call('ZRANGE', z, start, start + 99, 'WITHSCORES')
-    if #part == 0 then break end
-    local ids = {}
-    for j = 1, #part, 2 do ids[#ids + 1] = part[j] end
-    local vals = redis.call('HMGET', h, unpack(ids))
-    for j = 1, #ids do
-      freed = freed + (tonumber(vals[j]) or 0)
-      if freed >= need then
-        return reply(0, 2, 0, math.max(1, tonumber(part[2 * j]) + window - now))
-      end
-    end
-    start = start + 100
-  end
-  return reply(0, 2, 0, window)
-end
-
-redis.call('ZADD', z, now, rid)
-sum = sum + tokens
-redis.call('HSET', h, rid, tokens, '#sum', sum)
-redis.call('PEXPIRE', z, window + 1000)
-redis.call('PEXPIRE', h, window + 1000)
-count = count + 1
-return reply(1, 0, 0, 0)
-"""
+RESERVE_LUA = redis_scripts.read("window_reserve")
 
 # KEYS[1] zset, KEYS[2] hash. ARGV: request_id, actual tokens, window_ms.
 # Returns {found, delta, window_tokens}.
-SETTLE_LUA = """
-local z, h, rid = KEYS[1], KEYS[2], ARGV[1]
-local actual, window = tonumber(ARGV[2]), tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local prev = redis.call('HGET', h, rid)
-local score = redis.call('ZSCORE', z, rid)
-if not prev or not score or tonumber(score) <= now - window then
-  return {0, 0, tonumber(redis.call('HGET', h, '#sum') or '0')}
-end
-local delta = actual - tonumber(prev)
-redis.call('HSET', h, rid, actual)
-local sum = redis.call('HINCRBY', h, '#sum', delta)
-return {1, delta, sum}
-"""
+SETTLE_LUA = redis_scripts.read("window_settle")
 
 LIMITS = {0: None, 1: "requests", 2: "tokens"}
 

@@ -1,0 +1,40 @@
+
+local cost, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local hour = ARGV[4]
+local n = (#KEYS - 1) / 6
+local function num(k) return tonumber(redis.call('GET', k) or '0') end
+local used = {}
+for i = 1, n do
+  local k, a = 6 * i - 4, 4 * i + 1
+  used[2 * i - 1] = math.max(num(KEYS[k]), tonumber(ARGV[a + 2]))
+    + num(KEYS[k + 2]) + num(KEYS[k + 4])
+  used[2 * i] = math.max(num(KEYS[k + 1]), tonumber(ARGV[a + 3]))
+    + num(KEYS[k + 3]) + num(KEYS[k + 5])
+end
+local function reply(admitted, refused, limited)
+  local r = {admitted, refused, limited}
+  for i = 1, 2 * n do r[3 + i] = used[i] end
+  return r
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return reply(1, 0, 0)
+end
+for i = 1, n do
+  local a = 4 * i + 1
+  local ls, lt = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  if ls > 0 and used[2 * i - 1] + cost > ls then return reply(0, i, 1) end
+  if lt > 0 and used[2 * i] + tokens > lt then return reply(0, i, 2) end
+end
+for i = 1, n do
+  local k = 6 * i - 4
+  used[2 * i - 1] = used[2 * i - 1] + cost
+  used[2 * i] = used[2 * i] + tokens
+  -- the ARGV strings, not the Lua numbers: Redis writes a number as %.17g, and INCRBY
+  -- refuses 1e+17 (a cost of 1e8 currency units); the strings are the exact int64
+  redis.call('INCRBY', KEYS[k + 2], ARGV[1])
+  redis.call('INCRBY', KEYS[k + 3], ARGV[2])
+  redis.call('EXPIRE', KEYS[k + 2], ttl)
+  redis.call('EXPIRE', KEYS[k + 3], ttl)
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. hour .. ARGV[#ARGV], 'EX', ttl)
+return reply(1, 0, 0)
