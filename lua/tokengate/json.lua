@@ -26,6 +26,7 @@ local find = string.find
 local format = string.format
 local gsub = string.gsub
 local concat = table.concat
+local remove = table.remove
 local tonumber = tonumber
 local setmetatable = setmetatable
 local getmetatable = getmetatable
@@ -108,11 +109,24 @@ function _M.is_array(v)
 end
 
 -- set(obj, key, value): sets a field of an object, appending the key when it is new;
--- value nil removes the field (the encoder skips keys whose value is nil).
+-- value nil removes the field and its key, so a field set again later is written once,
+-- last. (A field cleared with obj[key] = nil keeps its key, which the encoder skips
+-- while the value is nil: clear with set to set the field again.)
 function _M.set(obj, key, value)
-    if obj[key] == nil and value ~= nil then
+    if obj[key] == nil then
+        if value ~= nil then
+            local keys = obj[KEYS]
+            keys[#keys + 1] = key
+        end
+    elseif value == nil then
+        -- removing is rare: the scan leaves the common case, a new key, one append
         local keys = obj[KEYS]
-        keys[#keys + 1] = key
+        for i = 1, #keys do
+            if keys[i] == key then
+                remove(keys, i)
+                break
+            end
+        end
     end
     obj[key] = value
 end
