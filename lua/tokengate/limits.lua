@@ -192,11 +192,16 @@ function _M.settle(req, actual, cost)
 end
 
 -- duration(s) -> "250ms", "1.2s", "59s", "6m0s" (OpenAI's x-ratelimit-reset-* format).
+-- s: seconds; each unit rounds up, and a value that rounds up to the next unit is
+-- written in it: (0.999, 1) s is "1s" as (59.9, 60) s is "1m0s", never "1000ms" or "60s".
 function _M.duration(s)
     if s <= 0 then
         return "0s"
     elseif s < 1 then
-        return format("%dms", ceil(s * 1000))
+        local ms = ceil(s * 1000)
+        if ms < 1000 then
+            return format("%dms", ms)
+        end
     end
     local t = ceil(s * 10) / 10
     if t < 60 then

@@ -25,8 +25,7 @@ end)
 case("duration: just under a second is 1s", function()
     eq(duration(0.9995), "1s")
     eq(duration(0.99999), "1s")
-end, { xfail = "limits.duration writes ceil(s * 1000) ms for every s < 1, so 0.9995 s "
-    .. "(and any s in (0.999, 1)) becomes \"1000ms\" instead of \"1s\"" })
+end)
 
 case("duration: seconds to a tenth, rounded up, no .0", function()
     eq(duration(1), "1s")
