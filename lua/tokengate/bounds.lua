@@ -80,11 +80,17 @@ local JSON_TEXT = { ["structured_outputs.json"] = true,
                     guided_json = true }
 -- Keys whose object value lists named properties (JSON Schema).
 local PROPERTY_MAPS = { properties = true, patternProperties = true }
+-- Keys whose object value maps names to schemas (JSON Schema): that object's keys are
+-- names, not keywords, so a property (or a definition) named "properties" is no
+-- property map itself; the schemas under the names are schemas again.
+local NAME_MAPS = { properties = true, patternProperties = true, ["$defs"] = true,
+                    definitions = true, dependentSchemas = true }
 
--- shape(v, path, depth, acc, max_json) -> true | nil, err: the deepest level and the
--- named properties of v, into acc = {depth, properties}; strings at JSON_TEXT paths are
--- decoded (strictly, as everything the edge reads) and measured in place.
-local function shape(v, path, depth, acc, max_json)
+-- shape(v, path, depth, acc, max_json, names) -> true | nil, err: the deepest level and
+-- the named properties of v, into acc = {depth, properties}; strings at JSON_TEXT paths
+-- are decoded (strictly, as everything the edge reads) and measured in place. names: v
+-- is a NAME_MAPS value, whose keys are names (none of them a keyword).
+local function shape(v, path, depth, acc, max_json, names)
     if type(v) == "string" then
         if not JSON_TEXT[path] then
             return true
@@ -108,11 +114,12 @@ local function shape(v, path, depth, acc, max_json)
         for i = 1, #keys do
             local k = keys[i]
             local x = v[k]
-            if PROPERTY_MAPS[k] and is_object(x) then
+            local named = not names and NAME_MAPS[k] and is_object(x)
+            if named and PROPERTY_MAPS[k] then
                 acc.properties = acc.properties + #x[KEYS]
             end
             local ok, err = shape(x, depth == 1 and path .. "." .. k or "", depth, acc,
-                max_json)
+                max_json, named)
             if not ok then
                 return nil, err
             end
