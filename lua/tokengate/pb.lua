@@ -43,10 +43,16 @@ local function varint(n)
     return concat(out)
 end
 
--- read_varint(s, i) -> value, next index | nil (truncated or longer than 10 bytes)
+local TWO_49 = 2 ^ 49
+
+-- read_varint(s, i) -> value, next index | nil (truncated or longer than 10 bytes).
+-- value: the varint's integer exactly below 2^53, else the nearest double (ties to
+-- even): the sum rounds once. Seven 7-bit groups (49 bits) add up exactly, and so do the
+-- three groups above them (21 bits); low + high * 2^49 is one correctly rounded
+-- addition, where summing every group in one double rounds the low 56 bits first.
 local function read_varint(s, i)
     local v, mul = 0, 1
-    for k = 0, 9 do
+    for k = 0, 6 do
         local b = byte(s, i + k)
         if not b then
             return nil
@@ -56,6 +62,20 @@ local function read_varint(s, i)
         end
         v = v + (b - 128) * mul
         mul = mul * 128
+    end
+    -- 2^49 and above (8 to 10 bytes): spends in nano-units; counts (up to 1e12, below
+    -- 2^40) end in the loop above
+    local h, hmul = 0, 1
+    for k = 7, 9 do
+        local b = byte(s, i + k)
+        if not b then
+            return nil
+        end
+        if b < 128 then
+            return v + (h + b * hmul) * TWO_49, i + k + 1
+        end
+        h = h + (b - 128) * hmul
+        hmul = hmul * 128
     end
     return nil
 end
@@ -214,8 +234,14 @@ local function fields(msg, into, names)
             end
         elseif wt == 1 then
             i = i + 8
+            if i > n + 1 then
+                return nil, "bad fixed64"
+            end
         elseif wt == 5 then
             i = i + 4
+            if i > n + 1 then
+                return nil, "bad fixed32"
+            end
         else
             return nil, "unsupported wire type " .. wt
         end
