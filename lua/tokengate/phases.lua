@@ -623,7 +623,8 @@ end
 -- readyz(): GET /readyz, unauthenticated (readiness, for a load balancer): 200 when the
 -- configuration is loaded, the counter answers a one-token count (a real call through
 -- the hop, never the edge's cache of answers; a counter in backoff after a failure is
--- not asked) and every model has a replica that is not out; else 503 in OpenAI's error
+-- not asked) and every model has a replica that is not out and, with health probes,
+-- whose last probe answered 200 (tokengate.upstream.probed); else 503 in OpenAI's error
 -- shape naming what is not ready. Both bodies list the checks:
 --   {"object": "readiness", "status": "ready" | "not_ready", "config": "ok",
 --    "counter": "ok" | "<reason>", "models": {"<model>": {"replicas": n,
@@ -651,12 +652,12 @@ function _M.readyz()
         problems[#problems + 1] = "counter: " .. why
     end
     local ms = json.object()
-    local states = upstream.states(doc)
     for i = 1, #names do
-        local n, healthy = 0, 0
-        for _, st in pairs(states[names[i]]) do
-            n = n + 1
-            if not st.out then
+        local replicas = doc.models[names[i]].upstreams
+        local n, healthy = #replicas, 0
+        for j = 1, n do
+            if not upstream.is_out(names[i], replicas[j])
+                    and upstream.probed(names[i], replicas[j]) then
                 healthy = healthy + 1
             end
         end

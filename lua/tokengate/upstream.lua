@@ -77,7 +77,11 @@ function _M.init_worker(doc, dict_name)
     end
     local interval = edge.upstream_health_interval_ms
     if interval > 0 then
-        local ok, err = timer_every(interval / 1000, _M.probe_all, doc.models)
+        -- the first probe at once: a replica is ready only once one passed (_M.probed)
+        local ok, err = ngx.timer.at(0, _M.probe_all, doc.models)
+        if ok then
+            ok, err = timer_every(interval / 1000, _M.probe_all, doc.models)
+        end
         if not ok then
             return nil, "health probe timer: " .. err
         end
@@ -108,6 +112,14 @@ end
 -- is_out(model, r) -> true while the replica is skipped (failed, or no address yet)
 function _M.is_out(model, r)
     return dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
+end
+
+-- probed(model, r) -> true when r's last health probe since nginx started answered
+-- 200, or probes are off (nothing then says otherwise). /readyz counts a replica only
+-- then: vLLM binds its port before the model is loaded, and a replica not probed yet
+-- (a fresh start) may be one that is still loading.
+function _M.probed(model, r)
+    return not probing or dict:get(key("up:", model, r)) == true
 end
 
 local OUT = math.huge -- the rank of a replica that is out: after every other
@@ -315,13 +327,17 @@ function _M.probe_all(premature, models)
                     dict:delete(k)
                 end
                 dict:delete(key("fail:", name, r))
-            elseif dict:add(key("out:", name, r), true, 0) then
-                ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
-                    " failed its health probe: out until it answers")
+                dict:set(key("up:", name, r), true)
             else
-                -- out already: an ejection made before probes were on may expire; no
-                -- longer
-                dict:set(key("out:", name, r), true, 0)
+                dict:delete(key("up:", name, r))
+                if dict:add(key("out:", name, r), true, 0) then
+                    ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
+                        " failed its health probe: out until it answers")
+                else
+                    -- out already: an ejection made before probes were on may expire; no
+                    -- longer
+                    dict:set(key("out:", name, r), true, 0)
+                end
             end
         end
     end

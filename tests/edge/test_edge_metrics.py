@@ -10,6 +10,8 @@ parses with prometheus_client's own parser.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -195,13 +197,33 @@ def test_healthz_and_readyz_answer_without_a_key(
     e = _edge(edge_variant_off_vllm, "health", fast_upstream_url)
     r = httpx.get(f"http://127.0.0.1:{e.port}/healthz", timeout=10)
     assert (r.status_code, r.json()) == (200, {"object": "health", "status": "ok"})
-    r = httpx.get(f"http://127.0.0.1:{e.port}/readyz", timeout=10)
-    assert r.status_code == 200, r.text
+    url = f"http://127.0.0.1:{e.port}/readyz"
+    # ready once the replica's first health probe (at nginx's start) passed
+    wait_until(lambda: httpx.get(url, timeout=10).status_code == 200)
+    r = httpx.get(url, timeout=10)
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"object": "readiness", "status": "ready", "config": "ok",
                         "counter": "ok",
                         "models": {MODEL: {"replicas": 1, "healthy_replicas": 1}}}
     assert not e.events()  # no usage event
+
+
+def test_a_replica_that_accepts_connections_but_never_answers_is_not_ready(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    # what a vLLM that is still loading its model looks like: its port is bound (the
+    # kernel accepts), nothing answers /health
+    loading = socket.create_server(("127.0.0.1", 0), backlog=64)
+    try:
+        e = _edge(edge_variant_off_vllm, "loading", fast_upstream_url,
+                  upstream=f"127.0.0.1:{loading.getsockname()[1]}")
+        url = f"http://127.0.0.1:{e.port}/readyz"
+        for _ in range(5):  # from nginx's start, before and after the first probe ends
+            r = httpx.get(url, timeout=10)
+            assert (r.status_code, r.json()["models"][MODEL]) == \
+                (503, {"replicas": 1, "healthy_replicas": 0}), r.text
+            time.sleep(0.3)
+    finally:
+        loading.close()
 
 
 def test_readyz_is_503_without_a_counter_or_a_healthy_replica(
