@@ -25,7 +25,8 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
                                        files_done; settled_engine, engine_missing,
                                        disagreements (of the events of its usage file);
                                        engine_records, engine_duplicates,
-                                       engine_unmatched, engine_late (of an engine file)
+                                       engine_unmatched, engine_probes,
+                                       engine_late (of an engine file)
 
 The join of edge events and engine records (``tokengate.ledger.reconcile``)::
 

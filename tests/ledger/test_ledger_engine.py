@@ -282,6 +282,27 @@ def test_events_without_engine_usage_are_billed_at_once(ledger_redis, usage_writ
     assert the_row(ledger_redis).completion_tokens == 0
 
 
+def test_the_doctors_probe_records_are_counted_apart_without_a_warning(
+        ledger_redis, engine_writer, joined, caplog):
+    """tokengate doctor sends its probe to the replica directly (X-Request-Id
+    tokengate-doctor-<hex>): an expected record of no edge request, not billed, counted
+    as engine_probes, not as unmatched, and logged by no warning."""
+    probe = f"chatcmpl-tokengate-doctor-{random.getrandbits(128):032x}"
+    engine_writer.record({**record("x"), "request_id": probe})
+    led = joined()
+    with caplog.at_level(logging.WARNING, logger="tokengate.ledger"):
+        totals = led.drain()
+    assert (totals.engine_records, totals.engine_probes, totals.engine_unmatched,
+            totals.applied) == (1, 1, 0, 0)
+    assert query(ledger_redis) == []
+    s = stats(ledger_redis, engine_ledger_id("test", engine_writer.path))
+    assert (s["engine_probes"], s.get("engine_unmatched", 0)) == (1, 0)
+    assert probe not in caplog.text
+    # read again (a replay) it is a duplicate, not a second probe
+    engine_writer.record({**record("x"), "request_id": probe})
+    assert (led.drain().engine_probes, led.totals.engine_duplicates) == (1, 1)
+
+
 def test_records_of_no_edge_request_are_counted_not_billed(ledger_redis, engine_writer,
                                                           joined, caplog):
     """A request sent to vLLM directly: an id of vLLM's own (no edge id inside) is

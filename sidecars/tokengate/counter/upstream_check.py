@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokengate import config as tg_config
+from tokengate.ledger.engine_record import DOCTOR_PROBE_PREFIX
 
 if TYPE_CHECKING:  # imported where used: it loads transformers, slow for other commands
     from tokengate.counter.counting import ModelCounter
@@ -209,7 +210,7 @@ def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCo
     try:
         yield from _model(check, model, base, timeout_s)
         yield _version(check, base, allow_unverified, verified, timeout_s)
-        probe_id = f"tokengate-doctor-{uuid.uuid4().hex}"
+        probe_id = f"{DOCTOR_PROBE_PREFIX}{uuid.uuid4().hex}"
         marks = _EngineMarks.take(engine_files or [])
         answered: list[bool] = []
         yield from _chat_flags(check, model, base, counted, timeout_s, probe_id, answered)

@@ -69,6 +69,10 @@ SOURCES = ("stats", "abort")
 # "chatcmpl-<32 hex>", "chatcmpl-<32 hex>_<i>" (several engine inputs),
 # "cmpl-<32 hex>-<i>" (prompt i): vllm/entrypoints/openai/*/serving.py put the
 # X-Request-Id header the edge sends ($request_id, 32 hex) after the endpoint's prefix.
+# X-Request-Id of ``tokengate doctor``'s probe request (tokengate.counter.upstream_check,
+# the engine_records check): sent to a replica directly, so its record is of no edge
+# request; the ledger counts such records as engine_probes, without a warning.
+DOCTOR_PROBE_PREFIX = "tokengate-doctor-"
 _EDGE_ID = re.compile(r"[a-z]+-([0-9a-f]{32})(?:[-_]\d+)?")
 
 
@@ -101,6 +105,12 @@ class EngineRecord:
         inside ``request_id``; None for a request that did not come through the edge."""
         m = _EDGE_ID.fullmatch(self.request_id)
         return m.group(1) if m else None
+
+    @property
+    def doctor_probe(self) -> bool:
+        """True for the record of a ``tokengate doctor`` probe (``DOCTOR_PROBE_PREFIX``
+        after vLLM's "chatcmpl-" or "cmpl-")."""
+        return self.request_id.partition("-")[2].startswith(DOCTOR_PROBE_PREFIX)
 
     @property
     def key(self) -> str:

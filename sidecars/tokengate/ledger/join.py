@@ -232,10 +232,11 @@ class Join:
         ``RedisError``."""
         rids: dict[str, list[EngineRecord]] = {}
         unmatched: list[EngineRecord] = []
+        probes: list[EngineRecord] = []
         for r in records:
             rid = r.edge_request_id
             if rid is None:
-                unmatched.append(r)
+                (probes if r.doctor_probe else unmatched).append(r)
             else:
                 rids.setdefault(rid, []).append(r)
         pipe = self.client.pipeline(transaction=False)
@@ -278,6 +279,12 @@ class Join:
                 [(logging.WARNING, (f"{path}: {len(lost)} engine record(s) of requests that "
                                     f"did not come through the edge ({sample}); not "
                                     "billed"))]))
+        doctor = new(probes)
+        if doctor:  # tokengate doctor's probes, sent to the replica directly: expected
+            items.append(Item(
+                {"t": "l", "rec": _flat(keys, triples(doctor)),
+                 "st": [sk, "engine_records", len(doctor), sk, "engine_probes", len(doctor)]},
+                {"engine_records": len(doctor), "engine_probes": len(doctor)}, []))
         for rid, rs in rids.items():
             pend, raw = next(replies), next(replies)
             billed_on = [next(replies) for _d in days[rid]]

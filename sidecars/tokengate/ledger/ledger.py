@@ -152,6 +152,7 @@ class Totals:
     engine_duplicates: int = 0  # engine records read before (replays)
     engine_bad_lines: int = 0   # lines of the engine files that are not records
     engine_unmatched: int = 0   # records of no edge request (or of one that never came)
+    engine_probes: int = 0      # records of tokengate doctor's probes (not billed)
     engine_late: int = 0        # records of a request billed before they came
     retries: int = 0            # batches decided again: another ledger changed a request
     redis_errors: int = 0       # steps that failed on Redis (retried: nothing is lost)

@@ -94,7 +94,7 @@ STATUS
   position. Both lags keep growing while Redis is down; they are null until the
   ledger has read its checkpoint once (started while Redis was down). With engine
   files also settled_engine, engine_missing, disagreements, engine_records,
-  engine_duplicates, engine_bad_lines, engine_unmatched, engine_late,
+  engine_duplicates, engine_bad_lines, engine_unmatched, engine_probes, engine_late,
   engine_lag_bytes and waiting (events waiting for their records). The counts are
   this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>).
 
@@ -130,6 +130,8 @@ _COUNTERS = (
     ("tokengate_ledger_engine_records", "Engine records read.", "engine_records"),
     ("tokengate_ledger_engine_unmatched",
      "Engine records of no edge request (not billed).", "engine_unmatched"),
+    ("tokengate_ledger_engine_probes",
+     "Engine records of tokengate doctor's probes (not billed).", "engine_probes"),
     ("tokengate_ledger_budgets_settled",
      ("Budget reservations the edge could not settle (limits sidecar or Redis down), "
       "settled from their usage events."), "budgets_settled"),
