@@ -193,10 +193,17 @@ def host(config_path: Path, redis_url: str, vllm_url: str) -> Iterator[Host]:
         counter.wait_for(lambda: all((h.run / f"counter.sock.{i}").exists() for i in range(2)),
                          90, "socket of each worker")
         ledger.wait_for((h.run / "ledger.status.json").exists, 60, "status file")
-        # what Debian's nginx.service runs before starting nginx
-        t = subprocess.run(["nginx", "-t", "-q", "-c", str(conf)], capture_output=True,
-                           text=True, timeout=30, check=False)
-        assert t.returncode == 0, t.stderr
+        # what Debian's nginx.service runs before starting nginx: with the drop-in alone
+        # (right after install, before the operator's include line; and after removal
+        # takes that line out) the host's nginx still loads, and then with the include
+        site = root / "etc/nginx/sites-available/default"
+        with_include = site.read_text()
+        site.write_text(with_include.replace("\tinclude snippets/tokengate-location.conf;\n", ""))
+        for text in (site.read_text(), with_include):
+            site.write_text(text)
+            t = subprocess.run(["nginx", "-t", "-q", "-c", str(conf)], capture_output=True,
+                               text=True, timeout=30, check=False)
+            assert t.returncode == 0, t.stderr
         h.nginx = h.nginx_service().start()
         yield h
     finally:
