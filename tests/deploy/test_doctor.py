@@ -26,11 +26,13 @@ import yaml
 from tokengate import config as tg_config
 from tokengate import doctor
 from tokengate.counter import upstream_check
+from tokengate.ledger.engine_record import parse_record
 from tokengate.process import Service, free_port, tcp_ready
 from tokenstorm.null_server import FastUpstream
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
+from tests.fixtures_ledger import wait_until
 from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer
 
 CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
@@ -107,6 +109,7 @@ def test_versions_are_verified_by_major_and_minor() -> None:
 
 def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str) -> None:
     cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM])
+    before = SESSION_ENGINE.stat().st_size if SESSION_ENGINE.exists() else 0
     status, lines, err = _doctor(cfg)
     assert status == 0, "\n".join(lines) + err
     got = _lines_of(lines, VLLM)
@@ -123,6 +126,17 @@ def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: st
     assert got["count chat_tools"] == "OK count chat_tools: 191 tokens, vLLM /tokenize agrees"
     assert err.strip() == f"tokengate doctor: 1 upstream(s): {len(CHECKS)} OK, 0 warning(s), " \
                           "0 failed, 0 skipped"
+
+    # both requests that generate (the plain chat and the one with tools) carry the
+    # doctor's id: the ledger counts their records as probes, not as requests around
+    # the edge
+    def probes() -> list[str]:
+        with SESSION_ENGINE.open("rb") as f:
+            f.seek(before)
+            lines = f.read().splitlines()
+        return [r.request_id for r in map(parse_record, lines) if r.doctor_probe]
+
+    wait_until(lambda: len(probes()) == 2, 30, what="the doctor's two engine records")
 
 
 def test_a_replica_serving_another_model_fails_loudly(

@@ -270,7 +270,8 @@ def _chat_flags(check: Callable[[str, Status, str], Check], model: tg_config.Mod
                 base: str, counted: Callable[[str, dict[str, Any]], tuple[int | None, str]],
                 timeout_s: float, request_id: str, answered: list[bool]) -> Iterator[Check]:
     """The chat probes; the first goes with ``X-Request-Id: request_id`` (vLLM names it
-    ``chatcmpl-<request_id>``), and ``answered`` gets whether it got a 200."""
+    ``chatcmpl-<request_id>``), and ``answered`` gets whether it got a 200; the second
+    with an id of its own of the same prefix (``DOCTOR_PROBE_PREFIX``)."""
     url = base + "/v1/chat/completions"
     a = _http("POST", url, {"model": model.name, "messages": _PLAIN, "max_tokens": 1},
               timeout_s, {"X-Request-Id": request_id})
@@ -299,8 +300,11 @@ def _chat_flags(check: Callable[[str, Status, str], Check], model: tg_config.Mod
             yield check("usage", "OK", f"usage.prompt_tokens {theirs} = counter {mine}")
         else:
             yield check("usage", "FAIL", f"usage.prompt_tokens {theirs}, counter {mine}")
+    # a doctor's id too: the ledger counts its engine record as a probe, not as a
+    # request that went around the edge
     a = _http("POST", url, {"model": model.name, "messages": _PLAIN, "max_tokens": 1,
-                            "tools": [_WEATHER_TOOL]}, timeout_s)
+                            "tools": [_WEATHER_TOOL]}, timeout_s,
+              {"X-Request-Id": f"{DOCTOR_PROBE_PREFIX}{uuid.uuid4().hex}"})
     if a.status == 200:
         yield check("tool_parser", "OK", "a request with tools got 200")
     elif a.status == 400:
