@@ -156,7 +156,8 @@ def test_unspecified_endpoint_is_invalid_argument(
     code, details = error_of(stub, msgs({"role": "user", "content": "x"}),
                              counter_pb2.ENDPOINT_UNSPECIFIED)
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
-                               "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
+                               ("endpoint: expected one of ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, "
+                                "ENDPOINT_MESSAGES, ENDPOINT_MESSAGES_COUNT_TOKENS"))
 
 
 def mutate(rng: random.Random, value: object, depth: int = 0) -> object:

@@ -44,7 +44,11 @@ TEMPLATE_RENDERS = Counter("tokengate_counter_template_renders_total",
                            "template_trace), recorded (rendered and traced), plain "
                            "(rendered; a conversation or template that is not traced).",
                            ["model", "how"])
-_ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions"}
+# the proto's endpoints and ModelCounter.count's names for them
+_ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions",
+              counter_pb2.ENDPOINT_MESSAGES: "messages",
+              counter_pb2.ENDPOINT_MESSAGES_COUNT_TOKENS: "count_tokens"}
+_ENDPOINT_NAMES = ", ".join(counter_pb2.Endpoint.Name(e) for e in _ENDPOINTS)
 
 
 class CountFailure(Exception):
@@ -120,7 +124,7 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         endpoint = _ENDPOINTS.get(request.endpoint)
         if endpoint is None:
-            _fail(invalid, "endpoint: expected ENDPOINT_CHAT or ENDPOINT_COMPLETIONS")
+            _fail(invalid, f"endpoint: expected one of {_ENDPOINT_NAMES}")
         try:
             body: Any = json.loads(request.body)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

@@ -12,6 +12,12 @@ Completions (``/v1/completions``): a string prompt is tokenized with the tokeniz
 post-processor specials (Qwen adds none); a token-id list counts its ids; a list of
 prompts counts each (vLLM reports the sum as ``usage.prompt_tokens``).
 
+Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``): the body is
+converted into a chat body the way vLLM's Anthropic serving converts it
+(``tokengate.counter.apis.anthropic_messages``), which the chat path above counts; vLLM
+reports that count as ``usage.input_tokens`` (less any prefix-cache hits, which it
+reports apart as ``cache_read_input_tokens``) and as count_tokens' ``input_tokens``.
+
 Every malformed field raises ``BadRequest`` whose ``param`` names it
 (``messages[2].content``).
 """
@@ -26,7 +32,9 @@ from typing import Any
 
 from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
+from tokengate.counter.apis import anthropic_messages
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
+from tokengate.counter.errors import BadRequest
 from tokengate.counter.tokenizer import PromptTokenizer
 
 # vLLM releases (major, minor; any patch level) whose preprocessing this module mirrors
@@ -39,16 +47,9 @@ _PLAIN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text",
                     "refusal": "refusal", "thinking": "thinking"}
 _CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
+# Anthropic Messages: /v1/messages and /v1/messages/count_tokens (apis.anthropic_messages)
+MESSAGES_ENDPOINTS = frozenset({"messages", "count_tokens"})
 _MAX_JSON_DEPTH = 64
-
-
-class BadRequest(ValueError):
-    """The body is not a valid request; ``param`` is the offending field's path."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.param = param
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class ModelCounter:
         template_digest = "none" if template is None else \
             hashlib.sha256(template.source.encode()).hexdigest()[:8]
         self.fingerprint = f"{tokenizer.fingerprint}-{template_digest}"
+        self._messages_template_policy: anthropic_messages.TemplatePolicy | None = None
 
     @classmethod
     def load(cls, model: ModelConfig,
@@ -156,7 +158,8 @@ class ModelCounter:
     # -- entry point ---------------------------------------------------------------------
 
     def count(self, endpoint: str, body: dict[str, Any]) -> CountResult:
-        """Count ``body`` (parsed JSON) for ``endpoint`` "chat" or "completions".
+        """Count ``body`` (parsed JSON) for ``endpoint`` "chat", "completions",
+        "messages" or "count_tokens" (``/v1/messages/count_tokens``).
 
         Raises ``BadRequest``.
         """
@@ -168,6 +171,8 @@ class ModelCounter:
             if requested is None:
                 requested = _opt_int(body, "max_tokens", 1)
             n_prompts = 1
+        elif endpoint in MESSAGES_ENDPOINTS:
+            return self._count_messages(body, count_tokens=endpoint == "count_tokens")
         elif endpoint == "completions":
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
@@ -198,6 +203,47 @@ class ModelCounter:
         effective = room if requested is None else min(requested, room)
         return CountResult(prompt_tokens, self.model.max_model_len, effective,
                            requested or 0, breakdown, n_prompts)
+
+    # -- Anthropic Messages --------------------------------------------------------------
+
+    def _count_messages(self, body: dict[str, Any], *, count_tokens: bool) -> CountResult:
+        """A Messages body: converted as vLLM converts it (``apis.anthropic_messages``),
+        then counted by the chat path. A count_tokens body generates nothing
+        (max_tokens 0); a /v1/messages body's required max_tokens is checked like
+        chat's."""
+        if self.template is None:
+            raise BadRequest("messages", f"model {self.model.name} has no chat template")
+        chat = anthropic_messages.to_chat(body, self._messages_policy(),
+                                          count_tokens=count_tokens)
+        prompt_tokens, breakdown = self._count_chat(chat.body)
+        limit = self.model.max_model_len
+        requested = chat.max_tokens
+        if requested is None:
+            return CountResult(prompt_tokens, limit, 0, 0, breakdown)
+        if requested > limit:
+            raise BadRequest("max_tokens", f"{requested} is greater than max_model_len {limit}")
+        return CountResult(prompt_tokens, limit, min(requested, max(0, limit - prompt_tokens)),
+                           requested, breakdown)
+
+    def _messages_policy(self) -> anthropic_messages.TemplatePolicy:
+        """What vLLM's Messages serving derives from this model's template at its
+        start, worked out on the first Messages body (a few renders) and kept."""
+        policy = self._messages_template_policy
+        if policy is None:
+            template = self.template
+            assert template is not None
+
+            def render(effort: str) -> str | None:
+                try:
+                    kwargs = self._template_kwargs({"reasoning_effort": effort})
+                    return template.render([{"role": "user", "content": "Hi"}], None, kwargs)
+                except (BadRequest, TemplateError):
+                    return None
+            policy = self._messages_template_policy = anthropic_messages.TemplatePolicy(
+                merge_inline_system=anthropic_messages.requires_system_first(template.source),
+                disabled_thinking_effort=anthropic_messages.disabled_thinking_effort(render),
+                content_format=template.content_format)
+        return policy
 
     # -- completions ---------------------------------------------------------------------
 
