@@ -283,7 +283,7 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=0.0000000001"],
      "keys.x.budgets.0.spend: input should be greater than or equal to 0.000001, got 1e-10"),
     (["create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=5", "--budget", "day=6"],
-     "tokengate keys: --budget: two day spend limits for every model"),
+     "tokengate keys: --budget: two day spend limits for the whole key (every model)"),
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
@@ -306,6 +306,15 @@ def test_keys_refuses_what_the_edge_cannot_enforce_and_writes_nothing(
     out = tokengate("keys", *args, "--config", path, "--no-apply")
     assert out.returncode in (1, 2) and out.stdout == ""
     assert out.stderr.splitlines()[0] == message
+    assert path.read_text() == text
+
+
+def test_a_negative_budget_is_refused_as_negative(tmp_path: Path) -> None:
+    path, text = _repo_copy(tmp_path)
+    out = tokengate("keys", "create", "x", "--rpm", "6", "--tpm", "9", "--budget", "day=-1",
+                    "--config", path, "--no-apply")
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].endswith(
+        "argument --budget: a budget is not negative: 'day=-1'"), out.stderr
     assert path.read_text() == text
 
 

@@ -42,6 +42,8 @@ def parse_budget(spec: str) -> dict[str, Any]:
     """``[MODEL:]PERIOD=AMOUNT`` -> a ``Budget`` mapping (model, period, spend or tokens).
     Raises ``argparse.ArgumentTypeError``."""
     m = BUDGET_SPEC.match(spec)
+    if not m and re.fullmatch(r"(?:[^:=]+:)?(?:day|month)=-.*", spec):
+        raise argparse.ArgumentTypeError(f"a budget is not negative: {spec!r}")
     if not m:
         raise argparse.ArgumentTypeError(
             f"expected [MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the currency, "
@@ -137,7 +139,7 @@ def edit(path: Path, change: Change) -> tg_config.Config:
     y = _yaml()
     with _locked(path):
         try:
-            data = y.load(path.read_text())
+            data = y.load(tg_config.read_text(path))
         except YAMLError as e:
             raise tg_config.ConfigError(
                 f"{path}: not YAML: {' '.join(str(e).split())[:300]}") from e
@@ -233,8 +235,10 @@ def _combine(budgets: list[dict[str, Any]]) -> list[dict[str, Any]]:
         have = out.setdefault(scope, {})
         for kind in ("spend", "tokens"):
             if kind in b and kind in have:
+                scope_text = (f"model {b['model']}" if b.get("model")
+                              else "the whole key (every model)")
                 raise LookupError(f"--budget: two {b['period']} {kind} limits for "
-                                  f"{b.get('model') or 'every model'}")
+                                  f"{scope_text}")
         have.update(b)
     return list(out.values())
 
