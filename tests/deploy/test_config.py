@@ -484,6 +484,41 @@ def test_config_check_of_a_missing_file_exits_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "nope.yaml" in r.stderr
 
 
+BIN = Path(sys.executable).parent
+# Every reader of tokengate.yaml, the way an operator runs it, with the configuration's
+# argument placed by {}: (command line, exit status, the prefix of its error line).
+READERS = [
+    (["tokengate", "config", "check", "{}"], 2, "tokengate config check: "),
+    (["tokengate", "config", "apply", "{}"], 2, "tokengate config check: "),
+    (["tokengate", "doctor", "--config", "{}"], 2, "tokengate doctor: "),
+    (["tokengate", "keys", "create", "k9", "--rpm", "1", "--tpm", "1", "--no-apply",
+      "--config", "{}"], 2, "tokengate keys: "),
+    (["tokengate", "keys", "list", "--config", "{}"], 2, "tokengate keys: "),
+    (["tokengate", "usage", "--config", "{}"], 2, "tokengate usage: "),
+    (["tokengate-counter", "--config", "{}"], 1, "tokengate-counter: "),
+    (["tokengate-ledger", "--config", "{}"], 2, "tokengate-ledger: "),
+    (["tokengate-limits", "--config", "{}"], 2, "tokengate-limits: "),
+]
+
+
+@pytest.mark.parametrize("argv,status,prefix", READERS,
+                         ids=[" ".join(w for w in a[:3] if w[0] not in "-{")
+                              for a, _, _ in READERS])
+def test_a_configuration_that_is_not_utf8_is_refused_in_one_line(
+        tmp_path: Path, argv: list[str], status: int, prefix: str) -> None:
+    # a comment saved as Latin-1 (0xe9 is é); 300 random bytes failed the same way, with
+    # a UnicodeDecodeError traceback from each of these and exit status 1
+    path = tmp_path / "b9.yaml"
+    path.write_bytes(b"models: {}\n# caf\xe9\n")
+    r = subprocess.run([str(BIN / argv[0]), *(a.format(path) for a in argv[1:])],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert (r.returncode, r.stdout, r.stderr.splitlines()) == (status, "", [
+        (f"{prefix}{path}: not UTF-8 text: byte 0xe9 at offset 16 (invalid continuation "
+         "byte); tokengate.yaml must be UTF-8")])
+    with pytest.raises(tg_config.NotText, match=r"^.*b9\.yaml: not UTF-8 text: byte 0xe9 "):
+        tg_config.load(path)
+
+
 def _objects(node: Any) -> Iterator[dict[str, Any]]:
     if isinstance(node, dict):
         if "properties" in node:

@@ -32,12 +32,14 @@ from tokengate.config.keys import KEY_ID, KEY_ID_RULE, Budget, KeyConfig
 from tokengate.config.loading import (
     CONFIG_ENV,
     ConfigError,
+    NotText,
     check_model_dirs,
     default_path,
     discover,
     load,
     loads,
     parse,
+    read_text,
     write_atomic,
 )
 from tokengate.config.models import ModelConfig, ModelCost
@@ -49,6 +51,7 @@ __all__ = [
     "CONFIG_ENV", "COUNTER_MAX_MESSAGE_BYTES", "KEY_ID", "KEY_ID_RULE", "MAX_AMOUNT",
     "MAX_COUNT", "AccessLogConfig", "BillingConfig", "Budget", "Config",
     "ConfigError", "ContextPenalty", "EdgeConfig", "KeyConfig", "ModelConfig", "ModelCost",
-    "RedisConfig", "StructuredOutputLimits", "_Schema", "_is_loopback", "check_model_dirs",
-    "default_path", "discover", "load", "loads", "parse", "write_atomic",
+    "NotText", "RedisConfig", "StructuredOutputLimits", "_Schema", "_is_loopback",
+    "check_model_dirs", "default_path", "discover", "load", "loads", "parse", "read_text",
+    "write_atomic",
 ]

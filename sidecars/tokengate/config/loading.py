@@ -1,7 +1,8 @@
 """Finding, reading, validating and writing ``tokengate.yaml``: ``discover`` (which
-file), ``load``/``loads``/``parse`` (YAML to ``Config``), ``ConfigError`` and
-``errors_of`` (one line per problem, each naming its key), ``write_atomic`` and
-``check_model_dirs`` (the models' files, for what reads them)."""
+file), ``read_text`` (its UTF-8 text, else ``NotText``), ``load``/``loads``/``parse``
+(YAML to ``Config``), ``ConfigError`` and ``errors_of`` (one line per problem, each
+naming its key), ``write_atomic`` and ``check_model_dirs`` (the models' files, for what
+reads them)."""
 
 from __future__ import annotations
 
@@ -191,13 +192,33 @@ def loads(text: str, path: Path) -> Config:
     return parse(raw, path)
 
 
+class NotText(OSError):
+    """The configuration file is not UTF-8 text (YAML's encoding, and the only one
+    tokengate writes): a file that cannot be read as a configuration at all. ``str()``
+    is one line naming the file and the offset of its first byte that is not UTF-8."""
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The text of the configuration file ``path``, decoded as UTF-8 whatever the
+    locale. Raises ``OSError``: ``NotText`` for bytes that are not UTF-8 (one line:
+    ``<path>: not UTF-8 text: byte 0xe2 at offset 1 ...``), not ``UnicodeDecodeError``,
+    so that every command refuses such a file as one it cannot read."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NotText(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                      f"{e.start} ({e.reason}); tokengate.yaml must be UTF-8") from None
+
+
 def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read and validate the configuration file (``default_path()`` when ``path`` is None).
 
-    Raises ``ConfigError`` (one line per problem, each naming its key) or ``OSError``.
+    Raises ``ConfigError`` (one line per problem, each naming its key) or ``OSError``
+    (``NotText`` for a file that is not UTF-8).
     """
     p = Path(path if path is not None else default_path()).resolve()
-    return loads(p.read_text(), p)
+    return loads(read_text(p), p)
 
 
 def check_model_dirs(cfg: Config) -> None:
