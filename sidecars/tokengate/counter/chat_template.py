@@ -13,6 +13,7 @@ message preprocessing.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,13 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
+
+# transformers' import says "PyTorch was not found. Models won't be available ..." on
+# every start of a base install, which has no torch on purpose (tokengate renders
+# templates with it, nothing else). That line is transformers' only advisory warning
+# (``logger.warning_advice``, which returns at each call while this variable is set; 5.x);
+# its other warnings are left as they are, and a value the operator set is kept.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from tokengate.counter import template_trace
