@@ -110,6 +110,20 @@ def test_table_report_shows_the_totals(cfg, config_path, redis_url, applied_work
         assert day in r.stdout
 
 
+def test_the_tables_title_names_the_days_it_shows(config_path, redis_url, applied_workload):
+    # without --since it said "first day .. last day (UTC)", which read like a placeholder
+    for args, days in ((("--by", "day"), "2026-11-27 .. 2026-11-29"),
+                       (("--since", "2026-11-28", "--by", "key"), "2026-11-28 .. 2026-11-29"),
+                       (("--until", "2026-11-28", "--by", "day"), "2026-11-27 .. 2026-11-28"),
+                       (("--since", "2027-01-01", "--by", "day"), "from 2027-01-01"),
+                       (("--until", "2026-01-01", "--by", "day"), "up to 2026-01-01"),
+                       (("--key", "nobody", "--by", "day"), "all days")):
+        r = usage_cli(config_path, redis_url, *args)
+        assert r.returncode == 0, r.stderr
+        by = args[-1]
+        assert r.stdout.splitlines()[0].rstrip() == f"tokengate usage, {days} (UTC), by {by}"
+
+
 def test_usage_errors_and_redis_down(config_path, redis_url):
     r = usage_cli(config_path, redis_url, "--since", "last week")
     assert r.returncode == 2 and "--since" in r.stderr

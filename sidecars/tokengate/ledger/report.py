@@ -129,6 +129,20 @@ def _fmt_cost(cost: float) -> str:
     return f"{cost:.6f}"
 
 
+def span(since: date | None, until: date | None, days: Iterable[str | None]) -> str:
+    """The days a report covers, for its title: ``since`` .. ``until`` where given, else
+    the first / last of ``days`` (the UTC days of the rows shown, before grouping);
+    ``all days`` with neither, ``from D`` / ``up to D`` with one end only (no rows)."""
+    shown = sorted(d for d in days if d is not None)
+    first = since.isoformat() if since else (shown[0] if shown else None)
+    last = until.isoformat() if until else (shown[-1] if shown else None)
+    if first and last:
+        return f"{first} .. {last}"
+    if first:
+        return f"from {first}"
+    return f"up to {last}" if last else "all days"
+
+
 def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -> None:
     """Print rows and a total as a table (rich)."""
     from rich.console import Console
@@ -240,10 +254,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     try:
-        rows = group(query(client, args.since, args.until, args.key, args.model), by)
+        per_day = query(client, args.since, args.until, args.key, args.model)
     except RedisError as e:
         print(f"tokengate usage: Redis unavailable: {e}", file=sys.stderr)
         return 1
+    rows = group(per_day, by)
     rows.sort(key=lambda r: (r.day or "", r.key_id or "", r.model or ""))
     if args.json:
         doc = {"currency": cfg.currency, "by": by,
@@ -253,6 +268,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        span = f"{args.since or 'first day'} .. {args.until or 'last day'}"
-        render(rows, by, cfg.currency, f"tokengate usage, {span} (UTC), by {', '.join(by)}")
+        days = span(args.since, args.until, (r.day for r in per_day))
+        render(rows, by, cfg.currency, f"tokengate usage, {days} (UTC), by {', '.join(by)}")
     return 0
