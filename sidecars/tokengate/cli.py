@@ -36,7 +36,8 @@ Validate tokengate.yaml, apply it to the running edges, or print what describes 
 EXIT STATUS
   check: 0 valid (one summary line on stdout); 1 invalid (one line per problem on
   stderr, each starting with the key's dotted path, e.g.
-  `models.tiny-qwen3.max_token_cap: unknown key`); 2 the file cannot be read.
+  `models.tiny-qwen3.max_token_cap: unknown key`); 2 the file cannot be read (one
+  line: missing, not permitted, or not UTF-8 text).
   apply: check's statuses; then 1 when an edge could not be reloaded (its line says
   why), else 0 (also when no running edge was found: said on stderr).
 """
