@@ -13,6 +13,8 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
         tokengate-limits.service, tokengate-vllm@.service
+                                                (not the vLLM unit nor example.env with
+                                                --no-vllm-unit: the host runs its vLLM)
     /etc/systemd/system/nginx.service.d/tokengate.conf   removes a stale hop socket
     /etc/tmpfiles.d/tokengate.conf              /run/tokengate at every boot
     /var/lib/tokengate/usage/                   usage events: nginx writes, the ledger reads
@@ -36,10 +38,12 @@ the same for every prefix; install only replaces the executables' folders in the
 prefix is a working tree that nginx and the sidecars run from as they are (the tests do).
 
 Without ``--config`` the configuration is made for the host, not for ``make run``:
-Debian's redis-server (6379), the operator's model and vLLM upstreams (``--model``,
-``--model-dir``, ``--max-model-len``, ``--upstream``; asked for when missing), their
-engine records, and loopback ports of their own for the status and metrics servers
-(946x), clear of vLLM's 8000 and the demo's 8080-8084.
+Debian's redis-server (6379; ``--redis-url``), the edge's API on 0.0.0.0:80
+(``--edge-listen``: the host's server { } that includes the snippet), the operator's
+model and vLLM upstreams (``--model``, ``--model-dir``, ``--max-model-len``,
+``--upstream``; asked for when missing), their engine records, and loopback ports of
+their own for the status and metrics servers (946x), clear of vLLM's 8000 and the
+demo's 8080-8084.
 
 Install never starts, stops, reloads, enables or disables a service (nginx, Redis,
 tokengate's own): it prints what to run next.
@@ -77,6 +81,10 @@ TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf
 # Where the committed units expect the executables; replaced at install.
 UNIT_BIN_DIR = "/opt/tokengate/bin"
 UNIT_VLLM_PYTHON = "/opt/vllm/bin/python"
+VLLM_UNIT = "tokengate-vllm@.service"
+# The configuration made for a host: Debian's redis-server, the edge's API on port 80.
+HOST_REDIS_URL = "redis://127.0.0.1:6379/0"
+HOST_EDGE_LISTEN = "0.0.0.0:80"
 # ProtectHome=yes in every unit: a service sees nothing below these.
 HIDDEN = (Path("/home"), Path("/root"), Path("/run/user"))
 
@@ -94,9 +102,10 @@ ProtectHome=yes; a pyenv Python under /root is hidden from them):
       --model qwen3-8b --model-dir /srv/models/Qwen3-8B --max-model-len 32768 \\
       --upstream 127.0.0.1:8100
 
-The configuration it writes is made for the host (Debian's Redis on 6379, the given
-model and upstreams, ports clear of vLLM's and the demo's); --config FILE installs
-another instead.
+The configuration it writes is made for the host (Debian's Redis on 6379 or
+--redis-url, the edge on 0.0.0.0:80 or --edge-listen, the given model and upstreams,
+ports clear of vLLM's and the demo's); --config FILE installs another instead. A host
+that runs its vLLM itself gives --no-vllm-unit: no tokengate-vllm@.service.
 
 It never starts, stops, reloads, enables or disables a service (nginx, Redis, the
 units); it prints the commands that do. Running it again updates everything but
@@ -131,6 +140,10 @@ class Options:
     model_dir: Path | None = None
     max_model_len: int | None = None
     upstreams: tuple[str, ...] = ()
+    redis_url: str = HOST_REDIS_URL
+    edge_listen: str = HOST_EDGE_LISTEN
+    # False: the host runs its vLLM itself (no tokengate-vllm@.service, no example.env)
+    vllm_unit: bool = True
 
     @property
     def on_host(self) -> bool:
@@ -322,6 +335,13 @@ def _hidden(path: Path) -> bool:
     return any(p == h or h in p.parents for h in HIDDEN)
 
 
+def _named(path: Path) -> str:
+    """``path`` as the operator gave it, then where it resolves to when that differs
+    (a link, ``..``): a refusal that named only the target read like another path."""
+    target = path.resolve()
+    return str(path) if target == path else f"{path} (resolves to {target})"
+
+
 def script_interpreter(script: Path) -> Path | None:
     """The interpreter a console script runs: its ``#!`` line, or the ``exec`` line of
     pip's ``#!/bin/sh`` wrapper for a long path; None when it names none."""
@@ -364,7 +384,9 @@ def _unseen_interpreter(what: str, python: Path) -> str | None:
     """A problem line when the units cannot see a file that starting ``python`` needs."""
     for f in interpreter_files(python):
         if _hidden(f):
-            return (f"{what}: its interpreter {python} needs {f.resolve()}, which is below "
+            # the interpreter itself is named first: then only where its link ends
+            needs = f.resolve() if f == python.absolute() else _named(f)
+            return (f"{what}: its interpreter {python} needs {needs}, which is below "
                     f"{', '.join(map(str, HIDDEN))}, hidden from the units (ProtectHome=yes): "
                     "make the virtualenv from a Python outside them, e.g. /usr/bin/python3 "
                     "-m venv /opt/tokengate")
@@ -372,16 +394,21 @@ def _unseen_interpreter(what: str, python: Path) -> str | None:
 
 
 def host_config_text(template: str, model: str, model_dir: Path, max_model_len: int,
-                     upstreams: tuple[str, ...], engine_dir: Path) -> str:
+                     upstreams: tuple[str, ...], engine_dir: Path,
+                     redis_url: str = HOST_REDIS_URL,
+                     edge_listen: str = HOST_EDGE_LISTEN) -> str:
     """The configuration made for a host (systemd/tokengate.host.yaml.in filled in): one
-    model with its directory, context length and upstreams, and the engine record file
-    of each loopback upstream (``tokengate-vllm@PORT`` writes ``engine_dir``/PORT.jsonl,
-    /var/lib/tokengate/engine on a host); the schema checks the values."""
+    model with its directory, context length and upstreams, the engine record file of
+    each loopback upstream (``tokengate-vllm@PORT`` writes ``engine_dir``/PORT.jsonl,
+    /var/lib/tokengate/engine on a host), ``redis.url`` and ``edge.listen``; the schema
+    checks the values."""
     engine = [_scalar(str(engine_dir / f"{u.rpartition(':')[2]}.jsonl")) for u in upstreams
               if tg_config._is_loopback(u)]
     return (template.replace("@MODEL@", _scalar(model))
             .replace("@MODEL_DIR@", _scalar(str(model_dir.absolute())))
             .replace("@MAX_MODEL_LEN@", str(max_model_len))
+            .replace("@REDIS_URL@", _scalar(redis_url))
+            .replace("@EDGE_LISTEN@", _scalar(edge_listen))
             .replace("@UPSTREAMS@", "\n".join(f"      - {_scalar(u)}" for u in upstreams))
             .replace("@ENGINE_FILES@", "".join(f"\n    - {e}" for e in engine) or " []"))
 
@@ -429,7 +456,7 @@ def plan(opts: Options) -> Plan:
             source_config = opts.config.resolve()
             tg_config.load(source_config)  # the source itself is valid (duplicate keys too)
             config_text = _header(source_config) + deploy_config_text(
-                source_config.read_text(), source_config.parent, paths)
+                tg_config.read_text(source_config), source_config.parent, paths)
             cfg = tg_config.loads(config_text, target)
         else:
             asked = [flag for flag, given in (
@@ -445,7 +472,8 @@ def plan(opts: Options) -> Plan:
             template = unit_src / HOST_CONFIG
             config_text = _header(template) + deploy_config_text(host_config_text(
                 template.read_text(), opts.model, opts.model_dir, opts.max_model_len,
-                opts.upstreams, opts.at("/var/lib/tokengate/engine")), template.parent, paths)
+                opts.upstreams, opts.at("/var/lib/tokengate/engine"), opts.redis_url,
+                opts.edge_listen), template.parent, paths)
             cfg = tg_config.loads(config_text, target)
         compile_config.compile_config(cfg)  # resolves upstreams, reads tokenizer files
     except tg_config.ConfigError as e:
@@ -454,26 +482,28 @@ def plan(opts: Options) -> Plan:
         raise InstallError([str(e)]) from None
     problems += _check_paths(cfg, paths, target)
 
+    vllm_python = [("--vllm-python", opts.vllm_python)] if opts.vllm_unit else []
     hidden = [("--bin-dir", opts.bin_dir), ("the tokengate package",
                                             Path(tokengate.__file__).parent),
-              ("--vllm-python", opts.vllm_python),
+              *vllm_python,
               *((f"models.{n}.dir", m.dir) for n, m in cfg.models.items())]
     for what, path in hidden:
         if _hidden(path):
-            line = (f"{what} {path.resolve()} is below {', '.join(map(str, HIDDEN))}, which "
+            line = (f"{what} {_named(path)} is below {', '.join(map(str, HIDDEN))}, which "
                     "the units hide (ProtectHome=yes): use a virtualenv or folder such as "
                     "/opt/tokengate")
             (problems if opts.on_host else warnings).append(line)
     for what, python in (("--bin-dir", script_interpreter(opts.bin_dir / "tokengate-counter")),
-                         ("--vllm-python", opts.vllm_python)):
+                         *vllm_python):
         if python is None or any(what == w and _hidden(p) for w, p in hidden):
             continue  # no interpreter named, or its path itself was refused above
         unseen = _unseen_interpreter(what, python)
         if unseen is not None:
             (problems if opts.on_host else warnings).append(unseen)
-    if not opts.vllm_python.exists():
-        warnings.append(f"{opts.vllm_python}: not found; tokengate-vllm@.service will not "
-                        "start until --vllm-python names the interpreter of your vLLM")
+    if opts.vllm_unit and not opts.vllm_python.exists():
+        warnings.append(f"{opts.vllm_python}: not found; {VLLM_UNIT} will not start until "
+                        "--vllm-python names the interpreter of your vLLM (a host that runs "
+                        f"its vLLM itself: --no-vllm-unit, and no {VLLM_UNIT} is written)")
     if problems:
         raise InstallError(problems)
 
@@ -483,7 +513,7 @@ def plan(opts: Options) -> Plan:
     except KeyError:
         user_exists = False
     stand_in = not opts.on_host
-    todo = Plan(opts.dry_run, next_steps=next_steps(cfg))
+    todo = Plan(opts.dry_run, next_steps=next_steps(cfg, vllm_unit=opts.vllm_unit))
     todo.notes += warnings
     if not user_exists:
         if opts.on_host:
@@ -500,7 +530,8 @@ def plan(opts: Options) -> Plan:
     root_owned = ("root", "root")
     for path, mode, owner in (
             (opts.at("/etc/tokengate"), 0o750, ("root", GROUP)),
-            (opts.at("/etc/tokengate/vllm"), 0o750, ("root", GROUP)),
+            *(((opts.at("/etc/tokengate/vllm"), 0o750, ("root", GROUP)),)
+              if opts.vllm_unit else ()),
             (opts.at("/var/lib/tokengate"), 0o750, (USER, GROUP)),
             (opts.at("/var/lib/tokengate/usage"), 0o750, ("root", GROUP)),
             # the vLLM plugin's engine records (tokengate-vllm@.service writes, the ledger reads)
@@ -532,6 +563,8 @@ def plan(opts: Options) -> Plan:
     for t in TEMPLATES:
         file(share / "nginx" / t, (tpl_src / t).read_bytes())
     for u in UNITS:
+        if u == VLLM_UNIT and not opts.vllm_unit:
+            continue
         text = (unit_src / u).read_text()
         text = text.replace(UNIT_BIN_DIR + "/", f"{opts.bin_dir.absolute()}/")
         text = text.replace(UNIT_VLLM_PYTHON, str(opts.vllm_python.absolute()))
@@ -540,7 +573,7 @@ def plan(opts: Options) -> Plan:
          (unit_src / "nginx.service.d" / "tokengate.conf").read_bytes())
     file(opts.at("/etc/tmpfiles.d/tokengate.conf"), (unit_src / "tokengate.tmpfiles").read_bytes())
     example = opts.at("/etc/tokengate/vllm/example.env")
-    if not example.exists():
+    if opts.vllm_unit and not example.exists():
         file(example, vllm_env_text((unit_src / "vllm.env.example").read_text(),
                                     cfg).encode())
 
@@ -593,9 +626,10 @@ def vllm_env_text(example: str, cfg: tg_config.Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def next_steps(cfg: tg_config.Config) -> str:
+def next_steps(cfg: tg_config.Config, vllm_unit: bool = True) -> str:
     """What is left after an install, for this configuration: one ``tokengate-vllm@PORT``
-    per loopback upstream (a replica on another host is started there),
+    per loopback upstream (a replica on another host is started there; none without
+    ``vllm_unit``: the host runs its vLLM itself, and ``tokengate doctor`` checks it),
     ``tokengate-limits`` only with ``global_limits.enabled``."""
     sidecars = "tokengate-counter tokengate-ledger"
     if cfg.global_limits.enabled:
@@ -604,8 +638,11 @@ def next_steps(cfg: tg_config.Config) -> str:
              "  edit /etc/tokengate/tokengate.yaml, then run tokengate install again (edge.json)",
              "  add `include snippets/tokengate-location.conf;` to a server { } block of nginx",
              f"  systemctl enable --now {sidecars}"]
+    if not vllm_unit:
+        lines.append("  tokengate doctor   (once the host's own vLLM serves: it checks the "
+                     "flags and the tokengate plugin that billing needs)")
     for name, model in cfg.models.items():
-        for upstream in model.upstreams:
+        for upstream in model.upstreams if vllm_unit else []:
             port = upstream.rpartition(":")[2]
             if not tg_config._is_loopback(upstream):
                 lines.append(f"  {name} at {upstream}: a replica on another host; start it "
@@ -650,10 +687,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument("--bin-dir", type=Path, default=Path(sysconfig.get_path("scripts")),
                    help="folder of tokengate-counter, -ledger, -limits that the units run "
                         "(default: this tokengate's, %(default)s)")
-    p.add_argument("--vllm-python", type=Path, default=None,
-                   help="the Python of the host's vLLM, for tokengate-vllm@.service "
-                        "(default: this one when it imports vllm, else "
-                        f"{UNIT_VLLM_PYTHON})")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="without --config: redis.url of the configuration made for the "
+                        f"host (default: Debian's redis-server, {HOST_REDIS_URL})")
+    p.add_argument("--edge-listen", default=None, metavar="HOST:PORT",
+                   help="without --config: edge.listen of the configuration made for the "
+                        "host, the listen of the server { } that includes the snippet "
+                        f"(default: {HOST_EDGE_LISTEN})")
+    vllm = p.add_mutually_exclusive_group()
+    vllm.add_argument("--vllm-python", type=Path, default=None,
+                      help=f"the Python of the host's vLLM, for {VLLM_UNIT} (default: this "
+                           f"one when it imports vllm, else {UNIT_VLLM_PYTHON})")
+    vllm.add_argument("--no-vllm-unit", action="store_true",
+                      help=f"the host runs its vLLM itself: {VLLM_UNIT} and "
+                           "/etc/tokengate/vllm/example.env are not written")
     p.set_defaults(func=run)
     return p
 
@@ -663,7 +710,10 @@ def run(args: argparse.Namespace) -> int:
     opts = Options(prefix=args.prefix, source=args.source, config=args.config,
                    bin_dir=args.bin_dir, vllm_python=args.vllm_python or default_vllm_python(),
                    dry_run=args.dry_run, model=args.model, model_dir=args.model_dir,
-                   max_model_len=args.max_model_len, upstreams=tuple(args.upstream))
+                   max_model_len=args.max_model_len, upstreams=tuple(args.upstream),
+                   redis_url=args.redis_url or HOST_REDIS_URL,
+                   edge_listen=args.edge_listen or HOST_EDGE_LISTEN,
+                   vllm_unit=not args.no_vllm_unit)
     try:
         todo = plan(opts)
     except InstallError as e:

@@ -263,7 +263,8 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1
     for opt, path in hidden:
-        assert f"{opt} {path.resolve()} is below /home, /root, /run/user, which the units " \
+        named = path if path.resolve() == path else f"{path} (resolves to {path.resolve()})"
+        assert f"{opt} {named} is below /home, /root, /run/user, which the units " \
                "hide (ProtectHome=yes): use a virtualenv or folder such as /opt/tokengate" \
                in r.stderr.splitlines(), r.stderr
     # a virtualenv outside them whose interpreter is not (a pyenv Python under /root)
@@ -271,6 +272,28 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
     unseen = 1 if seen and ("--bin-dir", TOKENGATE.parent) not in hidden else 0
     assert r.stderr.splitlines()[-1] == \
         f"tokengate install: {len(hidden) + unseen} problem(s); nothing changed"
+
+
+def test_a_hidden_path_is_named_as_given_then_where_it_resolves(tmp_path: Path) -> None:
+    # an operator's --vllm-python /root/.cache/x/venv/bin/python was refused as
+    # "/root/.pyenv/versions/3.11.7/bin/python3.11 is below ...": a path not given
+    # (--bin-dir and models.<name>.dir are named by the same line)
+    away = Path("/root/.cache/tokengate-absent/venv")
+    python = tmp_path / "python"
+    python.symlink_to(away / "bin/python3.11")
+    r = subprocess.run([str(TOKENGATE), "install", "--dry-run", "--source", str(ROOT),
+                        "--config", str(REPO_CONFIG), "--vllm-python", str(python)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1
+    why = ("is below /home, /root, /run/user, which the units hide (ProtectHome=yes): use a "
+           "virtualenv or folder such as /opt/tokengate")
+    assert f"--vllm-python {python} (resolves to {away}/bin/python3.11) {why}" in \
+        r.stderr.splitlines(), r.stderr
+    # a path that is where it is named is named once
+    r = subprocess.run([str(TOKENGATE), "install", "--dry-run", "--source", str(ROOT),
+                        "--config", str(REPO_CONFIG), "--vllm-python", str(away / "python")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert f"--vllm-python {away}/python {why}" in r.stderr.splitlines(), r.stderr
 
 
 def fake_venv(root: Path, python_target: Path | None, home: Path) -> Path:
@@ -359,6 +382,64 @@ def test_without_config_install_writes_one_made_for_the_host(tmp_path: Path) -> 
     check = subprocess.run([str(TOKENGATE), "config", "check", str(target)],
                            capture_output=True, text=True, timeout=120, check=False)
     assert (check.returncode, check.stderr) == (0, "")
+    assert cfg.edge.listen == "0.0.0.0:80"
+    assert (prefix / "etc/systemd/system/tokengate-vllm@.service").is_file()
+
+
+HOST_MODEL = ("--model", "qwen3-8b", "--model-dir", str(ROOT / "var/models/tiny-qwen3"),
+              "--max-model-len", "8192", "--upstream", "127.0.0.1:8100")
+
+
+def install_own_vllm(prefix: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`tokengate install` without --vllm-python (``install()`` gives this one)."""
+    return subprocess.run([str(TOKENGATE), "install", "--prefix", str(prefix), "--source",
+                           str(ROOT), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_listen(
+        tmp_path: Path) -> None:
+    prefix = tmp_path / "root"
+    r = install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit", "--redis-url",
+                         "redis://:pw@10.0.0.9:6390/2", "--edge-listen", "127.0.0.1:8089")
+    assert r.returncode == 0, r.stderr
+    assert not any("vllm" in line.lower() for line in r.stdout.splitlines()), r.stdout
+    assert sorted(f.name for f in (prefix / "etc/systemd/system").glob("*.service")) == \
+        list(SIDECARS)
+    assert not (prefix / "etc/tokengate/vllm").exists()
+    cfg = tg_config.load(prefix / "etc/tokengate/tokengate.yaml")
+    assert (cfg.redis.url, cfg.edge.listen) == ("redis://:pw@10.0.0.9:6390/2", "127.0.0.1:8089")
+    steps = install_mod.next_steps(cfg, vllm_unit=False).splitlines()
+    assert "  systemctl enable --now tokengate-counter tokengate-ledger" in steps
+    assert not any("tokengate-vllm" in line or "example.env" in line for line in steps)
+    assert steps[-2].startswith("  tokengate doctor ")
+
+
+def test_without_the_vllm_interpreter_the_note_names_no_vllm_unit(tmp_path: Path) -> None:
+    absent = tmp_path / "vllm/bin/python"
+    r = install_own_vllm(tmp_path / "root", *HOST_MODEL, "--vllm-python", absent, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"note: {absent}: not found; tokengate-vllm@.service will not start until " \
+           "--vllm-python names the interpreter of your vLLM (a host that runs its vLLM " \
+           "itself: --no-vllm-unit, and no tokengate-vllm@.service is written)" \
+           in r.stdout.splitlines(), r.stdout
+    both = install_own_vllm(tmp_path / "root", *HOST_MODEL, "--vllm-python", absent,
+                            "--no-vllm-unit", "--dry-run")
+    assert both.returncode == 2 and "--no-vllm-unit" in both.stderr
+
+
+@pytest.mark.parametrize("args,line", [
+    (("--redis-url", "http://10.0.0.9:6379"),
+     "redis.url: expected a redis://, rediss:// or unix:// URL, got 'http://10.0.0.9:6379'"),
+    (("--edge-listen", "port80"), "edge.listen: expected host:port (port 1..65535), got 'port80'"),
+], ids=["redis-url", "edge-listen"])
+def test_a_bad_redis_url_or_edge_listen_is_refused_by_the_schema(
+        tmp_path: Path, args: tuple[str, str], line: str) -> None:
+    prefix = tmp_path / "root"
+    r = install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit", *args)
+    assert (r.returncode, r.stderr.splitlines()) == \
+        (1, [line, "tokengate install: 1 problem(s); nothing changed"])
+    assert not prefix.exists()
 
 
 def test_without_config_install_asks_for_the_model_and_its_upstreams(tmp_path: Path) -> None:
