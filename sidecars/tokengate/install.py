@@ -63,7 +63,7 @@ import sys
 import sysconfig
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -105,7 +105,8 @@ ProtectHome=yes; a pyenv Python under /root is hidden from them):
 The configuration it writes is made for the host (Debian's Redis on 6379 or
 --redis-url, the edge on 0.0.0.0:80 or --edge-listen, the given model and upstreams,
 ports clear of vLLM's and the demo's); --config FILE installs another instead. A host
-that runs its vLLM itself gives --no-vllm-unit: no tokengate-vllm@.service.
+that runs its vLLM itself gives --no-vllm-unit: no tokengate-vllm@.service; a run
+again without --vllm-python or --no-vllm-unit keeps the first run's choice.
 
 It never starts, stops, reloads, enables or disables a service (nginx, Redis, the
 units); it prints the commands that do. Running it again updates everything but
@@ -142,8 +143,10 @@ class Options:
     upstreams: tuple[str, ...] = ()
     redis_url: str = HOST_REDIS_URL
     edge_listen: str = HOST_EDGE_LISTEN
-    # False: the host runs its vLLM itself (no tokengate-vllm@.service, no example.env)
-    vllm_unit: bool = True
+    # False: the host runs its vLLM itself (no tokengate-vllm@.service, no example.env);
+    # True: write them; None (neither --vllm-python nor --no-vllm-unit): as the last
+    # install chose, i.e. written when the unit is there already or on a first install
+    vllm_unit: bool | None = True
 
     @property
     def on_host(self) -> bool:
@@ -448,6 +451,15 @@ def plan(opts: Options) -> Plan:
 
     paths = nginx_conf.debian_paths(opts.prefix.resolve())
     target = opts.at("/etc/tokengate/tokengate.yaml")
+    unit_path = opts.at(f"/etc/systemd/system/{VLLM_UNIT}")
+    if opts.vllm_unit is None:
+        # a run again keeps the first one's choice (the README says to run install
+        # again after each edit, without repeating its options)
+        opts = replace(opts, vllm_unit=not target.exists() or unit_path.exists())
+    elif not opts.vllm_unit and unit_path.exists():
+        warnings.append(f"{unit_path}: written by an earlier install and left in place "
+                        "(install removes no unit a replica may run from): delete it once "
+                        "no tokengate-vllm@PORT runs")
     try:
         if target.exists():
             cfg = tg_config.load(target)
@@ -513,7 +525,7 @@ def plan(opts: Options) -> Plan:
     except KeyError:
         user_exists = False
     stand_in = not opts.on_host
-    todo = Plan(opts.dry_run, next_steps=next_steps(cfg, vllm_unit=opts.vllm_unit))
+    todo = Plan(opts.dry_run, next_steps=next_steps(cfg, vllm_unit=bool(opts.vllm_unit)))
     todo.notes += warnings
     if not user_exists:
         if opts.on_host:
@@ -713,7 +725,8 @@ def run(args: argparse.Namespace) -> int:
                    max_model_len=args.max_model_len, upstreams=tuple(args.upstream),
                    redis_url=args.redis_url or HOST_REDIS_URL,
                    edge_listen=args.edge_listen or HOST_EDGE_LISTEN,
-                   vllm_unit=not args.no_vllm_unit)
+                   vllm_unit=(False if args.no_vllm_unit
+                              else True if args.vllm_python is not None else None))
     try:
         todo = plan(opts)
     except InstallError as e:

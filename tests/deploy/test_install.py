@@ -415,6 +415,27 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert steps[-2].startswith("  tokengate doctor ")
 
 
+def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> None:
+    # the README says to run install again after each edit, without its options: the
+    # host that runs its own vLLM must not get the unit then
+    prefix = tmp_path / "root"
+    unit = prefix / "etc/systemd/system/tokengate-vllm@.service"
+    assert install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit").returncode == 0
+    again = install_own_vllm(prefix)
+    assert again.returncode == 0, again.stderr
+    assert not unit.exists() and not (prefix / "etc/tokengate/vllm").exists()
+    assert not any("vllm" in line.lower() for line in again.stdout.splitlines()), again.stdout
+    # --vllm-python adds it; a run again keeps it; --no-vllm-unit then leaves it, said
+    assert install_own_vllm(prefix, "--vllm-python", sys.executable).returncode == 0
+    assert unit.is_file()
+    assert install_own_vllm(prefix).returncode == 0 and unit.is_file()
+    off = install_own_vllm(prefix, "--no-vllm-unit")
+    assert off.returncode == 0 and unit.is_file()
+    assert f"note: {unit}: written by an earlier install and left in place (install " \
+           "removes no unit a replica may run from): delete it once no tokengate-vllm@PORT " \
+           "runs" in off.stdout.splitlines(), off.stdout
+
+
 def test_without_the_vllm_interpreter_the_note_names_no_vllm_unit(tmp_path: Path) -> None:
     absent = tmp_path / "vllm/bin/python"
     r = install_own_vllm(tmp_path / "root", *HOST_MODEL, "--vllm-python", absent, "--dry-run")
