@@ -12,7 +12,6 @@ server's engine records go to a file of its own (``usage_file``), read from an o
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -101,29 +100,6 @@ class VllmServer:
 
 VllmFactory = Callable[..., VllmServer]
 
-# The session's vLLM servers, by spec (vllm_server): module-level so that the hook below
-# can stop them once the worker ran its last vLLM test.
-_SERVERS: dict[tuple[Any, ...], tuple[Service, VllmServer]] = {}
-
-
-def _stop_servers() -> None:
-    while _SERVERS:
-        _spec, (svc, _server) = _SERVERS.popitem()
-        svc.stop()
-
-
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Under pytest-xdist (make test) the tests that need vLLM come to one worker as one
-    group, one after another (tests/conftest.py): after the group's last one the idle
-    servers are stopped, so their engine processes (a few % of a core each, 2-3 GB)
-    leave the rest of that worker's tests alone. A vLLM test that still came later would
-    boot its server again. In one process (TEST_WORKERS=0) the vLLM tests are spread
-    over the collection order: the servers then live until the session ends."""
-    if (_SERVERS and os.environ.get("PYTEST_XDIST_WORKER")
-            and item.get_closest_marker("vllm") is not None
-            and (nextitem is None or nextitem.get_closest_marker("vllm") is None)):
-        _stop_servers()
-
 
 @pytest.fixture(scope="session")
 def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
@@ -132,7 +108,7 @@ def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
     ``env`` added to its environment: booted on first use, shared by every test that asks
     for the same. ``label`` names its folder (``TEST_DIR/vllm-<label>``: its engine
     records and log name); default: its port."""
-    servers = _SERVERS
+    servers: dict[tuple[Any, ...], tuple[Service, VllmServer]] = {}
 
     def get(extra_args: Sequence[str] = (), drop: Sequence[str] = (),
             env: dict[str, str] | None = None, label: str | None = None) -> VllmServer:
@@ -162,7 +138,8 @@ def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
     try:
         yield get
     finally:
-        _stop_servers()
+        for svc, _server in servers.values():
+            svc.stop()
 
 
 @pytest.fixture(scope="session")
