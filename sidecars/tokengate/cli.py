@@ -50,8 +50,7 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
     check = verbs.add_parser("check", help="validate a configuration file")
     check.add_argument("file", type=Path, nargs="?", default=None,
-                       help="tokengate.yaml (default: $TOKENGATE_CONFIG, else the installed "
-                            "/etc/tokengate/tokengate.yaml, else ./tokengate.yaml)")
+                       help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     check.set_defaults(func=config_check)
     apply_p = verbs.add_parser(
         "apply", help="check the file and reload the running edges with it",

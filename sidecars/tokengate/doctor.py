@@ -60,8 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                       "mirrors", description=DOCTOR_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=None,
-                   help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
-                        "else /etc/tokengate/tokengate.yaml)")
+                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     p.add_argument("--allow-unverified-vllm", action="store_true",
                    help="a vLLM release the counter was not verified against is a warning, "
                         "not a failure (the count checks still run and must pass)")

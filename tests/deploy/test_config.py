@@ -674,3 +674,15 @@ def test_the_cli_called_in_process_leaves_sigpipe_to_python(tmp_path: Path) -> N
         cli.main(["config", "check", str(path)])
     assert (done.value.code, signal.getsignal(signal.SIGPIPE)) == (0, before)
     assert before == signal.SIG_IGN
+
+
+@pytest.mark.parametrize("argv", [
+    ["tokengate", "doctor"], ["tokengate", "usage"], ["tokengate", "keys", "create"],
+    ["tokengate", "config", "check"], ["tokengate-counter"], ["tokengate-ledger"],
+    ["tokengate-limits"]], ids=" ".join)
+def test_every_commands_help_names_the_lookup_it_makes(argv: list[str]) -> None:
+    # one text (config.LOOKUP_HELP), in discover()'s order: an installed file comes
+    # before a checkout's ./tokengate.yaml
+    out = subprocess.run([str(BIN / argv[0]), *argv[1:], "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert tg_config.LOOKUP_HELP in " ".join(out.split()), out

@@ -31,6 +31,7 @@ from tokengate.config.edge import (
 from tokengate.config.keys import KEY_ID, KEY_ID_RULE, Budget, KeyConfig
 from tokengate.config.loading import (
     CONFIG_ENV,
+    LOOKUP_HELP,
     ConfigError,
     NotText,
     check_model_dirs,
@@ -48,8 +49,8 @@ from tokengate.config.sidecars import RedisConfig
 from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
 
 __all__ = [
-    "CONFIG_ENV", "COUNTER_MAX_MESSAGE_BYTES", "KEY_ID", "KEY_ID_RULE", "MAX_AMOUNT",
-    "MAX_COUNT", "AccessLogConfig", "BillingConfig", "Budget", "Config",
+    "CONFIG_ENV", "COUNTER_MAX_MESSAGE_BYTES", "KEY_ID", "KEY_ID_RULE", "LOOKUP_HELP",
+    "MAX_AMOUNT", "MAX_COUNT", "AccessLogConfig", "BillingConfig", "Budget", "Config",
     "ConfigError", "ContextPenalty", "EdgeConfig", "KeyConfig", "ModelConfig", "ModelCost",
     "NotText", "RedisConfig", "StructuredOutputLimits", "_Schema", "_is_loopback",
     "check_model_dirs", "default_path", "discover", "load", "loads", "parse", "read_text",

@@ -98,6 +98,11 @@ def _installed() -> bool:
     return True
 
 
+# The lookup discover() makes, for the --config help of every command.
+LOOKUP_HELP = ("default: $TOKENGATE_CONFIG, else the installed "
+               "/etc/tokengate/tokengate.yaml, else ./tokengate.yaml")
+
+
 def discover(given: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
     """The configuration a command acts on, and why that one: ``given`` (``--config``),
     else ``$TOKENGATE_CONFIG``, else the installed ``/etc/tokengate/tokengate.yaml``

@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="tokengate-counter", description=__doc__.split("DESCRIPTION")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None,
-                        help="YAML configuration (default: $TOKENGATE_CONFIG, else "
-                             "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
+                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     parser.add_argument("--host", default="127.0.0.1", help="TCP address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051,
                         help="TCP port (default: %(default)s); 0: no TCP listener, the unix "

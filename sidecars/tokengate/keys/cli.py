@@ -157,8 +157,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, default=None,
-                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else the "
-                             "installed /etc/tokengate/tokengate.yaml, else ./tokengate.yaml)")
+                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     apply_opts = argparse.ArgumentParser(add_help=False)
     apply_opts.add_argument("--edge", type=Path, action="append", metavar="DIR",
                             help="an edge to reload: DIR holds edge.json and nginx.pid "

@@ -219,8 +219,7 @@ def add_parser(
                        description=USAGE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=None,
-                   help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
-                        "else /etc/tokengate/tokengate.yaml)")
+                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     p.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
     p.add_argument("--since", type=parse_day, default=None, metavar="DAY",
                    help="first UTC day (default: the first with usage)")

@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None,
-                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
-                             "else /etc/tokengate/tokengate.yaml)")
+                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     parser.add_argument("--usage-file", type=Path, default=None,
                         help="the edge's usage file (default: ledger.usage_file)")
     parser.add_argument("--redis-url", default=None,

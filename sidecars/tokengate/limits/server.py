@@ -311,8 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-limits", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None,
-                        help="tokengate.yaml (default: $TOKENGATE_CONFIG, else ./tokengate.yaml, "
-                             "else /etc/tokengate/tokengate.yaml)")
+                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     parser.add_argument("--listen", action="append", default=None, metavar="HOST:PORT",
                         help="TCP address, repeatable (default: global_limits.listen); "
                              "'none': unix sockets only (needs --unix-socket)")

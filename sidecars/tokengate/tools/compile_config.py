@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Compile tokengate.yaml into the JSON the nginx edge loads at start and "
                     "on reload. Run it, then `nginx -s reload`, after editing the YAML.")
     parser.add_argument("--config", type=Path, default=None,
-                        help="YAML configuration (default: $TOKENGATE_CONFIG, else "
-                             "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
+                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     try:

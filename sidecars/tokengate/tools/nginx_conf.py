@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokengate import config as tg_config
 from tokengate.tools import compile_config
 
 # Where an install puts the templates (the checkout's nginx/) and the Lua modules.
@@ -259,8 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     i = sub.add_parser("instance", help="render a runnable instance into a folder")
     i.add_argument("--config", type=Path, default=None,
-                   help="YAML configuration (default: $TOKENGATE_CONFIG, else "
-                        "./tokengate.yaml, else /etc/tokengate/tokengate.yaml)")
+                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
     i.add_argument("--prefix", type=Path, required=True)
     i.add_argument("--listen", default="127.0.0.1:8080")
     i.add_argument("--templates", type=Path, default=SHARE_DIR / "nginx",
