@@ -333,9 +333,26 @@ def _check_paths(cfg: tg_config.Config, paths: dict[str, Path], where: Path) -> 
     return bad
 
 
+def _visits(path: Path, depth: int = 0) -> list[Path]:
+    """``path`` and every path its resolution passes through: each symbolic link's
+    target, in order (a unit under ProtectHome cannot follow a chain through /root even
+    when it ends outside it)."""
+    out = [Path(os.path.normpath(path.absolute()))]
+    parts = out[0].parts
+    for i in range(1, len(parts)):
+        here = Path(*parts[:i + 1])
+        if depth < 40 and here.is_symlink():
+            target = Path(os.readlink(here))
+            if not target.is_absolute():
+                target = here.parent / target
+            return out + _visits(target.joinpath(*parts[i + 1:]), depth + 1)
+    return out
+
+
 def _hidden(path: Path) -> bool:
-    p = path.resolve()
-    return any(p == h or h in p.parents for h in HIDDEN)
+    """True when ``path``, its target or a link on the way lies below ``HIDDEN``."""
+    return any(p == h or h in p.parents for p in (*_visits(path), path.resolve())
+               for h in HIDDEN)
 
 
 def _named(path: Path) -> str:
@@ -553,8 +570,9 @@ def plan(opts: Options) -> Plan:
             (opts.at("/run/tokengate"), 0o750, (USER, GROUP)),
             (share, 0o755, root_owned), (share / "lua" / "tokengate", 0o755, root_owned),
             (share / "nginx", 0o755, root_owned)):
-        todo.add(f"create {path} ({mode:o} {owner[0]}:{owner[1]})",
-                 _bind(_dir, path, mode, owner, stand_in))
+        # a run again finds them: their mode and owner are set again
+        todo.add(f"{'set' if path.is_dir() else 'create'} {path} ({mode:o} "
+                 f"{owner[0]}:{owner[1]})", _bind(_dir, path, mode, owner, stand_in))
 
     lua_dst = share / "lua" / "tokengate"
     sources = sorted(lua_src.glob("*.lua"))

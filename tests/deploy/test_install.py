@@ -11,10 +11,13 @@ import ast
 import grp
 import importlib.metadata
 import json
+import os
 import pwd
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 import urllib.request
 import uuid
@@ -274,6 +277,27 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
         f"tokengate install: {len(hidden) + unseen} problem(s); nothing changed"
 
 
+def test_a_path_whose_links_pass_through_a_hidden_folder_is_hidden(tmp_path: Path) -> None:
+    # /srv/models/via-root -> /root/x -> /srv/models/real: the target is outside /root,
+    # but a unit with ProtectHome=yes cannot follow the link in /root
+    home = Path.home()
+    if home not in install_mod.HIDDEN or not os.access(home, os.W_OK):
+        pytest.skip("no writable hidden home folder here")
+    real = tmp_path / "real"
+    real.mkdir()
+    middle = Path(tempfile.mkdtemp(dir=home, prefix=".tokengate-test-")) / "link"
+    try:
+        middle.symlink_to(real)
+        (tmp_path / "via-home").symlink_to(middle)
+        assert install_mod._hidden(tmp_path / "via-home")
+        assert install_mod._hidden(tmp_path / "via-home" / "tokenizer.json")
+        assert not install_mod._hidden(real)
+        (tmp_path / "direct").symlink_to(real)
+        assert not install_mod._hidden(tmp_path / "direct")
+    finally:
+        shutil.rmtree(middle.parent)
+
+
 def test_a_hidden_path_is_named_as_given_then_where_it_resolves(tmp_path: Path) -> None:
     # an operator's --vllm-python /root/.cache/x/venv/bin/python was refused as
     # "/root/.pyenv/versions/3.11.7/bin/python3.11 is below ...": a path not given
@@ -423,6 +447,9 @@ def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> No
     assert install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit").returncode == 0
     again = install_own_vllm(prefix)
     assert again.returncode == 0, again.stderr
+    # the folders are there: their mode and owner are set again, not "created"
+    assert f"set {prefix}/etc/tokengate (750 root:www-data)" in again.stdout.splitlines()
+    assert not any(line.startswith("create ") for line in again.stdout.splitlines())
     assert not unit.exists() and not (prefix / "etc/tokengate/vllm").exists()
     assert not any("vllm" in line.lower() for line in again.stdout.splitlines()), again.stdout
     # --vllm-python adds it; a run again keeps it; --no-vllm-unit then leaves it, said
