@@ -40,6 +40,20 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def xdist_group(config: pytest.Config, item: pytest.Item, name: str) -> None:
+    """Put ``item`` in the pytest-xdist group ``name`` (``--dist loadgroup``: a group's
+    tests all run on one worker). xdist 3.8 groups by the suffix ``@name`` it adds to
+    ``item._nodeid`` from the ``xdist_group`` mark, which pytest 9.2 no longer reads
+    (``Node.nodeid`` is built from ``Node._id``): its groups were silently spread over
+    the workers, and each worker booted the vLLM servers. This sets the suffix where
+    pytest 9.2 reads it (``requirements.txt`` pins both)."""
+    from _pytest.nodeid import NodeId
+
+    item.add_marker(pytest.mark.xdist_group(name))
+    if config.getvalue("loadgroup") and not item.nodeid.endswith(f"@{name}"):
+        item._id = NodeId.parse(f"{item.nodeid}@{name}")  # type: ignore[attr-defined]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``vllm`` every test whose fixture closure holds ``vllm_server`` (directly or
     through ``vllm_url``, ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects
@@ -49,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+            xdist_group(config, item, "vllm")
 
 
 @pytest.fixture(scope="session")
