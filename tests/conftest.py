@@ -50,7 +50,7 @@ def xdist_group(config: pytest.Config, item: pytest.Item, name: str) -> None:
     from _pytest.nodeid import NodeId
 
     item.add_marker(pytest.mark.xdist_group(name))
-    if config.getvalue("loadgroup") and not item.nodeid.endswith(f"@{name}"):
+    if config.getoption("loadgroup", False) and not item.nodeid.endswith(f"@{name}"):
         item._id = NodeId.parse(f"{item.nodeid}@{name}")  # type: ignore[attr-defined]
 
 
