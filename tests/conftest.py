@@ -12,9 +12,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from tokengate import config as tg_config
+from tokengate.v1 import counter_pb2_grpc
 from tokengate_dev import devstack
 
 pytest_plugins: list[str] = []
@@ -97,3 +99,10 @@ def counter_addr(config_path: Path) -> Iterator[str]:
         yield f"127.0.0.1:{COUNTER_PORT}"
     finally:
         svc.stop()
+
+
+@pytest.fixture(scope="module")
+def counter_stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStub]:
+    """A gRPC client of the session's counter (CountTokens)."""
+    with grpc.insecure_channel(counter_addr) as channel:
+        yield counter_pb2_grpc.TokenCounterStub(channel)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from tokengate import config as tg_config
@@ -148,6 +149,14 @@ def vllm_url(vllm_server: VllmFactory) -> str:
     flags; engine records in the test folder, so test traffic never lands in make run's
     file)."""
     return vllm_server().url
+
+
+@pytest.fixture(scope="module")
+def vllm_http(vllm_url: str) -> Iterator[httpx.Client]:
+    """An HTTP client of the session's vLLM server, based at its /v1/ (the parity tests
+    post the same bodies there as to the counter)."""
+    with httpx.Client(base_url=vllm_url + "/", timeout=300) as client:
+        yield client
 
 
 # The session's second server: the plugin's token-weighted scheduler, whose steps the

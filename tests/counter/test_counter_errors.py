@@ -8,7 +8,6 @@ import json
 import random
 import socket
 import struct
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -24,17 +23,11 @@ CHAT = counter_pb2.ENDPOINT_CHAT
 COMPLETIONS = counter_pb2.ENDPOINT_COMPLETIONS
 
 
-@pytest.fixture(scope="module")
-def stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStub]:
-    with grpc.insecure_channel(counter_addr) as channel:
-        yield counter_pb2_grpc.TokenCounterStub(channel)
-
-
-def error_of(stub: counter_pb2_grpc.TokenCounterStub, body: bytes | dict,
+def error_of(counter_stub: counter_pb2_grpc.TokenCounterStub, body: bytes | dict,
              endpoint: int = CHAT, model: str = "") -> tuple[grpc.StatusCode, str]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     with pytest.raises(grpc.RpcError) as info:
-        stub.CountTokens(counter_pb2.CountRequest(model=model, endpoint=endpoint, body=raw))
+        counter_stub.CountTokens(counter_pb2.CountRequest(model=model, endpoint=endpoint, body=raw))
     return info.value.code(), info.value.details()
 
 
@@ -112,9 +105,9 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize("body,message", BAD_CHAT, ids=[m for _, m in BAD_CHAT])
-def test_bad_chat_body_is_invalid_argument(stub: counter_pb2_grpc.TokenCounterStub,
+def test_bad_chat_body_is_invalid_argument(counter_stub: counter_pb2_grpc.TokenCounterStub,
                                            body: bytes | dict, message: str) -> None:
-    code, details = error_of(stub, body)
+    code, details = error_of(counter_stub, body)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(message), details
 
@@ -132,28 +125,29 @@ BAD_COMPLETIONS = [
 
 
 @pytest.mark.parametrize("body,message", BAD_COMPLETIONS, ids=[m for _, m in BAD_COMPLETIONS])
-def test_bad_completions_body_is_invalid_argument(stub: counter_pb2_grpc.TokenCounterStub,
+def test_bad_completions_body_is_invalid_argument(counter_stub: counter_pb2_grpc.TokenCounterStub,
                                                   body: dict, message: str) -> None:
-    code, details = error_of(stub, body, COMPLETIONS)
+    code, details = error_of(counter_stub, body, COMPLETIONS)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(message), details
 
 
-def test_unknown_model_is_not_found(stub: counter_pb2_grpc.TokenCounterStub) -> None:
-    assert error_of(stub, {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}) \
+def test_unknown_model_is_not_found(counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
+    x = [{"role": "user", "content": "x"}]
+    assert error_of(counter_stub, {"model": "gpt-9", "messages": x}) \
         == (grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9' does not exist")
-    code, _ = error_of(stub, {"messages": [{"role": "user", "content": "x"}]}, model="gpt-9")
+    code, _ = error_of(counter_stub, {"messages": x}, model="gpt-9")
     assert code == grpc.StatusCode.NOT_FOUND
     # A lone surrogate echoed into the status message must not stall the RPC.
-    code, details = error_of(stub, {"model": "\ud800", "messages": []})
+    code, details = error_of(counter_stub, {"model": "\ud800", "messages": []})
     assert (code, details) == (grpc.StatusCode.NOT_FOUND,
                                "model: the model '\\ud800' does not exist")
     assert code == grpc.StatusCode.NOT_FOUND
 
 
 def test_unspecified_endpoint_is_invalid_argument(
-        stub: counter_pb2_grpc.TokenCounterStub) -> None:
-    code, details = error_of(stub, msgs({"role": "user", "content": "x"}),
+        counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
+    code, details = error_of(counter_stub, msgs({"role": "user", "content": "x"}),
                              counter_pb2.ENDPOINT_UNSPECIFIED)
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
                                ("endpoint: expected one of ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, "
@@ -177,7 +171,7 @@ def mutate(rng: random.Random, value: object, depth: int = 0) -> object:
     return rng.choice(choices)
 
 
-def test_fuzzed_bodies_never_crash_the_counter(stub: counter_pb2_grpc.TokenCounterStub,
+def test_fuzzed_bodies_never_crash_the_counter(counter_stub: counter_pb2_grpc.TokenCounterStub,
                                                counter_addr: str) -> None:
     """2,000 corrupted copies of the parity bodies: each answer is a count or a 4xx-class
     status (INVALID_ARGUMENT / NOT_FOUND), never UNKNOWN/INTERNAL, and the server lives."""
@@ -192,7 +186,8 @@ def test_fuzzed_bodies_never_crash_the_counter(stub: counter_pb2_grpc.TokenCount
             cut = rng.randrange(len(raw))
             raw = raw[:cut] + bytes([rng.randrange(256)]) + raw[cut + 1:]
         try:
-            stub.CountTokens(counter_pb2.CountRequest(endpoint=endpoints[endpoint], body=raw))
+            counter_stub.CountTokens(counter_pb2.CountRequest(endpoint=endpoints[endpoint],
+                                                              body=raw))
             outcome = "OK"
         except grpc.RpcError as e:
             outcome = e.code().name
@@ -224,15 +219,15 @@ def frames_result(c: frames.Client, request: counter_pb2.CountRequest) -> object
         return e.code, e.message
 
 
-def grpc_result(stub: counter_pb2_grpc.TokenCounterStub,
+def grpc_result(counter_stub: counter_pb2_grpc.TokenCounterStub,
                 request: counter_pb2.CountRequest) -> object:
     try:
-        return stub.CountTokens(request)
+        return counter_stub.CountTokens(request)
     except grpc.RpcError as e:
         return e.code(), e.details()
 
 
-def test_counter_frames_answer_what_grpc_answers(stub: counter_pb2_grpc.TokenCounterStub,
+def test_counter_frames_answer_what_grpc_answers(counter_stub: counter_pb2_grpc.TokenCounterStub,
                                                  counter_addr: str) -> None:
     requests = [counter_pb2.CountRequest(endpoint=CHAT, body=json.dumps(
         msgs({"role": "user", "content": "hi"})).encode())]
@@ -245,7 +240,7 @@ def test_counter_frames_answer_what_grpc_answers(stub: counter_pb2_grpc.TokenCou
     for i in range(2):
         with frames.Client(str(TEST_DIR / f"counter.sock.{i}")) as c:
             got = [frames_result(c, r) for r in requests]
-        assert got == [grpc_result(stub, r) for r in requests]
+        assert got == [grpc_result(counter_stub, r) for r in requests]
     assert got[0].prompt_tokens == 9  # type: ignore[attr-defined]
     assert got[-2] == (grpc.StatusCode.NOT_FOUND, "model: the model '\\ud800' does not exist")
 

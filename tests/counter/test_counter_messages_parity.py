@@ -6,7 +6,6 @@ bodies vLLM refuses, the counter refuses too, naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -30,28 +29,16 @@ GENERATED = ["plain", "system_blocks_joined", "system_billing_header_block", "to
              "unicode_mix", "long_lorem"]
 
 
-@pytest.fixture(scope="module")
-def stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStub]:
-    with grpc.insecure_channel(counter_addr) as channel:
-        yield counter_pb2_grpc.TokenCounterStub(channel)
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=vllm_url + "/", timeout=300) as client:
-        yield client
-
-
-def count(stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
+def count(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
           body: dict[str, Any]) -> counter_pb2.CountReply:
-    return stub.CountTokens(counter_pb2.CountRequest(
+    return counter_stub.CountTokens(counter_pb2.CountRequest(
         model=MODEL, endpoint=endpoint, body=json.dumps(body).encode()))
 
 
-def refusal(stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
+def refusal(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
             body: dict[str, Any]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
-        count(stub, endpoint, body)
+        count(counter_stub, endpoint, body)
     return info.value.code(), info.value.details()
 
 
@@ -62,13 +49,13 @@ def test_cases_cover_the_contract() -> None:
 
 
 @pytest.mark.parametrize("name,body", CASES, ids=[c[0] for c in CASES])
-def test_count_tokens_equal_vllm_count_tokens(stub: counter_pb2_grpc.TokenCounterStub,
-                                              vllm: httpx.Client, name: str,
+def test_count_tokens_equal_vllm_count_tokens(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                              vllm_http: httpx.Client, name: str,
                                               body: dict[str, Any]) -> None:
     body = {"model": MODEL, **body}
-    response = vllm.post("messages/count_tokens", json=body)
+    response = vllm_http.post("messages/count_tokens", json=body)
     assert response.status_code == 200, response.text
-    reply = count(stub, COUNT_TOKENS, body)
+    reply = count(counter_stub, COUNT_TOKENS, body)
     assert reply.prompt_tokens == response.json()["input_tokens"]
     assert (reply.max_tokens_requested, reply.max_tokens_effective) == (0, 0)
     b = reply.breakdown
@@ -76,50 +63,50 @@ def test_count_tokens_equal_vllm_count_tokens(stub: counter_pb2_grpc.TokenCounte
 
 
 @pytest.mark.parametrize("name", GENERATED)
-def test_messages_usage_equals_the_count(stub: counter_pb2_grpc.TokenCounterStub,
-                                         vllm: httpx.Client, name: str) -> None:
+def test_messages_usage_equals_the_count(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                         vllm_http: httpx.Client, name: str) -> None:
     """/v1/messages reports the prompt as input_tokens plus the prefix-cache hits in
     cache_read_input_tokens (the server runs with --enable-prompt-tokens-details), and
     its count_tokens gives the same prompt."""
     body = {"model": MODEL, "max_tokens": 1, **BY_NAME[name]}
-    response = vllm.post("messages", json=body)
+    response = vllm_http.post("messages", json=body)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     prompt = (usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
               + usage.get("cache_creation_input_tokens", 0))
-    reply = count(stub, MESSAGES, body)
+    reply = count(counter_stub, MESSAGES, body)
     assert reply.prompt_tokens == prompt
     assert (reply.max_tokens_requested, reply.max_tokens_effective) == (1, 1)
-    assert vllm.post("messages/count_tokens", json=body).json()["input_tokens"] == prompt
+    assert vllm_http.post("messages/count_tokens", json=body).json()["input_tokens"] == prompt
 
 
-def test_input_tokens_leave_out_prefix_cache_hits(stub: counter_pb2_grpc.TokenCounterStub,
-                                                  vllm: httpx.Client) -> None:
+def test_input_tokens_leave_out_prefix_cache_hits(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                                  vllm_http: httpx.Client) -> None:
     """The same long body twice: vLLM serves most of the second prompt from its prefix
     cache and reports only the rest as input_tokens. The counter's count (what the edge
     reserves and sends as X-Token-Count) is the whole prompt: input_tokens plus
     cache_read_input_tokens, which vLLM's count_tokens gives too."""
     body = {"model": MODEL, "max_tokens": 1, "system": "prefix cache probe. " + LOREM * 12,
             "messages": [{"role": "user", "content": "Summarize."}]}
-    first = vllm.post("messages", json=body)
-    second = vllm.post("messages", json=body)
+    first = vllm_http.post("messages", json=body)
+    second = vllm_http.post("messages", json=body)
     assert (first.status_code, second.status_code) == (200, 200), second.text
     usage = second.json()["usage"]
-    reply = count(stub, MESSAGES, body)
+    reply = count(counter_stub, MESSAGES, body)
     assert usage["cache_read_input_tokens"] > 0
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == reply.prompt_tokens
-    assert vllm.post("messages/count_tokens", json=body).json()["input_tokens"] \
+    assert vllm_http.post("messages/count_tokens", json=body).json()["input_tokens"] \
         == reply.prompt_tokens
 
 
 @pytest.mark.parametrize("name,body,message", REFUSED, ids=[c[0] for c in REFUSED])
-def test_what_vllm_refuses_the_counter_refuses(stub: counter_pb2_grpc.TokenCounterStub,
-                                               vllm: httpx.Client, name: str,
+def test_what_vllm_refuses_the_counter_refuses(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                               vllm_http: httpx.Client, name: str,
                                                body: dict[str, Any], message: str) -> None:
     body = {"model": MODEL, **body}
-    response = vllm.post("messages/count_tokens", json=body)
+    response = vllm_http.post("messages/count_tokens", json=body)
     assert 400 <= response.status_code < 500, response.text
-    code, details = refusal(stub, COUNT_TOKENS, body)
+    code, details = refusal(counter_stub, COUNT_TOKENS, body)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(message), details
 
@@ -132,13 +119,13 @@ def test_what_vllm_refuses_the_counter_refuses(stub: counter_pb2_grpc.TokenCount
      "thinking.budget_tokens: must be less than max_tokens (2048 >= 2048)"),
 ], ids=["missing", "zero", "fraction", "thinking_budget"])
 def test_messages_needs_max_tokens_count_tokens_does_not(
-        stub: counter_pb2_grpc.TokenCounterStub, vllm: httpx.Client,
+        counter_stub: counter_pb2_grpc.TokenCounterStub, vllm_http: httpx.Client,
         extra: dict[str, Any], message: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
-    response = vllm.post("messages", json=body)
+    response = vllm_http.post("messages", json=body)
     assert 400 <= response.status_code < 500, response.text
-    assert refusal(stub, MESSAGES, body) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert refusal(counter_stub, MESSAGES, body) == (grpc.StatusCode.INVALID_ARGUMENT, message)
     # count_tokens reads no max_tokens: the same body counts
-    response = vllm.post("messages/count_tokens", json=body)
+    response = vllm_http.post("messages/count_tokens", json=body)
     assert response.status_code == 200, response.text
-    assert count(stub, COUNT_TOKENS, body).prompt_tokens == response.json()["input_tokens"]
+    assert count(counter_stub, COUNT_TOKENS, body).prompt_tokens == response.json()["input_tokens"]

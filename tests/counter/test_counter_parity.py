@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
@@ -18,21 +16,9 @@ ENDPOINTS = {"chat": counter_pb2.ENDPOINT_CHAT, "completions": counter_pb2.ENDPO
 PATHS = {"chat": "chat/completions", "completions": "completions"}
 
 
-@pytest.fixture(scope="module")
-def stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStub]:
-    with grpc.insecure_channel(counter_addr) as channel:
-        yield counter_pb2_grpc.TokenCounterStub(channel)
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=vllm_url + "/", timeout=300) as client:
-        yield client
-
-
-def count(stub: counter_pb2_grpc.TokenCounterStub, endpoint: str,
+def count(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: str,
           body: dict[str, Any]) -> counter_pb2.CountReply:
-    return stub.CountTokens(counter_pb2.CountRequest(
+    return counter_stub.CountTokens(counter_pb2.CountRequest(
         model=MODEL, endpoint=ENDPOINTS[endpoint], body=json.dumps(body).encode()))
 
 
@@ -42,14 +28,14 @@ def test_cases_cover_the_contract() -> None:
 
 
 @pytest.mark.parametrize("name,endpoint,body", CASES, ids=[c[0] for c in CASES])
-def test_prompt_tokens_equal_vllm_usage(stub: counter_pb2_grpc.TokenCounterStub,
-                                        vllm: httpx.Client, name: str, endpoint: str,
+def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                        vllm_http: httpx.Client, name: str, endpoint: str,
                                         body: dict[str, Any]) -> None:
     body = {"model": MODEL, **body}
-    response = vllm.post(PATHS[endpoint], json=body)
+    response = vllm_http.post(PATHS[endpoint], json=body)
     assert response.status_code == 200, response.text
     expected = response.json()["usage"]["prompt_tokens"]
-    reply = count(stub, endpoint, body)
+    reply = count(counter_stub, endpoint, body)
     assert reply.prompt_tokens == expected
     b = reply.breakdown
     assert b.system + b.tools + b.messages + b.template_overhead == reply.prompt_tokens
@@ -57,25 +43,26 @@ def test_prompt_tokens_equal_vllm_usage(stub: counter_pb2_grpc.TokenCounterStub,
 
 
 def test_max_tokens_effective_is_what_vllm_generates_at_most(
-        stub: counter_pb2_grpc.TokenCounterStub) -> None:
+        counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}]}
-    prompt = count(stub, "chat", body).prompt_tokens
+    prompt = count(counter_stub, "chat", body).prompt_tokens
     assert prompt == 10
     # No max_tokens: vLLM may generate up to the rest of the context window.
-    assert count(stub, "chat", body).max_tokens_effective == 8192 - prompt
+    assert count(counter_stub, "chat", body).max_tokens_effective == 8192 - prompt
     # prompt + max_tokens > max_model_len: vLLM clamps silently.
-    r = count(stub, "chat", {**body, "max_tokens": 8190})
+    r = count(counter_stub, "chat", {**body, "max_tokens": 8190})
     assert (r.max_tokens_requested, r.max_tokens_effective) == (8190, 8192 - prompt)
-    r = count(stub, "chat", {**body, "max_tokens": 100, "max_completion_tokens": 7})
+    r = count(counter_stub, "chat", {**body, "max_tokens": 100, "max_completion_tokens": 7})
     assert (r.max_tokens_requested, r.max_tokens_effective) == (7, 7)
     # Completions default max_tokens to 16 (OpenAI API, vLLM CompletionRequest).
-    r = count(stub, "completions", {"model": MODEL, "prompt": "Hi"})
+    r = count(counter_stub, "completions", {"model": MODEL, "prompt": "Hi"})
     assert (r.prompt_tokens, r.max_tokens_requested, r.max_tokens_effective) == (1, 16, 16)
-    r = count(stub, "completions", {"model": MODEL, "prompt": ["a b", "c"]})
+    r = count(counter_stub, "completions", {"model": MODEL, "prompt": ["a b", "c"]})
     assert (r.prompt_tokens, r.prompt_count) == (3, 2)
 
 
-def test_breakdown_is_never_negative_and_adds_up(stub: counter_pb2_grpc.TokenCounterStub) -> None:
+def test_breakdown_is_never_negative_and_adds_up(
+        counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
     """Short contents that also occur inside role headers or the system prompt
     ("y" in "system", "help" in "helpful") are attributed where they really are."""
     import random
@@ -88,21 +75,21 @@ def test_breakdown_is_never_negative_and_adds_up(stub: counter_pb2_grpc.TokenCou
         for _ in range(rng.randint(1, 4)):
             msgs.append({"role": rng.choice(["user", "assistant"]),
                          "content": "".join(rng.choices(words, k=rng.randint(1, 3)))})
-        r = count(stub, "chat", {"model": MODEL, "messages": msgs})
+        r = count(counter_stub, "chat", {"model": MODEL, "messages": msgs})
         b = r.breakdown
         assert b.system + b.tools + b.messages + b.template_overhead == r.prompt_tokens
-    r = count(stub, "chat", {"model": MODEL, "messages": [
+    r = count(counter_stub, "chat", {"model": MODEL, "messages": [
         {"role": "system", "content": "You are helpful."}, {"role": "user", "content": "help"}]})
     assert (r.breakdown.system, r.breakdown.messages) == (4, 1)
 
 
 def test_breakdown_separates_system_tools_and_messages(
-        stub: counter_pb2_grpc.TokenCounterStub) -> None:
+        counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
     from tests.counter_cases import WEATHER_TOOL
     body = {"model": MODEL, "tools": [WEATHER_TOOL],
             "messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "Weather in Paris?"}]}
-    r = count(stub, "chat", body)
+    r = count(counter_stub, "chat", body)
     assert (r.breakdown.system, r.breakdown.messages) == (3, 4)
     assert r.breakdown.tools > 40
     assert r.breakdown.template_overhead == (r.prompt_tokens - r.breakdown.system
