@@ -268,23 +268,24 @@ class Join:
             return [(redis_keys.eseen_key(r.ts[:10]), r.key, _line(r)) for r in rs]
 
         sk = keys(stats_key)
+
+        def not_billed(rs: list[EngineRecord], stat: str, logs: list[tuple[int, str]]) -> Item:
+            """Records of no edge request: kept as read, counted under ``stat``."""
+            n = len(rs)
+            return Item({"t": "l", "rec": _flat(keys, triples(rs)),
+                         "st": [sk, "engine_records", n, sk, stat, n]},
+                        {"engine_records": n, stat: n}, logs)
+
         items: list[Item] = []
         lost = new(unmatched)
         if lost:
             sample = ", ".join(r.request_id for r in lost[:3])
-            items.append(Item(
-                {"t": "l", "rec": _flat(keys, triples(lost)),
-                 "st": [sk, "engine_records", len(lost), sk, "engine_unmatched", len(lost)]},
-                {"engine_records": len(lost), "engine_unmatched": len(lost)},
-                [(logging.WARNING, (f"{path}: {len(lost)} engine record(s) of requests that "
-                                    f"did not come through the edge ({sample}); not "
-                                    "billed"))]))
+            items.append(not_billed(lost, "engine_unmatched", [(logging.WARNING, (
+                f"{path}: {len(lost)} engine record(s) of requests that did not come "
+                f"through the edge ({sample}); not billed"))]))
         doctor = new(probes)
         if doctor:  # tokengate doctor's probes, sent to the replica directly: expected
-            items.append(Item(
-                {"t": "l", "rec": _flat(keys, triples(doctor)),
-                 "st": [sk, "engine_records", len(doctor), sk, "engine_probes", len(doctor)]},
-                {"engine_records": len(doctor), "engine_probes": len(doctor)}, []))
+            items.append(not_billed(doctor, "engine_probes", []))
         for rid, rs in rids.items():
             pend, raw = next(replies), next(replies)
             billed_on = [next(replies) for _d in days[rid]]
