@@ -53,11 +53,13 @@ BODY = json.dumps({"model": MODEL, "messages": [
     {"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 16}).encode()
 
 
-def install(prefix: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """`tokengate install --prefix PREFIX ...` from the checkout, as an operator runs it."""
+def install(prefix: Path, *args: str | Path,
+            vllm_python: str | None = sys.executable) -> subprocess.CompletedProcess[str]:
+    """`tokengate install --prefix PREFIX ...` from the checkout, as an operator runs it;
+    with ``--vllm-python`` this interpreter unless ``vllm_python`` is None."""
+    python = ["--vllm-python", vllm_python] if vllm_python is not None else []
     return subprocess.run([str(TOKENGATE), "install", "--prefix", str(prefix),
-                           "--source", str(ROOT), "--vllm-python", sys.executable,
-                           *map(str, args)],
+                           "--source", str(ROOT), *python, *map(str, args)],
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -414,18 +416,12 @@ HOST_MODEL = ("--model", "qwen3-8b", "--model-dir", str(ROOT / "var/models/tiny-
               "--max-model-len", "8192", "--upstream", "127.0.0.1:8100")
 
 
-def install_own_vllm(prefix: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """`tokengate install` without --vllm-python (``install()`` gives this one)."""
-    return subprocess.run([str(TOKENGATE), "install", "--prefix", str(prefix), "--source",
-                           str(ROOT), *map(str, args)],
-                          capture_output=True, text=True, timeout=120, check=False)
-
-
 def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_listen(
         tmp_path: Path) -> None:
     prefix = tmp_path / "root"
-    r = install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit", "--redis-url",
-                         "redis://:pw@10.0.0.9:6390/2", "--edge-listen", "127.0.0.1:8089")
+    r = install(prefix, *HOST_MODEL, "--no-vllm-unit", "--redis-url",
+                "redis://:pw@10.0.0.9:6390/2", "--edge-listen", "127.0.0.1:8089",
+                vllm_python=None)
     assert r.returncode == 0, r.stderr
     assert not any("vllm" in line.lower() for line in r.stdout.splitlines()), r.stdout
     assert sorted(f.name for f in (prefix / "etc/systemd/system").glob("*.service")) == \
@@ -444,8 +440,8 @@ def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> No
     # host that runs its own vLLM must not get the unit then
     prefix = tmp_path / "root"
     unit = prefix / "etc/systemd/system/tokengate-vllm@.service"
-    assert install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit").returncode == 0
-    again = install_own_vllm(prefix)
+    assert install(prefix, *HOST_MODEL, "--no-vllm-unit", vllm_python=None).returncode == 0
+    again = install(prefix, vllm_python=None)
     assert again.returncode == 0, again.stderr
     # the folders are there: their mode and owner are set again, not "created"
     assert f"set {prefix}/etc/tokengate (750 root:www-data)" in again.stdout.splitlines()
@@ -453,10 +449,10 @@ def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> No
     assert not unit.exists() and not (prefix / "etc/tokengate/vllm").exists()
     assert not any("vllm" in line.lower() for line in again.stdout.splitlines()), again.stdout
     # --vllm-python adds it; a run again keeps it; --no-vllm-unit then leaves it, said
-    assert install_own_vllm(prefix, "--vllm-python", sys.executable).returncode == 0
+    assert install(prefix).returncode == 0
     assert unit.is_file()
-    assert install_own_vllm(prefix).returncode == 0 and unit.is_file()
-    off = install_own_vllm(prefix, "--no-vllm-unit")
+    assert install(prefix, vllm_python=None).returncode == 0 and unit.is_file()
+    off = install(prefix, "--no-vllm-unit", vllm_python=None)
     assert off.returncode == 0 and unit.is_file()
     assert f"note: {unit}: written by an earlier install and left in place (install " \
            "removes no unit a replica may run from): delete it once no tokengate-vllm@PORT " \
@@ -465,14 +461,14 @@ def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> No
 
 def test_without_the_vllm_interpreter_the_note_names_no_vllm_unit(tmp_path: Path) -> None:
     absent = tmp_path / "vllm/bin/python"
-    r = install_own_vllm(tmp_path / "root", *HOST_MODEL, "--vllm-python", absent, "--dry-run")
+    r = install(tmp_path / "root", *HOST_MODEL, "--dry-run", vllm_python=str(absent))
     assert r.returncode == 0, r.stderr
     assert f"note: {absent}: not found; tokengate-vllm@.service will not start until " \
            "--vllm-python names the interpreter of your vLLM (a host that runs its vLLM " \
            "itself: --no-vllm-unit, and no tokengate-vllm@.service is written)" \
            in r.stdout.splitlines(), r.stdout
-    both = install_own_vllm(tmp_path / "root", *HOST_MODEL, "--vllm-python", absent,
-                            "--no-vllm-unit", "--dry-run")
+    both = install(tmp_path / "root", *HOST_MODEL, "--no-vllm-unit", "--dry-run",
+                   vllm_python=str(absent))
     assert both.returncode == 2 and "--no-vllm-unit" in both.stderr
 
 
@@ -484,7 +480,7 @@ def test_without_the_vllm_interpreter_the_note_names_no_vllm_unit(tmp_path: Path
 def test_a_bad_redis_url_or_edge_listen_is_refused_by_the_schema(
         tmp_path: Path, args: tuple[str, str], line: str) -> None:
     prefix = tmp_path / "root"
-    r = install_own_vllm(prefix, *HOST_MODEL, "--no-vllm-unit", *args)
+    r = install(prefix, *HOST_MODEL, "--no-vllm-unit", *args, vllm_python=None)
     assert (r.returncode, r.stderr.splitlines()) == \
         (1, [line, "tokengate install: 1 problem(s); nothing changed"])
     assert not prefix.exists()
