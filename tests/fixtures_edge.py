@@ -76,6 +76,7 @@ KEYS: dict[str, tuple[str, int, int]] = {
     "edge-settle": ("tg-test-edge-settle", 1000, 100_000),
     "edge-countdown": ("tg-test-edge-countdown", 50, 100_000),
     "edge-override": ("tg-test-edge-override", 1000, 100_000),
+    "edge-messages-rpm": ("tg-test-edge-messages-rpm", 2, 1_000_000),
 }
 MAIN_KEY = KEYS["edge-main"][0]
 

@@ -1,4 +1,5 @@
--- API keys: `Authorization: Bearer <key>`. The configuration stores only SHA-256 hex
+-- API keys: `Authorization: Bearer <key>` (or what an API module reads: the Messages
+-- API's x-api-key). The configuration stores only SHA-256 hex
 -- digests (never keys), so the edge hashes the presented key and looks the digest up.
 -- SHA-256: tokengate.digest.
 
@@ -38,11 +39,12 @@ local MISSING = errors.new(401, "You didn't provide an API key. Send it as "
 local INVALID = errors.new(401, "Incorrect API key provided.", nil, "invalid_api_key")
 _M.MISSING, _M.INVALID = MISSING, INVALID -- authenticate()'s errors, for telling them apart
 
--- authenticate(keys, header) -> key entry (from the compiled config: {id, rpm, tpm,
--- models, digest}) | nil, err (401, errors.new shape: MISSING without a bearer token,
--- else INVALID).
-function _M.authenticate(keys, header)
-    local token = _M.bearer(header)
+-- authenticate(keys, header, presented) -> key entry (from the compiled config: {id,
+-- rpm, tpm, models, digest}) | nil, err (401, errors.new shape: MISSING without a key,
+-- else INVALID). presented: a key the request's API takes another way (the Messages
+-- API's x-api-key, which wins), or nil: then the bearer token of header.
+function _M.authenticate(keys, header, presented)
+    local token = presented or _M.bearer(header)
     if not token then
         return nil, MISSING
     end

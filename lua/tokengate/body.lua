@@ -228,7 +228,7 @@ end
 -- chat_template_kwargs into the template's arguments (vllm/renderers/hf.py), where a key
 -- such as "tools" replaces what the request's own, checked, fields set: only the keys of
 -- edge.chat_template_kwargs_allowed pass (the counter applies the same list).
-local function check_template_kwargs(kwargs, allowed)
+function _M.check_template_kwargs(kwargs, allowed)
     if kwargs == nil or kwargs == null then
         return true
     end
@@ -291,7 +291,7 @@ function _M.validate_chat(body, models, edge)
     if tools ~= nil and tools ~= null and not is_array(tools) then
         return fail(400, "'tools' must be an array", "tools", "invalid_type")
     end
-    local ok, err = check_template_kwargs(body.chat_template_kwargs,
+    local ok, err = _M.check_template_kwargs(body.chat_template_kwargs,
         edge.template_kwargs_allowed)
     if not ok then
         return nil, err
@@ -328,11 +328,13 @@ end
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
 -- strict decoding (400), shape and model (400/404), the bounds on costly inputs (400,
 -- tokengate.bounds); body.model then names a configured model. route: "chat" |
--- "completions"; edge: the compiled edge settings (max_body_bytes, max_json_depth,
+-- "completions" | a route of api; api: the route's API module (tokengate.messages),
+-- whose validate(route, body, models, edge) replaces the chat and completions checks
+-- and bounds, or nil; edge: the compiled edge settings (max_body_bytes, max_json_depth,
 -- template_kwargs_allowed, structured_output, max_unknown_fields_bytes). err.model: the
 -- body's "model" when it names a configured model (for the usage event; a client's
 -- unknown name is never passed on: it can be any size).
-function _M.parse(route, models, edge)
+function _M.parse(route, models, edge, api)
     local ok, err = _M.check_headers(edge.max_body_bytes)
     if not ok then
         return nil, err
@@ -347,12 +349,14 @@ function _M.parse(route, models, edge)
     if not body then
         return nil, err
     end
-    if route == "chat" then
+    if api then
+        ok, err = api.validate(route, body, models, edge)
+    elseif route == "chat" then
         ok, err = _M.validate_chat(body, models, edge)
     else
         ok, err = _M.validate_completions(body, models)
     end
-    if ok then
+    if ok and not api then
         ok, err = bounds.check(route, body, edge)
     end
     if not ok then

@@ -163,7 +163,16 @@ local function check_structured(name, v, lim, max_json)
     return true
 end
 
--- check(route, body, edge) -> true | nil, err (400). route: "chat" | "completions";
+-- structured(name, v, edge) -> true | nil, err (400 structured_output_too_complex |
+-- invalid_json): a structured-output value that is not a top-level field of chat or
+-- completions (the Messages API's output_config.format.json_schema), named name, under
+-- edge.structured_output.
+function _M.structured(name, v, edge)
+    return check_structured(name, v, edge.structured_output, edge.max_json_depth)
+end
+
+-- check(route, body, edge) -> true | nil, err (400). route: "chat" | "completions" | a
+-- route another API module added to KNOWN (tokengate.messages);
 -- edge: the compiled edge settings (structured_output, max_unknown_fields_bytes,
 -- max_json_depth).
 --   structured_output_too_complex: a structured-output field above a bound, named;

@@ -21,7 +21,8 @@ local sub = string.sub
 
 local _M = {}
 
-local ENDPOINT = { chat = 1, completions = 2 }
+-- route -> tokengate.v1.Endpoint (proto/tokengate/v1/counter.proto)
+local ENDPOINT = { chat = 1, completions = 2, messages = 3, count_tokens = 4 }
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
@@ -90,11 +91,14 @@ local function verdict(failure)
     return nil
 end
 
+-- CLOSED: the 503 of a request the counter could not count, under "closed" (and of one
+-- that only the exact count can answer: count_tokens)
 local CLOSED = errors.new(503, "The token counter is unavailable; the request was not "
     .. "forwarded. Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
+_M.CLOSED = CLOSED
 
 -- prompt(route, model, body, edge) -> counted | nil, err
---   route: "chat" | "completions"; model: served model name; body: the exact bytes the
+--   route: "chat" | "completions" | "messages" | "count_tokens"; model: served model name; body: the exact bytes the
 --   edge will forward; edge: compiled edge settings (on_counter_failure,
 --   estimate_bytes_per_token).
 --   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,

@@ -1,5 +1,6 @@
 -- Every error the edge answers, in OpenAI's shape:
 --   {"error": {"message": "...", "type": "...", "param": "..." | null, "code": "..." | null}}
+-- or, for the routes of another API module, in that API's (render: tokengate.messages).
 --
 -- One error kind: concern modules return `nil, err` with err made by new() (or
 -- `return refuse(...)`), and the phases module ends the request with send(ctx, err).
@@ -62,6 +63,8 @@ local function cap(s)
     return sub(s, 1, i - 1) .. "…"
 end
 
+_M.cap = cap
+
 -- body(message, type, param, code) -> JSON text of one OpenAI error object.
 -- message: string; type: string (e.g. "invalid_request_error", "tokens"); param: field
 -- path string or nil; code: string or nil. message and param are cut to 1024 bytes.
@@ -92,13 +95,23 @@ function _M.refuse(status, message, param, code, etype, headers)
     return nil, _M.new(status, message, param, code, etype, headers)
 end
 
+-- render(ctx, err) -> JSON text of err in the shape of the request's API: ctx.api's
+-- error_body (tokengate.messages: Anthropic's) or OpenAI's.
+function _M.render(ctx, err)
+    local api = ctx.api
+    if api then
+        return api.error_body(err)
+    end
+    return _M.body(err.message, err.type, err.param, err.code)
+end
+
 -- send(ctx, err) -> never returns normally: ends the request (access or content phase)
--- with err as an OpenAI-shaped answer. ctx.error records the code (or type) for the
+-- with err as an answer in its API's shape (render). ctx.error records the code (or type) for the
 -- usage event. Headers common to every answer (x-ratelimit-*, X-Token-Count) are added
 -- by the header filter from ctx.
 function _M.send(ctx, err)
     ctx.error = err.code or err.type
-    local body = _M.body(err.message, err.type, err.param, err.code)
+    local body = _M.render(ctx, err)
     ngx.status = err.status
     local h = ngx.header
     h["Content-Type"] = "application/json"

@@ -277,7 +277,8 @@ function _M.json_text(extra)
     return json.encode(o)
 end
 
-local ENDPOINTS = { chat = true, completions = true, models = true, model = true }
+local ENDPOINTS = { chat = true, completions = true, models = true, model = true,
+                    messages = true, count_tokens = true }
 local LIMIT = { requests = "rpm", tokens = "tpm" }
 
 -- connect_s(v) -> nginx's $upstream_connect_time of the last try, seconds, or nil

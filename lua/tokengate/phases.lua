@@ -18,6 +18,10 @@
 --                  access-log line; a request without a valid API key writes no
 --                  event: counted, and logged at a bounded rate
 --
+-- The Anthropic Messages API's routes run the same stages; where its shapes differ
+-- (key header, body, sanitizing, usage, errors, limit headers) the stages ask ctx.api
+-- (tokengate.messages), and count_tokens is answered after the limits, never forwarded.
+--
 -- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
 -- Per-request state is ngx.ctx; nothing here writes globals.
 
@@ -135,10 +139,13 @@ local function who(ctx, doc)
         return nil, err
     end
     local key
-    key, err = auth.authenticate(doc.keys, ngx_var.http_authorization)
+    local api = ctx.api
+    key, err = auth.authenticate(doc.keys, ngx_var.http_authorization,
+        api and api.key(ngx_var))
     if not key then
         if err == auth.MISSING then
             ctx.unauthenticated = "unauthenticated_missing_key"
+            err = api and api.MISSING or err
         else
             ctx.unauthenticated = "unauthenticated_invalid_key"
             lockout.failed()
@@ -172,10 +179,11 @@ local function listing(ctx, doc)
 end
 
 -- what(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
--- limits then apply), sanitized, with the edge's adjustments (cap, stream options).
+-- limits then apply), sanitized, with the edge's adjustments (cap, stream options);
+-- a route of an API module (ctx.api) is validated and sanitized by the module.
 local function what(ctx, doc)
-    local route, edge = ctx.route, doc.edge
-    local body, err = body_mod.parse(route, doc.models, edge)
+    local route, edge, api = ctx.route, doc.edge, ctx.api
+    local body, err = body_mod.parse(route, doc.models, edge, api)
     if not body then
         ctx.model = err.model
         return nil, err
@@ -188,7 +196,11 @@ local function what(ctx, doc)
     ctx.limit_req = limits.request(ctx.key, model.name, request.id(ctx))
     ctx.rate = limits.peek(ctx.limit_req)
     local counts
-    counts, err = sanitize.request(route, body, model, edge)
+    if api then
+        counts, err = api.sanitize(body, model, edge)
+    else
+        counts, err = sanitize.request(route, body, model, edge)
+    end
     if not counts then
         return nil, err
     end
@@ -212,6 +224,22 @@ local function how_much(ctx, doc)
     ctx.token_estimate, ctx.count_source = counted.prompt, counted.source
     ctx.system_tokens = counted.system
     ctx.prompt_count, ctx.n = counted.prompts, json_integer(body.n) or 1
+    local api = ctx.api
+    if api and api.LOCAL[route] then
+        -- answered here from the count: one request of the key's RPM, no tokens, no
+        -- budget; an estimate is no answer
+        if counted.source ~= "counter" then
+            return nil, count.CLOSED
+        end
+        local answer_text
+        answer_text, err = api.count_answer(model, counted.prompt)
+        if not answer_text then
+            return nil, err
+        end
+        limits.reservation(ctx.limit_req, 0, 1, 0, 1, 0)
+        ctx.local_answer = answer_text
+        return text
+    end
     local out
     out, err = request.budget(route, model, body, counted)
     if not out then
@@ -237,6 +265,9 @@ end
 -- tokens from here (upstream.take), so the requests that arrive while this one waits
 -- for its limits see it.
 local function where(ctx)
+    if ctx.local_answer then
+        return true -- answered by the edge: no replica
+    end
     local model = ctx.model_entry
     local r, rank = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
         ctx.token_estimate, ctx.limit_req.tokens)
@@ -267,13 +298,22 @@ local function reserve(ctx)
     return ok, err
 end
 
+-- answered(ctx) -> true, or the edge's own answer (count_tokens) once it is admitted.
+local function answered(ctx)
+    local text = ctx.local_answer
+    if not text then
+        return true
+    end
+    return answer(200, text)
+end
+
 -- awake(ctx) -> true | nil, err (503 model_waking): the request waits while its replica
 -- wakes from idle unload (tokengate.idle).
 local function awake(ctx)
     return idle.hold(ctx)
 end
 
-local STAGES = { who, listing, what, how_much, where, reserve, awake }
+local STAGES = { who, listing, what, how_much, where, reserve, answered, awake }
 
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
@@ -284,6 +324,7 @@ function _M.access()
     local uri = ngx_var.uri -- the client's path: set_uri below changes $uri
     ctx.uri = uri
     ctx.route, ctx.model_id = request.route(uri)
+    ctx.api = request.api(ctx.route)
     ctx.endpoint = request.endpoint(ctx.route, uri)
     -- a browser's preflight carries no key: answered before any is asked for
     cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
@@ -361,7 +402,11 @@ function _M.header_filter()
     -- the usage event's request_id; vLLM also uses it in its response ids
     h["X-Request-Id"] = request.id(ctx)
     if ctx.rate then
-        limits.headers(h, ctx.rate)
+        if ctx.api then
+            ctx.api.rate_headers(h, ctx.rate)
+        else
+            limits.headers(h, ctx.rate)
+        end
     end
     local req = ctx.limit_req
     if req and req.budget then
@@ -388,7 +433,7 @@ function _M.header_filter()
             ngx.status = status
         end
         local err = errors.nginx(status, ctx.proxied)
-        local text = errors.body(err.message, err.type, nil, err.code)
+        local text = errors.render(ctx, err)
         ctx.replace_body, ctx.error = text, err.code
         h["Content-Type"] = "application/json"
         h["Content-Length"] = #text
@@ -436,7 +481,7 @@ local function upstream_error(ctx, chunk, eof)
         return text
     end
     ctx.error = err.code or err.type
-    return errors.body(err.message, err.type, err.param, err.code)
+    return errors.render(ctx, err)
 end
 
 -- body_filter(): the replacement error body, the backend's error in OpenAI's shape, or
@@ -552,13 +597,16 @@ end
 -- (edge.auth_failures).
 function _M.nginx_error()
     local ctx = ngx.ctx
-    ctx.key = auth.authenticate(config.get().keys, ngx_var.http_authorization)
     local path = match(ngx_var.request_uri or "", "^[^?]*")
     if path == "" then
         ctx.endpoint = "-"
     else
-        ctx.endpoint = request.endpoint(request.route(path), path)
+        local route = request.route(path)
+        ctx.api = request.api(route)
+        ctx.endpoint = request.endpoint(route, path)
     end
+    ctx.key = auth.authenticate(config.get().keys, ngx_var.http_authorization,
+        ctx.api and ctx.api.key(ngx_var))
     local status = ngx_var.arg_status == "494" and 494 or tonumber(ngx_var.status) or 500
     return send(ctx, errors.nginx(status, false))
 end

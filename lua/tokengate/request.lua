@@ -5,10 +5,13 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local messages = require "tokengate.messages"
 
 local ngx_var = ngx.var
 local format = string.format
 local sub = string.sub
+local pairs = pairs
+local ipairs = ipairs
 local match = string.match
 local clip = errors.clip
 local min = math.min
@@ -27,6 +30,21 @@ local ROUTES = {
 }
 _M.PATHS = { chat = "/v1/chat/completions", completions = "/v1/completions" }
 local MODEL_PREFIX = "/v1/models/"
+-- The API modules beyond OpenAI's chat and completions, with their routes: route ->
+-- module (see tokengate.messages for what a module provides).
+local APIS = {}
+for _, mod in ipairs({ messages }) do
+    for path, route in pairs(mod.ROUTES) do
+        ROUTES[path] = route
+        APIS[route] = mod
+        _M.PATHS[route] = mod.PATHS[route]
+    end
+end
+
+-- api(route) -> the route's API module, or nil for chat, completions and the model list
+function _M.api(route)
+    return APIS[route]
+end
 
 -- id(ctx) -> the request's $request_id (32 hex digits), kept in ctx: an ngx.var read
 -- looks the variable up by its name each time, and the phases need the id four times.
@@ -39,7 +57,8 @@ function _M.id(ctx)
     return id
 end
 
--- route(uri) -> route name ("chat" | "completions" | "models" | "model") or nil, and for
+-- route(uri) -> route name ("chat" | "completions" | "models" | "model" | an API
+-- module's: "messages" | "count_tokens") or nil, and for
 -- "model" (GET /v1/models/{id}, the openai client's models.retrieve) the id.
 -- uri: nginx's normalized $uri (percent-decoded, "." / ".." segments and repeated
 -- slashes resolved), so /v1/./chat/completions is the chat route.
@@ -59,10 +78,11 @@ local CAPPED_FIELDS = {
     completions = { "max_tokens" },
 }
 
--- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions" or the path
--- (a client's string: at most 64 characters and "…", see errors.clip).
+-- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions",
+-- "messages", "count_tokens" or the path (a client's string: at most 64 characters and
+-- "…", see errors.clip).
 function _M.endpoint(route, uri)
-    if route == "chat" or route == "completions" then
+    if route == "chat" or route == "completions" or APIS[route] then
         return route
     end
     return clip(uri)
@@ -73,6 +93,9 @@ end
 -- HEAD wherever GET; nginx sends a HEAD answer's headers only), completions POST.
 _M.ALLOW = { chat = "POST", completions = "POST", models = "GET, HEAD", model = "GET, HEAD" }
 local ALLOW = _M.ALLOW
+for route, mod in pairs(APIS) do
+    ALLOW[route] = mod.ALLOW[route]
+end
 local TAKES = { POST = "POST", GET = "GET, HEAD", HEAD = "GET, HEAD" }
 
 -- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
@@ -95,7 +118,12 @@ end
 --   - stream: true gets stream_options {include_usage, continuous_usage_stats} = true;
 --     what the client asked for is kept in ctx.want_usage / ctx.want_continuous so the
 --     body filter can take out what it did not ask for. Sets ctx.stream.
+-- A route of an API module: the module's adjust(ctx, body, model).
 function _M.adjust(ctx, route, body, model)
+    local api = APIS[route]
+    if api then
+        return api.adjust(ctx, body, model)
+    end
     local cap = model.max_tokens_cap
     if cap then
         local fields = CAPPED_FIELDS[route]
@@ -121,7 +149,7 @@ function _M.adjust(ctx, route, body, model)
 end
 
 local function what(route)
-    return route == "chat" and "messages" or "prompt"
+    return route == "completions" and "prompt" or "messages"
 end
 
 -- completion_budget(route, model, body, reply) -> completion tokens the request may

@@ -617,6 +617,22 @@ local function refusal(st)
         bad.param, what, where, WHY[bad.why] or ""), bad.param, "special_token_in_content")
 end
 
+-- The visitors, for an API module that sanitizes its own body shape
+-- (tokengate.messages), with the same policy and counts as chat:
+--   state(model, edge) -> st; text(st, s, param, tokens) -> s cleaned and checked;
+--   check(st, s, param, tokens) -> s checked only (identifiers); content(st, content,
+--   param, tokens) -> a chat content (string or parts); value(st, node, param, tokens,
+--   cleaned) walks any JSON value (cleaned: true, false or a set of keys such as
+--   SCHEMA_PROSE); verdict(st) -> st | nil, err (400 special_token_in_content).
+_M.state, _M.text, _M.check, _M.content = new_state, visit_text, check_text, visit_content
+_M.value, _M.SCHEMA_PROSE = visit_value, SCHEMA_PROSE
+function _M.verdict(st)
+    if st.bad then
+        return refusal(st)
+    end
+    return st
+end
+
 -- request(route, body, model, edge) -> counts | nil, err
 --   Sanitizes body in place (chat() / completions()) under edge.special_tokens. counts =
 --   {removed (invisible or control characters), stripped (special and structural tokens,

@@ -192,7 +192,10 @@ end
 -- sse(ctx, chunk, eof) -> text to pass on for this body_filter call.
 -- Complete events are passed at once (possibly edited or dropped); a partial event is
 -- held until its end arrives (at most one event's delay); eof flushes what is left.
+-- Each event goes to the request's API module (ctx.api.sse_event: the Messages API's
+-- events) or, for chat and completions, to sse_event above.
 function _M.sse(ctx, chunk, eof)
+    local on_event = ctx.api and ctx.api.sse_event or sse_event
     local buf = ctx.sse_rest
     if buf then
         buf = buf .. chunk
@@ -206,7 +209,7 @@ function _M.sse(ctx, chunk, eof)
         if not a then
             break
         end
-        local ev = sse_event(ctx, sub(buf, pos, a - 1))
+        local ev = on_event(ctx, sub(buf, pos, a - 1))
         if ev then
             out = out or {}
             out[n + 1] = ev
@@ -227,7 +230,8 @@ function _M.sse(ctx, chunk, eof)
 end
 
 -- whole(ctx, chunk, eof): non-stream responses pass unchanged; the edge keeps a copy
--- and reads usage (or the error code) from the complete JSON at eof.
+-- and reads usage (or the error code) from the complete JSON at eof: OpenAI's usage
+-- object, or the request's API module's (ctx.api.whole_usage).
 function _M.whole(ctx, chunk, eof)
     if chunk ~= "" then
         local parts = ctx.json_parts
@@ -246,7 +250,9 @@ function _M.whole(ctx, chunk, eof)
         return
     end
     local u = d.usage
-    if type(u) == "table" then
+    if ctx.api then
+        ctx.api.whole_usage(ctx, d)
+    elseif type(u) == "table" then
         ctx.u_prompt = tonumber(u.prompt_tokens) or 0
         ctx.u_completion = tonumber(u.completion_tokens) or 0
         local det = u.prompt_tokens_details

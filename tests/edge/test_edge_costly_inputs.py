@@ -38,6 +38,10 @@ def json_schema_format(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_edge_knows_vllms_request_fields() -> None:
+    from vllm.entrypoints.anthropic.protocol import (
+        AnthropicCountTokensRequest,
+        AnthropicMessagesRequest,
+    )
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
@@ -47,6 +51,7 @@ def test_the_edge_knows_vllms_request_fields() -> None:
         return sorted(out)
     known = json.loads(run_lua("""
         local cjson = require "cjson"
+        require "tokengate.messages" -- (adds the Messages API's routes)
         local known = require("tokengate.bounds").KNOWN
         local out = {}
         for route, set in pairs(known) do
@@ -57,7 +62,9 @@ def test_the_edge_knows_vllms_request_fields() -> None:
         end
         return cjson.encode(out)"""))
     assert known == {"chat": names(ChatCompletionRequest),
-                     "completions": names(CompletionRequest)}
+                     "completions": names(CompletionRequest),
+                     "messages": names(AnthropicMessagesRequest),
+                     "count_tokens": names(AnthropicCountTokensRequest)}
 
 
 def test_the_issues_2000_property_schema_is_refused(edge: Edge,

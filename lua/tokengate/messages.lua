@@ -1,0 +1,381 @@
+-- The Anthropic Messages API (POST /v1/messages, POST /v1/messages/count_tokens): what
+-- of it differs from chat, in one place. The phases ask ctx.api (this module, set for
+-- its routes by tokengate.request) at each step where an API has its own shape:
+--
+--   key:        x-api-key, or Authorization: Bearer (what the anthropic SDK sends)
+--   validate:   the body's shape the edge relies on (vLLM's AnthropicMessagesRequest /
+--               AnthropicCountTokensRequest, vllm/entrypoints/anthropic/protocol.py;
+--               the counter checks the rest, naming the field)
+--   sanitize:   every text the model reads: system, content blocks (text, thinking,
+--               tool_use names and inputs, tool_result content), tools
+--   adjust:     max_tokens capped; vLLM itself asks its chat path for stream usage
+--   usage:      message_start (input tokens) and message_delta (output tokens) of a
+--               stream, usage of a whole answer (vllm/entrypoints/anthropic/serving.py
+--               _build_anthropic_usage: input_tokens excludes cache_read_input_tokens and
+--               cache_creation_input_tokens, so the prompt is their sum)
+--   errors:     {"type": "error", "error": {"type", "message"}} with Anthropic's types
+--   rate:       anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}, reset in
+--               RFC 3339 (docs.anthropic.com, "Rate limits": response headers)
+--
+-- count_tokens is answered here, by the counter's count alone: nothing reaches vLLM.
+
+local ngx = ngx
+local cjson = require "cjson.safe"
+local json = require "tokengate.json"
+local errors = require "tokengate.errors"
+local bounds = require "tokengate.bounds"
+local body_mod = require "tokengate.body"
+local sanitize = require "tokengate.sanitize"
+local models_mod = require "tokengate.models"
+local clock = require "tokengate.clock"
+
+local type = type
+local tonumber = tonumber
+local format = string.format
+local find = string.find
+local sub = string.sub
+local ngx_now = ngx.now
+local is_array = json.is_array
+local is_object = json.is_object
+local json_integer = json.integer
+local json_set = json.set
+local null = json.null
+local fail = errors.refuse
+
+local _M = {}
+
+_M.ROUTES = { ["/v1/messages"] = "messages", ["/v1/messages/count_tokens"] = "count_tokens" }
+_M.PATHS = { messages = "/v1/messages" } -- count_tokens is never forwarded
+_M.ALLOW = { messages = "POST", count_tokens = "POST" }
+-- answered by the edge itself, after the count and the request limit
+_M.LOCAL = { count_tokens = true }
+
+-- The fields of vLLM 0.32's AnthropicMessagesRequest and AnthropicCountTokensRequest
+-- (vllm/entrypoints/anthropic/protocol.py; tests/edge/test_edge_costly_inputs.py compares them
+-- with vLLM's models): any other top-level field counts against
+-- edge.max_unknown_fields_bytes (tokengate.bounds).
+local function set(names)
+    local t = {}
+    for i = 1, #names do
+        t[names[i]] = true
+    end
+    return t
+end
+bounds.KNOWN.messages = set({
+    "cache_salt", "chat_template_kwargs", "ec_transfer_params", "kv_transfer_params",
+    "max_tokens", "messages", "metadata", "mm_payload", "model", "output_config",
+    "return_mm_kwargs", "stop_sequences", "stream", "system", "temperature", "thinking",
+    "tool_choice", "tools", "top_k", "top_p", "vllm_xargs", "watermarking",
+})
+bounds.KNOWN.count_tokens = set({
+    "chat_template_kwargs", "messages", "model", "output_config", "system", "thinking",
+    "tool_choice", "tools",
+})
+
+-- MISSING: the 401 of a request that presents no key
+_M.MISSING = errors.new(401, "You didn't provide an API key. Send it as 'x-api-key: "
+    .. "<key>' or 'Authorization: Bearer <key>'.", nil, "invalid_api_key")
+
+-- key(var) -> the key of the x-api-key header | nil (then Authorization: Bearer is
+-- read, tokengate.auth). var: ngx.var.
+function _M.key(var)
+    local k = var.http_x_api_key
+    if type(k) == "string" and k ~= "" then
+        return k
+    end
+    return nil
+end
+
+-- validate(route, body, models, edge) -> model entry | nil, err (400/404). Checks:
+-- model (a configured one), messages (an array, which vLLM takes empty too, of objects
+-- with a string role and string or array content), max_tokens (an integer >= 1, required on /v1/messages;
+-- count_tokens ignores one, as vLLM does), stream (a boolean), system (a string or an
+-- array), tools (an array), chat_template_kwargs (edge.chat_template_kwargs_allowed),
+-- then the bounds: unknown fields, and output_config.format.json_schema as a
+-- structured-output schema (tokengate.bounds).
+function _M.validate(route, body, models, edge)
+    local model = body.model
+    if type(model) ~= "string" then
+        return fail(400, "model: Field required (a string)", "model",
+            "missing_required_parameter")
+    end
+    local msgs = body.messages
+    if not is_array(msgs) then
+        return fail(400, "messages: must be an array of messages", "messages", "invalid_type")
+    end
+    for i = 1, #msgs do
+        local m = msgs[i]
+        local param = format("messages[%d]", i - 1)
+        if not is_object(m) or type(m.role) ~= "string" then
+            return fail(400, param .. ": must be an object with a string role", param,
+                "invalid_type")
+        end
+        local c = m.content
+        if type(c) ~= "string" and not is_array(c) then
+            return fail(400, param .. ".content: must be a string or an array of content "
+                .. "blocks", param .. ".content", "invalid_type")
+        end
+    end
+    if route == "messages" then
+        local n = json_integer(body.max_tokens)
+        if not n or n < 1 then
+            return fail(400, "max_tokens: Field required (an integer >= 1)", "max_tokens",
+                "invalid_value")
+        end
+        if type(body.max_tokens) ~= "number" then
+            json_set(body, "max_tokens", n)
+        end
+        local s = body.stream
+        if s ~= nil and s ~= null and s ~= true and s ~= false then
+            return fail(400, "stream: must be a boolean", "stream", "invalid_type")
+        end
+    end
+    local sys = body.system
+    if sys ~= nil and sys ~= null and type(sys) ~= "string" and not is_array(sys) then
+        return fail(400, "system: must be a string or an array of text blocks", "system",
+            "invalid_type")
+    end
+    local tools = body.tools
+    if tools ~= nil and tools ~= null and not is_array(tools) then
+        return fail(400, "tools: must be an array", "tools", "invalid_type")
+    end
+    local entry = models[model]
+    if not entry then
+        return models_mod.not_found(model)
+    end
+    local ok, err = body_mod.check_template_kwargs(
+        body.chat_template_kwargs, edge.template_kwargs_allowed)
+    if not ok then
+        return nil, err
+    end
+    local oc = body.output_config
+    local schema = is_object(oc) and is_object(oc.format) and oc.format.json_schema
+    if schema ~= nil and schema ~= false and schema ~= null then
+        ok, err = bounds.structured("output_config.format.json_schema", schema, edge)
+        if not ok then
+            return nil, err
+        end
+    end
+    ok, err = bounds.check(route, body, edge)
+    if not ok then
+        return nil, err
+    end
+    return entry
+end
+
+-- blocks(st, content, param, tokens): one message's content blocks (or a system's):
+-- text and thinking read as text, a tool_use's name and input (vLLM writes the input
+-- as the tool call's JSON arguments), a tool_result's content (a string or blocks).
+local function blocks(st, content, param, tokens)
+    if type(content) == "string" then
+        return sanitize.text(st, content, param, tokens)
+    end
+    if not is_array(content) then
+        return content
+    end
+    sanitize.content(st, content, param, tokens)
+    for j = 1, #content do
+        local b = content[j]
+        if is_object(b) then
+            local bparam = format("%s[%d]", param, j - 1)
+            if type(b.name) == "string" then
+                b.name = sanitize.text(st, b.name, bparam .. ".name", tokens)
+            end
+            if type(b.id) == "string" then
+                b.id = sanitize.check(st, b.id, bparam .. ".id", tokens)
+            end
+            if type(b.tool_use_id) == "string" then
+                b.tool_use_id = sanitize.check(st, b.tool_use_id, bparam .. ".tool_use_id",
+                    tokens)
+            end
+            if is_object(b.input) then
+                sanitize.value(st, b.input, bparam .. ".input", tokens, true)
+            end
+            if b.content ~= nil then
+                b.content = blocks(st, b.content, bparam .. ".content", tokens)
+            end
+        end
+    end
+    return content
+end
+
+-- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.request's shape):
+-- system (the system role's tokens), each message's content (its role's), tools'
+-- names, descriptions and input schemas and chat_template_kwargs (every special and
+-- structural token: the template renders them into the system turn).
+function _M.sanitize(body, model, edge)
+    local st = sanitize.state(model, edge)
+    if body.system ~= nil then
+        body.system = blocks(st, body.system, "system", st.by_role.system)
+    end
+    local msgs = body.messages
+    for i = 1, #msgs do
+        local m = msgs[i]
+        m.content = blocks(st, m.content, format("messages[%d].content", i - 1),
+            st.by_role[m.role])
+    end
+    local tools = body.tools
+    if is_array(tools) then
+        for i = 1, #tools do
+            local t = tools[i]
+            if is_object(t) then
+                local p = format("tools[%d]", i - 1)
+                if type(t.name) == "string" then
+                    t.name = sanitize.text(st, t.name, p .. ".name", st.all)
+                end
+                if type(t.description) == "string" then
+                    t.description = sanitize.text(st, t.description, p .. ".description",
+                        st.all)
+                end
+                if type(t.input_schema) == "table" then
+                    sanitize.value(st, t.input_schema, p .. ".input_schema", st.all,
+                        sanitize.SCHEMA_PROSE)
+                end
+            end
+        end
+    end
+    if is_object(body.chat_template_kwargs) then
+        sanitize.value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
+    end
+    return sanitize.verdict(st)
+end
+
+-- adjust(ctx, body, model): max_tokens above model.max_tokens_cap becomes the cap; a
+-- stream sets ctx.stream (vLLM's Anthropic serving asks its chat path for the usage
+-- of every chunk itself: nothing to add, nothing to take out).
+function _M.adjust(ctx, body, model)
+    local cap = model.max_tokens_cap
+    local v = json_integer(body.max_tokens)
+    if cap and v and v > cap then
+        json_set(body, "max_tokens", cap)
+    end
+    if body.stream == true then
+        ctx.stream = true
+    end
+end
+
+-- count_answer(model, prompt) -> JSON text of vLLM's count_tokens answer
+-- ({"input_tokens": n, "context_management": {"original_input_tokens": n}},
+-- AnthropicCountTokensResponse) | nil, err (400) for a prompt above the context window,
+-- which vLLM's renderer refuses (vllm/renderers/params.py _token_len_check).
+function _M.count_answer(model, prompt)
+    if prompt > model.max_model_len then
+        return fail(400, format("This model's maximum context length is %d tokens. However, "
+            .. "your prompt contains %d input tokens, which exceeds this limit even without "
+            .. "any output tokens. Please reduce the length of the input prompt.",
+            model.max_model_len, prompt), "messages", "context_length_exceeded")
+    end
+    return format('{"input_tokens":%d,"context_management":{"original_input_tokens":%d}}',
+        prompt, prompt)
+end
+
+-- read_usage(ctx, u, final): an Anthropic usage object into ctx's usage fields
+-- (tokengate.usage): prompt = input + cache read + cache creation tokens, cached = the
+-- cache read ones; final marks the message's last usage.
+local function read_usage(ctx, u, final)
+    if type(u) ~= "table" then
+        return
+    end
+    local read = tonumber(u.cache_read_input_tokens) or 0
+    local input = tonumber(u.input_tokens)
+    if input then
+        ctx.u_prompt = input + read + (tonumber(u.cache_creation_input_tokens) or 0)
+        ctx.u_cached = read
+    end
+    ctx.u_prompt = ctx.u_prompt or 0
+    ctx.u_completion = tonumber(u.output_tokens) or ctx.u_completion or 0
+    ctx.u_source = final and "final" or "running"
+end
+
+-- sse_event(ctx, ev) -> ev: one event of vLLM's Anthropic stream ("event: <type>\ndata:
+-- <json>", without the blank line), passed unchanged. message_start carries the input
+-- tokens, message_delta (the last one, after the content) the output tokens, error
+-- the stream's failure, message_stop its end. Only those are decoded: the
+-- content_block_delta of every token is passed on after a look at its first line.
+function _M.sse_event(ctx, ev)
+    if sub(ev, 1, 7) ~= "event: " then
+        return ev
+    end
+    local nl = find(ev, "\n", 8, true)
+    if not nl then
+        return ev
+    end
+    local kind = sub(ev, 8, nl - 1)
+    if kind == "message_stop" then
+        ctx.sse_done = true
+        return ev
+    end
+    if kind ~= "message_start" and kind ~= "message_delta" and kind ~= "error" then
+        return ev
+    end
+    local at = find(ev, "data:", nl + 1, true)
+    local d = at and cjson.decode(sub(ev, at + 5))
+    if type(d) ~= "table" then
+        return ev
+    end
+    if kind == "message_start" then
+        read_usage(ctx, type(d.message) == "table" and d.message.usage, false)
+    elseif kind == "message_delta" then
+        read_usage(ctx, d.usage, true)
+    elseif not ctx.error then
+        local e = d.error
+        ctx.error = type(e) == "table" and type(e.type) == "string" and e.type
+            or "stream_error"
+    end
+    return ev
+end
+
+-- whole_usage(ctx, d): the usage of a whole (non-stream) answer, decoded.
+function _M.whole_usage(ctx, d)
+    read_usage(ctx, d.usage, true)
+end
+
+-- Anthropic's error types by status (docs.anthropic.com, "Errors"); the edge's own
+-- 503s of a full fleet are overloaded_error (Anthropic answers 529 for it; the SDK
+-- retries both).
+local TYPES = {
+    [400] = "invalid_request_error", [401] = "authentication_error",
+    [402] = "billing_error", [403] = "permission_error", [404] = "not_found_error",
+    [413] = "request_too_large", [429] = "rate_limit_error", [504] = "timeout_error",
+    [529] = "overloaded_error",
+}
+local OVERLOADED = { overloaded = true, model_waking = true }
+
+-- error_body(err) -> JSON text of err (tokengate.errors.new's shape) in Anthropic's
+-- shape: {"type": "error", "error": {"type": <by status>, "message": <message>}}.
+-- The edge's code (rate_limit_exceeded, insufficient_quota ...) stays in the usage
+-- event and the metrics.
+function _M.error_body(err)
+    local status = err.status or 500
+    local t = TYPES[status]
+    if not t then
+        if OVERLOADED[err.code] then
+            t = "overloaded_error"
+        else
+            t = status >= 500 and "api_error" or "invalid_request_error"
+        end
+    end
+    local e = json.object()
+    json_set(e, "type", t)
+    json_set(e, "message", errors.cap(err.message or ""))
+    local doc = json.object()
+    json_set(doc, "type", "error")
+    json_set(doc, "error", e)
+    return json.encode(doc)
+end
+
+-- rate_headers(h, st): the request and token limits in Anthropic's headers, from
+-- tokengate.limits' state {rpm, tpm, remaining_requests, remaining_tokens,
+-- reset_requests (s), reset_tokens (s)}; a reset is the RFC 3339 time the window
+-- has room again.
+function _M.rate_headers(h, st)
+    local now = ngx_now()
+    h["anthropic-ratelimit-requests-limit"] = st.rpm
+    h["anthropic-ratelimit-requests-remaining"] = st.remaining_requests
+    h["anthropic-ratelimit-requests-reset"] = clock.rfc3339_ms(now + st.reset_requests)
+    h["anthropic-ratelimit-tokens-limit"] = st.tpm
+    h["anthropic-ratelimit-tokens-remaining"] = st.remaining_tokens
+    h["anthropic-ratelimit-tokens-reset"] = clock.rfc3339_ms(now + st.reset_tokens)
+end
+
+return _M
