@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 import redis
@@ -108,8 +109,9 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         ledger_config_path: Path, ledger_redis: redis.Redis, redis_url: str, tmp_path: Path):
     """Streaming and non-streaming chats, a chat free to stop at EOS, streams whose
     client leaves after a few chunks (one of them n = 2), non-streaming requests whose
-    client times out, completions with two prompts, an n = 2 chat, and the request whose
-    record is lost; the ledger is killed (SIGKILL) and restarted while they run."""
+    client times out, completions with two prompts, an n = 2 chat, Anthropic Messages
+    (whole, streamed, and a stream the client leaves), and the request whose record is
+    lost; the ledger is killed (SIGKILL) and restarted while they run."""
     v = engine_vllm
 
     def upstream(raw: dict[str, Any]) -> None:
@@ -163,6 +165,21 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         client().completions.create(model=MODEL, prompt=["first prompt", "the second one"],
                                     max_tokens=max_tokens, extra_body=exact)
 
+    def messages(max_tokens: int, stream: bool = False,
+                 leave_after: int | None = None) -> None:
+        c = anthropic.Anthropic(base_url=edge.base_url.removesuffix("/v1"), api_key=MAIN_KEY,
+                                max_retries=0, timeout=300)
+        body: dict[str, Any] = {
+            "model": MODEL, "max_tokens": max_tokens, "extra_body": exact,
+            "messages": [{"role": "user", "content": f"messages {max_tokens}"}]}
+        if not stream:
+            c.messages.create(**body)
+            return
+        with c.messages.stream(**body) as s:
+            for i, _text in enumerate(s.text_stream):
+                if leave_after is not None and i + 1 >= leave_after:
+                    break
+
     def n2(max_tokens: int) -> None:
         client().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "two"}], max_tokens=max_tokens,
@@ -179,6 +196,8 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         (lambda: stream(6000, leave_after=4, n=2), 2),
         (lambda: timeout(8000), 1), (lambda: timeout(8000), 1),
         (lambda: completions(8), 2), (lambda: n2(11), 2),
+        (lambda: messages(9), 1), (lambda: messages(14, stream=True), 1),
+        (lambda: messages(6000, stream=True, leave_after=3), 1),
     ]
     killed_mid_stream = False
     try:
@@ -234,7 +253,7 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         (events[lost.edge_request_id]["completion_tokens"],
          events[lost.edge_request_id]["prompt_tokens"])
     left = [rid for rid, ev in events.items() if ev["client_aborted"]]
-    assert len(left) == 5
+    assert len(left) == 6
     for rid in left:
         gen = sum(r.num_generation_tokens for r in records if r.edge_request_id == rid)
         assert audit[rid]["settled"] == "engine"
