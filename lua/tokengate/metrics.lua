@@ -43,8 +43,8 @@ local FAST = { 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 -- not stored: the status server passes their samples at scrape time (exposition()).
 local FAMILIES = {
     { "tokengate_requests_total", "counter",
-      "Requests that ended, by API key, model, endpoint (chat, completions, models, "
-      .. "model, other) and status class (2xx..5xx)." },
+      "Requests that ended, by API key, model, endpoint (chat, completions, messages, "
+      .. "count_tokens, models, model, other) and status class (2xx..5xx)." },
     { "tokengate_prompt_tokens_total", "counter",
       "Prompt tokens billed (the usage events' prompt_tokens), by API key and model." },
     { "tokengate_completion_tokens_total", "counter",
