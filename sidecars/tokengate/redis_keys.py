@@ -50,6 +50,8 @@ Fields of a usage hash (integers unless noted)::
     cost (float, INCRBYFLOAT, currency units)  settled_engine (billed with the engine's
     records)  engine_missing (no engine record within ledger.engine_wait_s: billed with
     the edge's numbers)  disagreements (edge and engine numbers differ)
+    endpoint:<endpoint>:{requests,prompt_tokens,completion_tokens,cost} (the same per
+    ENDPOINTS entry of the event's endpoint; cost a float)
 
 The global-limit windows (``tokengate.limits.window``), hashed per API key (one slot per
 key, keys spread over the cluster)::
@@ -87,6 +89,23 @@ def _enc(name: str | None) -> str:
 
 
 # --- the ledger
+
+
+# The endpoints a usage hash splits its requests, tokens and cost by (the usage event's
+# endpoint; any other path counts as "other").
+ENDPOINTS = ("chat", "completions", "messages", "count_tokens", "models", "model")
+
+
+def endpoint_bucket(endpoint: str) -> str:
+    """The usage event's ``endpoint`` as the usage hash splits it: one of ENDPOINTS, or
+    "other" for any other path."""
+    return endpoint if endpoint in ENDPOINTS else "other"
+
+
+def endpoint_field(endpoint: str, name: str) -> str:
+    """The usage hash's field ``name`` (requests, prompt_tokens, completion_tokens, cost)
+    of the usage event's ``endpoint`` (endpoint_bucket)."""
+    return f"endpoint:{endpoint_bucket(endpoint)}:{name}"
 
 
 def usage_key(day: str, key_id: str | None, model: str | None) -> str:

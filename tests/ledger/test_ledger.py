@@ -69,8 +69,16 @@ def expected_rows(events: Iterable[UsageEvent], cfg: tg_config.Config) -> dict[K
         r.completion_tokens += ev.completion_tokens
         r.cached_tokens += ev.cached_tokens
         r.system_tokens += ev.system_tokens
-        r.cost += calc.charge_event(ev).cost
+        cost = calc.charge_event(ev).cost
+        r.cost += cost
         r.statuses[str(ev.status)] = r.statuses.get(str(ev.status), 0) + 1
+        ep = r.endpoints.setdefault(store.endpoint_bucket(ev.endpoint),
+                                    {"requests": 0, "prompt_tokens": 0,
+                                     "completion_tokens": 0, "cost": 0})
+        ep["requests"] += 1
+        ep["prompt_tokens"] += ev.prompt_tokens
+        ep["completion_tokens"] += ev.completion_tokens
+        ep["cost"] += cost
     return rows
 
 
@@ -84,6 +92,10 @@ def assert_ledger_equals(client: redis_client.SyncRedis, events: list[UsageEvent
         g = got[k]
         assert g.cost == pytest.approx(w.cost, rel=1e-9, abs=1e-12), k
         g.cost = w.cost
+        for ep, counts in w.endpoints.items():
+            assert g.endpoints[ep]["cost"] == pytest.approx(counts["cost"], rel=1e-9,
+                                                            abs=1e-12), (k, ep)
+            g.endpoints[ep]["cost"] = counts["cost"]
         assert g == w, k
     assert client.xlen(store.AUDIT_KEY) == len(events)
 

@@ -242,6 +242,12 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
     assert row.prompt_tokens == prompt_counted - repeated_prompts > 0
     assert (row.requests, row.settled_engine, row.engine_missing, row.disagreements) == \
         (len(jobs), len(jobs) - 1, 1, 0)
+    # the same bill per endpoint
+    assert {ep: c["requests"] for ep, c in row.endpoints.items()} == \
+        {"chat": 13, "completions": 1, "messages": 3}
+    for f in ("prompt_tokens", "completion_tokens"):
+        assert sum(c[f] for c in row.endpoints.values()) == getattr(row, f)
+    assert sum(c["cost"] for c in row.endpoints.values()) == pytest.approx(row.cost)
 
     # Each request: clients that left pay what the engine generated, not what the edge saw.
     audit = {f["rid"]: f for _id, f in ledger_redis.xrange(store.AUDIT_KEY)}

@@ -135,7 +135,11 @@ class Join:
                   "prompt_tokens": prompt, "completion_tokens": st.completion_tokens,
                   "cached_tokens": st.cached_tokens, "system_tokens": system,
                   "settled_engine": by_engine, "engine_missing": int(missing),
-                  "disagreements": disagree}
+                  "disagreements": disagree,
+                  redis_keys.endpoint_field(ev.endpoint, "requests"): 1,
+                  redis_keys.endpoint_field(ev.endpoint, "prompt_tokens"): prompt,
+                  redis_keys.endpoint_field(ev.endpoint, "completion_tokens"):
+                      st.completion_tokens}
         n: list[str] = []
         for f, v in counts.items():
             if v:
@@ -164,8 +168,9 @@ class Join:
                                "u": keys(redis_keys.usage_key(day, ev.key_id, ev.model)),
                                "x": keys(redis_keys.idx_key(day)), "r": ev.request_id,
                                "m": json.dumps([ev.key_id, ev.model]), "d": day,
-                               "ds": redis_keys.day_score(day), "n": n, "c": cost, "a": audit,
-                               "st": stats}
+                               "ds": redis_keys.day_score(day), "n": n, "c": cost,
+                               "ce": redis_keys.endpoint_field(ev.endpoint, "cost"),
+                               "a": audit, "st": stats}
         if self.engine_mode:
             lua["e"], lua["h"] = keys(redis_keys.eng_key(ev.request_id)), kept
         if edge:

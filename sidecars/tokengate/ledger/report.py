@@ -26,6 +26,7 @@ GROUPS = ("key", "model", "day")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
               "completion_tokens", "cached_tokens", "system_tokens", "settled_engine",
               "engine_missing", "disagreements")
+ENDPOINT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost")
 
 
 @dataclass
@@ -50,6 +51,9 @@ class UsageRow:
     disagreements: int = 0     # the edge's final usage differed from the engine's numbers
     cost: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
+    # endpoint (chat, completions, messages, count_tokens, ..., other) -> {requests,
+    # prompt_tokens, completion_tokens, cost}
+    endpoints: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, other: UsageRow) -> None:
         for f in INT_FIELDS:
@@ -57,6 +61,10 @@ class UsageRow:
         self.cost += other.cost
         for s, n in other.statuses.items():
             self.statuses[s] = self.statuses.get(s, 0) + n
+        for ep, counts in other.endpoints.items():
+            mine = self.endpoints.setdefault(ep, dict.fromkeys(ENDPOINT_FIELDS, 0))
+            for f, v in counts.items():
+                mine[f] += v
 
 
 def _row(day: str, key_id: str | None, model: str | None, h: dict[str, str]) -> UsageRow:
@@ -64,6 +72,12 @@ def _row(day: str, key_id: str | None, model: str | None, h: dict[str, str]) -> 
     for f in INT_FIELDS:
         setattr(row, f, int(h.get(f, 0)))
     row.statuses = {k[7:]: int(v) for k, v in sorted(h.items()) if k.startswith("status:")}
+    for k, v in sorted(h.items()):
+        if k.startswith("endpoint:"):
+            ep, _, name = k[9:].rpartition(":")
+            if name in ENDPOINT_FIELDS:
+                counts = row.endpoints.setdefault(ep, dict.fromkeys(ENDPOINT_FIELDS, 0))
+                counts[name] = float(v) if name == "cost" else int(v)
     return row
 
 
@@ -196,7 +210,9 @@ COLUMNS
   estimate), system_tokens, settled_engine (the engine column), engine_missing
   (waited for engine records that never came: billed with the edge's numbers),
   disagreements (the edge's final usage and the engine's records differed: the
-  engine's numbers were billed) and the count per status.
+  engine's numbers were billed), the count per status, and per endpoint (chat,
+  completions, messages, count_tokens, models, model, other) the requests,
+  prompt and completion tokens and cost.
 
 DAYS
   --since and --until take YYYY-MM-DD, today, yesterday or Nd (N days ago); both

@@ -65,6 +65,9 @@ for i = 1, #batch do
       end
       if e.c ~= '0' then
         redis.call('HINCRBYFLOAT', u, 'cost', e.c)
+        if e.ce then
+          redis.call('HINCRBYFLOAT', u, e.ce, e.c)
+        end
       end
       redis.call('SADD', KEYS[e.x], e.m)
       redis.call('ZADD', KEYS[4], e.ds, e.d)
