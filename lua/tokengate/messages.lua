@@ -45,6 +45,8 @@ local fail = errors.refuse
 local _M = {}
 
 _M.ROUTES = { ["/v1/messages"] = "messages", ["/v1/messages/count_tokens"] = "count_tokens" }
+-- paths under it that are no route still get this API's key header and error shape
+_M.PREFIX = "/v1/messages"
 _M.PATHS = { messages = "/v1/messages" } -- count_tokens is never forwarded
 _M.ALLOW = { messages = "POST", count_tokens = "POST" }
 -- answered by the edge itself, after the count and the request limit
@@ -117,9 +119,14 @@ function _M.validate(route, body, models, edge)
         end
     end
     if route == "messages" then
-        local n = json_integer(body.max_tokens)
-        if not n or n < 1 then
+        local v = body.max_tokens
+        if v == nil or v == null then
             return fail(400, "max_tokens: Field required (an integer >= 1)", "max_tokens",
+                "missing_required_parameter")
+        end
+        local n = json_integer(v)
+        if not n or n < 1 then
+            return fail(400, "max_tokens: must be an integer >= 1", "max_tokens",
                 "invalid_value")
         end
         if type(body.max_tokens) ~= "number" then
@@ -291,7 +298,10 @@ end
 -- <json>", without the blank line), passed unchanged. message_start carries the input
 -- tokens, message_delta (the last one, after the content) the output tokens, error
 -- the stream's failure, message_stop its end. Only those are decoded: the
--- content_block_delta of every token is passed on after a look at its first line.
+-- content_block_delta of every token is passed on after a look at its first line, and
+-- counted: until message_delta, the output so far is the deltas seen (vLLM writes one
+-- per engine step with text, each of at least one token: a lower bound, what a client
+-- that leaves is billed without the engine records, which settle it exactly).
 function _M.sse_event(ctx, ev)
     if sub(ev, 1, 7) ~= "event: " then
         return ev
@@ -301,6 +311,14 @@ function _M.sse_event(ctx, ev)
         return ev
     end
     local kind = sub(ev, 8, nl - 1)
+    if kind == "content_block_delta" then
+        local n = (ctx.m_deltas or 0) + 1
+        ctx.m_deltas = n
+        if ctx.u_source == "running" then
+            ctx.u_completion = n
+        end
+        return ev
+    end
     if kind == "message_stop" then
         ctx.sse_done = true
         return ev

@@ -229,6 +229,7 @@ local function how_much(ctx, doc)
         -- answered here from the count: one request of the key's RPM, no tokens, no
         -- budget; an estimate is no answer
         if counted.source ~= "counter" then
+            ctx.token_estimate, ctx.count_source = nil, nil -- (no X-Token-Count)
             return nil, count.CLOSED
         end
         local answer_text
@@ -324,7 +325,7 @@ function _M.access()
     local uri = ngx_var.uri -- the client's path: set_uri below changes $uri
     ctx.uri = uri
     ctx.route, ctx.model_id = request.route(uri)
-    ctx.api = request.api(ctx.route)
+    ctx.api = request.api(ctx.route, uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
     -- a browser's preflight carries no key: answered before any is asked for
     cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
@@ -602,7 +603,7 @@ function _M.nginx_error()
         ctx.endpoint = "-"
     else
         local route = request.route(path)
-        ctx.api = request.api(route)
+        ctx.api = request.api(route, path)
         ctx.endpoint = request.endpoint(route, path)
     end
     ctx.key = auth.authenticate(config.get().keys, ngx_var.http_authorization,

@@ -30,10 +30,11 @@ local ROUTES = {
 }
 _M.PATHS = { chat = "/v1/chat/completions", completions = "/v1/completions" }
 local MODEL_PREFIX = "/v1/models/"
--- The API modules beyond OpenAI's chat and completions, with their routes: route ->
--- module (see tokengate.messages for what a module provides).
+-- The API modules beyond OpenAI's chat and completions (see tokengate.messages for what
+-- a module provides), and their routes: route -> module.
+local MODULES = { messages }
 local APIS = {}
-for _, mod in ipairs({ messages }) do
+for _, mod in ipairs(MODULES) do
     for path, route in pairs(mod.ROUTES) do
         ROUTES[path] = route
         APIS[route] = mod
@@ -41,9 +42,20 @@ for _, mod in ipairs({ messages }) do
     end
 end
 
--- api(route) -> the route's API module, or nil for chat, completions and the model list
-function _M.api(route)
-    return APIS[route]
+-- api(route, uri) -> the route's API module, or nil for chat, completions and the model
+-- list; for a path that is no route (route nil), the module whose PREFIX starts uri, so
+-- that its 404 (or 401) comes in that API's shape after its key header was read.
+function _M.api(route, uri)
+    if route or not uri then
+        return APIS[route]
+    end
+    for i = 1, #MODULES do
+        local mod = MODULES[i]
+        if sub(uri, 1, #mod.PREFIX) == mod.PREFIX then
+            return mod
+        end
+    end
+    return nil
 end
 
 -- id(ctx) -> the request's $request_id (32 hex digits), kept in ctx: an ngx.var read

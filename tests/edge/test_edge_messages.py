@@ -86,8 +86,10 @@ def test_a_stream_the_client_leaves_is_billed_what_the_edge_saw(edge: Edge) -> N
             break
     ev = edge.event(request_id, timeout_s=20)
     assert ev["client_aborted"] is True
-    # message_start's input tokens; the output comes from the engine records (ledger)
+    # message_start's input tokens, and the text deltas seen as the output so far (the
+    # engine records settle it exactly: tests/ledger/test_ledger_vllm.py)
     assert (ev["prompt_tokens"], ev["usage_source"]) == (counted, "running")
+    assert ev["completion_tokens"] >= 1
 
 
 def test_count_tokens_is_vllms_number_without_vllm(edge: Edge, vllm_http: httpx.Client,
@@ -152,6 +154,10 @@ def test_the_key_comes_as_x_api_key_or_bearer(edge: Edge) -> None:
         client(edge, key="tg-wrong").messages.count_tokens(model=MODEL, messages=HELLO)
     assert info.value.body == {"type": "error", "error": {
         "type": "authentication_error", "message": "Incorrect API key provided."}}
+    for path in ("messages/", "messages/batches"):
+        r = httpx.post(f"{edge.base_url}/{path}", headers={"x-api-key": MAIN_KEY},
+                       json={"model": MODEL, "messages": HELLO, "max_tokens": 3}, timeout=60)
+        assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found_error"), path
     r = httpx.post(f"{edge.base_url}/messages", json={"model": MODEL, "messages": HELLO,
                                                       "max_tokens": 3}, timeout=60)
     assert r.status_code == 401
@@ -183,7 +189,7 @@ def test_refusals_come_in_anthropics_shape_and_never_reach_vllm(
         ({"model": "no-such-model", "max_tokens": 3, "messages": HELLO},
          Refusal(status=404, type="not_found_error", code="model_not_found")),
         ({"model": MODEL, "messages": HELLO},
-         Refusal(status=400, type="invalid_request_error", code="invalid_value")),
+         Refusal(status=400, type="invalid_request_error", code="missing_required_parameter")),
         ({"model": MODEL, "max_tokens": 3, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "hi <|im_end|>"}]}]},
          Refusal(status=400, type="invalid_request_error", code="special_token_in_content")),

@@ -31,8 +31,8 @@ case("a minimal body passes; vLLM takes an empty messages list", function()
 end)
 
 case("max_tokens is required on /v1/messages only, an integer >= 1", function()
-    eq(validate("messages", '{"model":"m","messages":[]}'), { 400, "invalid_value",
-                                                              "max_tokens" })
+    eq(validate("messages", '{"model":"m","messages":[]}'),
+        { 400, "missing_required_parameter", "max_tokens" })
     eq(validate("messages", '{"model":"m","max_tokens":"5","messages":[]}'),
         { 400, "invalid_value", "max_tokens" })
     eq(validate("messages", '{"model":"m","max_tokens":0,"messages":[]}'),
@@ -97,8 +97,9 @@ case("a stream's usage: input from message_start, output from the last delta", f
     }
     local ctx, out = events(list)
     eq(out, list)
+    -- (the delta's text is no usage: it is one delta, one token so far)
     eq({ ctx.u_prompt, ctx.u_completion, ctx.u_cached, ctx.u_source },
-        { 23, 0, 16, "running" })
+        { 23, 1, 16, "running" })
     ctx = events({ list[1], list[2],
         'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
             .. '"max_tokens"},"usage":{"input_tokens":7,"output_tokens":5,'
@@ -152,4 +153,26 @@ case("count_tokens answers vLLM's body; a prompt above the context is refused", 
         '{"input_tokens":100,"context_management":{"original_input_tokens":100}}')
     local text, err = messages.count_answer(MODELS.m, 101)
     eq({ text, err.status, err.code }, { nil, 400, "context_length_exceeded" })
+end)
+
+case("until message_delta, a stream's output is the text deltas seen", function()
+    local delta = 'event: content_block_delta\ndata: {"type":"content_block_delta"}'
+    local ctx = events({ delta, -- before message_start: nothing to bill yet
+        'event: message_start\ndata: {"message":{"usage":{"input_tokens":7}}}',
+        delta, delta, delta })
+    eq({ ctx.u_prompt, ctx.u_completion, ctx.u_source }, { 7, 4, "running" })
+    ctx = events({ 'event: message_start\ndata: {"message":{"usage":{"input_tokens":7}}}',
+        delta, 'event: message_delta\ndata: {"usage":{"input_tokens":7,"output_tokens":3}}',
+        delta })
+    eq({ ctx.u_completion, ctx.u_source }, { 3, "final" })
+end)
+
+case("a path under /v1/messages that is no route still speaks this API", function()
+    local request = require "tokengate.request"
+    eq(request.api(request.route("/v1/messages")), messages)
+    eq(request.api(nil, "/v1/messages/batches"), messages)
+    eq(request.api(nil, "/v1/messages/"), messages)
+    eq(request.api(nil, "/v1/message"), nil)
+    eq(request.api(nil, "/v1/chat/completions/x"), nil)
+    eq(request.api(request.route("/v1/chat/completions")), nil)
 end)
