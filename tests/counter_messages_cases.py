@@ -222,6 +222,10 @@ CASES: list[Case] = [
 ]
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("tool_choice_names_an_absent_tool", {
+        "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "not_declared"},
+        "messages": [user("x")]},
+     "tool_choice.name: Tool 'not_declared' has not been passed in `tools`."),
     ("image_base64", {"messages": [user([{"type": "image", "source": PNG}, text("What?")])]},
      "messages[0].content[0]: image content is not supported"),
     ("image_in_tool_result", {"messages": [

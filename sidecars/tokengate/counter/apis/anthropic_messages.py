@@ -32,7 +32,8 @@ that conversion in our own terms and hands back the OpenAI chat body that
   (``_handle_thinking``, ``_probe_disabled_thinking_effort``: ``"none"`` unless the
   template rejects it or renders it like a thinking effort, then ``"low"``);
   ``thinking: enabled`` only sets a generation budget; ``tool_choice`` never changes
-  the prompt;
+  the prompt (a forced ``tool`` that ``tools`` does not declare is refused, as vLLM's
+  tool parser refuses it);
 - ``chat_template_kwargs`` (a vLLM extension) passes on to the chat path.
 
 Validation follows vLLM's pydantic models (``vllm/entrypoints/anthropic/protocol.py``):
@@ -526,6 +527,13 @@ def to_chat(body: dict[str, Any], policy: TemplatePolicy, *, count_tokens: bool)
         effort = policy.disabled_thinking_effort
     _check_tool_choice(body)
     tools = _resolve_tools(body, messages)
+    choice = body.get("tool_choice")
+    if choice is not None and choice.get("type") == "tool" and \
+            choice.get("name") not in {t.name for t in tools or []}:
+        # the forced tool's schema (vllm/tool_parsers/utils.py get_json_schema_from_tool,
+        # from the tool parser's adjust_request, count_tokens too)
+        raise BadRequest("tool_choice.name", f"Tool '{choice.get('name')}' has not been "
+                                             "passed in `tools`.")
 
     out: list[dict[str, Any]] = []
     system = _system_parts(body)
