@@ -47,7 +47,8 @@ TEMPLATE_RENDERS = Counter("tokengate_counter_template_renders_total",
 # the proto's endpoints and ModelCounter.count's names for them
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions",
               counter_pb2.ENDPOINT_MESSAGES: "messages",
-              counter_pb2.ENDPOINT_MESSAGES_COUNT_TOKENS: "count_tokens"}
+              counter_pb2.ENDPOINT_MESSAGES_COUNT_TOKENS: "count_tokens",
+              counter_pb2.ENDPOINT_RESPONSES: "responses"}
 _ENDPOINT_NAMES = ", ".join(counter_pb2.Endpoint.Name(e) for e in _ENDPOINTS)
 
 

@@ -18,6 +18,12 @@ converted into a chat body the way vLLM's Anthropic serving converts it
 reports that count as ``usage.input_tokens`` (less any prefix-cache hits, which it
 reports apart as ``cache_read_input_tokens``) and as count_tokens' ``input_tokens``.
 
+OpenAI Responses (``/v1/responses``): the body is converted into a chat body the way
+vLLM's non-harmony Responses serving builds its prompt
+(``tokengate.counter.apis.openai_responses``), which the chat path counts; vLLM reports
+that count as ``usage.input_tokens`` (prefix-cache hits included, told apart in
+``input_tokens_details.cached_tokens``).
+
 Every malformed field raises ``BadRequest`` whose ``param`` names it
 (``messages[2].content``).
 """
@@ -32,7 +38,7 @@ from typing import Any
 
 from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
-from tokengate.counter.apis import anthropic_messages
+from tokengate.counter.apis import anthropic_messages, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.errors import BadRequest
 from tokengate.counter.tokenizer import PromptTokenizer
@@ -159,7 +165,7 @@ class ModelCounter:
 
     def count(self, endpoint: str, body: dict[str, Any]) -> CountResult:
         """Count ``body`` (parsed JSON) for ``endpoint`` "chat", "completions",
-        "messages" or "count_tokens" (``/v1/messages/count_tokens``).
+        "messages", "count_tokens" (``/v1/messages/count_tokens``) or "responses".
 
         Raises ``BadRequest``.
         """
@@ -173,6 +179,8 @@ class ModelCounter:
             n_prompts = 1
         elif endpoint in MESSAGES_ENDPOINTS:
             return self._count_messages(body, count_tokens=endpoint == "count_tokens")
+        elif endpoint == "responses":
+            return self._count_responses(body)
         elif endpoint == "completions":
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
@@ -224,6 +232,25 @@ class ModelCounter:
             raise BadRequest("max_tokens", f"{requested} is greater than max_model_len {limit}")
         return CountResult(prompt_tokens, limit, min(requested, max(0, limit - prompt_tokens)),
                            requested, breakdown)
+
+    # -- OpenAI Responses ----------------------------------------------------------------
+
+    def _count_responses(self, body: dict[str, Any]) -> CountResult:
+        """A Responses body: converted as vLLM's Responses serving converts it
+        (``apis.openai_responses``), then counted by the chat path; its
+        ``max_output_tokens`` is checked and reserved like chat's ``max_tokens``."""
+        if self.template is None:
+            raise BadRequest("input", f"model {self.model.name} has no chat template")
+        chat = openai_responses.to_chat(body)
+        prompt_tokens, breakdown = self._count_chat(chat.body)
+        limit = self.model.max_model_len
+        requested = chat.max_output_tokens
+        if requested is not None and requested > limit:
+            raise BadRequest("max_output_tokens", f"{requested} is greater than max_model_len "
+                                                  f"{limit}")
+        room = max(0, limit - prompt_tokens)
+        effective = room if requested is None else min(requested, room)
+        return CountResult(prompt_tokens, limit, effective, requested or 0, breakdown)
 
     def _messages_policy(self) -> anthropic_messages.TemplatePolicy:
         """What vLLM's Messages serving derives from this model's template at its
