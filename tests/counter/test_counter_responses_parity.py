@@ -1,0 +1,68 @@
+"""Contract §2.1 for the OpenAI Responses API: the counter's prompt_tokens equals the
+real vLLM server's ``POST /v1/responses`` ``usage.input_tokens`` for every body of
+``tests/counter_responses_cases.py``; the bodies vLLM refuses, the counter refuses
+too, naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
+
+from tests.conftest import MODEL
+from tests.counter_responses_cases import CASES, REFUSED
+
+RESPONSES = counter_pb2.ENDPOINT_RESPONSES
+BY_NAME = dict(CASES)
+# what the contract names: string input, message items of every role, input_text
+# parts, instructions, function tools, call histories, reasoning items, unicode,
+# forged special tokens, a long input
+COVERED = ["plain", "user_input_text_parts", "system_message", "developer_message",
+           "assistant_output_message", "instructions", "function_tool", "tool_history",
+           "parallel_calls", "reasoning_content", "unicode_mix",
+           "forged_specials_everywhere", "long_lorem"]
+MAX_OUTPUT_TOKENS = 16
+
+
+def count(counter_stub: counter_pb2_grpc.TokenCounterStub,
+          body: dict[str, Any]) -> counter_pb2.CountReply:
+    return counter_stub.CountTokens(counter_pb2.CountRequest(
+        model=MODEL, endpoint=RESPONSES, body=json.dumps(body).encode()))
+
+
+def test_cases_cover_the_contract() -> None:
+    assert len(CASES) >= 50
+    assert len(BY_NAME) == len(CASES)
+    assert set(COVERED) <= set(BY_NAME)
+
+
+@pytest.mark.parametrize("name,body", CASES, ids=[c[0] for c in CASES])
+def test_prompt_tokens_equal_vllm_input_tokens(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                               vllm_http: httpx.Client, name: str,
+                                               body: dict[str, Any]) -> None:
+    body = {"model": MODEL, "max_output_tokens": MAX_OUTPUT_TOKENS, **body}
+    response = vllm_http.post("responses", json=body)
+    assert response.status_code == 200, response.text
+    reply = count(counter_stub, body)
+    assert reply.prompt_tokens == response.json()["usage"]["input_tokens"]
+    assert (reply.max_tokens_requested, reply.max_tokens_effective) == \
+        (MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS)
+    b = reply.breakdown
+    assert b.system + b.tools + b.messages + b.template_overhead == reply.prompt_tokens
+
+
+@pytest.mark.parametrize("name,body,message", REFUSED, ids=[c[0] for c in REFUSED])
+def test_what_vllm_refuses_the_counter_refuses(counter_stub: counter_pb2_grpc.TokenCounterStub,
+                                               vllm_http: httpx.Client, name: str,
+                                               body: dict[str, Any], message: str) -> None:
+    body = {"model": MODEL, "max_output_tokens": MAX_OUTPUT_TOKENS, **body}
+    response = vllm_http.post("responses", json=body)
+    assert 400 <= response.status_code < 500, response.text
+    with pytest.raises(grpc.RpcError) as info:
+        count(counter_stub, body)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(message), info.value.details()
