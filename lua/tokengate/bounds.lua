@@ -22,7 +22,7 @@ local fail = errors.refuse
 
 local _M = {}
 
--- set(names) -> {name = true}
+-- set(names) -> {name = true} (also for an API module's KNOWN entry: tokengate.messages)
 local function set(names)
     local t = {}
     for i = 1, #names do
@@ -30,6 +30,7 @@ local function set(names)
     end
     return t
 end
+_M.set = set
 
 -- The fields (and aliases) of vLLM 0.32's ChatCompletionRequest
 -- (vllm/entrypoints/openai/chat_completion/protocol.py) and CompletionRequest

@@ -56,13 +56,7 @@ _M.LOCAL = { count_tokens = true }
 -- (vllm/entrypoints/anthropic/protocol.py; tests/edge/test_edge_costly_inputs.py compares them
 -- with vLLM's models): any other top-level field counts against
 -- edge.max_unknown_fields_bytes (tokengate.bounds).
-local function set(names)
-    local t = {}
-    for i = 1, #names do
-        t[names[i]] = true
-    end
-    return t
-end
+local set = bounds.set
 bounds.KNOWN.messages = set({
     "cache_salt", "chat_template_kwargs", "ec_transfer_params", "kv_transfer_params",
     "max_tokens", "messages", "metadata", "mm_payload", "model", "output_config",

@@ -40,7 +40,7 @@ from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
-from tokengate.counter.errors import BadRequest
+from tokengate.counter.errors import BadRequest, type_name
 from tokengate.counter.tokenizer import PromptTokenizer
 
 # vLLM releases (major, minor; any patch level) whose preprocessing this module mirrors
@@ -80,11 +80,6 @@ class CountResult:
     prompt_count: int = 1
 
 
-def _type_name(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null", int: "an integer", float: "a number"}.get(type(v), "a value")
-
-
 def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     """An optional integer field; integral floats (16.0, 1e1) count as integers, as in
     vLLM's pydantic models (lax mode)."""
@@ -94,7 +89,7 @@ def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(key, f"expected an integer, got {_type_name(v)}")
+        raise BadRequest(key, f"expected an integer, got {type_name(v)}")
     if v < minimum:
         raise BadRequest(key, f"must be at least {minimum}, got {v}")
     return v
@@ -105,7 +100,7 @@ def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(key, f"expected a boolean, got {_type_name(v)}")
+        raise BadRequest(key, f"expected a boolean, got {type_name(v)}")
     return v
 
 
@@ -385,7 +380,7 @@ class ModelCounter:
                 return {"role": role, "content": content}
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise BadRequest(where, f"expected an object, got {_type_name(m)}")
+            raise BadRequest(where, f"expected an object, got {type_name(m)}")
         role = m.get("role")
         if not isinstance(role, str):
             raise BadRequest(f"{where}.role", "required string")
@@ -434,7 +429,7 @@ class ModelCounter:
             parts = content
         else:
             raise BadRequest(param, f"expected a string or an array of content parts, got "
-                                    f"{_type_name(content)}")
+                                    f"{type_name(content)}")
         texts: list[str] = []
         for j, part in enumerate(parts):
             if isinstance(part, str):
@@ -442,7 +437,7 @@ class ModelCounter:
                 continue
             pwhere = f"{param}[{j}]"
             if not isinstance(part, dict):
-                raise BadRequest(pwhere, f"expected an object, got {_type_name(part)}")
+                raise BadRequest(pwhere, f"expected an object, got {type_name(part)}")
             ptype = part.get("type")
             if not isinstance(ptype, str):
                 raise BadRequest(f"{pwhere}.type", "required string")
@@ -455,7 +450,7 @@ class ModelCounter:
                 continue  # vLLM skips text/refusal parts without content
             if not isinstance(text, str):
                 raise BadRequest(f"{pwhere}.{field}", f"expected a string, got "
-                                                      f"{_type_name(text)}")
+                                                      f"{type_name(text)}")
             texts.append(text)
         if role == "system":  # vLLM ``_strip_claude_code_billing_header``
             kept = []

@@ -1,6 +1,9 @@
-"""The counter's one refusal: a body that is not a valid request for its endpoint."""
+"""The counter's one refusal: a body that is not a valid request for its endpoint, and
+the two checks every API module (``tokengate.counter.apis``) words its refusals with."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class BadRequest(ValueError):
@@ -10,3 +13,16 @@ class BadRequest(ValueError):
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
         self.message = message
+
+
+def type_name(v: Any) -> str:
+    """A parsed JSON value's type as a refusal names it ("an object", "null", ...)."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null", int: "an integer", float: "a number"}.get(type(v), "a value")
+
+
+def expect(where: str, v: Any, kinds: tuple[type, ...], what: str) -> None:
+    """``BadRequest(where, "expected <what>, got <type>")`` unless ``v`` is one of
+    ``kinds`` (a JSON boolean is no integer unless ``bool`` is listed)."""
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise BadRequest(where, f"expected {what}, got {type_name(v)}")

@@ -60,7 +60,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from tokengate.counter.errors import BadRequest
+from tokengate.counter.errors import BadRequest, expect, type_name
 
 BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "tool_reference",
                          "thinking", "redacted_thinking", "tool_addition", "tool_removal"})
@@ -143,27 +143,17 @@ class _Message:
     content: str | list[_Block]
 
 
-def _type_name(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null", int: "an integer", float: "a number"}.get(type(v), "a value")
-
-
-def _expect(where: str, v: Any, kinds: tuple[type, ...], what: str) -> None:
-    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
-        raise BadRequest(where, f"expected {what}, got {_type_name(v)}")
-
-
 def _opt_bool(obj: dict[str, Any], key: str, where: str) -> bool | None:
     v = obj.get(key)
     if v is not None and not isinstance(v, bool):
-        raise BadRequest(f"{where}.{key}", f"expected a boolean, got {_type_name(v)}")
+        raise BadRequest(f"{where}.{key}", f"expected a boolean, got {type_name(v)}")
     return v
 
 
 def _opt_str(obj: dict[str, Any], key: str, where: str) -> str | None:
     v = obj.get(key)
     if v is not None and not isinstance(v, str):
-        raise BadRequest(f"{where}.{key}", f"expected a string, got {_type_name(v)}")
+        raise BadRequest(f"{where}.{key}", f"expected a string, got {type_name(v)}")
     return v
 
 
@@ -172,7 +162,7 @@ def _int(v: Any, where: str) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(where, f"expected an integer, got {_type_name(v)}")
+        raise BadRequest(where, f"expected an integer, got {type_name(v)}")
     return v
 
 
@@ -180,13 +170,13 @@ def _int(v: Any, where: str) -> int:
 
 def _tool(where: str, t: Any) -> _Tool:
     """``AnthropicTool``: name and input_schema required."""
-    _expect(where, t, (dict,), "an object")
+    expect(where, t, (dict,), "an object")
     name = t.get("name")
     if not isinstance(name, str):
         raise BadRequest(f"{where}.name", "required string")
     schema = t.get("input_schema")
     if not isinstance(schema, dict):
-        raise BadRequest(f"{where}.input_schema", f"required object, got {_type_name(schema)}")
+        raise BadRequest(f"{where}.input_schema", f"required object, got {type_name(schema)}")
     schema = dict(schema)
     if "type" not in schema:  # validate_input_schema appends it (key order is rendered)
         schema["type"] = "object"
@@ -210,7 +200,7 @@ def _tool_change(where: str, v: dict[str, Any]) -> _ToolChange:
 def _block(where: str, b: Any, tool_changes: bool) -> _Block:
     """``AnthropicContentBlock``; tool_addition / tool_removal only where
     ``tool_changes`` (messages of role system)."""
-    _expect(where, b, (dict,), "a content block object")
+    expect(where, b, (dict,), "a content block object")
     kind = b.get("type")
     if not isinstance(kind, str):
         raise BadRequest(f"{where}.type", "required string")
@@ -225,12 +215,12 @@ def _block(where: str, b: Any, tool_changes: bool) -> _Block:
         if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
             what = " or ".join({str: "a string", dict: "an object", list: "an array",
                                 bool: "a boolean"}[k] for k in kinds)
-            raise BadRequest(f"{where}.{key}", f"expected {what}, got {_type_name(v)}")
+            raise BadRequest(f"{where}.{key}", f"expected {what}, got {type_name(v)}")
         fields[key] = v
     content = fields.get("content")
     if isinstance(content, list):
         for k, item in enumerate(content):
-            _expect(f"{where}.content[{k}]", item, (dict,), "an object")
+            expect(f"{where}.content[{k}]", item, (dict,), "an object")
     block = _Block(where, kind, fields)
     if "tool" in fields:
         block.tool = _tool_change(f"{where}.tool", fields["tool"])
@@ -250,13 +240,13 @@ def _content(where: str, v: Any, tool_changes: bool) -> str | list[_Block]:
         return v
     if not isinstance(v, list):
         raise BadRequest(where, f"expected a string or an array of content blocks, got "
-                                f"{_type_name(v)}")
+                                f"{type_name(v)}")
     return [_block(f"{where}[{j}]", b, tool_changes) for j, b in enumerate(v)]
 
 
 def _message(i: int, m: Any) -> _Message:
     where = f"messages[{i}]"
-    _expect(where, m, (dict,), "an object")
+    expect(where, m, (dict,), "an object")
     role = m.get("role")
     if not isinstance(role, str):
         raise BadRequest(f"{where}.role", "required string")
@@ -273,7 +263,7 @@ def _thinking(body: dict[str, Any], max_tokens: int | None) -> str | None:
     thinking = body.get("thinking")
     if thinking is None:
         return None
-    _expect("thinking", thinking, (dict,), "an object")
+    expect("thinking", thinking, (dict,), "an object")
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise BadRequest("thinking.type", "expected 'enabled', 'disabled' or 'adaptive'")
@@ -303,17 +293,17 @@ def _output_effort(body: dict[str, Any]) -> str | None:
     config = body.get("output_config")
     if config is None:
         return None
-    _expect("output_config", config, (dict,), "an object")
+    expect("output_config", config, (dict,), "an object")
     effort = config.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise BadRequest("output_config.effort", "expected one of " + ", ".join(EFFORTS))
     fmt = config.get("format")
     if fmt is not None:
-        _expect("output_config.format", fmt, (dict,), "an object")
+        expect("output_config.format", fmt, (dict,), "an object")
         if fmt.get("type", "json_schema") != "json_schema":
             raise BadRequest("output_config.format.type", "expected 'json_schema'")
         if fmt.get("schema") is not None:
-            _expect("output_config.format.schema", fmt["schema"], (dict,), "an object")
+            expect("output_config.format.schema", fmt["schema"], (dict,), "an object")
     return effort
 
 
@@ -322,7 +312,7 @@ def _check_tool_choice(body: dict[str, Any]) -> None:
     choice = body.get("tool_choice")
     if choice is None:
         return
-    _expect("tool_choice", choice, (dict,), "an object")
+    expect("tool_choice", choice, (dict,), "an object")
     kind = choice.get("type")
     if not (isinstance(kind, str) and kind in TOOL_CHOICE_TYPES):
         raise BadRequest("tool_choice.type", "expected one of "
@@ -360,7 +350,7 @@ def _system_parts(body: dict[str, Any]) -> list[str]:
     if not system:  # None, "" and [] add nothing
         if system is not None and not isinstance(system, (str, list)):
             raise BadRequest("system", f"expected a string or an array of content blocks, "
-                                       f"got {_type_name(system)}")
+                                       f"got {type_name(system)}")
         return []
     content = _content("system", system, tool_changes=False)
     if isinstance(content, str):
@@ -378,7 +368,7 @@ def _tool_result_image(where: str, source: Any) -> bool:
     (``_convert_image_source_to_url`` gives a URL that is not empty: a base64 source
     always does)."""
     if not isinstance(source, dict):
-        raise BadRequest(f"{where}.source", f"expected an object, got {_type_name(source)}")
+        raise BadRequest(f"{where}.source", f"expected an object, got {type_name(source)}")
     return source.get("type") != "url" or bool(source.get("url", ""))
 
 
@@ -398,7 +388,7 @@ def _user_tool_result(b: _Block, policy: TemplatePolicy,
             if kind == "text":
                 t = item.get("text", "")
                 if not isinstance(t, str):
-                    raise BadRequest(f"{where}.text", f"expected a string, got {_type_name(t)}")
+                    raise BadRequest(f"{where}.text", f"expected a string, got {type_name(t)}")
                 texts.append(t)
             elif kind == "image":
                 if _tool_result_image(where, item.get("source", {})):
@@ -408,7 +398,7 @@ def _user_tool_result(b: _Block, policy: TemplatePolicy,
                 if ref:
                     if not isinstance(ref, str):
                         raise BadRequest(f"{where}.tool_name", f"expected a string, got "
-                                                               f"{_type_name(ref)}")
+                                                               f"{type_name(ref)}")
                     refs.append(ref)
         text = "\n".join(texts)
     call_id = b.get("tool_use_id") or ""
@@ -471,7 +461,7 @@ def _resolve_tools(body: dict[str, Any], messages: list[_Message]) -> list[_Tool
     tools: list[_Tool] | None = None
     if raw is not None:
         if not isinstance(raw, list):
-            raise BadRequest("tools", f"expected an array of tools, got {_type_name(raw)}")
+            raise BadRequest("tools", f"expected an array of tools, got {type_name(raw)}")
         tools = [_tool(f"tools[{i}]", t) for i, t in enumerate(raw)]
     changes = [b for m in messages if not isinstance(m.content, str) for b in m.content
                if b.type in TOOL_CHANGES]
@@ -519,7 +509,7 @@ def to_chat(body: dict[str, Any], policy: TemplatePolicy, *, count_tokens: bool)
     """
     raw = body.get("messages")
     if not isinstance(raw, list):
-        raise BadRequest("messages", f"required array of messages, got {_type_name(raw)}")
+        raise BadRequest("messages", f"required array of messages, got {type_name(raw)}")
     messages = [_message(i, m) for i, m in enumerate(raw)]
     max_tokens = None if count_tokens else _max_tokens(body)
     effort = _output_effort(body)

@@ -54,7 +54,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokengate.counter.errors import BadRequest
+from tokengate.counter.errors import BadRequest, expect, type_name
 
 ROLES = ("user", "system", "developer", "assistant")
 # ResponseInputContentParam and the easy message's assistant parts
@@ -88,20 +88,10 @@ class ChatRequest:
     max_output_tokens: int | None
 
 
-def _type_name(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null", int: "an integer", float: "a number"}.get(type(v), "a value")
-
-
-def _expect(where: str, v: Any, kinds: tuple[type, ...], what: str) -> None:
-    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
-        raise BadRequest(where, f"expected {what}, got {_type_name(v)}")
-
-
 def _req_str(obj: dict[str, Any], key: str, where: str) -> str:
     v = obj.get(key)
     if not isinstance(v, str):
-        raise BadRequest(f"{where}.{key}", f"required string, got {_type_name(v)}")
+        raise BadRequest(f"{where}.{key}", f"required string, got {type_name(v)}")
     return v
 
 
@@ -109,7 +99,7 @@ def _opt(obj: dict[str, Any], key: str, where: str, kinds: tuple[type, ...],
          what: str) -> Any:
     v = obj.get(key)
     if v is not None:
-        _expect(f"{where}.{key}", v, kinds, what)
+        expect(f"{where}.{key}", v, kinds, what)
     return v
 
 
@@ -130,7 +120,7 @@ def _input_parts(where: str, content: list[Any]) -> list[dict[str, Any]]:
     """A user / system / developer message's parts (``ResponseInputContentParam``)."""
     for j, part in enumerate(content):
         pwhere = f"{where}[{j}]"
-        _expect(pwhere, part, (dict,), "a content part object")
+        expect(pwhere, part, (dict,), "a content part object")
         kind = part.get("type")
         if not (isinstance(kind, str) and kind in INPUT_PART_TYPES):
             raise BadRequest(f"{pwhere}.type", f"unknown content part type {kind!r}; expected "
@@ -148,12 +138,12 @@ def _assistant_text(where: str, item: dict[str, Any]) -> str:
         return content
     if not isinstance(content, list):
         raise BadRequest(f"{where}.content", f"expected a string or an array of content "
-                                             f"parts, got {_type_name(content)}")
+                                             f"parts, got {type_name(content)}")
     output = item.get("type") == "message"  # parsed as ResponseOutputMessage
     allowed = OUTPUT_PART_TYPES | INPUT_PART_TYPES if output else INPUT_PART_TYPES
     for j, part in enumerate(content):
         pwhere = f"{where}.content[{j}]"
-        _expect(pwhere, part, (dict,), "a content part object")
+        expect(pwhere, part, (dict,), "a content part object")
         kind = part.get("type")
         if not (isinstance(kind, str) and kind in allowed):
             raise BadRequest(f"{pwhere}.type", f"unknown content part type {kind!r}; expected "
@@ -197,7 +187,7 @@ def _tool_output(where: str, item: dict[str, Any]) -> dict[str, Any]:
         _input_parts(f"{where}.output", output)
     elif not isinstance(output, str):
         raise BadRequest(f"{where}.output", f"required string or array of content parts, "
-                                            f"got {_type_name(output)}")
+                                            f"got {type_name(output)}")
     return {"role": "tool", "content": output, "tool_call_id": call_id}
 
 
@@ -206,15 +196,15 @@ def _reasoning(where: str, item: dict[str, Any]) -> str:
     summary = item.get("summary")
     if not isinstance(summary, list):
         raise BadRequest(f"{where}.summary", f"expected an array of summary parts, got "
-                                             f"{_type_name(summary)}")
+                                             f"{type_name(summary)}")
     for k, s in enumerate(summary):
-        _expect(f"{where}.summary[{k}]", s, (dict,), "an object")
+        expect(f"{where}.summary[{k}]", s, (dict,), "an object")
         if s.get("type") != "summary_text":
             raise BadRequest(f"{where}.summary[{k}].type", "expected 'summary_text'")
         _req_str(s, "text", f"{where}.summary[{k}]")
     content = _opt(item, "content", where, (list,), "an array of reasoning text parts")
     for k, c in enumerate(content or []):
-        _expect(f"{where}.content[{k}]", c, (dict,), "an object")
+        expect(f"{where}.content[{k}]", c, (dict,), "an object")
         if c.get("type") != "reasoning_text":
             raise BadRequest(f"{where}.content[{k}].type", "expected 'reasoning_text'")
         _req_str(c, "text", f"{where}.content[{k}]")
@@ -240,7 +230,7 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        _expect(where, item, (dict,), "an input item object")
+        expect(where, item, (dict,), "an input item object")
         kind = item.get("type")
         prev = out[-1] if out else None
         if kind in ("function_call", "custom_tool_call"):
@@ -264,7 +254,7 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
             if not isinstance(role, str) or role not in ROLES:
                 raise BadRequest(f"{where}.role", f"expected one of {', '.join(ROLES)}, got "
                                                   + (repr(role) if isinstance(role, str)
-                                                     else _type_name(role)))
+                                                     else type_name(role)))
             if role == "assistant":
                 text = _assistant_text(where, item)
                 if not _merge(prev, "content", text):
@@ -275,13 +265,13 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
                 _input_parts(f"{where}.content", content)
             elif not isinstance(content, str):
                 raise BadRequest(f"{where}.content", "required string or array of content "
-                                                     f"parts, got {_type_name(content)}")
+                                                     f"parts, got {type_name(content)}")
             _status(item, where)
             out.append(dict(item))
         elif isinstance(kind, str):
             raise BadRequest(f"{where}.type", f"input item type {kind!r} is not supported")
         else:
-            raise BadRequest(f"{where}.type", f"expected a string, got {_type_name(kind)}")
+            raise BadRequest(f"{where}.type", f"expected a string, got {type_name(kind)}")
     return out
 
 
@@ -316,12 +306,12 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, set[str]]
     raw = body.get("tools")
     if raw is None:
         return None, set()
-    _expect("tools", raw, (list,), "an array of tools")
+    expect("tools", raw, (list,), "an array of tools")
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, t in enumerate(raw):
         where = f"tools[{i}]"
-        _expect(where, t, (dict,), "a tool object")
+        expect(where, t, (dict,), "a tool object")
         kind = t.get("type")
         if kind == "function":
             name = _req_str(t, "name", where)
@@ -330,10 +320,10 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, set[str]]
         elif kind == "namespace":
             ns = _req_str(t, "name", where)
             inner = t.get("tools")
-            _expect(f"{where}.tools", inner, (list,), "an array of tools")
+            expect(f"{where}.tools", inner, (list,), "an array of tools")
             for k, f in enumerate(inner):
                 fwhere = f"{where}.tools[{k}]"
-                _expect(fwhere, f, (dict,), "a tool object")
+                expect(fwhere, f, (dict,), "a tool object")
                 if f.get("type") == "function":
                     name = f"{ns}{NAMESPACE_SEPARATOR}{_req_str(f, 'name', fwhere)}"
                     out.append(_function(fwhere, f, name))
@@ -365,7 +355,7 @@ def _check_tool_choice(body: dict[str, Any], names: set[str]) -> None:
         if choice == "required" and not has_tools:
             raise BadRequest("tool_choice", "'required' must be specified with tools")
         return
-    _expect("tool_choice", choice, (dict,), "a string or an object")
+    expect("tool_choice", choice, (dict,), "a string or an object")
     if choice.get("type") in ("function", "custom"):
         name = choice.get("name")
         if not has_tools or not name or not isinstance(name, str) or not (
@@ -378,7 +368,7 @@ def _effort(body: dict[str, Any]) -> str | None:
     reasoning = body.get("reasoning")
     if reasoning is None:
         return None
-    _expect("reasoning", reasoning, (dict,), "an object")
+    expect("reasoning", reasoning, (dict,), "an object")
     effort = reasoning.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise BadRequest("reasoning.effort", "expected one of " + ", ".join(EFFORTS))
@@ -392,7 +382,7 @@ def _max_output_tokens(body: dict[str, Any]) -> int | None:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest("max_output_tokens", f"expected an integer, got {_type_name(v)}")
+        raise BadRequest("max_output_tokens", f"expected an integer, got {type_name(v)}")
     if v < 1:
         raise BadRequest("max_output_tokens", f"must be at least 1, got {v}")
     return v
@@ -410,14 +400,14 @@ def to_chat(body: dict[str, Any]) -> ChatRequest:
     raw = body["input"]
     instructions = body.get("instructions")
     if instructions is not None:
-        _expect("instructions", instructions, (str,), "a string")
+        expect("instructions", instructions, (str,), "a string")
     if body.get("prompt") is not None:
         raise BadRequest("prompt", "prompt templates are not supported")
     if body.get("previous_input_messages") and body.get("previous_response_id"):
         raise BadRequest("previous_response_id", "only one of previous_input_messages and "
                                                  "previous_response_id can be set")
     if body.get("previous_response_id") is not None:
-        _expect("previous_response_id", body["previous_response_id"], (str,), "a string")
+        expect("previous_response_id", body["previous_response_id"], (str,), "a string")
     if body.get("background") and body.get("store", True) is False:
         raise BadRequest("background", "background can only be used when store is true")
     messages: list[dict[str, Any]] = []
@@ -431,7 +421,7 @@ def to_chat(body: dict[str, Any]) -> ChatRequest:
         cont = _continues(raw)
     else:
         raise BadRequest("input", f"expected a string or an array of input items, got "
-                                  f"{_type_name(raw)}")
+                                  f"{type_name(raw)}")
     if not messages:
         raise BadRequest("input", "nothing to count: no instructions and no input item")
     tools, names = _tools(body)
