@@ -77,6 +77,7 @@ KEYS: dict[str, tuple[str, int, int]] = {
     "edge-countdown": ("tg-test-edge-countdown", 50, 100_000),
     "edge-override": ("tg-test-edge-override", 1000, 100_000),
     "edge-messages-rpm": ("tg-test-edge-messages-rpm", 2, 1_000_000),
+    "edge-other": ("tg-test-edge-other", 1000, 1_000_000),
 }
 MAIN_KEY = KEYS["edge-main"][0]
 

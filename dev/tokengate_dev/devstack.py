@@ -71,6 +71,9 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--disable-uvicorn-access-log", "-O0"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           # stored responses (GET /v1/responses/{id}, previous_response_id), kept in
+           # the replica's memory (tokengate.responses routes to it)
+           "VLLM_ENABLE_RESPONSES_API_STORE": "1",
            "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl")}
     return _service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
                    start_timeout_s=400.0)

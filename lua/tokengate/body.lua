@@ -324,6 +324,38 @@ function _M.validate_completions(body, models)
     return check_common(body, models)
 end
 
+-- check_api(route, body, models, edge, schema_param, schema) -> model entry | nil, err
+-- (400/404): what an API module's validate checks last, the fields every API shares:
+-- tools (an array, or absent), the model (a configured one), chat_template_kwargs
+-- (edge.template_kwargs_allowed), the API's structured-output schema (schema, found
+-- at schema_param; nil when the body has none) and the unknown fields (tokengate.bounds).
+function _M.check_api(route, body, models, edge, schema_param, schema)
+    local tools = body.tools
+    if tools ~= nil and tools ~= null and not is_array(tools) then
+        return fail(400, "tools: must be an array", "tools", "invalid_type")
+    end
+    local entry = models[body.model]
+    if not entry then
+        return models_mod.not_found(body.model)
+    end
+    local ok, err = _M.check_template_kwargs(body.chat_template_kwargs,
+        edge.template_kwargs_allowed)
+    if not ok then
+        return nil, err
+    end
+    if schema ~= nil and schema ~= false and schema ~= null then
+        ok, err = bounds.structured(schema_param, schema, edge)
+        if not ok then
+            return nil, err
+        end
+    end
+    ok, err = bounds.check(route, body, edge)
+    if not ok then
+        return nil, err
+    end
+    return entry
+end
+
 -- parse(route, models, edge) -> body (tokengate.json object) | nil, err
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
 -- strict decoding (400), shape and model (400/404), the bounds on costly inputs (400,

@@ -22,7 +22,8 @@ local sub = string.sub
 local _M = {}
 
 -- route -> tokengate.v1.Endpoint (proto/tokengate/v1/counter.proto)
-local ENDPOINT = { chat = 1, completions = 2, messages = 3, count_tokens = 4 }
+local ENDPOINT = { chat = 1, completions = 2, messages = 3, count_tokens = 4, responses = 5,
+                   input_tokens = 5 }
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
@@ -98,7 +99,8 @@ local CLOSED = errors.new(503, "The token counter is unavailable; the request wa
 _M.CLOSED = CLOSED
 
 -- prompt(route, model, body, edge) -> counted | nil, err
---   route: "chat" | "completions" | "messages" | "count_tokens"; model: served model name; body: the exact bytes the
+--   route: "chat" | "completions" | "messages" | "count_tokens" | "responses" |
+--   "input_tokens"; model: served model name; body: the exact bytes the
 --   edge will forward; edge: compiled edge settings (on_counter_failure,
 --   estimate_bytes_per_token).
 --   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,

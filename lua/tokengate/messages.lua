@@ -26,7 +26,6 @@ local errors = require "tokengate.errors"
 local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
-local models_mod = require "tokengate.models"
 local clock = require "tokengate.clock"
 
 local type = type
@@ -136,32 +135,10 @@ function _M.validate(route, body, models, edge)
         return fail(400, "system: must be a string or an array of text blocks", "system",
             "invalid_type")
     end
-    local tools = body.tools
-    if tools ~= nil and tools ~= null and not is_array(tools) then
-        return fail(400, "tools: must be an array", "tools", "invalid_type")
-    end
-    local entry = models[model]
-    if not entry then
-        return models_mod.not_found(model)
-    end
-    local ok, err = body_mod.check_template_kwargs(
-        body.chat_template_kwargs, edge.template_kwargs_allowed)
-    if not ok then
-        return nil, err
-    end
     local oc = body.output_config
     local schema = is_object(oc) and is_object(oc.format) and oc.format.json_schema
-    if schema ~= nil and schema ~= false and schema ~= null then
-        ok, err = bounds.structured("output_config.format.json_schema", schema, edge)
-        if not ok then
-            return nil, err
-        end
-    end
-    ok, err = bounds.check(route, body, edge)
-    if not ok then
-        return nil, err
-    end
-    return entry
+    return body_mod.check_api(route, body, models, edge, "output_config.format.json_schema",
+        schema)
 end
 
 -- blocks(st, content, param, tokens): one message's content blocks (or a system's):

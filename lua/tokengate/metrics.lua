@@ -44,7 +44,8 @@ local FAST = { 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 local FAMILIES = {
     { "tokengate_requests_total", "counter",
       "Requests that ended, by API key, model, endpoint (chat, completions, messages, "
-      .. "count_tokens, models, model, other) and status class (2xx..5xx)." },
+      .. "count_tokens, responses, input_tokens, response, response_cancel, models, "
+      .. "model, other) and status class (2xx..5xx)." },
     { "tokengate_prompt_tokens_total", "counter",
       "Prompt tokens billed (the usage events' prompt_tokens), by API key and model." },
     { "tokengate_completion_tokens_total", "counter",
@@ -278,7 +279,8 @@ function _M.json_text(extra)
 end
 
 local ENDPOINTS = { chat = true, completions = true, models = true, model = true,
-                    messages = true, count_tokens = true }
+                    messages = true, count_tokens = true, responses = true,
+                    input_tokens = true, response = true, response_cancel = true }
 local LIMIT = { requests = "rpm", tokens = "tpm" }
 
 -- connect_s(v) -> nginx's $upstream_connect_time of the last try, seconds, or nil

@@ -18,9 +18,12 @@
 --                  access-log line; a request without a valid API key writes no
 --                  event: counted, and logged at a bounded rate
 --
--- The Anthropic Messages API's routes run the same stages; where its shapes differ
--- (key header, body, sanitizing, usage, errors, limit headers) the stages ask ctx.api
--- (tokengate.messages), and count_tokens is answered after the limits, never forwarded.
+-- The Anthropic Messages API's and the OpenAI Responses API's routes run the same
+-- stages; where their shapes differ (key header, body, sanitizing, usage, errors, limit
+-- headers) the stages ask ctx.api (tokengate.messages, tokengate.responses);
+-- count_tokens and input_tokens are answered after the limits, never forwarded; a route
+-- that names a stored response (ctx.stored) has no body to count and goes to the replica
+-- that holds the response (ctx.pin).
 --
 -- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
 -- Per-request state is ngx.ctx; nothing here writes globals.
@@ -158,12 +161,18 @@ local function who(ctx, doc)
 end
 
 -- listing(ctx, doc) -> true | nil, err (404/405): a known route with its method; the
--- model list and GET /v1/models/{id} are answered here.
+-- model list and GET /v1/models/{id} are answered here; a route that names a stored
+-- response is checked against the key (the API module's stored()).
 local function listing(ctx, doc)
     local route, uri = ctx.route, ctx.uri
     local err = request.check_method(route, ngx_req.get_method(), uri)
     if err then
         return nil, err
+    end
+    local api = ctx.api
+    if api and api.STORED and api.STORED[route] then
+        ctx.stored = true
+        return api.stored(ctx, doc)
     end
     if route == "models" then
         return answer(200, models.list(doc, ctx.key))
@@ -182,6 +191,9 @@ end
 -- limits then apply), sanitized, with the edge's adjustments (cap, stream options);
 -- a route of an API module (ctx.api) is validated and sanitized by the module.
 local function what(ctx, doc)
+    if ctx.stored then
+        return true
+    end
     local route, edge, api = ctx.route, doc.edge, ctx.api
     local body, err = body_mod.parse(route, doc.models, edge, api)
     if not body then
@@ -206,6 +218,13 @@ local function what(ctx, doc)
     end
     ctx.sanitized = counts
     request.adjust(ctx, route, body, model)
+    if api and api.check then
+        local ok
+        ok, err = api.check(ctx, doc, body)
+        if not ok then
+            return nil, err
+        end
+    end
     ctx.body = body
     return body
 end
@@ -213,6 +232,9 @@ end
 -- how_much(ctx, doc) -> text | nil, err: the prompt's tokens, the completion budget and
 -- the TPM reservation; text: the JSON body that will be forwarded (what was counted).
 local function how_much(ctx, doc)
+    if ctx.stored then
+        return true
+    end
     local route, body, model = ctx.route, ctx.body, ctx.model_entry
     local text = json.encode(body)
     local t = mono_ms()
@@ -222,6 +244,10 @@ local function how_much(ctx, doc)
         return nil, err
     end
     ctx.token_estimate, ctx.count_source = counted.prompt, counted.source
+    if ctx.history and counted.source == "counter" then
+        -- the counter saw the body, not the stored history it continues
+        ctx.count_source = "history"
+    end
     ctx.system_tokens = counted.system
     ctx.prompt_count, ctx.n = counted.prompts, json_integer(body.n) or 1
     local api = ctx.api
@@ -264,26 +290,34 @@ end
 -- else one whose metrics are unknown (tokengate.admission); when the best is full, the
 -- request is shed (503 overloaded, Retry-After). The replica carries the request's
 -- tokens from here (upstream.take), so the requests that arrive while this one waits
--- for its limits see it.
+-- for its limits see it. A request pinned to a replica (ctx.pin: the one that holds
+-- the stored response it names) goes there, full or not. An API module's placed(ctx)
+-- then gives the text to forward (tokengate.responses: the response id names the
+-- replica).
 local function where(ctx)
     if ctx.local_answer then
         return true -- answered by the edge: no replica
     end
     local model = ctx.model_entry
-    local r, rank = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
-        ctx.token_estimate, ctx.limit_req.tokens)
+    local pin = ctx.pin
+    local r, rank = upstream.take(ctx, model, pin and upstream.others(model, pin),
+        admission.rank, ctx.key.admission, ctx.token_estimate or 0, ctx.limit_req.tokens)
     if not r then
         return nil, errors.new(503, "No replica of model " .. model.name .. " has an "
             .. "address yet (its host names did not resolve). Please retry.", nil,
             "upstream_unavailable", nil, { ["Retry-After"] = "5" })
     end
-    if rank == admission.FULL then
+    if rank == admission.FULL and not ctx.stored then
         upstream.release(ctx, true)
         metrics.incr("admission_shed")
         return nil, admission.overloaded(model)
     end
     if rank == admission.HEADROOM then
         metrics.incr("admission_headroom")
+    end
+    local api = ctx.api
+    if ctx.body and api and api.placed then
+        ctx.text = api.placed(ctx)
     end
     return true
 end
@@ -339,8 +373,11 @@ function _M.access()
     -- (proxy_pass without a URI would send the client's raw request line)
     ngx_req.set_header("X-Token-Count", ctx.token_estimate)
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
-    ngx_req.set_body_data(ctx.text)
-    ngx_req.set_uri(request.PATHS[ctx.route])
+    if ctx.text then
+        ngx_req.set_body_data(ctx.text)
+    end
+    -- a stored response's path is the client's, normalized (its id was checked)
+    ngx_req.set_uri(request.PATHS[ctx.route] or ctx.uri)
     ctx.proxied = true
 end
 
@@ -367,14 +404,14 @@ function _M.balancer()
         idle.nudge(model, r)
     else
         ctx.balanced = true
-        if upstream.is_out(model.name, r) then
+        if upstream.is_out(model.name, r) and not ctx.pin then
             -- taken out while this request waited for its limits: choose again
             r = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
                 ctx.token_estimate, ctx.limit_req.tokens)
             idle.nudge(model, r)
         end
         local more = #model.upstreams - 1
-        if more > 0 then
+        if more > 0 and not ctx.pin then
             balancer.set_more_tries(more)
         end
     end

@@ -6,6 +6,7 @@ local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 local messages = require "tokengate.messages"
+local responses = require "tokengate.responses"
 
 local ngx_var = ngx.var
 local format = string.format
@@ -31,12 +32,15 @@ local ROUTES = {
 _M.PATHS = { chat = "/v1/chat/completions", completions = "/v1/completions" }
 local MODEL_PREFIX = "/v1/models/"
 -- The API modules beyond OpenAI's chat and completions (see tokengate.messages for what
--- a module provides), and their routes: route -> module.
-local MODULES = { messages }
+-- a module provides), and their routes: route -> module. A module's route(uri) names
+-- the routes with a parameter in their path (tokengate.responses: a stored response).
+local MODULES = { messages, responses }
 local APIS = {}
 for _, mod in ipairs(MODULES) do
     for path, route in pairs(mod.ROUTES) do
         ROUTES[path] = route
+    end
+    for route in pairs(mod.ALLOW) do
         APIS[route] = mod
         _M.PATHS[route] = mod.PATHS[route]
     end
@@ -70,8 +74,9 @@ function _M.id(ctx)
 end
 
 -- route(uri) -> route name ("chat" | "completions" | "models" | "model" | an API
--- module's: "messages" | "count_tokens") or nil, and for
--- "model" (GET /v1/models/{id}, the openai client's models.retrieve) the id.
+-- module's: "messages" | "count_tokens" | "responses" | "input_tokens" | "response" |
+-- "response_cancel") or nil, and for "model" (GET /v1/models/{id}, the openai client's
+-- models.retrieve) the id, for "response" and "response_cancel" the response id.
 -- uri: nginx's normalized $uri (percent-decoded, "." / ".." segments and repeated
 -- slashes resolved), so /v1/./chat/completions is the chat route.
 function _M.route(uri)
@@ -82,6 +87,12 @@ function _M.route(uri)
     if sub(uri, 1, #MODEL_PREFIX) == MODEL_PREFIX and #uri > #MODEL_PREFIX then
         return "model", sub(uri, #MODEL_PREFIX + 1)
     end
+    for i = 1, #MODULES do
+        local mod = MODULES[i]
+        if mod.route and sub(uri, 1, #mod.PREFIX) == mod.PREFIX then
+            return mod.route(uri)
+        end
+    end
     return nil
 end
 
@@ -90,8 +101,9 @@ local CAPPED_FIELDS = {
     completions = { "max_tokens" },
 }
 
--- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions",
--- "messages", "count_tokens" or the path (a client's string: at most 64 characters and
+-- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions", an API
+-- module's route ("messages", "count_tokens", "responses", "input_tokens", "response",
+-- "response_cancel") or the path (a client's string: at most 64 characters and
 -- "…", see errors.clip).
 function _M.endpoint(route, uri)
     if route == "chat" or route == "completions" or APIS[route] then
@@ -160,8 +172,15 @@ function _M.adjust(ctx, route, body, model)
     end
 end
 
+local WHAT = { completions = "prompt", responses = "input" }
 local function what(route)
-    return route == "completions" and "prompt" or "messages"
+    return WHAT[route] or "messages"
+end
+
+-- max_tokens_field(route) -> the body's field of the completion budget
+local function max_tokens_field(route)
+    local api = APIS[route]
+    return api and api.MAX_TOKENS or "max_tokens"
 end
 
 -- completion_budget(route, model, body, reply) -> completion tokens the request may
@@ -170,9 +189,10 @@ end
 --   - max_tokens given: prompt + max_tokens must fit max_model_len (checked through the
 --     counter's max_tokens_effective, which is per prompt for completions lists);
 --   - max_tokens absent (or null): the model's default_max_tokens when configured, else
---     its max_tokens_cap, clipped to the room left and written into the body: without
---     it vLLM would generate up to the end of the context, past the cap; with neither,
---     whatever room the context leaves (vLLM's own default). No room at all is an error.
+--     its max_tokens_cap, clipped to the room left and written into the body (as
+--     max_output_tokens for Responses: max_tokens_field): without it vLLM would
+--     generate up to the end of the context, past the cap; with neither, whatever
+--     room the context leaves (vLLM's own default). No room at all is an error.
 local function counted_budget(route, model, body, reply)
     local prompt = reply.prompt_tokens
     local requested = reply.max_tokens_requested
@@ -196,7 +216,7 @@ local function counted_budget(route, model, body, reply)
     local limit = model.default_max_tokens or model.max_tokens_cap
     if limit then
         local out = min(limit, room)
-        json_set(body, "max_tokens", out)
+        json_set(body, max_tokens_field(route), out)
         return out, true
     end
     return room, false
@@ -211,7 +231,8 @@ end
 -- whole context (vLLM may generate to its end). Budgets reserve this worst case; the
 -- TPM window takes at most output_reserve of it (tokengate.limits.reservation).
 local function estimated_budget(route, body, model, prompt)
-    local given = json_integer(body.max_completion_tokens) or json_integer(body.max_tokens)
+    local field = max_tokens_field(route)
+    local given = json_integer(body.max_completion_tokens) or json_integer(body[field])
     if given then
         return given, false
     end
@@ -221,7 +242,7 @@ local function estimated_budget(route, body, model, prompt)
     local limit = model.default_max_tokens or model.max_tokens_cap
     if limit then
         local out = min(limit, max(1, model.max_model_len - prompt))
-        json_set(body, "max_tokens", out)
+        json_set(body, field, out)
         return out, true
     end
     return model.max_model_len, false

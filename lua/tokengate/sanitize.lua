@@ -618,7 +618,7 @@ local function refusal(st)
 end
 
 -- The visitors, for an API module that sanitizes its own body shape
--- (tokengate.messages), with the same policy and counts as chat:
+-- (tokengate.messages, tokengate.responses), with the same policy and counts as chat:
 --   state(model, edge) -> st; text(st, s, param, tokens) -> s cleaned and checked;
 --   check(st, s, param, tokens) -> s checked only (identifiers); content(st, content,
 --   param, tokens) -> a chat content (string or parts); value(st, node, param, tokens,
@@ -626,6 +626,9 @@ end
 --   SCHEMA_PROSE); verdict(st) -> st | nil, err (400 special_token_in_content).
 _M.state, _M.text, _M.check, _M.content = new_state, visit_text, check_text, visit_content
 _M.value, _M.SCHEMA_PROSE = visit_value, SCHEMA_PROSE
+-- arguments(st, call, param, tokens): a tool call's arguments (call.arguments, a JSON
+-- string or an object) as the template gets them (visit_arguments)
+_M.arguments = visit_arguments
 function _M.verdict(st)
     if st.bad then
         return refusal(st)

@@ -240,6 +240,19 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
     return r, k
 end
 
+-- others(model, r) -> the set of the names of model's replicas other than r: take()'s
+-- `tried` for a request that only r can serve (it holds the request's stored response)
+function _M.others(model, r)
+    local set = {}
+    local list = model.upstreams
+    for i = 1, #list do
+        if list[i] ~= r then
+            set[list[i].name] = true
+        end
+    end
+    return set
+end
+
 -- release(ctx, forget): the request left its replica (it ended, is retried elsewhere,
 -- or was refused before it was forwarded: forget, and it names no replica).
 function _M.release(ctx, forget)

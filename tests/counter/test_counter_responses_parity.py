@@ -1,7 +1,8 @@
 """Contract §2.1 for the OpenAI Responses API: the counter's prompt_tokens equals the
 real vLLM server's ``POST /v1/responses`` ``usage.input_tokens`` for every body of
-``tests/counter_responses_cases.py``; the bodies vLLM refuses, the counter refuses
-too, naming the field."""
+``tests/counter_responses_cases.py`` (checked through the edge, with one vLLM call a
+body: tests/edge/test_edge_responses.py ``test_parity_through_the_edge``); the bodies
+vLLM refuses, the counter refuses too, naming the field."""
 
 from __future__ import annotations
 
@@ -38,21 +39,6 @@ def test_cases_cover_the_contract() -> None:
     assert len(CASES) >= 50
     assert len(BY_NAME) == len(CASES)
     assert set(COVERED) <= set(BY_NAME)
-
-
-@pytest.mark.parametrize("name,body", CASES, ids=[c[0] for c in CASES])
-def test_prompt_tokens_equal_vllm_input_tokens(counter_stub: counter_pb2_grpc.TokenCounterStub,
-                                               vllm_http: httpx.Client, name: str,
-                                               body: dict[str, Any]) -> None:
-    body = {"model": MODEL, "max_output_tokens": MAX_OUTPUT_TOKENS, **body}
-    response = vllm_http.post("responses", json=body)
-    assert response.status_code == 200, response.text
-    reply = count(counter_stub, body)
-    assert reply.prompt_tokens == response.json()["usage"]["input_tokens"]
-    assert (reply.max_tokens_requested, reply.max_tokens_effective) == \
-        (MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS)
-    b = reply.breakdown
-    assert b.system + b.tools + b.messages + b.template_overhead == reply.prompt_tokens
 
 
 @pytest.mark.parametrize("name,body,message", REFUSED, ids=[c[0] for c in REFUSED])

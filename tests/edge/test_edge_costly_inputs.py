@@ -44,6 +44,7 @@ def test_the_edge_knows_vllms_request_fields() -> None:
     )
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     def names(model: Any) -> list[str]:
         out = set(model.model_fields)
@@ -52,6 +53,7 @@ def test_the_edge_knows_vllms_request_fields() -> None:
     known = json.loads(run_lua("""
         local cjson = require "cjson"
         require "tokengate.messages" -- (adds the Messages API's routes)
+        require "tokengate.responses" -- (and the Responses API's)
         local known = require("tokengate.bounds").KNOWN
         local out = {}
         for route, set in pairs(known) do
@@ -64,7 +66,10 @@ def test_the_edge_knows_vllms_request_fields() -> None:
     assert known == {"chat": names(ChatCompletionRequest),
                      "completions": names(CompletionRequest),
                      "messages": names(AnthropicMessagesRequest),
-                     "count_tokens": names(AnthropicCountTokensRequest)}
+                     "count_tokens": names(AnthropicCountTokensRequest),
+                     # input_tokens takes a Responses body (OpenAI's input token count)
+                     "responses": names(ResponsesRequest),
+                     "input_tokens": names(ResponsesRequest)}
 
 
 def test_the_issues_2000_property_schema_is_refused(edge: Edge,

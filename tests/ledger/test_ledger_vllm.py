@@ -46,8 +46,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 DROPPED_MAX_TOKENS = 13      # the one request whose record the ledger never sees
 # ledger.engine_wait_s of this test's ledger: long enough that a loaded machine's records
 # arrive within it (at 3 s one came late and its request was billed from the edge:
-# engine_missing 2, not 1)
-WAIT_S = 10.0
+# engine_missing 2, not 1; at 10 s, with 20 requests, so did an n = 2 stream's once)
+WAIT_S = 20.0
 
 
 
@@ -180,6 +180,20 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
                 if leave_after is not None and i + 1 >= leave_after:
                     break
 
+    def responses(max_tokens: int, stream: bool = False,
+                  leave_after: int | None = None) -> None:
+        body: dict[str, Any] = {"model": MODEL, "max_output_tokens": max_tokens,
+                                "input": f"responses {max_tokens}", "extra_body": exact}
+        if not stream:
+            client().responses.create(**body)
+            return
+        with client().responses.stream(**body) as s:
+            deltas = 0
+            for event in s:
+                deltas += event.type == "response.output_text.delta"
+                if leave_after is not None and deltas >= leave_after:
+                    break
+
     def n2(max_tokens: int) -> None:
         client().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "two"}], max_tokens=max_tokens,
@@ -198,6 +212,8 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         (lambda: completions(8), 2), (lambda: n2(11), 2),
         (lambda: messages(9), 1), (lambda: messages(14, stream=True), 1),
         (lambda: messages(6000, stream=True, leave_after=3), 1),
+        (lambda: responses(7), 1), (lambda: responses(15, stream=True), 1),
+        (lambda: responses(6000, stream=True, leave_after=3), 1),
     ]
     killed_mid_stream = False
     try:
@@ -244,7 +260,7 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         (len(jobs), len(jobs) - 1, 1, 0)
     # the same bill per endpoint
     assert {ep: c["requests"] for ep, c in row.endpoints.items()} == \
-        {"chat": 13, "completions": 1, "messages": 3}
+        {"chat": 13, "completions": 1, "messages": 3, "responses": 3}
     for f in ("prompt_tokens", "completion_tokens"):
         assert sum(c[f] for c in row.endpoints.values()) == getattr(row, f)
     assert sum(c["cost"] for c in row.endpoints.values()) == pytest.approx(row.cost)
@@ -259,7 +275,7 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
         (events[lost.edge_request_id]["completion_tokens"],
          events[lost.edge_request_id]["prompt_tokens"])
     left = [rid for rid, ev in events.items() if ev["client_aborted"]]
-    assert len(left) == 6
+    assert len(left) == 7
     for rid in left:
         gen = sum(r.num_generation_tokens for r in records if r.edge_request_id == rid)
         assert audit[rid]["settled"] == "engine"

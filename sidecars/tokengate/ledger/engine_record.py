@@ -68,12 +68,15 @@ SOURCES = ("stats", "abort")
 
 # "chatcmpl-<32 hex>", "chatcmpl-<32 hex>_<i>" (several engine inputs),
 # "cmpl-<32 hex>-<i>" (prompt i): vllm/entrypoints/openai/*/serving.py put the
-# X-Request-Id header the edge sends ($request_id, 32 hex) after the endpoint's prefix.
+# X-Request-Id header the edge sends ($request_id, 32 hex) after the endpoint's prefix;
+# "resp_<32 hex><24 hex>" (Responses: the body's request_id, which the edge writes:
+# its request id, then the replica and owner tags of tokengate.responses).
 # X-Request-Id of ``tokengate doctor``'s probe request (tokengate.counter.upstream_check,
 # the engine_records check): sent to a replica directly, so its record is of no edge
 # request; the ledger counts such records as engine_probes, without a warning.
 DOCTOR_PROBE_PREFIX = "tokengate-doctor-"
-_EDGE_ID = re.compile(r"[a-z]+-([0-9a-f]{32})(?:[-_]\d+)?")
+_EDGE_ID = re.compile(r"[a-z]+-([0-9a-f]{32})(?:[-_]\d+)?"
+                      r"|resp_([0-9a-f]{32})[0-9a-f]{24}(?:_\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +107,7 @@ class EngineRecord:
         """The edge's request id (32 lowercase hex, the usage event's ``request_id``)
         inside ``request_id``; None for a request that did not come through the edge."""
         m = _EDGE_ID.fullmatch(self.request_id)
-        return m.group(1) if m else None
+        return (m.group(1) or m.group(2)) if m else None
 
     @property
     def doctor_probe(self) -> bool:

@@ -20,11 +20,15 @@ Schema (every key is present; ``null`` only where shown)::
     key_id            the API key's id from tokengate.yaml (never the key); null only
                       in files of older edges
     model             served model name from the body | null
-    endpoint          "chat" | "completions" | the request path
+    endpoint          "chat" | "completions" | an API's route ("messages",
+                      "count_tokens", "responses", "input_tokens", "response",
+                      "response_cancel") | the request path
     status            HTTP status sent to the client (int)
     stream            the client asked for SSE (bool)
     token_estimate    prompt tokens counted at admission, tokens
-    count_source      where token_estimate came from: "counter" | "estimate" | "none"
+    count_source      where token_estimate came from: "counter" | "history" (the
+                      counter, for a body that continues a stored response: vLLM adds
+                      the history, so the count is a lower bound) | "estimate" | "none"
     reserved          tokens reserved in the TPM window at admission, tokens
     prompt_tokens     vLLM usage.prompt_tokens (includes cached_tokens), tokens
     completion_tokens vLLM usage.completion_tokens, tokens
@@ -69,7 +73,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-COUNT_SOURCES = ("counter", "estimate", "none")
+COUNT_SOURCES = ("counter", "history", "estimate", "none")
 USAGE_SOURCES = ("final", "running", "estimate", "none")
 
 _REQUEST_ID = re.compile(r"[0-9a-fA-F]{32}")

@@ -51,8 +51,8 @@ class UsageRow:
     disagreements: int = 0     # the edge's final usage differed from the engine's numbers
     cost: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
-    # endpoint (chat, completions, messages, count_tokens, ..., other) -> {requests,
-    # prompt_tokens, completion_tokens, cost}
+    # endpoint (chat, completions, messages, count_tokens, responses, ..., other) ->
+    # {requests, prompt_tokens, completion_tokens, cost}
     endpoints: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, other: UsageRow) -> None:
@@ -211,7 +211,8 @@ COLUMNS
   (waited for engine records that never came: billed with the edge's numbers),
   disagreements (the edge's final usage and the engine's records differed: the
   engine's numbers were billed), the count per status, and per endpoint (chat,
-  completions, messages, count_tokens, models, model, other) the requests,
+  completions, messages, count_tokens, responses, input_tokens, response,
+  response_cancel, models, model, other) the requests,
   prompt and completion tokens and cost.
 
 DAYS
