@@ -8,6 +8,11 @@ billed usage of every call and an adaptive streaming buffer.
     answer.usage, answer.token_count
     for piece in client.stream_text(model="tiny-qwen3", messages=[...], max_tokens=512):
         print(piece, end="", flush=True)
+    r = client.responses.create(model="tiny-qwen3", input="Hello!", max_output_tokens=64)
+    r.usage.input_tokens, r.usage.output_tokens
+    for piece in client.responses.stream_text(model="tiny-qwen3", input="Hello!",
+                                              max_output_tokens=512):
+        print(piece, end="", flush=True)
 
 Modules: ``client`` (``Client``, ``AsyncClient``), ``pacing`` (the key's windows, as the
 edge keeps them), ``buffer`` (the streaming buffer), ``counting`` (prompts counted
@@ -24,9 +29,11 @@ from tokengate_client.client import (
                                      Completion,
                                      CompletionStream,
                                      TextStream,
+                                     billed_tokens,
 )
+from tokengate_client.counting import Estimate
 from tokengate_client.pacing import Pacer, RateLimits
 
 __all__ = ["AsyncClient", "AsyncCompletionStream", "AsyncTextStream", "Billing", "Client",
-           "Completion", "CompletionStream", "Pacer", "RateLimits", "TextBuffer", "TextStream",
-           "buffer_size"]
+           "Completion", "CompletionStream", "Estimate", "Pacer", "RateLimits", "TextBuffer",
+           "TextStream", "billed_tokens", "buffer_size"]

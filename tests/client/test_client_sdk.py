@@ -2,8 +2,11 @@
 pacing.
 
 - The buffer's rules on fixed deltas (times given, no clock), then through ``stream_text``
-  against a scripted stream (a local SSE server speaking vLLM's chunks) and the real vLLM
-  stream behind the edge.
+  and ``responses.stream_text`` against a scripted stream (a local SSE server speaking
+  vLLM's chat chunks and Responses events) and the real vLLM streams behind the edge.
+- The Responses API against the real stack (edge, counter, vLLM CPU): the client's count
+  is the edge's ``X-Token-Count``, the usage billed is vLLM's, a stream keeps the usage of
+  ``response.completed`` and settles once.
 - Pacing against the real stack (edge, counter, the fast upstream): a paced loop asking for
   more than its key's TPM gets no 429 and what the limit admits; an unpaced one gets 429s
   and recovers at the ``Retry-After`` they gave. Outcomes are counts (429s, tokens), never
@@ -166,11 +169,21 @@ LIMIT_HEADERS = {"x-ratelimit-limit-requests": "100", "x-ratelimit-limit-tokens"
 PROMPT_TOKENS = 11
 
 
+def _response(status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A Responses ``response`` object as vLLM's stream events carry it."""
+    return {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL,
+            "status": status, "output": [], "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": usage}
+
+
 class ScriptedStream:
-    """A local server answering every chat request with SSE chunks of ``SCRIPT`` shaped as
-    vLLM's (cumulative usage in each, a final usage-only chunk, ``[DONE]``) and the edge's
-    headers. After the first chunk it waits for ``go`` (set by the test once it holds the
-    first piece), so that only the buffer's time bound can have released that piece."""
+    """A local server answering every request with a stream of ``SCRIPT`` and the edge's
+    headers: chat requests with SSE chunks shaped as vLLM's (cumulative usage in each, a
+    final usage-only chunk, ``[DONE]``), ``/v1/responses`` with Responses events
+    (``response.created``, one ``response.output_text.delta`` a text, then
+    ``response.completed`` with the usage). After the first text it waits for ``go`` (set
+    by the test once it holds the first piece), so that only the buffer's time bound can
+    have released that piece."""
 
     def __init__(self) -> None:
         self.go = threading.Event()
@@ -183,7 +196,8 @@ class ScriptedStream:
 
             def _event(self, obj: dict[str, Any] | str) -> None:
                 data = obj if isinstance(obj, str) else json.dumps(obj)
-                self.wfile.write(f"data: {data}\n\n".encode())
+                kind = "" if isinstance(obj, str) else f"event: {obj.get('type')}\n"
+                self.wfile.write(f"{kind}data: {data}\n\n".encode())
                 self.wfile.flush()
 
             def do_POST(self) -> None:
@@ -194,6 +208,13 @@ class ScriptedStream:
                 for k, v in LIMIT_HEADERS.items():
                     self.send_header(k, v)
                 self.end_headers()
+                if self.path.endswith("/responses"):
+                    self._responses()
+                else:
+                    self._chat()
+                self.close_connection = True
+
+            def _chat(self) -> None:
                 base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
                         "model": MODEL}
                 for i, text in enumerate(script, 1):
@@ -205,7 +226,22 @@ class ScriptedStream:
                         go.wait(30)
                 self._event({**base, "choices": [], "usage": usage})
                 self._event("[DONE]")
-                self.close_connection = True
+
+            def _responses(self) -> None:
+                self._event({"type": "response.created", "sequence_number": 0,
+                             "response": _response("in_progress", None)})
+                for i, text in enumerate(script, 1):
+                    self._event({"type": "response.output_text.delta", "sequence_number": i,
+                                 "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                 "delta": text, "logprobs": []})
+                    if i == 1:
+                        go.wait(30)
+                usage = {"input_tokens": PROMPT_TOKENS, "output_tokens": len(script),
+                         "total_tokens": PROMPT_TOKENS + len(script),
+                         "input_tokens_details": {"cached_tokens": 0},
+                         "output_tokens_details": {"reasoning_tokens": 0}}
+                self._event({"type": "response.completed", "sequence_number": len(script) + 1,
+                             "response": _response("completed", usage)})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -261,6 +297,43 @@ def test_async_stream_text_of_a_scripted_stream(scripted: ScriptedStream) -> Non
                       "Last words"]
     assert stream.usage.completion_tokens == len(SCRIPT)
     assert stream.billing.token_count == PROMPT_TOKENS
+
+
+def test_responses_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> None:
+    """The same pieces as chat's, over Responses events; the usage is
+    ``response.completed``'s, the pacer settled once with input + output tokens."""
+    client = Client(base_url=f"http://127.0.0.1:{scripted.port}/v1", api_key="k",
+                    first_piece_ms=30)
+    settled = _record_settlements(client)
+    stream = client.responses.stream_text(model=MODEL, input="Say hello.",
+                                          max_output_tokens=64)
+    first = next(stream)  # the server holds the rest until it is here
+    assert stream.usage is None  # a Responses stream has no running usage
+    scripted.go.set()
+    rest = list(stream)
+    assert [first, *rest] == ["Hel", "lo world.", " This is 3.14 percent sure!\n",
+                              "中文句子。", "Last words"]
+    assert stream.usage is not None
+    assert (stream.usage.input_tokens, stream.usage.output_tokens,
+            stream.usage.total_tokens) == (PROMPT_TOKENS, len(SCRIPT), PROMPT_TOKENS + 12)
+    assert stream.billing.token_count == PROMPT_TOKENS
+    assert stream.billing.estimate is None  # no config: nothing counted
+    client.close()
+    assert settled == [PROMPT_TOKENS + len(SCRIPT)]
+
+
+def _record_settlements(client: Client | AsyncClient) -> list[int]:
+    """The billed tokens of every settlement of ``client``'s pacer, in order."""
+    settled: list[int] = []
+    pacer = client._core.pacer
+    assert pacer is not None
+    settle = pacer.settle
+
+    def record(ticket: Any, billed_tokens: int) -> None:
+        settled.append(billed_tokens)
+        settle(ticket, billed_tokens)
+    pacer.settle = record  # type: ignore[method-assign]
+    return settled
 
 
 # -- pacing against the real stack ---------------------------------------------------------
@@ -357,6 +430,16 @@ _END = re.compile("(\n|[\u3002\uff01\uff1f\uff1b\uff0e\u2026][\"'\u201d\u2019)\\
                   "\uff09\u3011]*)$")
 
 
+def _assert_pieces_follow_the_rules(pieces: list[str], size: int) -> None:
+    """Every piece but the first (maybe the time bound's) and the last ends at a sentence
+    end or a newline, or holds ``size`` characters; a Latin end is followed by space."""
+    for piece, nxt in itertools.pairwise(pieces[1:]):
+        end = _END.search(piece)
+        assert end or len(piece) >= size, (piece, nxt)
+        if end and end.group()[0] in ".!?":  # a Latin end: white space follows
+            assert nxt[:1].isspace(), (piece, nxt)
+
+
 def test_stream_text_of_the_real_vllm_stream(edge: Edge) -> None:
     client = Client(base_url=edge.base_url, api_key=MAIN_KEY, first_piece_ms=40)
     body: dict[str, Any] = {
@@ -369,10 +452,106 @@ def test_stream_text_of_the_real_vllm_stream(edge: Edge) -> None:
     assert stream.usage is not None and whole.usage is not None
     assert stream.usage.completion_tokens == whole.usage.completion_tokens
     assert stream.usage.prompt_tokens == stream.billing.token_count
-    size = buffer_size(96)
-    for piece, nxt in itertools.pairwise(pieces[1:]):  # the first: maybe the time bound's
-        end = _END.search(piece)
-        assert end or len(piece) >= size, (piece, nxt)
-        if end and end.group()[0] in ".!?":  # a Latin end: white space follows
-            assert nxt[:1].isspace(), (piece, nxt)
+    _assert_pieces_follow_the_rules(pieces, buffer_size(96))
     client.close()
+
+
+# -- the Responses API against the real stack -----------------------------------------------
+
+RIVERS = "Name three rivers."
+# prompt tokens of these bodies for the test model (Qwen3's tokenizer and chat template):
+# what vLLM reports as usage.input_tokens
+RIVERS_TOKENS, TERSE_RIVERS_TOKENS, STORY_TOKENS = 12, 21, 16
+
+
+def test_paced_responses_create_counts_as_the_edge_and_bills_vllms_usage(
+        edge: Edge, edge_config_path: Path) -> None:
+    client = Client(base_url=edge.base_url, api_key=MAIN_KEY, config=edge_config_path)
+    settled = _record_settlements(client)
+    r = client.responses.create(model=MODEL, input=RIVERS, instructions="You are terse.",
+                                max_output_tokens=5, extra_body={"ignore_eos": True})
+    est, usage = r.billing.estimate, r.usage
+    assert est is not None and usage is not None
+    # counted here, before sending, exactly as the edge and vLLM count it
+    assert est.prompt_tokens == r.token_count == usage.input_tokens == TERSE_RIVERS_TOKENS
+    assert (est.completion_budget, est.reservation) == (5, TERSE_RIVERS_TOKENS + 5)
+    assert (usage.output_tokens, usage.total_tokens) == (5, TERSE_RIVERS_TOKENS + 5)
+    assert (r.billing.rate_limited, r.billing.waited_s) == (0, 0.0)
+    assert settled == [TERSE_RIVERS_TOKENS + 5]
+    assert r.billing.request_id is not None
+    ev = edge.event(r.billing.request_id)
+    assert (ev["endpoint"], ev["stream"], ev["usage_source"]) == ("responses", False, "final")
+    assert (ev["prompt_tokens"], ev["completion_tokens"], ev["reserved"]) == \
+        (TERSE_RIVERS_TOKENS, 5, TERSE_RIVERS_TOKENS + 5)
+    client.close()
+
+
+def test_responses_create_stream_keeps_the_usage_of_response_completed(
+        edge: Edge, edge_config_path: Path) -> None:
+    client = Client(base_url=edge.base_url, api_key=MAIN_KEY, config=edge_config_path)
+    settled = _record_settlements(client)
+    stream = client.responses.create(model=MODEL, input=RIVERS, max_output_tokens=6,
+                                     stream=True, extra_body={"ignore_eos": True})
+    with stream:
+        events = list(stream)
+    stream.close()  # a second close settles nothing more
+    assert events[-1].type == "response.completed"
+    final = events[-1].response.usage
+    assert stream.usage == final and final is not None
+    assert (final.input_tokens, final.output_tokens) == (RIVERS_TOKENS, 6)
+    assert stream.billing.token_count == RIVERS_TOKENS
+    assert stream.billing.estimate is not None
+    assert stream.billing.estimate.prompt_tokens == RIVERS_TOKENS
+    assert settled == [RIVERS_TOKENS + 6]
+    assert stream.billing.request_id is not None
+    ev = edge.event(stream.billing.request_id)
+    assert (ev["endpoint"], ev["stream"], ev["usage_source"]) == ("responses", True, "final")
+    assert (ev["prompt_tokens"], ev["completion_tokens"]) == (RIVERS_TOKENS, 6)
+    client.close()
+
+
+STORY: dict[str, Any] = {
+    "model": MODEL, "input": "Tell a story. In two sentences.\n", "max_output_tokens": 48,
+    "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_responses_stream_text_of_the_real_vllm_stream(edge: Edge,
+                                                       edge_config_path: Path) -> None:
+    client = Client(base_url=edge.base_url, api_key=MAIN_KEY, config=edge_config_path,
+                    first_piece_ms=40)
+    stream = client.responses.stream_text(**STORY)
+    pieces = list(stream)
+    whole = client.responses.create(**STORY)  # greedy: the same text
+    assert "".join(pieces) == whole.response.output_text
+    assert stream.usage is not None and whole.usage is not None
+    assert (stream.usage.input_tokens, stream.usage.output_tokens) == (STORY_TOKENS, 48)
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (STORY_TOKENS, 48)
+    assert stream.billing.token_count == STORY_TOKENS
+    assert stream.billing.estimate is not None
+    assert stream.billing.estimate.prompt_tokens == STORY_TOKENS
+    _assert_pieces_follow_the_rules(pieces, buffer_size(48))
+    assert stream.billing.request_id is not None
+    ev = edge.event(stream.billing.request_id)
+    assert (ev["endpoint"], ev["stream"], ev["usage_source"]) == ("responses", True, "final")
+    assert (ev["prompt_tokens"], ev["completion_tokens"]) == (STORY_TOKENS, 48)
+    client.close()
+
+
+def test_async_responses_stream_text_of_the_real_vllm_stream(edge: Edge,
+                                                             edge_config_path: Path) -> None:
+    async def run() -> tuple[list[str], Any, Any, list[int]]:
+        client = AsyncClient(base_url=edge.base_url, api_key=MAIN_KEY,
+                             config=edge_config_path, first_piece_ms=40)
+        settled = _record_settlements(client)
+        stream = await client.responses.stream_text(**STORY)
+        pieces = [p async for p in stream]
+        whole = await client.responses.create(**STORY)
+        await client.close()
+        return pieces, stream, whole, settled
+
+    pieces, stream, whole, settled = asyncio.run(run())
+    assert "".join(pieces) == whole.response.output_text
+    assert (stream.usage.input_tokens, stream.usage.output_tokens) == (STORY_TOKENS, 48)
+    assert stream.billing.token_count == stream.billing.estimate.prompt_tokens == STORY_TOKENS
+    assert settled == [STORY_TOKENS + 48, STORY_TOKENS + 48]  # the stream's, then create's
+    _assert_pieces_follow_the_rules(pieces, buffer_size(48))
