@@ -299,3 +299,45 @@ def test_without_the_counter_a_budget_reserves_the_whole_completion_the_body_all
     # tiny-qwen3: max_model_len 8192, max_tokens_cap 4096, output_reserve 256
     assert int(answer.headers["x-budget-remaining-tokens"]) == \
         1_000_000 - (estimate + min(4096, 8192 - estimate))
+
+
+def test_the_agent_apis_are_refused_by_budgets_and_model_rules_in_their_own_shapes(
+        edge_variant: Callable[..., Edge], vllm_url: str, counter_addr: str,
+        limits_sidecar: devstack.Service, vllm_requests: Callable[[], int]) -> None:
+    """A Responses and a Messages request whose completion budget alone passes the key's
+    token quota (1000 a month) are refused as chat is (429 insufficient_quota), in
+    OpenAI's and in Anthropic's shape; so is a model the key may not use (404); their
+    count endpoints, which spend no tokens, still answer; nothing refused reaches vLLM."""
+    hostport = vllm_url.removeprefix("http://").removesuffix("/v1")
+
+    def edit(raw: dict[str, Any]) -> None:
+        _with_budgets(hostport)(raw)
+        raw["keys"]["bg-tokens"]["allowed_models"] = [MODEL]
+    edge = edge_variant("budgets-agents", edit)
+    key = BUDGET_KEYS["bg-tokens"][0]
+    bearer, x_api_key = {"authorization": f"Bearer {key}"}, {"x-api-key": key}
+    hello = [{"role": "user", "content": "hi"}]
+    before = vllm_requests()
+    r = httpx.post(f"{edge.base_url}/responses", headers=bearer, timeout=60,
+                   json={"model": MODEL, "input": "hi", "max_output_tokens": 2000})
+    assert r.status_code == 429, r.text
+    assert r.headers["x-token-count-source"] == "counter"
+    assert r.json()["error"]["code"] == "insufficient_quota"
+    assert "monthly token quota of 1000 tokens" in r.json()["error"]["message"]
+    r = httpx.post(f"{edge.base_url}/messages", headers=x_api_key, timeout=60,
+                   json={"model": MODEL, "messages": hello, "max_tokens": 2000})
+    assert r.status_code == 429, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+    assert edge.event(r.headers["x-request-id"])["error"] == "insufficient_quota"
+    r = httpx.post(f"{edge.base_url}/responses", headers=bearer, timeout=60,
+                   json={"model": "other-qwen3", "input": "hi"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+    r = httpx.post(f"{edge.base_url}/messages", headers=x_api_key, timeout=60,
+                   json={"model": "other-qwen3", "messages": hello, "max_tokens": 5})
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found_error")
+    assert vllm_requests() == before
+    for path, body, headers in (
+            ("responses/input_tokens", {"model": MODEL, "input": "hi"}, bearer),
+            ("messages/count_tokens", {"model": MODEL, "messages": hello}, x_api_key)):
+        r = httpx.post(f"{edge.base_url}/{path}", headers=headers, json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
