@@ -518,6 +518,10 @@ local function upstream_error(ctx, chunk, eof)
     if not err then
         return text
     end
+    local api = ctx.api
+    if api and api.upstream_error then
+        err = api.upstream_error(ctx, err)
+    end
     ctx.error = err.code or err.type
     return errors.render(ctx, err)
 end

@@ -61,7 +61,10 @@ local sub = string.sub
 local byte = string.byte
 local match = string.match
 local concat = table.concat
+local lower = string.lower
 local hmac_sha1 = ngx.hmac_sha1
+local ngx_var = ngx.var
+local ngx_req = ngx.req
 local is_array = json.is_array
 local is_object = json.is_object
 local json_integer = json.integer
@@ -196,14 +199,52 @@ function _M.key()
     return nil
 end
 
--- stored(ctx, doc) -> true | nil, err (404): a request that names a stored response
+-- TRUE_ARG: what FastAPI reads as true in a query parameter (pydantic's bool parsing)
+local TRUE_ARG = { ["true"] = true, ["1"] = true, yes = true, on = true, t = true, y = true }
+
+-- replay_args() -> true | nil, err (400): a retrieve's query. stream=true replays a
+-- response's events, which vLLM keeps for background responses only (refused here):
+-- for any other it fails after its 200 (an empty stream), so it is refused here too;
+-- starting_after must be an integer.
+local function replay_args()
+    local args = ngx_var.args
+    if not args then
+        return true
+    end
+    local stream = ngx_var.arg_stream
+    if stream and TRUE_ARG[lower(stream)] then
+        return fail(400, "stream: a stored response is replayed as events only when it "
+            .. "was made in the background, which this gateway does not run; retrieve it "
+            .. "without stream", "stream", "unsupported_parameter")
+    end
+    local after = ngx_var.arg_starting_after
+    if after and not match(after, "^%d+$") then
+        return fail(400, "starting_after: must be an integer", "starting_after",
+            "invalid_type")
+    end
+    return true
+end
+
+-- stored(ctx, doc) -> true | nil, err (404, 400): a request that names a stored response
 -- (ctx.model_id, the path's id): the key must have made it and may still use its model;
--- the request is pinned to the replica that holds it (ctx.pin) and counts one request
--- of the key's RPM, no tokens.
+-- a retrieve's query is checked (replay_args) and a HEAD asks vLLM with GET; the
+-- request is pinned to the replica that holds it (ctx.pin) and counts one request of
+-- the key's RPM, no tokens.
 function _M.stored(ctx, doc)
     local place, err = _M.owned(doc, ctx.key, ctx.model_id)
     if not place then
         return nil, err
+    end
+    if ctx.route == "response" then
+        local ok
+        ok, err = replay_args()
+        if not ok then
+            return nil, err
+        end
+        if ngx_req.get_method() == "HEAD" then
+            -- vLLM routes GET only; nginx sends a HEAD client the headers alone
+            ngx_req.set_method(ngx.HTTP_GET)
+        end
     end
     local model = place.model
     if not models_mod.allowed(ctx.key, model.name) then
@@ -417,10 +458,23 @@ function _M.sanitize(body, model, edge)
     return sanitize.verdict(st)
 end
 
--- adjust(ctx, body, model): max_output_tokens above model.max_tokens_cap becomes the
+-- adjust(ctx, body, model): top-level fields given as null are dropped (null means the
+-- default, and vLLM 0.32 takes null for background, truncation, service_tier ... in the
+-- request, generates, and then fails to build its response of them: a 400 after the
+-- whole generation, with nothing billed); an input_tokens body loses max_output_tokens
+-- (it generates nothing); max_output_tokens above model.max_tokens_cap becomes the
 -- cap; the client's request_id is dropped (placed() writes the edge's); a stream sets
 -- ctx.stream; previous_response_id sets ctx.history (the count source "history").
 function _M.adjust(ctx, body, model)
+    local keys = body[json.KEYS]
+    for i = #keys, 1, -1 do
+        if body[keys[i]] == null then
+            json_set(body, keys[i], nil)
+        end
+    end
+    if ctx.route == "input_tokens" and body.max_output_tokens ~= nil then
+        json_set(body, "max_output_tokens", nil)
+    end
     local cap = model.max_tokens_cap
     local v = json_integer(body.max_output_tokens)
     if cap and v and v > cap then
@@ -561,6 +615,25 @@ function _M.whole_usage(ctx, d)
     if ctx.route == "responses" then
         read_usage(ctx, d.usage)
     end
+end
+
+-- upstream_error(ctx, err) -> err: vLLM's refusal of a forwarded request. Its 404 of a
+-- response id that this key made (vLLM stored none: store false, or a replica that
+-- restarted) is the edge's own 404 of an unknown id, so that both read the same.
+function _M.upstream_error(ctx, err)
+    if err.status ~= 404 then
+        return err
+    end
+    if ctx.stored then
+        local _, e = not_found(ctx.model_id)
+        return e
+    end
+    local pid = ctx.body and ctx.body.previous_response_id
+    if ctx.history and type(pid) == "string" then
+        local _, e = not_found(pid, "previous_response_id")
+        return e
+    end
+    return err
 end
 
 -- error_body(err) -> JSON text of err in OpenAI's shape (tokengate.errors.body)

@@ -179,11 +179,48 @@ def test_a_stored_response_is_its_keys_alone(edge: Edge,
     assert (ev["count_source"], ev["prompt_tokens"], ev["count_drift"]) == \
         ("history", second.usage.input_tokens, 0)
     assert ev["upstream"] == edge.event(request_id_of(first.id))["upstream"]
-    got = httpx.get(f"{edge.base_url}/responses/{first.id}",
-                    headers={"authorization": f"Bearer {MAIN_KEY}"}, timeout=30)
+    auth = {"authorization": f"Bearer {MAIN_KEY}"}
+    got = httpx.get(f"{edge.base_url}/responses/{first.id}", headers=auth, timeout=30)
     ev = edge.event(got.headers["x-request-id"])
     assert (got.status_code, ev["endpoint"], ev["reserved"], ev["prompt_tokens"]) == \
         (200, "response", 0, 0)
+    head = httpx.head(f"{edge.base_url}/responses/{first.id}", headers=auth, timeout=30)
+    assert (head.status_code, head.content) == (200, b"")
+    # an events replay exists for background responses only (refused): refused here too
+    before = vllm_requests()
+    for query, code in (("stream=true", "unsupported_parameter"),
+                        ("stream=1&starting_after=0", "unsupported_parameter"),
+                        ("starting_after=abc", "invalid_type")):
+        r = httpx.get(f"{edge.base_url}/responses/{first.id}?{query}", headers=auth,
+                      timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, code), query
+    assert vllm_requests() == before
+    # an id of this key that vLLM did not store reads as an unknown id
+    unstored = a.responses.create(model=MODEL, input=HELLO, max_output_tokens=2,
+                                  store=False)
+    with pytest.raises(openai.NotFoundError) as info:
+        a.responses.retrieve(unstored.id)
+    assert info.value.body == {"message": f"Response with id '{unstored.id}' not found.",
+                               "type": "invalid_request_error", "param": None,
+                               "code": "not_found"}
+
+
+def test_fields_given_as_null_mean_their_defaults(edge: Edge) -> None:
+    """vLLM 0.32 takes null for background, truncation, service_tier ... and then fails
+    to build its answer after the whole generation (a 400 with nothing billed): the
+    edge drops top-level nulls, so the request is answered and billed."""
+    r = httpx.post(f"{edge.base_url}/responses", timeout=60,
+                   headers={"authorization": f"Bearer {MAIN_KEY}"},
+                   json={"model": MODEL, "input": HELLO, "max_output_tokens": 3,
+                         "ignore_eos": True, "background": None, "truncation": None,
+                         "service_tier": None, "tools": None, "instructions": None})
+    assert r.status_code == 200, r.text
+    ev = edge.event(r.headers["x-request-id"])
+    assert (ev["completion_tokens"], ev["usage_source"]) == (3, "final")
+    counted = httpx.post(f"{edge.base_url}/responses/input_tokens", timeout=60,
+                         headers={"authorization": f"Bearer {MAIN_KEY}"},
+                         json={"model": MODEL, "input": HELLO, "max_output_tokens": 0})
+    assert counted.json()["input_tokens"] == ev["prompt_tokens"]
 
 
 def test_refusals_come_in_openais_shape_and_never_reach_vllm(
