@@ -49,7 +49,8 @@ def _service(name: str, argv: list[str], ready: Callable[[], bool],
 
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
                  name: str = "vllm", engine_usage_file: Path | None = None) -> Service:
-    """vLLM's OpenAI server (CPU build) on the model directory, served under its name.
+    """vLLM's OpenAI server (CPU build) on the model directory, served under its name,
+    with ``--runner pooling`` for a pooling (embedding) model.
 
     Started as a module (the ``vllm`` console script of the CPU build looks for a
     distribution named ``vllm`` and fails). ``-O0``: no torch.compile. The CPU build
@@ -69,6 +70,9 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--enable-prompt-tokens-details",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--disable-uvicorn-access-log", "-O0"]
+    if model.runner == "pooling":
+        # an embedding model (models.<name>.runner): vLLM serves /v1/embeddings only
+        argv += ["--runner", "pooling"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            # stored responses (GET /v1/responses/{id}, previous_response_id), kept in

@@ -23,10 +23,11 @@ local _M = {}
 
 -- route -> tokengate.v1.Endpoint (proto/tokengate/v1/counter.proto)
 local ENDPOINT = { chat = 1, completions = 2, messages = 3, count_tokens = 4, responses = 5,
-                   input_tokens = 5 }
+                   input_tokens = 5, embeddings = 6 }
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
+local GRPC_OUT_OF_RANGE = 11
 -- The counter's deadline is count_timeout_ms per started HEAVY_BYTES of body: a 1k-token
 -- prompt is ~5 KB, and a body of several hundred KB (tens of thousands of messages) takes
 -- the counter that much longer by itself. A larger body's timeout does not open the
@@ -72,20 +73,22 @@ local function ask(route, model, body)
 end
 
 -- verdict(failure) -> the client's error when the counter judged the request itself
--- (INVALID_ARGUMENT -> 400 naming the counter's field, NOT_FOUND -> 404), else nil
+-- (INVALID_ARGUMENT -> 400 invalid_value, OUT_OF_RANGE -> 400 context_length_exceeded,
+-- both naming the counter's field; NOT_FOUND -> 404), else nil
 local function verdict(failure)
     local gs, msg = failure.grpc_status, failure.message
     if failure.reason ~= "status" then
         return nil
     end
-    if gs == GRPC_INVALID_ARGUMENT then
+    if gs == GRPC_INVALID_ARGUMENT or gs == GRPC_OUT_OF_RANGE then
         -- "messages[2].content: text" -> param "messages[2].content"
         local colon = find(msg, ": ", 1, true)
         local param = colon and sub(msg, 1, colon - 1) or nil
         if param and (param == "" or find(param, "%s")) then
             param = nil
         end
-        return errors.new(400, msg, param, "invalid_value")
+        return errors.new(400, msg, param, gs == GRPC_OUT_OF_RANGE
+            and "context_length_exceeded" or "invalid_value")
     elseif gs == GRPC_NOT_FOUND then
         return errors.new(404, msg, "model", "model_not_found")
     end
@@ -100,13 +103,14 @@ _M.CLOSED = CLOSED
 
 -- prompt(route, model, body, edge) -> counted | nil, err
 --   route: "chat" | "completions" | "messages" | "count_tokens" | "responses" |
---   "input_tokens"; model: served model name; body: the exact bytes the
+--   "input_tokens" | "embeddings"; model: served model name; body: the exact bytes the
 --   edge will forward; edge: compiled edge settings (on_counter_failure,
 --   estimate_bytes_per_token).
 --   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,
 --               source = "counter" | "estimate", system = <system-message tokens>,
 --               reply = <pb.count_reply> | nil (estimate) }
---   err: 400 / 404 when the counter refused the request, 503 when it is unavailable
+--   err: 400 / 404 when the counter refused the request (400 context_length_exceeded:
+--   an embeddings input longer than the context), 503 when it is unavailable
 --   and the edge fails closed.
 -- The estimate is ceil(#body / estimate_bytes_per_token): it counts the whole JSON
 -- text, so it over-counts and limits stay on the safe side.

@@ -99,7 +99,7 @@ end
 -- error_body (tokengate.messages: Anthropic's) or OpenAI's.
 function _M.render(ctx, err)
     local api = ctx.api
-    if api then
+    if api and api.error_body then
         return api.error_body(err)
     end
     return _M.body(err.message, err.type, err.param, err.code)

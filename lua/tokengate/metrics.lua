@@ -280,7 +280,8 @@ end
 
 local ENDPOINTS = { chat = true, completions = true, models = true, model = true,
                     messages = true, count_tokens = true, responses = true,
-                    input_tokens = true, response = true, response_cancel = true }
+                    input_tokens = true, response = true, response_cancel = true,
+                    embeddings = true }
 local LIMIT = { requests = "rpm", tokens = "tpm" }
 
 -- connect_s(v) -> nginx's $upstream_connect_time of the last try, seconds, or nil

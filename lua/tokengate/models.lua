@@ -80,6 +80,29 @@ function _M.not_found(id)
         .. "access to it.", errors.clip(id)), "model", "model_not_found")
 end
 
+-- serves(model, runner, uri) -> true | nil, err (400 model_not_supported): whether the
+-- compiled model takes a request of a route served by vLLM's runner `runner`
+-- ("generate" | "pooling", tokengate.request.runner) at path uri. vLLM itself answers
+-- 404 {"detail": "Not Found"} there (a pooling server registers /v1/embeddings and no
+-- generating route, a generating server the other way round): the edge answers first,
+-- in OpenAI's shape and naming the model, and forwards nothing.
+function _M.serves(model, runner, uri)
+    local has = model.runner or "generate"
+    if has == runner then
+        return true
+    end
+    local name = errors.clip(model.name)
+    local msg
+    if has == "pooling" then
+        msg = format("The model `%s` is an embedding model (runner: pooling): it serves "
+            .. "POST /v1/embeddings only, not %s.", name, errors.clip(uri))
+    else
+        msg = format("The model `%s` generates text (runner: generate) and does not serve "
+            .. "%s: use an embedding model (runner: pooling).", name, errors.clip(uri))
+    end
+    return errors.refuse(400, msg, "model", "model_not_supported")
+end
+
 -- allowed(key, name) -> true when the key may use the served model name
 function _M.allowed(key, name)
     return not key.allowed or key.allowed[name] == true

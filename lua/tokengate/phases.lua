@@ -18,9 +18,10 @@
 --                  access-log line; a request without a valid API key writes no
 --                  event: counted, and logged at a bounded rate
 --
--- The Anthropic Messages API's and the OpenAI Responses API's routes run the same
--- stages; where their shapes differ (key header, body, sanitizing, usage, errors, limit
--- headers) the stages ask ctx.api (tokengate.messages, tokengate.responses);
+-- The Anthropic Messages API's, the OpenAI Responses API's and the embeddings' routes
+-- run the same stages; where their shapes differ (key header, body, sanitizing, budget,
+-- usage, errors, limit headers) the stages ask ctx.api (tokengate.messages,
+-- tokengate.responses, tokengate.embeddings);
 -- count_tokens and input_tokens are answered after the limits, never forwarded; a route
 -- that names a stored response (ctx.stored) has no body to count and goes to the replica
 -- that holds the response (ctx.pin).
@@ -188,8 +189,10 @@ local function listing(ctx, doc)
 end
 
 -- what(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
--- limits then apply), sanitized, with the edge's adjustments (cap, stream options);
--- a route of an API module (ctx.api) is validated and sanitized by the module.
+-- limits then apply; served by the route's kind of vLLM runner, else 400
+-- model_not_supported: an embedding model takes only embeddings), sanitized, with the
+-- edge's adjustments (cap, stream options); a route of an API module (ctx.api) is
+-- validated and sanitized by the module.
 local function what(ctx, doc)
     if ctx.stored then
         return true
@@ -207,6 +210,11 @@ local function what(ctx, doc)
     ctx.model, ctx.model_entry = model.name, model
     ctx.limit_req = limits.request(ctx.key, model.name, request.id(ctx))
     ctx.rate = limits.peek(ctx.limit_req)
+    local served
+    served, err = models.serves(model, request.runner(route), ctx.uri)
+    if not served then
+        return nil, err
+    end
     local counts
     if api then
         counts, err = api.sanitize(body, model, edge)
@@ -440,8 +448,9 @@ function _M.header_filter()
     -- the usage event's request_id; vLLM also uses it in its response ids
     h["X-Request-Id"] = request.id(ctx)
     if ctx.rate then
-        if ctx.api then
-            ctx.api.rate_headers(h, ctx.rate)
+        local api = ctx.api
+        if api and api.rate_headers then
+            api.rate_headers(h, ctx.rate)
         else
             limits.headers(h, ctx.rate)
         end

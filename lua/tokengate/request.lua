@@ -7,6 +7,7 @@ local json = require "tokengate.json"
 local errors = require "tokengate.errors"
 local messages = require "tokengate.messages"
 local responses = require "tokengate.responses"
+local embeddings = require "tokengate.embeddings"
 
 local ngx_var = ngx.var
 local format = string.format
@@ -34,7 +35,7 @@ local MODEL_PREFIX = "/v1/models/"
 -- The API modules beyond OpenAI's chat and completions (see tokengate.messages for what
 -- a module provides), and their routes: route -> module. A module's route(uri) names
 -- the routes with a parameter in their path (tokengate.responses: a stored response).
-local MODULES = { messages, responses }
+local MODULES = { messages, responses, embeddings }
 local APIS = {}
 for _, mod in ipairs(MODULES) do
     for path, route in pairs(mod.ROUTES) do
@@ -75,8 +76,9 @@ end
 
 -- route(uri) -> route name ("chat" | "completions" | "models" | "model" | an API
 -- module's: "messages" | "count_tokens" | "responses" | "input_tokens" | "response" |
--- "response_cancel") or nil, and for "model" (GET /v1/models/{id}, the openai client's
--- models.retrieve) the id, for "response" and "response_cancel" the response id.
+-- "response_cancel" | "embeddings") or nil, and for "model" (GET /v1/models/{id}, the
+-- openai client's models.retrieve) the id, for "response" and "response_cancel" the
+-- response id.
 -- uri: nginx's normalized $uri (percent-decoded, "." / ".." segments and repeated
 -- slashes resolved), so /v1/./chat/completions is the chat route.
 function _M.route(uri)
@@ -103,8 +105,8 @@ local CAPPED_FIELDS = {
 
 -- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions", an API
 -- module's route ("messages", "count_tokens", "responses", "input_tokens", "response",
--- "response_cancel") or the path (a client's string: at most 64 characters and
--- "…", see errors.clip).
+-- "response_cancel", "embeddings") or the path (a client's string: at most 64
+-- characters and "…", see errors.clip).
 function _M.endpoint(route, uri)
     if route == "chat" or route == "completions" or APIS[route] then
         return route
@@ -121,6 +123,15 @@ for route, mod in pairs(APIS) do
     ALLOW[route] = mod.ALLOW[route]
 end
 local TAKES = { POST = "POST", GET = "GET, HEAD", HEAD = "GET, HEAD" }
+
+-- runner(route) -> the vLLM runner a model must be served by to take the route's
+-- requests (models.<name>.runner, tokengate.models.serves): an API module's RUNNER
+-- ("pooling": tokengate.embeddings), else "generate" (chat, completions, messages,
+-- responses and their token counts).
+function _M.runner(route)
+    local api = APIS[route]
+    return api and api.RUNNER or "generate"
+end
 
 -- check_method(route, method, uri) -> nil | err (404 unknown path, 405 wrong method).
 function _M.check_method(route, method, uri)
@@ -251,8 +262,15 @@ end
 -- budget(route, model, body, counted) -> completion tokens the request may generate
 -- | nil, err. counted: tokengate.count's result; with the counter's reply the exact
 -- rules of counted_budget apply, with an estimate those of estimated_budget. Sets
--- counted.body_changed when max_tokens was written into body (re-encode it).
+-- counted.body_changed when max_tokens was written into body (re-encode it). A route
+-- whose API module has budget(route, model, body, counted) asks it (tokengate.embeddings:
+-- 0, nothing is generated and nothing written into the body).
 function _M.budget(route, model, body, counted)
+    local api = APIS[route]
+    if api and api.budget then
+        counted.body_changed = false
+        return api.budget(route, model, body, counted)
+    end
     local out, changed
     if counted.reply then
         out, changed = counted_budget(route, model, body, counted.reply)

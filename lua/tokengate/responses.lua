@@ -636,12 +636,6 @@ function _M.upstream_error(ctx, err)
     return err
 end
 
--- error_body(err) -> JSON text of err in OpenAI's shape (tokengate.errors.body)
-function _M.error_body(err)
-    return errors.body(err.message, err.type, err.param, err.code)
-end
-
--- rate_headers(h, st): OpenAI's x-ratelimit-* (tokengate.limits.headers)
-_M.rate_headers = limits.headers
+-- (errors and limit headers: OpenAI's, as for chat: no error_body, no rate_headers)
 
 return _M

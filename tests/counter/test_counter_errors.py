@@ -151,7 +151,8 @@ def test_unspecified_endpoint_is_invalid_argument(
                              counter_pb2.ENDPOINT_UNSPECIFIED)
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
                                ("endpoint: expected one of ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, "
-                                "ENDPOINT_MESSAGES, ENDPOINT_MESSAGES_COUNT_TOKENS, ENDPOINT_RESPONSES"))
+                                "ENDPOINT_MESSAGES, ENDPOINT_MESSAGES_COUNT_TOKENS, "
+                                "ENDPOINT_RESPONSES, ENDPOINT_EMBEDDINGS"))
 
 
 def mutate(rng: random.Random, value: object, depth: int = 0) -> object:

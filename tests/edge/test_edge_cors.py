@@ -77,9 +77,9 @@ def test_a_preflight_from_an_allowed_origin_is_answered_204_without_a_key(
         == ("http://localhost:3000", "GET, HEAD")
     assert "access-control-allow-headers" not in r.headers
     # a path that is no route: its 404, readable by the page (not the key's 401)
-    r = preflight(cors_edge, "/embeddings", APP)
+    r = preflight(cors_edge, "/audio/speech", APP)
     assert (r.status_code, r.headers["access-control-allow-origin"], r.json()["error"]) == \
-        (404, APP, {"message": "Invalid URL (OPTIONS /v1/embeddings)",
+        (404, APP, {"message": "Invalid URL (OPTIONS /v1/audio/speech)",
                     "type": "invalid_request_error", "param": None, "code": "unknown_url"})
     m = cors_edge.status()
     assert (m["cors_preflight_allowed"], m["cors_preflight_refused"],

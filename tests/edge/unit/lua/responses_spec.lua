@@ -214,8 +214,9 @@ case("input_tokens answers OpenAI's body; a prompt above the context is refused"
 end)
 
 case("errors in OpenAI's shape", function()
-    local d = assert(json.decode(responses.error_body({ status = 404, message = "m",
-        type = "invalid_request_error", code = "not_found" })))
+    local errors = require "tokengate.errors"
+    local d = assert(json.decode(errors.render({ api = responses }, { status = 404,
+        message = "m", type = "invalid_request_error", code = "not_found" })))
     eq({ d.error.message, d.error.code, d.error.param }, { "m", "not_found", json.null })
 end)
 
