@@ -2,8 +2,9 @@
 adaptive streaming buffer (``tokengate_client`` re-exports what is public here).
 
 ``Client`` (threads) and ``AsyncClient`` (asyncio) have the openai client's call shapes,
-``client.chat.completions.create(...)``, ``client.completions.create(...)`` and
-``client.responses.create(...)`` (the OpenAI Responses API), and return the answer with
+``client.chat.completions.create(...)``, ``client.completions.create(...)``,
+``client.responses.create(...)`` (the OpenAI Responses API) and
+``client.embeddings.create(...)`` (a pooling model's), and return the answer with
 what the gateway billed (``Completion``), or for ``stream=True`` an iterator of the
 answer's chunks or events that keeps the usage (``CompletionStream``).
 ``client.stream_text(...)`` (chat) and ``client.responses.stream_text(...)`` yield the
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import openai
 from openai.types import CompletionUsage
+from openai.types.create_embedding_response import Usage as EmbeddingUsage
 from openai.types.responses import ResponseUsage
 
 from tokengate_client.buffer import TextBuffer, buffer_size
@@ -40,7 +42,7 @@ if TYPE_CHECKING:  # the tokengate package is needed only to count offline (coun
     from tokengate import config as tg_config
 
 R = TypeVar("R")
-Usage = CompletionUsage | ResponseUsage
+Usage = CompletionUsage | ResponseUsage | EmbeddingUsage
 U = TypeVar("U", bound=Usage)
 DEFAULT_FIRST_PIECE_MS = 50.0
 _STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
@@ -90,7 +92,7 @@ class Completion(Generic[R]):
     ``billing``."""
 
     response: R
-    usage: CompletionUsage | ResponseUsage | None
+    usage: CompletionUsage | ResponseUsage | EmbeddingUsage | None
     billing: Billing = field(default_factory=Billing)
 
     @property
@@ -101,9 +103,12 @@ class Completion(Generic[R]):
 def billed_tokens(usage: Usage) -> int:
     """Tokens a usage bills against the key's TPM, as the edge settles it: chat and
     completions ``prompt_tokens + completion_tokens``, Responses ``input_tokens +
-    output_tokens`` (cached input tokens are part of ``input_tokens``)."""
+    output_tokens`` (cached input tokens are part of ``input_tokens``), embeddings
+    ``prompt_tokens`` (nothing generated)."""
     if isinstance(usage, ResponseUsage):
         return usage.input_tokens + usage.output_tokens
+    if isinstance(usage, EmbeddingUsage):
+        return usage.prompt_tokens
     return usage.prompt_tokens + usage.completion_tokens
 
 
@@ -189,6 +194,9 @@ COMPLETIONS = _Api[CompletionUsage]("completions", "completions", ("max_tokens",
                                     _choice_text, _chunk_usage, True)
 RESPONSES = _Api[ResponseUsage]("responses", "responses", ("max_output_tokens",),
                                 _event_text, _event_usage, False)
+# embeddings stream nothing and generate nothing: the reservation is the prompt
+EMBEDDINGS = _Api[EmbeddingUsage]("embeddings", "embeddings", (), _event_text,
+                                  lambda _item: None, False)
 
 
 class _Core:
@@ -439,6 +447,7 @@ class Client:
         self.chat = _Chat(self)
         self.completions = _Create(self, COMPLETIONS)
         self.responses = _Responses(self)
+        self.embeddings = _Create(self, EMBEDDINGS)
 
     def _call(self, api: _Api[U], kwargs: dict[str, Any], est: Estimate | None) -> Any:
         core = self._core
@@ -612,6 +621,7 @@ class AsyncClient:
         self.chat = _AsyncChat(self)
         self.completions = _AsyncCreate(self, COMPLETIONS)
         self.responses = _AsyncResponses(self)
+        self.embeddings = _AsyncCreate(self, EMBEDDINGS)
 
     async def _call(self, api: _Api[U], kwargs: dict[str, Any], est: Estimate | None) -> Any:
         core = self._core

@@ -84,9 +84,10 @@ class PromptCounter:
         return counter
 
     def estimate(self, endpoint: str, kwargs: dict[str, Any]) -> Estimate | None:
-        """The request's count for ``endpoint`` "chat", "completions" or "responses"
-        (``create``'s keyword arguments; a Responses body's ``max_output_tokens`` is its
-        completion budget); None when it cannot be counted here (unknown model, a body
+        """The request's count for ``endpoint`` "chat", "completions", "responses" or
+        "embeddings" (``create``'s keyword arguments; a Responses body's
+        ``max_output_tokens`` is its completion budget, an embeddings body has none);
+        None when it cannot be counted here (unknown model, a body
         the edge will refuse anyway: it is then sent unpaced and the edge answers)."""
         body = request_body(kwargs)
         if body is None or not isinstance(body.get("model"), str):

@@ -268,3 +268,22 @@ def test_metrics_count_embeddings_by_endpoint(embed_edge: Edge) -> None:
     lines = [x for x in text.splitlines() if x.startswith("tokengate_requests_total{")
              and 'endpoint="embeddings"' in x and 'status="2xx"' in x]
     assert len(lines) == 1 and lines[0].endswith(" 1"), lines
+
+
+def test_the_client_sdk_paces_embeddings_on_the_prompt_alone(embed_edge: Edge) -> None:
+    """tokengate_client's embeddings.create (here, beside the pooling edge it needs):
+    its offline count is the edge's X-Token-Count and its reservation the prompt alone;
+    the usage it bills is vLLM's prompt_tokens."""
+    from tokengate_client import Client
+
+    config = embed_edge.usage_file.parent / "tokengate.yaml"
+    c = Client(base_url=embed_edge.base_url, api_key=MAIN_KEY, config=config)
+    try:
+        answer = c.embeddings.create(model=EMBED_MODEL, input=["Hello, world!", "a"])
+    finally:
+        c.close()
+    est = answer.billing.estimate
+    assert est is not None and answer.usage is not None
+    assert (est.prompt_tokens, est.completion_budget, est.reservation) == (5, 0, 5)
+    assert (answer.token_count, answer.usage.prompt_tokens) == (5, 5)
+    assert len(answer.response.data) == 2
