@@ -127,13 +127,14 @@ local function check_input(input)
     if n == 0 then
         return fail(400, "input: must not be an empty array", "input", "invalid_value")
     end
+    local first = input[1]
+    if json_number(first) then
+        -- one input of token ids (its length is the counter's max_model_len check)
+        return token_ids(input, "input")
+    end
     if n > MAX_INPUTS then
         return fail(400, format("input: %d inputs; at most %d per request", n, MAX_INPUTS),
             "input", "invalid_value")
-    end
-    local first = input[1]
-    if json_number(first) then
-        return token_ids(input, "input")
     end
     local kind = type(first) == "string" and "string" or is_array(first) and "ids" or nil
     for i = 1, n do
@@ -221,9 +222,11 @@ function _M.sanitize(body, model, edge)
     return sanitize.verdict(st)
 end
 
--- adjust(ctx, body, model): nothing to cap, nothing streams (vLLM's embeddings answer
--- is one JSON object)
-function _M.adjust()
+-- adjust(ctx, body, model): top-level fields given as null are dropped (null means the
+-- default; vLLM refuses encoding_format: null); nothing to cap, nothing streams (vLLM's
+-- embeddings answer is one JSON object)
+function _M.adjust(_ctx, body)
+    json.drop_nulls(body)
 end
 
 -- budget(route, model, body, counted) -> 0, the completion tokens an embedding request

@@ -131,6 +131,16 @@ function _M.set(obj, key, value)
     obj[key] = value
 end
 
+-- drop_nulls(obj): obj's members whose value is null removed (its own members only).
+function _M.drop_nulls(obj)
+    local keys = obj[KEYS]
+    for i = #keys, 1, -1 do
+        if obj[keys[i]] == _M.null then
+            _M.set(obj, keys[i], nil)
+        end
+    end
+end
+
 -- number(v) -> Lua number of a decoded number (plain or literal box), else nil.
 function _M.number(v)
     local tv = type(v)

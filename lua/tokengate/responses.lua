@@ -466,12 +466,7 @@ end
 -- cap; the client's request_id is dropped (placed() writes the edge's); a stream sets
 -- ctx.stream; previous_response_id sets ctx.history (the count source "history").
 function _M.adjust(ctx, body, model)
-    local keys = body[json.KEYS]
-    for i = #keys, 1, -1 do
-        if body[keys[i]] == null then
-            json_set(body, keys[i], nil)
-        end
-    end
+    json.drop_nulls(body)
     if ctx.route == "input_tokens" and body.max_output_tokens ~= nil then
         json_set(body, "max_output_tokens", nil)
     end

@@ -78,7 +78,9 @@ def test_messages_stream_bills_message_start_and_delta(edge: Edge) -> None:
 
 
 def test_a_stream_the_client_leaves_is_billed_what_the_edge_saw(edge: Edge) -> None:
-    with client(edge).messages.stream(model=MODEL, max_tokens=200, messages=HELLO,
+    # far more than vLLM generates before the close reaches it, also when the stream's
+    # first events queued behind another request's (200 tokens were once all sent)
+    with client(edge).messages.stream(model=MODEL, max_tokens=2000, messages=HELLO,
                                       extra_body={"ignore_eos": True}) as stream:
         request_id = stream.response.headers["x-request-id"]
         counted = int(stream.response.headers["x-token-count"])

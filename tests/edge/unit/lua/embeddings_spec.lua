@@ -92,6 +92,19 @@ case("at most 2048 inputs, OpenAI's limit", function()
     eq(validate('{"model":"e","input":[' .. table.concat(ids, ",") .. ']}'), "ok")
     eq(validate('{"model":"e","input":[' .. table.concat(ids, ",") .. ',[1]]}'),
         { 400, "invalid_value", "input" })
+    -- one input of 3000 token ids is one input (its length is the counter's check)
+    local flat = {}
+    for i = 1, 3000 do
+        flat[i] = "15"
+    end
+    eq(validate('{"model":"e","input":[' .. table.concat(flat, ",") .. ']}'), "ok")
+end)
+
+case("fields given as null are dropped: null means the default", function()
+    local body = assert(json.decode('{"model":"e","input":"x","encoding_format":null,'
+        .. '"dimensions":null}'))
+    embeddings.adjust({}, body, MODELS.e)
+    eq(json.encode(body), '{"model":"e","input":"x"}')
 end)
 
 case("chat-style inputs are refused: the counter does not render them", function()
