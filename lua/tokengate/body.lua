@@ -324,6 +324,25 @@ function _M.validate_completions(body, models)
     return check_common(body, models)
 end
 
+-- The checks an API module's validate makes in that API's wording ("field: ..."):
+--   api_model(body) -> true | nil, err (400): the model is a string;
+--   api_bool(body, name) -> true | nil, err (400): body[name] is a boolean, null or absent.
+function _M.api_model(body)
+    if type(body.model) ~= "string" then
+        return fail(400, "model: Field required (a string)", "model",
+            "missing_required_parameter")
+    end
+    return true
+end
+
+function _M.api_bool(body, name)
+    local v = body[name]
+    if v ~= nil and v ~= null and v ~= true and v ~= false then
+        return fail(400, name .. ": must be a boolean", name, "invalid_type")
+    end
+    return true
+end
+
 -- check_api(route, body, models, edge, schema_param, schema) -> model entry | nil, err
 -- (400/404): what an API module's validate checks last, the fields every API shares:
 -- tools (an array, or absent), the model (a configured one), chat_template_kwargs

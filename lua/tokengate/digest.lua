@@ -26,14 +26,18 @@ function _M.sha256(s)
     return ffi_string(md, 32)
 end
 
--- sha256_hex(s) -> 64 lowercase hex digits of SHA-256(s)
-function _M.sha256_hex(s)
-    local raw = _M.sha256(s)
+-- hex(raw) -> the lowercase hex digits of the bytes raw
+function _M.hex(raw)
     local out = {}
-    for i = 1, 32 do
+    for i = 1, #raw do
         out[i] = format("%02x", byte(raw, i))
     end
     return concat(out)
+end
+
+-- sha256_hex(s) -> 64 lowercase hex digits of SHA-256(s)
+function _M.sha256_hex(s)
+    return _M.hex(_M.sha256(s))
 end
 
 return _M

@@ -168,16 +168,16 @@ end
 -- ("float" or "base64"), dimensions (an integer >= 1), user (a string), no `messages`
 -- (chat-style input), then the unknown fields (tokengate.bounds).
 function _M.validate(route, body, models, edge)
-    if type(body.model) ~= "string" then
-        return fail(400, "model: Field required (a string)", "model",
-            "missing_required_parameter")
+    local ok, err = body_mod.api_model(body)
+    if not ok then
+        return nil, err
     end
     local msgs = body.messages
     if msgs ~= nil and msgs ~= null then
         return fail(400, "messages: chat-style embedding requests are not supported by this "
             .. "gateway; send input as " .. SHAPES, "messages", "unsupported_parameter")
     end
-    local ok, err = check_input(body.input)
+    ok, err = check_input(body.input)
     if not ok then
         return nil, err
     end

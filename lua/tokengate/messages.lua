@@ -89,10 +89,9 @@ end
 -- then the bounds: unknown fields, and output_config.format.json_schema as a
 -- structured-output schema (tokengate.bounds).
 function _M.validate(route, body, models, edge)
-    local model = body.model
-    if type(model) ~= "string" then
-        return fail(400, "model: Field required (a string)", "model",
-            "missing_required_parameter")
+    local ok, err = body_mod.api_model(body)
+    if not ok then
+        return nil, err
     end
     local msgs = body.messages
     if not is_array(msgs) then
@@ -125,9 +124,9 @@ function _M.validate(route, body, models, edge)
         if type(body.max_tokens) ~= "number" then
             json_set(body, "max_tokens", n)
         end
-        local s = body.stream
-        if s ~= nil and s ~= null and s ~= true and s ~= false then
-            return fail(400, "stream: must be a boolean", "stream", "invalid_type")
+        ok, err = body_mod.api_bool(body, "stream")
+        if not ok then
+            return nil, err
         end
     end
     local sys = body.system

@@ -58,9 +58,7 @@ local pairs = pairs
 local format = string.format
 local find = string.find
 local sub = string.sub
-local byte = string.byte
 local match = string.match
-local concat = table.concat
 local lower = string.lower
 local hmac_sha1 = ngx.hmac_sha1
 local ngx_var = ngx.var
@@ -112,15 +110,6 @@ local ID_PREFIX = "resp_"
 local ID_PATTERN = "^resp_(%x+)$"
 local RID_LEN, TAG_LEN, MAC_LEN = 32, 8, 16
 
--- hex(raw) -> lowercase hex digits of raw
-local function hex(raw)
-    local out = {}
-    for i = 1, #raw do
-        out[i] = format("%02x", byte(raw, i))
-    end
-    return concat(out)
-end
-
 -- replica_tag(model_name, r) -> 8 hex digits naming the model and replica
 local function replica_tag(model_name, r)
     return sub(digest.sha256_hex(model_name .. "\0" .. r.name), 1, TAG_LEN)
@@ -128,7 +117,7 @@ end
 
 -- owner_tag(key, head) -> 16 hex digits binding head (request id .. replica tag) to key
 local function owner_tag(key, head)
-    return sub(hex(hmac_sha1(key.digest, head)), 1, MAC_LEN)
+    return sub(digest.hex(hmac_sha1(key.digest, head)), 1, MAC_LEN)
 end
 
 -- tags: compiled config -> {replica tag -> {model, replica}}, built once per
@@ -260,14 +249,6 @@ end
 
 local BOOLEANS = { "stream", "store", "background" }
 
-local function opt_bool(body, name)
-    local v = body[name]
-    if v ~= nil and v ~= null and v ~= true and v ~= false then
-        return fail(400, name .. ": must be a boolean", name, "invalid_type")
-    end
-    return true
-end
-
 -- validate(route, body, models, edge) -> model entry | nil, err (400/404). Checks:
 -- model (a configured one), input (a string or an array of objects), instructions (a
 -- string), max_output_tokens (an integer >= 1; input_tokens ignores one), stream,
@@ -276,10 +257,9 @@ end
 -- (edge.chat_template_kwargs_allowed), then the bounds: unknown fields, and
 -- text.format's schema as a structured-output schema (tokengate.bounds).
 function _M.validate(route, body, models, edge)
-    local model = body.model
-    if type(model) ~= "string" then
-        return fail(400, "model: Field required (a string)", "model",
-            "missing_required_parameter")
+    local ok, err = body_mod.api_model(body)
+    if not ok then
+        return nil, err
     end
     local input = body.input
     if input == nil or input == null then
@@ -313,7 +293,7 @@ function _M.validate(route, body, models, edge)
             end
         end
         for i = 1, #BOOLEANS do
-            local ok, err = opt_bool(body, BOOLEANS[i])
+            ok, err = body_mod.api_bool(body, BOOLEANS[i])
             if not ok then
                 return nil, err
             end
