@@ -111,8 +111,16 @@ local ID_PATTERN = "^resp_(%x+)$"
 local RID_LEN, TAG_LEN, MAC_LEN = 32, 8, 16
 
 -- replica_tag(model_name, r) -> 8 hex digits naming the model and replica
+-- (kept per replica entry of the compiled config: a reload compiles new entries; the
+-- tag of a Responses request's replica is read, not hashed, on the request path)
+local tag_of = setmetatable({}, { __mode = "k" })
 local function replica_tag(model_name, r)
-    return sub(digest.sha256_hex(model_name .. "\0" .. r.name), 1, TAG_LEN)
+    local t = tag_of[r]
+    if not t then
+        t = sub(digest.sha256_hex(model_name .. "\0" .. r.name), 1, TAG_LEN)
+        tag_of[r] = t
+    end
+    return t
 end
 
 -- owner_tag(key, head) -> 16 hex digits binding head (request id .. replica tag) to key
