@@ -100,15 +100,20 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
         m["upstreams"] = [upstream]
         m["embedded"] = embedded
-    edge = f"127.0.0.1:{free_port()}"
-    raw["redis"]["url"] = f"redis://127.0.0.1:{free_port()}/0"
+    # distinct ports: free_port() releases its port, and the kernel may give it again
+    ports: set[int] = set()
+    while len(ports) < 6:
+        ports.add(free_port())
+    edge_p, redis_p, status_p, *metrics_p = sorted(ports)
+    edge = f"127.0.0.1:{edge_p}"
+    raw["redis"]["url"] = f"redis://127.0.0.1:{redis_p}/0"
     raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
     raw["access_log"]["file"] = str(var / "log" / "access.sampled.log")
     raw["global_limits"]["unix_socket"] = str(var / "run" / "limits.sock")
     raw["edge"]["listen"] = edge
-    raw["edge"]["status_listen"] = f"127.0.0.1:{free_port()}"
-    raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{free_port()}"
-                      for part in ("counter", "ledger", "limits")}
+    raw["edge"]["status_listen"] = f"127.0.0.1:{status_p}"
+    raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{port}"
+                      for part, port in zip(("counter", "ledger", "limits"), metrics_p)}
     if edit is not None:
         edit(raw)
     path = var / "tokengate.yaml"
