@@ -103,7 +103,14 @@ def environment(unit: Unit, spec: dict[str, str]) -> dict[str, str]:
         for raw in path.read_text().splitlines():
             line = raw.strip()
             if line and line[0] not in "#;":
-                env.update(_env_assignments(line))
+                # a file's line is one assignment, its value the rest of the line
+                # (spaces kept; one pair of enclosing quotes removed), unlike Environment=
+                key, sep, value = line.partition("=")
+                assert sep, f"{path}: not an assignment: {raw!r}"
+                value = value.strip()
+                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                env[key.strip()] = value
     return env
 
 

@@ -58,7 +58,11 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     "Compiling model again due to a load failure ... 'function' object has no attribute
     'finalize_loading'"), 30 s idle and over 100 s on a busy 2-core machine, for no
     speed the tiny model shows (300 completion tokens take the same time either way).
-    Startup then takes 30-70 s on 2 cores. The
+    Startup then takes 30-70 s on 2 cores. The model runs in the engine core process
+    (``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
+    vllm/platforms/cpu.py turns ``uni`` into ``mp`` unless that variable is 0): one
+    spawned process fewer, each of which imports vLLM and torch again, so a start takes
+    18 s instead of 26 s on an idle machine, the same tokens. The
     tokengate plugin writes its engine usage records to ``engine_usage_file`` (default
     ``var/usage/engine.jsonl``): given explicitly, so that a test's vLLM never writes
     into ``make run``'s file.
@@ -69,12 +73,13 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--max-model-len", str(model.max_model_len),
             "--enable-prompt-tokens-details",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--disable-uvicorn-access-log", "-O0"]
+            "--disable-uvicorn-access-log", "-O0", "--distributed-executor-backend", "uni"]
     if model.runner == "pooling":
         # an embedding model (models.<name>.runner): vLLM serves /v1/embeddings only
         argv += ["--runner", "pooling"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            # stored responses (GET /v1/responses/{id}, previous_response_id), kept in
            # the replica's memory (tokengate.responses routes to it)
            "VLLM_ENABLE_RESPONSES_API_STORE": "1",

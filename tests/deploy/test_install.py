@@ -717,8 +717,10 @@ def test_the_vllm_unit_serves_with_the_flags_billing_needs(
         TOKENGATE_VLLM_MODEL=str((ROOT / "var/models/tiny-qwen3").resolve()),
         TOKENGATE_VLLM_SERVED_MODEL_NAME=MODEL, TOKENGATE_VLLM_MAX_MODEL_LEN="8192")
         # vLLM's own flags, as the example's commented lines show: no torch.compile of
-        # the tiny model (devstack.vllm_service says why)
-        + "TOKENGATE_VLLM_ARGS=-O0\n")
+        # the tiny model, the model in the engine core's process (devstack.vllm_service
+        # says why: both shorten the start, neither changes a count)
+        + "TOKENGATE_VLLM_ARGS=-O0 --distributed-executor-backend uni\n"
+        + "VLLM_ENABLE_V1_MULTIPROCESSING=0\n")
     (installed.prefix / "var/cache/tokengate-vllm").mkdir(parents=True, exist_ok=True)
     v = units.start(installed.unit("tokengate-vllm@.service"), installed.prefix,
                     installed.logs, instance=str(port))
