@@ -1,0 +1,84 @@
+"""vLLM's prefix-cache block hashes, computed outside vLLM: the chain a replica gives
+a prompt's full KV-cache blocks, so that the counter (which holds the prompt's token
+ids) can say which replica already holds them, and a simulated replica can cache by
+the same keys.
+
+Source: vLLM 0.32, ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``,
+``init_none_hash``, ``get_request_block_hasher``, ``generate_block_hash_extra_keys``)
+and ``vllm/utils/hashing.py`` (``sha256``: SHA-256 of the pickle, highest protocol;
+``sha256_cbor``: SHA-256 of canonical CBOR).
+
+- Only full blocks of ``block_size`` tokens are hashed (``--block-size``; a partial
+  last block is never cached).
+- Block i's hash is ``H((parent, tuple(token_ids of block i), extra_keys))``, the
+  parent being block i-1's hash, and for block 0 ``NONE_HASH = H(seed)``.
+- ``seed`` is ``PYTHONHASHSEED`` of the replica when set, else the fixed string
+  ``"vllm-none-hash"`` (for the cryptographic algorithms; the xxhash ones take a
+  random seed per process unless PYTHONHASHSEED is set, so are not supported here).
+- ``extra_keys`` is None for a text prompt without LoRA, images or prompt embeddings;
+  a request's ``cache_salt`` adds ``(("cache_salt", salt),)`` to block 0 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# --prefix-caching-hash-algo values whose hashes another process can reproduce
+ALGOS = ("sha256", "sha256_cbor")
+DEFAULT_SEED = "vllm-none-hash"   # kv_cache_utils.DEFAULT_NONE_HASH_SEED
+DEFAULT_BLOCK_SIZE = 16           # vLLM's --block-size default (CacheConfig)
+PREFIX_BYTES = 8                  # bytes of each hash the counter returns to the edge
+
+
+def _sha256(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    import cbor2  # only for this algorithm (vLLM depends on it)
+
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def hash_function(algo: str) -> Callable[[Any], bytes]:
+    """The function of ``--prefix-caching-hash-algo`` ``algo`` (one of ``ALGOS``);
+    ValueError for any other."""
+    if algo == "sha256":
+        return _sha256
+    if algo == "sha256_cbor":
+        return _sha256_cbor
+    raise ValueError(f"prefix-caching hash algorithm {algo!r} is not reproducible "
+                     f"outside the replica; use one of {', '.join(ALGOS)}")
+
+
+def none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
+    """The parent hash of a prompt's first block (``NONE_HASH``): H(seed), 32 bytes.
+    ``seed``: the replica's PYTHONHASHSEED, None when it has none."""
+    return hash_function(algo)(DEFAULT_SEED if seed is None else seed)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
+                 algo: str = "sha256", seed: str | None = None,
+                 cache_salt: str | None = None) -> list[bytes]:
+    """The hashes (32 bytes each) of the full blocks of ``token_ids``, in order, as a
+    replica with these settings computes them; [] when the prompt is shorter than one
+    block. ``cache_salt``: the request's ``cache_salt`` field (None or "": none)."""
+    fn = hash_function(algo)
+    parent = none_hash(algo, seed)
+    out = []
+    for i in range(len(token_ids) // block_size):
+        extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
+        parent = fn((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra))
+        out.append(parent)
+    return out
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """The most blocks of a ``num_tokens`` prompt that a replica can serve from its
+    prefix cache: vLLM always computes the last prompt token, so a hit covers at most
+    ``num_tokens - 1`` tokens (``KVCacheManager.get_computed_blocks``:
+    ``max_cache_hit_length = request.num_tokens - 1``), in whole blocks."""
+    return max(num_tokens - 1, 0) // block_size
