@@ -46,14 +46,19 @@ from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT, key_digest
 T = TypeVar("T")
 
 EDGE_PORT = 18080 + PORT_OFFSET
-STATUS_PORT_DELTA = 1000  # each edge's status server: its API port + this
+# each edge's status server: its API port + this. Not a multiple of 500: the workers'
+# offsets are 500 apart, and with +1000 the status ports of worker k's edges were
+# worker k+2's edge ports (three workers: "address already in use"); no port of one
+# worker's ranges is another worker's (tests/test_conftest.py checks)
+STATUS_PORT_DELTA = 250
+VARIANT_RANGE = range(19100 + PORT_OFFSET, 19200 + PORT_OFFSET)
 
 
 def _variant_ports() -> Iterator[int]:
     """Ports of the extra edges of a session (their status servers at +
-    STATUS_PORT_DELTA): up to 100, below the next offset's range, off the main edge's
-    status port (19080 + offset); a port something else holds is skipped."""
-    for port in range(19100 + PORT_OFFSET, 19200 + PORT_OFFSET):
+    STATUS_PORT_DELTA): up to 100, off the main edge's status port; a port something
+    else holds is skipped."""
+    for port in VARIANT_RANGE:
         try:
             for p in (port, port + STATUS_PORT_DELTA):
                 with socket.socket() as s:

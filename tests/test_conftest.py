@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,3 +36,35 @@ def test_the_vllm_group_runs_on_one_worker_under_loadgroup(tmp_path: Path) -> No
     assert r.returncode == 0, r.stdout + r.stderr
     ran = re.findall(r"\[(gw\d)\] .*PASSED .*::test_grouped\[\d\]@vllm", r.stdout)
     assert len(ran) == 8 and len(set(ran)) == 1, r.stdout
+
+
+@pytest.mark.unit
+def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
+    # each xdist worker adds 500 to every fixed port of the suite (conftest.PORT_OFFSET):
+    # two ranges 500 * k apart put workers i and i + k on one port (up to four workers)
+    from tests import conftest, fixtures_edge, fixtures_ledger, fixtures_vllm
+    from tests.ledger import test_ledger_cluster
+    from tests.limits import test_limits
+
+    off = conftest.PORT_OFFSET
+    ranges = {
+        "vLLM (session)": [conftest.VLLM_PORT],
+        "vLLM (others)": range(fixtures_vllm.OTHER_PORTS, fixtures_vllm.OTHER_PORTS + 10),
+        "counter": [conftest.COUNTER_PORT],
+        "edge": [fixtures_edge.EDGE_PORT],
+        "edge status": [fixtures_edge.EDGE_PORT + fixtures_edge.STATUS_PORT_DELTA],
+        "edge variants": fixtures_edge.VARIANT_RANGE,
+        "edge variants' status": [p + fixtures_edge.STATUS_PORT_DELTA
+                                  for p in fixtures_edge.VARIANT_RANGE],
+        "redis": [fixtures_ledger.REDIS_PORT, *fixtures_ledger.PRIVATE_REDIS_PORTS],
+        "redis cluster": test_ledger_cluster.CLUSTER_PORTS,
+        "limits": test_limits.LIMITS_PORTS,
+    }
+    owner: dict[int, str] = {}
+    for name, ports in ranges.items():
+        for p in ports:
+            assert p - off not in owner, f"{name} and {owner[p - off]} share port {p}"
+            owner[p - off] = name
+    clashes = sorted({(owner[p], owner[p + 500 * k], k) for p in owner for k in range(1, 4)
+                      if p + 500 * k in owner})
+    assert clashes == []
