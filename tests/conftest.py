@@ -33,6 +33,10 @@ WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
 PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0")) + 500 * WORKER
 VLLM_PORT = 18000 + PORT_OFFSET
 COUNTER_PORT = 15051 + PORT_OFFSET
+# the KV-event publisher of the session's vLLM (vLLM servers on other ports publish none:
+# devstack.kv_events_endpoint). 270 above it: no port of this or another xdist worker
+# (offsets 500 apart) is 270 (mod 500) above a port of the tests; +1000 was worker 2's vLLM
+KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 270}"
 MODEL = "tiny-qwen3"
 TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 # The checkout's own file: the package no longer knows where a checkout is.
@@ -76,6 +80,9 @@ def config_path() -> Path:
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
         m["upstreams"] = [f"127.0.0.1:{VLLM_PORT}"]
+        if m.get("routing", {}).get("kv_events"):
+            # the session's vLLM publishes its KV events there (devstack.vllm_service)
+            m["routing"]["kv_events"] = {f"127.0.0.1:{VLLM_PORT}": f"tcp://{KV_EVENTS}"}
     # many sidecars run at once in a session (and beside make run): a test that reads a
     # sidecar's metrics gives it a port of its own
     raw["metrics"] = {"counter_listen": None, "ledger_listen": None, "limits_listen": None}

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
+import json
 import os
 import signal
 import sys
@@ -47,6 +49,38 @@ def _service(name: str, argv: list[str], ready: Callable[[], bool],
                    prepare=prepare)
 
 
+# vLLM's --block-size on its CPU build when none is given (vllm/platforms/cpu.py
+# check_and_update_config; 16 on GPUs, prefix_hash.DEFAULT_BLOCK_SIZE)
+CPU_BLOCK_SIZE = 128
+
+
+def kv_events_endpoint(model: tg_config.ModelConfig, port: int) -> str | None:
+    """The ``routing.kv_events`` endpoint of the model's loopback upstream on ``port``
+    when the model is routed by the prefix cache (None otherwise: a server on another
+    port, the tests' other vLLM servers, publishes nothing)."""
+    for upstream, endpoint in model.kv_events.items():
+        if tg_config._is_loopback(upstream) and upstream.rpartition(":")[2] == str(port):
+            return endpoint
+    return None
+
+
+def kv_events_bind(endpoint: str) -> str:
+    """What vLLM's ``--kv-events-config`` endpoint must say for its publisher to listen
+    on ``endpoint`` (``tcp://host:port``, what the counter connects to). vLLM binds only
+    an endpoint holding ``*`` or ``::`` and connects to any other
+    (``ZmqEventPublisher._is_bind_endpoint``): an IPv4 host is given in its IPv4-mapped
+    form, ``tcp://[::ffff:127.0.0.1]:5557``, which ZMQ binds to 127.0.0.1 alone (``*``
+    would listen on every interface, publishing prompts' token ids there); any other host
+    as ``*``."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = "127.0.0.1" if host == "localhost" else host.strip("[]")
+    try:
+        mapped = isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        mapped = False
+    return f"tcp://[::ffff:{host}]:{port}" if mapped else f"tcp://*:{port}"
+
+
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
                  name: str = "vllm", engine_usage_file: Path | None = None) -> Service:
     """vLLM's OpenAI server (CPU build) on the model directory, served under its name,
@@ -66,6 +100,12 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     tokengate plugin writes its engine usage records to ``engine_usage_file`` (default
     ``var/usage/engine.jsonl``): given explicitly, so that a test's vLLM never writes
     into ``make run``'s file.
+
+    A model routed by the prefix cache (``routing.policy: prefix``) gets the replica
+    settings its routing names: ``--kv-events-config`` publishing on its
+    ``routing.kv_events`` endpoint for this port (``kv_events_endpoint``, bound as
+    ``kv_events_bind`` says), and ``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED`` where
+    ``routing`` differs from the CPU build's defaults (128, sha256, none).
     """
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model.dir), "--served-model-name", model.name,
@@ -77,13 +117,30 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     if model.runner == "pooling":
         # an embedding model (models.<name>.runner): vLLM serves /v1/embeddings only
         argv += ["--runner", "pooling"]
+    routing, routing_env = model.routing, {}
+    if routing.policy == "prefix":
+        endpoint = kv_events_endpoint(model, port)
+        if endpoint is not None:
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": kv_events_bind(endpoint)})]
+        if routing.block_size != CPU_BLOCK_SIZE:
+            argv += ["--block-size", str(routing.block_size)]
+        if routing.hash_algo != "sha256":
+            argv += ["--prefix-caching-hash-algo", routing.hash_algo]
+        if routing.hash_seed is not None:
+            routing_env["PYTHONHASHSEED"] = routing.hash_seed
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            # stored responses (GET /v1/responses/{id}, previous_response_id), kept in
            # the replica's memory (tokengate.responses routes to it)
            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
-           "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl")}
+           # KV events, where a server publishes them, carry whole 32-byte block hashes
+           # (vLLM's default is their low 64 bits as integers; the counter reads both)
+           "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+           "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl"),
+           **routing_env}
     return _service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
                    start_timeout_s=400.0)
 
@@ -342,6 +399,12 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
         out.append(("global_limits.listen", cfg.global_limits.listen))
     out += [(f"models.{name}.upstreams.0 (embedded vLLM)", m.upstreams[0])
             for name, m in cfg.models.items() if m.embedded]
+    for name, m in cfg.models.items():
+        endpoint = kv_events_endpoint(m, int(m.upstreams[0].rpartition(":")[2])) \
+            if m.embedded else None
+        if endpoint is not None:
+            out.append((f"models.{name}.routing.kv_events (embedded vLLM's KV events)",
+                        endpoint.removeprefix("tcp://")))
     return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 
 

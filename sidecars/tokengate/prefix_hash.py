@@ -70,10 +70,24 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
     parent = none_hash(algo, seed)
     out = []
     for i in range(len(token_ids) // block_size):
-        extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
-        parent = fn((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra))
+        parent = hash_block(fn, parent, token_ids[i * block_size:(i + 1) * block_size],
+                            salt_keys(cache_salt) if i == 0 else None)
         out.append(parent)
     return out
+
+
+def hash_block(fn: Callable[[Any], bytes], parent: bytes, token_ids: Sequence[int],
+               extra_keys: tuple[Any, ...] | None = None) -> bytes:
+    """One link of the chain (``hash_block_tokens``): the hash of a full block of
+    ``token_ids`` whose parent block's hash is ``parent`` (``none_hash`` for block 0),
+    with ``fn`` = ``hash_function(algo)``; ``extra_keys``: ``salt_keys`` for block 0."""
+    return fn((parent, tuple(token_ids), extra_keys))
+
+
+def salt_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
+    """Block 0's extra keys for a request's ``cache_salt`` (None or "": none)
+    (``generate_block_hash_extra_keys``)."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
 
 
 def cacheable_blocks(num_tokens: int, block_size: int) -> int:

@@ -1,19 +1,23 @@
 """The ``models`` section: each served model's files, context, token budgets,
-replicas (``upstreams``), billing weights and idle unload."""
+replicas (``upstreams``), how the edge picks one of them (``routing``), billing weights
+and idle unload."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PlainValidator, PrivateAttr, WithJsonSchema, model_validator
 
+from tokengate import prefix_hash
 from tokengate.config.types import (
     Amount,
     Count,
+    Finite,
     HostPort,
     Positive,
     RelPath,
     _check,
+    _host_port,
     _is_loopback,
     _Schema,
 )
@@ -67,6 +71,99 @@ class IdleUnload(_Schema):
                     "(a wake that answers later is tried again by the next request).")
 
 
+def _hash_algo(value: Any) -> str:
+    if not isinstance(value, str) or value not in prefix_hash.ALGOS:
+        raise ValueError(f"expected one of {', '.join(prefix_hash.ALGOS)} (the hashes the "
+                         f"counter can reproduce; vLLM's xxhash ones take a random seed per "
+                         f"process), got {value!r}")
+    return value
+
+
+# PYTHONHASHSEED: "random" or a decimal integer 0..4294967295 (Python's own rule); vLLM
+# seeds NONE_HASH with the variable's text, so "007" and "7" are different seeds
+_MAX_HASH_SEED = 4294967295
+
+
+def _hash_seed(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and (value == "random" or (
+            value.isascii() and value.isdigit() and int(value) <= _MAX_HASH_SEED)):
+        return value
+    raise ValueError(f"expected the replicas' PYTHONHASHSEED: an integer 0..{_MAX_HASH_SEED} "
+                     f"or \"random\", or null when they set none; got {value!r}")
+
+
+def _kv_events_endpoint(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("tcp://"):
+        raise ValueError(f"expected tcp://host:port, the address of the replica's KV-event "
+                         f"publisher (vLLM's --kv-events-config endpoint), got {value!r}")
+    try:
+        _host_port(value.removeprefix("tcp://"))
+    except ValueError:
+        raise ValueError(f"expected tcp://host:port (port 1..65535), got {value!r}") from None
+    return value
+
+
+HashAlgo = Annotated[str, PlainValidator(_hash_algo),
+                     WithJsonSchema({"enum": list(prefix_hash.ALGOS)})]
+HashSeed = Annotated[str | None, PlainValidator(_hash_seed),
+                     WithJsonSchema({"anyOf": [{"type": "string", "pattern": "^([0-9]+|random)$"},
+                                               {"type": "integer", "minimum": 0,
+                                                "maximum": _MAX_HASH_SEED},
+                                               {"type": "null"}]})]
+KvEventsEndpoint = Annotated[str, PlainValidator(_kv_events_endpoint),
+                             WithJsonSchema({"type": "string", "format": "tcp://host:port",
+                                             "pattern": "^tcp://.+:[0-9]{1,5}$"})]
+
+
+class Routing(_Schema):
+    """How the edge picks one of a model's replicas (``models.<name>.routing``).
+
+    ``least_outstanding`` (the default): the replica with the fewest outstanding reserved
+    tokens. ``round_robin``: each in turn. ``prefix``: the replica whose prefix cache
+    holds most of the prompt, weighed against its load: the counter returns with each
+    count the prompt's KV-cache block hashes, computed as the replicas compute them
+    (``block_size``, ``hash_algo``, ``hash_seed``: the replicas' ``--block-size``,
+    ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``; ``tokengate doctor`` checks
+    them), and for each replica in ``kv_events`` the prompt tokens its prefix cache holds
+    now, from the KV events it publishes (vLLM's ``--kv-events-config``); for the others
+    the edge keeps an approximate index of what it sent where.
+    """
+
+    policy: Literal["least_outstanding", "round_robin", "prefix"] = Field(
+        default="least_outstanding",
+        description="How a replica is picked: `least_outstanding` (fewest outstanding "
+                    "reserved tokens), `round_robin`, or `prefix` (most of the prompt in "
+                    "its prefix cache, weighed against load; the settings below).")
+    block_size: int = Field(
+        default=prefix_hash.DEFAULT_BLOCK_SIZE, ge=1, le=4096,
+        description="Tokens per KV-cache block: the replicas' --block-size (vLLM's "
+                    "default is 16 on GPUs, 128 on the CPU build).")
+    hash_algo: HashAlgo = Field(
+        default="sha256",
+        description="The replicas' --prefix-caching-hash-algo: `sha256` (vLLM's default) "
+                    "or `sha256_cbor`; the xxhash ones cannot be reproduced outside the "
+                    "replica.")
+    hash_seed: HashSeed = Field(
+        default=None,
+        description="The replicas' PYTHONHASHSEED when they set one (it seeds the first "
+                    "block's parent hash); null: they set none.")
+    kv_events: dict[HostPort, KvEventsEndpoint] = Field(
+        default={},
+        description="Replica (as in `upstreams`) -> tcp://host:port of its KV-event "
+                    "publisher (vLLM's --kv-events-config endpoint); the counter follows "
+                    "each one when `policy` is `prefix`. A replica not listed gets the "
+                    "edge's approximate index; an entry of a host:port that is not one of "
+                    "`upstreams` is not followed (`tokengate doctor` warns).")
+    load_weight: Finite = Field(
+        default=1.0,
+        description="`prefix`: the cost of one outstanding token of a replica relative to "
+                    "one token of prefill its prefix cache saves.")
+
+
 class ModelConfig(_Schema):
     """One served model (``models.<served model name>``).
 
@@ -112,13 +209,17 @@ class ModelConfig(_Schema):
     upstreams: list[HostPort] = Field(
         default=["127.0.0.1:8000"], min_length=1,
         description="host:port of each vLLM OpenAI server (replica) serving the model; "
-                    "the edge sends each request to the one with the fewest outstanding "
-                    "reserved tokens. Host names are resolved when the edge's configuration "
+                    "the edge sends each request to one of them as `routing` says (default: "
+                    "the one with the fewest outstanding reserved tokens). Host names are resolved when the edge's configuration "
                     "is compiled (start and `nginx -s reload`).")
     embedded: bool = Field(
         default=False,
         description="`make run` starts the embedded vLLM CPU server for this model on its "
                     "one loopback upstream. false: the upstreams are your own servers.")
+    routing: Routing = Field(
+        default_factory=Routing,
+        description="How the edge picks a replica: least outstanding tokens (default), "
+                    "round robin, or by the prefix cache.")
     cost: ModelCost = Field(
         default_factory=ModelCost,
         description="Billing weights, in `currency` per 1M tokens.")
@@ -134,11 +235,25 @@ class ModelConfig(_Schema):
         """The served model name (the key under ``models``)."""
         return self._name
 
+    @property
+    def kv_events(self) -> dict[str, str]:
+        """The KV-event publishers the counter follows: ``routing.kv_events`` of the
+        model's ``upstreams`` when ``routing.policy`` is ``prefix``, else none."""
+        if self.routing.policy != "prefix":
+            return {}
+        return {u: e for u, e in self.routing.kv_events.items() if u in self.upstreams}
+
     @model_validator(mode="after")
     def _budgets(self) -> ModelConfig:
         problems = []
         if len(set(self.upstreams)) != len(self.upstreams):
             problems.append(("upstreams", "lists the same host:port twice"))
+        seen: dict[str, str] = {}
+        for u, endpoint in self.routing.kv_events.items():
+            if endpoint in seen:
+                why = f"{endpoint} is also {seen[endpoint]}'s: each replica publishes on its own"
+                problems.append((f"routing.kv_events.{u}", why))
+            seen.setdefault(endpoint, u)
         if self.embedded and (len(self.upstreams) != 1 or not _is_loopback(self.upstreams[0])):
             why = f"the embedded vLLM serves one loopback upstream, got {self.upstreams}"
             problems.append(("embedded", why))

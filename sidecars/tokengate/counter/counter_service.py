@@ -204,4 +204,7 @@ def _reply(r: CountResult, counter: ModelCounter) -> counter_pb2.CountReply:
                                         template_overhead=b.template_overhead),
         tokenizer_fingerprint=counter.fingerprint,
         tokenizer_backend=counter.tokenizer.backend,
-        prompt_count=r.prompt_count)
+        prompt_count=r.prompt_count,
+        block_hashes=r.block_hashes, block_size=r.block_size,
+        prefix_hits=[counter_pb2.PrefixHit(upstream=u, cached_tokens=n)
+                     for u, n in r.prefix_hits])

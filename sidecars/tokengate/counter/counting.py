@@ -39,6 +39,17 @@ vLLM's non-harmony Responses serving builds its prompt
 that count as ``usage.input_tokens`` (prefix-cache hits included, told apart in
 ``input_tokens_details.cached_tokens``).
 
+Prefix-cache routing (``routing.policy: prefix``): the prompt's token ids, which the
+count alone never materializes, are assembled from cached ids per text piece
+(``PromptTokenizer.ids``: the ids vLLM gets, as its count is) and given to
+``prefix_routing.PrefixRouter``, whose block hashes and per-replica hits go in the
+result. Which prompt: chat, Messages and Responses the rendered prompt; completions the
+first prompt (a string, or token ids as given; a list of prompts is routed by its first,
+so the hits are a lower bound of the request's); none for count_tokens and embeddings
+(nothing is generated), nor when ``truncate_prompt_tokens`` cut the prompt. A request's
+``cache_salt`` (chat, completions, Messages, Responses; checked as vLLM checks it) goes
+into block 0's hash.
+
 Every malformed field raises ``BadRequest`` whose ``param`` names it
 (``messages[2].content``).
 """
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +68,9 @@ from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.errors import BadRequest, ContextLengthExceeded, type_name
+from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
+from tokengate.counter.prefix_routing import PrefixRouter
 from tokengate.counter.tokenizer import PromptTokenizer
 
 # vLLM releases (major, minor; any patch level) whose preprocessing this module mirrors
@@ -72,6 +86,10 @@ _CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
 # Anthropic Messages: /v1/messages and /v1/messages/count_tokens (apis.anthropic_messages)
 MESSAGES_ENDPOINTS = frozenset({"messages", "count_tokens"})
 _MAX_JSON_DEPTH = 64
+# vLLM's check of cache_salt (vllm/entrypoints/generate/base/protocol.py
+# validate_cache_salt: chat, completions, Responses, and Messages through its chat request)
+_MAX_CACHE_SALT = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,10 @@ class CountResult:
     max_tokens_requested: int
     breakdown: Breakdown
     prompt_count: int = 1
+    # prefix-cache routing (routing.policy prefix): prefix_routing.PrefixRouter.route
+    block_hashes: bytes = b""
+    block_size: int = 0
+    prefix_hits: tuple[tuple[str, int], ...] = ()
 
 
 def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -118,6 +140,19 @@ def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise BadRequest(key, f"expected a boolean, got {type_name(v)}")
     return v
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """The request's ``cache_salt``, checked as vLLM checks it (None: absent or null)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise BadRequest("cache_salt", "must be a non-empty string if provided")
+    if len(salt) > _MAX_CACHE_SALT or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise BadRequest("cache_salt", f"must be at most {_MAX_CACHE_SALT} characters and "
+                                       "must not contain '@', '/', '\\', or NUL")
+    return salt
 
 
 def _opt_choice(body: dict[str, Any], key: str, choices: tuple[str, ...]) -> str | None:
@@ -149,12 +184,17 @@ class ModelCounter:
 
     ``template_kwargs_allowed``: the chat_template_kwargs keys a request may pass
     (``edge.chat_template_kwargs_allowed``, the list the edge applies too).
+    ``kv_index``: with ``routing.policy`` prefix, the replicas whose KV events this
+    process follows (``kv_index.KvEvents``), for the results' ``prefix_hits``.
     """
 
     def __init__(self, model: ModelConfig, tokenizer: PromptTokenizer,
                  template: ChatTemplate | None,
-                 template_kwargs_allowed: Iterable[str]) -> None:
+                 template_kwargs_allowed: Iterable[str],
+                 kv_index: ModelIndex | None = None) -> None:
         self.model = model
+        self.router = PrefixRouter(model.routing, kv_index) \
+            if model.routing.policy == "prefix" else None
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs_allowed = frozenset(template_kwargs_allowed)
@@ -169,11 +209,12 @@ class ModelCounter:
 
     @classmethod
     def load(cls, model: ModelConfig,
-             template_kwargs_allowed: Iterable[str] | None = None) -> ModelCounter:
+             template_kwargs_allowed: Iterable[str] | None = None,
+             kv_index: ModelIndex | None = None) -> ModelCounter:
         """Load tokenizer and chat template from the model's directory.
 
         ``template_kwargs_allowed``: None for the schema's default of
-        ``edge.chat_template_kwargs_allowed``.
+        ``edge.chat_template_kwargs_allowed``; ``kv_index``: as for the constructor.
         """
         tok = PromptTokenizer.from_model_dir(model.dir, model.vocab)
         try:
@@ -182,7 +223,7 @@ class ModelCounter:
             template = None
         if template_kwargs_allowed is None:
             template_kwargs_allowed = EdgeConfig().chat_template_kwargs_allowed
-        return cls(model, tok, template, template_kwargs_allowed)
+        return cls(model, tok, template, template_kwargs_allowed, kv_index)
 
     # -- entry point ---------------------------------------------------------------------
 
@@ -192,12 +233,14 @@ class ModelCounter:
         "embeddings".
 
         Raises ``BadRequest`` (``ContextLengthExceeded`` for an embeddings input longer
-        than the context).
+        than the context). With prefix routing, the result carries the prompt's block
+        hashes and hits (the module docstring says which prompt).
         """
         if not _depth_ok(body):
             raise BadRequest("", f"JSON nesting deeper than {_MAX_JSON_DEPTH} levels")
+        ids: array[int] | None = None
         if endpoint == "chat":
-            prompt_tokens, breakdown = self._count_chat(body)
+            prompt_tokens, breakdown, ids = self._count_chat(body)
             requested = _opt_int(body, "max_completion_tokens", 1)
             if requested is None:
                 requested = _opt_int(body, "max_tokens", 1)
@@ -211,6 +254,9 @@ class ModelCounter:
         elif endpoint == "completions":
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
+            if self.router is not None:
+                ids = self._first_prompt_ids(body["prompt"],
+                                             _opt_bool(body, "add_special_tokens", True))
             # OpenAI/vLLM completions default max_tokens to 16.
             requested = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
             prompt_tokens_for_room = biggest
@@ -232,12 +278,24 @@ class ModelCounter:
             if prompt_tokens > limit * n_prompts:
                 prompt_tokens = limit * n_prompts
                 breakdown = _fit(breakdown, prompt_tokens)
+                ids = None  # vLLM hashes what is left: not routed
         if endpoint == "chat":
             prompt_tokens_for_room = prompt_tokens
         room = max(0, self.model.max_model_len - prompt_tokens_for_room)
         effective = room if requested is None else min(requested, room)
         return CountResult(prompt_tokens, self.model.max_model_len, effective,
-                           requested or 0, breakdown, n_prompts)
+                           requested or 0, breakdown, n_prompts, *self._route(ids, body))
+
+    def _route(self, ids: array[int] | None, body: dict[str, Any]
+               ) -> tuple[bytes, int, tuple[tuple[str, int], ...]]:
+        """``CountResult``'s block_hashes, block_size and prefix_hits of the prompt
+        ``ids`` (b"", 0, () when the model is not prefix-routed or ``ids`` is None);
+        the body's ``cache_salt`` goes in block 0 (checked either way)."""
+        salt = _cache_salt(body)
+        if self.router is None or ids is None:
+            return b"", 0, ()
+        blob, hits = self.router.route(ids, salt)
+        return blob, self.router.block_size, hits
 
     # -- Anthropic Messages --------------------------------------------------------------
 
@@ -250,7 +308,7 @@ class ModelCounter:
             raise BadRequest("messages", f"model {self.model.name} has no chat template")
         chat = anthropic_messages.to_chat(body, self._messages_policy(),
                                           count_tokens=count_tokens)
-        prompt_tokens, breakdown = self._count_chat(chat.body)
+        prompt_tokens, breakdown, ids = self._count_chat(chat.body, routed=not count_tokens)
         limit = self.model.max_model_len
         requested = chat.max_tokens
         if requested is None:
@@ -258,7 +316,7 @@ class ModelCounter:
         if requested > limit:
             raise BadRequest("max_tokens", f"{requested} is greater than max_model_len {limit}")
         return CountResult(prompt_tokens, limit, min(requested, max(0, limit - prompt_tokens)),
-                           requested, breakdown)
+                           requested, breakdown, 1, *self._route(ids, body))
 
     # -- OpenAI Responses ----------------------------------------------------------------
 
@@ -269,7 +327,7 @@ class ModelCounter:
         if self.template is None:
             raise BadRequest("input", f"model {self.model.name} has no chat template")
         chat = openai_responses.to_chat(body)
-        prompt_tokens, breakdown = self._count_chat(chat.body)
+        prompt_tokens, breakdown, ids = self._count_chat(chat.body)
         limit = self.model.max_model_len
         requested = chat.max_output_tokens
         if requested is not None and requested > limit:
@@ -277,7 +335,8 @@ class ModelCounter:
                                                   f"{limit}")
         room = max(0, limit - prompt_tokens)
         effective = room if requested is None else min(requested, room)
-        return CountResult(prompt_tokens, limit, effective, requested or 0, breakdown)
+        return CountResult(prompt_tokens, limit, effective, requested or 0, breakdown, 1,
+                           *self._route(ids, body))
 
     def _messages_policy(self) -> anthropic_messages.TemplatePolicy:
         """What vLLM's Messages serving derives from this model's template at its
@@ -308,6 +367,20 @@ class ModelCounter:
         counts = self._prompt_counts(body["prompt"], "prompt",
                                      _opt_bool(body, "add_special_tokens", True))
         return sum(counts), len(counts), max(counts)
+
+    def _first_prompt_ids(self, prompt: Any, add_special: bool) -> array[int]:
+        """The token ids of the first prompt of a completions ``prompt`` already counted
+        (so well-formed): a string's ``encode(text, add_special_tokens=add_special)``,
+        an id list as given."""
+        first = prompt if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)) \
+            else prompt[0]
+        if not isinstance(first, str):
+            return array("I", first)
+        tok = self.tokenizer
+        if add_special and tok.added_by_post_processor:
+            assert tok.hf is not None
+            return array("I", tok.hf.encode(first, add_special_tokens=True).ids)
+        return tok.ids(tok.split(first))
 
     def _prompt_counts(self, prompt: Any, param: str, add_special: bool,
                        lower: bool = False) -> list[int]:
@@ -405,7 +478,10 @@ class ModelCounter:
 
     # -- chat ----------------------------------------------------------------------------
 
-    def _count_chat(self, body: dict[str, Any]) -> tuple[int, Breakdown]:
+    def _count_chat(self, body: dict[str, Any], routed: bool = True
+                    ) -> tuple[int, Breakdown, array[int] | None]:
+        """(prompt tokens, breakdown, the prompt's token ids when the model is
+        prefix-routed and ``routed``, else None) of a chat body."""
         if self.template is None:
             raise BadRequest("messages", f"model {self.model.name} has no chat template")
         template = self.template
@@ -430,20 +506,23 @@ class ModelCounter:
         except TemplateError as e:
             raise BadRequest("messages", f"chat template rejected the request: {e}") from e
         tok = self.tokenizer
+        want_ids = routed and self.router is not None
         by_plan = segment_plan.cut(rendered, tok)
         if by_plan is not None:
             plan, texts = by_plan
             text_counts = tok.text_counts(texts)
             total = sum(text_counts) + len(plan.specials)
             assert rendered.contents is not None
+            # the prompt cut at its added tokens, as split() gives it
+            pieces = [""] * (2 * len(texts) - 1)
+            pieces[0::2], pieces[1::2] = texts, plan.specials
             inside = plan.content_tokens(rendered.contents, texts, text_counts)
             if inside is not None:
                 system = sum(n for m, n in zip(conversation, inside, strict=True)
                              if m["role"] == "system")
-                return total, _fit_parts(total, system, 0, sum(inside) - system)
-            # the search below, on the pieces as split() and piece_counts() give them
-            pieces = [""] * (2 * len(texts) - 1)
-            pieces[0::2], pieces[1::2] = texts, plan.specials
+                return (total, _fit_parts(total, system, 0, sum(inside) - system),
+                        tok.ids(pieces) if want_ids else None)
+            # the search below, on the pieces and their counts
             counts = [1] * len(pieces)
             counts[0::2] = text_counts
         else:
@@ -466,7 +545,8 @@ class ModelCounter:
             n, cursor = _tokens_inside(tok, pieces, counts, json.dumps(t, ensure_ascii=False),
                                        cursor)
             tool_tokens += n
-        return total, _fit_parts(total, system, tool_tokens, content)
+        return (total, _fit_parts(total, system, tool_tokens, content),
+                tok.ids(pieces) if want_ids else None)
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         """vLLM's ConversationMessage for ``messages[i]``."""

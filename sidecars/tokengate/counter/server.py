@@ -27,11 +27,19 @@ DESCRIPTION
 
     --metrics-listen (metrics.counter_listen) serves Prometheus /metrics: calls by
     model and gRPC code, their latency, prompt tokens counted and segment cache
-    lookups by result, summed over the workers.
+    lookups by result, summed over the workers; for models routed by the prefix cache,
+    each replica's KV-event index (blocks held, live, events applied, resets by reason).
+
+    A model whose routing.policy is prefix gets with each count the prompt's KV-cache
+    block hashes and, for each replica of its routing.kv_events, the prompt tokens that
+    replica's prefix cache holds now: every worker follows those replicas' KV events
+    (vLLM's --kv-events-config, ZMQ) in threads of its own
+    (tokengate.counter.kv_index).
 
     SIGHUP (systemctl reload) reloads the configuration: each worker loads the models
     anew and swaps them in once loaded (max_model_len, max_tokens_cap, output
-    reserve, a new tokenizer directory, models added or removed); calls in flight
+    reserve, a new tokenizer directory, models added or removed, routing settings and
+    KV-event endpoints: a replica still listed keeps what its index learned); calls in flight
     finish with the models they started with, none is dropped. A file that does not
     load is logged and the worker keeps the previous models.
 
@@ -71,6 +79,7 @@ def new_grpc_server(threads: int) -> grpc.Server:
 def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: int,
                   index: int) -> None:
     """One worker process: load every model, serve until SIGTERM/SIGINT."""
+    from tokengate.counter import kv_index
     from tokengate.counter.counter_service import TokenCounterService
     from tokengate.counter.counting import ModelCounter
     from tokengate.v1 import counter_pb2, counter_pb2_grpc
@@ -78,10 +87,16 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s counter worker {index} %(levelname)s %(message)s")
 
+    # the replicas' KV events (models routed by the prefix cache): followed by threads
+    # of this process, kept across reloads where unchanged
+    events = kv_index.KvEvents()
+
     def load() -> dict[str, ModelCounter]:
         cfg = tg_config.load(config_path)
         allowed = cfg.edge.chat_template_kwargs_allowed
-        return {name: ModelCounter.load(m, allowed) for name, m in cfg.models.items()}
+        indexes = events.sync((name, m.kv_events) for name, m in cfg.models.items())
+        return {name: ModelCounter.load(m, allowed, indexes.get(name))
+                for name, m in cfg.models.items()}
 
     counters = load()
     service = TokenCounterService(counters)

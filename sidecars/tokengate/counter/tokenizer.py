@@ -30,6 +30,7 @@ import json
 import re
 import threading
 import unicodedata
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -147,6 +148,37 @@ class SegmentCache:
                     self._chars -= len(old)
 
 
+class IdCache:
+    """Map from a text piece (no added token in it) to its token ids (``array('I')``),
+    for the prompts whose ids are needed (prefix-cache routing: the block hashes), bounded
+    by characters: two generations, the young one filled until it holds ``max_chars``,
+    then it becomes the old one and the old one is dropped; a piece found in the old one
+    moves to the young one. Thread-safe under the GIL: each dict operation is one C
+    call, and a piece computed twice by two threads is stored twice, the same ids."""
+
+    def __init__(self, max_chars: int = 8 * 1024 * 1024) -> None:
+        self._max_chars = max_chars
+        self.young: dict[str, array[int]] = {}  # read directly by PromptTokenizer.ids
+        self._old: dict[str, array[int]] = {}
+        self._chars = 0
+
+    def ids(self, piece: str, compute: Callable[[str], list[int]]) -> array[int]:
+        """The ids of ``piece``: cached, else ``compute(piece)`` (then cached)."""
+        got = self.young.get(piece)
+        if got is not None:
+            return got
+        got = self._old.get(piece)
+        if got is None:
+            got = array("I", compute(piece))
+            if len(piece) > self._max_chars // 4:
+                return got
+        self.young[piece] = got
+        self._chars += len(piece)
+        if self._chars > self._max_chars:
+            self._old, self.young, self._chars = self.young, {}, 0
+        return got
+
+
 class PromptTokenizer:
     """Counts tokens of rendered prompts exactly as HF ``tokenizers`` (and so vLLM) would.
 
@@ -180,6 +212,7 @@ class PromptTokenizer:
         self.why_not_fast = why_not_fast
         self.backend = "tiktoken" if fast is not None else "hf"
         self.cache = SegmentCache()
+        self.id_cache = IdCache()
         self.fingerprint = hashlib.sha256(fingerprint_src).hexdigest()[:16]
         # Tokens the post-processor adds around a sequence (e.g. BOS); 0 for Qwen (and
         # for the Qwen3.5/3.6 rank files, which have no post-processor).
@@ -286,6 +319,22 @@ class PromptTokenizer:
             elif part:
                 ids.extend(self._encode_piece(part))
         return ids
+
+    def ids(self, parts: list[str]) -> array[int]:
+        """Token ids of a text already cut by ``split`` (text pieces at even positions,
+        added tokens at odd ones): ``encode`` of the text, each text piece's ids cached
+        (``id_cache``)."""
+        out: array[int] = array("I")
+        cache = self.id_cache
+        young, cached = cache.young.get, cache.ids  # the first: the common case, inlined
+        added, encode = self._added_ids, self._encode_piece
+        for i, part in enumerate(parts):
+            if i % 2:
+                out.append(added[part])
+            elif part:
+                got = young(part)
+                out.extend(cached(part, encode) if got is None else got)
+        return out
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` (as ``encode(text, add_special_tokens=False)``), cached per piece.

@@ -68,6 +68,11 @@ class _Renderer:
         if kind == "array":
             return f"list of {self.type_of(node.get('items', {}))}"
         if kind == "object":
+            # a map of scalars (its keys by pattern): "map of host:port to tcp://host:port"
+            values = list(node.get("patternProperties", {}).values())
+            if len(values) == 1 and "properties" not in self.deref(values[0]):
+                keys = node.get("propertyNames", {}).get("format", "string")
+                return f"map of {keys} to {self.type_of(values[0])}"
             return "section"
         if kind in ("integer", "number"):
             lo, hi = node.get("minimum"), node.get("maximum")
