@@ -46,12 +46,13 @@ from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT, key_digest
 T = TypeVar("T")
 
 EDGE_PORT = 18080 + PORT_OFFSET
-# each edge's status server: its API port + this. Not a multiple of 500: the workers'
-# offsets are 500 apart, and with +1000 the status ports of worker k's edges were
-# worker k+2's edge ports (three workers: "address already in use"); no port of one
-# worker's ranges is another worker's (tests/test_conftest.py checks)
-STATUS_PORT_DELTA = 250
-VARIANT_RANGE = range(19100 + PORT_OFFSET, 19200 + PORT_OFFSET)
+# each edge's status server: its API port + this; the extra edges' ports. The workers'
+# offsets are 500 apart: no fixed port of one worker may be 500 * k away from another
+# fixed port (with +1000 and 19100-19199, worker k's status ports were worker k+2's
+# edge ports, and worker k+2's fast upstream worker k's first extra edge: "address
+# already in use"); tests/test_conftest.py checks every fixed range of the suite
+STATUS_PORT_DELTA = 150
+VARIANT_RANGE = range(19240 + PORT_OFFSET, 19340 + PORT_OFFSET)
 
 
 def _variant_ports() -> Iterator[int]:

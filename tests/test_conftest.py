@@ -42,7 +42,13 @@ def test_the_vllm_group_runs_on_one_worker_under_loadgroup(tmp_path: Path) -> No
 def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
     # each xdist worker adds 500 to every fixed port of the suite (conftest.PORT_OFFSET):
     # two ranges 500 * k apart put workers i and i + k on one port (up to four workers)
-    from tests import conftest, fixtures_edge, fixtures_ledger, fixtures_vllm
+    from tests import (
+        conftest,
+        fixtures_edge,
+        fixtures_ledger,
+        fixtures_storm,
+        fixtures_vllm,
+    )
     from tests.ledger import test_ledger_cluster
     from tests.limits import test_limits
 
@@ -59,6 +65,7 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
         "redis": [fixtures_ledger.REDIS_PORT, *fixtures_ledger.PRIVATE_REDIS_PORTS],
         "redis cluster": test_ledger_cluster.CLUSTER_PORTS,
         "limits": test_limits.LIMITS_PORTS,
+        "fast upstreams": [fixtures_storm.FAST_PORT, fixtures_storm.SLOW_PORT],
     }
     owner: dict[int, str] = {}
     for name, ports in ranges.items():
