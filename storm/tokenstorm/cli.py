@@ -30,6 +30,8 @@ COMMANDS
   run        send a load and report it (the default when no command is given)
   ceiling    measure TokenStorm's own ceiling against a null server
   upstream   run the fast upstream: an nginx + Lua server that answers like vLLM
+  sim-replica
+             run a simulated vLLM replica with a real prefix cache and KV events
 
 MEASURES (ms, from the scheduled send time)
   TTFT  first token event          ITL   gap between token events (pooled)
@@ -226,6 +228,25 @@ def parser() -> argparse.ArgumentParser:
                     help="folder of its rendered nginx.conf, pid, log and temp files "
                          "(default: var/run/fast-upstream-PORT in the working directory)")
     up.add_argument("--config", default=None, metavar="FILE")
+    sim = sub.add_parser(
+        "sim-replica", help="run a simulated vLLM replica with a real prefix cache",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Runs one simulated vLLM 0.32 replica in the foreground (Python, "
+                    "uvicorn): it tokenizes prompts as vLLM does with the model "
+                    "directory's own tokenizer and chat template, keeps a GPU's KV cache "
+                    "with vLLM's prefix caching (blocks hashed as vLLM hashes them, LRU "
+                    "eviction), reports prefix-cache hits as "
+                    "usage.prompt_tokens_details.cached_tokens, publishes KV events in "
+                    "vLLM's ZMQ wire format, and times each request: TTFT = prefill "
+                    "queue wait + uncached tokens / --prefill-tokens-per-s + "
+                    "--ttft-overhead-ms, then one token every --itl-ms. Several of them "
+                    "stand for a GPU fleet when routing by the prefix cache is measured. "
+                    "Ctrl-C stops it.",
+        epilog="EXAMPLE\n  tokenstorm sim-replica --port 38201 --num-gpu-blocks 4096 \\\n"
+               "      --kv-events-endpoint tcp://127.0.0.1:5557")
+    from tokenstorm.upstream import sim as _sim
+
+    _sim.add_arguments(sim)
     return p
 
 
@@ -253,12 +274,14 @@ def _keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in ("run", "ceiling", "upstream")
+    if not argv or (argv[0] not in ("run", "ceiling", "upstream", "sim-replica")
                     and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]
     args = parser().parse_args(argv)
     if args.command == "upstream":
         _upstream(args)
+    elif args.command == "sim-replica":
+        _sim_replica(args)
     elif args.command == "ceiling":
         sys.exit(_ceiling(args))
     else:
@@ -279,6 +302,20 @@ def _upstream(args: argparse.Namespace) -> None:
           f"TTFT {opts.ttft_ms:g} ms, ITL {opts.itl_ms:g} ms); config {conf}", flush=True)
     cmd = upstream.argv(conf)
     os.execv(cmd[0], cmd)
+
+
+def _sim_replica(args: argparse.Namespace) -> None:
+    from tokenstorm.upstream import sim
+
+    model, mdir, mlen = _defaults(args.config)
+    if args.model_dir is None and mdir is None:
+        sys.exit("tokenstorm sim-replica: --model-dir is required (no model in the config)")
+    settings = sim.settings_from_args(args, model, mdir or Path("."), mlen)
+    try:
+        settings.check()
+    except ValueError as e:
+        sys.exit(f"tokenstorm sim-replica: {e}")
+    sim.serve(settings, args.host, args.port)
 
 
 def _output(args: argparse.Namespace) -> OutputPolicy:
