@@ -36,7 +36,9 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("client") / "venv"
     subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT / "client")],
+    # --no-compile: as the base install's test (tests/deploy/test_install.py)
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile",
+                        str(ROOT / "client")],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     return py

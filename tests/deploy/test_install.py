@@ -826,7 +826,10 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> BaseVenv:
     # the machine's own Python, as an operator's venv would be (not the dev venv's)
     subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT / "sidecars")],
+    # --no-compile: no .pyc of every installed module (transformers has thousands); the
+    # ones the tests import compile on first use, the same install otherwise
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile",
+                        str(ROOT / "sidecars")],
                        capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     du = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True, check=True)
