@@ -34,9 +34,9 @@ PORT_OFFSET = int(os.environ.get("TOKENGATE_TEST_PORT_OFFSET", "0")) + 500 * WOR
 VLLM_PORT = 18000 + PORT_OFFSET
 COUNTER_PORT = 15051 + PORT_OFFSET
 # the KV-event publisher of the session's vLLM (vLLM servers on other ports publish none:
-# devstack.kv_events_endpoint). 270 above it: no port of this or another xdist worker
-# (offsets 500 apart) is 270 (mod 500) above a port of the tests; +1000 was worker 2's vLLM
-KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 270}"
+# devstack.kv_events_endpoint). 120 above it: no fixed port of another xdist worker
+# (offsets 500 apart; tests/test_conftest.py checks them all)
+KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 120}"
 MODEL = "tiny-qwen3"
 TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 # The checkout's own file: the package no longer knows where a checkout is.

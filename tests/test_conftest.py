@@ -51,6 +51,7 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
     )
     from tests.ledger import test_ledger_cluster
     from tests.limits import test_limits
+    from tests.storm import test_sim_replica
 
     off = conftest.PORT_OFFSET
     ranges = {
@@ -66,6 +67,8 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
         "redis cluster": test_ledger_cluster.CLUSTER_PORTS,
         "limits": test_limits.LIMITS_PORTS,
         "fast upstreams": [fixtures_storm.FAST_PORT, fixtures_storm.SLOW_PORT],
+        "vLLM's KV events": [int(conftest.KV_EVENTS.rpartition(":")[2])],
+        "KV events of the simulated replica's vLLM": [test_sim_replica.KV_PORT],
     }
     owner: dict[int, str] = {}
     for name, ports in ranges.items():
