@@ -17,6 +17,9 @@
 --   rate: finished requests per second, from vllm:request_success_total (summed over
 --         engines and finish reasons): an exponential moving average of the rate between
 --         two reads, time constant RATE_TAU_S
+-- and hands the KV cache's size in blocks (the num_gpu_blocks label of
+-- vllm:cache_config_info, the largest of the engines: each engine has a cache of its
+-- own) to tokengate.prefix, the capacity of its approximate index.
 -- Only that worker writes them (plain set is enough: one writer). A replica whose
 -- metrics were not refreshed within metrics_stale_ms (it stopped answering /metrics,
 -- never served them, or answers something else) has none: it is UNKNOWN.
@@ -39,6 +42,7 @@ local ngx = ngx
 local errors = require "tokengate.errors"
 local upstream = require "tokengate.upstream"
 local metrics = require "tokengate.metrics"
+local prefix = require "tokengate.prefix"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -103,10 +107,13 @@ local WANT = {
     ["vllm:request_success_total"] = "sum",
 }
 
+local CACHE_INFO = "vllm:cache_config_info" -- an info gauge: its labels are the values
+
 -- read(sock) -> {[metric name] = value} of the WANT metrics in a Prometheus text
 -- exposition (lines `name{labels} value [timestamp]`), read line by line until the
--- replica closes; nil when a read fails. Each sample's value is the field after the
--- labels.
+-- replica closes, plus num_gpu_blocks (the largest num_gpu_blocks label of
+-- vllm:cache_config_info; absent while vLLM says "None"); nil when a read fails. Each
+-- sample's value is the field after the labels.
 local function read(sock)
     local got = {}
     while true do
@@ -116,7 +123,12 @@ local function read(sock)
         end
         local name = match(line, "^vllm:[%w_]+")
         local how = name and WANT[name]
-        if how then
+        if name == CACHE_INFO then
+            local blocks = tonumber(match(line, 'num_gpu_blocks="(%d+)"'))
+            if blocks then
+                got.num_gpu_blocks = max(got.num_gpu_blocks or 0, blocks)
+            end
+        elseif how then
             local at = find(line, "}", #name + 1, true) or #name
             local v = tonumber(match(line, "^%s*(%S+)", at + 1))
             if v then
@@ -197,6 +209,7 @@ local function scrape(name, r)
         end
         return
     end
+    prefix.set_capacity(name, r, got.num_gpu_blocks)
     dict:set(key("kv:", name, r), kv, stale_s)
     dict:set(key("wait:", name, r), got["vllm:num_requests_waiting"] or 0, stale_s)
     dict:set(key("run:", name, r), got["vllm:num_requests_running"] or 0, stale_s)

@@ -3,7 +3,8 @@
 -- limits, shared by every worker of this edge. A shared dict survives `nginx -s reload`.
 --
 -- Admission reserves the request's worst case: its prompt at the input price with the
--- context penalty (no cache hit assumed) plus its whole completion budget (max_tokens
+-- context penalty (no cache hit assumed, except the tokens a prefix-routed request's
+-- replica is expected to hold: reprice) plus its whole completion budget (max_tokens
 -- effective x n x prompts; not the TPM's output_reserve, which may be less) at the
 -- output price; the response settles the real cost. Spend is counted in integer
 -- nano-units of the currency (1e-9), each request's cost rounded up, so the counter is
@@ -157,8 +158,16 @@ function _M.request(key, model, doc, prompt, completion, now)
     return {
         key_id = key.id, items = items, currency = doc.currency, hour = floor(now / HOUR),
         cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0)),
-        tokens = min(prompt + completion, CAP),
+        tokens = min(prompt + completion, CAP), prompt = prompt, completion = completion,
     }
+end
+
+-- reprice(bud, weights, billing, cached): the reservation (request()'s, not reserved
+-- yet) prices `cached` of its prompt tokens at the cached rate: those the chosen
+-- replica is expected to serve from its prefix cache (tokengate.prefix). Tokens stay:
+-- a token quota counts a cached token like any other, as the ledger does.
+function _M.reprice(bud, weights, billing, cached)
+    bud.cost = nano(_M.cost(weights, billing, bud.prompt, bud.completion, cached, 0))
 end
 
 -- add(name, delta, ttl) -> the counter's new value | nil (logged)

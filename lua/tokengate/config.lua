@@ -20,7 +20,7 @@ local huge = math.huge
 
 local _M = {}
 
-local VERSION = 8 -- tokengate.tools.compile_config.VERSION
+local VERSION = 9 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log

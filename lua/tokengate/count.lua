@@ -36,7 +36,9 @@ local HEAVY_BYTES = 256 * 1024
 
 -- per-worker LRU: route .. model .. SHA-256(body) -> reply. A digest, not the body
 -- itself, is the key: count_cache_entries bodies of up to max_body_bytes each would be
--- held otherwise; SHA-256 (no known collision, unlike SHA-1) keeps it exact.
+-- held otherwise; SHA-256 (no known collision, unlike SHA-1) keeps it exact. A reply
+-- with prefix hits (routing.policy prefix, replicas with KV events) is not kept: the
+-- hits are the replicas' caches at the time of the call.
 local cache
 local client -- tokengate.sidecar client of the counter
 
@@ -68,7 +70,10 @@ local function ask(route, model, body)
     if not reply then
         return nil, { reason = "error", message = "counter reply: " .. derr }
     end
-    cache:set(ckey, reply)
+    if #reply.prefix_hits == 0 then
+        -- the replicas' prefix caches change with every request: hits are never reused
+        cache:set(ckey, reply)
+    end
     return reply
 end
 

@@ -53,6 +53,18 @@ local FAMILIES = {
     { "tokengate_cached_tokens_total", "counter",
       "Prompt tokens served from vLLM's prefix cache (the usage events' cached_tokens), "
       .. "by API key and model." },
+    { "tokengate_prefix_expected_tokens_total", "counter",
+      "Prompt tokens the chosen replica was expected to serve from its prefix cache "
+      .. "(routing.policy prefix; the usage events' expected_cached_tokens), forwarded "
+      .. "requests with usage from vLLM, by model and source of the prediction (events: "
+      .. "the counter's index of the replica's KV events; approximate: the edge's)." },
+    { "tokengate_prefix_cached_tokens_total", "counter",
+      "Prompt tokens vLLM served from its prefix cache (cached_tokens) for those same "
+      .. "requests, by model and source of their prediction." },
+    { "tokengate_prefix_overestimated_tokens_total", "counter",
+      "Expected cached tokens that vLLM did not serve from its cache (per request, "
+      .. "expected - cached when positive), by model and source: 1 - this / expected is "
+      .. "the prediction's hit rate." },
     { "tokengate_rate_limited_total", "counter",
       "Requests refused with 429 by a key's limit, by API key, limit (rpm, tpm) and tier "
       .. "(local, global)." },
@@ -125,6 +137,14 @@ local FAMILIES = {
       .. "address), by model and replica." },
     { "tokengate_upstream_outstanding_tokens", "gauge",
       "Reserved tokens of the requests the replica is serving now, by model and replica." },
+    { "tokengate_prefix_capacity_blocks", "gauge",
+      "A replica's KV cache in blocks as the approximate prefix index counts it (vLLM's "
+      .. "num_gpu_blocks, else a default of 8192), by model and replica." },
+    { "tokengate_prefix_index_capacity_bytes", "gauge",
+      "Size of this edge's approximate prefix index (lua_shared_dict tokengate_prefix)." },
+    { "tokengate_prefix_index_free_bytes", "gauge",
+      "Free bytes of that index (whole free pages); near 0 it evicts its least recently "
+      .. "used blocks." },
 }
 local FAMILY = {}
 for i = 1, #FAMILIES do
@@ -302,12 +322,12 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
     local key = ctx.key and _M.value(ctx.key.id) or _M.NONE
     local model = ctx.model and models[ctx.model] and _M.value(ctx.model) or _M.NONE
     local km = 'key="' .. key .. '",model="' .. model .. '"'
+    local m = 'model="' .. model .. '"'
     local endpoint = ENDPOINTS[ctx.route] and ctx.route or "other"
     local class = (status >= 100 and status < 600) and sub(tostring(status), 1, 1) .. "xx"
         or "5xx"
     add("tokengate_requests_total\t" .. km .. ',endpoint="' .. endpoint .. '",status="'
         .. class .. '"', 1)
-    local m = 'model="' .. model .. '"'
     if ev then
         local p, c, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
         if p > 0 then
@@ -318,6 +338,22 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
         end
         if cached > 0 then
             add("tokengate_cached_tokens_total\t" .. km, cached)
+        end
+        local source = ctx.prefix_source
+        if source and ctx.proxied and (ev.usage_source == "final"
+                or ev.usage_source == "running") then
+            local labels = m .. ',source="' .. source .. '"'
+            local expected = ev.expected_cached_tokens
+            if expected > 0 then
+                add("tokengate_prefix_expected_tokens_total\t" .. labels, expected)
+            end
+            if cached > 0 then
+                add("tokengate_prefix_cached_tokens_total\t" .. labels, cached)
+            end
+            if expected > cached then
+                add("tokengate_prefix_overestimated_tokens_total\t" .. labels,
+                    expected - cached)
+            end
         end
     end
     local req = ctx.limit_req

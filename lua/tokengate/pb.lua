@@ -250,6 +250,7 @@ local function fields(msg, into, names)
 end
 
 local BREAKDOWN = { [1] = "system", [2] = "tools", [3] = "messages", [4] = "template_overhead" }
+local PREFIX_HIT = { [1] = "upstream", [2] = "cached_tokens" }
 
 local REPLY = {
     [1] = "prompt_tokens", [2] = "max_model_len", [3] = "max_tokens_effective",
@@ -261,17 +262,26 @@ local REPLY = {
         return b, err
     end,
     [6] = "tokenizer_fingerprint", [7] = "tokenizer_backend", [8] = "prompt_count",
+    [9] = "block_hashes", [10] = "block_size",
+    [11] = function(into, bytes) -- repeated PrefixHit: one entry per occurrence
+        local h, err = fields(bytes, { upstream = "", cached_tokens = 0 }, PREFIX_HIT)
+        local hits = into.prefix_hits
+        hits[#hits + 1] = h
+        return h, err
+    end,
 }
 
 -- count_reply(msg) -> {prompt_tokens, max_model_len, max_tokens_effective,
 -- max_tokens_requested, breakdown = {system, tools, messages, template_overhead},
--- tokenizer_fingerprint, tokenizer_backend, prompt_count} | nil, err.
--- Absent fields take proto3 defaults (0, "").
+-- tokenizer_fingerprint, tokenizer_backend, prompt_count, block_hashes (bytes: 8 per
+-- full block, prompt order), block_size (tokens), prefix_hits = {{upstream ("host:port"),
+-- cached_tokens (tokens)}, ...} (in the reply's order)} | nil, err.
+-- Absent fields take proto3 defaults (0, "", an empty list).
 function _M.count_reply(msg)
     return fields(msg, {
         prompt_tokens = 0, max_model_len = 0, max_tokens_effective = 0,
         max_tokens_requested = 0, prompt_count = 0, tokenizer_fingerprint = "",
-        tokenizer_backend = "",
+        tokenizer_backend = "", block_hashes = "", block_size = 0, prefix_hits = {},
         breakdown = { system = 0, tools = 0, messages = 0, template_overhead = 0 },
     }, REPLY)
 end

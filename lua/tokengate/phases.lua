@@ -40,6 +40,7 @@ local count = require "tokengate.count"
 local limits = require "tokengate.limits"
 local metrics = require "tokengate.metrics"
 local upstream = require "tokengate.upstream"
+local prefix = require "tokengate.prefix"
 local admission = require "tokengate.admission"
 local idle = require "tokengate.idle"
 local models = require "tokengate.models"
@@ -71,11 +72,13 @@ local pairs = pairs
 local sort = table.sort
 local concat = table.concat
 local json_integer = json.integer
+local floor = math.floor
 
 local _M = {}
 
 local send = errors.send
 local DICT = "tokengate_limits" -- the windows and the sidecar breakers
+local PREFIX_DICT = "tokengate_prefix" -- the approximate prefix-cache index
 
 local hop_address -- where this nginx's loopback hop server listens (init's argument)
 local counter_sockets -- the counter workers' unix sockets (init's argument)
@@ -112,6 +115,17 @@ function _M.init_worker()
         ok, err = lockout.init("tokengate_auth_failures", doc.edge.auth_failures)
     end
     if ok then
+        local pok, perr = prefix.init(PREFIX_DICT, DICT)
+        if not pok then
+            for name, m in pairs(doc.models) do
+                if m.routing and m.routing.policy == "prefix" then
+                    ngx_log(ERR, "tokengate: ", perr, ": model ", name, " routes by prefix "
+                        .. "without the edge's approximate index (add the lua_shared_dict "
+                        .. "of tokengate-http.conf)")
+                    break
+                end
+            end
+        end
         ok, err = upstream.init_worker(doc, DICT)
     end
     if ok then
@@ -258,6 +272,10 @@ local function how_much(ctx, doc)
     end
     ctx.system_tokens = counted.system
     ctx.prompt_count, ctx.n = counted.prompts, json_integer(body.n) or 1
+    local routing = model.routing
+    if routing and routing.policy == "prefix" then
+        ctx.prefix_plan = prefix.plan(counted.reply, counted.prompt, routing)
+    end
     local api = ctx.api
     if api and api.LOCAL[route] then
         -- answered here from the count: one request of the key's RPM, no tokens, no
@@ -299,10 +317,12 @@ end
 -- request is shed (503 overloaded, Retry-After). The replica carries the request's
 -- tokens from here (upstream.take), so the requests that arrive while this one waits
 -- for its limits see it. A request pinned to a replica (ctx.pin: the one that holds
--- the stored response it names) goes there, full or not. An API module's placed(ctx)
--- then gives the text to forward (tokengate.responses: the response id names the
--- replica).
-local function where(ctx)
+-- the stored response it names) goes there, full or not. A budget reservation prices
+-- the prompt tokens the replica is expected to serve from its prefix cache
+-- (ctx.prefix_expected, routing.policy prefix) at the model's cached rate. An API
+-- module's placed(ctx) then gives the text to forward (tokengate.responses: the
+-- response id names the replica).
+local function where(ctx, doc)
     if ctx.local_answer then
         return true -- answered by the edge: no replica
     end
@@ -322,6 +342,12 @@ local function where(ctx)
     end
     if rank == admission.HEADROOM then
         metrics.incr("admission_headroom")
+    end
+    local bud = ctx.limit_req.budget
+    if bud and ctx.prefix_expected and ctx.prefix_expected > 0 then
+        -- the tokens the replica is expected to serve from its prefix cache are priced
+        -- at the cached rate; the settlement prices what vLLM reports
+        budget.reprice(bud, model.cost, doc.billing, ctx.prefix_expected)
     end
     local api = ctx.api
     if ctx.body and api and api.placed then
@@ -358,6 +384,15 @@ end
 
 local STAGES = { who, listing, what, how_much, where, reserve, answered, awake }
 
+-- sent(ctx): the request goes to ctx.replica: its prompt's blocks are recorded there
+-- (tokengate.prefix.sent; policy prefix, a count with block hashes).
+local function sent(ctx)
+    local plan = ctx.prefix_plan
+    if plan and ctx.replica then
+        prefix.sent(ctx.model, ctx.replica, plan, floor((ctx.prefix_expected or 0) / plan.bs))
+    end
+end
+
 -- access(): everything before the request is forwarded; ends the request with an
 -- OpenAI-shaped error, or returns to let proxy_pass forward the sanitized body.
 function _M.access()
@@ -377,6 +412,7 @@ function _M.access()
             return send(ctx, err)
         end
     end
+    sent(ctx)
     -- forward the body the edge parsed, with its count, to the path the edge matched
     -- (proxy_pass without a URI would send the client's raw request line)
     ngx_req.set_header("X-Token-Count", ctx.token_estimate)
@@ -409,6 +445,7 @@ function _M.balancer()
         if not r then
             return ngx_exit(502)
         end
+        sent(ctx)
         idle.nudge(model, r)
     else
         ctx.balanced = true
@@ -416,6 +453,7 @@ function _M.balancer()
             -- taken out while this request waited for its limits: choose again
             r = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
                 ctx.token_estimate, ctx.limit_req.tokens)
+            sent(ctx)
             idle.nudge(model, r)
         end
         local more = #model.upstreams - 1
@@ -468,6 +506,10 @@ function _M.header_filter()
     end
     if ctx.replica then
         h["X-Tokengate-Upstream"] = ctx.replica.name
+        if ctx.prefix_source then
+            h["X-Tokengate-Expected-Cached-Tokens"] = ctx.prefix_expected
+            h["X-Tokengate-Expected-Cached-Source"] = ctx.prefix_source
+        end
     end
     local cors_cfg = config.get().edge.cors
     if cors_cfg.enabled and not ctx.preflight then
@@ -621,6 +663,13 @@ function _M.log()
             upstream.failed(ctx.model, ctx.replica, ctx.error)
         end
         upstream.release(ctx)
+        local plan = ctx.prefix_plan
+        if plan and ctx.proxied then
+            -- the generated tokens' full blocks take the replica's cache too
+            local p, bs = ev.prompt_tokens, plan.bs
+            prefix.generated(ctx.model, ctx.replica,
+                floor((p + ev.completion_tokens) / bs) - floor(p / bs))
+        end
     end
     local line_usage = usage.line(ev)
     ngx_var.tg_usage_line = line_usage
@@ -696,17 +745,32 @@ end
 -- prometheus(): content handler of /metrics on the status server: every edge metric in
 -- Prometheus's text format, with the replicas' state read now (tokengate.upstream).
 function _M.prometheus()
-    local up, outstanding = {}, {}
-    for name, replicas in pairs(upstream.states(config.get())) do
+    local up, outstanding, blocks = {}, {}, {}
+    local doc = config.get()
+    for name, replicas in pairs(upstream.states(doc)) do
         local m = 'model="' .. metrics.value(name) .. '",replica="'
         for rname, st in pairs(replicas) do
             local labels = m .. metrics.value(rname) .. '"'
             up[labels] = st.out and 0 or 1
             outstanding[labels] = st.outstanding_tokens
         end
+        local model = doc.models[name]
+        if model.routing and model.routing.policy == "prefix" then
+            local list = model.upstreams
+            for i = 1, #list do
+                blocks[m .. metrics.value(list[i].name) .. '"'] =
+                    prefix.capacity_blocks(name, list[i])
+            end
+        end
     end
+    local size, free = prefix.memory()
     local text = metrics.exposition({ tokengate_upstream_up = up,
-                                      tokengate_upstream_outstanding_tokens = outstanding })
+                                      tokengate_upstream_outstanding_tokens = outstanding,
+                                      tokengate_prefix_capacity_blocks = blocks,
+                                      tokengate_prefix_index_capacity_bytes =
+                                          size and { [""] = size },
+                                      tokengate_prefix_index_free_bytes =
+                                          free and { [""] = free } })
     ngx.status = 200
     ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
     ngx.header["Content-Length"] = #text

@@ -1,14 +1,28 @@
 -- A model's vLLM replicas: which one serves a request, and which are out.
 --
--- Choice: the replica with the fewest outstanding reserved tokens, i.e. the sum of the
--- TPM reservations (prompt + output reserve) of the requests it is serving now, kept in
--- a shared dict by every worker (incr when the replica is chosen, back at the end). A
--- request count would treat a 30k-token prompt like a 30-token one; the edge knows each
--- request's reservation before forwarding, so it can balance by tokens. Ties go to the
--- replica after the one this worker chose last. A rank function (tokengate.admission:
--- room in the KV cache) may order the replicas first: the fewest tokens among the best
--- rank. Choosing and counting are one step (take): a burst that arrives while the
--- requests before it wait for their limits still sees them.
+-- Choice, by the model's routing.policy, among the replicas of the best rank (a rank
+-- function, tokengate.admission: room in the KV cache, orders them first), awake before
+-- asleep:
+--   least_outstanding (default): the fewest outstanding reserved tokens, i.e. the sum of
+--     the TPM reservations (prompt + output reserve) of the requests the replica is
+--     serving now, kept in a shared dict by every worker (incr when the replica is
+--     chosen, back at the end). A request count would treat a 30k-token prompt like a
+--     30-token one; the edge knows each request's reservation before forwarding, so it
+--     can balance by tokens. Ties go to the replica after the one this worker chose last.
+--   round_robin: each replica in turn (one turn counter in the shared dict for every
+--     worker), whatever its load.
+--   prefix: the least cost(r) = (prompt_tokens - h(r)) + load_weight * outstanding(r),
+--     tokens, where h(r) is the prompt tokens r is expected to serve from its prefix
+--     cache (tokengate.prefix: the counter's KV-event index, else the edge's approximate
+--     one). The first term is the prefill r still has to compute, the second the work
+--     queued on it before this request; a replica that holds the prefix wins until its
+--     outstanding tokens exceed (by load_weight) the prefill it saves, so one hot prefix
+--     spreads instead of piling on one replica. With load_weight 1 and no hit anywhere
+--     it is least_outstanding. Ties as there. A request whose count carries no block
+--     hashes and no hits (an estimate, embeddings, a prompt shorter than a block) is
+--     chosen least_outstanding.
+-- Choosing and counting are one step (take): a burst that arrives while the requests
+-- before it wait for their limits still sees them.
 --
 -- Out: a replica that failed to connect or whose connection broke before any answer
 -- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is out: with
@@ -33,6 +47,7 @@
 -- has no address yet is out. A failed lookup keeps the address the replica had.
 
 local ngx = ngx
+local prefix = require "tokengate.prefix"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -134,6 +149,8 @@ end
 -- calls it.
 function _M.mark_asleep(model_name, r, on)
     if on then
+        -- a replica that sleeps drops its KV cache (vLLM's sleep mode)
+        prefix.forget(model_name, r)
         dict:set(key("asleep:", model_name, r), true)
     else
         dict:delete(key("asleep:", model_name, r))
@@ -159,18 +176,30 @@ function _M.touch(model_name, r)
     dict:set(key("last:", model_name, r), ngx_now())
 end
 
--- best(model, tried, rank, level, prompt, first) -> replica, its rank, its outstanding
--- tokens | nil: the replica of model (compiled model entry) not in tried (a set of
--- names) with the best rank, then awake before asleep, then the fewest outstanding
--- tokens; rank(model_name, r, level, prompt) -> number, lower is better (nil: all rank
+-- policy(model) -> the model's routing.policy ("least_outstanding" when it has none)
+local function policy(model)
+    local routing = model.routing
+    return routing and routing.policy or "least_outstanding"
+end
+
+-- best(model, tried, rank, level, prompt, first, plan) -> replica, its rank, its
+-- outstanding tokens, its expected prefix hit (tokens), the hit's source | nil: the
+-- replica of model (compiled model entry) not in tried (a set of names) with the best
+-- rank, then awake before asleep, then the least cost of the model's policy (module
+-- comment); rank(model_name, r, level, prompt) -> number, lower is better (nil: all rank
 -- alike; tokengate.admission.rank: level, prompt are its priority level and prompt
--- tokens). Replicas that are out rank OUT: taken only when all untried ones are out. nil
--- when every one was tried or none has an address. The scan starts at `first` (a
--- replica of model) when given, else after the one this worker chose last; the first of
+-- tokens). plan: tokengate.prefix.plan's (policy prefix), or nil: then the policy's
+-- cost, least outstanding for prefix. Replicas that are out rank OUT: taken only when
+-- all untried ones are out. nil when every one was tried or none has an address. The
+-- scan starts at `first` (a replica of model) when given, else after the one this
+-- worker chose last (round_robin: after the one any worker chose last); the first of
 -- equals wins. Reads only: take() counts.
-local function best(model, tried, rank, level, prompt, first)
+local function best(model, tried, rank, level, prompt, first, plan)
     local list = model.upstreams
     local n = #list
+    local name = model.name
+    local rr = policy(model) == "round_robin"
+    local weight = plan and model.routing.load_weight
     local start = rotate
     if first then
         for i = 1, n do
@@ -179,12 +208,13 @@ local function best(model, tried, rank, level, prompt, first)
                 break
             end
         end
+    elseif rr then
+        start = dict:incr("rr:" .. name, 1, 0) or rotate
     else
         rotate = rotate + 1
         start = rotate
     end
-    local name = model.name
-    local choice, best_rank, best_asleep, best_out
+    local choice, best_rank, best_asleep, best_cost, best_out, best_hit, best_source
     for i = 0, n - 1 do
         local r = list[(start + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(name, r) then
@@ -196,47 +226,62 @@ local function best(model, tried, rank, level, prompt, first)
             elseif rank then
                 k = rank(name, r, level, prompt)
             end
+            local cost, hit, source = out, nil, nil
+            if plan then
+                hit, source = prefix.expected(name, r, plan)
+                cost = (prompt - hit) + weight * out
+            elseif rr then
+                cost = 0
+            end
             if not choice or k < best_rank or (k == best_rank and (asleep ~= best_asleep
-                    and not asleep or asleep == best_asleep and out < best_out)) then
-                choice, best_rank, best_asleep, best_out = r, k, asleep, out
+                    and not asleep or asleep == best_asleep and cost < best_cost)) then
+                choice, best_rank, best_asleep, best_cost = r, k, asleep, cost
+                best_out, best_hit, best_source = out, hit, source
             end
         end
     end
-    return choice, best_rank, best_out
+    return choice, best_rank, best_out, best_hit, best_source
 end
 
 -- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil: the
--- best replica (best(): tried, rank, level and prompt as there), which serves the
--- request from now on: its `tokens` (the request's reservation) count as outstanding
--- there until release(ctx). A replica ctx held before (a retry) is released first.
--- (Named arguments, not varargs: a loop that passes varargs on is never compiled.)
+-- best replica (best(): tried, rank, level and prompt as there, ctx.prefix_plan its
+-- plan), which serves the request from now on: its `tokens` (the request's
+-- reservation) count as outstanding there until release(ctx). A replica ctx held before
+-- (a retry) is released first. With a plan, ctx.prefix_expected (tokens) and
+-- ctx.prefix_source ("events" | "approximate") say what the chosen replica is expected
+-- to serve from its prefix cache. (Named arguments, not varargs: a loop that passes
+-- varargs on is never compiled.)
 --
 -- The choice and the count are one step, so a burst spreads: no yield comes between the
 -- read and the incr, so the next request of this worker sees this one's tokens. Another
 -- worker may incr between this worker's read and its incr (both chose the same replica
 -- on the same reading); the incr's result says so (it exceeds what was read by more
 -- than `tokens`), and then the choice is made again with this request's own tokens left
--- out: it moves when another replica now carries strictly fewer (once, so two workers
--- never chase each other).
+-- out: it moves when another replica now costs strictly less (once, so two workers
+-- never chase each other; not for round_robin, which reads no load).
 --
 -- The increment comes before any look at r's asleep mark (tokengate.idle.hold): the
 -- sleeper marks first and reads the tokens after, so one of the two always sees the
 -- other.
 function _M.take(ctx, model, tried, rank, level, prompt, tokens)
     _M.release(ctx)
-    local r, k, seen = best(model, tried, rank, level, prompt)
+    local plan = ctx.prefix_plan
+    local r, k, seen, hit, source = best(model, tried, rank, level, prompt, nil, plan)
     if not r then
         return nil
     end
     local name = model.name
     local now = dict:incr(key("tok:", name, r), tokens, 0)
-    if now and now - tokens > seen then
+    if now and now - tokens > seen and policy(model) ~= "round_robin" then
         dict:incr(key("tok:", name, r), -tokens, 0)
-        local r2, k2 = best(model, tried, rank, level, prompt, r)
-        r, k = r2 or r, r2 and k2 or k
+        local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan)
+        if r2 then
+            r, k, hit, source = r2, k2, hit2, source2
+        end
         dict:incr(key("tok:", name, r), tokens, 0)
     end
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
+    ctx.prefix_expected, ctx.prefix_source = hit, source
     return r, k
 end
 
@@ -281,6 +326,7 @@ function _M.failed(model_name, r, why)
         local k = key("out:", model_name, r)
         local ttl = probing and 0 or eject_s
         if dict:add(k, true, ttl) then
+            prefix.forget(model_name, r) -- back in, it may be a restarted vLLM
             ngx_log(WARN, "tokengate: upstream ", r.name, " of ", model_name, " out ",
                 probing and "until its health probe passes" or "for " .. eject_s .. " s",
                 " (", why, ")")
@@ -344,6 +390,7 @@ function _M.probe_all(premature, models)
             else
                 dict:delete(key("up:", name, r))
                 if dict:add(key("out:", name, r), true, 0) then
+                    prefix.forget(name, r)
                     ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
                         " failed its health probe: out until it answers")
                 else

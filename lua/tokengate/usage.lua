@@ -319,7 +319,7 @@ local FIELDS = {
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
-    "count_drift",
+    "count_drift", "expected_cached_tokens", "expected_cached_source",
 }
 _M.FIELDS = FIELDS
 
@@ -328,8 +328,12 @@ _M.FIELDS = FIELDS
 -- token_estimate, count_source, reserved, prompt_tokens, completion_tokens,
 -- cached_tokens, system_tokens (tokens), usage_source, client_aborted, ttft_ms, total_ms
 -- (ms), upstream, error, and the sanitizer's counts: sanitized_chars (invisible or
--- control characters removed), stripped_special_tokens, dropped_system_messages; and
--- count_drift (vLLM's usage.prompt_tokens - token_estimate, tokens: tokengate.drift).
+-- control characters removed), stripped_special_tokens, dropped_system_messages;
+-- count_drift (vLLM's usage.prompt_tokens - token_estimate, tokens: tokengate.drift);
+-- expected_cached_tokens (tokens the replica was expected to serve from its prefix
+-- cache when it was chosen, 0 when no prediction was made) and expected_cached_source
+-- ("events" | "approximate": tokengate.prefix; null: the model's routing.policy is not
+-- prefix, or the count had no block hashes).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -387,6 +391,8 @@ function _M.record(ctx, status, aborted)
         stripped_special_tokens = counts and counts.stripped or 0,
         dropped_system_messages = counts and counts.collapsed or 0,
         count_drift = drift.of(ctx),
+        expected_cached_tokens = ctx.prefix_source and ctx.prefix_expected or 0,
+        expected_cached_source = ctx.prefix_source,
     })
 end
 

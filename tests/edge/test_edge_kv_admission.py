@@ -139,6 +139,13 @@ def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
                        ["model_name", "engine", "finished_reason"], registry=reg)
     waiting_by = Gauge("vllm:num_requests_waiting_by_reason", "By reason.",
                        ["model_name", "engine", "reason"], registry=reg)
+    # an info gauge whose labels are CacheConfig's fields (vllm/v1/metrics/loggers.py
+    # log_metrics_info; "None" before the engine counted its blocks)
+    info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                 ["block_size", "num_gpu_blocks", "prefix_caching_hash_algo", "engine"],
+                 registry=reg)
+    for engine, blocks in {"0": "1000", "1": "1200", "2": "None"}.items():
+        info.labels("16", blocks, "sha256", engine).set(1)
     for engine, (k, w, r) in {"0": (0.5, 3, 7), "1": (0.955, 4, 1)}.items():
         kv.labels(MODEL, engine).set(k)
         waiting.labels(MODEL, engine).set(w)
@@ -157,9 +164,11 @@ def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
         for _, k in ipairs(names) do o[#o + 1] = k .. "=" .. got[k] end
         return table.concat(o, " ")
     """)
-    # KV cache: the fullest engine; requests: summed
-    assert out == ("vllm:kv_cache_usage_perc=0.955 vllm:num_requests_running=8 "
-                   "vllm:num_requests_waiting=7 vllm:request_success_total=24")
+    # KV cache: the fullest engine; requests: summed; blocks: the largest engine's
+    # (tokengate.prefix: the capacity of the approximate index)
+    assert out == ("num_gpu_blocks=1200 vllm:kv_cache_usage_perc=0.955 "
+                   "vllm:num_requests_running=8 vllm:num_requests_waiting=7 "
+                   "vllm:request_success_total=24")
 
 
 def test_retry_after_is_the_queue_over_the_finish_rate() -> None:

@@ -53,6 +53,12 @@ Schema (every key is present; ``null`` only where shown)::
                       0 when they agree or are not compared (count_source "estimate",
                       no usage from vLLM, several completions prompts, n > 1) and in
                       events written before the field existed
+    expected_cached_tokens  prompt tokens the chosen replica was expected to serve from
+                      its prefix cache (routing.policy prefix), tokens; 0 when no
+                      prediction was made and in events written before the field existed
+    expected_cached_source  where that prediction came from: "events" (the counter's
+                      index of the replica's KV events) | "approximate" (the edge's
+                      record of what it sent where) | null (none made; older events)
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -75,6 +81,7 @@ from typing import Any
 
 COUNT_SOURCES = ("counter", "history", "estimate", "none")
 USAGE_SOURCES = ("final", "running", "estimate", "none")
+EXPECTED_CACHED_SOURCES = ("events", "approximate")
 
 _REQUEST_ID = re.compile(r"[0-9a-fA-F]{32}")
 _TS = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?Z")
@@ -112,6 +119,8 @@ class UsageEvent:
     stripped_special_tokens: int = 0
     dropped_system_messages: int = 0
     count_drift: int = 0
+    expected_cached_tokens: int = 0
+    expected_cached_source: str | None = None
 
     @property
     def time(self) -> datetime:
@@ -264,6 +273,9 @@ def parse_event(line: bytes | str) -> UsageEvent:
         stripped_special_tokens=_count(obj, "stripped_special_tokens"),
         dropped_system_messages=_count(obj, "dropped_system_messages"),
         count_drift=_signed(obj, "count_drift"),
+        expected_cached_tokens=_count(obj, "expected_cached_tokens"),
+        expected_cached_source=(_enum(obj, "expected_cached_source", EXPECTED_CACHED_SOURCES)
+                                if obj.get("expected_cached_source") is not None else None),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 8,
+      "version": 9,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -14,6 +14,9 @@ fields only the edge needs, derived here:
           output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
           idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
+          routing: {policy ("least_outstanding" | "round_robin" | "prefix"), block_size,
+                    hash_algo, hash_seed, kv_events, load_weight} (tokengate.upstream
+                    weighs outstanding tokens by load_weight against the prefix hit),
           "upstreams": [{"name": "<host:port as configured>", "host": "<host>",
                          "addr": "<IPv4/IPv6 literal resolved here, or null>",
                          "port": <int>, "resolve": <bool: a name, resolved again>}],
@@ -65,10 +68,10 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 8  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 9  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
-#             runner
+#             runner; 9: models carry routing
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

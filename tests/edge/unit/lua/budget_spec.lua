@@ -100,10 +100,22 @@ case("request: a daily spend limit of every model", function()
     local k = key(spend(10))
     eq(budget.request(k, MODEL, DOC, 1000, 500, NOW), {
         key_id = "k1", currency = "USD", hour = 498967, cost = 1500000, tokens = 1500,
+        prompt = 1000, completion = 500,
         items = { {
             b = k.budgets[1], left = DAY_LEFT, ends = "2026-12-04T00:00:00Z",
             name = "k1:*:day:20790", scope = "k1:*:day", counter = "*:day:20790",
             spend_limit_nano = 1e10, token_limit = 0, ttl_s = 172800 } } })
+end)
+
+case("reprice: expected cached tokens at the cached price, tokens unchanged", function()
+    local bud = budget.request(key(spend(10)), MODEL, DOC, 1000, 500, NOW)
+    -- 400 cached: 600 x 0.5 + 400 x 0.125 + 500 x 2 per 1M = 0.00135 USD
+    budget.reprice(bud, MODEL.cost, DOC.billing, 400)
+    eq({ bud.cost, bud.tokens }, { 1350000, 1500 })
+    -- the context penalty stays on the uncached input, as the ledger prices it
+    local pen = billing(false, 500, 0.001)
+    budget.reprice(bud, MODEL.cost, pen, 400)
+    eq(bud.cost, budget.nano(budget.cost(MODEL.cost, pen, 1000, 500, 400, 0)))
 end)
 
 case("request: a monthly token quota of one model, across the new year", function()

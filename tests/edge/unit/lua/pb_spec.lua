@@ -133,15 +133,32 @@ case("count_reply: every field, the breakdown nested", function()
         .. "623a0268664001")), {
         prompt_tokens = 1234, max_model_len = 40960, max_tokens_effective = 39726,
         max_tokens_requested = 0, prompt_count = 1, tokenizer_fingerprint = "sha256:ab",
-        tokenizer_backend = "hf",
+        tokenizer_backend = "hf", block_hashes = "", block_size = 0, prefix_hits = {},
         breakdown = { system = 10, tools = 0, messages = 1200, template_overhead = 24 } })
+end)
+
+case("count_reply: block hashes, block size and repeated prefix hits, in order", function()
+    -- CountReply(prompt_tokens=40, block_hashes=bytes(1..16), block_size=16,
+    -- prefix_hits=[("10.0.0.1:8000", 32), ("b:1", 0), ("c:2", 300)]): the second hit's
+    -- cached_tokens is the proto3 default, absent from the bytes
+    local r = pb.count_reply(unhex("08284a100102030405060708090a0b0c0d0e0f1050105a110a0d3130"
+        .. "2e302e302e313a3830303010205a050a03623a315a080a03633a3210ac02"))
+    eq(r.block_hashes, unhex("0102030405060708090a0b0c0d0e0f10"))
+    eq(r.block_size, 16)
+    eq(r.prefix_hits, { { upstream = "10.0.0.1:8000", cached_tokens = 32 },
+                        { upstream = "b:1", cached_tokens = 0 },
+                        { upstream = "c:2", cached_tokens = 300 } })
+end)
+
+case("count_reply: a malformed prefix hit is refused", function()
+    eq({ pb.count_reply("\90\1\16") }, { nil, "bad varint" })
 end)
 
 case("count_reply: absent fields take proto3 defaults", function()
     eq(pb.count_reply("\8\7"), {
         prompt_tokens = 7, max_model_len = 0, max_tokens_effective = 0,
         max_tokens_requested = 0, prompt_count = 0, tokenizer_fingerprint = "",
-        tokenizer_backend = "",
+        tokenizer_backend = "", block_hashes = "", block_size = 0, prefix_hits = {},
         breakdown = { system = 0, tools = 0, messages = 0, template_overhead = 0 } })
     eq(pb.count_reply("").prompt_tokens, 0)
 end)

@@ -1,0 +1,224 @@
+"""Routing by the prefix cache at the edge (models.<name>.routing): the replica each
+policy picks, the expected prefix hit in a response header and the usage event, and the
+prediction's metrics.
+
+Real nginx (2 workers), the session's real counter (the test configuration routes
+tiny-qwen3 by prefix, blocks of 128 tokens: it returns each prompt's block hashes) and
+two of TokenStorm's fast upstreams as replicas. The counter follows the KV events of the
+session's vLLM only, not of these replicas, so the edge's own approximate index
+(tokengate.prefix) predicts their hits; the expected numbers are computed here from the
+counter's own block hashes for the same bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
+from tokenstorm.null_server import FastUpstream
+
+from tests.conftest import MODEL
+from tests.fixtures_edge import MAIN_KEY, Edge
+
+HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
+EXPECTED = "x-tokengate-expected-cached-tokens"
+SOURCE = "x-tokengate-expected-cached-source"
+# a system prompt of several 128-token blocks that every request below shares
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i}: answer briefly." for i in
+                                                    range(150))
+
+
+def _name(up: FastUpstream) -> str:
+    return f"127.0.0.1:{up.port}"
+
+
+def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str, ups: list[FastUpstream],
+          **routing: Any) -> Edge:
+    """An edge in front of ``ups`` routing as ``routing`` says; the replicas' metrics are
+    not read (every replica ranks alike: the policy alone decides)."""
+    def edit(raw: dict[str, Any]) -> None:
+        m = raw["models"][MODEL]
+        m["upstreams"] = [_name(u) for u in ups]
+        m["embedded"] = False
+        m["routing"] = {**m.get("routing", {}), "kv_events": {}, **routing}
+        raw["edge"]["admission"] = {"metrics_interval_ms": 0}
+    return edge_variant_off_vllm(name, edit)
+
+
+def _body(question: str, max_tokens: int = 2, stream: bool = False) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}]}
+
+
+def _chat(e: Edge, question: str) -> httpx.Response:
+    r = httpx.post(e.base_url + "/chat/completions", content=json.dumps(_body(question)),
+                   headers=HEADERS, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _idle(e: Edge) -> None:
+    """Waits until no replica has outstanding tokens (every request's log phase ran)."""
+    deadline = time.monotonic() + 5
+    while any(st["outstanding_tokens"] for st in e.status()["upstreams"][MODEL].values()):
+        assert time.monotonic() < deadline, e.status()["upstreams"]
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def count(counter_stub: counter_pb2_grpc.TokenCounterStub
+          ) -> Callable[[dict[str, Any]], counter_pb2.CountReply]:
+    """The session counter's reply for a chat body (what the edge is told)."""
+    def call(body: dict[str, Any]) -> counter_pb2.CountReply:
+        return counter_stub.CountTokens(counter_pb2.CountRequest(
+            model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT, body=json.dumps(body).encode()))
+    return call
+
+
+def _shared_tokens(sent: counter_pb2.CountReply, now: counter_pb2.CountReply) -> int:
+    """Tokens of `now`'s prompt in blocks that `sent`'s prompt had (the same hash at the
+    same place, from the first block on), at most (prompt_tokens - 1) // block_size
+    blocks: what the approximate index holds for a replica that got `sent` (exactly:
+    fewer than 64 blocks, where every block is recorded)."""
+    a, b = sent.block_hashes, now.block_hashes
+    blocks = 0
+    while blocks * 8 < min(len(a), len(b)) and a[blocks * 8:blocks * 8 + 8] == \
+            b[blocks * 8:blocks * 8 + 8]:
+        blocks += 1
+    blocks = min(blocks, (now.prompt_tokens - 1) // now.block_size)
+    assert blocks < 64
+    return blocks * now.block_size
+
+
+def test_the_counter_gives_the_shared_prompt_several_blocks(
+        count: Callable[[dict[str, Any]], counter_pb2.CountReply]) -> None:
+    # the premise of the tests below: blocks of 128, three or more of them shared
+    one, two = count(_body("What is 1 + 1?")), count(_body("Name a colour."))
+    assert (one.block_size, len(one.block_hashes)) == (128, 8 * (one.prompt_tokens // 128))
+    assert _shared_tokens(one, two) >= 3 * 128
+
+
+def test_a_shared_prefix_goes_back_to_the_replica_that_got_it(
+        edge_variant_off_vllm: Callable[..., Edge], replicas: Callable[..., FastUpstream],
+        count: Callable[[dict[str, Any]], counter_pb2.CountReply]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "prefix-approx", [a, b], policy="prefix")
+    first = _chat(e, "What is 1 + 1?")
+    # nothing was sent anywhere yet: no hit expected, the index is the edge's
+    assert (first.headers[EXPECTED], first.headers[SOURCE]) == ("0", "approximate")
+    got = first.headers["x-tokengate-upstream"]
+    sent = [count(_body("What is 1 + 1?"))]
+    for question in ("Name a colour.", "Name a colour.", "Spell 'cat'."):
+        _idle(e)
+        r = _chat(e, question)
+        now = count(_body(question))
+        # the index holds the chains of every prompt sent there: the longest shared one
+        want = max(_shared_tokens(before, now) for before in sent)
+        # (prompt - hit) + outstanding: the replica that got the first costs `want` less
+        assert (r.headers["x-tokengate-upstream"], r.headers[EXPECTED], r.headers[SOURCE]) \
+            == (got, str(want), "approximate")
+        ev = e.event(r.headers["x-request-id"])
+        assert (ev["upstream"], ev["expected_cached_tokens"], ev["expected_cached_source"]) \
+            == (got, want, "approximate")
+        sent.append(now)
+    assert e.event(first.headers["x-request-id"])["expected_cached_tokens"] == 0
+
+
+def test_load_outweighs_the_prefix_hit(
+        edge_variant_off_vllm: Callable[..., Edge], replicas: Callable[..., FastUpstream],
+        count: Callable[[dict[str, Any]], counter_pb2.CountReply]) -> None:
+    a, b = replicas(itl_ms=20), replicas(itl_ms=20)
+    e = _edge(edge_variant_off_vllm, "prefix-load", [a, b], policy="prefix")
+    got = _chat(e, "What is 1 + 1?").headers["x-tokengate-upstream"]
+    _idle(e)
+    # a stream of 200 tokens (4 s) with the same prefix goes there too, and stays
+    with httpx.stream("POST", e.base_url + "/chat/completions", headers=HEADERS,
+                      content=json.dumps(_body("Count to 200.", 200, True)),
+                      timeout=30) as long:
+        assert long.headers["x-tokengate-upstream"] == got
+        held = int(long.headers[EXPECTED])
+        assert held > 0
+        outstanding = e.status()["upstreams"][MODEL][got]["outstanding_tokens"]
+        prompt = count(_body("Name a colour.")).prompt_tokens
+        # its outstanding tokens (its prompt + 200 reserved) exceed the prefill the hit
+        # saves: cost there (prompt - hit) + outstanding > prompt, the cost elsewhere
+        assert outstanding > held
+        r = _chat(e, "Name a colour.")
+        other = _name(b) if got == _name(a) else _name(a)
+        assert (r.headers["x-tokengate-upstream"], r.headers[EXPECTED]) == (other, "0")
+        assert int(r.headers["x-token-count"]) == prompt
+    # with the load gone the hit wins again (both replicas now hold the prefix: either)
+    _idle(e)
+    r = _chat(e, "Spell 'cat'.")
+    assert int(r.headers[EXPECTED]) > 0
+
+
+def test_the_prediction_and_the_index_are_in_the_metrics(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "prefix-metrics", [a, b], policy="prefix")
+    answers = [_chat(e, q) for q in ("What is 1 + 1?", "Name a colour.", "Spell 'cat'.")]
+    events = [e.event(r.headers["x-request-id"]) for r in answers]
+    expected = sum(ev["expected_cached_tokens"] for ev in events)
+    cached = sum(ev["cached_tokens"] for ev in events)
+    over = sum(max(0, ev["expected_cached_tokens"] - ev["cached_tokens"]) for ev in events)
+    assert expected > 0
+    text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    labels = (("model", MODEL), ("source", "approximate"))
+    assert samples[("tokengate_prefix_expected_tokens_total", labels)] == expected
+    assert samples.get(("tokengate_prefix_cached_tokens_total", labels), 0) == cached
+    assert samples.get(("tokengate_prefix_overestimated_tokens_total", labels), 0) == over
+    for up in (a, b):
+        # the replicas' metrics are not read here: the index's default
+        assert samples[("tokengate_prefix_capacity_blocks",
+                        (("model", MODEL), ("replica", _name(up))))] == 8192
+    size = samples[("tokengate_prefix_index_capacity_bytes", ())]
+    free = samples[("tokengate_prefix_index_free_bytes", ())]
+    assert size >= 32 * 2**20 - 2**16 and 0 < free < size
+
+
+def test_round_robin_takes_each_replica_in_turn(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    a, b = replicas(), replicas()
+    e = _edge(edge_variant_off_vllm, "prefix-rr", [a, b], policy="round_robin")
+    served = [_chat(e, "What is 1 + 1?") for _ in range(6)]
+    names = [r.headers["x-tokengate-upstream"] for r in served]
+    # one turn counter for both nginx workers: strictly alternating, prefix or not
+    assert names[0] != names[1] and names == names[:2] * 3, names
+    assert all(EXPECTED not in r.headers for r in served)
+    ev = e.event(served[-1].headers["x-request-id"])
+    assert (ev["expected_cached_tokens"], ev["expected_cached_source"]) == (0, None)
+
+
+def test_least_outstanding_is_unchanged_and_predicts_nothing(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    slow, fast = replicas(ttft_ms=1500), replicas()
+    e = _edge(edge_variant_off_vllm, "prefix-lo", [slow, fast], policy="least_outstanding")
+    # the counter still sends the block hashes (its configuration routes by prefix);
+    # the edge's policy ignores them: 8 requests 2 at a time, the slow replica's
+    # reservation keeps every request that comes meanwhile on the fast one
+    with httpx.Client(timeout=30) as c:
+        def one(_: int) -> httpx.Response:
+            return c.post(e.base_url + "/chat/completions", headers=HEADERS,
+                          content=json.dumps(_body("What is 1 + 1?")))
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(one, range(8)))
+    assert [r.status_code for r in answers] == [200] * 8
+    on_fast = sum(r.headers["x-tokengate-upstream"] == _name(fast) for r in answers)
+    assert on_fast >= 6
+    assert all(EXPECTED not in r.headers for r in answers)
+    ev = e.event(answers[-1].headers["x-request-id"])
+    assert (ev["expected_cached_tokens"], ev["expected_cached_source"]) == (0, None)
