@@ -7,7 +7,9 @@ tiny-qwen3 by prefix, blocks of 128 tokens: it returns each prompt's block hashe
 two of TokenStorm's fast upstreams as replicas. The counter follows the KV events of the
 session's vLLM only, not of these replicas, so the edge's own approximate index
 (tokengate.prefix) predicts their hits; the expected numbers are computed here from the
-counter's own block hashes for the same bodies.
+counter's own block hashes for the same bodies. The precise path: two of TokenStorm's
+simulated replicas (a real prefix cache, vLLM's KV events) and a counter that follows
+their events; the hit the edge expects is then the cached_tokens the replica reports.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from tokengate.process import free_port
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
+from tokengate_dev import devstack
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.upstream.sim import SimReplica, SimSettings
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_edge import MAIN_KEY, Edge
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
@@ -222,3 +230,85 @@ def test_least_outstanding_is_unchanged_and_predicts_nothing(
     assert all(EXPECTED not in r.headers for r in answers)
     ev = e.event(answers[-1].headers["x-request-id"])
     assert (ev["expected_cached_tokens"], ev["expected_cached_source"]) == (0, None)
+
+
+def _metrics(e: Edge) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_counters_kv_events_predict_the_replicas_hit_exactly(
+        edge_variant_off_vllm: Callable[..., Edge], config_path: Path,
+        tmp_path: Path) -> None:
+    # two simulated replicas (blocks of 16, KV events) and a counter following both
+    model_dir = Path(yaml.safe_load(config_path.read_text())["models"][MODEL]["dir"])
+    sims = [SimReplica(SimSettings(model=MODEL, model_dir=model_dir, block_size=16,
+                                   prefill_tokens_per_s=1e6, ttft_overhead_ms=0, itl_ms=1,
+                                   kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+                       name=f"test-sim-edge{PORT_OFFSET or ''}", state_dir=tmp_path)
+            for _ in range(2)]
+    try:
+        for sim in sims:
+            sim.start()
+        events = {sim.address: sim.settings.kv_events_endpoint for sim in sims}
+
+        def edit(raw: dict[str, Any]) -> None:
+            m = raw["models"][MODEL]
+            m["upstreams"] = list(events)
+            m["embedded"] = False
+            m["routing"] = {**m.get("routing", {}), "policy": "prefix", "block_size": 16,
+                            "kv_events": events}
+            raw["edge"]["admission"] = {"metrics_interval_ms": 0}
+        raw = yaml.safe_load(config_path.read_text())
+        edit(raw)
+        path = TEST_DIR / "prefix-events-counter.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        sock, port = TEST_DIR / "prefix-events-counter.sock", free_port()
+        counter = devstack.counter_service(path, port=port, unix_socket=sock, workers=2,
+                                           name=f"test-counter-prefix{PORT_OFFSET or ''}")
+        counter.start()
+        try:
+            e = edge_variant_off_vllm("prefix-events", edit, counter_socket=sock)
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = counter_pb2_grpc.TokenCounterStub(channel)
+
+                def hits(question: str) -> dict[str, int]:
+                    reply = stub.CountTokens(counter_pb2.CountRequest(
+                        model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT,
+                        body=json.dumps(_body(question)).encode()))
+                    return {h.upstream: h.cached_tokens for h in reply.prefix_hits}
+
+                def until(question: str, ok: Callable[[dict[str, int]], bool]) -> None:
+                    deadline = time.monotonic() + 15
+                    while not ok(hits(question)):
+                        assert time.monotonic() < deadline, hits(question)
+                        time.sleep(0.1)
+                    time.sleep(0.3)  # the other counter worker's followers too
+
+                # both replicas followed (connected), nothing cached yet
+                until("What is 1 + 1?", lambda h: set(h) == set(events))
+                first = _chat(e, "What is 1 + 1?")
+                assert (first.headers[EXPECTED], first.headers[SOURCE]) == ("0", "events")
+                got = first.headers["x-tokengate-upstream"]
+                # the replica's BlockStored events reach the counter
+                until("Name a colour.", lambda h: h.get(got, 0) > 0)
+                want = hits("Name a colour.")
+                assert want[next(a for a in events if a != got)] == 0
+                r = _chat(e, "Name a colour.")
+                assert (r.headers["x-tokengate-upstream"], r.headers[EXPECTED],
+                        r.headers[SOURCE]) == (got, str(want[got]), "events")
+                ev = e.event(r.headers["x-request-id"])
+                # the replica served exactly the predicted tokens from its cache
+                assert (ev["expected_cached_tokens"], ev["cached_tokens"]) == \
+                    (want[got], want[got])
+            labels = (("model", MODEL), ("source", "events"))
+            samples = _metrics(e)
+            assert samples[("tokengate_prefix_expected_tokens_total", labels)] == want[got]
+            assert samples[("tokengate_prefix_cached_tokens_total", labels)] == want[got]
+            assert ("tokengate_prefix_overestimated_tokens_total", labels) not in samples
+        finally:
+            counter.stop()
+    finally:
+        for sim in sims:
+            sim.stop()
