@@ -1,7 +1,8 @@
 """``tokengate doctor``: is every upstream the vLLM that the counter mirrors?
 
 The checks are ``tokengate.counter.upstream_check``'s (health, model, version,
-prompt_tokens_details, usage, tool_parser, engine_records and the count probes; its
+prompt_tokens_details, usage, tool_parser, engine_records, the count probes and, for
+prefix routing, prefix_cache and kv_events; its
 docstring says what each one asks of vLLM); this is the command that runs all of them,
 the engine records' check included, and prints one line per check.
 """
@@ -39,8 +40,12 @@ count; the tool-call parser is on (a request with tools gets 200); the tokengate
 plugin is loaded and writes where the ledger reads (that chat request's engine record
 appears in one of ledger.engine_usage_files within --engine-wait-s); and for a fixed set
 of bodies (system prompt, tools, multi-turn with a tool call, CJK, a completions prompt)
-the counter's count equals vLLM's own POST /tokenize answer. The counter runs in this
-process from the configuration's model directories. Requests go straight to each
+the counter's count equals vLLM's own POST /tokenize answer. For a model routed by the
+prefix cache (routing.policy: prefix): vLLM's vllm:cache_config_info on /metrics says
+prefix caching is on with the block size and hash algorithm of models.<name>.routing, and
+each replica of routing.kv_events publishes, on that endpoint, the blocks of a probe
+prompt with the counter's block hashes (which also checks routing.hash_seed). The counter
+runs in this process from the configuration's model directories. Requests go straight to each
 upstream (never through the edge); each generates at most one token.
 
 OUTPUT

@@ -1,7 +1,8 @@
 """``tokengate doctor`` and ``tokengate-counter --check-upstreams``: every upstream is
 checked against what the counter mirrors and billing reads (model name, vLLM release,
 --enable-prompt-tokens-details, the tool parser, the tokengate plugin's engine records
-in a file the ledger reads, counts equal to vLLM's /tokenize).
+in a file the ledger reads, counts equal to vLLM's /tokenize; with prefix routing, vLLM's
+cache settings and the KV events of each replica that publishes them).
 
 Against the real vLLM CPU server (the session's, and one started without the billing
 flags), TokenStorm's fast upstream for a replica that serves another model or reports
@@ -31,12 +32,14 @@ from tokengate.process import Service, free_port, tcp_ready
 from tokenstorm.null_server import FastUpstream
 from tokenstorm.upstream import UpstreamOptions
 
-from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
+from tests.conftest import KV_EVENTS, MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 from tests.fixtures_ledger import wait_until
 from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer
 
 CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
           "engine_records", *(f"count {p[0]}" for p in doctor.PROBES)]
+# routing.policy prefix (the test configuration's): every upstream, and one of kv_events
+PREFIX_CHECKS = ["prefix_cache", "kv_events"]
 VLLM = f"127.0.0.1:{VLLM_PORT}"
 # where the session's vLLM and its queue server (tests/fixtures_vllm.py) write engine
 # records
@@ -51,10 +54,15 @@ PLUGIN_MISSING = (
 
 def _config(base: Path, out: Path, upstreams: list[str],
             edit: Callable[[dict[str, Any]], None] | None = None,
-            engine_files: Sequence[Path] = (SESSION_ENGINE, BARE_ENGINE)) -> Path:
+            engine_files: Sequence[Path] = (SESSION_ENGINE, BARE_ENGINE),
+            prefix: bool = False) -> Path:
+    """``base`` with these upstreams; ``prefix``: its routing (by the prefix cache, the
+    session's vLLM publishing KV events), else the default (no prefix checks)."""
     raw = yaml.safe_load(base.read_text())
     raw["models"][MODEL]["upstreams"] = upstreams
     raw["models"][MODEL]["embedded"] = False
+    if not prefix:
+        raw["models"][MODEL].pop("routing", None)
     raw.setdefault("ledger", {})["engine_usage_files"] = [str(f) for f in engine_files]
     if edit is not None:
         edit(raw)
@@ -108,12 +116,12 @@ def test_versions_are_verified_by_major_and_minor() -> None:
 
 
 def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str) -> None:
-    cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM])
+    cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM], prefix=True)
     before = SESSION_ENGINE.stat().st_size if SESSION_ENGINE.exists() else 0
     status, lines, err = _doctor(cfg)
     assert status == 0, "\n".join(lines) + err
     got = _lines_of(lines, VLLM)
-    assert list(got) == CHECKS
+    assert list(got) == CHECKS + PREFIX_CHECKS
     assert all(line.startswith("OK ") for line in got.values()), lines
     assert got["model"] == "OK model: serves tiny-qwen3 (max_model_len 8192)"
     # the plugin (installed in the test venv) wrote the probe's record where the
@@ -124,19 +132,23 @@ def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: st
     assert got["version"] == "OK version: vLLM 0.32.0 (the counter mirrors 0.32.x)"
     assert got["usage"] == "OK usage: usage.prompt_tokens 10 = counter 10"
     assert got["count chat_tools"] == "OK count chat_tools: 191 tokens, vLLM /tokenize agrees"
-    assert err.strip() == f"tokengate doctor: 1 upstream(s): {len(CHECKS)} OK, 0 warning(s), " \
-                          "0 failed, 0 skipped"
+    assert got["prefix_cache"] == ("OK prefix_cache: prefix caching on, blocks of 128 tokens, "
+                                   "sha256 hashes, as models.tiny-qwen3.routing says")
+    assert got["kv_events"] == (f"OK kv_events: tcp://{KV_EVENTS} published the probe's 2 "
+                                "blocks with the counter's hashes")
+    assert err.strip() == f"tokengate doctor: 1 upstream(s): {len(CHECKS) + 2} OK, " \
+                          "0 warning(s), 0 failed, 0 skipped"
 
-    # both requests that generate (the plain chat and the one with tools) carry the
-    # doctor's id: the ledger counts their records as probes, not as requests around
-    # the edge
+    # the three requests that generate (the plain chat, the one with tools, the KV-event
+    # probe) carry the doctor's id: the ledger counts their records as probes, not as
+    # requests around the edge
     def probes() -> list[str]:
         with SESSION_ENGINE.open("rb") as f:
             f.seek(before)
             lines = f.read().splitlines()
         return [r.request_id for r in map(parse_record, lines) if r.doctor_probe]
 
-    wait_until(lambda: len(probes()) == 2, 30, what="the doctor's two engine records")
+    wait_until(lambda: len(probes()) == 3, 30, what="the doctor's three engine records")
 
 
 def test_a_replica_serving_another_model_fails_loudly(
@@ -184,8 +196,9 @@ def test_an_unverified_vllm_release_fails_unless_allowed(
     checks = doctor.run(cfg_real, verified=((0, 31),), allow_unverified=True,
                         out=seen.append)
     assert [(c.name, c.status) for c in checks if c.status != "OK"] == [("version", "WARN")]
-    # doctor.run() as the counter's --check-upstreams calls it: no engine_records
-    assert doctor.summary(checks).endswith(f"{len(CHECKS) - 2} OK, 1 warning(s), 0 failed, "
+    # doctor.run() as the counter's --check-upstreams calls it: no engine_records (and
+    # the prefix checks of the test configuration)
+    assert doctor.summary(checks).endswith(f"{len(CHECKS)} OK, 1 warning(s), 0 failed, "
                                            "0 skipped")
 
 
@@ -362,7 +375,56 @@ def test_the_counter_serves_after_a_passing_upstream_check(config_path: Path,
         log = svc.log_tail(200)
         assert f"counter: upstream check: OK   tiny-qwen3 {VLLM} count chat_cjk" in log
         # the counter's check runs every check but engine_records (the ledger's concern)
-        assert (f"counter: upstream check: 1 upstream(s): {len(CHECKS) - 1} OK, 0 warning(s), "
+        # (and the prefix checks: the test configuration routes by the prefix cache)
+        assert (f"counter: upstream check: 1 upstream(s): {len(CHECKS) + 1} OK, 0 warning(s), "
                 "0 failed, 0 skipped") in log
     finally:
         svc.stop()
+
+
+def test_replica_settings_that_differ_from_the_routing_fail(config_path: Path,
+                                                            vllm_url: str) -> None:
+    """The block size and hash algorithm vLLM reports on /metrics, and the hashes it
+    publishes (the only evidence of its PYTHONHASHSEED), against models.<name>.routing;
+    a kv_events entry for a host that is not an upstream is only a warning."""
+    stray = "127.0.0.1:9"
+
+    def seed(raw: dict[str, Any]) -> None:
+        routing = raw["models"][MODEL]["routing"]
+        routing["hash_seed"] = 7
+        routing["kv_events"][stray] = "tcp://127.0.0.1:9"
+
+    cfg = _config(config_path, TEST_DIR / "doctor" / "seed.yaml", [VLLM], seed, prefix=True)
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    got = _lines_of(lines, VLLM)
+    assert {k for k, v in got.items() if not v.startswith("OK ")} == {"kv_events"}
+    assert got["kv_events"] == (
+        f"FAIL kv_events: tcp://{KV_EVENTS} published the probe's blocks with other hashes "
+        "than the counter's: is models.tiny-qwen3.routing.hash_seed the replica's "
+        "PYTHONHASHSEED (null: none set)?")
+    assert _lines_of(lines, stray) == {"kv_events": (
+        f"WARN kv_events: models.tiny-qwen3.routing.kv_events names {stray}, which is not "
+        "one of its upstreams: not followed")}
+    assert "1 warning(s), 1 failed" in err
+
+    dead = f"127.0.0.1:{free_port()}"
+
+    def sizes(raw: dict[str, Any]) -> None:
+        routing = raw["models"][MODEL]["routing"]
+        routing.update(block_size=16, hash_algo="sha256_cbor")
+        routing["kv_events"] = {VLLM: f"tcp://{dead}"}
+
+    cfg = _config(config_path, TEST_DIR / "doctor" / "sizes.yaml", [VLLM], sizes, prefix=True)
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    got = _lines_of(lines, VLLM)
+    assert {k for k, v in got.items() if not v.startswith("OK ")} == set(PREFIX_CHECKS)
+    assert got["prefix_cache"] == (
+        "FAIL prefix_cache: its --block-size is 128, models.tiny-qwen3.routing.block_size is "
+        "16; its --prefix-caching-hash-algo is sha256, models.tiny-qwen3.routing.hash_algo "
+        "is sha256_cbor: the counter's block hashes would never match the replica's")
+    assert got["kv_events"] == (
+        f"FAIL kv_events: nothing listens on tcp://{dead} after 10 s: start vLLM with "
+        "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        f"\"endpoint\": \"tcp://*:{dead.rpartition(':')[2]}\"}}'")

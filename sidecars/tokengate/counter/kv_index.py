@@ -22,7 +22,8 @@ key, the digest's last 8 bytes (``key_of``), so the replicas may publish either.
 Each counter worker process follows every replica of ``models.<name>.routing.kv_events``
 (when its ``policy`` is ``prefix``) in a thread of its own (``Follower``): a SUB socket
 connected to the endpoint, subscribed to every topic, and a socket monitor that says when
-the TCP connection to the publisher is up. What the index trusts:
+a connection to the publisher is up (the ZMQ handshake done) and when it drops. What the
+index trusts:
 
 - *live*: a replica is live while the connection to its publisher is up; an idle
   replica publishes nothing and stays live. Only live replicas get a ``PrefixHit``
@@ -296,7 +297,8 @@ class Follower:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
         sub.setsockopt(zmq.LINGER, 0)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # live from the ZMTP handshake (a ZMQ publisher answered), not the TCP connect
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
             sub.connect(r.endpoint)
             poller = zmq.Poller()
@@ -306,7 +308,7 @@ class Follower:
                 for sock, _ in poller.poll(_POLL_MS):
                     if sock is monitor:
                         event = recv_monitor_message(monitor)["event"]
-                        r.connected(event == zmq.EVENT_CONNECTED)
+                        r.connected(event == zmq.EVENT_HANDSHAKE_SUCCEEDED)
                     else:
                         while True:  # what is there, then look at the monitor again
                             try:

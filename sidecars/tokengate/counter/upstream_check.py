@@ -31,6 +31,20 @@ every model, in order:
     count <body>           for each of ``PROBES`` (system prompt, tools, multi-turn with a
                            tool call, CJK and emoji, a completions prompt), the counter's
                            prompt tokens equal vLLM's own ``POST /tokenize`` count
+    prefix_cache           (``routing.policy: prefix``) the labels of vLLM's
+                           ``vllm:cache_config_info`` on ``GET /metrics``: prefix caching
+                           on, ``block_size`` and ``prefix_caching_hash_algo`` as
+                           ``routing`` says (else the counter's block hashes never match
+                           the replica's)
+    kv_events              (``routing.policy: prefix``, a replica of ``routing.kv_events``)
+                           a ZMQ subscriber connects to its publisher, a completions probe
+                           of a fresh random prompt of two blocks and a token (token ids,
+                           one generated token) is sent, and a ``BlockStored`` event of it
+                           must carry the counter's hashes of those blocks within
+                           ``KV_EVENTS_WAIT_S``: the endpoint, the events and the seed
+                           (``routing.hash_seed``, which no route shows) are checked at
+                           once. An entry of ``routing.kv_events`` that is not one of
+                           ``upstreams`` is a warning (it is not followed)
 
 The counter runs in this process, from the configuration's model directories (the files
 a ``tokengate-counter`` started on the same file loads). ``/tokenize`` request shapes are
@@ -95,6 +109,9 @@ PROBES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 _PLAIN = [{"role": "user", "content": "Hello!"}]
 ENGINE_WAIT_S = 5.0  # how long a probe's engine record may take to appear, s
+KV_EVENTS_WAIT_S = 10.0  # how long the kv_events probe waits to connect, then for its event
+# vllm:cache_config_info's labels (vllm/config/cache.py CacheConfig.metrics_info)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -192,9 +209,12 @@ def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCo
         except BadRequest as e:
             return None, f"the counter refused the body: {e}"
 
+    prefix = model.routing.policy == "prefix"
     names = ["model", "version", "prompt_tokens_details", "usage", "tool_parser",
              *(["engine_records"] if engine_files is not None else []),
-             *(f"count {p[0]}" for p in PROBES)]
+             *(f"count {p[0]}" for p in PROBES),
+             *(["prefix_cache"] if prefix else []),
+             *(["kv_events"] if upstream in model.kv_events else [])]
     try:
         status = _http("GET", base + "/health", None, timeout_s).status
         why = "" if status == 200 else f"/health answered {status}"
@@ -219,6 +239,11 @@ def check_upstream(model: tg_config.ModelConfig, upstream: str, counter: ModelCo
                                   answered == [True], engine_wait_s)
         for probe, endpoint, body in PROBES:
             yield _count(check, model, base, counted, probe, endpoint, body, timeout_s)
+        if prefix:
+            yield _prefix_cache(check, model, base, timeout_s)
+        if upstream in model.kv_events:
+            yield _kv_events(check, model, base, model.kv_events[upstream], counter,
+                             timeout_s)
     except _Unreachable as e:
         # it answered /health a moment ago: went away, or too slow for timeout_s
         yield check("connection", "FAIL", f"lost the upstream ({e}); rerun when it is up")
@@ -429,6 +454,140 @@ def _count(check: Callable[[str, Status, str], Check], model: tg_config.ModelCon
     return check(what, "OK", f"{mine} tokens, vLLM /tokenize agrees")
 
 
+def _prefix_cache(check: Callable[[str, Status, str], Check], model: tg_config.ModelConfig,
+                  base: str, timeout_s: float) -> Check:
+    what, routing = "prefix_cache", model.routing
+    where = f"models.{model.name}.routing"
+    req = urllib.request.Request(base + "/metrics")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            text = r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return check(what, "FAIL", f"GET /metrics: HTTP {e.code}")
+    except (OSError, ValueError) as e:
+        raise _Unreachable(str(getattr(e, "reason", None) or e)) from None
+    line = next((x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")), None)
+    if line is None:
+        return check(what, "FAIL", "GET /metrics has no vllm:cache_config_info: is this a "
+                                   "vLLM server? prefix routing needs its block size and "
+                                   "hash algorithm")
+    labels = dict(_LABEL.findall(line[:line.rfind("}")]))
+    wrong = []
+    if labels.get("enable_prefix_caching") != "True":
+        wrong.append(f"prefix caching is off (enable_prefix_caching "
+                     f"{labels.get('enable_prefix_caching')}): start vLLM with "
+                     "--enable-prefix-caching, or set the policy to least_outstanding")
+    if labels.get("block_size") != str(routing.block_size):
+        wrong.append(f"its --block-size is {labels.get('block_size')}, {where}.block_size "
+                     f"is {routing.block_size}")
+    if labels.get("prefix_caching_hash_algo") != routing.hash_algo:
+        wrong.append(f"its --prefix-caching-hash-algo is "
+                     f"{labels.get('prefix_caching_hash_algo')}, {where}.hash_algo is "
+                     f"{routing.hash_algo}")
+    if wrong:
+        return check(what, "FAIL", "; ".join(wrong) + ": the counter's block hashes would "
+                                   "never match the replica's")
+    return check(what, "OK", f"prefix caching on, blocks of {routing.block_size} tokens, "
+                             f"{routing.hash_algo} hashes, as {where} says")
+
+
+def _kv_events(check: Callable[[str, Status, str], Check], model: tg_config.ModelConfig,
+               base: str, endpoint: str, counter: ModelCounter | str,
+               timeout_s: float) -> Check:
+    """The ``kv_events`` check (module docstring): the probe's ``BlockStored`` hashes
+    against the counter's, compared by ``kv_index.key_of`` (vLLM publishes 32-byte
+    hashes or, by default, their low 64 bits as integers)."""
+    import secrets
+
+    import msgspec
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from tokengate import prefix_hash
+    from tokengate.counter import kv_index
+    from tokengate.counter.errors import BadRequest
+
+    what = "kv_events"
+    if isinstance(counter, str):
+        return check(what, "FAIL", f"the counter cannot load models.{model.name}.dir: "
+                                   f"{counter}")
+    bs = model.routing.block_size
+    vocab = counter.tokenizer.vocab_size
+    # a prompt no cache holds yet: its blocks are stored (and published) by this probe
+    prompt = [1000 + secrets.randbelow(max(vocab - 2000, 1)) for _ in range(2 * bs + 1)]
+    try:
+        reply = counter.count("completions", {"model": model.name, "prompt": prompt})
+    except BadRequest as e:
+        return check(what, "FAIL", f"the counter refused the probe: {e}")
+    full = prefix_hash.block_hashes(prompt, bs, model.routing.hash_algo,
+                                    model.routing.hash_seed)
+    if reply.block_hashes != b"".join(h[:prefix_hash.PREFIX_BYTES] for h in full):
+        return check(what, "FAIL", "the counter's block hashes are not prefix_hash's: a "
+                                   "bug, report it")
+    want = [kv_index.key_of(h) for h in full]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        if not monitor.poll(int(KV_EVENTS_WAIT_S * 1000)):
+            return check(what, "FAIL", f"nothing listens on {endpoint} after "
+                                       f"{KV_EVENTS_WAIT_S:g} s: start vLLM with "
+                                       "--kv-events-config '{\"enable_kv_cache_events\": "
+                                       "true, \"publisher\": \"zmq\", \"endpoint\": "
+                                       f"\"tcp://*:{endpoint.rpartition(':')[2]}\"}}'")
+        recv_monitor_message(monitor)
+        time.sleep(0.3)  # the subscription reaches the publisher (a SUB misses the rest)
+        a = _http("POST", base + "/v1/completions",
+                  {"model": model.name, "prompt": prompt, "max_tokens": 1}, timeout_s,
+                  {"X-Request-Id": f"{DOCTOR_PROBE_PREFIX}{uuid.uuid4().hex}"})
+        if a.status != 200:
+            return check(what, "FAIL", f"the completions probe got {_why(a)}")
+        decode = msgspec.msgpack.Decoder(kv_index.EventBatch).decode
+        event = msgspec.msgpack.Decoder(kv_index.Event).decode
+        seen = 0
+        deadline = time.monotonic() + KV_EVENTS_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not sub.poll(int(left * 1000)):
+                break
+            frames = sub.recv_multipart()
+            seen += 1
+            try:
+                raws = decode(frames[-1]).events if len(frames) == 3 else []
+            except msgspec.DecodeError:
+                continue
+            for raw in raws:
+                try:
+                    ev = event(raw)
+                except msgspec.DecodeError:
+                    continue
+                # the probe's first block, whatever hashes it came with
+                if not isinstance(ev, kv_index.BlockStored) or ev.token_ids[:bs] != prompt[:bs]:
+                    continue
+                try:
+                    theirs = [kv_index.key_of(h) for h in ev.block_hashes]
+                except ValueError:
+                    theirs = []
+                if theirs[:2] == want:
+                    return check(what, "OK", f"{endpoint} published the probe's 2 blocks "
+                                             "with the counter's hashes")
+                return check(what, "FAIL", f"{endpoint} published the probe's blocks with "
+                                           "other hashes than the counter's: is "
+                                           f"models.{model.name}.routing.hash_seed the "
+                                           "replica's PYTHONHASHSEED (null: none set)?")
+        why = f"{seen} message(s), none about the probe" if seen else "no event"
+        return check(what, "FAIL", f"{why} from {endpoint} within {KV_EVENTS_WAIT_S:g} s of "
+                                   "the probe: is this the endpoint of this replica's "
+                                   "--kv-events-config?")
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+        sub.close(0)
+        ctx.term()
+
+
 def _load_counter(model: tg_config.ModelConfig, cfg: tg_config.Config) -> ModelCounter | str:
     from tokengate.counter.counting import ModelCounter
     from tokengate.counter.tokenizer import TokenizerLoadError
@@ -476,6 +635,13 @@ def run(cfg: tg_config.Config, *, allow_unverified: bool = False,
     engine = list(cfg.ledger.engine_usage_files) if engine_records else None
     for model in cfg.models.values():
         counter = _load_counter(model, cfg)
+        if model.routing.policy == "prefix":
+            for stray in model.routing.kv_events.keys() - set(model.upstreams):
+                c = Check(model.name, stray, "kv_events", "WARN",
+                          f"models.{model.name}.routing.kv_events names {stray}, which is "
+                          "not one of its upstreams: not followed")
+                out(c.line())
+                checks.append(c)
         for upstream in model.upstreams:
             for c in check_upstream(model, upstream, counter, allow_unverified=allow_unverified,
                                     verified=verified, timeout_s=timeout_s,
