@@ -12,7 +12,7 @@ from tokengate import config as tg_config
 
 from tokenstorm.arrivals import PROCESSES, ArrivalSpec
 from tokenstorm.profiles import OutputPolicy
-from tokenstorm.prompts import StreamOptions
+from tokenstorm.prompts import Sharing, StreamOptions
 from tokenstorm.report import SLO
 
 if TYPE_CHECKING:
@@ -70,6 +70,11 @@ EXAMPLES
   Saturation: 64 requests in flight per worker, 1000-token prompts, 16 output tokens:
     tokenstorm run --concurrency 64 --profile normal:mean=1000,sd=0 --output-tokens 16
 
+  Prefix-cache traffic: 16 tenants with 3000-token system prompts, two conversations
+  each (the report adds the cached-token ratio the server's prefix cache reached):
+    tokenstorm run --tenants 16 --shared-prefix-tokens 3000 --conversations 2 \\
+        --profile normal:mean=4000,sd=400 --output-tokens 32 --stream
+
   Replay a trace (JSONL: timestamp, input_tokens, output_tokens) twice as fast:
     tokenstorm run --profile trace:path=trace.jsonl,speed=2 --duration 600
 
@@ -126,6 +131,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="do not send vLLM's ignore_eos (outputs may end early)")
     g.add_argument("--seed", type=int, default=0, help="schedule and prompt seed "
                    "(default: %(default)s)")
+    g.add_argument("--tenants", type=int, default=0, metavar="N",
+                   help="shared prefixes: request j belongs to tenant j %% N, whose prompts "
+                        "all start with its system prompt, then a conversation's history "
+                        "(0: every prompt unique; default: %(default)s)")
+    g.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="T",
+                   help="tokens of each tenant's system prompt (default: %(default)s)")
+    g.add_argument("--conversations", type=int, default=1, metavar="C",
+                   help="conversations per tenant: successive turns of one extend the same "
+                        "history (default: %(default)s)")
     c = p.add_argument_group("client")
     c.add_argument("--url", default="http://127.0.0.1:8080/v1",
                    help="API base URL (default: %(default)s, the gateway of `make run`)")
@@ -265,6 +279,11 @@ def _stream_opts(args: argparse.Namespace) -> StreamOptions:
                          ignore_eos=not args.no_ignore_eos)
 
 
+def _sharing(args: argparse.Namespace) -> Sharing:
+    return Sharing(tenants=args.tenants, prefix_tokens=args.shared_prefix_tokens,
+                   conversations=args.conversations)
+
+
 def _keys(args: argparse.Namespace) -> tuple[str, ...]:
     if args.api_key:
         return tuple(args.api_key)
@@ -335,8 +354,9 @@ def measure_ceiling(args: argparse.Namespace, concurrency: int, duration_s: floa
     with FastUpstream(UpstreamOptions(model=model, max_model_len=mlen), name="null") as up:
         spec = RunSpec(url=up.url, model=model, model_dir=model_dir, max_model_len=mlen,
                        endpoint=args.endpoint, concurrency=concurrency, duration_s=duration_s,
-                       profile=args.profile, output=_output(args), stream=_stream_opts(args),
-                       send_token_count=True, workers=args.workers, timeout_s=args.timeout,
+                       profile=args.profile, sharing=_sharing(args), output=_output(args),
+                       stream=_stream_opts(args), send_token_count=True,
+                       workers=args.workers, timeout_s=args.timeout,
                        seed=args.seed, name="ceiling (null server)")
         return execute(spec, progress=console is not None, console=console)
 
@@ -381,8 +401,9 @@ def _run(args: argparse.Namespace) -> int:
         spec = RunSpec(url=args.url, model=model, model_dir=model_dir, max_model_len=mlen,
                        endpoint=args.endpoint, arrival=arrival, concurrency=concurrency,
                        duration_s=args.duration, max_requests=args.max_requests,
-                       profile=args.profile, output=_output(args), stream=_stream_opts(args),
-                       keys=_keys(args), send_token_count=args.send_token_count,
+                       profile=args.profile, sharing=_sharing(args), output=_output(args),
+                       stream=_stream_opts(args), keys=_keys(args),
+                       send_token_count=args.send_token_count,
                        check_prompt_tokens=not args.no_check_prompt_tokens,
                        workers=args.workers, connections=args.connections,
                        max_connections=args.max_connections, timeout_s=args.timeout,

@@ -20,9 +20,10 @@ vLLM's usage is cumulative (last value wins).
 
 Per request the worker records (seconds from the run start, monotonic clock): the
 scheduled and actual send times, the first token event (TTFT) and the end; HTTP
-status; reported prompt and completion tokens; the number of token events; inter-
-event gaps (ITL samples); for 429s the limit that refused (requests or tokens) and
-``Retry-After``.
+status; reported prompt and completion tokens, and the prompt tokens served from the
+server's prefix cache (``usage.prompt_tokens_details.cached_tokens``, 0 when absent);
+the number of token events; inter-event gaps (ITL samples); for 429s the limit that
+refused (requests or tokens) and ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class WorkerResult:
     status: array
     prompt: array
     completion: array
+    cached: array
     header_count: array
     chunks: array
     error: array
@@ -377,7 +379,7 @@ class Worker:
             sent=array("d", [nan]) * n, first=array("d", [nan]) * n,
             end=array("d", [nan]) * n, status=array("i", [0]) * n,
             prompt=array("i", [-1]) * n, completion=array("i", [-1]) * n,
-            header_count=array("i", [-1]) * n, chunks=array("i", [0]) * n,
+            cached=array("i", [-1]) * n, header_count=array("i", [-1]) * n, chunks=array("i", [0]) * n,
             error=array("b", [0]) * n, limit=array("b", [0]) * n,
             retry_after=array("d", [nan]) * n, itl=array("d"))
         self.itl = self.res.itl
@@ -551,6 +553,8 @@ class Worker:
             if usage:
                 r.prompt[j] = int(usage.get("prompt_tokens", -1))
                 r.completion[j] = int(usage.get("completion_tokens", -1))
+                details = usage.get("prompt_tokens_details") or {}
+                r.cached[j] = int(details.get("cached_tokens") or 0)
             if not conn.sse:
                 # Non-streaming: the whole answer is the first token.
                 r.first[j] = r.end[j]

@@ -21,6 +21,18 @@ prompts add the tokenizer's special tokens (none for Qwen).
 Every prompt starts with two words that encode its request index, so no two prompts
 share a prefix beyond chance (no prefix-cache hits, no counter segment-cache hits);
 the rest is a slice of a seeded random word corpus.
+
+**Shared prefixes** (``Sharing``): agent and chat traffic resends long prefixes (a
+tenant's system prompt and tool schemas, a conversation's history), which a server's
+prefix cache (vLLM: ``vllm/v1/core/kv_cache_utils.py``) serves without prefill. With
+``Sharing(tenants, prefix_tokens, conversations)`` request j belongs to tenant
+``j % tenants``; its prompt is that tenant's system prompt (``prefix_tokens`` words, the
+same in every request of the tenant; a chat ``system`` message, or the head of a
+completions prompt) followed by a conversation's history: the first words of a word
+stream of its own per (tenant, conversation), so successive turns of one conversation
+extend the same text and share their common prefix. The tenant's k-th request
+(``k = j // tenants``) continues its conversation ``k % conversations``. Lengths stay
+exactly the plan's: the history takes what the overhead and the system prompt leave.
 """
 
 from __future__ import annotations
@@ -62,20 +74,70 @@ class StreamOptions:
     ignore_eos: bool = True
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """Which requests share prompt prefixes (see the module text).
+
+    ``tenants``: request j belongs to tenant ``j % tenants``; 0: no sharing, every
+    prompt starts with words of its own. ``prefix_tokens``: tokens of each tenant's
+    system prompt (its words; the chat template's own tokens come on top).
+    ``conversations``: conversations per tenant; the tenant's k-th request is turn
+    ``k // conversations`` of its conversation ``k % conversations``.
+    """
+
+    tenants: int = 0
+    prefix_tokens: int = 0
+    conversations: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tenants < 0 or self.prefix_tokens < 0 or self.conversations < 1:
+            raise ValueError("sharing: tenants and prefix tokens must be >= 0, "
+                             "conversations >= 1")
+        if self.tenants == 0 and self.prefix_tokens > 0:
+            raise ValueError("sharing: a shared prefix needs tenants (> 0) to share it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tenants > 0
+
+    def place(self, index: int) -> tuple[int, int, int]:
+        """(tenant, conversation, turn) of request ``index``; the conversation's number
+        is unique across tenants (``tenant * conversations + c``)."""
+        tenant, k = index % self.tenants, index // self.tenants
+        return tenant, tenant * self.conversations + k % self.conversations, \
+            k // self.conversations
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "no shared prefixes"
+        return (f"{self.tenants} tenants with {self.prefix_tokens}-token system prompts, "
+                f"{self.conversations} conversation(s) each")
+
+
+def _stream_start(key: int, n: int) -> int:
+    """Where word stream ``key`` starts in a corpus of ``n`` words (Knuth's
+    multiplicative hash: neighbouring keys start far apart)."""
+    return (key * 2654435761 + 97) % n
+
+
 class PromptBuilder:
     """Builds request bodies whose prompt is exactly ``n`` tokens for the served model.
 
     ``model_dir``: the served model's directory (``tokenizer.json``,
     ``tokenizer_config.json``); ``model``: served model name; ``endpoint``: ``chat``
-    or ``completions``; ``seed``: corpus seed (same seed, same prompts).
+    or ``completions``; ``seed``: corpus seed (same seed, same prompts); ``sharing``:
+    which requests share prefixes (default: none).
     """
 
     def __init__(self, model_dir: Path, model: str, endpoint: Endpoint = "chat",
-                 seed: int = 0, corpus_words: int = 1 << 17) -> None:
+                 seed: int = 0, corpus_words: int = 1 << 17,
+                 sharing: Sharing | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.model = model
         self.endpoint: Endpoint = endpoint
         self.path = ENDPOINT_PATHS[endpoint]
+        self.sharing = sharing or Sharing()
+        self._tenant_text: dict[int, str] = {}
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.words = single_token_words(self.tokenizer)
         if len(self.words) < 256:
@@ -101,17 +163,21 @@ class PromptBuilder:
                               "does not split words the way PromptBuilder assumes")
 
     def _measure_overhead(self) -> int:
-        """Prompt tokens beyond the content's own: chat template or special tokens."""
+        """Prompt tokens beyond the words' own: chat template or special tokens, for
+        the shape of this builder's prompts (with a system prompt when sharing one)."""
+        system = self.tenant_prompt(0) if self.sharing.prefix_tokens else None
+        words = self.sharing.prefix_tokens
         overheads = set()
         for k in (1, 7, 300):
             text = self.content(k, k)
-            overheads.add(self.count(text) - k)
+            overheads.add(self.count(text, system) - k - words)
         if len(overheads) != 1:
             raise PromptError(f"template overhead depends on the content length: {overheads}")
         return overheads.pop()
 
-    def render_chat(self, content: str) -> str:
-        """The prompt text vLLM renders for one user message (``add_generation_prompt``)."""
+    def render_chat(self, content: str, system: str | None = None) -> str:
+        """The prompt text vLLM renders for one user message (``add_generation_prompt``),
+        after a system message when ``system`` is given."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         cfg = json.loads((self.model_dir / "tokenizer_config.json").read_text())
@@ -124,26 +190,33 @@ class PromptBuilder:
         special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                    if isinstance(cfg.get(k), str)}
         # Returns (rendered conversations, generation indices).
+        messages = [{"role": "user", "content": content}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         out: Any = render_jinja_template(
-            conversations=[[{"role": "user", "content": content}]], tools=None,
+            conversations=[messages], tools=None,
             chat_template=source, add_generation_prompt=True, **special)
         return str(out[0][0])
 
-    def count(self, content: str) -> int:
-        """Prompt tokens of a request with this content, counted the way vLLM counts.
+    def count(self, content: str, system: str | None = None) -> int:
+        """Prompt tokens of a request with this content (after the system prompt
+        ``system`` when given), counted the way vLLM counts.
 
         Chat: the rendered template tokenized with ``add_special_tokens=False``;
-        completions: the text tokenized with the tokenizer's special tokens.
+        completions: the text (``system + " " + content``) tokenized with the
+        tokenizer's special tokens.
         """
         if self.endpoint == "chat":
-            return len(self.tokenizer.encode(self.render_chat(content),
+            return len(self.tokenizer.encode(self.render_chat(content, system),
                                              add_special_tokens=False).ids)
-        return len(self.tokenizer.encode(content, add_special_tokens=True).ids)
+        text = content if system is None else system + " " + content
+        return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     @property
     def min_prompt_tokens(self) -> int:
-        """The shortest prompt (tokens) this builder can make: overhead + one word."""
-        return self.overhead + 1
+        """The shortest prompt (tokens) this builder can make: overhead + the shared
+        system prompt + one word."""
+        return self.overhead + self.sharing.prefix_tokens + 1
 
     # -- building ---------------------------------------------------------------------
 
@@ -162,21 +235,70 @@ class PromptBuilder:
         body = self._corpus[self._offsets[start]:self._offsets[start + rest] - 1]
         return " ".join(head) + " " + body
 
+    def _stream(self, key: int, words: int) -> str:
+        """``words`` words of word stream ``key``: two words that encode ``key`` (the
+        low digit first: streams differ from their first word), then the corpus from
+        the stream's own start on (wrapping around at its end), so a stream's text for
+        n words is the start of its text for n + 1."""
+        v = len(self.words)
+        head = [self.words[key % v], self.words[(key // v) % v]][:words]
+        rest = words - len(head)
+        n_corpus = len(self._offsets) - 1
+        if rest > n_corpus:
+            raise PromptError(f"a text of {words} words exceeds the corpus ({n_corpus})")
+        parts = [" ".join(head)]
+        start = _stream_start(key, n_corpus)
+        while rest > 0:
+            take = min(rest, n_corpus - start)
+            parts.append(self._corpus[self._offsets[start]:self._offsets[start + take] - 1])
+            rest -= take
+            start = 0
+        return " ".join(parts)
+
+    def tenant_prompt(self, tenant: int) -> str:
+        """Tenant ``tenant``'s system prompt: ``sharing.prefix_tokens`` single-token
+        words (two encode the tenant), the same text in every request of the tenant."""
+        text = self._tenant_text.get(tenant)
+        if text is None:
+            # streams of tenants and of conversations never start at the same word
+            text = self._stream(2 * tenant, self.sharing.prefix_tokens)
+            self._tenant_text[tenant] = text
+        return text
+
+    def parts(self, index: int, prompt_tokens: int) -> tuple[str | None, str]:
+        """(system prompt or None, user content) of request ``index`` with exactly
+        ``prompt_tokens`` prompt tokens. Without sharing: no system prompt, ``content``'s
+        unique words. With sharing: the tenant's system prompt (when ``prefix_tokens``)
+        and the first words of the request's conversation. Raises ``PromptError`` when
+        ``prompt_tokens < min_prompt_tokens``."""
+        words = prompt_tokens - self.overhead - self.sharing.prefix_tokens
+        if words < 1:
+            raise PromptError(f"{prompt_tokens} prompt tokens is below the minimum "
+                              f"{self.min_prompt_tokens} for {self.endpoint}"
+                              + (f" with a {self.sharing.prefix_tokens}-token shared prefix"
+                                 if self.sharing.prefix_tokens else ""))
+        if not self.sharing.enabled:
+            return None, self.content(index, words)
+        tenant, conversation, _ = self.sharing.place(index)
+        system = self.tenant_prompt(tenant) if self.sharing.prefix_tokens else None
+        return system, self._stream(2 * conversation + 1, words)
+
     def body(self, index: int, prompt_tokens: int, max_tokens: int,
              opts: StreamOptions) -> bytes:
-        """A JSON request body whose prompt is exactly ``prompt_tokens`` tokens.
+        """A JSON request body whose prompt is exactly ``prompt_tokens`` tokens
+        (request ``index``'s words: ``parts``).
 
         Raises ``PromptError`` when ``prompt_tokens < min_prompt_tokens``.
         """
-        words = prompt_tokens - self.overhead
-        if words < 1:
-            raise PromptError(f"{prompt_tokens} prompt tokens is below the minimum "
-                              f"{self.min_prompt_tokens} for {self.endpoint}")
-        text = self.content(index, words)
+        system, text = self.parts(index, prompt_tokens)
         if self.endpoint == "chat":
-            head = ('{"model":' + self._model_json + ',"messages":[{"role":"user","content":"'
-                    + text + '"}]')
+            head = '{"model":' + self._model_json + ',"messages":['
+            if system is not None:
+                head += '{"role":"system","content":"' + system + '"},'
+            head += '{"role":"user","content":"' + text + '"}]'
         else:
+            if system is not None:
+                text = system + " " + text
             head = '{"model":' + self._model_json + ',"prompt":"' + text + '"'
         tail = ',"max_tokens":' + str(max_tokens)
         if opts.ignore_eos:
@@ -206,5 +328,6 @@ def expected_counts(builder: PromptBuilder, sizes: Sequence[int]) -> list[int]:
     """HF-tokenizer counts of the prompts ``body`` builds for ``sizes`` (for tests)."""
     out = []
     for i, n in enumerate(sizes):
-        out.append(builder.count(builder.content(i, n - builder.overhead)))
+        system, content = builder.parts(i, n)
+        out.append(builder.count(content, system))
     return out

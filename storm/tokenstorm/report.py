@@ -13,6 +13,9 @@ open-loop runs, from the actual send in closed-loop runs):
 - **E2E**: end of the response minus scheduled send.
 - **Throughput**: successful requests, output tokens and prompt + output tokens per
   second of the run's span (first scheduled send to last response end).
+- **Cached-token ratio**: prompt tokens the server served from its prefix cache
+  (``usage.prompt_tokens_details.cached_tokens``: vLLM counts whole KV blocks, with
+  ``--enable-prompt-tokens-details``) over all prompt tokens, of successful requests.
 - **Goodput**: successful requests/s that meet every SLO given (TTFT, TPOT, E2E),
   the metric of DistServe (Zhong et al., OSDI 2024) as in vLLM's ``--goodput``.
 - **429s**: split by the limit that refused (requests or tokens); *rejected tokens*
@@ -85,6 +88,12 @@ class Records:
     key: np.ndarray
     burst: np.ndarray
     itl: np.ndarray
+    # prompt tokens served from the prefix cache (-1: no usage); none given: all -1
+    cached: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+    def __post_init__(self) -> None:
+        if self.cached.size == 0 and self.sched.size:
+            self.cached = np.full(self.sched.shape[0], -1, dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.sched.shape[0])
@@ -141,6 +150,8 @@ class Window:
     output_tokens_per_s: float
     total_tokens_per_s: float
     goodput_rps: float | None
+    cached_tokens: int
+    cached_token_ratio: float | None
     ttft_ms: Dist
     tpot_ms: Dist
     itl_ms: Dist
@@ -204,6 +215,7 @@ def _window(r: Records, slo: SLO, itl: np.ndarray, span_s: float | None = None) 
                         np.nan)
     out_tokens = int(np.clip(r.completion[ok], 0, None).sum())
     in_tokens = int(np.clip(r.prompt[ok], 0, None).sum())
+    cached = int(np.clip(r.cached[ok], 0, None).sum())
     good: float | None = None
     if slo.ttft_ms is not None or slo.tpot_ms is not None or slo.e2e_ms is not None:
         meets = ok.copy()
@@ -232,7 +244,9 @@ def _window(r: Records, slo: SLO, itl: np.ndarray, span_s: float | None = None) 
         rps=float(ok.sum()) / span if math.isfinite(span) else 0.0,
         output_tokens_per_s=out_tokens / span if math.isfinite(span) else 0.0,
         total_tokens_per_s=(in_tokens + out_tokens) / span if math.isfinite(span) else 0.0,
-        goodput_rps=good, ttft_ms=Dist.of(ttft), tpot_ms=Dist.of(tpot), itl_ms=Dist.of(itl),
+        goodput_rps=good, cached_tokens=cached,
+        cached_token_ratio=cached / in_tokens if in_tokens else None,
+        ttft_ms=Dist.of(ttft), tpot_ms=Dist.of(tpot), itl_ms=Dist.of(itl),
         e2e_ms=Dist.of(e2e), limits=lim)
 
 
@@ -334,6 +348,8 @@ def render(s: Summary) -> Any:
     th.add_row("throughput (req/s)", _f(w.rps))
     th.add_row("output tokens/s", _f(w.output_tokens_per_s, 0))
     th.add_row("total tokens/s", _f(w.total_tokens_per_s, 0))
+    if w.cached_tokens:
+        th.add_row("cached-token ratio (prefix cache)", _f(w.cached_token_ratio, 3))
     slo_txt = ", ".join(f"{k[:-3]}≤{v:g}" for k, v in asdict(s.slo).items() if v is not None)
     th.add_row(f"goodput req/s ({slo_txt or 'no SLO'})", _f(w.goodput_rps))
     th.add_row("status counts", " ".join(f"{k}:{v:,}" for k, v in s.status_counts.items())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 from tokenstorm import client as sc
 from tokenstorm.arrivals import ArrivalSpec, schedule
 from tokenstorm.profiles import BurstProfile, OutputPolicy, Plan, TokenLimits, make_profile
-from tokenstorm.prompts import PromptBuilder, StreamOptions
+from tokenstorm.prompts import PromptBuilder, Sharing, StreamOptions
 from tokenstorm.report import SLO, Records, Summary, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -34,7 +34,8 @@ class RunSpec:
 
     ``arrival`` (open loop) or ``concurrency`` > 0 (closed loop, per worker) — not
     both. ``duration_s``: length of the schedule (open loop) or of the closed loop (s).
-    ``profile``: a ``profiles.make_profile`` spec. ``max_lag_ms``: send lag beyond
+    ``profile``: a ``profiles.make_profile`` spec. ``sharing``: which requests share
+    prompt prefixes (``prompts.Sharing``; default none). ``max_lag_ms``: send lag beyond
     which a request counts as late (run invalid above 1 % late).
     """
 
@@ -48,6 +49,7 @@ class RunSpec:
     duration_s: float = 10.0
     max_requests: int | None = None
     profile: str = "normal"
+    sharing: Sharing = field(default_factory=Sharing)
     output: OutputPolicy = field(default_factory=OutputPolicy)
     min_output: int = 16
     stream: StreamOptions = field(default_factory=StreamOptions)
@@ -89,14 +91,17 @@ class RunResult:
     summary: Summary
 
 
-_builders: dict[tuple[str, str, str, int], PromptBuilder] = {}
+_builders: dict[tuple[str, str, str, int, Sharing], PromptBuilder] = {}
 
 
-def prompt_builder(model_dir: Path, model: str, endpoint: str, seed: int) -> PromptBuilder:
+def prompt_builder(model_dir: Path, model: str, endpoint: str, seed: int,
+                   sharing: Sharing | None = None) -> PromptBuilder:
     """A cached ``PromptBuilder`` (building one tokenizes a sample, ~1 s)."""
-    key = (str(model_dir), model, endpoint, seed)
+    sharing = sharing or Sharing()
+    key = (str(model_dir), model, endpoint, seed, sharing)
     if key not in _builders:
-        _builders[key] = PromptBuilder(model_dir, model, endpoint, seed)  # type: ignore[arg-type]
+        _builders[key] = PromptBuilder(model_dir, model, endpoint,  # type: ignore[arg-type]
+                                       seed, sharing=sharing)
     return _builders[key]
 
 
@@ -116,7 +121,8 @@ def plan_for(spec: RunSpec, builder: PromptBuilder) -> Plan:
 def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunResult:
     """Run ``spec`` and summarize it. Raises ``RuntimeError`` when a worker cannot
     connect or dies."""
-    builder = prompt_builder(spec.model_dir, spec.model, spec.endpoint, spec.seed)
+    builder = prompt_builder(spec.model_dir, spec.model, spec.endpoint, spec.seed,
+                             spec.sharing)
     plan = plan_for(spec, builder)
     n = len(plan)
     target = sc.Target.parse(spec.url)
@@ -176,7 +182,8 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
         duration_s=spec.duration_s, slo=spec.slo, max_lag_ms=spec.max_lag_ms,
         open_loop=open_loop, key_names=[f"key{i}" for i in range(len(spec.keys))],
         check_prompt=spec.check_prompt_tokens,
-        meta={"profile": spec.profile, "endpoint": spec.endpoint, "seed": spec.seed,
+        meta={"profile": spec.profile, "sharing": asdict(spec.sharing),
+              "endpoint": spec.endpoint, "seed": spec.seed,
               "send_token_count": spec.send_token_count,
               "connections_opened": sum(r.connections_opened for r in results),
               "client_cpu_s": round(sum(r.cpu_s for r in results), 4),
@@ -245,7 +252,7 @@ def _merge(results: list[sc.WorkerResult], plan: Plan, n_keys: int) -> Records:
         sched=merged["sched"], sent=merged["sent"], first=merged["first"], end=merged["end"],
         status=merged["status"].astype(np.int64), prompt=merged["prompt"].astype(np.int64),
         completion=merged["completion"].astype(np.int64),
-        header_count=merged["header_count"].astype(np.int64),
+        cached=merged["cached"].astype(np.int64), header_count=merged["header_count"].astype(np.int64),
         chunks=merged["chunks"].astype(np.int64), error=merged["error"].astype(np.int64),
         limit=merged["limit"].astype(np.int64), retry_after=merged["retry_after"],
         expected_prompt=plan.inputs[idx].astype(np.int64),
