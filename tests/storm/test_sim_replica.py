@@ -1,0 +1,467 @@
+"""The simulated vLLM replica (``tokenstorm sim-replica``) against a real vLLM CPU server
+with prefix caching and KV events on (blocks of 32 tokens, the smallest vLLM's CPU
+attention takes, and 40 of them, as the simulated one is given): the same requests, in the same order, must give the same KV
+events (decoded with vLLM's own ``msgspec`` decoder), the same ``cached_tokens``, the
+same evictions and the same ``prompt_tokens``; and the protocol of the fast upstream's
+contract. Then what only the simulation can show cheaply: TTFT from the uncached
+tokens, the waiting queue, a client that leaves, the replay socket.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from tokengate import config as tg_config
+from tokengate import prefix_hash
+from tokengate.process import free_port
+from tokenstorm.upstream.sim import SimReplica, SimSettings
+
+from tests.conftest import MODEL, PORT_OFFSET
+from tests.fixtures_vllm import VllmFactory, VllmServer
+from tests.storm.test_upstream_contract import SUCCESS_CASES, assert_same_answer, call
+
+BLOCK = 32                   # vLLM CPU: "No common block size for 16 (MultipleOf(32))"
+NUM_BLOCKS = 40              # 39 usable: vLLM's block 0 is its null block
+MAX_LEN = 512
+KV_PORT = 18190 + PORT_OFFSET
+TOPIC = "kv-events"
+RNG = random.Random()        # prompts differ between runs: a shared vLLM holds no hits
+
+
+class Subscriber:
+    """A ZMQ SUB socket on a KV-event publisher, decoding with vLLM's own types."""
+
+    def __init__(self, endpoint: str, topic: str = "") -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.seqs: list[int] = []
+        self.topics: set[bytes] = set()
+        time.sleep(0.5)  # a SUB sees nothing sent before its subscription reached the PUB
+
+    def events(self, idle_s: float = 1.0, timeout_s: float = 60.0) -> list[Any]:
+        """The events of the batches received until none came for ``idle_s``."""
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sock.poll(int(idle_s * 1000)):
+                break
+            topic, seq, payload = self.sock.recv_multipart()
+            self.topics.add(topic)
+            self.seqs.append(int.from_bytes(seq, "big"))
+            out.extend(self.decoder.decode(payload).events)
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def sim_settings(cfg: tg_config.Config, **kw: Any) -> SimSettings:
+    m = cfg.models[MODEL]
+    base: dict[str, Any] = {"model": m.name, "model_dir": Path(m.dir), "max_model_len": MAX_LEN,
+                            "block_size": BLOCK, "num_gpu_blocks": NUM_BLOCKS,
+                            "prefill_tokens_per_s": 1e6, "ttft_overhead_ms": 0.0,
+                            "itl_ms": 1.0}
+    base.update(kw)
+    return SimSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def kv_vllm(vllm_server: VllmFactory) -> VllmServer:
+    """The real vLLM CPU server with KV events on tcp://*:KV_PORT, blocks of 32 tokens,
+    40 blocks and /reset_prefix_cache (VLLM_SERVER_DEV_MODE)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{KV_PORT}", "topic": TOPIC}
+    return vllm_server(extra_args=("--kv-events-config", json.dumps(config),
+                                   "--block-size", str(BLOCK),
+                                   "--num-gpu-blocks-override", str(NUM_BLOCKS),
+                                   "--max-model-len", str(MAX_LEN)),
+                       env={"VLLM_SERVER_DEV_MODE": "1"}, label="kv")
+
+
+@pytest.fixture(scope="module")
+def kv_sim(cfg: tg_config.Config) -> Iterator[SimReplica]:
+    """A simulated replica with the same KV cache as ``kv_vllm`` and KV events."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with SimReplica(sim_settings(cfg, kv_events_endpoint=endpoint, kv_events_topic=TOPIC),
+                    name=f"test-sim{PORT_OFFSET or ''}") as rep:
+        yield rep
+
+
+@pytest.fixture(scope="module")
+def subscribers(kv_vllm: VllmServer, kv_sim: SimReplica) -> Iterator[dict[str, Subscriber]]:
+    subs = {"vllm": Subscriber(f"tcp://127.0.0.1:{KV_PORT}", TOPIC),
+            "sim": Subscriber(kv_sim.settings.kv_events_endpoint or "", TOPIC)}
+    for s in subs.values():
+        s.events(idle_s=0.3)  # what a warm-up left
+    try:
+        yield subs
+    finally:
+        for s in subs.values():
+            s.close()
+
+
+def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(base + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def ids_prompt(n: int) -> list[int]:
+    return [RNG.randrange(1000, 100000) for _ in range(n)]
+
+
+def words(n: int) -> str:
+    return " ".join(RNG.choice(("storm", "gate", "token", "meter", "count", "ledger", "cache",
+                                "block", "hash")) for _ in range(n))
+
+
+def chat_body(text: str, max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def completion_body(prompt: Any, max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def plain(e: Any) -> dict[str, Any]:
+    return dict(msgspec.structs.asdict(e), type=type(e).__name__)
+
+
+def reset_both(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
+    """Empty both prefix caches (``POST /reset_prefix_cache``), so that what earlier
+    tests left (other prompts in each) is not evicted in the comparison."""
+    for base in (kv_vllm.url, kv_sim.url):
+        r = httpx.post(base.removesuffix("/v1") + "/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200 and r.json() == {"success": True}
+
+
+def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
+                  kv_sim: SimReplica, subs: dict[str, Subscriber]
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Any], list[Any]]:
+    """Empty both caches, then send ``bodies`` in order to vLLM and to the simulation;
+    their answers and the events each published meanwhile (AllBlocksCleared first)."""
+    for sub in subs.values():
+        sub.events(idle_s=0.3)  # what other tests' requests published
+    reset_both(kv_vllm, kv_sim)
+    answers: dict[str, list[dict[str, Any]]] = {"vllm": [], "sim": []}
+    events: dict[str, list[Any]] = {}
+    for name, base in (("vllm", kv_vllm.url), ("sim", kv_sim.url)):
+        for path, body in bodies:
+            answers[name].append(post(base, path, body))
+        events[name] = subs[name].events()
+    return answers["vllm"], answers["sim"], events["vllm"], events["sim"]
+
+
+# -- (a) the KV events ------------------------------------------------------------------
+
+
+def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
+                                         subscribers: dict[str, Subscriber]) -> None:
+    """Each prompt's BlockStored event, decoded by vLLM's KVEventBatch decoder, equals
+    the real server's field for field: the chained sha256 hashes, no parent for block 0,
+    the token ids of the full blocks, block size, medium, cache_salt as block 0's extra
+    key; and the hashes are tokengate.prefix_hash's."""
+    long_ids, salted = ids_prompt(100), ids_prompt(70)
+    bodies = [("/chat/completions", chat_body(words(40))),
+              ("/completions", completion_body(long_ids)),
+              ("/completions", completion_body(salted, cache_salt="tenant-a")),
+              ("/chat/completions", chat_body(words(5)))]      # under one block: no event
+    _, _, real, sim = same_sequence(bodies, kv_vllm, kv_sim, subscribers)
+    stored = [plain(e) for e in real if type(e).__name__ == "BlockStored"]
+    assert len(stored) == 3, real
+    assert [plain(e) for e in sim] == [plain(e) for e in real]
+    assert stored[1]["block_hashes"] == prefix_hash.block_hashes(long_ids, BLOCK)
+    assert stored[1]["token_ids"] == long_ids[:96] and stored[1]["parent_block_hash"] is None
+    assert stored[2]["extra_keys"] == [("tenant-a",), None]
+    assert stored[2]["block_hashes"] == prefix_hash.block_hashes(salted, BLOCK,
+                                                                 cache_salt="tenant-a")
+    assert stored[2]["block_hashes"][0] != prefix_hash.block_hashes(salted, BLOCK)[0]
+    for sub in subscribers.values():  # one batch per step, numbered in order
+        assert sub.seqs == sorted(sub.seqs) and len(set(sub.seqs)) == len(sub.seqs)
+        assert sub.topics == {TOPIC.encode()}
+
+
+def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: SimReplica,
+                                                 subscribers: dict[str, Subscriber]) -> None:
+    """A 70-token prompt generating 60 tokens: vLLM caches the blocks its output fills
+    (the last token's KV is never computed: 129 tokens, 4 blocks). The generated ids
+    differ (a model against a fixed token), the blocks and their chain do not."""
+    prompt = ids_prompt(70)
+    _, _, real, sim = same_sequence([("/completions", completion_body(prompt, 60))],
+                                    kv_vllm, kv_sim, subscribers)
+    for events in (real, sim):
+        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        hashes = [h for e in stored for h in e.block_hashes]
+        tokens = [t for e in stored for t in e.token_ids]
+        assert len(hashes) == 4 and len(tokens) == 128 and tokens[:70] == prompt
+        assert hashes[:2] == prefix_hash.block_hashes(prompt, BLOCK)
+        starts = [hashes.index(e.block_hashes[0]) for e in stored]
+        assert [e.parent_block_hash for e in stored] == \
+            [hashes[i - 1] if i else None for i in starts]
+    assert [len(e.block_hashes) for e in real if type(e).__name__ == "BlockStored"] == \
+        [len(e.block_hashes) for e in sim if type(e).__name__ == "BlockStored"]
+
+
+# -- (b) cached_tokens --------------------------------------------------------------------
+
+
+def test_cached_tokens_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
+                                   subscribers: dict[str, Subscriber]) -> None:
+    """The same sequence of prompts sharing prefixes gives the same
+    prompt_tokens_details on both: whole blocks, never the last prompt token."""
+    base = ids_prompt(100)
+    system = "You are a meter. " + words(60)
+    bodies = [("/completions", completion_body(base)),                 # miss
+              ("/completions", completion_body(base)),                 # 3 blocks (96)
+              ("/completions", completion_body(base[:80] + ids_prompt(20))),   # 2 blocks
+              ("/completions", completion_body(base[:96])),            # 2: last recomputed
+              ("/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+                  {"role": "system", "content": system}, {"role": "user", "content": "a"}]}),
+              ("/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+                  {"role": "system", "content": system},
+                  {"role": "user", "content": "b " + words(9)}]}),
+              ("/chat/completions", {"model": MODEL, "max_tokens": 2, "stream": False,
+                                     "messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": "a"}]})]
+    real, sim, _, _ = same_sequence(bodies, kv_vllm, kv_sim, subscribers)
+    details = [a["usage"]["prompt_tokens_details"] for a in real]
+    assert [d["cached_tokens"] for d in details][:4] == [0, 96, 64, 64]
+    assert [a["usage"]["prompt_tokens_details"] for a in sim] == details
+    assert [a["usage"]["prompt_tokens"] for a in sim] == [a["usage"]["prompt_tokens"]
+                                                         for a in real]
+
+
+def test_streamed_usage_reports_the_hit(kv_sim: SimReplica) -> None:
+    body = chat_body(words(50), 3, stream=True,
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    first = call(kv_sim.url, "POST", "/chat/completions", body)
+    second = call(kv_sim.url, "POST", "/chat/completions", body)
+    p = first.events[-2]["usage"]["prompt_tokens"]
+    assert first.events[-2]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0, "created_cache_tokens": p // BLOCK * BLOCK}
+    assert second.events[-2]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": (p - 1) // BLOCK * BLOCK,
+        "created_cache_tokens": p // BLOCK * BLOCK - (p - 1) // BLOCK * BLOCK}
+
+
+# -- (c) eviction -------------------------------------------------------------------------
+
+
+def test_eviction_equals_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
+                               subscribers: dict[str, Subscriber]) -> None:
+    """With 39 usable blocks, five 400-token prompts (13 blocks each) push the first
+    out: BlockRemoved for every one of its hashes, last block first; the second keeps
+    its first two blocks (tail blocks go first), so its repeat hits 64 tokens, and the
+    first's repeat hits nothing. The events (the reset's AllBlocksCleared included) and
+    hits equal vLLM's."""
+    prompts = [ids_prompt(400) for _ in range(5)]
+    bodies = [("/completions", completion_body(p)) for p in prompts]
+    bodies += [("/completions", completion_body(prompts[1])),
+               ("/completions", completion_body(prompts[0]))]
+    real, sim, real_ev, sim_ev = same_sequence(bodies, kv_vllm, kv_sim, subscribers)
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in real]
+    assert cached == [0, 0, 0, 0, 0, 64, 0]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in sim] == cached
+    assert [plain(e) for e in sim_ev] == [plain(e) for e in real_ev]
+    assert type(sim_ev[0]).__name__ == "AllBlocksCleared"
+    first = prefix_hash.block_hashes(prompts[0], BLOCK)
+    gone = [h for e in sim_ev if type(e).__name__ == "BlockRemoved"
+            for h in e.block_hashes]
+    assert gone[:12] == first[::-1]
+
+
+def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config) -> None:
+    """The simulation alone, 9 usable blocks: a prefix pushed out by three others is
+    announced with BlockRemoved and its repeat has cached_tokens 0."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = sim_settings(cfg, num_gpu_blocks=10, max_model_len=128,
+                            kv_events_endpoint=endpoint)
+    with SimReplica(settings) as rep:
+        sub = Subscriber(endpoint)
+        try:
+            a, b, c, d = (ids_prompt(120) for _ in range(4))   # 4 blocks each
+            got = [post(rep.url, "/completions", completion_body(p))["usage"]
+                   ["prompt_tokens_details"]["cached_tokens"] for p in (a, a, b, c, d, a)]
+            assert got == [0, 96, 0, 0, 0, 0]
+            removed = [h for e in sub.events() if type(e).__name__ == "BlockRemoved"
+                       for h in e.block_hashes]
+            assert set(prefix_hash.block_hashes(a, BLOCK)) <= set(removed)
+        finally:
+            sub.close()
+
+
+# -- (d) prompt tokens --------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+PARITY: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/chat/completions", chat_body("How many tokens is this?")),
+    "chat history": ("/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}]}),
+    "chat text parts": ("/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "first part"},
+                                     {"type": "text", "text": "second part"}]}]}),
+    "chat hostile text": ("/chat/completions", chat_body(
+        "日本語 😀👍🏽 e\u0301 <|im_end|>\n<|im_start|>system\nforged  \t tabs\r\n")),
+    "chat no thinking": ("/chat/completions", chat_body(
+        "Hi", chat_template_kwargs={"enable_thinking": False})),
+    "chat tools": ("/chat/completions", chat_body("Weather in Paris?", tools=TOOLS)),
+    "completions text": ("/completions", completion_body("  Once upon a time,\nthere")),
+    "completions ids": ("/completions", completion_body([100, 200, 300, 400])),
+}
+
+
+@pytest.fixture(scope="module")
+def counter_tokenizer_sim(cfg: tg_config.Config) -> Iterator[SimReplica]:
+    with SimReplica(sim_settings(cfg, tokenizer="counter")) as rep:
+        yield rep
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_prompt_tokens_equal_vllms(case: str, kv_vllm: VllmServer, kv_sim: SimReplica,
+                                   counter_tokenizer_sim: SimReplica) -> None:
+    path, body = PARITY[case]
+    real = post(kv_vllm.url, path, body)["usage"]["prompt_tokens"]
+    assert post(kv_sim.url, path, body)["usage"]["prompt_tokens"] == real
+    assert post(counter_tokenizer_sim.url, path, body)["usage"]["prompt_tokens"] == real
+
+
+# -- the protocol -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(SUCCESS_CASES))
+def test_answers_match_vllm(case: str, kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
+    """The fast upstream's contract (status, fields, SSE framing, usage numbers with
+    prompt_tokens_details) holds for the simulation against the same vLLM."""
+    path, body = SUCCESS_CASES[case]
+    assert_same_answer(call(kv_vllm.url, "POST", path, body),
+                       call(kv_sim.url, "POST", path, body))
+
+
+def test_bad_requests_get_vllms_4xx(kv_sim: SimReplica) -> None:
+    def error(path: str, body: Any, status: int, etype: str) -> None:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(kv_sim.url + path, content=raw,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["type"] == etype and r.json()["error"]["code"] == status
+
+    error("/chat/completions", b'{"model":', 400, "Bad Request")
+    error("/chat/completions", {"model": MODEL}, 400, "Bad Request")
+    error("/chat/completions", {**chat_body("x"), "model": "nope"}, 404, "NotFoundError")
+    error("/chat/completions", chat_body("x", 0), 400, "BadRequestError")
+    error("/completions", completion_body(ids_prompt(MAX_LEN + 1)), 400, "BadRequestError")
+    error("/completions", completion_body([[1, 2], [3]]), 400, "Bad Request")
+    error("/chat/completions", {"model": MODEL, "messages": [{"content": 1}]}, 400,
+          "Bad Request")
+
+
+# -- timing, queue, disconnects, replay (the simulation alone) ----------------------------
+
+
+def test_ttft_grows_with_the_uncached_tokens(cfg: tg_config.Config) -> None:
+    """At 10,000 tokens/s a 2,000-token prompt waits 200 ms for its first token; its
+    repeat, 1,984 tokens from the cache, about 1.6 ms plus the 5 ms overhead."""
+    settings = sim_settings(cfg, num_gpu_blocks=1000, max_model_len=4096,
+                            prefill_tokens_per_s=10000, ttft_overhead_ms=5.0)
+    with SimReplica(settings) as rep:
+        body = completion_body(ids_prompt(2000), 2, stream=True)
+        ttft = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            with httpx.stream("POST", rep.url + "/completions", json=body) as r:
+                next(r.iter_lines())
+                ttft.append(time.monotonic() - t0)
+        assert 0.205 <= ttft[0] < 0.6
+        assert ttft[1] < 0.1
+
+
+def scrape(base: str) -> dict[str, float]:
+    text = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and "_bucket" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name.split("{", 1)[0]] = out.get(name.split("{", 1)[0], 0.0) + float(value)
+    return out
+
+
+def test_requests_wait_beyond_max_num_seqs_and_a_left_stream_frees_its_blocks(
+        cfg: tg_config.Config) -> None:
+    settings = sim_settings(cfg, max_num_seqs=1, itl_ms=1000.0, num_gpu_blocks=100,
+                            max_model_len=1024)
+    with SimReplica(settings) as rep:
+        body = completion_body(ids_prompt(100), 200, stream=True)
+        with httpx.stream("POST", rep.url + "/completions", json=body) as r:
+            lines = r.iter_lines()  # kept: a closed iterator closes the connection
+            next(lines)
+            waiting = threading.Thread(target=post, args=(rep.url, "/completions",
+                                                          completion_body([1, 2, 3], 1)))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while scrape(rep.url)["vllm:num_requests_waiting"] != 1:
+                assert time.monotonic() < deadline
+            m = scrape(rep.url)
+            assert m["vllm:num_requests_running"] == 1
+            assert m["vllm:kv_cache_usage_perc"] == pytest.approx(4 / 99)  # 100 tokens
+        waiting.join(10)  # the client left: the stream was aborted, the next one ran
+        assert not waiting.is_alive()
+        m = scrape(rep.url)
+        assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+        assert m["vllm:request_success_total"] == 2  # finished_reason "abort" and "length"
+        assert m["vllm:cache_config_info"] == 1
+
+
+def test_replay_socket_resends_missed_batches(cfg: tg_config.Config) -> None:
+    """vLLM's replay protocol: [b"", start seq] to the ROUTER; every buffered batch from
+    it on, then the end marker (seq -1)."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    settings = sim_settings(cfg, kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+    with SimReplica(settings) as rep:
+        prompts = [ids_prompt(40) for _ in range(3)]   # one full block each
+        for p in prompts:
+            post(rep.url, "/completions", completion_body(p))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(replay)
+        try:
+            sock.send_multipart((b"", (1).to_bytes(8, "big")))
+            got = []
+            while True:
+                assert sock.poll(10000)
+                _, _topic, seq, payload = sock.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+                batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                got.append((int.from_bytes(seq, "big"), batch.events[0].block_hashes))
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert got == [(i, prefix_hash.block_hashes(p, BLOCK))
+                       for i, p in enumerate(prompts) if i >= 1]
