@@ -419,7 +419,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 8 and doc["source"] == str(config_path)
+    assert doc["version"] == 9 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
@@ -610,7 +610,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 8: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 9: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])
