@@ -97,9 +97,11 @@ def kv_vllm(vllm_server: VllmFactory) -> VllmServer:
 
 @pytest.fixture(scope="module")
 def kv_sim(cfg: tg_config.Config) -> Iterator[SimReplica]:
-    """A simulated replica with the same KV cache as ``kv_vllm`` and KV events."""
+    """A simulated replica with the same KV cache as ``kv_vllm`` and KV events, whole
+    hashes as devstack's vLLM sends them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with SimReplica(sim_settings(cfg, kv_events_endpoint=endpoint, kv_events_topic=TOPIC),
+    with SimReplica(sim_settings(cfg, kv_events_endpoint=endpoint, kv_events_topic=TOPIC,
+                                 kv_events_int_hashes=False),
                     name=f"test-sim{PORT_OFFSET or ''}") as rep:
         yield rep
 
@@ -289,9 +291,14 @@ def test_eviction_equals_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
     assert gone[:12] == first[::-1]
 
 
-def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config) -> None:
+def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulation alone, 9 usable blocks: a prefix pushed out by three others is
-    announced with BlockRemoved and its repeat has cached_tokens 0."""
+    announced with BlockRemoved and its repeat has cached_tokens 0. Hashes go out as
+    vLLM sends them by default: its maybe_convert_block_hash of the digest."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     settings = sim_settings(cfg, num_gpu_blocks=10, max_model_len=128,
                             kv_events_endpoint=endpoint)
@@ -304,7 +311,9 @@ def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config) -> None:
             assert got == [0, 96, 0, 0, 0, 0]
             removed = [h for e in sub.events() if type(e).__name__ == "BlockRemoved"
                        for h in e.block_hashes]
-            assert set(prefix_hash.block_hashes(a, BLOCK)) <= set(removed)
+            assert {maybe_convert_block_hash(BlockHash(h))
+                    for h in prefix_hash.block_hashes(a, BLOCK)} <= set(removed)
+            assert all(isinstance(h, int) for h in removed)
         finally:
             sub.close()
 
@@ -441,7 +450,8 @@ def test_replay_socket_resends_missed_batches(cfg: tg_config.Config) -> None:
     from vllm.distributed.kv_events import KVEventBatch
 
     pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    settings = sim_settings(cfg, kv_events_endpoint=pub, kv_events_replay_endpoint=replay)
+    settings = sim_settings(cfg, kv_events_endpoint=pub, kv_events_replay_endpoint=replay,
+                            kv_events_int_hashes=False)
     with SimReplica(settings) as rep:
         prompts = [ids_prompt(40) for _ in range(3)]   # one full block each
         for p in prompts:

@@ -10,8 +10,11 @@ Source: vLLM 0.32, ``vllm/distributed/kv_events.py`` (the msgspec structs and
   ``KVEventBatch``: the array ``[ts, events, data_parallel_rank]``, ``ts`` wall-clock
   seconds, each event a map tagged by ``"type"`` (the class name), fields equal to
   their default left out;
-- ``BlockStored``: the blocks one request filled in one engine step: their hashes
-  (32-byte sha256 digests; ``tokengate.prefix_hash``), the parent of the first (None
+- a block hash is the 32-byte digest (``tokengate.prefix_hash``) or, by default, its
+  low 64 bits as an unsigned integer (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, 1 unless
+  set to 0; ``vllm/v1/core/kv_cache_utils.py`` ``maybe_convert_block_hash``);
+- ``BlockStored``: the blocks one request filled in one engine step: their hashes, the
+  parent of the first (None
   for a prompt's block 0), their token ids concatenated, ``block_size``, ``lora_id``
   and ``lora_name`` None without LoRA, ``medium`` ``"GPU"``, ``extra_keys`` one entry
   per block (None, or ``(cache_salt,)`` for block 0 of a salted request), ``group_idx``
@@ -51,8 +54,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -68,7 +71,7 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
+    block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
@@ -77,6 +80,27 @@ class BlockRemoved(KVCacheEvent):
 
 class AllBlocksCleared(KVCacheEvent):
     pass
+
+
+def int_hash(digest: bytes) -> int:
+    """A block hash as vLLM publishes it by default: the digest's low 64 bits, as an
+    unsigned integer (``maybe_convert_block_hash``)."""
+    return int.from_bytes(digest, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def with_int_hashes(e: KVCacheEvent) -> KVCacheEvent:
+    """``e`` with its block hashes (and parent) as ``int_hash`` gives them."""
+    if isinstance(e, BlockStored):
+        parent = e.parent_block_hash
+        return msgspec.structs.replace(
+            e, block_hashes=[int_hash(h) if isinstance(h, bytes) else h
+                             for h in e.block_hashes],
+            parent_block_hash=int_hash(parent) if isinstance(parent, bytes) else parent)
+    if isinstance(e, BlockRemoved):
+        return msgspec.structs.replace(
+            e, block_hashes=[int_hash(h) if isinstance(h, bytes) else h
+                             for h in e.block_hashes])
+    return e
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -94,13 +118,16 @@ class KVEventPublisher:
     broker that binds: not needed here, subscribers connect); ``replay_endpoint``: the ROUTER address that answers replay requests
     (None: no replay); ``topic``: the first frame of every message; ``hwm``: the PUB
     socket's high-water mark (messages a slow subscriber may lag before ZMQ drops
-    them). Defaults are vLLM's (``vllm/config/kv_events.py``). ``publish`` never
+    them); ``int_hashes``: block hashes as integers (vLLM's default) or as the 32-byte
+    digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). Defaults are vLLM's
+    (``vllm/config/kv_events.py``, ``vllm/envs.py``). ``publish`` never
     blocks; call ``start`` inside the event loop to serve replays and ``close`` at
     the end.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000,
+                 int_hashes: bool = True) -> None:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)  # sync: a PUB send never waits
         self._pub.set_hwm(hwm)
@@ -112,6 +139,7 @@ class KVEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
         self._topic = topic.encode()
+        self._int_hashes = int_hashes
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
@@ -124,7 +152,10 @@ class KVEventPublisher:
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     def publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
-        """Send one batch of ``events`` (in order) stamped with the wall clock now."""
+        """Send one batch of ``events`` (in order, hashes as 32-byte digests) stamped
+        with the wall clock now."""
+        if self._int_hashes:
+            events = [with_int_hashes(e) for e in events]  # type: ignore[misc]
         payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events,
                                                     data_parallel_rank=0))
         seq = self._seq

@@ -26,7 +26,8 @@ routing can be measured with many replicas on a machine without GPUs:
   ``" tok"`` in Qwen's vocabulary), cached as vLLM caches a running request's blocks.
 - **KV events** (``--kv-events-endpoint``): ``BlockStored``, ``BlockRemoved`` and
   ``AllBlocksCleared`` in vLLM's wire format (``tokenstorm.upstream.kv_events``), one
-  batch per scheduling step.
+  batch per scheduling step; hashes as 64-bit integers as vLLM sends them by default,
+  or whole (``--kv-events-hashes bytes``).
 - **Timing**: one prefill queue per replica at ``--prefill-tokens-per-s`` for the
   uncached prompt tokens (first come, first served), so TTFT = queue wait + uncached /
   rate + ``--ttft-overhead-ms``; then one token every ITL = ``--itl-ms`` x (1 +
@@ -93,7 +94,9 @@ class SimSettings:
     one request running); ``itl_growth`` (ITL grows by this fraction per other running
     request); ``kv_events_endpoint`` / ``kv_events_replay_endpoint`` / ``kv_events_topic``
     (vLLM's ``--kv-events-config`` endpoint, replay_endpoint and topic; no endpoint: no
-    events); ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``.
+    events); ``kv_events_int_hashes``: hashes in events as 64-bit integers (vLLM's
+    default) or 32-byte digests (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``);
+    ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``.
 
     Defaults: a GPU-like replica where a 6,000-token prefix costs 300 ms of prefill
     (20,000 tokens/s) and decoding 15 ms a token; 8,192 blocks of 16 tokens (131,056
@@ -115,6 +118,7 @@ class SimSettings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    kv_events_int_hashes: bool = True
     tokenizer: str = "hf"
 
     def check(self) -> None:
@@ -153,7 +157,8 @@ class SimSettings:
             out += ["--hash-seed", self.hash_seed]
         if self.kv_events_endpoint:
             out += ["--kv-events-endpoint", self.kv_events_endpoint,
-                    "--kv-events-topic", self.kv_events_topic]
+                    "--kv-events-topic", self.kv_events_topic,
+                    "--kv-events-hashes", "int" if self.kv_events_int_hashes else "bytes"]
         if self.kv_events_replay_endpoint:
             out += ["--kv-events-replay-endpoint", self.kv_events_replay_endpoint]
         return out
@@ -195,6 +200,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
                    help="answer replay requests on this ZMQ ROUTER address")
     c.add_argument("--kv-events-topic", default=d.kv_events_topic, metavar="TOPIC")
+    c.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int",
+                   help="block hashes in events: int, their low 64 bits (vLLM's default), "
+                        "or bytes, the 32-byte digests (vLLM with "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) (default: %(default)s)")
     t = p.add_argument_group("timing")
     t.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
                    help="requests running at once (default: %(default)s)")
@@ -222,7 +231,8 @@ def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
         ttft_overhead_ms=args.ttft_overhead_ms, itl_ms=args.itl_ms,
         itl_growth=args.itl_growth, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic, tokenizer=args.tokenizer)
+        kv_events_topic=args.kv_events_topic,
+        kv_events_int_hashes=args.kv_events_hashes == "int", tokenizer=args.tokenizer)
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -651,7 +661,8 @@ class SimServer:
             if s.kv_events_endpoint:
                 self.publisher = KVEventPublisher(s.kv_events_endpoint,
                                                   s.kv_events_replay_endpoint,
-                                                  s.kv_events_topic)
+                                                  s.kv_events_topic,
+                                                  int_hashes=s.kv_events_int_hashes)
                 self.publisher.start()
             self.engine = Engine(s, self.renderer.output_token_id, self.publisher,
                                  self.ttft.observe)
