@@ -147,7 +147,7 @@ def test_a_follower_learns_a_replica_and_relearns_it_after_a_restart_or_a_gap(
         follower.stop()
         if not pub.sock.closed:
             pub.close()
-    assert not follower._thread.is_alive()
+    assert not follower.alive
 
 
 # -- a real counter ------------------------------------------------------------------------

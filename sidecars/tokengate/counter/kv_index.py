@@ -286,10 +286,17 @@ class Follower:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
     def stop(self, wait_s: float = 2.0) -> None:
-        """Ask the thread to end and wait up to ``wait_s`` for it."""
+        """Ask the thread to end (it does within ``_POLL_MS``) and wait up to ``wait_s``
+        for it (0: do not wait)."""
         self._stop.set()
-        self._thread.join(wait_s)
+        if wait_s > 0:
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         r = self.replica
@@ -375,7 +382,13 @@ class KvEvents:
         return out
 
     def close(self) -> None:
-        """Stop every follower."""
+        """Stop every follower (all asked at once, then waited for) and the ZMQ context."""
+        for f in self._followers.values():
+            f.stop(0)
         for f in self._followers.values():
             f.stop()
+        ended = not any(f.alive for f in self._followers.values())
         self._followers.clear()
+        if self._context is not None and ended:  # term() waits for every socket to close
+            self._context.term()
+            self._context = None

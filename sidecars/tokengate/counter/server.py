@@ -125,8 +125,11 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
 
     from tokengate.counter import frames
 
-    asyncio.run(frames.serve(service.count, listen, index, grace_s=2, tcp_server=server,
-                             services=[service_name], on_ready=ready, on_reload=reload))
+    try:
+        asyncio.run(frames.serve(service.count, listen, index, grace_s=2, tcp_server=server,
+                                 services=[service_name], on_ready=ready, on_reload=reload))
+    finally:
+        events.close()
 
 
 def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:
