@@ -169,8 +169,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     --port, --config)."""
     d = SimSettings()
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=38200)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                   "(default: %(default)s)")
+    g.add_argument("--port", type=int, default=38200, help="HTTP port: /v1/chat/completions, "
+                   "/v1/completions, /v1/models, /health, /version, /metrics, "
+                   "POST /reset_prefix_cache (default: %(default)s)")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="tokengate.yaml for the defaults of --model, --model-dir and "
                         "--max-model-len (its first model)")
@@ -179,7 +182,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
                    help="the model's directory: tokenizer and chat template "
                         "(default: from the config)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="context length, as vLLM's (default: from the config)")
     g.add_argument("--tokenizer", choices=("hf", "counter"), default=d.tokenizer,
                    help="hf: transformers, as vLLM (default); counter: tokengate's "
                         "counter tokenizer, same ids, faster")
@@ -199,7 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tcp://127.0.0.1:5557 (it binds there; subscribers connect)")
     c.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
                    help="answer replay requests on this ZMQ ROUTER address")
-    c.add_argument("--kv-events-topic", default=d.kv_events_topic, metavar="TOPIC")
+    c.add_argument("--kv-events-topic", default=d.kv_events_topic, metavar="TOPIC",
+                   help="first frame of every event message (default: none)")
     c.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int",
                    help="block hashes in events: int, their low 64 bits (vLLM's default), "
                         "or bytes, the 32-byte digests (vLLM with "
