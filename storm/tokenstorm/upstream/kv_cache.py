@@ -54,13 +54,14 @@ class Block:
 class BlockPool:
     """The blocks, the hash map and the free queue (see the module's text).
 
-    ``events`` collects the KV events of the changes since ``take_events``, in order;
-    ``BlockStored`` events are added by ``cache`` (the caller says which blocks of a
-    request it filled), ``BlockRemoved`` by evictions, ``AllBlocksCleared`` by
-    ``reset``.
+    ``events`` collects the KV events of the changes since ``take_events``, in order
+    (when ``record_events``): ``BlockStored`` events are added by ``cache`` (the caller
+    says which blocks of a request it filled), ``BlockRemoved`` by evictions,
+    ``AllBlocksCleared`` by ``reset``.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int,
+                 record_events: bool = True) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is vLLM's null block)")
         self.num_gpu_blocks = num_gpu_blocks
@@ -69,6 +70,7 @@ class BlockPool:
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in blocks[1:])
         self.cached: dict[bytes, dict[int, Block]] = {}
         self.events: list[KVEvent] = []
+        self.record_events = record_events
 
     @property
     def num_free(self) -> int:
@@ -120,7 +122,9 @@ class BlockPool:
         if blocks is not None and blocks.pop(b.block_id, None) is not None:
             if not blocks:
                 del self.cached[h]
-            self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0))
+            if self.record_events:
+                self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU,
+                                                group_idx=0))
         b.hash = None
 
     def cache(self, blocks: Sequence[Block], hashes: Sequence[bytes],
@@ -135,6 +139,8 @@ class BlockPool:
         for b, h in zip(blocks, hashes):
             b.hash = h
             self.cached.setdefault(h, {})[b.block_id] = b
+        if not self.record_events:
+            return
         extra: list[tuple[str, ...] | None] = [None] * len(blocks)
         if salt and parent is None:
             extra[0] = (salt,)
@@ -168,7 +174,8 @@ class BlockPool:
             for b in blocks.values():
                 b.hash = None
         self.cached.clear()
-        self.events.append(AllBlocksCleared())
+        if self.record_events:
+            self.events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
