@@ -1013,7 +1013,8 @@ def serve(s: SimSettings, host: str = "127.0.0.1", port: int = 38200) -> None:
           + ")", flush=True)
     uvicorn.run(server.app(), host=host, port=port, log_level="warning", access_log=False,
                 loop="uvloop", http="httptools", lifespan="on", backlog=4096,
-                timeout_keep_alive=5)  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+                timeout_keep_alive=5,  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+                timeout_graceful_shutdown=2)  # streams still open are cut after 2 s
 
 
 class SimReplica:
