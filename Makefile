@@ -7,7 +7,8 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler lint model clean
+.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler bench-routing lint \
+	model clean
 
 setup:
 	@bash scripts/setup.sh
@@ -48,6 +49,13 @@ bench: setup
 # BENCH_ARGS: see `python -m tokengate_dev.bench.scheduler --help`.
 bench-scheduler: setup
 	@$(PY) -m tokengate_dev.bench.scheduler $(BENCH_ARGS)
+
+# The edge's replica choice: round robin, least outstanding, prefix (approximate and
+# precise) through the gateway, the same TokenStorm workloads (shared prefixes, none) on
+# simulated GPU replicas; BENCH_ARGS=--vllm adds two vLLM CPU replicas. Results in
+# bench/results/. BENCH_ARGS: see `python -m tokengate_dev.bench.routing --help`.
+bench-routing: setup
+	@$(PY) -m tokengate_dev.bench.routing $(BENCH_ARGS)
 
 lint: setup
 	@$(PY) -m ruff check sidecars client storm dev vllm_patches tests

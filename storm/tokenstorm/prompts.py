@@ -25,14 +25,17 @@ the rest is a slice of a seeded random word corpus.
 **Shared prefixes** (``Sharing``): agent and chat traffic resends long prefixes (a
 tenant's system prompt and tool schemas, a conversation's history), which a server's
 prefix cache (vLLM: ``vllm/v1/core/kv_cache_utils.py``) serves without prefill. With
-``Sharing(tenants, prefix_tokens, conversations)`` request j belongs to tenant
-``j % tenants``; its prompt is that tenant's system prompt (``prefix_tokens`` words, the
-same in every request of the tenant; a chat ``system`` message, or the head of a
-completions prompt) followed by a conversation's history: the first words of a word
-stream of its own per (tenant, conversation), so successive turns of one conversation
-extend the same text and share their common prefix. The tenant's k-th request
-(``k = j // tenants``) continues its conversation ``k % conversations``. Lengths stay
-exactly the plan's: the history takes what the overhead and the system prompt leave.
+``Sharing(tenants, prefix_tokens, conversations)`` each request belongs to one of
+``tenants`` tenants and continues one of its ``conversations`` conversations, both drawn
+uniformly from a hash of the request's index and the seed (``Sharing.place``); its prompt
+is that tenant's system prompt (``prefix_tokens`` words, the same in every request of
+the tenant; a chat ``system`` message, or the head of a completions prompt) followed by
+the conversation's history: the first words of a word stream of its own per (tenant,
+conversation), so successive turns of one conversation extend the same text and share
+their common prefix. Lengths stay exactly the plan's: the history takes what the
+overhead and the system prompt leave. (Drawn, not ``index % tenants``: in index order,
+round-robin routing over a number of replicas that divides the tenants would send each
+tenant to one replica, a prefix-aware router by accident.)
 """
 
 from __future__ import annotations
@@ -78,11 +81,10 @@ class StreamOptions:
 class Sharing:
     """Which requests share prompt prefixes (see the module text).
 
-    ``tenants``: request j belongs to tenant ``j % tenants``; 0: no sharing, every
-    prompt starts with words of its own. ``prefix_tokens``: tokens of each tenant's
-    system prompt (its words; the chat template's own tokens come on top).
-    ``conversations``: conversations per tenant; the tenant's k-th request is turn
-    ``k // conversations`` of its conversation ``k % conversations``.
+    ``tenants``: how many tenants the requests are drawn from (``place``); 0: no
+    sharing, every prompt starts with words of its own. ``prefix_tokens``: tokens of
+    each tenant's system prompt (its words; the chat template's own tokens come on top).
+    ``conversations``: conversations per tenant, each request continuing one of them.
     """
 
     tenants: int = 0
@@ -100,18 +102,29 @@ class Sharing:
     def enabled(self) -> bool:
         return self.tenants > 0
 
-    def place(self, index: int) -> tuple[int, int, int]:
-        """(tenant, conversation, turn) of request ``index``; the conversation's number
-        is unique across tenants (``tenant * conversations + c``)."""
-        tenant, k = index % self.tenants, index // self.tenants
-        return tenant, tenant * self.conversations + k % self.conversations, \
-            k // self.conversations
+    def place(self, index: int, seed: int = 0) -> tuple[int, int]:
+        """(tenant, conversation) of request ``index``: uniform draws from SplitMix64
+        of (index, seed) (Steele et al., OOPSLA 2014), the same for the same seed. The
+        conversation's number is unique across tenants (``tenant * conversations + c``,
+        ``c < conversations``)."""
+        h = _splitmix64(index ^ (seed << 40))
+        tenant = h % self.tenants
+        return tenant, tenant * self.conversations + (h // self.tenants) % self.conversations
 
     def describe(self) -> str:
         if not self.enabled:
             return "no shared prefixes"
         return (f"{self.tenants} tenants with {self.prefix_tokens}-token system prompts, "
                 f"{self.conversations} conversation(s) each")
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a well-mixed 64-bit hash of ``x``."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
 
 
 def _stream_start(key: int, n: int) -> int:
@@ -137,6 +150,7 @@ class PromptBuilder:
         self.endpoint: Endpoint = endpoint
         self.path = ENDPOINT_PATHS[endpoint]
         self.sharing = sharing or Sharing()
+        self.seed = seed
         self._tenant_text: dict[int, str] = {}
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.words = single_token_words(self.tokenizer)
@@ -279,7 +293,7 @@ class PromptBuilder:
                                  if self.sharing.prefix_tokens else ""))
         if not self.sharing.enabled:
             return None, self.content(index, words)
-        tenant, conversation, _ = self.sharing.place(index)
+        tenant, conversation = self.sharing.place(index, self.seed)
         system = self.tenant_prompt(tenant) if self.sharing.prefix_tokens else None
         return system, self._stream(2 * conversation + 1, words)
 

@@ -6,20 +6,33 @@ tiny settings (simulated replicas, the counter, the nginx edge)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tokengate import config as tg_config
+from tokengate_dev.bench import routing
 from tokenstorm.prompts import PromptBuilder, PromptError, Sharing, StreamOptions
 from tokenstorm.report import SLO, Records, summarize
 
 PREFIX = 300            # tokens of each tenant's system prompt
 SHARING = Sharing(tenants=4, prefix_tokens=PREFIX, conversations=2)
-# request index -> (tenant, conversation, turn) under SHARING: j % 4, then the tenant's
-# k-th request (k = j // 4) is turn k // 2 of its conversation k % 2
-SAME_CONVERSATION = (1, 9)      # tenant 1, conversation 2: turns 0 and 1
-SAME_TENANT = (1, 5)            # tenant 1: conversations 2 and 3
-OTHER_TENANT = (1, 2)           # tenants 1 and 2
+
+
+def pair(same_tenant: bool, same_conversation: bool, sharing: Sharing = SHARING,
+         ) -> tuple[int, int]:
+    """Request 0 and the first later request placed as asked relative to it (seed 0)."""
+    t0, c0 = sharing.place(0)
+    for j in range(1, 1000):
+        t, c = sharing.place(j)
+        if (t == t0) == same_tenant and (c == c0) == same_conversation:
+            return 0, j
+    raise AssertionError("no such request among the first 1000")
+
+
+SAME_CONVERSATION = pair(True, True)
+SAME_TENANT = pair(True, False)
+OTHER_TENANT = pair(False, False)
 
 
 @pytest.fixture(scope="module", params=["chat", "completions"])
@@ -115,11 +128,11 @@ def test_no_tenants_no_shared_prefix(cfg: tg_config.Config) -> None:
 def test_sharing_without_a_system_prompt_shares_histories(cfg: tg_config.Config) -> None:
     m = cfg.models["tiny-qwen3"]
     b = PromptBuilder(m.dir, m.name, "chat", sharing=Sharing(tenants=3))
-    body = json.loads(b.body(4, 200, 4, StreamOptions()))
+    first, later = pair(True, True, b.sharing)
+    body = json.loads(b.body(later, 200, 4, StreamOptions()))
     assert [msg["role"] for msg in body["messages"]] == ["user"]
     assert b.count(body["messages"][0]["content"]) == 200
-    # request 4 is tenant 1's second request: the same conversation as request 1
-    assert body["messages"][0]["content"].startswith(b.parts(1, 100)[1])
+    assert body["messages"][0]["content"].startswith(b.parts(first, 100)[1])
 
 
 @pytest.mark.unit
@@ -140,9 +153,20 @@ def test_bad_sharing_is_refused(kw: dict[str, int], message: str) -> None:
 
 
 @pytest.mark.unit
-def test_requests_are_placed_by_tenant_then_conversation() -> None:
-    assert [SHARING.place(j) for j in (0, 1, 4, 5, 8, 9, 13)] == [
-        (0, 0, 0), (1, 2, 0), (0, 1, 0), (1, 3, 0), (0, 0, 1), (1, 2, 1), (1, 3, 1)]
+def test_tenants_and_conversations_are_drawn_uniformly_by_seed() -> None:
+    sharing = Sharing(tenants=16, conversations=3)
+    places = [sharing.place(j) for j in range(16000)]
+    tenants = np.bincount([t for t, _ in places], minlength=16)
+    conversations = np.bincount([c for _, c in places], minlength=48)
+    assert tenants.min() > 900 and tenants.max() < 1100
+    assert conversations.min() > 250 and conversations.max() < 420
+    assert all(c // 3 == t for t, c in places)
+    assert places[:50] == [sharing.place(j) for j in range(50)]
+    assert places[:50] != [sharing.place(j, seed=1) for j in range(50)]
+    # request j's tenant is no function of j modulo a replica count: round robin over
+    # 4 replicas gives each tenant every replica
+    for t in range(16):
+        assert {j % 4 for j, (tt, _) in enumerate(places[:400]) if tt == t} == {0, 1, 2, 3}
 
 
 @pytest.mark.unit
@@ -163,3 +187,41 @@ def test_the_report_gives_the_cached_token_ratio() -> None:
                   key_names=[], check_prompt=True)
     assert (s.all.cached_tokens, s.all.cached_token_ratio) == (2496, 2496 / 4000)
     assert s.to_json()["all"]["cached_token_ratio"] == 0.624
+
+
+@pytest.mark.slow
+def test_bench_routing_end_to_end_on_tiny_settings(tmp_path: Path) -> None:
+    """``make bench-routing``'s harness, one short workload: two simulated replicas, the
+    counter, an edge per policy. One tenant, one conversation, prompts of one length: the
+    same prompt every time. Least outstanding spreads them over both replicas; precise
+    prefix routing (a load weight that no few requests in flight outweigh) sends every
+    one to the replica that got the first, as its KV events said exactly."""
+    out = tmp_path / "routing.json"
+    routing.main(["--var", str(tmp_path / "var"), "--out", str(out), "--replicas", "2",
+                  "--tenants", "1", "--conversations", "1", "--prefix-tokens", "256",
+                  "--history-tokens", "64", "--history-sd", "0", "--output-tokens", "2",
+                  "--rate", "6", "--load-weight", "0.1",
+                  "--duration", "1.5", "--workloads", "shared",
+                  "--policies", "least_outstanding,prefix_precise",
+                  "--prefill-tokens-per-s", "1000000", "--itl-ms", "1"])
+    res = json.loads(out.read_text())
+    sim = res["sections"]["sim"]
+    runs = sim["workloads"]["shared"]["policies"]
+    assert set(runs) == {"least_outstanding", "prefix_precise"}
+    n = runs["prefix_precise"]["requests"]
+    assert n >= 3
+    for f in runs.values():
+        # the same seeded plan for both; every request served, every count exact (the
+        # run's validity also depends on the send lag a busy machine gives TokenStorm)
+        check = f["summary"]["prompt_check"]
+        assert (f["requests"], f["ok"], check["checked"], check["mismatches"]) == (n, n, n, 0)
+        assert sum(f["spread"]["requests"].values()) == n
+    precise, lo = runs["prefix_precise"], runs["least_outstanding"]
+    assert precise["spread"]["busiest_share"] == 1.0
+    assert lo["spread"]["busiest_share"] < 1.0
+    assert precise["spread"]["prediction_hit_rate"] == 1.0
+    # every request but the first is served from the cache but for its last block (the
+    # last token is always computed): 320 tokens, 20 blocks of 16, 19 of them cached
+    assert precise["cached_tokens"] == (n - 1) * 19 * 16
+    assert [(a["workload"], a["figure"]) for a in sim["aims"]] == [
+        ("shared", "cached_ratio_x"), ("shared", "ttft_p90_x")]
