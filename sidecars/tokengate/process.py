@@ -81,11 +81,44 @@ def http_ready(url: str) -> Callable[[], bool]:
     return probe
 
 
+_HANDED_OUT = Path(tempfile.gettempdir()) / "tokengate-free-ports"
+_HELD_S = 300.0
+
+
 def free_port() -> int:
-    """A free TCP port on loopback (ephemeral range)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on loopback (the kernel's choice, ephemeral range) that no other
+    ``free_port()`` on this machine handed out in the last 5 minutes.
+
+    The port is free when this returns, and stays so only until the caller's process
+    binds it, seconds later; meanwhile the kernel may give the same port to another
+    process's ``free_port()`` (seen with three test workers: two services on one port,
+    "address already in use"). So each port handed out is marked by a file in
+    ``$TMPDIR/tokengate-free-ports`` (created exclusively; older than 5 minutes it
+    no longer counts), and a marked port is passed over. Where the folder cannot be
+    written, the kernel's choice is returned as it is."""
+    port = 0
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if _claim(_HANDED_OUT / str(port)):
+            break
+    return port
+
+
+def _claim(mark: Path) -> bool:
+    """Marks a port as handed out: False when another call marked it less than
+    ``_HELD_S`` ago; True when this call marked it, or when no mark can be written."""
+    try:
+        mark.parent.mkdir(exist_ok=True)
+        if mark.exists() and time.time() - mark.stat().st_mtime > _HELD_S:
+            mark.unlink(missing_ok=True)
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
 
 
 @dataclass

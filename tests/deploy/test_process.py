@@ -124,3 +124,17 @@ def test_a_stop_requested_while_a_service_starts_stops_it(tmp_path: Path) -> Non
     assert time.monotonic() - t0 < 5
     assert slow.proc is not None and slow.proc.returncode == -signal.SIGTERM
     assert group_members(slow.proc.pid) == []
+
+
+def test_a_port_handed_out_is_not_handed_out_again_until_its_mark_is_stale(
+        tmp_path: Path) -> None:
+    # free_port() marks each port it returns; another call (another test worker) passes
+    # a marked port over, as the kernel may offer it again before its service binds it
+    from tokengate import process
+
+    mark = tmp_path / "marks" / "40000"
+    assert process._claim(mark) and not process._claim(mark)
+    old = time.time() - process._HELD_S - 1
+    os.utime(mark, (old, old))
+    assert process._claim(mark) and not process._claim(mark)
+    assert process.free_port() != process.free_port()
