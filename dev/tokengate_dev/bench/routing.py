@@ -22,11 +22,13 @@ replica at ``--prefill-tokens-per-s``, so a replica that recomputes a long syste
 delays every request behind it; and each replica's KV cache (``--num-gpu-blocks``) holds
 the prefixes of some of the tenants, not all: the fleet together can hold them all only
 when each tenant's requests keep to a few replicas. The replicas are started once; before
-every run their prefix caches are emptied (vLLM's ``POST /reset_prefix_cache``, which
-publishes ``AllBlocksCleared``, so the precise index empties too) and the edge is
+every run their prefix caches are emptied (vLLM's ``POST /reset_prefix_cache``; its
+``AllBlocksCleared``, published at the replica's next engine step, which a request
+shorter than a block then brings, empties the precise index too) and the edge is
 started afresh (its approximate index and outstanding tokens empty), so no run inherits
-another's cache. Two counters run beside them: one follows the replicas' KV events, one
-follows none (the approximate policy's: the edge takes any hit the counter returns).
+another's cache. Two counters run beside them: one follows the replicas' KV events
+(precise; round robin and least outstanding read no hits), one follows none (approximate:
+the edge takes any hit the counter returns as the replica's).
 
 **vLLM CPU replicas** (``--vllm``): two real vLLM servers (``devstack.vllm_service``,
 ``--kv-events-config``, ``--block-size``, a small ``--num-gpu-blocks-override``) and a
@@ -42,8 +44,8 @@ cached-token ratio of least-outstanding and at most 0.5x its TTFT p90; on ``uniq
 least 0.95x its output tokens/s. Results: ``bench/results/routing-<time>.json`` and
 ``bench/results/routing-latest.json``.
 
-About four minutes on 2 cores with the defaults (eight 20 s runs and their drain); the
-vLLM section adds about five (two vLLM starts, eight short runs).
+About 3.5 minutes on 2 cores with the defaults (eight 20 s runs and their drain); the
+vLLM section adds about four (two vLLM starts, eight 16 s runs).
 """
 
 from __future__ import annotations
@@ -170,11 +172,11 @@ class RoutingOptions:
     max_lag_ms: float = 25.0
     sim: bool = True
     vllm: bool = False
-    vllm_requests: int = 32
-    vllm_rate: float = 2.0
+    vllm_requests: int = 48
+    vllm_rate: float = 3.0
     vllm_tenants: int = 4
     vllm_prefix_tokens: int = 1000
-    vllm_num_gpu_blocks: int = 128
+    vllm_num_gpu_blocks: int = 96
     vllm_max_model_len: int = 2048
     # vLLM's CPU attention takes blocks of a multiple of 32 tokens ("No common block
     # size for 16 (CPU_ATTN: [MultipleOf(32)])"; 128 when none is given)
@@ -197,9 +199,11 @@ class RoutingOptions:
                         self.duration_s)
 
     def vllm_workload(self, name: str) -> Workload:
-        """The vLLM section's workloads: ``vllm_requests`` requests at ``vllm_rate``."""
+        """The vLLM section's workloads: ``vllm_requests`` requests at ``vllm_rate``, one
+        conversation per tenant (a replica's 96 blocks of 32 tokens hold two tenants'
+        prompts, not all four)."""
         prefix = self.vllm_prefix_tokens
-        sharing = Sharing(self.vllm_tenants, prefix, 2) if name == "shared" else Sharing()
+        sharing = Sharing(self.vllm_tenants, prefix, 1) if name == "shared" else Sharing()
         return Workload(name, sharing, prefix + 300, 100, 8, self.vllm_rate,
                         self.vllm_requests / self.vllm_rate)
 
@@ -290,7 +294,8 @@ def reset_prefix_cache(base_url: str, timeout_s: float = 30.0) -> None:
 
 
 def warm_up(base_url: str, model: tg_config.ModelConfig) -> None:
-    """One short chat request straight to a replica (``base_url``: http://host:port)."""
+    """One short chat request straight to a replica (``base_url``: http://host:port):
+    about 10 prompt tokens and 2 output tokens, less than one KV block."""
     body = json.dumps({"model": model.name, "max_tokens": 2,
                        "messages": [{"role": "user", "content": "warm up"}]}).encode()
     req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
@@ -371,7 +376,12 @@ def run_one(section: Section, w: Workload, pol: Policy, opts: RoutingOptions,
     through it; the run's summary, spread and the options of the edge."""
     for u in section.upstreams:
         reset_prefix_cache(f"http://{u}")
-    time.sleep(0.3)  # AllBlocksCleared reaches the counter before the first request
+        # vLLM queues AllBlocksCleared and publishes it at its next engine step
+        # (vllm/v1/core/block_pool.py take_events): until a request comes, the precise
+        # index still holds the last run's blocks. A prompt shorter than one block
+        # caches nothing.
+        warm_up(f"http://{u}", model)
+    time.sleep(0.3)  # the events reach the counter before the first request
     usage = BENCH_VAR / f"usage-{section.name}-{w.name}-{pol.key}.jsonl"
     usage.unlink(missing_ok=True)
     port = free_port()
@@ -542,7 +552,8 @@ def render(section: str, out: dict[str, Any]) -> list[Table]:
         t = Table(title=f"{section}: {wname}", header_style="bold")
         for c in ("policy", "cached-token ratio", "TTFT p50 ms", "TTFT p90 ms",
                   "output tok/s", "ok / sent", "busiest replica", ""):
-            t.add_column(c, justify="left" if c in ("policy", "") else "right")
+            t.add_column(c, justify="left" if c in ("policy", "") else "right",
+                         no_wrap=c == "policy")
         for pol in POLICIES:
             f = wdata["policies"].get(pol.key)
             if f is None:
