@@ -17,8 +17,8 @@
 --     one). The first term is the prefill r still has to compute, the second the work
 --     queued on it before this request; a replica that holds the prefix wins until its
 --     outstanding tokens exceed (by load_weight) the prefill it saves, so one hot prefix
---     spreads instead of piling on one replica. With load_weight 1 and no hit anywhere
---     it is least_outstanding. Ties as there. A request whose count carries no block
+--     spreads instead of piling on one replica. With no hit anywhere (and a weight
+--     above 0) it is least_outstanding. Ties as there. A request whose count carries no block
 --     hashes and no hits (an estimate, embeddings, a prompt shorter than a block) is
 --     chosen least_outstanding.
 -- Choosing and counting are one step (take): a burst that arrives while the requests

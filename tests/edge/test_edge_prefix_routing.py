@@ -144,7 +144,9 @@ def test_load_outweighs_the_prefix_hit(
         edge_variant_off_vllm: Callable[..., Edge], replicas: Callable[..., FastUpstream],
         count: Callable[[dict[str, Any]], counter_pb2.CountReply]) -> None:
     a, b = replicas(itl_ms=20), replicas(itl_ms=20)
-    e = _edge(edge_variant_off_vllm, "prefix-load", [a, b], policy="prefix")
+    # a load weight of 1: one running request of the prefix (its prompt + 200 reserved
+    # tokens) outweighs the hit (at the default 0.25 it takes four such)
+    e = _edge(edge_variant_off_vllm, "prefix-load", [a, b], policy="prefix", load_weight=1.0)
     got = _chat(e, "What is 1 + 1?").headers["x-tokengate-upstream"]
     _idle(e)
     # a stream of 200 tokens (4 s) with the same prefix goes there too, and stays
