@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +62,16 @@ def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str, ups: list[FastU
     return edge_variant_off_vllm(name, edit)
 
 
-def _body(question: str, max_tokens: int = 2, stream: bool = False) -> dict[str, Any]:
+def _body(question: str, max_tokens: int = 2, stream: bool = False,
+          system: bool = True) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": max_tokens, "stream": stream,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": question}]}
+            "messages": [{"role": "system", "content": SYSTEM}] * system
+            + [{"role": "user", "content": question}]}
 
 
-def _chat(e: Edge, question: str) -> httpx.Response:
-    r = httpx.post(e.base_url + "/chat/completions", content=json.dumps(_body(question)),
+def _chat(e: Edge, question: str, system: bool = True) -> httpx.Response:
+    r = httpx.post(e.base_url + "/chat/completions",
+                   content=json.dumps(_body(question, system=system)),
                    headers=HEADERS, timeout=30)
     assert r.status_code == 200, r.text
     return r
@@ -240,15 +244,34 @@ def _metrics(e: Edge) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_the_counters_kv_events_predict_the_replicas_hit_exactly(
-        edge_variant_off_vllm: Callable[..., Edge], config_path: Path,
-        tmp_path: Path) -> None:
-    # two simulated replicas (blocks of 16, KV events) and a counter following both
+@dataclass
+class Precise:
+    """Two simulated replicas with KV events, a counter following both, an edge routing
+    by prefix in front of them; ``hits(question)``: the counter's prefix_hits for that
+    chat body (replica -> tokens)."""
+
+    sims: list[SimReplica]
+    edge: Edge
+    hits: Callable[..., dict[str, int]]
+
+    def until(self, question: str, ok: Callable[[dict[str, int]], bool],
+              system: bool = True) -> None:
+        deadline = time.monotonic() + 15
+        while not ok(self.hits(question, system)):
+            assert time.monotonic() < deadline, self.hits(question, system)
+            time.sleep(0.1)
+        time.sleep(0.3)  # the other counter worker's followers too
+
+
+@contextmanager
+def _precise(edge_variant_off_vllm: Callable[..., Edge], config_path: Path, tmp_path: Path,
+             name: str, itl_ms: float = 1) -> Iterator[Precise]:
     model_dir = Path(yaml.safe_load(config_path.read_text())["models"][MODEL]["dir"])
     sims = [SimReplica(SimSettings(model=MODEL, model_dir=model_dir, block_size=16,
-                                   prefill_tokens_per_s=1e6, ttft_overhead_ms=0, itl_ms=1,
+                                   prefill_tokens_per_s=1e6, ttft_overhead_ms=0,
+                                   itl_ms=itl_ms,
                                    kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}"),
-                       name=f"test-sim-edge{PORT_OFFSET or ''}", state_dir=tmp_path)
+                       name=f"test-sim-{name}{PORT_OFFSET or ''}", state_dir=tmp_path)
             for _ in range(2)]
     try:
         for sim in sims:
@@ -264,53 +287,129 @@ def test_the_counters_kv_events_predict_the_replicas_hit_exactly(
             raw["edge"]["admission"] = {"metrics_interval_ms": 0}
         raw = yaml.safe_load(config_path.read_text())
         edit(raw)
-        path = TEST_DIR / "prefix-events-counter.yaml"
+        path = TEST_DIR / f"{name}-counter.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        sock, port = TEST_DIR / "prefix-events-counter.sock", free_port()
+        sock, port = TEST_DIR / f"{name}-counter.sock", free_port()
         counter = devstack.counter_service(path, port=port, unix_socket=sock, workers=2,
-                                           name=f"test-counter-prefix{PORT_OFFSET or ''}")
+                                           name=f"test-counter-{name}{PORT_OFFSET or ''}")
         counter.start()
         try:
-            e = edge_variant_off_vllm("prefix-events", edit, counter_socket=sock)
+            e = edge_variant_off_vllm(name, edit, counter_socket=sock)
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = counter_pb2_grpc.TokenCounterStub(channel)
 
-                def hits(question: str) -> dict[str, int]:
+                def hits(question: str, system: bool = True) -> dict[str, int]:
                     reply = stub.CountTokens(counter_pb2.CountRequest(
                         model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT,
-                        body=json.dumps(_body(question)).encode()))
+                        body=json.dumps(_body(question, system=system)).encode()))
                     return {h.upstream: h.cached_tokens for h in reply.prefix_hits}
 
-                def until(question: str, ok: Callable[[dict[str, int]], bool]) -> None:
-                    deadline = time.monotonic() + 15
-                    while not ok(hits(question)):
-                        assert time.monotonic() < deadline, hits(question)
-                        time.sleep(0.1)
-                    time.sleep(0.3)  # the other counter worker's followers too
-
-                # both replicas followed (connected), nothing cached yet
-                until("What is 1 + 1?", lambda h: set(h) == set(events))
-                first = _chat(e, "What is 1 + 1?")
-                assert (first.headers[EXPECTED], first.headers[SOURCE]) == ("0", "events")
-                got = first.headers["x-tokengate-upstream"]
-                # the replica's BlockStored events reach the counter
-                until("Name a colour.", lambda h: h.get(got, 0) > 0)
-                want = hits("Name a colour.")
-                assert want[next(a for a in events if a != got)] == 0
-                r = _chat(e, "Name a colour.")
-                assert (r.headers["x-tokengate-upstream"], r.headers[EXPECTED],
-                        r.headers[SOURCE]) == (got, str(want[got]), "events")
-                ev = e.event(r.headers["x-request-id"])
-                # the replica served exactly the predicted tokens from its cache
-                assert (ev["expected_cached_tokens"], ev["cached_tokens"]) == \
-                    (want[got], want[got])
-            labels = (("model", MODEL), ("source", "events"))
-            samples = _metrics(e)
-            assert samples[("tokengate_prefix_expected_tokens_total", labels)] == want[got]
-            assert samples[("tokengate_prefix_cached_tokens_total", labels)] == want[got]
-            assert ("tokengate_prefix_overestimated_tokens_total", labels) not in samples
+                yield Precise(sims, e, hits)
         finally:
             counter.stop()
     finally:
         for sim in sims:
             sim.stop()
+
+
+def test_the_counters_kv_events_predict_the_replicas_hit_exactly(
+        edge_variant_off_vllm: Callable[..., Edge], config_path: Path,
+        tmp_path: Path) -> None:
+    with _precise(edge_variant_off_vllm, config_path, tmp_path, "prefix-events") as p:
+        e, events = p.edge, [sim.address for sim in p.sims]
+        # both replicas followed (connected), nothing cached yet
+        p.until("What is 1 + 1?", lambda h: set(h) == set(events))
+        first = _chat(e, "What is 1 + 1?")
+        assert (first.headers[EXPECTED], first.headers[SOURCE]) == ("0", "events")
+        got = first.headers["x-tokengate-upstream"]
+        # the replica's BlockStored events reach the counter
+        p.until("Name a colour.", lambda h: h.get(got, 0) > 0)
+        want = p.hits("Name a colour.")
+        assert want[next(a for a in events if a != got)] == 0
+        r = _chat(e, "Name a colour.")
+        assert (r.headers["x-tokengate-upstream"], r.headers[EXPECTED],
+                r.headers[SOURCE]) == (got, str(want[got]), "events")
+        ev = e.event(r.headers["x-request-id"])
+        # the replica served exactly the predicted tokens from its cache
+        assert (ev["expected_cached_tokens"], ev["cached_tokens"]) == (want[got], want[got])
+        labels = (("model", MODEL), ("source", "events"))
+        samples = _metrics(e)
+        assert samples[("tokengate_prefix_expected_tokens_total", labels)] == want[got]
+        assert samples[("tokengate_prefix_cached_tokens_total", labels)] == want[got]
+        assert ("tokengate_prefix_overestimated_tokens_total", labels) not in samples
+
+
+def test_a_replica_killed_mid_run_is_learned_again_and_only_its_requests_fail(
+        edge_variant_off_vllm: Callable[..., Edge], config_path: Path,
+        tmp_path: Path) -> None:
+    """A replica killed (SIGKILL) under load: only requests in flight on it fail (the
+    edge passes new ones to the other: nothing was sent to the dead one); restarted on
+    the same port, its sequence numbers start again, so the counter forgets what it held
+    (no stale hit) and learns it again from its new events."""
+    with _precise(edge_variant_off_vllm, config_path, tmp_path, "prefix-kill",
+                  itl_ms=20) as p:
+        e, (a, b) = p.edge, p.sims
+        p.until("What is 1 + 1?", lambda h: set(h) == {a.address, b.address})
+        questions = [f"Question {i}: name a colour." for i in range(6)]
+        done: list[tuple[float, float, int, str]] = []  # sent, ended, status, replica
+        stop = time.monotonic() + 1e9
+
+        def client(i: int) -> None:
+            with httpx.Client(timeout=30) as c:
+                while time.monotonic() < stop:
+                    sent = time.monotonic()
+                    try:
+                        r = c.post(e.base_url + "/chat/completions", headers=HEADERS,
+                                   content=json.dumps(_body(questions[i % 6], 20, True)))
+                        status, where = r.status_code, r.headers.get(
+                            "x-tokengate-upstream", "")
+                    except httpx.HTTPError:
+                        status, where = 0, ""
+                    done.append((sent, time.monotonic(), status, where))
+
+        with ThreadPoolExecutor(4) as pool:
+            for i in range(4):
+                pool.submit(client, i)
+            deadline = time.monotonic() + 20
+            while not any(w == a.address for *_, w in done):
+                assert time.monotonic() < deadline, "no request reached the first replica"
+                time.sleep(0.1)
+            held = p.hits(questions[0]).get(a.address, 0)
+            killed = time.monotonic()
+            assert a.service.proc is not None
+            a.service.proc.kill()
+            a.service.proc.wait()
+            dead = time.monotonic()  # until then it may still accept a connection
+            time.sleep(2)
+            a.service.start()
+            # connected again: what it held before is gone (re-learned, not stale)
+            p.until("What is 1 + 1?", lambda h: a.address in h)
+            assert p.hits("An unseen question.").get(a.address) == 0
+            time.sleep(3)
+            stop = time.monotonic()
+        failed = [d for d in done if d[2] != 200]
+        assert failed, "the kill failed no request in flight: it proved nothing"
+        # every failure was sent before the replica was gone and ended after the kill
+        # (in flight on it); at most one per client
+        assert all(sent < dead and ended > killed for sent, ended, _, _ in failed), failed
+        assert len(failed) <= 4
+        after = [d for d in done if d[0] > killed + 3]
+        assert after and all(d[2] == 200 for d in after)
+        assert held > 0
+        # back in (it was out until a health probe passed): a prompt neither replica
+        # holds (no shared system prompt: ties rotate) lands on it sooner or later, and
+        # its new events predict the next hit exactly
+        deadline, i = time.monotonic() + 30, 0
+        words = " ".join(f"w{j}" for j in range(40))
+        while True:
+            question, i = f"Unseen {i}: {words}", i + 1
+            if _chat(e, question, False).headers["x-tokengate-upstream"] == a.address:
+                break
+            assert time.monotonic() < deadline, "the restarted replica never came back"
+            time.sleep(0.3)
+        p.until(question, lambda h: h.get(a.address, 0) > 0, False)
+        want = p.hits(question, False)[a.address]
+        r = _chat(e, question, False)
+        ev = e.event(r.headers["x-request-id"])
+        assert (r.headers["x-tokengate-upstream"], ev["expected_cached_tokens"],
+                ev["cached_tokens"]) == (a.address, want, want)
