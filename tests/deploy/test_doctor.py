@@ -259,12 +259,14 @@ def test_a_replica_without_the_plugin_fails_the_engine_records_check(
     for files in ([present], [missing]):
         cfg = _config(config_path, TEST_DIR / "doctor" / "no-plugin.yaml", [replica],
                       engine_files=files)
-        status, lines, _ = _doctor(cfg)
+        # the record never comes: wait 1 s for it, not the default 5
+        status, lines, _ = _doctor(cfg, "--engine-wait-s", "1")
         got = _lines_of(lines, replica)
         assert status == 1
         assert re.fullmatch(r"FAIL engine_records: no engine record of the probe "
                             r"\(chatcmpl-tokengate-doctor-[0-9a-f]{32}\) in "
-                            + re.escape(f"{files[0]} {PLUGIN_MISSING}"),
+                            + re.escape(f"{files[0]} "
+                                        + PLUGIN_MISSING.replace("after 5 s", "after 1 s")),
                             got["engine_records"]), got["engine_records"]
         # what it does serve like vLLM passes (its /tokenize counts are not vLLM's)
         assert all(got[k].startswith("OK ") for k in CHECKS[:CHECKS.index("engine_records")])

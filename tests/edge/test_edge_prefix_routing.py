@@ -380,12 +380,12 @@ def test_a_replica_killed_mid_run_is_learned_again_and_only_its_requests_fail(
             a.service.proc.kill()
             a.service.proc.wait()
             dead = time.monotonic()  # until then it may still accept a connection
-            time.sleep(2)
+            time.sleep(1)
             a.service.start()
             # connected again: what it held before is gone (re-learned, not stale)
             p.until("What is 1 + 1?", lambda h: a.address in h)
             assert p.hits("An unseen question.").get(a.address) == 0
-            time.sleep(3)
+            time.sleep(2)
             stop = time.monotonic()
         failed = [d for d in done if d[2] != 200]
         assert failed, "the kill failed no request in flight: it proved nothing"
@@ -393,7 +393,7 @@ def test_a_replica_killed_mid_run_is_learned_again_and_only_its_requests_fail(
         # (in flight on it); at most one per client
         assert all(sent < dead and ended > killed for sent, ended, _, _ in failed), failed
         assert len(failed) <= 4
-        after = [d for d in done if d[0] > killed + 3]
+        after = [d for d in done if d[0] > dead + 0.5]
         assert after and all(d[2] == 200 for d in after)
         assert held > 0
         # back in (it was out until a health probe passed): a prompt neither replica
