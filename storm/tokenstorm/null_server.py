@@ -18,7 +18,7 @@ from tokengate.process import Service, free_port, http_ready
 
 from tokenstorm import upstream
 
-__all__ = ["FastUpstream", "free_port", "upstream_service"]
+__all__ = ["FastUpstream", "LocalServer", "free_port", "upstream_service"]
 
 
 def upstream_service(opts: upstream.UpstreamOptions, port: int, state_dir: Path,
@@ -31,32 +31,35 @@ def upstream_service(opts: upstream.UpstreamOptions, port: int, state_dir: Path,
                    start_timeout_s=20.0, log_dir=state_dir / "log")
 
 
-class FastUpstream:
-    """``with FastUpstream(opts) as up: up.url`` runs the fast upstream meanwhile.
+class LocalServer:
+    """A TokenStorm server process on a loopback port as a context manager
+    (``with server: server.url``): the subclass builds ``service`` in ``state_dir``;
+    ``start`` starts it and waits until it is ready, ``stop`` stops it and removes
+    ``state_dir`` when it was a fresh temporary folder (none given)."""
 
-    ``state_dir`` receives its rendered configuration and log; by default a fresh
-    temporary folder, removed by ``stop``.
-    """
+    service: Service
 
-    def __init__(self, opts: upstream.UpstreamOptions | None = None, port: int | None = None,
-                 name: str = "fast-upstream", state_dir: Path | None = None,
-                 host: str = "127.0.0.1") -> None:
-        self.opts = opts or upstream.UpstreamOptions()
+    def __init__(self, port: int | None, state_dir: Path | None, host: str,
+                 temp_prefix: str) -> None:
         self.port = port or free_port()
+        self.host = host
         self._temp: Path | None = None
         if state_dir is None:
-            state_dir = self._temp = Path(tempfile.mkdtemp(prefix="tokenstorm-"))
-        self.host = host
-        self.service = upstream_service(self.opts, self.port, state_dir,
-                                        name=f"{name}-{self.port}", host=host)
+            state_dir = self._temp = Path(tempfile.mkdtemp(prefix=temp_prefix))
+        self.state_dir = state_dir
 
     @property
     def url(self) -> str:
         """Base URL (…/v1)."""
         return f"http://{self.host}:{self.port}/v1"
 
+    @property
+    def address(self) -> str:
+        """host:port, as a model's ``upstreams`` names it."""
+        return f"{self.host}:{self.port}"
+
     def start(self) -> Self:
-        """Start and wait for ``/health``; raises ``tokengate.process.ServiceError``."""
+        """Start and wait until ready; raises ``tokengate.process.ServiceError``."""
         try:
             self.service.start()
         except BaseException:
@@ -75,3 +78,19 @@ class FastUpstream:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class FastUpstream(LocalServer):
+    """``with FastUpstream(opts) as up: up.url`` runs the fast upstream meanwhile.
+
+    ``state_dir`` receives its rendered configuration and log; by default a fresh
+    temporary folder, removed by ``stop``.
+    """
+
+    def __init__(self, opts: upstream.UpstreamOptions | None = None, port: int | None = None,
+                 name: str = "fast-upstream", state_dir: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.opts = opts or upstream.UpstreamOptions()
+        super().__init__(port, state_dir, host, "tokenstorm-")
+        self.service = upstream_service(self.opts, self.port, self.state_dir,
+                                        name=f"{name}-{self.port}", host=host)

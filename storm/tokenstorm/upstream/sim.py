@@ -53,22 +53,20 @@ import hashlib
 import heapq
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import msgspec
 from tokengate import prefix_hash
-from tokengate.process import Service, free_port, http_ready
+from tokengate.process import Service, http_ready
 
+from tokenstorm.null_server import LocalServer
 from tokenstorm.upstream.kv_cache import Block, BlockPool
 from tokenstorm.upstream.kv_events import KVEventPublisher
 
@@ -1017,7 +1015,7 @@ def serve(s: SimSettings, host: str = "127.0.0.1", port: int = 38200) -> None:
                 timeout_graceful_shutdown=2)  # streams still open are cut after 2 s
 
 
-class SimReplica:
+class SimReplica(LocalServer):
     """``with SimReplica(settings) as rep: rep.url`` runs a simulated replica process
     (``tokenstorm sim-replica``) on a free loopback port meanwhile; its log goes to
     ``state_dir`` (default: a temporary folder, removed at the end)."""
@@ -1026,44 +1024,9 @@ class SimReplica:
                  name: str = "sim-replica", state_dir: Path | None = None,
                  host: str = "127.0.0.1") -> None:
         self.settings = settings
-        self.port = port or free_port()
-        self.host = host
-        self._temp: Path | None = None
-        if state_dir is None:
-            state_dir = self._temp = Path(tempfile.mkdtemp(prefix="tokenstorm-sim-"))
+        super().__init__(port, state_dir, host, "tokenstorm-sim-")
         argv = [sys.executable, "-m", "tokenstorm.cli", "sim-replica", "--host", host,
                 "--port", str(self.port), *settings.argv()]
         self.service = Service(f"{name}-{self.port}", argv,
                                http_ready(f"http://{host}:{self.port}/health"),
-                               start_timeout_s=60.0, log_dir=state_dir / "log")
-
-    @property
-    def url(self) -> str:
-        """Base URL (…/v1)."""
-        return f"http://{self.host}:{self.port}/v1"
-
-    @property
-    def address(self) -> str:
-        """host:port, as a model's ``upstreams`` names it."""
-        return f"{self.host}:{self.port}"
-
-    def start(self) -> Self:
-        """Start and wait for ``/health``; raises ``tokengate.process.ServiceError``."""
-        try:
-            self.service.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        self.service.stop()
-        if self._temp is not None:
-            shutil.rmtree(self._temp, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
+                               start_timeout_s=60.0, log_dir=self.state_dir / "log")
