@@ -524,15 +524,17 @@ SERVICE_USER = "nobody"  # stands in for the units' User=tokengate, with their G
 SIDECARS_DIR = Path(tg_config.__file__).resolve().parents[2]  # the code under test
 
 
-def service_bin_dir() -> Path:
+def service_bin_dir(bin_dir: Path) -> Path:
     """The bin folder of a virtualenv that the service user can run, as an operator's
     (Debian's own Python, outside /root, where the development virtualenv lives): the
-    runtime's dependencies from pip, the code under test from this checkout, one
-    script per entry point. Built once per set of dependencies, kept in /tmp."""
+    runtime's dependencies from pip, built once per set of dependencies and kept in /tmp
+    (a clean clone reuses it); one script per entry point in ``bin_dir`` (made here),
+    each putting the code under test first on the path (spawned workers inherit
+    it), so two checkouts' runs never re-point each other's scripts."""
     project = tomllib.loads((SIDECARS_DIR / "pyproject.toml").read_text())["project"]
     deps, scripts = project["dependencies"], project["scripts"]
     py = Path("/usr/bin/python3")
-    stamp = json.dumps([deps, str(SIDECARS_DIR), py.resolve().name])
+    stamp = json.dumps([deps, py.resolve().name])
     venv = Path(f"/tmp/tokengate-test-service-venv-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}")
     with open(f"{venv}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -543,18 +545,17 @@ def service_bin_dir() -> Path:
                                capture_output=True, text=True, timeout=900, check=False)
             assert r.returncode == 0, r.stdout + r.stderr
             (venv / ".complete").write_text(stamp)
-        site = subprocess.run([str(venv / "bin/python"), "-c",
-                               "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        Path(site, "tokengate-checkout.pth").write_text(f"{SIDECARS_DIR}\n")
-        for name, target in scripts.items():
-            module, func = target.split(":")
-            script = venv / "bin" / name
-            # the guard: the sidecars' workers are spawned, which imports this again
-            script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom {module} import "
-                              f"{func}\nif __name__ == '__main__':\n    sys.exit({func}())\n")
-            script.chmod(0o755)
-    return venv / "bin"
+    bin_dir.mkdir(mode=0o755)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        script = bin_dir / name
+        # the guard: the sidecars' workers are spawned, which imports this again
+        script.write_text(f"#!{venv}/bin/python\nimport sys\n"
+                          f"sys.path.insert(0, {str(SIDECARS_DIR)!r})\n"
+                          f"from {module} import {func}\nif __name__ == '__main__':\n"
+                          f"    sys.exit({func}())\n")
+        script.chmod(0o755)
+    return bin_dir
 
 
 def as_service_user(*argv: str | Path) -> subprocess.CompletedProcess[str]:
@@ -574,8 +575,8 @@ def test_key_commands_on_an_install_keep_the_files_readable_by_the_services(
     0644 root:root), so the counter's SIGHUP reload failed with PermissionError and its
     next start did not come up. Here the counter runs from its installed unit as the
     service user (group www-data only), Debian's nginx on the installed drop-in."""
-    bin_dir = service_bin_dir()
     root = Path(tempfile.mkdtemp(prefix="tg-keys-host-", dir="/tmp"))
+    bin_dir = service_bin_dir(root / "venv-bin")
     running: list[units.Running] = []
     nginx: Service | None = None
     try:
