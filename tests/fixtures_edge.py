@@ -204,10 +204,13 @@ class Edge:
             clock.path.unlink(missing_ok=True)
 
     def events(self) -> list[dict[str, Any]]:
-        """Every usage event written so far, in order."""
+        """Every usage event written so far, in order: the complete lines (a line the
+        edge is writing is not an event yet)."""
         if not self.usage_file.exists():
             return []
-        return [json.loads(line) for line in self.usage_file.read_text().splitlines() if line]
+        data = self.usage_file.read_text()
+        return [json.loads(line) for line in data[: data.rfind("\n") + 1].splitlines()
+                if line]
 
     def event(self, request_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """The usage event of one request (waits for the log phase to write it)."""

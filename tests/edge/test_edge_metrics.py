@@ -155,7 +155,9 @@ def test_metrics_count_a_known_workload_exactly(
 def test_histograms_are_cumulative_and_every_family_is_declared(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
     e = _edge(edge_variant_off_vllm, "metrics-hist", fast_upstream_url)
-    assert _post(e, "/chat/completions", _chat()).status_code == 200
+    r = _post(e, "/chat/completions", _chat())
+    assert r.status_code == 200
+    e.event(r.headers["x-request-id"])  # the log phase (metrics, then the event) ran
     text = scrape(e)
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     hist = fams["tokengate_request_duration_seconds"]
@@ -176,6 +178,8 @@ def test_the_json_status_page_reads_the_same_counters(
     e = _edge(edge_variant_off_vllm, "metrics-json", fast_upstream_url)
     assert _post(e, "/chat/completions", _chat(), key=None).status_code == 401
     assert _post(e, "/chat/completions", _chat(), key="tg-wrong").status_code == 401
+    # counted in the log phase, after the answer was sent
+    wait_until(lambda: e.status()["unauthenticated_invalid_key"] == 1)
     status = e.status()
     got = samples(scrape(e))
     assert status["unauthenticated_missing_key"] == 1
