@@ -7,7 +7,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler bench-routing lint \
+.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler bench-routing bench-fairness lint \
 	model clean
 
 setup:
@@ -56,6 +56,9 @@ bench-scheduler: setup
 # bench/results/. BENCH_ARGS: see `python -m tokengate_dev.bench.routing --help`.
 bench-routing: setup
 	@$(PY) -m tokengate_dev.bench.routing $(BENCH_ARGS)
+
+bench-fairness: setup
+	@$(PY) -m tokengate_dev.bench.fairness $(BENCH_ARGS)
 
 lint: setup
 	@$(PY) -m ruff check sidecars client storm dev vllm_patches tests

@@ -63,7 +63,7 @@ local min = math.min
 
 local _M = {}
 
-local ROOM, HEADROOM, UNKNOWN, FULL = 1, 2, 3, 4
+local ROOM, HEADROOM, UNKNOWN, FULL = 1, 2, 3, upstream.FULL
 _M.ROOM, _M.HEADROOM, _M.UNKNOWN, _M.FULL = ROOM, HEADROOM, UNKNOWN, FULL
 
 local RATE_TAU_S = 10 -- s: time constant of the finish-rate average
@@ -274,6 +274,12 @@ function _M.estimate(waiting, rate, most)
         return most
     end
     return max(1, min(most, ceil((waiting + 1) / rate)))
+end
+
+-- finish_rate(model_name, r) -> requests/s replica r finishes (its metrics' moving
+-- average), nil when unknown
+function _M.finish_rate(model_name, r)
+    return dict:get(key("rate:", model_name, r))
 end
 
 -- overloaded(model) -> err (503 overloaded) with Retry-After: the soonest estimate()

@@ -20,7 +20,7 @@ local huge = math.huge
 
 local _M = {}
 
-local VERSION = 9 -- tokengate.tools.compile_config.VERSION
+local VERSION = 10 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -153,8 +153,10 @@ function _M.load(path)
         end
     end
     local priorities = edge.admission.priorities
+    d.keys_by_id = {}
     for digest, k in pairs(d.keys) do
         k.digest = digest
+        d.keys_by_id[k.id] = k
         for _, b in ipairs(k.budgets) do
             b.model = b.model ~= cjson.null and b.model or nil
             b.tokens = b.tokens ~= cjson.null and b.tokens or nil

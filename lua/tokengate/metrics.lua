@@ -132,6 +132,19 @@ local FAMILIES = {
     { "tokengate_upstream_connect_duration_seconds", "histogram",
       "Time to connect to the replica (nginx's $upstream_connect_time, last try), by model.",
       FAST },
+    { "tokengate_queue_wait_seconds", "histogram",
+      "Time a request waited in its key's queue (edge.queue) until it was dispatched, "
+      .. "by model.", DURATION },
+    { "tokengate_queue_dispatched_total", "counter",
+      "Queued requests dispatched to a replica, by API key and model." },
+    { "tokengate_queue_refused_total", "counter",
+      "Requests that queued in vain or could not queue, by reason (key_full: 429 "
+      .. "queue_full; full: the edge's bounds, 503 overloaded; timeout: 503 "
+      .. "queue_timeout; left: the client went away while waiting)." },
+    { "tokengate_queue_requests", "gauge",
+      "Requests waiting in the queues now, by priority." },
+    { "tokengate_queue_tokens", "gauge",
+      "Tokens (prompt + reserved completion) waiting in the queues now, by priority." },
     { "tokengate_upstream_up", "gauge",
       "1 while the replica takes requests, 0 while it is out (failed, health probe, no "
       .. "address), by model and replica." },
@@ -264,6 +277,23 @@ end
 -- flood. (Keys without a tab: never part of the exposition.)
 function _M.first_in(key, seconds)
     return dict ~= nil and dict:add(key, true, seconds) == true
+end
+
+-- queue_wait(model, seconds): one queued request's wait (tokengate.queue).
+function _M.queue_wait(model, seconds)
+    _M.observe("tokengate_queue_wait_seconds", 'model="' .. _M.value(model) .. '"', seconds)
+end
+
+-- queue_dispatched(key_id, model): one queued request dispatched.
+function _M.queue_dispatched(key_id, model)
+    _M.count("tokengate_queue_dispatched_total", 'key="' .. _M.value(key_id)
+        .. '",model="' .. _M.value(model) .. '"')
+end
+
+-- queue_refused(reason): one request that could not queue or waited in vain
+-- (key_full, full, timeout, left).
+function _M.queue_refused(reason)
+    _M.count("tokengate_queue_refused_total", 'reason="' .. reason .. '"')
 end
 
 -- get(name) -> the status counter's value (0 when never incremented)

@@ -42,6 +42,7 @@ local metrics = require "tokengate.metrics"
 local upstream = require "tokengate.upstream"
 local prefix = require "tokengate.prefix"
 local admission = require "tokengate.admission"
+local queue = require "tokengate.queue"
 local idle = require "tokengate.idle"
 local models = require "tokengate.models"
 local sampling = require "tokengate.sampling"
@@ -73,6 +74,7 @@ local sort = table.sort
 local concat = table.concat
 local json_integer = json.integer
 local floor = math.floor
+local max = math.max
 
 local _M = {}
 
@@ -133,6 +135,13 @@ function _M.init_worker()
     end
     if ok then
         ok, err = idle.init_worker(doc, DICT)
+    end
+    if ok then
+        local qok, qerr = queue.init_worker()
+        if not qok and doc.edge.queue.enabled then
+            ngx_log(ERR, "tokengate: ", qerr, ": edge.queue.enabled without the queues' "
+                .. "lua_shared_dict of tokengate-http.conf: requests are shed, not queued")
+        end
     end
     if not ok then
         ngx_log(ERR, "tokengate: ", err)
@@ -311,12 +320,14 @@ local function how_much(ctx, doc)
     return text
 end
 
--- where(ctx) -> true | nil, err (503): the replica that will serve the request, chosen
--- before anything is reserved: one with room in its KV cache for the key's priority,
--- else one whose metrics are unknown (tokengate.admission); when the best is full, the
--- request is shed (503 overloaded, Retry-After). The replica carries the request's
--- tokens from here (upstream.take), so the requests that arrive while this one waits
--- for its limits see it. A request pinned to a replica (ctx.pin: the one that holds
+-- where(ctx) -> true | nil, err (503, 429): the replica that will serve the request,
+-- chosen before anything is reserved: one with room in its KV cache for the key's
+-- priority and below the model's max_concurrency, else one whose metrics are unknown
+-- (tokengate.admission); when the best is full, the request is shed (503 overloaded,
+-- Retry-After), or with edge.queue.enabled waits in its key's queue (tokengate.queue:
+-- also while other requests of its model wait) and takes a replica when dispatched.
+-- The replica carries the request's tokens from here (upstream.take), so the requests
+-- that arrive while this one waits for its limits see it. A request pinned to a replica (ctx.pin: the one that holds
 -- the stored response it names) goes there, full or not. A budget reservation prices
 -- the prompt tokens the replica is expected to serve from its prefix cache
 -- (ctx.prefix_expected, routing.policy prefix) at the model's cached rate. An API
@@ -328,17 +339,39 @@ local function where(ctx, doc)
     end
     local model = ctx.model_entry
     local pin = ctx.pin
-    local r, rank = upstream.take(ctx, model, pin and upstream.others(model, pin),
-        admission.rank, ctx.key.admission, ctx.token_estimate or 0, ctx.limit_req.tokens)
+    local prompt, tokens = ctx.token_estimate or 0, ctx.limit_req.tokens
+    local tried = pin and upstream.others(model, pin)
+    local r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+        prompt, tokens)
     if not r then
         return nil, errors.new(503, "No replica of model " .. model.name .. " has an "
             .. "address yet (its host names did not resolve). Please retry.", nil,
             "upstream_unavailable", nil, { ["Retry-After"] = "5" })
     end
-    if rank == admission.FULL and not ctx.stored then
+    local queueing = not ctx.stored and queue.enabled(doc)
+    if queueing then
+        ctx.queue_ms = 0 -- X-Tokengate-Queue-Ms on every answer while queueing is on
+    end
+    if not ctx.stored
+            and (rank == admission.FULL or queueing and queue.busy(model.name)) then
         upstream.release(ctx, true)
-        metrics.incr("admission_shed")
-        return nil, admission.overloaded(model)
+        if not queueing then
+            metrics.incr("admission_shed")
+            return nil, admission.overloaded(model)
+        end
+        -- wait in the key's queue (tokengate.queue), then take a replica again
+        local ok, err = queue.wait(ctx, doc, prompt, max(0, tokens - prompt))
+        if not ok then
+            return nil, err
+        end
+        r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+            prompt, tokens)
+        queue.took(ctx)
+        if not r then
+            return nil, errors.new(503, "No replica of model " .. model.name .. " has an "
+                .. "address any more. Please retry.", nil, "upstream_unavailable", nil,
+                { ["Retry-After"] = "5" })
+        end
     end
     if rank == admission.HEADROOM then
         metrics.incr("admission_headroom")
@@ -504,6 +537,9 @@ function _M.header_filter()
     if ctx.limits_tier then
         h["X-Tokengate-Limits"] = ctx.limits_tier
     end
+    if ctx.queue_ms then
+        h["X-Tokengate-Queue-Ms"] = ctx.queue_ms
+    end
     if ctx.replica then
         h["X-Tokengate-Upstream"] = ctx.replica.name
         if ctx.prefix_source then
@@ -648,7 +684,13 @@ function _M.log()
     if not ctx.key then
         return unauthenticated(ctx, status, aborted)
     end
+    if ctx.queue then
+        queue.finish(ctx)
+    end
     local ev = usage.record(ctx, status, aborted)
+    if ctx.queue then
+        queue.settle(ctx, config.get(), ev.prompt_tokens, ev.completion_tokens)
+    end
     local req = ctx.limit_req
     if req then
         local cost = req.budget and budget.cost(ctx.model_entry.cost, config.get().billing,
@@ -764,7 +806,14 @@ function _M.prometheus()
         end
     end
     local size, free = prefix.memory()
+    local qreq, qtok = {}, {}
+    for prio, d in pairs(queue.depth(doc)) do
+        local labels = 'priority="' .. metrics.value(prio) .. '"'
+        qreq[labels], qtok[labels] = d.requests, d.tokens
+    end
     local text = metrics.exposition({ tokengate_upstream_up = up,
+                                      tokengate_queue_requests = qreq,
+                                      tokengate_queue_tokens = qtok,
                                       tokengate_upstream_outstanding_tokens = outstanding,
                                       tokengate_prefix_capacity_blocks = blocks,
                                       tokengate_prefix_index_capacity_bytes =

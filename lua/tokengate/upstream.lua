@@ -22,7 +22,10 @@
 --     hashes and no hits (an estimate, embeddings, a prompt shorter than a block) is
 --     chosen least_outstanding.
 -- Choosing and counting are one step (take): a burst that arrives while the requests
--- before it wait for their limits still sees them.
+-- before it wait for their limits still sees them. The requests in flight on each
+-- replica are counted too: a replica at the model's max_concurrency (when set) ranks
+-- with the full ones (admission.FULL), so requests go elsewhere, queue
+-- (tokengate.queue) or are shed.
 --
 -- Out: a replica that failed to connect or whose connection broke before any answer
 -- (nginx's own 502/504) upstream_max_fails times within upstream_eject_s is out: with
@@ -137,6 +140,10 @@ function _M.probed(model, r)
     return not probing or dict:get(key("up:", model, r)) == true
 end
 
+-- the rank of a full replica: tokengate.admission's ranks are ROOM 1, HEADROOM 2,
+-- UNKNOWN 3, FULL 4 (it takes this one: it requires this module)
+local FULL = 4
+_M.FULL = FULL
 local OUT = math.huge -- the rank of a replica that is out: after every other
 
 -- asleep(model_name, r) -> true while r is marked asleep (tokengate.idle: put to sleep,
@@ -200,6 +207,7 @@ local function best(model, tried, rank, level, prompt, first, plan)
     local name = model.name
     local rr = policy(model) == "round_robin"
     local weight = plan and model.routing.load_weight
+    local cap = model.max_concurrency or 0
     local start = rotate
     if first then
         for i = 1, n do
@@ -225,6 +233,9 @@ local function best(model, tried, rank, level, prompt, first, plan)
                 k = OUT
             elseif rank then
                 k = rank(name, r, level, prompt)
+                if cap > 0 and k < FULL and _M.in_flight(name, r) >= cap then
+                    k = FULL
+                end
             end
             local cost, hit, source = out, nil, nil
             if plan then
@@ -271,6 +282,7 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         return nil
     end
     local name = model.name
+    dict:incr(key("req:", name, r), 1, 0)
     local now = dict:incr(key("tok:", name, r), tokens, 0)
     if now and now - tokens > seen and policy(model) ~= "round_robin" then
         dict:incr(key("tok:", name, r), -tokens, 0)
@@ -283,6 +295,12 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
     ctx.prefix_expected, ctx.prefix_source = hit, source
     return r, k
+end
+
+-- in_flight(model_name, r) -> the requests this edge has on replica r now (taken and
+-- not yet released: forwarded, or about to be).
+function _M.in_flight(model_name, r)
+    return dict:get(key("req:", model_name, r)) or 0
 end
 
 -- others(model, r) -> the set of the names of model's replicas other than r: take()'s
@@ -303,6 +321,7 @@ end
 function _M.release(ctx, forget)
     local r = ctx.replica
     if r and ctx.replica_tokens then
+        dict:incr(key("req:", ctx.replica_model, r), -1, 0)
         dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
         ctx.replica_tokens = nil
         if not forget then

@@ -319,7 +319,7 @@ local FIELDS = {
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
-    "count_drift", "expected_cached_tokens", "expected_cached_source",
+    "count_drift", "expected_cached_tokens", "expected_cached_source", "queue_ms",
 }
 _M.FIELDS = FIELDS
 
@@ -333,7 +333,8 @@ _M.FIELDS = FIELDS
 -- expected_cached_tokens (tokens the replica was expected to serve from its prefix
 -- cache when it was chosen, 0 when no prediction was made) and expected_cached_source
 -- ("events" | "approximate": tokengate.prefix; null: the model's routing.policy is not
--- prefix, or the count had no block hashes).
+-- prefix, or the count had no block hashes); queue_ms (how long the request waited in
+-- its key's queue, edge.queue: tokengate.queue; 0 when it did not queue).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -393,6 +394,7 @@ function _M.record(ctx, status, aborted)
         count_drift = drift.of(ctx),
         expected_cached_tokens = ctx.prefix_source and ctx.prefix_expected or 0,
         expected_cached_source = ctx.prefix_source,
+        queue_ms = ctx.queue_ms or 0,
     })
 end
 

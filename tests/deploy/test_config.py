@@ -419,7 +419,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 9 and doc["source"] == str(config_path)
+    assert doc["version"] == 10 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
@@ -439,7 +439,7 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
                                       "<tool_call>", "</think>", "<think>"]
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {},
                                  "allowed_models": None, "budgets": [],
-                                 "priority": "normal"}
+                                 "priority": "normal", "fair_share": 1.0}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -610,7 +610,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 9: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 10: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

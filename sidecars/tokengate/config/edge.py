@@ -248,6 +248,68 @@ class AdmissionConfig(_Schema):
         return self
 
 
+class QueueConfig(_Schema):
+    """Fair queueing (``edge.queue``): when no replica of a model can take a request now
+    (every one is full for the key's priority, or at ``models.<name>.max_concurrency``),
+    the edge holds it in its key's queue instead of answering 503, and dispatches the
+    queued requests as replicas free up, in the order of the Virtual Token Counter
+    (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024): the key with
+    the fewest weighted tokens served first; a key that becomes active again starts at
+    the smallest counter of the keys waiting, so idling earns no credit. Priorities are
+    served strictly (a priority with a higher kv_cache_threshold first); keys of one
+    priority share by ``keys.<id>.fair_share``. Each edge orders its own queues (all of
+    its nginx workers share them); several edges are each fair on their own share.
+    """
+
+    enabled: bool = Field(
+        default=False,
+        description="Hold requests that no replica can take now in per-key queues "
+                    "instead of answering 503 overloaded.")
+    max_wait_ms: Positive = Field(
+        default=30_000,
+        description="Longest a request waits in its queue, ms; then 503 queue_timeout "
+                    "with Retry-After. A request may ask for less (X-Tokengate-Queue-"
+                    "Timeout-Ms), never more.")
+    max_requests: Positive = Field(
+        default=1024,
+        description="Most requests waiting in all queues of the edge together; one more "
+                    "is answered 503 overloaded with Retry-After.")
+    max_tokens: Positive = Field(
+        default=4_000_000,
+        description="Most tokens (prompt + reserved completion) waiting in all queues "
+                    "together, tokens; beyond it 503 overloaded.")
+    key_max_requests: Positive = Field(
+        default=64,
+        description="Most requests of one key waiting; one more is answered 429 "
+                    "queue_full with Retry-After (the key's own share is taken).")
+    key_max_tokens: Positive = Field(
+        default=400_000,
+        description="Most tokens of one key waiting, tokens; beyond it 429 queue_full.")
+    prompt_weight: Finite = Field(
+        default=1.0,
+        description="Weight of a prompt token in a key's virtual token counter.")
+    completion_weight: Finite = Field(
+        default=2.0,
+        description="Weight of a completion token in the counter (the VTC paper's "
+                    "w_q = 2 w_p: a generated token costs about twice a prefill token).")
+    poll_ms: Positive = Field(
+        default=5,
+        description="How often a waiting request looks whether it was dispatched, ms.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> QueueConfig:
+        problems = []
+        if self.key_max_requests > self.max_requests:
+            why = f"{self.key_max_requests} exceeds max_requests ({self.max_requests})"
+            problems.append(("key_max_requests", why))
+        if self.key_max_tokens > self.max_tokens:
+            why = f"{self.key_max_tokens} exceeds max_tokens ({self.max_tokens})"
+            problems.append(("key_max_tokens", why))
+        if problems:
+            _check(problems)
+        return self
+
+
 class EdgeConfig(_Schema):
     """The nginx edge (``edge``), compiled to JSON for nginx.
 
@@ -396,3 +458,8 @@ class EdgeConfig(_Schema):
         default_factory=AdmissionConfig,
         description="KV-cache-aware admission: replicas too full for a key's priority take "
                     "no new request; when all are, 503 overloaded with Retry-After.")
+    queue: QueueConfig = Field(
+        default_factory=QueueConfig,
+        description="Fair queueing in tokens: requests no replica can take now wait in "
+                    "per-key queues served by virtual token counters (off: they are "
+                    "answered 503 overloaded).")

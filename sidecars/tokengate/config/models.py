@@ -220,6 +220,13 @@ class ModelConfig(_Schema):
         default=False,
         description="`make run` starts the embedded vLLM CPU server for this model on its "
                     "one loopback upstream. false: the upstreams are your own servers.")
+    max_concurrency: Count = Field(
+        default=0,
+        description="Most requests this edge sends one replica at once, requests; a "
+                    "replica at it takes no new request (it waits in edge.queue, or is "
+                    "answered 503 overloaded). Set it near vLLM's --max-num-seqs so "
+                    "vLLM's own queue stays short and the edge's fair queue orders "
+                    "what waits. 0: no bound (the KV-cache and waiting bounds only).")
     routing: Routing = Field(
         default_factory=Routing,
         description="How the edge picks a replica: least outstanding tokens (default), "

@@ -59,6 +59,8 @@ Schema (every key is present; ``null`` only where shown)::
     expected_cached_source  where that prediction came from: "events" (the counter's
                       index of the replica's KV events) | "approximate" (the edge's
                       record of what it sent where) | null (none made; older events)
+    queue_ms          how long the request waited in its key's queue (edge.queue), ms;
+                      0 when it did not queue and in events written before the field
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -121,6 +123,7 @@ class UsageEvent:
     count_drift: int = 0
     expected_cached_tokens: int = 0
     expected_cached_source: str | None = None
+    queue_ms: int = 0
 
     @property
     def time(self) -> datetime:
@@ -276,6 +279,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         expected_cached_tokens=_count(obj, "expected_cached_tokens"),
         expected_cached_source=(_enum(obj, "expected_cached_source", EXPECTED_CACHED_SOURCES)
                                 if obj.get("expected_cached_source") is not None else None),
+        queue_ms=_count(obj, "queue_ms"),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 9,
+      "version": 10,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -68,10 +68,11 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 9  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 10  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
-#             runner; 9: models carry routing
+#             runner; 9: models carry routing; 10: edge.queue, models carry
+#             max_concurrency, keys fair_share
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
