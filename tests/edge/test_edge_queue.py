@@ -114,9 +114,9 @@ def slow_replica(replicas: Callable[..., FastUpstream]) -> FastUpstream:
 def test_requests_wait_instead_of_503_and_a_light_key_passes_a_flooding_one(
         edge_variant_off_vllm: Callable[..., Edge], slow_replica: FastUpstream) -> None:
     """One request in service, two of the heavy key waiting, then the light key's: it is
-    served right after the heavy key's first queued one (the heavy key's counter grew by
-    that request's tokens; the light key's was lifted to the heavy key's, no higher),
-    not after both as first come, first served would."""
+    served next, not after both as first come, first served would. Its counter was lifted
+    to the smallest of the keys waiting (the heavy key's), no higher; equal counters go to
+    the key with fewer requests waiting."""
     e = _edge(edge_variant_off_vllm, "queue-vtc", slow_replica)
     s = Sender(e)
     s.send("heavy-0", "q-heavy")
@@ -130,10 +130,11 @@ def test_requests_wait_instead_of_503_and_a_light_key_passes_a_flooding_one(
     answers = s.join()
     assert all(isinstance(r, httpx.Response) and r.status_code == 200
                for r in answers.values()), answers
-    assert s.order() == ["heavy-0", "heavy-1", "light", "heavy-2"]
+    assert s.order() == ["heavy-0", "light", "heavy-1", "heavy-2"]
     waited = {k: int(r.headers["x-tokengate-queue-ms"]) for k, r in answers.items()
               if isinstance(r, httpx.Response)}
     assert waited["heavy-0"] == 0 and min(waited["heavy-1"], waited["light"]) > 0
+    assert waited["light"] < waited["heavy-1"] < waited["heavy-2"]
     events = {k: e.event(r.headers["x-request-id"]) for k, r in answers.items()
               if isinstance(r, httpx.Response)}
     assert {k: ev["queue_ms"] for k, ev in events.items()} == waited
