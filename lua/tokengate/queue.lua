@@ -70,17 +70,29 @@ local concat = table.concat
 local _M = {}
 
 local DICT = "tokengate_queue"
+local ticket -- defined below
 local LOCK_TTL_S = 0.5     -- a dispatch pass takes well under a millisecond
 local LOCK_WAIT_S = 1      -- an enqueue waits at most this long for the lock
 local PASS_MOST = 256      -- dispatches per pass at most
 
 local dict
+local pid = ""
+local RECLAIM_S = 5
 
--- init_worker() -> true | nil, err
+-- init_worker() -> true | nil, err. Takes back what workers that are gone left waiting
+-- (reclaim: at each worker's start, and every RECLAIM_S in worker 0).
 function _M.init_worker()
     dict = ngx.shared[DICT]
     if not dict then
         return nil, "shared dict not found: " .. DICT
+    end
+    pid = tostring(ngx.worker.pid())
+    _M.reclaim()
+    if ngx.worker.id() == 0 then
+        local ok, err = ngx.timer.every(RECLAIM_S, _M.reclaim)
+        if not ok then
+            return nil, "queue reclaim timer: " .. err
+        end
     end
     return true
 end
@@ -188,6 +200,47 @@ local function count(key_id, prio, n, tokens)
     dict:incr("pt:" .. prio, tokens, 0)
 end
 
+-- ticket(id) -> {key, tokens, prompt, charge, pid, model, prio} of ticket id's "c:"
+-- entry ("<key>\t<tokens>\t<prompt>\t<charge>\t<pid>\t<model>\t<priority>"; zeros
+-- when gone)
+ticket = function(id)
+    local k, t, p, ch, owner, m, prio = match(dict:get("c:" .. id) or "",
+        "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$")
+    return { key = k, tokens = tonumber(t) or 0, prompt = tonumber(p) or 0,
+             charge = tonumber(ch) or 0, pid = owner, model = m, prio = prio }
+end
+
+-- reclaim(premature): the tickets of workers that are gone (a crash, a kill after a
+-- reload's shutdown timeout) leave their queue and give back their counts, the slot
+-- of one dispatched and its charge: otherwise the queue would count them, and hold
+-- every newcomer of their model behind them, for good.
+function _M.reclaim(premature)
+    if premature or not dict then
+        return
+    end
+    local keys = dict:get_keys(0)
+    for i = 1, #keys do
+        local id = match(keys[i], "^c:(%d+)$")
+        local info = id and ticket(id)
+        if info and info.pid and info.pid ~= pid and not upstream.alive(info.pid)
+                and dict:add("r:" .. id, true, 60) then -- one reclaimer per ticket
+            local state = dict:get("t:" .. id)
+            if state == 0 and dict:incr("t:" .. id, 2) == 2 then
+                count(info.key, info.prio, -1, -info.tokens)
+                dict:incr("w:" .. info.model, -1, 0)
+            elseif state == 1 or state == 5 then
+                if state == 1 then
+                    dict:incr("w:" .. info.model, -1, 0)
+                end
+                dict:incr("p:" .. info.model, -1, 0)
+                dict:incr("v:" .. info.key, -info.charge, 0)
+            end
+            dict:delete("c:" .. id)
+            dict:delete("t:" .. id)
+        end
+    end
+end
+
 -- pass(doc): one dispatch pass (the lock held): for each model with requests waiting,
 -- dispatch heads while a replica has headroom, the best key first (strict priority,
 -- then the smallest counter). Queues found empty leave the active list.
@@ -236,12 +289,10 @@ local function pass(doc)
             if not id then
                 pick.empty = true
             else
-                local _, t, p, ch = match(dict:get("c:" .. id) or "",
-                    "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)$")
-                local tokens, prompt, charge = tonumber(t) or 0, tonumber(p) or 0,
-                    tonumber(ch) or 0
+                local info = ticket(id)
+                local tokens, prompt, charge = info.tokens, info.prompt, info.charge
                 if dict:get("t:" .. id) ~= 0 then
-                    dict:delete("c:" .. id) -- it left (counted out by leave)
+                    -- it left (counted out by quit)
                 elseif not headroom(model, pick.key.admission, prompt) then
                     dict:lpush("q:" .. pick.entry, id) -- back at the head
                     break -- strict: nothing of this model passes the best
@@ -249,7 +300,6 @@ local function pass(doc)
                     dict:incr("p:" .. m, 1, 0)
                     dict:incr("v:" .. pick.key.id, charge, 0)
                     count(pick.key.id, pick.key.priority, -1, -tokens)
-                    dict:delete("c:" .. id)
                     done = done + 1
                 end
             end
@@ -291,10 +341,11 @@ end
 local function quit(ctx)
     local q = ctx.queue
     local v = dict:incr("t:" .. q.id, 2)
-    dict:delete("c:" .. q.id)
     if v == 3 then
         return false
     end
+    dict:delete("c:" .. q.id)
+    dict:delete("t:" .. q.id)
     q.left = true
     dict:incr("w:" .. q.model, -1, 0)
     count(ctx.key.id, q.prio, -1, -q.tokens)
@@ -316,8 +367,20 @@ function _M.wait(ctx, doc, prompt, out)
     local prio = key.priority
     local t0 = ngx_now()
     ctx.queue_ms = 0
+    local wait_ms = c.max_wait_ms
+    local asked = ngx.var.http_x_tokengate_queue_timeout_ms
+    if asked and match(asked, "^%d+$") then
+        wait_ms = min(wait_ms, tonumber(asked))
+    end
+    if not wait_lock() then
+        metrics.queue_refused("full")
+        return nil, admission.overloaded(model)
+    end
+    -- the bounds are checked and the request counted under the lock: a burst of one key
+    -- over several workers cannot pass key_max_requests between check and count
     if (dict:get("n:" .. key.id) or 0) + 1 > c.key_max_requests
             or (dict:get("k:" .. key.id) or 0) + tokens > c.key_max_tokens then
+        unlock()
         metrics.queue_refused("key_full")
         local s = retry_after(doc, model)
         return nil, errors.new(429, "Too many requests of key " .. errors.clip(key.id)
@@ -328,26 +391,17 @@ function _M.wait(ctx, doc, prompt, out)
     end
     if (dict:get("N") or 0) + 1 > c.max_requests
             or (dict:get("T") or 0) + tokens > c.max_tokens then
+        unlock()
         metrics.queue_refused("full")
         return nil, admission.overloaded(model)
-    end
-    local wait_ms = c.max_wait_ms
-    local asked = tonumber(ngx.var.http_x_tokengate_queue_timeout_ms)
-    if asked and asked >= 0 then
-        wait_ms = min(wait_ms, floor(asked))
     end
     local id = dict:incr("seq", 1, 0)
     local charge = charge_of(c, prompt, out, key.fair_share or 1)
-    dict:set("t:" .. id, 0, (c.max_wait_ms / 1000) + 60)
-    dict:set("c:" .. id, key.id .. "\t" .. tokens .. "\t" .. prompt .. "\t" .. charge,
-        (c.max_wait_ms / 1000) + 60)
+    local ttl = c.max_wait_ms / 1000 + 60
+    dict:set("t:" .. id, 0, ttl)
+    dict:set("c:" .. id, concat({ key.id, tokens, prompt, charge, pid, model.name, prio },
+        "\t"), ttl)
     local entry = qname(model.name, key.id)
-    if not wait_lock() then
-        dict:delete("t:" .. id)
-        dict:delete("c:" .. id)
-        metrics.queue_refused("full")
-        return nil, admission.overloaded(model)
-    end
     local list = active()
     local len = dict:rpush("q:" .. entry, id)
     if len == 1 then
@@ -383,7 +437,8 @@ function _M.wait(ctx, doc, prompt, out)
         if dict:get("t:" .. id) == 1 then
             return _M.dispatched(ctx)
         end
-        if ngx_now() >= deadline then
+        local now = ngx_now()
+        if now >= deadline then
             if not quit(ctx) then
                 return _M.dispatched(ctx) -- dispatched just now
             end
@@ -394,7 +449,7 @@ function _M.wait(ctx, doc, prompt, out)
                 .. "could take it. Please retry after " .. s .. " s.", nil,
                 "queue_timeout", nil, { ["Retry-After"] = tostring(s) })
         end
-        ngx_sleep(poll)
+        ngx_sleep(min(poll, deadline - now))
         _M.dispatch(doc)
     end
 end
@@ -403,6 +458,7 @@ end
 function _M.dispatched(ctx)
     local q = ctx.queue
     q.dispatched = true
+    dict:incr("t:" .. q.id, 4) -- seen (5): reclaim() knows its waiter counted it out
     ctx.queue_ms = floor((ngx_now() - q.t0) * 1000 + 0.5)
     dict:incr("w:" .. q.model, -1, 0)
     metrics.queue_wait(q.model, ngx_now() - q.t0)
@@ -414,6 +470,8 @@ function _M.took(ctx)
     local q = ctx.queue
     if q and q.dispatched and not q.took then
         q.took = true
+        dict:delete("c:" .. q.id)
+        dict:delete("t:" .. q.id)
         dict:incr("p:" .. q.model, -1, 0)
         metrics.queue_dispatched(ctx.key.id, q.model)
     end
@@ -436,6 +494,8 @@ function _M.finish(ctx)
         return
     end
     q.dispatched, q.took, q.settled = true, true, true
+    dict:delete("c:" .. q.id)
+    dict:delete("t:" .. q.id)
     dict:incr("w:" .. q.model, -1, 0)
     dict:incr("p:" .. q.model, -1, 0)
     dict:incr("v:" .. ctx.key.id, -q.charge, 0)

@@ -60,11 +60,18 @@ local timer_every = ngx.timer.every
 local tonumber = tonumber
 local pairs = pairs
 local match = string.match
+local tostring = tostring
+local io_open = io.open
+local ipairs = ipairs
 local type = type
 
 local _M = {}
 
 local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
+local pid = tostring(ngx.worker.pid())
+local RECLAIM_S = 5 -- how often worker 0 looks for counts of workers that are gone
+local KINDS = { "req", "tok" }
+local held, register -- defined below
 local eject_s, max_fails, health_timeout_ms
 local probing -- health probes run (upstream_health_interval_ms > 0)
 local rotate = 0 -- this worker's tie breaker
@@ -90,8 +97,18 @@ function _M.init_worker(doc, dict_name)
     eject_s, max_fails = edge.upstream_eject_s, edge.upstream_max_fails
     health_timeout_ms = edge.upstream_health_timeout_ms
     probing = edge.upstream_health_interval_ms > 0
+    pid = tostring(ngx.worker.pid())
+    register()
+    local models = doc.models or {}
+    _M.reclaim(false, models)
     if ngx.worker.id() ~= 0 then
         return true
+    end
+    if ngx.get_phase() == "init_worker" then -- (not in the Lua unit tests' init phase)
+        local ok, err = timer_every(RECLAIM_S, _M.reclaim, models)
+        if not ok then
+            return nil, "reclaim timer: " .. err
+        end
     end
     local interval = edge.upstream_health_interval_ms
     if interval > 0 then
@@ -254,6 +271,68 @@ local function best(model, tried, rank, level, prompt, first, plan)
     return choice, best_rank, best_out, best_hit, best_source
 end
 
+-- held(model_name, r, n, tokens): n requests and their tokens more (or fewer) in flight
+-- on replica r: the totals every worker reads ("req:", "tok:"), and this worker's own
+-- share of them ("wreq:<pid>:", "wtok:<pid>:"), from which reclaim() takes back what a
+-- worker that died (a crash, a kill after a reload's shutdown timeout) left counted.
+held = function(model_name, r, n, tokens)
+    local tail = model_name .. "\0" .. r.name
+    dict:incr("req:" .. tail, n, 0)
+    dict:incr("tok:" .. tail, tokens, 0)
+    dict:incr("wreq:" .. pid .. ":" .. tail, n, 0)
+    dict:incr("wtok:" .. pid .. ":" .. tail, tokens, 0)
+end
+
+-- alive(worker_pid) -> whether that process still runs (an nginx worker of this host)
+function _M.alive(worker_pid)
+    local f = io_open("/proc/" .. worker_pid .. "/stat")
+    if f then
+        f:close()
+        return true
+    end
+    return false
+end
+
+-- register(): this worker's pid in the list reclaim() walks ("wpid:<i>", i = 1..n).
+register = function()
+    local i = dict:incr("wpid_n", 1, 0)
+    dict:set("wpid:" .. i, pid)
+end
+
+-- reclaim(premature, models): takes the requests and tokens that workers which are gone
+-- (a crash, a kill after a reload's shutdown timeout) left counted on each replica of
+-- models out of the totals (each worker at its start, worker 0 every RECLAIM_S): a
+-- replica would otherwise stay full at max_concurrency, and its outstanding tokens
+-- high, for good. Walks the registered pids, not the dict.
+function _M.reclaim(premature, models)
+    if premature then
+        return
+    end
+    local n = dict:get("wpid_n") or 0
+    for i = 1, n do
+        local owner = dict:get("wpid:" .. i)
+        -- the first to see a worker gone takes it (several new workers start at once)
+        if owner and owner ~= pid and not _M.alive(owner)
+                and dict:incr("wpid_taken:" .. i, 1, 0) == 1 then
+            for name, m in pairs(models) do
+                for _, r in ipairs(m.upstreams) do
+                    local tail = name .. "\0" .. r.name
+                    for _, kind in ipairs(KINDS) do
+                        local k = "w" .. kind .. ":" .. owner .. ":" .. tail
+                        local v = dict:get(k)
+                        if v and v ~= 0 then
+                            dict:incr(kind .. ":" .. tail, -v, 0)
+                        end
+                        dict:delete(k)
+                    end
+                end
+            end
+            dict:delete("wpid:" .. i)
+            dict:delete("wpid_taken:" .. i)
+        end
+    end
+end
+
 -- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil: the
 -- best replica (best(): tried, rank, level and prompt as there, ctx.prefix_plan its
 -- plan), which serves the request from now on: its `tokens` (the request's
@@ -282,15 +361,15 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         return nil
     end
     local name = model.name
-    dict:incr(key("req:", name, r), 1, 0)
-    local now = dict:incr(key("tok:", name, r), tokens, 0)
-    if now and now - tokens > seen and policy(model) ~= "round_robin" then
-        dict:incr(key("tok:", name, r), -tokens, 0)
+    held(name, r, 1, tokens)
+    local now = dict:get(key("tok:", name, r)) or 0
+    if now - tokens > seen and policy(model) ~= "round_robin" then
+        held(name, r, -1, -tokens)
         local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan)
         if r2 then
             r, k, hit, source = r2, k2, hit2, source2
         end
-        dict:incr(key("tok:", name, r), tokens, 0)
+        held(name, r, 1, tokens)
     end
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
     ctx.prefix_expected, ctx.prefix_source = hit, source
@@ -321,8 +400,7 @@ end
 function _M.release(ctx, forget)
     local r = ctx.replica
     if r and ctx.replica_tokens then
-        dict:incr(key("req:", ctx.replica_model, r), -1, 0)
-        dict:incr(key("tok:", ctx.replica_model, r), -ctx.replica_tokens, 0)
+        held(ctx.replica_model, r, -1, -ctx.replica_tokens)
         ctx.replica_tokens = nil
         if not forget then
             _M.touch(ctx.replica_model, r)

@@ -11,10 +11,12 @@ so nothing depends on how fast the machine is.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -178,7 +180,8 @@ def test_the_bounds_and_the_deadline_answer_in_the_apis_shape(
     err = full.json()["error"]
     assert (err["type"], err["code"]) == ("requests", "queue_full")
     assert int(full.headers["retry-after"]) >= 1
-    late = _chat(e, "q-light", headers={"X-Tokengate-Queue-Timeout-Ms": "300"})
+    # a low-priority request waits behind both of them, whatever the machine's speed
+    late = _chat(e, "q-low", headers={"X-Tokengate-Queue-Timeout-Ms": "300"})
     assert late.status_code == 503, late.text
     assert late.json()["error"]["code"] == "queue_timeout"
     assert int(late.headers["retry-after"]) >= 1
@@ -229,3 +232,35 @@ def test_a_reload_while_requests_wait_loses_none(
         [200, 200, 200], answers
     time.sleep(0.2)
     assert _gauges(e)[("tokengate_queue_requests", "normal")] == 0
+
+
+def _workers(e: Edge) -> list[int]:
+    assert e.service.proc is not None
+    master = e.service.proc.pid
+    return [int(p) for p in
+            Path(f"/proc/{master}/task/{master}/children").read_text().split()]
+
+
+def test_a_worker_killed_with_requests_in_flight_and_queued_leaves_nothing_counted(
+        edge_variant_off_vllm: Callable[..., Edge], slow_replica: FastUpstream) -> None:
+    """SIGKILL of every nginx worker while one request is served and one waits: the
+    master starts new workers, which take the dead workers' in-flight request out of the
+    replica's count (else it stayed at max_concurrency for good) and their ticket out of
+    the queue; the next request is served."""
+    e = _edge(edge_variant_off_vllm, "queue-killed", slow_replica)
+    s = Sender(e)
+    s.send("served", "q-heavy")
+    _in_service(e, slow_replica)
+    s.send("queued", "q-light")
+    _waiting(e, 1)
+    before = _workers(e)
+    for w in before:
+        os.kill(w, signal.SIGKILL)
+    wait_until(lambda: len(set(_workers(e)) - set(before)) == 2, 30, what="new workers")
+    s.join()
+    wait_until(lambda: _gauges(e).get(("tokengate_queue_requests", "normal")) == 0, 30,
+               what="the dead worker's ticket out of the queue")
+    up = e.status()["upstreams"][MODEL][f"127.0.0.1:{slow_replica.port}"]
+    assert up["outstanding_tokens"] == 0
+    r = _chat(e, "q-light", headers={"X-Tokengate-Queue-Timeout-Ms": "5000"})
+    assert r.status_code == 200, r.text

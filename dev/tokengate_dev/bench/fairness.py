@@ -13,7 +13,9 @@ Profiles:
   capacity) and a ``flood`` tenant at ``--flood-factor`` (10) times its fair share.
   First ``light`` alone (its solo TTFT), then both, shedding and queueing.
 - ``weighted``: three tenants of ``fair_share`` 1, 2 and 3, each offering the whole
-  capacity, shedding and queueing.
+  capacity, shedding and queueing; then queueing on two edges, each with half the slots
+  and half of every tenant's traffic (each edge orders its own queues: fairness holds
+  per edge, so across them when the traffic spreads evenly).
 
 Per tenant and mode: served tokens/s (prompt + completion of the answered requests),
 TTFT p50/p99 (ms from the scheduled send, answered requests), refusals (429/503); per
@@ -25,7 +27,7 @@ with the queues at most 2x its solo p99; the Jain index with the queues at least
 (both profiles); the queues' total tokens/s at least 0.95x shedding's. Results:
 ``bench/results/fairness-<time>.json`` and ``fairness-latest.json``.
 
-About 2.5 minutes with the defaults (six 20 s runs and their drains).
+About 3.5 minutes with the defaults (seven 20 s runs and their drains).
 """
 
 from __future__ import annotations
@@ -89,15 +91,15 @@ class Tenant:
 
 
 def write_config(path: Path, upstream: str, tenants: list[Tenant], queue: bool,
-                 opts: Options, edge_port: int) -> Path:
+                 opts: Options, edge_port: int, slots: int | None = None) -> Path:
     """tokengate.yaml: the checkout's models, ``MODEL`` on ``upstream`` with
-    max_concurrency ``opts.slots``, one key per tenant (limits far above the load),
+    max_concurrency ``slots`` (default ``opts.slots``), one key per tenant (limits far above the load),
     admission metrics off (the slots alone decide), queues on or off."""
     raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
     for m in raw["models"].values():
         m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
     m = raw["models"][MODEL]
-    m.update(upstreams=[upstream], embedded=False, max_concurrency=opts.slots)
+    m.update(upstreams=[upstream], embedded=False, max_concurrency=slots or opts.slots)
     m["routing"] = {"policy": "least_outstanding"}
     raw["keys"] = {t.name: {"sha256": hashlib.sha256(t.key.encode()).hexdigest(),
                             "rpm": 1_000_000_000, "tpm": 1_000_000_000_000,
@@ -111,50 +113,71 @@ def write_config(path: Path, upstream: str, tenants: list[Tenant], queue: bool,
     # a key's queue holds two rounds of the slots: beyond it 429 queue_full, so a
     # flooding key's excess is refused at once instead of piling up behind its share
     edge["queue"] = {"enabled": queue, "max_wait_ms": 60_000,
-                     "key_max_requests": 2 * opts.slots}
+                     "key_max_requests": 2 * (slots or opts.slots)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
 def run_mode(tenants: list[Tenant], queue: bool, opts: Options, upstream: FastUpstream,
-             counter_socket: Path, model: tg_config.ModelConfig,
-             console: Console) -> dict[str, Any]:
-    """An edge with the queues on or off; every tenant's run at once; per tenant its
-    served tokens/s, TTFT p50/p99 and refusals."""
-    port = free_port()
-    cfg = write_config(BENCH_VAR / f"edge-{'queue' if queue else 'shed'}.yaml",
-                       f"127.0.0.1:{upstream.port}", tenants, queue, opts, port)
-    edge = devstack.nginx_service(cfg, port=port, counter_socket=counter_socket,
-                                  name="bench-fairness-edge", prefix=BENCH_VAR / "edge",
-                                  status_port=free_port())
-    edge.start()
-    out: dict[str, Any] = {}
+             counter_socket: Path, model: tg_config.ModelConfig, console: Console,
+             edges: int = 1) -> dict[str, Any]:
+    """``edges`` edges with the queues on or off, each with its share of the slots
+    (max_concurrency slots / edges) and of every tenant's traffic (rate / edges); every
+    run at once; per tenant its served tokens/s, TTFT p50 (of the edges' runs, the
+    mean) and p99 (the largest), and refusals."""
+    mode = "queue" if queue else "shed"
+    ports, services = [], []
+    for i in range(edges):
+        port = free_port()
+        cfg = write_config(BENCH_VAR / f"edge{i}-{mode}.yaml", f"127.0.0.1:{upstream.port}",
+                           tenants, queue, opts, port, slots=opts.slots // edges)
+        services.append(devstack.nginx_service(
+            cfg, port=port, counter_socket=counter_socket, name=f"bench-fairness-edge{i}",
+            prefix=BENCH_VAR / f"edge{i}", status_port=free_port()))
+        ports.append(port)
+    runs: dict[str, list[Any]] = {t.name: [] for t in tenants}
+    lock = threading.Lock()
+
+    def one(t: Tenant, port: int) -> None:
+        spec = RunSpec(
+            url=f"http://127.0.0.1:{port}/v1", model=MODEL, model_dir=Path(model.dir),
+            max_model_len=model.max_model_len,
+            arrival=ArrivalSpec("poisson", rate=t.rate / edges), duration_s=opts.duration_s,
+            profile=f"normal:mean={opts.prompt_tokens},sd=0",
+            output=OutputPolicy(fixed=opts.output_tokens), stream=StreamOptions(stream=True),
+            keys=(t.key,), seed=opts.seed + len(t.name) + port, max_lag_ms=opts.max_lag_ms,
+            timeout_s=90, connections=64, name=f"{t.name} {mode}")
+        summary = execute(spec, progress=False).summary
+        with lock:
+            runs[t.name].append(summary)
+
     try:
-        def one(t: Tenant) -> None:
-            spec = RunSpec(
-                url=f"http://127.0.0.1:{port}/v1", model=MODEL, model_dir=Path(model.dir),
-                max_model_len=model.max_model_len, arrival=ArrivalSpec("poisson", rate=t.rate),
-                duration_s=opts.duration_s, profile=f"normal:mean={opts.prompt_tokens},sd=0",
-                output=OutputPolicy(fixed=opts.output_tokens),
-                stream=StreamOptions(stream=True), keys=(t.key,), seed=opts.seed + len(t.name),
-                max_lag_ms=opts.max_lag_ms, timeout_s=90, connections=64,
-                name=f"{t.name} {'queue' if queue else 'shed'}")
-            s = execute(spec, progress=False).summary
-            refused = sum(v for k, v in s.status_counts.items() if k in ("429", "503"))
-            out[t.name] = {"offered_rps": t.rate, "share": t.share,
-                           "served_tokens_per_s": s.all.total_tokens_per_s,
-                           "ok": s.all.ok, "requests": s.requests, "refused": refused,
-                           "ttft_p50_ms": s.all.ttft_ms.p50, "ttft_p99_ms": s.all.ttft_ms.p99,
-                           "status_counts": s.status_counts}
-        threads = [threading.Thread(target=one, args=(t,)) for t in tenants]
+        for svc in services:
+            svc.start()
+        threads = [threading.Thread(target=one, args=(t, port))
+                   for t in tenants for port in ports]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
     finally:
-        edge.stop()
-    console.print(f"  {'queue' if queue else 'shed '}: " + ", ".join(
+        for svc in services:
+            svc.stop()
+    out: dict[str, Any] = {}
+    for t in tenants:
+        ss = runs[t.name]
+        p50 = [s.all.ttft_ms.p50 for s in ss if s.all.ttft_ms.p50 is not None]
+        p99 = [s.all.ttft_ms.p99 for s in ss if s.all.ttft_ms.p99 is not None]
+        out[t.name] = {
+            "offered_rps": t.rate, "share": t.share,
+            "served_tokens_per_s": sum(s.all.total_tokens_per_s for s in ss),
+            "ok": sum(s.all.ok for s in ss), "requests": sum(s.requests for s in ss),
+            "refused": sum(v for s in ss for k, v in s.status_counts.items()
+                           if k in ("429", "503")),
+            "ttft_p50_ms": sum(p50) / len(p50) if p50 else None,
+            "ttft_p99_ms": max(p99) if p99 else None}
+    console.print(f"  {mode}{f' ({edges} edges)' if edges > 1 else ''}: " + ", ".join(
         f"{n} {v['served_tokens_per_s']:.0f} tok/s p99 {v['ttft_p99_ms'] or 0:.0f} ms "
         f"refused {v['refused']}" for n, v in out.items()))
     return out
@@ -231,6 +254,10 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
             console.print(f"weighted profile: {'queue' if queue else 'shed'}")
             weighted_runs["queue" if queue else "shed"] = run_mode(
                 weighted, queue, opts, up, sock, model, console)
+        console.print("weighted profile: queue, two edges (half the slots and half of "
+                      "every tenant's traffic each)")
+        weighted_runs["queue_2_edges"] = run_mode(weighted, True, opts, up, sock, model,
+                                                  console, edges=2)
     finally:
         up.stop()
         counter.stop()
@@ -256,6 +283,8 @@ def aims(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [("light TTFT p99 under the flood, queue / solo", p99, "<=", 2.0),
             ("Jain index, flood profile, queue", f["queue_jain"], ">=", 0.95),
             ("Jain index, weighted profile, queue", w["queue_jain"], ">=", 0.95),
+            ("Jain index, weighted profile, queue, two edges", w["queue_2_edges_jain"],
+             ">=", 0.95),
             ("total tokens/s, queue / shed (flood)",
              _ratio(f["queue_total_tokens_per_s"], f["shed_total_tokens_per_s"]), ">=", 0.95),
             ("total tokens/s, queue / shed (weighted)",
@@ -279,7 +308,9 @@ def render(out: dict[str, Any]) -> list[Table]:
                 t.add_row(mode, name, f"{v['offered_rps']:.1f}", f"{v['share']:g}",
                           f"{v['served_tokens_per_s']:.0f}", f"{v['ttft_p50_ms'] or 0:.0f}",
                           f"{v['ttft_p99_ms'] or 0:.0f}", str(v["refused"]), str(v["ok"]))
-        for mode in ("shed", "queue"):
+        for mode in ("shed", "queue", "queue_2_edges"):
+            if f"{mode}_jain" not in out[profile]:
+                continue
             j = out[profile].get(f"{mode}_jain")
             t.add_row(mode, "all", "", "", f"{out[profile][f'{mode}_total_tokens_per_s']:.0f}",
                       "", "", "", f"Jain {j:.3f}" if j is not None else "")

@@ -98,8 +98,8 @@ class KeyConfig(_Schema):
         default="normal",
         description="Admission priority: a name in edge.admission.priorities (a lower "
                     "priority is shed first when replicas fill up).")
-    fair_share: Annotated[float, Field(gt=0.0, le=1e6, allow_inf_nan=False)] = Field(
+    fair_share: Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False)] = Field(
         default=1.0,
         description="Share of this key among the keys of its priority when requests "
                     "queue (edge.queue): its virtual token counter grows by its tokens "
-                    "divided by this, so a key of share 2 is served twice the tokens.")
+                    "divided by this, so a key of share 2 is served twice the tokens; 0.001 to 1000.")
