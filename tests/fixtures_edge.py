@@ -110,6 +110,20 @@ def _edge_yaml(base: Path, out: Path, edit: Callable[[dict[str, Any]], None] | N
     return out
 
 
+def patient_redis_config(config_path: Path, name: str) -> Path:
+    """A copy of ``config_path`` (``TEST_DIR/<name>.yaml``) whose Redis deadline suits a
+    loaded 2-core machine: 2 s, the edge's wait for the sidecar 5 s. For the limits
+    sidecars of tests that are not about a slow Redis: at the default 50 ms a fresh or
+    busy Redis answered late in clean-clone runs, and the global tier fell back to the
+    local one (or a budget never heard from was refused)."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw["redis"]["timeout_ms"] = 2000
+    raw.setdefault("edge", {})["global_limits_timeout_ms"] = 5000
+    path = TEST_DIR / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 @pytest.fixture(scope="session")
 def edge_config_path(config_path: Path) -> Path:
     """tokengate.yaml of the edge tests (models as in ``config_path``, plus ``KEYS``)."""

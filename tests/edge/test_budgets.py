@@ -24,13 +24,12 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from tokengate.config import BillingConfig, ContextPenalty, ModelCost
 from tokengate.ledger.calculator import charge
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
-from tests.fixtures_edge import Edge, free_port, run_lua
+from tests.fixtures_edge import Edge, free_port, patient_redis_config, run_lua
 from tests.fixtures_ledger import svc_name, wait_until
 
 MAX_TOKENS = 100
@@ -182,16 +181,9 @@ def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
                                    "tpm": 10_000_000, "budgets": budgets}
         raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
                                 "unix_socket": str(LIMITS_SOCKET)}
-        _patient(raw)
+        # the sidecar's Redis deadline is patient (patient_redis_config): so is the edge
+        raw["edge"]["global_limits_timeout_ms"] = 5000
     return edit
-
-
-def _patient(raw: dict[str, Any]) -> None:
-    """Redis and sidecar deadlines for a loaded 2-core machine: at the default 50 ms a
-    fresh Redis once answered late, and a budget never heard from is refused
-    (budget_unavailable); a late answer is no budget's doing."""
-    raw["redis"]["timeout_ms"] = 2000
-    raw.setdefault("edge", {})["global_limits_timeout_ms"] = 5000
 
 
 @pytest.fixture
@@ -200,10 +192,7 @@ def limits_sidecar(config_path: Path,
     """tokengate-limits (1 worker on ``LIMITS_SOCKET.0``) on a Redis of this test only."""
     r = private_redis()
     Path(f"{LIMITS_SOCKET}.0").unlink(missing_ok=True)  # (a stale one would pass the wait)
-    raw = yaml.safe_load(config_path.read_text())
-    _patient(raw)
-    path = TEST_DIR / "budgets-limits.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    path = patient_redis_config(config_path, "budgets-limits")
     svc = devstack.limits_service(path, free_port(), r.url, unix_socket=LIMITS_SOCKET,
                                   workers=1, name=svc_name("test-budgets-limits"))
     svc.start()

@@ -263,7 +263,9 @@ def test_bad_bodies_are_a_clear_400_never_forwarded(
 
 
 def test_metrics_count_embeddings_by_endpoint(embed_edge: Edge) -> None:
-    client(embed_edge).embeddings.create(model=EMBED_MODEL, input="Hi")
+    raw = client(embed_edge).embeddings.with_raw_response.create(model=EMBED_MODEL,
+                                                                  input="Hi")
+    embed_edge.event(raw.headers["x-request-id"])  # the log phase (metrics, event) ran
     text = httpx.get(f"http://127.0.0.1:{embed_edge.status_port}/metrics", timeout=10).text
     lines = [x for x in text.splitlines() if x.startswith("tokengate_requests_total{")
              and 'endpoint="embeddings"' in x and 'status="2xx"' in x]

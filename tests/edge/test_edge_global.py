@@ -55,6 +55,7 @@ from tests.fixtures_edge import (
     FakeUpstream,
     _edge_yaml,
     free_port,
+    patient_redis_config,
     run_lua,
 )
 from tests.fixtures_ledger import svc_name, wait_until
@@ -145,8 +146,10 @@ def upstream_hostport(fast_upstream_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def limits_sidecar(config_path: Path, redis_url: str) -> Iterator[Path]:
-    """tokengate-limits with 2 workers on ``LIMITS_SOCKET.<i>``, on the session Redis."""
-    svc = devstack.limits_service(config_path, free_port(), redis_url,
+    """tokengate-limits with 2 workers on ``LIMITS_SOCKET.<i>``, on the session Redis
+    (a patient Redis deadline: these tests are about the shared windows, not timeouts)."""
+    path = patient_redis_config(config_path, "edge-limits")
+    svc = devstack.limits_service(path, free_port(), redis_url,
                                   unix_socket=LIMITS_SOCKET, workers=2,
                                   name=svc_name("test-edge-limits"))
     svc.start()
