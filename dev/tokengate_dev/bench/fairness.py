@@ -93,8 +93,8 @@ class Tenant:
 def write_config(path: Path, upstream: str, tenants: list[Tenant], queue: bool,
                  opts: Options, edge_port: int, slots: int | None = None) -> Path:
     """tokengate.yaml: the checkout's models, ``MODEL`` on ``upstream`` with
-    max_concurrency ``slots`` (default ``opts.slots``), one key per tenant (limits far above the load),
-    admission metrics off (the slots alone decide), queues on or off."""
+    max_concurrency ``slots`` (default ``opts.slots``), one key per tenant (limits far
+    above the load), admission metrics off (the slots alone decide), queues on or off."""
     raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
     for m in raw["models"].values():
         m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
@@ -139,14 +139,17 @@ def run_mode(tenants: list[Tenant], queue: bool, opts: Options, upstream: FastUp
     runs: dict[str, list[Any]] = {t.name: [] for t in tenants}
     lock = threading.Lock()
 
-    def one(t: Tenant, port: int) -> None:
+    def one(t: Tenant, i: int) -> None:
+        port = ports[i]
         spec = RunSpec(
             url=f"http://127.0.0.1:{port}/v1", model=MODEL, model_dir=Path(model.dir),
             max_model_len=model.max_model_len,
             arrival=ArrivalSpec("poisson", rate=t.rate / edges), duration_s=opts.duration_s,
             profile=f"normal:mean={opts.prompt_tokens},sd=0",
             output=OutputPolicy(fixed=opts.output_tokens), stream=StreamOptions(stream=True),
-            keys=(t.key,), seed=opts.seed + len(t.name) + port, max_lag_ms=opts.max_lag_ms,
+            # the same schedule of a tenant in every mode: shed and queue see one load
+            keys=(t.key,), seed=opts.seed + sum(map(ord, t.name)) + 1000 * i,
+            max_lag_ms=opts.max_lag_ms,
             timeout_s=90, connections=64, name=f"{t.name} {mode}")
         summary = execute(spec, progress=False).summary
         with lock:
@@ -155,8 +158,8 @@ def run_mode(tenants: list[Tenant], queue: bool, opts: Options, upstream: FastUp
     try:
         for svc in services:
             svc.start()
-        threads = [threading.Thread(target=one, args=(t, port))
-                   for t in tenants for port in ports]
+        threads = [threading.Thread(target=one, args=(t, i))
+                   for t in tenants for i in range(edges)]
         for th in threads:
             th.start()
         for th in threads:
