@@ -51,6 +51,7 @@ local metrics = require "tokengate.metrics"
 
 local ngx_now = ngx.now
 local ngx_sleep = ngx.sleep
+local ngx_update_time = ngx.update_time
 local ngx_log = ngx.log
 local WARN = ngx.WARN
 local tonumber = tonumber
@@ -449,7 +450,10 @@ function _M.wait(ctx, doc, prompt, out)
                 .. "could take it. Please retry after " .. s .. " s.", nil,
                 "queue_timeout", nil, { ["Retry-After"] = tostring(s) })
         end
-        ngx_sleep(min(poll, deadline - now))
+        -- at least 1 ms: ngx.sleep(0) only yields, and the cached clock it leaves may
+        -- never reach the deadline (a spin that held a request forever)
+        ngx_sleep(max(0.001, min(poll, deadline - now)))
+        ngx_update_time()
         _M.dispatch(doc)
     end
 end
