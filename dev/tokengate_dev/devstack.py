@@ -429,8 +429,16 @@ def _shown_path(path: Path) -> str:
 def run(config_path: Path, counter_port: int = 50051) -> int:
     """Start every part (``stack``), print how to call the gateway, keep the parts up
     (``Supervisor``) until SIGINT/SIGTERM/SIGHUP, then stop all. Returns the exit
-    status: 0, or 1 when a part failed its first start (its log's tail on stderr)."""
-    cfg = tg_config.load(config_path)
+    status: 0, or 1 when a part failed its first start (its log's tail on stderr) or
+    the configuration is invalid (one line per problem on stderr, nothing started)."""
+    try:
+        cfg = tg_config.load(config_path)
+    except tg_config.ConfigError as e:
+        for line in e.errors:
+            print(f"{_shown_path(config_path)}: {line}", file=sys.stderr)
+        print("not started: fix the configuration (tokengate config check "
+              f"{_shown_path(config_path)})", file=sys.stderr)
+        return 1
     model = next(iter(cfg.models.values()))
     from tokengate.tools.compile_config import edge_config
 

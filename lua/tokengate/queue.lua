@@ -445,9 +445,10 @@ function _M.wait(ctx, doc, prompt, out)
             end
             metrics.queue_refused("timeout")
             local s = retry_after(doc, model)
-            return nil, errors.new(503, "The request waited " .. wait_ms .. " ms in the "
-                .. "queue of model " .. errors.clip(model.name) .. " and no replica "
-                .. "could take it. Please retry after " .. s .. " s.", nil,
+            return nil, errors.new(503, "The request waited " .. ctx.queue_ms .. " ms in "
+                .. "the queue of model " .. errors.clip(model.name) .. " (its limit: "
+                .. wait_ms .. " ms) and no replica could take it. Please retry after "
+                .. s .. " s.", nil,
                 "queue_timeout", nil, { ["Retry-After"] = tostring(s) })
         end
         -- at least 1 ms: ngx.sleep(0) only yields, and the cached clock it leaves may

@@ -307,6 +307,26 @@ def test_ctrl_c_while_vllm_starts_stops_it() -> None:
         s.close()
 
 
+def test_an_invalid_configuration_is_one_line_per_problem_and_starts_nothing(
+        tmp_path: Path) -> None:
+    """make run on a tokengate.yaml with bad values: each problem on a line of its own
+    naming the field (it was a Python traceback), exit 1, no process started."""
+    raw = yaml.safe_load(REPO_CONFIG.read_text())
+    raw["edge"]["queue"] = {"max_wait_ms": -1, "max_wait": 5}
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "tokengate_dev.devstack", "run", "--config",
+                        str(path), "--var", str(tmp_path / "var")],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [
+        f"{path}: edge.queue.max_wait_ms: input should be greater than or equal to 1, got -1",
+        f"{path}: edge.queue.max_wait: unknown key",
+        f"not started: fix the configuration (tokengate config check {path})"]
+    assert not (tmp_path / "var").exists()
+
+
 def test_a_second_stack_on_busy_ports_names_them_and_starts_nothing(
         fast_upstream_url: str) -> None:
     """Another process (here a plain listener; usually another `make run`) holds the

@@ -184,6 +184,7 @@ def test_the_bounds_and_the_deadline_answer_in_the_apis_shape(
     late = _chat(e, "q-low", headers={"X-Tokengate-Queue-Timeout-Ms": "300"})
     assert late.status_code == 503, late.text
     assert late.json()["error"]["code"] == "queue_timeout"
+    assert "(its limit: 300 ms)" in late.json()["error"]["message"]
     assert int(late.headers["retry-after"]) >= 1
     ev = e.event(late.headers["x-request-id"])
     assert (ev["status"], ev["error"], ev["reserved"]) == (503, "queue_timeout", 0)
