@@ -20,6 +20,7 @@ from tokengate.config import ConfigError
 
 from tests.conftest import MODEL, PORT_OFFSET, REPO_CONFIG
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge
+from tests.fixtures_ledger import wait_until
 
 APP = "https://app.example.com"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -81,6 +82,8 @@ def test_a_preflight_from_an_allowed_origin_is_answered_204_without_a_key(
     assert (r.status_code, r.headers["access-control-allow-origin"], r.json()["error"]) == \
         (404, APP, {"message": "Invalid URL (OPTIONS /v1/audio/speech)",
                     "type": "invalid_request_error", "param": None, "code": "unknown_url"})
+    # counted in the log phase, after the answer was sent
+    wait_until(lambda: cors_edge.status()["cors_preflight_refused"] == 1)
     m = cors_edge.status()
     assert (m["cors_preflight_allowed"], m["cors_preflight_refused"],
             m["unauthenticated_missing_key"]) == (2, 1, 0)
@@ -133,6 +136,7 @@ def test_another_origin_gets_no_cors_headers_and_its_preflight_is_refused(
                       headers={"Authorization": f"Bearer {MAIN_KEY}"})
     assert (r.status_code, r.headers["allow"], r.json()["error"]["code"]) == \
         (405, "POST", "method_not_allowed")
+    wait_until(lambda: cors_edge.status()["cors_preflight_refused"] == 2)
     m = cors_edge.status()
     assert (m["cors_preflight_allowed"], m["cors_preflight_refused"]) == (0, 2)
 

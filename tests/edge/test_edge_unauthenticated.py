@@ -205,6 +205,8 @@ def test_a_blocked_client_gets_429_whatever_its_key_until_the_block_ends(
         assert e.event(back.headers["x-request-id"])["key_id"] == "edge-main"
         # its failures still count within the window: the next invalid key blocks again
         assert bad_keys(e, "127.0.0.1", 2) == {401: 1, 429: 1}
+    # counted in the log phase, after the answers were sent
+    wait_until(lambda: e.status()["unauthenticated_invalid_key"] == 6)
     m = e.status()
     assert (m["unauthenticated_invalid_key"], m["unauthenticated_blocked"],
             m["unauthenticated_missing_key"], m["auth_blocks"]) == (6, 2, 10, 2)
@@ -215,8 +217,8 @@ def test_the_status_is_served_on_the_loopback_status_server_only(
     e = edge_variant_off_vllm("status-listener")
     r = httpx.get(f"http://127.0.0.1:{e.port}/tokengate/status", timeout=10)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_url")
-    m = e.status()
-    assert m["unauthenticated_refused"] == 1  # that 404 carried no key
+    # that 404 carried no key (counted in the log phase, after the answer)
+    wait_until(lambda: e.status()["unauthenticated_refused"] == 1)
     assert httpx.get(f"http://127.0.0.1:{e.status_port}/v1/models", timeout=10) \
         .status_code == 404
 
