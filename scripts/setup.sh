@@ -2,7 +2,8 @@
 # Installs what tokengate needs and is missing; fast when everything is there.
 #   - Debian packages: nginx + ngx_lua + lua-resty-core + lua-cjson, redis-server,
 #     systemd (systemd-analyze: the tests verify the units of systemd/; a Debian
-#     container image lacks it)
+#     container image lacks it), chromium and chromium-driver (the console's tests
+#     drive a real headless browser)
 #   - a virtualenv with vLLM (CPU build) and the other pinned packages, kept outside
 #     the checkout under ~/.cache/tokengate keyed by a hash of requirements.txt, and
 #     the checkout's own small .venv on top of it with the project's editable installs
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns redis-server systemd"
+APT_PKGS="nginx libnginx-mod-http-lua libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns redis-server systemd chromium chromium-driver"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
