@@ -26,11 +26,14 @@ from tokengate import config as tg_config
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.process import Service
 from tokengate_dev import devstack
+from tokengate_dev.otlp_receiver import OtlpReceiver
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 
 # ports of the servers after the first (18000 + offset): 18050 + offset, 18051 + offset, ...
 OTHER_PORTS = 18050 + PORT_OFFSET
+# the session's OTLP receiver (gRPC), where the first server exports its request spans
+OTLP_PORT = VLLM_PORT + 140
 
 
 @dataclass
@@ -103,12 +106,24 @@ VllmFactory = Callable[..., VllmServer]
 
 
 @pytest.fixture(scope="session")
-def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """The session's OTLP trace receiver (gRPC on ``OTLP_PORT``): the first vLLM server
+    exports its request spans there (tests/edge/test_edge_tracing.py reads them)."""
+    rx = OtlpReceiver(grpc_port=OTLP_PORT).start()
+    try:
+        yield rx
+    finally:
+        rx.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[VllmFactory]:
     """``vllm_server(extra_args=(), drop=(), env=None, label=None)`` -> the session's
     server with devstack's flags plus ``extra_args``, less the flags in ``drop``, with
     ``env`` added to its environment: booted on first use, shared by every test that asks
     for the same. ``label`` names its folder (``TEST_DIR/vllm-<label>``: its engine
-    records and log name); default: its port."""
+    records and log name); default: its port. The first server (no arguments) exports
+    its request spans to ``otlp_receiver`` (devstack's tracing flags)."""
     servers: dict[tuple[Any, ...], tuple[Service, VllmServer]] = {}
 
     def get(extra_args: Sequence[str] = (), drop: Sequence[str] = (),
@@ -123,8 +138,13 @@ def vllm_server(cfg: tg_config.Config) -> Iterator[VllmFactory]:
         usage = TEST_DIR / (f"vllm{label}" if label else "usage") / "engine.jsonl"
         usage.parent.mkdir(parents=True, exist_ok=True)
         usage.unlink(missing_ok=True)
+        tracing = tg_config.TracingConfig(enabled=True,
+                                          endpoint=f"http://127.0.0.1:{OTLP_PORT}")
         svc = devstack.vllm_service(cfg.models[MODEL], port=port, name=name,
-                                    engine_usage_file=usage)
+                                    engine_usage_file=usage,
+                                    tracing=tracing if default else None)
+        if default:
+            svc.env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: spans reach the test soon
         missing = [f for f in drop if f not in svc.argv]
         assert not missing, f"devstack's vLLM no longer passes {missing}"
         svc.argv = [a for a in svc.argv if a not in drop] + list(extra_args)

@@ -28,7 +28,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from tokengate import config as tg_config
 from tokengate.process import Service, ServiceError, Supervisor, http_ready, tcp_ready
@@ -82,7 +82,8 @@ def kv_events_bind(endpoint: str) -> str:
 
 
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
-                 name: str = "vllm", engine_usage_file: Path | None = None) -> Service:
+                 name: str = "vllm", engine_usage_file: Path | None = None,
+                 tracing: tg_config.TracingConfig | None = None) -> Service:
     """vLLM's OpenAI server (CPU build) on the model directory, served under its name,
     with ``--runner pooling`` for a pooling (embedding) model.
 
@@ -106,6 +107,11 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     ``routing.kv_events`` endpoint for this port (``kv_events_endpoint``, bound as
     ``kv_events_bind`` says), and ``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED`` where
     ``routing`` differs from the CPU build's defaults (128, sha256, none).
+
+    With ``tracing`` (enabled), vLLM exports its own request spans to the same collector
+    (``--otlp-traces-endpoint``; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL and _HEADERS from
+    the section), children of the edge's upstream span through the `traceparent` the
+    edge sends (vllm/tracing/otel.py).
     """
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model.dir), "--served-model-name", model.name,
@@ -130,6 +136,14 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             argv += ["--prefix-caching-hash-algo", routing.hash_algo]
         if routing.hash_seed is not None:
             routing_env["PYTHONHASHSEED"] = routing.hash_seed
+    if tracing is not None and tracing.enabled:
+        from tokengate.tracing import collector_url
+
+        argv += ["--otlp-traces-endpoint", collector_url(tracing)]
+        routing_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = tracing.protocol
+        if tracing.headers:
+            routing_env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] = ",".join(
+                f"{k}={quote(v)}" for k, v in tracing.headers.items())
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -371,7 +385,8 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
                                        unix_socket=gl.unix_socket))
     # the schema allows embedded only with one loopback upstream
     services += [vllm_service(m, port=int(m.upstreams[0].rpartition(":")[2]),
-                              name="vllm" if len(cfg.models) == 1 else f"vllm-{name}")
+                              name="vllm" if len(cfg.models) == 1 else f"vllm-{name}",
+                              tracing=cfg.tracing)
                  for name, m in cfg.models.items() if m.embedded]
     # the embedded vLLM's engine records (vllm_service's default file) settle the bill,
     # unless the configuration names the engine files itself

@@ -20,7 +20,7 @@ local huge = math.huge
 
 local _M = {}
 
-local VERSION = 10 -- tokengate.tools.compile_config.VERSION
+local VERSION = 11 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -32,7 +32,7 @@ end
 
 -- SECTIONS: the tables every compiled document has. Defaults are filled in by the schema
 -- (tokengate.config) before the document is written, so nothing here fills any in.
-local SECTIONS = { "models", "keys", "edge", "global_limits", "access_log" }
+local SECTIONS = { "models", "keys", "edge", "global_limits", "access_log", "tracing" }
 
 -- The message roles of tokengate.config.Role.
 local ROLES = { "system", "developer", "user", "assistant", "tool", "function" }

@@ -53,6 +53,7 @@ local request = require "tokengate.request"
 local cors = require "tokengate.cors"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
+local trace = require "tokengate.trace"
 local balancer = require "ngx.balancer"
 
 local ngx_var = ngx.var
@@ -271,6 +272,7 @@ local function how_much(ctx, doc)
     local t = mono_ms()
     local counted, err = count.prompt(route, model.name, text, doc.edge)
     ctx.count_s = (mono_ms() - t) / 1000
+    trace.span(ctx, "count", t)
     if not counted then
         return nil, err
     end
@@ -360,7 +362,9 @@ local function where(ctx, doc)
             return nil, admission.overloaded(model)
         end
         -- wait in the key's queue (tokengate.queue), then take a replica again
+        local t = mono_ms()
         local ok, err = queue.wait(ctx, doc, prompt, max(0, tokens - prompt))
+        trace.span(ctx, "queue", t)
         if not ok then
             return nil, err
         end
@@ -392,7 +396,9 @@ end
 -- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier.
 local function reserve(ctx)
     local req = ctx.limit_req
+    local t = mono_ms()
     local ok, err = limits.reserve(req)
+    trace.span(ctx, "limits", t)
     ctx.rate, ctx.limits_tier = req.state, req.tier
     if not ok then
         upstream.release(ctx, true)
@@ -439,6 +445,7 @@ function _M.access()
     ctx.endpoint = request.endpoint(ctx.route, uri)
     -- a browser's preflight carries no key: answered before any is asked for
     cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
+    trace.start(ctx, doc.tracing)
     for i = 1, #STAGES do
         local ok, err = STAGES[i](ctx, doc)
         if not ok then
@@ -455,6 +462,7 @@ function _M.access()
     end
     -- a stored response's path is the client's, normalized (its id was checked)
     ngx_req.set_uri(request.PATHS[ctx.route] or ctx.uri)
+    trace.forward(ctx)
     ctx.proxied = true
 end
 
@@ -518,6 +526,9 @@ function _M.header_filter()
     local h = ngx.header
     -- the usage event's request_id; vLLM also uses it in its response ids
     h["X-Request-Id"] = request.id(ctx)
+    if ctx.trace then
+        h["traceparent"] = trace.header(ctx)
+    end
     if ctx.rate then
         local api = ctx.api
         if api and api.rate_headers then

@@ -21,6 +21,7 @@ local clock = require "tokengate.clock"
 local errors = require "tokengate.errors"
 local request = require "tokengate.request"
 local drift = require "tokengate.drift"
+local trace = require "tokengate.trace"
 
 local find = string.find
 local sub = string.sub
@@ -209,7 +210,11 @@ function _M.sse(ctx, chunk, eof)
         if not a then
             break
         end
-        local ev = on_event(ctx, sub(buf, pos, a - 1))
+        local text = sub(buf, pos, a - 1)
+        if ctx.trace then
+            trace.reasons(ctx, text)
+        end
+        local ev = on_event(ctx, text)
         if ev then
             out = out or {}
             out[n + 1] = ev
@@ -244,10 +249,14 @@ function _M.whole(ctx, chunk, eof)
     if not eof or not ctx.json_parts then
         return
     end
-    local d = cjson.decode(concat(ctx.json_parts))
+    local text = concat(ctx.json_parts)
     ctx.json_parts = nil
+    local d = cjson.decode(text)
     if type(d) ~= "table" then
         return
+    end
+    if ctx.trace then
+        trace.reasons(ctx, text)
     end
     local u = d.usage
     if ctx.api then
@@ -319,7 +328,7 @@ local FIELDS = {
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
-    "count_drift", "expected_cached_tokens", "expected_cached_source", "queue_ms",
+    "count_drift", "expected_cached_tokens", "expected_cached_source", "queue_ms", "trace",
 }
 _M.FIELDS = FIELDS
 
@@ -334,7 +343,9 @@ _M.FIELDS = FIELDS
 -- cache when it was chosen, 0 when no prediction was made) and expected_cached_source
 -- ("events" | "approximate": tokengate.prefix; null: the model's routing.policy is not
 -- prefix, or the count had no block hashes); queue_ms (how long the request waited in
--- its key's queue, edge.queue: tokengate.queue; 0 when it did not queue).
+-- its key's queue, edge.queue: tokengate.queue; 0 when it did not queue); trace (the
+-- request's span data, tokengate.trace.record; null when tracing is off or the request
+-- was not sampled).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -395,6 +406,7 @@ function _M.record(ctx, status, aborted)
         expected_cached_tokens = ctx.prefix_source and ctx.prefix_expected or 0,
         expected_cached_source = ctx.prefix_source,
         queue_ms = ctx.queue_ms or 0,
+        trace = ctx.trace and trace.record(ctx, status, aborted, ctx.error) or nil,
     })
 end
 

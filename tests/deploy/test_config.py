@@ -129,6 +129,15 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
      "input should be greater than or equal to 1, got 0"),
     ("edge.max_unknown_fields_bytes", -1, "input should be greater than or equal to 0, got -1"),
     ("currency", 3, "input should be a valid string, got 3"),
+    ("tracing.endpoint", "127.0.0.1:4317",
+     "expected http://host:port or https://host:port, got '127.0.0.1:4317'"),
+    ("tracing.endpoint", "http://collector",
+     "'http://collector' names no port (OTLP's are 4317 for gRPC, 4318 for HTTP)"),
+    ("tracing.protocol", "http/json",
+     "input should be 'grpc' or 'http/protobuf', got 'http/json'"),
+    ("tracing.sample_ratio", 2, "input should be less than or equal to 1, got 2"),
+    ("tracing.headers", {"bad header": "x"}, "'bad header' is not an HTTP header name"),
+    ("tracing.timeout_s", 0, "input should be greater than 0, got 0"),
 ])
 def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
                                                 path: str, value: Any, message: str) -> None:
@@ -419,8 +428,10 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 10 and doc["source"] == str(config_path)
+    assert doc["version"] == 11 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
+    # nor a collector's headers (credentials); tracing is off unless asked for
+    assert "headers" not in doc["tracing"] and doc["tracing"]["enabled"] is False
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
                               "default_max_tokens", "max_n")} == \
@@ -610,7 +621,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 10: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 11: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

@@ -18,6 +18,7 @@ from tokengate.config.sidecars import (
     LedgerConfig,
     MetricsConfig,
     RedisConfig,
+    TracingConfig,
 )
 from tokengate.config.types import NonEmpty, _check, _Schema
 
@@ -28,7 +29,7 @@ def _empty_is_defaults(value: Any) -> Any:
 
 
 SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
-            "edge")
+            "edge", "tracing")
 
 
 class Config(_Schema):
@@ -64,6 +65,9 @@ class Config(_Schema):
     edge: EdgeConfig = Field(
         default_factory=EdgeConfig,
         description="The nginx edge.")
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces of requests, exported over OTLP by the ledger.")
 
 
     _path: Path = PrivateAttr(default_factory=lambda: Path("tokengate.yaml"))

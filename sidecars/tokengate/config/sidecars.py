@@ -1,20 +1,26 @@
 """The sections of the Python sidecars: ``redis`` (where the ledger and the global
 limits keep their state), ``ledger`` (``tokengate-ledger``), ``global_limits``
-(``tokengate-limits``) and ``metrics`` (their Prometheus endpoints)."""
+(``tokengate-limits``), ``metrics`` (their Prometheus endpoints) and ``tracing`` (the
+OTLP export of the edge's spans)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tokengate.config.types import (
     MAX_COUNT,
     Finite,
     HostPort,
     LoopbackHostPort,
+    NonEmpty,
     OptionalPath,
     Positive,
+    Rate,
     RedisUrl,
     RelPath,
     _Schema,
@@ -100,3 +106,94 @@ class MetricsConfig(_Schema):
         default="127.0.0.1:8084",
         description="Loopback host:port of tokengate-limits' metrics (all its worker "
                     "processes together). null: none.")
+
+
+def _otlp_endpoint(value: str) -> str:
+    """An OTLP collector's URL: http:// (plaintext) or https:// (TLS), a host and a port;
+    a path only for OTLP/HTTP (``/v1/traces`` when none is given)."""
+    u = urlsplit(value)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"expected http://host:port or https://host:port, got {value!r}")
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if port is None:
+        raise ValueError(f"{value!r} names no port (OTLP's are 4317 for gRPC, 4318 for HTTP)")
+    if u.query or u.fragment or u.username or u.password:
+        raise ValueError(f"{value!r}: no query, fragment or credentials (use headers)")
+    return value
+
+
+OtlpEndpoint = Annotated[str, AfterValidator(_otlp_endpoint)]
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+
+
+class TracingConfig(_Schema):
+    """OpenTelemetry traces of the edge's requests (``tracing``): the edge starts or
+    continues a W3C trace for every request, forwards it to vLLM and writes the span data
+    into the request's usage event; the ledger, off the request path, exports the spans
+    over OTLP (``tokengate.tracing``). A collector that is down or slow loses spans
+    (counted), never requests."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Trace requests: the edge sends `traceparent` to vLLM and back to "
+                    "the client and records spans; the ledger exports them. Start vLLM "
+                    "with `--otlp-traces-endpoint` at the same collector to get its span "
+                    "in the same trace.")
+    endpoint: OtlpEndpoint = Field(
+        default="http://127.0.0.1:4317",
+        description="The OTLP collector: http://host:port (plaintext) or https:// (TLS); "
+                    "for http/protobuf the path (default /v1/traces) too.")
+    protocol: Literal["grpc", "http/protobuf"] = Field(
+        default="grpc",
+        description="OTLP transport: grpc (port 4317) or http/protobuf (port 4318).")
+    headers: dict[str, str] = Field(
+        default={},
+        description="Headers sent with every export (for example an authorization "
+                    "token); kept out of the edge's compiled file.")
+    timeout_s: Annotated[float, Field(gt=0.0, le=300.0, allow_inf_nan=False)] = Field(
+        default=10.0,
+        description="Longest one export (with the exporter's retries) may take, seconds; "
+                    "spans that wait meanwhile stay queued up to max_queue_spans.")
+    sample_ratio: Rate = Field(
+        default=1.0,
+        description="Share of new traces recorded (by the trace id, as OpenTelemetry's "
+                    "TraceIdRatioBased); a request with a `traceparent` follows its "
+                    "sampled flag; errors, refusals and aborted requests are always kept.")
+    service_name: NonEmpty = Field(
+        default="tokengate",
+        description="The spans' service.name resource attribute.")
+    resource_attributes: dict[str, str] = Field(
+        default={},
+        description="More resource attributes of every span (deployment.environment, "
+                    "service.instance.id, ...).")
+    max_queue_spans: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        default=8192,
+        description="Spans held for export; beyond it new spans are dropped (counted: "
+                    "tokengate_trace_spans_lost_total{reason=\"queue_full\"}).")
+    batch_spans: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        default=512,
+        description="Most spans per export call.")
+    schedule_delay_ms: Annotated[int, Field(ge=1, le=600_000)] = Field(
+        default=1000,
+        description="Longest a span waits for its batch to fill before it is exported, ms.")
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, v in value.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if any(c in v for c in "\r\n\0"):
+                raise ValueError(f"the value of {name!r} holds a line break or NUL")
+        return value
+
+    @model_validator(mode="after")
+    def _grpc_has_no_path(self) -> TracingConfig:
+        path = urlsplit(self.endpoint).path
+        if self.protocol == "grpc" and path not in ("", "/"):
+            raise ValueError(f"endpoint: a gRPC collector is host:port only, got path "
+                             f"{path!r} (a path is for protocol http/protobuf)")
+        return self

@@ -61,6 +61,18 @@ Schema (every key is present; ``null`` only where shown)::
                       record of what it sent where) | null (none made; older events)
     queue_ms          how long the request waited in its key's queue (edge.queue), ms;
                       0 when it did not queue and in events written before the field
+    trace             the request's span data when tracing is on (``tracing``) and the
+                      request was sampled, refused, failed or aborted, else null
+                      (``lua/tokengate/trace.lua``, record): trace_id (32 hex),
+                      span_id (16 hex: the edge's span), parent_span_id (16 hex | null:
+                      the trace started at the edge), upstream_span_id (16 hex | null:
+                      not forwarded; vLLM's span is its child), sampled (bool),
+                      tracestate (string | null), start_ms (wall clock, epoch ms),
+                      spans ([[name, offset_ms, duration_ms], ...]: "count", "queue",
+                      "limits"; offsets from the start of the access phase), upstream
+                      ([offset_ms, duration_ms] | null), finish_reasons ([string]).
+                      Never a reason to skip an event: a trace that does not parse is
+                      read as null (``Trace.parse``), and the event is billed.
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -75,6 +87,7 @@ events.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -84,6 +97,8 @@ from typing import Any
 COUNT_SOURCES = ("counter", "history", "estimate", "none")
 USAGE_SOURCES = ("final", "running", "estimate", "none")
 EXPECTED_CACHED_SOURCES = ("events", "approximate")
+
+log = logging.getLogger("tokengate.ledger")
 
 _REQUEST_ID = re.compile(r"[0-9a-fA-F]{32}")
 _TS = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?Z")
@@ -124,6 +139,7 @@ class UsageEvent:
     expected_cached_tokens: int = 0
     expected_cached_source: str | None = None
     queue_ms: int = 0
+    trace: Trace | None = None
 
     @property
     def time(self) -> datetime:
@@ -138,6 +154,81 @@ class UsageEvent:
     def to_json(self) -> str:
         """The event as one JSON line (no newline), keys in schema order."""
         return json.dumps(asdict(self), separators=(",", ":"), ensure_ascii=False)
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_SPAN_NAMES = ("count", "queue", "limits")
+
+
+def _duration(v: Any, most: float = 1e10) -> float:
+    """A non-negative finite number of ms below ``most``; raises EventError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or not 0 <= v < most:
+        raise EventError(f"not a duration in ms: {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A usage event's span data (the ``trace`` field above); durations in ms."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    upstream_span_id: str | None
+    sampled: bool
+    tracestate: str | None
+    start_ms: float
+    spans: tuple[tuple[str, float, float], ...]
+    upstream: tuple[float, float] | None
+    finish_reasons: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, v: Any) -> Trace | None:
+        """``v`` (the decoded ``trace`` value) as a Trace; None for null. Raises
+        ``EventError`` naming what is wrong."""
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise EventError("not an object")
+
+        def ident(name: str, pattern: re.Pattern[str], nullable: bool = False) -> str | None:
+            x = v.get(name)
+            if x is None and nullable:
+                return None
+            if not isinstance(x, str) or not pattern.fullmatch(x) or set(x) == {"0"}:
+                raise EventError(f"{name}: {x!r}")
+            return x
+
+        spans = v.get("spans")
+        if not isinstance(spans, list) or len(spans) > 16:
+            raise EventError("spans: not a list of at most 16")
+        parsed = []
+        for s in spans:
+            if not (isinstance(s, list) and len(s) == 3 and s[0] in _SPAN_NAMES):
+                raise EventError(f"spans: {s!r}")
+            parsed.append((str(s[0]), _duration(s[1]), _duration(s[2])))
+        up = v.get("upstream")
+        if up is not None and not (isinstance(up, list) and len(up) == 2):
+            raise EventError(f"upstream: {up!r}")
+        reasons = v.get("finish_reasons")
+        if not isinstance(reasons, list) or len(reasons) > 16 \
+                or not all(isinstance(r, str) and 0 < len(r) <= 64 for r in reasons):
+            raise EventError(f"finish_reasons: {reasons!r}")
+        state = v.get("tracestate")
+        if state is not None and (not isinstance(state, str) or len(state) > 512):
+            raise EventError("tracestate: not a string of at most 512 characters")
+        if not isinstance(v.get("sampled"), bool):
+            raise EventError("sampled: not a boolean")
+        return cls(trace_id=str(ident("trace_id", _HEX32)),
+                   span_id=str(ident("span_id", _HEX16)),
+                   parent_span_id=ident("parent_span_id", _HEX16, nullable=True),
+                   upstream_span_id=ident("upstream_span_id", _HEX16, nullable=True),
+                   sampled=v["sampled"], tracestate=state,
+                   start_ms=_duration(v.get("start_ms"), 1e15), spans=tuple(parsed),
+                   upstream=(_duration(up[0]), _duration(up[1])) if up else None,
+                   finish_reasons=tuple(reasons))
 
 
 def parse_ts(ts: str) -> datetime:
@@ -238,6 +329,16 @@ def _enum(obj: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
     return str(v)
 
 
+def _trace(obj: dict[str, Any], rid: str) -> Trace | None:
+    """The event's trace, or None: absent, null, or not valid (logged: a trace is never
+    a reason to skip a billable event)."""
+    try:
+        return Trace.parse(obj.get("trace"))
+    except EventError as e:
+        log.warning("usage event %s: trace ignored (%s)", rid, e)
+        return None
+
+
 def parse_event(line: bytes | str) -> UsageEvent:
     """Parse one usage line (with or without its newline) into a ``UsageEvent``.
 
@@ -280,6 +381,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         expected_cached_source=(_enum(obj, "expected_cached_source", EXPECTED_CACHED_SOURCES)
                                 if obj.get("expected_cached_source") is not None else None),
         queue_ms=_count(obj, "queue_ms"),
+        trace=_trace(obj, rid),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

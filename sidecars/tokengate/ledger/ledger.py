@@ -86,7 +86,7 @@ from tokengate.config import Config
 from tokengate.ledger.budgets import Reservations
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import parse_record
-from tokengate.ledger.event import EventError, parse_event, parse_ts
+from tokengate.ledger.event import EventError, UsageEvent, parse_event, parse_ts
 from tokengate.ledger.join import Item, Join, Keys
 from tokengate.ledger.tail import Batch, Finished, Position, UsageTail
 from tokengate.redis_client import SyncRedis
@@ -199,8 +199,10 @@ class Ledger:
     ``default_ledger_id``; ``max_lines``: events (or records) per script call;
     ``engine_files``, ``engine_wait_s`` and ``engine_orphan_s`` default to
     ``ledger.engine_usage_files`` / ``engine_wait_s`` / ``engine_orphan_s``;
-    ``engine_only``: read no usage file (a ledger on a vLLM host). Raises ``ValueError``
-    for ``engine_only`` without engine files.
+    ``engine_only``: read no usage file (a ledger on a vLLM host); ``on_events``: called
+    with the events of every usage batch once Redis committed it (``tokengate.tracing``:
+    their spans), from the ledger's thread; it must not block. Raises ``ValueError`` for
+    ``engine_only`` without engine files.
     """
 
     def __init__(self, cfg: Config, client: SyncRedis, usage_file: Path | None = None,
@@ -208,9 +210,11 @@ class Ledger:
                  rotate_wait_s: float | None = None,
                  engine_files: Sequence[Path] | None = None, engine_only: bool = False,
                  engine_wait_s: float | None = None,
-                 engine_orphan_s: float | None = None) -> None:
+                 engine_orphan_s: float | None = None,
+                 on_events: Callable[[list[UsageEvent]], None] | None = None) -> None:
         self.cfg = cfg
         self.client = client
+        self.on_events = on_events
         self.usage_file = Path(usage_file or cfg.ledger.usage_file)
         self.ledger_id = ledger_id or default_ledger_id(self.usage_file)
         wait = cfg.ledger.rotate_wait_s if rotate_wait_s is None else rotate_wait_s
@@ -394,6 +398,8 @@ class Ledger:
             self.totals.batches += 1
             if src.kind == "edge":
                 self.totals.bad_lines += bad
+                if self.on_events is not None and events:
+                    self.on_events(events)
             else:
                 self.totals.engine_duplicates += dups
                 self.totals.engine_bad_lines += bad

@@ -23,6 +23,7 @@ from tokengate import config as tg_config
 from tokengate import metrics, redis_client
 from tokengate.ledger import admin
 from tokengate.ledger.ledger import Ledger, default_ledger_id
+from tokengate.tracing import SpanExport
 
 log = logging.getLogger("tokengate.ledger")
 
@@ -87,6 +88,13 @@ RELOAD
   ledger.dedupe_days, ledger.audit_maxlen). The files and Redis it reads need a
   restart. A file that does not load is logged and the old configuration kept.
 
+TRACING
+  With tracing.enabled, the spans the edge recorded in each event (tokengate.tracing)
+  are exported over OTLP (tracing.endpoint, tracing.protocol) from a thread of their
+  own once their batch is applied: a collector that is down or slow loses spans
+  (tokengate_trace_spans_lost_total), never events. Spans wait while Redis is down,
+  with their events. Changing the tracing section needs a restart.
+
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
   conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
@@ -147,13 +155,29 @@ class LedgerCollector(Collector):
     at scrape time: the status file and /metrics show the same values. Counts are this
     process's, since it started."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, spans: SpanExport | None = None) -> None:
         self.ledger = ledger
+        self.spans = spans
 
     def collect(self) -> Iterator[Metric]:
         t = self.ledger.totals
         for name, doc, field in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(t, field))
+        if self.spans is not None:
+            yield CounterMetricFamily("tokengate_trace_spans_exported",
+                                      "Spans the OTLP collector accepted.",
+                                      value=self.spans.exported)
+            lost = CounterMetricFamily(
+                "tokengate_trace_spans_lost", "Spans lost: queue_full (more waiting than "
+                "tracing.max_queue_spans), export_failed (the collector was down, refused "
+                "or too slow), shutdown (queued when the ledger stopped).",
+                labels=["reason"])
+            for reason, n in self.spans.lost.items():
+                lost.add_metric([reason], n)
+            yield lost
+            g = GaugeMetricFamily("tokengate_trace_spans_queued", "Spans waiting for export.")
+            g.add_metric([], self.spans.queued)
+            yield g
         for name, doc, value in (
                 ("tokengate_ledger_lag_bytes", _LAG_BYTES, self.ledger.lag_bytes),
                 ("tokengate_ledger_lag_seconds", _LAG_S, self.ledger.lag_s),
@@ -210,19 +234,26 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"tokengate-ledger: {e}\n")
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    spans = SpanExport(cfg.tracing) if cfg.tracing.enabled and not args.engine_only else None
     try:
         ledger = Ledger(cfg, client, usage_file,
                         args.ledger_id or default_ledger_id(usage_file), max_lines=args.batch,
                         rotate_wait_s=0.0 if args.once else None,
-                        engine_files=args.engine_files, engine_only=args.engine_only)
+                        engine_files=args.engine_files, engine_only=args.engine_only,
+                        on_events=spans.events if spans else None)
     except ValueError as e:
         parser.exit(2, f"tokengate-ledger: {e}\n")
+    if spans:
+        log.info("tracing: exporting spans to %s (%s)", cfg.tracing.endpoint,
+                 cfg.tracing.protocol)
     if args.once:
         try:
             t = ledger.drain()
         except RedisError as e:
             print(f"tokengate-ledger: Redis unavailable: {e}", file=sys.stderr)
             sys.exit(1)
+        if spans:
+            spans.close()
         print(f"applied {t.applied}, duplicates {t.duplicates}, bad lines {t.bad_lines}")
         if ledger.engine_mode:
             print(f"settled by the engine {t.settled_engine}, engine records missing "
@@ -253,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.status_file:
         _write_status(args.status_file, snapshot())
-    REGISTRY.register(LedgerCollector(ledger))
+    REGISTRY.register(LedgerCollector(ledger, spans))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
                   admin=admin.view(cfg.path, client))
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
@@ -281,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
             last_log, last_applied = time.monotonic(), t.applied
     worker.join(10.0)
     ledger.close()
+    if spans:
+        spans.close()
     if args.status_file:
         _write_status(args.status_file, snapshot())
     log.info("ledger %s stopped: applied %d", ledger.ledger_id, ledger.totals.applied)

@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 10,
+      "version": 11,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -42,10 +42,13 @@ fields only the edge needs, derived here:
                         "unix_socket": "<absolute path or null>"},
       "access_log": {"error_status": <status>, "slow_ms": <ms>, "slow_rate": <0..1>,
                      "rate": <0..1>, "file": "<absolute path, or '' when off>"},
+      "tracing": {... ``TracingConfig`` without headers},
       "currency": ..., "billing": {...}, "ledger": {...}
     }
 
-``redis`` is left out: the edge never talks to Redis, and its URL may carry a password.
+``redis`` and ``tracing.headers`` are left out: the edge never talks to Redis or to a
+collector, and the URL and the headers may carry credentials. The edge reads
+``tracing.enabled`` and ``tracing.sample_ratio`` (``lua/tokengate/trace.lua``).
 
 Usage: ``python -m tokengate.tools.compile_config --config tokengate.yaml --out edge.json``.
 Errors: ``ConfigError`` naming the key (exit status 2 from the CLI).
@@ -68,11 +71,11 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 10  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 11  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
 #             runner; 9: models carry routing; 10: edge.queue, models carry
-#             max_concurrency, keys fair_share
+#             max_concurrency, keys fair_share; 11: tracing
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
@@ -171,7 +174,8 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     """
     tg_config.check_model_dirs(cfg)
     doc: dict[str, Any] = {"version": VERSION, "source": str(cfg.path),
-                           **cfg.model_dump(mode="json", exclude={"redis"})}
+                           **cfg.model_dump(mode="json",
+                                            exclude={"redis": True, "tracing": {"headers"}})}
     extra = set(cfg.edge.extra_special_tokens)
     for name, m in cfg.models.items():
         edge_resolves = bool(cfg.edge.dns_resolvers)

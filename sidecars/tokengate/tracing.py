@@ -1,0 +1,324 @@
+"""OpenTelemetry spans of the edge's requests, exported over OTLP by the ledger.
+
+The edge (``lua/tokengate/trace.lua``) starts or continues a W3C trace for every request
+and writes the span data into the request's usage event (``UsageEvent.trace``). The
+ledger, off the request path, hands every event of a batch it has committed to
+``SpanExport.events``, which builds the spans (``spans_of``) and queues them; a thread of
+its own exports them with the official OTLP exporter (gRPC or HTTP/protobuf). Nothing on
+this path waits on the collector: a collector that is down or slow fills the queue, and
+what does not fit or fails to export is lost and counted (``lost``), never a request or
+an event. Spans are exported once: a batch is handed over after Redis committed it, so a
+ledger killed in between loses that batch's spans instead of sending them twice.
+
+One trace per request (span kinds and names per the OpenTelemetry GenAI semantic
+conventions, open-telemetry/semantic-conventions-genai docs/gen-ai/client-inference.md,
+development status, read in December 2026):
+
+    <operation> <model>      SERVER, the request at the edge, from its start to its
+                             log phase; gen_ai.* and tokengate.* attributes (ATTRIBUTES)
+      tokengate.count        INTERNAL, the counter call (prompt tokens)
+      tokengate.queue        INTERNAL, the wait in the key's queue (edge.queue)
+      tokengate.limits       INTERNAL, the reservation in every limit tier and budget
+      tokengate.upstream     CLIENT, the proxied call to the replica; its span id is the
+                             parent in the `traceparent` vLLM got, so vLLM's own
+                             llm_request span (--otlp-traces-endpoint) is its child
+
+A refused or failed request's edge span has status ERROR with ``error.type`` (the
+event's error code); the edge keeps it even when the trace was not sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from tokengate.config.sidecars import TracingConfig
+from tokengate.ledger.event import Trace, UsageEvent
+
+log = logging.getLogger("tokengate.tracing")
+
+# gen_ai.operation.name by the event's endpoint (GenAI conventions' well-known values;
+# count_tokens and input_tokens are tokengate's own: the edge answers them itself)
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings",
+              "messages": "chat", "responses": "chat", "count_tokens": "count_tokens",
+              "input_tokens": "count_tokens"}
+# gen_ai.provider.name: the API the client spoke. The conventions name the provider "as
+# identified by the client or server instrumentation" and let OpenAI-compatible servers
+# report "openai" (gen_ai.request.model and server.address tell the real system).
+ANTHROPIC = ("messages", "count_tokens")
+
+ATTRIBUTES = """\
+gen_ai.operation.name                  chat | text_completion | embeddings | count_tokens
+gen_ai.provider.name                   openai | anthropic (the API the client spoke)
+gen_ai.request.model                   the body's model
+gen_ai.response.model                  the served model, when the replica answered usage
+gen_ai.request.stream                  the client asked for SSE
+gen_ai.usage.input_tokens              prompt tokens billed (the usage event's)
+gen_ai.usage.output_tokens             completion tokens billed
+gen_ai.usage.cache_read.input_tokens   prompt tokens served from the prefix cache
+gen_ai.response.finish_reasons         finish_reason / stop_reason values seen
+gen_ai.response.time_to_first_chunk    s, streams: the edge's TTFT
+http.response.status_code              the status the client got
+error.type                             the event's error code (refused or failed)
+tokengate.request_id                   X-Request-Id, the usage event's request_id
+tokengate.key_id                       the API key's id (never the key)
+tokengate.endpoint                     the event's endpoint
+tokengate.count_source                 counter | history | estimate | none
+tokengate.prompt_tokens_counted        the counter's prompt tokens at admission
+tokengate.count_drift                  vLLM's prompt tokens - the count
+tokengate.reserved_tokens              tokens reserved at admission
+tokengate.refusal_reason               the error code when the edge refused (not forwarded)
+tokengate.replica                      the replica that served it
+tokengate.usage_source                 final | running | estimate | none
+tokengate.client_aborted               the client left before the end
+tokengate.queue_ms                     ms in the key's queue
+tokengate.ttft_ms                      ms to the first byte of the response body
+tokengate.expected_cached_tokens       the prefix-cache prediction (routing.policy prefix)
+"""
+
+_IDS = RandomIdGenerator()
+
+
+def _tokengate_version() -> str:
+    try:
+        return version("tokengate")
+    except PackageNotFoundError:
+        return "0"
+
+
+SCOPE = InstrumentationScope("tokengate.edge", _tokengate_version())
+
+
+def resource_of(cfg: TracingConfig) -> Resource:
+    """The spans' resource: ``service.name`` and the configured resource attributes
+    (with the SDK's own telemetry.sdk.* attributes)."""
+    return Resource.create({**cfg.resource_attributes, "service.name": cfg.service_name,
+                            "service.version": _tokengate_version()})
+
+
+def _ns(ms: float) -> int:
+    """ms -> ns, exact to the ns for durations (an epoch in ms goes through µs: ms * 1e6
+    exceeds the 53 bits of a float)."""
+    return round(ms * 1e6)
+
+
+def _attributes(ev: UsageEvent, tr: Trace) -> dict[str, Any]:
+    op = OPERATIONS.get(ev.endpoint, ev.endpoint)
+    a: dict[str, Any] = {
+        "gen_ai.operation.name": op,
+        "gen_ai.provider.name": "anthropic" if ev.endpoint in ANTHROPIC else "openai",
+        "gen_ai.request.stream": ev.stream,
+        "gen_ai.usage.input_tokens": ev.prompt_tokens,
+        "gen_ai.usage.output_tokens": ev.completion_tokens,
+        "gen_ai.usage.cache_read.input_tokens": ev.cached_tokens,
+        "http.response.status_code": ev.status,
+        "tokengate.request_id": ev.request_id,
+        "tokengate.endpoint": ev.endpoint,
+        "tokengate.count_source": ev.count_source,
+        "tokengate.prompt_tokens_counted": ev.token_estimate,
+        "tokengate.count_drift": ev.count_drift,
+        "tokengate.reserved_tokens": ev.reserved,
+        "tokengate.usage_source": ev.usage_source,
+        "tokengate.client_aborted": ev.client_aborted,
+        "tokengate.queue_ms": ev.queue_ms,
+    }
+    if ev.model:
+        a["gen_ai.request.model"] = ev.model
+        if ev.usage_source in ("final", "running"):
+            a["gen_ai.response.model"] = ev.model
+    if tr.finish_reasons:
+        a["gen_ai.response.finish_reasons"] = list(tr.finish_reasons)
+    if ev.ttft_ms is not None:
+        a["tokengate.ttft_ms"] = ev.ttft_ms
+        if ev.stream:
+            a["gen_ai.response.time_to_first_chunk"] = ev.ttft_ms / 1000
+    if ev.key_id:
+        a["tokengate.key_id"] = ev.key_id
+    if ev.upstream:
+        a["tokengate.replica"] = ev.upstream
+    if ev.expected_cached_source:
+        a["tokengate.expected_cached_tokens"] = ev.expected_cached_tokens
+    if ev.error:
+        a["error.type"] = ev.error
+        if tr.upstream is None and ev.status >= 400:
+            a["tokengate.refusal_reason"] = ev.error
+    return a
+
+
+def spans_of(ev: UsageEvent, resource: Resource) -> list[ReadableSpan]:
+    """The spans of one event's trace (the module docstring's tree), or [] for an event
+    without one. Times: the edge's wall-clock start (``Trace.start_ms``) plus the
+    monotonic offsets it recorded, in ns since the epoch."""
+    tr = ev.trace
+    if tr is None:
+        return []
+    trace_id = int(tr.trace_id, 16)
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    state = TraceState.from_header([tr.tracestate]) if tr.tracestate else None
+    edge = SpanContext(trace_id, int(tr.span_id, 16), is_remote=False, trace_flags=flags,
+                       trace_state=state)
+    parent = (SpanContext(trace_id, int(tr.parent_span_id, 16), is_remote=True,
+                          trace_flags=flags, trace_state=state)
+              if tr.parent_span_id else None)
+    base = round(tr.start_ms * 1000) * 1000  # epoch ns, µs resolution
+    ends = [ev.total_ms] + [off + dur for _, off, dur in tr.spans]
+    if tr.upstream:
+        ends.append(sum(tr.upstream))
+    failed = ev.status >= 400 or (ev.error is not None and not ev.client_aborted)
+    status = (Status(StatusCode.ERROR, ev.error or str(ev.status)) if failed
+              else Status(StatusCode.UNSET))
+    op = OPERATIONS.get(ev.endpoint, ev.endpoint)
+    out = [ReadableSpan(f"{op} {ev.model}" if ev.model else op, context=edge, parent=parent,
+                        resource=resource, attributes=_attributes(ev, tr),
+                        kind=SpanKind.SERVER, status=status, start_time=base,
+                        end_time=base + _ns(max(ends)), instrumentation_scope=SCOPE)]
+    for name, off, dur in tr.spans:
+        ctx = SpanContext(trace_id, _IDS.generate_span_id(), is_remote=False,
+                          trace_flags=flags, trace_state=state)
+        out.append(ReadableSpan(f"tokengate.{name}", context=ctx, parent=edge,
+                                resource=resource, kind=SpanKind.INTERNAL,
+                                start_time=base + _ns(off), end_time=base + _ns(off + dur),
+                                instrumentation_scope=SCOPE))
+    if tr.upstream and tr.upstream_span_id:
+        off, dur = tr.upstream
+        ctx = SpanContext(trace_id, int(tr.upstream_span_id, 16), is_remote=False,
+                          trace_flags=flags, trace_state=state)
+        attrs: dict[str, Any] = {"http.response.status_code": ev.status}
+        if ev.upstream:
+            host, _, port = ev.upstream.rpartition(":")
+            attrs["server.address"] = host.strip("[]") or ev.upstream
+            if port.isdigit():
+                attrs["server.port"] = int(port)
+        out.append(ReadableSpan("tokengate.upstream", context=ctx, parent=edge,
+                                resource=resource, attributes=attrs, kind=SpanKind.CLIENT,
+                                status=status if ev.status >= 500 else Status(StatusCode.UNSET),
+                                start_time=base + _ns(off), end_time=base + _ns(off + dur),
+                                instrumentation_scope=SCOPE))
+    return out
+
+
+def collector_url(cfg: TracingConfig) -> str:
+    """The URL an exporter is given: ``endpoint``, with ``/v1/traces`` added for
+    http/protobuf when it has no path (OTLP/HTTP's default path)."""
+    url = cfg.endpoint
+    if cfg.protocol != "grpc" and urlsplit(url).path in ("", "/"):
+        url = url.rstrip("/") + "/v1/traces"
+    return url
+
+
+def otlp_exporter(cfg: TracingConfig) -> SpanExporter:
+    """The official OTLP span exporter for ``cfg``: gRPC (``endpoint`` http:// plaintext,
+    https:// TLS) or HTTP/protobuf (``/v1/traces`` added when the URL has no path), with
+    ``headers`` and ``timeout_s`` (the exporter retries within it)."""
+    headers = dict(cfg.headers) or None
+    if cfg.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+        return GrpcExporter(endpoint=cfg.endpoint,
+                            insecure=urlsplit(cfg.endpoint).scheme == "http",
+                            headers=headers, timeout=cfg.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+    return HttpExporter(endpoint=collector_url(cfg), headers=headers, timeout=cfg.timeout_s)
+
+
+class SpanExport:
+    """Builds the spans of committed usage events and exports them from a thread of its
+    own (``events`` never blocks). Counts, this process's since it started:
+    ``exported`` (spans the collector accepted), ``lost`` by reason: ``queue_full``
+    (more than ``max_queue_spans`` waiting), ``export_failed`` (the exporter gave up:
+    collector down, refused, or slower than ``timeout_s`` with its retries),
+    ``shutdown`` (still queued when the ledger stopped and the last export failed)."""
+
+    def __init__(self, cfg: TracingConfig, exporter: SpanExporter | None = None) -> None:
+        self.cfg = cfg
+        self.exporter = exporter or otlp_exporter(cfg)
+        self.resource = resource_of(cfg)
+        self.exported = 0
+        self.lost = {"queue_full": 0, "export_failed": 0, "shutdown": 0}
+        self._queue: queue.Queue[ReadableSpan] = queue.Queue(cfg.max_queue_spans)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="span-export", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Spans waiting for export now."""
+        return self._queue.qsize()
+
+    def events(self, events: Iterable[UsageEvent]) -> None:
+        """Queue the spans of ``events`` (those with a trace); what does not fit is lost
+        (``lost["queue_full"]``). Called by the ledger's thread after a commit."""
+        for ev in events:
+            for span in spans_of(ev, self.resource):
+                try:
+                    self._queue.put_nowait(span)
+                except queue.Full:
+                    self.lost["queue_full"] += 1
+
+    def _take(self, first_wait_s: float) -> list[ReadableSpan]:
+        """Up to batch_spans spans: waits up to ``first_wait_s`` for the first, then up
+        to schedule_delay_ms for the batch to fill."""
+        try:
+            batch = [self._queue.get(timeout=first_wait_s)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self.cfg.schedule_delay_ms / 1000
+        while len(batch) < self.cfg.batch_spans and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                batch.append(self._queue.get(timeout=left))
+            except queue.Empty:
+                break
+        return batch
+
+    def _export(self, batch: Sequence[ReadableSpan], lost_as: str) -> None:
+        try:
+            ok = self.exporter.export(batch) is SpanExportResult.SUCCESS
+        except Exception:  # an exporter bug must not end the thread: the spans are lost
+            log.exception("span export failed")
+            ok = False
+        if ok:
+            self.exported += len(batch)
+        else:
+            self.lost[lost_as] += len(batch)
+            log.warning("tracing: %d span(s) lost: the collector at %s did not take them "
+                        "(%d lost so far)", len(batch), self.cfg.endpoint,
+                        sum(self.lost.values()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = self._take(0.5)
+            if batch:
+                self._export(batch, "export_failed")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, try one last export of what waits, shut the exporter down."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        rest: list[ReadableSpan] = []
+        while True:
+            try:
+                rest.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for i in range(0, len(rest), self.cfg.batch_spans):
+            self._export(rest[i:i + self.cfg.batch_spans], "shutdown")
+        self.exporter.shutdown()

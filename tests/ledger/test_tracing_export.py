@@ -1,0 +1,167 @@
+"""The ledger exports the spans that the edge wrote into usage events (``tokengate.tracing``):
+a real ``tokengate-ledger`` process, the session's Redis, and a real OTLP receiver (the
+protocol's gRPC service and OTLP/HTTP, ``tokengate_dev.otlp_receiver``). The edge's side,
+with vLLM's spans in the same traces, is tests/edge/test_edge_tracing.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+from tokengate.ledger.event import Trace, parse_event
+from tokengate_dev import devstack
+from tokengate_dev.otlp_receiver import OtlpReceiver, Span
+
+from tests.conftest import PORT_OFFSET
+from tests.fixtures_ledger import (
+    UsageWriter,
+    free_port,
+    make_event,
+    svc_name,
+    wait_until,
+)
+from tests.ledger.test_ledger_engine import status
+
+PORTS = range(17400 + PORT_OFFSET, 17440 + PORT_OFFSET)
+
+
+def trace_of(rid: str, **over: Any) -> Trace:
+    raw: dict[str, Any] = {
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "span_id": rid[:16],
+        "parent_span_id": "00f067aa0ba902b7", "upstream_span_id": rid[16:],
+        "sampled": True, "tracestate": "vendor=1", "start_ms": 1764900000123.0,
+        "spans": [["count", 0.5, 1.25], ["limits", 2.0, 0.5]], "upstream": [3.0, 400.0],
+        "finish_reasons": ["stop"]}
+    raw.update(over)
+    t = Trace.parse(raw)
+    assert t is not None
+    return t
+
+
+def ledger_config(base: Path, out: Path, endpoint: str, protocol: str,
+                  metrics_port: int) -> Path:
+    raw = yaml.safe_load(base.read_text())
+    raw["tracing"] = {"enabled": True, "endpoint": endpoint, "protocol": protocol,
+                      "timeout_s": 1, "schedule_delay_ms": 50,
+                      "resource_attributes": {"deployment.environment": "test"}}
+    raw["metrics"]["ledger_listen"] = f"127.0.0.1:{metrics_port}"
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tokengate_trace_"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def by_name(spans: list[Span], trace_id: str) -> dict[str, Span]:
+    return {s.name: s for s in spans if s.trace_id == trace_id}
+
+
+def test_a_bad_trace_never_costs_the_event() -> None:
+    """A trace that does not parse is read as null: the event is still billed."""
+    ev = make_event()
+    for bad in ({"trace_id": "x"}, [1], "t", {**json.loads(json.dumps(
+            {"trace_id": "0" * 32, "span_id": "1" * 16, "sampled": True, "spans": [],
+             "finish_reasons": [], "start_ms": 1}))}):
+        line = json.loads(ev.to_json())
+        line["trace"] = bad
+        assert parse_event(json.dumps(line)).trace is None
+    good = make_event(trace=trace_of(ev.request_id))
+    assert parse_event(good.to_json()) == good
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_ledger_exports_the_events_spans(protocol: str, ledger_config_path: Path,
+                                         redis_url: str, ledger_redis: redis.Redis,
+                                         tmp_path: Path) -> None:
+    """Every traced event becomes its spans: the edge's SERVER span with the GenAI and
+    tokengate attributes and the edge's ids, a child per recorded stage and the CLIENT
+    upstream span whose id vLLM got; untraced events none. Then the receiver stops:
+    the events are still applied and the spans that could not go are counted lost."""
+    grpc_port = free_port(PORTS)
+    http_port = free_port(range(grpc_port + 1, PORTS.stop))
+    metrics_port = free_port(range(http_port + 1, PORTS.stop))
+    rx = OtlpReceiver(grpc_port=grpc_port, http_port=http_port).start()
+    endpoint = (f"http://127.0.0.1:{grpc_port}" if protocol == "grpc"
+                else f"http://127.0.0.1:{http_port}")
+    cfg = ledger_config(ledger_config_path, tmp_path / "tokengate.yaml", endpoint, protocol,
+                        metrics_port)
+    usage = tmp_path / "usage.jsonl"
+    writer = UsageWriter(usage)
+    rid = [f"{random.getrandbits(128):032x}" for _ in range(3)]
+    ok = make_event(request_id=rid[0], stream=True, ttft_ms=12.5, cached_tokens=4,
+                    trace=trace_of(rid[0]))
+    refused = make_event(request_id=rid[1], status=429, error="rate_limit_exceeded",
+                         prompt_tokens=0, completion_tokens=0, usage_source="none",
+                         upstream=None,
+                         trace=trace_of(rid[1], parent_span_id=None, upstream_span_id=None,
+                                        upstream=None, sampled=False, finish_reasons=[],
+                                        tracestate=None, trace_id="a" * 32))
+    untraced = make_event()
+    for ev in (ok, refused, untraced):
+        writer.write(ev)
+    name = svc_name(f"test-ledger-trace-{protocol.replace('/', '-')}")
+    svc = devstack.ledger_service(cfg, usage, redis_url, ledger_id=name, name=name).start()
+    try:
+        spans = rx.wait_for(lambda s: len(s) >= 6)
+        got = by_name(spans, ok.trace.trace_id)
+        edge = got["chat tiny-qwen3"]
+        assert edge.kind == "SERVER" and edge.span_id == ok.request_id[:16]
+        assert edge.parent_span_id == "00f067aa0ba902b7" and edge.status_code == "UNSET"
+        a = edge.attributes
+        assert a["gen_ai.operation.name"] == "chat"
+        assert a["gen_ai.provider.name"] == "openai"
+        assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == "tiny-qwen3"
+        assert a["gen_ai.usage.input_tokens"] == ok.prompt_tokens
+        assert a["gen_ai.usage.output_tokens"] == ok.completion_tokens
+        assert a["gen_ai.usage.cache_read.input_tokens"] == 4
+        assert a["gen_ai.response.finish_reasons"] == ["stop"]
+        assert a["gen_ai.request.stream"] is True
+        assert a["gen_ai.response.time_to_first_chunk"] == pytest.approx(0.0125)
+        assert a["tokengate.key_id"] == "demo" and a["tokengate.request_id"] == ok.request_id
+        assert a["tokengate.reserved_tokens"] == ok.reserved
+        assert "tokengate.refusal_reason" not in a and "error.type" not in a
+        assert edge.resource["deployment.environment"] == "test"
+        assert edge.service == "tokengate"
+        start = 1764900000123 * 10**6
+        assert edge.start_ns == start and edge.end_ns == start + round(ok.total_ms * 1e6)
+        count, limits, up = got["tokengate.count"], got["tokengate.limits"], \
+            got["tokengate.upstream"]
+        assert count.parent_span_id == limits.parent_span_id == edge.span_id
+        assert count.start_ns == start + 500_000 and count.end_ns == start + 1_750_000
+        assert up.kind == "CLIENT" and up.span_id == ok.request_id[16:]
+        assert up.parent_span_id == edge.span_id
+        assert up.attributes["server.address"] == "127.0.0.1"
+        assert up.attributes["server.port"] == 18000
+        bad = by_name(spans, "a" * 32)
+        assert set(bad) == {"chat tiny-qwen3", "tokengate.count", "tokengate.limits"}
+        r = bad["chat tiny-qwen3"]
+        assert r.status_code == "ERROR" and r.parent_span_id == ""
+        assert r.attributes["error.type"] == r.attributes["tokengate.refusal_reason"] \
+            == "rate_limit_exceeded"
+        assert not [s for s in spans if s.trace_id == untraced.request_id]
+        assert scrape(metrics_port)["tokengate_trace_spans_exported_total"] == len(spans)
+
+        # the collector goes away: events are applied, spans lost and counted
+        rx.stop()
+        late = make_event(request_id=rid[2], trace=trace_of(rid[2]))
+        writer.write(late)
+        wait_until(lambda: status(name)["applied"] == 4, timeout_s=20)
+        wait_until(lambda: scrape(metrics_port).get(
+            'tokengate_trace_spans_lost_total{reason="export_failed"}', 0) == 4,
+            timeout_s=30)
+    finally:
+        svc.stop()
+        rx.stop()
