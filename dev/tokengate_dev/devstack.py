@@ -319,6 +319,9 @@ def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
     py_key = f'"{DEMO_KEY}"' if demo else '__import__("os").environ["TOKENGATE_API_KEY"]'
     said = f"demo key of {config_name}" if demo else \
         f"{config_name} has no demo key: use one of its keys (tokengate keys create)"
+    tracing = config.tracing if config is not None else None
+    traces = (f"traces go to {tracing.endpoint} ({tracing.protocol})" if tracing and tracing.enabled
+              else "traces are off (tracing.enabled in the README)")
     block = "".join(f"  {what:<15}: {url}\n" for what, url in observe)
     if block:
         block = "\n  health and metrics (no key needed):\n" + block
@@ -337,7 +340,7 @@ tokengate is up.
     messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=16))'
 
 Responses carry X-Token-Count and x-ratelimit-* headers; usage events go to
-{usage_file}. Ctrl-C stops everything."""
+{usage_file}; {traces}. Ctrl-C stops everything."""
 
 
 def sidecar_metrics(cfg: tg_config.Config) -> list[tuple[str, str, str]]:

@@ -31,7 +31,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 @dataclass(frozen=True)
 class Span:
     """One received span; ids in lower-case hex ('' for no parent), times in ns since the
-    epoch, kind and status code as OTLP's enum names without prefix ("SERVER", "ERROR")."""
+    epoch, kind and status code as OTLP's enum names without prefix ("SERVER", "ERROR"),
+    events by name: (time in ns, attributes)."""
 
     trace_id: str
     span_id: str
@@ -45,6 +46,7 @@ class Span:
     end_ns: int
     service: str
     resource: dict[str, Any] = field(default_factory=dict)
+    events: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
 
 
 def _value(v: AnyValue) -> Any:
@@ -61,18 +63,28 @@ def _attrs(kvs: Iterable[KeyValue]) -> dict[str, Any]:
 
 
 class OtlpReceiver:
-    """Both endpoints on 127.0.0.1 (a port of None: that endpoint is off)."""
+    """Both endpoints on 127.0.0.1 (a port of None: that endpoint is off); ``keep``:
+    keep the spans (False: count them only, ``received``)."""
 
-    def __init__(self, grpc_port: int | None = None, http_port: int | None = None) -> None:
+    def __init__(self, grpc_port: int | None = None, http_port: int | None = None,
+                 keep: bool = True) -> None:
         self.grpc_port, self.http_port = grpc_port, http_port
+        self.keep = keep
         self.paused = False
         self.requests = 0
+        self.received = 0
         self._spans: list[Span] = []
         self._lock = threading.Lock()
         self._grpc: grpc.Server | None = None
         self._http: ThreadingHTTPServer | None = None
 
     def _take(self, req: pb.ExportTraceServiceRequest) -> None:
+        if not self.keep:
+            n = sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+            with self._lock:
+                self.received += n
+                self.requests += 1
+            return
         got = []
         for rs in req.resource_spans:
             res = _attrs(rs.resource.attributes)
@@ -84,9 +96,11 @@ class OtlpReceiver:
                         _attrs(s.attributes),
                         s.status.StatusCode.Name(s.status.code).removeprefix("STATUS_CODE_"),
                         s.status.message, s.start_time_unix_nano, s.end_time_unix_nano,
-                        str(res.get("service.name", "")), res))
+                        str(res.get("service.name", "")), res,
+                        {e.name: (e.time_unix_nano, _attrs(e.attributes)) for e in s.events}))
         with self._lock:
             self._spans.extend(got)
+            self.received += len(got)
             self.requests += 1
 
     def start(self) -> OtlpReceiver:
@@ -164,3 +178,29 @@ class OtlpReceiver:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tokengate_dev.otlp_receiver --grpc-port N [--http-port M]``: a receiver
+    in a process of its own (``make bench``), counting spans until SIGTERM or SIGINT;
+    then prints ``spans <n> requests <n>``."""
+    import argparse
+    import signal
+
+    p = argparse.ArgumentParser(prog="python -m tokengate_dev.otlp_receiver",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grpc-port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None)
+    a = p.parse_args(argv)
+    rx = OtlpReceiver(a.grpc_port, a.http_port, keep=False).start()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    rx.stop()
+    print(f"spans {rx.received} requests {rx.requests}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,10 @@ One command, a few minutes, loopback only:
    gateway's non-streaming saturation). Reports the RPS ratios, the edge's CPU per
    request over plain nginx's, added p50/p99 end-to-end latency and added TTFT
    (streams).
-4. **A process round trip**, back to back and after the lowest fixed rate's gap between
+4. **Tracing on vs off**: two gateways, each with a ledger on one Redis, one tracing
+   every request and exporting its spans over OTLP gRPC to a receiver process; the
+   saturation RPS ratio (on / off) and the added latency at the lowest fixed rate.
+5. **A process round trip**, back to back and after the lowest fixed rate's gap between
    requests idle: the wake-up cost every extra process on the gateway's path pays at
    low rates (``process_round_trip_us``).
 
@@ -69,6 +72,8 @@ AIMS = [
     ("added p99 latency, lowest fixed rate (ms)", "added_p99_ms", "<=", 3.0),
     ("added TTFT p50, lowest fixed rate (ms)", "added_ttft_p50_ms", "<=", 1.0),
     ("TokenStorm ceiling / vllm bench serve ceiling", "ceiling_ratio", ">=", 2.0),
+    ("gateway saturation, tracing on / off (req/s ratio, issue 27)", "tracing_rps_ratio",
+     ">=", 0.95),
 ]
 
 
@@ -90,6 +95,7 @@ class BenchOptions:
     ceiling_tries: int = 2
     skip_vllm_bench: bool = False
     skip_gateway: bool = False
+    skip_tracing: bool = False
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -124,24 +130,36 @@ def _machine() -> dict[str, Any]:
 class Gateway:
     """The tokengate stack for the bench: counter + nginx edge, the model's upstream
     pointed at the fast upstream, one key with limits far above the load (the limits
-    are still enforced and reserved on every request)."""
+    are still enforced and reserved on every request); files under ``var/bench/<name>``.
+    With ``redis_url`` a ledger too, applying the usage events to that Redis; with
+    ``tracing`` (the tracing section) the edge traces every request and the ledger
+    exports the spans."""
 
-    def __init__(self, upstream_port: int, opts: BenchOptions) -> None:
+    def __init__(self, upstream_port: int, opts: BenchOptions, name: str = "gateway",
+                 redis_url: str | None = None, tracing: dict[str, Any] | None = None) -> None:
         self.port = free_port()
         self.opts = opts
+        self.name = name
+        self.redis_url = redis_url
+        self.dir = BENCH_VAR / name
         self.services: list[devstack.Service] = []
-        BENCH_VAR.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
         raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
         for m in raw["models"].values():
             m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
             m["upstreams"] = [f"127.0.0.1:{upstream_port}"]
         raw["keys"] = {"bench": {"sha256": hashlib.sha256(BENCH_KEY.encode()).hexdigest(),
                                  "rpm": 1_000_000_000, "tpm": 1_000_000_000_000}}
-        usage = BENCH_VAR / "usage.jsonl"
+        usage = self.dir / "usage.jsonl"
         usage.unlink(missing_ok=True)
         raw.setdefault("ledger", {})["usage_file"] = str(usage)
         raw.setdefault("edge", {})["listen"] = f"127.0.0.1:{self.port}"
-        self.config_path = BENCH_VAR / "tokengate.yaml"
+        self.metrics_port = free_port()
+        raw["metrics"] = {"counter_listen": None, "limits_listen": None,
+                          "ledger_listen": f"127.0.0.1:{self.metrics_port}"}
+        if tracing:
+            raw["tracing"] = tracing
+        self.config_path = self.dir / "tokengate.yaml"
         self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
         self.usage_file = usage
 
@@ -151,17 +169,34 @@ class Gateway:
 
     def start(self) -> Gateway:
         """Counter, then the edge: the builders ``make run`` uses."""
-        sock = BENCH_VAR / "counter.sock"
+        sock = self.dir / "counter.sock"
         counter = devstack.counter_service(self.config_path, port=free_port(),
                                            unix_socket=sock, workers=self.opts.counter_workers,
-                                           name="bench-counter")
+                                           name=f"bench-{self.name}-counter")
         self.services.append(counter.start())
         edge = devstack.nginx_service(self.config_path, port=self.port, counter_socket=sock,
                                       counter_workers=self.opts.counter_workers,
-                                      workers=self.opts.edge_workers, name="bench-edge",
-                                      prefix=BENCH_VAR / "edge", status_port=free_port())
+                                      workers=self.opts.edge_workers,
+                                      name=f"bench-{self.name}-edge",
+                                      prefix=self.dir / "edge", status_port=free_port())
         self.services.append(edge.start())
+        if self.redis_url:
+            ledger = devstack.ledger_service(self.config_path, self.usage_file, self.redis_url,
+                                             ledger_id=f"bench-{self.name}",
+                                             name=f"bench-{self.name}-ledger")
+            self.services.append(ledger.start())
         return self
+
+    def ledger_metrics(self) -> dict[str, float]:
+        """The ledger's tokengate_* samples (name with labels -> value), {} without one."""
+        if not self.redis_url:
+            return {}
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
+                                            if line.startswith("tokengate_"))}
 
     def stop(self) -> None:
         for s in reversed(self.services):
@@ -170,7 +205,8 @@ class Gateway:
     def groups(self) -> dict[str, int]:
         """Process groups for CPU accounting: counter (all workers), edge (master and
         workers)."""
-        return {name: s.proc.pid for name, s in zip(("counter", "edge nginx"), self.services)
+        return {name: s.proc.pid for name, s in zip(("counter", "edge nginx", "ledger"),
+                                                    self.services)
                 if s.proc is not None}
 
 
@@ -359,6 +395,10 @@ def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
             gw.stop()
         lines = gw.usage_file.read_text().count("\n") if gw.usage_file.exists() else 0
         fig["usage_events_written"] = lines
+        if not opts.skip_tracing:
+            _tracing_on_off(up.port, model, opts, console, runs, fig,
+                            {k: v for k, v in groups.items()
+                             if k in ("tokenstorm", "fast upstream")})
     gap_s = 1.0 / min(fig["fixed_rates_rps"])
     fig["process_round_trip_us"] = {"back to back": process_round_trip_us(0.0),
                                     f"after {gap_s * 1e3:.1f} ms idle": process_round_trip_us(gap_s)}
@@ -479,6 +519,84 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
         fig[name] = max(vals) if vals else None
 
 
+def _tracing_on_off(upstream_port: int, model: tg_config.ModelConfig, opts: BenchOptions,
+                    console: Console, runs: dict[str, Any], fig: dict[str, Any],
+                    groups: dict[str, int]) -> None:
+    """Tracing's cost: three gateways, each with a ledger on one Redis: tracing off, every
+    request traced (sample_ratio 1), and 10 % of traces sampled, the spans exported over
+    OTLP gRPC to a receiver process; saturation runs taken in turns (best of two), then the
+    lowest fixed rate for the added latency. Figures: ``tracing_rps_ratio`` (the worse of
+    streamed and not, on / off), ``tracing_added_*`` (on - off, ms), the spans received,
+    exported and lost, and the CPU per request of every part."""
+    console.rule("tracing on vs off (every request traced, spans exported over OTLP gRPC)")
+    redis_port, otlp_port = free_port(), free_port()
+    redis = devstack.redis_service(port=redis_port, name="bench-redis")
+    rx = Service("bench-otlp-receiver",
+                 [sys.executable, "-m", "tokengate_dev.otlp_receiver", "--grpc-port",
+                  str(otlp_port)], tcp_ready("127.0.0.1", otlp_port), {}, 30.0,
+                 cwd=devstack.ROOT, log_dir=devstack.VAR / "log")
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    tracing = {"enabled": True, "endpoint": f"http://127.0.0.1:{otlp_port}",
+               "sample_ratio": 1.0}
+    gws = {"off": Gateway(upstream_port, opts, "tracing-off", redis_url=url),
+           "on": Gateway(upstream_port, opts, "tracing-on", redis_url=url, tracing=tracing),
+           "on 10%": Gateway(upstream_port, opts, "tracing-sampled", redis_url=url,
+                             tracing={**tracing, "sample_ratio": 0.1})}
+    started: list[Any] = []
+    try:
+        with console.status("starting Redis, an OTLP receiver and two gateways ..."):
+            for svc in (redis, rx, *gws.values()):
+                started.append(svc.start())
+        assert rx.proc is not None
+        all_groups = {**groups, "otlp receiver": rx.proc.pid}
+        for side, gw in gws.items():
+            all_groups.update({f"{k} ({side})": v for k, v in gw.groups().items()})
+        sat: dict[tuple[str, bool], float] = {}
+        cpu: dict[str, dict[str, float]] = {}
+        for i in range(2):
+            for stream in (False, True):
+                mode = "stream" if stream else "no stream"
+                for side in ("off", "on", "on 10%") if i == 0 else ("on 10%", "on", "off"):
+                    name = f"tracing {side} {mode} #{i + 1}"
+                    r = _run(_spec(name, gws[side].url, model, opts, stream=stream,
+                                   concurrency=opts.concurrency, direct=False),
+                             console, runs, all_groups)
+                    if r.summary.all.rps > sat.get((side, stream), 0.0):
+                        sat[(side, stream)] = r.summary.all.rps
+                        cpu[f"{side} {mode}"] = runs[name].get("cpu_us_per_request", {})
+        rate = min(fig.get("fixed_rates_rps") or [200.0])
+        for stream in (False, True):
+            mode, k = ("stream", "stream") if stream else ("no stream", "nostream")
+            res = {side: _run(_spec(f"tracing {side} {mode} {rate:g} req/s", gws[side].url,
+                                    model, opts, stream=stream, rate=rate, direct=False),
+                              console, runs).summary for side in ("off", "on")}
+            fig[f"tracing_rps_ratio_{k}"] = sat[("on", stream)] / sat[("off", stream)]
+            fig[f"tracing_sampled_rps_ratio_{k}"] = sat[("on 10%", stream)] / sat[("off", stream)]
+            fig[f"tracing_{k}_rps"] = {side: sat[(side, stream)] for side in gws}
+            fig[f"tracing_added_{k}_{rate:g}"] = {
+                "valid": res["off"].valid and res["on"].valid,
+                "added_p50_ms": _sub(res["on"].all.e2e_ms.p50, res["off"].all.e2e_ms.p50),
+                "added_p99_ms": _sub(res["on"].all.e2e_ms.p99, res["off"].all.e2e_ms.p99)}
+        fig["tracing_rps_ratio"] = min(fig["tracing_rps_ratio_nostream"],
+                                       fig["tracing_rps_ratio_stream"])
+        fig["tracing_cpu_us_per_request_at_saturation"] = cpu
+        console.print(_cpu_table(cpu, list(all_groups)))
+        time.sleep(1.5)  # the last batch's spans
+        m = gws["on"].ledger_metrics()
+        fig["tracing_spans"] = {
+            "exported": m.get("tokengate_trace_spans_exported_total"),
+            "lost": sum(v for k, v in m.items() if k.startswith("tokengate_trace_spans_lost")),
+            "queued": m.get("tokengate_trace_spans_queued"),
+            "events_applied": m.get("tokengate_ledger_events_applied_total")}
+    finally:
+        for svc in reversed(started):
+            svc.stop()
+    log = (devstack.VAR / "log" / "bench-otlp-receiver.log")
+    last = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    if last and last[0].startswith("spans "):
+        fig["tracing_spans"]["received"] = int(last[0].split()[1])
+
+
 def _cpu_table(cpu: dict[str, dict[str, float]], names: list[str]) -> Table:
     t = Table(title="CPU per request at saturation (µs, all processes of each part)",
               header_style="bold")
@@ -539,6 +657,25 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"gateway / direct saturation RPS ({k.replace('no', 'no ')})",
                       f"{fig[f'gateway_{k}_rps']:,.0f} / {fig[f'direct_{k}_rps']:,.0f}",
                       "", f"{fig[f'rps_ratio_{k}']:.3f}", "")
+    for k in ("nostream", "stream"):
+        if f"tracing_{k}_rps" in fig:
+            on_off = fig[f"tracing_{k}_rps"]
+            t.add_row(f"gateway saturation RPS, tracing on / off ({k.replace('no', 'no ')})",
+                      f"{on_off['on']:,.0f} / {on_off['off']:,.0f}", "",
+                      f"{fig[f'tracing_rps_ratio_{k}']:.3f}", "")
+            t.add_row(f"  the same, 10 % of traces sampled ({k.replace('no', 'no ')})",
+                      f"{on_off['on 10%']:,.0f} / {on_off['off']:,.0f}", "",
+                      f"{fig[f'tracing_sampled_rps_ratio_{k}']:.3f}", "")
+        for name, e in fig.items():
+            if name.startswith(f"tracing_added_{k}_"):
+                rate = name.rpartition("_")[2]
+                t.add_row(f"tracing on - off at {rate} req/s, {k.replace('no', 'no ')} (ms)",
+                          f"p50 {e['added_p50_ms']:+.2f}, p99 {e['added_p99_ms']:+.2f}", "",
+                          "", "" if e["valid"] else "[red]invalid run[/]")
+    if "tracing_spans" in fig:
+        sp = fig["tracing_spans"]
+        t.add_row("spans: received / exported / lost", f"{sp.get('received', '-')} / "
+                  f"{sp.get('exported')} / {sp.get('lost')}", "", "", "")
     for label, us in fig.get("process_round_trip_us", {}).items():
         t.add_row(f"round trip to another process, {label} (µs p50)", f"{us:,.0f}", "", "",
                   "")
@@ -567,6 +704,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--counter-workers", type=int, default=2, help="counter processes")
     p.add_argument("--skip-vllm-bench", action="store_true")
     p.add_argument("--skip-gateway", action="store_true")
+    p.add_argument("--skip-tracing", action="store_true",
+                   help="leave out tracing on vs off")
     p.add_argument("--out", type=Path, default=None, metavar="FILE.json",
                    help="result file (default: bench/results/bench-<time>.json)")
     a = p.parse_args(argv)
@@ -575,7 +714,7 @@ def main(argv: list[str] | None = None) -> None:
                         rates=[float(x) for x in a.rates.split(",") if x],
                         workers=a.workers, edge_workers=a.edge_workers,
                         counter_workers=a.counter_workers, skip_vllm_bench=a.skip_vllm_bench,
-                        skip_gateway=a.skip_gateway)
+                        skip_gateway=a.skip_gateway, skip_tracing=a.skip_tracing)
     console = Console(width=None if sys.stdout.isatty() else 110)
     m = _machine()
     console.print(f"make bench: {m['cpus']} CPUs, load average {m['loadavg_before']} "
