@@ -49,7 +49,7 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
         fixtures_storm,
         fixtures_vllm,
     )
-    from tests.ledger import test_ledger_cluster
+    from tests.ledger import test_ledger_cluster, test_tracing_export
     from tests.limits import test_limits
     from tests.storm import test_sim_replica
 
@@ -69,6 +69,8 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
         "fast upstreams": [fixtures_storm.FAST_PORT, fixtures_storm.SLOW_PORT],
         "vLLM's KV events": [int(conftest.KV_EVENTS.rpartition(":")[2])],
         "KV events of the simulated replica's vLLM": [test_sim_replica.KV_PORT],
+        "OTLP receiver (session)": [fixtures_vllm.OTLP_PORT],
+        "the tracing export tests' receivers": test_tracing_export.PORTS,
     }
     owner: dict[int, str] = {}
     for name, ports in ranges.items():
