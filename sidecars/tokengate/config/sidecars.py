@@ -1,5 +1,6 @@
 """The sections of the Python sidecars: ``redis`` (where the ledger and the global
-limits keep their state), ``ledger`` (``tokengate-ledger``), ``global_limits``
+limits keep their state), ``ledger`` (``tokengate-ledger``; its ``console``:
+``tokengate.config.console``), ``global_limits``
 (``tokengate-limits``) and ``metrics`` (their Prometheus endpoints)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from tokengate.config.console import ConsoleConfig
 from tokengate.config.types import (
     MAX_COUNT,
     Finite,
@@ -67,6 +69,9 @@ class LedgerConfig(_Schema):
         default=3600.0, gt=0.0, le=MAX_COUNT, allow_inf_nan=False,
         description="Engine records whose edge event has not come after this long are "
                     "dropped and counted as unmatched (not billed), s.")
+    console: ConsoleConfig = Field(
+        default_factory=ConsoleConfig,
+        description="The operator console the ledger serves (off without admins).")
 
 
 class GlobalLimitsConfig(_Schema):
