@@ -44,7 +44,8 @@ CSP = ("default-src 'none'; img-src 'self' data:; style-src 'self'; form-action 
 SECURITY_HEADERS = [
     ("Content-Security-Policy", CSP),
     ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
+    # not no-referrer: with it Chrome sends "Origin: null" with a form's POST
+    ("Referrer-Policy", "same-origin"),
     ("X-Frame-Options", "DENY"),
     ("Cache-Control", "no-store"),
     ("Cross-Origin-Opener-Policy", "same-origin"),
@@ -158,7 +159,7 @@ class Console:
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
             lstrip_blocks=True)
-        self.templates.filters.update(amount=_fmt_amount, int=_fmt_int)
+        self.templates.filters.update(amount=_fmt_amount, num=_fmt_int)
         self.templates.globals.update(pct=_pct)
         self.css = (HERE / "static" / "console.css").read_bytes()
 
@@ -203,6 +204,8 @@ class Console:
                       environ.get("HTTP_ORIGIN"), environ.get("REMOTE_ADDR", ""))
         if req.path == "/static/console.css":
             return Response(200, self.css, "text/css; charset=utf-8")
+        if req.path == "/favicon.ico":  # browsers ask for it unprompted: not a login page
+            return Response(404, b"", "text/plain")
         if method == "POST":
             refused = self.read_post(environ, req, cfg)
             if refused is not None:
@@ -310,7 +313,9 @@ class Console:
 
     def login(self, req: Request, cfg: tg_config.Config) -> Response:
         if req.method != "POST":
-            token = secrets.token_urlsafe(24)
+            # the browser's token stays while it lasts: a second login page (another
+            # tab) must not make the first one's form stale
+            token = req.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(24)
             return self.page(200, "login.html", None, self._login_cookie(token, cfg),
                              csrf=token, next=safe_next(req.query.get("next")), error=None,
                              name="")
