@@ -293,12 +293,45 @@ def _pid_alive(pid_file: Path) -> bool:
 DEMO_KEY = "tg-demo-key"
 
 
+CONSOLE_ADMIN = "admin"
+
+
+def console_admin(config_path: Path) -> tuple[str, str | None]:
+    """The operator console's login for ``make run``: (admin name, password or None when
+    it is not known here). A configuration without admins gets ``admin`` with a generated
+    password (``tokengate console passwd``'s edit of the file; the password kept in
+    ``var/console/admin.password``, mode 0600, and printed at every start while it is
+    still the admin's)."""
+    from tokengate.console import password
+    from tokengate.console.cli import set_admin
+
+    cfg = tg_config.load(config_path)
+    admins = dict(cfg.ledger.console.admins)
+    kept = VAR / "console" / f"{CONSOLE_ADMIN}.password"
+    if not admins:
+        secret = password.new_password()
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.unlink(missing_ok=True)
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        set_admin(config_path, CONSOLE_ADMIN, password.digest(secret))
+        return CONSOLE_ADMIN, secret
+    if CONSOLE_ADMIN in admins and kept.exists():
+        secret = kept.read_text().strip()
+        if password.verify(secret, admins[CONSOLE_ADMIN]):
+            return CONSOLE_ADMIN, secret
+    return next(iter(admins)), None
+
+
 def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
            observe: Sequence[tuple[str, str]] = (), config: tg_config.Config | None = None,
-           config_name: str = "tokengate.yaml") -> str:
+           config_name: str = "tokengate.yaml",
+           console: tuple[str, str, str | None] | None = None) -> str:
     """What ``make run`` prints once the stack is up: base URL, the demo key (when the
     configuration holds it; else the key placeholder), examples; ``observe``: (what,
-    URL) lines of the health and metrics endpoints."""
+    URL) lines of the health and metrics endpoints; ``console``: the operator console's
+    (URL, admin, password or None)."""
     demo = config is None or any(k.sha256 == hashlib.sha256(DEMO_KEY.encode()).hexdigest()
                                  for k in config.keys.values())
     key = DEMO_KEY if demo else "$TOKENGATE_API_KEY"
@@ -308,6 +341,13 @@ def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
     block = "".join(f"  {what:<15}: {url}\n" for what, url in observe)
     if block:
         block = "\n  health and metrics (no key needed):\n" + block
+    if console is not None:
+        url, admin, secret = console
+        pw = secret if secret is not None else \
+            f"as set (tokengate console passwd {admin} sets a new one)"
+        block += (f"\n  operator console (log in as an admin; an API key is no login):\n"
+                  f"  console        : {url}\n  user           : {admin}\n"
+                  f"  password       : {pw}\n")
     return f"""
 tokengate is up.
   base URL : {base_url}
@@ -405,6 +445,7 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
         if endpoint is not None:
             out.append((f"models.{name}.routing.kv_events (embedded vLLM's KV events)",
                         endpoint.removeprefix("tcp://")))
+    out.append(("ledger.console.listen (the operator console)", cfg.ledger.console.listen))
     return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 
 
@@ -458,6 +499,9 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     sup = Supervisor(stack(config_path, counter_port),
                      say=lambda line: print(line, flush=True))
     observe = endpoints(cfg, edge.listen, edge.status_listen)
+    admin, secret = console_admin(config_path)
+    cfg = tg_config.load(config_path)
+    console = (f"http://{cfg.ledger.console.listen}/", admin, secret)
 
     def terminate(signum: int, frame: object) -> None:
         # a flag, not an exception: one raised inside Popen would lose the child
@@ -471,7 +515,7 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     try:
         sup.run(on_up=lambda: print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name,
                                            usage_file, observe, cfg,
-                                           _shown_path(config_path)), flush=True))
+                                           _shown_path(config_path), console), flush=True))
     except ServiceError as e:
         print(f"not started: {e}", file=sys.stderr)
         return 1

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +132,13 @@ def browser(chromium: Any, stack: Stack) -> Any:
 def shot(driver: Any, page: str, width: int = 1280) -> None:
     """The whole page, ``width`` px wide, as var/screenshots/console-<page>.png."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    driver.set_window_size(width, 900)
+    metrics = {"width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(width, min(max(int(height) + 120, 600), 4000))
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {**metrics, "height": min(max(int(height), 600), 4000)})
     driver.save_screenshot(str(SCREENSHOTS / f"console-{page}.png"))
-    driver.set_window_size(1280, 900)
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def by_id(driver: Any, element: str) -> Any:
@@ -156,7 +157,7 @@ def submit(driver: Any, button: str) -> None:
 
     def gone(_: Any) -> bool:
         try:
-            old.tag_name
+            _ = old.tag_name
         except WebDriverException:  # stale, or "does not belong to the document"
             return True
         return False

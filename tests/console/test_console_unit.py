@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,8 @@ def test_the_configuration_takes_a_digest_and_refuses_a_password(tmp_path: Path)
     clash = good.replace("  console:\n", "  console:\n    listen: 127.0.0.1:8083\n")
     with pytest.raises(tg_config.ConfigError) as e:
         tg_config.loads(clash, tmp_path / "tokengate.yaml")
-    assert e.value.errors == ["ledger.console.listen: 127.0.0.1:8083 is also "
-                              "metrics.ledger_listen"]
+    assert e.value.errors == [("ledger.console.listen: 127.0.0.1:8083 is also "
+                               "metrics.ledger_listen")]
 
 
 def test_a_session_ends_on_the_servers_clock_and_checks_its_csrf_token() -> None:
@@ -274,3 +275,31 @@ def test_too_many_failed_logins_are_answered_429(console: Any) -> None:
     assert r.status_code == 429
     assert 1 <= int(r.headers["retry-after"]) <= 301
     assert "Too many failed logins" in r.text
+
+
+def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -> None:
+    """The systemd way (ledger.console.changes_dir): the console queues, root's
+    `tokengate console apply` edits the file, the console reads the result."""
+    import threading
+
+    from tokengate.console import changes
+
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(REPO_CONFIG.read_text().replace(
+        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var/models'}/"))
+    queue = tmp_path / "queue"
+    got: list[changes.Outcome] = []
+    ask = threading.Thread(target=lambda: got.append(changes.submit(
+        queue, changes.KeyChange("set", "demo", rpm=7, priority="low"), "alice", wait_s=20)))
+    ask.start()
+    while not list((queue / "requests").glob("*.json")):
+        time.sleep(0.01)
+    assert changes.apply_queued(path, queue, []) == 1
+    ask.join(20)
+    assert got[0].ok and got[0].no_edge == f"no running edge of {path}: nothing reloaded"
+    demo = tg_config.load(path).keys["demo"]
+    assert (demo.rpm, demo.priority) == (7, "low")
+    assert list(queue.rglob("*.json")) == []
+    bad = changes.submit(queue, changes.KeyChange("revoke", "nobody"), "alice", wait_s=0.2)
+    assert bad.errors[0].startswith("not applied within 0 s: is tokengate-console-apply.path")
+    assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one

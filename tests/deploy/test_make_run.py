@@ -102,9 +102,9 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
         m["embedded"] = embedded
     # distinct ports: free_port() releases its port, and the kernel may give it again
     ports: set[int] = set()
-    while len(ports) < 6:
+    while len(ports) < 7:
         ports.add(free_port())
-    edge_p, redis_p, status_p, *metrics_p = sorted(ports)
+    edge_p, redis_p, status_p, console_p, *metrics_p = sorted(ports)
     edge = f"127.0.0.1:{edge_p}"
     raw["redis"]["url"] = f"redis://127.0.0.1:{redis_p}/0"
     raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
@@ -112,6 +112,7 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
     raw["global_limits"]["unix_socket"] = str(var / "run" / "limits.sock")
     raw["edge"]["listen"] = edge
     raw["edge"]["status_listen"] = f"127.0.0.1:{status_p}"
+    raw["ledger"]["console"] = {"listen": f"127.0.0.1:{console_p}"}
     raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{port}"
                       for part, port in zip(("counter", "ledger", "limits"), metrics_p)}
     if edit is not None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, WithJsonSchema
+from pydantic import AfterValidator, Field, WithJsonSchema, model_validator
 
 from tokengate.config.types import (
     HostPort,
     LoopbackHostPort,
     OptionalPath,
     RelPath,
+    _check,
     _Schema,
 )
 
@@ -93,3 +94,9 @@ class ConsoleConfig(_Schema):
                     "process may write the file and signal nginx, as under `make run`). A "
                     "folder: each change is queued there for `tokengate console apply` "
                     "run by root (the systemd units: tokengate-console-apply.path).")
+
+    @model_validator(mode="after")
+    def _names(self) -> ConsoleConfig:
+        _check([(f"admins.{name[:64]}", ADMIN_NAME_RULE) for name in self.admins
+                if not ADMIN_NAME.fullmatch(name)])
+        return self

@@ -140,6 +140,8 @@ def submit(queue: Path, change: KeyChange, admin: str, wait_s: float = QUEUE_WAI
     rid = f"{time.time_ns()}-{secrets.token_hex(4)}"
     requests, results = queue / "requests", queue / "results"
     try:
+        requests.mkdir(parents=True, exist_ok=True)
+        results.mkdir(parents=True, exist_ok=True)
         _write_json(requests / f"{rid}.json", {"change": asdict(change), "admin": admin})
     except OSError as e:
         return Outcome(errors=[f"cannot queue the change in {requests}: {e.strerror or e}"])

@@ -59,7 +59,7 @@ def tokens_per_day(rows: Sequence[report.UsageRow], days: Sequence[str]) -> str 
     labels = [d[5:] for d in days]  # MM-DD
     with _drawing:
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(7, 2.8))
+        fig, ax = plt.subplots(figsize=(10, 2.4))
         try:
             x = range(len(days))
             ax.bar(x, prompt, color=COLORS["prompt"], label="prompt (uncached)")
@@ -78,22 +78,28 @@ def tokens_per_day(rows: Sequence[report.UsageRow], days: Sequence[str]) -> str 
             plt.close(fig)
 
 
+def _amount(value: float) -> str:
+    """An amount as the tables show it: at most 9 decimals, no trailing zeros."""
+    return f"{value:.9f}".rstrip("0").rstrip(".")
+
+
 def _barh(title: str, names: list[str], values: list[float], currency: str,
           color: str) -> str:
     with _drawing:
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.32 * len(names)))
+        fig, ax = plt.subplots(figsize=(5, 1.1 + 0.3 * len(names)))
         try:
             y = range(len(names))
             ax.barh(y, values, color=color)
             ax.set_yticks(list(y), names)
             ax.invert_yaxis()
-            ax.set_xlabel(currency)
             ax.set_title(title, loc="left")
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: _amount(v)))
+            ax.xaxis.set_major_locator(plt.MaxNLocator(4))
             for i, v in enumerate(values):
-                ax.annotate(f"{v:.6f}", (v, i), xytext=(3, 0), textcoords="offset points",
-                            va="center", fontsize=8)
-            ax.margins(x=0.2)
+                ax.annotate(_amount(v), (v, i), xytext=(4, 0), textcoords="offset points",
+                            va="center", fontsize=9)
+            ax.margins(x=0.25)
             return _data_url(fig)
         finally:
             plt.close(fig)

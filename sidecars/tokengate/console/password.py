@@ -15,6 +15,7 @@ import functools
 import hashlib
 import hmac
 import secrets
+import string
 import threading
 
 from tokengate.config.console import SCRYPT_DIGEST
@@ -78,6 +79,11 @@ def verify_admin(admins: dict[str, str], name: str, password: str) -> bool:
     stored = admins.get(name)
     ok = verify(password, stored if stored is not None else _dummy())
     return ok and stored is not None
+
+
+def new_password() -> str:
+    """A generated password: 16 letters and digits (95 random bits), easy to paste."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(16))
 
 
 def check_new(password: str) -> str | None:
