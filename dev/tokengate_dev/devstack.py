@@ -307,12 +307,34 @@ def _pid_alive(pid_file: Path) -> bool:
 DEMO_KEY = "tg-demo-key"
 
 
+DEMO_ADMIN = ("admin", "tg-demo-admin")
+
+
+def console_admin(cfg: tg_config.Config) -> tuple[str, str | None] | None:
+    """The operator console's login that ``make run`` prints: (admin name, password or
+    None when it is not known here), or None when the console is off (no admins). The
+    repository's tokengate.yaml holds the demo admin (``DEMO_ADMIN``, like the demo key:
+    for the loopback stack; ``tokengate console passwd admin`` sets another password).
+    The file is never written here."""
+    from tokengate.console import password
+
+    admins = cfg.ledger.console.admins
+    if not admins:
+        return None
+    name, secret = DEMO_ADMIN
+    if name in admins and password.verify(secret, admins[name]):
+        return name, secret
+    return next(iter(admins)), None
+
+
 def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
            observe: Sequence[tuple[str, str]] = (), config: tg_config.Config | None = None,
-           config_name: str = "tokengate.yaml") -> str:
+           config_name: str = "tokengate.yaml",
+           console: tuple[str, str, str | None] | None = None) -> str:
     """What ``make run`` prints once the stack is up: base URL, the demo key (when the
     configuration holds it; else the key placeholder), examples; ``observe``: (what,
-    URL) lines of the health and metrics endpoints."""
+    URL) lines of the health and metrics endpoints; ``console``: the operator console's
+    (URL, admin, password or None)."""
     demo = config is None or any(k.sha256 == hashlib.sha256(DEMO_KEY.encode()).hexdigest()
                                  for k in config.keys.values())
     key = DEMO_KEY if demo else "$TOKENGATE_API_KEY"
@@ -325,6 +347,13 @@ def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
     block = "".join(f"  {what:<15}: {url}\n" for what, url in observe)
     if block:
         block = "\n  health and metrics (no key needed):\n" + block
+    if console is not None:
+        url, admin, secret = console
+        pw = secret if secret is not None else \
+            f"as set (tokengate console passwd {admin} sets a new one)"
+        block += (f"\n  operator console (log in as an admin; an API key is no login):\n"
+                  f"  console        : {url}\n  user           : {admin}\n"
+                  f"  password       : {pw}\n")
     return f"""
 tokengate is up.
   base URL : {base_url}
@@ -423,6 +452,8 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
         if endpoint is not None:
             out.append((f"models.{name}.routing.kv_events (embedded vLLM's KV events)",
                         endpoint.removeprefix("tcp://")))
+    if cfg.ledger.console.admins:
+        out.append(("ledger.console.listen (the operator console)", cfg.ledger.console.listen))
     return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 
 
@@ -476,6 +507,8 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     sup = Supervisor(stack(config_path, counter_port),
                      say=lambda line: print(line, flush=True))
     observe = endpoints(cfg, edge.listen, edge.status_listen)
+    login = console_admin(cfg)
+    console = (f"http://{cfg.ledger.console.listen}/", *login) if login else None
 
     def terminate(signum: int, frame: object) -> None:
         # a flag, not an exception: one raised inside Popen would lose the child
@@ -489,7 +522,7 @@ def run(config_path: Path, counter_port: int = 50051) -> int:
     try:
         sup.run(on_up=lambda: print(banner(f"http://127.0.0.1:{edge_port}/v1", model.name,
                                            usage_file, observe, cfg,
-                                           _shown_path(config_path)), flush=True))
+                                           _shown_path(config_path), console), flush=True))
     except ServiceError as e:
         print(f"not started: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokengate import config as tg_config
 from tokengate import doctor, install, keys
+from tokengate.console import cli as console_cli
 from tokengate.ledger import report
 
 CONFIG_HELP = """\
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     install.add_parser(sub)
     doctor.add_parser(sub)
     keys.add_parser(sub)
+    console_cli.add_parser(sub)
     _add_verbose(parser)
     args = parser.parse_args(argv)
     if argv is None:

@@ -12,7 +12,8 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/tokengate/edge.json                    compiled from it on every run
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
-        tokengate-limits.service, tokengate-vllm@.service
+        tokengate-limits.service, tokengate-vllm@.service, tokengate-console-apply.path
+        and .service (root: the key changes the operator console queued)
                                                 (not the vLLM unit nor example.env with
                                                 --no-vllm-unit: the host runs its vLLM)
     /etc/systemd/system/nginx.service.d/tokengate.conf   removes a stale hop socket
@@ -75,7 +76,8 @@ from tokengate.tools import compile_config, nginx_conf
 USER = "tokengate"
 GROUP = "www-data"   # nginx's workers' group on Debian (`user www-data;` in nginx.conf)
 UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
-         "tokengate-limits.service", "tokengate-vllm@.service")
+         "tokengate-limits.service", "tokengate-vllm@.service",
+         "tokengate-console-apply.path", "tokengate-console-apply.service")
 HOST_CONFIG = "tokengate.host.yaml.in"  # in systemd/: the configuration made for a host
 TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf.in")
 # Where the committed units expect the executables; replaced at install.
@@ -684,6 +686,9 @@ def next_steps(cfg: tg_config.Config, vllm_unit: bool = True) -> str:
                          "if the host's own vLLM serves that port: give it the unit's "
                          "flags and the plugin)")
     lines.append("  nginx -t && systemctl reload nginx")
+    lines.append("  operator console (optional): tokengate console passwd NAME, then "
+                 "systemctl enable --now tokengate-console-apply.path and systemctl "
+                 f"restart tokengate-ledger; it serves http://{cfg.ledger.console.listen}/")
     return "\n".join(lines)
 
 

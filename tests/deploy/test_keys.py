@@ -287,7 +287,7 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
-                       "--budget or --no-budgets")),
+                       "--budget, --priority or --no-budgets")),
     (["set", "demo", "--models", ","], ("tokengate keys: --models: name at least one "
                                         "model, or all")),
 ]

@@ -102,9 +102,9 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
         m["embedded"] = embedded
     # distinct ports: free_port() releases its port, and the kernel may give it again
     ports: set[int] = set()
-    while len(ports) < 6:
+    while len(ports) < 7:
         ports.add(free_port())
-    edge_p, redis_p, status_p, *metrics_p = sorted(ports)
+    edge_p, redis_p, status_p, console_p, *metrics_p = sorted(ports)
     edge = f"127.0.0.1:{edge_p}"
     raw["redis"]["url"] = f"redis://127.0.0.1:{redis_p}/0"
     raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
@@ -112,6 +112,7 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
     raw["global_limits"]["unix_socket"] = str(var / "run" / "limits.sock")
     raw["edge"]["listen"] = edge
     raw["edge"]["status_listen"] = f"127.0.0.1:{status_p}"
+    raw["ledger"].setdefault("console", {})["listen"] = f"127.0.0.1:{console_p}"
     raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{port}"
                       for part, port in zip(("counter", "ledger", "limits"), metrics_p)}
     if edit is not None:
@@ -235,6 +236,19 @@ def answered_exactly(url: str, count: int) -> bool:
     r = post(url)
     return (r.status_code, r.headers.get("x-token-count-source"),
             r.headers.get("x-token-count")) == (200, "counter", str(count))
+
+
+def test_the_banner_names_the_console_and_where_traces_go(stack: Stack) -> None:
+    """make run prints the operator console's address and the demo admin's login (the
+    repository's tokengate.yaml holds it, like the demo key), and the console answers
+    there: a page without a session goes to the login."""
+    listen = yaml.safe_load(stack.config.read_text())["ledger"]["console"]["listen"]
+    assert f"  console        : http://{listen}/" in stack.lines, stack.output()
+    assert "  user           : admin" in stack.lines
+    assert "  password       : tg-demo-admin" in stack.lines
+    assert any("traces are off (tracing.enabled in the README)" in x for x in stack.lines)
+    r = httpx.get(f"http://{listen}/keys", timeout=10)
+    assert r.status_code == 303 and r.headers["location"].startswith("/login")
 
 
 @pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis"])

@@ -15,13 +15,15 @@ offending key (``models.tiny-qwen3.max_token_cap: unknown key``).
 
 One module per part of the file: ``types`` (the field types and bounded numbers every
 section uses), ``models``, ``keys``, ``billing``, ``sidecars`` (``redis``, ``ledger``,
-``global_limits``, ``metrics``, ``tracing``), ``edge`` (``edge``, ``access_log``), ``schema`` (the
+``global_limits``, ``metrics``, ``tracing``), ``console`` (``ledger.console``), ``edge``
+(``edge``, ``access_log``), ``schema`` (the
 whole file, ``Config``, and the rules across sections) and ``loading`` (finding,
 reading, checking and writing the file). This package re-exports what the rest of
 tokengate uses, so callers import from ``tokengate.config``.
 """
 
 from tokengate.config.billing import BillingConfig, ContextPenalty
+from tokengate.config.console import ConsoleConfig
 from tokengate.config.edge import (
     COUNTER_MAX_MESSAGE_BYTES,
     AccessLogConfig,
@@ -49,10 +51,36 @@ from tokengate.config.sidecars import RedisConfig, TracingConfig
 from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
 
 __all__ = [
-    "CONFIG_ENV", "COUNTER_MAX_MESSAGE_BYTES", "KEY_ID", "KEY_ID_RULE", "LOOKUP_HELP",
-    "MAX_AMOUNT", "MAX_COUNT", "AccessLogConfig", "BillingConfig", "Budget", "Config",
-    "ConfigError", "ContextPenalty", "EdgeConfig", "KeyConfig", "ModelConfig", "ModelCost",
-    "NotText", "RedisConfig", "StructuredOutputLimits", "TracingConfig", "_Schema", "_is_loopback",
-    "check_model_dirs", "default_path", "discover", "load", "loads", "parse", "read_text",
+    "CONFIG_ENV",
+    "COUNTER_MAX_MESSAGE_BYTES",
+    "KEY_ID",
+    "KEY_ID_RULE",
+    "LOOKUP_HELP",
+    "MAX_AMOUNT",
+    "MAX_COUNT",
+    "AccessLogConfig",
+    "BillingConfig",
+    "Budget",
+    "Config",
+    "ConfigError",
+    "ConsoleConfig",
+    "ContextPenalty",
+    "EdgeConfig",
+    "KeyConfig",
+    "ModelConfig",
+    "ModelCost",
+    "NotText",
+    "RedisConfig",
+    "StructuredOutputLimits",
+    "TracingConfig",
+    "_Schema",
+    "_is_loopback",
+    "check_model_dirs",
+    "default_path",
+    "discover",
+    "load",
+    "loads",
+    "parse",
+    "read_text",
     "write_atomic",
 ]

@@ -154,7 +154,9 @@ class Config(_Schema):
         for field, addr in (("edge.status_listen", edge.status_listen),
                             ("metrics.counter_listen", self.metrics.counter_listen),
                             ("metrics.ledger_listen", self.metrics.ledger_listen),
-                            ("metrics.limits_listen", self.metrics.limits_listen)):
+                            ("metrics.limits_listen", self.metrics.limits_listen),
+                            ("ledger.console.listen", self.ledger.console.listen
+                             if self.ledger.console.admins else None)):
             if addr is None:
                 continue
             if addr in taken:

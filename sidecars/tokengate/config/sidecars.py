@@ -1,7 +1,7 @@
 """The sections of the Python sidecars: ``redis`` (where the ledger and the global
-limits keep their state), ``ledger`` (``tokengate-ledger``), ``global_limits``
-(``tokengate-limits``), ``metrics`` (their Prometheus endpoints) and ``tracing`` (the
-OTLP export of the edge's spans)."""
+limits keep their state), ``ledger`` (``tokengate-ledger``; its ``console``:
+``tokengate.config.console``), ``global_limits`` (``tokengate-limits``), ``metrics``
+(their Prometheus endpoints) and ``tracing`` (the OTLP export of the edge's spans)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from tokengate.config.console import ConsoleConfig
 from tokengate.config.types import (
     MAX_COUNT,
     Finite,
@@ -73,6 +74,9 @@ class LedgerConfig(_Schema):
         default=3600.0, gt=0.0, le=MAX_COUNT, allow_inf_nan=False,
         description="Engine records whose edge event has not come after this long are "
                     "dropped and counted as unmatched (not billed), s.")
+    console: ConsoleConfig = Field(
+        default_factory=ConsoleConfig,
+        description="The operator console the ledger serves (off without admins).")
 
 
 class GlobalLimitsConfig(_Schema):

@@ -19,6 +19,7 @@ from tokengate.keys.reload import (
     RELOAD_TIMEOUT_S,
     EdgeTarget,
     apply,
+    apply_to,
     edge_of,
     find_edges,
     installed_root,
@@ -27,6 +28,6 @@ from tokengate.keys.reload import (
 from tokengate.keys.secret import KEY_PREFIX, digest, new_key
 
 __all__ = ["KEYS_HELP", "KEY_PREFIX", "NGINX_PID", "RELOAD_TIMEOUT_S", "EdgeTarget",
-           "add_parser", "apply", "create", "digest", "edge_of", "edit", "find_edges",
+           "add_parser", "apply", "apply_to", "create", "digest", "edge_of", "edit", "find_edges",
            "installed_root", "list_", "new_key", "parse_budget", "parse_models",
            "reload_edge", "revoke", "set_", "shown"]

@@ -34,13 +34,14 @@ Create, list, change and revoke API keys in tokengate.yaml, and apply the change
 running edges at once (no restart; streams in flight continue).
 
   tokengate keys create NAME --rpm N --tpm N [--models a,b] [--budget SPEC]...
+        [--priority NAME]
         prints the new key once (tg-...); the file stores only its SHA-256
   tokengate keys list [--json]
         names, limits, models, budgets and the spend of the current day / month
         (from the ledger's Redis: what `tokengate usage` reports, and what the budget
         counters hold with the reservations of requests in flight); never a key
   tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
-        [--no-budgets]
+        [--no-budgets] [--priority NAME]
   tokengate keys revoke NAME
         removes the key: refused (401) once the command returns
 
@@ -96,7 +97,8 @@ def create(args: argparse.Namespace) -> int:
     key = new_key()
 
     def change(data: CommentedMap) -> None:
-        add_key(data, args.name, digest(key), args.rpm, args.tpm, args.models, args.budget)
+        add_key(data, args.name, digest(key), args.rpm, args.tpm, args.models, args.budget,
+                args.priority)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -111,7 +113,7 @@ def set_(args: argparse.Namespace) -> int:
 
     def change(data: CommentedMap) -> None:
         change_key(data, args.name, args.rpm, args.tpm, args.models, args.budget,
-                   args.no_budgets)
+                   args.no_budgets, args.priority)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -174,6 +176,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     c.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
                    help="[MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
                         "currency, or tokens: 2000000t); repeatable")
+    c.add_argument("--priority", default=None, metavar="NAME",
+                   help="admission priority, one of edge.admission.priorities "
+                        "(default: normal)")
     c.set_defaults(func=create)
     s = verbs.add_parser("set", parents=[common, apply_opts], help="change a key")
     s.add_argument("name")
@@ -186,6 +191,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "that model and period")
     s.add_argument("--no-budgets", action="store_true",
                    help="remove the key's budgets (before adding --budget ones)")
+    s.add_argument("--priority", default=None, metavar="NAME",
+                   help="admission priority, one of edge.admission.priorities")
     s.set_defaults(func=set_)
     r = verbs.add_parser("revoke", parents=[common, apply_opts], help="revoke a key")
     r.add_argument("name")

@@ -243,24 +243,26 @@ def _combine(budgets: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def keeping_heading(change: Change) -> Change:
-    """``change``, with the comment lines after the last key (ruamel keeps the next
-    section's heading on it) put after whichever key is last once it ran."""
+def keeping_heading(change: Change, section: str = "keys") -> Change:
+    """``change``, with the comment lines after the last item of ``section`` (ruamel
+    keeps the next section's heading on it) put after whichever item is last once it
+    ran."""
     def changed(data: CommentedMap) -> None:
-        keys = data.get("keys")
-        trailing = _take_trailing(keys[next(reversed(keys))]) if keys else None
+        node = data.get(section)
+        trailing = _take_trailing(node) if node else None
         change(data)
-        keys = data.get("keys")
-        if keys:
-            _put_trailing(keys[next(reversed(keys))], trailing)
+        node = data.get(section)
+        if node:
+            _put_trailing(node, trailing)
     return changed
 
 
 def add_key(data: CommentedMap, name: str, sha256: str, rpm: int, tpm: int,
-            models: list[str] | None, budgets: list[dict[str, Any]] | None) -> None:
+            models: list[str] | None, budgets: list[dict[str, Any]] | None,
+            priority: str | None = None) -> None:
     """``keys create``'s change: a key ``name`` with the digest ``sha256``, its limits
-    (requests and tokens per minute), its only ``models`` (None: all) and ``budgets``
-    (``parse_budget``'s mappings). Raises ``ConfigError`` for a name the key id rule
+    (requests and tokens per minute), its only ``models`` (None: all), ``budgets``
+    (``parse_budget``'s mappings) and admission ``priority`` (None: the default). Raises ``ConfigError`` for a name the key id rule
     refuses, ``LookupError`` when the key exists or two budgets are of one kind."""
     keys = _keys(data)
     yaml_name = _name(name)
@@ -271,23 +273,26 @@ def add_key(data: CommentedMap, name: str, sha256: str, rpm: int, tpm: int,
         entry["allowed_models"] = _flow(models)
     if budgets:
         _merge_budgets(entry, _combine(budgets))
+    if priority is not None:
+        entry["priority"] = priority
     keys[yaml_name] = entry
 
 
 def change_key(data: CommentedMap, name: str, rpm: int | None, tpm: int | None,
                models: str | None, budgets: list[dict[str, Any]] | None,
-               no_budgets: bool) -> None:
+               no_budgets: bool, priority: str | None = None) -> None:
     """``keys set``'s change of key ``name``: the limits given (None: as they are),
     ``models`` as ``--models`` has them ("all", or A,B; None: as they are), the
-    budgets dropped with ``no_budgets`` and then ``budgets`` merged in. Raises
+    budgets dropped with ``no_budgets`` and then ``budgets`` merged in, the admission
+    ``priority`` (None: as it is). Raises
     ``LookupError`` for no such key, nothing to change, a bad model list or two
     budgets of one kind."""
     keys = _keys(data)
     if name not in keys:
         raise LookupError(f"no key {shown(name)}")
-    if (rpm, tpm, models, budgets) == (None, None, None, None) and not no_budgets:
-        raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget "
-                          "or --no-budgets")
+    if (rpm, tpm, models, budgets, priority) == (None,) * 5 and not no_budgets:
+        raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget, "
+                          "--priority or --no-budgets")
     entry = keys[name]
     if rpm is not None:
         entry["rpm"] = rpm
@@ -306,6 +311,8 @@ def change_key(data: CommentedMap, name: str, rpm: int | None, tpm: int | None,
         entry.pop("budgets", None)
     if budgets:
         _merge_budgets(entry, _combine(budgets))
+    if priority is not None:
+        entry["priority"] = priority
 
 
 def remove_key(data: CommentedMap, name: str) -> None:

@@ -115,23 +115,36 @@ def reload_edge(target: EdgeTarget, cfg: tg_config.Config,
                        f"{timeout_s:.0f} s: see its error log")
 
 
+def apply_to(cfg: tg_config.Config, dirs: list[Path]) -> list[tuple[EdgeTarget, str | None]]:
+    """Reload every edge of ``cfg``'s file (``find_edges(cfg.path, dirs)``) with it:
+    (edge, None) for each one reloaded, (edge, why not) for each one that was not. No
+    edge found: an empty list."""
+    out: list[tuple[EdgeTarget, str | None]] = []
+    for t in find_edges(cfg.path, dirs):
+        try:
+            reload_edge(t, cfg)
+            out.append((t, None))
+        except (RuntimeError, OSError, tg_config.ConfigError) as e:
+            out.append((t, str(e)))
+    return out
+
+
 def apply(args: argparse.Namespace, cfg: tg_config.Config) -> int:
     """Reload every edge found; prints one line each. Returns the exit status."""
     if args.no_apply:
         return 0
-    targets = find_edges(cfg.path, args.edge or [])
-    if not targets:
+    done = apply_to(cfg, args.edge or [])
+    if not done:
         own = edge_of(cfg.path)
         print(f"no running edge of {cfg.path} ({own.pid_file} with {own.edge_json}; "
               "--edge DIR for another): nothing reloaded", file=sys.stderr)
         return 0
     status = 0
-    for t in targets:
-        try:
-            reload_edge(t, cfg)
+    for t, error in done:
+        if error is None:
             print(f"applied: {t.edge_json} (nginx reloaded)", file=sys.stderr)
-        except (RuntimeError, OSError, tg_config.ConfigError) as e:
-            print(f"not applied: {e} (the file is as it is: reload that edge yourself)",
+        else:
+            print(f"not applied: {error} (the file is as it is: reload that edge yourself)",
                   file=sys.stderr)
             status = 1
     return status

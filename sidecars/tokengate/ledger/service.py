@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     REGISTRY.register(LedgerCollector(ledger, spans))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
                   admin=admin.view(cfg.path, client))
+    if cfg.ledger.console.admins:  # the operator console (the ledger's admin side)
+        from tokengate import console
+
+        console.serve(cfg, client, usage_file)
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()

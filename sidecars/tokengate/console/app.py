@@ -1,0 +1,517 @@
+"""The console's WSGI application: routes, logins, CSRF and origin checks, security
+headers, and the pages (Jinja2 templates, autoescaped).
+
+Every answer carries the content security policy ``CSP`` (no script at all, styles and
+images from the console itself, images also as ``data:`` URLs: the charts), nosniff,
+no referrer and no framing, and ``Cache-Control: no-store``. A request whose Host is
+not the console's own address (or an ``origins`` entry's) is refused: a DNS-rebinding
+page never reaches it. Every POST must come from the console's own origin (the Origin
+header, which browsers send with every POST) and, but for the login, carry the
+session's CSRF token; else 403 and nothing changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import sys
+import traceback
+import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from redis.exceptions import RedisError
+
+from tokengate import config as tg_config
+from tokengate.console import changes, charts, data, forms, password
+from tokengate.console.session import COOKIE, LoginLimiter, Session, Sessions
+from tokengate.keys.secret import digest as key_digest
+from tokengate.keys.secret import new_key
+from tokengate.ledger import report
+from tokengate.redis_client import SyncRedis
+
+log = logging.getLogger("tokengate.console")
+
+CSP = ("default-src 'none'; img-src 'self' data:; style-src 'self'; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+SECURITY_HEADERS = [
+    ("Content-Security-Policy", CSP),
+    ("X-Content-Type-Options", "nosniff"),
+    # not no-referrer: with it Chrome sends "Origin: null" with a form's POST
+    ("Referrer-Policy", "same-origin"),
+    ("X-Frame-Options", "DENY"),
+    ("Cache-Control", "no-store"),
+    ("Cross-Origin-Opener-Policy", "same-origin"),
+    ("Cross-Origin-Resource-Policy", "same-origin"),
+]
+MAX_BODY = 64 * 1024        # bytes of a form; more: 413
+LOGIN_COOKIE = "tg_console_login"
+MAX_DAYS = 366              # the longest usage range, days
+HERE = Path(__file__).parent
+
+
+@dataclass
+class Request:
+    """What a handler reads of one request."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    cookies: dict[str, str]
+    host: str
+    origin: str | None
+    client: str
+    form: dict[str, str] = field(default_factory=dict)
+    session: Session | None = None
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "text/html; charset=utf-8"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _redirect(location: str, status: int = 303) -> Response:
+    return Response(status, b"", headers=[("Location", location)])
+
+
+def _cookies(header: str) -> dict[str, str]:
+    jar: SimpleCookie = SimpleCookie()
+    try:
+        jar.load(header)
+    except CookieError:
+        return {}
+    return {k: m.value for k, m in jar.items()}
+
+
+def _first(qs: dict[str, list[str]]) -> dict[str, str]:
+    return {k: v[0] for k, v in qs.items() if v}
+
+
+def safe_next(target: str | None) -> str:
+    """Where a login goes on: a path of the console only (never another host:
+    ``//evil``, ``/\\evil``, a scheme)."""
+    if not target or not target.startswith("/") or target.startswith(("//", "/\\")) \
+            or any(c in target for c in "\r\n\\"):
+        return "/keys"
+    return target
+
+
+class Config:
+    """The configuration file as it is now: read again whenever it changed (``tokengate
+    keys``, ``tokengate console passwd`` and the console's own changes edit it); a file
+    that does not load leaves the last one that did."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stamp: tuple[int, int, int] | None = None
+        self.cfg = tg_config.load(path)
+
+    def current(self) -> tg_config.Config:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self.stamp:
+                self.stamp = stamp
+                self.cfg = tg_config.load(self.path)
+        except (tg_config.ConfigError, OSError) as e:
+            log.error("%s does not load, the console shows the last configuration that "
+                      "did: %s", self.path, " ".join(str(e).split())[:300])
+        return self.cfg
+
+
+def _fmt_amount(value: float | None) -> str:
+    return "?" if value is None else f"{value:.9f}".rstrip("0").rstrip(".")
+
+
+def _fmt_int(value: float | None) -> str:
+    return "?" if value is None else f"{int(value):,}"
+
+
+def _pct(part: float | None, whole: float | None) -> int | None:
+    if part is None or not whole:
+        return None
+    return min(100, round(100 * part / whole))
+
+
+class Console:
+    """The WSGI application (``__call__``); one per ledger process."""
+
+    def __init__(self, config_path: Path, client: SyncRedis, usage_file: Path,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.config = Config(config_path)
+        cc = self.config.cfg.ledger.console
+        self.client = client
+        self.usage_file = usage_file
+        self.sessions = Sessions(cc.session_ttl_s, **({"clock": clock} if clock else {}))
+        self.limiter = LoginLimiter(cc.login_attempts, cc.login_window_s,
+                                    **({"clock": clock} if clock else {}))
+        self.templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+            lstrip_blocks=True)
+        self.templates.filters.update(amount=_fmt_amount, num=_fmt_int)
+        self.templates.globals.update(pct=_pct)
+        self.css = (HERE / "static" / "console.css").read_bytes()
+
+    # --- the WSGI side -------------------------------------------------------------
+
+    def __call__(self, environ: dict[str, Any],
+                 start_response: Callable[..., Any]) -> Iterable[bytes]:
+        try:
+            resp = self.handle(environ)
+        except Exception:  # noqa: BLE001 (a page never shows a traceback; the log keeps it)
+            print("tokengate console: " + traceback.format_exc(), file=sys.stderr,
+                  flush=True)
+            resp = self.page(500, "error.html", None, title="Error",
+                             message="The console failed to answer; its log says why.")
+        headers = [*SECURITY_HEADERS, ("Content-Type", resp.content_type),
+                   ("Content-Length", str(len(resp.body))), *resp.headers]
+        start_response(f"{resp.status} {HTTPStatus(resp.status).phrase}", headers)
+        return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [resp.body]
+
+    def allowed_hosts(self, cfg: tg_config.Config) -> set[str]:
+        """Host header values the console answers: its listen address, and with a
+        loopback or wildcard one the loopback names on its port, and the hosts of
+        ``origins``."""
+        cc = cfg.ledger.console
+        host, _, port = cc.listen.rpartition(":")
+        out = {cc.listen}
+        if host in ("0.0.0.0", "[::]", "::", "127.0.0.1", "localhost", "[::1]"):
+            out |= {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+        out |= {urllib.parse.urlsplit(o).netloc for o in cc.origins}
+        return out
+
+    def handle(self, environ: dict[str, Any]) -> Response:
+        cfg = self.config.current()
+        method = environ.get("REQUEST_METHOD", "GET")
+        host = environ.get("HTTP_HOST", "")
+        if host not in self.allowed_hosts(cfg):
+            return self.plain(421, f"this console does not answer to host {host[:100]!r}")
+        req = Request(method, environ.get("PATH_INFO") or "/",
+                      _first(urllib.parse.parse_qs(environ.get("QUERY_STRING", ""),
+                                                   max_num_fields=50)),
+                      _cookies(environ.get("HTTP_COOKIE", "")), host,
+                      environ.get("HTTP_ORIGIN"), environ.get("REMOTE_ADDR", ""))
+        if req.path == "/static/console.css":
+            return Response(200, self.css, "text/css; charset=utf-8")
+        if req.path == "/favicon.ico":  # browsers ask for it unprompted: not a login page
+            return Response(404, b"", "text/plain")
+        if method == "POST":
+            refused = self.read_post(environ, req, cfg)
+            if refused is not None:
+                return refused
+        elif method not in ("GET", "HEAD"):
+            return self.plain(405, f"{method[:20]} is not allowed here", [("Allow", "GET, POST")])
+        if req.path == "/login":
+            return self.login(req, cfg)
+        req.session = self.sessions.get(req.cookies.get(COOKIE))
+        if req.session is None \
+                or cfg.ledger.console.admins.get(req.session.admin) != req.session.digest:
+            # logged out, expired, or the admin was removed or given a new password
+            if method == "POST":
+                return self.plain(403, "not logged in (or the session ended): log in again")
+            return _redirect("/login?" + urllib.parse.urlencode({"next": req.path}))
+        if method == "POST" and not req.session.csrf_ok(req.form.get("csrf")):
+            return self.plain(403, "this form is not from this session (CSRF token missing "
+                                   "or wrong): reload the page and try again")
+        return self.route(req, cfg)
+
+    def read_post(self, environ: dict[str, Any], req: Request,
+                  cfg: tg_config.Config) -> Response | None:
+        """Origin check and form parsing of a POST; an answer when it is refused."""
+        own = {f"http://{req.host}", f"https://{req.host}", *cfg.ledger.console.origins}
+        if req.origin not in own:
+            return self.plain(403, "a change must come from the console's own pages "
+                                   f"(Origin {str(req.origin)[:100]!r} refused)")
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY:
+            return self.plain(413, f"a form is at most {MAX_BODY // 1024} KiB")
+        kind = environ.get("CONTENT_TYPE", "").split(";")[0].strip()
+        if kind != "application/x-www-form-urlencoded":
+            return self.plain(415, "a form is application/x-www-form-urlencoded")
+        body = environ["wsgi.input"].read(length).decode("utf-8", "replace")
+        try:
+            req.form = _first(urllib.parse.parse_qs(body, keep_blank_values=True,
+                                                    max_num_fields=50))
+        except ValueError:
+            return self.plain(400, "too many fields in this form")
+        return None
+
+    def route(self, req: Request, cfg: tg_config.Config) -> Response:
+        p, m = req.path.rstrip("/") or "/", req.method
+        if p == "/":
+            return _redirect("/keys")
+        if p == "/logout" and m == "POST":
+            assert req.session is not None
+            self.sessions.end(req.session.token)
+            return _redirect("/login", 303)
+        if p == "/keys":
+            return self.keys_page(req, cfg)
+        if p == "/keys/new":
+            return self.create_key(req, cfg) if m == "POST" else self.new_key_page(req, cfg)
+        if p.startswith("/keys/"):
+            name, _, action = urllib.parse.unquote(p.removeprefix("/keys/")).partition("/")
+            if name not in cfg.keys:
+                return self.page(404, "error.html", req, title="No such key",
+                                 message=f"There is no key named {name[:64]!r}.")
+            if action == "revoke" and m == "POST":
+                return self.revoke_key(req, cfg, name)
+            if action == "" and m == "POST":
+                return self.set_key(req, cfg, name)
+            if action == "":
+                return self.key_page(req, cfg, name)
+        if p == "/usage":
+            return self.usage_page(req, cfg)
+        if p == "/usage.csv":
+            return self.usage_csv(req, cfg)
+        if p == "/live":
+            return self.live_page(req, cfg)
+        return self.page(404, "error.html", req, title="Not found",
+                         message=f"No page at {req.path[:200]!r}.")
+
+    # --- rendering -----------------------------------------------------------------
+
+    def page(self, status: int, template: str, req: Request | None,
+             headers: list[tuple[str, str]] | None = None, **ctx: Any) -> Response:
+        cfg = self.config.cfg
+        ctx.setdefault("page", "")
+        ctx.setdefault("title", "Log in")
+        html = self.templates.get_template(template).render(
+            session=req.session if req else None, currency=cfg.currency, **ctx)
+        return Response(status, html.encode(), headers=headers or [])
+
+    def plain(self, status: int, message: str,
+              headers: list[tuple[str, str]] | None = None) -> Response:
+        return self.page(status, "error.html", None, headers,
+                         title=HTTPStatus(status).phrase, message=message)
+
+    def audit(self, req: Request, action: str, key: str = "", detail: str = "",
+              result: str = "ok", admin: str | None = None) -> None:
+        cfg = self.config.cfg
+        who = admin if admin is not None else (req.session.admin if req.session else "")
+        try:
+            changes.audit(self.client, cfg.ledger.audit_maxlen, who, action, req.client,
+                          key, detail, result)
+        except (RedisError, OSError) as e:
+            log.error("audit entry not written (Redis: %s): %s %s %s by %s", e, action,
+                      key, result, who)
+
+    # --- login ---------------------------------------------------------------------
+
+    def login(self, req: Request, cfg: tg_config.Config) -> Response:
+        if req.method != "POST":
+            # the browser's token stays while it lasts: a second login page (another
+            # tab) must not make the first one's form stale
+            token = req.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(24)
+            return self.page(200, "login.html", None, self._login_cookie(token, cfg),
+                             csrf=token, next=safe_next(req.query.get("next")), error=None,
+                             name="")
+        name = req.form.get("name", "")[:64]
+        given = req.form.get("csrf")
+        if not given or given != req.cookies.get(LOGIN_COOKIE):
+            return self.plain(403, "this login form is not from this browser: reload it")
+        wait = self.limiter.wait_s(name, req.client)
+        token = secrets.token_urlsafe(24)
+        if wait > 0:
+            return self.page(429, "login.html", None,
+                             [("Retry-After", str(int(wait) + 1)),
+                              *self._login_cookie(token, cfg)],
+                             csrf=token, next=safe_next(req.form.get("next")), name=name,
+                             error=f"Too many failed logins: try again in {int(wait) + 1} s.")
+        if not password.verify_admin(dict(cfg.ledger.console.admins), name,
+                                     req.form.get("password", "")):
+            self.limiter.failed(name, req.client)
+            self.audit(req, "login_failed", result="refused", admin=name)
+            return self.page(401, "login.html", None, self._login_cookie(token, cfg),
+                             csrf=token, next=safe_next(req.form.get("next")), name=name,
+                             error="Wrong name or password.")
+        self.limiter.succeeded(name, req.client)
+        s = self.sessions.start(name, cfg.ledger.console.admins[name])
+        self.audit(req, "login", admin=name)
+        secure = "; Secure" if cfg.ledger.console.secure_cookie else ""
+        return Response(
+            303, b"", headers=[
+                ("Location", safe_next(req.form.get("next"))),
+                ("Set-Cookie", (f"{COOKIE}={s.token}; Path=/; HttpOnly; SameSite=Strict"
+                                f"; Max-Age={cfg.ledger.console.session_ttl_s}{secure}")),
+                ("Set-Cookie", (f"{LOGIN_COOKIE}=; Path=/login; Max-Age=0; HttpOnly"
+                                f"; SameSite=Strict{secure}"))])
+
+    def _login_cookie(self, token: str, cfg: tg_config.Config) -> list[tuple[str, str]]:
+        secure = "; Secure" if cfg.ledger.console.secure_cookie else ""
+        return [("Set-Cookie", (f"{LOGIN_COOKIE}={token}; Path=/login; HttpOnly"
+                                f"; SameSite=Strict; Max-Age=3600{secure}"))]
+
+    # --- keys ----------------------------------------------------------------------
+
+    def keys_page(self, req: Request, cfg: tg_config.Config, status: int = 200,
+                  notice: str | None = None, outcome: changes.Outcome | None = None
+                  ) -> Response:
+        entries, minutes, problem = data.keys_view(cfg, self.client, data.today())
+        return self.page(status, "keys.html", req, title="Keys", entries=entries,
+                         minutes=minutes, problem=problem, notice=notice, outcome=outcome,
+                         global_limits=cfg.global_limits.enabled, page="keys")
+
+    def new_key_page(self, req: Request, cfg: tg_config.Config,
+                     checked: forms.Checked | None = None, status: int = 200,
+                     outcome: changes.Outcome | None = None) -> Response:
+        values = checked.values if checked else {"name": "", "rpm": "60", "tpm": "100000",
+                                                  "models": "", "budgets": "", "priority": ""}
+        return self.page(status, "key_new.html", req, title="New key", values=values,
+                         errors=checked.errors if checked else {}, outcome=outcome,
+                         models=list(cfg.models), page="keys",
+                         priorities=list(cfg.edge.admission.priorities))
+
+    def _make(self, req: Request, cfg: tg_config.Config,
+              change: changes.KeyChange) -> changes.Outcome:
+        assert req.session is not None
+        cc = cfg.ledger.console
+        if cc.changes_dir is not None:
+            outcome = changes.submit(cc.changes_dir, change, req.session.admin)
+        else:
+            outcome = changes.make(cfg.path, change, list(cc.edges))
+        action = {"create": "key_created", "set": "key_changed", "revoke": "key_revoked"}
+        self.audit(req, action[change.verb], change.name, change.audit_detail(),
+                   "ok" if outcome.ok else "refused: " + "; ".join(outcome.errors)[:500])
+        return outcome
+
+    def create_key(self, req: Request, cfg: tg_config.Config) -> Response:
+        key = new_key()
+        change, checked = forms.create(req.form, cfg, key_digest(key))
+        if change is None:
+            return self.new_key_page(req, cfg, checked, 400)
+        outcome = self._make(req, cfg, change)
+        if not outcome.ok:
+            return self.new_key_page(req, cfg, checked, 400, outcome)
+        return self.page(201, "key_created.html", req, title="Key created", name=change.name,
+                         key=key, outcome=outcome, page="keys")
+
+    def key_page(self, req: Request, cfg: tg_config.Config, name: str,
+                 checked: forms.Checked | None = None, status: int = 200,
+                 outcome: changes.Outcome | None = None) -> Response:
+        k = cfg.keys[name]
+        values = checked.values if checked else {
+            "rpm": str(k.rpm), "tpm": str(k.tpm),
+            "models": ", ".join(k.allowed_models) if k.allowed_models else "",
+            "budgets": forms.budget_specs(k), "priority": k.priority}
+        one = cfg.model_copy(update={"keys": {name: k}})
+        entries, minutes, problem = data.keys_view(one, self.client, data.today())
+        since = data.today() - timedelta(days=29)
+        try:
+            rows = report.group(data.usage_rows(self.client, data.UsageQuery(
+                since, data.today(), key=name)), ["model"])
+        except (RedisError, OSError) as e:
+            rows, problem = [], f"Redis unavailable: {e}"
+        return self.page(status, "key.html", req, title=f"Key {name}", name=name,
+                         entry=entries[0], minute=(minutes or {}).get(name), problem=problem,
+                         values=values, errors=checked.errors if checked else {},
+                         outcome=outcome, rows=rows, since=since.isoformat(), page="keys",
+                         models=list(cfg.models),
+                         priorities=list(cfg.edge.admission.priorities),
+                         global_limits=cfg.global_limits.enabled)
+
+    def set_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
+        change, checked = forms.set_(req.form, cfg, name)
+        if change is None:
+            return self.key_page(req, cfg, name, checked, 400)
+        outcome = self._make(req, cfg, change)
+        cfg = self.config.current()
+        if not outcome.ok or name not in cfg.keys:
+            return self.key_page(req, cfg, name, checked, 400, outcome)
+        return self.key_page(req, cfg, name, None, 200, outcome)
+
+    def revoke_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
+        if req.form.get("confirm") != name:
+            return self.key_page(req, cfg, name, None, 400, changes.Outcome(
+                errors=[f"to revoke, type the key's name ({name}) in the box"]))
+        outcome = self._make(req, cfg, changes.KeyChange("revoke", name))
+        cfg = self.config.current()
+        if not outcome.ok:
+            return self.key_page(req, cfg, name, None, 400, outcome)
+        return self.keys_page(req, cfg, notice=f"Key {name} revoked.", outcome=outcome)
+
+    # --- usage ---------------------------------------------------------------------
+
+    def _usage_query(self, req: Request, cfg: tg_config.Config
+                     ) -> tuple[data.UsageQuery, dict[str, str], dict[str, str]]:
+        """(the query, the form's values, a message per bad field); a bad field falls
+        back to its default."""
+        today = data.today()
+        values = {"since": req.query.get("since", "")[:40] or (today - timedelta(days=6)).isoformat(),
+                  "until": req.query.get("until", "")[:40] or today.isoformat(),
+                  "key": req.query.get("key", "")[:64], "model": req.query.get("model", "")[:200]}
+        errors: dict[str, str] = {}
+        days: dict[str, date] = {}
+        for f, default in (("since", today - timedelta(days=6)), ("until", today)):
+            try:
+                days[f] = report.parse_day(values[f], today)
+            except (argparse.ArgumentTypeError, ValueError, OverflowError) as e:
+                errors[f] = str(e) if str(e) else "not a day"
+                days[f] = default
+        if days["since"] > days["until"]:
+            errors["since"] = f"{days['since']} is after {days['until']}"
+            days["since"] = days["until"]
+        if (days["until"] - days["since"]).days >= MAX_DAYS:
+            errors["since"] = f"a range is at most {MAX_DAYS} days"
+            days["since"] = days["until"] - timedelta(days=MAX_DAYS - 1)
+        return data.UsageQuery(days["since"], days["until"], values["key"] or None,
+                               values["model"] or None), values, errors
+
+    def usage_page(self, req: Request, cfg: tg_config.Config) -> Response:
+        q, values, errors = self._usage_query(req, cfg)
+        problem = None
+        try:
+            rows = data.usage_rows(self.client, q)
+        except (RedisError, OSError) as e:
+            rows, problem = [], f"Redis unavailable: {e}"
+        days = [(q.since + timedelta(days=i)).isoformat()
+                for i in range((q.until - q.since).days + 1)]
+        per_key_model = sorted(report.group(rows, ["key", "model"]),
+                               key=lambda r: (-r.cost, r.key_id or "", r.model or ""))
+        query = urllib.parse.urlencode({k: v for k, v in values.items() if v})
+        return self.page(400 if errors else 200, "usage.html", req, title="Usage",
+                         values=values, errors=errors, rows=rows, problem=problem,
+                         total=report.total(rows), per_key_model=per_key_model,
+                         endpoints=data.endpoint_rows(rows), query=query,
+                         chart_days=charts.tokens_per_day(rows, days),
+                         chart_keys=charts.top_keys(rows, cfg.currency),
+                         chart_models=charts.spend_per_model(rows, cfg.currency),
+                         keys=list(cfg.keys), models=list(cfg.models), page="usage",
+                         since=q.since.isoformat(), until=q.until.isoformat())
+
+    def usage_csv(self, req: Request, cfg: tg_config.Config) -> Response:
+        q, _values, errors = self._usage_query(req, cfg)
+        if errors:
+            return self.plain(400, "; ".join(f"{k}: {v}" for k, v in errors.items()))
+        try:
+            rows = data.usage_rows(self.client, q)
+        except (RedisError, OSError) as e:
+            return self.plain(503, f"Redis unavailable: {e}")
+        table = req.query.get("table", "usage")
+        text = data.endpoints_csv(data.endpoint_rows(rows)) if table == "endpoints" \
+            else data.usage_csv(rows)
+        name = f"tokengate-{'endpoints' if table == 'endpoints' else 'usage'}-{q.since}-{q.until}.csv"
+        return Response(200, text.encode(), "text/csv; charset=utf-8",
+                        [("Content-Disposition", f'attachment; filename="{name}"')])
+
+    # --- live ----------------------------------------------------------------------
+
+    def live_page(self, req: Request, cfg: tg_config.Config) -> Response:
+        edges = [data.edge_live(a) for a in data.status_addresses(cfg)]
+        refusals = data.recent_refusals(self.usage_file, datetime.now(UTC))
+        return self.page(200, "live.html", req, title="Live", edges=edges,
+                         refusals=refusals, page="live",
+                         window_min=int(data.REFUSALS_WINDOW.total_seconds() // 60))

@@ -1,0 +1,202 @@
+"""Key changes made in the console, through what ``tokengate keys`` runs: the file edited
+in place by ``tokengate.keys.edit`` (``add_key``, ``change_key``, ``remove_key``:
+validated and compiled before an atomic write that keeps owner, group and mode), then
+the running edges reloaded by ``tokengate.keys.reload.apply_to`` (new workers serve
+before it returns). Every change, done or refused, is written to the ledger's audit
+stream with the admin's name.
+
+Two ways, by ``ledger.console.changes_dir``:
+
+- direct (null): the console's own process edits and reloads. It must be allowed to
+  write the file and signal nginx's master: ``make run``, where one user runs all.
+- queued (a folder): under the systemd units the ledger runs as ``tokengate`` with a
+  read-only /etc, and nginx's master is root's, so neither is allowed. The console
+  writes each change as ``<dir>/requests/<id>.json`` and waits for
+  ``<dir>/results/<id>.json``; ``tokengate console apply`` (root, started by
+  ``tokengate-console-apply.path`` whenever a request appears) makes the change the
+  same way and writes the result. A new key's secret never leaves the console: the
+  request carries its SHA-256 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from ruamel.yaml.comments import CommentedMap
+
+from tokengate import config as tg_config
+from tokengate import redis_keys
+from tokengate.keys.edit import (
+    add_key,
+    change_key,
+    edit,
+    keeping_heading,
+    parse_budget,
+    remove_key,
+)
+from tokengate.keys.reload import apply_to
+from tokengate.redis_client import SyncRedis
+
+QUEUE_WAIT_S = 30.0   # how long the console waits for `tokengate console apply`
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """One change of ``tokengate keys``: ``create`` (``sha256`` of the new key, rpm and
+    tpm required), ``set`` (what is not None changes; ``budgets`` replace the key's
+    when ``no_budgets``) or ``revoke``. ``models``: "all" or "a,b"; ``budgets``: specs
+    as ``--budget`` takes them (``[MODEL:]day=AMOUNT``)."""
+
+    verb: Literal["create", "set", "revoke"]
+    name: str
+    sha256: str | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    models: str | None = None
+    budgets: tuple[str, ...] | None = None
+    no_budgets: bool = False
+    priority: str | None = None
+
+    def change(self, data: CommentedMap) -> None:
+        """Make the change in the round-trip YAML data (``tokengate.keys.edit``'s
+        functions). Raises ``LookupError``, ``ConfigError``, ``ArgumentTypeError``."""
+        budgets = [parse_budget(s) for s in self.budgets] if self.budgets else None
+        if self.verb == "create":
+            assert self.sha256 and self.rpm and self.tpm
+            models = None if self.models in (None, "all") else \
+                [m for m in (self.models or "").split(",") if m]
+            add_key(data, self.name, self.sha256, self.rpm, self.tpm, models, budgets,
+                    self.priority)
+        elif self.verb == "set":
+            change_key(data, self.name, self.rpm, self.tpm, self.models, budgets,
+                       self.no_budgets, self.priority)
+        else:
+            remove_key(data, self.name)
+
+    def audit_detail(self) -> str:
+        """What changed, for the audit stream (JSON; never a secret)."""
+        doc = {k: v for k, v in asdict(self).items()
+               if v not in (None, False) and k not in ("verb", "name")}
+        return json.dumps(doc, sort_keys=True)
+
+
+@dataclass
+class Outcome:
+    """What became of a change: ``errors`` (the file is unchanged: one line per
+    problem) or the edges ``applied`` / ``not_applied`` (with why)."""
+
+    errors: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    not_applied: list[str] = field(default_factory=list)
+    no_edge: str | None = None    # no running edge was found: said so
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def make(path: Path, change: KeyChange, edges: list[Path]) -> Outcome:
+    """Edit ``path`` with ``change`` and reload its edges (``edges``: folders, as
+    ``--edge``; empty: the file's own), as ``tokengate keys`` does."""
+    import argparse
+
+    try:
+        cfg = edit(path, keeping_heading(change.change))
+    except tg_config.ConfigError as e:
+        return Outcome(errors=list(e.errors))
+    except (LookupError, argparse.ArgumentTypeError) as e:
+        return Outcome(errors=[str(e.args[0])])
+    except OSError as e:
+        return Outcome(errors=[f"{path}: not changed: {e.strerror or e}"])
+    out = Outcome()
+    done = apply_to(cfg, edges)
+    if not done:
+        out.no_edge = f"no running edge of {path}: nothing reloaded"
+    for target, error in done:
+        if error is None:
+            out.applied.append(str(target.edge_json))
+        else:
+            out.not_applied.append(f"{target.edge_json}: {error}")
+    return out
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def submit(queue: Path, change: KeyChange, admin: str, wait_s: float = QUEUE_WAIT_S
+           ) -> Outcome:
+    """Queue ``change`` for ``tokengate console apply`` and wait for its result."""
+    rid = f"{time.time_ns()}-{secrets.token_hex(4)}"
+    requests, results = queue / "requests", queue / "results"
+    try:
+        requests.mkdir(parents=True, exist_ok=True)
+        results.mkdir(parents=True, exist_ok=True)
+        _write_json(requests / f"{rid}.json", {"change": asdict(change), "admin": admin})
+    except OSError as e:
+        return Outcome(errors=[f"cannot queue the change in {requests}: {e.strerror or e}"])
+    result = results / f"{rid}.json"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            doc = json.loads(result.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        result.unlink(missing_ok=True)
+        return Outcome(**doc)
+    return Outcome(errors=[(f"not applied within {wait_s:.0f} s: is "
+                            f"tokengate-console-apply.path active (systemctl status "
+                            f"tokengate-console-apply.path)? The request stays queued in "
+                            f"{requests}")])
+
+
+def apply_queued(path: Path, queue: Path, edges: list[Path]) -> int:
+    """``tokengate console apply``: make every queued change (oldest first) and write
+    its result; returns how many. A request that is not a change gets an error
+    result."""
+    requests, results = queue / "requests", queue / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    done = 0
+    for req in sorted(requests.glob("*.json")):
+        try:
+            doc = json.loads(req.read_text())
+            c = doc["change"]
+            change = KeyChange(**{**c, "budgets": tuple(c["budgets"])
+                                  if c.get("budgets") is not None else None})
+            if change.verb not in ("create", "set", "revoke"):
+                raise ValueError(f"unknown verb {change.verb!r}")
+            outcome = make(path, change, edges)
+            print(f"{req.name}: {change.verb} {change.name} by {doc.get('admin')}: "
+                  + ("; ".join(outcome.errors) or "done"), file=sys.stderr)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            outcome = Outcome(errors=[f"not a change request: {e}"])
+        _write_json(results / req.name, asdict(outcome))
+        os.chmod(results / req.name, 0o644)
+        req.unlink(missing_ok=True)
+        done += 1
+    return done
+
+
+def audit(client: SyncRedis, maxlen: int, admin: str, action: str, client_addr: str,
+          key: str = "", detail: str = "", result: str = "ok") -> None:
+    """One entry of the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``) for a
+    console action: ``kind`` console, the admin, the action (login, login_failed,
+    key_created, key_changed, key_revoked), the key, what changed and the result. The
+    usage events' entries there have ``rid`` instead of ``kind``. Raises
+    ``RedisError``."""
+    ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    client.xadd(redis_keys.AUDIT_KEY, {"kind": "console", "ts": ts, "admin": admin,
+                                       "action": action, "key": key, "detail": detail,
+                                       "result": result, "client": client_addr},
+                maxlen=maxlen, approximate=True)

@@ -1,0 +1,263 @@
+"""What the console's pages show, read from where the rest of tokengate keeps it:
+
+- keys: ``tokengate.ledger.admin.snapshot`` (what ``tokengate keys list`` prints: limits,
+  models, budgets, spend of the period from the ledger's rows, the budget counters with
+  the reservations of requests in flight) and, with global limits, each key's current
+  minute from its Redis window (``tokengate.limits.window``'s layout);
+- usage: ``tokengate.ledger.report.query``, the rows ``tokengate usage`` prints;
+- replicas: each edge's status server (``/tokengate/status``: health, KV cache usage,
+  waiting requests, outstanding reserved tokens per replica, and the counts of requests
+  refused before a key was known);
+- refusals: the usage events (status >= 400) at the end of the ledger's usage file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import urllib.request
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from tokengate import config as tg_config
+from tokengate import redis_keys
+from tokengate.ledger import admin, report
+from tokengate.redis_client import SyncRedis
+
+WINDOW_MS = 60_000           # the global limits' window (tokengate.limits.window)
+TAIL_BYTES = 4 << 20         # the end of the usage file read for recent refusals
+REFUSALS_WINDOW = timedelta(hours=1)
+STATUS_TIMEOUT_S = 2.0
+
+
+@dataclass
+class KeyMinute:
+    """A key's requests and tokens (prompt + reserved completion, settled when done) in
+    its current one-minute window, all edges together (global limits' Redis window)."""
+
+    requests: int
+    tokens: int
+
+
+def key_minutes(cfg: tg_config.Config, client: SyncRedis) -> dict[str, KeyMinute] | None:
+    """Key id -> its current minute from the Redis windows, or None without global limits
+    (each edge's own windows live in its nginx's shared memory). Raises
+    ``RedisError``."""
+    if not cfg.global_limits.enabled or not cfg.keys:
+        return None
+    sec, usec = client.time()
+    since_ms = int(sec) * 1000 + int(usec) // 1000 - WINDOW_MS
+    pipe = client.pipeline(transaction=False)
+    names = list(cfg.keys)
+    for key_id in names:
+        z, _h = redis_keys.window_keys(key_id)
+        pipe.zrangebyscore(z, f"({since_ms}", "+inf")
+    ids = pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for key_id, rids in zip(names, ids, strict=True):
+        _z, h = redis_keys.window_keys(key_id)
+        pipe.hmget(h, rids or ["#none"])
+    tokens = pipe.execute()
+    return {key_id: KeyMinute(len(rids), sum(int(t or 0) for t in toks) if rids else 0)
+            for key_id, rids, toks in zip(names, ids, tokens, strict=True)}
+
+
+def keys_view(cfg: tg_config.Config, client: SyncRedis, today: date
+              ) -> tuple[list[dict[str, Any]], dict[str, KeyMinute] | None, str | None]:
+    """(``admin.snapshot``'s entries, ``key_minutes``, a problem to show or None)."""
+    entries = admin.snapshot(cfg, client, today)
+    problem = None
+    try:
+        minutes = key_minutes(cfg, client)
+    except (RedisError, OSError) as e:
+        minutes, problem = None, f"Redis unavailable: {e}"
+    if problem is None and any(b["spent"] is None for e in entries for b in e["budgets"]):
+        problem = "Redis unavailable: the spend of the budgets is unknown"
+    return entries, minutes, problem
+
+
+@dataclass
+class UsageQuery:
+    """A range of UTC days and optional filters (None: every key / model)."""
+
+    since: date
+    until: date
+    key: str | None = None
+    model: str | None = None
+
+
+def usage_rows(client: SyncRedis, q: UsageQuery) -> list[report.UsageRow]:
+    """The ledger's rows per key / model / day of ``q`` (``tokengate usage``'s), sorted
+    by day, key, model. Raises ``RedisError``."""
+    return report.query(client, q.since, q.until, q.key, q.model)
+
+
+def endpoint_rows(rows: Iterable[report.UsageRow]) -> list[dict[str, Any]]:
+    """Requests, prompt and completion tokens and cost per endpoint, summed over
+    ``rows``, the endpoint with most requests first."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        for ep, counts in r.endpoints.items():
+            mine = out.setdefault(ep, dict.fromkeys(report.ENDPOINT_FIELDS, 0))
+            for f, v in counts.items():
+                mine[f] += v
+    return [{"endpoint": ep, **counts} for ep, counts in
+            sorted(out.items(), key=lambda kv: (-kv[1]["requests"], kv[0]))]
+
+
+CSV_COLUMNS = ("day", "key", "model", "requests", "errors", "prompt_tokens",
+               "cached_tokens", "completion_tokens", "cost")
+ENDPOINT_CSV_COLUMNS = ("endpoint", "requests", "prompt_tokens", "completion_tokens", "cost")
+
+
+def _cell(value: Any) -> str:
+    """A CSV cell: a text that a spreadsheet would run as a formula (=, +, -, @, tab,
+    carriage return first) gets a leading apostrophe (OWASP's CSV injection advice);
+    a cost keeps its 15 significant digits."""
+    if isinstance(value, float):
+        return f"{value:.15g}"
+    text = "" if value is None else str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def usage_csv(rows: Sequence[report.UsageRow]) -> str:
+    """The usage table as CSV (``CSV_COLUMNS``, one line per key / model / day)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\r\n")
+    w.writerow(CSV_COLUMNS)
+    for r in rows:
+        w.writerow([_cell(v) for v in (r.day, r.key_id, r.model, r.requests, r.errors,
+                                       r.prompt_tokens, r.cached_tokens,
+                                       r.completion_tokens, r.cost)])
+    return buf.getvalue()
+
+
+def endpoints_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """``endpoint_rows`` as CSV (``ENDPOINT_CSV_COLUMNS``)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\r\n")
+    w.writerow(ENDPOINT_CSV_COLUMNS)
+    for r in rows:
+        w.writerow([_cell(r[c]) for c in ENDPOINT_CSV_COLUMNS])
+    return buf.getvalue()
+
+
+@dataclass
+class Replica:
+    """One replica of a model as an edge sees it."""
+
+    edge: str
+    model: str
+    name: str
+    healthy: bool
+    asleep: bool
+    kv_cache_usage: float | None      # 0..1, vLLM's kv_cache_usage_perc; None: unknown
+    waiting: int | None               # vLLM's num_requests_waiting
+    running: int | None
+    outstanding_tokens: int           # reserved tokens of the requests it serves now
+
+
+@dataclass
+class EdgeLive:
+    """An edge's status server: its replicas and its refusals of requests without a
+    valid key (those write no usage event), since nginx started."""
+
+    address: str
+    error: str | None = None
+    replicas: list[Replica] = field(default_factory=list)
+    unauthenticated: dict[str, int] = field(default_factory=dict)
+    budget_refused: int = 0
+
+
+UNAUTHENTICATED = ("missing_key", "invalid_key", "blocked", "refused")
+
+
+def edge_live(address: str) -> EdgeLive:
+    """``GET http://<address>/tokengate/status``; an edge that does not answer gives
+    an ``EdgeLive`` with its error."""
+    live = EdgeLive(address)
+    try:
+        with urllib.request.urlopen(f"http://{address}/tokengate/status",
+                                    timeout=STATUS_TIMEOUT_S) as r:
+            doc = json.loads(r.read())
+    except (OSError, ValueError) as e:
+        live.error = f"no answer: {e}"
+        return live
+    for model, replicas in sorted((doc.get("upstreams") or {}).items()):
+        for name, st in sorted(replicas.items()):
+            live.replicas.append(Replica(
+                address, model, name, healthy=not st.get("out"), asleep=bool(st.get("asleep")),
+                kv_cache_usage=st.get("kv_cache_usage"), waiting=st.get("num_requests_waiting"),
+                running=st.get("num_requests_running"),
+                outstanding_tokens=int(st.get("outstanding_tokens") or 0)))
+    live.unauthenticated = {r: int(doc.get(f"unauthenticated_{r}") or 0)
+                            for r in UNAUTHENTICATED}
+    live.budget_refused = int(doc.get("global_budget_refused") or 0)
+    return live
+
+
+def status_addresses(cfg: tg_config.Config) -> list[str]:
+    """The edges' status servers the live page reads (``ledger.console.edge_status``,
+    else ``edge.status_listen``)."""
+    return list(cfg.ledger.console.edge_status) or [cfg.edge.status_listen]
+
+
+@dataclass
+class Refusals:
+    """Requests refused (status >= 400) within ``window`` before ``now``, from the
+    usage events at the end of the usage file: by reason (the event's error code, else
+    its status) and the latest ones."""
+
+    by_reason: list[tuple[str, int, int]]       # (reason, status, count), most first
+    latest: list[dict[str, Any]]                # newest first
+    scanned: int                                # events read
+    error: str | None = None
+
+
+def recent_refusals(usage_file: Path, now: datetime, window: timedelta = REFUSALS_WINDOW,
+                    latest: int = 20) -> Refusals:
+    """The refusals of the last ``window`` in the last ``TAIL_BYTES`` of ``usage_file``
+    (a line cut by the start of the tail, and any line that is not an event, is
+    skipped)."""
+    try:
+        with open(usage_file, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_BYTES))
+            data = f.read(TAIL_BYTES)
+    except OSError as e:
+        return Refusals([], [], 0, f"cannot read {usage_file}: {e.strerror or e}")
+    lines = data.split(b"\n")
+    if size > TAIL_BYTES:
+        lines = lines[1:]
+    since = (now - window).strftime("%Y-%m-%dT%H:%M:%S")
+    counts: Counter[tuple[str, int]] = Counter()
+    found: list[dict[str, Any]] = []
+    scanned = 0
+    for line in lines:
+        try:
+            ev = json.loads(line)
+            status, ts = int(ev["status"]), str(ev["ts"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        scanned += 1
+        if status < 400 or ts < since:
+            continue
+        reason = str(ev.get("error") or f"status_{status}")
+        counts[(reason, status)] += 1
+        found.append({"ts": ts, "key": ev.get("key_id"), "model": ev.get("model"),
+                      "endpoint": ev.get("endpoint"), "status": status, "reason": reason})
+    by_reason = [(r, s, n) for (r, s), n in
+                 sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return Refusals(by_reason, found[::-1][:latest], scanned)
+
+
+def today() -> date:
+    return datetime.now(UTC).date()

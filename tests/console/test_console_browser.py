@@ -1,0 +1,336 @@
+"""The operator console in a real browser: Debian's chromium, headless, driven by
+Selenium through Debian's chromedriver (never a downloaded one), against the real
+stack: the session's vLLM and counter, a real nginx edge with global limits, the limits
+sidecar and the ledger (which serves the console) on a Redis of this module.
+
+Every page is saved as a screenshot under ``var/screenshots/console-<page>.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+from tokengate.console import password
+from tokengate.ledger import report
+from tokengate.process import free_port
+from tokengate_dev import devstack
+
+from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.fixtures_edge import EDGE_DIR, VARIANT_PORTS, Edge, _edge_yaml, _start_edge
+from tests.fixtures_ledger import svc_name, wait_until
+
+SCREENSHOTS = devstack.ROOT / "var" / "screenshots"
+ADMIN, PASSWORD = "ops-admin", "a console test password"
+DEMO_KEY = "tg-demo-key"
+LIMITS_SOCKET = TEST_DIR / "console-limits.sock"
+
+
+@dataclass
+class Stack:
+    url: str                 # the console, http://127.0.0.1:<port>
+    edge: Edge
+    config: Path
+    redis_url: str
+    client: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def stack(config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[Stack]:
+    started: list[Any] = []
+    port = free_port()
+    redis_svc = devstack.redis_service(port=port, name=svc_name("test-console-redis"))
+    started.append(redis_svc.start())
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    console_port = free_port()
+    edge_port = next(VARIANT_PORTS)
+    name = "console"
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["keys"] = {"demo": {"sha256": key_digest(DEMO_KEY), "rpm": 600, "tpm": 200000}}
+        raw["redis"] = {"url": redis_url, "timeout_ms": 2000}
+        raw["global_limits"] = {"enabled": True, "listen": f"127.0.0.1:{free_port()}",
+                                "unix_socket": str(LIMITS_SOCKET)}
+        raw["edge"]["global_limits_timeout_ms"] = 5000
+        raw["ledger"] = {"console": {
+            "listen": f"127.0.0.1:{console_port}",
+            "admins": {ADMIN: password.digest(PASSWORD)},
+            "edges": [str(EDGE_DIR / f"test-nginx-{name}")],
+            "edge_status": [f"127.0.0.1:{edge_port + 150}"]}}
+
+    usage = EDGE_DIR / name / "usage.jsonl"
+    usage.unlink(missing_ok=True)
+    path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml", edit, usage)
+    raw = yaml.safe_load(path.read_text())
+    try:
+        Path(f"{LIMITS_SOCKET}.0").unlink(missing_ok=True)
+        limits = devstack.limits_service(path, int(raw["global_limits"]["listen"].split(":")[1]),
+                                         redis_url, unix_socket=LIMITS_SOCKET, workers=1,
+                                         name=svc_name("test-console-limits"))
+        started.append(limits.start())
+        wait_until(lambda: Path(f"{LIMITS_SOCKET}.0").exists(), 20, what="the limits socket")
+        edge = _start_edge(path, edge_port, f"test-nginx-{name}", TEST_DIR / "counter.sock",
+                           usage)
+        assert edge.status_port == edge_port + 150
+        started.append(edge.service)
+        ledger = devstack.ledger_service(path, usage, redis_url,
+                                         name=svc_name("test-console-ledger"))
+        started.append(ledger.start())
+        url = f"http://127.0.0.1:{console_port}"
+        wait_until(lambda: httpx.get(f"{url}/login", timeout=2).status_code == 200, 20,
+                   what="the console")
+        yield Stack(url, edge, path, redis_url, redis.Redis.from_url(redis_url,
+                                                                     decode_responses=True))
+    finally:
+        for svc in reversed(started):
+            svc.stop()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    profile = tempfile.mkdtemp(prefix="tg-console-chromium-")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+                "--window-size=1280,900"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def browser(chromium: Any, stack: Stack) -> Any:
+    """The module's browser, logged in (the first test that asks logs in through the
+    login page)."""
+    if chromium.get_cookie("tg_console") is None:
+        login(chromium, stack)
+    return chromium
+
+
+def shot(driver: Any, page: str, width: int = 1280) -> None:
+    """The whole page, ``width`` px wide, as var/screenshots/console-<page>.png."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    metrics = {"width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {**metrics, "height": min(max(int(height), 600), 4000)})
+    driver.save_screenshot(str(SCREENSHOTS / f"console-{page}.png"))
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def by_id(driver: Any, element: str) -> Any:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element)
+
+
+def submit(driver: Any, button: str) -> None:
+    """Click ``button`` and wait for the page it loads (the old one gone)."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = driver.find_element(By.TAG_NAME, "html")
+
+    def gone(_: Any) -> bool:
+        try:
+            _ = old.tag_name
+        except WebDriverException:  # stale, or "does not belong to the document"
+            return True
+        return False
+
+    by_id(driver, button).click()
+    WebDriverWait(driver, 60).until(gone)
+
+
+def fill(driver: Any, **fields: str) -> None:
+    for name, value in fields.items():
+        el = by_id(driver, f"f-{name}" if name not in ("confirm",) else name)
+        el.clear()
+        if value:
+            el.send_keys(value)
+
+
+def login(driver: Any, stack: Stack) -> None:
+    driver.get(f"{stack.url}/keys")
+    assert driver.current_url == f"{stack.url}/login?next=%2Fkeys"
+    shot(driver, "login")
+    by_id(driver, "name").send_keys(ADMIN)
+    by_id(driver, "password").send_keys(PASSWORD)
+    submit(driver, "login")
+    assert driver.current_url == f"{stack.url}/keys", driver.page_source[-1500:]
+
+
+def chat(key: str, edge: Edge) -> Any:
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key, max_retries=0, timeout=60)
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=4)
+
+
+def usage_json(stack: Stack, key: str) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "usage", "--json", "--config",
+                        str(stack.config), "--key", key], capture_output=True, text=True,
+                       timeout=60, check=True)
+    doc: dict[str, Any] = json.loads(r.stdout)
+    return doc
+
+
+def test_a_page_without_a_session_goes_to_the_login(stack: Stack) -> None:
+    r = httpx.get(f"{stack.url}/usage")
+    assert (r.status_code, r.headers["location"]) == (303, "/login?next=%2Fusage")
+    r = httpx.post(f"{stack.url}/keys/new", data={"name": "x", "rpm": "1", "tpm": "1"},
+                   headers={"Origin": stack.url})
+    assert r.status_code == 403
+
+
+def test_the_demo_keys_spend_is_what_tokengate_usage_says(stack: Stack, browser: Any) -> None:
+    for _ in range(3):
+        assert chat(DEMO_KEY, stack.edge).usage.completion_tokens == 4
+    wait_until(lambda: sum(r.requests for r in report.query(stack.client, key_id="demo")) == 3,
+               30, what="the ledger to bill the 3 requests")
+    cli = usage_json(stack, "demo")["total"]
+    assert cli["requests"] == 3 and cli["cost"] > 0
+    browser.get(f"{stack.url}/keys")
+    cookie = browser.get_cookie("tg_console")
+    assert (cookie["httpOnly"], cookie["secure"], cookie["sameSite"]) == (True, True, "Strict")
+    shot(browser, "keys")
+    shot(browser, "keys-390", width=390)
+    browser.get(f"{stack.url}/keys/demo")
+    from selenium.webdriver.common.by import By
+
+    cell = browser.find_element(By.CSS_SELECTOR, "#key-usage td[data-cost]")
+    assert float(cell.get_attribute("data-cost")) == pytest.approx(cli["cost"], abs=1e-12)
+    assert cell.text == f"{cli['cost']:.9f}".rstrip("0").rstrip(".")
+    shot(browser, "key")
+    browser.get(f"{stack.url}/usage")
+    total = by_id(browser, "total-cost")
+    assert float(total.get_attribute("data-cost")) == pytest.approx(cli["cost"], abs=1e-12)
+    images = browser.find_elements(By.CSS_SELECTOR, ".charts img")
+    assert len(images) == 3
+    assert all(browser.execute_script("return arguments[0].naturalWidth", img) > 100
+               for img in images)  # the SVG charts render under the page's CSP
+    shot(browser, "usage")
+    csv = httpx.get(f"{stack.url}/usage.csv", headers={"Cookie": f"tg_console={cookie['value']}"})
+    assert csv.status_code == 200 and csv.headers["content-type"] == "text/csv; charset=utf-8"
+    lines = csv.text.splitlines()
+    assert lines[0] == ("day,key,model,requests,errors,prompt_tokens,cached_tokens,"
+                        "completion_tokens,cost")
+    assert lines[1].split(",")[1:4] == ["demo", MODEL, "3"]
+    assert float(lines[1].split(",")[-1]) == pytest.approx(cli["cost"], abs=1e-12)
+
+
+def test_a_key_made_in_the_console_works_then_a_budget_and_a_revoke_refuse_it(
+        stack: Stack, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{stack.url}/keys/new")
+    fill(browser, name="team-a", rpm="100", tpm="100000")
+    shot(browser, "new")
+    submit(browser, "create")
+    key = by_id(browser, "new-key").text
+    assert re.fullmatch(r"tg-[A-Za-z0-9_-]{43}", key)
+    assert key not in stack.config.read_text()
+    assert "Applied to the edge" in by_id(browser, "applied").text
+    shot(browser, "created")
+    assert chat(key, stack.edge).usage.completion_tokens == 4
+
+    browser.get(f"{stack.url}/keys/team-a")
+    fill(browser, budgets="day=5t")
+    submit(browser, "save")
+    assert "Applied to the edge" in by_id(browser, "applied").text
+    assert "of 5 tokens" in by_id(browser, "budgets").text
+    with pytest.raises(openai.RateLimitError) as refused:
+        chat(key, stack.edge)
+    assert refused.value.body["code"] == "insufficient_quota"
+
+    fill(browser, confirm="team-a")
+    submit(browser, "revoke")
+    assert by_id(browser, "notice").text == "Key team-a revoked."
+    with pytest.raises(openai.AuthenticationError) as gone:
+        chat(key, stack.edge)
+    assert gone.value.status_code == 401
+    assert "team-a" not in yaml.safe_load(stack.config.read_text())["keys"]
+    assert browser.find_elements(By.CSS_SELECTOR, 'tr[data-key="team-a"]') == []
+
+    entries = [f for _id, f in stack.client.xrange("tg:{ledger}:audit")
+               if f.get("kind") == "console"]
+    assert [(e["admin"], e["action"], e["key"], e["result"]) for e in entries] == [
+        (ADMIN, "login", "", "ok"), (ADMIN, "key_created", "team-a", "ok"),
+        (ADMIN, "key_changed", "team-a", "ok"), (ADMIN, "key_revoked", "team-a", "ok")]
+    assert json.loads(entries[2]["detail"])["budgets"] == ["day=5t"]
+
+
+def test_a_change_without_the_csrf_token_or_from_another_origin_is_refused(
+        stack: Stack, browser: Any) -> None:
+    browser.get(f"{stack.url}/keys/new")
+    csrf = browser.find_element("name", "csrf").get_attribute("value")
+    cookie = {"Cookie": f"tg_console={browser.get_cookie('tg_console')['value']}"}
+    form = {"name": "sneaky", "rpm": "1", "tpm": "1"}
+    for data, origin in ((form, stack.url), ({**form, "csrf": "x" * 43}, stack.url),
+                         ({**form, "csrf": csrf}, "http://evil.example")):
+        r = httpx.post(f"{stack.url}/keys/new", data=data,
+                       headers={**cookie, "Origin": origin})
+        assert r.status_code == 403
+    assert "sneaky" not in yaml.safe_load(stack.config.read_text())["keys"]
+
+
+def test_bad_input_is_answered_with_a_message_per_field(stack: Stack, browser: Any) -> None:
+    browser.get(f"{stack.url}/keys/new")
+    fill(browser, name="demo", rpm="12x", tpm="0", budgets="tiny-qwen3:day=-1", models="gpt-9")
+    submit(browser, "create")
+    assert by_id(browser, "e-name").text == \
+        "a key named 'demo' exists: change it, or revoke it first"
+    assert by_id(browser, "e-rpm").text == "'12x' is not a whole number: requests per minute"
+    assert by_id(browser, "e-tpm").text == "tokens per minute: from 1 to 1,000,000,000,000"
+    assert by_id(browser, "e-models").text.startswith("not a served model: 'gpt-9'")
+    assert by_id(browser, "e-budgets").text == "a budget is not negative: 'tiny-qwen3:day=-1'"
+    shot(browser, "new-errors")
+    fill(browser, name="ok name!", rpm="1", tpm="1", budgets="", models="")
+    submit(browser, "create")
+    assert by_id(browser, "e-name").text.startswith("'ok name!': a key id is 1-64 letters")
+    keys = yaml.safe_load(stack.config.read_text())["keys"]
+    assert list(keys) == ["demo"]
+
+
+def test_the_live_page_shows_the_replica_and_the_refusals(stack: Stack, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    r = httpx.post(f"{stack.edge.base_url}/chat/completions",
+                   headers={"Authorization": f"Bearer {DEMO_KEY}"},
+                   json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404
+    stack.edge.event(r.headers["x-request-id"])
+    browser.get(f"{stack.url}/live")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
+    assert rows, browser.find_element(By.TAG_NAME, "main").text
+    row = rows[0]
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[0] == MODEL and cells[2] == "healthy"
+    reasons = {r.get_attribute("data-reason"): r.find_elements(By.TAG_NAME, "td")[1].text
+               for r in browser.find_elements(By.CSS_SELECTOR, "#refusals tr[data-reason]")}
+    assert reasons.get("model_not_found") == "404"
+    assert reasons.get("insufficient_quota") == "429"  # the budget's refusal above
+    shot(browser, "live")

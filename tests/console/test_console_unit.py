@@ -1,0 +1,305 @@
+"""The console's parts that start no process: password digests, sessions and their
+CSRF tokens, the login limiter, the CSV, the forms' checks, and the WSGI application's
+refusals (host, origin, CSRF, session) with a Redis that is not there."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from tokengate import config as tg_config
+from tokengate.console import app as console_app
+from tokengate.console import data, forms, password
+from tokengate.console.cli import set_admin
+from tokengate.console.session import LoginLimiter, Sessions
+from tokengate.ledger.report import UsageRow
+
+from tests.conftest import REPO_CONFIG
+
+pytestmark = pytest.mark.unit
+
+PASSWORD = "correct horse battery"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_digest_checks_its_password_and_nothing_else() -> None:
+    d = password.digest(PASSWORD)
+    assert re.fullmatch(r"scrypt\$n=32768,r=8,p=3\$[A-Za-z0-9_-]{22}\$[A-Za-z0-9_-]{43}", d)
+    assert password.verify(PASSWORD, d)
+    assert not password.verify(PASSWORD + " ", d)
+    assert not password.verify("", d)
+    assert not password.verify(PASSWORD, d.replace("n=32768", "n=16384"))
+    assert not password.verify(PASSWORD, "not a digest")
+    assert not password.verify("x" * 5000, d)
+    assert password.digest(PASSWORD) != d  # a fresh salt each time
+
+
+def test_an_unknown_admin_is_refused_and_a_short_password_is_not_set() -> None:
+    admins = {"alice": password.digest(PASSWORD)}
+    assert password.verify_admin(admins, "alice", PASSWORD)
+    assert not password.verify_admin(admins, "bob", PASSWORD)
+    assert password.check_new("short") == "a password has at least 10 characters"
+    assert password.check_new(" padded password ") is not None
+    assert password.check_new(PASSWORD) is None
+
+
+def test_the_configuration_takes_a_digest_and_refuses_a_password(tmp_path: Path) -> None:
+    base = REPO_CONFIG.read_text().replace("dir: var/models/",
+                                           f"dir: {REPO_CONFIG.parent / 'var/models'}/")
+    good = base.replace(
+        "  rotate_wait_s: 5.0 ",
+        f"  console:\n    admins:\n      alice: '{password.digest(PASSWORD)}'\n"
+        "  rotate_wait_s: 5.0 ")
+    cfg = tg_config.loads(good, tmp_path / "tokengate.yaml")
+    assert list(cfg.ledger.console.admins) == ["alice"]
+    bad = good.replace(cfg.ledger.console.admins["alice"], PASSWORD)
+    with pytest.raises(tg_config.ConfigError) as e:
+        tg_config.loads(bad, tmp_path / "tokengate.yaml")
+    assert e.value.errors[0].startswith("ledger.console.admins.alice: expected a digest "
+                                        "written by `tokengate console passwd NAME`")
+    clash = good.replace("  console:\n", "  console:\n    listen: 127.0.0.1:8083\n")
+    with pytest.raises(tg_config.ConfigError) as e:
+        tg_config.loads(clash, tmp_path / "tokengate.yaml")
+    assert e.value.errors == [("ledger.console.listen: 127.0.0.1:8083 is also "
+                               "metrics.ledger_listen")]
+
+
+def test_a_session_ends_on_the_servers_clock_and_checks_its_csrf_token() -> None:
+    clock = Clock()
+    sessions = Sessions(ttl_s=60, clock=clock)
+    s = sessions.start("alice")
+    assert sessions.get(s.token) == s
+    assert s.csrf_ok(s.csrf) and not s.csrf_ok(None) and not s.csrf_ok(s.csrf[:-1] + "x")
+    assert sessions.get("forged") is None and sessions.get(None) is None
+    clock.t += 59.9
+    assert sessions.get(s.token) == s
+    clock.t += 0.1
+    assert sessions.get(s.token) is None
+    t = sessions.start("bob")
+    sessions.end_admin("bob")
+    assert sessions.get(t.token) is None
+
+
+def test_failed_logins_are_limited_per_name_and_per_address() -> None:
+    clock = Clock()
+    limiter = LoginLimiter(attempts=3, window_s=300, clock=clock)
+    for _ in range(3):
+        assert limiter.wait_s("alice", "10.0.0.1") == 0
+        limiter.failed("alice", "10.0.0.1")
+    assert limiter.wait_s("alice", "10.0.0.2") == 300   # the name, from anywhere
+    assert limiter.wait_s("bob", "10.0.0.1") == 300     # the address, any name
+    assert limiter.wait_s("bob", "10.0.0.2") == 0
+    clock.t += 120
+    assert limiter.wait_s("alice", "10.0.0.2") == 180
+    clock.t += 180
+    assert limiter.wait_s("alice", "10.0.0.1") == 0
+    limiter.failed("carol", "10.0.0.3")
+    limiter.succeeded("carol", "10.0.0.3")
+    assert limiter._failures == {}
+
+
+def test_the_csv_has_the_ledgers_numbers_and_defuses_formulas() -> None:
+    rows = [UsageRow("2026-12-01", "demo", "tiny-qwen3", requests=3, errors=1,
+                     prompt_tokens=30, cached_tokens=0, completion_tokens=12,
+                     cost=4.62e-05),
+            UsageRow("2026-12-01", "=cmd|'/c calc'!A1", "-model", requests=1)]
+    assert data.usage_csv(rows).split("\r\n") == [
+        "day,key,model,requests,errors,prompt_tokens,cached_tokens,completion_tokens,cost",
+        "2026-12-01,demo,tiny-qwen3,3,1,30,0,12,4.62e-05",
+        "2026-12-01,'=cmd|'/c calc'!A1,'-model,1,0,0,0,0,0", ""]
+
+
+def _cfg(tmp_path: Path) -> tg_config.Config:
+    text = REPO_CONFIG.read_text().replace("dir: var/models/",
+                                           f"dir: {REPO_CONFIG.parent / 'var/models'}/")
+    return tg_config.loads(text, tmp_path / "tokengate.yaml")
+
+
+@pytest.mark.parametrize(("form", "errors"), [
+    ({"name": "bad name!", "rpm": "10", "tpm": "1000"},
+     {"name": "'bad name!': " + tg_config.KEY_ID_RULE}),
+    ({"name": "demo", "rpm": "10", "tpm": "1000"},
+     {"name": "a key named 'demo' exists: change it, or revoke it first"}),
+    ({"name": "ok", "rpm": "12x", "tpm": "-5"},
+     {"rpm": "'12x' is not a whole number: requests per minute",
+      "tpm": "'-5' is not a whole number: tokens per minute"}),
+    ({"name": "ok", "rpm": "0", "tpm": "99999999999999999999"},
+     {"rpm": "requests per minute: from 1 to 1,000,000,000,000",
+      "tpm": "tokens per minute: from 1 to 1,000,000,000,000"}),
+    ({"name": "ok", "rpm": "", "tpm": "1"}, {"rpm": "required: requests per minute"}),
+    ({"name": "ok", "rpm": "1", "tpm": "1", "budgets": "day=-1"},
+     {"budgets": "a budget is not negative: 'day=-1'"}),
+    ({"name": "ok", "rpm": "1", "tpm": "1", "budgets": "week=5"},
+     {"budgets": "expected [MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
+                 "currency, or tokens as 2000000t), got 'week=5'"}),
+    ({"name": "ok", "rpm": "1", "tpm": "1", "models": "tiny-qwen3, gpt-9"},
+     {"models": "not a served model: 'gpt-9' (served: tiny-qwen3; empty: all)"}),
+    ({"name": "ok", "rpm": "1", "tpm": "1", "priority": "urgent"},
+     {"priority": "'urgent' is not one of low, normal"}),
+    ({"name": "x" * 5000, "rpm": "1", "tpm": "1"},
+     {"name": "too long: 5,000 characters (at most 2,000)"}),
+    ({"name": "٣", "rpm": "١٢", "tpm": "1"},
+     {"name": "'٣': " + tg_config.KEY_ID_RULE,
+      "rpm": "'١٢' is not a whole number: requests per minute"}),
+])
+def test_every_bad_field_of_the_create_form_gets_its_message(
+        tmp_path: Path, form: dict[str, str], errors: dict[str, str]) -> None:
+    change, checked = forms.create(form, _cfg(tmp_path), "0" * 64)
+    assert change is None
+    assert checked.errors == errors
+
+
+def test_a_good_create_form_is_the_change_tokengate_keys_makes(tmp_path: Path) -> None:
+    change, checked = forms.create(
+        {"name": "team-a", "rpm": " 60 ", "tpm": "100000", "models": "tiny-qwen3",
+         "budgets": "day=5.00\nmonth=2000000t", "priority": "low"}, _cfg(tmp_path), "a" * 64)
+    assert checked.errors == {}
+    assert change is not None
+    assert (change.name, change.rpm, change.tpm, change.models, change.budgets,
+            change.priority) == ("team-a", 60, 100000, "tiny-qwen3",
+                                 ("day=5.00", "month=2000000t"), "low")
+
+
+def test_safe_next_keeps_a_login_on_the_console() -> None:
+    assert console_app.safe_next("/usage?since=7d") == "/usage?since=7d"
+    for bad in (None, "", "//evil.example", "/\\evil.example", "https://evil.example",
+                "/keys\r\nSet-Cookie: x=1"):
+        assert console_app.safe_next(bad) == "/keys"
+
+
+# --- the application, with a Redis that is not there ---------------------------------
+
+PORT = 18499
+
+
+@pytest.fixture
+def console(tmp_path: Path) -> tuple[httpx.Client, console_app.Console]:
+    path = tmp_path / "tokengate.yaml"
+    shutil.copy(REPO_CONFIG, path)
+    text = path.read_text().replace("dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var/models'}/")
+    path.write_text(text)
+    set_admin(path, "alice", password.digest(PASSWORD))
+    raw = path.read_text().replace("  console:\n", f"  console:\n    listen: 127.0.0.1:{PORT}\n")
+    path.write_text(raw)
+    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,
+                         retry=Retry(NoBackoff(), 0))
+    app = console_app.Console(path, client, tmp_path / "usage.jsonl")
+    http = httpx.Client(transport=httpx.WSGITransport(app=app),
+                        base_url=f"http://127.0.0.1:{PORT}")
+    return http, app
+
+
+def _login(http: httpx.Client, name: str = "alice", pw: str = PASSWORD,
+           origin: str = f"http://127.0.0.1:{PORT}") -> httpx.Response:
+    page = http.get("/login")
+    token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert token is not None
+    return http.post("/login", data={"name": name, "password": pw, "csrf": token[1],
+                                     "next": "/keys"},
+                     headers={"Origin": origin, "Cookie": f"tg_console_login={token[1]}"})
+
+
+def test_every_answer_carries_the_security_headers(console: Any) -> None:
+    http, _ = console
+    r = http.get("/login")
+    assert r.headers["content-security-policy"] == console_app.CSP
+    assert (r.headers["x-content-type-options"], r.headers["referrer-policy"],
+            r.headers["x-frame-options"], r.headers["cache-control"]) == \
+        ("nosniff", "same-origin", "DENY", "no-store")
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Secure" in cookie
+
+
+def test_a_page_without_a_session_goes_to_the_login_and_a_post_is_refused(
+        console: Any) -> None:
+    http, _ = console
+    r = http.get("/usage")
+    assert (r.status_code, r.headers["location"]) == (303, "/login?next=%2Fusage")
+    r = http.post("/keys/new", data={"name": "x"},
+                  headers={"Origin": f"http://127.0.0.1:{PORT}"})
+    assert r.status_code == 403
+
+
+def test_another_host_or_origin_is_refused(console: Any) -> None:
+    http, _ = console
+    assert http.get("/login", headers={"Host": "evil.example:18499"}).status_code == 421
+    assert _login(http, origin="http://evil.example").status_code == 403
+    r = http.post("/login", data={"name": "alice", "password": PASSWORD},
+                  headers={"Origin": f"http://127.0.0.1:{PORT}"})
+    assert r.status_code == 403  # no login form token
+
+
+def test_a_login_sets_a_session_and_a_post_needs_its_csrf_token(console: Any) -> None:
+    http, app = console
+    r = _login(http)
+    assert (r.status_code, r.headers["location"]) == (303, "/keys")
+    token = re.search(r"tg_console=([^;]+)", r.headers.get_list("set-cookie")[0])
+    assert token is not None
+    session = app.sessions.get(token[1])
+    assert session is not None and session.admin == "alice"
+    cookie = {"Cookie": f"tg_console={token[1]}", "Origin": f"http://127.0.0.1:{PORT}"}
+    form = {"name": "team-x", "rpm": "1", "tpm": "1"}
+    assert http.post("/keys/new", data=form, headers=cookie).status_code == 403
+    assert http.post("/keys/new", data={**form, "csrf": "forged"}, headers=cookie
+                     ).status_code == 403
+    bad = http.post("/keys/new", data={**form, "csrf": session.csrf, "rpm": "many"},
+                    headers=cookie)
+    assert bad.status_code == 400
+    assert "&#39;many&#39; is not a whole number: requests per minute" in bad.text
+    huge = http.post("/keys/new", content=b"name=" + b"x" * 70_000, headers={
+        **cookie, "Content-Type": "application/x-www-form-urlencoded"})
+    assert huge.status_code == 413
+    assert "team-x" not in app.config.current().keys
+
+
+def test_too_many_failed_logins_are_answered_429(console: Any) -> None:
+    http, _ = console
+    for _ in range(5):
+        assert _login(http, pw="wrong password").status_code == 401
+    r = _login(http)
+    assert r.status_code == 429
+    assert 1 <= int(r.headers["retry-after"]) <= 301
+    assert "Too many failed logins" in r.text
+
+
+def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -> None:
+    """The systemd way (ledger.console.changes_dir): the console queues, root's
+    `tokengate console apply` edits the file, the console reads the result."""
+    import threading
+
+    from tokengate.console import changes
+
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(REPO_CONFIG.read_text().replace(
+        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var/models'}/"))
+    queue = tmp_path / "queue"
+    got: list[changes.Outcome] = []
+    ask = threading.Thread(target=lambda: got.append(changes.submit(
+        queue, changes.KeyChange("set", "demo", rpm=7, priority="low"), "alice", wait_s=20)))
+    ask.start()
+    while not list((queue / "requests").glob("*.json")):
+        time.sleep(0.01)
+    assert changes.apply_queued(path, queue, []) == 1
+    ask.join(20)
+    assert got[0].ok and got[0].no_edge == f"no running edge of {path}: nothing reloaded"
+    demo = tg_config.load(path).keys["demo"]
+    assert (demo.rpm, demo.priority) == (7, "low")
+    assert list(queue.rglob("*.json")) == []
+    bad = changes.submit(queue, changes.KeyChange("revoke", "nobody"), "alice", wait_s=0.2)
+    assert bad.errors[0].startswith("not applied within 0 s: is tokengate-console-apply.path")
+    assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one
