@@ -110,6 +110,8 @@ def config_path() -> Path:
     # many sidecars run at once in a session (and beside make run): a test that reads a
     # sidecar's metrics gives it a port of its own
     raw["metrics"] = {"counter_listen": None, "ledger_listen": None, "limits_listen": None}
+    # and the console (the demo admin's) is off: tests/console gives its ledger one
+    raw["ledger"].pop("console", None)
     TEST_DIR.mkdir(parents=True, exist_ok=True)
     path = TEST_DIR / "tokengate.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

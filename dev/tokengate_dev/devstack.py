@@ -137,7 +137,7 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
         if routing.hash_seed is not None:
             routing_env["PYTHONHASHSEED"] = routing.hash_seed
     if tracing is not None and tracing.enabled:
-        from tokengate.tracing import collector_url
+        from tokengate.ledger.tracing import collector_url
 
         argv += ["--otlp-traces-endpoint", collector_url(tracing)]
         routing_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = tracing.protocol

@@ -1,5 +1,5 @@
 -- Tracing (tokengate.yaml's tracing section): one W3C trace per request, its span data
--- written into the request's usage event, where the ledger (tokengate.tracing, off the
+-- written into the request's usage event, where the ledger (tokengate.ledger.tracing, off the
 -- request path) turns it into OpenTelemetry spans and exports them over OTLP. The edge
 -- never talks to a collector and never waits on one.
 --

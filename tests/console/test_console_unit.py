@@ -5,7 +5,6 @@ refusals (host, origin, CSRF, session) with a Redis that is not there."""
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -58,9 +57,16 @@ def test_an_unknown_admin_is_refused_and_a_short_password_is_not_set() -> None:
     assert password.check_new(PASSWORD) is None
 
 
-def test_the_configuration_takes_a_digest_and_refuses_a_password(tmp_path: Path) -> None:
-    base = REPO_CONFIG.read_text().replace("dir: var/models/",
+def repo_config_without_console() -> str:
+    """The repository's tokengate.yaml, model paths absolute, less its ledger.console
+    block (the demo admin)."""
+    text = REPO_CONFIG.read_text().replace("dir: var/models/",
                                            f"dir: {REPO_CONFIG.parent / 'var/models'}/")
+    return re.sub(r"  console:.*\n(    .*\n)+", "", text)
+
+
+def test_the_configuration_takes_a_digest_and_refuses_a_password(tmp_path: Path) -> None:
+    base = repo_config_without_console()
     good = base.replace(
         "  rotate_wait_s: 5.0 ",
         f"  console:\n    admins:\n      alice: '{password.digest(PASSWORD)}'\n"
@@ -190,9 +196,7 @@ PORT = 18499
 @pytest.fixture
 def console(tmp_path: Path) -> tuple[httpx.Client, console_app.Console]:
     path = tmp_path / "tokengate.yaml"
-    shutil.copy(REPO_CONFIG, path)
-    text = path.read_text().replace("dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var/models'}/")
-    path.write_text(text)
+    path.write_text(repo_config_without_console())
     set_admin(path, "alice", password.digest(PASSWORD))
     raw = path.read_text().replace("  console:\n", f"  console:\n    listen: 127.0.0.1:{PORT}\n")
     path.write_text(raw)

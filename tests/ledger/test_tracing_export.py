@@ -1,4 +1,4 @@
-"""The ledger exports the spans that the edge wrote into usage events (``tokengate.tracing``):
+"""The ledger exports the spans that the edge wrote into usage events (``tokengate.ledger.tracing``):
 a real ``tokengate-ledger`` process, the session's Redis, and a real OTLP receiver (the
 protocol's gRPC service and OTLP/HTTP, ``tokengate_dev.otlp_receiver``). The edge's side,
 with vLLM's spans in the same traces, is tests/edge/test_edge_tracing.py."""

@@ -137,7 +137,7 @@ class TracingConfig(_Schema):
     """OpenTelemetry traces of the edge's requests (``tracing``): the edge starts or
     continues a W3C trace for every request, forwards it to vLLM and writes the span data
     into the request's usage event; the ledger, off the request path, exports the spans
-    over OTLP (``tokengate.tracing``). A collector that is down or slow loses spans
+    over OTLP (``tokengate.ledger.tracing``). A collector that is down or slow loses spans
     (counted), never requests."""
 
     enabled: bool = Field(

@@ -200,7 +200,7 @@ class Ledger:
     ``engine_files``, ``engine_wait_s`` and ``engine_orphan_s`` default to
     ``ledger.engine_usage_files`` / ``engine_wait_s`` / ``engine_orphan_s``;
     ``engine_only``: read no usage file (a ledger on a vLLM host); ``on_events``: called
-    with the events of every usage batch once Redis committed it (``tokengate.tracing``:
+    with the events of every usage batch once Redis committed it (``tokengate.ledger.tracing``:
     their spans), from the ledger's thread; it must not block. Raises ``ValueError`` for
     ``engine_only`` without engine files.
     """

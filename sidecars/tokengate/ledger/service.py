@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -23,7 +24,9 @@ from tokengate import config as tg_config
 from tokengate import metrics, redis_client
 from tokengate.ledger import admin
 from tokengate.ledger.ledger import Ledger, default_ledger_id
-from tokengate.tracing import SpanExport
+
+if TYPE_CHECKING:
+    from tokengate.ledger.tracing import SpanExport
 
 log = logging.getLogger("tokengate.ledger")
 
@@ -89,7 +92,7 @@ RELOAD
   restart. A file that does not load is logged and the old configuration kept.
 
 TRACING
-  With tracing.enabled, the spans the edge recorded in each event (tokengate.tracing)
+  With tracing.enabled, the spans the edge recorded in each event (tokengate.ledger.tracing)
   are exported over OTLP (tracing.endpoint, tracing.protocol) from a thread of their
   own once their batch is applied: a collector that is down or slow loses spans
   (tokengate_trace_spans_lost_total), never events. Spans wait while Redis is down,
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"tokengate-ledger: {e}\n")
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
-    spans = SpanExport(cfg.tracing) if cfg.tracing.enabled and not args.engine_only else None
+    spans: SpanExport | None = None
+    if cfg.tracing.enabled and not args.engine_only:
+        # imported only then: the OpenTelemetry SDK and its exporters take a while
+        from tokengate.ledger.tracing import SpanExport
+
+        spans = SpanExport(cfg.tracing)
     try:
         ledger = Ledger(cfg, client, usage_file,
                         args.ledger_id or default_ledger_id(usage_file), max_lines=args.batch,

@@ -55,7 +55,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from tokengate.config.sidecars import TracingConfig
 from tokengate.ledger.event import Trace, UsageEvent
 
-log = logging.getLogger("tokengate.tracing")
+log = logging.getLogger("tokengate.ledger.tracing")
 
 # gen_ai.operation.name by the event's endpoint (GenAI conventions' well-known values;
 # count_tokens and input_tokens are tokengate's own: the edge answers them itself)
