@@ -47,6 +47,8 @@ from tests.fixtures_ledger import make_event
 ROOT = devstack.ROOT
 TOKENGATE = Path(sys.executable).parent / "tokengate"
 SIDECARS = ("tokengate-counter.service", "tokengate-ledger.service", "tokengate-limits.service")
+# root's side of the console's key changes (a path unit starts the service)
+CONSOLE_APPLY = ("tokengate-console-apply.path", "tokengate-console-apply.service")
 LEDGER_DB = 9  # the session Redis, a database of its own (ledger tests flush database 0)
 BODY = json.dumps({"model": MODEL, "messages": [
     {"role": "system", "content": "You are terse."},
@@ -141,7 +143,7 @@ def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installe
         "etc/systemd/system/nginx.service.d/tokengate.conf": ("0o644", "root", "root"),
         "etc/tmpfiles.d/tokengate.conf": ("0o644", "root", "root"),
         **{f"etc/systemd/system/{u}": ("0o644", "root", "root")
-           for u in (*SIDECARS, "tokengate-vllm@.service")},
+           for u in (*SIDECARS, *CONSOLE_APPLY, "tokengate-vllm@.service")},
     }
     assert {k: stat_of(p / k) for k in want} == want
     lua = sorted(f.name for f in (p / "usr/share/tokengate/lua/tokengate").iterdir())
@@ -425,14 +427,17 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert r.returncode == 0, r.stderr
     assert not any("vllm" in line.lower() for line in r.stdout.splitlines()), r.stdout
     assert sorted(f.name for f in (prefix / "etc/systemd/system").glob("*.service")) == \
-        list(SIDECARS)
+        sorted([*SIDECARS, CONSOLE_APPLY[1]])
     assert not (prefix / "etc/tokengate/vllm").exists()
     cfg = tg_config.load(prefix / "etc/tokengate/tokengate.yaml")
     assert (cfg.redis.url, cfg.edge.listen) == ("redis://:pw@10.0.0.9:6390/2", "127.0.0.1:8089")
     steps = install_mod.next_steps(cfg, vllm_unit=False).splitlines()
     assert "  systemctl enable --now tokengate-counter tokengate-ledger" in steps
     assert not any("tokengate-vllm" in line or "example.env" in line for line in steps)
-    assert steps[-2].startswith("  tokengate doctor ")
+    # doctor checks the host's own vLLM, then nginx is reloaded, then the optional console
+    assert steps[-3].startswith("  tokengate doctor ")
+    assert steps[-2] == "  nginx -t && systemctl reload nginx"
+    assert steps[-1].startswith("  operator console (optional): tokengate console passwd ")
 
 
 def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> None:
@@ -534,7 +539,8 @@ def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
                                                   tmp_path: Path) -> None:
     d = installed.prefix / "etc/systemd/system"
     # a template is verified as an instance; a warning (unknown key, bad value) fails too
-    r = verify(*(d / u for u in SIDECARS), d / "tokengate-vllm@8000.service")
+    r = verify(*(d / u for u in (*SIDECARS, *CONSOLE_APPLY)),
+               d / "tokengate-vllm@8000.service")
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
     # the drop-in for Debian's own nginx.service, loaded next to a copy of that unit
     (tmp_path / "nginx.service.d").mkdir()
