@@ -144,37 +144,35 @@ function _M.header(ctx)
     return "00-" .. tr.id .. "-" .. tr.span .. "-" .. flags(tr)
 end
 
--- reasons(ctx, text): the finish reasons ("finish_reason" of chat and completions,
--- "stop_reason" of the Messages API) written in one SSE event or JSON body, in order.
--- A plain find: a quote inside generated text is escaped, so '"finish_reason":"' is
--- never the model's own text.
-local KEYS = { '"finish_reason":"', '"stop_reason":"' }
+-- reasons(ctx, text): the finish reasons written in one SSE event or JSON body, in
+-- order: "finish_reason" of chat and completions, "stop_reason" of the Messages API
+-- (one key per request: a stream has an event per token). A plain find: a quote inside
+-- generated text is escaped, so the key is never the model's own text.
 function _M.reasons(ctx, text)
     local tr = ctx.trace
     if not tr then
         return
     end
-    for i = 1, #KEYS do
-        local init = 1
-        while true do
-            local _, e = find(text, KEYS[i], init, true)
-            if not e then
-                break
-            end
-            local q = find(text, '"', e + 1, true)
-            if not q or q - e > 65 then
-                break
-            end
-            local r = tr.reasons
-            if not r then
-                r = {}
-                tr.reasons = r
-            end
-            if #r < 16 then
-                r[#r + 1] = sub(text, e + 1, q - 1)
-            end
-            init = q + 1
+    local key = ctx.route == "messages" and '"stop_reason":"' or '"finish_reason":"'
+    local init = 1
+    while true do
+        local _, e = find(text, key, init, true)
+        if not e then
+            return
         end
+        local q = find(text, '"', e + 1, true)
+        if not q or q - e > 65 then
+            return
+        end
+        local r = tr.reasons
+        if not r then
+            r = {}
+            tr.reasons = r
+        end
+        if #r < 16 then
+            r[#r + 1] = sub(text, e + 1, q - 1)
+        end
+        init = q + 1
     end
 end
 

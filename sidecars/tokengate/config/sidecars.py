@@ -183,12 +183,6 @@ class TracingConfig(_Schema):
     schedule_delay_ms: Annotated[int, Field(ge=1, le=600_000)] = Field(
         default=1000,
         description="Longest a span waits for its batch to fill before it is exported, ms.")
-    export_nice: Annotated[int, Field(ge=0, le=19)] = Field(
-        default=19,
-        description="CPU priority (nice) of the ledger's span-export thread, above the "
-                    "ledger's own: on busy cores the request path and billing come first "
-                    "and spans wait (then, past max_queue_spans, are lost and counted).")
-
     @field_validator("headers")
     @classmethod
     def _header_names(cls, value: dict[str, str]) -> dict[str, str]:

@@ -240,6 +240,9 @@ def otlp_exporter(cfg: TracingConfig) -> SpanExporter:
     return HttpExporter(endpoint=collector_url(cfg), headers=headers, timeout=cfg.timeout_s)
 
 
+EXPORT_NICE = 10  # the export thread's nice value (the billing thread's is the process's)
+
+
 def span_count(ev: UsageEvent) -> int:
     """How many spans ``spans_of(ev)`` gives: the edge's, and the upstream call's when
     the request was forwarded."""
@@ -250,11 +253,11 @@ def span_count(ev: UsageEvent) -> int:
 
 
 class SpanExport:
-    """Exports the spans of committed usage events from a thread of its own, at a lower
-    CPU priority than the process's other threads (``tracing.export_nice``: Linux nice
-    values are per thread), so that on a host whose cores are busy the request path
-    and the billing come first: the spans then wait, up to ``max_queue_spans``.
-    ``events`` never blocks. Counts, this process's since it started: ``exported``
+    """Exports the spans of committed usage events from a thread of its own, below the
+    ledger's billing thread in CPU priority (``EXPORT_NICE``; Linux nice values are per
+    thread, and weigh only within the ledger's own scheduling group: against nginx and
+    the counter, the ledger's unit or session decides): on busy cores the spans wait,
+    up to ``max_queue_spans``. ``events`` never blocks. Counts, this process's since it started: ``exported``
     (spans the collector accepted), ``lost`` by reason: ``queue_full`` (more than
     ``max_queue_spans`` waiting), ``export_failed`` (the exporter gave up: collector
     down, refused, or slower than ``timeout_s`` with its retries), ``shutdown`` (still
@@ -334,7 +337,7 @@ class SpanExport:
 
     def _run(self) -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.export_nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EXPORT_NICE)
         except (OSError, AttributeError) as e:  # not Linux, or not allowed: same priority
             log.info("tracing: span export at the ledger's priority (%s)", e)
         while not self._stop.is_set():
