@@ -15,8 +15,12 @@
 -- vLLM gets `traceparent: 00-<trace>-<upstream span>-<flags>` (its llm_request span, with
 -- --otlp-traces-endpoint, is then a child of the upstream call's span:
 -- vllm/tracing/otel.py, extract_trace_context); the client gets the edge span's
--- `traceparent` on every answer, refusals included. A client's `tracestate` passes to
--- vLLM unchanged and is kept on the spans.
+-- `traceparent` on every answer the edge's Lua sees, refusals included. A client's
+-- `tracestate` (repeated headers joined with ",", as the W3C says) reaches vLLM and the
+-- spans only with the valid `traceparent` it belongs to, and only as printable ASCII of
+-- at most 512 characters: otherwise it is removed (vLLM refuses a request whose
+-- tracestate holds control bytes). With tracing off the edge still removes trace headers
+-- that are not valid, for the same reason, and forwards the valid ones unchanged.
 --
 -- ctx.trace = {id, parent (span id | nil), span, up, sampled, state (tracestate | nil),
 -- start_ms (wall clock, epoch ms), spans = {{name, offset_ms, duration_ms}, ...},
@@ -42,6 +46,8 @@ local null = json.null
 
 local _M = {}
 
+local concat = table.concat
+local ngx_get_headers = ngx.req.get_headers
 local ZERO_TRACE = "00000000000000000000000000000000"
 local ZERO_SPAN = "0000000000000000"
 local TWO32 = 4294967296
@@ -49,7 +55,8 @@ local MAX_TRACESTATE = 512 -- W3C: at most 32 list members; longer headers are d
 
 -- parse(header) -> trace id, parent span id, sampled | nil: a W3C traceparent
 -- (version 00 exactly four fields; a later version may add fields after a '-'; version
--- ff, all-zero ids, upper-case hex and a repeated header are invalid).
+-- ff, all-zero ids and upper-case hex are invalid; so is a repeated header, which
+-- arrives as a table).
 local function parse(header)
     if type(header) ~= "string" or #header < 55 then
         return nil
@@ -78,21 +85,59 @@ local function nonzero(id)
     return id
 end
 
--- start(ctx, tracing): the request's trace (ctx.trace), when tracing.enabled; tracing:
--- the compiled document's tracing section {enabled, sample_ratio (0..1)}.
-function _M.start(ctx, tracing)
-    if not tracing.enabled then
-        return
+-- received() -> the client's traceparent (string, or a table when repeated) and its
+-- tracestate (repeated headers joined) | nil each. The whole header list is read only
+-- when one of them is there: nginx 1.22's $http_* variables hold a repeated header's
+-- first value only.
+local function received()
+    if not ngx_var.http_traceparent and not ngx_var.http_tracestate then
+        return nil, nil
     end
-    local rid = request.id(ctx)
-    local id, parent, sampled = parse(ngx_var.http_traceparent)
-    local state
-    if id then
-        state = ngx_var.http_tracestate
-        if type(state) ~= "string" or #state > MAX_TRACESTATE or state == "" then
-            state = nil
+    local h = ngx_get_headers(100)
+    local tp, ts = h["traceparent"], h["tracestate"]
+    if type(ts) == "table" then
+        ts = concat(ts, ",")
+    end
+    return tp, ts
+end
+
+-- valid_state(ts) -> ts when it may be forwarded: printable ASCII, 1..512 characters
+local function valid_state(ts)
+    if type(ts) ~= "string" or ts == "" or #ts > MAX_TRACESTATE
+            or not re_find(ts, [[^[\x20-\x7e]+$]], "jo") then
+        return nil
+    end
+    return ts
+end
+
+-- forwarded(state, ts_sent): vLLM gets tracestate only as ``state``: the client's
+-- header (ts_sent) is replaced when it was joined, removed when it is not valid
+local function forwarded(state, ts_sent)
+    if state then
+        if state ~= ngx_var.http_tracestate then
+            ngx_req.set_header("tracestate", state)
         end
-    else
+    elseif ts_sent then
+        ngx_req.clear_header("tracestate")
+    end
+end
+
+-- start(ctx, tracing): the request's trace (ctx.trace), when tracing.enabled; tracing:
+-- the compiled document's tracing section {enabled, sample_ratio (0..1)}. With tracing
+-- off, only the client's trace headers that are not valid are removed.
+function _M.start(ctx, tracing)
+    local tp, ts = received()
+    local id, parent, sampled = parse(tp)
+    local state = id and valid_state(ts) or nil
+    if not tracing.enabled then
+        if tp and not id then
+            ngx_req.clear_header("traceparent")
+        end
+        return forwarded(state, ts)
+    end
+    forwarded(state, ts)
+    local rid = request.id(ctx)
+    if not id then
         id = rid
         sampled = tonumber(sub(id, 25, 32), 16) < tracing.sample_ratio * TWO32
     end

@@ -138,6 +138,12 @@ def test_a_typo_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Pat
     ("tracing.sample_ratio", 2, "input should be less than or equal to 1, got 2"),
     ("tracing.headers", {"bad header": "x"}, "'bad header' is not an HTTP header name"),
     ("tracing.timeout_s", 0, "input should be greater than 0, got 0"),
+    ("tracing.headers.x-a", "v\u00e4lue", "'v\u00e4lue': expected printable ASCII, not empty"),
+    ("tracing.endpoint", "http://127.0.0.1:99999",
+     "'http://127.0.0.1:99999': the port is not in 1..65535"),
+    ("tracing.service_name", "a\nb", "'a\\nb': expected printable ASCII, not empty"),
+    ("tracing.resource_attributes", {"service.name": "x"},
+     "service.name is tracing.service_name"),
 ])
 def test_a_wrong_value_is_refused_with_its_path(repo_raw: dict[str, Any], tmp_path: Path,
                                                 path: str, value: Any, message: str) -> None:

@@ -12,6 +12,8 @@ the edge's upstream span."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,49 @@ def test_traceparent_parsing() -> None:
         {lines}
         return table.concat(out, "\\n")""").split("\n")
     assert dict(zip(cases, got, strict=True)) == cases
+
+
+def raw_chat(port: int, headers: bytes) -> tuple[int, bytes]:
+    """One chat request over a plain socket (httpx refuses control bytes in a header):
+    (status, the head of the answer)."""
+    body = json.dumps({"model": MODEL, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: Bearer " + MAIN_KEY.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n" + headers + b"\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as c:
+        c.sendall(head + body)
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.partition(b"\r\n\r\n")[0]
+
+
+def test_hostile_trace_headers_never_fail_a_request(edge: Edge,
+                                                    edge_variant: Callable[..., Edge]) -> None:
+    """vLLM refuses a request whose tracestate holds control bytes: the edge forwards a
+    client's trace headers only when they are valid, tracing on or off. A repeated
+    traceparent is not valid (W3C); repeated tracestates are joined."""
+    on = edge_variant("tracing-hostile", tracing_on)
+    ok = f"traceparent: 00-{CLIENT_TRACE}-{CLIENT_SPAN}-01\r\n".encode()
+    cases = [ok + b"tracestate: a=\x01\xff\x80\r\n", ok + b"tracestate: a=\x7f\r\n",
+             b"tracestate: a=1\r\n", ok + b"tracestate: " + b"a" * 600 + b"\r\n",
+             ok + f"traceparent: 00-{'3' * 32}-{CLIENT_SPAN}-01\r\n".encode(),
+             b"traceparent: 00-\x01\r\n"]
+    for e in (edge, on):
+        for headers in cases:
+            status, head = raw_chat(e.port, headers)
+            assert status == 200, (e.port, headers, head)
+    # traced: the repeated traceparent starts a trace of its own; joined tracestates
+    status, head = raw_chat(on.port, ok * 2)
+    rid = re.search(rb"X-Request-Id: (\w+)", head)[1].decode()
+    assert on.event(rid)["trace"]["trace_id"] == rid
+    status, head = raw_chat(on.port, ok + b"tracestate: a=1\r\ntracestate: b=2\r\n")
+    rid = re.search(rb"X-Request-Id: (\w+)", head)[1].decode()
+    tr = on.event(rid)["trace"]
+    assert (tr["trace_id"], tr["tracestate"]) == (CLIENT_TRACE, "a=1,b=2")
 
 
 def test_one_trace_per_request_from_edge_to_vllm(

@@ -18,7 +18,6 @@ from tokengate.config.types import (
     Finite,
     HostPort,
     LoopbackHostPort,
-    NonEmpty,
     OptionalPath,
     Positive,
     Rate,
@@ -118,10 +117,12 @@ def _otlp_endpoint(value: str) -> str:
     u = urlsplit(value)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"expected http://host:port or https://host:port, got {value!r}")
+    if any(not " " < c < "\x7f" for c in value):
+        raise ValueError(f"{value!r} holds a space, a control or a non-ASCII character")
     try:
         port = u.port
     except ValueError:
-        port = None
+        raise ValueError(f"{value!r}: the port is not in 1..65535") from None
     if port is None:
         raise ValueError(f"{value!r} names no port (OTLP's are 4317 for gRPC, 4318 for HTTP)")
     if u.query or u.fragment or u.username or u.password:
@@ -130,6 +131,17 @@ def _otlp_endpoint(value: str) -> str:
 
 
 OtlpEndpoint = Annotated[str, AfterValidator(_otlp_endpoint)]
+
+
+def _printable(value: str) -> str:
+    """Printable ASCII only: what gRPC metadata, HTTP headers and OpenTelemetry's
+    resource attributes carry without loss."""
+    if not value or any(not " " <= c < "\x7f" for c in value):
+        raise ValueError(f"{value!r}: expected printable ASCII, not empty")
+    return value
+
+
+Printable = Annotated[str, AfterValidator(_printable)]
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
@@ -153,7 +165,7 @@ class TracingConfig(_Schema):
     protocol: Literal["grpc", "http/protobuf"] = Field(
         default="grpc",
         description="OTLP transport: grpc (port 4317) or http/protobuf (port 4318).")
-    headers: dict[str, str] = Field(
+    headers: dict[str, Printable] = Field(
         default={},
         description="Headers sent with every export (for example an authorization "
                     "token); kept out of the edge's compiled file.")
@@ -166,10 +178,10 @@ class TracingConfig(_Schema):
         description="Share of new traces recorded (by the trace id, as OpenTelemetry's "
                     "TraceIdRatioBased); a request with a `traceparent` follows its "
                     "sampled flag; errors, refusals and aborted requests are always kept.")
-    service_name: NonEmpty = Field(
+    service_name: Printable = Field(
         default="tokengate",
         description="The spans' service.name resource attribute.")
-    resource_attributes: dict[str, str] = Field(
+    resource_attributes: dict[Printable, Printable] = Field(
         default={},
         description="More resource attributes of every span (deployment.environment, "
                     "service.instance.id, ...).")
@@ -186,11 +198,16 @@ class TracingConfig(_Schema):
     @field_validator("headers")
     @classmethod
     def _header_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, v in value.items():
+        for name in value:
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an HTTP header name")
-            if any(c in v for c in "\r\n\0"):
-                raise ValueError(f"the value of {name!r} holds a line break or NUL")
+        return value
+
+    @field_validator("resource_attributes")
+    @classmethod
+    def _not_the_service_name(cls, value: dict[str, str]) -> dict[str, str]:
+        if "service.name" in value:
+            raise ValueError("service.name is tracing.service_name")
         return value
 
     @model_validator(mode="after")

@@ -129,9 +129,12 @@ def parse_day(text: str, today: date | None = None) -> date:
         return today
     if text == "yesterday":
         return today - timedelta(days=1)
-    m = re.fullmatch(r"(\d+)d", text)
+    m = re.fullmatch(r"([0-9]{1,9})d", text)
     if m:
-        return today - timedelta(days=int(m.group(1)))
+        try:
+            return today - timedelta(days=int(m.group(1)))
+        except OverflowError:
+            raise argparse.ArgumentTypeError(f"{text!r} goes back before the year 1") from None
     try:
         return date.fromisoformat(text)
     except ValueError:
