@@ -14,6 +14,7 @@ that doubles while it keeps dying (``Backoff``), until ``request_stop``.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -85,25 +86,48 @@ _HANDED_OUT = Path(tempfile.gettempdir()) / "tokengate-free-ports"
 _HELD_S = 300.0
 
 
+def _above_ephemeral() -> range:
+    """The ports above Linux's ephemeral range (``ip_local_port_range``, 32768-60999 by
+    default), which the kernel never picks for a bind to port 0; empty where the range
+    reaches 65535 or cannot be read."""
+    try:
+        hi = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(hi + 1, 65536)
+
+
+# Ports free_port() hands out: above the kernel's ephemeral range, where every bind to
+# port 0 lands (a torch.distributed store, a chromedriver, a connection's source port),
+# and far above the tests' fixed ports (tests/test_conftest.py).
+FREE_PORTS = _above_ephemeral()
+
+
 def free_port() -> int:
-    """A free TCP port on loopback (the kernel's choice, ephemeral range) that no other
-    ``free_port()`` on this machine handed out in the last 5 minutes.
+    """A free TCP port on loopback from ``FREE_PORTS`` (the kernel's choice where that
+    range is too small) that no other ``free_port()`` on this machine handed out in the
+    last 5 minutes.
 
     The port is free when this returns, and stays so only until the caller's process
-    binds it, seconds later; meanwhile the kernel may give the same port to another
-    process's ``free_port()`` (seen with three test workers: two services on one port,
-    "address already in use"). So each port handed out is marked by a file in
-    ``$TMPDIR/tokengate-free-ports`` (created exclusively; older than 5 minutes it
-    no longer counts), and a marked port is passed over. Where the folder cannot be
-    written, the kernel's choice is returned as it is."""
-    port = 0
-    for _ in range(64):
+    binds it, seconds later. Two things could take it meanwhile: another process's
+    ``free_port()`` (seen with three test workers: two services on one port, "address
+    already in use"), so each port handed out is marked by a file in
+    ``$TMPDIR/tokengate-free-ports`` (created exclusively; older than 5 minutes it no
+    longer counts) and a marked port is passed over; and any process that binds port 0
+    (the kernel's choice, seen: a make-run stack's nginx found its port taken), which
+    ``FREE_PORTS`` keeps out of the kernel's range. Where the folder cannot be written,
+    a free port is returned unmarked. Raises ``OSError`` when none of 256 tries is free."""
+    for _ in range(256):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1",
+                        random.choice(FREE_PORTS) if len(FREE_PORTS) >= 256 else 0))
+            except OSError:
+                continue
             port = int(s.getsockname()[1])
         if _claim(_HANDED_OUT / str(port)):
-            break
-    return port
+            return port
+    raise OSError("no free port found in 256 tries")
 
 
 def _claim(mark: Path) -> bool:
