@@ -40,6 +40,12 @@ function _M.mono_ms()
     return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
 end
 
+-- round3(ms) -> ms rounded to 3 decimals (a duration of mono_ms's µs resolution, as
+-- the usage event and the trace record it)
+function _M.round3(x)
+    return floor(x * 1000 + 0.5) / 1000
+end
+
 -- window_now() -> seconds since the epoch (float, ms resolution): the clock that numbers
 -- the per-minute limit windows (tokengate.local_limit).
 _M.window_now = ngx.now

@@ -34,7 +34,6 @@ local request = require "tokengate.request"
 
 local sub = string.sub
 local find = string.find
-local floor = math.floor
 local max = math.max
 local tonumber = tonumber
 local type = type
@@ -42,6 +41,7 @@ local re_find = ngx.re.find
 local ngx_var = ngx.var
 local ngx_req = ngx.req
 local mono_ms = clock.mono_ms
+local round3 = clock.round3
 local null = json.null
 
 local _M = {}
@@ -146,11 +146,6 @@ function _M.start(ctx, tracing)
         span = nonzero(sub(rid, 1, 16)), up = nonzero(sub(rid, 17, 32)),
         start_ms = ngx_req.start_time() * 1000, spans = {},
     }
-end
-
--- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
-local function round3(x)
-    return floor(x * 1000 + 0.5) / 1000
 end
 
 -- span(ctx, name, t_start): a child span of the edge's from t_start (monotonic ms) to

@@ -29,12 +29,12 @@ local byte = string.byte
 local concat = table.concat
 local tonumber = tonumber
 local type = type
-local floor = math.floor
 local max = math.max
 local ngx_var = ngx.var
 local ngx_req = ngx.req
 local ngx_now = ngx.now
 local mono_ms = clock.mono_ms
+local round3 = clock.round3
 local cast = ffi.cast
 local u8p = ffi.typeof("const uint8_t *")
 
@@ -358,11 +358,6 @@ function _M.event(f)
         set(o, k, v)
     end
     return o
-end
-
--- round3(x) -> x rounded to 3 decimals (ms with µs resolution)
-local function round3(x)
-    return floor(x * 1000 + 0.5) / 1000
 end
 
 -- record(ctx, status, aborted) -> the request's usage event (event()'s json.object),

@@ -30,6 +30,7 @@ from tests.fixtures_edge import MAIN_KEY, Edge, key_of, run_lua
 from tests.fixtures_ledger import svc_name, wait_until
 from tests.fixtures_vllm import OTLP_PORT, VllmServer
 from tests.ledger.test_ledger_engine import status
+from tests.ledger.test_tracing_export import scrape
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -254,7 +255,6 @@ def dead_collector_config(folder: Path, ports: tuple[int, int]) -> Path:
 
 def scrape_lost(config: Path) -> float:
     """tokengate_trace_spans_lost_total of every reason, from the ledger's /metrics."""
-    listen = yaml.safe_load(config.read_text())["metrics"]["ledger_listen"]
-    text = httpx.get(f"http://{listen}/metrics", timeout=5).text
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("tokengate_trace_spans_lost_total"))
+    port = int(yaml.safe_load(config.read_text())["metrics"]["ledger_listen"].rpartition(":")[2])
+    return sum(v for k, v in scrape(port).items()
+               if k.startswith("tokengate_trace_spans_lost_total"))

@@ -11,6 +11,7 @@ import argparse
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokengate import config as tg_config
 from tokengate.console.changes import KeyChange
@@ -98,6 +99,19 @@ CREATE_FIELDS = ("name", "rpm", "tpm", "models", "budgets", "priority")
 SET_FIELDS = ("rpm", "tpm", "models", "budgets", "priority")
 
 
+def _key_fields(c: Checked, cfg: tg_config.Config) -> dict[str, Any]:
+    """The fields that creating and changing a key share, read from ``c`` (each one whose
+    value did not arrive well formed is None, its message in ``c.errors``): rpm, tpm,
+    models, budgets (None for none) and priority, as ``KeyChange`` takes them."""
+    rpm = _count(c, "rpm", "requests per minute", True) if "rpm" not in c.errors else None
+    tpm = _count(c, "tpm", "tokens per minute", True) if "tpm" not in c.errors else None
+    models = _models(c, cfg) if "models" not in c.errors else None
+    budgets = _budgets(c) if "budgets" not in c.errors else None
+    priority = _priority(c, cfg) if "priority" not in c.errors else None
+    return {"rpm": rpm, "tpm": tpm, "models": models, "budgets": budgets or None,
+            "priority": priority}
+
+
 def create(form: Mapping[str, str], cfg: tg_config.Config,
            sha256: str) -> tuple[KeyChange | None, Checked]:
     """The create form -> (the change, or None with the messages)."""
@@ -110,15 +124,10 @@ def create(form: Mapping[str, str], cfg: tg_config.Config,
             c.errors["name"] = f"{_shown(name)}: {tg_config.KEY_ID_RULE}"
         elif name in cfg.keys:
             c.errors["name"] = f"a key named {name!r} exists: change it, or revoke it first"
-    rpm = _count(c, "rpm", "requests per minute", True) if "rpm" not in c.errors else None
-    tpm = _count(c, "tpm", "tokens per minute", True) if "tpm" not in c.errors else None
-    models = _models(c, cfg) if "models" not in c.errors else None
-    budgets = _budgets(c) if "budgets" not in c.errors else None
-    priority = _priority(c, cfg) if "priority" not in c.errors else None
+    fields = _key_fields(c, cfg)
     if c.errors:
         return None, c
-    return KeyChange("create", name, sha256=sha256, rpm=rpm, tpm=tpm, models=models,
-                     budgets=budgets or None, priority=priority), c
+    return KeyChange("create", name, sha256=sha256, **fields), c
 
 
 def set_(form: Mapping[str, str], cfg: tg_config.Config,
@@ -127,15 +136,10 @@ def set_(form: Mapping[str, str], cfg: tg_config.Config,
     form shows every value: rpm, tpm, models and priority are set as given, the
     budgets replace the key's (empty: none)."""
     c = _values(form, SET_FIELDS)
-    rpm = _count(c, "rpm", "requests per minute", True) if "rpm" not in c.errors else None
-    tpm = _count(c, "tpm", "tokens per minute", True) if "tpm" not in c.errors else None
-    models = _models(c, cfg) if "models" not in c.errors else None
-    budgets = _budgets(c) if "budgets" not in c.errors else None
-    priority = _priority(c, cfg) if "priority" not in c.errors else None
+    fields = _key_fields(c, cfg)
     if c.errors:
         return None, c
-    return KeyChange("set", name, rpm=rpm, tpm=tpm, models=models, budgets=budgets or None,
-                     no_budgets=True, priority=priority), c
+    return KeyChange("set", name, no_budgets=True, **fields), c
 
 
 def budget_specs(key: tg_config.KeyConfig) -> str:

@@ -119,8 +119,7 @@ def _ns(ms: float) -> int:
     return round(ms * 1e6)
 
 
-def _attributes(ev: UsageEvent, tr: Trace) -> dict[str, Any]:
-    op = OPERATIONS.get(ev.endpoint, ev.endpoint)
+def _attributes(ev: UsageEvent, tr: Trace, op: str) -> dict[str, Any]:
     a: dict[str, Any] = {
         "gen_ai.operation.name": op,
         "gen_ai.provider.name": "anthropic" if ev.endpoint in ANTHROPIC else "openai",
@@ -185,14 +184,14 @@ def spans_of(ev: UsageEvent, resource: Resource) -> list[ReadableSpan]:
     ends = [ev.total_ms] + [off + dur for _, off, dur in tr.spans]
     if tr.upstream:
         ends.append(sum(tr.upstream))
+    op = OPERATIONS.get(ev.endpoint, ev.endpoint)
     failed = ev.status >= 400 or (ev.error is not None and not ev.client_aborted)
     status = (Status(StatusCode.ERROR, ev.error or str(ev.status)) if failed
               else Status(StatusCode.UNSET))
-    op = OPERATIONS.get(ev.endpoint, ev.endpoint)
     events = [Event(f"tokengate.{name}", {"tokengate.duration_ms": dur}, base + _ns(off))
               for name, off, dur in tr.spans]
     out = [ReadableSpan(f"{op} {ev.model}" if ev.model else op, context=edge, parent=parent,
-                        resource=resource, attributes=_attributes(ev, tr), events=events,
+                        resource=resource, attributes=_attributes(ev, tr, op), events=events,
                         kind=SpanKind.SERVER, status=status, start_time=base,
                         end_time=base + _ns(max(ends)), instrumentation_scope=SCOPE)]
     if tr.upstream and tr.upstream_span_id:
