@@ -106,9 +106,8 @@ fi
 # gRPC stubs, generated from proto/ (never edited by hand; the package build does the same).
 .venv/bin/python sidecars/build_stubs.py
 
-# The embedded model (deterministic: same files on every machine).
-if [ ! -f var/models/tiny-qwen3/.complete ]; then
-  .venv/bin/python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
-fi
+# The embedded model (deterministic: same files on every machine); rebuilt only when its
+# parameters changed (an older build allowed 8,192 tokens of context, today's 65,536).
+.venv/bin/python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
 # Readable by a service user (a unit's tokengate): older builds left the weights 0600.
 chmod -R a+rX var/models/tiny-qwen3

@@ -26,7 +26,11 @@ from tests.fixtures_vllm import VllmFactory, VllmServer
 EMBED_MODEL = "tiny-qwen3-embed"
 # vLLM's flags on top of devstack's: the pooling runner and the served name (argparse
 # keeps the last --served-model-name: devstack's names the configured generating model)
-POOLING_ARGS = ("--runner", "pooling", "--served-model-name", EMBED_MODEL)
+# an embedding model's context (vLLM takes the last --max-model-len), as add_embed_model
+# configures it
+EMBED_MAX_MODEL_LEN = 8192
+POOLING_ARGS = ("--runner", "pooling", "--served-model-name", EMBED_MODEL,
+                "--max-model-len", str(EMBED_MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +46,10 @@ def add_embed_model(raw: dict[str, Any], upstream: str) -> None:
     generating model's settings and directory, ``runner: pooling``, served by the vLLM
     at ``upstream`` (host:port, not the embedded one)."""
     m = copy.deepcopy(raw["models"][MODEL])
-    m.update(runner="pooling", upstreams=[upstream], embedded=False)
+    # an embedding model's context, not the agents' 65,536 tokens of the generating
+    # model: the limit tests send inputs just above it
+    m.update(runner="pooling", upstreams=[upstream], embedded=False,
+             max_model_len=EMBED_MAX_MODEL_LEN)
     raw["models"][EMBED_MODEL] = m
 
 

@@ -6,7 +6,15 @@ plus a 2-layer Qwen3 with head_dim 64 (vLLM's CPU attention needs head_dim in
 {32, 64, 80, 96, 112, 128, ...}). Counts, templates, streaming and errors are
 real; the generated text is nonsense. Same seed, same files on every machine.
 
+The context it allows (``max_position_embeddings``, the longest ``--max-model-len``
+vLLM accepts for it) is 65,536 tokens by default: coding agents' first requests are
+9k (Codex CLI) to 20k (Claude Code) tokens. Its KV cache costs 1 KiB a token (2
+layers x 1 KV head x 64 x K and V, float32): 64 MiB for a full context.
+
 Usage: python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
+       [--max-model-len 65536] [--seed 0] [--force]
+Without --force, a directory already built with the same parameters is left as it is
+(its ``.complete`` file records them), so ``make setup`` calls this every time.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
+DEFAULT_MAX_MODEL_LEN = 65536  # tokens; tokengate.yaml's max_model_len for the model
 QWEN3_VOCAB_SIZE = 151936  # embedding rows of every Qwen3 checkpoint
 IM_END_ID = 151645
 ENDOFTEXT_ID = 151643
@@ -42,9 +51,23 @@ def make_readable(model_dir: Path) -> None:
             f.chmod(0o644)
 
 
-def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
+def stamp(seed: int, max_model_len: int) -> str:
+    """What ``.complete`` holds for a build with these parameters."""
+    return f"seed={seed} max_model_len={max_model_len}\n"
+
+
+def is_built(out: Path, seed: int = 0, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> bool:
+    """True when ``out`` holds a finished build with these parameters."""
+    try:
+        return (out / ".complete").read_text() == stamp(seed, max_model_len)
+    except OSError:
+        return False
+
+
+def build(out: Path, seed: int = 0, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
     """Write config, seeded weights and tokenizer files to ``out``, every file
-    readable by every user (``make_readable``)."""
+    readable by every user (``make_readable``). ``max_model_len`` (tokens) becomes the
+    config's ``max_position_embeddings``: the longest context vLLM serves it with."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -73,7 +96,7 @@ def build(out: Path, seed: int = 0, max_model_len: int = 8192) -> None:
     (tmp / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "do_sample": False}, indent=2)
     )
-    (tmp / ".complete").write_text("")
+    (tmp / ".complete").write_text(stamp(seed, max_model_len))
     make_readable(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -83,9 +106,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="model directory to write")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the weights")
+    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                        metavar="TOKENS",
+                        help="the longest context the model allows (its "
+                             "max_position_embeddings; default %(default)s): at least the "
+                             "max_model_len that tokengate.yaml gives it")
+    parser.add_argument("--force", action="store_true",
+                        help="build even when --out already holds this build")
     args = parser.parse_args()
-    print(f"building tiny Qwen3 model in {args.out} ...", flush=True)
-    build(args.out, args.seed)
+    if args.max_model_len < 1:
+        parser.error("--max-model-len must be a positive number of tokens")
+    if not args.force and is_built(args.out, args.seed, args.max_model_len):
+        return
+    print(f"building tiny Qwen3 model in {args.out} (context {args.max_model_len} tokens) ...",
+          flush=True)
+    build(args.out, args.seed, args.max_model_len)
     print("done", flush=True)
 
 

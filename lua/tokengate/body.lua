@@ -413,6 +413,7 @@ function _M.parse(route, models, edge, api)
     if not ok then
         local name = body.model
         err.model = type(name) == "string" and models[name] and name or nil
+        err.stream = body.stream == true
         return nil, err
     end
     return body

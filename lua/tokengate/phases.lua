@@ -71,7 +71,6 @@ local type = type
 local tostring = tostring
 local tonumber = tonumber
 local pairs = pairs
-local sort = table.sort
 local concat = table.concat
 local json_integer = json.integer
 local floor = math.floor
@@ -224,9 +223,12 @@ local function what(ctx, doc)
     local route, edge, api = ctx.route, doc.edge, ctx.api
     local body, err = body_mod.parse(route, doc.models, edge, api)
     if not body then
-        ctx.model = err.model
+        ctx.model, ctx.stream = err.model, err.stream
         return nil, err
     end
+    -- what the client asked for, also in the event of a request refused before
+    -- request.adjust (which sets it again with the stream options)
+    ctx.stream = body.stream == true
     if not models.allowed(ctx.key, body.model) then
         return models.not_found(body.model)
     end
@@ -836,77 +838,6 @@ function _M.prometheus()
     ngx.header["Content-Length"] = #text
     ngx_print(text)
     return ngx_exit(200)
-end
-
--- healthz(): GET /healthz, unauthenticated: this nginx worker runs Lua (liveness).
-function _M.healthz()
-    return answer(200, '{"object":"health","status":"ok"}')
-end
-
--- readyz(): GET /readyz, unauthenticated (readiness, for a load balancer): 200 when the
--- configuration is loaded, the counter answers a one-token count (a real call through
--- the hop, never the edge's cache of answers; a counter in backoff after a failure is
--- not asked) and every model has a replica that is not out and, with health probes,
--- whose last probe answered 200 (tokengate.upstream.probed); else 503 in OpenAI's error
--- shape naming what is not ready. Both bodies list the checks:
---   {"object": "readiness", "status": "ready" | "not_ready", "config": "ok",
---    "counter": "ok" | "<reason>", "models": {"<model>": {"replicas": n,
---    "healthy_replicas": n}}}
--- and the 503 adds "error": {message, type, param, code = "not_ready"}.
-function _M.readyz()
-    local doc = config.get()
-    local o = json.object()
-    json.set(o, "object", "readiness")
-    local problems, names = {}, {}
-    for name in pairs(doc.models) do
-        names[#names + 1] = name
-    end
-    sort(names)
-    -- every model: a model the counter does not know (a configuration it has not
-    -- reloaded) is as unready as a counter that does not answer
-    local ok, why = true, nil
-    for i = 1, #names do
-        local m_ok, m_why = count.ping(names[i])
-        if not m_ok then
-            ok, why = false, (why and why .. "; " or "") .. "model " .. names[i] .. ": " .. m_why
-        end
-    end
-    if not ok then
-        problems[#problems + 1] = "counter: " .. why
-    end
-    local ms = json.object()
-    for i = 1, #names do
-        local replicas = doc.models[names[i]].upstreams
-        local n, healthy = #replicas, 0
-        for j = 1, n do
-            if not upstream.is_out(names[i], replicas[j])
-                    and upstream.probed(names[i], replicas[j]) then
-                healthy = healthy + 1
-            end
-        end
-        local m = json.object()
-        json.set(m, "replicas", n)
-        json.set(m, "healthy_replicas", healthy)
-        json.set(ms, names[i], m)
-        if healthy == 0 then
-            problems[#problems + 1] = "model " .. names[i] .. ": no healthy replica"
-        end
-    end
-    local ready = #problems == 0
-    json.set(o, "status", ready and "ready" or "not_ready")
-    json.set(o, "config", "ok")
-    json.set(o, "counter", ok and "ok" or why)
-    json.set(o, "models", ms)
-    if ready then
-        return answer(200, json.encode(o))
-    end
-    local e = json.object()
-    json.set(e, "message", "Not ready: " .. concat(problems, "; ") .. ".")
-    json.set(e, "type", "server_error")
-    json.set(e, "param", json.null)
-    json.set(e, "code", "not_ready")
-    json.set(o, "error", e)
-    return answer(503, json.encode(o))
 end
 
 return _M

@@ -52,6 +52,8 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     check = verbs.add_parser("check", help="validate a configuration file")
     check.add_argument("file", type=Path, nargs="?", default=None,
                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    check.add_argument("--config", type=Path, default=None, dest="config_file",
+                       metavar="FILE", help="the same as FILE (as `tokengate keys` takes it)")
     check.set_defaults(func=config_check)
     apply_p = verbs.add_parser(
         "apply", help="check the file and reload the running edges with it",
@@ -62,6 +64,8 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "workers serve.")
     apply_p.add_argument("file", type=Path, nargs="?", default=None,
                          help="tokengate.yaml (default: as for check)")
+    apply_p.add_argument("--config", type=Path, default=None, dest="config_file",
+                         metavar="FILE", help="the same as FILE (as `tokengate keys` takes it)")
     apply_p.add_argument("--edge", type=Path, action="append", metavar="DIR",
                          help="an edge to reload: DIR holds edge.json and nginx.pid "
                               "(repeatable; default: the ones found)")
@@ -157,6 +161,12 @@ def _config_used(args: argparse.Namespace) -> None:
     attr = "file" if args.command == "config" else "config"
     if args.command == "install" or not hasattr(args, attr):
         return
+    if getattr(args, "config_file", None) is not None:  # config check|apply --config FILE
+        if args.file is not None and args.file != args.config_file:
+            print(f"tokengate config {args.verb}: two files given ({args.file}, --config "
+                  f"{args.config_file}): give one", file=sys.stderr)
+            raise SystemExit(2)
+        args.file = args.config_file
     given = getattr(args, attr)
     path, why = tg_config.discover(given)
     setattr(args, attr, path)

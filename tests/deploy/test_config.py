@@ -66,7 +66,7 @@ def test_the_repository_file_passes() -> None:
     cfg = tg_config.load(REPO_CONFIG)
     m = cfg.models[MODEL]
     assert (m.name, m.max_model_len, m.output_reserve, m.max_tokens_cap, m.max_n) == \
-        (MODEL, 8192, 256, 4096, 8)
+        (MODEL, 65536, 256, 4096, 8)
     assert m.dir == REPO_CONFIG.parent / "var/models/tiny-qwen3"
     assert cfg.keys["demo"].sha256 == DEMO and (cfg.keys["demo"].rpm, cfg.keys["demo"].tpm) \
         == (600, 200000)
@@ -295,13 +295,13 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
 @pytest.mark.parametrize("edit,errors", [
     (put(f"models.{MODEL}.default_max_tokens", 5000),
      [f"models.{MODEL}.default_max_tokens: 5000 exceeds max_tokens_cap (4096)"]),
-    (put(f"models.{MODEL}.max_tokens_cap", 9000),
-     [f"models.{MODEL}.max_tokens_cap: 9000 exceeds max_model_len (8192)"]),
+    (put(f"models.{MODEL}.max_tokens_cap", 70000),
+     [f"models.{MODEL}.max_tokens_cap: 70000 exceeds max_model_len (65536)"]),
     (every(put(f"models.{MODEL}.max_tokens_cap", None),
-           put(f"models.{MODEL}.default_max_tokens", 8193)),
-     [f"models.{MODEL}.default_max_tokens: 8193 exceeds max_model_len (8192)"]),
-    (put(f"models.{MODEL}.output_reserve", 9000),
-     [f"models.{MODEL}.output_reserve: 9000 exceeds max_model_len (8192)"]),
+           put(f"models.{MODEL}.default_max_tokens", 65537)),
+     [f"models.{MODEL}.default_max_tokens: 65537 exceeds max_model_len (65536)"]),
+    (put(f"models.{MODEL}.output_reserve", 70000),
+     [f"models.{MODEL}.output_reserve: 70000 exceeds max_model_len (65536)"]),
     (put("keys.demo.models", {"tiny-qwen4": {"rpm": 1, "tpm": 100}}),
      [f"keys.demo.models.tiny-qwen4: 'tiny-qwen4' is not a configured model ({MODEL})"]),
     (put("keys.copy", {"sha256": DEMO.upper(), "rpm": 1, "tpm": 1}),
@@ -340,7 +340,7 @@ def test_coupled_settings_are_checked(repo_raw: dict[str, Any], tmp_path: Path, 
 def test_the_rules_hold_at_their_bounds(repo_raw: dict[str, Any], tmp_path: Path) -> None:
     raw = copy.deepcopy(repo_raw)
     put(f"models.{MODEL}.default_max_tokens", 4096)(raw)
-    put(f"models.{MODEL}.output_reserve", 8192)(raw)
+    put(f"models.{MODEL}.output_reserve", 65536)(raw)
     put("edge.global_limits_timeout_ms", 101)(raw)
     put("global_limits.listen", "127.0.0.1:8080")(raw)  # disabled: never bound
     cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
@@ -441,7 +441,7 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
                               "default_max_tokens", "max_n")} == \
-        {"max_model_len": 8192, "output_reserve": 256, "max_tokens_cap": 4096,
+        {"max_model_len": 65536, "output_reserve": 256, "max_tokens_cap": 4096,
          "default_max_tokens": None, "max_n": 8}
     [u] = cfg.models[MODEL].upstreams
     # idle unload is off unless asked for
@@ -487,6 +487,47 @@ def test_config_check_names_the_bad_key_and_exits_non_zero(repo_raw: dict[str, A
         "edge.count_timeout_ms: input should be a valid integer, got '500'",
         f"{path}: 2 problems",
     ]
+
+
+def test_config_check_refuses_a_context_the_model_does_not_allow(repo_raw: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    # vLLM exits at start with a --max-model-len above the model's max_position_embeddings
+    raw = copy.deepcopy(repo_raw)
+    model_dir = REPO_CONFIG.parent / repo_raw["models"][MODEL]["dir"]
+    put(f"models.{MODEL}.dir", str(model_dir))(raw)
+    put(f"models.{MODEL}.max_model_len", 131072)(raw)
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    r = run_check("--config", str(path))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        (f"models.{MODEL}.max_model_len: 131072 exceeds what the model allows, 65536 "
+         f"(max_position_embeddings=65536, {model_dir}/config.json): vLLM would exit at start"),
+        f"{path}: 1 problem",
+    ]
+
+
+@pytest.mark.parametrize("files,want", [
+    ({"config.json": {"max_position_embeddings": 40960}}, (40960, "max_position_embeddings=40960")),
+    ({"config.json": {"text_config": {"max_position_embeddings": 8192, "seq_length": 4096}}},
+     (4096, "seq_length=4096")),
+    ({"config.json": {"max_position_embeddings": 32768},
+      "tokenizer_config.json": {"model_max_length": 16384}},
+     (16384, "model_max_length=16384 of tokenizer_config.json")),
+    ({"config.json": {"max_position_embeddings": 32768,
+                      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}},
+     (131072, "max_position_embeddings=32768 x RoPE factor 4.0")),
+    ({"config.json": {"max_position_embeddings": 131072,
+                      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
+     (131072, "max_position_embeddings=131072")),
+    ({"config.json": {"hidden_size": 8}}, None),
+    ({}, None),
+])
+def test_the_context_a_model_allows_is_read_as_vllm_reads_it(
+        tmp_path: Path, files: dict[str, Any], want: tuple[int, str] | None) -> None:
+    for name, body in files.items():
+        (tmp_path / name).write_text(json.dumps(body))
+    assert loading.derived_max_model_len(tmp_path) == want
 
 
 def test_config_check_passes_the_repository_file() -> None:

@@ -212,6 +212,53 @@ def test_healthz_and_readyz_answer_without_a_key(
     assert not e.events()  # no usage event
 
 
+def test_a_streamed_request_refused_early_is_logged_as_streamed(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    e = _edge(edge_variant_off_vllm, "metrics", fast_upstream_url)
+    refused = [_post(e, "/chat/completions", _chat(stream=True, n=9)),        # validation
+               _post(e, "/chat/completions", _chat(stream=True, model="nope")),  # model
+               _post(e, "/chat/completions", _chat(stream=False, n=9))]
+    assert [r.status_code for r in refused] == [400, 404, 400], [r.text for r in refused]
+    streamed = [e.event(r.headers["x-request-id"])["stream"] for r in refused]
+    assert streamed == [True, True, False]
+
+
+def test_health_answers_get_and_head_without_a_key_as_vllm_does(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    # guidellm and other vLLM-aware tools probe GET /health before they start
+    e = _edge(edge_variant_off_vllm, "health-vllm", fast_upstream_url)
+    url = f"http://127.0.0.1:{e.port}/health"
+    wait_until(lambda: httpx.get(url, timeout=10).status_code == 200)
+    r = httpx.get(url, timeout=10)
+    assert (r.headers["content-type"], r.json()) == ("application/json", {
+        "object": "health", "status": "ok",
+        "models": {MODEL: {"replicas": 1, "healthy_replicas": 1}}})
+    r = httpx.head(url, timeout=10)
+    assert (r.status_code, r.content) == (200, b"")
+    r = httpx.post(url, json={}, timeout=10)
+    assert (r.status_code, r.headers["allow"], r.json()["error"]) == (405, "GET, HEAD", {
+        "message": "Method not allowed: use GET /health or HEAD /health",
+        "type": "invalid_request_error", "param": None, "code": "method_not_allowed"})
+    assert not e.events()  # no usage event
+
+
+def test_health_is_503_while_no_model_has_a_ready_replica(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    from tokengate.process import free_port
+    e = _edge(edge_variant_off_vllm, "health-down", fast_upstream_url,
+              upstream=f"127.0.0.1:{free_port()}")
+    url = f"http://127.0.0.1:{e.port}/health"
+    # the health probe (every 200 ms here) takes the dead replica out
+    wait_until(lambda: httpx.get(url, timeout=10).status_code == 503)
+    r = httpx.get(url, timeout=10)
+    assert (r.headers["retry-after"], r.json()) == ("1", {
+        "object": "health", "status": "unavailable",
+        "models": {MODEL: {"replicas": 1, "healthy_replicas": 0}},
+        "error": {"message": f"No model has a ready replica ({MODEL}).",
+                  "type": "server_error", "param": None, "code": "no_ready_replica"}})
+    assert httpx.head(url, timeout=10).status_code == 503
+
+
 def test_a_replica_that_accepts_connections_but_never_answers_is_not_ready(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
     # what a vLLM that is still loading its model looks like: its port is bound (the

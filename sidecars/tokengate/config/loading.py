@@ -6,6 +6,7 @@ reads them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -226,10 +227,67 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     return loads(read_text(p), p)
 
 
+# config.json keys that bound a model's context, as vLLM 0.32 reads them
+# (vllm/transformers_utils/model_arch_config_convertor.py, derive_max_model_len_and_key):
+# the smallest present one wins, then model_max_length overrides.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_target_positions", "max_sequence_length",
+                 "max_seq_length", "seq_len")
+# RoPE types whose factor vLLM does not apply again (the position count is already scaled)
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                   "deepseek_llama_scaling")
+
+
+def derived_max_model_len(model_dir: Path) -> tuple[int, str] | None:
+    """The longest ``--max-model-len`` (tokens) vLLM accepts for the model in
+    ``model_dir``, and the setting that bounds it (``"max_position_embeddings=8192"``),
+    read from its ``config.json`` (the text model's, ``text_config``, when nested) and
+    ``tokenizer_config.json`` as vLLM 0.32 does in ``vllm/config/model.py``
+    (``_get_and_verify_max_len``): the smallest context key, ``model_max_length``
+    overriding, capped by the tokenizer's ``model_max_length``, times the RoPE scaling
+    factor for RoPE types that are not already scaled. None when the directory has no
+    readable ``config.json`` or it names no context key (vLLM then takes the value
+    given). A larger value makes vLLM exit at start unless
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    nested = raw.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else raw
+    found = [(v, k) for k in _CONTEXT_KEYS
+             if isinstance(v := text.get(k), (int, float)) and not isinstance(v, bool)]
+    if not found:
+        return None
+    limit, key = min(found)
+    if isinstance(text.get("model_max_length"), (int, float)) and text["model_max_length"]:
+        limit, key = text["model_max_length"], "model_max_length"
+    what = f"{key}={int(limit)}"
+    try:
+        tok = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok = None
+    if isinstance(tok, dict) and isinstance(tok.get("model_max_length"), (int, float)) \
+            and tok["model_max_length"] < limit:
+        limit = tok["model_max_length"]
+        what = f"model_max_length={int(limit)} of tokenizer_config.json"
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, dict):
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        factor = rope.get("factor")
+        if kind not in _PRESCALED_ROPE and isinstance(factor, (int, float)) and factor:
+            limit, what = limit * factor, f"{what} x RoPE factor {factor}"
+    return int(limit), what
+
+
 def check_model_dirs(cfg: Config) -> None:
     """Raise ``ConfigError`` with one ``models.<name>.dir: ...`` line for each model
     whose directory the counter cannot load from: missing, not a directory, or without
-    ``tokenizer.json`` (which only ``vocab: qwen3.6`` does without). Not part of the
+    ``tokenizer.json`` (which only ``vocab: qwen3.6`` does without); and one
+    ``models.<name>.max_model_len: ...`` line for a context above what the model's own
+    files allow (``derived_max_model_len``: vLLM would exit at start). Not part of the
     schema, so that a host that only reads the file (the ledger's, the limits') needs no
     model files; what reads the files calls it (the edge's compiler: ``config check``,
     ``config apply``, ``install``, nginx's start)."""
@@ -244,5 +302,13 @@ def check_model_dirs(cfg: Config) -> None:
         elif m.vocab != "qwen3.6" and not (m.dir / "tokenizer.json").is_file():
             problems.append(f"{where}: {m.dir} has no tokenizer.json (the counter's "
                             "tokenizer, from the model's own files)")
+        else:
+            derived = derived_max_model_len(m.dir)
+            if derived is not None and m.max_model_len > derived[0]:
+                problems.append(
+                    f"models.{name}.max_model_len: {m.max_model_len} exceeds what the model "
+                    f"allows, {derived[0]} ({derived[1]}, {m.dir}/config.json): vLLM would exit "
+                    "at start"
+                    )
     if problems:
         raise ConfigError(problems)
