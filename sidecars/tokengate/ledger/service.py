@@ -290,8 +290,6 @@ def main(argv: list[str] | None = None) -> None:
             snap.update(engine_lag_bytes=ledger.engine_lag_bytes, waiting=ledger.waiting)
         return snap
 
-    if args.status_file:
-        _write_status(args.status_file, snapshot())
     REGISTRY.register(LedgerCollector(ledger, spans))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
                   admin=admin.view(cfg.path, client))
@@ -299,6 +297,10 @@ def main(argv: list[str] | None = None) -> None:
         from tokengate import console
 
         console.serve(cfg, client, usage_file)
+    # The first status file says the ledger is up (what devstack and the units wait for):
+    # written once its listeners are bound, so nothing that waited on it is refused.
+    if args.status_file:
+        _write_status(args.status_file, snapshot())
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
     last_log = time.monotonic()
