@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokengate import config as tg_config
 from tokengate import doctor, install, keys
+from tokengate import version as tg_version
 from tokengate.console import cli as console_cli
 from tokengate.ledger import report
 
@@ -175,6 +176,16 @@ def _config_used(args: argparse.Namespace) -> None:
               flush=True)
 
 
+class _Version(argparse.Action):
+    """``--version``: ``tokengate 0.2.0 (v0.1.0-12-g1a2b3c4)`` (tokengate.version), asked
+    for only when the flag is given (git runs then, not on every command)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(f"tokengate {tg_version.describe()}")
+        parser.exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokengate", description="tokengate operator commands; `tokengate <command> "
@@ -183,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         "exists, else ./tokengate.yaml, and says so on its first line (stderr).")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also say which configuration file is used when it was given")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the release (and the checkout's commit) and exit")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     report.add_parser(sub)
     _config_parser(sub)

@@ -213,6 +213,25 @@ def _write(path: Path, data: bytes, mode: int, owner: tuple[str, str] | None,
         raise
 
 
+def _fix_mode(path: Path, mode: int, owner: tuple[str, str], stand_in: bool) -> None:
+    """Set ``path``'s mode and owner (a file kept from an earlier install)."""
+    os.chmod(path, mode)
+    _chown(path, *owner, stand_in)
+
+
+def _owner_name(uid: int, gid: int) -> str:
+    """``user:group`` of the ids (the numbers where no name exists)."""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    try:
+        group = grp.getgrgid(gid).gr_name
+    except KeyError:
+        group = str(gid)
+    return f"{user}:{group}"
+
+
 def _run(argv: list[str]) -> None:
     subprocess.run(argv, check=True)
 
@@ -610,7 +629,16 @@ def plan(opts: Options) -> Plan:
                                     cfg).encode())
 
     if config_text is None:
-        todo.add(f"keep {target} (it exists)", lambda: None)
+        # What an earlier release or an edit left (a `keys create` of 0.1.0 re-owned it
+        # root:root 0600, and every unit then failed at start with Permission denied):
+        # the services read it as tokengate:www-data, so its owner and mode are set again.
+        have = target.stat()
+        repair = oct(have.st_mode & 0o777) != "0o640" or (
+            os.geteuid() == 0 and (have.st_uid, have.st_gid) != _ids("root", GROUP, stand_in))
+        todo.add(f"keep {target} (it exists)" + (
+            f"; set 640 root:{GROUP} again (it was {have.st_mode & 0o777:o} "
+            f"{_owner_name(have.st_uid, have.st_gid)}: the units could not read it)"
+            if repair else ""), _bind(_fix_mode, target, 0o640, ("root", GROUP), stand_in))
     else:
         file(target, config_text.encode(), 0o640, ("root", GROUP))
         made = opts.config or f"{unit_src / HOST_CONFIG}, for this host"

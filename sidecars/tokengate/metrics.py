@@ -91,6 +91,26 @@ def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
     return app
 
 
+class _BuildInfo:
+    """``tokengate_build_info{service, version, commit} 1``: what each sidecar runs
+    (tokengate.version), so a dashboard sees an upgrade land, or a host left behind."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        from tokengate import version
+
+        g = GaugeMetricFamily("tokengate_build_info", "The running tokengate release (label "
+                              "version) and checkout commit (label commit, git describe; "
+                              "empty outside a git work tree), by service; always 1.",
+                              labels=["service", "version", "commit"])
+        g.add_metric([self.service, version.version(), version.commit()], 1)
+        yield g
+
+
 def serve(listen: str | None, name: str, workers: int = 1, admin: Admin | None = None
           ) -> bool:
     """Serve ``/metrics`` on ``listen`` (``host:port``; None or "none": nothing) from a
@@ -116,6 +136,7 @@ def serve(listen: str | None, name: str, workers: int = 1, admin: Admin | None =
 
         registry = CollectorRegistry()
         mp.MultiProcessCollector(registry)
+    registry.register(_BuildInfo(name))
     try:
         server = make_server(addr[0], addr[1], _app(make_wsgi_app(registry), admin),
                              _Server6 if ":" in addr[0] else _Server, handler_class=_Quiet)

@@ -225,6 +225,25 @@ def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
     assert [k["rpm"] for k in keys.values() if k["id"] == "demo"] == [7]
 
 
+def test_an_install_again_gives_the_units_back_a_config_they_can_read(
+        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+    # what 0.1.0's `keys create` left behind: root:root 0600, every unit then failed at
+    # start with Permission denied
+    prefix = tmp_path / "root"
+    assert install(prefix, "--config",
+                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
+    target = prefix / "etc/tokengate/tokengate.yaml"
+    os.chown(target, 0, 0)
+    target.chmod(0o600)
+    r = install(prefix)
+    assert r.returncode == 0, r.stderr
+    assert (f"keep {target} (it exists); set 640 root:www-data again (it was 600 root:root: "
+            "the units could not read it)") in r.stdout
+    assert stat_of(target) == ("0o640", "root", "www-data")
+    r = install(prefix)  # nothing left to repair: said plainly
+    assert f"keep {target} (it exists)\n" in r.stdout
+
+
 def test_a_config_whose_usage_file_is_not_the_dropins_is_refused_and_nothing_changes(
         config_path: Path, tmp_path: Path) -> None:
     prefix = tmp_path / "root"

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tokengate import version
 from tokengate.process import free_port
 
 from tests.deploy.test_make_run import KEY, Stack, upstream_of
@@ -104,6 +108,27 @@ def test_make_run_prints_every_health_and_metrics_endpoint(stack: Stack) -> None
     assert httpx.get(urls["edge liveness"], timeout=10).status_code == 200
     r = httpx.get(urls["edge readiness"], timeout=10)
     assert (r.status_code, r.json()["status"]) == (200, "ready"), r.text
+    # what vLLM-aware tools probe before they start
+    r = httpx.get(stack.url.removesuffix("/v1") + "/health", timeout=10)
+    assert (r.status_code, r.json()["status"]) == (200, "ok"), r.text
+
+
+def test_every_sidecar_exports_the_release_it_runs(stack: Stack) -> None:
+    urls = endpoints(stack)
+    want = {"version": version.version(), "commit": version.commit()}
+    for part in ("counter", "limits", "ledger"):
+        [(labels, value)] = [(s.labels, s.value)
+                             for fam in text_string_to_metric_families(
+                                 scrape(urls[f"{part} metrics"]))
+                             for s in fam.samples if s.name == "tokengate_build_info"]
+        assert (labels, value) == ({"service": part, **want}, 1.0)
+
+
+def test_the_cli_says_its_version() -> None:
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "--version"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    assert r.stdout == f"tokengate {version.describe()}\n"
+    assert version.version() == metadata.version("tokengate") != "unknown"
 
 
 def test_sidecar_metrics_count_a_known_workload_and_the_board_is_exported(

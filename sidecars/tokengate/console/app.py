@@ -30,6 +30,7 @@ import jinja2
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
+from tokengate import version as tg_version
 from tokengate.console import changes, charts, data, forms, password
 from tokengate.console.session import COOKIE, LoginLimiter, Session, Sessions
 from tokengate.keys.secret import digest as key_digest
@@ -160,7 +161,8 @@ class Console:
             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
             lstrip_blocks=True)
         self.templates.filters.update(amount=_fmt_amount, num=_fmt_int)
-        self.templates.globals.update(pct=_pct)
+        # what runs, for the admins (not on the login page): tokengate.version
+        self.templates.globals.update(pct=_pct, tokengate_version=tg_version.describe())
         self.css = (HERE / "static" / "console.css").read_bytes()
 
     # --- the WSGI side -------------------------------------------------------------

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from tokengate import config as tg_config
 from tokengate import grpc_server, metrics
+from tokengate import version as tg_version
 
 if TYPE_CHECKING:
     import grpc
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         listen = grpc_server.Listen(tcp, args.unix_socket)
     except ValueError as e:
         sys.exit(f"tokengate-counter: {e}")
+    print(f"tokengate-counter {tg_version.describe()}: starting", flush=True)
     metrics.serve(args.metrics_listen or cfg.metrics.counter_listen, "counter", args.workers)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
                             args.workers)

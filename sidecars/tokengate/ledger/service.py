@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate import metrics, redis_client
+from tokengate import version as tg_version
 from tokengate.ledger import admin
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                              "metrics.ledger_listen; 'none': off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
+    # the first line of its log; stderr, where its log goes (--once prints totals on stdout)
+    print(f"tokengate-ledger {tg_version.describe()}: starting", file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

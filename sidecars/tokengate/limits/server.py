@@ -58,6 +58,7 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate import grpc_server, metrics, redis_client
+from tokengate import version as tg_version
 from tokengate.limits.budget import BudgetCounter, GlobalBudgets
 from tokengate.limits.window import GlobalLimiter
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         listen = grpc_server.Listen(tcp, args.unix_socket)
     except ValueError as e:
         parser.exit(2, f"tokengate-limits: {e}\n")
+    print(f"tokengate-limits {tg_version.describe()}: starting", flush=True)
     metrics.serve(args.metrics_listen or cfg.metrics.limits_listen, "limits", args.workers)
     grpc_server.run_workers("limits", _serve_worker, (args.config, listen, args.redis_url),
                             args.workers)
