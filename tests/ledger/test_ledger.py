@@ -529,6 +529,35 @@ def test_the_status_shows_the_real_lag_while_redis_is_down(ledger_config_path, p
         svc.stop()
 
 
+def test_a_key_created_while_the_ledger_runs_is_known_to_it_without_a_signal(
+        ledger_config_path, tmp_path, private_redis, usage_writer):
+    # `tokengate keys create` reloads the edges only: the ledger, which repairs failed
+    # budget settlements of the keys it knows, must see the new key by itself
+    config = tmp_path / "tokengate.yaml"
+    raw = yaml.safe_load(ledger_config_path.read_text())
+    raw["global_limits"]["enabled"] = True  # budgets live in Redis
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = private_redis()
+    name = svc_name("test-ledger-watch")
+    svc = start_ledger(config, usage_writer.path, r.url, name)
+    try:
+        wait_until(lambda: status(name).get("config_reloads") == 0, what="the first status")
+        keys = status(name)["config_keys"]
+        subprocess.run([sys.executable, "-m", "tokengate.cli", "keys", "create", "late",
+                        "--rpm", "5", "--tpm", "500", "--budget", "day=1", "--config",
+                        str(config), "--no-apply"], capture_output=True, check=True)
+        wait_until(lambda: (status(name)["config_reloads"], status(name)["config_keys"])
+                   == (1, keys + 1), what="the reload")
+        assert "late" in tg_config.load(config).keys
+        # an invalid edit is refused once and the previous configuration kept
+        config.write_text(config.read_text() + "\nnot_a_section: 1\n")
+        wait_until(lambda: "reload failed, billing with the previous configuration"
+                   in svc.log_path.read_text(), what="the refusal")
+        assert (status(name)["config_reloads"], status(name)["config_keys"]) == (1, keys + 1)
+    finally:
+        svc.stop()
+
+
 def test_the_lag_is_unknown_until_the_checkpoint_was_read(cfg, usage_writer):
     usage_writer.write(make_event())
     led = Ledger(cfg, redis_client.connect(cfg.redis, timeout_s=0.2, url="redis://127.0.0.1:1/0"),

@@ -103,7 +103,10 @@ STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
   conflicts, lag_bytes (bytes of the usage files written but not yet applied), lag_s
   (age of the oldest event not yet applied, seconds; 0 when none waits), redis_up,
-  position. Both lags keep growing while Redis is down; they are null until the
+  position, config_keys (the keys of the configuration it bills with) and
+  config_reloads (how often it loaded the file again: SIGHUP, or the file changed, which
+  it checks every second, so keys `tokengate keys` adds are known without a signal).
+  Both lags keep growing while Redis is down; they are null until the
   ledger has read its checkpoint once (started while Redis was down). With engine
   files also settled_engine, engine_missing, disagreements, engine_records,
   engine_duplicates, engine_bad_lines, engine_unmatched, engine_probes, engine_late,
@@ -199,6 +202,16 @@ def _write_status(path: Path, data: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def _file_id(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime ns, size) of ``path``, None when it cannot be read: a change of
+    any (an edit in place, or tokengate's atomic rename) reloads the configuration."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,8 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     log.info("ledger %s: %s -> %s", ledger.ledger_id,
              " + ".join(str(src.path) for src in ledger.sources), args.redis_url or cfg.redis.url)
 
+    watched, reloads = _file_id(cfg.path), 0
+
     def snapshot() -> dict[str, object]:
         snap = {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
+                "config_keys": len(ledger.cfg.keys), "config_reloads": reloads,
                 "lag_s": ledger.lag_s, "redis_up": ledger.redis_up, "position": ledger.position,
                 "ledger_id": ledger.ledger_id, "pid": os.getpid()}
         if ledger.engine_mode:
@@ -313,11 +329,19 @@ def main(argv: list[str] | None = None) -> None:
             log.error("ledger %s: worker died; exiting (the checkpoint is safe)",
                       ledger.ledger_id)
             sys.exit(1)
-        if hup.is_set():
+        # SIGHUP, or the file changed: `tokengate keys ...` and `config apply` reload
+        # the edges only, and a key created since the start (its budgets, its prices)
+        # must be known here too (its failed settlements are repaired for keys with
+        # budgets: tokengate.ledger.budgets)
+        seen = _file_id(cfg.path)
+        if hup.is_set() or (seen is not None and seen != watched):
             hup.clear()
+            watched = seen
             try:
-                ledger.reconfigure(tg_config.load(args.config))
-                log.info("ledger %s: configuration reloaded", ledger.ledger_id)
+                ledger.reconfigure(tg_config.load(cfg.path))
+                reloads += 1
+                log.info("ledger %s: configuration reloaded (%d keys)", ledger.ledger_id,
+                         len(ledger.cfg.keys))
             except (tg_config.ConfigError, OSError) as e:
                 log.error("reload failed, billing with the previous configuration: %s", e)
         if args.status_file:
