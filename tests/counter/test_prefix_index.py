@@ -14,6 +14,7 @@ a reload that changes ``routing.kv_events``, and the index's metrics.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -44,12 +45,12 @@ class FakePublisher:
     """A KV-event publisher on 127.0.0.1:<free port> that speaks vLLM 0.32's wire format
     (vllm/distributed/kv_events.py). ``int_hashes``: hashes as vLLM's default int form."""
 
-    def __init__(self, int_hashes: bool = False) -> None:
+    def __init__(self, int_hashes: bool = False, port: int | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
-        self.port = free_port()
+        self.port = port or free_port()
         self.sock.bind(f"tcp://127.0.0.1:{self.port}")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.int_hashes = int_hashes
@@ -188,6 +189,36 @@ def metric(listen: str, name: str, **labels: str) -> float | None:
             if ",".join(sorted(series[len(name) + 1:-1].split(","))) == want:
                 return float(value)
     return None
+
+
+def test_an_unreachable_publisher_is_said_once_an_outage_never_per_request(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # what the counter's unit with PrivateNetwork=yes did silently: no publisher
+    # reachable, every answer's cached tokens only the edge's approximate guess
+    monkeypatch.setattr(kv_index, "_SILENT_S", 0.3)
+    port = free_port()
+    replica = kv_index.ReplicaIndex("m", "10.9.9.9:8000", f"tcp://127.0.0.1:{port}")
+    caplog.set_level(logging.INFO, logger=kv_index.log.name)
+    follower = kv_index.Follower(replica, zmq.Context.instance()).start()
+    try:
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "kv events of" in r.getMessage()]
+        wait_until(lambda: said(), 10, what="the warning")
+        time.sleep(1.0)  # several polls and reconnects later: still the one line
+        [line] = said()
+        assert line.startswith(f"kv events of 10.9.9.9:8000: not connected to "
+                               f"tcp://127.0.0.1:{port} for ")
+        assert not replica.live
+        pub = FakePublisher(port=port)  # it comes up: one line more
+        try:
+            wait_until(lambda: replica.live, 10, what="the connection")
+            wait_until(lambda: len(said()) == 2, 10, what="the connected line")
+            assert said()[1] == (f"kv events of 10.9.9.9:8000: connected to "
+                                 f"tcp://127.0.0.1:{port}")
+        finally:
+            pub.close()
+    finally:
+        follower.stop()
 
 
 def test_the_counters_replies_carry_each_live_replicas_hit(config_path: Path) -> None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ KEY_BYTES = 8  # the part of a hash the index keeps (the last 8 bytes: vLLM's in
 _GPU_MEDIA = (None, "GPU")
 _POLL_MS = 200  # how long a follower's poll waits before it looks at its stop flag
 _RECONNECT_MAX_MS = 2000  # ZMQ's reconnect backoff to an absent publisher, at most
+_SILENT_S = 10.0  # a publisher unreachable this long is said in the log (once an outage)
 
 BLOCKS = Gauge("tokengate_counter_kv_index_blocks",
                "KV-cache blocks the counter's index holds for a replica (each counter "
@@ -311,11 +313,33 @@ class Follower:
             poller = zmq.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            # One line per outage, never per request: the first after _SILENT_S without
+            # a connection (a publisher that is down, a wrong endpoint, or a sandbox
+            # without the network: prefix routing is then approximate for it), one when
+            # it connects after that.
+            down_since: float | None = time.monotonic()
+            said = False
             while not self._stop.is_set():
+                if down_since is not None and not said \
+                        and time.monotonic() - down_since >= _SILENT_S:
+                    said = True
+                    log.warning("kv events of %s: not connected to %s for %.0f s: its "
+                                "prefix hits are the edge's approximate guess until it is "
+                                "(is the replica up with --kv-events-config, and is that "
+                                "address reachable from this process?)", r.upstream,
+                                r.endpoint, time.monotonic() - down_since)
                 for sock, _ in poller.poll(_POLL_MS):
                     if sock is monitor:
                         event = recv_monitor_message(monitor)["event"]
-                        r.connected(event == zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                        up = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                        r.connected(up)
+                        if up:
+                            if said:
+                                log.info("kv events of %s: connected to %s", r.upstream,
+                                         r.endpoint)
+                            down_since, said = None, False
+                        elif down_since is None:
+                            down_since = time.monotonic()
                     else:
                         while True:  # what is there, then look at the monitor again
                             try:
