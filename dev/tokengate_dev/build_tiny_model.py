@@ -83,9 +83,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="model directory to write")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the weights")
+    parser.add_argument("--max-model-len", type=int, default=8192,
+                        help="context length in tokens (the config's max_position_embeddings:"
+                             " the most vLLM's --max-model-len may be; default: %(default)s)")
     args = parser.parse_args()
     print(f"building tiny Qwen3 model in {args.out} ...", flush=True)
-    build(args.out, args.seed)
+    build(args.out, args.seed, args.max_model_len)
     print("done", flush=True)
 
 
