@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -40,6 +41,19 @@ NOTES = ("# Notes\n\nQwen's chat format starts a turn with `<|im_start|>user` an
 # usage events carry the client's session id once tokengate reads it (issue: sessions as a
 # unit of accounting); until then the tests skip only that comparison
 SESSIONS_IN_EVENTS = "session_id" in {f.name for f in dataclasses.fields(UsageEvent)}
+
+
+def readme_block(lang: str) -> str:
+    """The first ``lang`` code block of the README's "Coding agents" section: the tests run
+    the configuration the README gives, pointed at the test's edge."""
+    section = (ROOT / "README.md").read_text().split("### Coding agents", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    m = re.search(rf"```{lang}\n(.*?)```", section, re.DOTALL)
+    assert m, f"no {lang} block in the README's Coding agents section"
+    return m.group(1)
+
+
+README_URL = "http://127.0.0.1:8080"
 
 
 def _workspace(tmp_path: Path, name: str) -> Path:
@@ -125,21 +139,15 @@ def test_codex_exec_finishes_with_chat_format_text_in_agents_md(
     work = _workspace(tmp_path, "AGENTS.md")
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
-    # a provider of its own (Responses, the only wire_api Codex 0.171 accepts); no update
-    # check, analytics or feedback upload; no retries (a refusal shows at once)
+    # the README's provider (Responses, the only wire_api Codex 0.171 accepts), and for a
+    # bounded offline run: no approvals, a read-only sandbox, no update check, analytics or
+    # feedback upload, no retries (a refusal shows at once)
+    provider = readme_block("toml").replace(README_URL, recording_proxy.url)
     (codex_home / "config.toml").write_text(f"""\
-model = "{MODEL}"
-model_provider = "tokengate"
 approval_policy = "never"
 sandbox_mode = "read-only"
 check_for_update_on_startup = false
-
-[model_providers.tokengate]
-name = "tokengate"
-base_url = "{recording_proxy.url}/v1"
-env_key = "TOKENGATE_API_KEY"
-wire_api = "responses"
-request_max_retries = 0
+{provider}request_max_retries = 0
 stream_max_retries = 0
 stream_idle_timeout_ms = 120000
 
@@ -177,15 +185,16 @@ def test_claude_print_finishes_with_chat_format_text_in_claude_md(
         tmp_path: Path) -> None:
     work = _workspace(tmp_path, "CLAUDE.md")
     home = tmp_path / "home"
-    model_env = {name: MODEL for name in (
-        "ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
-        "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL")}
-    env = _base_env(home) | model_env | {
+    # the README's variables, pointed at the test's edge and key
+    readme_env = dict(re.findall(r"(\w+)=(\S+)", readme_block("sh")))
+    assert readme_env["ANTHROPIC_MODEL"] == MODEL
+    readme_env |= {"ANTHROPIC_BASE_URL": recording_proxy.url,
+                   "ANTHROPIC_API_KEY": agents_stack.key}
+    env = _base_env(home) | readme_env | {
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        "ANTHROPIC_BASE_URL": recording_proxy.url,
-        "ANTHROPIC_API_KEY": agents_stack.key,
-        # nothing but the model calls: no telemetry, error reports, update checks,
-        # feedback surveys; no retries (a refusal shows at once), 120 s per call
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL, "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+        # no telemetry, error reports, update checks or feedback surveys whatever the
+        # README says; no retries (a refusal shows at once), 120 s per call
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
@@ -226,3 +235,18 @@ def test_framework_call_is_metered(client: str, agents_stack: AgentsStack,
     assert [ex.path for ex in posts] == [path]
     events = assert_metered(agents_stack, offset, posts, None)
     _report(client, posts, events)
+
+
+def test_readme_agents_sdk_example_is_metered(agents_stack: AgentsStack,
+                                              agent_tools: AgentTools,
+                                              recording_proxy: RecordingProxy,
+                                              tmp_path: Path) -> None:
+    code = readme_block("python").replace(f"{README_URL}/v1", f"{recording_proxy.url}/v1")
+    code = code.replace('"tg-demo-key"', repr(agents_stack.key))
+    offset = agents_stack.vllm.size()
+    r = _run([str(agent_tools.python), "-c", code], _base_env(tmp_path / "home"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    posts = recording_proxy.posts()
+    assert [ex.path for ex in posts] == ["/v1/responses"]
+    events = assert_metered(agents_stack, offset, posts, None)
+    _report("README Agents SDK example", posts, events)
