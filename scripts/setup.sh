@@ -11,6 +11,8 @@
 #     (TokenStorm), dev/ (development tooling) and vllm_patches/ (the vLLM plugin,
 #     loaded by vLLM through its entry points)
 #   - generated gRPC stubs and the embedded tiny Qwen3 model under var/
+#   - the agent clients the tests run (Codex CLI, Claude Code, the OpenAI Agents SDK,
+#     LangChain), pinned in dev/agents/, under ~/.cache/tokengate keyed by their hash
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -111,3 +113,39 @@ fi
 .venv/bin/python -m tokengate_dev.build_tiny_model --out var/models/tiny-qwen3
 # Readable by a service user (a unit's tokengate): older builds left the weights 0600.
 chmod -R a+rX var/models/tiny-qwen3
+
+# The agent clients of tests/edge/test_edge_agents.py, pinned in dev/agents/: Codex CLI and
+# Claude Code (npm: package-lock.json, installed with npm ci; each ships a native binary in
+# a platform package) and the OpenAI Agents SDK and LangChain (PyPI: requirements.txt) in a
+# virtualenv of their own, since their dependency ranges need not agree with the pins of
+# requirements.txt (which key the vLLM venv). Kept outside the checkout like that venv,
+# keyed by a hash of dev/agents/; .venv/.agents names the folder for the tests.
+AGENTS_HASH=$(cat dev/agents/package.json dev/agents/package-lock.json dev/agents/requirements.txt \
+  | sha256sum | cut -c1-12)
+AGENTS=${TOKENGATE_AGENTS:-${XDG_CACHE_HOME:-$HOME/.cache}/tokengate/agents-$AGENTS_HASH}
+if [ ! -f "$AGENTS/.complete" ]; then
+  if ! command -v npm >/dev/null; then
+    # Debian 12's nodejs (18) runs both: Codex's launcher asks for Node >= 16, Claude
+    # Code's package says >= 22 but only its installer script runs on Node, to put the
+    # native binary in place (npm warns EBADENGINE and installs)
+    echo "setup: installing Debian packages: nodejs npm"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      nodejs npm >/dev/null
+  fi
+  echo "setup: installing the agent clients in $AGENTS (~1 GB, a minute)"
+  rm -rf "$AGENTS"
+  mkdir -p "$AGENTS"
+  cp dev/agents/package.json dev/agents/package-lock.json "$AGENTS/"
+  npm ci --prefix "$AGENTS" --no-audit --no-fund --loglevel=error
+  python3 -m venv "$AGENTS/venv"
+  "$AGENTS/venv/bin/pip" install -q --upgrade pip
+  "$AGENTS/venv/bin/pip" install -q -r dev/agents/requirements.txt
+  # each CLI answers offline, or the install is not complete
+  "$AGENTS/node_modules/.bin/codex" --version >/dev/null
+  DISABLE_AUTOUPDATER=1 "$AGENTS/node_modules/.bin/claude" --version >/dev/null
+  "$AGENTS/venv/bin/python" -c 'import agents, langchain_openai, langchain_anthropic'
+  touch "$AGENTS/.complete"
+fi
+echo "$AGENTS" > .venv/.agents
