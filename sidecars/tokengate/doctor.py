@@ -48,15 +48,56 @@ prompt with the counter's block hashes (which also checks routing.hash_seed). Th
 runs in this process from the configuration's model directories. Requests go straight to each
 upstream (never through the edge); each generates at most one token.
 
+Then the host: redis_persistence, the Redis of redis.url keeps its data across a restart
+(appendonly yes; RDB snapshots alone are a warning, neither a failure: the bill, the
+budgets' spend and the ledger's checkpoints live there).
+
 OUTPUT
   One line per check per upstream, as it completes:
     <OK|WARN|FAIL|SKIP> <model> <host:port> <check>: <what was seen; what to change>
-  then a summary line on stderr.
+  then the host's, as "<STATUS> redis <host:port> redis_persistence: ...", and a
+  summary line on stderr.
 
 EXIT STATUS
   0 every check passed (warnings allowed); 1 a check failed; 2 the configuration
   cannot be read or is invalid.
 """
+
+
+def redis_persistence(cfg: tg_config.Config, timeout_s: float = 5.0) -> Check:
+    """The ``redis_persistence`` host check: the Redis of ``redis.url`` keeps its data
+    across a restart (``appendonly yes``, or RDB ``save`` points). Without either, a
+    Redis restart loses the bill, the budgets' spend and the ledger's checkpoints: the
+    ledger then rebuilds counters from the usage files with the edge's numbers, and a key
+    refused at its budget is admitted again (seen in an operator's trial). FAIL names the
+    settings to change; WARN when Redis answers but refuses CONFIG GET (a renamed
+    command: check it by hand); FAIL when Redis does not answer."""
+    from redis.exceptions import RedisError, ResponseError
+
+    from tokengate import redis_client
+
+    where = cfg.redis.url.split("@")[-1].split("://")[-1].split("/")[0] or "redis"
+    what = "redis_persistence"
+    try:
+        client = redis_client.connect(cfg.redis, timeout_s=timeout_s)
+        aof = str(client.config_get("appendonly").get("appendonly", ""))
+        save = str(client.config_get("save").get("save", ""))
+    except ResponseError as e:
+        return Check("redis", where, what, "WARN", f"CONFIG GET refused ({e}): check that "
+                     "appendonly is yes (appendfsync everysec) by hand")
+    except RedisError as e:
+        return Check("redis", where, what, "FAIL", f"Redis does not answer: {e}")
+    if aof == "yes":
+        return Check("redis", where, what, "OK", "appendonly yes: the bill, budgets and "
+                     "checkpoints survive a restart")
+    if save.strip():
+        return Check("redis", where, what, "WARN", f"snapshots only (save {save!r}, "
+                     "appendonly no): a crash loses what changed since the last one; set "
+                     "appendonly yes and appendfsync everysec")
+    return Check("redis", where, what, "FAIL", "no persistence (appendonly no, save ''): a "
+                 "restart loses the bill, the budgets' spend and the ledger's checkpoints; "
+                 "set appendonly yes and appendfsync everysec in redis.conf (README: Redis "
+                 "durability)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -99,6 +140,10 @@ def doctor_command(args: argparse.Namespace) -> int:
         wait_healthy(cfg, args.wait_s, out)
     checks = run(cfg, allow_unverified=args.allow_unverified_vllm, timeout_s=args.timeout_s,
                  out=out, engine_records=True, engine_wait_s=args.engine_wait_s)
-    failed = any(c.status == "FAIL" for c in checks)
-    print(f"tokengate doctor: {summary(checks)}", file=sys.stderr)
+    host = [redis_persistence(cfg)]
+    for c in host:
+        out(c.line())
+    failed = any(c.status == "FAIL" for c in checks + host)
+    print(f"tokengate doctor: {summary(checks)}; host: "
+          + ", ".join(f"{c.name} {c.status}" for c in host), file=sys.stderr)
     return 1 if failed else 0

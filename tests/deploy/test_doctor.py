@@ -115,8 +115,14 @@ def test_versions_are_verified_by_major_and_minor() -> None:
         [True, True, True, False, False, False, False]
 
 
-def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str) -> None:
-    cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM], prefix=True)
+def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: str,
+                                                private_redis: Callable[..., Any]) -> None:
+    redis = private_redis(persist=True)  # what an operator's Redis is: append-only
+
+    def durable(raw: dict[str, Any]) -> None:
+        raw["redis"]["url"] = redis.url
+    cfg = _config(config_path, TEST_DIR / "doctor" / "embedded.yaml", [VLLM], durable,
+                  prefix=True)
     before = SESSION_ENGINE.stat().st_size if SESSION_ENGINE.exists() else 0
     status, lines, err = _doctor(cfg)
     assert status == 0, "\n".join(lines) + err
@@ -136,8 +142,10 @@ def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: st
                                    "sha256 hashes, as models.tiny-qwen3.routing says")
     assert got["kv_events"] == (f"OK kv_events: tcp://{KV_EVENTS} published the probe's 2 "
                                 "blocks with the counter's hashes")
+    assert lines[-1] == (f"OK   redis 127.0.0.1:{redis.port} redis_persistence: appendonly "
+                         "yes: the bill, budgets and checkpoints survive a restart")
     assert err.strip() == f"tokengate doctor: 1 upstream(s): {len(CHECKS) + 2} OK, " \
-                          "0 warning(s), 0 failed, 0 skipped"
+                          "0 warning(s), 0 failed, 0 skipped; host: redis_persistence OK"
 
     # the three requests that generate (the plain chat, the one with tools, the KV-event
     # probe) carry the doctor's id: the ledger counts their records as probes, not as
@@ -149,6 +157,38 @@ def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: st
         return [r.request_id for r in map(parse_record, lines) if r.doctor_probe]
 
     wait_until(lambda: len(probes()) == 3, 30, what="the doctor's three engine records")
+
+
+def test_a_redis_that_keeps_nothing_across_a_restart_fails_the_doctor(
+        config_path: Path, redis_url: str, fast: Callable[..., FastUpstream],
+        private_redis: Callable[..., Any]) -> None:
+    # the session's Redis keeps nothing (appendonly no, save ''), as the deploy section
+    # left an operator's: its restart lost the bill and re-admitted a key at its budget
+    replica = fast()
+
+    def on(url: str) -> Callable[[dict[str, Any]], None]:
+        def edit(raw: dict[str, Any]) -> None:
+            raw["redis"]["url"] = url
+        return edit
+    cfg = _config(config_path, TEST_DIR / "doctor" / "volatile.yaml",
+                  [f"127.0.0.1:{replica.port}"], on(redis_url))
+    status, lines, err = _doctor(cfg, "--allow-unverified-vllm", "--engine-wait-s", "0.2")
+    assert status == 1
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    assert lines[-1] == (
+        f"FAIL redis 127.0.0.1:{port} redis_persistence: no persistence (appendonly no, "
+        "save ''): a restart loses the bill, the budgets' spend and the ledger's "
+        "checkpoints; set appendonly yes and appendfsync everysec in redis.conf (README: "
+        "Redis durability)")
+    assert err.strip().endswith("; host: redis_persistence FAIL")
+    dead = private_redis()
+    dead.stop()
+    status, lines, err = _doctor(_config(config_path, TEST_DIR / "doctor" / "no-redis.yaml",
+                                         [f"127.0.0.1:{replica.port}"], on(dead.url)),
+                                 "--allow-unverified-vllm", "--engine-wait-s", "0.2")
+    assert status == 1
+    assert lines[-1].startswith(f"FAIL redis 127.0.0.1:{dead.port} redis_persistence: "
+                                "Redis does not answer: ")
 
 
 def test_a_replica_serving_another_model_fails_loudly(
