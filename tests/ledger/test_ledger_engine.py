@@ -141,6 +141,33 @@ def test_the_engine_numbers_bill_clients_that_left_in_either_order(
     assert not ledger_redis.exists(store.eng_key(whole.request_id))
 
 
+def test_a_replica_added_by_configuration_is_billed_with_its_engines_numbers(
+        cfg, ledger_redis, redis_url, usage_writer, engine_writer, tmp_path):
+    """The configuration lists a second replica's engine file while the ledger runs
+    (`config apply` or an edit, then the ledger's reload): its requests wait for that
+    file's records and are billed with them, not with the edge's numbers."""
+    first = cfg.model_copy(update={"ledger": cfg.ledger.model_copy(
+        update={"engine_usage_files": [engine_writer.path], "engine_wait_s": 30.0})})
+    led = Ledger(first, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path,
+                 "test")
+    try:
+        second = EngineWriter(tmp_path / "engine" / "replica-2.jsonl")
+        led.reconfigure(first.model_copy(update={"ledger": first.ledger.model_copy(
+            update={"engine_usage_files": [engine_writer.path, second.path]})}))
+        left = make_event(usage_source="estimate", client_aborted=True,
+                          completion_tokens=244, reserved=256)
+        usage_writer.write(left)
+        second.record(record(left.request_id, gen=40, finish="abort", source="abort"))
+        totals = led.drain()
+        assert (totals.applied, totals.settled_engine, totals.engine_records) == (1, 1, 1)
+        row = the_row(ledger_redis)
+        assert (row.requests, row.settled_engine, row.completion_tokens) == (1, 1, 40)
+        assert [src.path for src in led.engines] == [engine_writer.path, second.path]
+        second.close()
+    finally:
+        led.close()
+
+
 def test_a_disagreement_is_counted_logged_and_billed_with_the_engines_numbers(
         ledger_redis, usage_writer, engine_writer, joined, caplog):
     ev = make_event(prompt_tokens=12, completion_tokens=30)

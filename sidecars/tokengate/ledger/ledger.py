@@ -219,6 +219,9 @@ class Ledger:
         self.ledger_id = ledger_id or default_ledger_id(self.usage_file)
         wait = cfg.ledger.rotate_wait_s if rotate_wait_s is None else rotate_wait_s
         files = list(cfg.ledger.engine_usage_files if engine_files is None else engine_files)
+        # engine files named by the configuration are followed as it changes (reconfigure)
+        self._files_of_config = engine_files is None
+        self._adopt: list[Path] = []  # new engine files, taken up by the ledger's thread
         if engine_only and not files:
             raise ValueError("engine_only without engine files: nothing to read")
         # Without engine files every event is billed with its own numbers, at once.
@@ -259,10 +262,25 @@ class Ledger:
     def reconfigure(self, cfg: Config) -> None:
         """Bill the events applied from now on with ``cfg`` (models' weights, billing,
         ledger.dedupe_days and audit_maxlen); callable from another thread (each is one
-        reference swap). Files and Redis stay as they were opened."""
+        reference swap). Engine files that ``ledger.engine_usage_files`` adds (when the
+        ledger follows the configuration's, in engine mode) are followed from the next
+        step on; the usage file, removed engine files and Redis stay as they were
+        opened."""
         self.join.calc = Calculator(cfg)
         self.reservations.reconfigure(cfg)
         self.cfg = cfg
+        if self._files_of_config:
+            known = {src.path.resolve() for src in self.engines}
+            new = [Path(f) for f in cfg.ledger.engine_usage_files
+                   if Path(f).resolve() not in known]
+            if new and self.engine_mode:
+                # a replica added by configuration: its records settle its requests
+                # from now on (the ledger's thread adds them: one list swap)
+                self._adopt = new
+            elif new:
+                log.warning("ledger %s: engine files are configured now (%s), but this "
+                            "ledger started without any: restart it to settle with them",
+                            self.ledger_id, ", ".join(map(str, new)))
 
     # -- positioning ---------------------------------------------------------------
 
@@ -417,6 +435,13 @@ class Ledger:
         next call re-reads the checkpoint first.
         """
         busy = False
+        adopt, self._adopt = self._adopt, []
+        for f in adopt:
+            src = _Source("engine", f, engine_ledger_id(self.ledger_id, f),
+                          self.engines[0].tail.rotate_wait_s, self.max_lines)
+            self.engines.append(src)
+            self.sources = self.sources + [src]
+            log.info("ledger %s: following the engine records of %s", self.ledger_id, f)
         for src in self.sources:
             busy = self._step_source(src) or busy
         if self.engine_mode and time.monotonic() >= self._next_sweep:

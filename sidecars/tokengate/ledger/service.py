@@ -110,7 +110,9 @@ STATUS
   ledger has read its checkpoint once (started while Redis was down). With engine
   files also settled_engine, engine_missing, disagreements, engine_records,
   engine_duplicates, engine_bad_lines, engine_unmatched, engine_probes, engine_late,
-  engine_lag_bytes and waiting (events waiting for their records). The counts are
+  engine_lag_bytes, waiting (events waiting for their records) and engine_files (the
+  engine files it follows: a file that ledger.engine_usage_files adds is followed from
+  the reload on). The counts are
   this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>).
 
 EXIT STATUS
@@ -306,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                 "lag_s": ledger.lag_s, "redis_up": ledger.redis_up, "position": ledger.position,
                 "ledger_id": ledger.ledger_id, "pid": os.getpid()}
         if ledger.engine_mode:
-            snap.update(engine_lag_bytes=ledger.engine_lag_bytes, waiting=ledger.waiting)
+            snap.update(engine_lag_bytes=ledger.engine_lag_bytes, waiting=ledger.waiting,
+                        engine_files=[str(src.path) for src in ledger.engines])
         return snap
 
     REGISTRY.register(LedgerCollector(ledger, spans))
