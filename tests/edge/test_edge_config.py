@@ -51,8 +51,8 @@ def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
     ("on_counter_failure", "maybe",
      "edge.on_counter_failure: input should be 'open' or 'closed', got 'maybe'"),
     ("special_tokens", "ignore",
-     "edge.special_tokens: input should be 'escape', 'reject', 'strip' or 'allow', got "
-     "'ignore'"),
+     ("edge.special_tokens: input should be 'escape', 'reject', 'strip' or 'allow', got "
+      "'ignore'")),
     ("max_body_bytes", 10,
      "edge.max_body_bytes: input should be greater than or equal to 1024, got 10"),
     ("special_token_roles", "user", "edge.special_token_roles: input should be a valid list"),
