@@ -622,8 +622,8 @@ end
 -- documents and the values of chat_template_kwargs. Checks the special tokens in the
 -- messages of edge.special_token_roles, the structural tokens in those of
 -- edge.structural_token_roles, both everywhere else listed (policy edge.special_tokens:
--- "escape" | "reject" | "strip" | "allow"); then removes each system message that exactly repeats an
--- earlier one (same JSON after sanitizing).
+-- "escape" | "reject" | "strip" | "allow"); then removes each system message that exactly
+-- repeats an earlier one (same JSON after sanitizing).
 -- state.bad = {param = "messages[i].content", token = "<|im_end|>", ...} when refused
 -- (indices are the client's, before collapsing).
 function _M.chat(body, model, edge)
@@ -742,9 +742,9 @@ local function refusal(st)
     if bad.at then
         where = format(" (in its decoded JSON, at %s)", bad.at == "" and "the top" or bad.at)
     end
+    local why = format(WHY[bad.why] or "", REWRITTEN[st.policy] or "stripped")
     return errors.refuse(400, format("%s contains %s%s%s. Remove it from the text.",
-        bad.param, what, where, format(WHY[bad.why] or "", REWRITTEN[st.policy] or "stripped")),
-        bad.param, "special_token_in_content")
+        bad.param, what, where, why), bad.param, "special_token_in_content")
 end
 
 -- The visitors, for an API module that sanitizes its own body shape
