@@ -212,8 +212,9 @@ end
 -- added tokens are `normalized: false`) cannot match it and the model reads the text
 -- as the ordinary pieces. Measured with Qwen3's tokenizer.json against the literal text
 -- tokenized without added tokens: after the token's leading punctuation ("<|", "</",
--- "<"), U+200B joins that pre-token and costs 1 token per occurrence with every other
--- piece kept (U+2060 costs 2; after "<" alone, "<|..." tokens lose the "<|" piece).
+-- "<"), U+200B joins that pre-token and costs exactly 1 token per occurrence, the other
+-- pieces kept (U+2060 costs 2; after "<" alone, "<|..." tokens lose the "<|" piece):
+-- tests/edge/test_edge_escape_cost.py.
 -- clean() removes U+200B before tokens are searched, so in checked text every U+200B
 -- the model sees was inserted here.
 local ZWSP = "\226\128\139"
