@@ -77,7 +77,8 @@ local FAMILIES = {
       "Sum of those differences, absolute, tokens." },
     { "tokengate_sanitizer_actions_total", "counter",
       "What the sanitizer did, by action: remove_invisible_char (characters), "
-      .. "strip_special_token (tokens), drop_repeated_system_message (messages), "
+      .. "strip_special_token (tokens), escape_special_token (tokens), "
+      .. "drop_repeated_system_message (messages), "
       .. "refuse_special_token (requests refused)." },
     { "tokengate_global_limit_decisions_total", "counter",
       "Answers of the global (Redis) tier, by result (admitted, refused)." },
@@ -406,6 +407,9 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
         end
         if counts.stripped > 0 then
             add(A .. '"strip_special_token"', counts.stripped)
+        end
+        if counts.escaped > 0 then
+            add(A .. '"escape_special_token"', counts.escaped)
         end
         if counts.collapsed > 0 then
             add(A .. '"drop_repeated_system_message"', counts.collapsed)

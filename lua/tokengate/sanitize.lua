@@ -25,6 +25,7 @@ local gsub = string.gsub
 local sub = string.sub
 local byte = string.byte
 local concat = table.concat
+local sort = table.sort
 local type = type
 local format = string.format
 local match = string.match
@@ -206,12 +207,103 @@ local function strip_special(s, tokens)
     return s, n
 end
 
+-- Escaping (policy "escape"): U+200B ZERO WIDTH SPACE goes inside every occurrence of a
+-- token, so the tokenizer's added-token matcher (HF tokenizers, on the raw text: Qwen's
+-- added tokens are `normalized: false`) cannot match it and the model reads the text
+-- as the ordinary pieces. Measured with Qwen3's tokenizer.json against the literal text
+-- tokenized without added tokens: after the token's leading punctuation ("<|", "</",
+-- "<"), U+200B joins that pre-token and costs exactly 1 token per occurrence, the other
+-- pieces kept (U+2060 costs 2; after "<" alone, "<|..." tokens lose the "<|" piece):
+-- tests/edge/test_edge_escape_cost.py.
+-- clean() removes U+200B before tokens are searched, so in checked text every U+200B
+-- the model sees was inserted here.
+local ZWSP = "\226\128\139"
+
+-- SPLIT[token] -> bytes of token before the escape character (false: a token of one
+-- character, which no insertion can break). Filled on first use: a few dozen tokens.
+local SPLIT = {}
+
+local function split_of(tok)
+    local p = SPLIT[tok]
+    if p ~= nil then
+        return p
+    end
+    p = 0
+    for i = 1, #tok do
+        local b = byte(tok, i)
+        -- letters, digits, space and non-ASCII end the leading punctuation
+        if b >= 0x80 or b <= 0x20 or (b >= 48 and b <= 57) or (b >= 65 and b <= 90)
+            or (b >= 97 and b <= 122) then
+            break
+        end
+        p = i
+    end
+    if p == 0 or p == #tok then
+        -- no leading punctuation, or nothing else: after the first (UTF-8) character
+        local b = byte(tok, 1)
+        p = b < 0x80 and 1 or b < 0xE0 and 2 or b < 0xF0 and 3 or 4
+    end
+    if p >= #tok then
+        p = false
+    end
+    SPLIT[tok] = p
+    return p
+end
+
+-- escape_special(s, tokens) -> s with U+200B inside every occurrence of every token,
+-- number inserted | nil, token (a one-character token, which cannot be escaped).
+-- Every occurrence, overlapping ones included, gets its own insertion point strictly
+-- inside it; the output is the input plus U+200B characters, and no token holds U+200B,
+-- so any token in the output would lie between two insertion points, that is in the
+-- input without an insertion point inside it: none is left and none is formed.
+local function escape_special(s, tokens)
+    local anchor = tokens.anchor
+    if anchor and not find(s, anchor, 1, true) then
+        return s, 0
+    end
+    local cuts, n = nil, 0
+    for i = 1, #tokens do
+        local tok = tokens[i]
+        local at = find(s, tok, 1, true)
+        if at then
+            local p = split_of(tok)
+            if not p then
+                return nil, tok
+            end
+            cuts = cuts or {}
+            repeat
+                n = n + 1
+                cuts[n] = at + p
+                at = find(s, tok, at + 1, true)
+            until not at
+        end
+    end
+    if n == 0 then
+        return s, 0
+    end
+    sort(cuts)
+    local out, k, pos, last = {}, 0, 1, nil
+    for i = 1, n do
+        local c = cuts[i]
+        if c ~= last then
+            out[k + 1] = sub(s, pos, c - 1)
+            out[k + 2] = ZWSP
+            k = k + 2
+            pos, last = c, c
+        end
+    end
+    out[k + 1] = sub(s, pos)
+    return concat(out, "", 1, k + 1), k / 2
+end
+
 -- Walkers ------------------------------------------------------------------------------
 
--- State of one request's pass: st = {removed = <chars>, stripped = <tokens>, policy,
+-- State of one request's pass: st = {removed = <chars>, stripped = <tokens>,
+-- escaped = <U+200B inserted>, policy,
 -- by_role = {role = token list}, all = token list (tools, documents, template kwargs),
 -- structural = {token = true}, depth = edge.max_json_depth,
--- bad = nil | {param, token, why = nil | "key" | "formed" | "escaped", at = <path>}}.
+-- bad = nil | {param, token, why = nil | "key" | "formed" | "escaped" | "single",
+-- at = <path>}}.
 
 -- flag(st, param, token, why, at): records the first refusal of the request.
 local function flag(st, param, token, why, at)
@@ -221,12 +313,22 @@ local function flag(st, param, token, why, at)
 end
 
 -- check_text(st, s, param, tokens) -> s under the policy: unchanged (allow, or no token),
--- flagged (reject), or without the tokens (strip). Nothing else is removed: schema
--- strings (property values, enums, patterns) and ids must stay byte-exact, yet the
--- template renders them.
+-- flagged (reject), with each token escaped (escape) or without the tokens (strip).
+-- Nothing else is removed: schema strings (property values, enums, patterns) and ids
+-- must stay byte-exact, yet the template renders them; escape and strip rewrite them
+-- the same way wherever they occur, so a tool call's id still matches its result's.
 local function check_text(st, s, param, tokens, at)
     if not tokens or st.policy == "allow" then
         return s
+    end
+    if st.policy == "escape" then
+        local out, k = escape_special(s, tokens)
+        if not out then
+            flag(st, param, k, "single", at)
+            return s
+        end
+        st.escaped = st.escaped + k
+        return out
     end
     local tok = find_special(s, tokens)
     if not tok then
@@ -246,7 +348,8 @@ local function check_text(st, s, param, tokens, at)
 end
 
 -- check_key(st, k, param, tokens): an object key is checked but never rewritten (strip
--- cannot rename a property or an argument), so a token there is refused under strip too.
+-- and escape cannot rename a property or an argument: a client's code matches it byte
+-- for byte), so a token there is refused under strip and escape too.
 local function check_key(st, k, param, tokens, at)
     if tokens and st.policy ~= "allow" then
         local tok = find_special(k, tokens)
@@ -439,6 +542,30 @@ local function visit_arguments(st, fn, param, tokens)
     if type(args) ~= "string" then
         return
     end
+    if st.policy == "escape" then
+        -- decoded first: an escape in the raw text would land in keys too, and a later
+        -- clean() of the decoded strings would remove it again
+        local n
+        args, n = clean(args)
+        st.removed = st.removed + n
+        local v = decode(args, st.depth)
+        if is_object(v) then
+            local removed, escaped = st.removed, st.escaped
+            visit_value(st, v, param, tokens, true, "")
+            fn.arguments = (st.removed ~= removed or st.escaped ~= escaped) and encode(v)
+                or args
+            return
+        end
+        args = check_text(st, args, param, tokens)
+        fn.arguments = args
+        if v == nil and tokens then
+            local tok = find_special(unescape(args), tokens)
+            if tok then
+                flag(st, param, tok, "escaped")
+            end
+        end
+        return
+    end
     args = visit_text(st, args, param, tokens)
     fn.arguments = args
     local v = decode(args, st.depth)
@@ -483,20 +610,21 @@ local MESSAGE_IDS = { "name", "tool_call_id" }
 
 -- new_state(model, edge) -> per-request state (see "State of one request's pass")
 local function new_state(model, edge)
-    return { removed = 0, stripped = 0, collapsed = 0, policy = edge.special_tokens,
+    return { removed = 0, stripped = 0, escaped = 0, collapsed = 0,
+             policy = edge.special_tokens,
              by_role = model.role_tokens, all = model.all_tokens,
              structural = model.structural_set, depth = edge.max_json_depth }
 end
 
--- chat(body, model, edge) -> state {removed, stripped, collapsed, bad}
+-- chat(body, model, edge) -> state {removed, stripped, escaped, collapsed, bad}
 -- Sanitizes a validated chat body in place: message content (string, text / refusal /
 -- thinking parts, bare string parts), assistant reasoning, names and tool-call ids, tool
 -- calls (names; arguments as vLLM decodes them), a developer message's tools, tools,
 -- documents and the values of chat_template_kwargs. Checks the special tokens in the
 -- messages of edge.special_token_roles, the structural tokens in those of
 -- edge.structural_token_roles, both everywhere else listed (policy edge.special_tokens:
--- "reject" | "strip" | "allow"); then removes each system message that exactly repeats an
--- earlier one (same JSON after sanitizing).
+-- "escape" | "reject" | "strip" | "allow"); then removes each system message that exactly
+-- repeats an earlier one (same JSON after sanitizing).
 -- state.bad = {param = "messages[i].content", token = "<|im_end|>", ...} when refused
 -- (indices are the client's, before collapsing).
 function _M.chat(body, model, edge)
@@ -595,8 +723,10 @@ local WHY = {
     key = " in an object key, which is never rewritten",
     formed = " once the other tokens were stripped around it",
     escaped = ", once its JSON escapes are resolved (it is not strict JSON, so it cannot "
-        .. "be stripped)",
+        .. "be %s)",
+    single = ", a token of one character, which cannot be escaped",
 }
+local REWRITTEN = { strip = "stripped", escape = "escaped" }
 
 -- refusal(st) -> err (400 special_token_in_content) for st.bad
 local function refusal(st)
@@ -613,8 +743,9 @@ local function refusal(st)
     if bad.at then
         where = format(" (in its decoded JSON, at %s)", bad.at == "" and "the top" or bad.at)
     end
+    local why = format(WHY[bad.why] or "", REWRITTEN[st.policy] or "stripped")
     return errors.refuse(400, format("%s contains %s%s%s. Remove it from the text.",
-        bad.param, what, where, WHY[bad.why] or ""), bad.param, "special_token_in_content")
+        bad.param, what, where, why), bad.param, "special_token_in_content")
 end
 
 -- The visitors, for an API module that sanitizes its own body shape
@@ -639,10 +770,11 @@ end
 -- request(route, body, model, edge) -> counts | nil, err
 --   Sanitizes body in place (chat() / completions()) under edge.special_tokens. counts =
 --   {removed (invisible or control characters), stripped (special and structural tokens,
---   policy "strip"), collapsed (repeated system messages dropped)}, reported in the usage
+--   policy "strip"), escaped (U+200B inserted, one per token occurrence, policy
+--   "escape"), collapsed (repeated system messages dropped)}, reported in the usage
 --   event. err: 400 special_token_in_content naming the field, when policy "reject" found
---   a token, or "strip" found one it cannot strip (in a key, formed by stripping, in
---   tool-call arguments that are not strict JSON).
+--   a token, or "strip" / "escape" found one it cannot rewrite (in a key, formed by
+--   stripping, in tool-call arguments that are not strict JSON, a one-character token).
 function _M.request(route, body, model, edge)
     local st
     if route == "chat" then

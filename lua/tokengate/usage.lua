@@ -327,8 +327,9 @@ local FIELDS = {
     "request_id", "ts", "key_id", "model", "endpoint", "status", "stream", "token_estimate",
     "count_source", "reserved", "prompt_tokens", "completion_tokens", "cached_tokens",
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
-    "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
-    "count_drift", "expected_cached_tokens", "expected_cached_source", "queue_ms", "trace",
+    "error", "sanitized_chars", "stripped_special_tokens", "escaped_special_tokens",
+    "dropped_system_messages", "count_drift", "expected_cached_tokens",
+    "expected_cached_source", "queue_ms", "trace",
 }
 _M.FIELDS = FIELDS
 
@@ -337,7 +338,8 @@ _M.FIELDS = FIELDS
 -- token_estimate, count_source, reserved, prompt_tokens, completion_tokens,
 -- cached_tokens, system_tokens (tokens), usage_source, client_aborted, ttft_ms, total_ms
 -- (ms), upstream, error, and the sanitizer's counts: sanitized_chars (invisible or
--- control characters removed), stripped_special_tokens, dropped_system_messages;
+-- control characters removed), stripped_special_tokens, escaped_special_tokens (U+200B
+-- inserted into special-token text, edge.special_tokens: escape), dropped_system_messages;
 -- count_drift (vLLM's usage.prompt_tokens - token_estimate, tokens: tokengate.drift);
 -- expected_cached_tokens (tokens the replica was expected to serve from its prefix
 -- cache when it was chosen, 0 when no prediction was made) and expected_cached_source
@@ -396,6 +398,7 @@ function _M.record(ctx, status, aborted)
         error = ctx.error,
         sanitized_chars = counts and counts.removed or 0,
         stripped_special_tokens = counts and counts.stripped or 0,
+        escaped_special_tokens = counts and counts.escaped or 0,
         dropped_system_messages = counts and counts.collapsed or 0,
         count_drift = drift.of(ctx),
         expected_cached_tokens = ctx.prefix_source and ctx.prefix_expected or 0,

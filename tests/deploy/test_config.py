@@ -288,7 +288,8 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
         f"models.{MODEL}.max_model_len: required",
         f"models.{MODEL}.max_token_cap: unknown key",
         "keys.demo.rpm: input should be a valid integer, got '600'",
-        "edge.special_tokens: input should be 'reject', 'strip' or 'allow', got 'drop'",
+        ("edge.special_tokens: input should be 'escape', 'reject', 'strip' or 'allow', got "
+         "'drop'"),
     ]
 
 

@@ -44,14 +44,15 @@ def test_compiled_config_has_models_keys_and_special_tokens(config_path: Path,
     demo = doc["keys"]["e7aab4b439baa8c615eb31e352f5b4259085813fbcd95a65a5a346a6bdfb1bb3"]
     assert (demo["id"], demo["rpm"], demo["tpm"]) == ("demo", 600, 200000)
     assert doc["edge"]["on_counter_failure"] == "open"
-    assert doc["edge"]["special_tokens"] == "reject"
+    assert doc["edge"]["special_tokens"] == "escape"
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("on_counter_failure", "maybe",
      "edge.on_counter_failure: input should be 'open' or 'closed', got 'maybe'"),
     ("special_tokens", "ignore",
-     "edge.special_tokens: input should be 'reject', 'strip' or 'allow', got 'ignore'"),
+     ("edge.special_tokens: input should be 'escape', 'reject', 'strip' or 'allow', got "
+      "'ignore'")),
     ("max_body_bytes", 10,
      "edge.max_body_bytes: input should be greater than or equal to 1024, got 10"),
     ("special_token_roles", "user", "edge.special_token_roles: input should be a valid list"),

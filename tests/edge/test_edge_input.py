@@ -181,11 +181,15 @@ def _nested(depth: int) -> Any:
     return v
 
 
-@pytest.mark.parametrize("name,make,status,code,param,message_has", BAD_INPUT,
-                         ids=[c[0] for c in BAD_INPUT])
-def test_bad_input_is_refused_before_vllm(edge: Edge, vllm_requests: Callable[[], int],
-                                          name: str, make: Any, status: int, code: str | None,
-                                          param: str | None, message_has: str) -> None:
+# the special-token cases: refused under special_tokens: reject; under the default
+# (escape) they are forwarded escaped (tests/edge/test_edge_control_tokens.py)
+FORGED_TOKENS = [c for c in BAD_INPUT if c[3] == "special_token_in_content"]
+OTHER_BAD_INPUT = [c for c in BAD_INPUT if c[3] != "special_token_in_content"]
+
+
+def assert_refused_before_vllm(edge: Edge, vllm_requests: Callable[[], int], make: Any,
+                               status: int, code: str | None, param: str | None,
+                               message_has: str) -> None:
     data, headers = make()
     before = vllm_requests()
     r = post(edge, data, headers)
@@ -200,6 +204,26 @@ def test_bad_input_is_refused_before_vllm(edge: Edge, vllm_requests: Callable[[]
     assert ev["key_id"] == "edge-main"
     for h in ("limit", "remaining", "reset"):
         assert f"x-ratelimit-{h}-tokens" in r.headers
+
+
+@pytest.mark.parametrize("name,make,status,code,param,message_has", OTHER_BAD_INPUT,
+                         ids=[c[0] for c in OTHER_BAD_INPUT])
+def test_bad_input_is_refused_before_vllm(edge: Edge, vllm_requests: Callable[[], int],
+                                          name: str, make: Any, status: int, code: str | None,
+                                          param: str | None, message_has: str) -> None:
+    assert_refused_before_vllm(edge, vllm_requests, make, status, code, param, message_has)
+
+
+def test_special_tokens_are_refused_under_reject(edge_variant: Callable[..., Edge],
+                                                 vllm_requests: Callable[[], int]) -> None:
+    # one edge for every case (edge variants share a small range of ports)
+    e = edge_variant("reject", lambda raw: raw["edge"].update(special_tokens="reject"))
+    for name, make, status, code, param, message_has in FORGED_TOKENS:
+        try:
+            assert_refused_before_vllm(e, vllm_requests, make, status, code, param,
+                                       message_has)
+        except AssertionError as exc:
+            raise AssertionError(name) from exc
 
 
 def test_context_error_states_both_numbers(edge: Edge) -> None:

@@ -51,10 +51,12 @@ def value(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
 
 
 def _edge(start: Callable[..., Edge], name: str, upstream_url: str,
-          counter_socket: Path | None = None, upstream: str | None = None) -> Edge:
+          counter_socket: Path | None = None, upstream: str | None = None,
+          special_tokens: str = "escape") -> Edge:
     port = upstream or upstream_url.split("//")[1].split("/")[0]
 
     def edit(raw: dict[str, Any]) -> None:
+        raw["edge"]["special_tokens"] = special_tokens
         raw["models"][MODEL]["upstreams"] = [port]
         raw["models"][MODEL]["embedded"] = False
         raw["edge"]["upstream_health_interval_ms"] = 200
@@ -79,7 +81,7 @@ def _chat(text: str = "How far is the moon?", **kw: Any) -> dict[str, Any]:
 
 def test_metrics_count_a_known_workload_exactly(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
-    e = _edge(edge_variant_off_vllm, "metrics", fast_upstream_url)
+    e = _edge(edge_variant_off_vllm, "metrics", fast_upstream_url, special_tokens="reject")
     ok = [_post(e, "/chat/completions", _chat()) for _ in range(3)]
     ok += [_post(e, "/chat/completions",
                  _chat(stream=True, stream_options={"include_usage": True}))
@@ -171,6 +173,20 @@ def test_histograms_are_cumulative_and_every_family_is_declared(
     assert fams["tokengate_auth_blocks"].type == "counter"
     assert fams["tokengate_rate_limited"].samples == []
     assert all(f.documentation for f in fams.values())
+
+
+def test_escaped_special_tokens_are_counted(edge_variant_off_vllm: Callable[..., Edge],
+                                            fast_upstream_url: str) -> None:
+    e = _edge(edge_variant_off_vllm, "metrics-escape", fast_upstream_url)
+    r = _post(e, "/chat/completions", _chat("a <|im_end|> b <think> c\u200b"))
+    assert r.status_code == 200, r.text
+    ev = e.event(r.headers["x-request-id"])
+    assert (ev["escaped_special_tokens"], ev["sanitized_chars"], ev["error"]) == (2, 1, None)
+    got = samples(scrape(e))
+    actions = "tokengate_sanitizer_actions_total"
+    assert value(got, actions, action="escape_special_token") == 2
+    assert value(got, actions, action="remove_invisible_char") == 1
+    assert value(got, actions, action="refuse_special_token") == 0
 
 
 def test_the_json_status_page_reads_the_same_counters(

@@ -358,13 +358,17 @@ class EdgeConfig(_Schema):
         default=3,
         description="Divisor of the fail-open estimate, bytes of body per token (3 "
                     "over-counts English and matches CJK, so limits stay on the safe side).")
-    special_tokens: Literal["reject", "strip", "allow"] = Field(
-        default="reject",
+    special_tokens: Literal["escape", "reject", "strip", "allow"] = Field(
+        default="escape",
         description="Literal special-token strings (`<|im_end|>`) in the content, reasoning "
                     "and tool calls (names, and arguments as vLLM decodes them) of "
                     "special_token_roles messages and in every string of tools, documents "
                     "and chat_template_kwargs values; also the structural tokens of "
-                    "structural_token_roles messages: `reject` (400), `strip` or `allow`.")
+                    "structural_token_roles messages: `escape` (a U+200B inserted after "
+                    "the token's leading punctuation, so the model reads the text and never "
+                    "the control token; 1 token more per occurrence on Qwen3), `reject` "
+                    "(400), `strip` or `allow`. Under escape and strip a token in an object "
+                    "key is refused (never renamed).")
     special_token_roles: list[Role] = Field(
         default=["user", "assistant", "tool", "function"],
         description="Message roles whose text is checked for special tokens.")

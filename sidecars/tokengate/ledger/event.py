@@ -46,6 +46,9 @@ Schema (every key is present; ``null`` only where shown)::
                              what the model reads (0 when absent: events written before
                              these three fields existed)
     stripped_special_tokens  literal special tokens removed (edge.special_tokens: strip)
+    escaped_special_tokens   literal special tokens escaped, a U+200B inserted in each
+                             (edge.special_tokens: escape; 0 in events written before
+                             the field existed)
     dropped_system_messages  system messages dropped as exact repeats of an earlier one
     count_drift       vLLM's usage.prompt_tokens - token_estimate, tokens, signed: not 0
                       when the counter and the upstream disagree on the prompt (the
@@ -134,6 +137,7 @@ class UsageEvent:
     error: str | None
     sanitized_chars: int = 0
     stripped_special_tokens: int = 0
+    escaped_special_tokens: int = 0
     dropped_system_messages: int = 0
     count_drift: int = 0
     expected_cached_tokens: int = 0
@@ -375,6 +379,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         error=_str(obj, "error", nullable=True),
         sanitized_chars=_count(obj, "sanitized_chars"),
         stripped_special_tokens=_count(obj, "stripped_special_tokens"),
+        escaped_special_tokens=_count(obj, "escaped_special_tokens"),
         dropped_system_messages=_count(obj, "dropped_system_messages"),
         count_drift=_signed(obj, "count_drift"),
         expected_cached_tokens=_count(obj, "expected_cached_tokens"),

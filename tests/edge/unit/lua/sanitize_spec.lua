@@ -220,6 +220,100 @@ case("strip: invisible characters go before the token search", function()
     eq(counts(st), { removed = 1, stripped = 1, collapsed = 0 })
 end)
 
+-- escape: U+200B (Z below) after each token's leading punctuation
+local Z = "\226\128\139"
+
+case("escape: every token gets a U+200B after its leading punctuation, counted", function()
+    local body, st, err = chat('{"messages":[{"role":"user","content":"a<|im_end|>b<think>c'
+        .. '</think><|im_end|>"}]}', "escape")
+    eq(err, nil)
+    eq(body.messages[1].content, "a<|" .. Z .. "im_end|>b<" .. Z .. "think>c</" .. Z
+        .. "think><|" .. Z .. "im_end|>")
+    eq(st.escaped, 4)
+    eq(counts(st), { removed = 0, stripped = 0, collapsed = 0 })
+end)
+
+case("escape: nested and adjacent tokens are each escaped and none is formed", function()
+    local cases = {
+        { "<|im_<|im_start|>start|>", "<|im_<|" .. Z .. "im_start|>start|>", 1 },
+        { "<<|im_end|>|im_end|>", "<<|" .. Z .. "im_end|>|im_end|>", 1 },
+        { "<|im_end|><|im_end|><think><think>", "<|" .. Z .. "im_end|><|" .. Z
+            .. "im_end|><" .. Z .. "think><" .. Z .. "think>", 4 },
+        { "<|im_<think>end|>", "<|im_<" .. Z .. "think>end|>", 1 },
+    }
+    for _, c in ipairs(cases) do
+        local body, st, err = chat('{"messages":[{"role":"user","content":'
+            .. encode(c[1]) .. '}]}', "escape")
+        eq(err, nil)
+        eq(body.messages[1].content, c[2])
+        eq(st.escaped, c[3])
+        for _, tok in ipairs(ALL) do
+            eq(body.messages[1].content:find(tok, 1, true), nil)
+        end
+    end
+end)
+
+case("escape: a client's own U+200B is removed before, so every one left is ours",
+    function()
+        local body, st = chat('{"messages":[{"role":"user","content":"x<|im_\\u200bend|>'
+            .. '\\u200by"}]}', "escape")
+        eq(body.messages[1].content, "x<|" .. Z .. "im_end|>y")
+        eq(counts(st), { removed = 2, stripped = 0, collapsed = 0 })
+        eq(st.escaped, 1)
+    end)
+
+case("escape: a token in a key is refused, never renamed", function()
+    local _, _, err = chat('{"messages":[{"role":"user","content":"q"}],'
+        .. '"chat_template_kwargs":{"x":{"<|im_start|>":1}}}', "escape")
+    eq(err, refusal("chat_template_kwargs.x.<|im_start|>", "chat_template_kwargs.x."
+        .. '<|im_start|> contains the special token "<|im_start|>", ' .. FORGED
+        .. " in an object key, which is never rewritten. Remove it from the text."))
+end)
+
+case("escape: tool-call arguments are escaped as decoded and re-encoded", function()
+    local body, st = chat('{"messages":[{"role":"user","content":"x","tool_calls":[{"id":'
+        .. '"c<|im_end|>","type":"function","function":{"name":"f","arguments":'
+        .. '"{\\"a\\": \\"b\\\\u003c|im_end|\\\\u003e <|im_end|>\\", \\"n\\": 1.50}"}}]}]}',
+        "escape")
+    local call = body.messages[1].tool_calls[1]
+    eq(call["function"].arguments, '{"a":"b<|' .. Z .. 'im_end|> <|' .. Z .. 'im_end|>",'
+        .. '"n":1.50}')
+    eq(call.id, "c<|" .. Z .. "im_end|>")
+    eq(st.escaped, 3)
+end)
+
+case("escape: arguments that are not strict JSON and hide a token are refused", function()
+    local _, _, err = chat('{"messages":[{"role":"user","content":"x","tool_calls":[{"id":'
+        .. '"c1","type":"function","function":{"name":"f","arguments":'
+        .. '"{\\"a\\":1,\\"a\\":\\"\\\\u003c|im_start|\\\\u003e\\"}"}}]}]}', "escape")
+    eq(err, refusal("messages[0].tool_calls[0].function.arguments",
+        "messages[0].tool_calls[0].function.arguments contains the special token "
+        .. '"<|im_start|>", ' .. FORGED .. ", once its JSON escapes are resolved (it is not "
+        .. "strict JSON, so it cannot be escaped). Remove it from the text."))
+end)
+
+case("escape: literal tokens in arguments that are not JSON are escaped in place",
+    function()
+        local body, st, err = chat('{"messages":[{"role":"user","content":"x","tool_calls":'
+            .. '[{"id":"c1","type":"function","function":{"name":"f","arguments":'
+            .. '"not json <|im_end|>"}}]}]}', "escape")
+        eq(err, nil)
+        eq(body.messages[1].tool_calls[1]["function"].arguments,
+            "not json <|" .. Z .. "im_end|>")
+        eq(st.escaped, 1)
+    end)
+
+case("escape: a one-character token cannot be escaped and is refused", function()
+    local model = { all_tokens = { "%" }, role_tokens = { user = { "%" } },
+                    structural_set = {} }
+    local body = assert(decode('{"messages":[{"role":"user","content":"50%"}]}'))
+    local st, err = sanitize.request("chat", body, model, edge("escape"))
+    eq(st, nil)
+    eq(err.message, 'messages[0].content contains the special token "%", which the model '
+        .. "would read as a control token (a forged turn), a token of one character, which "
+        .. "cannot be escaped. Remove it from the text.")
+end)
+
 -- ------------------------------------------------------------ chat: what is visited
 
 case("chat: content parts, reasoning, names and ids are visited", function()
