@@ -101,12 +101,8 @@ def agents_stack(cfg: tg_config.Config, config_path: Path, vllm_server: VllmFact
         m["max_model_len"] = max(m["max_model_len"], AGENT_CONTEXT)
         m["upstreams"] = [vllm.address]
         m.get("routing", {}).pop("kv_events", None)  # this server publishes none
-        edge_fields = tg_config.EdgeConfig.model_fields
-        if edge_fields["special_tokens"].default not in ("escape",):
-            # Until the default lets special-token text through as text (issue: "escape"),
-            # the only mode under which these agents work at all; without this line the
-            # tests run under the default, as they will once it is escape.
-            raw.setdefault("edge", {})["special_tokens"] = "strip"
+        # edge.special_tokens as configured: escape, the default (the agents' folders
+        # hold chat-format text)
 
     name = "agents"
     usage = EDGE_DIR / name / "usage.jsonl"

@@ -48,15 +48,18 @@ prompt with the counter's block hashes (which also checks routing.hash_seed). Th
 runs in this process from the configuration's model directories. Requests go straight to each
 upstream (never through the edge); each generates at most one token.
 
-Then the host: redis_persistence, the Redis of redis.url keeps its data across a restart
-(appendonly yes; RDB snapshots alone are a warning, neither a failure: the bill, the
-budgets' spend and the ledger's checkpoints live there).
+Then the host: for an installed layout (/etc/tokengate/tokengate.yaml, units in
+/etc/systemd/system), readable, each sidecar unit's own user and groups can read the
+configuration and what it follows (the counter the models' files, the ledger the usage
+and engine files' folders); and redis_persistence, the Redis of redis.url keeps its data
+across a restart (appendonly yes; RDB snapshots alone are a warning, neither a failure:
+the bill, the budgets' spend and the ledger's checkpoints live there).
 
 OUTPUT
   One line per check per upstream, as it completes:
     <OK|WARN|FAIL|SKIP> <model> <host:port> <check>: <what was seen; what to change>
-  then the host's, as "<STATUS> redis <host:port> redis_persistence: ...", and a
-  summary line on stderr.
+  then the host's, as "<STATUS> unit <unit> readable: ..." and "<STATUS> redis
+  <host:port> redis_persistence: ...", and a summary line on stderr.
 
 EXIT STATUS
   0 every check passed (warnings allowed); 1 a check failed; 2 the configuration
@@ -100,6 +103,103 @@ def redis_persistence(cfg: tg_config.Config, timeout_s: float = 5.0) -> Check:
                  "durability)")
 
 
+# What each sidecar unit reads, by the configuration it is given: every unit the
+# configuration; the counter the models' files; the ledger the usage file's folder (it
+# lists it for rotated files) and the engine files' folders.
+SIDECAR_UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
+                 "tokengate-limits.service")
+
+
+def _unit_identity(unit: Path) -> tuple[str, str, list[str]]:
+    """(User=, Group=, SupplementaryGroups=) of a unit file (the last assignment of
+    each, as systemd reads single-valued settings; root:root when absent)."""
+    user, group, extra = "root", "", []
+    for raw in unit.read_text().splitlines():
+        line = raw.strip()
+        key, _, value = line.partition("=")
+        if key == "User":
+            user = value.strip()
+        elif key == "Group":
+            group = value.strip()
+        elif key == "SupplementaryGroups":
+            extra = value.split() if value.strip() else []
+    return user, group, extra
+
+
+def _denied(path: Path, uid: int, gids: set[int], directory: bool) -> str | None:
+    """Why ``uid`` with ``gids`` cannot read ``path`` (and, for a directory, list it):
+    the first folder on the way it cannot enter, or the file's own mode; None when it
+    can. By the permission bits (ACLs are not read); root reads everything."""
+    if uid == 0:
+        return None
+    path = path.absolute()
+    chain = [*reversed(path.parents), path]
+    for i, p in enumerate(chain):
+        try:
+            st = p.stat()
+        except OSError as e:
+            return f"{p}: {e.strerror}"
+        last = i == len(chain) - 1
+        need = (4 | (1 if directory else 0)) if last else 1
+        bits = (st.st_mode >> 6) & 7 if st.st_uid == uid else \
+            (st.st_mode >> 3) & 7 if st.st_gid in gids else st.st_mode & 7
+        if bits & need != need:
+            from tokengate.install import _owner_name
+            return f"{p} ({st.st_mode & 0o777:o} {_owner_name(st.st_uid, st.st_gid)})"
+    return None
+
+
+def unit_access(cfg: tg_config.Config) -> list[Check]:
+    """The ``readable`` host checks of an installed layout (the configuration is
+    ``<root>/etc/tokengate/tokengate.yaml`` and the units are in
+    ``<root>/etc/systemd/system``): for each sidecar unit installed there, whether its
+    own user and groups can read what it needs (``SIDECAR_UNITS``). An upgrade once left
+    tokengate.yaml root:root 0600: every unit exited with Permission denied while the
+    doctor said OK. SKIP when the unit's user does not exist on this machine; no check
+    outside an installed layout."""
+    import grp
+    import pwd
+
+    path = cfg.path.absolute()
+    if path.parts[-3:] != ("etc", "tokengate", "tokengate.yaml"):
+        return []
+    units = path.parents[2] / "etc" / "systemd" / "system"
+    needs: dict[str, list[tuple[Path, bool]]] = {
+        "tokengate-counter.service": [(m.dir, True) for m in cfg.models.values()],
+        "tokengate-ledger.service": [(cfg.ledger.usage_file.parent, True),
+                                     *((Path(f).parent, True)
+                                       for f in cfg.ledger.engine_usage_files)],
+        "tokengate-limits.service": []}
+    checks = []
+    for name in SIDECAR_UNITS:
+        unit = units / name
+        if not unit.is_file():
+            continue
+        user, group, extra = _unit_identity(unit)
+        try:
+            pw = pwd.getpwnam(user)
+            gids = {pw.pw_gid, *(grp.getgrnam(g).gr_gid for g in [group, *extra] if g)}
+            gids |= {g.gr_gid for g in grp.getgrall() if user in g.gr_mem}
+        except KeyError as e:
+            checks.append(Check("unit", name, "readable", "SKIP",
+                                f"not checked: {e.args[0]} (user {user}, group "
+                                f"{group or '-'}) is not known on this machine"))
+            continue
+        who = f"user {user} (group {group or pw.pw_gid})"
+        bad = [why for p, is_dir in [(path, False), *needs[name]]
+               if (why := _denied(p, pw.pw_uid, gids, is_dir)) is not None]
+        if bad:
+            checks.append(Check("unit", name, "readable", "FAIL",
+                                f"{who} cannot read {'; '.join(bad)}: the unit exits at "
+                                "start; run `tokengate install` again (it sets the owners "
+                                "and modes back)"))
+        else:
+            checks.append(Check("unit", name, "readable", "OK",
+                                f"{who} reads the configuration"
+                                + (" and what it follows" if needs[name] else "")))
+    return checks
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``tokengate doctor`` on the ``tokengate`` command's subparsers."""
     p = sub.add_parser("doctor", help="check that every upstream is the vLLM the counter "
@@ -140,7 +240,7 @@ def doctor_command(args: argparse.Namespace) -> int:
         wait_healthy(cfg, args.wait_s, out)
     checks = run(cfg, allow_unverified=args.allow_unverified_vllm, timeout_s=args.timeout_s,
                  out=out, engine_records=True, engine_wait_s=args.engine_wait_s)
-    host = [redis_persistence(cfg)]
+    host = [*unit_access(cfg), redis_persistence(cfg)]
     for c in host:
         out(c.line())
     failed = any(c.status == "FAIL" for c in checks + host)

@@ -191,6 +191,48 @@ def test_a_redis_that_keeps_nothing_across_a_restart_fails_the_doctor(
                                 "Redis does not answer: ")
 
 
+def test_the_doctor_fails_a_config_the_units_own_user_cannot_read(
+        config_path: Path, redis_url: str, fast: Callable[..., FastUpstream]) -> None:
+    # the upgrade of 0.1.0: keys create had left tokengate.yaml root:root 0600, every
+    # sidecar unit exited with Permission denied, and the doctor said OK
+    from tests.deploy.test_install import install, test_config
+
+    replica = fast()
+    base = TEST_DIR / "doctor" / "installed"   # a folder every user may enter (not /tmp's)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    raw = yaml.safe_load(test_config(config_path, redis_url, base / "c.yaml").read_text())
+    raw["models"][MODEL].update(upstreams=[f"127.0.0.1:{replica.port}"], embedded=False)
+    raw["models"][MODEL].pop("routing", None)
+    (base / "c.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    prefix = base / "root"
+    assert install(prefix, "--config", base / "c.yaml").returncode == 0
+    units = prefix / "etc/systemd/system"
+    for name in doctor.SIDECAR_UNITS:  # a user this machine has, in the units' group
+        unit = units / name
+        unit.write_text(unit.read_text().replace("User=tokengate", "User=nobody"))
+    config = prefix / "etc/tokengate/tokengate.yaml"
+
+    def unit_lines() -> list[str]:
+        _status, lines, _err = _doctor(config, "--allow-unverified-vllm",
+                                       "--engine-wait-s", "0.2")
+        return [line for line in lines if line[5:].startswith("unit ")]
+
+    assert unit_lines() == [
+        "OK   unit tokengate-counter.service readable: user nobody (group www-data) reads "
+        "the configuration and what it follows",
+        "OK   unit tokengate-ledger.service readable: user nobody (group www-data) reads "
+        "the configuration and what it follows",
+        "OK   unit tokengate-limits.service readable: user nobody (group www-data) reads "
+        "the configuration"]
+    os.chown(config, 0, 0)
+    config.chmod(0o600)
+    assert unit_lines() == [
+        f"FAIL unit {name} readable: user nobody (group www-data) cannot read {config} (600 "
+        "root:root): the unit exits at start; run `tokengate install` again (it sets the "
+        "owners and modes back)" for name in doctor.SIDECAR_UNITS]
+
+
 def test_a_replica_serving_another_model_fails_loudly(
         config_path: Path, vllm_url: str, fast: Callable[..., FastUpstream]) -> None:
     other = fast(model="other-model")
