@@ -219,12 +219,12 @@ def test_the_doctor_fails_a_config_the_units_own_user_cannot_read(
         return [line for line in lines if line[5:].startswith("unit ")]
 
     assert unit_lines() == [
-        "OK   unit tokengate-counter.service readable: user nobody (group www-data) reads "
-        "the configuration and what it follows",
-        "OK   unit tokengate-ledger.service readable: user nobody (group www-data) reads "
-        "the configuration and what it follows",
-        "OK   unit tokengate-limits.service readable: user nobody (group www-data) reads "
-        "the configuration"]
+        ("OK   unit tokengate-counter.service readable: user nobody (group www-data) reads "
+        "the configuration and what it follows"),
+        ("OK   unit tokengate-ledger.service readable: user nobody (group www-data) reads "
+        "the configuration and what it follows"),
+        ("OK   unit tokengate-limits.service readable: user nobody (group www-data) reads "
+        "the configuration")]
     os.chown(config, 0, 0)
     config.chmod(0o600)
     assert unit_lines() == [
