@@ -65,6 +65,7 @@ local ERR = ngx.ERR
 local mono_ms = clock.mono_ms
 local ngx_now = ngx.now
 local find = string.find
+local format = string.format
 local match = string.match
 local gmatch = string.gmatch
 local type = type
@@ -250,6 +251,11 @@ local function what(ctx, doc)
     end
     ctx.sanitized = counts
     request.adjust(ctx, route, body, model)
+    local fits
+    fits, err = request.check_output(route, body, model)
+    if not fits then
+        return nil, err
+    end
     if api and api.check then
         local ok
         ok, err = api.check(ctx, doc, body)
@@ -305,10 +311,14 @@ local function how_much(ctx, doc)
         return text
     end
     local out
-    out, err = request.budget(route, model, body, counted)
+    out, err = request.budget(route, model, body, counted, ctx.key)
     if not out then
         return nil, err
     end
+    -- the usage event's max_tokens_requested / max_tokens_applied, and the header that
+    -- says the gateway's cap lowered the client's limit
+    ctx.max_tokens_requested, ctx.max_tokens_applied = counted.requested, out
+    ctx.max_tokens_capped_by = counted.capped_by
     if counted.body_changed then
         text = json.encode(body)
     end
@@ -547,6 +557,10 @@ function _M.header_filter()
     end
     if ctx.limits_tier then
         h["X-Tokengate-Limits"] = ctx.limits_tier
+    end
+    if ctx.max_tokens_capped_by then
+        h["X-Tokengate-Max-Tokens-Capped"] = format("%d -> %d (%s cap)",
+            ctx.max_tokens_requested, ctx.max_tokens_applied, ctx.max_tokens_capped_by)
     end
     if ctx.queue_ms then
         h["X-Tokengate-Queue-Ms"] = ctx.queue_ms
