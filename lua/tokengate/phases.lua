@@ -403,9 +403,15 @@ local function where(ctx, doc)
     return true
 end
 
--- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier.
+-- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier, with the
+-- prompt tokens the replica is expected to serve from its prefix cache weighed
+-- (tokengate.limits.weigh).
 local function reserve(ctx)
     local req = ctx.limit_req
+    if ctx.model_entry then
+        -- the replica's expected prefix-cache hits count cached_tokens_weight each
+        limits.weigh(req, limits.cached_weight(ctx.key, ctx.model_entry), ctx.prefix_expected)
+    end
     local t = mono_ms()
     local ok, err = limits.reserve(req)
     trace.span(ctx, "limits", t)
@@ -720,7 +726,8 @@ function _M.log()
     if req then
         local cost = req.budget and budget.cost(ctx.model_entry.cost, config.get().billing,
             ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
-        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost)
+        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost, limits.charged(req,
+            ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))
     end
     drift.report(ctx, ev.count_drift)
     metrics.request(ctx, status, ev, config.get().models, ngx_var.upstream_connect_time)

@@ -301,8 +301,9 @@ end
 --   chunk before a disconnect);
 --   a non-streaming request whose client left: vLLM kept generating until nginx closed
 --   the upstream connection and no usage ever comes back, so the whole reservation
---   (prompt + the output tokens reserved) is billed ("estimate") and nothing refunded:
---   billing only the prompt would make "ask, then hang up" a free generation;
+--   (prompt + the output tokens reserved, req.out_reserve) is billed ("estimate") and
+--   nothing refunded: billing only the prompt would make "ask, then hang up" a free
+--   generation;
 --   forwarded and answered (or aborted) without usage: the prompt ("estimate");
 --   not forwarded: nothing ("none").
 function _M.bill(ctx, aborted)
@@ -312,7 +313,7 @@ function _M.bill(ctx, aborted)
     local prompt = ctx.token_estimate or 0
     local req = ctx.limit_req
     if aborted and ctx.proxied and not ctx.stream and req and req.admitted then
-        return prompt, req.tokens - prompt, 0, "estimate"
+        return prompt, req.out_reserve, 0, "estimate"
     end
     if ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
         return prompt, 0, 0, "estimate"
