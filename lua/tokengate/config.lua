@@ -164,6 +164,13 @@ function _M.load(path)
             b.spend = b.spend ~= cjson.null and b.spend or nil
             b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
         end
+        -- null: the model's cap and weight (tokengate.request.cap_of, tokengate.limits)
+        if k.max_tokens_cap == cjson.null then
+            k.max_tokens_cap = nil
+        end
+        if k.cached_tokens_weight == cjson.null then
+            k.cached_tokens_weight = nil
+        end
         -- null: every model; else the set of names the key may use
         if k.allowed_models ~= cjson.null then
             k.allowed = {}

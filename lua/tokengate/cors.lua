@@ -26,6 +26,7 @@ local _M = {}
 
 -- What a page may read of an answer beyond the CORS-safelisted headers.
 local EXPOSE = "X-Request-Id, X-Token-Count, X-Token-Count-Source, X-Tokengate-Limits, "
+    .. "X-Tokengate-Max-Tokens-Capped, "
     .. "X-Tokengate-Upstream, "
     .. "Retry-After, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
     .. "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "

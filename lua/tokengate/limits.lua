@@ -10,7 +10,12 @@
 --
 -- What a request reserves (DESIGN contract 3): RPM 1 and TPM
 --     prompt + n x prompts x min(max_tokens_effective, model.output_reserve)
--- settled at the end by (prompt + completion) - reserved. A key's budgets
+-- settled at the end by (prompt + completion) - reserved. Prompt tokens served from
+-- vLLM's prefix cache count cached_tokens_weight (0..1; the key's, else the model's)
+-- each: admission takes the weight off the tokens the chosen replica is expected to
+-- hold (weigh: tokengate.prefix's expectation, 0 without one) and settlement charges
+-- (prompt - cached) + weight x cached + completion with vLLM's reported cached_tokens
+-- (charged); every tier settles to that same number. A key's budgets
 -- (tokengate.budget, req.budget) are reserved after every rate tier admitted, in the
 -- edge's counters and then, with global limits, in Redis's (which decide for all
 -- edges; when they fail the edge's counters decide, counted from Redis's last answer,
@@ -89,6 +94,44 @@ function _M.reservation(req, prompt, prompts, completion, n, output_reserve)
     return req.tokens
 end
 
+-- weighted(cached, weight) -> the TPM tokens cached prompt tokens count (whole tokens)
+local function weighted(cached, weight)
+    return floor(cached * weight + 0.5)
+end
+
+-- cached_weight(key, model) -> the weight of one prefix-cache hit in TPM windows, 0..1:
+-- keys.<k>.cached_tokens_weight, else models.<m>.cached_tokens_weight (the schema's
+-- default is 0; a model without the field, compiled before it existed, counts hits in
+-- full: 1)
+function _M.cached_weight(key, model)
+    local w = key.cached_tokens_weight
+    if w == nil then
+        w = model.cached_tokens_weight or 1
+    end
+    return w
+end
+
+-- weigh(req, weight, expected): before reserve, with the prompt tokens the chosen
+-- replica is expected to serve from its prefix cache (tokens; nil or 0: none
+-- expected): req.tokens counts them weight each instead of 1 (an expectation above
+-- the prompt counts as the prompt). Sets req.cached_weight, which charged() uses.
+function _M.weigh(req, weight, expected)
+    req.cached_weight = weight
+    if expected and expected > 0 and weight < 1 then
+        local hit = min(expected, req.prompt or 0)
+        req.tokens = req.tokens - (hit - weighted(hit, weight))
+    end
+end
+
+-- charged(req, prompt, cached, completion) -> the TPM tokens the request used: prompt
+-- tokens (cached ones, vLLM's usage cached_tokens, at req.cached_weight each) plus
+-- completion tokens. Without weigh() every token counts 1.
+function _M.charged(req, prompt, cached, completion)
+    local w = req.cached_weight or 1
+    local hit = min(cached or 0, prompt)
+    return prompt - hit + weighted(hit, w) + completion
+end
+
 -- rejection(req, st) -> the 429 (errors.new shape) of a refused state: which limit,
 -- Retry-After in whole seconds, and a request that alone exceeds the TPM limit is told
 -- that retrying cannot help (x-should-retry: false) unless its prompt count is only the
@@ -111,7 +154,7 @@ local function rejection(req, st)
         msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d "
             .. "reserved for the completion) but the limit is %d tokens per minute, so "
             .. "retrying cannot help. Reduce the prompt or max_tokens.", req.key_id,
-            req.tokens, req.prompt, req.out_reserve, st.tpm)
+            req.tokens, req.tokens - req.out_reserve, req.out_reserve, st.tpm)
         -- Retry-After stays (every 429 has one); x-should-retry: false keeps the
         -- official openai clients from retrying what can never fit.
         return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
@@ -120,7 +163,7 @@ local function rejection(req, st)
         msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
             .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
             .. "Please try again in %ds.", req.key_id, st.tpm, st.remaining_tokens,
-            req.tokens, req.prompt, req.out_reserve, retry)
+            req.tokens, req.tokens - req.out_reserve, req.out_reserve, retry)
     end
     return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
         { ["Retry-After"] = tostring(retry) })
@@ -171,16 +214,18 @@ function _M.reserve(req)
     return true
 end
 
--- settle(req, actual, cost): the request ended having used actual tokens (prompt +
--- completion) that cost cost (currency units; needed only with req.budget); every tier
--- that admitted it corrects its window, and its budgets their spend.
-function _M.settle(req, actual, cost)
+-- settle(req, actual, cost, charged): the request ended having used actual tokens
+-- (prompt + completion) that cost cost (currency units; needed only with req.budget);
+-- every tier that admitted it corrects its window to charged (charged(): cached prompt
+-- tokens weighted; nil: actual), and its budgets their spend and tokens to actual
+-- (budgets do not weigh cache hits: they bill them at the model's cached price).
+function _M.settle(req, actual, cost, charged)
     local admitted = req.admitted
     if not admitted then
         return
     end
     for i = 1, #admitted do
-        admitted[i].settle(req, actual)
+        admitted[i].settle(req, charged or actual)
     end
     local bud = req.budget
     if bud then

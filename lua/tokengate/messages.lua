@@ -8,7 +8,7 @@
 --               the counter checks the rest, naming the field)
 --   sanitize:   every text the model reads: system, content blocks (text, thinking,
 --               tool_use names and inputs, tool_result content), tools
---   adjust:     max_tokens capped; vLLM itself asks its chat path for stream usage
+--   adjust:     a stream noted; vLLM itself asks its chat path for stream usage
 --   usage:      message_start (input tokens) and message_delta (output tokens) of a
 --               stream, usage of a whole answer (vllm/entrypoints/anthropic/serving.py
 --               _build_anthropic_usage: input_tokens excludes cache_read_input_tokens and
@@ -217,15 +217,10 @@ function _M.sanitize(body, model, edge)
     return sanitize.verdict(st)
 end
 
--- adjust(ctx, body, model): max_tokens above model.max_tokens_cap becomes the cap; a
--- stream sets ctx.stream (vLLM's Anthropic serving asks its chat path for the usage
--- of every chunk itself: nothing to add, nothing to take out).
-function _M.adjust(ctx, body, model)
-    local cap = model.max_tokens_cap
-    local v = json_integer(body.max_tokens)
-    if cap and v and v > cap then
-        json_set(body, "max_tokens", cap)
-    end
+-- adjust(ctx, body, model): a stream sets ctx.stream (vLLM's Anthropic serving asks its
+-- chat path for the usage of every chunk itself: nothing to add, nothing to take out).
+-- max_tokens stays as sent: tokengate.request.budget applies the gateway's cap.
+function _M.adjust(ctx, body)
     if body.stream == true then
         ctx.stream = true
     end

@@ -65,6 +65,7 @@ local ERR = ngx.ERR
 local mono_ms = clock.mono_ms
 local ngx_now = ngx.now
 local find = string.find
+local format = string.format
 local match = string.match
 local gmatch = string.gmatch
 local type = type
@@ -252,6 +253,11 @@ local function what(ctx, doc)
     end
     ctx.sanitized = counts
     request.adjust(ctx, route, body, model)
+    local fits
+    fits, err = request.check_output(route, body, model)
+    if not fits then
+        return nil, err
+    end
     if api and api.check then
         local ok
         ok, err = api.check(ctx, doc, body)
@@ -307,10 +313,14 @@ local function how_much(ctx, doc)
         return text
     end
     local out
-    out, err = request.budget(route, model, body, counted)
+    out, err = request.budget(route, model, body, counted, ctx.key)
     if not out then
         return nil, err
     end
+    -- the usage event's max_tokens_requested / max_tokens_applied, and the header that
+    -- says the gateway's cap lowered the client's limit
+    ctx.max_tokens_requested, ctx.max_tokens_applied = counted.requested, out
+    ctx.max_tokens_capped_by = counted.capped_by
     if counted.body_changed then
         text = json.encode(body)
     end
@@ -395,9 +405,15 @@ local function where(ctx, doc)
     return true
 end
 
--- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier.
+-- reserve(ctx) -> true | nil, err (429): the reservation in every limit tier, with the
+-- prompt tokens the replica is expected to serve from its prefix cache weighed
+-- (tokengate.limits.weigh).
 local function reserve(ctx)
     local req = ctx.limit_req
+    if ctx.model_entry then
+        -- the replica's expected prefix-cache hits count cached_tokens_weight each
+        limits.weigh(req, limits.cached_weight(ctx.key, ctx.model_entry), ctx.prefix_expected)
+    end
     local t = mono_ms()
     local ok, err = limits.reserve(req)
     trace.span(ctx, "limits", t)
@@ -549,6 +565,10 @@ function _M.header_filter()
     end
     if ctx.limits_tier then
         h["X-Tokengate-Limits"] = ctx.limits_tier
+    end
+    if ctx.max_tokens_capped_by then
+        h["X-Tokengate-Max-Tokens-Capped"] = format("%d -> %d (%s cap)",
+            ctx.max_tokens_requested, ctx.max_tokens_applied, ctx.max_tokens_capped_by)
     end
     if ctx.queue_ms then
         h["X-Tokengate-Queue-Ms"] = ctx.queue_ms
@@ -708,7 +728,8 @@ function _M.log()
     if req then
         local cost = req.budget and budget.cost(ctx.model_entry.cost, config.get().billing,
             ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
-        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost)
+        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost, limits.charged(req,
+            ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))
     end
     drift.report(ctx, ev.count_drift)
     metrics.request(ctx, status, ev, config.get().models, ngx_var.upstream_connect_time)

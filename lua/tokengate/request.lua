@@ -98,10 +98,16 @@ function _M.route(uri)
     return nil
 end
 
-local CAPPED_FIELDS = {
+-- OUTPUT_FIELDS: route -> the body's fields that bound the completion, the one vLLM reads
+-- first first (chat: max_completion_tokens wins over max_tokens); an API module's is its
+-- MAX_TOKENS, else "max_tokens"
+local OUTPUT_FIELDS = {
     chat = { "max_completion_tokens", "max_tokens" },
     completions = { "max_tokens" },
 }
+for route, mod in pairs(APIS) do
+    OUTPUT_FIELDS[route] = { mod.MAX_TOKENS or "max_tokens" }
+end
 
 -- endpoint(route, uri) -> the usage event's endpoint: "chat", "completions", an API
 -- module's route ("messages", "count_tokens", "responses", "input_tokens", "response",
@@ -147,27 +153,17 @@ function _M.check_method(route, method, uri)
     return nil
 end
 
--- adjust(ctx, route, body, model): applied before counting (neither changes the prompt's
--- tokens, and the counter must see the body that is forwarded):
---   - max_tokens (and max_completion_tokens) above model.max_tokens_cap become the cap;
---   - stream: true gets stream_options {include_usage, continuous_usage_stats} = true;
---     what the client asked for is kept in ctx.want_usage / ctx.want_continuous so the
---     body filter can take out what it did not ask for. Sets ctx.stream.
+-- adjust(ctx, route, body, model): applied before counting (it does not change the
+-- prompt's tokens, and the counter must see the body that is forwarded): stream: true
+-- gets stream_options {include_usage, continuous_usage_stats} = true; what the client
+-- asked for is kept in ctx.want_usage / ctx.want_continuous so the body filter can take
+-- out what it did not ask for. Sets ctx.stream. The client's max_tokens is left as sent:
+-- the counter checks it as vLLM does, and budget() applies the gateway's cap after.
 -- A route of an API module: the module's adjust(ctx, body, model).
 function _M.adjust(ctx, route, body, model)
     local api = APIS[route]
     if api then
         return api.adjust(ctx, body, model)
-    end
-    local cap = model.max_tokens_cap
-    if cap then
-        local fields = CAPPED_FIELDS[route]
-        for i = 1, #fields do
-            local v = json_integer(body[fields[i]])
-            if v and v > cap then
-                json_set(body, fields[i], cap)
-            end
-        end
     end
     if body.stream == true then
         ctx.stream = true
@@ -188,99 +184,186 @@ local function what(route)
     return WHAT[route] or "messages"
 end
 
--- max_tokens_field(route) -> the body's field of the completion budget
-local function max_tokens_field(route)
-    local api = APIS[route]
-    return api and api.MAX_TOKENS or "max_tokens"
+-- output_fields(route) -> the body's fields that bound the completion (OUTPUT_FIELDS)
+local function output_fields(route)
+    return OUTPUT_FIELDS[route]
 end
 
--- completion_budget(route, model, body, reply) -> completion tokens the request may
--- generate, body_changed | nil, err (400 context_length_exceeded, both numbers in the
--- message). reply: the counter's CountReply (tokens).
---   - max_tokens given: prompt + max_tokens must fit max_model_len (checked through the
---     counter's max_tokens_effective, which is per prompt for completions lists);
---   - max_tokens absent (or null): the model's default_max_tokens when configured, else
---     its max_tokens_cap, clipped to the room left and written into the body (as
---     max_output_tokens for Responses: max_tokens_field): without it vLLM would
---     generate up to the end of the context, past the cap; with neither, whatever
---     room the context leaves (vLLM's own default). No room at all is an error.
-local function counted_budget(route, model, body, reply)
-    local prompt = reply.prompt_tokens
-    local requested = reply.max_tokens_requested
-    if requested > 0 then
-        if reply.max_tokens_effective < requested then
-            return nil, errors.new(400, format("This model's maximum context length is %d "
-                .. "tokens. However, you requested %d tokens (%d in the %s, %d in the "
-                .. "completion). Please reduce the length of the %s or completion.",
-                model.max_model_len, prompt + requested, prompt, what(route), requested,
-                what(route)), what(route), "context_length_exceeded")
+-- requested_tokens(route, body) -> the completion limit the client asked for, and its
+-- field, or nil: the first field of output_fields that is an integer (vLLM's chat reads
+-- max_completion_tokens before max_tokens)
+local function requested_tokens(route, body)
+    local fields = output_fields(route)
+    for i = 1, #fields do
+        local v = json_integer(body[fields[i]])
+        if v then
+            return v, fields[i]
         end
-        return requested, false
+    end
+    return nil
+end
+
+-- check_output(route, body, model) -> true | nil, err (400): a completion limit above the
+-- model's context is refused before anything is counted, in vLLM 0.32's words and with
+-- the client's own numbers (vllm/renderers/params.py, TokenizeParams.__post_init__:
+-- "max_tokens=N cannot be greater than max_model_len=M. Please request fewer output
+-- tokens.", param the field; the Messages API converts max_tokens to chat's
+-- max_completion_tokens and the client's name for it is kept). Routes that generate
+-- nothing (count_tokens, input_tokens, embeddings) are not checked.
+function _M.check_output(route, body, model)
+    local api = APIS[route]
+    if api and (api.budget or api.LOCAL[route]) then
+        return true
+    end
+    local v, field = requested_tokens(route, body)
+    if v and v > model.max_model_len then
+        return nil, errors.new(400, format("%s=%d cannot be greater than max_model_len=%d. "
+            .. "Please request fewer output tokens.", field, v, model.max_model_len), field,
+            "invalid_value")
+    end
+    return true
+end
+
+-- cap_of(model, key) -> the gateway's cap on a request's completion tokens, and whose it
+-- is ("model" | "key"): the tighter of models.<m>.max_tokens_cap and
+-- keys.<k>.max_tokens_cap (the model's on a tie); nil with neither
+function _M.cap_of(model, key)
+    local mc, kc = model.max_tokens_cap, key and key.max_tokens_cap
+    if kc and (not mc or kc < mc) then
+        return kc, "key"
+    end
+    return mc, mc and "model" or nil
+end
+
+-- lower(route, body, cap): every completion-limit field of body above cap becomes cap
+local function lower(route, body, cap)
+    local fields = output_fields(route)
+    for i = 1, #fields do
+        local v = json_integer(body[fields[i]])
+        if v and v > cap then
+            json_set(body, fields[i], cap)
+        end
+    end
+end
+
+-- no_room(route, model, prompt) -> the 400 of a prompt that leaves no room for a
+-- completion (vLLM refuses it too: its sampling max_tokens would be 0)
+local function no_room(route, model, prompt)
+    return errors.new(400, format("This model's maximum context length is %d tokens. "
+        .. "However, your %s resulted in %d tokens, which leaves no room for the "
+        .. "completion. Please reduce the length of the %s.", model.max_model_len,
+        what(route), prompt, what(route)), what(route), "context_length_exceeded")
+end
+
+-- counted_budget(route, model, body, reply, cap) -> completion tokens the request may
+-- generate, body_changed | nil, err (400 context_length_exceeded). reply: the counter's
+-- CountReply (tokens); cap: cap_of's.
+--   - max_tokens given: vLLM 0.32 fits it into the room the prompt leaves
+--     (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens: min(max_model_len -
+--     prompt, max_tokens)): the counter's max_tokens_effective is that number (per
+--     prompt for completions lists), and the gateway's cap lowers it further (written
+--     into the body). A limit above max_model_len was refused by check_output.
+--   - max_tokens absent (or null): the model's default_max_tokens (at most the cap), else
+--     the cap, clipped to the room left and written into the body (as
+--     max_output_tokens for Responses): without it vLLM would generate up to the end
+--     of the context, past the cap; with neither, whatever room the context leaves
+--     (vLLM's own default).
+--   No room at all is an error.
+local function counted_budget(route, model, body, reply, cap)
+    local prompt = reply.prompt_tokens
+    if reply.max_tokens_requested > 0 then
+        local out = reply.max_tokens_effective
+        if out < 1 then
+            return nil, no_room(route, model, prompt)
+        end
+        if cap and cap < out then
+            lower(route, body, cap)
+            return cap, true
+        end
+        return out, false
     end
     local room = model.max_model_len - prompt
     if room < 1 then
-        return nil, errors.new(400, format("This model's maximum context length is %d tokens. "
-            .. "However, your %s resulted in %d tokens, which leaves no room for the "
-            .. "completion. Please reduce the length of the %s.", model.max_model_len,
-            what(route), prompt, what(route)), what(route), "context_length_exceeded")
+        return nil, no_room(route, model, prompt)
     end
-    local limit = model.default_max_tokens or model.max_tokens_cap
+    local limit = model.default_max_tokens
+    if cap then
+        limit = limit and min(limit, cap) or cap
+    end
     if limit then
         local out = min(limit, room)
-        json_set(body, max_tokens_field(route), out)
+        local fields = output_fields(route)
+        json_set(body, fields[#fields], out)
         return out, true
     end
     return room, false
 end
 
--- estimated_budget(route, body, model, prompt) -> the most completion tokens the request
--- may generate when the counter could not answer, body_changed: the explicit
--- max_completion_tokens / max_tokens (already capped by adjust); without one, the
--- default or cap, clipped to the room the estimated prompt (tokens, an over-count)
--- leaves, at least 1, and written into the body as in completion_budget; a completions
--- request without the key gets vLLM's 16 tokens; with neither a default nor a cap, the
--- whole context (vLLM may generate to its end). Budgets reserve this worst case; the
--- TPM window takes at most output_reserve of it (tokengate.limits.reservation).
-local function estimated_budget(route, body, model, prompt)
-    local field = max_tokens_field(route)
-    local given = json_integer(body.max_completion_tokens) or json_integer(body[field])
+-- estimated_budget(route, body, model, prompt, cap) -> the most completion tokens the
+-- request may generate when the counter could not answer, body_changed: the explicit
+-- max_completion_tokens / max_tokens, lowered to the cap (vLLM may fit it lower still:
+-- the room is not known); without one, the default or cap, clipped to the room the
+-- estimated prompt (tokens, an over-count) leaves, at least 1, and written into the body
+-- as in counted_budget; a completions request without the key gets vLLM's 16 tokens;
+-- with neither a default nor a cap, the whole context (vLLM may generate to its end).
+-- Budgets reserve this worst case; the TPM window takes at most output_reserve of it
+-- (tokengate.limits.reservation).
+local function estimated_budget(route, body, model, prompt, cap)
+    local given = requested_tokens(route, body)
     if given then
+        if cap and cap < given then
+            lower(route, body, cap)
+            return cap, true
+        end
         return given, false
     end
     if route == "completions" and body.max_tokens == nil then
         return 16, false
     end
-    local limit = model.default_max_tokens or model.max_tokens_cap
+    local limit = model.default_max_tokens
+    if cap then
+        limit = limit and min(limit, cap) or cap
+    end
     if limit then
         local out = min(limit, max(1, model.max_model_len - prompt))
-        json_set(body, field, out)
+        local fields = output_fields(route)
+        json_set(body, fields[#fields], out)
         return out, true
     end
     return model.max_model_len, false
 end
 
--- budget(route, model, body, counted) -> completion tokens the request may generate
+-- budget(route, model, body, counted, key) -> completion tokens the request may generate
 -- | nil, err. counted: tokengate.count's result; with the counter's reply the exact
--- rules of counted_budget apply, with an estimate those of estimated_budget. Sets
--- counted.body_changed when max_tokens was written into body (re-encode it). A route
--- whose API module has budget(route, model, body, counted) asks it (tokengate.embeddings:
--- 0, nothing is generated and nothing written into the body).
-function _M.budget(route, model, body, counted)
+-- rules of counted_budget apply, with an estimate those of estimated_budget; key: the
+-- compiled key (its max_tokens_cap, cap_of). Sets counted.body_changed when max_tokens
+-- was written into body (re-encode it), counted.requested (the client's completion
+-- limit, nil without one) and, when the gateway's cap lowered it, counted.capped_by
+-- ("model" | "key"). A route whose API module has budget(route, model, body, counted)
+-- asks it (tokengate.embeddings: 0, nothing is generated and nothing written into the
+-- body).
+function _M.budget(route, model, body, counted, key)
     local api = APIS[route]
     if api and api.budget then
         counted.body_changed = false
         return api.budget(route, model, body, counted)
     end
+    local requested = requested_tokens(route, body)
+    local cap, whose = _M.cap_of(model, key)
     local out, changed
     if counted.reply then
-        out, changed = counted_budget(route, model, body, counted.reply)
+        out, changed = counted_budget(route, model, body, counted.reply, cap)
     else
-        out, changed = estimated_budget(route, body, model, counted.prompt)
+        out, changed = estimated_budget(route, body, model, counted.prompt, cap)
     end
     if not out then
         return nil, changed
     end
     counted.body_changed = changed
+    counted.requested = requested
+    if requested and changed then
+        counted.capped_by = whose
+    end
     return out
 end
 

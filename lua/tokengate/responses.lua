@@ -10,7 +10,7 @@
 --   sanitize:   every text the model reads: instructions, input (a string or items:
 --               messages and their parts, function and custom tool calls and their
 --               outputs, reasoning), tools, chat_template_kwargs
---   adjust:     max_output_tokens capped; a stream sets ctx.stream (vLLM's Responses
+--   adjust:     nulls and request_id dropped; a stream sets ctx.stream (vLLM's Responses
 --               stream ends with response.completed, which carries the usage)
 --   placed:     the response id (vLLM's request_id) is the edge's: see "Stored responses"
 --   usage:      response.completed (also for an incomplete response) of a stream, the
@@ -450,18 +450,14 @@ end
 -- default, and vLLM 0.32 takes null for background, truncation, service_tier ... in the
 -- request, generates, and then fails to build its response of them: a 400 after the
 -- whole generation, with nothing billed); an input_tokens body loses max_output_tokens
--- (it generates nothing); max_output_tokens above model.max_tokens_cap becomes the
--- cap; the client's request_id is dropped (placed() writes the edge's); a stream sets
--- ctx.stream; previous_response_id sets ctx.history (the count source "history").
-function _M.adjust(ctx, body, model)
+-- (it generates nothing; elsewhere it stays as sent: tokengate.request.budget applies
+-- the gateway's cap); the client's request_id is dropped (placed() writes the edge's); a
+-- stream sets ctx.stream; previous_response_id sets ctx.history (the count source
+-- "history").
+function _M.adjust(ctx, body)
     json.drop_nulls(body)
     if ctx.route == "input_tokens" and body.max_output_tokens ~= nil then
         json_set(body, "max_output_tokens", nil)
-    end
-    local cap = model.max_tokens_cap
-    local v = json_integer(body.max_output_tokens)
-    if cap and v and v > cap then
-        json_set(body, "max_output_tokens", cap)
     end
     if body.request_id ~= nil then
         json_set(body, "request_id", nil)

@@ -301,8 +301,9 @@ end
 --   chunk before a disconnect);
 --   a non-streaming request whose client left: vLLM kept generating until nginx closed
 --   the upstream connection and no usage ever comes back, so the whole reservation
---   (prompt + the output tokens reserved) is billed ("estimate") and nothing refunded:
---   billing only the prompt would make "ask, then hang up" a free generation;
+--   (prompt + the output tokens reserved, req.out_reserve) is billed ("estimate") and
+--   nothing refunded: billing only the prompt would make "ask, then hang up" a free
+--   generation;
 --   forwarded and answered (or aborted) without usage: the prompt ("estimate");
 --   not forwarded: nothing ("none").
 function _M.bill(ctx, aborted)
@@ -312,7 +313,7 @@ function _M.bill(ctx, aborted)
     local prompt = ctx.token_estimate or 0
     local req = ctx.limit_req
     if aborted and ctx.proxied and not ctx.stream and req and req.admitted then
-        return prompt, req.tokens - prompt, 0, "estimate"
+        return prompt, req.out_reserve, 0, "estimate"
     end
     if ctx.proxied and ((ctx.status_sent and ctx.status_sent < 300) or aborted) then
         return prompt, 0, 0, "estimate"
@@ -329,7 +330,8 @@ local FIELDS = {
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "escaped_special_tokens",
     "dropped_system_messages", "count_drift", "expected_cached_tokens",
-    "expected_cached_source", "queue_ms", "trace",
+    "expected_cached_source", "queue_ms", "trace", "max_tokens_requested",
+    "max_tokens_applied",
 }
 _M.FIELDS = FIELDS
 
@@ -347,7 +349,11 @@ _M.FIELDS = FIELDS
 -- prefix, or the count had no block hashes); queue_ms (how long the request waited in
 -- its key's queue, edge.queue: tokengate.queue; 0 when it did not queue); trace (the
 -- request's span data, tokengate.trace.record; null when tracing is off or the request
--- was not sampled).
+-- was not sampled); max_tokens_requested (the completion limit the client sent, tokens;
+-- null without one) and max_tokens_applied (the limit the request was forwarded and
+-- reserved with: vLLM's fit into the context, lowered by the gateway's max_tokens_cap;
+-- null when no completion budget was worked out: refused earlier, count_tokens,
+-- embeddings).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -405,6 +411,8 @@ function _M.record(ctx, status, aborted)
         expected_cached_source = ctx.prefix_source,
         queue_ms = ctx.queue_ms or 0,
         trace = ctx.trace and trace.record(ctx, status, aborted, ctx.error) or nil,
+        max_tokens_requested = ctx.max_tokens_requested,
+        max_tokens_applied = ctx.max_tokens_applied,
     })
 end
 

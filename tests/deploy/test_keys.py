@@ -287,7 +287,10 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
-                       "--budget, --priority or --no-budgets")),
+                       "--budget, --priority, --no-budgets, --max-tokens-cap or "
+                       "--cached-tokens-weight")),
+    (["set", "demo", "--cached-tokens-weight", "2"],
+     "keys.demo.cached_tokens_weight: input should be less than or equal to 1, got 2.0"),
     (["set", "demo", "--models", ","], ("tokengate keys: --models: name at least one "
                                         "model, or all")),
 ]
@@ -369,6 +372,22 @@ def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) 
     entry = next(k for k in listed["keys"] if k["name"] == "both")
     assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
         [("day", None, 3, 2000)]
+
+
+def test_a_keys_cap_and_cached_weight_are_written_and_dropped_back_to_the_models(
+        tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    made = tokengate("keys", "create", "agent", "--rpm", "5", "--tpm", "500",
+                     "--max-tokens-cap", "2048", "--cached-tokens-weight", "0.5",
+                     "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    key = yaml.safe_load(path.read_text())["keys"]["agent"]
+    assert (key["max_tokens_cap"], key["cached_tokens_weight"]) == (2048, 0.5)
+    changed = tokengate("keys", "set", "agent", "--max-tokens-cap", "model", "--config", path,
+                        "--no-apply")
+    assert changed.returncode == 0, changed.stderr
+    key = yaml.safe_load(path.read_text())["keys"]["agent"]
+    assert "max_tokens_cap" not in key and key["cached_tokens_weight"] == 0.5
 
 
 @pytest.mark.parametrize("name", ["yes", "no", "on", "off", "1_000", "null"])

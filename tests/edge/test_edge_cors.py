@@ -30,7 +30,7 @@ ASKED = ("authorization,content-type,x-stainless-arch,x-stainless-lang,x-stainle
          "x-stainless-runtime-version,x-stainless-timeout")
 PREFLIGHT_VARY = "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
 EXPOSED = {"x-request-id", "x-token-count", "x-token-count-source", "x-tokengate-limits",
-           "x-tokengate-upstream",
+           "x-tokengate-max-tokens-capped", "x-tokengate-upstream",
            "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-limit-tokens",
            "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
            "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens", "x-budget-limit-spend",

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from tokengate.config.types import Amount, NonEmpty, Positive, Sha256, _Rules, _Schema
+from tokengate.config.types import Amount, NonEmpty, Positive, Rate, Sha256, _Rules, _Schema
 
 
 class Limits(_Schema):
@@ -103,3 +103,12 @@ class KeyConfig(_Schema):
         description="Share of this key among the keys of its priority when requests "
                     "queue (edge.queue): its virtual token counter grows by its tokens "
                     "divided by this, so a key of share 2 is served twice the tokens; 0.001 to 1000.")
+    max_tokens_cap: Positive | None = Field(
+        default=None,
+        description="Cap on this key's completion limits, tokens: applies where tighter "
+                    "than the model's max_tokens_cap (lowered, never refused). null: the "
+                    "model's alone.")
+    cached_tokens_weight: Rate | None = Field(
+        default=None,
+        description="This key's weight of prefix-cache hits in its TPM limits, 0 to 1 "
+                    "(see models.<name>.cached_tokens_weight). null: the model's.")

@@ -15,6 +15,7 @@ from tokengate.config.types import (
     Finite,
     HostPort,
     Positive,
+    Rate,
     RelPath,
     _check,
     _host_port,
@@ -200,12 +201,25 @@ class ModelConfig(_Schema):
                     "request's max_tokens), settled against real usage when it ends.")
     max_tokens_cap: Positive | None = Field(
         default=None,
-        description="Server-side cap on a request's max_tokens, tokens; a request without "
-                    "max_tokens gets min(cap, room left in the context). null: no cap.")
+        description="Server-side cap on a request's completion limit (max_tokens, "
+                    "max_completion_tokens, max_output_tokens), tokens: a larger one is "
+                    "lowered to it, never refused, reserved as lowered and said in the "
+                    "answer's X-Tokengate-Max-Tokens-Capped header; a request without one "
+                    "gets min(cap, room left in the context). A key's own max_tokens_cap "
+                    "applies when tighter. null: no cap.")
     default_max_tokens: Positive | None = Field(
         default=None,
         description="max_tokens given to a request that has none, tokens (still clipped to "
                     "the room left). null: min(max_tokens_cap, room left).")
+    cached_tokens_weight: Rate = Field(
+        default=0.0,
+        description="Weight of a prompt token served from vLLM's prefix cache in TPM "
+                    "limits, 0 to 1: admission reserves the uncached prompt plus this "
+                    "times the tokens expected cached (prefix routing), settlement uses "
+                    "vLLM's cached_tokens. 0: cache reads do not count toward TPM "
+                    "(Anthropic's rate-limit convention; vLLM skips their prefill); 1: "
+                    "every prompt token counts. Budgets are not affected. A key's "
+                    "cached_tokens_weight overrides it.")
     max_n: Positive = Field(
         default=8,
         description="Most completions one request may ask for (`n`); each costs a full "

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
@@ -34,14 +36,15 @@ Create, list, change and revoke API keys in tokengate.yaml, and apply the change
 running edges at once (no restart; streams in flight continue).
 
   tokengate keys create NAME --rpm N --tpm N [--models a,b] [--budget SPEC]...
-        [--priority NAME]
+        [--priority NAME] [--max-tokens-cap N] [--cached-tokens-weight W]
         prints the new key once (tg-...); the file stores only its SHA-256
   tokengate keys list [--json]
         names, limits, models, budgets and the spend of the current day / month
         (from the ledger's Redis: what `tokengate usage` reports, and what the budget
         counters hold with the reservations of requests in flight); never a key
   tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
-        [--no-budgets] [--priority NAME]
+        [--no-budgets] [--priority NAME] [--max-tokens-cap N|model]
+        [--cached-tokens-weight W|model]
   tokengate keys revoke NAME
         removes the key: refused (401) once the command returns
 
@@ -50,6 +53,11 @@ running edges at once (no restart; streams in flight continue).
   A spend SPEC and a token SPEC of one model and period make one budget; `set
   --budget` sets that kind of the key's budget of that model and period (the other
   kind stays; --no-budgets first to drop it).
+
+  --max-tokens-cap N caps the key's completion limits (tokens) where tighter than the
+  model's max_tokens_cap; --cached-tokens-weight W (0 to 1) weighs the key's prefix-cache
+  hits in its TPM limits instead of the model's cached_tokens_weight. `set ... model`
+  drops the key's own value.
 
 CONFIGURATION
   --config FILE, else $TOKENGATE_CONFIG, else the installed /etc/tokengate/tokengate.yaml
@@ -92,13 +100,41 @@ def _run_edit(args: argparse.Namespace, change: Change
         return 2, None
 
 
+# the per-key settings of KeyConfig that create and set take as options
+_SETTINGS = ("max_tokens_cap", "cached_tokens_weight")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-key settings given on the command line (field -> value; None: drop the
+    key's own value, "model" on the command line)."""
+    out: dict[str, Any] = {}
+    for field in _SETTINGS:
+        v = getattr(args, field)
+        if v is not None:
+            out[field] = None if v == "model" else v
+    return out
+
+
+def _or_model(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An option's type that also takes "model" (drop the key's own value)."""
+    def parse(text: str) -> Any:
+        if text == "model":
+            return text
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected a number or 'model', got {text!r}"
+                                             ) from e
+    return parse
+
+
 def create(args: argparse.Namespace) -> int:
     """``tokengate keys create``: prints the new key on stdout (once)."""
     key = new_key()
 
     def change(data: CommentedMap) -> None:
         add_key(data, args.name, digest(key), args.rpm, args.tpm, args.models, args.budget,
-                args.priority)
+                args.priority, _settings(args))
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -113,7 +149,7 @@ def set_(args: argparse.Namespace) -> int:
 
     def change(data: CommentedMap) -> None:
         change_key(data, args.name, args.rpm, args.tpm, args.models, args.budget,
-                   args.no_budgets, args.priority)
+                   args.no_budgets, args.priority, _settings(args))
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -176,6 +212,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     c.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
                    help="[MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
                         "currency, or tokens: 2000000t); repeatable")
+    c.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="cap on the key's completion limits, tokens (where tighter than "
+                        "the model's)")
+    c.add_argument("--cached-tokens-weight", type=float, default=None, metavar="W",
+                   help="weight of the key's prefix-cache hits in its TPM limits, 0 to 1 "
+                        "(default: the model's)")
     c.add_argument("--priority", default=None, metavar="NAME",
                    help="admission priority, one of edge.admission.priorities "
                         "(default: normal)")
@@ -191,6 +233,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "that model and period")
     s.add_argument("--no-budgets", action="store_true",
                    help="remove the key's budgets (before adding --budget ones)")
+    s.add_argument("--max-tokens-cap", type=_or_model(int), default=None, metavar="N|model")
+    s.add_argument("--cached-tokens-weight", type=_or_model(float), default=None,
+                   metavar="W|model")
     s.add_argument("--priority", default=None, metavar="NAME",
                    help="admission priority, one of edge.admission.priorities")
     s.set_defaults(func=set_)

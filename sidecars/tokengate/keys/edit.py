@@ -259,7 +259,7 @@ def keeping_heading(change: Change, section: str = "keys") -> Change:
 
 def add_key(data: CommentedMap, name: str, sha256: str, rpm: int, tpm: int,
             models: list[str] | None, budgets: list[dict[str, Any]] | None,
-            priority: str | None = None) -> None:
+            priority: str | None = None, settings: dict[str, Any] | None = None) -> None:
     """``keys create``'s change: a key ``name`` with the digest ``sha256``, its limits
     (requests and tokens per minute), its only ``models`` (None: all), ``budgets``
     (``parse_budget``'s mappings) and admission ``priority`` (None: the default). Raises ``ConfigError`` for a name the key id rule
@@ -275,24 +275,39 @@ def add_key(data: CommentedMap, name: str, sha256: str, rpm: int, tpm: int,
         _merge_budgets(entry, _combine(budgets))
     if priority is not None:
         entry["priority"] = priority
+    _settle(entry, settings)
     keys[yaml_name] = entry
+
+
+def _settle(entry: CommentedMap, settings: dict[str, Any] | None) -> None:
+    """The key's other settings (``KeyConfig`` field -> value, e.g. max_tokens_cap,
+    cached_tokens_weight) written into ``entry``; a value of None removes the field (the
+    model's value applies again)."""
+    for field, value in (settings or {}).items():
+        if value is None:
+            entry.pop(field, None)
+        else:
+            entry[field] = value
 
 
 def change_key(data: CommentedMap, name: str, rpm: int | None, tpm: int | None,
                models: str | None, budgets: list[dict[str, Any]] | None,
-               no_budgets: bool, priority: str | None = None) -> None:
+               no_budgets: bool, priority: str | None = None,
+               settings: dict[str, Any] | None = None) -> None:
     """``keys set``'s change of key ``name``: the limits given (None: as they are),
     ``models`` as ``--models`` has them ("all", or A,B; None: as they are), the
     budgets dropped with ``no_budgets`` and then ``budgets`` merged in, the admission
-    ``priority`` (None: as it is). Raises
+    ``priority`` (None: as it is), the other ``settings`` (``_settle``). Raises
     ``LookupError`` for no such key, nothing to change, a bad model list or two
     budgets of one kind."""
     keys = _keys(data)
     if name not in keys:
         raise LookupError(f"no key {shown(name)}")
-    if (rpm, tpm, models, budgets, priority) == (None,) * 5 and not no_budgets:
+    if (rpm, tpm, models, budgets, priority) == (None,) * 5 and not no_budgets \
+            and not settings:
         raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget, "
-                          "--priority or --no-budgets")
+                          "--priority, --no-budgets, --max-tokens-cap or "
+                          "--cached-tokens-weight")
     entry = keys[name]
     if rpm is not None:
         entry["rpm"] = rpm
@@ -313,6 +328,7 @@ def change_key(data: CommentedMap, name: str, rpm: int | None, tpm: int | None,
         _merge_budgets(entry, _combine(budgets))
     if priority is not None:
         entry["priority"] = priority
+    _settle(entry, settings)
 
 
 def remove_key(data: CommentedMap, name: str) -> None:

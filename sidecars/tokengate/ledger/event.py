@@ -76,6 +76,15 @@ Schema (every key is present; ``null`` only where shown)::
                       ([offset_ms, duration_ms] | null), finish_reasons ([string]).
                       Never a reason to skip an event: a trace that does not parse is
                       read as null (``Trace.parse``), and the event is billed.
+    max_tokens_requested  the completion limit the client sent (max_tokens,
+                      max_completion_tokens, max_output_tokens), tokens; null without one
+                      and in events written before the field existed
+    max_tokens_applied  the completion limit the request was forwarded and reserved with,
+                      tokens: vLLM's fit into the room the prompt leaves
+                      (``get_max_tokens`` in vllm/entrypoints/serve/utils/api_utils.py),
+                      lowered by the gateway's ``max_tokens_cap`` (model's or key's);
+                      null when none was worked out (refused before, count_tokens,
+                      embeddings) and in older events
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -144,6 +153,8 @@ class UsageEvent:
     expected_cached_source: str | None = None
     queue_ms: int = 0
     trace: Trace | None = None
+    max_tokens_requested: int | None = None
+    max_tokens_applied: int | None = None
 
     @property
     def time(self) -> datetime:
@@ -305,6 +316,12 @@ def _count(obj: dict[str, Any], name: str) -> int:
     return _int(obj, name) if name in obj else 0
 
 
+def _optional_count(obj: dict[str, Any], name: str) -> int | None:
+    """A count that may be null: None when absent or null (older edges did not write
+    it)."""
+    return _int(obj, name) if obj.get(name) is not None else None
+
+
 def _signed(obj: dict[str, Any], name: str) -> int:
     """An optional signed count: 0 when absent (older edges did not write it)."""
     return _int(obj, name, -2**53, 2**53) if name in obj else 0
@@ -387,6 +404,8 @@ def parse_event(line: bytes | str) -> UsageEvent:
                                 if obj.get("expected_cached_source") is not None else None),
         queue_ms=_count(obj, "queue_ms"),
         trace=_trace(obj, rid),
+        max_tokens_requested=_optional_count(obj, "max_tokens_requested"),
+        max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

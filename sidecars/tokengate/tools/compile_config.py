@@ -12,7 +12,7 @@ fields only the edge needs, derived here:
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, runner ("generate" | "pooling"),
           output_reserve, max_tokens_cap (or null),
-          default_max_tokens (or null), max_n, embedded, dir, vocab, cost,
+          default_max_tokens (or null), cached_tokens_weight, max_n, embedded, dir, vocab, cost,
           idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
           routing: {policy ("least_outstanding" | "round_robin" | "prefix"), block_size,
                     hash_algo, hash_seed, kv_events, load_weight} (tokengate.upstream
@@ -32,7 +32,9 @@ fields only the edge needs, derived here:
                                              "spend": <currency> or null,
                                              "tokens": <int> or null,
                                              "model": "<model>" or null}],
-                                "priority": "<a name in edge.admission.priorities>"}},
+                                "priority": "<a name in edge.admission.priorities>",
+                                "max_tokens_cap": <int> or null (the model's),
+                                "cached_tokens_weight": <0..1> or null (the model's)}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,

@@ -56,6 +56,32 @@ case("reservation: prompt + n x prompts x min(completion, output reserve)", func
     eq(limits.reservation(req, 7, 1, 0, 1, 256), 7)
 end)
 
+case("cached weight: the key's, else the model's, else every hit counts", function()
+    eq(limits.cached_weight({ cached_tokens_weight = 0.5 }, { cached_tokens_weight = 0 }), 0.5)
+    eq(limits.cached_weight({}, { cached_tokens_weight = 0 }), 0)
+    eq(limits.cached_weight({}, {}), 1)
+end)
+
+case("weigh: expected hits count the weight each; charged weighs vLLM's cached", function()
+    local req = {}
+    limits.reservation(req, 1000, 1, 50, 1, 256)
+    limits.weigh(req, 0, 896)
+    eq(req.tokens, 1000 - 896 + 50)
+    eq(limits.charged(req, 1000, 768, 40), 1000 - 768 + 40)
+    limits.reservation(req, 1000, 1, 50, 1, 256)
+    limits.weigh(req, 0.25, 2000) -- never more than the prompt
+    eq(req.tokens, 250 + 50)
+    eq(limits.charged(req, 1000, 1000, 3), 250 + 3)
+    limits.reservation(req, 1000, 1, 50, 1, 256)
+    limits.weigh(req, 1, 896)
+    eq(req.tokens, 1050)
+    eq(limits.charged(req, 1000, 768, 40), 1040)
+    limits.reservation(req, 1000, 1, 50, 1, 256)
+    limits.weigh(req, 0, nil)
+    eq(req.tokens, 1050)
+    eq(limits.charged(req, 1000, 0, 40), 1040)
+end)
+
 case("request: a key's own window, or the model override's", function()
     local key = { id = "k1", rpm = 10, tpm = 1000, models = { m = { rpm = 2, tpm = 50 } } }
     eq(limits.request(key, "other", "rid"), { key_id = "k1", model = "other",

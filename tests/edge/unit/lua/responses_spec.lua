@@ -220,16 +220,16 @@ case("errors in OpenAI's shape", function()
     eq({ d.error.message, d.error.code, d.error.param }, { "m", "not_found", json.null })
 end)
 
-case("adjust drops top-level nulls, the client's request_id, and caps the budget", function()
+case("adjust drops top-level nulls and the client's request_id, keeps the budget", function()
     local body = assert(json.decode('{"model":"m","input":"x","background":null,'
         .. '"truncation":null,"request_id":"mine","max_output_tokens":900,"stream":true,'
         .. '"text":{"format":null}}'))
     local ctx = { route = "responses" }
-    responses.adjust(ctx, body, { max_tokens_cap = 500 })
-    eq(json.encode(body), '{"model":"m","input":"x","max_output_tokens":500,"stream":true,'
+    responses.adjust(ctx, body)
+    eq(json.encode(body), '{"model":"m","input":"x","max_output_tokens":900,"stream":true,'
         .. '"text":{"format":null}}')
     eq(ctx.stream, true)
     body = assert(json.decode('{"model":"m","input":"x","max_output_tokens":0}'))
-    responses.adjust({ route = "input_tokens" }, body, {})
+    responses.adjust({ route = "input_tokens" }, body)
     eq(json.encode(body), '{"model":"m","input":"x"}')
 end)
