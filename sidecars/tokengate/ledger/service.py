@@ -245,14 +245,14 @@ def main(argv: list[str] | None = None) -> None:
                              "metrics.ledger_listen; 'none': off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
-    # the first line of its log; stderr, where its log goes (--once prints totals on stdout)
-    print(f"tokengate-ledger {tg_version.describe()}: starting", file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = tg_config.load(args.config)
     except (tg_config.ConfigError, OSError) as e:
         parser.exit(2, f"tokengate-ledger: {e}\n")
+    # the first line of its log; stderr, where its log goes (--once prints totals on stdout)
+    print(f"tokengate-ledger {tg_version.describe()}: starting", file=sys.stderr, flush=True)
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     spans: SpanExport | None = None
