@@ -329,6 +329,7 @@ local FIELDS = {
     "system_tokens", "usage_source", "client_aborted", "ttft_ms", "total_ms", "upstream",
     "error", "sanitized_chars", "stripped_special_tokens", "dropped_system_messages",
     "count_drift", "expected_cached_tokens", "expected_cached_source", "queue_ms", "trace",
+    "session_id",
 }
 _M.FIELDS = FIELDS
 
@@ -345,7 +346,7 @@ _M.FIELDS = FIELDS
 -- prefix, or the count had no block hashes); queue_ms (how long the request waited in
 -- its key's queue, edge.queue: tokengate.queue; 0 when it did not queue); trace (the
 -- request's span data, tokengate.trace.record; null when tracing is off or the request
--- was not sampled).
+-- was not sampled); session_id (the agent session, tokengate.session; null: none).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -402,6 +403,7 @@ function _M.record(ctx, status, aborted)
         expected_cached_source = ctx.prefix_source,
         queue_ms = ctx.queue_ms or 0,
         trace = ctx.trace and trace.record(ctx, status, aborted, ctx.error) or nil,
+        session_id = ctx.session_id,
     })
 end
 

@@ -32,7 +32,9 @@ fields only the edge needs, derived here:
                                              "spend": <currency> or null,
                                              "tokens": <int> or null,
                                              "model": "<model>" or null}],
-                                "priority": "<a name in edge.admission.priorities>"}},
+                                "priority": "<a name in edge.admission.priorities>",
+                                "session_budget": {"tokens": <int> or null,
+                                                   "spend": <currency> or null} or null}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
