@@ -348,7 +348,7 @@ def _trace(obj: dict[str, Any], rid: str) -> Trace | None:
 
 
 SESSION_MAX = 128  # bytes of a session id (lua/tokengate/session.lua, MAX_BYTES)
-_SESSION = re.compile(r"[\x20-\x7e]{1,%d}" % SESSION_MAX)
+_SESSION = re.compile(rf"[\x20-\x7e]{{1,{SESSION_MAX}}}")
 
 
 def _session(obj: dict[str, Any], rid: str) -> str | None:

@@ -405,7 +405,9 @@ def run_sessions(args: argparse.Namespace) -> int:
     except (tg_config.ConfigError, OSError) as e:
         print(f"tokengate usage: {e}", file=sys.stderr)
         return 2
-    key_ids: list[str | None] = [args.key] if args.key else sorted(cfg.keys)
+    key_ids: list[str | None] = [args.key]
+    if not args.key:
+        key_ids = [*sorted(cfg.keys)]
     client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     try:
         rows = query_sessions(client, key_ids, args.since, args.until, args.limit)
