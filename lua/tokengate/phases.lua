@@ -263,8 +263,8 @@ local function what(ctx, doc)
 end
 
 -- whose(ctx) -> true | nil, err (403 session_budget_exceeded): the agent session the
--- request belongs to (tokengate.session: headers, then the body's fields), refused once
--- the key's session_budget is spent.
+-- request belongs to (tokengate.session: its headers, read when access began, then the
+-- body's fields), refused once the key's session_budget is spent.
 local function whose(ctx)
     session.read(ctx, ctx.body)
     return session.check(ctx)
@@ -452,6 +452,7 @@ function _M.access()
     ctx.route, ctx.model_id = request.route(uri)
     ctx.api = request.api(ctx.route, uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
+    session.from_headers(ctx)
     -- a browser's preflight carries no key: answered before any is asked for
     cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
     trace.start(ctx, doc.tracing)

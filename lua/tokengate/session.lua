@@ -96,17 +96,28 @@ local function chain_key(id)
     return "r:" .. sub(id, 1, 37)
 end
 
--- read(ctx, body): sets ctx.session_id (sanitized, or nil) and ctx.session_source (the
--- header or field it came from). body: the parsed body or nil (a stored response's
--- route). The module's header comment gives the order.
-function _M.read(ctx, body)
+-- from_headers(ctx) -> true when a header named the session: sets ctx.session_id and
+-- ctx.session_source (the header's name). Read before the body is, so that a request
+-- refused for its body still carries its session in the usage event.
+function _M.from_headers(ctx)
     for i = 1, #HEADERS do
         local h = HEADERS[i]
         local v = ngx_var[h[1]]
         if v and v ~= "" then
             ctx.session_id, ctx.session_source = clean(v), h[2]
-            return
+            return true
         end
+    end
+    ctx.session_source = false -- looked: no header
+    return false
+end
+
+-- read(ctx, body): sets ctx.session_id (sanitized, or nil) and ctx.session_source (the
+-- header or field it came from). body: the parsed body or nil (a stored response's
+-- route). The module's header comment gives the order.
+function _M.read(ctx, body)
+    if ctx.session_source == nil and _M.from_headers(ctx) or ctx.session_id then
+        return
     end
     if type(body) ~= "table" then
         return

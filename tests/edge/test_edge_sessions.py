@@ -139,6 +139,14 @@ def test_headers_come_before_body_fields_in_a_fixed_order(agent_edge):
     assert session_of(agent_edge, post(agent_edge, "/chat/completions", body)) == "s"
 
 
+def test_a_request_refused_for_its_body_still_names_its_session(agent_edge):
+    r = post(agent_edge, "/chat/completions", {"model": MODEL, "messages": "not a list"},
+             {"X-Claude-Code-Session-Id": "refused-turn"})
+    assert r.status_code == 400
+    ev = agent_edge.event(r.headers["x-request-id"])
+    assert (ev["status"], ev["session_id"]) == (400, "refused-turn")
+
+
 def test_a_responses_chain_keeps_the_session_of_the_response_it_continues(agent_edge):
     first = post(agent_edge, "/responses", RESPONSES, {"X-Session-Id": "chain-1"})
     assert session_of(agent_edge, first) == "chain-1"
