@@ -7,10 +7,13 @@
 --   1. X-Session-Id                 the generic header: a client or a proxy in front of
 --                                   the gateway that names the session on purpose
 --   2. X-Claude-Code-Session-Id     Claude Code (one id per `claude` session)
---   3. session_id, conversation_id  Codex CLI (codex-rs codex-api requests/headers.rs,
---                                   build_conversation_headers: the thread id; 0.171
---                                   sends session_id, older releases both). Names with
---                                   "_": the server needs `underscores_in_headers on`
+--   3. session-id, conversation_id  Codex CLI: 0.171 sends its thread id as session-id
+--                                   (also thread-id, x-client-request-id and the body's
+--                                   prompt_cache_key: seen on the wire); older releases
+--                                   session_id and conversation_id (codex-rs codex-api
+--                                   requests/headers.rs). nginx reads session-id and
+--                                   session_id as one variable; names with "_" need
+--                                   `underscores_in_headers on` (the location snippet)
 --   4. the body's own fields, in the order the request's API module lists them
 --      (api.SESSION_FIELDS, default OpenAI's safety_identifier then user):
 --      previous_response_id (Responses) resolves to the session of the response it
@@ -52,11 +55,11 @@ _M.SPEND_TTL_S = 7 * 86400
 _M.CHAIN_TTL_S = 86400
 
 -- the headers, in order; ngx.var names ($http_x_session_id): nginx turns "-" into "_",
--- so "session_id" and "session-id" read the same variable
+-- so "session-id" and "session_id" read the same variable
 local HEADERS = {
     { "http_x_session_id", "x-session-id" },
     { "http_x_claude_code_session_id", "x-claude-code-session-id" },
-    { "http_session_id", "session_id" },
+    { "http_session_id", "session-id" },
     { "http_conversation_id", "conversation_id" },
 }
 -- OpenAI's end-user identifiers (chat, completions, embeddings, responses)

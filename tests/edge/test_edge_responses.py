@@ -206,11 +206,11 @@ def test_a_stored_response_is_its_keys_alone(edge: Edge,
 
 
 def test_a_chain_of_stored_responses_is_one_agent_session(edge: Edge) -> None:
-    """The session a first response was given (here Codex CLI's session_id header) is
+    """The session a first response was given (here Codex CLI 0.171's session-id header) is
     the session of every response that continues it, through vLLM's own store."""
     a = client(edge)
     raw = a.responses.with_raw_response.create(model=MODEL, input=HELLO, max_output_tokens=2,
-                                               extra_headers={"session_id": "codex-thread-1"})
+                                               extra_headers={"session-id": "codex-thread-1"})
     first = raw.parse()
     raw = a.responses.with_raw_response.create(model=MODEL, input="And then?",
                                                max_output_tokens=2,

@@ -113,15 +113,16 @@ def session_of(edge: Edge, r: httpx.Response) -> Any:
 @pytest.mark.parametrize(("path", "body", "headers", "want"), [
     ("/chat/completions", CHAT, {"X-Session-Id": "build-42"}, "build-42"),
     ("/messages", MESSAGES, {"X-Claude-Code-Session-Id": "0b6e2c1a-claude"}, "0b6e2c1a-claude"),
-    ("/responses", RESPONSES, {"session_id": "019a-codex-thread"}, "019a-codex-thread"),
-    ("/responses", RESPONSES, {"conversation_id": "older-codex"}, "older-codex"),
+    ("/responses", RESPONSES, {"session-id": "019a-codex-thread"}, "019a-codex-thread"),
+    ("/responses", RESPONSES, {"session_id": "older-codex"}, "older-codex"),
+    ("/responses", RESPONSES, {"conversation_id": "oldest-codex"}, "oldest-codex"),
     ("/messages", {**MESSAGES, "metadata": {"user_id": "user_ab_session_cd"}}, {},
      "user_ab_session_cd"),
     ("/chat/completions", {**CHAT, "user": "end-user-7"}, {}, "end-user-7"),
     ("/chat/completions", {**CHAT, "safety_identifier": "safety-9"}, {}, "safety-9"),
     ("/chat/completions", CHAT, {}, None),
-], ids=["x-session-id", "claude-code", "codex", "codex-older", "anthropic-metadata",
-        "openai-user", "safety-identifier", "none"])
+], ids=["x-session-id", "claude-code", "codex", "codex-older", "codex-conversation",
+        "anthropic-metadata", "openai-user", "safety-identifier", "none"])
 def test_each_source_of_a_session_id_lands_in_the_usage_event(agent_edge, path, body,
                                                               headers, want):
     assert session_of(agent_edge, post(agent_edge, path, body, headers)) == want
@@ -129,13 +130,16 @@ def test_each_source_of_a_session_id_lands_in_the_usage_event(agent_edge, path, 
 
 def test_headers_come_before_body_fields_in_a_fixed_order(agent_edge):
     every = {"X-Session-Id": "generic", "X-Claude-Code-Session-Id": "claude",
-             "session_id": "codex"}
+             "session-id": "codex"}
     body = {**CHAT, "user": "u", "safety_identifier": "s"}
     assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
         "generic"
     del every["X-Session-Id"]
     assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
         "claude"
+    del every["X-Claude-Code-Session-Id"]
+    assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
+        "codex"
     assert session_of(agent_edge, post(agent_edge, "/chat/completions", body)) == "s"
 
 
