@@ -265,9 +265,9 @@ end
 -- whose(ctx) -> true | nil, err (403 session_budget_exceeded): the agent session the
 -- request belongs to (tokengate.session: its headers, read when access began, then the
 -- body's fields), refused once the key's session_budget is spent.
-local function whose(ctx)
+local function whose(ctx, doc)
     session.read(ctx, ctx.body)
-    return session.check(ctx)
+    return session.check(ctx, doc)
 end
 
 -- how_much(ctx, doc) -> text | nil, err: the prompt's tokens, the completion budget and

@@ -38,6 +38,7 @@ local errors = require "tokengate.errors"
 
 local type = type
 local sub = string.sub
+local gsub = string.gsub
 local find = string.find
 local format = string.format
 local tonumber = tonumber
@@ -150,10 +151,18 @@ local function spend_keys(key_id, sid)
     return "t:" .. k, "c:" .. k
 end
 
--- check(ctx) -> true | nil, err (403 session_budget_exceeded, in the API's shape via
--- errors.send): the key's session_budget {tokens, spend} against what this edge settled
--- for the session. No session, or no budget: true.
-function _M.check(ctx)
+-- amount(x) -> currency units x as text, to the nano-unit without trailing zeros (as
+-- tokengate.budget writes amounts)
+local function amount(x)
+    local text = format("%.9f", x)
+    return (gsub(gsub(text, "0+$", ""), "%.$", ""))
+end
+
+-- check(ctx, doc) -> true | nil, err (403 session_budget_exceeded, in the API's shape
+-- via errors.send): the key's session_budget {tokens, spend} against what this edge
+-- settled for the session. doc: the compiled configuration (its currency). No session,
+-- or no budget: true.
+function _M.check(ctx, doc)
     local sid, key = ctx.session_id, ctx.key
     local b = key and key.session_budget
     if not sid or type(b) ~= "table" then
@@ -175,10 +184,11 @@ function _M.check(ctx)
     local spend = tonumber(b.spend)
     local spent = spend and (dict:get(ck) or 0) / 1e9
     if spend and spent >= spend then
-        return nil, errors.new(403, format("Session '%s' of this key has spent %.6g, its "
-            .. "session budget is %.6g (session_budget.spend): start a new session.",
-            errors.clip(sid), spent, spend), nil, "session_budget_exceeded",
-            "insufficient_quota")
+        local cur = doc and doc.currency or ""
+        return nil, errors.new(403, format("Session '%s' of this key has spent %s %s, its "
+            .. "session budget is %s %s (session_budget.spend): start a new session.",
+            errors.clip(sid), amount(spent), cur, amount(spend), cur), nil,
+            "session_budget_exceeded", "insufficient_quota")
     end
     return true
 end

@@ -20,6 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from tokengate.ledger.calculator import charge
 
 from tests.conftest import MODEL, key_digest
 from tests.fixtures_edge import Edge, _variants
@@ -28,6 +29,7 @@ COMPLETION = 5  # tokens every answer of the fake generates
 KEY = "tg-test-sessions"
 BUDGET_KEY = "tg-test-sessions-budget"
 BUDGET_TOKENS = 100
+SPEND_KEY = "tg-test-sessions-spend"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -83,6 +85,9 @@ def agent_edge(config_path, counter_addr) -> Iterator[Edge]:
         raw["keys"]["sessions-budget"] = {"sha256": key_digest(BUDGET_KEY), "rpm": 10_000,
                                           "tpm": 10_000_000,
                                           "session_budget": {"tokens": BUDGET_TOKENS}}
+        raw["keys"]["sessions-spend"] = {"sha256": key_digest(SPEND_KEY), "rpm": 10_000,
+                                         "tpm": 10_000_000,
+                                         "session_budget": {"spend": 0.000001}}
     gen = _variants(config_path)
     start = next(gen)
     try:
@@ -224,3 +229,22 @@ def test_the_session_budget_refuses_in_anthropics_shape(agent_edge):
         "message": f"Session 'loop-claude' of this key has used {used} tokens, its session "
                    f"budget is {BUDGET_TOKENS} tokens (session_budget.tokens): start a new "
                    "session."}}
+
+
+def amount(x: float) -> str:
+    """Currency units as the edge writes an amount: to the nano-unit, no trailing zeros."""
+    return f"{x:.9f}".rstrip("0").rstrip(".")
+
+
+def test_a_spend_budget_refuses_the_session_after_the_request_that_spent_it(agent_edge):
+    first = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
+                 key=SPEND_KEY)
+    assert first.status_code == 200
+    # the test model's weights are the defaults: one request costs more than 0.000001
+    spent = charge(int(first.headers["x-token-count"]), COMPLETION).cost
+    second = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
+                  key=SPEND_KEY)
+    assert (second.status_code, second.json()) == (403, {"error": {
+        "message": f"Session 'pricey' of this key has spent {amount(spent)} USD, its session "
+                   "budget is 0.000001 USD (session_budget.spend): start a new session.",
+        "type": "insufficient_quota", "param": None, "code": "session_budget_exceeded"}})
