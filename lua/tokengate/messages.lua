@@ -16,6 +16,8 @@
 --   errors:     {"type": "error", "error": {"type", "message"}} with Anthropic's types
 --   rate:       anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}, reset in
 --               RFC 3339 (docs.anthropic.com, "Rate limits": response headers)
+--   session:    SESSION_FIELDS, the body's fields that name the agent session when no
+--               header does (tokengate.session; default OpenAI's safety_identifier, user)
 --
 -- count_tokens is answered here, by the counter's count alone: nothing reaches vLLM.
 
@@ -50,6 +52,8 @@ _M.PATHS = { messages = "/v1/messages" } -- count_tokens is never forwarded
 _M.ALLOW = { messages = "POST", count_tokens = "POST" }
 -- answered by the edge itself, after the count and the request limit
 _M.LOCAL = { count_tokens = true }
+-- Anthropic's end-user id (metadata.user_id; Claude Code puts its session in it too)
+_M.SESSION_FIELDS = { "metadata.user_id" }
 
 -- The fields of vLLM 0.32's AnthropicMessagesRequest and AnthropicCountTokensRequest
 -- (vllm/entrypoints/anthropic/protocol.py; tests/edge/test_edge_costly_inputs.py compares them

@@ -54,6 +54,7 @@ local cors = require "tokengate.cors"
 local clock = require "tokengate.clock"
 local json = require "tokengate.json"
 local trace = require "tokengate.trace"
+local session = require "tokengate.session"
 local balancer = require "ngx.balancer"
 
 local ngx_var = ngx.var
@@ -269,6 +270,14 @@ local function what(ctx, doc)
     return body
 end
 
+-- whose(ctx) -> true | nil, err (403 session_budget_exceeded): the agent session the
+-- request belongs to (tokengate.session: its headers, read when access began, then the
+-- body's fields), refused once the key's session_budget is spent.
+local function whose(ctx, doc)
+    session.read(ctx, ctx.body)
+    return session.check(ctx, doc)
+end
+
 -- how_much(ctx, doc) -> text | nil, err: the prompt's tokens, the completion budget and
 -- the TPM reservation; text: the JSON body that will be forwarded (what was counted).
 local function how_much(ctx, doc)
@@ -439,7 +448,7 @@ local function awake(ctx)
     return idle.hold(ctx)
 end
 
-local STAGES = { who, listing, what, how_much, where, reserve, answered, awake }
+local STAGES = { who, listing, what, whose, how_much, where, reserve, answered, awake }
 
 -- sent(ctx): the request goes to ctx.replica: its prompt's blocks are recorded there
 -- (tokengate.prefix.sent; policy prefix, a count with block hashes).
@@ -461,6 +470,7 @@ function _M.access()
     ctx.route, ctx.model_id = request.route(uri)
     ctx.api = request.api(ctx.route, uri)
     ctx.endpoint = request.endpoint(ctx.route, uri)
+    session.from_headers(ctx)
     -- a browser's preflight carries no key: answered before any is asked for
     cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
     trace.start(ctx, doc.tracing)
@@ -730,6 +740,15 @@ function _M.log()
             ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
         limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost, limits.charged(req,
             ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))
+    end
+    if ctx.session_id then
+        local scost = session.needs_cost(ctx.key) and ctx.model_entry
+            and budget.cost(ctx.model_entry.cost, config.get().billing, ev.prompt_tokens,
+                ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
+        session.settle(ctx, ev.prompt_tokens + ev.completion_tokens, scost or nil)
+        if ctx.response_id and status < 400 then
+            session.remember(ctx, ctx.response_id)
+        end
     end
     drift.report(ctx, ev.count_drift)
     metrics.request(ctx, status, ev, config.get().models, ngx_var.upstream_connect_time)

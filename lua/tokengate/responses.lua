@@ -84,6 +84,9 @@ _M.LOCAL = { input_tokens = true }
 _M.STORED = { response = true, response_cancel = true }
 -- the completion budget's field (tokengate.request.budget)
 _M.MAX_TOKENS = "max_output_tokens"
+-- the agent session when no header names it (tokengate.session): the response this one
+-- continues, then OpenAI's end-user ids
+_M.SESSION_FIELDS = { "previous_response_id", "safety_identifier", "user" }
 
 -- The fields of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/
 -- protocol.py; tests/edge/test_edge_costly_inputs.py compares them with vLLM's model):
@@ -496,8 +499,9 @@ end
 -- changes no prompt token, and a count of a body without it can be cached).
 function _M.placed(ctx)
     local body = ctx.body
-    json_set(body, "request_id", _M.response_id(ctx.key, ctx.request_id, ctx.model,
-        ctx.replica))
+    local id = _M.response_id(ctx.key, ctx.request_id, ctx.model, ctx.replica)
+    json_set(body, "request_id", id)
+    ctx.response_id = id -- the session of requests that continue it (tokengate.session)
     return json.encode(body)
 end
 

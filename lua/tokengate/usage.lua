@@ -331,7 +331,7 @@ local FIELDS = {
     "error", "sanitized_chars", "stripped_special_tokens", "escaped_special_tokens",
     "dropped_system_messages", "count_drift", "expected_cached_tokens",
     "expected_cached_source", "queue_ms", "trace", "max_tokens_requested",
-    "max_tokens_applied",
+    "max_tokens_applied", "session_id",
 }
 _M.FIELDS = FIELDS
 
@@ -353,7 +353,8 @@ _M.FIELDS = FIELDS
 -- null without one) and max_tokens_applied (the limit the request was forwarded and
 -- reserved with: vLLM's fit into the context, lowered by the gateway's max_tokens_cap;
 -- null when no completion budget was worked out: refused earlier, count_tokens,
--- embeddings).
+-- embeddings); session_id (the agent session,
+-- tokengate.session; null: none).
 function _M.event(f)
     local o = json.object()
     local set = json.set
@@ -413,6 +414,7 @@ function _M.record(ctx, status, aborted)
         trace = ctx.trace and trace.record(ctx, status, aborted, ctx.error) or nil,
         max_tokens_requested = ctx.max_tokens_requested,
         max_tokens_applied = ctx.max_tokens_applied,
+        session_id = ctx.session_id,
     })
 end
 

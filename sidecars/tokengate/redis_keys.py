@@ -18,6 +18,13 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
     <p>:seen:<day>                     set: request ids applied, by the event's day;
                                        expires dedupe_days after its last addition
     <p>:audit                          stream: one entry per applied event (bounded)
+    <p>:sess:<key_id>:<session_id>     hash: totals of one agent session of a key
+                                       (SESSION_FIELDS); expires ledger.session_days
+                                       after the session's last event was applied
+    <p>:sessions:<key_id>              zset: the key's sessions, score the last event's
+                                       time (epoch ms); trimmed to the
+                                       ledger.sessions_per_key most recent, expires
+                                       like the sessions
     <p>:ckpt:<ledger_id>               hash: pos (file_id:offset, or -file_id after
                                        a finished file), path, ts
     <p>:done:<ledger_id>               zset: ids of usage files read to their end
@@ -120,6 +127,22 @@ def idx_key(day: str) -> str:
 
 def seen_key(day: str) -> str:
     return f"{PREFIX}:seen:{day}"
+
+
+# Fields of a session hash: requests, prompt_tokens, cached_tokens, completion_tokens
+# (integers), cost (float, currency units), first and last (the events' ts, epoch ms).
+SESSION_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost",
+                  "first", "last")
+
+
+def session_key(key_id: str | None, session_id: str) -> str:
+    """The totals hash of one agent session of a key."""
+    return f"{PREFIX}:sess:{_enc(key_id)}:{_enc(session_id)}"
+
+
+def sessions_key(key_id: str | None) -> str:
+    """The zset of a key's sessions, by last seen (epoch ms)."""
+    return f"{PREFIX}:sessions:{_enc(key_id)}"
 
 
 DAYS_KEY = f"{PREFIX}:days"

@@ -184,8 +184,9 @@ def login(driver: Any, stack: Stack) -> None:
     assert driver.current_url == f"{stack.url}/keys", driver.page_source[-1500:]
 
 
-def chat(key: str, edge: Edge) -> Any:
-    client = openai.OpenAI(base_url=edge.base_url, api_key=key, max_retries=0, timeout=60)
+def chat(key: str, edge: Edge, session: str | None = None) -> Any:
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key, max_retries=0, timeout=60,
+                           default_headers={"X-Session-Id": session} if session else None)
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=4)
 
@@ -207,8 +208,8 @@ def test_a_page_without_a_session_goes_to_the_login(stack: Stack) -> None:
 
 
 def test_the_demo_keys_spend_is_what_tokengate_usage_says(stack: Stack, browser: Any) -> None:
-    for _ in range(3):
-        assert chat(DEMO_KEY, stack.edge).usage.completion_tokens == 4
+    for _ in range(3):  # one agent session
+        assert chat(DEMO_KEY, stack.edge, "agent-run-1").usage.completion_tokens == 4
     wait_until(lambda: sum(r.requests for r in report.query(stack.client, key_id="demo")) == 3,
                30, what="the ledger to bill the 3 requests")
     cli = usage_json(stack, "demo")["total"]
@@ -224,6 +225,14 @@ def test_the_demo_keys_spend_is_what_tokengate_usage_says(stack: Stack, browser:
     cell = browser.find_element(By.CSS_SELECTOR, "#key-usage td[data-cost]")
     assert float(cell.get_attribute("data-cost")) == pytest.approx(cli["cost"], abs=1e-12)
     assert cell.text == f"{cli['cost']:.9f}".rstrip("0").rstrip(".")
+    # the key's sessions: the one session, with the same totals
+    row = browser.find_elements(By.CSS_SELECTOR, "#key-sessions tbody tr")
+    assert len(row) == 1
+    cells = row[0].find_elements(By.TAG_NAME, "td")
+    assert [c.text for c in cells[:1] + cells[3:7]] == [
+        "agent-run-1", "3", f"{cli['prompt_tokens']:,}", f"{cli['cached_tokens']:,}",
+        f"{cli['completion_tokens']:,}"]
+    assert float(cells[7].get_attribute("data-cost")) == pytest.approx(cli["cost"], abs=1e-12)
     shot(browser, "key")
     browser.get(f"{stack.url}/usage")
     total = by_id(browser, "total-cost")

@@ -457,8 +457,9 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
                                       "<tool_call>", "</think>", "<think>"]
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {},
                                  "allowed_models": None, "budgets": [],
-                                 "priority": "normal", "fair_share": 1.0,
-                                 "max_tokens_cap": None, "cached_tokens_weight": None}
+                                 "priority": "normal", "session_budget": None,
+                                 "fair_share": 1.0, "max_tokens_cap": None,
+                                 "cached_tokens_weight": None}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)

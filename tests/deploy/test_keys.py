@@ -390,6 +390,22 @@ def test_a_keys_cap_and_cached_weight_are_written_and_dropped_back_to_the_models
     assert "max_tokens_cap" not in key and key["cached_tokens_weight"] == 0.5
 
 
+def test_a_session_budget_is_set_kind_by_kind_and_dropped(tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    made = tokengate("keys", "create", "agent", "--rpm", "5", "--tpm", "500",
+                     "--session-budget", "200000t", "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    changed = tokengate("keys", "set", "agent", "--session-budget", "2.5", "--config", path,
+                        "--no-apply")  # adds the spend limit; the token limit stays
+    assert changed.returncode == 0, changed.stderr
+    budget = tg_config.load(path).keys["agent"].session_budget
+    assert budget is not None and (budget.tokens, budget.spend) == (200_000, 2.5)
+    dropped = tokengate("keys", "set", "agent", "--no-session-budget", "--config", path,
+                        "--no-apply")
+    assert dropped.returncode == 0, dropped.stderr
+    assert tg_config.load(path).keys["agent"].session_budget is None
+
+
 @pytest.mark.parametrize("name", ["yes", "no", "on", "off", "1_000", "null"])
 def test_a_key_named_like_a_yaml_1_1_boolean_or_number_survives_the_round_trip(
         tmp_path: Path, name: str) -> None:

@@ -206,6 +206,25 @@ def test_a_stored_response_is_its_keys_alone(edge: Edge,
                                "code": "not_found"}
 
 
+def test_a_chain_of_stored_responses_is_one_agent_session(edge: Edge) -> None:
+    """The session a first response was given (here Codex CLI 0.171's session-id header) is
+    the session of every response that continues it, through vLLM's own store."""
+    a = client(edge)
+    raw = a.responses.with_raw_response.create(model=MODEL, input=HELLO, max_output_tokens=2,
+                                               extra_headers={"session-id": "codex-thread-1"})
+    first = raw.parse()
+    raw = a.responses.with_raw_response.create(model=MODEL, input="And then?",
+                                               max_output_tokens=2,
+                                               previous_response_id=first.id)
+    second = raw.parse()
+    ev = edge.event(raw.headers["x-request-id"])
+    assert (ev["status"], ev["session_id"]) == (200, "codex-thread-1")
+    raw = a.responses.with_raw_response.create(model=MODEL, input="And last?",
+                                               max_output_tokens=2,
+                                               previous_response_id=second.id)
+    assert edge.event(raw.headers["x-request-id"])["session_id"] == "codex-thread-1"
+
+
 def test_fields_given_as_null_mean_their_defaults(edge: Edge) -> None:
     """vLLM 0.32 takes null for background, truncation, service_tier ... and then fails
     to build its answer after the whole generation (a 400 with nothing billed): the

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,68 @@ def test_report_equals_vllm_usage_for_a_known_workload(cfg, ledger_config_path, 
                 + s["completion_tokens"] * w.output + s["cached_tokens"] * w.cached) / 1e6
                for s in seen)   # every prompt is far below the context-penalty threshold
     assert row["cost"] == pytest.approx(cost, rel=1e-9)
+
+
+def _session_workload() -> list[UsageEvent]:
+    """The workload with an agent session on most events: three sessions of "alpha"
+    (one with a 128-character id), one of "beta:β", and events without one."""
+    events = workload(300, seed=43, days=("2026-11-28", "2026-11-29"))
+    sessions = {"alpha": ["claude-6f1c", "codex/thread 7", "s" * 128],
+                "beta:β": ["sha256:" + "ab" * 16]}
+    out = []
+    for i, e in enumerate(events):
+        ids = sessions.get(e.key_id or "")
+        sid = ids[i % len(ids)] if ids and i % 5 else None
+        out.append(replace(e, session_id=sid))
+    return out
+
+
+def test_sessions_report_equals_the_sum_of_each_sessions_events(cfg, config_path, redis_url,
+                                                                ledger_redis, usage_writer):
+    events = _session_workload()
+    for ev in events + events[:50]:  # a replayed stretch is applied once
+        usage_writer.write(ev)
+    led = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path,
+                 "sessions")
+    assert led.drain().applied == len(events)
+    led.close()
+    calc = Calculator(cfg)
+    doc = usage_json(config_path, redis_url, "--by", "session", "--key", "alpha")
+    assert doc["by"] == ["session"]
+    rows = {r["session_id"]: r for r in doc["rows"]}
+    assert set(rows) == {"claude-6f1c", "codex/thread 7", "s" * 128}
+    for sid, row in rows.items():
+        mine = [e for e in events if e.key_id == "alpha" and e.session_id == sid]
+        assert row["key_id"] == "alpha"
+        assert row["requests"] == len(mine)
+        assert row["prompt_tokens"] == sum(e.prompt_tokens for e in mine)
+        assert row["cached_tokens"] == sum(e.cached_tokens for e in mine)
+        assert row["completion_tokens"] == sum(e.completion_tokens for e in mine)
+        assert row["cost"] == pytest.approx(sum(calc.charge_event(e).cost for e in mine),
+                                            rel=1e-9)
+        assert row["first"] == min(e.ts for e in mine)
+        assert row["last"] == max(e.ts for e in mine)
+    # most recently seen first
+    assert [r["last"] for r in doc["rows"]] == sorted((r["last"] for r in doc["rows"]),
+                                                      reverse=True)
+    beta = usage_json(config_path, redis_url, "--by", "session", "--key", "beta:β",
+                      "--limit", "1")["rows"]
+    assert [r["session_id"] for r in beta] == ["sha256:" + "ab" * 16]
+    # retention: every session hash and index expires (ledger.session_days)
+    ttl = ledger_redis.ttl(store.session_key("alpha", "claude-6f1c"))
+    assert 0 < ttl <= cfg.ledger.session_days * 86400
+    assert 0 < ledger_redis.ttl(store.sessions_key("alpha")) <= cfg.ledger.session_days * 86400
+
+
+def test_a_keys_session_index_keeps_its_most_recent_sessions(cfg, config_path, redis_url,
+                                                            ledger_redis, usage_writer):
+    cfg = cfg.model_copy(update={"ledger": cfg.ledger.model_copy(
+        update={"sessions_per_key": 3})})
+    for i in range(5):
+        usage_writer.write(make_event(key_id="alpha", session_id=f"s{i}",
+                                      ts=f"2026-11-29T10:00:0{i}.000Z"))
+    led = Ledger(cfg, redis_client.connect(cfg.redis, url=redis_url), usage_writer.path,
+                 "trim")
+    assert led.drain().applied == 5
+    led.close()
+    assert ledger_redis.zrevrange(store.sessions_key("alpha"), 0, -1) == ["s4", "s3", "s2"]

@@ -102,7 +102,7 @@ def test_ledger_exports_the_events_spans(protocol: str, ledger_config_path: Path
     writer = UsageWriter(usage)
     rid = [f"{random.getrandbits(128):032x}" for _ in range(3)]
     ok = make_event(request_id=rid[0], stream=True, ttft_ms=12.5, cached_tokens=4,
-                    trace=trace_of(rid[0]))
+                    trace=trace_of(rid[0]), session_id="agent-run-7")
     refused = make_event(request_id=rid[1], status=429, error="rate_limit_exceeded",
                          prompt_tokens=0, completion_tokens=0, usage_source="none",
                          upstream=None,
@@ -131,6 +131,7 @@ def test_ledger_exports_the_events_spans(protocol: str, ledger_config_path: Path
         assert a["gen_ai.request.stream"] is True
         assert a["gen_ai.response.time_to_first_chunk"] == pytest.approx(0.0125)
         assert a["tokengate.key_id"] == "demo" and a["tokengate.request_id"] == ok.request_id
+        assert a["session.id"] == "agent-run-7"
         assert a["tokengate.reserved_tokens"] == ok.reserved
         assert "tokengate.refusal_reason" not in a and "error.type" not in a
         assert edge.resource["deployment.environment"] == "test"

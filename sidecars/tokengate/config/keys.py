@@ -61,6 +61,29 @@ KEY_ID_RULE = "a key id is 1-64 letters, digits, '.', '_', '-' or '@', starting 
               "letter or digit"
 
 
+class SessionBudget(_Schema):
+    """What one agent session of a key may use (``lua/tokengate/session.lua``): once a
+    session's settled total reached ``tokens`` or ``spend``, its next request is refused
+    with 403 ``session_budget_exceeded`` in the API's own error shape (403, not 429: the
+    total never goes down, so a retry can never succeed, and the SDKs and Claude Code
+    retry a 429). Counted by each edge (a shared dict, settled when a request ends): a
+    session ends at most its in-flight requests' usage above the budget per edge."""
+
+    tokens: Positive | None = Field(
+        default=None,
+        description="Tokens per session (prompt + completion). null: no token limit.")
+    spend: Annotated[Amount, Field(ge=1e-6)] | None = Field(
+        default=None,
+        description="Spend per session, in `currency` (the cost `tokengate usage` "
+                    "reports). null: no spend limit.")
+
+    @model_validator(mode="after")
+    def _something(self) -> SessionBudget:
+        if self.spend is None and self.tokens is None:
+            raise _Rules([("spend", "a session budget needs tokens, spend or both")])
+        return self
+
+
 BUDGETS_NEED_REDIS = ("budgets need global_limits.enabled: true (their spend is kept in "
                       "Redis by tokengate-limits, so it survives restarts and is shared by "
                       "every edge)")
@@ -98,6 +121,11 @@ class KeyConfig(_Schema):
         default="normal",
         description="Admission priority: a name in edge.admission.priorities (a lower "
                     "priority is shed first when replicas fill up).")
+    session_budget: SessionBudget | None = Field(
+        default=None,
+        description="Tokens and/or spend one agent session may use (the session id the "
+                    "edge reads from the request: README, Sessions); its next request is "
+                    "refused (403 `session_budget_exceeded`). null: none.")
     fair_share: Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False)] = Field(
         default=1.0,
         description="Share of this key among the keys of its priority when requests "

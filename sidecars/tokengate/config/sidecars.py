@@ -55,6 +55,14 @@ class LedgerConfig(_Schema):
     audit_maxlen: Positive = Field(
         default=100_000,
         description="Approximate bound of the audit stream, entries.")
+    session_days: int = Field(
+        default=30, ge=1, le=36500,
+        description="Per-session totals are kept this long after the session's last "
+                    "request, days (`tokengate usage --by session`, the console).")
+    sessions_per_key: Positive = Field(
+        default=1000,
+        description="Sessions a key's index keeps, most recently seen first; older ones "
+                    "leave the index (their totals expire after session_days).")
     rotate_wait_s: Finite = Field(
         default=5.0,
         description="Keep reading a rotated file this long after its last write, s.")

@@ -55,6 +55,7 @@ SECURITY_HEADERS = [
 MAX_BODY = 64 * 1024        # bytes of a form; more: 413
 LOGIN_COOKIE = "tg_console_login"
 MAX_DAYS = 366              # the longest usage range, days
+SESSIONS_SHOWN = 20         # a key's most recent agent sessions on its page
 HERE = Path(__file__).parent
 
 
@@ -415,12 +416,15 @@ class Console:
         try:
             rows = report.group(data.usage_rows(self.client, data.UsageQuery(
                 since, data.today(), key=name)), ["model"])
+            sessions = report.query_sessions(self.client, [name], limit=SESSIONS_SHOWN)
         except (RedisError, OSError) as e:
-            rows, problem = [], f"Redis unavailable: {e}"
+            rows, sessions, problem = [], [], f"Redis unavailable: {e}"
         return self.page(status, "key.html", req, title=f"Key {name}", name=name,
                          entry=entries[0], minute=(minutes or {}).get(name), problem=problem,
                          values=values, errors=checked.errors if checked else {},
                          outcome=outcome, rows=rows, since=since.isoformat(), page="keys",
+                         sessions=sessions, session_budget=k.session_budget,
+                         session_days=cfg.ledger.session_days,
                          models=list(cfg.models),
                          priorities=list(cfg.edge.admission.priorities),
                          global_limits=cfg.global_limits.enabled)

@@ -22,7 +22,9 @@ from tokengate.keys.edit import (
     keeping_heading,
     parse_budget,
     parse_models,
+    parse_session_budget,
     remove_key,
+    set_session_budget,
     shown,
 )
 from tokengate.keys.reload import apply
@@ -36,15 +38,16 @@ Create, list, change and revoke API keys in tokengate.yaml, and apply the change
 running edges at once (no restart; streams in flight continue).
 
   tokengate keys create NAME --rpm N --tpm N [--models a,b] [--budget SPEC]...
-        [--priority NAME] [--max-tokens-cap N] [--cached-tokens-weight W]
+        [--session-budget SPEC]... [--priority NAME] [--max-tokens-cap N]
+        [--cached-tokens-weight W]
         prints the new key once (tg-...); the file stores only its SHA-256
   tokengate keys list [--json]
         names, limits, models, budgets and the spend of the current day / month
         (from the ledger's Redis: what `tokengate usage` reports, and what the budget
         counters hold with the reservations of requests in flight); never a key
   tokengate keys set NAME [--rpm N] [--tpm N] [--models a,b|all] [--budget SPEC]...
-        [--no-budgets] [--priority NAME] [--max-tokens-cap N|model]
-        [--cached-tokens-weight W|model]
+        [--no-budgets] [--session-budget SPEC]... [--no-session-budget] [--priority NAME]
+        [--max-tokens-cap N|model] [--cached-tokens-weight W|model]
   tokengate keys revoke NAME
         removes the key: refused (401) once the command returns
 
@@ -53,6 +56,9 @@ running edges at once (no restart; streams in flight continue).
   A spend SPEC and a token SPEC of one model and period make one budget; `set
   --budget` sets that kind of the key's budget of that model and period (the other
   kind stays; --no-budgets first to drop it).
+  --session-budget AMOUNT | Nt: what one agent session of the key may use, in the
+  currency (2.50) or in tokens (500000t); give both kinds for both. Its next request
+  is refused (403 session_budget_exceeded); --no-session-budget drops it.
 
   --max-tokens-cap N caps the key's completion limits (tokens) where tighter than the
   model's max_tokens_cap; --cached-tokens-weight W (0 to 1) weighs the key's prefix-cache
@@ -135,6 +141,7 @@ def create(args: argparse.Namespace) -> int:
     def change(data: CommentedMap) -> None:
         add_key(data, args.name, digest(key), args.rpm, args.tpm, args.models, args.budget,
                 args.priority, _settings(args))
+        set_session_budget(data, args.name, args.session_budget)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -148,8 +155,14 @@ def set_(args: argparse.Namespace) -> int:
     """``tokengate keys set``: changes limits, models or budgets of a key."""
 
     def change(data: CommentedMap) -> None:
-        change_key(data, args.name, args.rpm, args.tpm, args.models, args.budget,
-                   args.no_budgets, args.priority, _settings(args))
+        settings = _settings(args)
+        only_session = (args.rpm, args.tpm, args.models, args.budget, args.priority) == \
+            (None,) * 5 and not args.no_budgets and not settings \
+            and (args.session_budget or args.no_session_budget)
+        if not only_session:
+            change_key(data, args.name, args.rpm, args.tpm, args.models, args.budget,
+                       args.no_budgets, args.priority, settings)
+        set_session_budget(data, args.name, args.session_budget, args.no_session_budget)
 
     status, cfg = _run_edit(args, change)
     if cfg is None:
@@ -212,6 +225,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     c.add_argument("--budget", type=parse_budget, action="append", metavar="SPEC",
                    help="[MODEL:]day=AMOUNT or [MODEL:]month=AMOUNT (AMOUNT in the "
                         "currency, or tokens: 2000000t); repeatable")
+    c.add_argument("--session-budget", type=parse_session_budget, action="append",
+                   metavar="SPEC", help="spend (AMOUNT) or tokens (Nt) per agent session")
     c.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="cap on the key's completion limits, tokens (where tighter than "
                         "the model's)")
@@ -233,6 +248,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "that model and period")
     s.add_argument("--no-budgets", action="store_true",
                    help="remove the key's budgets (before adding --budget ones)")
+    s.add_argument("--session-budget", type=parse_session_budget, action="append",
+                   metavar="SPEC", help="as for create; sets that kind (spend or tokens)")
+    s.add_argument("--no-session-budget", action="store_true",
+                   help="remove the key's session budget (before adding --session-budget)")
     s.add_argument("--max-tokens-cap", type=_or_model(int), default=None, metavar="N|model")
     s.add_argument("--cached-tokens-weight", type=_or_model(float), default=None,
                    metavar="W|model")

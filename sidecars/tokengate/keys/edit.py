@@ -60,6 +60,44 @@ def parse_budget(spec: str) -> dict[str, Any]:
     return out
 
 
+# --session-budget: AMOUNT (spend, in the currency) or Nt (tokens)
+SESSION_BUDGET_SPEC = re.compile(r"^(?P<amount>\d+(?:\.\d+)?)(?P<tokens>t)?$")
+
+
+def parse_session_budget(spec: str) -> dict[str, Any]:
+    """``AMOUNT`` | ``Nt`` -> ``{"spend": AMOUNT}`` | ``{"tokens": N}``, one kind of a
+    ``SessionBudget``. Raises ``argparse.ArgumentTypeError``."""
+    m = SESSION_BUDGET_SPEC.match(spec)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"expected AMOUNT (in the currency) or tokens as 200000t, got {spec!r}")
+    if m["tokens"]:
+        if "." in m["amount"]:
+            raise argparse.ArgumentTypeError(f"a token budget is a whole number: {spec!r}")
+        return {"tokens": int(m["amount"])}
+    return {"spend": _Amount(m["amount"])}
+
+
+def set_session_budget(data: CommentedMap, name: str, specs: list[dict[str, Any]] | None,
+                       clear: bool = False) -> None:
+    """The key's ``session_budget``: dropped with ``clear``, then each of ``specs``
+    (``parse_session_budget``'s) sets its kind (the other kind stays). Raises
+    ``LookupError`` for no such key."""
+    keys = _keys(data)
+    if name not in keys:
+        raise LookupError(f"no key {shown(name)}")
+    key = keys[name]
+    if clear and "session_budget" in key:
+        del key["session_budget"]
+    if specs:
+        current = key.get("session_budget")
+        if current is None:
+            current = CommentedMap()
+            key["session_budget"] = current
+        for spec in specs:
+            current.update(spec)
+
+
 class _Amount(float):
     """A currency amount that the YAML file gets as it was typed (``0.00005``): ruamel
     writes floats by ``repr`` (``5e-05``), which YAML 1.1 readers (the configuration's

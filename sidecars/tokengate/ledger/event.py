@@ -85,6 +85,13 @@ Schema (every key is present; ``null`` only where shown)::
                       lowered by the gateway's ``max_tokens_cap`` (model's or key's);
                       null when none was worked out (refused before, count_tokens,
                       embeddings) and in older events
+    session_id        the agent session of the request (``lua/tokengate/session.lua``:
+                      X-Session-Id, X-Claude-Code-Session-Id, Codex's session_id, a
+                      Responses chain, metadata.user_id, safety_identifier, user): 1-128
+                      printable ASCII characters (a longer or non-printable value arrives
+                      as "sha256:<32 hex>") | null (none, and events written before the
+                      field existed). Never a reason to skip an event: a value that is
+                      not such a string is read as null.
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -155,6 +162,7 @@ class UsageEvent:
     trace: Trace | None = None
     max_tokens_requested: int | None = None
     max_tokens_applied: int | None = None
+    session_id: str | None = None
 
     @property
     def time(self) -> datetime:
@@ -360,6 +368,23 @@ def _trace(obj: dict[str, Any], rid: str) -> Trace | None:
         return None
 
 
+SESSION_MAX = 128  # bytes of a session id (lua/tokengate/session.lua, MAX_BYTES)
+_SESSION = re.compile(rf"[\x20-\x7e]{{1,{SESSION_MAX}}}")
+
+
+def _session(obj: dict[str, Any], rid: str) -> str | None:
+    """The event's session id, or None: absent, null, or not 1-128 printable ASCII
+    characters (logged: a session id is never a reason to skip a billable event)."""
+    v = obj.get("session_id")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _SESSION.fullmatch(v):
+        log.warning("usage event %s: session_id ignored (not 1-%d printable ASCII "
+                    "characters)", rid, SESSION_MAX)
+        return None
+    return v
+
+
 def parse_event(line: bytes | str) -> UsageEvent:
     """Parse one usage line (with or without its newline) into a ``UsageEvent``.
 
@@ -406,6 +431,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         trace=_trace(obj, rid),
         max_tokens_requested=_optional_count(obj, "max_tokens_requested"),
         max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
+        session_id=_session(obj, rid),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

@@ -103,6 +103,8 @@ class Join:
                  engine_wait_s: float, engine_orphan_s: float) -> None:
         self.client = client
         self.calc = Calculator(cfg)
+        self.session_days = cfg.ledger.session_days
+        self.sessions_per_key = cfg.ledger.sessions_per_key
         self.ledger_id = ledger_id
         self.wait_key = redis_keys.wait_key(ledger_id)
         self.engine_mode = engine_mode
@@ -153,6 +155,8 @@ class Join:
                  "cached", str(st.cached_tokens), "system", str(system),
                  "cost", cost, "usage", ev.usage_source,
                  "aborted", str(int(ev.client_aborted)), "ledger", owner, "settled", st.by]
+        if ev.session_id is not None:
+            audit += ["session", ev.session_id]
         if by_engine:
             audit += ["records", str(st.records), "complete", str(int(st.complete)),
                       "edge_prompt", str(ev.prompt_tokens),
@@ -171,6 +175,8 @@ class Join:
                                "ds": redis_keys.day_score(day), "n": n, "c": cost,
                                "ce": redis_keys.endpoint_field(ev.endpoint, "cost"),
                                "a": audit, "st": stats}
+        if ev.session_id is not None:
+            self._session(keys, lua, ev, prompt, st)
         if self.engine_mode:
             lua["e"], lua["h"] = keys(redis_keys.eng_key(ev.request_id)), kept
         if edge:
@@ -195,6 +201,24 @@ class Join:
                          (f"request {ev.request_id}: {late} engine record(s) of a request "
                           f"billed without them (usage {ev.usage_source}); not billed")))
         return Item(lua, {k: v for k, v in totals.items() if v}, logs, edge)
+
+    def _session(self, keys: Keys, lua: dict[str, Any], ev: UsageEvent, prompt: int,
+                 st: Settlement) -> None:
+        """Adds to a bill item the totals of the event's session (``ss`` its hash,
+        ``si`` its key's index, ``sid`` the session id, ``sn`` [field, n, ...], ``sm``
+        the event's time in epoch ms, ``sttl`` the expiry in s, ``smax`` the index's
+        bound): applied by the script with the bill, so exactly once. The cost is the
+        bill's (``c``)."""
+        sn: list[str] = ["requests", "1"]
+        for f, v in (("prompt_tokens", prompt), ("cached_tokens", st.cached_tokens),
+                     ("completion_tokens", st.completion_tokens)):
+            if v:
+                sn += [f, str(v)]
+        assert ev.session_id is not None
+        lua.update({"ss": keys(redis_keys.session_key(ev.key_id, ev.session_id)),
+                    "si": keys(redis_keys.sessions_key(ev.key_id)), "sid": ev.session_id,
+                    "sn": sn, "sm": round(parse_ts(ev.ts).timestamp() * 1000),
+                    "sttl": self.session_days * 86400, "smax": self.sessions_per_key})
 
     # -- a batch of the usage file -----------------------------------------------------
 

@@ -13,7 +13,9 @@ that, atomically,
    re-positions itself before anything is applied;
 2. for each event, adds its request id to the day's ``seen`` set (``SADD``); only
    when it is new, adds its tokens, counts and cost to the key / model / day
-   counters and appends it to the audit stream (``XADD MAXLEN ~``);
+   counters, and to its agent session's totals when it names one (``session_id``:
+   ``tokengate.redis_keys``, bounded by ``ledger.session_days`` and
+   ``ledger.sessions_per_key``), and appends it to the audit stream (``XADD MAXLEN ~``);
 3. stores the position after the batch as the new checkpoint.
 
 When the tail has finished a rotated file, the same script (with no events) adds the
@@ -267,6 +269,8 @@ class Ledger:
         step on; the usage file, removed engine files and Redis stay as they were
         opened."""
         self.join.calc = Calculator(cfg)
+        self.join.session_days = cfg.ledger.session_days
+        self.join.sessions_per_key = cfg.ledger.sessions_per_key
         self.reservations.reconfigure(cfg)
         self.cfg = cfg
         if self._files_of_config:

@@ -1,4 +1,5 @@
-"""``tokengate usage``: tokens, cost, requests and errors per key / model / UTC day.
+"""``tokengate usage``: tokens, cost, requests and errors per key / model / UTC day, or
+per agent session of a key (``--by session``).
 
 Reads the ledger's counters in Redis (keys: ``tokengate.redis_keys``); nothing is computed
 from the usage files, so the report shows exactly what the ledger applied. Days are UTC
@@ -142,6 +143,91 @@ def parse_day(text: str, today: date | None = None) -> date:
             f"expected YYYY-MM-DD, today, yesterday or Nd, got {text!r}") from None
 
 
+@dataclass
+class SessionRow:
+    """Totals of one agent session of a key (the ledger's session hash,
+    ``tokengate.redis_keys.session_key``): tokens as in ``UsageRow``, ``cost`` in the
+    currency, ``first`` / ``last`` the RFC 3339 UTC times of its first and last event."""
+
+    key_id: str | None
+    session_id: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+    first: str = ""
+    last: str = ""
+
+
+def _ms_iso(ms: str | int | None) -> str:
+    if ms is None:
+        return ""
+    t = datetime.fromtimestamp(int(ms) / 1000, UTC)
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def query_sessions(client: SyncRedis, key_ids: Iterable[str | None],
+                   since: date | None = None, until: date | None = None,
+                   limit: int | None = None) -> list[SessionRow]:
+    """The sessions of ``key_ids`` the ledger keeps (``ledger.session_days``,
+    ``ledger.sessions_per_key``), most recently seen first within each key; with
+    ``since`` / ``until`` (UTC days, inclusive) only sessions active in that span (first
+    event on or before ``until``, last on or after ``since``); ``limit``: at most that
+    many per key. Raises ``RedisError``."""
+    rows: list[SessionRow] = []
+    for key_id in key_ids:
+        lo = (round(datetime.combine(since, datetime.min.time(), UTC).timestamp() * 1000)
+              if since else "-inf")
+        ids = [str(x) for x in client.zrevrangebyscore(
+            redis_keys.sessions_key(key_id), "+inf", lo,
+            start=0 if limit else None, num=limit)]
+        pipe = client.pipeline(transaction=False)
+        for sid in ids:
+            pipe.hgetall(redis_keys.session_key(key_id, sid))
+        end = (round(datetime.combine(until + timedelta(days=1), datetime.min.time(),
+                                      UTC).timestamp() * 1000) if until else None)
+        for sid, h in zip(ids, pipe.execute(), strict=True):
+            if not h:  # expired since the index was read
+                continue
+            if end is not None and int(h.get("first", 0)) >= end:
+                continue
+            rows.append(SessionRow(key_id, sid, requests=int(h.get("requests", 0)),
+                                   prompt_tokens=int(h.get("prompt_tokens", 0)),
+                                   cached_tokens=int(h.get("cached_tokens", 0)),
+                                   completion_tokens=int(h.get("completion_tokens", 0)),
+                                   cost=float(h.get("cost", 0.0)),
+                                   first=_ms_iso(h.get("first")), last=_ms_iso(h.get("last"))))
+    return rows
+
+
+def render_sessions(rows: list[SessionRow], currency: str, title: str) -> None:
+    """Print session rows and their total as a table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    table = Table(title=title, title_justify="left")
+    for name in ("key", "session", "first", "last"):
+        table.add_column(name)
+    for name in ("requests", "prompt", "cached", "completion", f"cost {currency}"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(r.key_id or "(no key)", r.session_id, r.first, r.last,
+                      f"{r.requests:,}", f"{r.prompt_tokens:,}", f"{r.cached_tokens:,}",
+                      f"{r.completion_tokens:,}", _fmt_cost(r.cost))
+    if rows:
+        table.add_section()
+        table.add_row("total", "", "", "", f"{sum(r.requests for r in rows):,}",
+                      f"{sum(r.prompt_tokens for r in rows):,}",
+                      f"{sum(r.cached_tokens for r in rows):,}",
+                      f"{sum(r.completion_tokens for r in rows):,}",
+                      _fmt_cost(sum(r.cost for r in rows)), style="bold")
+    console.print(table)
+
+
 def _fmt_cost(cost: float) -> str:
     return f"{cost:.6f}"
 
@@ -218,6 +304,15 @@ COLUMNS
   response_cancel, models, model, other) the requests,
   prompt and completion tokens and cost.
 
+SESSIONS
+  --by session lists the agent sessions of each key (or of --key), most recently
+  seen first: key, session (the usage event's session_id: README "Sessions"),
+  first and last (UTC times of its first and last request), requests, prompt,
+  cached, completion and cost, summed over every model. The ledger keeps a
+  session ledger.session_days after its last request, and a key's
+  ledger.sessions_per_key most recent ones. --since / --until keep the sessions
+  active in those days; --limit N the N most recent per key.
+
 DAYS
   --since and --until take YYYY-MM-DD, today, yesterday or Nd (N days ago); both
   are inclusive UTC days of the events' timestamps.
@@ -228,6 +323,7 @@ EXIT STATUS
 EXAMPLES
   tokengate usage --since 7d
   tokengate usage --by key --since 2026-11-01 --until 2026-11-30 --json
+  tokengate usage --by session --key alice --limit 20
 """
 
 
@@ -249,7 +345,10 @@ def add_parser(
     p.add_argument("--model", default=None, help="only this model")
     p.add_argument("--by", default="key,model,day", metavar="DIMS",
                    help="group by these of key, model, day, comma-separated "
-                        "(default: key,model,day)")
+                        "(default: key,model,day); or session alone: the keys' agent "
+                        "sessions")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="--by session: at most N sessions per key, most recent first")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p
@@ -258,8 +357,11 @@ def add_parser(
 def run(args: argparse.Namespace) -> int:
     """Execute ``tokengate usage``; returns the exit status."""
     by = [d.strip() for d in args.by.split(",") if d.strip()]
+    if by == ["session"]:
+        return run_sessions(args)
     if not by or any(d not in GROUPS for d in by):
-        print(f"tokengate usage: --by takes key, model and/or day, got {args.by!r}",
+        print(f"tokengate usage: --by takes key, model and/or day, or session alone, got "
+              f"{args.by!r}",
               file=sys.stderr)
         return 2
     if args.since and args.until and args.since > args.until:
@@ -289,4 +391,36 @@ def run(args: argparse.Namespace) -> int:
     else:
         days = span(args.since, args.until, (r.day for r in per_day))
         render(rows, by, cfg.currency, f"tokengate usage, {days} (UTC), by {', '.join(by)}")
+    return 0
+
+
+def run_sessions(args: argparse.Namespace) -> int:
+    """``tokengate usage --by session``; returns the exit status."""
+    if args.limit is not None and args.limit < 1:
+        print(f"tokengate usage: --limit must be at least 1, got {args.limit}",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = tg_config.load(args.config)
+    except (tg_config.ConfigError, OSError) as e:
+        print(f"tokengate usage: {e}", file=sys.stderr)
+        return 2
+    key_ids: list[str | None] = [args.key]
+    if not args.key:
+        key_ids = [*sorted(cfg.keys)]
+    client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    try:
+        rows = query_sessions(client, key_ids, args.since, args.until, args.limit)
+    except RedisError as e:
+        print(f"tokengate usage: Redis unavailable: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump({"currency": cfg.currency, "by": ["session"],
+                   "since": args.since.isoformat() if args.since else None,
+                   "until": args.until.isoformat() if args.until else None,
+                   "rows": [asdict(r) for r in rows]}, sys.stdout, indent=1)
+        print()
+    else:
+        days = span(args.since, args.until, ())
+        render_sessions(rows, cfg.currency, f"tokengate usage, {days} (UTC), by session")
     return 0

@@ -80,6 +80,8 @@ gen_ai.response.finish_reasons         finish_reason / stop_reason values seen
 gen_ai.response.time_to_first_chunk    s, streams: the edge's TTFT
 http.response.status_code              the status the client got
 error.type                             the event's error code (refused or failed)
+session.id                             the agent session (the event's session_id;
+                                       OpenTelemetry's session attribute)
 tokengate.request_id                   X-Request-Id, the usage event's request_id
 tokengate.key_id                       the API key's id (never the key)
 tokengate.endpoint                     the event's endpoint
@@ -154,6 +156,8 @@ def _attributes(ev: UsageEvent, tr: Trace, op: str) -> dict[str, Any]:
             a["gen_ai.response.time_to_first_chunk"] = ev.ttft_ms / 1000
     if ev.key_id:
         a["tokengate.key_id"] = ev.key_id
+    if ev.session_id is not None:
+        a["session.id"] = ev.session_id
     if ev.upstream:
         a["tokengate.replica"] = ev.upstream
     if ev.expected_cached_source:

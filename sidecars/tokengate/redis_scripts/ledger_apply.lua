@@ -72,6 +72,28 @@ for i = 1, #batch do
       redis.call('SADD', KEYS[e.x], e.m)
       redis.call('ZADD', KEYS[4], e.ds, e.d)
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
+      if e.ss then
+        local s = KEYS[e.ss]
+        for j = 1, #e.sn, 2 do
+          redis.call('HINCRBY', s, e.sn[j], e.sn[j + 1])
+        end
+        if e.c ~= '0' then
+          redis.call('HINCRBYFLOAT', s, 'cost', e.c)
+        end
+        local first = tonumber(redis.call('HGET', s, 'first'))
+        if not first or e.sm < first then
+          redis.call('HSET', s, 'first', e.sm)
+        end
+        local last = tonumber(redis.call('HGET', s, 'last'))
+        if not last or e.sm > last then
+          redis.call('HSET', s, 'last', e.sm)
+        end
+        redis.call('EXPIRE', s, e.sttl)
+        local idx = KEYS[e.si]
+        redis.call('ZADD', idx, 'GT', e.sm, e.sid)
+        redis.call('ZREMRANGEBYRANK', idx, 0, -(e.smax + 1))
+        redis.call('EXPIRE', idx, e.sttl)
+      end
       if e.w then
         redis.call('HDEL', pending, e.r)
         redis.call('ZREM', KEYS[e.w], e.r)

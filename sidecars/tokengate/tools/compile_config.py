@@ -34,7 +34,9 @@ fields only the edge needs, derived here:
                                              "model": "<model>" or null}],
                                 "priority": "<a name in edge.admission.priorities>",
                                 "max_tokens_cap": <int> or null (the model's),
-                                "cached_tokens_weight": <0..1> or null (the model's)}},
+                                "cached_tokens_weight": <0..1> or null (the model's),
+                                "session_budget": {"tokens": <int> or null,
+                                                   "spend": <currency> or null} or null}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,

@@ -1,0 +1,250 @@
+"""Agent sessions at the edge (``lua/tokengate/session.lua``): where the session id comes
+from, in which order, how a hostile one is bounded, and the per-key session budget.
+
+Real nginx (2 workers) and the real counter; the model's upstream is a small fake of
+vLLM's three generate APIs (``AgentUpstream``: a fixed answer whose usage is the
+edge's own count, X-Token-Count, plus 5 completion tokens), so no vLLM is needed. The
+budget's refusal is read with the official ``openai`` and ``anthropic`` clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from tokengate.ledger.calculator import charge
+
+from tests.conftest import MODEL, key_digest
+from tests.fixtures_edge import Edge, _variants
+
+COMPLETION = 5  # tokens every answer of the fake generates
+KEY = "tg-test-sessions"
+BUDGET_KEY = "tg-test-sessions-budget"
+BUDGET_TOKENS = 100
+SPEND_KEY = "tg-test-sessions-spend"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """POST /v1/chat/completions, /v1/messages, /v1/responses: one non-streamed answer in
+    the API's shape, usage = the edge's count (X-Token-Count) + COMPLETION tokens."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # the edge's health and metrics reads
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        p = int(self.headers.get("X-Token-Count", "0"))
+        if self.path == "/v1/messages":
+            out: dict[str, Any] = {
+                "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+                "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+                "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": COMPLETION}}
+        elif self.path == "/v1/responses":
+            out = {"id": body["request_id"], "object": "response", "created_at": 0,
+                   "model": MODEL, "status": "completed", "output": [],
+                   "usage": {"input_tokens": p, "output_tokens": COMPLETION,
+                             "total_tokens": p + COMPLETION}}
+        else:
+            out = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0,
+                   "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant",
+                                                            "content": "ok"}}],
+                   "usage": {"prompt_tokens": p, "completion_tokens": COMPLETION,
+                             "total_tokens": p + COMPLETION}}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def agent_edge(config_path, counter_addr) -> Iterator[Edge]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{srv.server_address[1]}"]
+        raw["models"][MODEL]["embedded"] = False
+        raw["keys"]["sessions"] = {"sha256": key_digest(KEY), "rpm": 10_000,
+                                   "tpm": 10_000_000}
+        raw["keys"]["sessions-budget"] = {"sha256": key_digest(BUDGET_KEY), "rpm": 10_000,
+                                          "tpm": 10_000_000,
+                                          "session_budget": {"tokens": BUDGET_TOKENS}}
+        raw["keys"]["sessions-spend"] = {"sha256": key_digest(SPEND_KEY), "rpm": 10_000,
+                                         "tpm": 10_000_000,
+                                         "session_budget": {"spend": 0.000001}}
+    gen = _variants(config_path)
+    start = next(gen)
+    try:
+        yield start("sessions-fake", edit)
+    finally:
+        gen.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def post(edge: Edge, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+         key: str = KEY) -> httpx.Response:
+    h = {"Authorization": f"Bearer {key}", **(headers or {})}
+    return httpx.post(edge.base_url + path, json=body, headers=h, timeout=60)
+
+
+HI = [{"role": "user", "content": "hi"}]
+CHAT = {"model": MODEL, "messages": HI, "max_tokens": 8}
+MESSAGES = {"model": MODEL, "messages": HI, "max_tokens": 8}
+RESPONSES = {"model": MODEL, "input": "hi", "max_output_tokens": 8}
+
+
+def session_of(edge: Edge, r: httpx.Response) -> Any:
+    assert r.status_code == 200, r.text
+    return edge.event(r.headers["x-request-id"])["session_id"]
+
+
+@pytest.mark.parametrize(("path", "body", "headers", "want"), [
+    ("/chat/completions", CHAT, {"X-Session-Id": "build-42"}, "build-42"),
+    ("/messages", MESSAGES, {"X-Claude-Code-Session-Id": "0b6e2c1a-claude"}, "0b6e2c1a-claude"),
+    ("/responses", RESPONSES, {"session-id": "019a-codex-thread"}, "019a-codex-thread"),
+    ("/responses", RESPONSES, {"session_id": "older-codex"}, "older-codex"),
+    ("/responses", RESPONSES, {"conversation_id": "oldest-codex"}, "oldest-codex"),
+    ("/messages", {**MESSAGES, "metadata": {"user_id": "user_ab_session_cd"}}, {},
+     "user_ab_session_cd"),
+    ("/chat/completions", {**CHAT, "user": "end-user-7"}, {}, "end-user-7"),
+    ("/chat/completions", {**CHAT, "safety_identifier": "safety-9"}, {}, "safety-9"),
+    ("/chat/completions", CHAT, {}, None),
+], ids=["x-session-id", "claude-code", "codex", "codex-older", "codex-conversation",
+        "anthropic-metadata", "openai-user", "safety-identifier", "none"])
+def test_each_source_of_a_session_id_lands_in_the_usage_event(agent_edge, path, body,
+                                                              headers, want):
+    assert session_of(agent_edge, post(agent_edge, path, body, headers)) == want
+
+
+def test_headers_come_before_body_fields_in_a_fixed_order(agent_edge):
+    every = {"X-Session-Id": "generic", "X-Claude-Code-Session-Id": "claude",
+             "session-id": "codex"}
+    body = {**CHAT, "user": "u", "safety_identifier": "s"}
+    assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
+        "generic"
+    del every["X-Session-Id"]
+    assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
+        "claude"
+    del every["X-Claude-Code-Session-Id"]
+    assert session_of(agent_edge, post(agent_edge, "/chat/completions", body, every)) == \
+        "codex"
+    assert session_of(agent_edge, post(agent_edge, "/chat/completions", body)) == "s"
+
+
+def test_a_request_refused_for_its_body_still_names_its_session(agent_edge):
+    r = post(agent_edge, "/chat/completions", {"model": MODEL, "messages": "not a list"},
+             {"X-Claude-Code-Session-Id": "refused-turn"})
+    assert r.status_code == 400
+    ev = agent_edge.event(r.headers["x-request-id"])
+    assert (ev["status"], ev["session_id"]) == (400, "refused-turn")
+
+
+def test_a_responses_chain_keeps_the_session_of_the_response_it_continues(agent_edge):
+    first = post(agent_edge, "/responses", RESPONSES, {"X-Session-Id": "chain-1"})
+    assert session_of(agent_edge, first) == "chain-1"
+    second = post(agent_edge, "/responses",
+                  {**RESPONSES, "previous_response_id": first.json()["id"]})
+    assert session_of(agent_edge, second) == "chain-1"
+    third = post(agent_edge, "/responses",
+                 {**RESPONSES, "previous_response_id": second.json()["id"]})
+    assert session_of(agent_edge, third) == "chain-1"
+
+
+@pytest.mark.parametrize("raw", ["s" * 129, "tab\tinside", "naïve-ü"],
+                         ids=["too-long", "control-character", "non-ascii"])
+def test_a_hostile_session_id_becomes_a_bounded_digest(agent_edge, raw):
+    sent = raw.encode()
+    r = httpx.post(agent_edge.base_url + "/chat/completions", json=CHAT,
+                   headers=[(b"Authorization", f"Bearer {KEY}".encode()),
+                            (b"X-Session-Id", sent)], timeout=60)
+    want = "sha256:" + hashlib.sha256(sent).hexdigest()[:32]
+    assert session_of(agent_edge, r) == want
+
+
+def test_a_session_id_of_128_printable_characters_is_kept(agent_edge):
+    sid = "~ !" + "x" * 125
+    r = post(agent_edge, "/chat/completions", {**CHAT, "user": sid})
+    assert session_of(agent_edge, r) == sid
+
+
+def _spend(edge: Edge, sid: str) -> int:
+    """Requests of session ``sid`` until the edge refuses one; the tokens it billed."""
+    used = 0
+    for _ in range(50):
+        r = post(edge, "/chat/completions", CHAT, {"X-Session-Id": sid}, key=BUDGET_KEY)
+        if r.status_code != 200:
+            return used
+        used += int(r.headers["x-token-count"]) + COMPLETION
+    raise AssertionError("never refused")
+
+
+def test_the_session_budget_refuses_in_openais_shape(agent_edge):
+    used = _spend(agent_edge, "loop-openai")
+    assert used >= BUDGET_TOKENS
+    client = openai.OpenAI(base_url=agent_edge.base_url, api_key=BUDGET_KEY, max_retries=0,
+                           default_headers={"X-Session-Id": "loop-openai"})
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8)
+    assert e.value.status_code == 403
+    assert e.value.body == {
+        "message": f"Session 'loop-openai' of this key has used {used} tokens, its session "
+                   f"budget is {BUDGET_TOKENS} tokens (session_budget.tokens): start a new "
+                   "session.",
+        "type": "insufficient_quota", "param": None, "code": "session_budget_exceeded"}
+    ev = agent_edge.event(e.value.response.headers["x-request-id"])
+    assert (ev["status"], ev["error"], ev["session_id"]) == \
+        (403, "session_budget_exceeded", "loop-openai")
+    # another session of the same key is not refused
+    assert post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "fresh"},
+                key=BUDGET_KEY).status_code == 200
+
+
+def test_the_session_budget_refuses_in_anthropics_shape(agent_edge):
+    used = _spend(agent_edge, "loop-claude")
+    client = anthropic.Anthropic(base_url=agent_edge.base_url.removesuffix("/v1"),
+                                 api_key=BUDGET_KEY, max_retries=0,
+                                 default_headers={"X-Claude-Code-Session-Id": "loop-claude"})
+    with pytest.raises(anthropic.PermissionDeniedError) as e:
+        client.messages.create(model=MODEL, messages=HI, max_tokens=8)
+    assert e.value.status_code == 403
+    assert e.value.body == {"type": "error", "error": {
+        "type": "permission_error",
+        "message": f"Session 'loop-claude' of this key has used {used} tokens, its session "
+                   f"budget is {BUDGET_TOKENS} tokens (session_budget.tokens): start a new "
+                   "session."}}
+
+
+def amount(x: float) -> str:
+    """Currency units as the edge writes an amount: to the nano-unit, no trailing zeros."""
+    return f"{x:.9f}".rstrip("0").rstrip(".")
+
+
+def test_a_spend_budget_refuses_the_session_after_the_request_that_spent_it(agent_edge):
+    first = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
+                 key=SPEND_KEY)
+    assert first.status_code == 200
+    # the test model's weights are the defaults: one request costs more than 0.000001
+    spent = charge(int(first.headers["x-token-count"]), COMPLETION).cost
+    second = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
+                  key=SPEND_KEY)
+    assert (second.status_code, second.json()) == (403, {"error": {
+        "message": f"Session 'pricey' of this key has spent {amount(spent)} USD, its session "
+                   "budget is 0.000001 USD (session_budget.spend): start a new session.",
+        "type": "insufficient_quota", "param": None, "code": "session_budget_exceeded"}})
