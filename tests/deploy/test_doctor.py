@@ -91,11 +91,13 @@ def _lines_of(lines: list[str], upstream: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def fast(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
-    """Factory of fast upstreams (``UpstreamOptions`` keywords), stopped at the end."""
+def fast(tmp_path: Path, cfg: tg_config.Config) -> Iterator[Callable[..., FastUpstream]]:
+    """Factory of fast upstreams (``UpstreamOptions`` keywords; by default the context
+    the configuration gives the model), stopped at the end."""
     started: list[FastUpstream] = []
 
     def start(**opts: Any) -> FastUpstream:
+        opts.setdefault("max_model_len", cfg.models[MODEL].max_model_len)
         up = FastUpstream(UpstreamOptions(**opts), name=f"doctor{len(started)}",
                           state_dir=tmp_path)
         started.append(up.start())
