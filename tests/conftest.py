@@ -63,6 +63,7 @@ COUNTER_PORT = 15051 + PORT_OFFSET
 # (offsets 500 apart; tests/test_conftest.py checks them all)
 KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 120}"
 MODEL = "tiny-qwen3"
+TEST_MAX_MODEL_LEN = 8192  # tokens: config_path's max_model_len (make run's is 65,536)
 TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 # The checkout's own file: the package no longer knows where a checkout is.
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "tokengate.yaml"
@@ -104,6 +105,10 @@ def config_path() -> Path:
     raw = yaml.safe_load(REPO_CONFIG.read_text())
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
+        # The suite's context: the limit tests send inputs just above it, and a short one
+        # keeps them quick. make run serves the model's 65,536 tokens; the coding agents'
+        # tests serve that on a stack of their own (tests/fixtures_agents.py).
+        m["max_model_len"] = TEST_MAX_MODEL_LEN
         m["upstreams"] = [f"127.0.0.1:{VLLM_PORT}"]
         if m.get("routing", {}).get("kv_events"):
             # the session's vLLM publishes its KV events there (devstack.vllm_service)

@@ -5,10 +5,10 @@ front of the real edge, counter and vLLM CPU server.
   and Claude Code from dev/agents/package-lock.json, the Agents SDK and LangChain in a
   virtualenv of their own).
 - ``agents_stack``: an edge, a counter and a vLLM server whose context holds an agent's
-  first request (Codex ~8.7k tokens, Claude Code ~12-20k): ``AGENT_CONTEXT`` tokens. While
-  the repository's model has less, the model is rebuilt with the builder's
-  ``--max-model-len`` into the test folder; once it has that much, its own directory is
-  served. The vLLM server ends every answer after a few tokens (tests/end_turn_logits.py),
+  first request (Codex ~8.7k tokens, Claude Code ~12-20k): ``AGENT_CONTEXT`` tokens, as
+  make run serves it, while the rest of the suite keeps a shorter one (tests/conftest.py).
+  The repository's model allows that much (make setup builds it so); a model that does
+  not is rebuilt with the builder's ``--max-model-len`` into the test folder. The vLLM server ends every answer after a few tokens (tests/end_turn_logits.py),
   as a real model ends its turn; everything else is devstack's flags.
 - ``recording_proxy``: a ``RecordingProxy`` in front of that edge (what each client sent).
 """
@@ -71,17 +71,21 @@ class AgentsStack:
     key: str
 
 
-def _long_model(cfg: tg_config.Config) -> tuple[Path, bool]:
-    """(the model directory to serve, whether it is the repository's own)."""
+def _long_model(cfg: tg_config.Config) -> Path:
+    """The directory of a model that allows ``AGENT_CONTEXT`` tokens: the repository's
+    own (built with 65,536 by make setup), else one built into the test folder."""
+    from tokengate.config import loading
+
     model = cfg.models[MODEL]
-    if model.max_model_len >= AGENT_CONTEXT:
-        return Path(model.dir), True
+    allowed = loading.derived_max_model_len(Path(model.dir))
+    if allowed is not None and allowed[0] >= AGENT_CONTEXT:
+        return Path(model.dir)
     out = TEST_DIR / "models" / f"{MODEL}-{AGENT_CONTEXT}"
     if not (out / ".complete").exists():
         subprocess.run([sys.executable, "-m", "tokengate_dev.build_tiny_model", "--out",
                         str(out), "--max-model-len", str(AGENT_CONTEXT)], check=True,
                        capture_output=True, timeout=300)
-    return out, False
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +93,9 @@ def agents_stack(cfg: tg_config.Config, config_path: Path, vllm_server: VllmFact
                  agent_tools: AgentTools) -> Iterator[AgentsStack]:
     from tests.fixtures_edge import MAIN_KEY
 
-    model_dir, own = _long_model(cfg)
-    extra = [] if own else ["--model", str(model_dir), "--max-model-len", str(AGENT_CONTEXT)]
+    # the suite's server keeps the suite's shorter context; this one serves the agents'
+    model_dir = _long_model(cfg)
+    extra = ["--model", str(model_dir), "--max-model-len", str(AGENT_CONTEXT)]
     vllm = vllm_server(
         extra_args=(*extra, "--logits-processors", "tests.end_turn_logits:EndTurnAfter"),
         env={"PYTHONPATH": str(ROOT), END_TURN_ENV: str(END_TURN_AFTER)}, label="agents")

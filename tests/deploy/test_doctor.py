@@ -131,7 +131,7 @@ def test_doctor_passes_against_the_embedded_vllm(config_path: Path, vllm_url: st
     got = _lines_of(lines, VLLM)
     assert list(got) == CHECKS + PREFIX_CHECKS
     assert all(line.startswith("OK ") for line in got.values()), lines
-    assert got["model"] == "OK model: serves tiny-qwen3 (max_model_len 65536)"
+    assert got["model"] == "OK model: serves tiny-qwen3 (max_model_len 8192)"
     # the plugin (installed in the test venv) wrote the probe's record where the
     # ledger reads
     assert re.fullmatch(r"OK engine_records: the tokengate vLLM plugin recorded the probe "

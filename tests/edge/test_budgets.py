@@ -299,9 +299,9 @@ def test_without_the_counter_a_budget_reserves_the_whole_completion_the_body_all
     ev = edge.event(answer.headers["x-request-id"])
     assert ev["count_source"] == "estimate"
     estimate = int(answer.headers["x-token-count"])
-    # tiny-qwen3: max_model_len 65536, max_tokens_cap 4096, output_reserve 256
+    # tiny-qwen3: max_model_len 8192 (the suite's), max_tokens_cap 4096, output_reserve 256
     assert int(answer.headers["x-budget-remaining-tokens"]) == \
-        1_000_000 - (estimate + min(4096, 65536 - estimate))
+        1_000_000 - (estimate + min(4096, 8192 - estimate))
 
 
 def test_the_agent_apis_are_refused_by_budgets_and_model_rules_in_their_own_shapes(

@@ -171,9 +171,9 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
         [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])).encode(), {}), 400,
      "invalid_value", "messages[0].content[0].type", "messages[0].content[0].type"),
     ("prompt longer than the context", lambda: (json.dumps(chat(
-        "word " * 66000, max_tokens=4000)).encode(), {}), 400, "context_length_exceeded",
+        "word " * 9000, max_tokens=4000)).encode(), {}), 400, "context_length_exceeded",
      "messages",
-     "maximum context length is 65536 tokens"),
+     "maximum context length is 8192 tokens"),
 ]
 
 

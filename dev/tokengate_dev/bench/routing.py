@@ -160,6 +160,9 @@ class RoutingOptions:
     duration_s: float = 20.0
     block_size: int = 16
     num_gpu_blocks: int = 1600
+    # the simulated replicas' --max-model-len: one request must fit their KV cache
+    # (1,599 blocks of 16 = 25,584 tokens), whatever the checkout's model allows
+    sim_max_model_len: int = 8192
     prefill_tokens_per_s: float = 8000.0
     itl_ms: float = 10.0
     ttft_overhead_ms: float = 5.0
@@ -210,7 +213,7 @@ class RoutingOptions:
     def sim_settings(self, model: tg_config.ModelConfig, endpoint: str) -> SimSettings:
         """One simulated replica publishing KV events on ``endpoint``."""
         return SimSettings(model=model.name, model_dir=Path(model.dir),
-                           max_model_len=model.max_model_len, block_size=self.block_size,
+                           max_model_len=self.sim_max_model_len, block_size=self.block_size,
                            num_gpu_blocks=self.num_gpu_blocks,
                            prefill_tokens_per_s=self.prefill_tokens_per_s,
                            ttft_overhead_ms=self.ttft_overhead_ms, itl_ms=self.itl_ms,
@@ -396,7 +399,7 @@ def run_one(section: Section, w: Workload, pol: Policy, opts: RoutingOptions,
     try:
         spec = RunSpec(
             url=f"http://127.0.0.1:{port}/v1", model=model.name, model_dir=Path(model.dir),
-            max_model_len=model.max_model_len,
+            max_model_len=section.max_model_len or model.max_model_len,
             arrival=ArrivalSpec("poisson", rate=w.rate), duration_s=w.duration_s,
             profile=f"normal:mean={w.prompt_mean},sd={w.prompt_sd}", sharing=w.sharing,
             output=OutputPolicy(fixed=w.output_tokens), stream=StreamOptions(stream=True),
@@ -458,7 +461,7 @@ def sim_section(opts: RoutingOptions, model: tg_config.ModelConfig,
             for i in range(opts.replicas)]
     section = Section("sim", [r.address for r in reps],
                       {r.address: r.settings.kv_events_endpoint or "" for r in reps},
-                      opts.block_size)
+                      opts.block_size, max_model_len=opts.sim_max_model_len)
     section.services = [r.service for r in reps] + _counters(section, opts)
     s = reps[0].settings
     console.print(f"  {opts.replicas} simulated replicas: {s.num_gpu_blocks} KV blocks of "
