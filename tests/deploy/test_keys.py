@@ -287,8 +287,8 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
-                       "--budget, --priority, --no-budgets, --max-tokens-cap or "
-                       "--cached-tokens-weight")),
+                       "--budget, --priority, --no-budgets, --max-tokens-cap, "
+                       "--cached-tokens-weight, --expires-at, --owner or --description")),
     (["set", "demo", "--cached-tokens-weight", "2"],
      "keys.demo.cached_tokens_weight: input should be less than or equal to 1, got 2.0"),
     (["set", "demo", "--models", ","], ("tokengate keys: --models: name at least one "
