@@ -539,13 +539,15 @@ def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(
     edge_json = host.edge_json.read_bytes()
     local = host.checkout / "tokengate.yaml"
     status, _out, err = cli(capsys, "keys", "create", "dev", "--rpm", "5", "--tpm", "500",
-                           "--config", "tokengate.yaml")
+                           "--config", "tokengate.yaml", "--redis-url", "redis://127.0.0.1:1/0")
     assert status == 0, err
     run = host.checkout / "var/run/nginx"
     assert err.splitlines() == [
         "created key 'dev': the key above is shown only now",
         (f"no running edge of {local} ({run / 'nginx.pid'} with {run / 'edge.json'}; --edge "
-        "DIR for another): nothing reloaded")]
+        "DIR for another): nothing reloaded"),
+        ("tokengate keys: the change is made but was not audited (Redis: Error 111 "
+         "connecting to 127.0.0.1:1. Connection refused.)")]
     assert host.master.poll() is None  # no SIGHUP reached the installed nginx
     assert host.edge_json.read_bytes() == edge_json
     assert "dev" not in yaml.safe_load(host.config.read_text())["keys"]
