@@ -101,7 +101,7 @@ APPLYING
   deployment. --no-apply only writes the file.
 
 AUDIT
-  Every change is written to the ledger's audit stream (Redis, tokengate:audit) like the
+  Every change is written to the ledger's audit stream (Redis, tg:{ledger}:audit) like the
   console's: kind cli, the OS user (and SUDO_USER), the action, the key and what changed,
   never a secret. When Redis cannot be reached the change still applies and stderr says
   it was not audited.
