@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 import yaml
@@ -780,6 +781,14 @@ def test_a_disabled_key_is_refused_saying_so_and_works_once_enabled(
                                                          "the gateway's operator to "
                                                          "enable it."))
     assert yaml.safe_load(path.read_text())["keys"]["switched"]["disabled"] is True
+    claude = anthropic.Anthropic(base_url=edge.base_url.removesuffix("/v1"),
+                                 api_key=made.stdout.strip(), max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        claude.messages.create(model=MODEL, max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body == {"type": "error", "error": {
+        "type": "authentication_error",
+        "message": "This API key is disabled. Ask the gateway's operator to enable it."}}
     on = tokengate("keys", "enable", "switched", "--config", path, "--edge", prefix)
     assert on.returncode == 0 and "enabled key 'switched'" in on.stderr, on.stderr
     assert "disabled" not in yaml.safe_load(path.read_text())["keys"]["switched"]
