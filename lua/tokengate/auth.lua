@@ -10,6 +10,8 @@ local digest = require "tokengate.digest"
 local find = string.find
 local sub = string.sub
 local type = type
+local ngx_time = ngx.time
+local os_date = os.date
 
 local _M = {}
 
@@ -37,13 +39,42 @@ end
 local MISSING = errors.new(401, "You didn't provide an API key. Send it as "
     .. "'Authorization: Bearer <key>'.", nil, "invalid_api_key")
 local INVALID = errors.new(401, "Incorrect API key provided.", nil, "invalid_api_key")
+-- A disabled or expired key may say so: only the holder of its secret can present it,
+-- so the answer tells a guesser nothing (an unknown key, or the old secret of a rotated
+-- key past its overlap, gets INVALID).
+local DISABLED = errors.new(401, "This API key is disabled. Ask the gateway's operator "
+    .. "to enable it.", nil, "invalid_api_key")
 _M.MISSING, _M.INVALID = MISSING, INVALID -- authenticate()'s errors, for telling them apart
+_M.DISABLED = DISABLED
 
--- authenticate(keys, header, presented) -> key entry (from the compiled config: {id,
--- rpm, tpm, models, digest}) | nil, err (401, errors.new shape: MISSING without a key,
--- else INVALID). presented: a key the request's API takes another way (the Messages
--- API's x-api-key, which wins), or nil: then the bearer token of header.
-function _M.authenticate(keys, header, presented)
+-- expired(at) -> the 401 of a key that expired at `at` (epoch s)
+local function expired(at)
+    return errors.new(401, "This API key expired at " .. os_date("!%Y-%m-%dT%H:%M:%SZ", at)
+        .. ". Ask the gateway's operator for a new one.", nil, "invalid_api_key")
+end
+
+-- usable(key, now) -> key | nil, err (401 DISABLED or expired): the key's own state.
+-- Times are whole seconds since the epoch, compiled into edge.json; ngx.time() is the
+-- wall clock (cached per event-loop turn), so a key stops within a second of its time.
+local function usable(key, now)
+    if key.disabled then
+        return nil, DISABLED
+    end
+    local at = key.expires_at
+    if at and now >= at then
+        return nil, expired(at)
+    end
+    return key
+end
+
+-- authenticate(keys, header, presented, previous) -> key entry (from the compiled
+-- config: {id, rpm, tpm, models, digest}) | nil, err (401, errors.new shape: MISSING
+-- without a key, INVALID for an unknown key or a previous digest past its expiry,
+-- DISABLED or an expiry message for a key that is disabled or expired).
+-- presented: a key the request's API takes another way (the Messages API's x-api-key,
+-- which wins), or nil: then the bearer token of header. previous: the config's
+-- previous_keys (digest -> {key, expires_at}) of rotated keys, or nil.
+function _M.authenticate(keys, header, presented, previous)
     local token = presented or _M.bearer(header)
     if not token then
         return nil, MISSING
@@ -53,11 +84,16 @@ function _M.authenticate(keys, header, presented)
         hex = digest.sha256_hex(token)
         digests:set(token, hex)
     end
+    local now = ngx_time()
     local key = keys[hex]
     if not key then
-        return nil, INVALID
+        local old = previous and previous[hex]
+        if not old or now >= old.expires_at then
+            return nil, INVALID
+        end
+        key = old.key
     end
-    return key
+    return usable(key, now)
 end
 
 return _M

@@ -20,7 +20,7 @@ local huge = math.huge
 
 local _M = {}
 
-local VERSION = 11 -- tokengate.tools.compile_config.VERSION
+local VERSION = 12 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -154,9 +154,18 @@ function _M.load(path)
     end
     local priorities = edge.admission.priorities
     d.keys_by_id = {}
+    -- digest of a rotated key's old secret -> {key = the key, expires_at = epoch s}:
+    -- kept apart from d.keys so that whatever walks the keys sees each key once
+    d.previous_keys = {}
     for digest, k in pairs(d.keys) do
         k.digest = digest
         d.keys_by_id[k.id] = k
+        if k.expires_at == cjson.null then
+            k.expires_at = nil
+        end
+        for _, p in ipairs(k.previous or {}) do
+            d.previous_keys[p.sha256] = { key = k, expires_at = p.expires_at }
+        end
         for _, b in ipairs(k.budgets) do
             b.model = b.model ~= cjson.null and b.model or nil
             b.tokens = b.tokens ~= cjson.null and b.tokens or nil

@@ -170,14 +170,17 @@ local function who(ctx, doc)
     local key
     local api = ctx.api
     key, err = auth.authenticate(doc.keys, ngx_var.http_authorization,
-        api and api.key(ngx_var))
+        api and api.key(ngx_var), doc.previous_keys)
     if not key then
         if err == auth.MISSING then
             ctx.unauthenticated = "unauthenticated_missing_key"
             err = api and api.MISSING or err
         else
             ctx.unauthenticated = "unauthenticated_invalid_key"
-            lockout.failed()
+            -- a disabled or expired key is a real secret, not a guess: no lockout
+            if err == auth.INVALID then
+                lockout.failed()
+            end
         end
         return nil, err
     end
@@ -800,8 +803,9 @@ function _M.nginx_error()
         ctx.api = request.api(route, path)
         ctx.endpoint = request.endpoint(route, path)
     end
-    ctx.key = auth.authenticate(config.get().keys, ngx_var.http_authorization,
-        ctx.api and ctx.api.key(ngx_var))
+    local doc = config.get()
+    ctx.key = auth.authenticate(doc.keys, ngx_var.http_authorization,
+        ctx.api and ctx.api.key(ngx_var), doc.previous_keys)
     local status = ngx_var.arg_status == "494" and 494 or tonumber(ngx_var.status) or 500
     return send(ctx, errors.nginx(status, false))
 end

@@ -307,3 +307,81 @@ def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -
     bad = changes.submit(queue, changes.KeyChange("revoke", "nobody"), "alice", wait_s=0.2)
     assert bad.errors[0].startswith("not applied within 0 s: is tokengate-console-apply.path")
     assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one
+
+
+def _session_headers(http: httpx.Client, app: console_app.Console
+                     ) -> tuple[dict[str, str], str]:
+    r = _login(http)
+    token = re.search(r"tg_console=([^;]+)", r.headers.get_list("set-cookie")[0])
+    assert token is not None
+    session = app.sessions.get(token[1])
+    assert session is not None
+    return {"Cookie": f"tg_console={token[1]}", "Origin": f"http://127.0.0.1:{PORT}"}, \
+        session.csrf
+
+
+def test_the_console_rotates_a_key_showing_the_new_secret_once(console: Any) -> None:
+    from tokengate.keys import digest
+
+    http, app = console
+    headers, csrf = _session_headers(http, app)
+    old = app.config.current().keys["demo"].sha256
+    r = http.post("/keys/demo/rotate", data={"csrf": csrf, "overlap": "2h"}, headers=headers)
+    assert r.status_code == 201, r.text[-2000:]
+    secret = re.search(r'<code id="new-key">(tg-[A-Za-z0-9_-]{43})</code>', r.text)
+    assert secret is not None
+    demo = app.config.current().keys["demo"]
+    assert demo.sha256 == digest(secret[1])
+    [prev] = demo.previous
+    assert prev.sha256 == old
+    assert 7190 <= prev.expires_at.timestamp() - time.time() <= 7200
+    assert f"The previous secret is valid until {tg_config.rfc3339(prev.expires_at)}." \
+        in r.text
+    page = http.get("/keys/demo", headers=headers)
+    assert f'<dd id="key-previous">valid until {tg_config.rfc3339(prev.expires_at)}</dd>' \
+        in page.text
+    assert secret[1] not in page.text  # shown once
+    bad = http.post("/keys/demo/rotate", data={"csrf": csrf, "overlap": "soon"},
+                    headers=headers)
+    assert bad.status_code == 400
+    assert "expected a duration such as 90s, 30m, 24h or 7d, got &#39;soon&#39;" in bad.text
+    assert app.config.current().keys["demo"].sha256 == digest(secret[1])
+
+
+def test_the_console_disables_and_enables_a_key(console: Any) -> None:
+    http, app = console
+    headers, csrf = _session_headers(http, app)
+    off = http.post("/keys/demo/disable", data={"csrf": csrf}, headers=headers)
+    assert off.status_code == 200
+    assert app.config.current().keys["demo"].disabled is True
+    assert '<dd id="key-state">disabled (refused, 401)</dd>' in off.text
+    assert 'action="/keys/demo/enable"' in off.text
+    on = http.post("/keys/demo/enable", data={"csrf": csrf}, headers=headers)
+    assert on.status_code == 200 and app.config.current().keys["demo"].disabled is False
+    assert '<dd id="key-state">enabled</dd>' in on.text
+
+
+def test_a_queued_rotation_is_made_by_console_apply(tmp_path: Path) -> None:
+    import threading
+
+    from tokengate.console import changes
+
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(REPO_CONFIG.read_text().replace(
+        "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var/models'}/"))
+    old = tg_config.load(path).keys["demo"].sha256
+    queue = tmp_path / "queue"
+    got: list[changes.Outcome] = []
+    ask = threading.Thread(target=lambda: got.append(changes.submit(
+        queue, changes.KeyChange("rotate", "demo", sha256="b" * 64, overlap_s=60), "alice",
+        wait_s=20)))
+    ask.start()
+    while not list((queue / "requests").glob("*.json")):
+        time.sleep(0.01)
+    assert changes.apply_queued(path, queue, []) == 1
+    ask.join(20)
+    assert got[0].ok
+    demo = tg_config.load(path).keys["demo"]
+    assert (demo.sha256, [p.sha256 for p in demo.previous]) == ("b" * 64, [old])
+    assert changes.KeyChange("rotate", "demo", sha256="b" * 64, overlap_s=60
+                             ).audit_detail() == '{"overlap_s": 60}'

@@ -435,7 +435,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 11 and doc["source"] == str(config_path)
+    assert doc["version"] == 12 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     # nor a collector's headers (credentials); tracing is off unless asked for
     assert "headers" not in doc["tracing"] and doc["tracing"]["enabled"] is False
@@ -459,7 +459,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
                                  "allowed_models": None, "budgets": [],
                                  "priority": "normal", "session_budget": None,
                                  "fair_share": 1.0, "max_tokens_cap": None,
-                                 "cached_tokens_weight": None}
+                                 "cached_tokens_weight": None, "previous": [],
+                                 "expires_at": None, "disabled": False}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -671,7 +672,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 11: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 12: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

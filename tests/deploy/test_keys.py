@@ -14,6 +14,7 @@ import grp
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -28,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 import yaml
 from tokengate import cli as tokengate_cli
 from tokengate import config as tg_config
-from tokengate import keys
+from tokengate import keys, redis_keys
+from tokengate.config.keys import timestamp
 from tokengate.process import Service, free_port, tcp_ready
 from tokengate.tools import compile_config
 
@@ -287,8 +290,8 @@ REFUSED = [
     (["create", "x", "--rpm", "6", "--tpm", "9", "--models", "other-qwen3", "--budget",
       f"{MODEL}:day=5"], "keys.x.budgets.0.model: not one of the key's allowed_models"),
     (["set", "demo"], ("tokengate keys: nothing to change: give --rpm, --tpm, --models, "
-                       "--budget, --priority, --no-budgets, --max-tokens-cap or "
-                       "--cached-tokens-weight")),
+                       "--budget, --priority, --no-budgets, --max-tokens-cap, "
+                       "--cached-tokens-weight, --expires-at, --owner or --description")),
     (["set", "demo", "--cached-tokens-weight", "2"],
      "keys.demo.cached_tokens_weight: input should be less than or equal to 1, got 2.0"),
     (["set", "demo", "--models", ","], ("tokengate keys: --models: name at least one "
@@ -537,13 +540,15 @@ def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(
     edge_json = host.edge_json.read_bytes()
     local = host.checkout / "tokengate.yaml"
     status, _out, err = cli(capsys, "keys", "create", "dev", "--rpm", "5", "--tpm", "500",
-                           "--config", "tokengate.yaml")
+                           "--config", "tokengate.yaml", "--redis-url", "redis://127.0.0.1:1/0")
     assert status == 0, err
     run = host.checkout / "var/run/nginx"
     assert err.splitlines() == [
         "created key 'dev': the key above is shown only now",
         (f"no running edge of {local} ({run / 'nginx.pid'} with {run / 'edge.json'}; --edge "
-        "DIR for another): nothing reloaded")]
+        "DIR for another): nothing reloaded"),
+        ("tokengate keys: the change is made but was not audited (Redis: Error 111 "
+         "connecting to 127.0.0.1:1. Connection refused.)")]
     assert host.master.poll() is None  # no SIGHUP reached the installed nginx
     assert host.edge_json.read_bytes() == edge_json
     assert "dev" not in yaml.safe_load(host.config.read_text())["keys"]
@@ -653,7 +658,8 @@ def test_key_commands_on_an_install_keep_the_files_readable_by_the_services(
                          "--config", config)
         assert made.returncode == 0, made.stderr
         # the install's own edge, found from the file's place (no --edge)
-        assert made.stderr.splitlines()[-1] == f"applied: {edge_json} (nginx reloaded)"
+        # (then, with no Redis here, that the change could not be audited)
+        assert f"applied: {edge_json} (nginx reloaded)" in made.stderr.splitlines()
         for p, before in installed.items():
             assert (oct(p.stat().st_mode & 0o7777), p.stat().st_uid, p.stat().st_gid) == \
                 before, p
@@ -692,3 +698,190 @@ def test_key_commands_on_an_install_keep_the_files_readable_by_the_services(
         for run in running:
             run.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- rotation, expiry, disable/enable, the audit stream ------------------------------
+
+def _refusal(client: openai.OpenAI) -> tuple[int, str, str]:
+    """(status, code, message) of a request the edge refuses."""
+    with pytest.raises(openai.AuthenticationError) as e:
+        _chat(client)
+    body = e.value.body
+    assert isinstance(body, dict)
+    return e.value.status_code, body["code"], body["message"]
+
+
+def test_a_rotated_key_keeps_its_old_secret_until_the_overlap_ends(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    edge, path, prefix = keys_edge
+    made = tokengate("keys", "create", "rotated", "--rpm", "100", "--tpm", "100000",
+                     "--config", path, "--edge", prefix)
+    assert made.returncode == 0, made.stderr
+    old_key = made.stdout.strip()
+    turned = tokengate("keys", "rotate", "rotated", "--overlap", "1h", "--config", path,
+                       "--edge", prefix)
+    assert turned.returncode == 0, turned.stderr
+    new_key = turned.stdout.strip()
+    assert new_key.startswith("tg-") and new_key != old_key
+    assert "rotated key 'rotated': the key above is shown only now; the old one is valid " \
+           "until 20" in turned.stderr
+    entry = yaml.safe_load(path.read_text())["keys"]["rotated"]
+    assert entry["sha256"] == keys.digest(new_key)
+    [prev] = entry["previous"]
+    assert prev["sha256"] == keys.digest(old_key)
+    until = timestamp(prev["expires_at"])
+    assert 3590 <= until.timestamp() - time.time() <= 3600
+    old = openai.OpenAI(base_url=edge.base_url, api_key=old_key, max_retries=0)
+    new = openai.OpenAI(base_url=edge.base_url, api_key=new_key, max_retries=0)
+    for client in (old, new):  # both secrets are the same key
+        reply = _chat(client)
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+    # the overlap ends: an edge.json whose previous digest has expired refuses it like an
+    # unknown key (the time as the edge compares it: whole seconds, its wall clock)
+    text = path.read_text().replace(prev["expires_at"], "2026-01-01T00:00:00Z")
+    path.write_text(text)
+    assert [why for _, why in keys.apply_to(tg_config.load(path), [prefix])] == [None]
+    assert _refusal(old) == (401, "invalid_api_key", "Incorrect API key provided.")
+    assert _chat(new).usage.completion_tokens == 4  # type: ignore[union-attr]
+    # and the next keys command drops it from the file
+    owned = tokengate("keys", "set", "rotated", "--owner", "team-a", "--config", path,
+                      "--edge", prefix)
+    assert owned.returncode == 0, owned.stderr
+    entry = yaml.safe_load(path.read_text())["keys"]["rotated"]
+    assert "previous" not in entry and entry["owner"] == "team-a"
+
+
+def test_rotating_with_no_overlap_refuses_the_old_secret_at_once(tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    tokengate("keys", "create", "k", "--rpm", "1", "--tpm", "10", "--config", path,
+              "--no-apply")
+    turned = tokengate("keys", "rotate", "k", "--overlap", "0", "--config", path,
+                       "--no-apply")
+    assert turned.returncode == 0, turned.stderr
+    assert "the old one is refused from now on" in turned.stderr
+    entry = yaml.safe_load(path.read_text())["keys"]["k"]
+    assert entry["sha256"] == keys.digest(turned.stdout.strip()) and "previous" not in entry
+    bad = tokengate("keys", "rotate", "k", "--overlap", "1w", "--config", path, "--no-apply")
+    assert bad.returncode == 2
+    assert "expected a duration such as 90s, 30m, 24h or 7d, got '1w'" in bad.stderr
+
+
+def test_a_disabled_key_is_refused_saying_so_and_works_once_enabled(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    edge, path, prefix = keys_edge
+    made = tokengate("keys", "create", "switched", "--rpm", "100", "--tpm", "100000",
+                     "--config", path, "--edge", prefix)
+    assert made.returncode == 0, made.stderr
+    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+                           max_retries=0)
+    off = tokengate("keys", "disable", "switched", "--config", path, "--edge", prefix)
+    assert off.returncode == 0 and "disabled key 'switched'" in off.stderr, off.stderr
+    assert _refusal(client) == (401, "invalid_api_key", ("This API key is disabled. Ask "
+                                                         "the gateway's operator to "
+                                                         "enable it."))
+    assert yaml.safe_load(path.read_text())["keys"]["switched"]["disabled"] is True
+    claude = anthropic.Anthropic(base_url=edge.base_url.removesuffix("/v1"),
+                                 api_key=made.stdout.strip(), max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        claude.messages.create(model=MODEL, max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body == {"type": "error", "error": {
+        "type": "authentication_error",
+        "message": "This API key is disabled. Ask the gateway's operator to enable it."}}
+    on = tokengate("keys", "enable", "switched", "--config", path, "--edge", prefix)
+    assert on.returncode == 0 and "enabled key 'switched'" in on.stderr, on.stderr
+    assert "disabled" not in yaml.safe_load(path.read_text())["keys"]["switched"]
+    assert _chat(client).usage.completion_tokens == 4
+
+
+def test_a_key_past_its_expiry_is_refused_with_the_time_until_it_is_extended(
+        keys_edge: tuple[Edge, Path, Path]) -> None:
+    edge, path, prefix = keys_edge
+    made = tokengate("keys", "create", "expiring", "--rpm", "100", "--tpm", "100000",
+                     "--expires-at", "2026-01-01T01:00:00+01:00", "--config", path,
+                     "--edge", prefix)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load(path.read_text())["keys"]["expiring"]["expires_at"] == \
+        "2026-01-01T00:00:00Z"
+    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+                           max_retries=0)
+    assert _refusal(client) == (401, "invalid_api_key", ("This API key expired at "
+                                                         "2026-01-01T00:00:00Z. Ask the "
+                                                         "gateway's operator for a new "
+                                                         "one."))
+    later = tokengate("keys", "set", "expiring", "--expires-at", "2099-01-01T00:00:00Z",
+                      "--config", path, "--edge", prefix)
+    assert later.returncode == 0, later.stderr
+    assert _chat(client).usage.completion_tokens == 4
+    never = tokengate("keys", "set", "expiring", "--expires-at", "never", "--config", path,
+                      "--edge", prefix)
+    assert never.returncode == 0, never.stderr
+    assert "expires_at" not in yaml.safe_load(path.read_text())["keys"]["expiring"]
+
+
+def test_an_expiry_without_an_offset_is_refused(tmp_path: Path) -> None:
+    path, text = _repo_copy(tmp_path)
+    bad = tokengate("keys", "create", "k", "--rpm", "1", "--tpm", "10", "--expires-at",
+                    "2027-01-01T00:00:00", "--config", path, "--no-apply")
+    assert bad.returncode == 2
+    assert "expected an RFC 3339 time with its offset" in bad.stderr
+    path.write_text(text.replace("keys:\n", "keys:\n  hand:\n    sha256: " + "a" * 64
+                                 + "\n    rpm: 1\n    tpm: 10\n"
+                                 "    expires_at: 2027-01-01 00:00:00\n", 1))
+    with pytest.raises(tg_config.ConfigError) as e:
+        tg_config.load(path)
+    assert "keys.hand.expires_at: 2027-01-01T00:00:00 has no offset: add Z (UTC) or " \
+           "+HH:MM" in e.value.errors
+
+
+def test_owner_and_description_are_listed_and_bounded(tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    made = tokengate("keys", "create", "labelled", "--rpm", "7", "--tpm", "700", "--owner",
+                     "Data team <data@example.com>", "--description", "nightly batch",
+                     "--config", path, "--no-apply")
+    assert made.returncode == 0, made.stderr
+    listed = tokengate("keys", "list", "--config", path, "--redis-url",
+                       "redis://127.0.0.1:1/0")
+    assert "labelled: rpm 7, tpm 700, models all\n  owner: Data team <data@example.com>\n" \
+           "  description: nightly batch\n" in listed.stdout
+    long = tokengate("keys", "set", "labelled", "--owner", "x" * 129, "--config", path,
+                     "--no-apply")
+    assert long.returncode == 1
+    assert "keys.labelled.owner: string should have at most 128 characters" in long.stderr
+
+
+def test_every_keys_command_is_written_to_the_audit_stream_without_a_secret(
+        tmp_path: Path, redis_url: str, ledger_redis: Any) -> None:
+    path, _ = _repo_copy(tmp_path)
+    common = ("--config", path, "--no-apply", "--redis-url", redis_url)
+    secrets = []
+    for argv in (("create", "audited", "--rpm", "7", "--tpm", "700", "--owner", "ops"),
+                 ("rotate", "audited", "--overlap", "30m"),
+                 ("disable", "audited"), ("enable", "audited"),
+                 ("set", "audited", "--rpm", "8"), ("revoke", "audited")):
+        r = tokengate("keys", *argv, *common)
+        assert r.returncode == 0 and "not audited" not in r.stderr, r.stderr
+        secrets += [line for line in r.stdout.split() if line.startswith("tg-")]
+    entries = [fields for _, fields in ledger_redis.xrange(redis_keys.AUDIT_KEY)]
+    assert [(e["kind"], e["action"], e["key"], e["result"]) for e in entries] == \
+        [("cli", a, "audited", "ok") for a in ("key_created", "key_rotated", "key_disabled",
+                                              "key_enabled", "key_changed", "key_revoked")]
+    assert {e["admin"] for e in entries} == {pwd.getpwuid(os.getuid()).pw_name}
+    assert json.loads(entries[0]["detail"]) == {"owner": "ops", "rpm": 7, "tpm": 700}
+    assert json.loads(entries[4]["detail"]) == {"rpm": 8}
+    assert json.loads(entries[2]["detail"]) == {"disabled": True}
+    assert len(secrets) == 2
+    for e in entries:
+        for secret in secrets:
+            assert secret not in json.dumps(e) and keys.digest(secret) not in json.dumps(e)
+
+
+def test_with_redis_down_a_change_applies_and_says_it_was_not_audited(
+        tmp_path: Path) -> None:
+    path, _ = _repo_copy(tmp_path)
+    r = tokengate("keys", "create", "unaudited", "--rpm", "7", "--tpm", "700", "--config",
+                  path, "--no-apply", "--redis-url", "redis://127.0.0.1:1/0")
+    assert r.returncode == 0, r.stderr
+    assert "unaudited" in yaml.safe_load(path.read_text())["keys"]
+    assert "tokengate keys: the change is made but was not audited (Redis: " in r.stderr

@@ -30,7 +30,7 @@ from tokengate.config.edge import (
     EdgeConfig,
     StructuredOutputLimits,
 )
-from tokengate.config.keys import KEY_ID, KEY_ID_RULE, Budget, KeyConfig
+from tokengate.config.keys import KEY_ID, KEY_ID_RULE, Budget, KeyConfig, Timestamp, rfc3339
 from tokengate.config.loading import (
     CONFIG_ENV,
     LOOKUP_HELP,
@@ -72,6 +72,7 @@ __all__ = [
     "NotText",
     "RedisConfig",
     "StructuredOutputLimits",
+    "Timestamp",
     "TracingConfig",
     "_Schema",
     "_is_loopback",
@@ -82,5 +83,6 @@ __all__ = [
     "loads",
     "parse",
     "read_text",
+    "rfc3339",
     "write_atomic",
 ]

@@ -6,9 +6,17 @@ checked on the whole file (``tokengate.config.schema.Config``)."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+    model_validator,
+)
 
 from tokengate.config.types import Amount, NonEmpty, Positive, Rate, Sha256, _Rules, _Schema
 
@@ -53,6 +61,56 @@ class Budget(_Schema):
     def scope(self) -> str:
         """What the budget counts: ``*`` (every model) or the model's name."""
         return self.model or "*"
+
+
+def timestamp(value: Any) -> datetime:
+    """An RFC 3339 date and time with its offset (``2027-01-01T00:00:00Z``): a string,
+    or the datetime a YAML reader makes of one written without quotes. A time without an
+    offset is refused: the edge compares it with its wall clock in UTC, and a local time
+    would move by the host's time zone."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"expected an RFC 3339 time such as 2027-01-01T00:00:00Z, got "
+                             f"{value!r}") from None
+    if not isinstance(value, datetime):
+        # ValueError, not TypeError: pydantic reports only the former as the key's error
+        raise ValueError(f"expected an RFC 3339 time such as "  # noqa: TRY004
+                         f"2027-01-01T00:00:00Z, got {value!r}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{value.isoformat()} has no offset: add Z (UTC) or +HH:MM")
+    return value
+
+
+def rfc3339(t: datetime) -> str:
+    """``t`` as the file and ``keys list`` write it: UTC, seconds, ``Z``."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# A point in time: RFC 3339 in the file, seconds since the epoch in the edge's document
+# (tokengate.tools.compile_config), where the edge compares it with ngx.time().
+Timestamp = Annotated[datetime, PlainValidator(timestamp), PlainSerializer(rfc3339),
+                      WithJsonSchema({"type": "string", "format": "date-time"})]
+# Free text shown to operators (keys list, the console): one line, bounded.
+OWNER_MAX, DESCRIPTION_MAX = 128, 500
+
+
+def _one_line(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("one line of text: no line breaks or control characters")
+    return value
+
+
+class PreviousDigest(_Schema):
+    """A digest the key had before ``tokengate keys rotate``: still accepted until
+    ``expires_at`` (the rotation's overlap), so the tenant moves to the new key without
+    a moment with none; refused afterwards like an unknown key, and dropped from the
+    file by the next ``tokengate keys`` command."""
+
+    sha256: Sha256 = Field(description="Hex SHA-256 digest of the key that was replaced.")
+    expires_at: Timestamp = Field(
+        description="RFC 3339 time from which this digest is refused (401).")
 
 
 # a key id: what `tokengate keys create NAME` accepts
@@ -140,3 +198,25 @@ class KeyConfig(_Schema):
         default=None,
         description="This key's weight of prefix-cache hits in its TPM limits, 0 to 1 "
                     "(see models.<name>.cached_tokens_weight). null: the model's.")
+    previous: list[PreviousDigest] = Field(
+        default=[], max_length=16,
+        description="Digests the key had before `tokengate keys rotate`, each accepted "
+                    "until its expires_at (the overlap); written by the command.")
+    expires_at: Timestamp | None = Field(
+        default=None,
+        description="RFC 3339 time from which the key is refused (401 \"This API key "
+                    "expired ...\"), by the edge's wall clock. null: never.")
+    disabled: bool = Field(
+        default=False,
+        description="Refuse the key (401 \"This API key is disabled.\") while keeping "
+                    "its settings: `tokengate keys disable` / `enable`.")
+    owner: Annotated[str, Field(min_length=1, max_length=OWNER_MAX),
+                     AfterValidator(_one_line)] | None = Field(
+        default=None,
+        description=f"Who the key belongs to (free text, one line, at most {OWNER_MAX} "
+                    "characters), shown by `tokengate keys list` and the console.")
+    description: Annotated[str, Field(min_length=1, max_length=DESCRIPTION_MAX),
+                           AfterValidator(_one_line)] | None = Field(
+        default=None,
+        description=f"What the key is for (free text, one line, at most "
+                    f"{DESCRIPTION_MAX} characters), shown like owner.")

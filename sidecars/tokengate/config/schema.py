@@ -124,10 +124,13 @@ class Config(_Schema):
                     why = f"a second {b.period} budget for {b.model or 'every model'}"
                     problems.append((f"keys.{key_id}.budgets.{i}", why))
                 seen.add((b.scope, b.period))
-            if k.sha256 in owner:
-                problems.append((f"keys.{key_id}.sha256",
-                                 f"same digest as keys.{owner[k.sha256]}"))
-            owner.setdefault(k.sha256, key_id)
+            # a rotated key's previous digests are looked up like its current one
+            for path, sha in [(f"keys.{key_id}.sha256", k.sha256)] + \
+                    [(f"keys.{key_id}.previous.{i}.sha256", p.sha256)
+                     for i, p in enumerate(k.previous)]:
+                if sha in owner:
+                    problems.append((path, f"same digest as keys.{owner[sha]}"))
+                owner.setdefault(sha, key_id)
             if k.priority not in self.edge.admission.priorities:
                 names = ", ".join(self.edge.admission.priorities)
                 problems.append((f"keys.{key_id}.priority",

@@ -24,7 +24,7 @@ from datetime import UTC, date, datetime, timedelta
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 from redis.exceptions import RedisError
@@ -33,6 +33,7 @@ from tokengate import config as tg_config
 from tokengate import version as tg_version
 from tokengate.console import changes, charts, data, forms, password
 from tokengate.console.session import COOKIE, LoginLimiter, Session, Sessions
+from tokengate.keys.edit import parse_duration
 from tokengate.keys.secret import digest as key_digest
 from tokengate.keys.secret import new_key
 from tokengate.ledger import report
@@ -272,6 +273,12 @@ class Console:
                                  message=f"There is no key named {name[:64]!r}.")
             if action == "revoke" and m == "POST":
                 return self.revoke_key(req, cfg, name)
+            if action == "rotate" and m == "POST":
+                return self.rotate_key(req, cfg, name)
+            if action == "disable" and m == "POST":
+                return self.switch_key(req, cfg, name, "disable")
+            if action == "enable" and m == "POST":
+                return self.switch_key(req, cfg, name, "enable")
             if action == "" and m == "POST":
                 return self.set_key(req, cfg, name)
             if action == "":
@@ -386,8 +393,7 @@ class Console:
             outcome = changes.submit(cc.changes_dir, change, req.session.admin)
         else:
             outcome = changes.make(cfg.path, change, list(cc.edges))
-        action = {"create": "key_created", "set": "key_changed", "revoke": "key_revoked"}
-        self.audit(req, action[change.verb], change.name, change.audit_detail(),
+        self.audit(req, changes.ACTIONS[change.verb], change.name, change.audit_detail(),
                    "ok" if outcome.ok else "refused: " + "; ".join(outcome.errors)[:500])
         return outcome
 
@@ -448,6 +454,30 @@ class Console:
         if not outcome.ok:
             return self.key_page(req, cfg, name, None, 400, outcome)
         return self.keys_page(req, cfg, notice=f"Key {name} revoked.", outcome=outcome)
+
+    def rotate_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
+        """A new secret, shown once (as a created key's); the old one valid for the
+        form's ``overlap`` (``tokengate keys rotate --overlap``'s durations) more."""
+        try:
+            overlap = parse_duration(req.form.get("overlap", "24h").strip() or "24h")
+        except argparse.ArgumentTypeError as e:
+            return self.key_page(req, cfg, name, None, 400, changes.Outcome(errors=[str(e)]))
+        key = new_key()
+        outcome = self._make(req, cfg, changes.KeyChange(
+            "rotate", name, sha256=key_digest(key), overlap_s=int(overlap.total_seconds())))
+        if not outcome.ok:
+            return self.key_page(req, cfg, name, None, 400, outcome)
+        prev = self.config.current().keys[name].previous
+        until = tg_config.rfc3339(prev[-1].expires_at) if overlap and prev else None
+        return self.page(201, "key_created.html", req, title="Key rotated", name=name,
+                         key=key, outcome=outcome, page="keys", rotated=True,
+                         until=until)
+
+    def switch_key(self, req: Request, cfg: tg_config.Config, name: str,
+                   verb: Literal["disable", "enable"]) -> Response:
+        outcome = self._make(req, cfg, changes.KeyChange(verb, name))
+        cfg = self.config.current()
+        return self.key_page(req, cfg, name, None, 200 if outcome.ok else 400, outcome)
 
     # --- usage ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import secrets
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,21 +41,28 @@ from tokengate.keys.edit import (
     keeping_heading,
     parse_budget,
     remove_key,
+    rotate_key,
+    set_disabled,
 )
 from tokengate.keys.reload import apply_to
 from tokengate.redis_client import SyncRedis
 
 QUEUE_WAIT_S = 30.0   # how long the console waits for `tokengate console apply`
+VERBS = ("create", "set", "revoke", "rotate", "disable", "enable")
+# the audit stream's action of each verb (the CLI's are the same)
+ACTIONS = {"create": "key_created", "set": "key_changed", "revoke": "key_revoked",
+           "rotate": "key_rotated", "disable": "key_disabled", "enable": "key_enabled"}
 
 
 @dataclass(frozen=True)
 class KeyChange:
     """One change of ``tokengate keys``: ``create`` (``sha256`` of the new key, rpm and
     tpm required), ``set`` (what is not None changes; ``budgets`` replace the key's
-    when ``no_budgets``) or ``revoke``. ``models``: "all" or "a,b"; ``budgets``: specs
-    as ``--budget`` takes them (``[MODEL:]day=AMOUNT``)."""
+    when ``no_budgets``), ``revoke``, ``rotate`` (``sha256`` of the new secret; the old
+    one valid ``overlap_s`` seconds more), ``disable`` or ``enable``. ``models``: "all"
+    or "a,b"; ``budgets``: specs as ``--budget`` takes them (``[MODEL:]day=AMOUNT``)."""
 
-    verb: Literal["create", "set", "revoke"]
+    verb: Literal["create", "set", "revoke", "rotate", "disable", "enable"]
     name: str
     sha256: str | None = None
     rpm: int | None = None
@@ -64,6 +71,7 @@ class KeyChange:
     budgets: tuple[str, ...] | None = None
     no_budgets: bool = False
     priority: str | None = None
+    overlap_s: int | None = None
 
     def change(self, data: CommentedMap) -> None:
         """Make the change in the round-trip YAML data (``tokengate.keys.edit``'s
@@ -78,13 +86,21 @@ class KeyChange:
         elif self.verb == "set":
             change_key(data, self.name, self.rpm, self.tpm, self.models, budgets,
                        self.no_budgets, self.priority)
+        elif self.verb == "rotate":
+            assert self.sha256 and self.overlap_s is not None
+            rotate_key(data, self.name, self.sha256, datetime.now(UTC),
+                       timedelta(seconds=self.overlap_s))
+        elif self.verb in ("disable", "enable"):
+            set_disabled(data, self.name, self.verb == "disable")
         else:
             remove_key(data, self.name)
 
     def audit_detail(self) -> str:
-        """What changed, for the audit stream (JSON; never a secret)."""
+        """What changed, for the audit stream (JSON; never a secret: a rotation's new
+        digest is left out too, as the CLI's entries do)."""
         doc = {k: v for k, v in asdict(self).items()
-               if v not in (None, False) and k not in ("verb", "name")}
+               if v not in (None, False) and k not in ("verb", "name")
+               and not (k == "sha256" and self.verb == "rotate")}
         return json.dumps(doc, sort_keys=True)
 
 
@@ -174,7 +190,7 @@ def apply_queued(path: Path, queue: Path, edges: list[Path]) -> int:
             c = doc["change"]
             change = KeyChange(**{**c, "budgets": tuple(c["budgets"])
                                   if c.get("budgets") is not None else None})
-            if change.verb not in ("create", "set", "revoke"):
+            if change.verb not in VERBS:
                 raise ValueError(f"unknown verb {change.verb!r}")
             outcome = make(path, change, edges)
             print(f"{req.name}: {change.verb} {change.name} by {doc.get('admin')}: "
@@ -192,7 +208,7 @@ def audit(client: SyncRedis, maxlen: int, admin: str, action: str, client_addr: 
           key: str = "", detail: str = "", result: str = "ok") -> None:
     """One entry of the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``) for a
     console action: ``kind`` console, the admin, the action (login, login_failed,
-    key_created, key_changed, key_revoked), the key, what changed and the result. The
+    ``ACTIONS``' values), the key, what changed and the result. The
     usage events' entries there have ``rid`` instead of ``kind``. Raises
     ``RedisError``."""
     ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -1,4 +1,4 @@
-"""``tokengate keys``: create, list, change and revoke API keys in ``tokengate.yaml``, and
+"""``tokengate keys``: create, list, change, rotate, disable and revoke API keys in ``tokengate.yaml``, and
 apply the change to the running edges at once (no restart; streams in flight continue).
 
 - ``secret``  a new key (``tg-`` + 43 URL-safe characters, 256 bits) and its SHA-256
@@ -12,7 +12,17 @@ apply the change to the running edges at once (no restart; streams in flight con
 - ``cli``     the argparse subcommands (``add_parser``)
 """
 
-from tokengate.keys.cli import KEYS_HELP, add_parser, create, list_, revoke, set_
+from tokengate.keys.cli import (
+    KEYS_HELP,
+    add_parser,
+    create,
+    disable,
+    enable,
+    list_,
+    revoke,
+    rotate,
+    set_,
+)
 from tokengate.keys.edit import edit, parse_budget, parse_models, shown
 from tokengate.keys.reload import (
     NGINX_PID,
@@ -28,6 +38,7 @@ from tokengate.keys.reload import (
 from tokengate.keys.secret import KEY_PREFIX, digest, new_key
 
 __all__ = ["KEYS_HELP", "KEY_PREFIX", "NGINX_PID", "RELOAD_TIMEOUT_S", "EdgeTarget",
-           "add_parser", "apply", "apply_to", "create", "digest", "edge_of", "edit", "find_edges",
+           "add_parser", "apply", "apply_to", "create", "digest", "disable", "edge_of", "edit",
+           "enable", "find_edges",
            "installed_root", "list_", "new_key", "parse_budget", "parse_models",
-           "reload_edge", "revoke", "set_", "shown"]
+           "reload_edge", "revoke", "rotate", "set_", "shown"]

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pwd
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
 from ruamel.yaml.comments import CommentedMap
 
 from tokengate import config as tg_config
+from tokengate import redis_keys
 from tokengate.keys.edit import (
     Change,
     add_key,
@@ -21,11 +25,16 @@ from tokengate.keys.edit import (
     edit,
     keeping_heading,
     parse_budget,
+    parse_duration,
     parse_models,
     parse_session_budget,
+    parse_time,
     remove_key,
+    rotate_key,
+    set_disabled,
     set_session_budget,
     shown,
+    time_text,
 )
 from tokengate.keys.reload import apply
 from tokengate.keys.secret import digest, new_key
@@ -50,6 +59,18 @@ running edges at once (no restart; streams in flight continue).
         [--max-tokens-cap N|model] [--cached-tokens-weight W|model]
   tokengate keys revoke NAME
         removes the key: refused (401) once the command returns
+  tokengate keys rotate NAME [--overlap DURATION]
+        prints the key's new secret once; the old one stays valid for DURATION (default
+        24h; 90s, 30m, 24h, 7d, or 0 to refuse it at once), then is refused (401) and
+        dropped from the file by the next keys command
+  tokengate keys disable NAME | enable NAME
+        refuses the key (401 "This API key is disabled.") or admits it again; its
+        settings stay
+
+  create and set also take --expires-at TIME (RFC 3339 with its offset, e.g.
+  2027-01-01T00:00:00Z; `set ... never` drops it: from then on the key is refused, 401
+  "This API key expired at ..."), --owner TEXT and --description TEXT (one line each;
+  `set ... ''` drops them), which `keys list` shows.
 
   --budget [MODEL:]day=AMOUNT | [MODEL:]month=AMOUNT, AMOUNT in the configuration's
   currency (day=5.00) or in tokens with a t (month=2000000t); repeat it for several.
@@ -78,6 +99,12 @@ APPLYING
   or an install prefix) ROOT/etc/tokengate/edge.json with ROOT/run/nginx.pid; for any
   other file `make run`'s var/run/nginx beside it. Never both: a command acts on one
   deployment. --no-apply only writes the file.
+
+AUDIT
+  Every change is written to the ledger's audit stream (Redis, tg:{ledger}:audit) like the
+  console's: kind cli, the OS user (and SUDO_USER), the action, the key and what changed,
+  never a secret. When Redis cannot be reached the change still applies and stderr says
+  it was not audited.
 
 EXIT STATUS
   0 done; 1 the edit is invalid (the file is unchanged; one line per problem) or an
@@ -108,17 +135,94 @@ def _run_edit(args: argparse.Namespace, change: Change
 
 # the per-key settings of KeyConfig that create and set take as options
 _SETTINGS = ("max_tokens_cap", "cached_tokens_weight")
+# the operators' own fields of KeyConfig: "" (owner, description) or never (expires_at)
+# on the command line drops them
+_LABELS = ("owner", "description")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The per-key settings given on the command line (field -> value; None: drop the
-    key's own value, "model" on the command line)."""
+    key's own value, "model", "never" or "" on the command line)."""
     out: dict[str, Any] = {}
     for field in _SETTINGS:
         v = getattr(args, field)
         if v is not None:
             out[field] = None if v == "model" else v
+    for field in _LABELS:
+        v = getattr(args, field)
+        if v is not None:
+            out[field] = v or None
+    if args.expires_at is not None:
+        out["expires_at"] = None if args.expires_at == "never" \
+            else time_text(args.expires_at)
     return out
+
+
+def _time_or_never(text: str) -> datetime | str:
+    """--expires-at: an aware datetime, or "never"."""
+    return parse_time(text) or "never"
+
+
+def _who() -> str:
+    """The OS user running the command, as the audit stream records it (with the user
+    that ran sudo)."""
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = str(os.getuid())
+    sudo = os.environ.get("SUDO_USER")
+    return f"{user} (sudo by {sudo})" if sudo and sudo != user else user
+
+
+def audit(cfg: tg_config.Config, action: str, key: str, detail: dict[str, Any],
+          result: str = "ok", redis_url: str | None = None) -> bool:
+    """One entry of the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``) for a
+    change made by ``tokengate keys``, in the shape of the console's
+    (``tokengate.console.changes.audit``): ``kind`` cli, ``admin`` the OS user
+    (``_who``), the action (key_created, key_changed, key_revoked, key_rotated,
+    key_disabled, key_enabled), the key, ``detail`` (JSON of what changed; never a secret)
+    and the result. Returns False, said on stderr, when Redis could not take it: the
+    change stands (the file is the truth; the audit trail is a record of it)."""
+    ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    entry = {"kind": "cli", "ts": ts, "admin": _who(), "action": action, "key": key,
+             "detail": json.dumps(detail, sort_keys=True, default=str),
+             "result": result, "client": "local"}
+    try:
+        client = connect(cfg.redis, timeout_s=2.0, url=redis_url)
+        client.xadd(redis_keys.AUDIT_KEY, entry,  # type: ignore[arg-type]
+                    maxlen=cfg.ledger.audit_maxlen, approximate=True)
+    except (RedisError, OSError) as e:
+        # the error names host and port, never the URL's password
+        print(f"tokengate keys: the change is made but was not audited (Redis: {e})",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def _applied(args: argparse.Namespace, cfg: tg_config.Config, action: str,
+             detail: dict[str, Any]) -> int:
+    """The running edges reloaded (``apply``), then the change audited; the exit
+    status of the reload."""
+    status = apply(args, cfg)
+    audit(cfg, action, args.name, detail,
+          "ok" if status == 0 else "written; an edge did not reload",
+          getattr(args, "redis_url", None))
+    return status
+
+
+def _changed(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """What a create or set asked for, for the audit stream (options given; no secret)."""
+    out = {}
+    for n in names:
+        v = getattr(args, n, None)
+        if v not in (None, False, []):
+            out[n] = v
+    return out
+
+
+_AUDITED = ("rpm", "tpm", "models", "budget", "no_budgets", "session_budget",
+            "no_session_budget", "priority", "max_tokens_cap", "cached_tokens_weight",
+            "expires_at", "owner", "description")
 
 
 def _or_model(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -148,7 +252,7 @@ def create(args: argparse.Namespace) -> int:
         return status
     print(key)
     print(f"created key {shown(args.name)}: the key above is shown only now", file=sys.stderr)
-    return apply(args, cfg)
+    return _applied(args, cfg, "key_created", _changed(args, _AUDITED))
 
 
 def set_(args: argparse.Namespace) -> int:
@@ -168,7 +272,7 @@ def set_(args: argparse.Namespace) -> int:
     if cfg is None:
         return status
     print(f"changed key {shown(args.name)}", file=sys.stderr)
-    return apply(args, cfg)
+    return _applied(args, cfg, "key_changed", _changed(args, _AUDITED))
 
 
 def revoke(args: argparse.Namespace) -> int:
@@ -181,7 +285,54 @@ def revoke(args: argparse.Namespace) -> int:
     if cfg is None:
         return status
     print(f"revoked key {shown(args.name)}", file=sys.stderr)
-    return apply(args, cfg)
+    return _applied(args, cfg, "key_revoked", {})
+
+
+def rotate(args: argparse.Namespace) -> int:
+    """``tokengate keys rotate``: a new secret on stdout (once); the old one valid for
+    ``--overlap`` more."""
+    key = new_key()
+    now = datetime.now(UTC)
+    until: list[datetime | None] = []
+
+    def change(data: CommentedMap) -> None:
+        until.append(rotate_key(data, args.name, digest(key), now, args.overlap))
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    print(key)
+    old = f"the old one is valid until {tg_config.rfc3339(until[0])}" if until[0] \
+        else "the old one is refused from now on"
+    print(f"rotated key {shown(args.name)}: the key above is shown only now; {old}",
+          file=sys.stderr)
+    return _applied(args, cfg, "key_rotated",
+                    {"previous_expires_at": until[0] and tg_config.rfc3339(until[0])})
+
+
+def _switch(args: argparse.Namespace, disabled: bool) -> int:
+    changed: list[bool] = []
+
+    def change(data: CommentedMap) -> None:
+        changed.append(set_disabled(data, args.name, disabled))
+
+    status, cfg = _run_edit(args, change)
+    if cfg is None:
+        return status
+    word = "disabled" if disabled else "enabled"
+    print(f"{word} key {shown(args.name)}" + ("" if changed[0] else f" (it was {word})"),
+          file=sys.stderr)
+    return _applied(args, cfg, f"key_{word}", {"disabled": disabled})
+
+
+def disable(args: argparse.Namespace) -> int:
+    """``tokengate keys disable``: the key is refused (401) until enabled."""
+    return _switch(args, True)
+
+
+def enable(args: argparse.Namespace) -> int:
+    """``tokengate keys enable``: a disabled key is admitted again."""
+    return _switch(args, False)
 
 
 def list_(args: argparse.Namespace) -> int:
@@ -201,6 +352,20 @@ def list_(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_options(p: argparse.ArgumentParser, create: bool) -> None:
+    """--expires-at, --owner, --description of create and set."""
+    drop = "" if create else "; never drops it"
+    p.add_argument("--expires-at", type=_time_or_never, default=None, metavar="TIME",
+                   help=f"RFC 3339 time from which the key is refused, e.g. "
+                        f"2027-01-01T00:00:00Z{drop}")
+    p.add_argument("--owner", default=None, metavar="TEXT",
+                   help="who the key belongs to (one line)" + ("" if create else
+                                                               "; '' drops it"))
+    p.add_argument("--description", default=None, metavar="TEXT",
+                   help="what the key is for (one line)" + ("" if create else
+                                                            "; '' drops it"))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``keys`` on a ``tokengate`` subcommand parser."""
     p = sub.add_parser("keys", help="create, list, change and revoke API keys",
@@ -215,8 +380,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                  "(repeatable; default: the ones found)")
     apply_opts.add_argument("--no-apply", action="store_true",
                             help="write the file only; reload nothing")
+    audit_opts = argparse.ArgumentParser(add_help=False)
+    audit_opts.add_argument("--redis-url", default=None,
+                            help="Redis of the audit stream (default: redis.url)")
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
-    c = verbs.add_parser("create", parents=[common, apply_opts], help="create a key")
+    c = verbs.add_parser("create", parents=[common, apply_opts, audit_opts],
+                         help="create a key")
     c.add_argument("name", help="key id (what usage events and reports show)")
     c.add_argument("--rpm", type=int, required=True, help="requests per minute")
     c.add_argument("--tpm", type=int, required=True, help="tokens per minute")
@@ -236,8 +405,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     c.add_argument("--priority", default=None, metavar="NAME",
                    help="admission priority, one of edge.admission.priorities "
                         "(default: normal)")
+    _label_options(c, create=True)
     c.set_defaults(func=create)
-    s = verbs.add_parser("set", parents=[common, apply_opts], help="change a key")
+    s = verbs.add_parser("set", parents=[common, apply_opts, audit_opts], help="change a key")
     s.add_argument("name")
     s.add_argument("--rpm", type=int, default=None)
     s.add_argument("--tpm", type=int, default=None)
@@ -257,10 +427,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    metavar="W|model")
     s.add_argument("--priority", default=None, metavar="NAME",
                    help="admission priority, one of edge.admission.priorities")
+    _label_options(s, create=False)
     s.set_defaults(func=set_)
-    r = verbs.add_parser("revoke", parents=[common, apply_opts], help="revoke a key")
+    r = verbs.add_parser("revoke", parents=[common, apply_opts, audit_opts],
+                         help="revoke a key")
     r.add_argument("name")
     r.set_defaults(func=revoke)
+    ro = verbs.add_parser("rotate", parents=[common, apply_opts, audit_opts],
+                          help="a new secret; the old one valid for --overlap more")
+    ro.add_argument("name")
+    ro.add_argument("--overlap", type=parse_duration, default=parse_duration("24h"),
+                    metavar="DURATION",
+                    help="how long the old secret stays valid: 90s, 30m, 24h, 7d, or 0 "
+                         "(default: 24h)")
+    ro.set_defaults(func=rotate)
+    d = verbs.add_parser("disable", parents=[common, apply_opts, audit_opts],
+                         help="refuse a key, keeping its settings")
+    d.add_argument("name")
+    d.set_defaults(func=disable)
+    e = verbs.add_parser("enable", parents=[common, apply_opts, audit_opts],
+                         help="admit a disabled key again")
+    e.add_argument("name")
+    e.set_defaults(func=enable)
     ls = verbs.add_parser("list", parents=[common], help="list the keys (never the key)")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")

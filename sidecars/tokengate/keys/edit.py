@@ -18,6 +18,7 @@ import io
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Self
 
@@ -25,10 +26,11 @@ import yaml
 from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import CommentMark
-from ruamel.yaml.scalarstring import SingleQuotedScalarString
+from ruamel.yaml.scalarstring import DoubleQuotedScalarString, SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
 from tokengate import config as tg_config
+from tokengate.config.keys import timestamp
 
 # --budget: [MODEL:]PERIOD=AMOUNT, AMOUNT a currency amount or a token count ("2000000t")
 BUDGET_SPEC = re.compile(r"^(?:(?P<model>[^:=]+):)?(?P<period>day|month)="
@@ -182,6 +184,7 @@ def edit(path: Path, change: Change) -> tg_config.Config:
             raise tg_config.ConfigError(
                 f"{path}: not YAML: {' '.join(str(e).split())[:300]}") from e
         change(data)
+        drop_expired(data, datetime.now(UTC))
         buf = io.StringIO()
         y.dump(data, buf)
         text = buf.getvalue()
@@ -344,8 +347,8 @@ def change_key(data: CommentedMap, name: str, rpm: int | None, tpm: int | None,
     if (rpm, tpm, models, budgets, priority) == (None,) * 5 and not no_budgets \
             and not settings:
         raise LookupError("nothing to change: give --rpm, --tpm, --models, --budget, "
-                          "--priority, --no-budgets, --max-tokens-cap or "
-                          "--cached-tokens-weight")
+                          "--priority, --no-budgets, --max-tokens-cap, "
+                          "--cached-tokens-weight, --expires-at, --owner or --description")
     entry = keys[name]
     if rpm is not None:
         entry["rpm"] = rpm
@@ -376,3 +379,107 @@ def remove_key(data: CommentedMap, name: str) -> None:
     if name not in keys:
         raise LookupError(f"no key {shown(name)}")
     del keys[name]
+
+
+# --overlap, --expires-in: a number and a unit (s, m, h, d), or 0
+DURATION = re.compile(r"^(?P<n>\d+)(?P<unit>[smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``30m``, ``24h``, ``7d`` or ``0`` -> a timedelta. Raises
+    ``argparse.ArgumentTypeError``."""
+    if text == "0":
+        return timedelta(0)
+    m = DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 90s, 30m, 24h or 7d, "
+                                         f"got {text!r}")
+    return timedelta(seconds=int(m["n"]) * _UNIT_S[m["unit"]])
+
+
+def parse_time(text: str) -> datetime | None:
+    """``--expires-at``: an RFC 3339 time with its offset -> an aware datetime; ``never``
+    -> None. Raises ``argparse.ArgumentTypeError``."""
+    if text == "never":
+        return None
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        t = None
+    if t is None or t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"expected an RFC 3339 time with its offset such "
+                                         f"as 2027-01-01T00:00:00Z, or never, got {text!r}")
+    return t
+
+
+def time_text(t: datetime) -> Any:
+    """``t`` as the file gets it: RFC 3339 in UTC, quoted (a YAML reader would otherwise
+    make a datetime of it, the same instant but no longer the text written)."""
+    return DoubleQuotedScalarString(tg_config.rfc3339(t))
+
+
+def _key(data: CommentedMap, name: str) -> CommentedMap:
+    keys = _keys(data)
+    if name not in keys:
+        raise LookupError(f"no key {shown(name)}")
+    entry: CommentedMap = keys[name]
+    return entry
+
+
+def rotate_key(data: CommentedMap, name: str, sha256: str, now: datetime,
+               overlap: timedelta) -> datetime | None:
+    """``keys rotate``'s change: the key's digest becomes ``sha256``; the one it replaces
+    is kept in ``previous`` until ``now + overlap`` (none with an overlap of 0), so the
+    tenant always holds a valid key. Returns that expiry (None: none kept). Raises
+    ``LookupError`` for no such key."""
+    entry = _key(data, name)
+    old = entry["sha256"]
+    entry["sha256"] = sha256
+    if not overlap:
+        return None
+    until = now + overlap
+    previous = entry.get("previous")
+    if previous is None:
+        previous = CommentedSeq()
+        entry["previous"] = previous
+    previous.append(CommentedMap(sha256=old, expires_at=time_text(until)))
+    return until
+
+
+def set_disabled(data: CommentedMap, name: str, disabled: bool) -> bool:
+    """``keys disable`` / ``enable``: returns whether the key changed. Raises
+    ``LookupError`` for no such key."""
+    entry = _key(data, name)
+    was = bool(entry.get("disabled", False))
+    if disabled:
+        entry["disabled"] = True
+    else:
+        entry.pop("disabled", None)
+    return was != disabled
+
+
+def drop_expired(data: CommentedMap, now: datetime) -> list[str]:
+    """Every key's previous digests whose expiry has passed removed (the edge refuses
+    them already); returns the ids of the keys that lost one."""
+    dropped = []
+    for name, entry in (data.get("keys") or {}).items():
+        previous = entry.get("previous") if isinstance(entry, CommentedMap) else None
+        if not previous:
+            continue
+        keep = []
+        for p in previous:
+            try:
+                at = timestamp(p.get("expires_at"))
+            except (ValueError, AttributeError):
+                keep.append(p)  # the schema names what is wrong with it
+                continue
+            if at > now:
+                keep.append(p)
+        if len(keep) != len(previous):
+            dropped.append(str(name))
+            if keep:
+                previous[:] = keep
+            else:
+                del entry["previous"]
+    return dropped

@@ -19,7 +19,16 @@ def print_table(entries: list[dict[str, Any]], currency: str) -> None:
     for entry in entries:
         models = ", ".join(entry["allowed_models"]) \
             if entry["allowed_models"] is not None else "all"
-        print(f"{entry['name']}: rpm {entry['rpm']}, tpm {entry['tpm']}, models {models}")
+        state = " (disabled)" if entry.get("disabled") else ""
+        print(f"{entry['name']}{state}: rpm {entry['rpm']}, tpm {entry['tpm']}, "
+              f"models {models}")
+        for label in ("owner", "description"):
+            if entry.get(label):
+                print(f"  {label}: {entry[label]}")
+        if entry.get("expires_at"):
+            print(f"  expires at {entry['expires_at']}")
+        for at in entry.get("previous_expires_at") or []:
+            print(f"  previous secret valid until {at}")
         for m, lim in entry["models"].items():
             print(f"  {m}: rpm {lim['rpm']}, tpm {lim['tpm']}")
         for b in entry["budgets"]:

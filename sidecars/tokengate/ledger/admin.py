@@ -64,7 +64,13 @@ def listing(cfg: tg_config.Config, rows: list[report.UsageRow] | None,
         out.append({"name": key_id, "rpm": k.rpm, "tpm": k.tpm,
                     "allowed_models": k.allowed_models,
                     "models": {m: lim.model_dump() for m, lim in k.models.items()},
-                    "priority": k.priority, "budgets": budgets})
+                    "priority": k.priority, "budgets": budgets,
+                    "owner": k.owner, "description": k.description,
+                    "expires_at": k.expires_at and tg_config.rfc3339(k.expires_at),
+                    "disabled": k.disabled,
+                    # a rotated key's old secrets: when each stops (never the digest)
+                    "previous_expires_at": [tg_config.rfc3339(p.expires_at)
+                                            for p in k.previous]})
     return out
 
 

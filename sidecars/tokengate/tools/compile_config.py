@@ -6,7 +6,7 @@ schema's dump (``tokengate.config``, every default filled in, paths absolute) pl
 fields only the edge needs, derived here:
 
     {
-      "version": 11,
+      "version": 12,
       "source": "<absolute path of the YAML>",
       "models": {
         "<served model name>": {
@@ -36,7 +36,11 @@ fields only the edge needs, derived here:
                                 "max_tokens_cap": <int> or null (the model's),
                                 "cached_tokens_weight": <0..1> or null (the model's),
                                 "session_budget": {"tokens": <int> or null,
-                                                   "spend": <currency> or null} or null}},
+                                                   "spend": <currency> or null} or null,
+                                "expires_at": <epoch s> or null (never),
+                                "disabled": <bool>,
+                                "previous": [{"sha256": "<hex>",
+                                              "expires_at": <epoch s>}]}},
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
@@ -75,11 +79,12 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 11  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 12  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
 #             runner; 9: models carry routing; 10: edge.queue, models carry
-#             max_concurrency, keys fair_share; 11: tracing
+#             max_concurrency, keys fair_share; 11: tracing; 12: keys carry
+#             expires_at, disabled, previous (an old edge would admit a disabled key)
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
@@ -170,6 +175,18 @@ def _by_length(tokens: set[str]) -> list[str]:
     return sorted(tokens, key=lambda s: (-len(s), s))
 
 
+def _key(key_id: str, k: tg_config.KeyConfig) -> dict[str, Any]:
+    """A key's entry: its settings, times as whole seconds since the epoch (the edge
+    compares them with ``ngx.time()``), without the operators' free text (owner,
+    description), which the edge never shows."""
+    entry = {"id": key_id, **k.model_dump(mode="json",
+                                          exclude={"sha256", "owner", "description"})}
+    entry["expires_at"] = None if k.expires_at is None else int(k.expires_at.timestamp())
+    entry["previous"] = [{"sha256": p.sha256, "expires_at": int(p.expires_at.timestamp())}
+                         for p in k.previous]
+    return entry
+
+
 def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     """The edge's JSON document (shape in the module docstring) for ``cfg``.
 
@@ -189,8 +206,7 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
                                    special_tokens=_by_length(set(special_tokens(m.dir)) | extra),
                                    structural_tokens=structural_tokens(m.dir))
     # the edge looks a key up by the digest of the bearer token it was sent
-    doc["keys"] = {k.sha256: {"id": key_id, **k.model_dump(mode="json", exclude={"sha256"})}
-                   for key_id, k in cfg.keys.items()}
+    doc["keys"] = {k.sha256: _key(key_id, k) for key_id, k in cfg.keys.items()}
     doc["access_log"]["file"] = doc["access_log"]["file"] or ""
     doc["edge"]["dns_servers"] = dns_servers(cfg.edge.dns_resolvers)
     # the edge matches $binary_remote_addr, raw bytes: no address parsing in Lua
