@@ -339,8 +339,10 @@ def test_a_stale_key_form_is_answered_409_with_what_changed_never_a_revert(
     assert (demo.rpm, demo.tpm, demo.priority) == (7, 5555, "low")
     # a form without a version (a page from before) changes nothing
     old = {k: v for k, v in fresh.items() if k not in ("version", "shown")}
-    assert http.post("/keys/demo", data={**old, "rpm": "8"}, headers=headers
-                     ).status_code == 400
+    r = http.post("/keys/demo", data={**old, "rpm": "8"}, headers=headers)
+    assert r.status_code == 400
+    assert re.search(r'id="e-version">Not changed: this form has no version of the key it '
+                     r'showed: reload the page', r.text)
     assert tg_config.load(app.config.path).keys["demo"].rpm == 7
 
 
