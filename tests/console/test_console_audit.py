@@ -16,7 +16,12 @@ from tokengate.console import app as console_app
 from tokengate.console import changes, data, password
 from tokengate.console.cli import set_admin
 
-from tests.console.test_console_unit import PASSWORD, PORT, _session, repo_config_without_console
+from tests.console.test_console_unit import (
+    PASSWORD,
+    PORT,
+    _session,
+    repo_config_without_console,
+)
 
 
 @pytest.fixture

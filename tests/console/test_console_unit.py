@@ -430,6 +430,7 @@ def small_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server._Server, "workers", 2)
     monkeypatch.setattr(server._Server, "queued", 3)
     monkeypatch.setattr(server._Handler, "timeout", 1.0)
+    monkeypatch.setattr(server._Handler, "deadline_s", 2.0)
 
 
 @pytest.fixture
@@ -527,5 +528,30 @@ def test_slow_connections_take_no_more_than_the_pool_and_time_out(
     assert _console_threads() <= 2
     for s in slow:
         s.close()
+    with httpx.Client(base_url=base, timeout=60) as http:
+        assert http.get("/login").status_code == 200
+
+
+def test_a_request_sent_a_byte_at_a_time_is_cut_at_its_deadline(
+        small_pool: None, served: tuple[str, console_app.Console]) -> None:
+    """One header byte every 0.2 s never lets a read time out; the request's deadline
+    (2 s here) still ends the connection, unanswered."""
+    base, _ = served
+    port = int(base.rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    s.settimeout(0.2)
+    got = None
+    for _ in range(300):   # 60 s at most; the deadline ends it after about 2 s
+        try:
+            s.sendall(b"a")
+            got = s.recv(200)
+        except TimeoutError:
+            continue
+        except OSError:    # reset: the server closed it while bytes were arriving
+            got = b""
+        break
+    s.close()
+    assert got == b""
     with httpx.Client(base_url=base, timeout=60) as http:
         assert http.get("/login").status_code == 200

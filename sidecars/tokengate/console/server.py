@@ -5,15 +5,19 @@ so that slow or many clients cannot take the billing process's threads or memory
 - ``WORKERS`` threads serve connections; up to ``QUEUED`` more wait for one; beyond
   that a connection is answered 503 and closed at once (no thread);
 - every read of a connection times out after ``READ_TIMEOUT_S`` (a client that stops
-  sending loses its connection, and its worker goes to the next);
+  sending loses its connection, and its worker goes to the next), and the whole request
+  (line, headers and body) must arrive within ``REQUEST_DEADLINE_S`` (one byte every few
+  seconds does not hold a worker either);
 - the listen backlog is ``BACKLOG`` (socketserver's default is 5).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +34,7 @@ log = logging.getLogger("tokengate.console")
 WORKERS = 8              # threads serving connections
 QUEUED = 64              # connections waiting for a worker; more: 503 and closed
 READ_TIMEOUT_S = 10.0    # each read of a request (and each write of its answer)
+REQUEST_DEADLINE_S = 30.0  # the whole request read, from the connection's accept
 BACKLOG = 128            # the listen socket's backlog of unaccepted connections
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
         b"Retry-After: 1\r\nContent-Length: 24\r\nConnection: close\r\n\r\n"
@@ -86,10 +91,40 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _DeadlineSocket(io.RawIOBase):
+    """A connection's reads, each of which ends by one deadline (monotonic): every
+    ``recv`` waits at most what is left of it (and at most the read timeout), and one
+    that starts past it raises ``TimeoutError``; a buffered reader's ``readline``
+    (a header trickled a byte at a time) is many of them."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._timeout_s = timeout_s
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within its deadline")
+        self._sock.settimeout(min(self._timeout_s, left))
+        return self._sock.recv_into(buffer)
+
+
 class _Handler(WSGIRequestHandler):
     # a form's fields come in the body; an overlong request line or header is refused
     # by http.server itself (414 / 431)
     timeout = READ_TIMEOUT_S   # StreamRequestHandler: the connection's socket timeout
+    deadline_s = REQUEST_DEADLINE_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own reader, unused (it holds a reference)
+        self.rfile = io.BufferedReader(_DeadlineSocket(
+            self.connection, self.timeout, time.monotonic() + self.deadline_s))
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
