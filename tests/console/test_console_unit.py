@@ -416,6 +416,20 @@ def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -
     demo = tg_config.load(path).keys["demo"]
     assert (demo.rpm, demo.priority) == (7, "low")
     assert list(queue.rglob("*.json")) == []
+    # a form's version checked by root's side too: a stale one changes nothing
+    shown = forms.form_values(tg_config.KeyConfig.model_validate(
+        {"sha256": "0" * 64, "rpm": 600, "tpm": 200000}))
+    got.clear()
+    ask = threading.Thread(target=lambda: got.append(changes.submit(
+        queue, changes.KeyChange("set", "demo", rpm=8, version=forms.key_version(shown),
+                                 shown=shown), "alice", wait_s=20)))
+    ask.start()
+    while not list((queue / "requests").glob("*.json")):
+        time.sleep(0.01)
+    assert changes.apply_queued(path, queue, []) == 1
+    ask.join(20)
+    assert got[0].stale == {"rpm": ["600", "7"], "priority": ["normal", "low"]}
+    assert tg_config.load(path).keys["demo"].rpm == 7
     bad = changes.submit(queue, changes.KeyChange("revoke", "nobody"), "alice", wait_s=0.2)
     assert bad.errors[0].startswith("not applied within 0 s: is tokengate-console-apply.path")
     assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one
