@@ -12,7 +12,10 @@ counts in its files: counters keep growing, as Prometheus expects. With one work
 is served.
 
 The ledger's port also serves the admin view (``admin``): JSON for dashboards, answered
-to loopback clients only, whatever address the port is bound to.
+to loopback clients only, whatever address the port is bound to, and only to a request
+whose Host is the port's own address (``own_hosts``; with a loopback or wildcard
+address, the loopback names on its port): a DNS-rebinding page, whose requests come
+from the browser's own loopback with the page's host name, gets 421.
 """
 
 from __future__ import annotations
@@ -60,10 +63,22 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
-         ) -> Callable[..., Iterable[bytes]]:
+def own_hosts(listen: str) -> set[str]:
+    """The Host header values a listener on ``listen`` (``host:port``) answers with
+    data: the address itself and, for a loopback or wildcard address, the loopback
+    names on its port (``127.0.0.1:P``, ``localhost:P``, ``[::1]:P``)."""
+    host, _, port = listen.rpartition(":")
+    out = {listen}
+    if host.strip("[]") in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1"):
+        out |= {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+    return out
+
+
+def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None,
+         hosts: set[str] | None = None) -> Callable[..., Iterable[bytes]]:
     """``/`` and ``/metrics``: Prometheus; an ``admin`` path: its JSON (GET and HEAD,
-    loopback clients only); anything else: 404."""
+    loopback clients only, Host one of ``hosts`` when given, else 421); anything
+    else: 404."""
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
         if path in ("/", "/metrics"):
@@ -73,10 +88,15 @@ def _app(metrics_app: Callable[..., Iterable[bytes]], admin: Admin | None
         peer = ipaddress.ip_address(environ["REMOTE_ADDR"])
         if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped:
             peer = peer.ipv4_mapped
+        host = environ.get("HTTP_HOST", "")
+        wrong_host = admin is not None and hosts is not None and host not in hosts
         answer = admin(path) if admin is not None and peer.is_loopback \
-            and method in ("GET", "HEAD") else None
+            and not wrong_host and method in ("GET", "HEAD") else None
         if admin is not None and not peer.is_loopback:
             status, doc = 403, {"error": "the admin view answers loopback clients only"}
+        elif wrong_host:
+            status, doc = 421, {"error": f"the admin view does not answer to host "
+                                         f"{host[:100]!r}: ask for {min(hosts or [''])}"}
         elif admin is not None and method not in ("GET", "HEAD"):
             status, doc = 405, {"error": f"{method[:20]} is not allowed here: GET or HEAD"}
             headers.append(("Allow", "GET, HEAD"))
@@ -138,7 +158,8 @@ def serve(listen: str | None, name: str, workers: int = 1, admin: Admin | None =
         mp.MultiProcessCollector(registry)
     registry.register(_BuildInfo(name))
     try:
-        server = make_server(addr[0], addr[1], _app(make_wsgi_app(registry), admin),
+        server = make_server(addr[0], addr[1], _app(make_wsgi_app(registry), admin,
+                                                      own_hosts(listen or "")),
                              _Server6 if ":" in addr[0] else _Server, handler_class=_Quiet)
     except OSError as e:
         print(f"tokengate-{name}: metrics not served on {listen}: {e}", file=sys.stderr,

@@ -290,6 +290,12 @@ def test_a_key_made_in_the_console_works_then_a_budget_and_a_revoke_refuse_it(
         (ADMIN, "login", "", "ok"), (ADMIN, "key_created", "team-a", "ok"),
         (ADMIN, "key_changed", "team-a", "ok"), (ADMIN, "key_revoked", "team-a", "ok")]
     assert json.loads(entries[2]["detail"])["budgets"] == ["day=5t"]
+    # its usage stays reachable: the Usage filter lists the revoked key
+    wait_until(lambda: usage_json(stack, "team-a")["total"]["requests"] >= 1, 30,
+               what="the ledger billing team-a")
+    browser.get(f"{stack.url}/usage")
+    keys = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#key option")]
+    assert keys == ["every key", "demo", "team-a"]
 
 
 def test_a_change_without_the_csrf_token_or_from_another_origin_is_refused(
@@ -343,3 +349,41 @@ def test_the_live_page_shows_the_replica_and_the_refusals(stack: Stack, browser:
     assert reasons.get("model_not_found") == "404"
     assert reasons.get("insufficient_quota") == "429"  # the budget's refusal above
     shot(browser, "live")
+
+
+def test_a_stale_save_is_refused_409_with_what_changed_and_audited(
+        stack: Stack, browser: Any) -> None:
+    """The trial's lost update: a `keys set` of TPM and a budget, then a console save of
+    RPM from a page loaded before it: nothing of the command line's change is lost."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{stack.url}/keys/demo")
+    subprocess.run([sys.executable, "-m", "tokengate.cli", "keys", "set", "demo", "--tpm",
+                    "150000", "--budget", "day=3", "--config", str(stack.config),
+                    "--no-apply"], capture_output=True, check=True, timeout=60)
+    fill(browser, rpm="500")
+    submit(browser, "save")
+    stale = {r.get_attribute("data-field"): [c.text for c in
+                                             r.find_elements(By.TAG_NAME, "td")[1:]]
+             for r in browser.find_elements(By.CSS_SELECTOR, "#stale tr[data-field]")}
+    assert stale == {"tpm": ["200000", "150000"], "budgets": ["(none)", "day=3"]}
+    shot(browser, "key-stale")
+    demo = yaml.safe_load(stack.config.read_text())["keys"]["demo"]
+    assert (demo["rpm"], demo["tpm"], demo["budgets"]) == (
+        600, 150000, [{"period": "day", "spend": 3.0}])
+    # the form now shows the key as it is: saved, only the RPM changes
+    assert by_id(browser, "f-tpm").get_attribute("value") == "150000"
+    fill(browser, rpm="500")
+    submit(browser, "save")
+    assert browser.current_url == f"{stack.url}/keys/demo"
+    assert "Applied to the edge" in by_id(browser, "applied").text
+    demo = yaml.safe_load(stack.config.read_text())["keys"]["demo"]
+    assert (demo["rpm"], demo["tpm"], demo["budgets"]) == (
+        500, 150000, [{"period": "day", "spend": 3.0}])
+    browser.get(f"{stack.url}/audit")
+    rows = [[c.text for c in r.find_elements(By.TAG_NAME, "td")]
+            for r in browser.find_elements(By.CSS_SELECTOR, "#audit tr[data-id]")]
+    assert [(r[2], r[3], r[4], r[6]) for r in rows[:2]] == [
+        (ADMIN, "key_changed", "demo", "ok"),
+        (ADMIN, "key_changed", "demo", "refused: stale form: changed since tpm, budgets")]
+    shot(browser, "audit")

@@ -4,8 +4,14 @@ refusals (host, origin, CSRF, session) with a Redis that is not there."""
 
 from __future__ import annotations
 
+import html
 import re
+import socket
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tokengate import config as tg_config
 from tokengate.console import app as console_app
-from tokengate.console import data, forms, password
+from tokengate.console import data, forms, password, server
 from tokengate.console.cli import set_admin
 from tokengate.console.session import LoginLimiter, Sessions
 from tokengate.ledger.report import UsageRow
@@ -101,22 +107,29 @@ def test_a_session_ends_on_the_servers_clock_and_checks_its_csrf_token() -> None
     assert sessions.get(t.token) is None
 
 
-def test_failed_logins_are_limited_per_name_and_per_address() -> None:
+def test_failed_logins_are_limited_per_address_and_an_admins_known_address_stays_open(
+        ) -> None:
     clock = Clock()
     limiter = LoginLimiter(attempts=3, window_s=300, clock=clock)
     for _ in range(3):
-        assert limiter.wait_s("alice", "10.0.0.1") == 0
-        limiter.failed("alice", "10.0.0.1")
-    assert limiter.wait_s("alice", "10.0.0.2") == 300   # the name, from anywhere
-    assert limiter.wait_s("bob", "10.0.0.1") == 300     # the address, any name
-    assert limiter.wait_s("bob", "10.0.0.2") == 0
+        assert limiter.attempt("alice", "10.0.0.1") == 0   # counted before the check
+    assert limiter.attempt("alice", "10.0.0.1") == 300
+    assert limiter.attempt("bob", "10.0.0.1") == 300     # the address, any name
+    assert limiter.attempt("alice", "10.0.0.2") == 0      # another address: open
+    limiter.succeeded("alice", "10.0.0.2")
+    # guesses for alice from 9 more addresses: the name's limit (3 x 10) is reached...
+    for i in range(9):
+        for _ in range(3):
+            assert limiter.attempt("alice", f"10.0.1.{i}") == 0
+    assert limiter.attempt("alice", "10.0.2.1") == 300    # a new address waits
+    assert limiter.attempt("alice", "10.0.0.2") == 0      # her known address does not
+    limiter.succeeded("alice", "10.0.0.2")
     clock.t += 120
-    assert limiter.wait_s("alice", "10.0.0.2") == 180
+    assert limiter.attempt("bob", "10.0.0.1") == 180
     clock.t += 180
-    assert limiter.wait_s("alice", "10.0.0.1") == 0
-    limiter.failed("carol", "10.0.0.3")
-    limiter.succeeded("carol", "10.0.0.3")
-    assert limiter._failures == {}
+    assert limiter.attempt("bob", "10.0.0.1") == 0
+    limiter.succeeded("bob", "10.0.0.1")
+    assert "c:10.0.0.1" not in limiter._failures and "n:bob" not in limiter._failures
 
 
 def test_the_csv_has_the_ledgers_numbers_and_defuses_formulas() -> None:
@@ -181,10 +194,13 @@ def test_a_good_create_form_is_the_change_tokengate_keys_makes(tmp_path: Path) -
                                  ("day=5.00", "month=2000000t"), "low")
 
 
-def test_safe_next_keeps_a_login_on_the_console() -> None:
+def test_safe_next_keeps_a_login_on_the_consoles_own_pages() -> None:
     assert console_app.safe_next("/usage?since=7d") == "/usage?since=7d"
+    assert console_app.safe_next("/keys/demo") == "/keys/demo"
+    assert console_app.safe_next("/usage?key=ключ") == "/usage?key=%D0%BA%D0%BB%D1%8E%D1%87"
     for bad in (None, "", "//evil.example", "/\\evil.example", "https://evil.example",
-                "/keys\r\nSet-Cookie: x=1"):
+                "/keys\r\nSet-Cookie: x=1", "/\t/evil.example", "/\x0b/evil.example",
+                "/\x85/evil.example", "/static/console.css", "/keysx", "evil.example/keys"):
         assert console_app.safe_next(bad) == "/keys"
 
 
@@ -271,6 +287,102 @@ def test_a_login_sets_a_session_and_a_post_needs_its_csrf_token(console: Any) ->
     assert "team-x" not in app.config.current().keys
 
 
+def _session(http: httpx.Client, app: console_app.Console) -> tuple[dict[str, str], str]:
+    """Logs alice in: (the headers of her requests, her CSRF token)."""
+    r = _login(http)
+    token = re.search(r"tg_console=([^;]+)", r.headers.get_list("set-cookie")[0])
+    assert token is not None
+    session = app.sessions.get(token[1])
+    assert session is not None
+    return {"Cookie": f"tg_console={token[1]}", "Origin": f"http://127.0.0.1:{PORT}"}, \
+        session.csrf
+
+
+def _key_form(page: str) -> dict[str, str]:
+    """The key page's change form, as a browser would send it unchanged."""
+    form = re.search(r'<form method="post" action="/keys/[^"]+" class="stack" '
+                     r'id="set-form">(.*?)</form>', page, re.DOTALL)
+    assert form is not None
+    out = {m[1]: html.unescape(m[2]) for m in re.finditer(
+        r'<input[^>]*name="([^"]+)"[^>]*value="([^"]*)"', form[1])}
+    out.update({m[1]: html.unescape(m[2]) for m in re.finditer(
+        r'<textarea[^>]*name="([^"]+)"[^>]*>(.*?)</textarea>', form[1], re.DOTALL)})
+    sel = re.search(r'<option value="([^"]*)" selected>', form[1])
+    out["priority"] = sel[1] if sel else out.get("priority", "")
+    return out
+
+
+def test_a_stale_key_form_is_answered_409_with_what_changed_never_a_revert(
+        console: Any) -> None:
+    http, app = console
+    headers, _csrf = _session(http, app)
+    shown = _key_form(http.get("/keys/demo", headers=headers).text)
+    assert (shown["rpm"], shown["tpm"]) == ("600", "200000")
+    # meanwhile, the command line changes the tokens per minute and the priority
+    subprocess.run([sys.executable, "-m", "tokengate.cli", "keys", "set", "demo",
+                    "--tpm", "5555", "--priority", "low", "--config", str(app.config.path),
+                    "--no-apply"], capture_output=True, check=True)
+    r = http.post("/keys/demo", data={**shown, "rpm": "7"}, headers=headers)
+    assert r.status_code == 409
+    stale = {f: (was, now) for f, was, now in re.findall(
+        r'<tr data-field="(\w+)"><td>\w+</td><td><code>([^<]*)</code></td>'
+        r'<td><code>([^<]*)</code>', r.text)}
+    assert stale == {"tpm": ("200000", "5555"), "priority": ("normal", "low")}
+    demo = tg_config.load(app.config.path).keys["demo"]
+    assert (demo.rpm, demo.tpm, demo.priority) == (600, 5555, "low")   # nothing reverted
+    # the 409's form shows the key as it is now: saved, it changes only what was typed
+    fresh = _key_form(r.text)
+    assert (fresh["tpm"], fresh["priority"]) == ("5555", "low")
+    saved = http.post("/keys/demo", data={**fresh, "rpm": "7"}, headers=headers)
+    assert (saved.status_code, saved.headers["location"]) == (303, "/keys/demo")
+    demo = tg_config.load(app.config.path).keys["demo"]
+    assert (demo.rpm, demo.tpm, demo.priority) == (7, 5555, "low")
+    # a form without a version (a page from before) changes nothing
+    old = {k: v for k, v in fresh.items() if k not in ("version", "shown")}
+    r = http.post("/keys/demo", data={**old, "rpm": "8"}, headers=headers)
+    assert r.status_code == 400
+    assert re.search(r'id="e-version">Not changed: this form has no version of the key it '
+                     r'showed: reload the page', r.text)
+    assert tg_config.load(app.config.path).keys["demo"].rpm == 7
+
+
+def test_a_change_with_redis_down_is_made_and_says_it_has_no_audit_entry(
+        console: Any) -> None:
+    http, app = console
+    headers, _csrf = _session(http, app)
+    form = _key_form(http.get("/keys/demo", headers=headers).text)
+    r = http.post("/keys/demo", data={**form, "rpm": "9"}, headers=headers)
+    assert (r.status_code, r.headers["location"]) == (303, "/keys/demo")
+    assert tg_config.load(app.config.path).keys["demo"].rpm == 9
+    page = http.get("/keys/demo", headers=headers).text
+    said = re.search(r'<p class="problem" id="not-audited">([^<]*)<', page)
+    assert said is not None and said[1].startswith("Made, but not in the audit stream "
+                                                    "(Redis: ")
+    # said once: the page's next load is the page itself
+    assert 'id="not-audited"' not in http.get("/keys/demo", headers=headers).text
+
+
+def test_a_query_of_more_than_50_fields_is_400_and_get_logout_405(console: Any) -> None:
+    http, app = console
+    headers, _csrf = _session(http, app)
+    many = "&".join(f"f{i}=1" for i in range(51))
+    r = http.get(f"/usage?{many}", headers=headers)
+    assert r.status_code == 400 and "a query has at most 50 fields" in r.text
+    r = http.get("/logout", headers=headers)
+    assert (r.status_code, r.headers["allow"]) == (405, "POST")
+
+
+def test_a_third_party_cannot_lock_an_admin_out(console: Any) -> None:
+    http, app = console
+    attacker = httpx.Client(transport=httpx.WSGITransport(app=app, remote_addr="10.9.9.9"),
+                            base_url=f"http://127.0.0.1:{PORT}")
+    for _ in range(5):
+        assert _login(attacker, pw="wrong password").status_code == 401
+    assert _login(attacker).status_code == 429          # that address waits
+    r = _login(http)                                     # alice, from her own address
+    assert (r.status_code, r.headers["location"]) == (303, "/keys")
+
+
 def test_too_many_failed_logins_are_answered_429(console: Any) -> None:
     http, _ = console
     for _ in range(5):
@@ -304,6 +416,20 @@ def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -
     demo = tg_config.load(path).keys["demo"]
     assert (demo.rpm, demo.priority) == (7, "low")
     assert list(queue.rglob("*.json")) == []
+    # a form's version checked by root's side too: a stale one changes nothing
+    shown = forms.form_values(tg_config.KeyConfig.model_validate(
+        {"sha256": "0" * 64, "rpm": 600, "tpm": 200000}))
+    got.clear()
+    ask = threading.Thread(target=lambda: got.append(changes.submit(
+        queue, changes.KeyChange("set", "demo", rpm=8, version=forms.key_version(shown),
+                                 shown=shown), "alice", wait_s=20)))
+    ask.start()
+    while not list((queue / "requests").glob("*.json")):
+        time.sleep(0.01)
+    assert changes.apply_queued(path, queue, []) == 1
+    ask.join(20)
+    assert got[0].stale == {"rpm": ["600", "7"], "priority": ["normal", "low"]}
+    assert tg_config.load(path).keys["demo"].rpm == 7
     bad = changes.submit(queue, changes.KeyChange("revoke", "nobody"), "alice", wait_s=0.2)
     assert bad.errors[0].startswith("not applied within 0 s: is tokengate-console-apply.path")
     assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one
@@ -385,3 +511,139 @@ def test_a_queued_rotation_is_made_by_console_apply(tmp_path: Path) -> None:
     assert (demo.sha256, [p.sha256 for p in demo.previous]) == ("b" * 64, [old])
     assert changes.KeyChange("rotate", "demo", sha256="b" * 64, overlap_s=60
                              ).audit_detail() == '{"overlap_s": 60}'
+
+
+# --- the console's own server, on a real socket ----------------------------------------
+
+
+@pytest.fixture
+def small_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``served`` with small bounds: 2 workers, 3 queued, reads time out after 1 s."""
+    monkeypatch.setattr(server._Server, "workers", 2)
+    monkeypatch.setattr(server._Server, "queued", 3)
+    monkeypatch.setattr(server._Handler, "timeout", 1.0)
+    monkeypatch.setattr(server._Handler, "deadline_s", 2.0)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, console_app.Console]]:
+    """The console of ``console``'s file served by ``server.listen`` (the ledger's) on a
+    free loopback port."""
+    from tokengate.process import free_port
+
+    port = free_port()
+    path = tmp_path / "tokengate.yaml"
+    path.write_text(repo_config_without_console())
+    set_admin(path, "alice", password.digest(PASSWORD))
+    path.write_text(path.read_text().replace(
+        "  console:\n", f"  console:\n    listen: 127.0.0.1:{port}\n"))
+    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,
+                         retry=Retry(NoBackoff(), 0))
+    app = console_app.Console(path, client, tmp_path / "usage.jsonl")
+    srv = server.listen("127.0.0.1", port, app)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_concurrent_wrong_passwords_are_counted_before_they_are_checked(
+        served: tuple[str, console_app.Console]) -> None:
+    """30 wrong passwords at once, then the right one: 5 checked, the rest 429."""
+    base, _ = served
+    with httpx.Client(base_url=base, timeout=60) as http:
+        forms_ = []
+        for _ in range(30):
+            page = http.get("/login")
+            token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+            assert token is not None
+            forms_.append(token[1])
+    start = threading.Barrier(30)
+    codes: list[int] = []
+
+    def guess(token: str) -> None:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            start.wait()
+            codes.append(c.post("/login", data={
+                "name": "alice", "password": "wrong password", "csrf": token,
+                "next": "/keys"}, headers={"Origin": base,
+                                           "Cookie": f"tg_console_login={token}"}
+                ).status_code)
+
+    threads = [threading.Thread(target=guess, args=(t,)) for t in forms_]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [401] * 5 + [429] * 25
+    with httpx.Client(base_url=base, timeout=60) as http:
+        assert _login(http, origin=base).status_code == 429
+
+
+def test_a_non_latin1_next_is_sent_percent_encoded(
+        served: tuple[str, console_app.Console]) -> None:
+    base, _ = served
+    with httpx.Client(base_url=base, timeout=60) as http:
+        page = http.get("/login")
+        token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert token is not None
+        r = http.post("/login", data={"name": "alice", "password": PASSWORD,
+                                      "csrf": token[1], "next": "/usage?key=ключ"},
+                      headers={"Origin": base, "Cookie": f"tg_console_login={token[1]}"})
+    assert (r.status_code, r.headers["location"]) == \
+        (303, "/usage?key=%D0%BA%D0%BB%D1%8E%D1%87")
+    assert r.headers["set-cookie"].startswith("tg_console=")
+
+
+def _console_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("console"))
+
+
+def test_slow_connections_take_no_more_than_the_pool_and_time_out(
+        small_pool: None, served: tuple[str, console_app.Console]) -> None:
+    """300 connections that send half a request: 2 workers serve, 3 wait, the others
+    are answered 503 at once; each slow one is closed when its read times out, and the
+    console answers again."""
+    base, _ = served
+    port = int(base.rsplit(":", 1)[1])
+    slow = []
+    for _ in range(300):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /login HTTP/1.1\r\nHost: 127.0.0")
+        slow.append(s)
+    assert _console_threads() <= 2
+    answers = [s.recv(200) for s in slow]   # every one ends: 503 at once, or timed out
+    assert {a if a == b"" else a[:13] for a in answers} == {b"", b"HTTP/1.1 503 "}
+    assert _console_threads() <= 2
+    for s in slow:
+        s.close()
+    with httpx.Client(base_url=base, timeout=60) as http:
+        assert http.get("/login").status_code == 200
+
+
+def test_a_request_sent_a_byte_at_a_time_is_cut_at_its_deadline(
+        small_pool: None, served: tuple[str, console_app.Console]) -> None:
+    """One header byte every 0.2 s never lets a read time out; the request's deadline
+    (2 s here) still ends the connection, unanswered."""
+    base, _ = served
+    port = int(base.rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    s.settimeout(0.2)
+    got = None
+    for _ in range(300):   # 60 s at most; the deadline ends it after about 2 s
+        try:
+            s.sendall(b"a")
+            got = s.recv(200)
+        except TimeoutError:
+            continue
+        except OSError:    # reset: the server closed it while bytes were arriving
+            got = b""
+        break
+    s.close()
+    assert got == b""
+    with httpx.Client(base_url=base, timeout=60) as http:
+        assert http.get("/login").status_code == 200

@@ -223,6 +223,22 @@ def test_the_status_is_served_on_the_loopback_status_server_only(
         .status_code == 404
 
 
+def test_the_status_server_answers_only_its_own_host_names(
+        edge_variant_off_vllm: Callable[..., Edge]) -> None:
+    """A DNS-rebinding page reaches the status port through the browser's own loopback,
+    with its own host name in Host: 421, and no key names or counts."""
+    e = edge_variant_off_vllm("status-host")
+    base = f"http://127.0.0.1:{e.status_port}"
+    for path in ("/tokengate/status", "/metrics"):
+        r = httpx.get(base + path, headers={"Host": f"rebind.example:{e.status_port}"},
+                      timeout=10)
+        assert (r.status_code, r.text) == (
+            421, "this status server answers its own address only (Host)\n")
+        for host in (f"127.0.0.1:{e.status_port}", f"localhost:{e.status_port}"):
+            assert httpx.get(base + path, headers={"Host": host}, timeout=10
+                             ).status_code == 200
+
+
 
 def test_a_client_is_an_ipv4_address_or_an_ipv6_64_unless_exempt() -> None:
     # lockout.client() of raw addresses ($binary_remote_addr), inside nginx's LuaJIT

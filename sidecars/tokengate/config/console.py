@@ -74,8 +74,11 @@ class ConsoleConfig(_Schema):
                     "another host (not recommended).")
     login_attempts: int = Field(
         default=5, ge=1, le=1000,
-        description="Failed logins allowed per admin name and per client address within "
-                    "`login_window_s`; more are answered 429 until the window has passed.")
+        description="Failed logins allowed per client address (any names) within "
+                    "`login_window_s`, and 10 times as many per admin name from every "
+                    "address together, which an address the admin logged in from before "
+                    "does not count; more are answered 429 until the window has passed. "
+                    "An attempt counts as failed from before its password is checked.")
     login_window_s: int = Field(
         default=300, ge=1, le=86400,
         description="The window of `login_attempts`, s.")

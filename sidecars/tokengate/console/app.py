@@ -13,9 +13,11 @@ session's CSRF token; else 403 and nothing changes.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import secrets
 import sys
+import threading
 import traceback
 import urllib.parse
 from collections.abc import Callable, Iterable
@@ -57,6 +59,12 @@ MAX_BODY = 64 * 1024        # bytes of a form; more: 413
 LOGIN_COOKIE = "tg_console_login"
 MAX_DAYS = 366              # the longest usage range, days
 SESSIONS_SHOWN = 20         # a key's most recent agent sessions on its page
+MAX_FIELDS = 50             # fields of a query or a form; more: 400
+AUDIT_SHOWN = 200           # entries on the audit page
+AUDIT_SCANNED = 20_000      # stream entries read at most to find them
+# the pages a login may go on to (``next``)
+PAGES = ("/keys", "/usage", "/live", "/audit")
+FLASHES_MAX = 1_000         # outcomes kept for the page a POST redirects to
 HERE = Path(__file__).parent
 
 
@@ -101,12 +109,18 @@ def _first(qs: dict[str, list[str]]) -> dict[str, str]:
 
 
 def safe_next(target: str | None) -> str:
-    """Where a login goes on: a path of the console only (never another host:
-    ``//evil``, ``/\\evil``, a scheme)."""
-    if not target or not target.startswith("/") or target.startswith(("//", "/\\")) \
-            or any(c in target for c in "\r\n\\"):
+    """Where a login goes on: one of the console's own pages (``PAGES``, or below
+    one), as ASCII. Anything else is ``/keys``: a control character anywhere (browsers
+    drop TAB and newlines from a URL, so ``/\t/evil`` is ``//evil``), a backslash, a
+    scheme or host. Other non-ASCII characters are percent-encoded: a ``Location``
+    header is Latin-1 at most, and a character beyond it would cut the answer."""
+    if not target or any(ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f or c == "\\"
+                         for c in target):
         return "/keys"
-    return target
+    path = target.split("?", 1)[0].split("#", 1)[0]
+    if not any(path == p or path.startswith(p + "/") for p in PAGES):
+        return "/keys"
+    return urllib.parse.quote(target, safe="/?&=%#+,;:@!$'()*~.-_")
 
 
 class Config:
@@ -166,6 +180,9 @@ class Console:
         # what runs, for the admins (not on the login page): tokengate.version
         self.templates.globals.update(pct=_pct, tokengate_version=tg_version.describe())
         self.css = (HERE / "static" / "console.css").read_bytes()
+        # what a POST did, for the page its 303 leads to (one per session, shown once)
+        self._flashes: dict[str, dict[str, Any]] = {}
+        self._flash_lock = threading.Lock()
 
     # --- the WSGI side -------------------------------------------------------------
 
@@ -201,9 +218,12 @@ class Console:
         host = environ.get("HTTP_HOST", "")
         if host not in self.allowed_hosts(cfg):
             return self.plain(421, f"this console does not answer to host {host[:100]!r}")
-        req = Request(method, environ.get("PATH_INFO") or "/",
-                      _first(urllib.parse.parse_qs(environ.get("QUERY_STRING", ""),
-                                                   max_num_fields=50)),
+        try:
+            query = _first(urllib.parse.parse_qs(environ.get("QUERY_STRING", ""),
+                                                 max_num_fields=MAX_FIELDS))
+        except ValueError:
+            return self.plain(400, f"a query has at most {MAX_FIELDS} fields")
+        req = Request(method, environ.get("PATH_INFO") or "/", query,
                       _cookies(environ.get("HTTP_COOKIE", "")), host,
                       environ.get("HTTP_ORIGIN"), environ.get("REMOTE_ADDR", ""))
         if req.path == "/static/console.css":
@@ -249,9 +269,9 @@ class Console:
         body = environ["wsgi.input"].read(length).decode("utf-8", "replace")
         try:
             req.form = _first(urllib.parse.parse_qs(body, keep_blank_values=True,
-                                                    max_num_fields=50))
+                                                    max_num_fields=MAX_FIELDS))
         except ValueError:
-            return self.plain(400, "too many fields in this form")
+            return self.plain(400, f"a form has at most {MAX_FIELDS} fields")
         return None
 
     def route(self, req: Request, cfg: tg_config.Config) -> Response:
@@ -262,6 +282,9 @@ class Console:
             assert req.session is not None
             self.sessions.end(req.session.token)
             return _redirect("/login", 303)
+        if p == "/logout":  # a link or a typed URL: logging out is the header's button
+            return self.plain(405, "log out with the Log out button (a POST)",
+                              [("Allow", "POST")])
         if p == "/keys":
             return self.keys_page(req, cfg)
         if p == "/keys/new":
@@ -289,6 +312,8 @@ class Console:
             return self.usage_csv(req, cfg)
         if p == "/live":
             return self.live_page(req, cfg)
+        if p == "/audit":
+            return self.audit_page(req, cfg)
         return self.page(404, "error.html", req, title="Not found",
                          message=f"No page at {req.path[:200]!r}.")
 
@@ -309,7 +334,8 @@ class Console:
                          title=HTTPStatus(status).phrase, message=message)
 
     def audit(self, req: Request, action: str, key: str = "", detail: str = "",
-              result: str = "ok", admin: str | None = None) -> None:
+              result: str = "ok", admin: str | None = None) -> str | None:
+        """Writes the audit entry; returns why it could not (None: written)."""
         cfg = self.config.cfg
         who = admin if admin is not None else (req.session.admin if req.session else "")
         try:
@@ -318,6 +344,25 @@ class Console:
         except (RedisError, OSError) as e:
             log.error("audit entry not written (Redis: %s): %s %s %s by %s", e, action,
                       key, result, who)
+            return f"Redis: {' '.join(str(e).split())[:200]}"
+        return None
+
+    def flash(self, req: Request, at: str, **ctx: Any) -> None:
+        """Keeps ``ctx`` for page ``at`` (a path), the next this session shows (the
+        303 after a POST leads there)."""
+        assert req.session is not None
+        with self._flash_lock:
+            if len(self._flashes) >= FLASHES_MAX:
+                del self._flashes[next(iter(self._flashes))]
+            self._flashes[req.session.token] = {"at": at, **ctx}
+
+    def flashed(self, req: Request) -> dict[str, Any]:
+        """What the last POST of this session left for this page (once), or {}."""
+        if req.session is None or req.method != "GET":
+            return {}
+        with self._flash_lock:
+            ctx = self._flashes.pop(req.session.token, {})
+        return ctx if ctx.get("at") == req.path else {}
 
     # --- login ---------------------------------------------------------------------
 
@@ -333,7 +378,8 @@ class Console:
         given = req.form.get("csrf")
         if not given or given != req.cookies.get(LOGIN_COOKIE):
             return self.plain(403, "this login form is not from this browser: reload it")
-        wait = self.limiter.wait_s(name, req.client)
+        # counted as a failure before the (slow) check: see LoginLimiter
+        wait = self.limiter.attempt(name, req.client)
         token = secrets.token_urlsafe(24)
         if wait > 0:
             return self.page(429, "login.html", None,
@@ -343,7 +389,6 @@ class Console:
                              error=f"Too many failed logins: try again in {int(wait) + 1} s.")
         if not password.verify_admin(dict(cfg.ledger.console.admins), name,
                                      req.form.get("password", "")):
-            self.limiter.failed(name, req.client)
             self.audit(req, "login_failed", result="refused", admin=name)
             return self.page(401, "login.html", None, self._login_cookie(token, cfg),
                              csrf=token, next=safe_next(req.form.get("next")), name=name,
@@ -371,6 +416,9 @@ class Console:
                   notice: str | None = None, outcome: changes.Outcome | None = None
                   ) -> Response:
         entries, minutes, problem = data.keys_view(cfg, self.client, data.today())
+        if status == 200 and notice is None and outcome is None:
+            flashed = self.flashed(req)
+            notice, outcome = flashed.get("notice"), flashed.get("outcome")
         return self.page(status, "keys.html", req, title="Keys", entries=entries,
                          minutes=minutes, problem=problem, notice=notice, outcome=outcome,
                          global_limits=cfg.global_limits.enabled, page="keys")
@@ -393,8 +441,15 @@ class Console:
             outcome = changes.submit(cc.changes_dir, change, req.session.admin)
         else:
             outcome = changes.make(cfg.path, change, list(cc.edges))
-        self.audit(req, changes.ACTIONS[change.verb], change.name, change.audit_detail(),
-                   "ok" if outcome.ok else "refused: " + "; ".join(outcome.errors)[:500])
+        if outcome.stale:
+            result = "refused: stale form: changed since " + ", ".join(outcome.stale)
+        else:
+            result = "ok" if outcome.ok else "refused: " + "; ".join(outcome.errors)[:500]
+        problem = self.audit(req, changes.ACTIONS[change.verb], change.name,
+                             change.audit_detail(), result)
+        if problem is not None and outcome.ok:
+            # made, and said so: never a change that silently has no audit entry
+            outcome.not_audited = problem
         return outcome
 
     def create_key(self, req: Request, cfg: tg_config.Config) -> Response:
@@ -412,10 +467,21 @@ class Console:
                  checked: forms.Checked | None = None, status: int = 200,
                  outcome: changes.Outcome | None = None) -> Response:
         k = cfg.keys[name]
-        values = checked.values if checked else {
-            "rpm": str(k.rpm), "tpm": str(k.tpm),
-            "models": ", ".join(k.allowed_models) if k.allowed_models else "",
-            "budgets": forms.budget_specs(k), "priority": k.priority}
+        if status == 200 and outcome is None:
+            outcome = self.flashed(req).get("outcome")
+        current = forms.form_values(k)
+        values = checked.values if checked else current
+        # the version the form carries: a form shown again with its messages keeps the
+        # one it was loaded with, so saving it still finds a change made meanwhile
+        shown = current
+        if checked is not None:
+            given = req.form.get("shown", "")
+            try:
+                doc = json.loads(given) if given else None
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict) and forms.key_version(doc) == req.form.get("version"):
+                shown = doc
         one = cfg.model_copy(update={"keys": {name: k}})
         entries, minutes, problem = data.keys_view(one, self.client, data.today())
         since = data.today() - timedelta(days=29)
@@ -428,6 +494,8 @@ class Console:
         return self.page(status, "key.html", req, title=f"Key {name}", name=name,
                          entry=entries[0], minute=(minutes or {}).get(name), problem=problem,
                          values=values, errors=checked.errors if checked else {},
+                         version=forms.key_version(shown),
+                         shown=json.dumps(shown, sort_keys=True, separators=(",", ":")),
                          outcome=outcome, rows=rows, since=since.isoformat(), page="keys",
                          sessions=sessions, session_budget=k.session_budget,
                          session_days=cfg.ledger.session_days,
@@ -441,9 +509,15 @@ class Console:
             return self.key_page(req, cfg, name, checked, 400)
         outcome = self._make(req, cfg, change)
         cfg = self.config.current()
+        if outcome.stale and name in cfg.keys:
+            # the current settings, with a new version, and what changed: the admin
+            # makes the change again on them, never over them
+            return self.key_page(req, cfg, name, None, 409, outcome)
         if not outcome.ok or name not in cfg.keys:
             return self.key_page(req, cfg, name, checked, 400, outcome)
-        return self.key_page(req, cfg, name, None, 200, outcome)
+        at = f"/keys/{urllib.parse.quote(name, safe='')}"
+        self.flash(req, urllib.parse.unquote(at), outcome=outcome)
+        return _redirect(at)
 
     def revoke_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
         if req.form.get("confirm") != name:
@@ -453,7 +527,8 @@ class Console:
         cfg = self.config.current()
         if not outcome.ok:
             return self.key_page(req, cfg, name, None, 400, outcome)
-        return self.keys_page(req, cfg, notice=f"Key {name} revoked.", outcome=outcome)
+        self.flash(req, "/keys", notice=f"Key {name} revoked.", outcome=outcome)
+        return _redirect("/keys")
 
     def rotate_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
         """A new secret, shown once (as a created key's); the old one valid for the
@@ -525,7 +600,8 @@ class Console:
                          chart_days=charts.tokens_per_day(rows, days),
                          chart_keys=charts.top_keys(rows, cfg.currency),
                          chart_models=charts.spend_per_model(rows, cfg.currency),
-                         keys=list(cfg.keys), models=list(cfg.models), page="usage",
+                         keys=self._usage_keys(cfg, q), models=list(cfg.models),
+                         page="usage",
                          since=q.since.isoformat(), until=q.until.isoformat())
 
     def usage_csv(self, req: Request, cfg: tg_config.Config) -> Response:
@@ -551,3 +627,30 @@ class Console:
         return self.page(200, "live.html", req, title="Live", edges=edges,
                          refusals=refusals, page="live",
                          window_min=int(data.REFUSALS_WINDOW.total_seconds() // 60))
+
+    def _usage_keys(self, cfg: tg_config.Config, q: data.UsageQuery) -> list[str]:
+        """The Usage filter's keys: the file's, then those that have usage in the
+        range and are no longer in it (revoked), and the one asked for."""
+        try:
+            seen = data.keys_with_usage(self.client, q.since, q.until)
+        except (RedisError, OSError):
+            seen = []
+        gone = sorted(set(seen) - set(cfg.keys) | ({q.key} - set(cfg.keys) if q.key else set()))
+        return [*cfg.keys, *gone]
+
+    # --- audit ---------------------------------------------------------------------
+
+    def audit_page(self, req: Request, cfg: tg_config.Config) -> Response:
+        """The audit stream, newest first: the changes and logins (console and command
+        line) by default, every entry (the billed requests too) with ``?all=1``; at most
+        ``AUDIT_SHOWN`` entries, found among the newest ``AUDIT_SCANNED``."""
+        every = req.query.get("all") == "1"
+        problem = None
+        try:
+            entries, scanned = data.audit_entries(self.client, AUDIT_SHOWN, AUDIT_SCANNED,
+                                                  changes_only=not every)
+        except (RedisError, OSError) as e:
+            entries, scanned, problem = [], 0, f"Redis unavailable: {e}"
+        return self.page(200, "audit.html", req, title="Audit", entries=entries,
+                         scanned=scanned, every=every, problem=problem, page="audit",
+                         shown_max=AUDIT_SHOWN)

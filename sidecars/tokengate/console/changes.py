@@ -72,6 +72,11 @@ class KeyChange:
     no_budgets: bool = False
     priority: str | None = None
     overlap_s: int | None = None
+    # optimistic concurrency of a ``set`` from a form: the version of the key's settings
+    # the form showed (``forms.key_version``) and those settings (``forms.form_values``);
+    # a file whose key is at another version by now is left as it is (``Stale``)
+    version: str | None = None
+    shown: dict[str, str] | None = None
 
     def change(self, data: CommentedMap) -> None:
         """Make the change in the round-trip YAML data (``tokengate.keys.edit``'s
@@ -99,7 +104,7 @@ class KeyChange:
         """What changed, for the audit stream (JSON; never a secret: a rotation's new
         digest is left out too, as the CLI's entries do)."""
         doc = {k: v for k, v in asdict(self).items()
-               if v not in (None, False) and k not in ("verb", "name")
+               if v not in (None, False) and k not in ("verb", "name", "version", "shown")
                and not (k == "sha256" and self.verb == "rotate")}
         return json.dumps(doc, sort_keys=True)
 
@@ -113,19 +118,58 @@ class Outcome:
     applied: list[str] = field(default_factory=list)
     not_applied: list[str] = field(default_factory=list)
     no_edge: str | None = None    # no running edge was found: said so
+    # a stale form (409): per field, [what the form showed, what the file has now]
+    stale: dict[str, list[str]] = field(default_factory=dict)
+    not_audited: str | None = None  # the change is made but has no audit entry: why
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
 
+class Stale(Exception):
+    """The key changed since its form was shown: ``changed`` per field, [shown, now]."""
+
+    def __init__(self, changed: dict[str, list[str]]) -> None:
+        super().__init__("changed since the form was shown")
+        self.changed = changed
+
+
+def _check_version(path: Path, change: KeyChange) -> None:
+    """Raises ``Stale`` when key ``change.name`` of the file (read under the edit's
+    lock, so no other ``keys`` edit lands between this check and the write) is not at
+    the version the form showed."""
+    from tokengate.console import forms
+
+    key = tg_config.load(path).keys.get(change.name)
+    if key is None:
+        raise LookupError(f"no key {change.name!r}: it was revoked since the form was shown")
+    now = forms.form_values(key)
+    if forms.key_version(now) == change.version:
+        return
+    shown = change.shown if change.shown is not None \
+        and forms.key_version(change.shown) == change.version else {}
+    changed = {f: [shown.get(f, "?"), v] for f, v in now.items() if shown.get(f) != v}
+    raise Stale(changed or {f: ["?", v] for f, v in now.items()})
+
+
 def make(path: Path, change: KeyChange, edges: list[Path]) -> Outcome:
     """Edit ``path`` with ``change`` and reload its edges (``edges``: folders, as
-    ``--edge``; empty: the file's own), as ``tokengate keys`` does."""
+    ``--edge``; empty: the file's own), as ``tokengate keys`` does. A change with a
+    ``version`` that the key is no longer at is refused with ``stale`` set."""
     import argparse
 
+    def checked(data: CommentedMap) -> None:
+        if change.version is not None:
+            _check_version(path, change)
+        change.change(data)
+
     try:
-        cfg = edit(path, keeping_heading(change.change))
+        cfg = edit(path, keeping_heading(checked))
+    except Stale as e:
+        return Outcome(errors=[("the key was changed since this page was loaded (by the "
+                                "command line or another admin): nothing saved")],
+                       stale=e.changed)
     except tg_config.ConfigError as e:
         return Outcome(errors=list(e.errors))
     except (LookupError, argparse.ArgumentTypeError) as e:

@@ -8,7 +8,8 @@
 - replicas: each edge's status server (``/tokengate/status``: health, KV cache usage,
   waiting requests, outstanding reserved tokens per replica, and the counts of requests
   refused before a key was known);
-- refusals: the usage events (status >= 400) at the end of the ledger's usage file.
+- refusals: the usage events (status >= 400) at the end of the ledger's usage file;
+- audit: the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``), newest first.
 """
 
 from __future__ import annotations
@@ -261,3 +262,83 @@ def recent_refusals(usage_file: Path, now: datetime, window: timedelta = REFUSAL
 
 def today() -> date:
     return datetime.now(UTC).date()
+
+
+def keys_with_usage(client: SyncRedis, since: date, until: date) -> list[str]:
+    """The key ids with usage on days ``since``..``until`` (the ledger's day index, the
+    one ``report.query`` reads), revoked keys included, sorted. Raises ``RedisError``."""
+    days = [str(d) for d in client.zrangebyscore(
+        redis_keys.DAYS_KEY, redis_keys.day_score(since.isoformat()),
+        redis_keys.day_score(until.isoformat()))]
+    pipe = client.pipeline(transaction=False)
+    for day in days:
+        pipe.smembers(redis_keys.idx_key(day))
+    found: set[str] = set()
+    for members in pipe.execute() if days else []:
+        for m in members:
+            key_id = json.loads(m)[0]
+            if key_id:
+                found.add(key_id)
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One entry of the audit stream as the audit page shows it: ``id`` (the stream's,
+    epoch ms-sequence), ``ts`` (UTC, ISO 8601), ``kind`` (console, cli; "request" for
+    a billed usage event), who (``admin``), ``action``, ``key``, ``detail``,
+    ``result`` and the client address."""
+
+    id: str
+    ts: str
+    kind: str
+    admin: str
+    action: str
+    key: str
+    detail: str
+    result: str
+    client: str
+
+
+AUDIT_PAGE = 500   # stream entries read per XREVRANGE
+
+
+def audit_entries(client: SyncRedis, shown: int, scanned_max: int,
+                  changes_only: bool = True) -> tuple[list[AuditEntry], int]:
+    """The newest ``shown`` entries of the audit stream, newest first, reading at most
+    ``scanned_max`` entries (the usage events' entries are most of the stream: with
+    ``changes_only`` they are skipped); returns (entries, entries read). Raises
+    ``RedisError``."""
+    out: list[AuditEntry] = []
+    scanned = 0
+    upper = "+"
+    while len(out) < shown and scanned < scanned_max:
+        batch = client.xrevrange(redis_keys.AUDIT_KEY, upper, "-",
+                                 count=min(AUDIT_PAGE, scanned_max - scanned))
+        if not batch:
+            break
+        for sid, fields in batch:
+            scanned += 1
+            f = {str(k): str(v) for k, v in (fields or {}).items()}
+            if "kind" not in f and changes_only:
+                continue
+            if "kind" in f:
+                entry = AuditEntry(str(sid), f.get("ts", ""), f["kind"], f.get("admin", ""),
+                                   f.get("action", ""), f.get("key", ""),
+                                   f.get("detail", ""), f.get("result", ""),
+                                   f.get("client", ""))
+            else:  # a billed request (tokengate.ledger.join)
+                detail = " ".join(f"{k}={v}" for k, v in f.items()
+                                  if k not in ("rid", "ts", "key"))
+                entry = AuditEntry(str(sid), f.get("ts", ""), "request", "", "billed",
+                                   f.get("key", ""), f"rid={f.get('rid', '')} {detail}",
+                                   "ok", "")
+            out.append(entry)
+            if len(out) >= shown:
+                break
+        # the next page ends just before the last entry read (an exclusive range)
+        last = batch[-1][0]
+        upper = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+        if len(batch) < AUDIT_PAGE:
+            break
+    return out, scanned

@@ -8,6 +8,8 @@ and shown the same way.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,12 +136,42 @@ def set_(form: Mapping[str, str], cfg: tg_config.Config,
          name: str) -> tuple[KeyChange | None, Checked]:
     """The change form of key ``name`` -> (the change, or None with the messages). The
     form shows every value: rpm, tpm, models and priority are set as given, the
-    budgets replace the key's (empty: none)."""
+    budgets replace the key's (empty: none). The form's ``version`` (required) and
+    ``shown`` (the values it showed, JSON) go with the change: a key changed since is
+    not overwritten (``changes.Stale``)."""
     c = _values(form, SET_FIELDS)
+    version = form.get("version", "")
+    if not re.fullmatch(r"[0-9a-f]{64}", version):
+        c.errors["version"] = ("this form has no version of the key it showed: reload "
+                               "the page and make the change again")
+    try:
+        shown = json.loads(form.get("shown", "") or "null")
+    except ValueError:
+        shown = None
+    if not isinstance(shown, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in shown.items()):
+        shown = None
     fields = _key_fields(c, cfg)
     if c.errors:
         return None, c
-    return KeyChange("set", name, no_budgets=True, **fields), c
+    return KeyChange("set", name, no_budgets=True, version=version, shown=shown,
+                     **fields), c
+
+
+def form_values(key: tg_config.KeyConfig) -> dict[str, str]:
+    """What the change form shows of ``key`` and a save writes back, field by field
+    (rpm, tpm, models, budgets, priority), as text."""
+    return {"rpm": str(key.rpm), "tpm": str(key.tpm),
+            "models": ", ".join(key.allowed_models) if key.allowed_models else "",
+            "budgets": budget_specs(key), "priority": key.priority}
+
+
+def key_version(values: Mapping[str, str]) -> str:
+    """The version of a key's settings that a form carries: SHA-256 (hex) of
+    ``form_values``' JSON. Only what the form writes back counts: a change of another
+    setting (a rotated secret) cannot be undone by the save, so it does not stale it."""
+    text = json.dumps(dict(values), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def budget_specs(key: tg_config.KeyConfig) -> str:

@@ -77,17 +77,35 @@ class Sessions:
                 del self._by_token[token]
 
 
+NAME_FACTOR = 10       # a name's failures from every address: this many times an address's
+KNOWN_MAX = 10_000     # (name, address) pairs remembered after a successful login
+
+
 class LoginLimiter:
-    """Failed logins per admin name and per client address: after ``attempts`` failures
-    within ``window_s`` (sliding) the next attempt is refused until the oldest of them
-    is ``window_s`` old; a successful login clears its name and address."""
+    """Failed logins, counted before the password is checked: ``attempt`` checks the
+    limits and counts the attempt as a failure in one step under the lock, so
+    concurrent guesses cannot all pass the check before the first failure is counted
+    (a scrypt check takes a tenth of a second); ``succeeded`` takes that count back.
+
+    Two limits, each ``window_s`` sliding:
+
+    - per client address: ``attempts`` failures, whatever names they tried;
+    - per admin name: ``attempts * NAME_FACTOR`` failures from every address together
+      (guessing spread over many addresses), which an address this name has logged in
+      from before (``succeeded``: remembered for ``window_s * 288``, a day with the
+      default 300 s) does not count: a third party can lock out its own address and
+      new ones, never an admin's known address.
+    """
 
     def __init__(self, attempts: int, window_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.attempts = attempts
+        self.name_attempts = attempts * NAME_FACTOR
         self.window_s = window_s
+        self.known_s = window_s * 288
         self.clock = clock
         self._failures: dict[str, list[float]] = {}
+        self._known: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
     def _recent(self, who: str, now: float) -> list[float]:
@@ -98,25 +116,42 @@ class LoginLimiter:
             self._failures.pop(who, None)
         return kept
 
-    def wait_s(self, name: str, client: str) -> float:
-        """Seconds until an attempt for ``name`` from ``client`` is allowed (0: now)."""
-        now = self.clock()
-        with self._lock:
-            waits = [recent[0] + self.window_s - now
-                     for who in (f"n:{name}", f"c:{client}")
-                     if len(recent := self._recent(who, now)) >= self.attempts]
-        return max(waits, default=0.0)
+    def _is_known(self, name: str, client: str, now: float) -> bool:
+        seen = self._known.get((name, client))
+        return seen is not None and seen > now - self.known_s
 
-    def failed(self, name: str, client: str) -> None:
+    def attempt(self, name: str, client: str) -> float:
+        """One login attempt for ``name`` from ``client``: 0 when it may go on (it is
+        counted as a failure until ``succeeded``), else the seconds until one may (and
+        nothing is counted)."""
         now = self.clock()
         with self._lock:
             if len(self._failures) > 100_000:  # a flood of names: forget the stale ones
                 for who in list(self._failures):
                     self._recent(who, now)
-            for who in (f"n:{name}", f"c:{client}"):
+            counted = [(f"c:{client}", self.attempts)]
+            if not self._is_known(name, client, now):
+                counted.append((f"n:{name}", self.name_attempts))
+            waits = [recent[-limit] + self.window_s - now for who, limit in counted
+                     if len(recent := self._recent(who, now)) >= limit]
+            if waits:
+                return max(waits)
+            for who, _ in counted:
                 self._failures.setdefault(who, []).append(now)
+            return 0.0
 
     def succeeded(self, name: str, client: str) -> None:
+        """The attempt's password was right: the address's failures are forgotten, the
+        name's (other addresses') stay, and the address is known for this name."""
+        now = self.clock()
         with self._lock:
-            self._failures.pop(f"n:{name}", None)
             self._failures.pop(f"c:{client}", None)
+            named = None if self._is_known(name, client, now) \
+                else self._failures.get(f"n:{name}")  # a known address's are not counted
+            if named:
+                named.pop()  # this attempt's (its list holds at least it)
+                if not named:
+                    del self._failures[f"n:{name}"]
+            if len(self._known) >= KNOWN_MAX:
+                del self._known[min(self._known, key=self._known.__getitem__)]
+            self._known[(name, client)] = now

@@ -129,7 +129,16 @@ def render_http(templates: Path, lua_dir: Path, edge_json: Path, counter_socket:
         "HOP_ADDRESS": hop_address,
         "LIMITS_SERVERS": "\n".join(f"    server {a} max_fails=0;" for a in limits),
         "LIMITS_TIMEOUT_MS": str(limits_timeout_ms), "STATUS_LISTEN": status_listen,
+        "STATUS_HOSTS": status_hosts(status_listen),
     })
+
+
+def status_hosts(status_listen: str) -> str:
+    """The status server's ``server_name``s: its own address and the loopback names
+    (nginx matches the Host header without its port)."""
+    host = status_listen.rpartition(":")[0]
+    names = dict.fromkeys([host, "127.0.0.1", "localhost", "[::1]"])
+    return " ".join(names)
 
 
 @dataclass(frozen=True)
