@@ -69,6 +69,13 @@ TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "tokengate.yaml"
 
 
+def suite_model() -> tg_config.ModelConfig:
+    """The repository's model with the suite's context (``TEST_MAX_MODEL_LEN``), as
+    ``config_path`` configures it: for the tests that load a counter in-process."""
+    model = tg_config.load(REPO_CONFIG).models[MODEL]
+    return model.model_copy(update={"max_model_len": TEST_MAX_MODEL_LEN})
+
+
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

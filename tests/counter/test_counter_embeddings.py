@@ -18,7 +18,7 @@ from tokengate.counter.errors import ContextLengthExceeded
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.v1 import counter_pb2
 
-from tests.conftest import MODEL, REPO_CONFIG
+from tests.conftest import MODEL, REPO_CONFIG, suite_model
 from tests.counter_cases import CJK, EMOJI, LOREM
 from tests.counter_embeddings_cases import CASES, MAX_MODEL_LEN, REFUSED
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def counter() -> ModelCounter:
-    return ModelCounter.load(load(REPO_CONFIG).models[MODEL])
+    return ModelCounter.load(suite_model())
 
 
 def embed(counter: ModelCounter, input_: Any, **kw: Any) -> tuple[int, int]:
@@ -163,7 +163,7 @@ def _model_dir(tmp_path: Path, files: dict[str, Any]) -> Path:
 
 
 def test_a_lower_case_encoder_counts_the_lower_cased_text(tmp_path: Path) -> None:
-    cfg = load(REPO_CONFIG).models[MODEL]
+    cfg = suite_model()
     model_dir = _model_dir(tmp_path, {"sentence_bert_config.json": {
         "max_seq_length": 512, "do_lower_case": True}})
     lower = ModelCounter.load(cfg.model_copy(update={"dir": model_dir}))

@@ -11,11 +11,10 @@ import random
 from typing import Any
 
 import pytest
-from tokengate.config import load
 from tokengate.counter.apis import anthropic_messages as am
 from tokengate.counter.counting import BadRequest, ModelCounter
 
-from tests.conftest import REPO_CONFIG
+from tests.conftest import suite_model
 from tests.counter_messages_cases import (
     CASES,
     DEFERRED,
@@ -39,7 +38,7 @@ MERGING = am.TemplatePolicy(merge_inline_system=True, disabled_thinking_effort="
 
 @pytest.fixture(scope="module")
 def counter() -> ModelCounter:
-    return ModelCounter.load(load(REPO_CONFIG).models["tiny-qwen3"])
+    return ModelCounter.load(suite_model())
 
 
 def chat(body: dict[str, Any], policy: am.TemplatePolicy = QWEN) -> dict[str, Any]:

@@ -10,11 +10,10 @@ import random
 from typing import Any
 
 import pytest
-from tokengate.config import load
 from tokengate.counter.apis import openai_responses as orr
 from tokengate.counter.counting import BadRequest, ModelCounter
 
-from tests.conftest import REPO_CONFIG
+from tests.conftest import suite_model
 from tests.counter_responses_cases import (
     CASES,
     REFUSED,
@@ -37,7 +36,7 @@ WEATHER_CHAT_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def counter() -> ModelCounter:
-    return ModelCounter.load(load(REPO_CONFIG).models["tiny-qwen3"])
+    return ModelCounter.load(suite_model())
 
 
 def chat(body: dict[str, Any]) -> dict[str, Any]:
