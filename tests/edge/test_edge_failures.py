@@ -111,6 +111,29 @@ def test_slow_counter_fails_open_within_its_timeout(edge_variant: Callable[..., 
     assert elapsed < 3, f"took {elapsed:.1f} s with a 300 ms count timeout"
 
 
+def test_a_counter_outage_is_one_error_log_line_and_one_when_it_is_back(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    """nginx logged each failed connect of each request ([crit] connect() ... failed): a
+    counter restart wrote 70 lines in 19 s."""
+    def probe_each_request(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+        raw["edge"]["counter_backoff_ms"] = 0  # no breaker: every request tries the counter
+    path = no_counter("restart")
+    for i in (0, 1):  # stopped counter workers withdraw their sockets
+        path.with_name(f"{path.name}.{i}").unlink(missing_ok=True)
+    e = edge_variant_off_vllm("counter-restart", probe_each_request, counter_socket=path)
+    down = [post(e, chat(f"question {i}")) for i in range(10)]
+    assert [r.headers["x-token-count-source"] for r in down] == ["estimate"] * 10
+    with fake_counter(path, lambda request: fixed_reply(7)):
+        back = [post(e, chat(f"again {i}")) for i in range(3)]
+    assert [r.headers["x-token-count"] for r in back] == ["7"] * 3
+    log = e.log_path.read_text()
+    assert (log.count("[crit]"), log.count("counter unavailable"),
+            log.count("counter answers again")) == (0, 1, 1), log[-3000:]
+    assert "counter unavailable (down: connect: " in log
+
+
 @pytest.mark.parametrize("death", ["refuses", "dies with the call"])
 def test_a_dead_counter_worker_falls_through_to_the_other_one(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str,
