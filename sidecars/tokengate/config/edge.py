@@ -449,10 +449,11 @@ class EdgeConfig(_Schema):
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the edge writes. Default: ledger.usage_file.")
     global_limits_timeout_ms: Positive = Field(
-        default=250,
+        default=1000,
         description="With global_limits.enabled: how long admission waits for the "
                     "global-limit sidecar before admitting on the local limits alone, ms; "
-                    "more than 2 x redis.timeout_ms.")
+                    "more than 2 x redis.timeout_ms (the sidecar's deadline, a retry "
+                    "included), with room for the hop and a loaded host.")
     global_limits_backoff_ms: Count = Field(
         default=500,
         description="After a failure of the global tier, requests skip it (local limits "
