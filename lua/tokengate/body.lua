@@ -13,6 +13,10 @@ local models_mod = require "tokengate.models"
 
 local ngx_req = ngx.req
 local ngx_var = ngx.var
+local ngx_sleep = ngx.sleep
+local spawn = ngx.thread.spawn
+local wait = ngx.thread.wait
+local kill = ngx.thread.kill
 local io_open = io.open
 local type = type
 local tonumber = tonumber
@@ -79,12 +83,48 @@ function _M.check_headers(max_bytes)
     return true
 end
 
--- read(max_bytes) -> body text | nil, err. Reads the client body whether nginx kept it
--- in memory or spooled it to a temporary file (bodies larger than
+-- sleep(s): ngx.sleep as a Lua function (spawn() takes no C function)
+local function sleep(s)
+    ngx_sleep(s)
+end
+
+-- read_within(deadline_s) -> true | nil, err (408): nginx reads the body, within
+-- deadline_s in all. nginx's client_body_timeout is per read, so a client that sends a
+-- byte now and then would hold the request (and its worker connection) for ever: the
+-- read runs in a light thread that a sleeping one outlives at the deadline. Killing the
+-- reader leaves nginx's body reading unfinished, so nginx closes the connection after
+-- the answer instead of keeping it alive (verified with Debian's nginx 1.22 + lua
+-- 0.10.23, HTTP/1.1 with Content-Length and chunked). A body that arrived with the
+-- headers is read before spawn() returns: no sleeper then.
+local function read_within(deadline_s)
+    local done = false
+    local reader = spawn(function()
+        ngx_req.read_body()
+        done = true
+    end)
+    if done then
+        return true
+    end
+    local sleeper = spawn(sleep, deadline_s)
+    wait(reader, sleeper)
+    if done then
+        kill(sleeper)
+        return true
+    end
+    kill(reader)
+    return fail(408, format("The request body did not arrive within %d s (edge.body_deadline_s)",
+        deadline_s), nil, "request_timeout")
+end
+
+-- read(max_bytes, deadline_s) -> body text | nil, err. Reads the client body whether
+-- nginx kept it in memory or spooled it to a temporary file (bodies larger than
 -- client_body_buffer_size): a gateway that reads only get_body_data() would see nil and
--- forward the file unchecked.
-function _M.read(max_bytes)
-    ngx_req.read_body()
+-- forward the file unchecked. deadline_s: the whole body's deadline, s (408 after it).
+function _M.read(max_bytes, deadline_s)
+    local ok, err = read_within(deadline_s)
+    if not ok then
+        return nil, err
+    end
     local data = ngx_req.get_body_data()
     if not data then
         local path = ngx_req.get_body_file()
@@ -381,8 +421,8 @@ end
 -- tokengate.bounds); body.model then names a configured model. route: "chat" |
 -- "completions" | a route of api; api: the route's API module (tokengate.messages),
 -- whose validate(route, body, models, edge) replaces the chat and completions checks
--- and bounds, or nil; edge: the compiled edge settings (max_body_bytes, max_json_depth,
--- template_kwargs_allowed, structured_output, max_unknown_fields_bytes). err.model: the
+-- and bounds, or nil; edge: the compiled edge settings (max_body_bytes, body_deadline_s,
+-- max_json_depth, template_kwargs_allowed, structured_output, max_unknown_fields_bytes). err.model: the
 -- body's "model" when it names a configured model (for the usage event; a client's
 -- unknown name is never passed on: it can be any size).
 function _M.parse(route, models, edge, api)
@@ -391,7 +431,7 @@ function _M.parse(route, models, edge, api)
         return nil, err
     end
     local raw
-    raw, err = _M.read(edge.max_body_bytes)
+    raw, err = _M.read(edge.max_body_bytes, edge.body_deadline_s)
     if not raw then
         return nil, err
     end

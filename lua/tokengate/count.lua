@@ -129,7 +129,7 @@ function _M.prompt(route, model, body, edge)
     if refused then
         return nil, refused
     end
-    if failure.reason ~= "backoff" then
+    if not failure.outage then -- an outage is logged once, by tokengate.sidecar
         ngx_log(WARN, "tokengate: counter unavailable (", failure.reason, ": ",
             failure.message, "), failing ", edge.on_counter_failure)
     end

@@ -13,6 +13,7 @@ local cjson = require "cjson.safe"
 local ngx_print = ngx.print
 local pairs = pairs
 local ngx_exit = ngx.exit
+local HTTP_OK = ngx.HTTP_OK
 local null = json.null
 local encode = json.encode
 local object = json.object
@@ -123,7 +124,10 @@ function _M.send(ctx, err)
         end
     end
     ngx_print(body)
-    return ngx_exit(err.status)
+    -- nginx terminates a request finalized with 408 without sending what was printed
+    -- (it takes 408 for its own client_body_timeout): end it as answered instead, the
+    -- status stays 408
+    return ngx_exit(err.status == 408 and HTTP_OK or err.status)
 end
 
 -- What nginx itself answers (error pages before or around the edge's Lua), as errors:

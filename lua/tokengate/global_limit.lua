@@ -77,11 +77,11 @@ local function state(r, limits)
     }
 end
 
--- fallback(failure, what) -> the fallback counters' reason; logged unless the breaker
--- was open. what: what decides instead.
+-- fallback(failure, what) -> the fallback counters' reason; logged unless it is part of
+-- an outage (tokengate.sidecar logs those once). what: what decides instead.
 local function fallback(failure, what)
     local reason = FALLBACK[failure.reason] or "error"
-    if reason ~= "backoff" then
+    if not failure.outage then -- an outage is logged once, by tokengate.sidecar
         ngx_log(WARN, "tokengate: global limits ", reason, " (", failure.message,
             "): admitting on ", what)
     end

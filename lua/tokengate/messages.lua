@@ -323,7 +323,8 @@ end
 local TYPES = {
     [400] = "invalid_request_error", [401] = "authentication_error",
     [402] = "billing_error", [403] = "permission_error", [404] = "not_found_error",
-    [413] = "request_too_large", [429] = "rate_limit_error", [504] = "timeout_error",
+    [408] = "timeout_error", [413] = "request_too_large", [429] = "rate_limit_error",
+    [504] = "timeout_error",
     [529] = "overloaded_error",
 }
 local OVERLOADED = { overloaded = true, model_waking = true }

@@ -22,12 +22,22 @@
 -- that says the sidecar is down or slow (unreachable, timeout, UNAVAILABLE, DEADLINE
 -- EXCEEDED) calls fail at once with reason "backoff" for backoff_ms; then the next call
 -- probes again. An outage costs one timeout per backoff period, not one per request.
+--
+-- Error log: one line when an outage starts (the first down/slow failure, whichever
+-- worker saw it) and one when the sidecar answers again, not one per call: nginx's own
+-- line for each failed cosocket connect is off in the API's location
+-- (lua_socket_log_errors), or a counter restart wrote 70 [crit] lines in 19 s.
 
 local ngx = ngx
 local pb = require "tokengate.pb"
 
 local tcp = ngx.socket.tcp
+local io_open = io.open
 local ngx_now = ngx.now
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+local format = string.format
 local byte = string.byte
 local tonumber = tonumber
 local tostring = tostring
@@ -45,6 +55,7 @@ local mt = { __index = _M }
 
 local GRPC_DEADLINE_EXCEEDED = 4
 local GRPC_UNAVAILABLE = 14
+local ENOENT = 2
 local KEEPALIVE_MS = 60000
 local POOL_SIZE = 64
 
@@ -77,7 +88,7 @@ function _M.new(name, address, timeout_ms, backoff_ms, dict)
     return setmetatable({
         name = name, host = host, port = port, timeout_ms = timeout_ms,
         backoff_s = backoff_ms / 1000, dict = dict, breaker_key = "breaker:" .. name,
-        pool = "tokengate_hop:" .. address,
+        outage_key = "outage:" .. name, pool = "tokengate_hop:" .. address,
     }, mt)
 end
 
@@ -96,12 +107,15 @@ function _M.frames(name, sockets, timeout_ms, backoff_ms, dict)
         if sub(sockets[i], 1, 5) ~= "unix:" then
             return nil, "sidecar " .. name .. ": not a unix socket: " .. tostring(sockets[i])
         end
-        peers[i] = { host = sockets[i], pool = "tokengate_frames:" .. sockets[i], busy = 0,
-                     changed = 0, down_until = 0 }
+        -- ok: answered since its last failure (connect() then skips the file check)
+        peers[i] = { host = sockets[i], file = sub(sockets[i], 6),
+                     pool = "tokengate_frames:" .. sockets[i], busy = 0, changed = 0,
+                     down_until = 0, ok = false }
     end
     return setmetatable({
         name = name, peers = peers, turn = 0, timeout_ms = timeout_ms,
         backoff_s = backoff_ms / 1000, dict = dict, breaker_key = "breaker:" .. name,
+        outage_key = "outage:" .. name,
     }, mt)
 end
 
@@ -201,6 +215,19 @@ end
 -- hop server: self; a counter socket: one of self.peers), each step of the call within
 -- timeout_ms (default self.timeout_ms)
 local function connect(self, peer, timeout_ms)
+    if peer.file and not peer.ok then
+        -- nginx logs a connect() to a unix socket file that is not there at [crit],
+        -- whatever lua_socket_log_errors says (a counter worker removes its socket when
+        -- it stops and publishes the next one once its models are loaded): look first.
+        -- Only for a peer that has not answered since its last failure: pooled calls
+        -- cost no system call.
+        local f, _, errno = io_open(peer.file, "rb")
+        if f then
+            f:close()
+        elseif errno == ENOENT then
+            return nil, "no such file or directory"
+        end
+    end
     local sock = tcp()
     local t = timeout_ms or self.timeout_ms
     sock:settimeouts(t, t, t)
@@ -234,12 +261,37 @@ end
 -- for the reasons that say the sidecar is down or slow. heavy: the call was large, so a
 -- timeout says nothing about the sidecar (a client must not be able to switch a sidecar
 -- off for everyone with one slow body).
+-- failure.outage: the failure is part of an outage that this module logs (callers log
+-- only the others).
 local function failure(self, reason, message, grpc_status, heavy)
-    if reason ~= "error" and reason ~= "backoff" and self.backoff_s > 0
-            and not (heavy and reason == "timeout") then
-        self.dict:set(self.breaker_key, true, self.backoff_s)
+    local outage = reason ~= "error" and reason ~= "backoff"
+        and not (heavy and reason == "timeout")
+    if outage then
+        if self.backoff_s > 0 then
+            self.dict:set(self.breaker_key, true, self.backoff_s)
+        end
+        -- add() is atomic across workers: the first failure of an outage logs it
+        if self.dict:add(self.outage_key, ngx_now()) then
+            ngx_log(ERR, "tokengate: ", self.name, " unavailable (", reason, ": ",
+                tostring(message), "); logged again when it answers")
+        end
     end
-    return nil, { reason = reason, message = message, grpc_status = grpc_status }
+    return nil, { reason = reason, message = message, grpc_status = grpc_status,
+                  outage = outage }
+end
+
+-- answered(self): the sidecar answered (a reply or its own verdict); ends an outage,
+-- logged once: the outage's start time names it, and add() lets one worker log it.
+local function answered(self)
+    local dict = self.dict
+    local since = dict:get(self.outage_key)
+    if since then
+        if dict:add(self.outage_key .. ":over:" .. since, true, 60) then
+            ngx_log(WARN, "tokengate: ", self.name, " answers again after ",
+                format("%.1f", ngx_now() - since), " s")
+        end
+        dict:delete(self.outage_key)
+    end
 end
 
 -- exchange_frames(sock, frame) -> status, payload | nil, err: one counter frame sent,
@@ -319,6 +371,7 @@ local function attempt(self, peer, frame, timeout_ms)
         local status, payload = exchange_frames(sock, frame)
         if not status and payload ~= "timeout" and sock:getreusedtimes() > 0 then
             sock:close()
+            peer.ok = false
             sock, err = connect(self, peer, timeout_ms)
             if sock then
                 status, payload = exchange_frames(sock, frame)
@@ -327,12 +380,15 @@ local function attempt(self, peer, frame, timeout_ms)
         if sock then
             if not status then
                 sock:close()
+                peer.ok = false
                 return nil, payload
             end
+            peer.ok = true
             sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
             return status, payload
         end
     end
+    peer.ok = false
     peer.down_until = ngx_now() + DOWN_S
     return nil, "connect: " .. tostring(err)
 end
@@ -372,27 +428,8 @@ local function call_frames(self, frame, weight)
     return nil, { reason = "status", grpc_status = status, message = payload }
 end
 
--- call(path, message, weight) -> reply message bytes | nil, failure
---   path: the gRPC method, "/tokengate.v1.GlobalLimits/Reserve" (the hop's; a frames
---   client serves CountTokens only and ignores it); message: the serialized request
---   (unframed protobuf bytes: a string, or a list of strings sent one after the other,
---   pb.count_request's pieces); weight: counter frames only, an integer >= 1 (default
---   1): the call may take weight x timeout_ms, and when above 1 (a large body) its
---   timeout does not open the breaker. Every method called through here is
---   idempotent, so a pooled connection the server had closed is retried once.
---   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
---                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
---                      | "status" (another non-zero gRPC status: the sidecar's verdict)
---                      | "error" (a broken reply or an unexpected HTTP status),
---               grpc_status = <number> | nil, message = <grpc-message or why> }
-function _M.call(self, path, message, weight)
-    if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
-        return nil, { reason = "backoff", message = self.name .. " skipped after a failure" }
-    end
-    local frame, size = pb.frame(message)
-    if self.peers then
-        return call_frames(self, frame, weight or 1)
-    end
+-- call_hop(self, path, frame, size) -> call()'s results, through the hop server
+local function call_hop(self, path, frame, size)
     local sock, err = connect(self, self)
     if not sock then
         return failure(self, "down", "connect: " .. tostring(err))
@@ -442,6 +479,39 @@ function _M.call(self, path, message, weight)
         return failure(self, "error", "reply: " .. ferr)
     end
     return msg
+end
+
+-- call(path, message, weight) -> reply message bytes | nil, failure
+--   path: the gRPC method, "/tokengate.v1.GlobalLimits/Reserve" (the hop's; a frames
+--   client serves CountTokens only and ignores it); message: the serialized request
+--   (unframed protobuf bytes: a string, or a list of strings sent one after the other,
+--   pb.count_request's pieces); weight: counter frames only, an integer >= 1 (default
+--   1): the call may take weight x timeout_ms, and when above 1 (a large body) its
+--   timeout does not open the breaker. Every method called through here is
+--   idempotent, so a pooled connection the server had closed is retried once.
+--   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
+--                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
+--                      | "status" (another non-zero gRPC status: the sidecar's verdict)
+--                      | "error" (a broken reply or an unexpected HTTP status),
+--               grpc_status = <number> | nil, message = <grpc-message or why>,
+--               outage = true when this module logged it (an outage's start, or a
+--                        call during one) }
+function _M.call(self, path, message, weight)
+    if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
+        return nil, { reason = "backoff", message = self.name .. " skipped after a failure",
+                      outage = true }
+    end
+    local frame, size = pb.frame(message)
+    local msg, fail
+    if self.peers then
+        msg, fail = call_frames(self, frame, weight or 1)
+    else
+        msg, fail = call_hop(self, path, frame, size)
+    end
+    if msg or fail.reason == "status" then
+        answered(self)
+    end
+    return msg, fail
 end
 
 -- backing_off() -> true while the breaker is open (for /tokengate/status)

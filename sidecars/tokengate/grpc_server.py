@@ -266,11 +266,15 @@ def _worker(parent_pid: int, target: Callable[..., None], args: tuple[Any, ...])
 
 
 def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
-                workers: int) -> None:
+                workers: int, listen: Listen | None = None) -> None:
     """Run ``target(*args, index)`` for index 0..workers-1, each in its own (spawned)
     process, until SIGTERM/SIGINT; a worker that dies is started again, a worker whose
     parent dies gets SIGTERM; SIGHUP is passed on to every worker. With one worker it
-    runs in this process. Returns once every worker stopped (SIGKILL after 5 s)."""
+    runs in this process. Returns once every worker stopped (SIGKILL after 5 s).
+    ``listen``: the workers' addresses; the unix socket of a worker that died (killed:
+    it could not withdraw it) is removed before the next one starts, so that a client
+    finds no file, as after a clean stop, instead of one that refuses connections
+    (nginx logs each refused connect, not a missing file the edge looked for first)."""
     if workers <= 1:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it
         target(*args, 0)
@@ -305,6 +309,9 @@ def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
         for i, p in list(procs.items()):
             if not p.is_alive() and not stopping:
                 print(f"{name} worker {i} exited with {p.exitcode}; restarting", flush=True)
+                sock = listen.socket_of(i) if listen is not None else None
+                if sock:
+                    Path(sock).unlink(missing_ok=True)
                 start(i)
     for p in procs.values():
         if p.pid is not None and p.is_alive():

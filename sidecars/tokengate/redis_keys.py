@@ -34,6 +34,9 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
                                        engine_records, engine_duplicates,
                                        engine_unmatched, engine_probes,
                                        engine_late (of an engine file)
+    <p>:spans:<ledger_id>              hash: traced (spans of the events it applied,
+                                       handed to the export), exported, lost:<reason>
+                                       (tokengate.ledger.tracing.SpanStore)
 
 The join of edge events and engine records (``tokengate.ledger.reconcile``)::
 
@@ -159,6 +162,10 @@ def done_key(ledger_id: str) -> str:
 
 def stats_key(ledger_id: str) -> str:
     return f"{PREFIX}:stats:{_enc(ledger_id)}"
+
+
+def spans_key(ledger_id: str) -> str:
+    return f"{PREFIX}:spans:{_enc(ledger_id)}"
 
 
 PENDING_KEY = f"{PREFIX}:pending"

@@ -194,3 +194,42 @@ def test_a_socket_path_too_long_for_the_kernel_stops_the_counter_with_what_to_do
     want = (f"tokengate-counter: unix socket {sock}: a worker's path such as {sock}.99 is "
             "111 bytes; a unix socket path holds at most 107: choose a shorter folder")
     assert r.stderr.strip().splitlines() == [want]
+
+
+def _publish_then_die(marker_dir: str, listen: object, index: int) -> None:
+    """A worker for run_workers: says whether its socket path was there when it started,
+    puts a file there (standing for its published socket), and the first one of index 0
+    is killed as by kill -9 (nothing withdrawn)."""
+    from tokengate import grpc_server
+
+    assert isinstance(listen, grpc_server.Listen)
+    path = Path(str(listen.socket_of(index)))
+    runs = sorted(Path(marker_dir).glob(f"found.{index}.*"))
+    Path(marker_dir, f"found.{index}.{len(runs)}").write_text(str(path.exists()))
+    path.write_text("")
+    if index == 0 and not runs:
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.sigwait({signal.SIGTERM})
+
+
+def test_the_socket_of_a_killed_worker_is_gone_before_the_next_one_starts(
+        tmp_path: Path) -> None:
+    """A killed counter worker left its socket file: nginx logged each connect the edge
+    made to it, refused, until the next worker published its own (seconds: it loads the
+    models). A missing file the edge looks for first, and logs once per outage."""
+    script = (
+        "import sys; sys.path[:0] = [sys.argv[1]]\n"
+        "from tokengate import grpc_server\n"
+        "from tests.counter.test_grpc_workers import _publish_then_die\n"
+        "listen = grpc_server.Listen((), sys.argv[2] + '/w.sock')\n"
+        "grpc_server.run_workers('test', _publish_then_die, (sys.argv[2], listen), 2, listen)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parents[2]),
+                             str(tmp_path)])
+    try:
+        wait_until(lambda: (tmp_path / "found.0.1").exists(), 30,
+                   what="worker 0 started again")
+        assert [(tmp_path / f).read_text() for f in ("found.0.0", "found.0.1")] == \
+            ["False", "False"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -307,12 +307,12 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
      [f"keys.demo.models.tiny-qwen4: 'tiny-qwen4' is not a configured model ({MODEL})"]),
     (put("keys.copy", {"sha256": DEMO.upper(), "rpm": 1, "tpm": 1}),
      ["keys.copy.sha256: same digest as keys.demo"]),
-    (put("edge.global_limits_timeout_ms", 100),
-     [("edge.global_limits_timeout_ms: 100 must exceed the limits sidecar's Redis deadline, "
-       "2 x redis.timeout_ms = 100")]),
-    (put("redis.timeout_ms", 200),
-     [("edge.global_limits_timeout_ms: 250 must exceed the limits sidecar's Redis deadline, "
-       "2 x redis.timeout_ms = 400")]),
+    (put("edge.global_limits_timeout_ms", 500),
+     [("edge.global_limits_timeout_ms: 500 must exceed the limits sidecar's Redis deadline, "
+       "2 x redis.timeout_ms = 500")]),
+    (put("redis.timeout_ms", 600),
+     [("edge.global_limits_timeout_ms: 1000 must exceed the limits sidecar's Redis deadline, "
+       "2 x redis.timeout_ms = 1200")]),
     (every(put(f"models.{MODEL}.embedded", False),
            put(f"models.{MODEL}.upstreams", ["127.0.0.1:9", "127.0.0.1:8080"])),
      [(f"models.{MODEL}.upstreams.1: 127.0.0.1:8080 is edge.listen: the edge would proxy to "
@@ -342,7 +342,7 @@ def test_the_rules_hold_at_their_bounds(repo_raw: dict[str, Any], tmp_path: Path
     raw = copy.deepcopy(repo_raw)
     put(f"models.{MODEL}.default_max_tokens", 4096)(raw)
     put(f"models.{MODEL}.output_reserve", 65536)(raw)
-    put("edge.global_limits_timeout_ms", 101)(raw)
+    put("edge.global_limits_timeout_ms", 501)(raw)
     put("global_limits.listen", "127.0.0.1:8080")(raw)  # disabled: never bound
     cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
     assert cfg.models[MODEL].default_max_tokens == 4096

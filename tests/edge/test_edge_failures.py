@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -109,6 +110,29 @@ def test_slow_counter_fails_open_within_its_timeout(edge_variant: Callable[..., 
     assert r.status_code == 200, r.text
     assert r.headers["x-token-count-source"] == "estimate"
     assert elapsed < 3, f"took {elapsed:.1f} s with a 300 ms count timeout"
+
+
+def test_a_counter_outage_is_one_error_log_line_and_one_when_it_is_back(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    """nginx logged each failed connect of each request ([crit] connect() ... failed): a
+    counter restart wrote 70 lines in 19 s."""
+    def probe_each_request(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+        raw["edge"]["counter_backoff_ms"] = 0  # no breaker: every request tries the counter
+    path = no_counter("restart")
+    for i in (0, 1):  # stopped counter workers withdraw their sockets
+        path.with_name(f"{path.name}.{i}").unlink(missing_ok=True)
+    e = edge_variant_off_vllm("counter-restart", probe_each_request, counter_socket=path)
+    down = [post(e, chat(f"question {i}")) for i in range(10)]
+    assert [r.headers["x-token-count-source"] for r in down] == ["estimate"] * 10
+    with fake_counter(path, lambda request: fixed_reply(7)):
+        back = [post(e, chat(f"again {i}")) for i in range(3)]
+    assert [r.headers["x-token-count"] for r in back] == ["7"] * 3
+    log = e.log_path.read_text()
+    assert (log.count("[crit]"), log.count("counter unavailable"),
+            log.count("counter answers again")) == (0, 1, 1), log[-3000:]
+    assert "counter unavailable (down: connect: " in log
 
 
 @pytest.mark.parametrize("death", ["refuses", "dies with the call"])
@@ -364,6 +388,111 @@ def test_reload_reads_the_recompiled_config(edge_variant: Callable[..., Edge]) -
         time.sleep(0.2)
     assert r.status_code == 200, r.text
     assert r.headers["x-ratelimit-limit-requests"] == "7"
+
+
+def _workers(master: int) -> set[int]:
+    """The pids of nginx's worker processes (the master's children)."""
+    return {int(p) for p in Path(f"/proc/{master}/task/{master}/children").read_text().split()}
+
+
+def test_an_answer_from_a_worker_shutting_down_says_connection_close(
+        edge_variant_off_vllm: Callable[..., Edge], slow_upstream_url: str) -> None:
+    """An old worker closes the connection after the answer it was serving when nginx
+    reloaded; its answer said keep-alive, so a client sent its next request on it and
+    met a reset."""
+    def slow(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [slow_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+    e = edge_variant_off_vllm("reload-close", slow)
+    master = int((Path(e.service.argv[e.service.argv.index("-p") + 1]) / "nginx.pid")
+                 .read_text())
+    body = json.dumps(chat("hi", max_tokens=3000)).encode()  # 2 ms a token: ~6 s
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+               b"Authorization: Bearer " + MAIN_KEY.encode() + b"\r\n"
+               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+               + body)
+    with socket.create_connection(("127.0.0.1", e.port), timeout=60) as s:
+        s.sendall(request)
+        old = _workers(master)
+        os.kill(master, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while not _workers(master) - old:  # the new workers started: the old ones exit
+            assert time.monotonic() < deadline, "no new workers"
+            time.sleep(0.05)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    connection = [v.strip().lower() for k, _, v in (x.partition(":") for x in lines[1:])
+                  if k.lower() == "connection"]
+    assert (lines[0], "close" in connection) == ("HTTP/1.1 200 OK", True)
+    assert json.loads(rest)["usage"]["completion_tokens"] == 3000
+
+
+def test_reloads_under_a_steady_stream_reset_only_idle_reused_connections(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
+    """`config apply` and SIGHUP reload nginx: four requests of a soak got a reset, no
+    answer and no event. Keep-alive clients and new connections, streamed and not, send
+    without pause through five reloads. A new connection is never reset (the listening
+    socket is the master's, handed to the new workers). A reused one can be: the old
+    worker closes its idle keep-alive connections at once, and the connections whose
+    answer began before the reload right after that answer, and a request sent in that
+    instant meets the close. nginx never read such a request (no usage event), so a
+    client retries it on a new connection, as the openai and anthropic SDKs do."""
+    def fast(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+    e = edge_variant_off_vllm("reload-stream", fast)
+    master = int((Path(e.service.argv[e.service.argv.index("-p") + 1]) / "nginx.pid")
+                 .read_text())
+    stop = threading.Event()
+    answered: list[int] = []
+    resets: list[str] = []
+
+    def client(stream: bool, keepalive: bool) -> None:
+        body = chat("hi", max_tokens=4)
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        with httpx.Client(timeout=30, headers=HEADERS) as c:
+            while not stop.is_set():
+                for attempt in (1, 2):  # the retry an SDK makes on a reset
+                    try:
+                        if keepalive:
+                            r = c.post(e.base_url + "/chat/completions", json=body)
+                        else:
+                            r = httpx.post(e.base_url + "/chat/completions", json=body,
+                                           headers=HEADERS, timeout=30)
+                        answered.append(r.status_code)
+                        break
+                    except httpx.TransportError as err:
+                        resets.append(f"{type(err).__name__} (stream={stream}, "
+                                      f"keepalive={keepalive}, attempt {attempt})")
+    threads = [threading.Thread(target=client, args=(stream, keepalive), daemon=True)
+               for stream in (False, True) for keepalive in (True, True, False)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(5):
+            old = _workers(master)
+            seen = len(answered)
+            os.kill(master, signal.SIGHUP)
+            wait = time.monotonic() + 30
+            # the old workers gone, and requests answered since by the new ones
+            while _workers(master) & old or len(answered) < seen + 50:
+                assert time.monotonic() < wait, "the reload did not finish"
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert [x for x in resets if "keepalive=False" in x or "attempt 2" in x] == []
+    assert set(answered) == {200}
+    deadline = time.monotonic() + 10
+    while len(e.events()) < len(answered):  # the log phase runs after the answer
+        assert time.monotonic() < deadline, "an answered request has no event"
+        time.sleep(0.05)
+    assert len(e.events()) == len(answered)  # none for a request that met a reset
 
 
 def test_error_logs_have_no_lua_errors(edge: Edge) -> None:

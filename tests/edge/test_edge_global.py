@@ -579,7 +579,7 @@ def test_a_stalled_sidecar_times_out_to_local_limits(config_path: Path, counter_
     Path(f"{sock}.0").unlink(missing_ok=True)
     server.add_insecure_port(f"unix:{sock}.0")
     server.start()
-    edge = start_edge(config_path, "gl-stalled", upstream_hostport, sock, timeout_ms=300,
+    edge = start_edge(config_path, "gl-stalled", upstream_hostport, sock, timeout_ms=600,
                       limits_workers=1)
     try:
         key = GLOBAL_KEYS["gl-recover"][0]

@@ -118,3 +118,49 @@ def test_a_body_that_never_arrives_is_a_408_event_with_its_error(
         time.sleep(0.05)
     assert [(ev["error"], ev["key_id"], ev["endpoint"], ev["usage_source"])
             for ev in evs] == [("request_timeout", "edge-main", "chat", "none")]
+
+
+@pytest.mark.parametrize("path,shape", [
+    ("/v1/chat/completions", {"error": {
+        "message": "The request body did not arrive within 2 s (edge.body_deadline_s)",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout"}}),
+    ("/v1/messages", {"type": "error", "error": {
+        "type": "timeout_error",
+        "message": "The request body did not arrive within 2 s (edge.body_deadline_s)"}}),
+], ids=["openai", "anthropic"])
+def test_a_body_sent_a_byte_at_a_time_ends_at_the_body_deadline_with_a_408(
+        edge_variant_off_vllm: Callable[..., Edge], path: str, shape: dict[str, Any]) -> None:
+    """nginx's client_body_timeout is per read: a byte before each read times out kept a
+    request open for ever, and was logged as 400 invalid_request when the client left."""
+    def edit(raw: dict[str, Any]) -> None:
+        dead_upstream(raw)
+        raw["edge"]["client_body_timeout_s"] = 60
+        raw["edge"]["body_deadline_s"] = 2
+    e = edge_variant_off_vllm("slow-body", edit)
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"anthropic-version: 2023-06-01\r\n").encode() + AUTH + CL + b"\r\n"
+    with socket.create_connection(("127.0.0.1", e.port), timeout=30) as s:
+        s.sendall(head + BODY[:1])
+        s.settimeout(0.2)
+        data, sent = b"", 1
+        while not data.endswith(b"}"):
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                # still reading: one more byte (never the whole body), one read at a time
+                assert sent < len(BODY) - 1, "the whole body was read"
+                s.sendall(BODY[sent:sent + 1])
+                sent += 1
+                continue
+            assert chunk, f"closed without an answer after {sent} bytes: {data!r}"
+            data += chunk
+    head_text, _, body = data.partition(b"\r\n\r\n")
+    lines = head_text.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in
+               (line.partition(":") for line in lines[1:])}
+    assert (lines[0], headers["content-type"], headers["connection"]) == \
+        ("HTTP/1.1 408 Request Time-out", "application/json", "close")
+    assert json.loads(body) == shape
+    ev = e.event(headers["x-request-id"])
+    assert (ev["status"], ev["error"], ev["key_id"], ev["usage_source"]) == \
+        (408, "request_timeout", "edge-main", "none")

@@ -334,6 +334,13 @@ class EdgeConfig(_Schema):
         default=60,
         description="nginx's client_body_timeout: a client that sends nothing of its body "
                     "for this long gets 408 (the event's error: request_timeout), s.")
+    body_deadline_s: Positive = Field(
+        default=120,
+        description="The whole request body's deadline, from the first read, s: a client "
+                    "still sending after it gets 408 in the API's shape (the event's error: "
+                    "request_timeout). client_body_timeout_s bounds each read only, so a "
+                    "byte now and then would hold a request open for ever. 120 s lets a "
+                    "4 MiB body (max_body_bytes' default) arrive at 35 KB/s.")
     max_body_bytes: int = Field(
         default=4 << 20, ge=1024, le=COUNTER_MAX_MESSAGE_BYTES,
         description="Largest request body, bytes (413 above it); at most the counter's gRPC "
@@ -442,10 +449,11 @@ class EdgeConfig(_Schema):
         default=Path("var/usage/usage.jsonl"), validate_default=True,
         description="Usage event file the edge writes. Default: ledger.usage_file.")
     global_limits_timeout_ms: Positive = Field(
-        default=250,
+        default=1000,
         description="With global_limits.enabled: how long admission waits for the "
                     "global-limit sidecar before admitting on the local limits alone, ms; "
-                    "more than 2 x redis.timeout_ms.")
+                    "more than 2 x redis.timeout_ms (the sidecar's deadline, a retry "
+                    "included), with room for the hop and a loaded host.")
     global_limits_backoff_ms: Count = Field(
         default=500,
         description="After a failure of the global tier, requests skip it (local limits "

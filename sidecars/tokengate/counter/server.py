@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokengate-counter {tg_version.describe()}: starting", flush=True)
     metrics.serve(args.metrics_listen or cfg.metrics.counter_listen, "counter", args.workers)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
-                            args.workers)
+                            args.workers, listen)
 
 
 if __name__ == "__main__":

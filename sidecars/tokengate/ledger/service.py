@@ -97,7 +97,10 @@ TRACING
   are exported over OTLP (tracing.endpoint, tracing.protocol) from a thread of their
   own once their batch is applied: a collector that is down or slow loses spans
   (tokengate_trace_spans_lost_total), never events. Spans wait while Redis is down,
-  with their events. Changing the tracing section needs a restart.
+  with their events. The span counts are kept in Redis per ledger id, so exported +
+  lost equals the spans of the applied events across restarts: a ledger killed with
+  spans queued has them counted lost (reason killed) when it starts again. Changing
+  the tracing section needs a restart.
 
 STATUS
   --status-file gets a JSON snapshot every second: applied, duplicates, bad_lines,
@@ -162,7 +165,8 @@ _LAG_S = ("Age of the oldest event not yet applied, s (0 when none waits; absent
 class LedgerCollector(Collector):
     """The ledger's own numbers (``Ledger.totals``, its lags) as Prometheus metrics, read
     at scrape time: the status file and /metrics show the same values. Counts are this
-    process's, since it started."""
+    process's, since it started; the span counts are the ledger id's, across restarts
+    (``tracing.SpanStore``)."""
 
     def __init__(self, ledger: Ledger, spans: SpanExport | None = None) -> None:
         self.ledger = ledger
@@ -179,7 +183,8 @@ class LedgerCollector(Collector):
             lost = CounterMetricFamily(
                 "tokengate_trace_spans_lost", "Spans lost: queue_full (more waiting than "
                 "tracing.max_queue_spans), export_failed (the collector was down, refused "
-                "or too slow), shutdown (queued when the ledger stopped).",
+                "or too slow), shutdown (queued when the ledger stopped), killed (queued "
+                "when an earlier process of this ledger was killed).",
                 labels=["reason"])
             for reason, n in self.spans.lost.items():
                 lost.add_metric([reason], n)
@@ -255,15 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokengate-ledger {tg_version.describe()}: starting", file=sys.stderr, flush=True)
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    ledger_id = args.ledger_id or default_ledger_id(usage_file)
     spans: SpanExport | None = None
     if cfg.tracing.enabled and not args.engine_only:
         # imported only then: the OpenTelemetry SDK and its exporters take a while
-        from tokengate.ledger.tracing import SpanExport
+        from tokengate.ledger.tracing import SpanExport, SpanStore
 
-        spans = SpanExport(cfg.tracing)
+        spans = SpanExport(cfg.tracing, store=SpanStore(client, ledger_id))
     try:
-        ledger = Ledger(cfg, client, usage_file,
-                        args.ledger_id or default_ledger_id(usage_file), max_lines=args.batch,
+        ledger = Ledger(cfg, client, usage_file, ledger_id, max_lines=args.batch,
                         rotate_wait_s=0.0 if args.once else None,
                         engine_files=args.engine_files, engine_only=args.engine_only,
                         on_events=spans.events if spans else None)

@@ -8,7 +8,10 @@ its own exports them with the official OTLP exporter (gRPC or HTTP/protobuf). No
 this path waits on the collector: a collector that is down or slow fills the queue, and
 what does not fit or fails to export is lost and counted (``lost``), never a request or
 an event. Spans are exported once: a batch is handed over after Redis committed it, so a
-ledger killed in between loses that batch's spans instead of sending them twice.
+ledger killed in between loses that batch's spans instead of sending them twice. The
+counts add up across restarts (``SpanStore``): a ledger killed with spans queued or in an
+export leaves them traced in Redis and neither exported nor lost, and its next start
+counts them lost (``killed``).
 
 One trace per request (span kinds and names per the OpenTelemetry GenAI semantic
 conventions, open-telemetry/semantic-conventions-genai docs/gen-ai/client-inference.md,
@@ -51,9 +54,12 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from redis.exceptions import RedisError
 
 from tokengate.config.sidecars import TracingConfig
 from tokengate.ledger.event import Trace, UsageEvent
+from tokengate.redis_client import SyncRedis
+from tokengate.redis_keys import spans_key
 
 log = logging.getLogger("tokengate.ledger.tracing")
 
@@ -255,6 +261,67 @@ def span_count(ev: UsageEvent) -> int:
     return 2 if tr.upstream and tr.upstream_span_id else 1
 
 
+LOST_REASONS = ("queue_full", "export_failed", "shutdown", "killed")
+
+
+class SpanStore:
+    """The span counts of one ledger (``ledger_id``) in Redis (``redis_keys.spans_key``:
+    ``traced``, ``exported``, ``lost:<reason>``), so that exported + lost == traced holds
+    across its restarts. ``traced`` grows when the ledger hands the spans of a batch that
+    Redis committed to the export; ``exported`` and ``lost:*`` when their fate is known. A
+    ledger killed with spans queued or in an export leaves traced above exported + lost:
+    ``recover()``, at the next start, counts the difference as ``lost:killed``. What
+    remains uncounted is a batch whose process died between its commit and ``add`` (one
+    Redis round trip). Increments are sent only after ``recover()`` (else the spans
+    queued now would be counted killed) and kept while Redis does not take them."""
+
+    def __init__(self, client: SyncRedis, ledger_id: str) -> None:
+        self.client = client
+        self.key = spans_key(ledger_id)
+        self.recovered = False
+        self._pending: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def recover(self) -> tuple[int, dict[str, int]]:
+        """(exported, lost by reason) of this ledger's earlier processes, the spans they
+        traced and left unaccounted added to ``lost["killed"]``; then increments flow.
+        Raises ``RedisError`` (try again later)."""
+        h = self.client.hgetall(self.key)
+        exported = int(h.get("exported", 0))
+        lost = {r: int(h.get(f"lost:{r}", 0)) for r in LOST_REASONS}
+        killed = int(h.get("traced", 0)) - exported - sum(lost.values())
+        if killed > 0:
+            self.client.hincrby(self.key, "lost:killed", killed)
+            lost["killed"] += killed
+            log.warning("tracing: %d span(s) of events applied by the previous ledger process "
+                        "were neither exported nor counted lost (it was killed): counted "
+                        "lost", killed)
+        self.recovered = True
+        self.add({})
+        return exported, lost
+
+    def add(self, counts: dict[str, int]) -> None:
+        """Add ``counts`` (field -> spans) in Redis, with what an earlier call could not
+        send; never raises (kept for the next call when Redis fails)."""
+        with self._lock:
+            for field, n in counts.items():
+                if n:
+                    self._pending[field] = self._pending.get(field, 0) + n
+            if not self.recovered or not self._pending:
+                return
+            pending, self._pending = self._pending, {}
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            for field, n in pending.items():
+                pipe.hincrby(self.key, field, n)
+            pipe.execute()
+        except (RedisError, OSError) as e:
+            log.info("tracing: span counts not stored yet (%s)", e)
+            with self._lock:
+                for field, n in pending.items():
+                    self._pending[field] = self._pending.get(field, 0) + n
+
+
 class SpanExport:
     """Exports the spans of committed usage events from a thread of its own, below the
     ledger's billing thread in CPU priority (``EXPORT_NICE``; Linux nice values are per
@@ -264,14 +331,19 @@ class SpanExport:
     (spans the collector accepted), ``lost`` by reason: ``queue_full`` (more than
     ``max_queue_spans`` waiting), ``export_failed`` (the exporter gave up: collector
     down, refused, or slower than ``timeout_s`` with its retries), ``shutdown`` (still
-    queued when the ledger stopped and the last export failed)."""
+    queued when the ledger stopped and the last export failed), ``killed`` (queued or in
+    an export when an earlier process of this ledger was killed). With a ``store``
+    (``SpanStore``) the counts are the ledger's since its first start: those of its
+    earlier processes are added once the store recovered them."""
 
-    def __init__(self, cfg: TracingConfig, exporter: SpanExporter | None = None) -> None:
+    def __init__(self, cfg: TracingConfig, exporter: SpanExporter | None = None,
+                 store: SpanStore | None = None) -> None:
         self.cfg = cfg
         self.exporter = exporter or otlp_exporter(cfg)
         self.resource = resource_of(cfg)
+        self.store = store
         self.exported = 0
-        self.lost = {"queue_full": 0, "export_failed": 0, "shutdown": 0}
+        self.lost = dict.fromkeys(LOST_REASONS, 0)
         self._events: queue.SimpleQueue[UsageEvent] = queue.SimpleQueue()
         self._queued = 0          # spans of the events in _events
         self._lock = threading.Lock()
@@ -287,18 +359,23 @@ class SpanExport:
     def events(self, events: Iterable[UsageEvent]) -> None:
         """Queue the spans of ``events`` (those with a trace); what does not fit is lost
         (``lost["queue_full"]``). Called by the ledger's thread after a commit."""
+        traced = full = 0
         for ev in events:
             n = span_count(ev)
             if not n:
                 continue
+            traced += n
             with self._lock:
                 fits = self._queued + n <= self.cfg.max_queue_spans
                 if fits:
                     self._queued += n
                 else:
                     self.lost["queue_full"] += n
+                    full += n
             if fits:
                 self._events.put(ev)
+        if self.store is not None and traced:
+            self.store.add({"traced": traced, "lost:queue_full": full})
 
     def _take(self, first_wait_s: float) -> list[ReadableSpan]:
         """The spans of the next events, up to about batch_spans: waits up to
@@ -334,6 +411,9 @@ class SpanExport:
             self.exported += len(batch)
         else:
             self.lost[lost_as] += len(batch)
+        if self.store is not None:
+            self.store.add({"exported" if ok else f"lost:{lost_as}": len(batch)})
+        if not ok:
             log.warning("tracing: %d span(s) lost: the collector at %s did not take them "
                         "(%d lost so far)", len(batch), self.cfg.endpoint,
                         sum(self.lost.values()))
@@ -344,9 +424,24 @@ class SpanExport:
         except (OSError, AttributeError) as e:  # not Linux, or not allowed: same priority
             log.info("tracing: span export at the ledger's priority (%s)", e)
         while not self._stop.is_set():
+            self._recover()
             batch = self._take(0.5)
             if batch:
                 self._export(batch, "export_failed")
+
+    def _recover(self) -> None:
+        """The earlier processes' counts, once Redis gives them (store.recover)."""
+        if self.store is None or self.store.recovered:
+            return
+        try:
+            exported, lost = self.store.recover()
+        except (RedisError, OSError) as e:
+            log.info("tracing: earlier span counts not read yet (%s)", e)
+            return
+        with self._lock:
+            self.exported += exported
+            for reason, n in lost.items():
+                self.lost[reason] += n
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread, try one last export of what waits, shut the exporter down."""

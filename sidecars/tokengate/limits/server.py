@@ -17,10 +17,12 @@ DESCRIPTION
     serves grpc.health.v1.Health: "tokengate.v1.GlobalLimits" is NOT_SERVING while
     Redis is failing.
 
-    Redis down or slow: each call fails within ~redis.timeout_ms (default 50 ms)
-    with UNAVAILABLE, and for the next 500 ms every call gets UNAVAILABLE at once
-    without touching Redis; then one call probes again. The edge falls back to its
-    local limits on UNAVAILABLE (or its own deadline).
+    Redis down or slow: each call fails within 2 x redis.timeout_ms (default 250
+    ms; a first try that timed out is tried again within that deadline, as a loaded
+    host can be late with Redis up) with UNAVAILABLE, and for the next 500 ms every
+    call gets UNAVAILABLE at once without touching Redis; then one call probes again.
+    The edge falls back to its local limits on UNAVAILABLE (or its own deadline,
+    edge.global_limits_timeout_ms).
 
     SIGHUP (systemctl reload) reloads the configuration: a changed redis section
     (url, timeout_ms, ...) gets a new Redis client, swapped in at once; calls in
@@ -55,6 +57,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokengate import config as tg_config
 from tokengate import grpc_server, metrics, redis_client
@@ -91,6 +94,9 @@ FALLBACKS = Counter("tokengate_limits_fallbacks_total",
                     "limits, by method and reason (redis_error: Redis failed or timed out "
                     "on this call; backoff: within 0.5 s of such a failure, Redis not "
                     "asked).", ["method", "reason"])
+RETRIES = Counter("tokengate_limits_retries_total",
+                  "Calls whose first Redis try timed out and that were tried again within "
+                  "the call's deadline (2 x redis.timeout_ms), by method.", ["method"])
 
 
 class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
@@ -114,7 +120,7 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "redis unavailable (backing off): use local limits")
         try:
-            result = await asyncio.wait_for(coro_fn(), self.timeout_s)
+            result = await self._redis(method, coro_fn)
         except (TimeoutError, RedisError, OSError) as e:
             if self.down_until == 0.0:
                 log.warning("Redis unavailable (%s): answering UNAVAILABLE", e or type(e))
@@ -128,6 +134,25 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             self.down_until = 0.0
             await self._health(True)
         return result
+
+    async def _redis(self, method: str, coro_fn: Callable[[], Awaitable[T]]) -> T:
+        """``coro_fn()`` within ``timeout_s`` (2 x redis.timeout_ms) in all. A first try
+        that timed out (after redis.timeout_ms, the client's read timeout and this try's
+        deadline: on a loaded host the
+        reply, or this event loop, can be late with Redis up) is tried again in what is
+        left; an error that says Redis is unreachable is not. Every method is idempotent
+        by request id (window_reserve.lua, budget_reserve.lua and the settle scripts
+        answer a repeated request id from its record), so a first try that did reach
+        Redis is not counted twice. Raises what the last try raised."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            return await asyncio.wait_for(coro_fn(), self.timeout_s / 2)
+        except (TimeoutError, RedisTimeoutError):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+        RETRIES.labels(method).inc()
+        return await asyncio.wait_for(coro_fn(), left)
 
     async def _health(self, up: bool) -> None:
         if self.on_health is not None:
