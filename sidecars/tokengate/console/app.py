@@ -461,7 +461,7 @@ class Console:
         if not outcome.ok:
             return self.new_key_page(req, cfg, checked, 400, outcome)
         return self.page(201, "key_created.html", req, title="Key created", name=change.name,
-                         key=key, outcome=outcome, page="keys")
+                         key=key, outcome=outcome, page="keys", rotated=False, until=None)
 
     def key_page(self, req: Request, cfg: tg_config.Config, name: str,
                  checked: forms.Checked | None = None, status: int = 200,
