@@ -43,6 +43,7 @@ local find = string.find
 local format = string.format
 local tonumber = tonumber
 local ngx_var = ngx.var
+local clear_header = ngx.req.clear_header
 local ngx_shared = ngx.shared
 
 local _M = {}
@@ -103,17 +104,29 @@ end
 -- from_headers(ctx) -> true when a header named the session: sets ctx.session_id and
 -- ctx.session_source (the header's name). Read before the body is, so that a request
 -- refused for its body still carries its session in the usage event.
+-- A session header holding a control character is not forwarded: vLLM's HTTP server
+-- refuses the whole request for it ("Invalid HTTP request received"), which the client
+-- would see as a backend failure of a request already reserved and counted.
 function _M.from_headers(ctx)
+    local found = false
     for i = 1, #HEADERS do
         local h = HEADERS[i]
         local v = ngx_var[h[1]]
         if v and v ~= "" then
-            ctx.session_id, ctx.session_source = clean(v), h[2]
-            return true
+            if find(v, "[%z\1-\8\10-\31\127]") then
+                clear_header(h[2])
+                clear_header(gsub(h[2], "-", "_"))
+            end
+            if not found then
+                ctx.session_id, ctx.session_source = clean(v), h[2]
+                found = true
+            end
         end
     end
-    ctx.session_source = false -- looked: no header
-    return false
+    if not found then
+        ctx.session_source = false -- looked: no header
+    end
+    return found
 end
 
 -- read(ctx, body): sets ctx.session_id (sanitized, or nil) and ctx.session_source (the

@@ -20,7 +20,7 @@ from tokengate import config as tg_config
 from tokengate.config import ConfigError, loading
 from tokengate.tools import compile_config, config_docs
 
-from tests.conftest import MODEL, REPO_CONFIG
+from tests.conftest import MODEL, REPO_CONFIG, TEST_MAX_MODEL_LEN
 from tests.fixtures_edge import run_lua
 
 DOCS = REPO_CONFIG.parent / "docs" / "config.md"
@@ -442,7 +442,7 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     m = doc["models"][MODEL]
     assert {k: m[k] for k in ("max_model_len", "output_reserve", "max_tokens_cap",
                               "default_max_tokens", "max_n")} == \
-        {"max_model_len": 65536, "output_reserve": 256, "max_tokens_cap": 4096,
+        {"max_model_len": TEST_MAX_MODEL_LEN, "output_reserve": 256, "max_tokens_cap": 4096,
          "default_max_tokens": None, "max_n": 8}
     [u] = cfg.models[MODEL].upstreams
     # idle unload is off unless asked for

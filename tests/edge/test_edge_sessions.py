@@ -32,6 +32,10 @@ BUDGET_TOKENS = 100
 SPEND_KEY = "tg-test-sessions-spend"
 
 
+# the headers of each request the fake was sent, in order
+SEEN: list[dict[str, str]] = []
+
+
 class _Handler(BaseHTTPRequestHandler):
     """POST /v1/chat/completions, /v1/messages, /v1/responses: one non-streamed answer in
     the API's shape, usage = the edge's count (X-Token-Count) + COMPLETION tokens."""
@@ -45,6 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self) -> None:
+        SEEN.append({k.lower(): v for k, v in self.headers.items()})
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         p = int(self.headers.get("X-Token-Count", "0"))
         if self.path == "/v1/messages":
@@ -176,6 +181,24 @@ def test_a_hostile_session_id_becomes_a_bounded_digest(agent_edge, raw):
                             (b"X-Session-Id", sent)], timeout=60)
     want = "sha256:" + hashlib.sha256(sent).hexdigest()[:32]
     assert session_of(agent_edge, r) == want
+
+
+def test_a_session_header_with_a_control_character_is_not_forwarded(agent_edge):
+    # vLLM's HTTP server refuses a request with one ("Invalid HTTP request received"):
+    # the client saw a backend failure of a request already counted and reserved
+    SEEN.clear()
+    r = httpx.post(agent_edge.base_url + "/chat/completions", json=CHAT,
+                   headers=[(b"Authorization", f"Bearer {KEY}".encode()),
+                            (b"X-Session-Id", b"ok\x01"), (b"session-id", b"s\x7f")],
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert session_of(agent_edge, r) == "sha256:" + hashlib.sha256(b"ok\x01").hexdigest()[:32]
+    [seen] = SEEN
+    assert {"x-session-id", "session-id", "session_id"} & set(seen) == set()
+    # a clean one is forwarded as sent
+    SEEN.clear()
+    post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "clean-1"})
+    assert SEEN[0]["x-session-id"] == "clean-1"
 
 
 def test_a_session_id_of_128_printable_characters_is_kept(agent_edge):
