@@ -63,6 +63,7 @@ COUNTER_PORT = 15051 + PORT_OFFSET
 # (offsets 500 apart; tests/test_conftest.py checks them all)
 KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 120}"
 MODEL = "tiny-qwen3"
+NO_REDIS = "redis://127.0.0.1:1/0"  # a Redis URL nothing answers (connection refused)
 TEST_MAX_MODEL_LEN = 8192  # tokens: config_path's max_model_len (make run's is 65,536)
 TEST_DIR = devstack.VAR / f"test{PORT_OFFSET or ''}"
 # The checkout's own file: the package no longer knows where a checkout is.
@@ -110,6 +111,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def config_path() -> Path:
     """tokengate.yaml for tests: the repository's models pointed at the test ports."""
     raw = yaml.safe_load(REPO_CONFIG.read_text())
+    # never make run's Redis (6380): a `tokengate keys` command of a test would write its
+    # audit entry into a running demo's stream. Nothing listens here, as on 6380 in CI;
+    # a test that needs Redis passes the session's (redis_url) or its own.
+    raw["redis"]["url"] = NO_REDIS
     for m in raw["models"].values():
         m["dir"] = str((REPO_CONFIG.parent / m["dir"]).resolve())
         # The suite's context: the limit tests send inputs just above it, and a short one

@@ -217,7 +217,8 @@ function _M.check_output(route, body, model)
     end
     local v, field = requested_tokens(route, body)
     if v and v > model.max_model_len then
-        return nil, errors.new(400, format("%s=%d cannot be greater than max_model_len=%d. "
+        -- %.0f: a client's 1e30 is a double that %d would wrap to a negative number
+        return nil, errors.new(400, format("%s=%.0f cannot be greater than max_model_len=%d. "
             .. "Please request fewer output tokens.", field, v, model.max_model_len), field,
             "invalid_value")
     end

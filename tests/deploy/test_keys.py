@@ -41,7 +41,7 @@ from tokengate.process import Service, free_port, tcp_ready
 from tokengate.tools import compile_config
 
 from tests import units
-from tests.conftest import MODEL, REPO_CONFIG
+from tests.conftest import MODEL, NO_REDIS, REPO_CONFIG
 from tests.deploy.test_debian_dropin import debian_layout
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 from tests.fixtures_ledger import wait_until
@@ -68,6 +68,7 @@ def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
     ``tmp_path``: (its path, its text)."""
     text = REPO_CONFIG.read_text().replace(
         "dir: var/models/", f"dir: {REPO_CONFIG.parent / 'var' / 'models'}/").replace(
+        "url: redis://127.0.0.1:6380/0", f"url: {NO_REDIS}").replace(
         "enabled: false                  # true: the edge",
         "enabled: true                   # true: the edge")
     path = tmp_path / "tokengate.yaml"

@@ -139,23 +139,17 @@ def test_codex_exec_finishes_with_chat_format_text_in_agents_md(
     work = _workspace(tmp_path, "AGENTS.md")
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
-    # the README's provider (Responses, the only wire_api Codex 0.171 accepts), and for a
-    # bounded offline run: no approvals, a read-only sandbox, no update check, analytics or
-    # feedback upload, no retries (a refusal shows at once)
+    # the README's configuration (Responses, the only wire_api Codex 0.171 accepts; no
+    # update check, analytics or feedback upload), and for a bounded run: no approvals, a
+    # read-only sandbox, no retries (a refusal shows at once); the provider's table is
+    # the README block's last
     provider = readme_block("toml").replace(README_URL, recording_proxy.url)
     (codex_home / "config.toml").write_text(f"""\
 approval_policy = "never"
 sandbox_mode = "read-only"
-check_for_update_on_startup = false
 {provider}request_max_retries = 0
 stream_max_retries = 0
 stream_idle_timeout_ms = 120000
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
 """)
     env = _base_env(tmp_path / "home") | {"CODEX_HOME": str(codex_home),
                                           "TOKENGATE_API_KEY": agents_stack.key}

@@ -146,6 +146,19 @@ def test_a_limit_above_the_context_is_refused_in_vllms_words(
     assert vllm_requests() == before
 
 
+def test_a_huge_limit_is_quoted_as_sent_not_wrapped(edge: Edge, edge_config_path: Path
+                                                    ) -> None:
+    # a double above 2^63 printed with %d came out as -9223372036854775808
+    context = context_of(edge_config_path)
+    body = {"model": MODEL, "max_tokens": 10**30,
+            "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(edge.base_url + "/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        f"max_tokens={10**30:.0f} cannot be greater than max_model_len={context}. "
+        "Please request fewer output tokens.")
+
+
 def test_a_messages_max_tokens_above_the_context_is_refused_in_anthropics_shape(
         edge: Edge, edge_config_path: Path) -> None:
     context = context_of(edge_config_path)
