@@ -738,17 +738,18 @@ function _M.log()
         queue.settle(ctx, config.get(), ev.prompt_tokens, ev.completion_tokens)
     end
     local req = ctx.limit_req
+    -- the request's cost, worked out once for the key's budgets and its session's
+    local need_cost = (req and req.budget) or (ctx.session_id and session.needs_cost(ctx.key))
+    local cost = need_cost and ctx.model_entry and budget.cost(ctx.model_entry.cost,
+        config.get().billing, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
+        ev.system_tokens) or nil
     if req then
-        local cost = req.budget and budget.cost(ctx.model_entry.cost, config.get().billing,
-            ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
-        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, cost, limits.charged(req,
-            ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))
+        limits.settle(req, ev.prompt_tokens + ev.completion_tokens, req.budget and cost,
+            limits.charged(req, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))
     end
     if ctx.session_id then
-        local scost = session.needs_cost(ctx.key) and ctx.model_entry
-            and budget.cost(ctx.model_entry.cost, config.get().billing, ev.prompt_tokens,
-                ev.completion_tokens, ev.cached_tokens, ev.system_tokens)
-        session.settle(ctx, ev.prompt_tokens + ev.completion_tokens, scost or nil)
+        session.settle(ctx, ev.prompt_tokens + ev.completion_tokens,
+            session.needs_cost(ctx.key) and cost or nil)
         if ctx.response_id and status < 400 then
             session.remember(ctx, ctx.response_id)
         end
