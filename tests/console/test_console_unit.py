@@ -436,22 +436,11 @@ def test_a_queued_change_is_made_by_console_apply_and_answered(tmp_path: Path) -
     assert changes.apply_queued(path, queue, []) == 1  # then answered, to no one
 
 
-def _session_headers(http: httpx.Client, app: console_app.Console
-                     ) -> tuple[dict[str, str], str]:
-    r = _login(http)
-    token = re.search(r"tg_console=([^;]+)", r.headers.get_list("set-cookie")[0])
-    assert token is not None
-    session = app.sessions.get(token[1])
-    assert session is not None
-    return {"Cookie": f"tg_console={token[1]}", "Origin": f"http://127.0.0.1:{PORT}"}, \
-        session.csrf
-
-
 def test_the_console_rotates_a_key_showing_the_new_secret_once(console: Any) -> None:
     from tokengate.keys import digest
 
     http, app = console
-    headers, csrf = _session_headers(http, app)
+    headers, csrf = _session(http, app)
     old = app.config.current().keys["demo"].sha256
     r = http.post("/keys/demo/rotate", data={"csrf": csrf, "overlap": "2h"}, headers=headers)
     assert r.status_code == 201, r.text[-2000:]
@@ -477,7 +466,7 @@ def test_the_console_rotates_a_key_showing_the_new_secret_once(console: Any) -> 
 
 def test_the_console_disables_and_enables_a_key(console: Any) -> None:
     http, app = console
-    headers, csrf = _session_headers(http, app)
+    headers, csrf = _session(http, app)
     off = http.post("/keys/demo/disable", data={"csrf": csrf}, headers=headers)
     assert off.status_code == 200
     assert app.config.current().keys["demo"].disabled is True
