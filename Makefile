@@ -7,7 +7,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit bench-counter bench bench-scheduler bench-routing bench-fairness lint \
+.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-scheduler bench-routing bench-fairness lint \
 	model clean
 
 setup:
@@ -34,6 +34,10 @@ test-fast: setup
 
 test-unit: setup
 	@$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
+
+# docs/ as a site (MkDocs, strict: a broken link fails) in var/site; open var/site/index.html
+docs: setup
+	@"$$(cat .venv/.docs)/bin/mkdocs" build --strict
 
 bench-counter: setup
 	@$(PY) -m tokengate_dev.bench.counter

@@ -149,3 +149,17 @@ if [ ! -f "$AGENTS/.complete" ]; then
   touch "$AGENTS/.complete"
 fi
 echo "$AGENTS" > .venv/.agents
+
+# MkDocs for docs/ (make docs; the tests build it with --strict), pinned in dev/docs/ and in
+# a virtualenv of its own like the agents', so it never changes the vLLM venv's key.
+DOCS_HASH=$(sha256sum dev/docs/requirements.txt | cut -c1-12)
+DOCS_VENV=${TOKENGATE_DOCS_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokengate/docs-$DOCS_HASH}
+if [ ! -f "$DOCS_VENV/.complete" ]; then
+  echo "setup: installing MkDocs in $DOCS_VENV"
+  rm -rf "$DOCS_VENV"
+  python3 -m venv "$DOCS_VENV"
+  "$DOCS_VENV/bin/pip" install -q -r dev/docs/requirements.txt
+  "$DOCS_VENV/bin/mkdocs" --version >/dev/null
+  touch "$DOCS_VENV/.complete"
+fi
+echo "$DOCS_VENV" > .venv/.docs

@@ -343,7 +343,7 @@ def banner(base_url: str, model: str, usage_file: str = "var/usage/usage.jsonl",
         f"{config_name} has no demo key: use one of its keys (tokengate keys create)"
     tracing = config.tracing if config is not None else None
     traces = (f"traces go to {tracing.endpoint} ({tracing.protocol})" if tracing and tracing.enabled
-              else "traces are off (tracing.enabled in the README)")
+              else "traces are off (tracing.enabled: docs/operators/observability.md)")
     block = "".join(f"  {what:<15}: {url}\n" for what, url in observe)
     if block:
         block = "\n  health and metrics (no key needed):\n" + block

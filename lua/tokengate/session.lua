@@ -3,7 +3,7 @@
 -- it may do). It is written as the usage event's session_id, the ledger keeps totals per
 -- (key, session), and a key's optional session_budget refuses a session that spent it.
 --
--- Sources, first one present wins (the precedence is a decision, README "Sessions"):
+-- Sources, first one present wins (the precedence is a decision, docs/api/sessions.md):
 --   1. X-Session-Id                 the generic header: a client or a proxy in front of
 --                                   the gateway that names the session on purpose
 --   2. X-Claude-Code-Session-Id     Claude Code (one id per `claude` session)

@@ -99,8 +99,8 @@ def redis_persistence(cfg: tg_config.Config, timeout_s: float = 5.0) -> Check:
                      "appendonly yes and appendfsync everysec")
     return Check("redis", where, what, "FAIL", "no persistence (appendonly no, save ''): a "
                  "restart loses the bill, the budgets' spend and the ledger's checkpoints; "
-                 "set appendonly yes and appendfsync everysec in redis.conf (README: Redis "
-                 "durability)")
+                 "set appendonly yes and appendfsync everysec in redis.conf (docs/operators/"
+                 "redis-durability.md)")
 
 
 # What each sidecar unit reads, by the configuration it is given: every unit the

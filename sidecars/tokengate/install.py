@@ -491,7 +491,7 @@ def plan(opts: Options) -> Plan:
     target = opts.at("/etc/tokengate/tokengate.yaml")
     unit_path = opts.at(f"/etc/systemd/system/{VLLM_UNIT}")
     if opts.vllm_unit is None:
-        # a run again keeps the first one's choice (the README says to run install
+        # a run again keeps the first one's choice (the deploy docs say to run install
         # again after each edit, without repeating its options)
         opts = replace(opts, vllm_unit=not target.exists() or unit_path.exists())
     elif not opts.vllm_unit and unit_path.exists():

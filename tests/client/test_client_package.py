@@ -1,11 +1,10 @@
 """``pip install ./client`` as an application's developer runs it: a fresh virtualenv of
 the machine's Python, the distribution ``tokengate-client`` with what pip resolves for
-it, and the README's SDK example run from there against a real edge (the fast upstream
+it, and docs/api/client-sdk.md's example run from there against a real edge (the fast upstream
 behind it)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
+from tests.doc_pages import code_block
 from tests.fixtures_edge import MAIN_KEY, Edge
 
 pytestmark = pytest.mark.slow
@@ -23,11 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = {"grpcio", "redis", "jinja2", "tokengate", "transformers", "tokenizers", "torch"}
 
 
-def readme_example() -> str:
-    """The Python block of the README's client SDK section."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The client SDK"):]
-    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+def doc_example() -> str:
+    """The Python block of docs/api/client-sdk.md."""
+    return code_block("api/client-sdk.md", "python")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +50,7 @@ def test_the_sdk_alone_pulls_none_of_the_services_dependencies(client_venv: Path
     assert installed & HEAVY == set()
 
 
-def test_the_readme_example_runs_from_the_sdk_alone(
+def test_the_doc_example_runs_from_the_sdk_alone(
         client_venv: Path, edge_variant_off_vllm: Callable[..., Edge],
         fast_upstream_url: str) -> None:
     def upstream(raw: dict[str, Any]) -> None:
@@ -61,7 +59,7 @@ def test_the_readme_example_runs_from_the_sdk_alone(
         raw["models"][MODEL]["embedded"] = False
 
     edge = edge_variant_off_vllm("client-package", upstream)
-    example = readme_example()
+    example = doc_example()
     assert 'base_url="http://127.0.0.1:8080/v1", api_key="tg-demo-key"' in example
     script = example.replace("http://127.0.0.1:8080/v1", edge.base_url) \
                     .replace("tg-demo-key", MAIN_KEY)

@@ -246,7 +246,7 @@ def test_the_banner_names_the_console_and_where_traces_go(stack: Stack) -> None:
     assert f"  console        : http://{listen}/" in stack.lines, stack.output()
     assert "  user           : admin" in stack.lines
     assert "  password       : tg-demo-admin" in stack.lines
-    assert any("traces are off (tracing.enabled in the README)" in x for x in stack.lines)
+    assert any("traces are off (tracing.enabled: docs/operators/observability.md)" in x for x in stack.lines)
     r = httpx.get(f"http://{listen}/keys", timeout=10)
     assert r.status_code == 303 and r.headers["location"].startswith("/login")
 

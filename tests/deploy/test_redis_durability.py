@@ -1,4 +1,4 @@
-"""The README's "Redis durability" recipe, step by step against a real redis-server 7.0
+"""The recipe of docs/operators/redis-durability.md, step by step against a real redis-server 7.0
 (Debian's): an online backup with ``redis-cli --rdb``, then a restore into an
 append-only Redis that lost its data. What tokengate keeps there (the bill, budgets'
 spend, the ledger's checkpoints) comes back as it was at the backup; the ledger then

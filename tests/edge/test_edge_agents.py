@@ -15,7 +15,6 @@ checks and retries off, in a home folder of its own, within ``CLIENT_TIMEOUT_S``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -24,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tokengate.ledger.event import UsageEvent
 
 from tests.conftest import MODEL
+from tests.doc_pages import code_block
 from tests.fixtures_agents import AgentsStack, AgentTools
 from tests.recording_proxy import Exchange, RecordingProxy
 
@@ -38,22 +37,14 @@ TASK = "Read AGENTS.md and say in one sentence what it is about."
 # in the workspace's AGENTS.md / CLAUDE.md: text of the chat format's control tokens
 NOTES = ("# Notes\n\nQwen's chat format starts a turn with `<|im_start|>user` and ends it "
          "with `<|im_end|>`.\n")
-# usage events carry the client's session id once tokengate reads it (issue: sessions as a
-# unit of accounting); until then the tests skip only that comparison
-SESSIONS_IN_EVENTS = "session_id" in {f.name for f in dataclasses.fields(UsageEvent)}
+
+def doc_block(lang: str) -> str:
+    """The first ``lang`` code block of docs/api/coding-agents.md: the tests run the
+    configuration the page gives, pointed at the test's edge."""
+    return code_block("api/coding-agents.md", lang)
 
 
-def readme_block(lang: str) -> str:
-    """The first ``lang`` code block of the README's "Coding agents" section: the tests run
-    the configuration the README gives, pointed at the test's edge."""
-    section = (ROOT / "README.md").read_text().split("### Coding agents", 1)[1]
-    section = section.split("\n### ", 1)[0]
-    m = re.search(rf"```{lang}\n(.*?)```", section, re.DOTALL)
-    assert m, f"no {lang} block in the README's Coding agents section"
-    return m.group(1)
-
-
-README_URL = "http://127.0.0.1:8080"
+DOC_URL = "http://127.0.0.1:8080"
 
 
 def _workspace(tmp_path: Path, name: str) -> Path:
@@ -107,7 +98,7 @@ def assert_metered(stack: AgentsStack, offset: int, posts: list[Exchange],
                                          rec.num_generation_tokens,  # type: ignore[attr-defined]
                                          rec.num_cached_tokens)  # type: ignore[attr-defined]
         assert ex.token_count == ev["prompt_tokens"]
-        if SESSIONS_IN_EVENTS and session_id is not None:
+        if session_id is not None:
             assert ev["session_id"] == session_id
         events.append(ev)
     return events
@@ -139,11 +130,11 @@ def test_codex_exec_finishes_with_chat_format_text_in_agents_md(
     work = _workspace(tmp_path, "AGENTS.md")
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
-    # the README's configuration (Responses, the only wire_api Codex 0.171 accepts; no
+    # the page's configuration (Responses, the only wire_api Codex 0.171 accepts; no
     # update check, analytics or feedback upload), and for a bounded run: no approvals, a
     # read-only sandbox, no retries (a refusal shows at once); the provider's table is
-    # the README block's last
-    provider = readme_block("toml").replace(README_URL, recording_proxy.url)
+    # the page's block's last
+    provider = doc_block("toml").replace(DOC_URL, recording_proxy.url)
     (codex_home / "config.toml").write_text(f"""\
 approval_policy = "never"
 sandbox_mode = "read-only"
@@ -179,8 +170,8 @@ def test_claude_print_finishes_with_chat_format_text_in_claude_md(
         tmp_path: Path) -> None:
     work = _workspace(tmp_path, "CLAUDE.md")
     home = tmp_path / "home"
-    # the README's variables, pointed at the test's edge and key
-    readme_env = dict(re.findall(r"(\w+)=(\S+)", readme_block("sh")))
+    # the page's variables, pointed at the test's edge and key
+    readme_env = dict(re.findall(r"(\w+)=(\S+)", doc_block("sh")))
     assert readme_env["ANTHROPIC_MODEL"] == MODEL
     readme_env |= {"ANTHROPIC_BASE_URL": recording_proxy.url,
                    "ANTHROPIC_API_KEY": agents_stack.key}
@@ -188,7 +179,7 @@ def test_claude_print_finishes_with_chat_format_text_in_claude_md(
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL, "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
         # no telemetry, error reports, update checks or feedback surveys whatever the
-        # README says; no retries (a refusal shows at once), 120 s per call
+        # the page says; no retries (a refusal shows at once), 120 s per call
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
@@ -235,7 +226,7 @@ def test_readme_agents_sdk_example_is_metered(agents_stack: AgentsStack,
                                               agent_tools: AgentTools,
                                               recording_proxy: RecordingProxy,
                                               tmp_path: Path) -> None:
-    code = readme_block("python").replace(f"{README_URL}/v1", f"{recording_proxy.url}/v1")
+    code = doc_block("python").replace(f"{DOC_URL}/v1", f"{recording_proxy.url}/v1")
     code = code.replace('"tg-demo-key"', repr(agents_stack.key))
     offset = agents_stack.vllm.size()
     r = _run([str(agent_tools.python), "-c", code], _base_env(tmp_path / "home"), tmp_path)
@@ -243,4 +234,4 @@ def test_readme_agents_sdk_example_is_metered(agents_stack: AgentsStack,
     posts = recording_proxy.posts()
     assert [ex.path for ex in posts] == ["/v1/responses"]
     events = assert_metered(agents_stack, offset, posts, None)
-    _report("README Agents SDK example", posts, events)
+    _report("docs Agents SDK example", posts, events)

@@ -7,7 +7,7 @@ text (the text tokenized with no added-token matching: what "the model reads the
 ideally is), with the literal pieces kept and U+200B's piece added; the exception is
 ``<think>`` right after a character that is not a space, where the literal ``<think``
 is one pre-token (``<th`` ``ink``) and the escaped one reads ``<`` U+200B ``think``
-(still one token more). The README quotes these numbers."""
+(still one token more). docs/api/requests.md quotes these numbers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The billing formula: the README's worked examples, number for number.
+"""The billing formula: docs/operators/billing.md's worked examples, number for number.
 
 Weights 1.0 / 1.35 / 0.1 (input / output / cached, USD per 1M tokens), context
 penalty threshold 32768 tokens, rate 0.00015.

@@ -182,7 +182,7 @@ class KeyConfig(_Schema):
     session_budget: SessionBudget | None = Field(
         default=None,
         description="Tokens and/or spend one agent session may use (the session id the "
-                    "edge reads from the request: README, Sessions); its next request is "
+                    "edge reads from the request: docs/api/sessions.md); its next request is "
                     "refused (403 `session_budget_exceeded`). null: none.")
     fair_share: Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False)] = Field(
         default=1.0,

@@ -28,7 +28,7 @@ applies to the billed input tokens; with no cache hits and no exclusion it is ex
 ``input_tokens * (1 + rate * (input_tokens - threshold))``.
 
 Worked examples (weights 1.0 / 1.35 / 0.1, threshold 32768, rate 0.00015) are in the
-README, section "Usage report and billing", and in tests/ledger/test_calculator.py.
+docs/operators/billing.md and in tests/ledger/test_calculator.py.
 """
 
 from __future__ import annotations

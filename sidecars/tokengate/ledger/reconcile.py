@@ -158,7 +158,7 @@ def settle_engine(ev: UsageEvent, records: Iterable[EngineRecord],
 
 
 def settle_edge(ev: UsageEvent) -> Settlement:
-    """Bill ``ev`` with its own numbers (the rule without engine records: README "Usage
-    report and billing")."""
+    """Bill ``ev`` with its own numbers (the rule without engine records:
+    docs/operators/billing.md)."""
     return Settlement(EDGE, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, 0,
                       False, None)

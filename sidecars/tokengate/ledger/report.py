@@ -292,7 +292,7 @@ COLUMNS
   completion  vLLM usage.completion_tokens; billed from the engine's records: what
               the engine generated, also for a client that disconnected (without
               them: the tokens up to the last chunk the edge saw)
-  cost        the billing formula (README "Usage report and billing") with the
+  cost        the billing formula (docs/operators/billing.md) with the
               model's weights at the time the ledger applied the event
 
   --json adds aborted (client disconnects), estimated (usage from the admission
@@ -306,7 +306,7 @@ COLUMNS
 
 SESSIONS
   --by session lists the agent sessions of each key (or of --key), most recently
-  seen first: key, session (the usage event's session_id: README "Sessions"),
+  seen first: key, session (the usage event's session_id: docs/api/sessions.md),
   first and last (UTC times of its first and last request), requests, prompt,
   cached, completion and cost, summed over every model. The ledger keeps a
   session ledger.session_days after its last request, and a key's

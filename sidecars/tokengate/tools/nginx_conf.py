@@ -233,7 +233,7 @@ def render_debian(templates: Path, paths: dict[str, Path] = DEBIAN_PATHS,
         "# libnginx-mod-http-ndk lua-resty-core lua-resty-lrucache lua-cjson lua-nginx-dns).\n"
         "# `tokengate install` puts it in conf.d/, the snippet tokengate-location.conf in\n"
         f"# snippets/, the Lua modules in {p['lua_dir']}, compiles {p['edge_json']}\n"
-        "# and installs the sidecars' systemd units (README: Deploy on GPU hosts). Then:\n"
+        "# and installs the sidecars' systemd units (docs/operators/deploy.md). Then:\n"
         "#   add `include snippets/tokengate-location.conf;` to a server { } block\n"
         "#   systemctl enable --now tokengate-counter tokengate-ledger\n"
         "#   nginx -t && systemctl reload nginx\n"
