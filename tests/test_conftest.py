@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,7 +41,6 @@ def test_the_vllm_group_runs_on_one_worker_under_loadgroup(tmp_path: Path) -> No
     assert len(ran) == 8 and len(set(ran)) == 1, r.stdout
 
 
-@pytest.mark.unit
 def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
     # each xdist worker adds 500 to every fixed port of the suite (conftest.PORT_OFFSET):
     # two ranges 500 * k apart put workers i and i + k on one port (up to four workers)

@@ -7,6 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 
 def test_tokengate_silences_only_the_advisory_that_pytorch_is_absent() -> None:
     # A base install has no torch on purpose; transformers' import then says "PyTorch was

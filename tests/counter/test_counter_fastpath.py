@@ -24,6 +24,9 @@ from tests.counter_cases import (
     ZERO_WIDTH,
 )
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 POOLS = [
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
     "0123456789", " \t\n\r\u00a0\u3000\u2028\u2029", "'\".,;:!?()[]{}<>/\\|@#$%^&*-_=+`~",

@@ -18,6 +18,9 @@ from tokengate.counter.tokenizer import PromptTokenizer
 from tests.conftest import REPO_CONFIG
 from tests.counter_cases import CJK, EMOJI, WHITESPACE
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 MODEL_DIR = REPO_CONFIG.parent / "var" / "models" / "tiny-qwen3"
 # added tokens whole and in parts (one that a content begins and the template ends,
 # one that runs from a content into the template's text), the Qwen3 template's

@@ -15,6 +15,9 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from tests.conftest import REPO_CONFIG
 from tests.counter_cases import CJK, EMOJI, WHITESPACE
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 MODEL_DIR = REPO_CONFIG.parent / "var" / "models" / "tiny-qwen3"
 # what makes the Qwen3 template branch on a content, and what could confuse a trace
 TRICKY = ["</think>", "<think>", "\n", "<tool_response>", "</tool_response>", "",

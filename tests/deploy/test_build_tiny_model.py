@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tokengate_dev import build_tiny_model
+
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
 
 
 def test_the_built_model_is_readable_by_every_user(tmp_path: Path) -> None:

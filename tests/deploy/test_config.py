@@ -23,6 +23,9 @@ from tokengate.tools import compile_config, config_docs
 from tests.conftest import MODEL, REPO_CONFIG, TEST_MAX_MODEL_LEN
 from tests.fixtures_edge import run_lua
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 DOCS = REPO_CONFIG.parent / "docs" / "config.md"
 TOKENGATE = Path(sys.executable).parent / "tokengate"
 DEMO = "e7aab4b439baa8c615eb31e352f5b4259085813fbcd95a65a5a346a6bdfb1bb3"

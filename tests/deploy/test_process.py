@@ -17,6 +17,9 @@ from tokengate.process import Backoff, Service, ServiceError, Supervisor, group_
 
 from tests.fixtures_ledger import wait_until
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 
 def flag_service(tmp_path: Path, name: str, script: str) -> Service:
     """``sh -c script`` with ``$F`` a flag file the script touches when it is "ready"."""

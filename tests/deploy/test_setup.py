@@ -10,7 +10,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 from tokengate_dev import devstack
+
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
 
 ROOT = devstack.ROOT
 CHECK = ROOT / "scripts" / "check_venv.py"

@@ -18,6 +18,9 @@ from tokengate_dev import devstack
 
 from tests.conftest import MODEL
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 
 def compiled(config_path: Path, tmp_path: Path, edit: Any = None) -> dict[str, Any]:
     raw = yaml.safe_load(config_path.read_text())

@@ -19,6 +19,9 @@ from tokenizers import Tokenizer
 from tests.conftest import REPO_CONFIG
 from tests.edge.test_edge_control_tokens import escape_text
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 TOKENIZER = REPO_CONFIG.parent / "var/models/tiny-qwen3/tokenizer.json"
 RAW = json.loads(TOKENIZER.read_text())
 ADDED = [t["content"] for t in RAW["added_tokens"]]

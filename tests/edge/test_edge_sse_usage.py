@@ -13,7 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.fixtures_edge import run_lua
+
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
 
 RUNNING = ('data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}],'
            '"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2}}')

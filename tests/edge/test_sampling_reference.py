@@ -12,6 +12,9 @@ from tokengate.config import AccessLogConfig
 
 from tests.sampling_reference import bucket, keep, threshold
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 VECTORS = Path(__file__).parents[1] / "sampling_vectors.json"
 N = 10_000
 

@@ -12,6 +12,9 @@ from tokengate.ledger.calculator import Calculator, charge
 
 from tests.fixtures_ledger import make_event
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 EXCLUDE = BillingConfig(exclude_system_tokens=True)
 
 

@@ -10,6 +10,9 @@ from tokengate.ledger.event import EventError, parse_event
 
 from tests.fixtures_ledger import make_event
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 LINE = ('{"request_id":"5d41402abc4b2a76b9719d911017c592","ts":"2026-11-29T16:40:00.123Z",'
         '"key_id":"demo","model":"tiny-qwen3","endpoint":"chat","status":200,"stream":true,'
         '"token_estimate":12,"count_source":"counter","reserved":268,"prompt_tokens":12,'

@@ -18,6 +18,9 @@ from tokengate_dev.bench import scheduler_figures as ef
 from tokenstorm.report import Records
 from tokenstorm.runner import plan_for, prompt_builder
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def model(cfg: tg_config.Config) -> tg_config.ModelConfig:

@@ -16,6 +16,9 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 
 def req(rid: str, prompt: int, max_tokens: int) -> Request:
     return Request(request_id=rid, prompt_token_ids=[7] * prompt,

@@ -4,9 +4,13 @@ end against a real vLLM server in test_sim_replica.py."""
 
 from __future__ import annotations
 
+import pytest
 from tokengate import prefix_hash
 from tokenstorm.upstream.kv_cache import BlockPool
 from tokenstorm.upstream.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
 
 BS = 4
 

@@ -22,6 +22,9 @@ from tokenstorm.profiles import (
     make_profile,
 )
 
+# pure: starts no process of the stack (make test-unit)
+pytestmark = pytest.mark.unit
+
 LIMITS = TokenLimits(min_input=9, max_model_len=8192, min_output=16)
 FIXED = NormalProfile(limits=LIMITS, mean=1000, sd=0)
 
