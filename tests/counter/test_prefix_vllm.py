@@ -59,7 +59,19 @@ class Subscriber:
         recv_monitor_message(monitor)
         self.sock.disable_monitor()
         monitor.close(0)
-        time.sleep(0.5)  # the subscription reaches the publisher; a SUB misses the rest
+
+    def wait_subscribed(self, http: httpx.Client) -> None:
+        """Return once the publisher sends to this socket: a SUB connected misses what is
+        published before its subscription reaches the publisher (ZMQ), so a prompt no one
+        sent before (several blocks) is sent until its BlockStored arrives, then drained."""
+        for _ in range(20):
+            r = http.post("v1/completions", json={
+                "model": MODEL, "max_tokens": 1,
+                "prompt": f"[{secrets.token_hex(8)}] " + "ready " * (3 * BLOCK)})
+            assert r.status_code == 200, r.text
+            if self.events(idle_s=1.0):
+                return
+        raise AssertionError("no KV event reached the subscriber")
 
     def events(self, idle_s: float = 1.5, timeout_s: float = 60.0) -> list[Any]:
         """The events received until none came for ``idle_s``."""
@@ -83,9 +95,10 @@ def kv_server(vllm_server: VllmFactory) -> VllmServer:
 
 
 @pytest.fixture
-def sub(kv_server: VllmServer) -> Iterator[Subscriber]:
+def sub(kv_server: VllmServer, http: httpx.Client) -> Iterator[Subscriber]:
     s = Subscriber(f"tcp://{KV_EVENTS}")
     try:
+        s.wait_subscribed(http)
         yield s
     finally:
         s.close()

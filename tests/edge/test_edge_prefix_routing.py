@@ -28,6 +28,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from tokengate.counter import frames
 from tokengate.process import free_port
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
@@ -248,19 +249,28 @@ def _metrics(e: Edge) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 class Precise:
     """Two simulated replicas with KV events, a counter following both, an edge routing
     by prefix in front of them; ``hits(question)``: the counter's prefix_hits for that
-    chat body (replica -> tokens)."""
+    chat body (replica -> tokens); ``worker_hits``: the same, asked of each counter worker
+    (each follows the replicas' KV events on its own)."""
 
     sims: list[SimReplica]
     edge: Edge
     hits: Callable[..., dict[str, int]]
+    worker_hits: Callable[..., list[dict[str, int]]]
 
     def until(self, question: str, ok: Callable[[dict[str, int]], bool],
               system: bool = True) -> None:
+        """Wait until every counter worker's view of ``question``'s hits satisfies ``ok``,
+        the workers agree, and two polls in a row saw the same (a replica's events for one
+        request may come in several batches)."""
         deadline = time.monotonic() + 15
-        while not ok(self.hits(question, system)):
-            assert time.monotonic() < deadline, self.hits(question, system)
+        last: list[dict[str, int]] = []
+        while True:
+            views = self.worker_hits(question, system)
+            if all(ok(h) for h in views) and views[1:] == views[:-1] and views == last:
+                return
+            assert time.monotonic() < deadline, views
+            last = views
             time.sleep(0.1)
-        time.sleep(0.3)  # the other counter worker's followers too
 
 
 @contextmanager
@@ -298,13 +308,24 @@ def _precise(edge_variant_off_vllm: Callable[..., Edge], config_path: Path, tmp_
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = counter_pb2_grpc.TokenCounterStub(channel)
 
-                def hits(question: str, system: bool = True) -> dict[str, int]:
-                    reply = stub.CountTokens(counter_pb2.CountRequest(
+                def request(question: str, system: bool) -> counter_pb2.CountRequest:
+                    return counter_pb2.CountRequest(
                         model=MODEL, endpoint=counter_pb2.ENDPOINT_CHAT,
-                        body=json.dumps(_body(question, system=system)).encode()))
+                        body=json.dumps(_body(question, system=system)).encode())
+
+                def hits(question: str, system: bool = True) -> dict[str, int]:
+                    reply = stub.CountTokens(request(question, system))
                     return {h.upstream: h.cached_tokens for h in reply.prefix_hits}
 
-                yield Precise(sims, e, hits)
+                def worker_hits(question: str, system: bool = True) -> list[dict[str, int]]:
+                    views = []
+                    for i in range(2):
+                        with frames.Client(f"{sock}.{i}") as c:
+                            reply = c.count(request(question, system))
+                        views.append({h.upstream: h.cached_tokens for h in reply.prefix_hits})
+                    return views
+
+                yield Precise(sims, e, hits, worker_hits)
         finally:
             counter.stop()
     finally:
