@@ -259,16 +259,21 @@ def counter_kv_events(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Che
         _status, body = _ask(listen, "/metrics", timeout_s)
     except OSError as e:
         return [Check("counter", upstream, what, "FAIL", f"the counter's metrics on {listen} "
-                      f"do not answer ({e}): is tokengate-counter running? (systemctl status "
-                      "tokengate-counter)") for _name, upstream, _endpoint in follows]
+                      f"do not answer ({e}): tokengate-counter is not running (systemctl "
+                      "status tokengate-counter), or its unit has a network of its own "
+                      f"(PrivateNetwork=yes), from which it reaches neither {endpoint} nor "
+                      "this port") for _name, upstream, endpoint in follows]
     from prometheus_client.parser import text_string_to_metric_families
 
     live: dict[tuple[str, str], float] = {}
     last: dict[tuple[str, str], float] = {}
+    wanted = {"tokengate_counter_kv_index_live": live,
+              "tokengate_counter_kv_last_event_timestamp_seconds": last}
     for family in text_string_to_metric_families(body.decode(errors="replace")):
-        into = {"tokengate_counter_kv_index_live": live,
-                "tokengate_counter_kv_last_event_timestamp_seconds": last}.get(family.name)
-        for sample in family.samples if into is not None else []:
+        into = wanted.get(family.name)
+        if into is None:
+            continue
+        for sample in family.samples:
             into[(sample.labels.get("model", ""), sample.labels.get("upstream", ""))] = \
                 sample.value
     now = time.time()

@@ -57,7 +57,6 @@ tokengate's own): it prints what to run next.
 from __future__ import annotations
 
 import argparse
-import functools
 import grp
 import importlib.util
 import json
@@ -71,6 +70,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -353,6 +353,13 @@ class Needed:
     @property
     def name(self) -> str:
         return ".".join(self.keys)
+
+    def configured(self, cfg: tg_config.Config) -> Path | None:
+        """Its value in ``cfg`` (a path: every row's value is one), None when off."""
+        value: Any = cfg
+        for key in self.keys:
+            value = getattr(value, key)
+        return None if value is None else Path(value)
 
 
 NEEDED = (
@@ -684,9 +691,8 @@ def plan(opts: Options) -> Plan:
               if opts.vllm_unit else ()),
             (opts.at("/var/lib/tokengate"), 0o750, (USER, GROUP)),
             # the folders of NEEDED settings, where the configuration puts them
-            *((Path(functools.reduce(getattr, row.keys, cfg)), *row.folder)
-              for row in NEEDED if row.folder is not None
-              and functools.reduce(getattr, row.keys, cfg) is not None),
+            *((folder, *row.folder) for row in NEEDED
+              if row.folder is not None and (folder := row.configured(cfg)) is not None),
             (opts.at("/var/lib/tokengate/usage"), 0o750, ("root", GROUP)),
             # the vLLM plugin's engine records (tokengate-vllm@.service writes, the ledger reads)
             (opts.at("/var/lib/tokengate/engine"), 0o750, (USER, GROUP)),

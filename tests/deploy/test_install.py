@@ -8,7 +8,6 @@ the usage details billing reads."""
 from __future__ import annotations
 
 import ast
-import functools
 import grp
 import importlib.metadata
 import json
@@ -259,7 +258,7 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
     target = prefix / "etc/tokengate/tokengate.yaml"
     cfg = tg_config.load(target)
     for row in install_mod.NEEDED:   # a fresh install has every setting of the table
-        assert functools.reduce(getattr, row.keys, cfg) == needed_value(prefix, row)
+        assert row.configured(cfg) == needed_value(prefix, row)
     earlier = "\n".join(line for line in target.read_text().splitlines()
                         if line.strip().partition(":")[0] not in
                         {row.keys[-1] for row in install_mod.NEEDED}) + "\n"
@@ -275,7 +274,7 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
     assert f"add {names} to {target}, 640 root:www-data" in r.stdout.splitlines()
     cfg = tg_config.load(target)
     for row in install_mod.NEEDED:
-        assert functools.reduce(getattr, row.keys, cfg) == needed_value(prefix, row)
+        assert row.configured(cfg) == needed_value(prefix, row)
         if row.folder is not None:
             mode, (user, group) = row.folder
             assert stat_of(needed_value(prefix, row)) == (
@@ -291,8 +290,8 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
 
 @pytest.mark.parametrize("console, why", [
     ("  console: {listen: 127.0.0.1:9466}\n",
-     "ledger.console: write it as a block mapping (`console:` then indented keys) so that "
-     "install can set ledger.console.changes_dir"),
+     ("ledger.console: write it as a block mapping (`console:` then indented keys) so that "
+     "install can set ledger.console.changes_dir")),
     ("  console:\n    changes_dir: null\n",
      "ledger.console.changes_dir is null: set it to {prefix}/var/lib/tokengate/console"),
 ], ids=["flow-style", "null"])
