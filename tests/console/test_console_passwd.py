@@ -21,6 +21,14 @@ from tests.fixtures_ledger import svc_name, wait_until
 PASSWORD = "a console test password"
 
 
+def console_answers(url: str) -> bool:
+    """Whether the console at ``url`` (``http://host:port``) serves its login page."""
+    try:
+        return httpx.get(f"{url}/login", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 @pytest.fixture
 def ledger_without_console(config_path: Path, redis_url: str,
                            tmp_path: Path) -> Iterator[tuple[Path, str, Service]]:
@@ -51,14 +59,7 @@ def test_console_passwd_starts_the_console_of_a_running_ledger_without_a_restart
     assert (r.returncode, r.stderr) == (0, (
         f"admin alice: password set ({path}); a running tokengate-ledger serves the "
         f"console on {url}/ within a second\n"))
-
-    def serves() -> bool:
-        try:
-            return httpx.get(f"{url}/login", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(serves, 20, what="the console of the running ledger")
+    wait_until(lambda: console_answers(url), 20, what="the console of the running ledger")
     token = re.search(r'name="csrf" value="([^"]+)"', httpx.get(f"{url}/login").text)
     assert token is not None
     # the login cookie is Secure: sent by hand over plain HTTP, as a browser does to

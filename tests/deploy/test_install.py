@@ -209,12 +209,19 @@ def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
         "ledger": {"usage_file": "/var/lib/tokengate/usage/usage.jsonl"}}
 
 
-def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
-        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+def install_test_config(config_path: Path, redis_url: str, tmp_path: Path
+                        ) -> tuple[Path, Path]:
+    """``test_config`` installed under ``tmp_path/root``: (the prefix, the installed
+    configuration)."""
     prefix = tmp_path / "root"
     assert install(prefix, "--config",
                    test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    return prefix, prefix / "etc/tokengate/tokengate.yaml"
+
+
+def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
+        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     edited = target.read_text().replace("rpm: 600", "rpm: 7")
     target.write_text(edited)
     r = install(prefix, "--config", tmp_path / "c.yaml")
@@ -229,10 +236,7 @@ def test_an_install_again_gives_the_units_back_a_config_they_can_read(
         config_path: Path, redis_url: str, tmp_path: Path) -> None:
     # what 0.1.0's `keys create` left behind: root:root 0600, every unit then failed at
     # start with Permission denied
-    prefix = tmp_path / "root"
-    assert install(prefix, "--config",
-                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     os.chown(target, 0, 0)
     target.chmod(0o600)
     r = install(prefix)
@@ -252,10 +256,7 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
         config_path: Path, redis_url: str, tmp_path: Path) -> None:
     # an operator's file without ledger.console.changes_dir: every key change made in
     # the console under the units failed with Permission denied after the upgrade
-    prefix = tmp_path / "root"
-    assert install(prefix, "--config",
-                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     cfg = tg_config.load(target)
     for row in install_mod.NEEDED:   # a fresh install has every setting of the table
         assert row.configured(cfg) == needed_value(prefix, row)
@@ -297,10 +298,7 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
 ], ids=["flow-style", "null"])
 def test_a_config_install_cannot_give_what_this_release_needs_is_refused_by_file_and_key(
         config_path: Path, redis_url: str, tmp_path: Path, console: str, why: str) -> None:
-    prefix = tmp_path / "root"
-    assert install(prefix, "--config",
-                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     text = re.sub(r"\n  console:\n    changes_dir: \S+\n", "\n" + console,
                   target.read_text())
     target.write_text(text)

@@ -50,6 +50,7 @@ from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests import units
 from tests.conftest import MODEL, PORT_OFFSET
+from tests.console.test_console_passwd import console_answers
 from tests.deploy.test_debian_dropin import debian_layout
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, wait_until
 from tests.fixtures_ledger import free_port as free_port_of
@@ -530,14 +531,8 @@ def test_the_upgrade_adds_the_console_queue_and_passwd_starts_the_console(
                        input="an upgrade test password\n", capture_output=True, text=True,
                        timeout=60, check=False)
     assert r.returncode == 0, r.stderr
-
-    def serves() -> bool:
-        try:
-            return httpx.get(f"http://{listen}/login", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(serves, 20, what="the console of the running ledger")
+    wait_until(lambda: console_answers(f"http://{listen}"), 20,
+               what="the console of the running ledger")
 
 
 HOST_CHECKS = ("unit", "counter", "ledger", "redis")  # the doctor's lines of the host
