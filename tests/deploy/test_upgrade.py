@@ -52,6 +52,7 @@ from tests import units
 from tests.conftest import MODEL, PORT_OFFSET
 from tests.console.test_console_passwd import console_answers
 from tests.deploy.test_debian_dropin import debian_layout
+from tests.doc_pages import code_block
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, wait_until
 from tests.fixtures_ledger import free_port as free_port_of
 
@@ -61,7 +62,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("upgrade")]
 
 ROOT = devstack.ROOT
 PREVIOUS = "v0.1.0"
-PAGE = ROOT / "docs" / "operators" / "upgrading.md"
+PAGE = "operators/upgrading.md"   # under docs/
 SIDECARS = ("tokengate-counter.service", "tokengate-limits.service",
             "tokengate-ledger.service")
 # the unix sockets of a sidecar's two workers, in /run/tokengate
@@ -91,7 +92,7 @@ def previous_release(base: Path, repo: Path = ROOT) -> Path:
 
 @dataclass
 class Venv:
-    """The virtualenv the units run from: ``/opt/tokengate`` of the README, here made
+    """The virtualenv the units run from: ``/opt/tokengate`` of docs/operators/deploy.md, here made
     from this interpreter with the test environment's third-party packages reachable
     (a ``.pth`` file naming their site-packages), so ``pip install ./sidecars`` builds
     and installs tokengate alone, offline."""
@@ -317,12 +318,9 @@ def row_sums(rows: dict[tuple[str, str, str], tuple[int, int, int, int, float]],
 # --- the page's steps ----------------------------------------------------------------
 
 def upgrade_steps() -> list[str]:
-    """The commands of the page's Upgrade block, one per line, comments removed."""
-    text = PAGE.read_text()
-    section = text.split("\n## Upgrade\n", 1)[1].split("\n## ", 1)[0]
-    m = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
-    assert m, f"{PAGE}: no sh block in its Upgrade section"
-    return [line.split("  #")[0].strip() for line in m.group(1).splitlines()
+    """The commands of the page's Upgrade block (its first sh block), one per line,
+    comments removed."""
+    return [line.split("  #")[0].strip() for line in code_block(PAGE, "sh").splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -363,7 +361,8 @@ def run_step(host: Host, line: str, new_release: Path) -> subprocess.CompletedPr
     if words == ["systemctl", "reload", "nginx"]:
         assert host.nginx_run("-s", "reload").returncode == 0
         return None
-    raise AssertionError(f"{PAGE}: a step the upgrade test does not know how to run: {line}")
+    raise AssertionError(f"docs/{PAGE}: a step the upgrade test does not know how to run: "
+                         f"{line}")
 
 
 # --- the host ------------------------------------------------------------------------
