@@ -100,11 +100,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     through ``vllm_url``, ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects
     them, so no vLLM server is started; ``make test`` runs them all, and in one xdist
     group, so that one worker boots the session's vLLM servers (60-90 s each on 2 cores,
-    2-3 GB each) and the others never do."""
+    2-3 GB each) and the others never do. A test marked ``xdist_group(name)`` (a module
+    whose tests share one expensive host, in order) is grouped the same way."""
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
             xdist_group(config, item, "vllm")
+        elif (mark := item.get_closest_marker("xdist_group")) is not None:
+            xdist_group(config, item, mark.args[0])
 
 
 @pytest.fixture(scope="session")

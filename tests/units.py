@@ -6,6 +6,11 @@ into an argv with the install prefix's specifiers (%E, %t, ...) and the unit's
 Specifiers are systemd.unit(5)'s for a system unit, with the prefix in front: %E =
 <prefix>/etc, %t = <prefix>/run, %S = <prefix>/var/lib, %C = <prefix>/var/cache,
 %L = <prefix>/var/log; %i / %I = the instance.
+
+``PrivateNetwork=yes`` is kept, as systemd.exec(5) sets it up: the service runs in a
+network namespace of its own whose only device is the loopback, up (``unshare --net``):
+it reaches no address of the host's, and nothing of the host's reaches its ports, while
+unix sockets (paths) still connect.
 """
 
 from __future__ import annotations
@@ -210,6 +215,9 @@ def start(unit_path: Path, prefix: Path, log_dir: Path, instance: str = "",
         gid = grp.getgrnam(groups[-1]).gr_gid
         who = [f"--reuid={pwd.getpwnam(user).pw_uid}"] if user is not None else []
         argv = ["setpriv", *who, f"--regid={gid}", "--clear-groups", "--", *argv]
+    if unit.values("Service", "PrivateNetwork")[-1:] == ["yes"]:
+        argv = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+                *argv]
     umask = int(unit.values("Service", "UMask")[-1], 8) \
         if unit.values("Service", "UMask") else 0o022
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ the engine records' check included, and prints one line per check.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 from tokengate import config as tg_config
@@ -51,15 +53,21 @@ upstream (never through the edge); each generates at most one token.
 Then the host: for an installed layout (/etc/tokengate/tokengate.yaml, units in
 /etc/systemd/system), readable, each sidecar unit's own user and groups can read the
 configuration and what it follows (the counter the models' files, the ledger the usage
-and engine files' folders); and redis_persistence, the Redis of redis.url keeps its data
-across a restart (appendonly yes; RDB snapshots alone are a warning, neither a failure:
-the bill, the budgets' spend and the ledger's checkpoints live there).
+and engine files' folders); the running services' own view, asked on their metrics
+ports: kv_events_connected, the running counter is connected to the KV-event publisher
+of each replica that routing.kv_events names (not only the doctor), and
+engine_file_followed, the running ledger follows each of ledger.engine_usage_files;
+and redis_persistence, the Redis of redis.url keeps its data across a restart
+(appendonly yes; RDB snapshots alone are a warning, neither a failure: the bill, the
+budgets' spend and the ledger's checkpoints live there).
 
 OUTPUT
   One line per check per upstream, as it completes:
     <OK|WARN|FAIL|SKIP> <model> <host:port> <check>: <what was seen; what to change>
-  then the host's, as "<STATUS> unit <unit> readable: ..." and "<STATUS> redis
-  <host:port> redis_persistence: ...", and a summary line on stderr.
+  then the host's, as "<STATUS> unit <unit> readable: ...", "<STATUS> counter
+  <replica host:port> kv_events_connected: ...", "<STATUS> ledger <engine file>
+  engine_file_followed: ..." and "<STATUS> redis <host:port> redis_persistence: ...",
+  and a summary line on stderr.
 
 EXIT STATUS
   0 every check passed (warnings allowed); 1 a check failed; 2 the configuration
@@ -149,6 +157,16 @@ def _denied(path: Path, uid: int, gids: set[int], directory: bool) -> str | None
     return None
 
 
+def installed_units(cfg: tg_config.Config) -> Path | None:
+    """The unit folder of the installed layout whose configuration ``cfg`` is
+    (``<root>/etc/tokengate/tokengate.yaml`` -> ``<root>/etc/systemd/system``), or None
+    for any other file (``make run``'s, a checkout's)."""
+    path = cfg.path.absolute()
+    if path.parts[-3:] != ("etc", "tokengate", "tokengate.yaml"):
+        return None
+    return path.parents[2] / "etc" / "systemd" / "system"
+
+
 def unit_access(cfg: tg_config.Config) -> list[Check]:
     """The ``readable`` host checks of an installed layout (the configuration is
     ``<root>/etc/tokengate/tokengate.yaml`` and the units are in
@@ -161,9 +179,9 @@ def unit_access(cfg: tg_config.Config) -> list[Check]:
     import pwd
 
     path = cfg.path.absolute()
-    if path.parts[-3:] != ("etc", "tokengate", "tokengate.yaml"):
+    units = installed_units(cfg)
+    if units is None:
         return []
-    units = path.parents[2] / "etc" / "systemd" / "system"
     needs: dict[str, list[tuple[Path, bool]]] = {
         "tokengate-counter.service": [(m.dir, True) for m in cfg.models.values()],
         "tokengate-ledger.service": [(cfg.ledger.usage_file.parent, True),
@@ -198,6 +216,125 @@ def unit_access(cfg: tg_config.Config) -> list[Check]:
                                 f"{who} reads the configuration"
                                 + (" and what it follows" if needs[name] else "")))
     return checks
+
+
+def _ask(listen: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+    """(HTTP status, body) of ``GET http://<listen><path>``, a service's own loopback
+    port (its Host header the port's address, which the ledger's admin view requires).
+    Raises ``OSError`` when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{listen}{path}", headers={"Host": listen})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def counter_kv_events(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Check]:
+    """The ``kv_events_connected`` host checks of an installed layout whose
+    ``tokengate-counter.service`` is there: for each replica whose KV events a model
+    follows (``routing.kv_events`` of a model routed by the prefix cache), whether the
+    running counter is connected to that replica's publisher, as the counter itself
+    says on ``metrics.counter_listen`` (``tokengate_counter_kv_index_live`` and
+    ``tokengate_counter_kv_last_event_timestamp_seconds``, by model and upstream). The
+    upstream check ``kv_events`` subscribes from the doctor's own process: a counter
+    whose unit could not reach the publisher (``PrivateNetwork=yes`` once) routed by the
+    edge's approximate guess while that check passed. FAIL names the replica; WARN when
+    ``metrics.counter_listen`` is null (the counter cannot be asked)."""
+    units = installed_units(cfg)
+    follows = [(name, upstream, endpoint) for name, m in cfg.models.items()
+               for upstream, endpoint in m.kv_events.items()]
+    if units is None or not (units / "tokengate-counter.service").is_file() or not follows:
+        return []
+    what = "kv_events_connected"
+    listen = cfg.metrics.counter_listen
+    if listen is None:
+        return [Check("counter", upstream, what, "WARN", "metrics.counter_listen is null: the "
+                      f"running counter cannot be asked whether it follows {endpoint}")
+                for _name, upstream, endpoint in follows]
+    try:
+        _status, body = _ask(listen, "/metrics", timeout_s)
+    except OSError as e:
+        return [Check("counter", upstream, what, "FAIL", f"the counter's metrics on {listen} "
+                      f"do not answer ({e}): tokengate-counter is not running (systemctl "
+                      "status tokengate-counter), or its unit has a network of its own "
+                      f"(PrivateNetwork=yes), from which it reaches neither {endpoint} nor "
+                      "this port") for _name, upstream, endpoint in follows]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    live: dict[tuple[str, str], float] = {}
+    last: dict[tuple[str, str], float] = {}
+    wanted = {"tokengate_counter_kv_index_live": live,
+              "tokengate_counter_kv_last_event_timestamp_seconds": last}
+    for family in text_string_to_metric_families(body.decode(errors="replace")):
+        into = wanted.get(family.name)
+        if into is None:
+            continue
+        for sample in family.samples:
+            into[(sample.labels.get("model", ""), sample.labels.get("upstream", ""))] = \
+                sample.value
+    now = time.time()
+    checks = []
+    for name, upstream, endpoint in follows:
+        up = live.get((name, upstream))
+        if up is None:
+            checks.append(Check("counter", upstream, what, "FAIL", (
+                f"the running counter does not follow {endpoint} ({name}'s replica): it runs "
+                "another configuration or an earlier release (systemctl reload "
+                "tokengate-counter; after an upgrade, restart it)")))
+        elif up < 1:
+            checks.append(Check("counter", upstream, what, "FAIL", (
+                f"the running counter is not connected to {endpoint}, the KV-event publisher "
+                f"of {name}'s replica {upstream}: its prefix hits are the edge's approximate "
+                "guess (is the replica up with --kv-events-config, and can the counter's "
+                "unit reach that address?)")))
+        else:
+            seen = last.get((name, upstream), 0.0)
+            when = f"its last event {max(0.0, now - seen):.0f} s ago" if seen > 0 else \
+                "no event since it connected (an idle replica sends none)"
+            checks.append(Check("counter", upstream, what, "OK",
+                                f"the running counter is connected to {endpoint}; {when}"))
+    return checks
+
+
+def ledger_engine_files(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Check]:
+    """The ``engine_file_followed`` host checks of an installed layout whose
+    ``tokengate-ledger.service`` is there: each file of ``ledger.engine_usage_files`` is
+    one the running ledger follows (``engine_files`` of its ``GET /status`` on
+    ``metrics.ledger_listen``). A replica added by configuration was once billed with
+    the edge's numbers because the running ledger never read its records. FAIL names the
+    file; WARN when ``metrics.ledger_listen`` is null (the ledger cannot be asked)."""
+    units = installed_units(cfg)
+    files = list(cfg.ledger.engine_usage_files)
+    if units is None or not (units / "tokengate-ledger.service").is_file() or not files:
+        return []
+    what = "engine_file_followed"
+    listen = cfg.metrics.ledger_listen
+    if listen is None:
+        return [Check("ledger", str(f), what, "WARN", "metrics.ledger_listen is null: the "
+                      "running ledger cannot be asked whether it follows this file")
+                for f in files]
+    try:
+        status, body = _ask(listen, "/status", timeout_s)
+    except OSError as e:
+        return [Check("ledger", str(f), what, "FAIL", f"the ledger's metrics port {listen} "
+                      f"does not answer ({e}): is tokengate-ledger running? (systemctl "
+                      "status tokengate-ledger)") for f in files]
+    if status != 200:
+        return [Check("ledger", str(f), what, "FAIL", f"the running ledger answers GET "
+                      f"/status on {listen} with {status}: it is an earlier release "
+                      "(systemctl restart tokengate-ledger)") for f in files]
+    followed = {Path(p).resolve() for p in json.loads(body).get("engine_files") or []}
+    return [Check("ledger", str(f), what, "OK", "the running ledger follows it")
+            if Path(f).resolve() in followed else
+            Check("ledger", str(f), what, "FAIL", (
+                "the running ledger does not follow it: its replica's requests are billed "
+                "with the edge's numbers (systemctl restart tokengate-ledger; it follows "
+                f"{', '.join(sorted(map(str, followed))) or 'no engine file'})"))
+            for f in files]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -240,7 +377,8 @@ def doctor_command(args: argparse.Namespace) -> int:
         wait_healthy(cfg, args.wait_s, out)
     checks = run(cfg, allow_unverified=args.allow_unverified_vllm, timeout_s=args.timeout_s,
                  out=out, engine_records=True, engine_wait_s=args.engine_wait_s)
-    host = [*unit_access(cfg), redis_persistence(cfg)]
+    host = [*unit_access(cfg), *counter_kv_events(cfg), *ledger_engine_files(cfg),
+            redis_persistence(cfg)]
     for c in host:
         out(c.line())
     failed = any(c.status == "FAIL" for c in checks + host)

@@ -6,9 +6,11 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /usr/share/tokengate/nginx/*.in             the nginx templates (tokengate.tools.nginx_conf)
     /etc/nginx/conf.d/tokengate.conf            the drop-in, http level  } rendered for the
     /etc/nginx/snippets/tokengate-location.conf the server-level snippet } prefix and config
-    /etc/tokengate/tokengate.yaml               the configuration: written once, never
-                                                overwritten (``--config``, else made for
-                                                the host from systemd/tokengate.host.yaml.in)
+    /etc/tokengate/tokengate.yaml               the configuration: written once
+                                                (``--config``, else made for the host from
+                                                systemd/tokengate.host.yaml.in); a run
+                                                again only adds the settings this release
+                                                needs that it lacks (``NEEDED``)
     /etc/tokengate/edge.json                    compiled from it on every run
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
@@ -20,6 +22,8 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/tmpfiles.d/tokengate.conf              /run/tokengate at every boot
     /var/lib/tokengate/usage/                   usage events: nginx writes, the ledger reads
     /var/lib/tokengate/engine/                  the vLLM plugin's records, one file per replica
+    /var/lib/tokengate/console/                 the console's queued key changes
+                                                (ledger.console.changes_dir)
     /var/log/tokengate/                         the sampled access log
     /run/tokengate/                             the sidecars' and the hop server's sockets
 
@@ -66,6 +70,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -112,7 +117,9 @@ again without --vllm-python or --no-vllm-unit keeps the first run's choice.
 
 It never starts, stops, reloads, enables or disables a service (nginx, Redis, the
 units); it prints the commands that do. Running it again updates everything but
-/etc/tokengate/tokengate.yaml, and recompiles edge.json from it.
+/etc/tokengate/tokengate.yaml, and recompiles edge.json from it; to a configuration of
+an earlier release it adds the settings this release needs (ledger.console.changes_dir),
+comments and all else kept, or refuses, naming the file and the key.
 
 EXIT STATUS
   0 installed (or, with --dry-run, nothing wrong found); 1 a problem, one line each
@@ -270,54 +277,151 @@ def _is_off(node: yaml.Node) -> bool:
         node.value.lower() in ("", "~", "null", "false", "no", "off")
 
 
+def _block(node: yaml.Node) -> bool:
+    """A mapping install can edit: block style, with at least one key (its first key's
+    column is where a new key goes)."""
+    return isinstance(node, yaml.MappingNode) and not node.flow_style and bool(node.value)
+
+
+def _set(text: str, keys: tuple[str, ...], value: str, mode: str = "set",
+         keep_off: bool = False) -> tuple[str, str | None]:
+    """``text`` with the setting at ``keys`` (block mappings from the top level down,
+    e.g. ``("ledger", "console", "changes_dir")``) given ``value`` (a scalar), every
+    comment and all other text kept, and a problem line or None. ``mode``: ``set`` adds
+    a missing setting and replaces one that is there, ``replace`` only replaces, ``add``
+    only adds. A missing setting goes first in its mapping, with the mappings it needs;
+    a missing top-level section at the end of the file. A setting replaced keeps the rest
+    of its line, a comment naming the old path naming the new one; ``keep_off`` leaves a
+    setting that is off (``false``, null). The problem: a mapping on the way written in
+    a form install cannot edit (flow style, empty), or a value that is not a scalar."""
+    root = yaml.compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        return text, "(top level): expected a mapping of sections"
+    dotted = ".".join(keys)
+    node: yaml.Node = root
+    for depth, key in enumerate(keys):
+        child = _get(node, key)
+        if child is None:
+            if mode == "replace":
+                return text, None
+            lines = [f"{key}:" for key in keys[depth:]]
+            lines[-1] += f" {_scalar(value)}"
+            if node is root:
+                out = text if text.endswith("\n") or not text else text + "\n"
+                return out + "\n" + "".join(f"{'  ' * i}{line}\n"
+                                             for i, line in enumerate(lines)), None
+            first = node.value[0][0].start_mark
+            at = first.index - first.column
+            new = "".join(f"{' ' * (first.column + 2 * i)}{line}\n"
+                          for i, line in enumerate(lines))
+            return text[:at] + new + text[at:], None
+        if depth == len(keys) - 1:
+            if mode == "add" or (keep_off and _is_off(child)):
+                return text, None
+            if not isinstance(child, yaml.ScalarNode):
+                return text, f"{dotted}: expected a path"
+            end = text.find("\n", child.end_mark.index)
+            end = len(text) if end < 0 else end
+            rest = text[child.end_mark.index:end]
+            if "/" in child.value:  # a path, not a word a comment may also use
+                rest = rest.replace(child.value, value)
+            return text[:child.start_mark.index] + _scalar(value) + rest + text[end:], None
+        if not _block(child):
+            where = ".".join(keys[:depth + 1])
+            return text, (f"{where}: write it as a block mapping (`{key}:` then indented "
+                          f"keys) so that install can set {dotted}")
+        node = child
+    raise AssertionError("unreachable: keys is not empty")
+
+
+@dataclass(frozen=True)
+class Needed:
+    """A setting that a release needs in an installed configuration, which a file made
+    by an earlier release (or from a ``--config`` file of the operator's) may lack.
+    ``tokengate install`` adds it with ``value`` (a path as on a host, moved below
+    ``--prefix``) where it is missing, and refuses, naming the file and the key, a file
+    where it is off (null, false) or cannot be edited. ``folder``: the value is a
+    folder install makes with this mode and owner. The next release that needs a
+    setting adds a row to ``NEEDED``."""
+
+    since: str                         # the release from which the units need it
+    keys: tuple[str, ...]              # where: ("ledger", "console", "changes_dir")
+    value: str                         # on a host (below --prefix under one)
+    why: str                           # what fails without it
+    folder: tuple[int, tuple[str, str]] | None = None
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.keys)
+
+    def configured(self, cfg: tg_config.Config) -> Path | None:
+        """Its value in ``cfg`` (a path: every row's value is one), None when off."""
+        value: Any = cfg
+        for key in self.keys:
+            value = getattr(value, key)
+        return None if value is None else Path(value)
+
+
+NEEDED = (
+    Needed("0.1.0", ("ledger", "console", "changes_dir"), "/var/lib/tokengate/console",
+           "the console runs in tokengate-ledger as the tokengate user, which can neither "
+           "write /etc/tokengate nor signal nginx: it queues each key change there for "
+           "root's tokengate-console-apply.path, and without it every change made in the "
+           "console fails with Permission denied",
+           folder=(0o750, (USER, GROUP))),
+)
+
+
+def add_needed(text: str, root: Path, where: Path) -> tuple[str, list[Needed], list[str]]:
+    """``text`` (the configuration ``where``, installed below ``root``) with every
+    ``NEEDED`` setting it lacks added, comments and all other text kept; the rows
+    added; and one problem line per row it cannot apply (the setting is off, or a
+    mapping on its way is written in a form install cannot edit), naming the file and
+    the key."""
+    added: list[Needed] = []
+    problems: list[str] = []
+    try:
+        yaml.compose(text)
+    except yaml.YAMLError:
+        return text, added, problems  # not YAML: the loader names the line
+    for row in NEEDED:
+        value = str(root / row.value.lstrip("/"))
+        node: yaml.Node | None = yaml.compose(text)
+        for key in row.keys:
+            node = _get(node, key) if node is not None else None
+        if node is not None and _is_off(node):
+            problems.append(f"{where}: {row.name} is {node.value or 'empty'}: set it to "
+                            f"{value} (tokengate {row.since} needs it: {row.why})")
+            continue
+        if node is not None:
+            continue
+        text, problem = _set(text, row.keys, value, "add")
+        if problem is not None:
+            problems.append(f"{where}: {problem} (tokengate {row.since} needs it: {row.why})")
+        else:
+            added.append(row)
+    return text, added, problems
+
+
 def deploy_config_text(text: str, base: Path, paths: dict[str, Path]) -> str:
     """The configuration ``text`` (from a file in ``base``) as installed: the paths the
     drop-in fixes set (ledger.usage_file, edge.usage_file where given, access_log.file
     and global_limits.unix_socket unless off) and relative model dirs made absolute,
     every comment and all other text kept. Raises ``InstallError`` for a section written
     in a form it cannot edit (flow style, empty)."""
-    root = yaml.compose(text)
-    if not isinstance(root, yaml.MappingNode):
+    if not isinstance(yaml.compose(text), yaml.MappingNode):
         raise InstallError(["(top level): expected a mapping of sections"])
-    edits: list[tuple[int, int, str]] = []
-    tail: list[str] = []
     problems: list[str] = []
-
-    def put(section: str, key: str, value: Path, keep_off: bool, only_if_given: bool) -> None:
-        sec = _get(root, section)
-        if sec is None:
-            if not only_if_given:
-                tail.append(f"\n{section}:\n  {key}: {_scalar(str(value))}\n")
-            return
-        if not isinstance(sec, yaml.MappingNode) or sec.flow_style or not sec.value:
-            problems.append(f"{section}: write it as a block mapping (`{section}:` then "
-                            f"indented keys) so that install can set {section}.{key}")
-            return
-        node = _get(sec, key)
-        if node is None:
-            if not only_if_given:
-                first = sec.value[0][0].start_mark
-                at = first.index - first.column
-                edits.append((at, at, f"{' ' * first.column}{key}: {_scalar(str(value))}\n"))
-        elif keep_off and _is_off(node):
-            return
-        elif isinstance(node, yaml.ScalarNode):
-            # the rest of the line too: a comment naming the old value names the new one
-            end = text.find("\n", node.end_mark.index)
-            end = len(text) if end < 0 else end
-            rest = text[node.end_mark.index:end]
-            if "/" in node.value:  # a path, not a word a comment may also use
-                rest = rest.replace(node.value, str(value))
-            edits.append((node.start_mark.index, end, _scalar(str(value)) + rest))
-        else:
-            problems.append(f"{section}.{key}: expected a path")
-
-    put("ledger", "usage_file", paths["usage_file"], keep_off=False, only_if_given=False)
-    put("edge", "usage_file", paths["usage_file"], keep_off=False, only_if_given=True)
-    put("access_log", "file", paths["access_log"], keep_off=True, only_if_given=False)
-    put("global_limits", "unix_socket", paths["limits_socket"], keep_off=True,
-        only_if_given=False)
-    models = _get(root, "models")
+    for keys, value, mode, keep_off in (
+            (("ledger", "usage_file"), paths["usage_file"], "set", False),
+            (("edge", "usage_file"), paths["usage_file"], "replace", False),
+            (("access_log", "file"), paths["access_log"], "set", True),
+            (("global_limits", "unix_socket"), paths["limits_socket"], "set", True)):
+        text, problem = _set(text, keys, str(value), mode, keep_off)
+        if problem is not None:
+            problems.append(problem)
+    models = _get(yaml.compose(text), "models")
+    edits = []
     if isinstance(models, yaml.MappingNode):
         for _name, model in models.value:
             d = _get(model, "dir")
@@ -326,12 +430,9 @@ def deploy_config_text(text: str, base: Path, paths: dict[str, Path]) -> str:
                               _scalar(str((base / d.value).resolve()))))
     if problems:
         raise InstallError(problems)
-    out = text
     for start, end, new in sorted(edits, reverse=True):
-        out = out[:start] + new + out[end:]
-    if tail and not out.endswith("\n"):
-        out += "\n"
-    return out + "".join(tail)
+        text = text[:start] + new + text[end:]
+    return text
 
 
 def _header(source: Path) -> str:
@@ -498,15 +599,21 @@ def plan(opts: Options) -> Plan:
         warnings.append(f"{unit_path}: written by an earlier install and left in place "
                         "(install removes no unit a replica may run from): delete it once "
                         "no tokengate-vllm@PORT runs")
+    kept: str | None = None   # the existing configuration with what this release needs
+    added: list[Needed] = []
     try:
         if target.exists():
-            cfg = tg_config.load(target)
+            kept, added, needs = add_needed(tg_config.read_text(target), opts.prefix, target)
+            problems += needs
+            cfg = tg_config.loads(kept, target.resolve())
             config_text = None
         elif opts.config is not None:
             source_config = opts.config.resolve()
             tg_config.load(source_config)  # the source itself is valid (duplicate keys too)
-            config_text = _header(source_config) + deploy_config_text(
-                tg_config.read_text(source_config), source_config.parent, paths)
+            config_text, _, needs = add_needed(_header(source_config) + deploy_config_text(
+                tg_config.read_text(source_config), source_config.parent, paths),
+                opts.prefix, target)
+            problems += needs
             cfg = tg_config.loads(config_text, target)
         else:
             asked = [flag for flag, given in (
@@ -583,6 +690,9 @@ def plan(opts: Options) -> Plan:
             *(((opts.at("/etc/tokengate/vllm"), 0o750, ("root", GROUP)),)
               if opts.vllm_unit else ()),
             (opts.at("/var/lib/tokengate"), 0o750, (USER, GROUP)),
+            # the folders of NEEDED settings, where the configuration puts them
+            *((folder, *row.folder) for row in NEEDED
+              if row.folder is not None and (folder := row.configured(cfg)) is not None),
             (opts.at("/var/lib/tokengate/usage"), 0o750, ("root", GROUP)),
             # the vLLM plugin's engine records (tokengate-vllm@.service writes, the ledger reads)
             (opts.at("/var/lib/tokengate/engine"), 0o750, (USER, GROUP)),
@@ -628,7 +738,13 @@ def plan(opts: Options) -> Plan:
         file(example, vllm_env_text((unit_src / "vllm.env.example").read_text(),
                                     cfg).encode())
 
-    if config_text is None:
+    if added:
+        assert kept is not None
+        # an earlier release's file: what this one needs added, the rest as it was
+        todo.add("add " + ", ".join(f"{row.name} ({row.since} needs it)" for row in added)
+                 + f" to {target}, 640 root:{GROUP}",
+                 _bind(_write, target, kept.encode(), 0o640, ("root", GROUP), stand_in))
+    elif config_text is None:
         # What an earlier release or an edit left (a `keys create` of 0.1.0 re-owned it
         # root:root 0600, and every unit then failed at start with Permission denied):
         # the services read it as tokengate:www-data, so its owner and mode are set again.
@@ -714,9 +830,9 @@ def next_steps(cfg: tg_config.Config, vllm_unit: bool = True) -> str:
                          "if the host's own vLLM serves that port: give it the unit's "
                          "flags and the plugin)")
     lines.append("  nginx -t && systemctl reload nginx")
-    lines.append("  operator console (optional): tokengate console passwd NAME, then "
-                 "systemctl enable --now tokengate-console-apply.path and systemctl "
-                 f"restart tokengate-ledger; it serves http://{cfg.ledger.console.listen}/")
+    lines.append("  operator console (optional): systemctl enable --now "
+                 "tokengate-console-apply.path, then tokengate console passwd NAME; the "
+                 f"running ledger then serves http://{cfg.ledger.console.listen}/")
     return "\n".join(lines)
 
 

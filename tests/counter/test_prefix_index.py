@@ -247,6 +247,7 @@ def test_the_counters_replies_carry_each_live_replicas_hit(config_path: Path) ->
             reply = client.count(count_request())
         assert reply.block_size == BLOCK
         assert reply.block_hashes == b"".join(h[:8] for h in HASHES)
+        first_sent = time.time()
         a.send(0, [a.stored(range(4))])
         b.send(0, [b.stored(range(2))])
         # 4 blocks held, 3 usable: the prompt's last token is always computed
@@ -265,6 +266,11 @@ def test_the_counters_replies_carry_each_live_replicas_hit(config_path: Path) ->
                       upstream=ub) == 2
         assert metric(listen, "tokengate_counter_kv_index_live", model=MODEL,
                       upstream=nobody) == 0
+        # when each publisher last sent (what `tokengate doctor` shows): never for nobody
+        assert metric(listen, "tokengate_counter_kv_last_event_timestamp_seconds",
+                      model=MODEL, upstream=ua) >= first_sent
+        assert metric(listen, "tokengate_counter_kv_last_event_timestamp_seconds",
+                      model=MODEL, upstream=nobody) == 0
 
         # a reload: b is no longer followed, c (int hashes) is; a keeps what it learned
         write_config(config_path, path, {ua: a.endpoint, uc: c.endpoint}, listen)

@@ -180,8 +180,8 @@ def test_a_redis_that_keeps_nothing_across_a_restart_fails_the_doctor(
     assert lines[-1] == (
         f"FAIL redis 127.0.0.1:{port} redis_persistence: no persistence (appendonly no, "
         "save ''): a restart loses the bill, the budgets' spend and the ledger's "
-        "checkpoints; set appendonly yes and appendfsync everysec in redis.conf (README: "
-        "Redis durability)")
+        "checkpoints; set appendonly yes and appendfsync everysec in redis.conf "
+        "(docs/operators/redis-durability.md)")
     assert err.strip().endswith("; host: redis_persistence FAIL")
     dead = private_redis()
     dead.stop()

@@ -209,12 +209,19 @@ def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
         "ledger": {"usage_file": "/var/lib/tokengate/usage/usage.jsonl"}}
 
 
-def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
-        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+def install_test_config(config_path: Path, redis_url: str, tmp_path: Path
+                        ) -> tuple[Path, Path]:
+    """``test_config`` installed under ``tmp_path/root``: (the prefix, the installed
+    configuration)."""
     prefix = tmp_path / "root"
     assert install(prefix, "--config",
                    test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    return prefix, prefix / "etc/tokengate/tokengate.yaml"
+
+
+def test_a_second_install_keeps_the_config_and_recompiles_edge_json(
+        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     edited = target.read_text().replace("rpm: 600", "rpm: 7")
     target.write_text(edited)
     r = install(prefix, "--config", tmp_path / "c.yaml")
@@ -229,10 +236,7 @@ def test_an_install_again_gives_the_units_back_a_config_they_can_read(
         config_path: Path, redis_url: str, tmp_path: Path) -> None:
     # what 0.1.0's `keys create` left behind: root:root 0600, every unit then failed at
     # start with Permission denied
-    prefix = tmp_path / "root"
-    assert install(prefix, "--config",
-                   test_config(config_path, redis_url, tmp_path / "c.yaml")).returncode == 0
-    target = prefix / "etc/tokengate/tokengate.yaml"
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
     os.chown(target, 0, 0)
     target.chmod(0o600)
     r = install(prefix)
@@ -242,6 +246,69 @@ def test_an_install_again_gives_the_units_back_a_config_they_can_read(
     assert stat_of(target) == ("0o640", "root", "www-data")
     r = install(prefix)  # nothing left to repair: said plainly
     assert f"keep {target} (it exists)\n" in r.stdout
+
+
+def needed_value(prefix: Path, row: install_mod.Needed) -> Path:
+    return prefix / row.value.lstrip("/")
+
+
+def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs(
+        config_path: Path, redis_url: str, tmp_path: Path) -> None:
+    # an operator's file without ledger.console.changes_dir: every key change made in
+    # the console under the units failed with Permission denied after the upgrade
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
+    cfg = tg_config.load(target)
+    for row in install_mod.NEEDED:   # a fresh install has every setting of the table
+        assert row.configured(cfg) == needed_value(prefix, row)
+    earlier = "\n".join(line for line in target.read_text().splitlines()
+                        if line.strip().partition(":")[0] not in
+                        {row.keys[-1] for row in install_mod.NEEDED}) + "\n"
+    earlier = earlier.replace("\n  console:\n", "\n")  # its only key was added
+    target.write_text(earlier)
+    for row in install_mod.NEEDED:
+        if row.folder is not None:
+            needed_value(prefix, row).rmdir()
+    assert tg_config.load(target).ledger.console.changes_dir is None
+    r = install(prefix)
+    assert r.returncode == 0, r.stderr
+    names = ", ".join(f"{row.name} ({row.since} needs it)" for row in install_mod.NEEDED)
+    assert f"add {names} to {target}, 640 root:www-data" in r.stdout.splitlines()
+    cfg = tg_config.load(target)
+    for row in install_mod.NEEDED:
+        assert row.configured(cfg) == needed_value(prefix, row)
+        if row.folder is not None:
+            mode, (user, group) = row.folder
+            assert stat_of(needed_value(prefix, row)) == (
+                oct(mode), owner_of_tokengate() if user == "tokengate" else user, group)
+    # the lines added, nothing else: every comment and setting as the operator left it
+    added = [line for line in target.read_text().splitlines()
+             if line not in earlier.splitlines()]
+    assert added == ["  console:", f"    changes_dir: {prefix}/var/lib/tokengate/console"]
+    assert stat_of(target) == ("0o640", "root", "www-data")
+    again = install(prefix)
+    assert not any(line.startswith("add ") for line in again.stdout.splitlines())
+
+
+@pytest.mark.parametrize("console, why", [
+    ("  console: {listen: 127.0.0.1:9466}\n",
+     ("ledger.console: write it as a block mapping (`console:` then indented keys) so that "
+     "install can set ledger.console.changes_dir")),
+    ("  console:\n    changes_dir: null\n",
+     "ledger.console.changes_dir is null: set it to {prefix}/var/lib/tokengate/console"),
+], ids=["flow-style", "null"])
+def test_a_config_install_cannot_give_what_this_release_needs_is_refused_by_file_and_key(
+        config_path: Path, redis_url: str, tmp_path: Path, console: str, why: str) -> None:
+    prefix, target = install_test_config(config_path, redis_url, tmp_path)
+    text = re.sub(r"\n  console:\n    changes_dir: \S+\n", "\n" + console,
+                  target.read_text())
+    target.write_text(text)
+    before = {p: p.stat().st_mtime_ns for p in prefix.rglob("*")}
+    r = install(prefix)
+    row = next(r for r in install_mod.NEEDED if r.name == "ledger.console.changes_dir")
+    assert (r.returncode, r.stderr.splitlines()) == (1, [
+        f"{target}: {why.format(prefix=prefix)} (tokengate {row.since} needs it: {row.why})",
+        "tokengate install: 1 problem(s); nothing changed"])
+    assert {p: p.stat().st_mtime_ns for p in prefix.rglob("*")} == before
 
 
 def test_a_config_whose_usage_file_is_not_the_dropins_is_refused_and_nothing_changes(
@@ -456,7 +523,8 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     # doctor checks the host's own vLLM, then nginx is reloaded, then the optional console
     assert steps[-3].startswith("  tokengate doctor ")
     assert steps[-2] == "  nginx -t && systemctl reload nginx"
-    assert steps[-1].startswith("  operator console (optional): tokengate console passwd ")
+    assert steps[-1].startswith("  operator console (optional): systemctl enable --now "
+                                "tokengate-console-apply.path, then tokengate console passwd ")
 
 
 def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ by default, while ledger.console.admins names someone).
         sets NAME's password: its scrypt digest goes to ledger.console.admins.NAME in
         tokengate.yaml (the same in-place edit as `tokengate keys`: comments, owner and
         mode kept); the password is asked twice on the terminal, or read as one line
-        from stdin. The ledger reads the file again at the next request: no restart.
+        from stdin. A running tokengate-ledger reads the file again within a second
+        (it watches it): the console it serves takes the new password at once, and a
+        console that was off (no admin yet) starts listening then: no restart.
         Sessions of NAME end.
   tokengate console passwd NAME --remove
         removes the admin (the console turns off with the last one at the ledger's
@@ -112,8 +114,15 @@ def passwd(args: argparse.Namespace) -> int:
         print(f"tokengate console: {e}", file=sys.stderr)
         return 2
     what = "removed" if args.remove else "password set"
-    print(f"admin {args.name}: {what} ({cfg.path}); console on "
-          f"http://{cfg.ledger.console.listen}/", file=sys.stderr)
+    if args.remove:
+        where = "" if cfg.ledger.console.admins else \
+            "; no admin is left: the console stops at the ledger's next start"
+    else:
+        # the running ledger watches the file: it serves the console within a second,
+        # started then if it was off
+        where = (f"; a running tokengate-ledger serves the console on "
+                 f"http://{cfg.ledger.console.listen}/ within a second")
+    print(f"admin {args.name}: {what} ({cfg.path}){where}", file=sys.stderr)
     return 0
 
 

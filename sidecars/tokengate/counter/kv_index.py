@@ -86,6 +86,12 @@ LIVE = Gauge("tokengate_counter_kv_index_live",
              "1 while the counter is connected to a replica's KV-event publisher, else 0 "
              "(the largest over the counter's workers), by model and upstream.",
              ["model", "upstream"], multiprocess_mode="livemax")
+LAST_EVENT = Gauge("tokengate_counter_kv_last_event_timestamp_seconds",
+                   "When the counter last received a message from a replica's KV-event "
+                   "publisher, Unix time, s (the latest over the counter's workers; 0: "
+                   "none since it started), by model and upstream. An idle replica sends "
+                   "none: with live 1 a stale time is no fault.",
+                   ["model", "upstream"], multiprocess_mode="livemax")
 EVENTS = Counter("tokengate_counter_kv_events_total",
                  "KV events applied to the index, by model, upstream and kind (stored, "
                  "removed, cleared; ignored: another medium or KV-cache group; unknown: "
@@ -171,10 +177,12 @@ class ReplicaIndex:
         self._sizes_said: set[int] = set()
         self._blocks_gauge = BLOCKS.labels(model, upstream)
         self._live_gauge = LIVE.labels(model, upstream)
+        self._last_event_gauge = LAST_EVENT.labels(model, upstream)
         self._events = {k: EVENTS.labels(model, upstream, k)
                         for k in ("stored", "removed", "cleared", "ignored", "unknown")}
         self._blocks_gauge.set(0)
         self._live_gauge.set(0)
+        self._last_event_gauge.set(0)
 
     def held(self, keys: Sequence[bytes], most: int) -> int:
         """How many of the first ``most`` ``keys`` (a prompt's blocks, in order) the
@@ -205,6 +213,7 @@ class ReplicaIndex:
 
     def receive(self, frames: Sequence[bytes]) -> None:
         """One ZMQ message of the publisher: ``[topic, seq, payload]``."""
+        self._last_event_gauge.set(time.time())  # wall clock: a time a person reads
         if len(frames) != 3 or len(frames[1]) != 8:
             self._bad(f"a message of {len(frames)} frames")
             return

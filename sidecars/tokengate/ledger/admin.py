@@ -95,12 +95,17 @@ def snapshot(cfg: tg_config.Config, client: SyncRedis | None,
     return listing(cfg, rows, today, live)
 
 
-def view(path: Path, client: SyncRedis) -> Callable[[str], tuple[int, Any] | None]:
+def view(path: Path, client: SyncRedis,
+         status: Callable[[], dict[str, Any]] | None = None
+         ) -> Callable[[str], tuple[int, Any] | None]:
     """The admin view that the ledger serves on its metrics port (``metrics.serve``):
     ``GET /keys`` -> ``{"currency", "keys": [entry...]}``, ``keys list --json``'s
-    document; ``GET /keys/<name>`` -> that key's entry, or 404 ``{"error"}``. ``path``:
-    the configuration file, read again whenever it changed (``tokengate keys`` edits
-    it; a file that does not load leaves the last one that did)."""
+    document; ``GET /keys/<name>`` -> that key's entry, or 404 ``{"error"}``; ``GET
+    /status`` -> ``status()``, what the ledger's status file holds (its counts, lags and
+    ``engine_files``, the engine files it follows: what ``tokengate doctor`` asks the
+    running ledger). ``path``: the configuration file, read again whenever it changed
+    (``tokengate keys`` edits it; a file that does not load leaves the last one that
+    did)."""
     loaded: dict[str, Any] = {"stamp": None, "cfg": tg_config.load(path)}
 
     def current() -> tg_config.Config:
@@ -119,6 +124,8 @@ def view(path: Path, client: SyncRedis) -> Callable[[str], tuple[int, Any] | Non
         return cfg
 
     def answer(path_info: str) -> tuple[int, Any] | None:
+        if status is not None and path_info.rstrip("/") == "/status":
+            return 200, status()
         if path_info.rstrip("/") == "/keys":
             cfg = current()
             return 200, {"currency": cfg.currency,

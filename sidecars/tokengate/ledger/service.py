@@ -28,6 +28,7 @@ from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 if TYPE_CHECKING:
     from tokengate.ledger.tracing import SpanExport
+    from tokengate.redis_client import SyncRedis
 
 log = logging.getLogger("tokengate.ledger")
 
@@ -84,13 +85,16 @@ METRICS
   The same port serves the admin view to loopback clients only (403 otherwise):
   GET /keys (what `tokengate keys list --json` prints: every key's limits, models,
   budgets and their spend) and GET /keys/NAME (one key; 404 for no such key), from
-  the configuration file as it is now (`tokengate keys` changes need no reload).
+  the configuration file as it is now (`tokengate keys` changes need no reload), and
+  GET /status (STATUS below).
 
 RELOAD
   SIGHUP (systemctl reload) reads the configuration again: events applied from then
   on are billed with its models' weights and billing options (and its
-  ledger.dedupe_days, ledger.audit_maxlen). The files and Redis it reads need a
-  restart. A file that does not load is logged and the old configuration kept.
+  ledger.dedupe_days, ledger.audit_maxlen), and serves the operator console once
+  ledger.console.admins names someone (`tokengate console passwd` needs no restart).
+  The files and Redis it reads need a restart. A file that does not load is logged
+  and the old configuration kept.
 
 TRACING
   With tracing.enabled, the spans the edge recorded in each event (tokengate.ledger.tracing)
@@ -116,7 +120,9 @@ STATUS
   engine_lag_bytes, waiting (events waiting for their records) and engine_files (the
   engine files it follows: a file that ledger.engine_usage_files adds is followed from
   the reload on). The counts are
-  this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>).
+  this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>). The
+  metrics port (loopback clients) answers GET /status with the same document, which
+  `tokengate doctor` reads.
 
 EXIT STATUS
   0 after SIGTERM/SIGINT (or --once done), 1 when --once cannot reach Redis,
@@ -219,6 +225,18 @@ def _file_id(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+def _serve_console(cfg: tg_config.Config, client: SyncRedis, usage_file: Path) -> bool:
+    """Serve the operator console (the ledger's admin side, ``tokengate.console``) when
+    ``ledger.console.admins`` names someone; whether it serves. Called at start and at
+    each reload until it does: the first ``tokengate console passwd`` turns it on
+    without a restart."""
+    if not cfg.ledger.console.admins:
+        return False
+    from tokengate import console
+
+    return console.serve(cfg, client, usage_file)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,11 +337,8 @@ def main(argv: list[str] | None = None) -> None:
 
     REGISTRY.register(LedgerCollector(ledger, spans))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
-                  admin=admin.view(cfg.path, client))
-    if cfg.ledger.console.admins:  # the operator console (the ledger's admin side)
-        from tokengate import console
-
-        console.serve(cfg, client, usage_file)
+                  admin=admin.view(cfg.path, client, status=snapshot))
+    console_on = _serve_console(cfg, client, usage_file)
     # The first status file says the ledger is up (what devstack and the units wait for):
     # written once its listeners are bound, so nothing that waited on it is refused.
     if args.status_file:
@@ -350,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                 reloads += 1
                 log.info("ledger %s: configuration reloaded (%d keys)", ledger.ledger_id,
                          len(ledger.cfg.keys))
+                console_on = console_on or _serve_console(ledger.cfg, client, usage_file)
             except (tg_config.ConfigError, OSError) as e:
                 log.error("reload failed, billing with the previous configuration: %s", e)
         if args.status_file:
