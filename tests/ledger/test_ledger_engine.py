@@ -244,12 +244,15 @@ def test_a_missing_record_bills_the_edges_numbers_after_the_wait(ledger_redis, u
     assert audit(ledger_redis)[ev.request_id]["settled"] == "edge"
     assert f"request {ev.request_id}: no engine record within 0.4 s; billed the edge's " \
            "numbers (running: prompt 12, completion 9)" in caplog.text
-    # The record comes after all: counted late, the bill stands.
+    # The record comes after all: it corrects the bill to the engine's numbers, once.
     engine_writer.record(record(ev.request_id, gen=25, finish="abort", source="abort"))
     totals = led.drain()
-    assert (totals.engine_records, totals.engine_late) == (1, 1)
-    assert the_row(ledger_redis).completion_tokens == 9
-    assert stats(ledger_redis, engine_ledger_id("test", engine_writer.path))["engine_late"] == 1
+    assert (totals.engine_records, totals.engine_late, totals.corrections) == (1, 0, 1)
+    row = the_row(ledger_redis)
+    assert (row.requests, row.completion_tokens, row.engine_missing, row.settled_engine,
+            row.corrections) == (1, 25, 0, 1, 1)
+    assert stats(ledger_redis, "test")["corrections"] == 1
+    assert not ledger_redis.exists(store.open_key(ev.request_id))  # closed: complete
 
 
 def test_the_wait_is_not_over_while_the_engine_file_is_behind(ledger_redis, usage_writer,

@@ -25,7 +25,11 @@ written.
 ``budget_reserve.lua`` (``tokengate.redis_scripts``; one script, so concurrent
 reservations from any number of edges never pass a limit: no get-then-set) checks every
 counter that has a limit against ``used + cost``, then puts the cost in flight on all of
-them or none, and records the reservation with the counters it was put on.
+them or none, and records the reservation with the counters it was put on. While a
+ledger rebuilds its bill after Redis lost its data (``tokengate.ledger.ledger``: it
+holds the key's budgets, ``redis_keys.rebuild_key``) the script admits nothing and says
+so (``limited_by`` "rebuilding"): neither the budget's counters nor the ledger's bill
+are whole until it is done.
 ``budget_settle.lua`` adds the real cost to the settled counters, takes the reservation
 out of flight and marks the request settled; a request the edge admitted without a
 reservation (Redis was unreachable at admission, or its reservation expired) is charged
@@ -54,6 +58,7 @@ from tokengate.budget_store import (
     period_days,
     queue_bills,
     record_tail,
+    reserve_keys,
     settle_args,
     settle_keys,
     this_hour,
@@ -65,13 +70,18 @@ __all__ = ["BudgetCounter", "BudgetReservation", "GlobalBudgets", "billed_sync",
            "this_hour"]
 
 # KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
-# spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, in-flight ttl
-# (of the buckets and the reservation), h, then per counter spend_limit (0: none),
-# token_limit (0: none), billed spend (nano-units), billed tokens, and last the record's
-# counters (budget_store.record_tail). Returns {admitted, refused (1-based
-# counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
-# tokens: after this reservation when admitted, before it when refused}.
+# spend and tokens of hour h and of hour h - 1, and last the key's rebuild holds
+# (redis_keys.rebuild_key). ARGV: cost_nano, tokens, in-flight ttl (of the buckets and
+# the reservation), h, then per counter spend_limit (0: none), token_limit (0: none),
+# billed spend (nano-units), billed tokens, and last the record's counters
+# (budget_store.record_tail). Returns {admitted, refused (1-based counter index, 0 for
+# a hold), limited_by (1 spend, 2 tokens, 3 a ledger's rebuild hold), then per counter
+# its used spend and tokens: after this reservation when admitted, before it when
+# refused}.
 RESERVE_LUA = redis_scripts.read("budget_reserve")
+
+# budget_reserve.lua's limited_by
+LIMITED_BY = {1: "spend", 2: "tokens", 3: "rebuilding"}
 
 BILLED_CACHE_S = 1.0  # how long one read of the ledger's bill serves a key's reservations
 
@@ -94,7 +104,9 @@ class BudgetReservation:
 
     admitted: bool
     refused: int               # 1-based index of the counter that refused; 0: admitted
-    limited_by: str | None     # "spend" | "tokens" | None
+                               # or held
+    limited_by: str | None     # "spend" | "tokens" | "rebuilding" (a ledger's hold) |
+                               # None
     usage: list[tuple[int, int]]
 
 
@@ -143,10 +155,10 @@ class GlobalBudgets:
             args.extend((c.spend_limit_nano, c.token_limit, bs, bt))
         args.append(record_tail([(c.name, c.ttl_s) for c in counters]))
         r = [int(x) for x in await self._reserve(
-            keys=settle_keys(key_id, request_id, [c.name for c in counters], hour),
+            keys=reserve_keys(key_id, request_id, [c.name for c in counters], hour),
             args=args)]
         usage = [(r[3 + 2 * i], r[4 + 2 * i]) for i in range(len(counters))]
-        return BudgetReservation(bool(r[0]), r[1], {1: "spend", 2: "tokens"}.get(r[2]), usage)
+        return BudgetReservation(bool(r[0]), r[1], LIMITED_BY.get(r[2]), usage)
 
     async def settle(self, key_id: str, request_id: str, counters: Sequence[BudgetCounter],
                      cost_nano: int, tokens: int) -> tuple[bool, bool]:

@@ -1,7 +1,7 @@
 
 local cost, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local hour = ARGV[4]
-local n = (#KEYS - 1) / 6
+local n = (#KEYS - 2) / 6
 local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local used = {}
 for i = 1, n do
@@ -18,6 +18,16 @@ local function reply(admitted, refused, limited)
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return reply(1, 0, 0)
+end
+-- a ledger rebuilding the key's spend after Redis lost its data: nothing is admitted
+-- until its hold ends (the lease of a ledger that stopped ends on its own)
+local holds = redis.call('HVALS', KEYS[#KEYS])
+if #holds > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  for i = 1, #holds do
+    if tonumber(holds[i]) > now then return reply(0, 0, 3) end
+  end
 end
 for i = 1, n do
   local a = 4 * i + 1
