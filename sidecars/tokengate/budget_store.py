@@ -45,6 +45,7 @@ from tokengate.redis_keys import (
     budget_fix_mark,
     budget_keys,
     encode_counter,
+    ready_mark_key,
     rebuild_key,
     reservation_key,
     usage_key,
@@ -121,9 +122,10 @@ def request_counters(budgets: Sequence[Budget], model: str | None, day: date
 
 def reserve_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
                  ) -> list[str]:
-    """KEYS of ``budget_reserve.lua``: ``settle_keys``, then the key's rebuild holds
-    (``redis_keys.rebuild_key``)."""
-    return [*settle_keys(key_id, request_id, counters, hour), rebuild_key(key_id)]
+    """KEYS of ``budget_reserve.lua``: ``settle_keys``, then the key's ready mark and its
+    rebuild holds (``redis_keys.ready_mark_key``, ``rebuild_key``)."""
+    return [*settle_keys(key_id, request_id, counters, hour), ready_mark_key(key_id),
+            rebuild_key(key_id)]
 
 
 def fix_keys(key_id: str, fix_id: str, counters: Sequence[str]) -> list[str]:

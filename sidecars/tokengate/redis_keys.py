@@ -99,6 +99,10 @@ key too::
     tg:bg:{<key_id>}:r:<request>        string  the reservation record of a request not
                                                 settled yet (two hours); "settled" for
                                                 ten minutes after its settlement
+    tg:bg:{<key_id>}:ready              string  set by a ledger once the key's bill is
+                                                whole in this Redis; a limits sidecar
+                                                that saw it refuses the key's budgets
+                                                while it is gone (lost with the data)
     tg:bg:{<key_id>}:rebuild            hash    ledger id -> the Redis time (ms) its
                                                 hold ends: while one has not ended, the
                                                 key's budgets admit nothing (the ledger
@@ -253,6 +257,11 @@ def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
 def reservation_key(key_id: str, request_id: str) -> str:
     """The Redis key of one request's budget reservation."""
     return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:r:{_enc(request_id)}"
+
+
+def ready_mark_key(key_id: str) -> str:
+    """The mark a ledger sets once ``key_id``'s bill is whole in this Redis."""
+    return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:ready"
 
 
 def rebuild_key(key_id: str) -> str:

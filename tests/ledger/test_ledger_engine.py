@@ -41,12 +41,15 @@ def record(rid: str, *, prompt: int = 12, gen: int = 30, cached: int = 0, index:
            n: int = 1, prompt_index: int | None = None, prefilled: bool = True,
            finish: str = "length", source: str = "stats", max_tokens: int | None = 256,
            arrival: str = f"{DAY}T16:40:00.130Z",
-           ts: str = f"{DAY}T16:40:00.540Z") -> dict[str, Any]:
+           ts: str = f"{DAY}T16:40:00.540Z", key_id: str | None = None,
+           endpoint: str | None = None) -> dict[str, Any]:
     """An engine record as the plugin writes it (tokengate_vllm.record): chat
-    ``chatcmpl-<rid>``, or completions ``cmpl-<rid>-<prompt_index>``."""
+    ``chatcmpl-<rid>``, or completions ``cmpl-<rid>-<prompt_index>``; ``key_id`` and
+    ``endpoint``: what the edge sent with the request (null: sent to vLLM directly)."""
     request_id = f"chatcmpl-{rid}" if prompt_index is None else f"cmpl-{rid}-{prompt_index}"
     return {"request_id": request_id, "index": index, "n": n, "ts": ts, "arrival_ts": arrival,
-            "model": "tiny-qwen3", "finish_reason": finish, "source": source,
+            "model": "tiny-qwen3", "key_id": key_id, "endpoint": endpoint,
+            "finish_reason": finish, "source": source,
             "num_prompt_tokens": prompt, "num_generation_tokens": gen,
             "num_cached_tokens": cached, "prefilled": prefilled, "max_tokens": max_tokens,
             "num_preemptions": 0, "e2e_ms": 410.0, "queued_ms": 0.05 if prefilled else None,
@@ -99,7 +102,8 @@ def stats(client: redis.Redis, ledger_id: str) -> dict[str, int]:
 
 
 def audit(client: redis.Redis) -> dict[str, dict[str, str]]:
-    return {f["rid"]: f for _id, f in client.xrange(store.AUDIT_KEY)}
+    """The bills' entries of the audit stream by request id (corrections apart)."""
+    return {f["rid"]: f for _id, f in client.xrange(store.AUDIT_KEY) if "kind" not in f}
 
 
 def test_the_engine_numbers_bill_clients_that_left_in_either_order(

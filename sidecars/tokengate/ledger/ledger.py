@@ -44,7 +44,10 @@ nothing while one runs), reads every usage and engine file again from the checkp
 Redis holds (none after a loss: from their start), and once each was read to its end
 after the rebuild began, no event of its own waits for engine records and no orphan
 record is due, sets the mark and releases the hold. Events and records are joined as
-they were the first time, so the rebuilt bill is the one before. Ledgers sharing one
+they were the first time, so the rebuilt bill is the one before. It also marks every
+budgeted key once its bill is whole (``redis_keys.ready_mark_key``): a limits sidecar
+that saw a key's mark refuses its budgets while the mark is gone, from the moment Redis
+comes back empty, before any ledger has noticed. Ledgers sharing one
 Redis each hold until they are done (``redis_keys.REBUILDING_KEY`` lists who
 rebuilds); records that name their key are not billed as orphans while another ledger
 rebuilds (their events may not have been read again yet).
@@ -286,6 +289,7 @@ class Ledger:
         # threads (status).
         self.rebuilding: float | None = None
         self._seen_ready = False   # the mark was there at least once since the start
+        self._marked: frozenset[str] = frozenset()  # budgeted keys given their ready mark
         # rebuilding after a loss this process saw: a kept record's wait counts from when
         # it was written (the orphans billed before are billed again at once)
         self._after_loss = False
@@ -602,6 +606,8 @@ class Ledger:
         if self.rebuilding is None:
             if self.client.exists(self._ready_key):
                 self._seen_ready = True
+                if self.join.budgeted - self._marked:  # keys given budgets since
+                    self._mark(self.join.budgeted)
             else:
                 self._begin_rebuild()
         elif time.monotonic() >= self._renew_at:
@@ -626,12 +632,22 @@ class Ledger:
                      self.ledger_id)
         self._after_loss = self._seen_ready
         self._seen_ready = False
+        self._marked = frozenset()
         self.rebuilding = time.monotonic()
         self.totals.rebuilds += 1
         self._hold(self._redis_now()[1])
         for src in self.sources:
             src.expected = src.committed = None
             src.caught_up = None
+
+    def _mark(self, key_ids: frozenset[str]) -> None:
+        """Give each of ``key_ids`` (budgeted keys) its ready mark: its bill is whole
+        here (``tokengate.limits.budget``). Raises ``RedisError``."""
+        pipe = self.client.pipeline(transaction=False)
+        for key_id in sorted(key_ids):
+            pipe.set(redis_keys.ready_mark_key(key_id), self.ledger_id)
+        pipe.execute()
+        self._marked = key_ids
 
     def _hold(self, now_ms: int) -> float | None:
         """Renew this ledger's entry among the rebuilding ledgers and its hold on every
@@ -669,6 +685,7 @@ class Ledger:
                 return
         took = time.monotonic() - since
         now = datetime.now(UTC).isoformat(timespec="milliseconds")
+        self._mark(self.join.budgeted)
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self._ready_key, now)
         for key_id in sorted(self.join.budgeted):
