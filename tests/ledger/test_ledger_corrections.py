@@ -25,7 +25,6 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import redis
 import yaml
@@ -39,14 +38,8 @@ from tokengate.v1 import limits_pb2 as pb
 from tokengate.v1 import limits_pb2_grpc as pb_grpc
 from tokengate_dev import devstack
 
-from tests.conftest import MODEL, PORT_OFFSET, key_digest
-from tests.fixtures_ledger import (
-    UsageWriter,
-    free_port,
-    make_event,
-    svc_name,
-    wait_until,
-)
+from tests.conftest import MODEL, key_digest
+from tests.fixtures_ledger import UsageWriter, make_event, svc_name, wait_until
 from tests.ledger.test_ledger_engine import (
     EngineWriter,
     audit,
@@ -56,9 +49,9 @@ from tests.ledger.test_ledger_engine import (
     status,
     the_row,
 )
+from tests.limits.test_limits import limits_stub
 
 KEY = "team"
-LIMITS_PORTS = range(15071 + PORT_OFFSET, 15080 + PORT_OFFSET)
 
 
 def today_utc() -> date:
@@ -96,17 +89,19 @@ def list_engine_files(config: Path, files: list[Path]) -> None:
 
 
 @contextmanager
-def limits_sidecar(config: Path, redis_url: str, name: str
-                   ) -> Iterator[pb_grpc.GlobalLimitsStub]:
-    """A real tokengate-limits on ``redis_url`` and a GlobalLimits stub of it."""
-    port = free_port(LIMITS_PORTS)
-    svc = devstack.limits_service(config, port, redis_url, name=svc_name(name)).start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield pb_grpc.GlobalLimitsStub(channel)
-    finally:
-        channel.close()
-        svc.stop()
+def budgeted(base: Path, tmp: Path, redis_url: str, **ledger: Any
+             ) -> Iterator[tuple[Path, EdgeBudget, list[devstack.Service]]]:
+    """(the test's configuration with ``ledger`` settings, the edge's budget calls
+    through a real limits sidecar on ``redis_url``, the list of the ledgers the test
+    starts, stopped when the block ends)."""
+    config = bill_config(base, tmp / "tokengate.yaml", **ledger)
+    svcs: list[devstack.Service] = []
+    with limits_stub(config, redis_url, "test-limits-billing") as stub:
+        try:
+            yield config, EdgeBudget(stub, tg_config.load(config)), svcs
+        finally:
+            for svc in svcs:
+                svc.stop()
 
 
 class EdgeBudget:
@@ -202,53 +197,46 @@ def test_a_replicas_engine_file_followed_late_corrects_its_requests_bills_once(
     bill once; a second ledger reading both files, and another restart, correct
     nothing twice."""
     engines = {n: EngineWriter(tmp_path / f"replica-{n}" / "engine.jsonl") for n in (1, 2, 3)}
-    config = bill_config(ledger_config_path, tmp_path / "tokengate.yaml",
-                         engine_usage_files=[str(engines[1].path)], engine_wait_s=0.3)
-    cfg = tg_config.load(config)
     name, other = svc_name("test-ledger-late-replica"), svc_name("test-ledger-late-other")
-    svcs: list[devstack.Service] = []
-    with limits_sidecar(config, redis_url, "test-limits-late") as stub:
-        edge = EdgeBudget(stub, cfg)
-        try:
-            led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
-                               engine_files=[])
-            svcs.append(led)
-            second = [request(edge, usage_writer, engines[2], f, g) for f, g in REQUESTS]
-            wait_until(lambda: status(name)["engine_missing"] == 3, 30,
-                       what="replica 2's requests billed with the edge's numbers")
-            assert the_row(ledger_redis).completion_tokens == 244 + 3 + 30
-            list_engine_files(config, [engines[1].path, engines[2].path])
-            wait_until(lambda: status(name)["corrections"] == 3, 30,
-                       what="replica 2's records correcting its bills")
+    with budgeted(ledger_config_path, tmp_path, redis_url,
+                  engine_usage_files=[str(engines[1].path)],
+                  engine_wait_s=0.3) as (config, edge, svcs):
+        led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
+                           engine_files=[])
+        svcs.append(led)
+        second = [request(edge, usage_writer, engines[2], f, g) for f, g in REQUESTS]
+        wait_until(lambda: status(name)["engine_missing"] == 3, 30,
+                   what="replica 2's requests billed with the edge's numbers")
+        assert the_row(ledger_redis).completion_tokens == 244 + 3 + 30
+        list_engine_files(config, [engines[1].path, engines[2].path])
+        wait_until(lambda: status(name)["corrections"] == 3, 30,
+                   what="replica 2's records correcting its bills")
 
-            third = [request(edge, usage_writer, engines[3], f, g) for f, g in REQUESTS]
-            wait_until(lambda: status(name)["engine_missing"] == 6, 30,
-                       what="replica 3's requests billed with the edge's numbers")
-            kill(led)
-            list_engine_files(config, [engines[n].path for n in (1, 2, 3)])
-            led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
-                               engine_files=[])
-            svcs.append(led)
-            wait_until(lambda: stats(ledger_redis, name).get("corrections") == 6, 30,
-                       what="replica 3's records correcting its bills after the restart")
-            # another ledger over both late files, and one more restart: all read before
-            svcs.append(start_ledger(config, redis_url, other, usage_file=None,
-                                     engine_files=[engines[2].path, engines[3].path]))
-            wait_until(lambda: status(other)["engine_duplicates"] == 6, 30,
-                       what="the second ledger finding every record read")
-            kill(led)
-            led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
-                               engine_files=[])
-            svcs.append(led)
-            wait_until(lambda: status(name)["engine_lag_bytes"] == 0 and
-                       not status(name)["rebuilding"], 30, what="the ledger caught up")
-            wait_until(lambda: not ledger_redis.hlen(store.BUDGET_FIX_KEY), 30,
-                       what="the budget fixes made")
-        finally:
-            for s in svcs:
-                s.stop()
+        third = [request(edge, usage_writer, engines[3], f, g) for f, g in REQUESTS]
+        wait_until(lambda: status(name)["engine_missing"] == 6, 30,
+                   what="replica 3's requests billed with the edge's numbers")
+        kill(led)
+        list_engine_files(config, [engines[n].path for n in (1, 2, 3)])
+        led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
+                           engine_files=[])
+        svcs.append(led)
+        wait_until(lambda: stats(ledger_redis, name).get("corrections") == 6, 30,
+                   what="replica 3's records correcting its bills after the restart")
+        # another ledger over both late files, and one more restart: all read before
+        svcs.append(start_ledger(config, redis_url, other, usage_file=None,
+                                 engine_files=[engines[2].path, engines[3].path]))
+        wait_until(lambda: status(other)["engine_duplicates"] == 6, 30,
+                   what="the second ledger finding every record read")
+        kill(led)
+        led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
+                           engine_files=[])
+        svcs.append(led)
+        wait_until(lambda: status(name)["engine_lag_bytes"] == 0 and
+                   not status(name)["rebuilding"], 30, what="the ledger caught up")
+        wait_until(lambda: not ledger_redis.hlen(store.BUDGET_FIX_KEY), 30,
+                   what="the budget fixes made")
     generated = [g for _f, g in REQUESTS] * 2
-    spend, tokens, cost = engine_bill(Calculator(cfg), generated)
+    spend, tokens, cost = engine_bill(edge.calc, generated)
     row = the_row(ledger_redis)
     assert (row.requests, row.prompt_tokens, row.completion_tokens, row.settled_engine,
             row.engine_missing, row.corrections, row.estimated) == \
@@ -285,45 +273,37 @@ def test_a_record_whose_usage_event_never_came_is_billed_to_its_key_once(
     key (an older plugin) is only counted; the cut stream's event, written after all,
     is a duplicate."""
     engine = EngineWriter(tmp_path / "replica" / "engine.jsonl")
-    config = bill_config(ledger_config_path, tmp_path / "tokengate.yaml",
-                         engine_usage_files=[str(engine.path)], engine_wait_s=0.3,
-                         engine_orphan_s=1.0)
-    cfg = tg_config.load(config)
     name, vllm_host = svc_name("test-ledger-orphans"), svc_name("test-ledger-orphans-vllm")
-    svcs: list[devstack.Service] = []
-    with limits_sidecar(config, redis_url, "test-limits-orphans") as stub:
-        edge = EdgeBudget(stub, cfg)
-        try:
-            request(edge, usage_writer, engine, *REQUESTS[2])
-            cut = make_event(key_id=KEY, ts=now_ts(), stream=True, usage_source="running",
-                             client_aborted=True, completion_tokens=9, status=200)
-            assert edge.reserve(cut.request_id).admitted
-            engine.record(record(cut.request_id, gen=57, finish="abort", source="abort",
-                                 arrival=now_ts(-0.5), ts=now_ts(), key_id=KEY,
-                                 endpoint="chat"))
-            keyless = f"{int(time.time() * 1e6):032x}"
-            engine.record(record(keyless, gen=5, arrival=now_ts(), ts=now_ts()))
-            led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
-                               engine_files=[])
-            svcs += [led, start_ledger(config, redis_url, vllm_host, usage_file=None,
-                                       engine_files=[engine.path])]
-            wait_until(lambda: len(query(ledger_redis)) == 1 and
-                       the_row(ledger_redis).requests == 2, 30, what="the orphan billed")
-            kill(led)
-            svcs.append(start_ledger(config, redis_url, name, usage_file=usage_writer.path,
-                                     engine_files=[]))
-            # the cut stream's event comes after all (an edge that wrote it late)
-            usage_writer.write(cut)
-            wait_until(lambda: stats(ledger_redis, name).get("duplicates") == 1, 30,
-                       what="the late event skipped")
-            unmatched = sum(int(ledger_redis.hget(k, "engine_unmatched") or 0)
-                            for k in ledger_redis.scan_iter(store.stats_key("") + "*"))
-            assert unmatched == 1
-            wait_until(lambda: not ledger_redis.hlen(store.BUDGET_FIX_KEY), 30,
-                       what="the budget fixes made")
-        finally:
-            for s in svcs:
-                s.stop()
+    with budgeted(ledger_config_path, tmp_path, redis_url,
+                  engine_usage_files=[str(engine.path)], engine_wait_s=0.3,
+                  engine_orphan_s=1.0) as (config, edge, svcs):
+        request(edge, usage_writer, engine, *REQUESTS[2])
+        cut = make_event(key_id=KEY, ts=now_ts(), stream=True, usage_source="running",
+                         client_aborted=True, completion_tokens=9, status=200)
+        assert edge.reserve(cut.request_id).admitted
+        engine.record(record(cut.request_id, gen=57, finish="abort", source="abort",
+                             arrival=now_ts(-0.5), ts=now_ts(), key_id=KEY,
+                             endpoint="chat"))
+        keyless = f"{int(time.time() * 1e6):032x}"
+        engine.record(record(keyless, gen=5, arrival=now_ts(), ts=now_ts()))
+        led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
+                           engine_files=[])
+        svcs += [led, start_ledger(config, redis_url, vllm_host, usage_file=None,
+                                   engine_files=[engine.path])]
+        wait_until(lambda: len(query(ledger_redis)) == 1 and
+                   the_row(ledger_redis).requests == 2, 30, what="the orphan billed")
+        kill(led)
+        svcs.append(start_ledger(config, redis_url, name, usage_file=usage_writer.path,
+                                 engine_files=[]))
+        # the cut stream's event comes after all (an edge that wrote it late)
+        usage_writer.write(cut)
+        wait_until(lambda: stats(ledger_redis, name).get("duplicates") == 1, 30,
+                   what="the late event skipped")
+        unmatched = sum(int(ledger_redis.hget(k, "engine_unmatched") or 0)
+                        for k in ledger_redis.scan_iter(store.stats_key("") + "*"))
+        assert unmatched == 1
+        wait_until(lambda: not ledger_redis.hlen(store.BUDGET_FIX_KEY), 30,
+                   what="the budget fixes made")
     row = the_row(ledger_redis)
     assert (row.requests, row.completion_tokens, row.orphans, row.settled_engine,
             row.aborted) == (2, 30 + 57, 1, 2, 1)
@@ -333,7 +313,7 @@ def test_a_record_whose_usage_event_never_came_is_billed_to_its_key_once(
             bill["status"], bill["endpoint"]) == (KEY, "57", "12", "engine", "1", "0", "chat")
     assert stats(ledger_redis, name)["orphans"] == 1
     assert ledger_redis.get(store.reservation_key(KEY, cut.request_id)) == "settled"
-    spend, tokens, _cost = engine_bill(Calculator(cfg), [30, 57])
+    spend, tokens, _cost = engine_bill(edge.calc, [30, 57])
     assert budget_store.committed(ledger_redis, [(KEY, edge.counter())], [MODEL]) == \
         [(spend, tokens)]
     assert ledger_redis.zcard(store.ENG_WAIT_KEY) == 0

@@ -32,10 +32,10 @@ from tests.ledger.test_ledger_corrections import (
     KEY,
     EdgeBudget,
     bill_config,
-    limits_sidecar,
     now_ts,
 )
 from tests.ledger.test_ledger_engine import EngineWriter, record, start_ledger, status
+from tests.limits.test_limits import limits_stub
 
 MAX_TOKENS = 60     # each request's completion limit: its reservation
 # what the edge saw of each request and what its replica generated
@@ -77,7 +77,7 @@ def test_after_redis_lost_its_data_budgets_admit_only_the_same_bill_again(
     cfg = tg_config.load(config)
     name = svc_name("test-ledger-rebuild")
     client = r.client()
-    with limits_sidecar(config, r.url, "test-limits-rebuild") as stub:
+    with limits_stub(config, r.url, "test-limits-rebuild") as stub:
         edge = EdgeBudget(stub, cfg)
         led = start_ledger(config, r.url, name, usage_file=usage_writer.path, engine_files=[])
         try:

@@ -319,8 +319,18 @@ class BudgetStack:
     base_config: Path
     tmp: Path
 
-    def ledger_config(self, **ledger: Any) -> Path:
-        return bill_config(self.base_config, self.tmp / "ledger.yaml", **ledger)
+    def follow(self, relay_to: Path, name: str, redis_url: str, **ledger: Any
+               ) -> tuple[Path, int, Relay, devstack.Service]:
+        """The vLLM's records from now on relayed into ``relay_to``, and a ledger
+        ``name`` of the edge's usage file with the ``ledger`` settings: (its
+        configuration, the vLLM file's offset, the relay, the ledger)."""
+        config = bill_config(self.base_config, self.tmp / "ledger.yaml", **ledger)
+        relay = Relay(self.vllm.usage_file, relay_to, lambda r: False)
+        offset = self.vllm.size()
+        relay.start()
+        return config, offset, relay, start_ledger(config, redis_url, name,
+                                                   usage_file=self.edge.usage_file,
+                                                   engine_files=[])
 
     def client(self, timeout: float = 300) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.edge.base_url, api_key=TEAM_KEY, max_retries=0,
@@ -383,14 +393,10 @@ def test_a_stream_cut_by_a_killed_nginx_worker_is_billed_to_its_key_from_its_rec
     key's bill and budget counters hold what the engine generated."""
     stack, v = budget_stack, budget_stack.vllm
     engine_file = tmp_path / "engine" / "engine.jsonl"
-    relay = Relay(v.usage_file, engine_file, lambda r: False)
-    config = stack.ledger_config(engine_usage_files=[str(engine_file)], engine_wait_s=5.0,
-                                 engine_orphan_s=2.0)
     name = svc_name("test-ledger-vllm-orphan")
-    offset = v.size()
-    relay.start()
-    ledger = start_ledger(config, redis_url, name, usage_file=stack.edge.usage_file,
-                          engine_files=[])
+    config, offset, relay, ledger = stack.follow(
+        engine_file, name, redis_url, engine_usage_files=[str(engine_file)],
+        engine_wait_s=5.0, engine_orphan_s=2.0)
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}],
                 "max_tokens": 6000, "stream": True, "ignore_eos": True}
@@ -445,14 +451,10 @@ def test_a_replica_whose_records_the_ledger_follows_late_is_billed_its_engines_n
     counters end at the engine's numbers."""
     stack, v = budget_stack, budget_stack.vllm
     replica = tmp_path / "engine" / "replica-2.jsonl"
-    relay = Relay(v.usage_file, replica, lambda r: False)
-    config = stack.ledger_config(engine_usage_files=[str(tmp_path / "replica-1.jsonl")],
-                                 engine_wait_s=1.0)
     name = svc_name("test-ledger-vllm-late")
-    offset = v.size()
-    relay.start()
-    ledger = start_ledger(config, redis_url, name, usage_file=stack.edge.usage_file,
-                          engine_files=[])
+    config, offset, relay, ledger = stack.follow(
+        replica, name, redis_url, engine_usage_files=[str(tmp_path / "replica-1.jsonl")],
+        engine_wait_s=1.0)
     exact = {"ignore_eos": True}
     try:
         s = stack.client().chat.completions.create(

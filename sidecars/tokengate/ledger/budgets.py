@@ -123,6 +123,7 @@ class BudgetFixes:
         """Make up to ``most`` queued fixes and take them off the queue; returns how
         many were taken off. Raises ``RedisError`` (what is left stays queued)."""
         _cursor, queued = self.client.hscan(redis_keys.BUDGET_FIX_KEY, 0, count=most)
+        assert isinstance(queued, dict)  # HSCAN without NOVALUES: field -> value
         done = []
         for fix_id, value in list(queued.items())[:most]:
             try:
@@ -132,7 +133,7 @@ class BudgetFixes:
                 done.append(fix_id)
                 continue
             names = [str(name) for name, _ttl in counters]
-            self._fix(keys=budget_store.fix_keys(key_id, fix_id, names),
+            self._fix(keys=budget_store.fix_keys(key_id, str(fix_id), names),
                       args=budget_store.fix_args(int(cost_nano), int(tokens),
                                                  [int(ttl) for _name, ttl in counters]))
             done.append(fix_id)
