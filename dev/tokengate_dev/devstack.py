@@ -81,6 +81,11 @@ def kv_events_bind(endpoint: str) -> str:
     return f"tcp://[::ffff:{host}]:{port}" if mapped else f"tcp://*:{port}"
 
 
+# the tokengate vLLM plugin's middleware: the edge's key and endpoint of each request in its
+# engine record (tokengate_vllm.edge), so a record whose usage event never came is billed
+EDGE_MIDDLEWARE = "tokengate_vllm.edge.EdgeHeaders"
+
+
 def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
                  name: str = "vllm", engine_usage_file: Path | None = None,
                  tracing: tg_config.TracingConfig | None = None) -> Service:
@@ -100,7 +105,8 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
     18 s instead of 26 s on an idle machine, the same tokens. The
     tokengate plugin writes its engine usage records to ``engine_usage_file`` (default
     ``var/usage/engine.jsonl``): given explicitly, so that a test's vLLM never writes
-    into ``make run``'s file.
+    into ``make run``'s file; its middleware (``EDGE_MIDDLEWARE``) puts the edge's key
+    and endpoint of each request into them.
 
     A model routed by the prefix cache (``routing.policy: prefix``) gets the replica
     settings its routing names: ``--kv-events-config`` publishing on its
@@ -119,7 +125,8 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
             "--max-model-len", str(model.max_model_len),
             "--enable-prompt-tokens-details",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--disable-uvicorn-access-log", "-O0", "--distributed-executor-backend", "uni"]
+            "--disable-uvicorn-access-log", "-O0", "--distributed-executor-backend", "uni",
+            "--middleware", EDGE_MIDDLEWARE]
     if model.runner == "pooling":
         # an embedding model (models.<name>.runner): vLLM serves /v1/embeddings only
         argv += ["--runner", "pooling"]

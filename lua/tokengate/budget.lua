@@ -224,10 +224,17 @@ local function amount(n)
 end
 
 -- rejection(bud, it, kind, used) -> the 429 insufficient_quota error; kind "unknown":
--- the 503 of a budget that cannot be checked (see fallback)
+-- the 503 of a budget that cannot be checked (see fallback); kind "rebuilding": the 503
+-- of a key whose spend a ledger is rebuilding (Redis lost its data)
 local function rejection(bud, it, kind, used)
     local b = it.b
     local scope = b.model and ("model " .. b.model) or "every model"
+    if kind == "rebuilding" then
+        return errors.new(503, format("The budgets of key %s cannot be checked now: the "
+            .. "billing ledger is rebuilding the key's spend after its store lost its data. "
+            .. "Please try again in a few seconds.", bud.key_id), nil, "budget_unavailable",
+            nil, { ["Retry-After"] = "1" })
+    end
     if kind == "unknown" then
         return errors.new(503, format("The %s budget of key %s (%s) cannot be checked now: "
             .. "the global limits are unreachable and this gateway has not learned the "
@@ -252,7 +259,8 @@ end
 
 -- refusal(bud, index, kind, used) -> the 429 of items[index] refusing: kind "spend" |
 -- "tokens", used: its total before this request (nano-units or tokens); kind
--- "unknown": the 503 of a budget fallback cannot check.
+-- "unknown": the 503 of a budget fallback cannot check; kind "rebuilding": the 503 of
+-- a key whose spend a ledger is rebuilding.
 function _M.refusal(bud, index, kind, used)
     return rejection(bud, bud.items[index], kind, used)
 end

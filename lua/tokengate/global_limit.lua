@@ -44,6 +44,7 @@ local _M = { name = "global" }
 local RESERVE = "/tokengate.v1.GlobalLimits/Reserve"
 local SETTLE = "/tokengate.v1.GlobalLimits/Settle"
 local RESERVE_BUDGET = "/tokengate.v1.GlobalLimits/ReserveBudget"
+local REBUILDING = 3 -- BudgetLimit BUDGET_REBUILDING
 local SETTLE_BUDGET = "/tokengate.v1.GlobalLimits/SettleBudget"
 local SETTLED = { [SETTLE] = pb.settle_reply, [SETTLE_BUDGET] = pb.budget_settle_reply }
 local LIMITED_BY = { [1] = "requests", [2] = "tokens" }
@@ -126,7 +127,9 @@ end
 --   the edge's counters; admitted: each item's spent / used become Redis's totals
 --   (every edge's). refusal: items[index] refused, kind "spend" | "tokens", used: its
 --   total before this request (nano-units or tokens); or kind "unknown" (fallback: a
---   budget Redis has not answered for since this nginx started).
+--   budget Redis has not answered for since this nginx started); or kind "rebuilding"
+--   (a ledger rebuilds the key's spend after Redis lost its data: BudgetLimit
+--   BUDGET_REBUILDING in limits.proto).
 function _M.reserve_budget(bud, request_id)
     local items = bud.items
     local msg, failure = client:call(RESERVE_BUDGET, pb.budget_request(bud.key_id,
@@ -134,6 +137,12 @@ function _M.reserve_budget(bud, request_id)
     local r, err
     if msg then
         r, err = pb.budget_reserve_reply(msg)
+        if r and r.limited_by == REBUILDING then
+            -- Redis lost its data and a ledger rebuilds the bill: Redis's numbers are not
+            -- whole, so neither they nor this edge's own (learn) decide until it is done
+            metrics.incr("global_budget_refused")
+            return nil, { index = 1, kind = "rebuilding" }
+        end
         if r and (#r.usage ~= #items or (not r.admitted and not items[r.refused])) then
             r, err = nil, "usage of " .. #r.usage .. " counters (refused "
                 .. tostring(r.refused) .. "), not " .. #items

@@ -488,6 +488,11 @@ function _M.access()
     -- (proxy_pass without a URI would send the client's raw request line)
     ngx_req.set_header("X-Token-Count", ctx.token_estimate)
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
+    -- whose request it is, for the replica's engine record (tokengate_vllm.edge): a
+    -- record whose usage event never comes (a worker killed mid-stream) is billed to
+    -- this key by the ledger. Set, never passed on: a client's own value is replaced.
+    ngx_req.set_header("X-Tokengate-Key", ctx.key.id)
+    ngx_req.set_header("X-Tokengate-Endpoint", ctx.endpoint)
     if ctx.text then
         ngx_req.set_body_data(ctx.text)
     end

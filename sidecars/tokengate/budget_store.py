@@ -18,6 +18,10 @@ request exactly once, whoever sends it first: the edge (its ``SettleBudget``), o
 ledger when it applies the request's usage event, which asks for the record it read
 (``expected``) and changes nothing when that is gone or changed.
 
+``budget_fix.lua`` (``FIX_LUA``) moves a key's settled counters by a signed amount once
+per fix id: the ledger's correction of what the edge settled with its own numbers to
+what the ledger billed (the engine's numbers, ``tokengate.ledger.budgets``).
+
 The readers (``counter_name``, ``committed``, ``billed_sync``) say what a budget counter
 holds for its limits: what the edges' admission compares (``tokengate.limits.budget``)
 and what ``tokengate keys list`` and the ledger's admin view (``tokengate.ledger.admin``)
@@ -35,14 +39,24 @@ from typing import Any
 from urllib.parse import unquote
 
 from tokengate import redis_scripts
+from tokengate.config import Budget
 from tokengate.redis_client import SyncRedis
-from tokengate.redis_keys import budget_keys, encode_counter, reservation_key, usage_key
+from tokengate.redis_keys import (
+    budget_fix_mark,
+    budget_keys,
+    encode_counter,
+    ready_mark_key,
+    rebuild_key,
+    reservation_key,
+    usage_key,
+)
 
-__all__ = ["BILL_FIELDS", "HOUR_S", "IN_FLIGHT_TTL_S", "SETTLED", "SETTLED_TTL_S",
-           "SETTLE_LUA", "Reservation", "bill_fields", "bill_sums", "billed_sync",
-           "budget_keys", "committed", "counter_name", "nano", "parse_record",
-           "period_days", "queue_bills", "record_tail", "reservation_key", "settle_args",
-           "settle_keys", "this_hour"]
+__all__ = ["BILL_FIELDS", "FIX_LUA", "FIX_MARK_TTL_S", "HOUR_S", "IN_FLIGHT_TTL_S",
+           "PERIOD_TTL_S", "SETTLED", "SETTLED_TTL_S", "SETTLE_LUA", "Reservation",
+           "bill_fields", "bill_sums", "billed_sync", "budget_keys", "committed",
+           "counter_name", "fix_args", "fix_keys", "nano", "parse_record", "period_days",
+           "queue_bills", "record_tail", "request_counters", "reservation_key",
+           "reserve_keys", "settle_args", "settle_keys", "this_hour"]
 
 HOUR_S = 3600
 # an hour's bucket is read in that hour and the next; a reservation is kept as long
@@ -56,6 +70,17 @@ SETTLED = "settled"
 # without a reservation is charged its real cost), then per counter its ttl. Returns
 # {applied, reserved}.
 SETTLE_LUA = redis_scripts.read("budget_settle")
+
+# KEYS: the fix's mark (``redis_keys.budget_fix_mark``), then per counter its settled
+# spend and tokens. ARGV: cost_nano and tokens to add (signed), the mark's ttl, then per
+# counter its ttl (set on a counter that has none). Returns 1 (made) or 0 (made before).
+FIX_LUA = redis_scripts.read("budget_fix")
+# a fix is taken off the ledger's list right after it is made: its mark only has to
+# outlive a ledger that stopped in between
+FIX_MARK_TTL_S = 86400
+# how long a period's counters are kept after their last change (TTL in
+# lua/tokengate/budget.lua: a period's counters outlive it)
+PERIOD_TTL_S = {"day": 2 * 86400, "month": 33 * 86400}
 
 
 def this_hour() -> int:
@@ -71,8 +96,8 @@ def nano(cost: float) -> int:
 
 def settle_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
                 ) -> list[str]:
-    """KEYS of ``budget_settle.lua`` (and of ``budget_reserve.lua``): the reservation,
-    then each counter's ``budget_keys``."""
+    """KEYS of ``budget_settle.lua`` (and the first of ``budget_reserve.lua``'s): the
+    reservation, then each counter's ``budget_keys``."""
     keys = [reservation_key(key_id, request_id)]
     for name in counters:
         keys.extend(budget_keys(key_id, name, hour))
@@ -84,6 +109,38 @@ def settle_args(cost_nano: int, tokens: int, hour: int, ttls: Sequence[int],
     """ARGV of ``budget_settle.lua``: the real cost (nano-units) and tokens, the hour, the
     record that must still be there (``""``: none required) and each counter's ttl (s)."""
     return [cost_nano, tokens, SETTLED_TTL_S, hour, expected, *ttls]
+
+
+def request_counters(budgets: Sequence[Budget], model: str | None, day: date
+                     ) -> list[tuple[str, int]]:
+    """(counter, ttl_s) of every budget of ``budgets`` (a key's) that a request of
+    ``model`` on UTC ``day`` is charged to: the counters the edge names for it
+    (``counters`` in lua/tokengate/budget.lua)."""
+    return [(counter_name(b.scope, b.period, day), PERIOD_TTL_S[b.period]) for b in budgets
+            if b.model is None or b.model == model]
+
+
+def reserve_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
+                 ) -> list[str]:
+    """KEYS of ``budget_reserve.lua``: ``settle_keys``, then the key's ready mark and its
+    rebuild holds (``redis_keys.ready_mark_key``, ``rebuild_key``)."""
+    return [*settle_keys(key_id, request_id, counters, hour), ready_mark_key(key_id),
+            rebuild_key(key_id)]
+
+
+def fix_keys(key_id: str, fix_id: str, counters: Sequence[str]) -> list[str]:
+    """KEYS of ``budget_fix.lua``: the mark, then each counter's settled spend and
+    tokens."""
+    keys = [budget_fix_mark(key_id, fix_id)]
+    for name in counters:
+        keys += budget_keys(key_id, name, 0)[:2]
+    return keys
+
+
+def fix_args(cost_nano: int, tokens: int, ttls: Sequence[int]) -> list[Any]:
+    """ARGV of ``budget_fix.lua``: the signed change of spend (nano-units) and tokens,
+    the mark's ttl and each counter's ttl (s)."""
+    return [cost_nano, tokens, FIX_MARK_TTL_S, *ttls]
 
 
 def record_tail(counters: Sequence[tuple[str, int]]) -> str:

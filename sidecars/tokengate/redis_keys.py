@@ -37,6 +37,13 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
     <p>:spans:<ledger_id>              hash: traced (spans of the events it applied,
                                        handed to the export), exported, lost:<reason>
                                        (tokengate.ledger.tracing.SpanStore)
+    <p>:ready:<ledger_id>              string: the time the ledger last finished
+                                       reading its files into this Redis (set once
+                                       caught up); missing: Redis lost its data (or
+                                       the ledger never ran here), and the ledger
+                                       rebuilds before budgets admit again
+    <p>:rebuilding                     zset: ledger ids rebuilding now, score the Redis
+                                       time (ms) their lease ends
 
 The join of edge events and engine records (``tokengate.ledger.reconcile``)::
 
@@ -49,7 +56,17 @@ The join of edge events and engine records (``tokengate.ledger.reconcile``)::
                                        of an edge request not settled yet; expires
                                        dedupe_days after its last addition
     <p>:eng_wait                       zset: request ids with records kept, score the
-                                       Redis time (s) the first arrived
+                                       time (epoch s) the first of them was written
+                                       (its ``ts``)
+    <p>:open:<request_id>              hash: "#bill" -> the bill of a request that
+                                       engine records can still correct (billed with
+                                       the edge's numbers, or with some of its
+                                       records), JSON (``tokengate.ledger.join``);
+                                       record key -> line of each record it used;
+                                       expires dedupe_days after its last change
+    <p>:budget_fix                     hash: fix id -> JSON [key_id, [[counter,
+                                       ttl_s], ...], cost_nano, tokens]: a change of a
+                                       key's budget counters to its bill, not made yet
     <p>:eseen:<day>                    set: record keys read, by the record's ts day;
                                        expires dedupe_days after its last addition
 
@@ -82,6 +99,15 @@ key too::
     tg:bg:{<key_id>}:r:<request>        string  the reservation record of a request not
                                                 settled yet (two hours); "settled" for
                                                 ten minutes after its settlement
+    tg:bg:{<key_id>}:ready              string  set by a ledger once the key's bill is
+                                                whole in this Redis; a limits sidecar
+                                                that saw it refuses the key's budgets
+                                                while it is gone (lost with the data)
+    tg:bg:{<key_id>}:rebuild            hash    ledger id -> the Redis time (ms) its
+                                                hold ends: while one has not ended, the
+                                                key's budgets admit nothing (the ledger
+                                                rebuilds after Redis lost its data)
+    tg:bg:{<key_id>}:fix:<fix id>       string  a budget fix made (one day): never twice
     counter = "<model or *>:<day|month>:<period id>"
 """
 
@@ -170,6 +196,17 @@ def spans_key(ledger_id: str) -> str:
 
 PENDING_KEY = f"{PREFIX}:pending"
 ENG_WAIT_KEY = f"{PREFIX}:eng_wait"
+BUDGET_FIX_KEY = f"{PREFIX}:budget_fix"
+REBUILDING_KEY = f"{PREFIX}:rebuilding"
+
+
+def ready_key(ledger_id: str) -> str:
+    return f"{PREFIX}:ready:{_enc(ledger_id)}"
+
+
+def open_key(request_id: str) -> str:
+    """The bill of a request that engine records can still correct."""
+    return f"{PREFIX}:open:{request_id}"
 
 
 def wait_key(ledger_id: str) -> str:
@@ -220,3 +257,18 @@ def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
 def reservation_key(key_id: str, request_id: str) -> str:
     """The Redis key of one request's budget reservation."""
     return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:r:{_enc(request_id)}"
+
+
+def ready_mark_key(key_id: str) -> str:
+    """The mark a ledger sets once ``key_id``'s bill is whole in this Redis."""
+    return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:ready"
+
+
+def rebuild_key(key_id: str) -> str:
+    """The hash of the ledgers holding ``key_id``'s budgets while they rebuild."""
+    return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:rebuild"
+
+
+def budget_fix_mark(key_id: str, fix_id: str) -> str:
+    """The mark of one budget fix made to ``key_id``'s counters."""
+    return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:fix:{_enc(fix_id)}"

@@ -1,4 +1,4 @@
-"""tokengate.redis_scripts: the package holds the six Lua scripts the sidecars run in Redis,
+"""tokengate.redis_scripts: the package holds the seven Lua scripts the sidecars run in Redis,
 ``read`` returns each file byte for byte, and the modules' constants (the names callers
 and tests import) are those texts.
 
@@ -22,6 +22,7 @@ FOLDER = Path(redis_scripts.__file__).parent
 CONSTANTS = {
     "budget_reserve": budget.RESERVE_LUA,
     "budget_settle": budget_store.SETTLE_LUA,
+    "budget_fix": budget_store.FIX_LUA,
     "window_reserve": window.RESERVE_LUA,
     "window_settle": window.SETTLE_LUA,
     "ledger_apply": ledger.APPLY_LUA,
@@ -29,7 +30,7 @@ CONSTANTS = {
 }
 
 
-def test_the_package_holds_exactly_the_six_scripts():
+def test_the_package_holds_exactly_the_seven_scripts():
     assert sorted(p.stem for p in FOLDER.glob("*.lua")) == sorted(CONSTANTS)
 
 

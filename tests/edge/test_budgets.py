@@ -24,13 +24,14 @@ from typing import Any
 
 import httpx
 import pytest
+from tokengate import redis_keys as store
 from tokengate.config import BillingConfig, ContextPenalty, ModelCost
 from tokengate.ledger.calculator import charge
 from tokengate_dev import devstack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import Edge, free_port, patient_redis_config, run_lua
-from tests.fixtures_ledger import svc_name, wait_until
+from tests.fixtures_ledger import PrivateRedis, svc_name, wait_until
 
 MAX_TOKENS = 100
 
@@ -187,10 +188,16 @@ def _with_budgets(upstream: str) -> Callable[[dict[str, Any]], None]:
 
 
 @pytest.fixture
+def budgets_redis(private_redis: Callable[..., PrivateRedis]) -> PrivateRedis:
+    """A Redis of this test only: the one ``limits_sidecar`` keeps the budgets in."""
+    return private_redis()
+
+
+@pytest.fixture
 def limits_sidecar(config_path: Path,
-                   private_redis: Callable[..., Any]) -> Iterator[devstack.Service]:
-    """tokengate-limits (1 worker on ``LIMITS_SOCKET.0``) on a Redis of this test only."""
-    r = private_redis()
+                   budgets_redis: PrivateRedis) -> Iterator[devstack.Service]:
+    """tokengate-limits (1 worker on ``LIMITS_SOCKET.0``) on ``budgets_redis``."""
+    r = budgets_redis
     Path(f"{LIMITS_SOCKET}.0").unlink(missing_ok=True)  # (a stale one would pass the wait)
     path = patient_redis_config(config_path, "budgets-limits")
     svc = devstack.limits_service(path, free_port(), r.url, unix_socket=LIMITS_SOCKET,
@@ -344,3 +351,26 @@ def test_the_agent_apis_are_refused_by_budgets_and_model_rules_in_their_own_shap
             ("messages/count_tokens", {"model": MODEL, "messages": hello}, x_api_key)):
         r = httpx.post(f"{edge.base_url}/{path}", headers=headers, json=body, timeout=60)
         assert r.status_code == 200, (path, r.text)
+
+
+def test_a_key_whose_spend_a_ledger_rebuilds_is_answered_503_budget_unavailable(
+        budget_edge: Edge, budgets_redis: PrivateRedis) -> None:
+    """After Redis lost its data a ledger holds every budgeted key while it rebuilds the
+    bill (tokengate.ledger.ledger: the hold ``redis_keys.rebuild_key`` names it and the
+    Redis time its lease ends): the key's requests are refused with 503
+    ``budget_unavailable`` and Retry-After, and admitted again once the hold is gone."""
+    key_id, (key, _budgets) = "bg-big", BUDGET_KEYS["bg-big"]
+    redis = budgets_redis.client()
+    seconds, micros = redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    redis.hset(store.rebuild_key(key_id), "edge-host:/var/log/tokengate/usage.jsonl",
+               now_ms + 60_000)
+    held = post(budget_edge, key)
+    assert held.status_code == 503, held.text
+    err = held.json()["error"]
+    assert (err["type"], err["code"]) == ("server_error", "budget_unavailable")
+    assert "rebuilding the key's spend" in err["message"]
+    assert held.headers["retry-after"] == "1"
+    assert budget_edge.event(held.headers["x-request-id"])["error"] == "budget_unavailable"
+    redis.delete(store.rebuild_key(key_id))  # the ledger released it
+    assert post(budget_edge, key).status_code == 200

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.unit
 
 LINE = ('{"request_id":"chatcmpl-5d41402abc4b2a76b9719d911017c592","index":1,"n":2,'
         '"ts":"2026-11-29T16:40:00.123Z","arrival_ts":"2026-11-29T16:39:59.900Z",'
-        '"model":"tiny-qwen3","finish_reason":"abort","source":"abort",'
+        '"model":"tiny-qwen3","key_id":"team-a","endpoint":"chat",'
+        '"finish_reason":"abort","source":"abort",'
         '"num_prompt_tokens":12,"num_generation_tokens":7,"num_cached_tokens":0,'
         '"prefilled":true,"max_tokens":500,"num_preemptions":0,"e2e_ms":223.5,'
         '"queued_ms":0.04,"prefill_ms":15.2,"decode_ms":80.1}')
@@ -65,6 +66,15 @@ def test_the_writer_writes_the_parsers_fields_in_order():
 ])
 def test_edge_request_id_is_the_edges_id_inside_vllms(rid: str, edge: str | None):
     assert parse_record(json.dumps(rec(request_id=rid))).edge_request_id == edge
+
+
+def test_a_line_of_an_older_plugin_names_no_key():
+    """Files written before the plugin recorded the edge's key and endpoint still parse:
+    their records name none (an orphan of them cannot be billed, only counted)."""
+    old = {k: v for k, v in rec().items() if k not in ("key_id", "endpoint")}
+    r = parse_record(json.dumps(old))
+    assert (r.key_id, r.endpoint, r.num_generation_tokens) == (None, None, 7)
+    assert (parse_record(LINE).key_id, parse_record(LINE).endpoint) == ("team-a", "chat")
 
 
 def test_nulls_where_allowed_and_unknown_keys_ignored():
@@ -124,12 +134,14 @@ def test_a_record_from_vllms_finished_request_stats():
                                     num_cached_tokens=0)
     fin = it.finished_requests[0]
     fin.tokengate_child = (1, 2)
+    fin.tokengate_edge = ("team-a", "chat")  # hooks: what the edge sent (tokengate_vllm.edge)
     got = record.from_finished(fin, it.iteration_timestamp, "tiny-qwen3")
     assert got == {
         "request_id": "chatcmpl-" + "ab" * 16, "index": 1, "n": 2,
         "ts": record.rfc3339(it.iteration_timestamp),
         "arrival_ts": record.rfc3339(it.iteration_timestamp - 2.0),
-        "model": "tiny-qwen3", "finish_reason": "length", "source": "stats",
+        "model": "tiny-qwen3", "key_id": "team-a", "endpoint": "chat",
+        "finish_reason": "length", "source": "stats",
         "num_prompt_tokens": 12, "num_generation_tokens": 30, "num_cached_tokens": 0,
         "prefilled": True, "max_tokens": 30, "num_preemptions": 0, "e2e_ms": 2000.0,
         "queued_ms": 500.0, "prefill_ms": 250.0, "decode_ms": 750.0}
@@ -149,7 +161,8 @@ def test_a_record_of_a_request_aborted_while_it_waited():
     assert got == {
         "request_id": "chatcmpl-" + "cd" * 16, "index": 0, "n": 1,
         "ts": "2026-09-21T14:13:20.250Z", "arrival_ts": "2026-09-21T14:13:20.000Z",
-        "model": None, "finish_reason": "abort", "source": "abort",
+        "model": None, "key_id": None, "endpoint": None, "finish_reason": "abort",
+        "source": "abort",
         "num_prompt_tokens": 40, "num_generation_tokens": 0, "num_cached_tokens": 0,
         "prefilled": False, "max_tokens": None, "num_preemptions": 0, "e2e_ms": 250.0,
         "queued_ms": None, "prefill_ms": None, "decode_ms": None}

@@ -31,7 +31,7 @@ from tokengate.budget_store import (
     budget_keys,
     nano,
     record_tail,
-    settle_keys,
+    reserve_keys,
     this_hour,
 )
 from tokengate.ledger.calculator import Calculator
@@ -624,8 +624,8 @@ def test_an_open_budget_reservation_is_settled_once_from_its_event(
     settled = make_event(request_id="b" * 32, key_id="bk", prompt_tokens=50,
                          completion_tokens=5)
     for ev in (phantom, settled):  # each reserved 100 + 500 tokens
-        assert reserve(keys=settle_keys("bk", ev.request_id, [counter], hour),
-                       args=[0, 600, IN_FLIGHT_TTL_S, hour, 0, 0, 0, 0,
+        assert reserve(keys=reserve_keys("bk", ev.request_id, [counter], hour),
+                       args=[0, 600, IN_FLIGHT_TTL_S, hour, 0, 0, 0, 0, "0",
                              record_tail([(counter, 172_800)])])[0] == 1
     # the edge settled the second (55 tokens): the first stays in flight
     ledger_redis.set(f"tg:bg:{{bk}}:r:{'b' * 32}", "settled")

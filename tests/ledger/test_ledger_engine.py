@@ -41,12 +41,15 @@ def record(rid: str, *, prompt: int = 12, gen: int = 30, cached: int = 0, index:
            n: int = 1, prompt_index: int | None = None, prefilled: bool = True,
            finish: str = "length", source: str = "stats", max_tokens: int | None = 256,
            arrival: str = f"{DAY}T16:40:00.130Z",
-           ts: str = f"{DAY}T16:40:00.540Z") -> dict[str, Any]:
+           ts: str = f"{DAY}T16:40:00.540Z", key_id: str | None = None,
+           endpoint: str | None = None) -> dict[str, Any]:
     """An engine record as the plugin writes it (tokengate_vllm.record): chat
-    ``chatcmpl-<rid>``, or completions ``cmpl-<rid>-<prompt_index>``."""
+    ``chatcmpl-<rid>``, or completions ``cmpl-<rid>-<prompt_index>``; ``key_id`` and
+    ``endpoint``: what the edge sent with the request (null: sent to vLLM directly)."""
     request_id = f"chatcmpl-{rid}" if prompt_index is None else f"cmpl-{rid}-{prompt_index}"
     return {"request_id": request_id, "index": index, "n": n, "ts": ts, "arrival_ts": arrival,
-            "model": "tiny-qwen3", "finish_reason": finish, "source": source,
+            "model": "tiny-qwen3", "key_id": key_id, "endpoint": endpoint,
+            "finish_reason": finish, "source": source,
             "num_prompt_tokens": prompt, "num_generation_tokens": gen,
             "num_cached_tokens": cached, "prefilled": prefilled, "max_tokens": max_tokens,
             "num_preemptions": 0, "e2e_ms": 410.0, "queued_ms": 0.05 if prefilled else None,
@@ -99,7 +102,8 @@ def stats(client: redis.Redis, ledger_id: str) -> dict[str, int]:
 
 
 def audit(client: redis.Redis) -> dict[str, dict[str, str]]:
-    return {f["rid"]: f for _id, f in client.xrange(store.AUDIT_KEY)}
+    """The bills' entries of the audit stream by request id (corrections apart)."""
+    return {f["rid"]: f for _id, f in client.xrange(store.AUDIT_KEY) if "kind" not in f}
 
 
 def test_the_engine_numbers_bill_clients_that_left_in_either_order(
@@ -244,12 +248,15 @@ def test_a_missing_record_bills_the_edges_numbers_after_the_wait(ledger_redis, u
     assert audit(ledger_redis)[ev.request_id]["settled"] == "edge"
     assert f"request {ev.request_id}: no engine record within 0.4 s; billed the edge's " \
            "numbers (running: prompt 12, completion 9)" in caplog.text
-    # The record comes after all: counted late, the bill stands.
+    # The record comes after all: it corrects the bill to the engine's numbers, once.
     engine_writer.record(record(ev.request_id, gen=25, finish="abort", source="abort"))
     totals = led.drain()
-    assert (totals.engine_records, totals.engine_late) == (1, 1)
-    assert the_row(ledger_redis).completion_tokens == 9
-    assert stats(ledger_redis, engine_ledger_id("test", engine_writer.path))["engine_late"] == 1
+    assert (totals.engine_records, totals.engine_late, totals.corrections) == (1, 0, 1)
+    row = the_row(ledger_redis)
+    assert (row.requests, row.completion_tokens, row.engine_missing, row.settled_engine,
+            row.corrections) == (1, 25, 0, 1, 1)
+    assert stats(ledger_redis, "test")["corrections"] == 1
+    assert not ledger_redis.exists(store.open_key(ev.request_id))  # closed: complete
 
 
 def test_the_wait_is_not_over_while_the_engine_file_is_behind(ledger_redis, usage_writer,

@@ -1,6 +1,9 @@
 """The ledger reconciles with vLLM's own counters: the real vLLM CPU server with the plugin
 behind the real edge, a real ledger reading the edge's usage file and the plugin's engine
-records, and a mixed workload whose clients leave early.
+records, and a mixed workload whose clients leave early. Then, for a budgeted key (the
+real limits sidecar behind the edge): a stream cut by killed nginx workers, billed from
+its record alone, and a replica whose records the ledger follows only after its requests
+were billed, which correct those bills.
 
 What must hold exactly (vLLM 0.32's counting, ``tokengate_vllm.record``):
 
@@ -21,24 +24,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 import redis
+import yaml
+from tokengate import budget_store
+from tokengate import config as tg_config
 from tokengate import redis_keys as store
+from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.ledger import engine_ledger_id
 from tokengate.ledger.report import query
+from tokengate_dev import devstack
 
-from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.fixtures_edge import MAIN_KEY, Edge, free_port, patient_redis_config
 from tests.fixtures_ledger import svc_name, wait_until
 from tests.fixtures_vllm import VllmFactory, VllmServer
+from tests.ledger.test_ledger_corrections import KEY, bill_config
 from tests.ledger.test_ledger_engine import joined_config, start_ledger, status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -288,3 +300,204 @@ def test_the_ledger_bills_exactly_what_vllm_counted(
     eng = {k: int(x) for k, x in ledger_redis.hgetall(
         store.stats_key(engine_ledger_id(name, engine_file))).items()}
     assert (eng["engine_records"], eng.get("engine_duplicates", 0)) == (len(records) - 1, 0)
+
+
+# -- a budgeted key through the edge: bills the engine's records make after the fact ----
+
+TEAM_KEY = "tg-test-team"
+BUDGET_LIMITS_SOCKET = TEST_DIR / "ledger-vllm-limits.sock"
+
+
+@dataclass
+class BudgetStack:
+    """The real edge (global limits on) in front of the session's vLLM, a real
+    tokengate-limits on the session's Redis, and the configuration a ledger of that
+    Redis reads (``ledger`` settings per test); the key ``KEY`` has a day's budget."""
+
+    vllm: VllmServer
+    edge: Edge
+    base_config: Path
+    tmp: Path
+
+    def follow(self, relay_to: Path, name: str, redis_url: str, **ledger: Any
+               ) -> tuple[Path, int, Relay, devstack.Service]:
+        """The vLLM's records from now on relayed into ``relay_to``, and a ledger
+        ``name`` of the edge's usage file with the ``ledger`` settings: (its
+        configuration, the vLLM file's offset, the relay, the ledger)."""
+        config = bill_config(self.base_config, self.tmp / "ledger.yaml", **ledger)
+        relay = Relay(self.vllm.usage_file, relay_to, lambda r: False)
+        offset = self.vllm.size()
+        relay.start()
+        return config, offset, relay, start_ledger(config, redis_url, name,
+                                                   usage_file=self.edge.usage_file,
+                                                   engine_files=[])
+
+    def client(self, timeout: float = 300) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.edge.base_url, api_key=TEAM_KEY, max_retries=0,
+                             timeout=timeout)
+
+
+@pytest.fixture
+def budget_stack(engine_vllm: VllmServer, edge_variant_off_vllm: Callable[..., Edge],
+                 config_path: Path, ledger_config_path: Path, ledger_redis: redis.Redis,
+                 redis_url: str, tmp_path: Path) -> Iterator[BudgetStack]:
+    Path(f"{BUDGET_LIMITS_SOCKET}.0").unlink(missing_ok=True)
+    limits = devstack.limits_service(patient_redis_config(config_path, "ledger-vllm-limits"),
+                                     free_port(), redis_url, unix_socket=BUDGET_LIMITS_SOCKET,
+                                     workers=1, name=svc_name("test-ledger-vllm-limits"))
+    limits.start()
+    wait_until(lambda: Path(f"{BUDGET_LIMITS_SOCKET}.0").exists(), 20,
+               what="the limits socket")
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [engine_vllm.address]
+        raw["models"][MODEL]["max_tokens_cap"] = 8150
+        raw["keys"][KEY] = {"sha256": key_digest(TEAM_KEY), "rpm": 10_000,
+                            "tpm": 10_000_000, "budgets": [{"period": "day", "spend": 1.0}]}
+        raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1",
+                                "unix_socket": str(BUDGET_LIMITS_SOCKET)}
+        raw["edge"]["global_limits_timeout_ms"] = 5000
+
+    try:
+        yield BudgetStack(engine_vllm, edge_variant_off_vllm("ledger-vllm-budget", edit),
+                          ledger_config_path, tmp_path)
+    finally:
+        limits.stop()
+
+
+def engine_cost(calc: Calculator, records: list[EngineRecord]) -> tuple[int, int]:
+    """(spend in nano-units, tokens) the engine's records of whole requests bill, each
+    request rounded up to the nano-unit as the edge rounds."""
+    spend = tokens = 0
+    for r in records:
+        spend += budget_store.nano(calc.charge(r.num_prompt_tokens, r.num_generation_tokens,
+                                               r.num_cached_tokens, 0, MODEL).cost)
+        tokens += r.num_prompt_tokens + r.num_generation_tokens
+    return spend, tokens
+
+
+def nginx_workers(edge: Edge) -> list[int]:
+    """The worker processes of the edge's nginx master (the process devstack started)."""
+    assert edge.service.proc is not None
+    pid = edge.service.proc.pid
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_stream_cut_by_a_killed_nginx_worker_is_billed_to_its_key_from_its_record(
+        budget_stack: BudgetStack, ledger_redis: redis.Redis, redis_url: str,
+        tmp_path: Path) -> None:
+    """A stream through the edge whose nginx workers are killed (SIGKILL) mid-stream: the
+    edge writes no usage event and never settles its budget reservation; vLLM aborts the
+    request and the plugin's record names the key and the endpoint. The ledger bills that
+    record to the key after ``engine_orphan_s`` and settles the reservation, so the
+    key's bill and budget counters hold what the engine generated."""
+    stack, v = budget_stack, budget_stack.vllm
+    engine_file = tmp_path / "engine" / "engine.jsonl"
+    name = svc_name("test-ledger-vllm-orphan")
+    config, offset, relay, ledger = stack.follow(
+        engine_file, name, redis_url, engine_usage_files=[str(engine_file)],
+        engine_wait_s=5.0, engine_orphan_s=2.0)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}],
+                "max_tokens": 6000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{stack.edge.base_url}/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {TEAM_KEY}"},
+                          timeout=300) as resp:
+            assert resp.status_code == 200
+            rid = resp.headers["x-request-id"]
+            lines = resp.iter_lines()
+            for _ in range(3):
+                assert next(lines).startswith("data: ")
+                next(lines)
+            for pid in nginx_workers(stack.edge):
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):
+                for _line in lines:
+                    pass
+        key = f"chatcmpl-{rid}#0"
+        wait_until(lambda: key in {r.key for r in v.records_since(offset)}, 120,
+                   what="the aborted stream's record")
+        wait_until(lambda: any(f.get("rid") == rid for _id, f in
+                               ledger_redis.xrange(store.AUDIT_KEY)), 60,
+                   what="the record billed as an orphan")
+    finally:
+        ledger.stop()
+        relay.stop.set()
+        relay.join(5)
+    assert rid not in {ev["request_id"] for ev in stack.edge.events()}
+    (rec,) = [r for r in v.records_since(offset) if r.key == key]
+    assert (rec.key_id, rec.endpoint, rec.source, rec.finish_reason) == \
+        (KEY, "chat", "abort", "abort")
+    assert 0 < rec.num_generation_tokens < 6000
+    bill = {f["rid"]: f for _id, f in ledger_redis.xrange(store.AUDIT_KEY)}[rid]
+    assert (bill["key"], bill["orphan"], bill["settled"], bill["endpoint"], bill["status"],
+            int(bill["prompt"]), int(bill["completion"])) == \
+        (KEY, "1", "engine", "chat", "0", rec.num_prompt_tokens, rec.num_generation_tokens)
+    assert ledger_redis.get(store.reservation_key(KEY, rid)) == "settled"
+    calc = Calculator(tg_config.load(config))
+    counter = budget_store.counter_name("*", "day", datetime.now(UTC).date())
+    assert budget_store.committed(ledger_redis, [(KEY, counter)], [MODEL]) == \
+        [engine_cost(calc, [rec])]
+
+
+def test_a_replica_whose_records_the_ledger_follows_late_is_billed_its_engines_numbers(
+        budget_stack: BudgetStack, ledger_redis: redis.Redis, redis_url: str,
+        tmp_path: Path) -> None:
+    """A replica whose engine file the ledger does not follow yet (added by
+    configuration, the ledger not told): a stream whose client leaves, a request whose
+    client times out and a whole chat through the edge are billed with the edge's
+    numbers after ``engine_wait_s``. The ledger is killed, the file listed, the ledger
+    started again: the records correct each bill once, and the key's bill and budget
+    counters end at the engine's numbers."""
+    stack, v = budget_stack, budget_stack.vllm
+    replica = tmp_path / "engine" / "replica-2.jsonl"
+    name = svc_name("test-ledger-vllm-late")
+    config, offset, relay, ledger = stack.follow(
+        replica, name, redis_url, engine_usage_files=[str(tmp_path / "replica-1.jsonl")],
+        engine_wait_s=1.0)
+    exact = {"ignore_eos": True}
+    try:
+        s = stack.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "leave"}], max_tokens=6000,
+            stream=True, stream_options={"include_usage": True}, extra_body=exact)
+        for i, _chunk in enumerate(s):
+            if i == 3:
+                break
+        s.close()
+        with pytest.raises(openai.APITimeoutError):
+            stack.client(timeout=1.5).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "timeout"}],
+                max_tokens=8000, extra_body=exact)
+        stack.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "whole"}], max_tokens=9,
+            extra_body=exact)
+        wait_until(lambda: len(v.records_since(offset)) == 3, 120, what="three records")
+        wait_until(lambda: status(name)["engine_missing"] == 3, 60,
+                   what="three bills with the edge's numbers")
+        assert ledger.proc is not None
+        os.kill(ledger.proc.pid, signal.SIGKILL)
+        ledger.proc.wait(10)
+        raw = yaml.safe_load(config.read_text())
+        raw["ledger"]["engine_usage_files"].append(str(replica))
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+        ledger = start_ledger(config, redis_url, name, usage_file=stack.edge.usage_file,
+                              engine_files=[])
+        wait_until(lambda: status(name)["corrections"] == 3 and
+                   not ledger_redis.hlen(store.BUDGET_FIX_KEY), 60,
+                   what="three corrections and their budget fixes")
+    finally:
+        ledger.stop()
+        relay.stop.set()
+        relay.join(5)
+    records = v.records_since(offset)
+    (row,) = query(ledger_redis)
+    assert (row.requests, row.completion_tokens, row.prompt_tokens, row.corrections,
+            row.settled_engine, row.engine_missing) == \
+        (3, sum(r.num_generation_tokens for r in records),
+         sum(r.num_prompt_tokens for r in records), 3, 3, 0)
+    events = stack.edge.events()
+    assert sum(ev["completion_tokens"] for ev in events) != row.completion_tokens
+    calc = Calculator(tg_config.load(config))
+    counter = budget_store.counter_name("*", "day", datetime.now(UTC).date())
+    assert budget_store.committed(ledger_redis, [(KEY, counter)], [MODEL]) == \
+        [engine_cost(calc, records)]

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
@@ -42,19 +43,27 @@ def rid(i: int) -> str:
     return f"{i:032x}"
 
 
-@pytest.fixture
-def limits(config_path: Path, redis_url: str,
-           ledger_redis: object) -> Iterator[pb_grpc.GlobalLimitsStub]:
-    """A GlobalLimits stub on a real tokengate-limits (session Redis, flushed)."""
+@contextmanager
+def limits_stub(config: Path, redis_url: str, name: str
+                ) -> Iterator[pb_grpc.GlobalLimitsStub]:
+    """A GlobalLimits stub on a real tokengate-limits of ``config`` on ``redis_url``
+    (``name``: its service name, this session's), stopped when the block ends."""
     port = free_port(LIMITS_PORTS)
-    svc = devstack.limits_service(config_path, port, redis_url,
-                                  name=svc_name("test-limits")).start()
+    svc = devstack.limits_service(config, port, redis_url, name=svc_name(name)).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield pb_grpc.GlobalLimitsStub(channel)
     finally:
         channel.close()
         svc.stop()
+
+
+@pytest.fixture
+def limits(config_path: Path, redis_url: str,
+           ledger_redis: object) -> Iterator[pb_grpc.GlobalLimitsStub]:
+    """A GlobalLimits stub on a real tokengate-limits (session Redis, flushed)."""
+    with limits_stub(config_path, redis_url, "test-limits") as stub:
+        yield stub
 
 
 def reserve(stub: pb_grpc.GlobalLimitsStub, i: int, tokens: int, rpm: int = 1000,

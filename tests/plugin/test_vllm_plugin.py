@@ -159,6 +159,44 @@ def test_an_n_2_request_is_two_records_and_counts_its_prompt_twice(plugin_vllm: 
     assert sorted(r.index for r in records) == [0, 1]
 
 
+def test_a_record_names_the_key_and_endpoint_the_edge_sent(plugin_vllm: VllmServer):
+    """The edge's X-Tokengate-Key and X-Tokengate-Endpoint (the plugin's middleware,
+    tokengate_vllm.edge) are in the record of a whole chat, of each child of an n = 2
+    completions request, and of a stream whose client left (an abort record, written
+    after the request's task was cancelled); a request sent without them names none."""
+    v = plugin_vllm
+    whole, two, left, direct = rid(), rid(), rid(), rid()
+    offset = v.size()
+    edge = {"X-Tokengate-Key": "team-a", "X-Tokengate-Endpoint": "chat"}
+    v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=5,
+                                       extra_headers={**hdr(whole), **edge}, extra_body=EXACT)
+    v.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, n=2,
+                                  extra_headers={**hdr(two), "X-Tokengate-Key": "team-b",
+                                                 "X-Tokengate-Endpoint": "completions"},
+                                  extra_body=EXACT)
+    stream = v.client(timeout=300).chat.completions.create(
+        model=MODEL, messages=msgs(), max_tokens=LEAVER_TOKENS, stream=True,
+        extra_headers={**hdr(left), **edge, "X-Tokengate-Endpoint": "messages"},
+        extra_body=EXACT)
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    v.client().chat.completions.create(model=MODEL, messages=msgs(), max_tokens=3,
+                                       extra_headers=hdr(direct), extra_body=EXACT)
+    keys = {f"chatcmpl-{whole}#0", f"cmpl-{two}-0#0", f"cmpl-{two}-0#1",
+            f"chatcmpl-{left}#0", f"chatcmpl-{direct}#0"}
+    records, _after = settle(v, offset, keys)
+    named = {r.key: (r.key_id, r.endpoint, r.source) for r in records if r.key in keys}
+    assert named == {
+        f"chatcmpl-{whole}#0": ("team-a", "chat", "stats"),
+        f"cmpl-{two}-0#0": ("team-b", "completions", "stats"),
+        f"cmpl-{two}-0#1": ("team-b", "completions", "stats"),
+        f"chatcmpl-{left}#0": ("team-a", "messages", "abort"),
+        f"chatcmpl-{direct}#0": (None, None, "stats"),
+    }
+
+
 @contextmanager
 def paced() -> Iterator[None]:
     """vLLM's engine steps slowed (tests/paced_scheduler.py) while the block runs: a

@@ -1,4 +1,4 @@
-"""Two wrappers on vLLM's frontend ``OutputProcessor`` (vllm/v1/engine/output_processor.py),
+"""Three wrappers on vLLM's frontend ``OutputProcessor`` (vllm/v1/engine/output_processor.py),
 installed at runtime in the API server process; no vLLM file is changed.
 
 Why they are needed (vLLM 0.32's source):
@@ -16,7 +16,13 @@ Why they are needed (vLLM 0.32's source):
   ``request_id=req_state.external_req_id``, which every child of an ``n > 1`` request
   shares (``ParentRequest.get_child_info`` names children ``<index>_<parent internal
   id>``; the external id stays the parent's). The wrapper tags the stats it just made
-  with ``tokengate_child = (request_index, n)`` so the records of the children differ.
+  with ``tokengate_child = (request_index, n)`` so the records of the children differ,
+  and with ``tokengate_edge`` (below).
+- ``add_request`` (called by ``AsyncLLM.add_request`` in the task that serves the HTTP
+  request, once per child of an ``n > 1`` request) makes the ``RequestState``; the
+  wrapper tags it with ``tokengate_edge = (key id, endpoint)``, what the edge sent
+  with the request (``edge.current()``), which goes into its record whether it
+  finishes or is aborted.
 
 Both wrappers call vLLM's method first and unchanged; a failure of tokengate's part is
 logged and never reaches vLLM.
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tokengate_vllm import record
+from tokengate_vllm import edge, record
 
 log = logging.getLogger("vllm.tokengate")
 
@@ -52,6 +58,18 @@ def install(sink: Sink, model: str | None) -> None:
         return
     abort_requests = OutputProcessor.abort_requests
     update_finished = OutputProcessor._update_stats_from_finished
+    add_request = OutputProcessor.add_request
+
+    def _add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        add_request(self, request, *args, **kwargs)
+        try:
+            sent = edge.current()
+            state = self.request_states.get(request.request_id) if sent != (None, None) \
+                else None
+            if state is not None:
+                state.tokengate_edge = sent
+        except Exception:
+            log.exception("tokengate: tagging a new request failed")
 
     def _abort_requests(self: Any, request_ids: Iterable[str], internal: bool) -> list[str]:
         # abort_requests calls itself for the children of a parent id: only the
@@ -80,11 +98,14 @@ def install(sink: Sink, model: str | None) -> None:
         try:
             if iteration_stats is not None and len(iteration_stats.finished_requests) > n_before:
                 parent = req_state.parent_req
-                iteration_stats.finished_requests[-1].tokengate_child = (
-                    req_state.request_index, parent.n if parent is not None else 1)
+                fin = iteration_stats.finished_requests[-1]
+                fin.tokengate_child = (req_state.request_index,
+                                       parent.n if parent is not None else 1)
+                fin.tokengate_edge = getattr(req_state, "tokengate_edge", (None, None))
         except Exception:
             log.exception("tokengate: tagging a finished request failed")
 
     setattr(_abort_requests, _MARK, True)
     OutputProcessor.abort_requests = _abort_requests
     OutputProcessor._update_stats_from_finished = _update_stats_from_finished
+    OutputProcessor.add_request = _add_request

@@ -21,6 +21,12 @@ edge's id). Schema (every key is present, in this order; ``null`` only where sho
                            RFC 3339 UTC with ms, e.g. "2026-11-29T16:40:00.123Z"
     arrival_ts             wall-clock time vLLM received the request (RFC 3339 UTC)
     model                  served model name | null
+    key_id                 the API key's id the edge forwarded the request for
+                           (its X-Tokengate-Key header, ``edge``) | null (not
+                           through the edge, or a vLLM without ``edge.EdgeHeaders``)
+    endpoint               the edge's endpoint of the request ("chat",
+                           "completions", "messages", "responses", ...: its
+                           X-Tokengate-Endpoint header) | null, as key_id
     finish_reason          "stop" | "length" | "abort" | "error" | "repetition"
                            (vllm/v1/engine/__init__.py FinishReason)
     source                 "stats": vLLM's FinishedRequestStats, through the stat
@@ -60,7 +66,8 @@ import json
 import time
 from typing import Any
 
-FIELDS = ("request_id", "index", "n", "ts", "arrival_ts", "model", "finish_reason", "source",
+FIELDS = ("request_id", "index", "n", "ts", "arrival_ts", "model", "key_id", "endpoint",
+          "finish_reason", "source",
           "num_prompt_tokens", "num_generation_tokens", "num_cached_tokens", "prefilled",
           "max_tokens", "num_preemptions", "e2e_ms", "queued_ms", "prefill_ms", "decode_ms")
 
@@ -93,8 +100,11 @@ def from_finished(fin: Any, finished_at: float, model: str | None) -> dict[str, 
 
     ``fin.tokengate_child`` (``(index, n)``, set by ``hooks``) tells children of one
     parent apart; FinishedRequestStats itself carries only the parent's external id.
+    ``fin.tokengate_edge`` (``(key id, endpoint)``, set by ``hooks`` from the request's
+    state) says whose request it was.
     """
     index, n = getattr(fin, "tokengate_child", (0, 1))
+    key_id, endpoint = getattr(fin, "tokengate_edge", (None, None))
     e2e = max(0.0, float(fin.e2e_latency))
     return {
         "request_id": str(fin.request_id),
@@ -103,6 +113,8 @@ def from_finished(fin: Any, finished_at: float, model: str | None) -> dict[str, 
         "ts": rfc3339(finished_at),
         "arrival_ts": rfc3339(finished_at - e2e),
         "model": model,
+        "key_id": key_id,
+        "endpoint": endpoint,
         "finish_reason": str(fin.finish_reason),
         "source": "stats",
         "num_prompt_tokens": int(fin.num_prompt_tokens),
@@ -124,8 +136,10 @@ def from_aborted(state: Any, aborted_at: float, model: str | None) -> dict[str, 
     that ``OutputProcessor.abort_requests`` dropped at wall-clock ``aborted_at``.
 
     Mirrors ``IterationStats.update_from_finished_request``: the same fields from the
-    same ``RequestStateStats`` (``state.stats``), finish_reason ``abort``.
+    same ``RequestStateStats`` (``state.stats``), finish_reason ``abort``; the key and
+    endpoint from ``state.tokengate_edge`` (set by ``hooks``).
     """
+    key_id, endpoint = getattr(state, "tokengate_edge", (None, None))
     st = state.stats  # None only with log_stats off, which a stat logger plugin turns on
     parent = state.parent_req
     arrival = float(st.arrival_time) if st is not None and st.arrival_time else aborted_at
@@ -138,6 +152,8 @@ def from_aborted(state: Any, aborted_at: float, model: str | None) -> dict[str, 
         "ts": rfc3339(aborted_at),
         "arrival_ts": rfc3339(arrival),
         "model": model,
+        "key_id": key_id,
+        "endpoint": endpoint,
         "finish_reason": "abort",
         "source": "abort",
         "num_prompt_tokens": int(state.prompt_len),

@@ -81,9 +81,11 @@ class LedgerConfig(_Schema):
         description="How long an edge event waits for its engine records before it is "
                     "billed with its own numbers (counted as engine_missing), s.")
     engine_orphan_s: float = Field(
-        default=3600.0, gt=0.0, le=MAX_COUNT, allow_inf_nan=False,
-        description="Engine records whose edge event has not come after this long are "
-                    "dropped and counted as unmatched (not billed), s.")
+        default=300.0, gt=0.0, le=MAX_COUNT, allow_inf_nan=False,
+        description="Engine records whose edge event has not come this long after they "
+                    "were written (an nginx worker killed mid-stream writes none) are "
+                    "billed to the API key they name (counted as orphans), or dropped and "
+                    "counted as unmatched when they name none, s.")
     console: ConsoleConfig = Field(
         default_factory=ConsoleConfig,
         description="The operator console the ledger serves (off without admins).")

@@ -19,6 +19,12 @@ Schema (every key is present; ``null`` only where shown)::
     ts                     wall-clock time it finished, RFC 3339 UTC
     arrival_ts             wall-clock time vLLM received it, RFC 3339 UTC
     model                  served model name | null
+    key_id                 the API key's id the edge forwarded the request for (its
+                           X-Tokengate-Key header) | null (not through the edge, or
+                           a vLLM without the plugin's middleware); absent in files
+                           of older plugins (read as null)
+    endpoint               the edge's endpoint ("chat", "messages", ...: its
+                           X-Tokengate-Endpoint header) | null, as key_id
     finish_reason          "stop" | "length" | "abort" | "error" | "repetition"
     source                 "stats" (vLLM's FinishedRequestStats) | "abort" (dropped by
                            the frontend's abort: the client left)
@@ -89,6 +95,8 @@ class EngineRecord:
     ts: str
     arrival_ts: str
     model: str | None
+    key_id: str | None
+    endpoint: str | None
     finish_reason: str
     source: str
     num_prompt_tokens: int
@@ -125,6 +133,11 @@ def _opt_int(obj: dict[str, Any], name: str) -> int | None:
     return None if _get(obj, name) is None else _int(obj, name)
 
 
+def _added_str(obj: dict[str, Any], name: str) -> str | None:
+    """A string or null of a field older plugins did not write (absent: null)."""
+    return _str(obj, name, nullable=True) if name in obj else None
+
+
 def parse_record(line: bytes | str) -> EngineRecord:
     """Parse one engine usage line (with or without its newline) into an
     ``EngineRecord``.
@@ -145,6 +158,8 @@ def parse_record(line: bytes | str) -> EngineRecord:
         ts=ts,
         arrival_ts=arrival,
         model=_str(obj, "model", nullable=True),
+        key_id=_added_str(obj, "key_id"),
+        endpoint=_added_str(obj, "endpoint"),
         finish_reason=_enum(obj, "finish_reason", FINISH_REASONS),
         source=_enum(obj, "source", SOURCES),
         num_prompt_tokens=_int(obj, "num_prompt_tokens"),

@@ -35,6 +35,23 @@ expire ``dedupe_days`` after their day's last event. A Redis that comes back wit
 its data (no persistence) has no checkpoint: the ledger reads every usage file still
 on disk from the start, rebuilding the counters from the durable record.
 
+A Redis without its data is noticed at once, not at the next event: every ledger keeps
+a ready mark there (``redis_keys.ready_key``) and looks for it at every step. When it is
+missing (Redis came back empty, or the ledger runs here for the first time) the ledger
+rebuilds: it holds the budgets of every key that has some (``redis_keys.rebuild_key``,
+a lease of ``HOLD_S`` renewed every ``HOLD_RENEW_S``: ``budget_reserve.lua`` admits
+nothing while one runs), reads every usage and engine file again from the checkpoints
+Redis holds (none after a loss: from their start), and once each was read to its end
+after the rebuild began, no event of its own waits for engine records and no orphan
+record is due, sets the mark and releases the hold. Events and records are joined as
+they were the first time, so the rebuilt bill is the one before. It also marks every
+budgeted key once its bill is whole (``redis_keys.ready_mark_key``): a limits sidecar
+that saw a key's mark refuses its budgets while the mark is gone, from the moment Redis
+comes back empty, before any ledger has noticed. Ledgers sharing one
+Redis each hold until they are done (``redis_keys.REBUILDING_KEY`` lists who
+rebuilds); records that name their key are not billed as orphans while another ledger
+rebuilds (their events may not have been read again yet).
+
 Engine records (``ledger.engine_usage_files``, the vLLM plugin's files): every engine
 file is one more tailed file with its own checkpoint, and the join with the edge's
 events lives in Redis (keys: ``tokengate.redis_keys``), so a ledger on a vLLM host
@@ -48,9 +65,19 @@ events lives in Redis (keys: ``tokengate.redis_keys``), so a ledger on a vLLM ho
 - a waiting event whose time is up is billed by its owner's sweep with the records that
   arrived, or with its own numbers when none did (``engine_missing``); the sweep runs
   only once this ledger's own engine files have been read up to that time;
-- records whose event never came are dropped after ``engine_orphan_s`` and counted as
-  unmatched; records of a request already billed are counted as late; records that
-  are not an edge request's (no edge id in vLLM's id) are counted as unmatched at once.
+- records whose event never came ``engine_orphan_s`` after they were written are
+  billed to the key they name (orphans: a ledger that reads a usage file does it,
+  settling the request's open budget reservation first) or, naming none, dropped and
+  counted as unmatched; records that are not an edge request's (no edge id in vLLM's
+  id) are counted as unmatched at once;
+- records of a request billed without all of its records (the edge's numbers after
+  the wait, or some records) correct its bill (``tokengate.ledger.join``: a correction
+  entry in the audit stream); records of a request whose bill is closed are counted as
+  late.
+
+Budget fixes: a bill with numbers other than the event's (the engine's, a correction)
+queues, in its script, the change of the key's settled budget counters; every sweep
+makes the queued fixes (``tokengate.ledger.budgets``), once each.
 
 Several processes change that shared state, so every decision is taken in Python from
 what it read and then applied by the same script, which first checks that each of
@@ -85,8 +112,7 @@ from redis.exceptions import RedisError
 
 from tokengate import redis_keys, redis_scripts
 from tokengate.config import Config
-from tokengate.ledger.budgets import Reservations
-from tokengate.ledger.calculator import Calculator
+from tokengate.ledger.budgets import BudgetFixes, Reservations
 from tokengate.ledger.engine_record import parse_record
 from tokengate.ledger.event import EventError, UsageEvent, parse_event, parse_ts
 from tokengate.ledger.join import Item, Join, Keys
@@ -104,13 +130,18 @@ log = logging.getLogger("tokengate.ledger")
 # ("" = none), engine wait (ms), "1" = compare and store the checkpoint ("0": a sweep,
 # which reads no file), extra counts for KEYS[2] (JSON [field, n, ...]).
 #
-# Items (``t``): "b" bill a request, "p" park an edge event until its engine records
-# arrive, "s" keep engine records, "l" remember records that bill nothing (late,
-# unmatched), "o" drop the records of an edge request that never came. Checked before
-# anything is written (``retry`` otherwise): ``e``/``h`` the request's kept records
-# (KEYS[e], HLEN h), ``pp`` whether its event waits (0/1), ``ns`` seen sets that must
-# not hold the request, ``rec`` [eseen key, record key, line, ...] records that must be
-# new. ``ed``: an edge event, a duplicate when its request id was billed or waits.
+# Items (``t``): "b" bill a request, "c" correct a bill (the same counters, by the
+# difference), "p" park an edge event until its engine records arrive, "s" keep engine
+# records (``sc``: eng_wait's score, when the first was written), "l" remember records
+# that bill nothing (late, unmatched), "o" drop the records of an edge request that
+# never came. Checked before anything is written (``retry`` otherwise): ``e``/``h`` the
+# request's kept records or its open bill (KEYS[e], HLEN h), ``pp`` whether its event
+# waits (0/1), ``ns`` seen sets that must not hold the request, ``rec`` [eseen key,
+# record key, line, ...] records that must be new. ``ed``: an edge event, a duplicate
+# when its request id was billed or waits. A bill or correction may carry ``ob`` (the
+# open bill to write: ``obv`` the bill, ``obr`` [record key, line, ...]; ``od``: delete
+# it), ``bq``/``bf`` (a budget fix to queue: [fix id, JSON]) and, for an orphan, ``sx``
+# (more seen sets to remember its id in).
 APPLY_LUA = redis_scripts.read("ledger_apply")
 
 # Redis's clock, read on the node that holds the ledger's keys (Redis Cluster: the
@@ -119,6 +150,10 @@ TIME_LUA = redis_scripts.read("ledger_time")
 
 MEASURE_EVERY_S = 0.25  # lag refresh while the ledger is busy or Redis is down
 SWEEP_EVERY_S = 0.1     # how often waiting events and old records are looked at
+HOLD_S = 30.0           # lease of a rebuild's hold on the budgets, renewed every
+HOLD_RENEW_S = 1.0      # this many seconds while the rebuild lasts
+MAX_BACKOFF_S = 1.0     # the longest wait between tries while Redis is down: a Redis
+                        # back without its data is noticed within it
 
 _P = TypeVar("_P")
 
@@ -160,6 +195,10 @@ class Totals:
     redis_errors: int = 0       # steps that failed on Redis (retried: nothing is lost)
     budgets_settled: int = 0    # budget reservations the edge could not settle, settled
                                 # from their events (tokengate.ledger.budgets)
+    corrections: int = 0        # bills corrected by engine records that came after them
+    orphans: int = 0            # requests billed from engine records alone (no event)
+    budget_fixes: int = 0       # budget counters moved to the bill (tokengate.ledger.budgets)
+    rebuilds: int = 0           # rebuilds begun (this ledger's ready mark was missing)
 
 
 def default_ledger_id(usage_file: Path) -> str:
@@ -243,6 +282,18 @@ class Ledger:
                          self.engine_orphan_s)
         self.totals = Totals()
         self.reservations = Reservations(cfg, client)
+        self.fixes = BudgetFixes(client)
+        self._ready_key = redis_keys.ready_key(self.ledger_id)
+        # monotonic time this ledger began rebuilding (its ready mark was missing: Redis
+        # lost its data, or it never ran here); None: not rebuilding. Read by other
+        # threads (status).
+        self.rebuilding: float | None = None
+        self._seen_ready = False   # the mark was there at least once since the start
+        self._marked: frozenset[str] = frozenset()  # budgeted keys given their ready mark
+        # rebuilding after a loss this process saw: a kept record's wait counts from when
+        # it was written (the orphans billed before are billed again at once)
+        self._after_loss = False
+        self._renew_at = 0.0
         self._script = client.register_script(APPLY_LUA)
         self._time = client.register_script(TIME_LUA)
         self._wait_key = redis_keys.wait_key(self.ledger_id)
@@ -268,9 +319,7 @@ class Ledger:
         ledger follows the configuration's, in engine mode) are followed from the next
         step on; the usage file, removed engine files and Redis stay as they were
         opened."""
-        self.join.calc = Calculator(cfg)
-        self.join.session_days = cfg.ledger.session_days
-        self.join.sessions_per_key = cfg.ledger.sessions_per_key
+        self.join.reconfigure(cfg)
         self.reservations.reconfigure(cfg)
         self.cfg = cfg
         if self._files_of_config:
@@ -339,6 +388,7 @@ class Ledger:
                         src.ledger_id, res[1], src.expected)
             src.expected = None
             src.committed = None
+            src.caught_up = None
             return None
         if res[0] == "retry":
             # Another ledger changed a request this batch decided on: decide again.
@@ -410,7 +460,8 @@ class Ledger:
             extra: list[str | int] = []
         else:
             records, bad = self._parse(item, parse_record, "engine record")
-            items, dups = self.join.engine_items(keys, src.stats_key, src.path, records)
+            items, dups = self.join.engine_items(keys, src.stats_key, src.path, records,
+                                                 by_written=self._after_loss)
             extra = ["engine_duplicates", dups, "engine_bad_lines", bad] if dups or bad else []
         mask = self._apply(src, keys, items, path=item.path, new_pos=new_pos,
                            bad=bad if src.kind == "edge" else 0, extra=extra)
@@ -438,6 +489,7 @@ class Ledger:
         Raises ``RedisError`` when Redis fails; the batch is then not consumed and the
         next call re-reads the checkpoint first.
         """
+        self._watch_ready()
         busy = False
         adopt, self._adopt = self._adopt, []
         for f in adopt:
@@ -450,6 +502,8 @@ class Ledger:
             busy = self._step_source(src) or busy
         if self.engine_mode and time.monotonic() >= self._next_sweep:
             busy = self.sweep() or busy
+        if self.rebuilding is not None:
+            self._finish_rebuild()
         return busy
 
     # -- sweeps ------------------------------------------------------------------------
@@ -472,15 +526,18 @@ class Ledger:
         return worst
 
     def sweep(self) -> bool:
-        """Bill this ledger's waiting events whose wait is over, and drop the records
-        whose edge event never came (module docstring). True when anything changed.
-        Raises ``RedisError``."""
+        """Bill this ledger's waiting events whose wait is over, bill (or drop) the
+        records whose edge event never came, and make the budget fixes queued (module
+        docstring). True when anything changed. Raises ``RedisError``."""
         if not self.engine_mode:
             return False
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         now_s, now_ms = self._redis_now()
         done = self._sweep_waiting(now_ms) if self.edge is not None else False
-        return self._sweep_orphans(now_s) or done
+        done = self._sweep_orphans(now_s, now_ms) or done
+        fixed = self.fixes.drain(self.max_lines)
+        self.totals.budget_fixes += fixed
+        return done or fixed > 0
 
     def _sweep_waiting(self, now_ms: int) -> bool:
         src = self.edge
@@ -501,22 +558,145 @@ class Ledger:
         self.waiting = int(self.client.zcard(self._wait_key))
         return True
 
-    def _sweep_orphans(self, now_s: int) -> bool:
+    def _orphan_cutoff(self, now_s: int) -> float | None:
+        """The latest time (epoch s) a kept record may have been written for its event to
+        count as never coming; None while this ledger's usage file is not read to its
+        end (its event may be there)."""
         edge_stale = self._stale_s([self.edge]) if self.edge is not None else 0.0
         if edge_stale is None or not self.engines:
+            return None
+        return now_s - self.engine_orphan_s - edge_stale
+
+    def _others_rebuilding(self, now_ms: int) -> bool:
+        """Whether another ledger sharing this Redis is rebuilding (its lease runs)."""
+        ids = self.client.zrangebyscore(redis_keys.REBUILDING_KEY, f"({now_ms}", "+inf")
+        return any(str(i) != self.ledger_id for i in ids)
+
+    def _sweep_orphans(self, now_s: int, now_ms: int) -> bool:
+        cutoff = self._orphan_cutoff(now_s)
+        if cutoff is None:
             return False
-        cutoff = now_s - self.engine_orphan_s - edge_stale
         rids = [str(r) for r in self.client.zrangebyscore(redis_keys.ENG_WAIT_KEY, "-inf", cutoff,
                                                           start=0, num=self.max_lines)]
         if not rids:
             return False
         src = self.engines[0]
         keys = Keys(self._fixed_keys(src))
-        items = self.join.orphan_items(keys, src.stats_key, rids)
+        # Records that name their key are billed by a ledger that reads a usage file,
+        # and not while another ledger rebuilds: their events may still be read again.
+        bill_named = self.edge is not None and not self._others_rebuilding(now_ms)
+        items = self.join.orphan_items(keys, src.stats_key, rids, bill_named)
         if not items:
             return False
+        charges = [i.charge for i in items if i.charge is not None]
+        # before the bills: a ledger killed in between settles them on the next sweep
+        settled = self.reservations.settle_charges(charges) if charges else 0
+        if settled:
+            self.totals.budgets_settled += settled
+            log.info("ledger %s: settled %d budget reservation(s) of orphan engine "
+                     "records", self.ledger_id, settled)
         self._apply(src, keys, items, path=None, new_pos=None)
         return True
+
+    # -- after Redis lost its data ----------------------------------------------------
+
+    def _watch_ready(self) -> None:
+        """Begin a rebuild when this ledger's ready mark is missing (module docstring);
+        renew the rebuild's hold. Raises ``RedisError``."""
+        if self.rebuilding is None:
+            if self.client.exists(self._ready_key):
+                self._seen_ready = True
+                if self.join.budgeted - self._marked:  # keys given budgets since
+                    self._mark(self.join.budgeted)
+            else:
+                self._begin_rebuild()
+        elif time.monotonic() >= self._renew_at:
+            now_ms = self._redis_now()[1]
+            if self._hold(now_ms) is None:
+                # the hold vanished: Redis lost its data again while this rebuild ran
+                log.warning("ledger %s: Redis lost its data again during the rebuild; "
+                            "starting it over", self.ledger_id)
+                self._begin_rebuild()
+
+    def _begin_rebuild(self) -> None:
+        """Hold the budgets and read every file again from the checkpoints Redis holds
+        (none after a loss: every usage and engine file still on disk, from its start)."""
+        if self._seen_ready:
+            log.warning("ledger %s: Redis lost its data (the ledger's ready mark is gone): "
+                        "rebuilding from the usage and engine files on disk; budgets of "
+                        "%d key(s) admit nothing until it is done", self.ledger_id,
+                        len(self.join.budgeted))
+        else:
+            log.info("ledger %s: no ready mark in Redis (a first start, or Redis lost its "
+                     "data): reading the files up to date before budgets admit",
+                     self.ledger_id)
+        self._after_loss = self._seen_ready
+        self._seen_ready = False
+        self._marked = frozenset()
+        self.rebuilding = time.monotonic()
+        self.totals.rebuilds += 1
+        self._hold(self._redis_now()[1])
+        for src in self.sources:
+            src.expected = src.committed = None
+            src.caught_up = None
+
+    def _mark(self, key_ids: frozenset[str]) -> None:
+        """Give each of ``key_ids`` (budgeted keys) its ready mark: its bill is whole
+        here (``tokengate.limits.budget``). Raises ``RedisError``."""
+        pipe = self.client.pipeline(transaction=False)
+        for key_id in sorted(key_ids):
+            pipe.set(redis_keys.ready_mark_key(key_id), self.ledger_id)
+        pipe.execute()
+        self._marked = key_ids
+
+    def _hold(self, now_ms: int) -> float | None:
+        """Renew this ledger's entry among the rebuilding ledgers and its hold on every
+        budgeted key, for ``HOLD_S``; the entry's score before, None when it was gone (a
+        first call, or Redis lost it). Raises ``RedisError``."""
+        until = now_ms + round(HOLD_S * 1000)
+        before = self.client.zscore(redis_keys.REBUILDING_KEY, self.ledger_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(redis_keys.REBUILDING_KEY, {self.ledger_id: until})
+        pipe.pexpire(redis_keys.REBUILDING_KEY, round(HOLD_S * 1000))
+        for key_id in sorted(self.join.budgeted):
+            hold = redis_keys.rebuild_key(key_id)
+            pipe.hset(hold, self.ledger_id, until)
+            pipe.pexpire(hold, round(HOLD_S * 1000))
+        pipe.execute()
+        self._renew_at = time.monotonic() + HOLD_RENEW_S
+        return None if before is None else float(before)
+
+    def _finish_rebuild(self) -> None:
+        """End the rebuild once every file was read to its end after it began, no event
+        of this ledger waits for engine records, and (when no other ledger rebuilds) no
+        orphan record is due: set the ready mark, release the holds. Raises
+        ``RedisError``."""
+        since = self.rebuilding
+        assert since is not None
+        if any(s.caught_up is None or s.caught_up < since for s in self.sources):
+            return
+        if self.edge is not None and self.engine_mode:
+            if self.client.zcard(self._wait_key):
+                return
+            now_s, now_ms = self._redis_now()
+            cutoff = self._orphan_cutoff(now_s)
+            if cutoff is not None and not self._others_rebuilding(now_ms) and \
+                    self.client.zcount(redis_keys.ENG_WAIT_KEY, "-inf", cutoff):
+                return
+        took = time.monotonic() - since
+        now = datetime.now(UTC).isoformat(timespec="milliseconds")
+        self._mark(self.join.budgeted)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self._ready_key, now)
+        for key_id in sorted(self.join.budgeted):
+            pipe.hdel(redis_keys.rebuild_key(key_id), self.ledger_id)
+        pipe.zrem(redis_keys.REBUILDING_KEY, self.ledger_id)
+        pipe.execute()
+        self.rebuilding = None
+        self._seen_ready = True
+        self._after_loss = False
+        log.info("ledger %s: files read up to date in %.1f s (applied %d so far); budgets "
+                 "admit again", self.ledger_id, took, self.totals.applied)
 
     # -- running -------------------------------------------------------------------------
 
@@ -573,7 +753,7 @@ class Ledger:
                                 "file, retrying", self.ledger_id, e)
                 self._wait_measuring(stop, backoff)
                 measured = time.monotonic()
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if down:
                 log.info("ledger %s: Redis is back, resuming", self.ledger_id)

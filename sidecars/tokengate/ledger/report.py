@@ -26,7 +26,7 @@ from tokengate.redis_client import SyncRedis, connect
 GROUPS = ("key", "model", "day")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
               "completion_tokens", "cached_tokens", "system_tokens", "settled_engine",
-              "engine_missing", "disagreements")
+              "engine_missing", "disagreements", "corrections", "orphans")
 ENDPOINT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost")
 
 
@@ -50,6 +50,8 @@ class UsageRow:
     settled_engine: int = 0    # billed with the engine's records (ledger.engine_usage_files)
     engine_missing: int = 0    # waited for engine records that never came: edge's numbers
     disagreements: int = 0     # the edge's final usage differed from the engine's numbers
+    corrections: int = 0       # bill changes by engine records that came after the bill
+    orphans: int = 0           # billed from engine records alone: no usage event came
     cost: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
     # endpoint (chat, completions, messages, count_tokens, responses, ..., other) ->

@@ -58,9 +58,15 @@ LOG ROTATION
   usage.jsonl-20261129): a restarted ledger looks for unfinished files there.
 
 REDIS DOWN
-  The ledger retries (0.1 s doubling to 5 s); events wait in the usage file and
-  requests are never blocked. A Redis that comes back empty (no persistence) makes
-  the ledger rebuild its counters from every usage file still on disk.
+  The ledger retries (0.1 s doubling to 1 s); events wait in the usage file and
+  requests are never blocked.
+
+REDIS WITHOUT ITS DATA
+  The ledger keeps a ready mark in Redis; when it is missing (Redis came back empty,
+  or a first start) the ledger rebuilds: it holds the budgets of every key that has
+  some (the limits sidecar refuses them, 503 budget_unavailable), reads every usage
+  and engine file still on disk again, joins events and records as before (the same
+  bill), then sets the mark and releases the hold. The status file says rebuilding.
 
 BAD LINES
   A line that is not a valid event is logged with its file and offset, counted
@@ -74,9 +80,13 @@ ENGINE RECORDS
   ledger.engine_wait_s for its records, then is billed with its own numbers
   (engine_missing). Where the edge's final usage and the engine disagree, the
   engine's numbers are billed and the request is counted (disagreements) and
-  logged. Records of no edge request are counted (engine_unmatched), records that
-  come after their request was billed too (engine_late); neither is billed. On a
-  vLLM host, run a ledger with --engine-only against the same Redis.
+  logged. Records that come after their request was billed with the edge's numbers
+  (or with some of its records) correct the bill: the difference is added to the
+  counters and the key's budget counters, with a correction entry in the audit
+  stream (corrections). Records whose event never came are billed to the key they
+  name after ledger.engine_orphan_s (orphans; status 0), records of no edge request
+  are counted (engine_unmatched), not billed. On a vLLM host, run a ledger with
+  --engine-only against the same Redis.
 
 METRICS
   --metrics-listen (metrics.ledger_listen) serves Prometheus /metrics: events applied,
@@ -114,10 +124,11 @@ STATUS
   config_reloads (how often it loaded the file again: SIGHUP, or the file changed, which
   it checks every second, so keys `tokengate keys` adds are known without a signal).
   Both lags keep growing while Redis is down; they are null until the
-  ledger has read its checkpoint once (started while Redis was down). With engine
+  ledger has read its checkpoint once (started while Redis was down). rebuilding
+  (true while it rebuilds, budgets held), rebuilds, budgets_settled. With engine
   files also settled_engine, engine_missing, disagreements, engine_records,
   engine_duplicates, engine_bad_lines, engine_unmatched, engine_probes, engine_late,
-  engine_lag_bytes, waiting (events waiting for their records) and engine_files (the
+  corrections, orphans, budget_fixes, engine_lag_bytes, waiting (events waiting for their records) and engine_files (the
   engine files it follows: a file that ledger.engine_usage_files adds is followed from
   the reload on). The counts are
   this process's; Redis keeps the ledger's own (tg:{ledger}:stats:<ledger id>). The
@@ -161,6 +172,16 @@ _COUNTERS = (
     ("tokengate_ledger_budgets_settled",
      ("Budget reservations the edge could not settle (limits sidecar or Redis down), "
       "settled from their usage events."), "budgets_settled"),
+    ("tokengate_ledger_corrections",
+     "Bills corrected by engine records that came after them.", "corrections"),
+    ("tokengate_ledger_orphans",
+     "Requests billed from their engine records alone (no usage event came).", "orphans"),
+    ("tokengate_ledger_budget_fixes",
+     "Changes of budget counters to the ledger's bill (engine numbers, corrections).",
+     "budget_fixes"),
+    ("tokengate_ledger_rebuilds",
+     ("Rebuilds begun: the ledger's ready mark was missing (Redis lost its data, or a "
+     "first start)."), "rebuilds"),
 )
 _LAG_BYTES = ("Bytes of the usage files written but not yet applied (absent until the "
               "checkpoint was read).")
@@ -202,7 +223,10 @@ class LedgerCollector(Collector):
                 ("tokengate_ledger_lag_bytes", _LAG_BYTES, self.ledger.lag_bytes),
                 ("tokengate_ledger_lag_seconds", _LAG_S, self.ledger.lag_s),
                 ("tokengate_ledger_redis_up", "1 while the ledger's Redis answers, else 0.",
-                 int(self.ledger.redis_up))):
+                 int(self.ledger.redis_up)),
+                ("tokengate_ledger_rebuilding",
+                 ("1 while the ledger rebuilds after Redis lost its data (budgets refused), "
+                 "else 0."), int(self.ledger.rebuilding is not None))):
             g = GaugeMetricFamily(name, doc)
             if value is not None:
                 g.add_metric([], value)
@@ -327,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def snapshot() -> dict[str, object]:
         snap = {**asdict(ledger.totals), "lag_bytes": ledger.lag_bytes,
+                "rebuilding": ledger.rebuilding is not None,
                 "config_keys": len(ledger.cfg.keys), "config_reloads": reloads,
                 "lag_s": ledger.lag_s, "redis_up": ledger.redis_up, "position": ledger.position,
                 "ledger_id": ledger.ledger_id, "pid": os.getpid()}

@@ -25,7 +25,16 @@ written.
 ``budget_reserve.lua`` (``tokengate.redis_scripts``; one script, so concurrent
 reservations from any number of edges never pass a limit: no get-then-set) checks every
 counter that has a limit against ``used + cost``, then puts the cost in flight on all of
-them or none, and records the reservation with the counters it was put on.
+them or none, and records the reservation with the counters it was put on. While a
+ledger rebuilds its bill after Redis lost its data (``tokengate.ledger.ledger``: it
+holds the key's budgets, ``redis_keys.rebuild_key``) the script admits nothing and says
+so (``limited_by`` "rebuilding"): neither the budget's counters nor the ledger's bill
+are whole until it is done. The ledger also marks each budgeted key once its bill is
+whole (``redis_keys.ready_mark_key``); a sidecar that saw a key's mark asks the script
+to refuse while it is gone, which covers the moments between Redis coming back empty
+and a ledger noticing. The ledger's bill that a reservation compares is read with the
+key's hold and mark: one read while a ledger held the key is not used (the answer is
+"rebuilding"), so a bill read before a rebuild ended never admits after it.
 ``budget_settle.lua`` adds the real cost to the settled counters, takes the reservation
 out of flight and marks the request settled; a request the edge admitted without a
 reservation (Redis was unreachable at admission, or its reservation expired) is charged
@@ -54,24 +63,31 @@ from tokengate.budget_store import (
     period_days,
     queue_bills,
     record_tail,
+    reserve_keys,
     settle_args,
     settle_keys,
     this_hour,
 )
-from tokengate.redis_keys import budget_keys, reservation_key
+from tokengate.redis_keys import budget_keys, ready_mark_key, rebuild_key, reservation_key
 
 __all__ = ["BudgetCounter", "BudgetReservation", "GlobalBudgets", "billed_sync",
            "budget_keys", "committed", "counter_name", "period_days", "reservation_key",
            "this_hour"]
 
 # KEYS: reservation, then per counter its settled spend and tokens, then the in-flight
-# spend and tokens of hour h and of hour h - 1. ARGV: cost_nano, tokens, in-flight ttl
-# (of the buckets and the reservation), h, then per counter spend_limit (0: none),
-# token_limit (0: none), billed spend (nano-units), billed tokens, and last the record's
-# counters (budget_store.record_tail). Returns {admitted, refused (1-based
-# counter index), limited_by (1 spend, 2 tokens), then per counter its used spend and
-# tokens: after this reservation when admitted, before it when refused}.
+# spend and tokens of hour h and of hour h - 1, and last the key's ready mark and its
+# rebuild holds (budget_store.reserve_keys). ARGV: cost_nano, tokens, in-flight ttl (of
+# the buckets and the reservation), h, then per counter spend_limit (0: none),
+# token_limit (0: none), billed spend (nano-units), billed tokens, then "1" when the
+# ready mark must be there (this sidecar saw it), and last the record's counters
+# (budget_store.record_tail). Returns {admitted, refused (1-based counter index, 0 for
+# a hold), limited_by (1 spend, 2 tokens, 3 rebuilding: a ledger's hold, or the mark
+# gone), then per counter its used spend and tokens: after this reservation when
+# admitted, before it when refused; last 1 when the ready mark is there}.
 RESERVE_LUA = redis_scripts.read("budget_reserve")
+
+# budget_reserve.lua's limited_by
+LIMITED_BY = {1: "spend", 2: "tokens", 3: "rebuilding"}
 
 BILLED_CACHE_S = 1.0  # how long one read of the ledger's bill serves a key's reservations
 
@@ -94,7 +110,9 @@ class BudgetReservation:
 
     admitted: bool
     refused: int               # 1-based index of the counter that refused; 0: admitted
-    limited_by: str | None     # "spend" | "tokens" | None
+                               # or held
+    limited_by: str | None     # "spend" | "tokens" | "rebuilding" (a ledger's hold) |
+                               # None
     usage: list[tuple[int, int]]
 
 
@@ -113,11 +131,14 @@ class GlobalBudgets:
         self._reserve = client.register_script(RESERVE_LUA)
         self._settle = client.register_script(SETTLE_LUA)
         self._bills: dict[tuple[str, str], tuple[float, tuple[int, int]]] = {}
+        self._marked: set[str] = set()  # keys whose ready mark this sidecar saw
 
     async def billed(self, key_id: str, counters: Sequence[BudgetCounter]
-                     ) -> list[tuple[int, int]]:
+                     ) -> list[tuple[int, int]] | None:
         """``billed_sync`` over this client, each (key, counter) read at most once per
-        ``BILLED_CACHE_S``."""
+        ``BILLED_CACHE_S``; None when a ledger held the key as the bill was read (or its
+        ready mark, seen before, was gone): a bill read during a rebuild is not whole,
+        and is neither used nor kept."""
         now = time.monotonic()
         want = [(key_id, c.name) for c in counters
                 if now - self._bills.get((key_id, c.name), (-1e9, (0, 0)))[0] > BILLED_CACHE_S]
@@ -125,7 +146,12 @@ class GlobalBudgets:
             fields = bill_fields(want, self.models())
             pipe = self.client.pipeline(transaction=False)
             queue_bills(pipe, fields)
-            for kc, bill in zip(want, bill_sums(fields, await pipe.execute()), strict=True):
+            pipe.hlen(rebuild_key(key_id))
+            pipe.exists(ready_mark_key(key_id))
+            *rows, held, marked = await pipe.execute()
+            if held or (not marked and key_id in self._marked):
+                return None
+            for kc, bill in zip(want, bill_sums(fields, rows), strict=True):
                 self._bills[kc] = (now, bill)
             if len(self._bills) > 100_000:  # periods end: forget the old ones
                 self._bills = {k: v for k, v in self._bills.items()
@@ -137,16 +163,25 @@ class GlobalBudgets:
         """Charge ``cost_nano`` and ``tokens`` to every counter, or to none when one
         would pass its limit; see the module docstring."""
         bills = await self.billed(key_id, counters)
+        if bills is None:
+            return BudgetReservation(False, 0, "rebuilding", [(0, 0)] * len(counters))
         hour = this_hour()
         args: list[int | str] = [cost_nano, tokens, IN_FLIGHT_TTL_S, hour]
         for c, (bs, bt) in zip(counters, bills, strict=True):
             args.extend((c.spend_limit_nano, c.token_limit, bs, bt))
+        args.append("1" if key_id in self._marked else "0")
         args.append(record_tail([(c.name, c.ttl_s) for c in counters]))
         r = [int(x) for x in await self._reserve(
-            keys=settle_keys(key_id, request_id, [c.name for c in counters], hour),
+            keys=reserve_keys(key_id, request_id, [c.name for c in counters], hour),
             args=args)]
+        if r[-1] and len(self._marked) < 1_000_000:
+            self._marked.add(key_id)
+        limited_by = LIMITED_BY.get(r[2])
+        if limited_by == "rebuilding":  # the bill read before may be one being rebuilt
+            for c in counters:
+                self._bills.pop((key_id, c.name), None)
         usage = [(r[3 + 2 * i], r[4 + 2 * i]) for i in range(len(counters))]
-        return BudgetReservation(bool(r[0]), r[1], {1: "spend", 2: "tokens"}.get(r[2]), usage)
+        return BudgetReservation(bool(r[0]), r[1], limited_by, usage)
 
     async def settle(self, key_id: str, request_id: str, counters: Sequence[BudgetCounter],
                      cost_nano: int, tokens: int) -> tuple[bool, bool]:

@@ -73,7 +73,8 @@ BACKOFF_S = 0.5
 _LIMIT_ENUM = {None: limits_pb2.LIMIT_NONE, "requests": limits_pb2.LIMIT_REQUESTS,
                "tokens": limits_pb2.LIMIT_TOKENS}
 _BUDGET_ENUM = {None: limits_pb2.BUDGET_NONE, "spend": limits_pb2.BUDGET_SPEND,
-                "tokens": limits_pb2.BUDGET_TOKENS}
+                "tokens": limits_pb2.BUDGET_TOKENS,
+                "rebuilding": limits_pb2.BUDGET_REBUILDING}
 # the uint32 fields of ReserveReply are durations within the 60 s window; every count
 # and limit is a uint64 (limits.proto), as large as the schema allows (MAX_COUNT)
 _U32 = 2**32 - 1

@@ -2,7 +2,8 @@
 package data:
 
 - ``budget_reserve.lua``, ``budget_settle.lua``: a key's budgets
-  (``tokengate.limits.budget``, ``tokengate.budget_store``);
+  (``tokengate.limits.budget``, ``tokengate.budget_store``); ``budget_fix.lua``: the
+  ledger's changes of a key's settled counters to its bill (``tokengate.ledger.budgets``);
 - ``window_reserve.lua``, ``window_settle.lua``: the sliding RPM/TPM windows
   (``tokengate.limits.window``);
 - ``ledger_apply.lua``, ``ledger_time.lua``: a batch of the usage ledger and Redis's clock

@@ -1,7 +1,8 @@
 
 local cost, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local hour = ARGV[4]
-local n = (#KEYS - 1) / 6
+local n = (#KEYS - 3) / 6
+local marked = redis.call('EXISTS', KEYS[#KEYS - 1])
 local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local used = {}
 for i = 1, n do
@@ -14,10 +15,26 @@ end
 local function reply(admitted, refused, limited)
   local r = {admitted, refused, limited}
   for i = 1, 2 * n do r[3 + i] = used[i] end
+  r[4 + 2 * n] = marked
   return r
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return reply(1, 0, 0)
+end
+-- the ledger marked the key once its bill was whole: a mark the caller saw before and
+-- that is gone now went with the rest of Redis's data, before any ledger held the key
+if marked == 0 and ARGV[#ARGV - 1] == '1' then
+  return reply(0, 0, 3)
+end
+-- a ledger rebuilding the key's spend after Redis lost its data: nothing is admitted
+-- until its hold ends (the lease of a ledger that stopped ends on its own)
+local holds = redis.call('HVALS', KEYS[#KEYS])
+if #holds > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  for i = 1, #holds do
+    if tonumber(holds[i]) > now then return reply(0, 0, 3) end
+  end
 end
 for i = 1, n do
   local a = 4 * i + 1

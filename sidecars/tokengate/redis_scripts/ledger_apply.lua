@@ -56,8 +56,16 @@ for i = 1, #batch do
     end
   end
   if ok then
-    if e.t == 'b' then
-      redis.call('EXPIRE', KEYS[e.s], ttl)
+    if e.t == 'b' or e.t == 'c' then
+      if e.t == 'b' then
+        redis.call('EXPIRE', KEYS[e.s], ttl)
+        if e.sx then
+          for j = 1, #e.sx do
+            redis.call('SADD', KEYS[e.sx[j]], e.r)
+            redis.call('EXPIRE', KEYS[e.sx[j]], ttl)
+          end
+        end
+      end
       local u = KEYS[e.u]
       local n = e.n
       for j = 1, #n, 2 do
@@ -72,7 +80,8 @@ for i = 1, #batch do
       redis.call('SADD', KEYS[e.x], e.m)
       redis.call('ZADD', KEYS[4], e.ds, e.d)
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
-      if e.ss then
+      -- a correction of a session whose totals expired makes none again
+      if e.ss and (e.t == 'b' or redis.call('EXISTS', KEYS[e.ss]) == 1) then
         local s = KEYS[e.ss]
         for j = 1, #e.sn, 2 do
           redis.call('HINCRBY', s, e.sn[j], e.sn[j + 1])
@@ -98,6 +107,21 @@ for i = 1, #batch do
         redis.call('HDEL', pending, e.r)
         redis.call('ZREM', KEYS[e.w], e.r)
       end
+      if e.ob then
+        local o = KEYS[e.ob]
+        if e.od then
+          redis.call('DEL', o)
+        else
+          redis.call('HSET', o, '#bill', e.obv)
+          for j = 1, #e.obr, 2 do
+            redis.call('HSET', o, e.obr[j], e.obr[j + 1])
+          end
+          redis.call('EXPIRE', o, ttl)
+        end
+      end
+      if e.bq then
+        redis.call('HSET', KEYS[e.bq], e.bf[1], e.bf[2])
+      end
     elseif e.t == 'p' then
       redis.call('ZADD', KEYS[e.w], until_ms, e.r)
     end
@@ -112,7 +136,7 @@ for i = 1, #batch do
     end
     if e.t == 's' then
       redis.call('EXPIRE', KEYS[e.e], ttl)
-      redis.call('ZADD', KEYS[7], 'NX', now_s, e.r)
+      redis.call('ZADD', KEYS[7], 'NX', e.sc or now_s, e.r)
     elseif e.e and (e.t == 'b' or e.t == 'o') then
       redis.call('DEL', KEYS[e.e])
       redis.call('ZREM', KEYS[7], e.r)
