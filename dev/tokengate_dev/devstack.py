@@ -6,7 +6,9 @@ fixtures call the same builders (with other ports) so tests run exactly what a u
 
 Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and, for the edge,
 its workers' counter-frame sockets under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
-global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket. All but
+global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket; with an
+admin in ``ledger.console.admins`` the operator console on ``ledger.console.listen``
+(8085). All but
 the counter's come from the configuration (``--counter-port`` sets that one), and
 ``--var DIR`` moves logs, sockets and rendered configurations out of the checkout's
 ``var/``: a second stack (a test of ``make run`` itself) runs beside the first.
@@ -239,6 +241,26 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
                     prepare=lambda: status.unlink(missing_ok=True))
 
 
+def console_service(config_path: Path, usage_file: Path | None = None,
+                    redis_url: str | None = None, listen: str | None = None,
+                    name: str = "console") -> Service:
+    """The operator console (``tokengate-console``) on ``listen`` (default
+    ``ledger.console.listen``), reading ``usage_file`` (default ``ledger.usage_file``)
+    and its rotated siblings and the Redis of ``redis_url`` (default ``redis.url``).
+    Ready once its login page answers 200."""
+    argv = [PYTHON, "-m", "tokengate.console.service", "--config", str(config_path)]
+    if listen is None:
+        listen = tg_config.load(config_path).ledger.console.listen
+    argv += ["--listen", listen]
+    if usage_file is not None:
+        argv += ["--usage-file", str(usage_file)]
+    if redis_url is not None:
+        argv += ["--redis-url", redis_url]
+    host, _, port = listen.rpartition(":")
+    login = f"http://{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}/login"
+    return _service(name, argv, http_ready(login), start_timeout_s=30.0)
+
+
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
                    unix_socket: Path | None = None, workers: int = 1,
                    name: str = "limits", metrics_listen: str | None = None) -> Service:
@@ -405,8 +427,9 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     ``redis.url``), the counter (gRPC on ``counter_port``), the
     global-limit sidecar (only with ``global_limits.enabled``), the embedded vLLM of each
     model that says ``embedded: true`` (none when every model's upstreams are servers of
-    their own), the nginx edge (rendered into ``var/run/nginx``) and the usage ledger
-    (which reads the embedded vLLM's engine usage records too)."""
+    their own), the nginx edge (rendered into ``var/run/nginx``), the usage ledger
+    (which reads the embedded vLLM's engine usage records too) and, when
+    ``ledger.console.admins`` names someone, the operator console."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
     from tokengate.tools.compile_config import edge_config
@@ -432,10 +455,13 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     engine = [VAR / "usage" / "engine.jsonl"] \
         if any(m.embedded for m in cfg.models.values()) and not cfg.ledger.engine_usage_files \
         else []
-    return services + [
+    services += [
         nginx_service(config_path, port=edge_port, counter_socket=VAR / "run" / "counter.sock"),
         ledger_service(config_path, engine_files=engine),
     ]
+    if cfg.ledger.console.admins:
+        services.append(console_service(config_path))
+    return services
 
 
 def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]:

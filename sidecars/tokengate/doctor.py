@@ -113,9 +113,10 @@ def redis_persistence(cfg: tg_config.Config, timeout_s: float = 5.0) -> Check:
 
 # What each sidecar unit reads, by the configuration it is given: every unit the
 # configuration; the counter the models' files; the ledger the usage file's folder (it
-# lists it for rotated files) and the engine files' folders.
+# lists it for rotated files) and the engine files' folders; the console the usage
+# file's folder (the request log, rotated files too).
 SIDECAR_UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
-                 "tokengate-limits.service")
+                 "tokengate-limits.service", "tokengate-console.service")
 
 
 def _unit_identity(unit: Path) -> tuple[str, str, list[str]]:
@@ -187,7 +188,8 @@ def unit_access(cfg: tg_config.Config) -> list[Check]:
         "tokengate-ledger.service": [(cfg.ledger.usage_file.parent, True),
                                      *((Path(f).parent, True)
                                        for f in cfg.ledger.engine_usage_files)],
-        "tokengate-limits.service": []}
+        "tokengate-limits.service": [],
+        "tokengate-console.service": [(cfg.ledger.usage_file.parent, True)]}
     checks = []
     for name in SIDECAR_UNITS:
         unit = units / name

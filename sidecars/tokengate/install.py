@@ -14,8 +14,9 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/tokengate/edge.json                    compiled from it on every run
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
-        tokengate-limits.service, tokengate-vllm@.service, tokengate-console-apply.path
-        and .service (root: the key changes the operator console queued)
+        tokengate-limits.service, tokengate-console.service, tokengate-vllm@.service,
+        tokengate-console-apply.path and .service (root: the key changes the
+        operator console queued)
                                                 (not the vLLM unit nor example.env with
                                                 --no-vllm-unit: the host runs its vLLM)
     /etc/systemd/system/nginx.service.d/tokengate.conf   removes a stale hop socket
@@ -81,7 +82,7 @@ from tokengate.tools import compile_config, nginx_conf
 USER = "tokengate"
 GROUP = "www-data"   # nginx's workers' group on Debian (`user www-data;` in nginx.conf)
 UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
-         "tokengate-limits.service", "tokengate-vllm@.service",
+         "tokengate-limits.service", "tokengate-console.service", "tokengate-vllm@.service",
          "tokengate-console-apply.path", "tokengate-console-apply.service")
 HOST_CONFIG = "tokengate.host.yaml.in"  # in systemd/: the configuration made for a host
 TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf.in")
@@ -142,7 +143,7 @@ class Options:
     prefix: Path                # the root folder of the install (/ on a host)
     source: Path                # a checkout: lua/, nginx/, systemd/, tokengate.yaml
     config: Path | None         # the configuration to install when none is there
-    bin_dir: Path               # the folder of tokengate-counter, -ledger, -limits
+    bin_dir: Path               # the folder of tokengate-counter, -ledger, -limits, -console
     vllm_python: Path           # the interpreter of the host's vLLM
     dry_run: bool = False
     # the model of a configuration made for the host (no --config)
@@ -577,7 +578,8 @@ def plan(opts: Options) -> Plan:
         if not need.exists():
             problems.append(f"{need}: missing (run install from a tokengate checkout, "
                             f"or give --source)")
-    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits"):
+    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits",
+                "tokengate-console"):
         if not os.access(opts.bin_dir / exe, os.X_OK):
             problems.append(f"{opts.bin_dir / exe}: not found (--bin-dir: the bin folder of "
                             "the virtualenv the services run from)")
@@ -830,9 +832,9 @@ def next_steps(cfg: tg_config.Config, vllm_unit: bool = True) -> str:
                          "if the host's own vLLM serves that port: give it the unit's "
                          "flags and the plugin)")
     lines.append("  nginx -t && systemctl reload nginx")
-    lines.append("  operator console (optional): systemctl enable --now "
-                 "tokengate-console-apply.path, then tokengate console passwd NAME; the "
-                 f"running ledger then serves http://{cfg.ledger.console.listen}/")
+    lines.append("  operator console (optional): systemctl enable --now tokengate-console "
+                 "tokengate-console-apply.path, then tokengate console passwd NAME; it "
+                 f"serves http://{cfg.ledger.console.listen}/")
     return "\n".join(lines)
 
 
@@ -864,8 +866,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
                    help="without --config: a vLLM OpenAI server of the model (repeat for "
                         "each replica)")
     p.add_argument("--bin-dir", type=Path, default=Path(sysconfig.get_path("scripts")),
-                   help="folder of tokengate-counter, -ledger, -limits that the units run "
-                        "(default: this tokengate's, %(default)s)")
+                   help="folder of tokengate-counter, -ledger, -limits, -console that the "
+                        "units run (default: this tokengate's, %(default)s)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="without --config: redis.url of the configuration made for the "
                         f"host (default: Debian's redis-server, {HOST_REDIS_URL})")

@@ -1,7 +1,8 @@
 """The operator console in a real browser: Debian's chromium, headless, driven by
 Selenium through Debian's chromedriver (never a downloaded one), against the real
 stack: the session's vLLM and counter, a real nginx edge with global limits, the limits
-sidecar and the ledger (which serves the console) on a Redis of this module.
+sidecar, the ledger and the console (``tokengate-console``, a process of its own) on a
+Redis of this module.
 
 Every page is saved as a screenshot under ``var/screenshots/console-<page>.png``.
 """
@@ -88,9 +89,11 @@ def stack(config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[Stack
         ledger = devstack.ledger_service(path, usage, redis_url,
                                          name=svc_name("test-console-ledger"))
         started.append(ledger.start())
+        # its own process, as make run and the unit start it: ready once /login answers
+        console = devstack.console_service(path, usage, redis_url,
+                                           name=svc_name("test-console"))
+        started.append(console.start())
         url = f"http://127.0.0.1:{console_port}"
-        wait_until(lambda: httpx.get(f"{url}/login", timeout=2).status_code == 200, 20,
-                   what="the console")
         yield Stack(url, edge, path, redis_url, redis.Redis.from_url(redis_url,
                                                                      decode_responses=True))
     finally:

@@ -212,6 +212,12 @@ PORT = 18499
 
 @pytest.fixture
 def console(tmp_path: Path) -> tuple[httpx.Client, console_app.Console]:
+    return make_console(tmp_path)
+
+
+def make_console(tmp_path: Path) -> tuple[httpx.Client, console_app.Console]:
+    """The repository's configuration with the admin alice, the console on ``PORT``
+    (its usage file in ``tmp_path``, Redis not there) and a client of it."""
     path = tmp_path / "tokengate.yaml"
     path.write_text(repo_config_without_console())
     set_admin(path, "alice", password.digest(PASSWORD))

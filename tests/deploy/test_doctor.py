@@ -226,7 +226,9 @@ def test_the_doctor_fails_a_config_the_units_own_user_cannot_read(
         ("OK   unit tokengate-ledger.service readable: user nobody (group www-data) reads "
         "the configuration and what it follows"),
         ("OK   unit tokengate-limits.service readable: user nobody (group www-data) reads "
-        "the configuration")]
+        "the configuration"),
+        ("OK   unit tokengate-console.service readable: user nobody (group www-data) reads "
+        "the configuration and what it follows")]
     os.chown(config, 0, 0)
     config.chmod(0o600)
     assert unit_lines() == [

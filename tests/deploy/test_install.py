@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import redis
 import yaml
@@ -47,6 +48,7 @@ from tests.fixtures_ledger import make_event
 ROOT = devstack.ROOT
 TOKENGATE = Path(sys.executable).parent / "tokengate"
 SIDECARS = ("tokengate-counter.service", "tokengate-ledger.service", "tokengate-limits.service")
+CONSOLE = "tokengate-console.service"   # the operator console: a service of its own
 # root's side of the console's key changes (a path unit starts the service)
 CONSOLE_APPLY = ("tokengate-console-apply.path", "tokengate-console-apply.service")
 LEDGER_DB = 9  # the session Redis, a database of its own (ledger tests flush database 0)
@@ -143,7 +145,7 @@ def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installe
         "etc/systemd/system/nginx.service.d/tokengate.conf": ("0o644", "root", "root"),
         "etc/tmpfiles.d/tokengate.conf": ("0o644", "root", "root"),
         **{f"etc/systemd/system/{u}": ("0o644", "root", "root")
-           for u in (*SIDECARS, *CONSOLE_APPLY, "tokengate-vllm@.service")},
+           for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY, "tokengate-vllm@.service")},
     }
     assert {k: stat_of(p / k) for k in want} == want
     lua = sorted(f.name for f in (p / "usr/share/tokengate/lua/tokengate").iterdir())
@@ -424,7 +426,8 @@ def fake_venv(root: Path, python_target: Path | None, home: Path) -> Path:
     else:
         python.symlink_to(python_target)
     (root / "pyvenv.cfg").write_text(f"home = {home}\ninclude-system-site-packages = false\n")
-    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits"):
+    for exe in ("tokengate-counter", "tokengate-ledger", "tokengate-limits",
+                "tokengate-console"):
         (bin_dir / exe).write_text(f"#!{python}\nimport sys\n")
         (bin_dir / exe).chmod(0o755)
     return bin_dir
@@ -513,7 +516,7 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert r.returncode == 0, r.stderr
     assert not any("vllm" in line.lower() for line in r.stdout.splitlines()), r.stdout
     assert sorted(f.name for f in (prefix / "etc/systemd/system").glob("*.service")) == \
-        sorted([*SIDECARS, CONSOLE_APPLY[1]])
+        sorted([*SIDECARS, CONSOLE, CONSOLE_APPLY[1]])
     assert not (prefix / "etc/tokengate/vllm").exists()
     cfg = tg_config.load(prefix / "etc/tokengate/tokengate.yaml")
     assert (cfg.redis.url, cfg.edge.listen) == ("redis://:pw@10.0.0.9:6390/2", "127.0.0.1:8089")
@@ -626,7 +629,7 @@ def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
                                                   tmp_path: Path) -> None:
     d = installed.prefix / "etc/systemd/system"
     # a template is verified as an instance; a warning (unknown key, bad value) fails too
-    r = verify(*(d / u for u in (*SIDECARS, *CONSOLE_APPLY)),
+    r = verify(*(d / u for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY)),
                d / "tokengate-vllm@8000.service")
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
     # the drop-in for Debian's own nginx.service, loaded next to a copy of that unit
@@ -641,7 +644,7 @@ def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
 
 def test_the_units_settings_fit_together(installed: Installed) -> None:
     dropin = (installed.prefix / "etc/nginx/conf.d/tokengate.conf").read_text()
-    for name in SIDECARS:
+    for name in (*SIDECARS, CONSOLE):
         u = units.read_unit(installed.unit(name))
         got = {k: u.value("Service", k) for k in (
             "User", "Group", "Restart", "NoNewPrivileges", "ProtectSystem", "ProtectHome",
@@ -652,7 +655,9 @@ def test_the_units_settings_fit_together(installed: Installed) -> None:
                        "ProtectHome": "yes", "PrivateTmp": "yes",
                        "RuntimeDirectory": "tokengate", "RuntimeDirectoryMode": "0750",
                        "RuntimeDirectoryPreserve": "yes"}, name
-        assert u.values("Service", "ExecReload") == ["/bin/kill -HUP $MAINPID"], name
+        # the console reads the file again whenever it changed: nothing to reload
+        assert u.values("Service", "ExecReload") == \
+            ([] if name == CONSOLE else ["/bin/kill -HUP $MAINPID"]), name
     # --workers N of a socket sidecar = the N sockets the drop-in calls: the counter's
     # in init_by_lua's argument (the edge speaks counter frames to them), the limits'
     # as the servers of its upstream
@@ -689,8 +694,8 @@ def test_systemd_rates_the_sidecars_exposure_low(installed: Installed) -> None:
     # 0 (locked down) .. 10 (nothing restricted); 2 and below reads "OK" or "SAFE".
     # vLLM keeps the devices, JIT and system calls CUDA needs.
     d = installed.prefix / "etc/systemd/system"
-    got = {u: exposure(d / u) for u in (*SIDECARS, "tokengate-vllm@8000.service")}
-    assert all(got[u] <= 2.0 for u in SIDECARS), got
+    got = {u: exposure(d / u) for u in (*SIDECARS, CONSOLE, "tokengate-vllm@8000.service")}
+    assert all(got[u] <= 2.0 for u in (*SIDECARS, CONSOLE)), got
     assert got["tokengate-vllm@8000.service"] < 5.0, got
 
 
@@ -769,6 +774,48 @@ def test_the_ledger_unit_applies_an_event_to_redis(
         ("1", "41", "9")
     assert json.loads(status.read_text())["redis_up"] is True
     client.close()
+
+
+def test_the_console_unit_serves_and_an_admin_set_later_logs_in_at_once(
+        config_path: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tokengate-console.service from its command line: the login page says how to set an
+    admin, `tokengate console passwd` sets one that logs in with no restart, and the
+    request log shows the installed usage file's event."""
+    from tests.console.test_console_unit import _login
+
+    base = tmp_path_factory.mktemp("console-unit")
+    listen = f"127.0.0.1:{free_port()}"
+    raw = yaml.safe_load(test_config(config_path, redis_url, base / "c.yaml").read_text())
+    raw["ledger"]["console"] = {"listen": listen, "changes_dir": "/var/lib/tokengate/console"}
+    (base / "c.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    prefix = base / "root"
+    assert install(prefix, "--config", base / "c.yaml").returncode == 0
+    ev = make_event(status=429, error="rate_limit_exceeded")
+    (prefix / "var/lib/tokengate/usage/usage.jsonl").write_text(ev.to_json() + "\n")
+    con = units.start(prefix / f"etc/systemd/system/{CONSOLE}", prefix, base / "logs")
+    try:
+        http = httpx.Client(base_url=f"http://{listen}", timeout=30)
+        def answers() -> bool:
+            try:
+                return http.get("/login").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        con.wait_for(answers, 60, "the login page")
+        assert "No admin yet" in http.get("/login").text
+        config = prefix / "etc/tokengate/tokengate.yaml"
+        r = subprocess.run([str(TOKENGATE), "console", "passwd", "ops", "--password-stdin",
+                            "--config", str(config)], input="an installed password\n",
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 0, r.stderr
+        assert stat_of(config) == ("0o640", "root", "www-data")
+        login = _login(http, name="ops", pw="an installed password", origin=f"http://{listen}")
+        assert login.status_code == 303, login.text
+        cookie = login.headers.get_list("set-cookie")[0].split(";")[0]
+        log = http.get("/requests?status=refused", headers={"Cookie": cookie})
+        assert f'data-request="{ev.request_id}" data-status="429"' in log.text
+    finally:
+        con.stop()
 
 
 def cpu_host_env(example: str, **values: str) -> str:

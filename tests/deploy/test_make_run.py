@@ -43,6 +43,7 @@ BODY = {"model": "tiny-qwen3", "max_tokens": 4,
 # argv words of each child of the stack
 CHILDREN = {"redis": "redis-server", "counter": "tokengate.counter.server",
             "nginx": "nginx: master process", "ledger": "tokengate.ledger.service",
+            "console": "tokengate.console.service",
             "vllm": "vllm.entrypoints.openai.api_server"}
 
 
@@ -178,6 +179,10 @@ class Stack:
     def leftovers(self) -> list[str]:
         return leftovers(self.token, self.var)
 
+    def console_listen(self) -> str:
+        listen: str = yaml.safe_load(self.config.read_text())["ledger"]["console"]["listen"]
+        return listen
+
     def sockets(self) -> list[str]:
         return sorted(str(p.relative_to(self.var)) for p in self.var.rglob("*") if p.is_socket())
 
@@ -241,22 +246,24 @@ def answered_exactly(url: str, count: int) -> bool:
 def test_the_banner_names_the_console_and_where_traces_go(stack: Stack) -> None:
     """make run prints the operator console's address and the demo admin's login (the
     repository's tokengate.yaml holds it, like the demo key), and the console answers
-    there: a page without a session goes to the login."""
-    listen = yaml.safe_load(stack.config.read_text())["ledger"]["console"]["listen"]
+    there, from a process of its own (tokengate-console, not the ledger): a page without
+    a session goes to the login."""
+    listen = stack.console_listen()
     assert f"  console        : http://{listen}/" in stack.lines, stack.output()
     assert "  user           : admin" in stack.lines
     assert "  password       : tg-demo-admin" in stack.lines
     assert any("traces are off (tracing.enabled: docs/operators/observability.md)" in x for x in stack.lines)
     r = httpx.get(f"http://{listen}/keys", timeout=10)
     assert r.status_code == 303 and r.headers["location"].startswith("/login")
+    stack.child("console")   # exactly one child of its own: tokengate-console
 
 
-@pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis"])
+@pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis", "console"])
 def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name: str) -> None:
     pid = stack.child(name)
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    if name in ("ledger", "redis"):
+    if name in ("ledger", "redis", "console"):
         # not on the request path: the gateway does not notice
         assert answered_exactly(stack.url, exact)
     elif name == "counter":
@@ -279,6 +286,10 @@ def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name
     if name == "ledger":
         wait_until(lambda: '"redis_up": true' in (stack.var / "run" / "ledger.status.json")
                    .read_text(), 20, what="the new ledger's status")
+    if name == "console":
+        login = f"http://{stack.console_listen()}/login"
+        wait_until(lambda: httpx.get(login, timeout=5).status_code == 200, 20,
+                   what="the new console's login page")
 
 
 @pytest.mark.parametrize("moment", ["starting redis", "starting counter", "starting nginx",

@@ -1,10 +1,10 @@
-"""The ``ledger.console`` section: the operator console that the ledger process serves
-(``tokengate.console``) on a listener of its own, and who may log in to it."""
+"""The ``ledger.console`` section: the operator console (``tokengate.console``, the
+``tokengate-console`` process) and who may log in to it, with which role."""
 
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, WithJsonSchema, model_validator
 
@@ -44,11 +44,16 @@ ScryptDigest = Annotated[str, AfterValidator(_digest),
                                          "pattern": r"^scrypt\$"})]
 
 
+# what an admin may do: everything, or see every page and change nothing
+ROLES = ("admin", "read-only")
+Role = Literal["admin", "read-only"]
+
+
 class ConsoleConfig(_Schema):
-    """The operator console (``tokengate.console``): keys, budgets, usage, spend and the
-    replicas in a browser, served by ``tokengate-ledger`` on a listener of its own. Off
-    while ``admins`` is empty. Key changes go through what ``tokengate keys`` runs (the
-    file edited in place, the running edges reloaded)."""
+    """The operator console (``tokengate.console``): keys, budgets, usage, spend, the
+    request log and the replicas in a browser, served by ``tokengate-console``, a process
+    of its own. No one can log in while ``admins`` is empty. Key changes go through what
+    ``tokengate keys`` runs (the file edited in place, the running edges reloaded)."""
 
     listen: HostPort = Field(
         default="127.0.0.1:8085",
@@ -58,7 +63,14 @@ class ConsoleConfig(_Schema):
         default={},
         description="Who may log in: admin name -> scrypt digest of the password, as "
                     "`tokengate console passwd NAME` writes it (never the password; an "
-                    "API key is never accepted). Empty: the console is off.")
+                    "API key is never accepted). Empty: no one can log in.")
+    roles: dict[str, Role] = Field(
+        default={},
+        description="An admin's role: admin (every page and every change) or read-only "
+                    "(every page, no change: each POST but logging out is 403 and no form "
+                    "is shown). An admin not listed is admin. `tokengate console passwd "
+                    "NAME --role read-only` or `tokengate console role NAME read-only` "
+                    "set it; read on every request (a change applies at once).")
     origins: list[Annotated[str, Field(pattern=r"^https?://[^/\s]+$")]] = Field(
         default=[],
         description="Origins the console is also reached at (a proxy's "
@@ -101,5 +113,12 @@ class ConsoleConfig(_Schema):
     @model_validator(mode="after")
     def _names(self) -> ConsoleConfig:
         _check([(f"admins.{name[:64]}", ADMIN_NAME_RULE) for name in self.admins
-                if not ADMIN_NAME.fullmatch(name)])
+                if not ADMIN_NAME.fullmatch(name)]
+               + [(f"roles.{name[:64]}", ("not an admin of admins (a role is an admin's: "
+                                           "`tokengate console passwd NAME --role ROLE`)"))
+                  for name in self.roles if name not in self.admins])
         return self
+
+    def role(self, admin: str) -> Role:
+        """``admin``'s role (``ROLES``): ``roles``' entry, else admin."""
+        return self.roles.get(admin, "admin")

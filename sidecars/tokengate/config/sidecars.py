@@ -88,7 +88,7 @@ class LedgerConfig(_Schema):
                     "counted as unmatched when they name none, s.")
     console: ConsoleConfig = Field(
         default_factory=ConsoleConfig,
-        description="The operator console the ledger serves (off without admins).")
+        description="The operator console (tokengate-console; no login without admins).")
 
 
 class GlobalLimitsConfig(_Schema):

@@ -21,10 +21,8 @@ import threading
 import traceback
 import urllib.parse
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,8 +31,11 @@ from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
 from tokengate import version as tg_version
-from tokengate.console import changes, charts, data, forms, password
-from tokengate.console.session import COOKIE, LoginLimiter, Session, Sessions
+from tokengate.console import changes, data, forms, password
+from tokengate.console.pages import ReportPages
+from tokengate.console.session import COOKIE, LoginLimiter, Sessions
+from tokengate.console.traffic import Traffic
+from tokengate.console.web import Request, Response, cookies, first, redirect
 from tokengate.keys.edit import parse_duration
 from tokengate.keys.secret import digest as key_digest
 from tokengate.keys.secret import new_key
@@ -57,55 +58,12 @@ SECURITY_HEADERS = [
 ]
 MAX_BODY = 64 * 1024        # bytes of a form; more: 413
 LOGIN_COOKIE = "tg_console_login"
-MAX_DAYS = 366              # the longest usage range, days
 SESSIONS_SHOWN = 20         # a key's most recent agent sessions on its page
 MAX_FIELDS = 50             # fields of a query or a form; more: 400
-AUDIT_SHOWN = 200           # entries on the audit page
-AUDIT_SCANNED = 20_000      # stream entries read at most to find them
 # the pages a login may go on to (``next``)
-PAGES = ("/keys", "/usage", "/live", "/audit")
+PAGES = ("/keys", "/usage", "/live", "/requests", "/audit")
 FLASHES_MAX = 1_000         # outcomes kept for the page a POST redirects to
 HERE = Path(__file__).parent
-
-
-@dataclass
-class Request:
-    """What a handler reads of one request."""
-
-    method: str
-    path: str
-    query: dict[str, str]
-    cookies: dict[str, str]
-    host: str
-    origin: str | None
-    client: str
-    form: dict[str, str] = field(default_factory=dict)
-    session: Session | None = None
-
-
-@dataclass
-class Response:
-    status: int
-    body: bytes = b""
-    content_type: str = "text/html; charset=utf-8"
-    headers: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _redirect(location: str, status: int = 303) -> Response:
-    return Response(status, b"", headers=[("Location", location)])
-
-
-def _cookies(header: str) -> dict[str, str]:
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(header)
-    except CookieError:
-        return {}
-    return {k: m.value for k, m in jar.items()}
-
-
-def _first(qs: dict[str, list[str]]) -> dict[str, str]:
-    return {k: v[0] for k, v in qs.items() if v}
 
 
 def safe_next(target: str | None) -> str:
@@ -154,21 +112,36 @@ def _fmt_int(value: float | None) -> str:
     return "?" if value is None else f"{int(value):,}"
 
 
+def _fmt_ms(value: float | None) -> str:
+    """A time in ms as the tables show it: one decimal below 10 ms, whole ms above."""
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if value < 10 else f"{value:,.0f}"
+
+
+def _fmt_utc(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def _pct(part: float | None, whole: float | None) -> int | None:
     if part is None or not whole:
         return None
     return min(100, round(100 * part / whole))
 
 
-class Console:
-    """The WSGI application (``__call__``); one per ledger process."""
+class Console(ReportPages):
+    """The WSGI application (``__call__``); one per ``tokengate-console`` process.
+    ``listen``: the address it is served on (default ``ledger.console.listen``), which
+    the Host header must name."""
 
     def __init__(self, config_path: Path, client: SyncRedis, usage_file: Path,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, listen: str | None = None) -> None:
         self.config = Config(config_path)
+        self.listen = listen
         cc = self.config.cfg.ledger.console
         self.client = client
         self.usage_file = usage_file
+        self.traffic = Traffic(usage_file)
         self.sessions = Sessions(cc.session_ttl_s, **({"clock": clock} if clock else {}))
         self.limiter = LoginLimiter(cc.login_attempts, cc.login_window_s,
                                     **({"clock": clock} if clock else {}))
@@ -176,7 +149,8 @@ class Console:
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
             lstrip_blocks=True)
-        self.templates.filters.update(amount=_fmt_amount, num=_fmt_int)
+        self.templates.filters.update(amount=_fmt_amount, num=_fmt_int, ms=_fmt_ms,
+                                      utc=_fmt_utc)
         # what runs, for the admins (not on the login page): tokengate.version
         self.templates.globals.update(pct=_pct, tokengate_version=tg_version.describe())
         self.css = (HERE / "static" / "console.css").read_bytes()
@@ -205,8 +179,9 @@ class Console:
         loopback or wildcard one the loopback names on its port, and the hosts of
         ``origins``."""
         cc = cfg.ledger.console
-        host, _, port = cc.listen.rpartition(":")
-        out = {cc.listen}
+        listen = self.listen or cc.listen
+        host, _, port = listen.rpartition(":")
+        out = {listen}
         if host in ("0.0.0.0", "[::]", "::", "127.0.0.1", "localhost", "[::1]"):
             out |= {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
         out |= {urllib.parse.urlsplit(o).netloc for o in cc.origins}
@@ -219,12 +194,12 @@ class Console:
         if host not in self.allowed_hosts(cfg):
             return self.plain(421, f"this console does not answer to host {host[:100]!r}")
         try:
-            query = _first(urllib.parse.parse_qs(environ.get("QUERY_STRING", ""),
+            query = first(urllib.parse.parse_qs(environ.get("QUERY_STRING", ""),
                                                  max_num_fields=MAX_FIELDS))
         except ValueError:
             return self.plain(400, f"a query has at most {MAX_FIELDS} fields")
         req = Request(method, environ.get("PATH_INFO") or "/", query,
-                      _cookies(environ.get("HTTP_COOKIE", "")), host,
+                      cookies(environ.get("HTTP_COOKIE", "")), host,
                       environ.get("HTTP_ORIGIN"), environ.get("REMOTE_ADDR", ""))
         if req.path == "/static/console.css":
             return Response(200, self.css, "text/css; charset=utf-8")
@@ -244,10 +219,15 @@ class Console:
             # logged out, expired, or the admin was removed or given a new password
             if method == "POST":
                 return self.plain(403, "not logged in (or the session ended): log in again")
-            return _redirect("/login?" + urllib.parse.urlencode({"next": req.path}))
+            return redirect("/login?" + urllib.parse.urlencode({"next": req.path}))
         if method == "POST" and not req.session.csrf_ok(req.form.get("csrf")):
             return self.plain(403, "this form is not from this session (CSRF token missing "
                                    "or wrong): reload the page and try again")
+        # the role as the file says now: a demotion applies to the next request
+        req.read_only = cfg.ledger.console.role(req.session.admin) == "read-only"
+        if req.read_only and method == "POST" and req.path != "/logout":
+            return self.plain(403, f"{req.session.admin} is a read-only admin: every page, "
+                                   "no change (ledger.console.roles)")
         return self.route(req, cfg)
 
     def read_post(self, environ: dict[str, Any], req: Request,
@@ -268,7 +248,7 @@ class Console:
             return self.plain(415, "a form is application/x-www-form-urlencoded")
         body = environ["wsgi.input"].read(length).decode("utf-8", "replace")
         try:
-            req.form = _first(urllib.parse.parse_qs(body, keep_blank_values=True,
+            req.form = first(urllib.parse.parse_qs(body, keep_blank_values=True,
                                                     max_num_fields=MAX_FIELDS))
         except ValueError:
             return self.plain(400, f"a form has at most {MAX_FIELDS} fields")
@@ -277,16 +257,18 @@ class Console:
     def route(self, req: Request, cfg: tg_config.Config) -> Response:
         p, m = req.path.rstrip("/") or "/", req.method
         if p == "/":
-            return _redirect("/keys")
+            return redirect("/keys")
         if p == "/logout" and m == "POST":
             assert req.session is not None
             self.sessions.end(req.session.token)
-            return _redirect("/login", 303)
+            return redirect("/login", 303)
         if p == "/logout":  # a link or a typed URL: logging out is the header's button
             return self.plain(405, "log out with the Log out button (a POST)",
                               [("Allow", "POST")])
         if p == "/keys":
             return self.keys_page(req, cfg)
+        if p == "/keys/new" and req.read_only:
+            return self.plain(403, "a read-only admin creates no key")
         if p == "/keys/new":
             return self.create_key(req, cfg) if m == "POST" else self.new_key_page(req, cfg)
         if p.startswith("/keys/"):
@@ -312,6 +294,11 @@ class Console:
             return self.usage_csv(req, cfg)
         if p == "/live":
             return self.live_page(req, cfg)
+        if p == "/requests":
+            return self.requests_page(req, cfg)
+        if p.startswith("/requests/"):
+            return self.request_page(req, cfg, urllib.parse.unquote(p.removeprefix(
+                "/requests/")))
         if p == "/audit":
             return self.audit_page(req, cfg)
         return self.page(404, "error.html", req, title="Not found",
@@ -324,8 +311,10 @@ class Console:
         cfg = self.config.cfg
         ctx.setdefault("page", "")
         ctx.setdefault("title", "Log in")
+        ctx.setdefault("no_admin", not cfg.ledger.console.admins)
         html = self.templates.get_template(template).render(
-            session=req.session if req else None, currency=cfg.currency, **ctx)
+            session=req.session if req else None, read_only=bool(req and req.read_only),
+            currency=cfg.currency, **ctx)
         return Response(status, html.encode(), headers=headers or [])
 
     def plain(self, status: int, message: str,
@@ -517,7 +506,7 @@ class Console:
             return self.key_page(req, cfg, name, checked, 400, outcome)
         at = f"/keys/{urllib.parse.quote(name, safe='')}"
         self.flash(req, urllib.parse.unquote(at), outcome=outcome)
-        return _redirect(at)
+        return redirect(at)
 
     def revoke_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
         if req.form.get("confirm") != name:
@@ -528,7 +517,7 @@ class Console:
         if not outcome.ok:
             return self.key_page(req, cfg, name, None, 400, outcome)
         self.flash(req, "/keys", notice=f"Key {name} revoked.", outcome=outcome)
-        return _redirect("/keys")
+        return redirect("/keys")
 
     def rotate_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
         """A new secret, shown once (as a created key's); the old one valid for the
@@ -553,104 +542,3 @@ class Console:
         outcome = self._make(req, cfg, changes.KeyChange(verb, name))
         cfg = self.config.current()
         return self.key_page(req, cfg, name, None, 200 if outcome.ok else 400, outcome)
-
-    # --- usage ---------------------------------------------------------------------
-
-    def _usage_query(self, req: Request, cfg: tg_config.Config
-                     ) -> tuple[data.UsageQuery, dict[str, str], dict[str, str]]:
-        """(the query, the form's values, a message per bad field); a bad field falls
-        back to its default."""
-        today = data.today()
-        values = {"since": req.query.get("since", "")[:40] or (today - timedelta(days=6)).isoformat(),
-                  "until": req.query.get("until", "")[:40] or today.isoformat(),
-                  "key": req.query.get("key", "")[:64], "model": req.query.get("model", "")[:200]}
-        errors: dict[str, str] = {}
-        days: dict[str, date] = {}
-        for f, default in (("since", today - timedelta(days=6)), ("until", today)):
-            try:
-                days[f] = report.parse_day(values[f], today)
-            except (argparse.ArgumentTypeError, ValueError, OverflowError) as e:
-                errors[f] = str(e) if str(e) else "not a day"
-                days[f] = default
-        if days["since"] > days["until"]:
-            errors["since"] = f"{days['since']} is after {days['until']}"
-            days["since"] = days["until"]
-        if (days["until"] - days["since"]).days >= MAX_DAYS:
-            errors["since"] = f"a range is at most {MAX_DAYS} days"
-            days["since"] = days["until"] - timedelta(days=MAX_DAYS - 1)
-        return data.UsageQuery(days["since"], days["until"], values["key"] or None,
-                               values["model"] or None), values, errors
-
-    def usage_page(self, req: Request, cfg: tg_config.Config) -> Response:
-        q, values, errors = self._usage_query(req, cfg)
-        problem = None
-        try:
-            rows = data.usage_rows(self.client, q)
-        except (RedisError, OSError) as e:
-            rows, problem = [], f"Redis unavailable: {e}"
-        days = [(q.since + timedelta(days=i)).isoformat()
-                for i in range((q.until - q.since).days + 1)]
-        per_key_model = sorted(report.group(rows, ["key", "model"]),
-                               key=lambda r: (-r.cost, r.key_id or "", r.model or ""))
-        query = urllib.parse.urlencode({k: v for k, v in values.items() if v})
-        return self.page(400 if errors else 200, "usage.html", req, title="Usage",
-                         values=values, errors=errors, rows=rows, problem=problem,
-                         total=report.total(rows), per_key_model=per_key_model,
-                         endpoints=data.endpoint_rows(rows), query=query,
-                         chart_days=charts.tokens_per_day(rows, days),
-                         chart_keys=charts.top_keys(rows, cfg.currency),
-                         chart_models=charts.spend_per_model(rows, cfg.currency),
-                         keys=self._usage_keys(cfg, q), models=list(cfg.models),
-                         page="usage",
-                         since=q.since.isoformat(), until=q.until.isoformat())
-
-    def usage_csv(self, req: Request, cfg: tg_config.Config) -> Response:
-        q, _values, errors = self._usage_query(req, cfg)
-        if errors:
-            return self.plain(400, "; ".join(f"{k}: {v}" for k, v in errors.items()))
-        try:
-            rows = data.usage_rows(self.client, q)
-        except (RedisError, OSError) as e:
-            return self.plain(503, f"Redis unavailable: {e}")
-        table = req.query.get("table", "usage")
-        text = data.endpoints_csv(data.endpoint_rows(rows)) if table == "endpoints" \
-            else data.usage_csv(rows)
-        name = f"tokengate-{'endpoints' if table == 'endpoints' else 'usage'}-{q.since}-{q.until}.csv"
-        return Response(200, text.encode(), "text/csv; charset=utf-8",
-                        [("Content-Disposition", f'attachment; filename="{name}"')])
-
-    # --- live ----------------------------------------------------------------------
-
-    def live_page(self, req: Request, cfg: tg_config.Config) -> Response:
-        edges = [data.edge_live(a) for a in data.status_addresses(cfg)]
-        refusals = data.recent_refusals(self.usage_file, datetime.now(UTC))
-        return self.page(200, "live.html", req, title="Live", edges=edges,
-                         refusals=refusals, page="live",
-                         window_min=int(data.REFUSALS_WINDOW.total_seconds() // 60))
-
-    def _usage_keys(self, cfg: tg_config.Config, q: data.UsageQuery) -> list[str]:
-        """The Usage filter's keys: the file's, then those that have usage in the
-        range and are no longer in it (revoked), and the one asked for."""
-        try:
-            seen = data.keys_with_usage(self.client, q.since, q.until)
-        except (RedisError, OSError):
-            seen = []
-        gone = sorted(set(seen) - set(cfg.keys) | ({q.key} - set(cfg.keys) if q.key else set()))
-        return [*cfg.keys, *gone]
-
-    # --- audit ---------------------------------------------------------------------
-
-    def audit_page(self, req: Request, cfg: tg_config.Config) -> Response:
-        """The audit stream, newest first: the changes and logins (console and command
-        line) by default, every entry (the billed requests too) with ``?all=1``; at most
-        ``AUDIT_SHOWN`` entries, found among the newest ``AUDIT_SCANNED``."""
-        every = req.query.get("all") == "1"
-        problem = None
-        try:
-            entries, scanned = data.audit_entries(self.client, AUDIT_SHOWN, AUDIT_SCANNED,
-                                                  changes_only=not every)
-        except (RedisError, OSError) as e:
-            entries, scanned, problem = [], 0, f"Redis unavailable: {e}"
-        return self.page(200, "audit.html", req, title="Audit", entries=entries,
-                         scanned=scanned, every=every, problem=problem, page="audit",
-                         shown_max=AUDIT_SHOWN)

@@ -1,10 +1,11 @@
-"""The usage page's charts, drawn on the server by matplotlib (its Agg backend, no
+"""The usage and Live pages' charts, drawn on the server by matplotlib (its Agg backend, no
 display, nothing fetched) as SVG and handed to the page as ``data:`` URLs, which the
 console's content security policy allows for images (``img-src 'self' data:``): no
 script runs in the browser and nothing comes from outside the host.
 
-Each chart takes the ledger's rows (``tokengate.ledger.report.UsageRow``) and returns
-the data URL, or None when there is nothing to draw.
+Each chart takes the ledger's rows (``tokengate.ledger.report.UsageRow``: per day) or the
+usage events' buckets (``tokengate.console.traffic.Bucket``: per minute or hour) and
+returns the data URL, or None when there is nothing to draw.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from tokengate.console.traffic import Bucket
 from tokengate.ledger import report
 
 TOP_KEYS = 10
 # pyplot keeps global state: one figure is drawn at a time in a process
 _drawing = threading.Lock()
 
-COLORS = {"prompt": "#4c78a8", "cached": "#9ecae9", "completion": "#f58518"}
+COLORS = {"prompt": "#4c78a8", "cached": "#9ecae9", "completion": "#f58518",
+          "answered": "#54a24b", "refused": "#e45756"}
 
 
 def _plt() -> Any:
@@ -46,30 +49,105 @@ def _data_url(fig: Any) -> str:
     return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _stacked(title: str, labels: Sequence[str], series: Sequence[tuple[str, str,
+                                                                      Sequence[float]]],
+             ylabel: str) -> str:
+    """Stacked bars, one per label: ``series`` (legend, color, a value per label) from
+    the bottom up."""
+    with _drawing:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(10, 2.4))
+        try:
+            x = range(len(labels))
+            bottom = [0.0] * len(labels)
+            for legend, color, values in series:
+                ax.bar(x, values, bottom=bottom, color=color, label=legend)
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            step = max(1, len(labels) // 12)
+            ax.set_xticks(list(x)[::step], list(labels)[::step])
+            ax.set_ylabel(ylabel)
+            ax.set_title(title, loc="left")
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.legend(frameon=False, fontsize=8, ncols=len(series), loc="upper left",
+                      bbox_to_anchor=(0, -0.12))
+            return _data_url(fig)
+        finally:
+            plt.close(fig)
+
+
+def _tokens(title: str, labels: Sequence[str],
+            counts: Sequence[tuple[int, int, int]]) -> str:
+    """Stacked tokens per label: (prompt, cached, completion) each, prompt including the
+    cached ones (vLLM's usage)."""
+    return _stacked(title, labels, [
+        ("prompt (uncached)", COLORS["prompt"], [p - c for p, c, _ in counts]),
+        ("prompt (cached)", COLORS["cached"], [c for _, c, _ in counts]),
+        ("completion", COLORS["completion"], [o for _, _, o in counts])], "tokens")
+
+
 def tokens_per_day(rows: Sequence[report.UsageRow], days: Sequence[str]) -> str | None:
     """Stacked bars per UTC day of ``days``: uncached prompt, cached prompt and
     completion tokens."""
     per_day = {r.day: r for r in report.group(rows, ["day"])}
     if not per_day:
         return None
-    prompt = [(per_day[d].prompt_tokens - per_day[d].cached_tokens) if d in per_day else 0
-              for d in days]
-    cached = [per_day[d].cached_tokens if d in per_day else 0 for d in days]
-    completion = [per_day[d].completion_tokens if d in per_day else 0 for d in days]
-    labels = [d[5:] for d in days]  # MM-DD
+    zero = report.UsageRow(None, None, None)
+    return _tokens("Tokens per day (UTC)", [d[5:] for d in days],  # MM-DD
+                   [(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
+                    for r in (per_day.get(d, zero) for d in days)])
+
+
+def _clock_labels(buckets: Sequence[Bucket]) -> list[str]:
+    return [b.start.strftime("%H:%M") for b in buckets]
+
+
+def requests_per_step(buckets: Sequence[Bucket], step: str) -> str | None:
+    """Stacked bars per bucket (``traffic.Traffic.buckets``): answered and refused
+    requests; None when there were none."""
+    if not any(b.counts.requests for b in buckets):
+        return None
+    return _stacked(f"Requests per {step} (UTC)", _clock_labels(buckets), [
+        ("answered", COLORS["answered"], [b.counts.requests - b.counts.refused
+                                          for b in buckets]),
+        ("refused (>= 400)", COLORS["refused"], [b.counts.refused for b in buckets])],
+        "requests")
+
+
+def tokens_per_step(buckets: Sequence[Bucket], step: str) -> str | None:
+    """Stacked bars per bucket: uncached prompt, cached prompt and completion tokens;
+    None when there were none."""
+    counts = [(b.counts.prompt_tokens, b.counts.cached_tokens, b.counts.completion_tokens)
+              for b in buckets]
+    if not any(sum(c) for c in counts):
+        return None
+    return _tokens(f"Tokens per {step} (UTC)", _clock_labels(buckets), counts)
+
+
+def latency(buckets: Sequence[Bucket], step: str) -> str | None:
+    """Lines per bucket: the median and 95th percentile of answered requests' time and
+    the median time to first byte of answered streams, ms (a gap where a bucket had
+    none); None when no request was answered."""
+    if all(b.p50_ms is None for b in buckets):
+        return None
+    labels = _clock_labels(buckets)
+    nan = float("nan")
     with _drawing:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(10, 2.4))
         try:
-            x = range(len(days))
-            ax.bar(x, prompt, color=COLORS["prompt"], label="prompt (uncached)")
-            ax.bar(x, cached, bottom=prompt, color=COLORS["cached"], label="prompt (cached)")
-            ax.bar(x, completion, bottom=[p + c for p, c in zip(prompt, cached, strict=True)],
-                   color=COLORS["completion"], label="completion")
-            step = max(1, len(days) // 12)
-            ax.set_xticks(list(x)[::step], labels[::step])
-            ax.set_ylabel("tokens")
-            ax.set_title("Tokens per day (UTC)", loc="left")
+            x = range(len(buckets))
+            for legend, color, values in (
+                    ("p95 request time", COLORS["refused"], [b.p95_ms for b in buckets]),
+                    ("p50 request time", COLORS["prompt"], [b.p50_ms for b in buckets]),
+                    ("p50 time to first byte", COLORS["completion"],
+                     [b.ttft_p50_ms for b in buckets])):
+                ax.plot(x, [nan if v is None else v for v in values], color=color,
+                        label=legend, marker="." if len(buckets) <= 60 else None)
+            step_n = max(1, len(labels) // 12)
+            ax.set_xticks(list(x)[::step_n], labels[::step_n])
+            ax.set_ylabel("ms")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"Latency per {step}, answered requests (UTC)", loc="left")
             ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
             ax.legend(frameon=False, fontsize=8, ncols=3, loc="upper left",
                       bbox_to_anchor=(0, -0.12))

@@ -1,5 +1,5 @@
-"""``tokengate console``: set an admin's password (``passwd``) and apply the key changes
-the console queued (``apply``, root's, under the systemd units)."""
+"""``tokengate console``: set an admin's password (``passwd``) and role (``role``), and
+apply the key changes the console queued (``apply``, root's, under the systemd units)."""
 
 from __future__ import annotations
 
@@ -11,30 +11,33 @@ from pathlib import Path
 from ruamel.yaml.comments import CommentedMap
 
 from tokengate import config as tg_config
-from tokengate.config.console import ADMIN_NAME, ADMIN_NAME_RULE
+from tokengate.config.console import ADMIN_NAME, ADMIN_NAME_RULE, ROLES
 
 CONSOLE_HELP = """\
-The operator console (served by tokengate-ledger on ledger.console.listen, 127.0.0.1:8085
-by default, while ledger.console.admins names someone).
+The operator console (tokengate-console, a service of its own, on ledger.console.listen,
+127.0.0.1:8085 by default).
 
-  tokengate console passwd NAME [--password-stdin]
+  tokengate console passwd NAME [--password-stdin] [--role admin|read-only]
         sets NAME's password: its scrypt digest goes to ledger.console.admins.NAME in
         tokengate.yaml (the same in-place edit as `tokengate keys`: comments, owner and
         mode kept); the password is asked twice on the terminal, or read as one line
-        from stdin. A running tokengate-ledger reads the file again within a second
-        (it watches it): the console it serves takes the new password at once, and a
-        console that was off (no admin yet) starts listening then: no restart.
-        Sessions of NAME end.
+        from stdin. The console reads the file again at the next request: no restart.
+        Sessions of NAME end. --role sets NAME's role too (ledger.console.roles): admin
+        (every change) or read-only (every page, no change); without it an admin keeps
+        theirs and a new one is an admin.
+  tokengate console role NAME admin|read-only
+        sets the role of the admin NAME (their password and sessions stay; the next
+        request of a session has the new role)
   tokengate console passwd NAME --remove
-        removes the admin (the console turns off with the last one at the ledger's
-        next start)
+        removes the admin (and their role); their sessions end
   tokengate console apply [--config FILE]
         makes the key changes the console queued in ledger.console.changes_dir (as
         root: tokengate-console-apply.service runs it whenever one is queued)
 
 EXIT STATUS
   0 done; 1 refused (a short password, passwords that differ, a bad name, the file
-  would not be valid: one line per problem); 2 usage error or the file cannot be read.
+  would not be valid: one line per problem); 2 usage error, no such admin, or the file
+  cannot be read.
 """
 
 
@@ -60,29 +63,47 @@ def _read_password(args: argparse.Namespace) -> str | None:
     return pw
 
 
-def set_admin(path: Path, name: str, digest: str | None) -> tg_config.Config:
+_KEEP = object()  # set_admin: leave the digest as it is
+
+
+def set_admin(path: Path, name: str, digest: str | None | object = _KEEP,
+              role: str | None = None) -> tg_config.Config:
     """Write ``ledger.console.admins.<name>: <digest>`` into the file (``digest`` None:
-    remove the admin) with ``tokengate.keys.edit``'s round-trip edit. Raises
-    ``ConfigError`` (nothing written), ``LookupError`` (no such admin to remove) or
-    ``OSError``."""
+    remove the admin and their role; left out: keep the admin's digest, who must exist)
+    and, with ``role`` (``ROLES``), ``ledger.console.roles.<name>`` (admin: the entry
+    removed, admin being the default), with ``tokengate.keys.edit``'s round-trip edit.
+    Raises ``ConfigError`` (nothing written), ``LookupError`` (no such admin to remove or
+    to give a role) or ``OSError``."""
     from tokengate.keys.edit import edit, keeping_heading
 
+    def section(parent: CommentedMap, key: str) -> CommentedMap:
+        if parent.get(key) is None:
+            parent[key] = CommentedMap()
+        found: CommentedMap = parent[key]
+        return found
+
     def change(data: CommentedMap) -> None:
-        ledger = data.get("ledger")
-        if ledger is None:
-            ledger = data["ledger"] = CommentedMap()
-        console = ledger.get("console")
-        if console is None:
-            console = ledger["console"] = CommentedMap()
-        admins = console.get("admins")
-        if admins is None:
-            admins = console["admins"] = CommentedMap()
+        console = section(section(data, "ledger"), "console")
+        admins = section(console, "admins")
+        if (digest is None or digest is _KEEP) and name not in admins:
+            raise LookupError(f"no admin {name!r}")
         if digest is None:
-            if name not in admins:
-                raise LookupError(f"no admin {name!r}")
             del admins[name]
-        else:
+        elif digest is not _KEEP:
             admins[name] = digest
+        roles = console.get("roles")
+        if digest is None or role == "admin":
+            if roles is not None and name in roles:
+                del roles[name]
+        elif role is not None:
+            section(console, "roles")[name] = role
+        # an emptied mapping goes (its default is empty): ruamel would write the next
+        # section's heading comment between its key and a "{}", which does not parse
+        for key in ("roles", "admins"):
+            if key in console and not console[key]:
+                del console[key]
+        if not console:
+            del data["ledger"]["console"]
 
     return edit(path, keeping_heading(change, "ledger"))
 
@@ -100,8 +121,19 @@ def passwd(args: argparse.Namespace) -> int:
         if pw is None:
             return 1
         new = digest(pw)
+    return _set(args, new, args.role, "removed" if args.remove else "password set"
+                + (f", role {args.role}" if args.role else ""))
+
+
+def role(args: argparse.Namespace) -> int:
+    """``tokengate console role``."""
+    return _set(args, _KEEP, args.role, f"role {args.role}")
+
+
+def _set(args: argparse.Namespace, digest: str | None | object, new_role: str | None,
+         what: str) -> int:
     try:
-        cfg = set_admin(_path(args), args.name, new)
+        cfg = set_admin(_path(args), args.name, digest, new_role)
     except tg_config.ConfigError as e:
         for line in e.errors:
             print(line, file=sys.stderr)
@@ -113,16 +145,9 @@ def passwd(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"tokengate console: {e}", file=sys.stderr)
         return 2
-    what = "removed" if args.remove else "password set"
-    if args.remove:
-        where = "" if cfg.ledger.console.admins else \
-            "; no admin is left: the console stops at the ledger's next start"
-    else:
-        # the running ledger watches the file: it serves the console within a second,
-        # started then if it was off
-        where = (f"; a running tokengate-ledger serves the console on "
-                 f"http://{cfg.ledger.console.listen}/ within a second")
-    print(f"admin {args.name}: {what} ({cfg.path}){where}", file=sys.stderr)
+    left = "" if cfg.ledger.console.admins else " (no admin is left: no one can log in)"
+    print(f"admin {args.name}: {what} ({cfg.path}); the console (tokengate-console) "
+          f"serves http://{cfg.ledger.console.listen}/{left}", file=sys.stderr)
     return 0
 
 
@@ -158,7 +183,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pw.add_argument("--password-stdin", action="store_true",
                     help="read the password as one line from stdin (scripts)")
     pw.add_argument("--remove", action="store_true", help="remove the admin")
+    pw.add_argument("--role", choices=ROLES, default=None,
+                    help="the admin's role: admin (every change) or read-only (every page, "
+                         "no change); default: the admin's own, admin for a new one")
     pw.set_defaults(func=passwd)
+    ro = verbs.add_parser("role", help="set an admin's role (admin or read-only)")
+    ro.add_argument("name", help="the admin's name")
+    ro.add_argument("role", choices=ROLES, help="admin (every change) or read-only "
+                                                "(every page, no change)")
+    ro.add_argument("--config", type=Path, default=None,
+                    help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    ro.set_defaults(func=role)
     ap = verbs.add_parser("apply", help="make the key changes the console queued (root)")
     ap.add_argument("--config", type=Path, default=None,
                     help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")

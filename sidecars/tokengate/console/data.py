@@ -8,8 +8,10 @@
 - replicas: each edge's status server (``/tokengate/status``: health, KV cache usage,
   waiting requests, outstanding reserved tokens per replica, and the counts of requests
   refused before a key was known);
-- refusals: the usage events (status >= 400) at the end of the ledger's usage file;
 - audit: the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``), newest first.
+
+The usage files' requests (the request log, the Live page's refusals and charts) are
+``tokengate.console.requests``' and ``tokengate.console.traffic``'s.
 """
 
 from __future__ import annotations
@@ -17,13 +19,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import urllib.request
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
-from pathlib import Path
+from datetime import UTC, date, datetime
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -34,8 +33,6 @@ from tokengate.ledger import admin, report
 from tokengate.redis_client import SyncRedis
 
 WINDOW_MS = 60_000           # the global limits' window (tokengate.limits.window)
-TAIL_BYTES = 4 << 20         # the end of the usage file read for recent refusals
-REFUSALS_WINDOW = timedelta(hours=1)
 STATUS_TIMEOUT_S = 2.0
 
 
@@ -209,55 +206,6 @@ def status_addresses(cfg: tg_config.Config) -> list[str]:
     """The edges' status servers the live page reads (``ledger.console.edge_status``,
     else ``edge.status_listen``)."""
     return list(cfg.ledger.console.edge_status) or [cfg.edge.status_listen]
-
-
-@dataclass
-class Refusals:
-    """Requests refused (status >= 400) within ``window`` before ``now``, from the
-    usage events at the end of the usage file: by reason (the event's error code, else
-    its status) and the latest ones."""
-
-    by_reason: list[tuple[str, int, int]]       # (reason, status, count), most first
-    latest: list[dict[str, Any]]                # newest first
-    scanned: int                                # events read
-    error: str | None = None
-
-
-def recent_refusals(usage_file: Path, now: datetime, window: timedelta = REFUSALS_WINDOW,
-                    latest: int = 20) -> Refusals:
-    """The refusals of the last ``window`` in the last ``TAIL_BYTES`` of ``usage_file``
-    (a line cut by the start of the tail, and any line that is not an event, is
-    skipped)."""
-    try:
-        with open(usage_file, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL_BYTES))
-            data = f.read(TAIL_BYTES)
-    except OSError as e:
-        return Refusals([], [], 0, f"cannot read {usage_file}: {e.strerror or e}")
-    lines = data.split(b"\n")
-    if size > TAIL_BYTES:
-        lines = lines[1:]
-    since = (now - window).strftime("%Y-%m-%dT%H:%M:%S")
-    counts: Counter[tuple[str, int]] = Counter()
-    found: list[dict[str, Any]] = []
-    scanned = 0
-    for line in lines:
-        try:
-            ev = json.loads(line)
-            status, ts = int(ev["status"]), str(ev["ts"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        scanned += 1
-        if status < 400 or ts < since:
-            continue
-        reason = str(ev.get("error") or f"status_{status}")
-        counts[(reason, status)] += 1
-        found.append({"ts": ts, "key": ev.get("key_id"), "model": ev.get("model"),
-                      "endpoint": ev.get("endpoint"), "status": status, "reason": reason})
-    by_reason = [(r, s, n) for (r, s), n in
-                 sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-    return Refusals(by_reason, found[::-1][:latest], scanned)
 
 
 def today() -> date:

@@ -1,6 +1,6 @@
 """The console's HTTP listener: the standard library's WSGI server on
-``ledger.console.listen``, run from a daemon thread of the ledger process, with bounds
-so that slow or many clients cannot take the billing process's threads or memory:
+``ledger.console.listen`` (``tokengate-console``'s process), with bounds so that slow
+or many clients cannot take its threads or memory:
 
 - ``WORKERS`` threads serve connections; up to ``QUEUED`` more wait for one; beyond
   that a connection is answered 503 and closed at once (no thread);
@@ -14,22 +14,13 @@ so that slow or many clients cannot take the billing process's threads or memory
 from __future__ import annotations
 
 import io
-import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-from tokengate import config as tg_config
-from tokengate.console.app import Console
-from tokengate.redis_client import SyncRedis
-
-log = logging.getLogger("tokengate.console")
-
 
 WORKERS = 8              # threads serving connections
 QUEUED = 64              # connections waiting for a worker; more: 503 and closed
@@ -135,27 +126,3 @@ def listen(host: str, port: int, app: Callable[..., Any]) -> WSGIServer:
     call its ``serve_forever``). Raises ``OSError``."""
     return make_server(host, port, app, _Server6 if ":" in host else _Server,
                        handler_class=_Handler)
-
-
-def serve(cfg: tg_config.Config, client: SyncRedis, usage_file: Path) -> bool:
-    """Serve the console of ``cfg`` (its file is read again whenever it changes) from a
-    daemon thread, when ``ledger.console.admins`` names someone; returns whether it
-    serves. A port that cannot be bound is logged and the ledger goes on: the console
-    never stops billing."""
-    cc = cfg.ledger.console
-    if not cc.admins:
-        log.info("console off: no admin in ledger.console.admins (tokengate console "
-                 "passwd NAME)")
-        return False
-    host, _, port = cc.listen.rpartition(":")
-    host = host.strip("[]")
-    app = Console(cfg.path, client, usage_file)
-    try:
-        server = listen(host, int(port), app)
-    except OSError as e:
-        log.error("console not served on %s: %s", cc.listen, e)
-        return False
-    threading.Thread(target=server.serve_forever, name="console", daemon=True).start()
-    log.info("console on http://%s/ (%d admin%s)", cc.listen, len(cc.admins),
-             "" if len(cc.admins) == 1 else "s")
-    return True

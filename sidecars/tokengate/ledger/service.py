@@ -28,7 +28,6 @@ from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 if TYPE_CHECKING:
     from tokengate.ledger.tracing import SpanExport
-    from tokengate.redis_client import SyncRedis
 
 log = logging.getLogger("tokengate.ledger")
 
@@ -101,10 +100,8 @@ METRICS
 RELOAD
   SIGHUP (systemctl reload) reads the configuration again: events applied from then
   on are billed with its models' weights and billing options (and its
-  ledger.dedupe_days, ledger.audit_maxlen), and serves the operator console once
-  ledger.console.admins names someone (`tokengate console passwd` needs no restart).
-  The files and Redis it reads need a restart. A file that does not load is logged
-  and the old configuration kept.
+  ledger.dedupe_days, ledger.audit_maxlen). The files and Redis it reads need a
+  restart. A file that does not load is logged and the old configuration kept.
 
 TRACING
   With tracing.enabled, the spans the edge recorded in each event (tokengate.ledger.tracing)
@@ -249,18 +246,6 @@ def _file_id(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _serve_console(cfg: tg_config.Config, client: SyncRedis, usage_file: Path) -> bool:
-    """Serve the operator console (the ledger's admin side, ``tokengate.console``) when
-    ``ledger.console.admins`` names someone; whether it serves. Called at start and at
-    each reload until it does: the first ``tokengate console passwd`` turns it on
-    without a restart."""
-    if not cfg.ledger.console.admins:
-        return False
-    from tokengate import console
-
-    return console.serve(cfg, client, usage_file)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -363,7 +348,6 @@ def main(argv: list[str] | None = None) -> None:
     REGISTRY.register(LedgerCollector(ledger, spans))
     metrics.serve(args.metrics_listen or cfg.metrics.ledger_listen, "ledger",
                   admin=admin.view(cfg.path, client, status=snapshot))
-    console_on = _serve_console(cfg, client, usage_file)
     # The first status file says the ledger is up (what devstack and the units wait for):
     # written once its listeners are bound, so nothing that waited on it is refused.
     if args.status_file:
@@ -390,7 +374,6 @@ def main(argv: list[str] | None = None) -> None:
                 reloads += 1
                 log.info("ledger %s: configuration reloaded (%d keys)", ledger.ledger_id,
                          len(ledger.cfg.keys))
-                console_on = console_on or _serve_console(ledger.cfg, client, usage_file)
             except (tg_config.ConfigError, OSError) as e:
                 log.error("reload failed, billing with the previous configuration: %s", e)
         if args.status_file:

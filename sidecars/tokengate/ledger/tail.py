@@ -115,6 +115,28 @@ def fingerprint(fd: int) -> str | None:
     return hashlib.sha256(head).hexdigest()[:32]
 
 
+def listing(path: Path) -> dict[str, tuple[int, int]]:
+    """Names of the usage file ``path`` and its uncompressed rotated siblings (regular
+    files in its folder whose names start with its name: ``usage.jsonl.1``,
+    ``usage.jsonl-20261129``) -> (st_dev, st_ino); {} when the folder cannot be
+    listed."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return out
+    for e in entries:
+        if not e.name.startswith(path.name) or e.name.endswith(COMPRESSED):
+            continue
+        try:
+            st = os.stat(e.path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[e.name] = (st.st_dev, st.st_ino)
+    return out
+
+
 class UsageTail:
     """Line reader over the usage file and its rotations (see the module docstring).
 
@@ -135,22 +157,7 @@ class UsageTail:
     # -- positioning ---------------------------------------------------------------
 
     def _listing(self) -> dict[str, tuple[int, int]]:
-        """Names of the usage file and its uncompressed rotated siblings -> (dev, ino)."""
-        out: dict[str, tuple[int, int]] = {}
-        try:
-            entries = list(os.scandir(self.path.parent))
-        except OSError:
-            return out
-        for e in entries:
-            if not e.name.startswith(self.path.name) or e.name.endswith(COMPRESSED):
-                continue
-            try:
-                st = os.stat(e.path)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                out[e.name] = (st.st_dev, st.st_ino)
-        return out
+        return listing(self.path)
 
     def _siblings(self) -> list[_Open]:
         """The usage file and its rotated siblings, open; by mtime, the live file last.
