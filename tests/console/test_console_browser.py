@@ -10,7 +10,9 @@ Every page is saved as a screenshot under ``var/screenshots/console-<page>.png``
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,7 +74,8 @@ def stack(config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[Stack
             "edge_status": [f"127.0.0.1:{edge_port + 150}"]}}
 
     usage = EDGE_DIR / name / "usage.jsonl"
-    usage.unlink(missing_ok=True)
+    for f in usage.parent.glob("usage.jsonl*"):   # rotated ones of an earlier run too
+        f.unlink()
     path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml", edit, usage)
     raw = yaml.safe_load(path.read_text())
     try:
@@ -390,3 +393,208 @@ def test_a_stale_save_is_refused_409_with_what_changed_and_audited(
         (ADMIN, "key_changed", "demo", "ok"),
         (ADMIN, "key_changed", "demo", "refused: stale form: changed since tpm, budgets")]
     shot(browser, "audit")
+
+
+# --- the request log, Live's charts, the phone layout, read-only admins ------------------
+
+PHONE = 375    # px: an iPhone SE / mini's CSS width
+
+
+def width(driver: Any, px: int) -> None:
+    """Lay the page out ``px`` CSS pixels wide (a phone below 600 px), until
+    ``desktop``."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": px, "height": 800, "deviceScaleFactor": 1, "mobile": px < 600})
+
+
+def desktop(driver: Any) -> None:
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def overflow(driver: Any) -> dict[str, int]:
+    """What sticks out of the page's width: the document's scroll width against its
+    client width, and the rightmost edge of any element (a wide table or chart counts
+    only through the box it scrolls in)."""
+    return driver.execute_script("""
+        const d = document.documentElement;
+        let right = 0;
+        for (const e of document.querySelectorAll('body *')) {
+            if (e.parentElement.closest('.scroll, .charts figure')) continue;
+            right = Math.max(right, e.getBoundingClientRect().right);
+        }
+        return {scroll: d.scrollWidth, client: d.clientWidth, right: Math.ceil(right)};
+    """)
+
+
+def post_edge(stack: Stack, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{stack.edge.base_url}/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {DEMO_KEY}"})
+
+
+def rotate_usage(stack: Stack) -> Path:
+    """The usage file renamed to usage.jsonl.1 and nginx told to reopen (SIGUSR1), as
+    logrotate does it; returns the renamed file once a new line went to the new one."""
+    usage = stack.edge.usage_file
+    rotated = usage.with_name(usage.name + ".1")
+    usage.rename(rotated)
+    prefix = Path(stack.edge.service.argv[stack.edge.service.argv.index("-p") + 1])
+    os.kill(int((prefix / "nginx.pid").read_text()), signal.SIGUSR1)
+    hello = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    wait_until(lambda: usage.exists() and post_edge(stack, hello).headers["x-request-id"]
+               in usage.read_text(), 30, step_s=0.2, what="a line in the reopened file")
+    return rotated
+
+
+def test_the_request_log_lists_both_files_of_a_rotation_and_opens_a_request(
+        stack: Stack, browser: Any) -> None:
+    """A refusal written before a real rotation (rename, nginx reopen) and a request
+    after it: the log lists both, newest first, filters them, and opens one with its
+    fields; Live counts the rotated file's refusal (it once read only the live file)."""
+    from selenium.webdriver.common.by import By
+
+    refused = post_edge(stack, {"model": "gone-model", "messages": [
+        {"role": "user", "content": "x"}]})
+    assert refused.status_code == 404
+    refused_id = refused.headers["x-request-id"]
+    stack.edge.event(refused_id)
+    rotated = rotate_usage(stack)
+    assert refused_id in rotated.read_text()
+    ok = post_edge(stack, {"model": MODEL, "max_tokens": 3,
+                           "messages": [{"role": "user", "content": "Hello there"}]})
+    assert ok.status_code == 200
+    ok_event = stack.edge.event(ok.headers["x-request-id"])
+
+    browser.get(f"{stack.url}/requests")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr[data-request]")
+    shown = [r.get_attribute("data-request") for r in rows]
+    assert shown[0] == ok_event["request_id"] and refused_id in shown
+    cells = [c.text for c in rows[0].find_elements(By.TAG_NAME, "td")]
+    assert cells[2:8] == ["demo", MODEL, "chat", "200", str(ok_event["prompt_tokens"]),
+                          str(ok_event["completion_tokens"])]
+    shot(browser, "requests")
+    # the refusals only, with their reason; then one opened
+    by_id(browser, "status").send_keys("refused")
+    submit(browser, "filter")
+    assert browser.current_url == f"{stack.url}/requests?key=&model=&status=refused"
+    refusals = browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr[data-request]")
+    assert all(int(r.get_attribute("data-status")) >= 400 for r in refusals)
+    row = next(r for r in refusals if r.get_attribute("data-request") == refused_id)
+    assert row.find_elements(By.TAG_NAME, "td")[-1].text == "model_not_found"
+    old = browser.find_element(By.TAG_NAME, "html")
+    row.find_element(By.CSS_SELECTOR, "a").click()
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 60).until(expected_conditions.staleness_of(old))
+    fields = {r.get_attribute("data-field"): r.find_element(By.TAG_NAME, "td").text
+              for r in browser.find_elements(By.CSS_SELECTOR, "#event tr[data-field]")}
+    # a model that is not served is not recorded (null, as JSON)
+    assert (fields["request_id"], fields["status"], fields["error"], fields["model"]) == \
+        (refused_id, "404", "model_not_found", "null")
+    shot(browser, "request")
+    shot(browser, "request-375", width=PHONE)
+    browser.get(f"{stack.url}/live")
+    reasons = {r.get_attribute("data-reason") for r in
+               browser.find_elements(By.CSS_SELECTOR, "#refusals tr[data-reason]")}
+    assert "model_not_found" in reasons
+
+
+def test_live_draws_the_last_hours_per_minute_and_reloads_itself(
+        stack: Stack, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    hello = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    stack.edge.event(post_edge(stack, hello).headers["x-request-id"])
+    browser.get(f"{stack.url}/live?range=1h&refresh=2")
+    images = browser.find_elements(By.CSS_SELECTOR, ".charts img")
+    assert [i.get_attribute("alt").split(" per ")[0] for i in images] == \
+        ["Requests", "Tokens", "Latency"]
+    assert all(browser.execute_script("return arguments[0].naturalWidth", i) > 100
+               for i in images)   # the SVG charts render under the page's CSP
+    assert int(by_id(browser, "total-requests").text.replace(",", "")) >= 1
+    # the page reloads itself (a meta refresh: no script runs)
+    old = browser.find_element(By.TAG_NAME, "html")
+    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(old))
+    assert browser.current_url == f"{stack.url}/live?range=1h&refresh=2"
+    browser.get(f"{stack.url}/live?range=24h&refresh=off")
+    assert by_id(browser, "range-24h").get_attribute("aria-current") == "page"
+    assert browser.find_elements(By.CSS_SELECTOR, 'meta[http-equiv="refresh"]') == []
+    shot(browser, "live")
+    shot(browser, "live-375", width=PHONE)
+
+
+def test_every_page_fits_a_phone_and_a_desktop_without_scrolling_sideways(
+        stack: Stack, browser: Any) -> None:
+    """At 375 px no page is wider than the screen (a wide table scrolls inside its own
+    box), and the keys' budgets column keeps its content's width (it was 86 px)."""
+    from selenium.webdriver.common.by import By
+
+    subprocess.run([sys.executable, "-m", "tokengate.cli", "keys", "create", "phone-team",
+                    "--rpm", "60", "--tpm", "100000", "--budget", "day=5",
+                    "--budget", "month=120000t", "--config", str(stack.config),
+                    "--no-apply"], capture_output=True, check=True, timeout=60)
+    hello = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    rid = post_edge(stack, hello).headers["x-request-id"]
+    stack.edge.event(rid)
+    pages = ["/keys", "/keys/phone-team", "/keys/new", "/usage", "/live?refresh=off",
+             "/requests", f"/requests/{rid}", "/audit"]
+    try:
+        for px in (PHONE, 1280):
+            width(browser, px)
+            for page in pages:
+                browser.get(f"{stack.url}{page}")
+                got = overflow(browser)
+                # the client width is the screen's, less a desktop's scroll bar
+                assert px - 20 <= got["client"] <= px, (px, page, got)
+                assert got["scroll"] <= got["client"] and got["right"] <= got["client"], \
+                    (px, page, got)
+            width(browser, PHONE)
+            browser.get(f"{stack.url}/keys")
+            cell = browser.find_element(By.CSS_SELECTOR,
+                                        'tr[data-key="phone-team"] td:last-child')
+            sizes = browser.execute_script("""
+                const td = arguments[0], box = td.closest('.scroll');
+                const spans = [...td.querySelectorAll('.budget')];
+                return {cell: td.getBoundingClientRect().width,
+                        budget: Math.max(...spans.map(s => s.scrollWidth)),
+                        lines: Math.max(...spans.map(s => s.getClientRects().length)),
+                        box: box.clientWidth, inside: box.scrollWidth};""", cell)
+            # one line per budget, the column as wide as it, the table scrolling inside
+            assert sizes["lines"] == 1 and sizes["cell"] >= sizes["budget"] > 150, sizes
+            assert sizes["inside"] > sizes["box"], sizes
+    finally:
+        desktop(browser)
+    shot(browser, "keys-375", width=PHONE)
+
+
+def test_a_read_only_admin_sees_the_pages_without_forms_and_changes_nothing(
+        stack: Stack, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    r = subprocess.run([sys.executable, "-m", "tokengate.cli", "console", "passwd",
+                        "viewer", "--role", "read-only", "--password-stdin", "--config",
+                        str(stack.config)], input=PASSWORD + "\n", capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    browser.delete_all_cookies()
+    browser.get(f"{stack.url}/login?next=%2Fkeys%2Fdemo")
+    by_id(browser, "name").send_keys("viewer")
+    by_id(browser, "password").send_keys(PASSWORD)
+    submit(browser, "login")
+    assert browser.current_url == f"{stack.url}/keys/demo"
+    assert by_id(browser, "who").text == "viewer (read-only)"
+    assert by_id(browser, "read-only").text.startswith("You are a read-only admin")
+    forms = [f.get_attribute("action") for f in
+             browser.find_elements(By.CSS_SELECTOR, 'form[method="post"]')]
+    assert forms == [f"{stack.url}/logout"]
+    shot(browser, "key-read-only")
+    csrf = browser.find_element(By.NAME, "csrf").get_attribute("value")
+    cookie = {"Cookie": f"tg_console={browser.get_cookie('tg_console')['value']}",
+              "Origin": stack.url}
+    before = stack.config.read_text()
+    r = httpx.post(f"{stack.url}/keys/demo/disable", data={"csrf": csrf}, headers=cookie)
+    assert r.status_code == 403 and "viewer is a read-only admin" in r.text
+    assert stack.config.read_text() == before
+    browser.delete_all_cookies()   # the module's browser logs in again as the admin

@@ -129,6 +129,29 @@ def test_a_page_that_reads_its_limit_ends_there_and_the_next_goes_on(tmp_path: P
     assert ids(page) == [rid(3)] and page.older is None
 
 
+def test_the_quick_look_before_parsing_never_drops_a_matching_line(tmp_path: Path) -> None:
+    """Another encoder's spacing and escapes (cjson writes "/" as "\\/") still match."""
+    usage = tmp_path / "usage.jsonl"
+    first = ('{"request_id": "RID", "ts": "TS", "key_id": "a", "model": "Qwen\\/Qwen3-8B", '
+             '"status": 429}')
+    compact = '{"request_id":"RID","ts":"TS","key_id":"KEY","model":"m","status":STATUS}'
+    lines = [first.replace("RID", rid(1)).replace("TS", at(3)),
+             compact.replace("RID", rid(2)).replace("TS", at(2)).replace("KEY", "a")
+             .replace("STATUS", "503"),
+             compact.replace("RID", rid(3)).replace("TS", at(1)).replace("KEY", "b")
+             .replace("STATUS", "200")]
+    usage.write_text("\n".join(lines) + "\n")
+
+    def shown(**f: str) -> list[int]:
+        return [int(x, 16) for x in ids(requests.request_log(usage, requests.Filters(**f)))]
+
+    assert shown(model="Qwen/Qwen3-8B") == [1]
+    assert shown(status="refused") == [2, 1]
+    assert shown(status="4xx") == [1] and shown(status="5xx") == [2]
+    assert shown(status="answered", key="b") == [3]
+    assert shown(key="a", status="429") == [1]
+
+
 def test_a_request_is_found_by_its_place_or_by_a_search(tmp_path: Path) -> None:
     w = UsageWriter(tmp_path / "usage.jsonl")
     for i in range(5):

@@ -563,6 +563,7 @@ READERS = [
     (["tokengate-counter", "--config", "{}"], 1, "tokengate-counter: "),
     (["tokengate-ledger", "--config", "{}"], 2, "tokengate-ledger: "),
     (["tokengate-limits", "--config", "{}"], 2, "tokengate-limits: "),
+    (["tokengate-console", "--config", "{}"], 2, "tokengate-console: "),
 ]
 
 
@@ -744,7 +745,7 @@ def test_the_cli_called_in_process_leaves_sigpipe_to_python(tmp_path: Path) -> N
 @pytest.mark.parametrize("argv", [
     ["tokengate", "doctor"], ["tokengate", "usage"], ["tokengate", "keys", "create"],
     ["tokengate", "config", "check"], ["tokengate-counter"], ["tokengate-ledger"],
-    ["tokengate-limits"]], ids=" ".join)
+    ["tokengate-limits"], ["tokengate-console"]], ids=" ".join)
 def test_every_commands_help_names_the_lookup_it_makes(argv: list[str]) -> None:
     # one text (config.LOOKUP_HELP), in discover()'s order: an installed file comes
     # before a checkout's ./tokengate.yaml

@@ -53,23 +53,36 @@ def _stacked(title: str, labels: Sequence[str], series: Sequence[tuple[str, str,
                                                                       Sequence[float]]],
              ylabel: str) -> str:
     """Stacked bars, one per label: ``series`` (legend, color, a value per label) from
-    the bottom up."""
+    the bottom up. Each series is one collection of rectangles: a third of the time of
+    matplotlib's ``bar`` (one artist per bar), which Live redraws at every refresh."""
     with _drawing:
         plt = _plt()
+        from matplotlib.collections import PolyCollection
+        from matplotlib.patches import Patch
+
         fig, ax = plt.subplots(figsize=(10, 2.4))
         try:
             x = range(len(labels))
             bottom = [0.0] * len(labels)
+            handles = []
             for legend, color, values in series:
-                ax.bar(x, values, bottom=bottom, color=color, label=legend)
+                ax.add_collection(PolyCollection(
+                    [[(i - 0.4, b), (i - 0.4, b + v), (i + 0.4, b + v), (i + 0.4, b)]
+                     for i, (b, v) in enumerate(zip(bottom, values, strict=True))],
+                    facecolors=color, linewidths=0))
+                handles.append(Patch(color=color, label=legend))
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            ax.set_xlim(-0.6, len(labels) - 0.4)
+            ax.set_ylim(0, max(bottom, default=0) * 1.05 or 1)
             step = max(1, len(labels) // 12)
             ax.set_xticks(list(x)[::step], list(labels)[::step])
             ax.set_ylabel(ylabel)
             ax.set_title(title, loc="left")
+            # counts: whole ticks only (a few requests gave 0, 0, 1, 1 at 0.2 steps)
+            ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
             ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-            ax.legend(frameon=False, fontsize=8, ncols=len(series), loc="upper left",
-                      bbox_to_anchor=(0, -0.12))
+            ax.legend(handles=handles, frameon=False, fontsize=8, ncols=len(series),
+                      loc="upper left", bbox_to_anchor=(0, -0.12))
             return _data_url(fig)
         finally:
             plt.close(fig)

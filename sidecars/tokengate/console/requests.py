@@ -31,6 +31,8 @@ FIND_BYTES = 256 << 20      # bytes searched for one request id without a positi
 PAGE_SIZE = 50              # rows of a page
 MAX_LINE = 1 << 20          # a line longer than this is not an event (not parsed)
 STATUS_FILTER = re.compile(r"answered|refused|[1-5]xx|[1-5][0-9][0-9]")
+_PLAIN = re.compile(r"[A-Za-z0-9._:@-]+")     # what JSON writes as it is, in any encoder
+_STATUS = re.compile(rb'"status":\s*([1-5])[0-9][0-9][,}\s]')
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,23 @@ class Filters:
     model: str | None = None
     status: str | None = None
 
+    def might_match(self, line: bytes) -> bool:
+        """False only for a line whose event cannot pass (no false negatives): a cheap
+        look at the bytes before the line is parsed. A key or model is looked for as
+        written when it has no character JSON may escape; a status by its first digit."""
+        for value in (self.key, self.model):
+            if value is not None and _PLAIN.fullmatch(value) \
+                    and value.encode() not in line:
+                return False
+        want = self.status or ""
+        m = _STATUS.search(line) if want in ("refused", "answered") or want.endswith("xx") \
+            else None
+        if m is None:
+            return True
+        first = m.group(1)
+        return first in (b"4", b"5") if want == "refused" else \
+            first in (b"1", b"2", b"3") if want == "answered" else first == want[0].encode()
+
     def match(self, ev: dict[str, Any]) -> bool:
         """Whether the event ``ev`` passes every filter."""
         if self.key is not None and ev.get("key_id") != self.key:
@@ -204,10 +223,10 @@ class Page:
     problem: str | None = None
 
 
-def _events(files: list[UsageFile], before: tail.Position | None
-            ) -> Iterator[tuple[tail.Position, dict[str, Any] | None, int]]:
-    """(place, event or None for a line that is not one, bytes) of every line of
-    ``files``, newest first, from ``before`` (exclusive) on."""
+def _lines(files: list[UsageFile], before: tail.Position | None
+           ) -> Iterator[tuple[tail.Position, bytes]]:
+    """(place, line) of every line of ``files``, newest first, from ``before``
+    (exclusive) on."""
     start = 0
     if before is not None:
         start = next((i for i, f in enumerate(files) if f.file_id == before.file_id), 0)
@@ -215,7 +234,7 @@ def _events(files: list[UsageFile], before: tail.Position | None
         end = min(before.offset, f.size) if before is not None and i == start \
             and f.file_id == before.file_id else f.size
         for offset, line in lines_before(f.fd, end):
-            yield tail.Position(f.file_id, offset), event(line), len(line) + 1
+            yield tail.Position(f.file_id, offset), line
 
 
 def request_log(usage_file: Path, filters: Filters, before: tail.Position | None = None,
@@ -233,9 +252,10 @@ def request_log(usage_file: Path, filters: Filters, before: tail.Position | None
                             "or compressed): the newest requests instead")
             before = None
         last: tail.Position | None = None
-        for at, ev, n in _events(files, before):
-            page.scanned += n
+        for at, line in _lines(files, before):
+            page.scanned += len(line) + 1
             last = at
+            ev = event(line) if filters.might_match(line) else None
             if ev is not None and filters.match(ev):
                 page.rows.append(Row.of(ev, at))
                 if len(page.rows) >= size:
@@ -243,7 +263,8 @@ def request_log(usage_file: Path, filters: Filters, before: tail.Position | None
                     break
             if page.scanned >= scan_bytes:
                 page.older = at.encode()
-                page.stopped_at = ev["ts"] if ev is not None else None
+                read = ev or event(line)
+                page.stopped_at = read["ts"] if read is not None else None
                 break
         if last is not None and page.older is not None and _is_oldest(files, last):
             page.older = None

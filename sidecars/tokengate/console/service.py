@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGHUP, lambda *_: log.info(
         "SIGHUP: nothing to reload (the configuration is read whenever it changes)"))
     threading.Thread(target=server.serve_forever, name="http-accept", daemon=True).start()
+    # the Live page's first read of the usage files (seconds for a day of busy traffic)
+    # happens now, not on an operator's first page
+    threading.Thread(target=app.traffic.update, name="traffic-first-read",
+                     daemon=True).start()
     admins = len(cfg.ledger.console.admins)
     log.info("console on http://%s/ (%s), usage files %s*", listen_at,
              f"{admins} admin{'' if admins == 1 else 's'}" if admins else

@@ -81,22 +81,30 @@ class Minute:
 
     def add(self, ev: dict[str, Any]) -> None:
         """Count one usage event."""
+        # `type(v) is int`, not isinstance: a bool is no count (and it runs per event)
         status = ev["status"]
         self.requests += 1
-        for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
-            v = ev.get(name)
-            if isinstance(v, int) and not isinstance(v, bool):
-                setattr(self, name, getattr(self, name) + v)
+        v: Any = ev.get("prompt_tokens")
+        if type(v) is int:
+            self.prompt_tokens += v
+        v = ev.get("cached_tokens")
+        if type(v) is int:
+            self.cached_tokens += v
+        v = ev.get("completion_tokens")
+        if type(v) is int:
+            self.completion_tokens += v
         if status >= 400:
             self.refused += 1
             reason = ev.get("error")
-            self.reasons[(reason if isinstance(reason, str) and reason
+            self.reasons[(reason if type(reason) is str and reason
                           else f"status_{status}", status)] += 1
             return
-        for name, hist in (("total_ms", self.total_ms), ("ttft_ms", self.ttft_ms)):
-            v = ev.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-                hist[latency_bin(v)] += 1
+        ms: Any = ev.get("total_ms")
+        if type(ms) in (int, float) and ms >= 0:
+            self.total_ms[latency_bin(ms)] += 1
+        ms = ev.get("ttft_ms")
+        if type(ms) in (int, float) and ms >= 0:
+            self.ttft_ms[latency_bin(ms)] += 1
 
     def merge(self, other: Minute) -> None:
         self.requests += other.requests
@@ -152,7 +160,10 @@ class Traffic:
             return None
         at = _epoch(ev["ts"])
         if at is not None and at >= horizon:
-            self._minutes.setdefault(int(at // 60), Minute()).add(ev)
+            minute = self._minutes.get(int(at // 60))
+            if minute is None:
+                minute = self._minutes[int(at // 60)] = Minute()
+            minute.add(ev)
         return at
 
     def _first_read(self, fd: int, size: int, horizon: float) -> int:
