@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sidecars" / "tokengate"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("redis_keys", "redis_scripts", "redis_client", "budget_store", "grpc_server",
-             "process", "metrics", "v1", "config", "prefix_hash", "version"),
+             "process", "metrics", "v1", "config", "prefix_hash", "version", "entry"),
     "services": ("counter", "ledger", "limits"),
     "operator": ("keys", "install", "doctor", "tools", "cli", "console"),
 }

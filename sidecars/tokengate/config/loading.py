@@ -6,6 +6,7 @@ reads them)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
@@ -225,6 +226,16 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """
     p = Path(path if path is not None else default_path()).resolve()
     return loads(read_text(p), p)
+
+
+def load_or_exit(parser: argparse.ArgumentParser,
+                 path: str | os.PathLike[str] | None = None) -> Config:
+    """``load(path)`` for a service's entry point: a configuration that does not load
+    ends the process with exit status 2 and one line, ``<prog>: <why>``, on stderr."""
+    try:
+        return load(path)
+    except (ConfigError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: {e}\n")
 
 
 # config.json keys that bound a model's context, as vLLM 0.32 reads them

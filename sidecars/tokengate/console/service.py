@@ -11,8 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from tokengate import config as tg_config
-from tokengate import redis_client
-from tokengate import version as tg_version
+from tokengate import entry, redis_client
 
 log = logging.getLogger("tokengate.console")
 
@@ -70,15 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(default: ledger.usage_file)")
     parser.add_argument("--redis-url", default=None,
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = tg_config.load(args.config)
-    except (tg_config.ConfigError, OSError) as e:
-        parser.exit(2, f"tokengate-console: {e}\n")
-    print(f"tokengate-console {tg_version.describe()}: starting", file=sys.stderr, flush=True)
+    args, cfg = entry.start(parser, argv)
     from tokengate.console.app import Console
     from tokengate.console.server import listen
 

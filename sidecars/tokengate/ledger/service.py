@@ -21,8 +21,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tokengate import config as tg_config
-from tokengate import metrics, redis_client
-from tokengate import version as tg_version
+from tokengate import entry, metrics, redis_client
 from tokengate.ledger import admin
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
@@ -275,16 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics there (default: "
                              "metrics.ledger_listen; 'none': off)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = tg_config.load(args.config)
-    except (tg_config.ConfigError, OSError) as e:
-        parser.exit(2, f"tokengate-ledger: {e}\n")
-    # the first line of its log; stderr, where its log goes (--once prints totals on stdout)
-    print(f"tokengate-ledger {tg_version.describe()}: starting", file=sys.stderr, flush=True)
+    # --once prints its totals on stdout
+    args, cfg = entry.start(parser, argv)
     usage_file = (args.usage_file or cfg.ledger.usage_file).resolve()
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     ledger_id = args.ledger_id or default_ledger_id(usage_file)

@@ -352,10 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve Prometheus /metrics there, all workers summed "
                              "(default: metrics.limits_listen; 'none': off)")
     args = parser.parse_args(argv)
-    try:
-        cfg = tg_config.load(args.config)
-    except (tg_config.ConfigError, OSError) as e:
-        parser.exit(2, f"tokengate-limits: {e}\n")
+    cfg = tg_config.load_or_exit(parser, args.config)
     if args.unix_socket is None and cfg.global_limits.unix_socket is not None:
         args.unix_socket = str(cfg.global_limits.unix_socket)
     elif args.unix_socket == "none":
