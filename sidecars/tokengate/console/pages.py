@@ -31,6 +31,7 @@ RANGES = {"1h": (3600, 60, "minute"), "6h": (6 * 3600, 300, "5 minutes"),
 REFRESH_S = 15              # Live reloads itself this often by default (meta refresh)
 MAX_REFRESH_S = 3600
 LATEST_REFUSALS = 10        # the newest refusals Live lists
+LATEST_SCAN_BYTES = 4 << 20  # ... found among this much of the newest events
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -134,7 +135,7 @@ class ReportPages:
         self.traffic.update()
         buckets = self.traffic.buckets(span_s, step_s)
         latest = requests.request_log(self.usage_file, requests.Filters(status="refused"),
-                                      size=LATEST_REFUSALS)
+                                      size=LATEST_REFUSALS, scan_bytes=LATEST_SCAN_BYTES)
         edges = [data.edge_live(a) for a in data.status_addresses(cfg)]
         # what the range links keep of the refresh asked for
         refresh_q = "" if not given else f"&refresh={'off' if refresh is None else refresh}"
