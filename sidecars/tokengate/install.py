@@ -365,7 +365,7 @@ class Needed:
 
 NEEDED = (
     Needed("0.1.0", ("ledger", "console", "changes_dir"), "/var/lib/tokengate/console",
-           "the console runs in tokengate-ledger as the tokengate user, which can neither "
+           "the console (tokengate-console) runs as the tokengate user, which can neither "
            "write /etc/tokengate nor signal nginx: it queues each key change there for "
            "root's tokengate-console-apply.path, and without it every change made in the "
            "console fails with Permission denied",

@@ -50,7 +50,7 @@ from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests import units
 from tests.conftest import MODEL, PORT_OFFSET
-from tests.console.test_console_passwd import console_answers
+from tests.console.test_console_passwd import console_answers, log_in
 from tests.deploy.test_debian_dropin import debian_layout
 from tests.doc_pages import code_block
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, wait_until
@@ -65,6 +65,7 @@ PREVIOUS = "v0.1.0"
 PAGE = "operators/upgrading.md"   # under docs/
 SIDECARS = ("tokengate-counter.service", "tokengate-limits.service",
             "tokengate-ledger.service")
+CONSOLE = "tokengate-console.service"   # a service of its own since this release
 # the unix sockets of a sidecar's two workers, in /run/tokengate
 SOCKETS = {"tokengate-counter.service": "counter.sock", "tokengate-limits.service": "limits.sock"}
 # the keys 0.1.0 makes: traffic before the upgrade only; before, during and after it;
@@ -203,6 +204,9 @@ class Host:
         if unit in SOCKETS:
             paths = [self.root / "run/tokengate" / f"{SOCKETS[unit]}.{i}" for i in range(2)]
             run.wait_for(lambda: all(p.exists() for p in paths), 90, "socket of each worker")
+        elif unit == CONSOLE:
+            url = f"http://{self.cfg()['ledger']['console']['listen']}"
+            run.wait_for(lambda: console_answers(url), 60, "the console's login page")
         else:
             run.wait_for(lambda: self.ledger_status().get("lag_bytes") is not None, 60,
                          "the status file, its checkpoint read")
@@ -214,7 +218,7 @@ class Host:
         if unit in SOCKETS:
             for i in range(2):
                 (self.root / "run/tokengate" / f"{SOCKETS[unit]}.{i}").unlink(missing_ok=True)
-        else:
+        elif unit != CONSOLE:
             self.status.unlink(missing_ok=True)
 
     def restart(self, unit: str) -> None:
@@ -350,9 +354,16 @@ def run_step(host: Host, line: str, new_release: Path) -> subprocess.CompletedPr
     if words[:2] == ["systemctl", "try-restart"]:
         for unit in words[2:]:
             name = f"{unit}.service"
-            assert name in SIDECARS, line
+            assert name in (*SIDECARS, CONSOLE), line
             if name in host.running:
                 host.restart(name)
+        return None
+    if words[:3] == ["systemctl", "enable", "--now"]:
+        for unit in words[3:]:
+            name = f"{unit}.service"
+            assert name == CONSOLE, line
+            if name not in host.running:
+                host.start(name)
         return None
     if words == ["nginx", "-t"]:
         t = host.nginx_run("-t")
@@ -515,7 +526,7 @@ def test_the_upgrade_keeps_keys_bill_spend_and_usage_file_to_the_token(
     assert (again.status_code, again.json()["error"]["code"]) == (429, "insufficient_quota")
 
 
-def test_the_upgrade_adds_the_console_queue_and_passwd_starts_the_console(
+def test_the_upgrade_adds_the_console_queue_and_an_admin_set_then_logs_in_at_once(
         host: Host, upgraded: Upgrade) -> None:
     [install] = [out for line, out in upgraded.printed.items()
                  if line.endswith("install")]
@@ -524,14 +535,15 @@ def test_the_upgrade_adds_the_console_queue_and_passwd_starts_the_console(
     queue = host.root / "var/lib/tokengate/console"
     assert host.cfg()["ledger"]["console"]["changes_dir"] == str(queue)
     assert queue.is_dir()
-    listen = host.cfg()["ledger"]["console"]["listen"]
+    # the console runs as its own unit (the steps enabled it), with no admin yet
+    url = f"http://{host.cfg()['ledger']['console']['listen']}"
+    assert CONSOLE in host.running and "No admin yet" in httpx.get(f"{url}/login").text
     r = subprocess.run([str(host.venv.bin / "tokengate"), "console", "passwd", "ops",
                         "--password-stdin", "--config", str(host.config)],
                        input="an upgrade test password\n", capture_output=True, text=True,
                        timeout=60, check=False)
     assert r.returncode == 0, r.stderr
-    wait_until(lambda: console_answers(f"http://{listen}"), 20,
-               what="the console of the running ledger")
+    assert log_in(url, "ops", "an upgrade test password").status_code == 303
 
 
 HOST_CHECKS = ("unit", "counter", "ledger", "redis")  # the doctor's lines of the host
@@ -585,7 +597,7 @@ def test_after_the_upgrade_the_doctor_finds_the_running_services_healthy(
     assert lines[("redis_persistence", f"127.0.0.1:{host.redis.port}")].startswith("OK ")
     # the units' user (tokengate) is not on this machine: readable is not checked here
     assert {k: v.split(" ", 1)[0] for k, v in lines.items()} == {
-        **{("readable", u): "SKIP" for u in SIDECARS},
+        **{("readable", u): "SKIP" for u in (*SIDECARS, CONSOLE)},
         ("kv_events_connected", replica): "OK",
         ("redis_persistence", f"127.0.0.1:{host.redis.port}"): "OK"}
 
