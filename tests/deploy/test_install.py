@@ -527,7 +527,8 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert steps[-3].startswith("  tokengate doctor ")
     assert steps[-2] == "  nginx -t && systemctl reload nginx"
     assert steps[-1].startswith("  operator console (optional): systemctl enable --now "
-                                "tokengate-console-apply.path, then tokengate console passwd ")
+                                "tokengate-console tokengate-console-apply.path, then "
+                                "tokengate console passwd ")
 
 
 def test_a_run_again_keeps_the_first_runs_vllm_unit_choice(tmp_path: Path) -> None:
