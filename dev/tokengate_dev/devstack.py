@@ -8,8 +8,8 @@ Ports of ``make run`` (all loopback): vLLM 8000, counter gRPC 50051 (and, for th
 its workers' counter-frame sockets under var/run), Redis 6380, nginx 8080; with ``global_limits.enabled`` also the
 global-limit sidecar on ``global_limits.listen`` (50061) and its unix socket; with an
 admin in ``ledger.console.admins`` the operator console on ``ledger.console.listen``
-(8085). All but
-the counter's come from the configuration (``--counter-port`` sets that one), and
+(8085). All but the counter's come from the configuration (``--counter-port`` sets that
+one), and
 ``--var DIR`` moves logs, sockets and rendered configurations out of the checkout's
 ``var/``: a second stack (a test of ``make run`` itself) runs beside the first.
 
