@@ -9,9 +9,8 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local cjson = require "cjson.safe"
+local reply = require "tokengate.reply"
 
-local ngx_print = ngx.print
-local pairs = pairs
 local ngx_exit = ngx.exit
 local HTTP_OK = ngx.HTTP_OK
 local null = json.null
@@ -112,18 +111,7 @@ end
 -- by the header filter from ctx.
 function _M.send(ctx, err)
     ctx.error = err.code or err.type
-    local body = _M.render(ctx, err)
-    ngx.status = err.status
-    local h = ngx.header
-    h["Content-Type"] = "application/json"
-    h["Content-Length"] = #body
-    local extra = err.headers
-    if extra then
-        for k, v in pairs(extra) do
-            h[k] = v
-        end
-    end
-    ngx_print(body)
+    reply.write(err.status, _M.render(ctx, err), err.headers)
     -- nginx terminates a request finalized with 408 without sending what was printed
     -- (it takes 408 for its own client_body_timeout): end it as answered instead, the
     -- status stays 408

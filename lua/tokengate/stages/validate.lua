@@ -1,0 +1,82 @@
+-- Access stage "validate": what the request asks for and whose it is. The body is read
+-- and parsed strictly, names a model the key may use and that the route's kind of vLLM
+-- runner serves, is sanitized and adjusted (tokengate.request.adjust), its completion
+-- limit checked against the context; the agent session comes from its headers, then
+-- the body. A route of an API module (ctx.api) is validated and sanitized by the module.
+-- Every function returns a value | nil, err (tokengate.errors).
+
+local body_mod = require "tokengate.body"
+local sanitize = require "tokengate.sanitize"
+local limits = require "tokengate.limits"
+local models = require "tokengate.models"
+local request = require "tokengate.request"
+local session = require "tokengate.session"
+
+local _M = {}
+
+-- body(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
+-- limits then apply; served by the route's kind of vLLM runner, else 400
+-- model_not_supported: an embedding model takes only embeddings), sanitized, with the
+-- edge's adjustments (cap, stream options); a route of an API module (ctx.api) is
+-- validated and sanitized by the module.
+function _M.body(ctx, doc)
+    if ctx.stored then
+        return true
+    end
+    local route, edge, api = ctx.route, doc.edge, ctx.api
+    local body, err = body_mod.parse(route, doc.models, edge, api)
+    if not body then
+        ctx.model, ctx.stream = err.model, err.stream
+        return nil, err
+    end
+    -- what the client asked for, also in the event of a request refused before
+    -- request.adjust (which sets it again with the stream options)
+    ctx.stream = body.stream == true
+    if not models.allowed(ctx.key, body.model) then
+        return models.not_found(body.model)
+    end
+    local model = doc.models[body.model]
+    ctx.model, ctx.model_entry = model.name, model
+    ctx.limit_req = limits.request(ctx.key, model.name, request.id(ctx))
+    ctx.rate = limits.peek(ctx.limit_req)
+    local served
+    served, err = models.serves(model, request.runner(route), ctx.uri)
+    if not served then
+        return nil, err
+    end
+    local counts
+    if api then
+        counts, err = api.sanitize(body, model, edge)
+    else
+        counts, err = sanitize.request(route, body, model, edge)
+    end
+    if not counts then
+        return nil, err
+    end
+    ctx.sanitized = counts
+    request.adjust(ctx, route, body, model)
+    local fits
+    fits, err = request.check_output(route, body, model)
+    if not fits then
+        return nil, err
+    end
+    if api and api.check then
+        local ok
+        ok, err = api.check(ctx, doc, body)
+        if not ok then
+            return nil, err
+        end
+    end
+    ctx.body = body
+    return body
+end
+
+-- session(ctx, doc) -> true | nil, err (403 session_budget_exceeded): the agent session
+-- the request belongs to (tokengate.session: its headers, read when access began, then
+-- the body's fields), refused once the key's session_budget is spent.
+function _M.session(ctx, doc)
+    session.read(ctx, ctx.body)
+    return session.check(ctx, doc)
+end
+
+return _M
