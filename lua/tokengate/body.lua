@@ -35,10 +35,36 @@ local json_set = json.set
 local clip = errors.clip
 local fail = errors.refuse
 
+-- Private keys of a parsed body object (tables: never a client's key, never encoded):
+-- its JSON text, and whether it was changed since that text was made.
+local TEXT, CHANGED, ENCODED = {}, {}, {}
+
 local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
 local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
 
 local _M = {}
+
+-- The body's text. The edge forwards (and counts) the body it parsed and checked. Until
+-- the edge changes it, that body's text is the client's own bytes: the strict decoder
+-- (tokengate.json) refused everything two JSON readers could read differently, so the
+-- bytes and any encoding of the parsed body read the same; once changed, its encoding,
+-- made once, when the text is next needed (the count, the forward). Whatever changes a
+-- parsed body (a validation that rewrites a number, the sanitizer, an API module's
+-- adjust or placed, the completion budget) marks it with changed().
+
+-- changed(body): body (a parsed request body) was changed: text() encodes it again.
+function _M.changed(body)
+    body[CHANGED] = true
+end
+
+-- text(body) -> JSON text of body, encoded: the client's bytes (encoded false) until
+-- body was changed, then its encoding (encoded true), made once per change.
+function _M.text(body)
+    if body[CHANGED] then
+        body[TEXT], body[CHANGED], body[ENCODED] = json.encode(body), nil, true
+    end
+    return body[TEXT], body[ENCODED] == true
+end
 
 -- check_headers(max_bytes) -> true | nil, err (415 or 413), from the request's headers.
 -- Only application/json is accepted; a charset parameter, when present, must be utf-8
@@ -211,6 +237,7 @@ local function opt_posint(body, name)
     end
     if type(v) ~= "number" then
         json_set(body, name, n)
+        _M.changed(body)
     end
     return true
 end
@@ -456,6 +483,7 @@ function _M.parse(route, models, edge, api)
         err.stream = body.stream == true
         return nil, err
     end
+    body[TEXT] = raw
     return body
 end
 

@@ -84,11 +84,11 @@ function _M.key()
     return nil
 end
 
--- token_ids(list, param) -> true | nil, err (400): a non-empty array of integers >= 0
--- (the counter checks them against the vocabulary). An integral JSON float (7.0, 1e1)
--- is the integer, as vLLM's lax int parsing reads it, and is rewritten as the plain
+-- token_ids(body, list, param) -> true | nil, err (400): a non-empty array of integers
+-- >= 0 (the counter checks them against the vocabulary). An integral JSON float (7.0,
+-- 1e1) is the integer, as vLLM's lax int parsing reads it, and is rewritten as the plain
 -- integer: what is counted and forwarded is one integer (tokengate.body's rule).
-local function token_ids(list, param)
+local function token_ids(body, list, param)
     if #list == 0 then
         return fail(400, param .. ": must not be empty", param, "invalid_value")
     end
@@ -101,15 +101,17 @@ local function token_ids(list, param)
         end
         if type(v) ~= "number" then
             list[j] = id
+            body_mod.changed(body)
         end
     end
     return true
 end
 
--- check_input(input) -> true | nil, err (400): OpenAI's four input shapes, one kind of
+-- check_input(body) -> true | nil, err (400): body.input:: OpenAI's four input shapes, one kind of
 -- element per array (vLLM's `list[int] | list[list[int]] | str | list[str]`), no empty
 -- string (OpenAI refuses one; vLLM would embed an empty prompt), at most MAX_INPUTS.
-local function check_input(input)
+local function check_input(body)
+    local input = body.input
     if input == nil or input == null then
         return fail(400, "input: Field required (" .. SHAPES .. ")", "input",
             "missing_required_parameter")
@@ -130,7 +132,7 @@ local function check_input(input)
     local first = input[1]
     if json_number(first) then
         -- one input of token ids (its length is the counter's max_model_len check)
-        return token_ids(input, "input")
+        return token_ids(body, input, "input")
     end
     if n > MAX_INPUTS then
         return fail(400, format("input: %d inputs; at most %d per request", n, MAX_INPUTS),
@@ -146,7 +148,7 @@ local function check_input(input)
                     "invalid_value")
             end
         elseif kind == "ids" and is_array(e) then
-            local ok, err = token_ids(e, param)
+            local ok, err = token_ids(body, e, param)
             if not ok then
                 return nil, err
             end
@@ -177,7 +179,7 @@ function _M.validate(route, body, models, edge)
         return fail(400, "messages: chat-style embedding requests are not supported by this "
             .. "gateway; send input as " .. SHAPES, "messages", "unsupported_parameter")
     end
-    ok, err = check_input(body.input)
+    ok, err = check_input(body)
     if not ok then
         return nil, err
     end
@@ -195,6 +197,7 @@ function _M.validate(route, body, models, edge)
         end
         if type(dim) ~= "number" then
             json_set(body, "dimensions", n)
+            body_mod.changed(body)
         end
     end
     local user = body.user
@@ -226,7 +229,9 @@ end
 -- default; vLLM refuses encoding_format: null); nothing to cap, nothing streams (vLLM's
 -- embeddings answer is one JSON object)
 function _M.adjust(_ctx, body)
-    json.drop_nulls(body)
+    if json.drop_nulls(body) > 0 then
+        body_mod.changed(body)
+    end
 end
 
 -- budget(route, model, body, counted) -> 0, the completion tokens an embedding request

@@ -131,14 +131,18 @@ function _M.set(obj, key, value)
     obj[key] = value
 end
 
--- drop_nulls(obj): obj's members whose value is null removed (its own members only).
+-- drop_nulls(obj) -> how many members were dropped: obj's members whose value is null
+-- removed (its own members only).
 function _M.drop_nulls(obj)
     local keys = obj[KEYS]
+    local n = 0
     for i = #keys, 1, -1 do
         if obj[keys[i]] == _M.null then
             _M.set(obj, keys[i], nil)
+            n = n + 1
         end
     end
+    return n
 end
 
 -- number(v) -> Lua number of a decoded number (plain or literal box), else nil.

@@ -127,6 +127,7 @@ function _M.validate(route, body, models, edge)
         end
         if type(body.max_tokens) ~= "number" then
             json_set(body, "max_tokens", n)
+            body_mod.changed(body)
         end
         ok, err = body_mod.api_bool(body, "stream")
         if not ok then
@@ -222,8 +223,9 @@ function _M.sanitize(body, model, edge)
 end
 
 -- adjust(ctx, body, model): a stream sets ctx.stream (vLLM's Anthropic serving asks its
--- chat path for the usage of every chunk itself: nothing to add, nothing to take out).
--- max_tokens stays as sent: tokengate.request.budget applies the gateway's cap.
+-- chat path for the usage of every chunk itself: nothing to add, nothing to take out);
+-- the body is not changed. max_tokens stays as sent: tokengate.request.budget applies
+-- the gateway's cap.
 function _M.adjust(ctx, body)
     if body.stream == true then
         ctx.stream = true

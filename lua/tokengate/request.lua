@@ -5,6 +5,7 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local body_mod = require "tokengate.body"
 local messages = require "tokengate.messages"
 local responses = require "tokengate.responses"
 local embeddings = require "tokengate.embeddings"
@@ -153,17 +154,30 @@ function _M.check_method(route, method, uri)
     return nil
 end
 
--- adjust(ctx, route, body, model): applied before counting (it does not change the
--- prompt's tokens, and the counter must see the body that is forwarded): stream: true
--- gets stream_options {include_usage, continuous_usage_stats} = true; what the client
--- asked for is kept in ctx.want_usage / ctx.want_continuous so the body filter can take
--- out what it did not ask for. Sets ctx.stream. The client's max_tokens is left as sent:
--- the counter checks it as vLLM does, and budget() applies the gateway's cap after.
--- A route of an API module: the module's adjust(ctx, body, model).
+-- adjust(ctx, route, body, model): the edits made before counting (the counter sees
+-- them): a route of an API module gets the module's adjust(ctx, body, model); chat and
+-- completions have none. The client's max_tokens is left as sent: the counter checks it
+-- as vLLM does, and budget() applies the gateway's cap after.
 function _M.adjust(ctx, route, body, model)
     local api = APIS[route]
     if api then
         return api.adjust(ctx, body, model)
+    end
+end
+
+-- placed(ctx, route, body): the edits made after the count and the replica's choice,
+-- which change no prompt token and which the counter does not read: a route of an API
+-- module gets the module's placed(ctx, body) when it has one. Chat and completions:
+-- stream: true gets stream_options {include_usage, continuous_usage_stats} = true; what
+-- the client asked for is kept in ctx.want_usage / ctx.want_continuous so the body
+-- filter can take out what it did not ask for.
+function _M.placed(ctx, route, body)
+    local api = APIS[route]
+    if api then
+        if api.placed then
+            api.placed(ctx, body)
+        end
+        return
     end
     if body.stream == true then
         ctx.stream = true
@@ -172,10 +186,14 @@ function _M.adjust(ctx, route, body, model)
             so = json.object()
             json_set(body, "stream_options", so)
         end
-        ctx.want_usage = so.include_usage == true
-        ctx.want_continuous = so.continuous_usage_stats == true
-        json_set(so, "include_usage", true)
-        json_set(so, "continuous_usage_stats", true)
+        local want_usage, want_continuous = so.include_usage == true,
+            so.continuous_usage_stats == true
+        ctx.want_usage, ctx.want_continuous = want_usage, want_continuous
+        if not (want_usage and want_continuous) then
+            json_set(so, "include_usage", true)
+            json_set(so, "continuous_usage_stats", true)
+            body_mod.changed(body)
+        end
     end
 end
 
@@ -337,8 +355,8 @@ end
 -- budget(route, model, body, counted, key) -> completion tokens the request may generate
 -- | nil, err. counted: tokengate.count's result; with the counter's reply the exact
 -- rules of counted_budget apply, with an estimate those of estimated_budget; key: the
--- compiled key (its max_tokens_cap, cap_of). Sets counted.body_changed when max_tokens
--- was written into body (re-encode it), counted.requested (the client's completion
+-- compiled key (its max_tokens_cap, cap_of). Marks body changed (tokengate.body.changed)
+-- when max_tokens was written into it; sets counted.requested (the client's completion
 -- limit, nil without one) and, when the gateway's cap lowered it, counted.capped_by
 -- ("model" | "key"). A route whose API module has budget(route, model, body, counted)
 -- asks it (tokengate.embeddings: 0, nothing is generated and nothing written into the
@@ -346,7 +364,6 @@ end
 function _M.budget(route, model, body, counted, key)
     local api = APIS[route]
     if api and api.budget then
-        counted.body_changed = false
         return api.budget(route, model, body, counted)
     end
     local requested = requested_tokens(route, body)
@@ -360,7 +377,9 @@ function _M.budget(route, model, body, counted, key)
     if not out then
         return nil, changed
     end
-    counted.body_changed = changed
+    if changed then
+        body_mod.changed(body)
+    end
     counted.requested = requested
     if requested and changed then
         counted.capped_by = whose

@@ -251,7 +251,7 @@ function _M.stored(ctx, doc)
         return not_found(ctx.model_id)
     end
     ctx.model, ctx.model_entry, ctx.pin = model.name, model, place.replica
-    ctx.limit_req = limits.request(ctx.key, model.name, ctx.request_id)
+    limits.model(ctx.limit_req, ctx.key, model.name)
     ctx.rate = limits.peek(ctx.limit_req)
     limits.reservation(ctx.limit_req, 0, 1, 0, 1, 0)
     ctx.token_estimate = nil
@@ -458,12 +458,17 @@ end
 -- stream sets ctx.stream; previous_response_id sets ctx.history (the count source
 -- "history").
 function _M.adjust(ctx, body)
-    json.drop_nulls(body)
+    local changed = json.drop_nulls(body) > 0
     if ctx.route == "input_tokens" and body.max_output_tokens ~= nil then
         json_set(body, "max_output_tokens", nil)
+        changed = true
     end
     if body.request_id ~= nil then
         json_set(body, "request_id", nil)
+        changed = true
+    end
+    if changed then
+        body_mod.changed(body)
     end
     if body.stream == true then
         ctx.stream = true
@@ -494,15 +499,14 @@ function _M.check(ctx, doc, body)
     return true
 end
 
--- placed(ctx) -> the text to forward: the body with the edge's response id for the
--- chosen replica (ctx.replica) as vLLM's request_id. Set after the count (the id
--- changes no prompt token, and a count of a body without it can be cached).
-function _M.placed(ctx)
-    local body = ctx.body
+-- placed(ctx, body): the body gets the edge's response id for the chosen replica
+-- (ctx.replica) as vLLM's request_id. Set after the count (the id changes no prompt
+-- token, and a count of a body without it can be cached).
+function _M.placed(ctx, body)
     local id = _M.response_id(ctx.key, ctx.request_id, ctx.model, ctx.replica)
     json_set(body, "request_id", id)
+    body_mod.changed(body)
     ctx.response_id = id -- the session of requests that continue it (tokengate.session)
-    return json.encode(body)
 end
 
 -- count_answer(model, prompt) -> JSON text of OpenAI's input token count

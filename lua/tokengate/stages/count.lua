@@ -7,6 +7,7 @@
 
 local ngx = ngx
 local json = require "tokengate.json"
+local body_mod = require "tokengate.body"
 local count = require "tokengate.count"
 local limits = require "tokengate.limits"
 local budget = require "tokengate.budget"
@@ -21,14 +22,17 @@ local json_integer = json.integer
 
 local _M = {}
 
--- prompt(ctx, doc) -> text | nil, err: the prompt's tokens, the completion budget and
--- the TPM reservation; text: the JSON body that will be forwarded (what was counted).
+-- prompt(ctx, doc) -> true | nil, err: the prompt's tokens, the completion budget and
+-- the TPM reservation. The counter counts the body's text (tokengate.body.text: the
+-- client's bytes unless validating, sanitizing or the API's adjust changed the body);
+-- the completion budget may then write the output limit into the body, which changes
+-- no prompt token.
 function _M.prompt(ctx, doc)
     if ctx.stored then
         return true
     end
     local route, body, model = ctx.route, ctx.body, ctx.model_entry
-    local text = json.encode(body)
+    local text = body_mod.text(body)
     local t = mono_ms()
     local counted, err = count.prompt(route, model.name, text, doc.edge)
     ctx.count_s = (mono_ms() - t) / 1000
@@ -62,7 +66,7 @@ function _M.prompt(ctx, doc)
         end
         limits.reservation(ctx.limit_req, 0, 1, 0, 1, 0)
         ctx.local_answer = answer_text
-        return text
+        return true
     end
     local out
     out, err = request.budget(route, model, body, counted, ctx.key)
@@ -73,17 +77,13 @@ function _M.prompt(ctx, doc)
     -- says the gateway's cap lowered the client's limit
     ctx.max_tokens_requested, ctx.max_tokens_applied = counted.requested, out
     ctx.max_tokens_capped_by = counted.capped_by
-    if counted.body_changed then
-        text = json.encode(body)
-    end
     local n = json_integer(body.n) or 1
     limits.reservation(ctx.limit_req, counted.prompt, counted.prompts, out, n,
         model.output_reserve)
     ctx.limit_req.estimated = counted.source == "estimate"
     ctx.limit_req.budget = budget.request(ctx.key, model, doc, counted.prompt,
         out * n * counted.prompts, ngx_now())
-    ctx.text = text
-    return text
+    return true
 end
 
 return _M

@@ -15,6 +15,7 @@ local queue = require "tokengate.queue"
 local idle = require "tokengate.idle"
 local budget = require "tokengate.budget"
 local request = require "tokengate.request"
+local body_mod = require "tokengate.body"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
 local balancer = require "ngx.balancer"
@@ -47,8 +48,9 @@ end
 -- pinned to a replica (ctx.pin: the one that holds the stored response it names) goes
 -- there, full or not. A budget reservation prices the prompt tokens the replica is
 -- expected to serve from its prefix cache (ctx.prefix_expected, routing.policy prefix)
--- at the model's cached rate. An API module's placed(ctx) then gives the text to
--- forward (tokengate.responses: the response id names the replica).
+-- at the model's cached rate. Then the body gets the edits that need the replica or
+-- that the counter does not read (tokengate.request.placed: the stream options; an API
+-- module's placed: tokengate.responses' response id names the replica).
 function _M.replica(ctx, doc)
     if ctx.local_answer then
         return true -- answered by the edge: no replica
@@ -96,9 +98,8 @@ function _M.replica(ctx, doc)
         -- at the cached rate; the settlement prices what vLLM reports
         budget.reprice(bud, model.cost, doc.billing, ctx.prefix_expected)
     end
-    local api = ctx.api
-    if ctx.body and api and api.placed then
-        ctx.text = api.placed(ctx)
+    if ctx.body then
+        request.placed(ctx, ctx.route, ctx.body)
     end
     return true
 end
@@ -118,9 +119,10 @@ local function sent(ctx)
     end
 end
 
--- forward(ctx): the request, admitted, goes to its replica: the body the edge parsed,
--- with its count, to the path the edge matched (proxy_pass without a URI would send the
--- client's raw request line).
+-- forward(ctx): the request, admitted, goes to its replica: the body the edge parsed
+-- (the client's bytes when the edge changed nothing, else its encoding after the last
+-- change: tokengate.body.text), with its count, to the path the edge matched
+-- (proxy_pass without a URI would send the client's raw request line).
 function _M.forward(ctx)
     sent(ctx)
     ngx_req.set_header("X-Token-Count", ctx.token_estimate)
@@ -130,8 +132,12 @@ function _M.forward(ctx)
     -- this key by the ledger. Set, never passed on: a client's own value is replaced.
     ngx_req.set_header("X-Tokengate-Key", ctx.key.id)
     ngx_req.set_header("X-Tokengate-Endpoint", ctx.endpoint)
-    if ctx.text then
-        ngx_req.set_body_data(ctx.text)
+    local body = ctx.body
+    if body then
+        local text, encoded = body_mod.text(body)
+        if encoded then
+            ngx_req.set_body_data(text)
+        end
     end
     -- a stored response's path is the client's, normalized (its id was checked)
     ngx_req.set_uri(request.PATHS[ctx.route] or ctx.uri)

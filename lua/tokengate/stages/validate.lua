@@ -17,8 +17,8 @@ local _M = {}
 -- body(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
 -- limits then apply; served by the route's kind of vLLM runner, else 400
 -- model_not_supported: an embedding model takes only embeddings), sanitized, with the
--- edge's adjustments (cap, stream options); a route of an API module (ctx.api) is
--- validated and sanitized by the module.
+-- API module's adjustments made before the count; a route of an API module (ctx.api)
+-- is validated and sanitized by the module.
 function _M.body(ctx, doc)
     if ctx.stored then
         return true
@@ -37,7 +37,7 @@ function _M.body(ctx, doc)
     end
     local model = doc.models[body.model]
     ctx.model, ctx.model_entry = model.name, model
-    ctx.limit_req = limits.request(ctx.key, model.name, request.id(ctx))
+    limits.model(ctx.limit_req, ctx.key, model.name)
     ctx.rate = limits.peek(ctx.limit_req)
     local served
     served, err = models.serves(model, request.runner(route), ctx.uri)
@@ -54,6 +54,9 @@ function _M.body(ctx, doc)
         return nil, err
     end
     ctx.sanitized = counts
+    if counts.removed + counts.stripped + counts.escaped + counts.collapsed > 0 then
+        body_mod.changed(body) -- every rewrite of the sanitizer is counted
+    end
     request.adjust(ctx, route, body, model)
     local fits
     fits, err = request.check_output(route, body, model)
