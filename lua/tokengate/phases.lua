@@ -22,17 +22,18 @@
 --                  the access-log line (tokengate.stages.event); a request without a
 --                  valid API key writes no event: counted, and logged at a bounded rate
 --
--- The Anthropic Messages API's, the OpenAI Responses API's and the embeddings' routes
--- run the same stages; where their shapes differ (key header, body, sanitizing, budget,
--- usage, errors, limit headers) the stages ask ctx.api (tokengate.messages,
--- tokengate.responses, tokengate.embeddings);
--- count_tokens and input_tokens are answered after the limits, never forwarded; a route
--- that names a stored response (ctx.stored) has no body to count and goes to the replica
--- that holds the response (ctx.pin).
+-- Every API runs the same stages; where APIs differ (key header, body, sanitizing,
+-- budget, usage, errors, limit headers) the stages ask the route's API module, ctx.api
+-- (tokengate.apis finds it, tokengate.api lists what a module provides); no stage
+-- names an API. A route the edge answers from the count (an API's LOCAL: count_tokens,
+-- input_tokens) is answered after the limits, never forwarded; a route without a body
+-- (NO_BODY: the model list, a stored response) is the module's, and a stored response
+-- goes to the replica that holds it (ctx.pin).
 --
 -- Every stage returns value | nil, err (tokengate.errors); errors.send answers err.
--- Per-request state is ngx.ctx; nothing here writes globals. The status server's
--- handlers are tokengate.status, the health probes tokengate.health.
+-- The request's state is ngx.ctx, every field of it declared in tokengate.state;
+-- nothing here writes globals. The status server's handlers are tokengate.status, the
+-- health probes tokengate.health.
 
 local ngx = ngx
 local config = require "tokengate.config"
@@ -48,7 +49,7 @@ local admission = require "tokengate.admission"
 local queue = require "tokengate.queue"
 local idle = require "tokengate.idle"
 local usage = require "tokengate.usage"
-local request = require "tokengate.request"
+local apis = require "tokengate.apis"
 local cors = require "tokengate.cors"
 local clock = require "tokengate.clock"
 local trace = require "tokengate.trace"
@@ -56,7 +57,7 @@ local session = require "tokengate.session"
 local read = require "tokengate.stages.read"
 local validate = require "tokengate.stages.validate"
 local count_stage = require "tokengate.stages.count"
-local route = require "tokengate.stages.route"
+local route_stage = require "tokengate.stages.route"
 local admit = require "tokengate.stages.admit"
 local respond = require "tokengate.stages.respond"
 local settle = require "tokengate.stages.settle"
@@ -148,9 +149,9 @@ local STAGES = {
     read.key, read.route,
     validate.body, validate.session,
     count_stage.prompt,
-    route.replica,
+    route_stage.replica,
     admit.reserve, admit.answer,
-    route.awake,
+    route_stage.awake,
 }
 
 -- access(): everything before the request is forwarded; ends the request with an
@@ -161,12 +162,13 @@ function _M.access()
     local doc = config.get()
     local uri = ngx_var.uri -- the client's path: set_uri (route.forward) changes $uri
     ctx.uri = uri
-    ctx.route, ctx.model_id = request.route(uri)
-    ctx.api = request.api(ctx.route, uri)
-    ctx.endpoint = request.endpoint(ctx.route, uri)
+    local route, id = apis.route(uri)
+    local api = apis.api(route, uri)
+    ctx.route, ctx.model_id, ctx.api = route, id, api
+    ctx.endpoint = apis.endpoint(api, route, uri)
     session.from_headers(ctx)
     -- a browser's preflight carries no key: answered before any is asked for
-    cors.preflight(ctx, doc.edge.cors, ctx.route, uri)
+    cors.preflight(ctx, doc.edge.cors, apis.ALLOW[route], uri)
     trace.start(ctx, doc.tracing)
     for i = 1, #STAGES do
         local ok, err = STAGES[i](ctx, doc)
@@ -174,12 +176,12 @@ function _M.access()
             return send(ctx, err)
         end
     end
-    route.forward(ctx)
+    route_stage.forward(ctx)
 end
 
 -- balancer(): the request's replica (tokengate.stages.route.balance).
 function _M.balancer()
-    return route.balance(ngx.ctx)
+    return route_stage.balance(ngx.ctx)
 end
 
 -- header_filter(): headers every answer carries, errors in the API's shape
@@ -201,6 +203,12 @@ end
 -- usage event and the sampled access-log line (tokengate.stages.event).
 function _M.log()
     local ctx = ngx.ctx
+    if not ctx.endpoint then
+        -- a request whose access phase never ran
+        local uri = ngx_var.uri
+        local route = apis.route(uri)
+        ctx.endpoint = apis.endpoint(apis.api(route, uri), route, uri)
+    end
     local status = ctx.status_sent or ngx.status
     local aborted = usage.outcome(ctx, ngx.status, ngx_var.request_completion)
     if status >= 400 and status ~= 499 and not ctx.error then
@@ -238,9 +246,9 @@ function _M.nginx_error()
     if path == "" then
         ctx.endpoint = "-"
     else
-        local route = request.route(path)
-        ctx.api = request.api(route, path)
-        ctx.endpoint = request.endpoint(route, path)
+        local route = apis.route(path)
+        ctx.api = apis.api(route, path)
+        ctx.endpoint = apis.endpoint(ctx.api, route, path)
     end
     local doc = config.get()
     ctx.key = auth.authenticate(doc.keys, ngx_var.http_authorization,

@@ -9,23 +9,38 @@
 -- A field is a plain Lua value: "string", "number" (tokens, ms, s as named), "boolean",
 -- "table" (its shape in the writer's docstring), and "|nil" where it may be unset.
 -- Writers are module names below tokengate. ("stages.read" is tokengate.stages.read);
--- "apis" stands for every API module (tokengate.messages, tokengate.responses,
--- tokengate.embeddings), which write what their hooks are documented to write.
--- This module is the ground floor: it requires nothing, and nothing needs it at run time.
+-- "apis" stands for every API module (tokengate.apis.*), which write what their hooks
+-- are documented to write (tokengate.api).
+-- This module is the ground floor: it requires nothing. At run time it gives the one
+-- field read lazily, request_id.
+
+local ngx = ngx
 
 local _M = {}
+
+-- request_id(ctx) -> the request's $request_id (32 hex digits), kept in ctx.request_id:
+-- an ngx.var read looks the variable up by its name each time, and the phases need the
+-- id several times (the header X-Request-Id, the limits, the usage event, the trace).
+function _M.request_id(ctx)
+    local id = ctx.request_id
+    if not id then
+        id = ngx.var.request_id
+        ctx.request_id = id
+    end
+    return id
+end
 
 -- FIELDS[name] = { type, writers (space-separated), meaning }
 _M.FIELDS = {
     -- access begins (tokengate.phases), before any stage
     t0 = { "number", "phases", "monotonic ms when the access phase began (tokengate.clock)" },
     uri = { "string", "phases", "the client's path, nginx's normalized $uri, before set_uri" },
-    route = { "string|nil", "phases", "the route name (tokengate.request.route); nil: no route" },
+    route = { "string|nil", "phases", "the route name (tokengate.apis.route); nil: no route" },
     model_id = { "string|nil", "phases", "the id in the path: GET /v1/models/{id}, a response id" },
-    api = { "table|nil", "phases", "the route's API module (tokengate.request.api); nil: chat, "
-        .. "completions and the model list" },
-    endpoint = { "string", "phases", "the usage event's endpoint (tokengate.request.endpoint)" },
-    request_id = { "string|nil", "request", "$request_id (32 hex), kept by tokengate.request.id" },
+    api = { "table|nil", "phases", "the route's API module (tokengate.apis.api; "
+        .. "tokengate.api.BASE for a path that is no route); nil before access" },
+    endpoint = { "string", "phases", "the usage event's endpoint (tokengate.apis.endpoint)" },
+    request_id = { "string|nil", "state", "$request_id (32 hex), kept by request_id() below" },
     preflight = { "string|nil", "cors", "a CORS preflight: \"allowed\" | \"refused\"" },
     session_id = { "string|nil", "session", "the agent session (tokengate.session)" },
     session_source = { "string|boolean|nil", "session", "the header or field that named the "
@@ -40,13 +55,13 @@ _M.FIELDS = {
         .. "(tokengate.limits.request: built once, its model named later)" },
     rate = { "table|nil", "stages.read stages.validate stages.admit apis", "the key's window "
         .. "state for the limit headers (tokengate.limits.peek, reserve)" },
-    stored = { "boolean|nil", "stages.read", "the route names a stored response (an API's "
-        .. "STORED): no body, no count" },
+    no_body = { "boolean|nil", "stages.read", "the route has no body (its API's NO_BODY): "
+        .. "no body, no count" },
 
     -- validate: the body, its model, its session (tokengate.stages.validate)
     model = { "string|nil", "stages.validate apis", "the served model's name" },
     model_entry = { "table|nil", "stages.validate apis", "the compiled model" },
-    stream = { "boolean|nil", "stages.validate request apis", "the client asked for a stream" },
+    stream = { "boolean|nil", "stages.validate apis", "the client asked for a stream" },
     sanitized = { "table|nil", "stages.validate", "the sanitizer's counts {removed, "
         .. "stripped, escaped, collapsed} (tokengate.sanitize)" },
     body = { "table|nil", "stages.validate", "the parsed body (tokengate.json object; its "
@@ -87,9 +102,9 @@ _M.FIELDS = {
     queue_ms = { "number|nil", "stages.route queue", "ms waited in the queue (0 while "
         .. "queueing is on)" },
     response_id = { "string|nil", "apis", "the id of the response the request makes "
-        .. "(tokengate.responses.placed)" },
-    want_usage = { "boolean|nil", "request", "the client's stream_options.include_usage" },
-    want_continuous = { "boolean|nil", "request", "the client's "
+        .. "(tokengate.apis.responses.placed)" },
+    want_usage = { "boolean|nil", "apis.openai", "the client's stream_options.include_usage" },
+    want_continuous = { "boolean|nil", "apis.openai", "the client's "
         .. "stream_options.continuous_usage_stats" },
     proxied = { "boolean|nil", "stages.route", "the request was forwarded" },
     balanced = { "boolean|nil", "stages.route", "the balancer ran once (a second run is a retry)" },

@@ -1,6 +1,6 @@
 -- Access stage "count": how much the request costs. The prompt's tokens (the counter's
 -- exact count, or an estimate: tokengate.count), the completion budget
--- (tokengate.request.budget) and the reservation every limit tier will take
+-- (tokengate.output.budget) and the reservation every limit tier will take
 -- (tokengate.limits.reservation, tokengate.budget.request); a route that the edge
 -- answers from the count itself (the API module's LOCAL: count_tokens, input_tokens)
 -- gets its answer here, sent once the request is admitted (tokengate.stages.admit).
@@ -12,7 +12,7 @@ local count = require "tokengate.count"
 local limits = require "tokengate.limits"
 local budget = require "tokengate.budget"
 local prefix = require "tokengate.prefix"
-local request = require "tokengate.request"
+local output = require "tokengate.output"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
 
@@ -28,13 +28,13 @@ local _M = {}
 -- the completion budget may then write the output limit into the body, which changes
 -- no prompt token.
 function _M.prompt(ctx, doc)
-    if ctx.stored then
+    if ctx.no_body then
         return true
     end
-    local route, body, model = ctx.route, ctx.body, ctx.model_entry
+    local route, body, model, api = ctx.route, ctx.body, ctx.model_entry, ctx.api
     local text = body_mod.text(body)
     local t = mono_ms()
-    local counted, err = count.prompt(route, model.name, text, doc.edge)
+    local counted, err = count.prompt(api.ENDPOINT[route], model.name, text, doc.edge)
     ctx.count_s = (mono_ms() - t) / 1000
     trace.span(ctx, "count", t)
     if not counted then
@@ -51,8 +51,7 @@ function _M.prompt(ctx, doc)
     if routing and routing.policy == "prefix" then
         ctx.prefix_plan = prefix.plan(counted.reply, counted.prompt, routing)
     end
-    local api = ctx.api
-    if api and api.LOCAL[route] then
+    if api.LOCAL[route] then
         -- answered here from the count: one request of the key's RPM, no tokens, no
         -- budget; an estimate is no answer
         if counted.source ~= "counter" then
@@ -69,7 +68,7 @@ function _M.prompt(ctx, doc)
         return true
     end
     local out
-    out, err = request.budget(route, model, body, counted, ctx.key)
+    out, err = output.budget(api, model, body, counted, ctx.key)
     if not out then
         return nil, err
     end

@@ -6,10 +6,9 @@
 local ngx = ngx
 local config = require "tokengate.config"
 local errors = require "tokengate.errors"
-local limits = require "tokengate.limits"
 local budget = require "tokengate.budget"
 local usage = require "tokengate.usage"
-local request = require "tokengate.request"
+local state = require "tokengate.state"
 local cors = require "tokengate.cors"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
@@ -39,17 +38,12 @@ end
 function _M.headers(ctx)
     local h = ngx.header
     -- the usage event's request_id; vLLM also uses it in its response ids
-    h["X-Request-Id"] = request.id(ctx)
+    h["X-Request-Id"] = state.request_id(ctx)
     if ctx.trace then
         h["traceparent"] = trace.header(ctx)
     end
     if ctx.rate then
-        local api = ctx.api
-        if api and api.rate_headers then
-            api.rate_headers(h, ctx.rate)
-        else
-            limits.headers(h, ctx.rate)
-        end
+        ctx.api.rate_headers(h, ctx.rate)
     end
     local req = ctx.limit_req
     if req and req.budget then
@@ -133,10 +127,7 @@ local function upstream_error(ctx, chunk, eof)
     if not err then
         return text
     end
-    local api = ctx.api
-    if api and api.upstream_error then
-        err = api.upstream_error(ctx, err)
-    end
+    err = ctx.api.upstream_error(ctx, err)
     ctx.error = err.code or err.type
     return errors.render(ctx, err)
 end

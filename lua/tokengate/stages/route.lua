@@ -14,7 +14,7 @@ local prefix = require "tokengate.prefix"
 local queue = require "tokengate.queue"
 local idle = require "tokengate.idle"
 local budget = require "tokengate.budget"
-local request = require "tokengate.request"
+local apis = require "tokengate.apis"
 local body_mod = require "tokengate.body"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
@@ -49,8 +49,8 @@ end
 -- there, full or not. A budget reservation prices the prompt tokens the replica is
 -- expected to serve from its prefix cache (ctx.prefix_expected, routing.policy prefix)
 -- at the model's cached rate. Then the body gets the edits that need the replica or
--- that the counter does not read (tokengate.request.placed: the stream options; an API
--- module's placed: tokengate.responses' response id names the replica).
+-- that the counter does not read (the API module's placed: chat's and completions'
+-- stream options, the Responses API's response id naming the replica).
 function _M.replica(ctx, doc)
     if ctx.local_answer then
         return true -- answered by the edge: no replica
@@ -64,11 +64,11 @@ function _M.replica(ctx, doc)
     if not r then
         return nil, unavailable(model, "address yet (its host names did not resolve).")
     end
-    local queueing = not ctx.stored and queue.enabled(doc)
+    local queueing = not ctx.no_body and queue.enabled(doc)
     if queueing then
         ctx.queue_ms = 0 -- X-Tokengate-Queue-Ms on every answer while queueing is on
     end
-    if not ctx.stored
+    if not ctx.no_body
             and (rank == admission.FULL or queueing and queue.busy(model.name)) then
         upstream.release(ctx, true)
         if not queueing then
@@ -99,7 +99,7 @@ function _M.replica(ctx, doc)
         budget.reprice(bud, model.cost, doc.billing, ctx.prefix_expected)
     end
     if ctx.body then
-        request.placed(ctx, ctx.route, ctx.body)
+        ctx.api.placed(ctx, ctx.body)
     end
     return true
 end
@@ -140,7 +140,7 @@ function _M.forward(ctx)
         end
     end
     -- a stored response's path is the client's, normalized (its id was checked)
-    ngx_req.set_uri(request.PATHS[ctx.route] or ctx.uri)
+    ngx_req.set_uri(apis.PATHS[ctx.route] or ctx.uri)
     trace.forward(ctx)
     ctx.proxied = true
 end

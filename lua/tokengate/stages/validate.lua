@@ -1,26 +1,25 @@
 -- Access stage "validate": what the request asks for and whose it is. The body is read
--- and parsed strictly, names a model the key may use and that the route's kind of vLLM
--- runner serves, is sanitized and adjusted (tokengate.request.adjust), its completion
--- limit checked against the context; the agent session comes from its headers, then
--- the body. A route of an API module (ctx.api) is validated and sanitized by the module.
--- Every function returns a value | nil, err (tokengate.errors).
+-- and parsed strictly, checked, sanitized and adjusted by the route's API module
+-- (ctx.api: validate, sanitize, adjust, check), names a model the key may use and that
+-- the API's kind of vLLM runner serves, its completion limit is checked against the
+-- context (tokengate.output.check); the agent session comes from its headers, then the
+-- body. Every function returns a value | nil, err (tokengate.errors).
 
 local body_mod = require "tokengate.body"
-local sanitize = require "tokengate.sanitize"
 local limits = require "tokengate.limits"
 local models = require "tokengate.models"
-local request = require "tokengate.request"
+local output = require "tokengate.output"
 local session = require "tokengate.session"
 
 local _M = {}
 
--- body(ctx, doc) -> body | nil, err: the body parsed strictly, the model it names (whose
--- limits then apply; served by the route's kind of vLLM runner, else 400
--- model_not_supported: an embedding model takes only embeddings), sanitized, with the
--- API module's adjustments made before the count; a route of an API module (ctx.api)
--- is validated and sanitized by the module.
+-- body(ctx, doc) -> body | nil, err: the body parsed strictly and validated by the API
+-- module, the model it names (whose limits then apply; served by the API's kind of vLLM
+-- runner, else 400 model_not_supported: an embedding model takes only embeddings),
+-- sanitized (every rewrite marks the body changed), with the API module's adjustments
+-- made before the count and its references checked.
 function _M.body(ctx, doc)
-    if ctx.stored then
+    if ctx.no_body then
         return true
     end
     local route, edge, api = ctx.route, doc.edge, ctx.api
@@ -29,8 +28,8 @@ function _M.body(ctx, doc)
         ctx.model, ctx.stream = err.model, err.stream
         return nil, err
     end
-    -- what the client asked for, also in the event of a request refused before
-    -- request.adjust (which sets it again with the stream options)
+    -- what the client asked for, also in the event of a request refused before the
+    -- API's adjust or placed (which set it again)
     ctx.stream = body.stream == true
     if not models.allowed(ctx.key, body.model) then
         return models.not_found(body.model)
@@ -40,16 +39,12 @@ function _M.body(ctx, doc)
     limits.model(ctx.limit_req, ctx.key, model.name)
     ctx.rate = limits.peek(ctx.limit_req)
     local served
-    served, err = models.serves(model, request.runner(route), ctx.uri)
+    served, err = models.serves(model, api.RUNNER, ctx.uri)
     if not served then
         return nil, err
     end
     local counts
-    if api then
-        counts, err = api.sanitize(body, model, edge)
-    else
-        counts, err = sanitize.request(route, body, model, edge)
-    end
+    counts, err = api.sanitize(body, model, edge)
     if not counts then
         return nil, err
     end
@@ -57,18 +52,15 @@ function _M.body(ctx, doc)
     if counts.removed + counts.stripped + counts.escaped + counts.collapsed > 0 then
         body_mod.changed(body) -- every rewrite of the sanitizer is counted
     end
-    request.adjust(ctx, route, body, model)
-    local fits
-    fits, err = request.check_output(route, body, model)
-    if not fits then
+    api.adjust(ctx, body, model)
+    local ok
+    ok, err = output.check(api, route, body, model)
+    if not ok then
         return nil, err
     end
-    if api and api.check then
-        local ok
-        ok, err = api.check(ctx, doc, body)
-        if not ok then
-            return nil, err
-        end
+    ok, err = api.check(ctx, doc, body)
+    if not ok then
+        return nil, err
     end
     ctx.body = body
     return body
