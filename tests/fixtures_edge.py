@@ -31,6 +31,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -317,6 +318,19 @@ def at_once(n: int, call: Callable[[], T]) -> list[T]:
         return list(pool.map(one, range(n)))
 
 
+class QuietUpstreamHandler(BaseHTTPRequestHandler):
+    """The base of a test's fake vLLM (http.server): logs nothing and answers the edge's
+    own GETs (its health and metrics reads) 404; a subclass answers the API's POSTs."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
 class FakeUpstream:
     """A broken vLLM for the crash cases, on 127.0.0.1:<port>. ``mode``:
 
@@ -594,5 +608,5 @@ def run_lua(chunk: str) -> str:
     return out
 
 
-__all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter", "free_port",
-           "key_of", "run_init_lua", "run_lua"]
+__all__ = ["EDGE_PORT", "KEYS", "MAIN_KEY", "Edge", "FakeUpstream", "FixedCounter",
+           "QuietUpstreamHandler", "free_port", "key_of", "run_init_lua", "run_lua"]

@@ -28,17 +28,38 @@ local concat = table.concat
 local pairs = pairs
 local is_array = json.is_array
 local is_object = json.is_object
-local json_integer = json.integer
 local null = json.null
 local KEYS = json.KEYS
-local json_set = json.set
 local clip = errors.clip
 local fail = errors.refuse
 
-local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
-local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
+-- Private keys of a parsed body object (tables: never a client's key, never encoded):
+-- its JSON text, and whether it was changed since that text was made.
+local TEXT, CHANGED, ENCODED = {}, {}, {}
 
 local _M = {}
+
+-- The body's text. The edge forwards (and counts) the body it parsed and checked. Until
+-- the edge changes it, that body's text is the client's own bytes: the strict decoder
+-- (tokengate.json) refused everything two JSON readers could read differently, so the
+-- bytes and any encoding of the parsed body read the same; once changed, its encoding,
+-- made once, when the text is next needed (the count, the forward). Whatever changes a
+-- parsed body (a validation that rewrites a number, the sanitizer, an API module's
+-- adjust or placed, the completion budget) marks it with changed().
+
+-- changed(body): body (a parsed request body) was changed: text() encodes it again.
+function _M.changed(body)
+    body[CHANGED] = true
+end
+
+-- text(body) -> JSON text of body, encoded: the client's bytes (encoded false) until
+-- body was changed, then its encoding (encoded true), made once per change.
+function _M.text(body)
+    if body[CHANGED] then
+        body[TEXT], body[CHANGED], body[ENCODED] = json.encode(body), nil, true
+    end
+    return body[TEXT], body[ENCODED] == true
+end
 
 -- check_headers(max_bytes) -> true | nil, err (415 or 413), from the request's headers.
 -- Only application/json is accepted; a charset parameter, when present, must be utf-8
@@ -170,8 +191,9 @@ function _M.decode(text, max_depth)
 end
 
 -- envelope_hint(body, field) -> " (found it inside ...)" when a top-level object value
--- holds `field` (the request was wrapped in an envelope), else "".
-local function envelope_hint(body, field)
+-- holds `field` (the request was wrapped in an envelope), else "": for the message of a
+-- missing required field.
+function _M.envelope_hint(body, field)
     local keys = body[KEYS]
     for i = 1, #keys do
         local v = body[keys[i]]
@@ -181,87 +203,6 @@ local function envelope_hint(body, field)
         end
     end
     return ""
-end
-
--- opt_bool(obj, name) -> true when obj[name] is absent, null or a boolean | nil, err 400.
-local function opt_bool(body, name)
-    local v = body[name]
-    if v == nil or v == null or v == true or v == false then
-        return true
-    end
-    return fail(400, format("'%s' must be a boolean", name), name, "invalid_type")
-end
-
--- opt_posint(obj, name) -> true when obj[name] is absent, null or an integer >= 1
--- | nil, err 400. An integral JSON float (100.0, 1e2) counts as the integer, as vLLM's
--- lax int parsing reads it, and is rewritten as the plain integer in obj: what is
--- counted, capped and forwarded is then one integer, whatever the client's literal.
-local function opt_posint(body, name)
-    local v = body[name]
-    if v == nil or v == null then
-        return true
-    end
-    local n = json_integer(v)
-    if not n then
-        return fail(400, format("'%s' must be an integer", name), name, "invalid_type")
-    end
-    if n < 1 then
-        return fail(400, format("'%s' must be at least 1, got %.17g", name, n), name,
-            "invalid_value")
-    end
-    if type(v) ~= "number" then
-        json_set(body, name, n)
-    end
-    return true
-end
-
--- check_common(body, models) -> model entry | nil, err: the fields both endpoints share
--- (model, stream, stream_options, max_tokens, max_completion_tokens, n).
-local function check_common(body, models)
-    local model = body.model
-    if model == nil or model == null then
-        return fail(400, "you must provide a model parameter" .. envelope_hint(body, "model"),
-            "model", "missing_required_parameter")
-    end
-    if type(model) ~= "string" then
-        return fail(400, "'model' must be a string", "model", "invalid_type")
-    end
-    local ok, err = opt_bool(body, "stream")
-    if not ok then
-        return nil, err
-    end
-    local so = body.stream_options
-    if so ~= nil and so ~= null then
-        if not is_object(so) then
-            return fail(400, "'stream_options' must be an object", "stream_options",
-                "invalid_type")
-        end
-        for i = 1, #STREAM_FLAGS do
-            local f = STREAM_FLAGS[i]
-            ok, err = opt_bool(so, f)
-            if not ok then
-                err.param = "stream_options." .. f
-                return nil, err
-            end
-        end
-    end
-    for i = 1, #POSITIVE_INTS do
-        ok, err = opt_posint(body, POSITIVE_INTS[i])
-        if not ok then
-            return nil, err
-        end
-    end
-    local m = models[model]
-    if not m then
-        return models_mod.not_found(model)
-    end
-    -- n completions cost n times the output: bounded per model (max_n, default 8)
-    local n = json_integer(body.n)
-    if n and n > m.max_n then
-        return fail(400, format("'n' must be at most %d for model %s, got %.17g", m.max_n,
-            m.name, n), "n", "invalid_value")
-    end
-    return m
 end
 
 -- check_template_kwargs(kwargs, allowed) -> true | nil, err (400). vLLM merges
@@ -294,76 +235,6 @@ function _M.check_template_kwargs(kwargs, allowed)
     return true
 end
 
--- validate_chat(body, models, edge) -> model entry | nil, err (400/404).
--- Checks: model (configured), messages (non-empty array of objects with a string role and
--- string / array / null content), stream flags, token limits are positive integers,
--- chat_template_kwargs keys (edge.chat_template_kwargs_allowed).
-function _M.validate_chat(body, models, edge)
-    local msgs = body.messages
-    if msgs == nil or msgs == null then
-        return fail(400, "'messages' is a required property" .. envelope_hint(body, "messages"),
-            "messages", "missing_required_parameter")
-    end
-    if not is_array(msgs) then
-        return fail(400, "'messages' must be an array", "messages", "invalid_type")
-    end
-    if #msgs == 0 then
-        return fail(400, "'messages' must contain at least one message", "messages",
-            "invalid_value")
-    end
-    for i = 1, #msgs do
-        local m = msgs[i]
-        local param = format("messages[%d]", i - 1)
-        if not is_object(m) then
-            return fail(400, param .. " must be an object", param, "invalid_type")
-        end
-        if type(m.role) ~= "string" then
-            return fail(400, param .. ".role must be a string", param .. ".role",
-                "invalid_type")
-        end
-        local c = m.content
-        if c ~= nil and c ~= null and type(c) ~= "string" and not is_array(c) then
-            return fail(400, param .. ".content must be a string or an array of content parts",
-                param .. ".content", "invalid_type")
-        end
-    end
-    local tools = body.tools
-    if tools ~= nil and tools ~= null and not is_array(tools) then
-        return fail(400, "'tools' must be an array", "tools", "invalid_type")
-    end
-    local ok, err = _M.check_template_kwargs(body.chat_template_kwargs,
-        edge.template_kwargs_allowed)
-    if not ok then
-        return nil, err
-    end
-    return check_common(body, models)
-end
-
--- validate_completions(body, models) -> model entry | nil, err (400/404).
--- prompt: string, array of strings, array of token ids or array of token-id arrays.
-function _M.validate_completions(body, models)
-    local p = body.prompt
-    if p == nil or p == null then
-        return fail(400, "'prompt' is a required property" .. envelope_hint(body, "prompt"),
-            "prompt", "missing_required_parameter")
-    end
-    if type(p) ~= "string" then
-        if not is_array(p) or #p == 0 then
-            return fail(400, "'prompt' must be a string or a non-empty array", "prompt",
-                "invalid_type")
-        end
-        for i = 1, #p do
-            local e = p[i]
-            if type(e) ~= "string" and not json_integer(e) and not is_array(e) then
-                local param = format("prompt[%d]", i - 1)
-                return fail(400, param .. " must be a string, a token id or an array of token ids",
-                    param, "invalid_type")
-            end
-        end
-    end
-    return check_common(body, models)
-end
-
 -- The checks an API module's validate makes in that API's wording ("field: ..."):
 --   api_model(body) -> true | nil, err (400): the model is a string;
 --   api_bool(body, name) -> true | nil, err (400): body[name] is a boolean, null or absent.
@@ -383,12 +254,13 @@ function _M.api_bool(body, name)
     return true
 end
 
--- check_api(route, body, models, edge, schema_param, schema) -> model entry | nil, err
+-- check_api(known, body, models, edge, schema_param, schema) -> model entry | nil, err
 -- (400/404): what an API module's validate checks last, the fields every API shares:
 -- tools (an array, or absent), the model (a configured one), chat_template_kwargs
 -- (edge.template_kwargs_allowed), the API's structured-output schema (schema, found
--- at schema_param; nil when the body has none) and the unknown fields (tokengate.bounds).
-function _M.check_api(route, body, models, edge, schema_param, schema)
+-- at schema_param; nil when the body has none) and the unknown fields (tokengate.bounds;
+-- known: the route's fields, the module's FIELDS[route]).
+function _M.check_api(known, body, models, edge, schema_param, schema)
     local tools = body.tools
     if tools ~= nil and tools ~= null and not is_array(tools) then
         return fail(400, "tools: must be an array", "tools", "invalid_type")
@@ -408,23 +280,23 @@ function _M.check_api(route, body, models, edge, schema_param, schema)
             return nil, err
         end
     end
-    ok, err = bounds.check(route, body, edge)
+    ok, err = bounds.check(known, body, edge)
     if not ok then
         return nil, err
     end
     return entry
 end
 
--- parse(route, models, edge) -> body (tokengate.json object) | nil, err
+-- parse(route, models, edge, api) -> body (tokengate.json object) | nil, err
 -- The whole body stage of an API request: headers (415/413), read (memory or file),
--- strict decoding (400), shape and model (400/404), the bounds on costly inputs (400,
--- tokengate.bounds); body.model then names a configured model. route: "chat" |
--- "completions" | a route of api; api: the route's API module (tokengate.messages),
--- whose validate(route, body, models, edge) replaces the chat and completions checks
--- and bounds, or nil; edge: the compiled edge settings (max_body_bytes, body_deadline_s,
--- max_json_depth, template_kwargs_allowed, structured_output, max_unknown_fields_bytes). err.model: the
--- body's "model" when it names a configured model (for the usage event; a client's
--- unknown name is never passed on: it can be any size).
+-- strict decoding (400), then the route's API module's validate(route, body, models,
+-- edge): shape and model (400/404), the bounds on costly inputs (400,
+-- tokengate.bounds); body.model then names a configured model, and the body's text
+-- (text()) is the client's bytes. edge: the compiled edge settings (max_body_bytes,
+-- body_deadline_s, max_json_depth, template_kwargs_allowed, structured_output,
+-- max_unknown_fields_bytes). err.model: the body's "model" when it names a configured
+-- model (for the usage event; a client's unknown name is never passed on: it can be
+-- any size).
 function _M.parse(route, models, edge, api)
     local ok, err = _M.check_headers(edge.max_body_bytes)
     if not ok then
@@ -440,22 +312,14 @@ function _M.parse(route, models, edge, api)
     if not body then
         return nil, err
     end
-    if api then
-        ok, err = api.validate(route, body, models, edge)
-    elseif route == "chat" then
-        ok, err = _M.validate_chat(body, models, edge)
-    else
-        ok, err = _M.validate_completions(body, models)
-    end
-    if ok and not api then
-        ok, err = bounds.check(route, body, edge)
-    end
+    ok, err = api.validate(route, body, models, edge)
     if not ok then
         local name = body.model
         err.model = type(name) == "string" and models[name] and name or nil
         err.stream = body.stream == true
         return nil, err
     end
+    body[TEXT] = raw
     return body
 end
 

@@ -22,7 +22,7 @@ local fail = errors.refuse
 
 local _M = {}
 
--- set(names) -> {name = true} (also for an API module's KNOWN entry: tokengate.messages)
+-- set(names) -> {name = true}: an API module's FIELDS entry (tokengate.api)
 local function set(names)
     local t = {}
     for i = 1, #names do
@@ -32,41 +32,6 @@ local function set(names)
 end
 _M.set = set
 
--- The fields (and aliases) of vLLM 0.32's ChatCompletionRequest
--- (vllm/entrypoints/openai/chat_completion/protocol.py) and CompletionRequest
--- (.../completion/protocol.py); tests/edge/test_edge_costly_inputs.py compares them with
--- vLLM's own models. Any other top-level field is ignored by vLLM
--- (vllm/entrypoints/serve/engine/protocol.py, OpenAIBaseModel: extra="allow").
-local SHARED = {
-    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt",
-    "ec_transfer_params", "echo", "frequency_penalty", "ignore_eos",
-    "include_stop_str_in_output", "kv_transfer_params", "length_penalty", "logit_bias",
-    "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "mm_payload",
-    "model", "n", "presence_penalty", "priority", "prompt_logprobs", "repetition_detection",
-    "repetition_penalty", "request_id", "response_format", "return_mm_kwargs",
-    "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids",
-    "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens",
-    "spaces_between_special_tokens", "stop", "stop_token_ids", "stream", "stream_interval",
-    "stream_options", "structured_outputs", "temperature", "thinking_token_budget", "top_k",
-    "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "user",
-    "vllm_xargs", "watermarking",
-}
-local CHAT_ONLY = {
-    "add_generation_prompt", "chat_template", "chat_template_kwargs",
-    "continue_final_message", "documents", "include_reasoning", "max_completion_tokens",
-    "media_io_kwargs", "messages", "mm_processor_kwargs", "parallel_tool_calls",
-    "reasoning_effort", "return_prompt_text", "tool_choice", "tools", "top_logprobs",
-}
-local COMPLETIONS_ONLY = { "prompt", "prompt_embeds", "suffix" }
-
-local KNOWN = { chat = set(SHARED), completions = set(SHARED) }
-for i = 1, #CHAT_ONLY do
-    KNOWN.chat[CHAT_ONLY[i]] = true
-end
-for i = 1, #COMPLETIONS_ONLY do
-    KNOWN.completions[COMPLETIONS_ONLY[i]] = true
-end
-_M.KNOWN = KNOWN
 
 -- The structured-output fields: vLLM 0.32 reads response_format and structured_outputs;
 -- the guided_* fields were removed in vLLM 0.32 (ignored there: they also count as
@@ -172,16 +137,16 @@ function _M.structured(name, v, edge)
     return check_structured(name, v, edge.structured_output, edge.max_json_depth)
 end
 
--- check(route, body, edge) -> true | nil, err (400). route: "chat" | "completions" | a
--- route another API module added to KNOWN (tokengate.messages);
--- edge: the compiled edge settings (structured_output, max_unknown_fields_bytes,
+-- check(known, body, edge) -> true | nil, err (400). known: the fields vLLM's request
+-- model of the route defines ({name -> true}, the API module's FIELDS[route]); edge:
+-- the compiled edge settings (structured_output, max_unknown_fields_bytes,
 -- max_json_depth).
 --   structured_output_too_complex: a structured-output field above a bound, named;
 --   invalid_json: a string that vLLM decodes as JSON (structured_outputs.json) is not;
 --   unknown_fields_too_large: the fields vLLM does not define add up to more than
 --   edge.max_unknown_fields_bytes (each counted as the JSON of its key and value);
 --   the largest is named.
-function _M.check(route, body, edge)
+function _M.check(known, body, edge)
     local lim = edge.structured_output
     for i = 1, #STRUCTURED do
         local name = STRUCTURED[i]
@@ -193,7 +158,6 @@ function _M.check(route, body, edge)
             end
         end
     end
-    local known = KNOWN[route]
     local keys = body[KEYS]
     local total, biggest, biggest_n = 0, nil, 0
     for i = 1, #keys do

@@ -173,7 +173,7 @@ function _M.load(path)
             b.spend = b.spend ~= cjson.null and b.spend or nil
             b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
         end
-        -- null: the model's cap and weight (tokengate.request.cap_of, tokengate.limits)
+        -- null: the model's cap and weight (tokengate.output.cap_of, tokengate.limits)
         if k.max_tokens_cap == cjson.null then
             k.max_tokens_cap = nil
         end

@@ -12,7 +12,6 @@
 
 local ngx = ngx
 local errors = require "tokengate.errors"
-local request = require "tokengate.request"
 
 local ngx_var = ngx.var
 local ngx_req = ngx.req
@@ -64,13 +63,14 @@ local function allowed(cors, origin)
     return cors.origins[lower(origin)] and origin or nil
 end
 
--- preflight(ctx, cors, route, uri) -> nothing when the request is no preflight; else
--- ends it: 204 with Access-Control-Allow-{Origin,Methods,Headers} and Max-Age for an
--- allowed origin and an API route, 403 (cors_origin_not_allowed) for any other origin,
--- 404 (unknown_url) for a path that is no route, 400 for an
--- Access-Control-Request-Headers that is no list of header names. ctx.preflight:
--- "allowed" | "refused" (the status counter and the log phase read it).
-function _M.preflight(ctx, cors, route, uri)
+-- preflight(ctx, cors, allow_methods, uri) -> nothing when the request is no preflight;
+-- else ends it: 204 with Access-Control-Allow-{Origin,Methods,Headers} and Max-Age for
+-- an allowed origin and an API route, 403 (cors_origin_not_allowed) for any other
+-- origin, 404 (unknown_url) for a path that is no route, 400 for an
+-- Access-Control-Request-Headers that is no list of header names. allow_methods: the
+-- route's methods (tokengate.apis.ALLOW), nil for a path that is no route.
+-- ctx.preflight: "allowed" | "refused" (the status counter and the log phase read it).
+function _M.preflight(ctx, cors, allow_methods, uri)
     if ngx_req.get_method() ~= "OPTIONS" then
         return
     end
@@ -89,9 +89,9 @@ function _M.preflight(ctx, cors, route, uri)
             .. errors.clip(origin) .. " are not allowed by this gateway.", nil,
             "cors_origin_not_allowed"))
     end
-    if not route then
+    if not allow_methods then
         h["Access-Control-Allow-Origin"] = allow -- the page may read why: no such path
-        return errors.send(ctx, request.check_method(nil, "OPTIONS", uri))
+        return errors.send(ctx, errors.unknown_url("OPTIONS", uri))
     end
     local asked = ngx_var.http_access_control_request_headers
     if asked and (#asked > MAX_REQUEST_HEADERS or find(asked, NOT_HEADER_LIST)) then
@@ -100,7 +100,7 @@ function _M.preflight(ctx, cors, route, uri)
     end
     ctx.preflight = "allowed"
     h["Access-Control-Allow-Origin"] = allow
-    h["Access-Control-Allow-Methods"] = request.ALLOW[route]
+    h["Access-Control-Allow-Methods"] = allow_methods
     if asked then
         h["Access-Control-Allow-Headers"] = asked
     end

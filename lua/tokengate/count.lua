@@ -21,9 +21,8 @@ local sub = string.sub
 
 local _M = {}
 
--- route -> tokengate.v1.Endpoint (proto/tokengate/v1/counter.proto)
-local ENDPOINT = { chat = 1, completions = 2, messages = 3, count_tokens = 4, responses = 5,
-                   input_tokens = 5, embeddings = 6 }
+-- tokengate.v1.ENDPOINT_COMPLETIONS (proto/tokengate/v1/counter.proto): ping()'s
+local COMPLETIONS = 2
 local METHOD = "/tokengate.v1.TokenCounter/CountTokens"
 local GRPC_INVALID_ARGUMENT = 3
 local GRPC_NOT_FOUND = 5
@@ -34,7 +33,7 @@ local GRPC_OUT_OF_RANGE = 11
 -- counter's breaker either.
 local HEAVY_BYTES = 256 * 1024
 
--- per-worker LRU: route .. model .. SHA-256(body) -> reply. A digest, not the body
+-- per-worker LRU: endpoint .. model .. SHA-256(body) -> reply. A digest, not the body
 -- itself, is the key: count_cache_entries bodies of up to max_body_bytes each would be
 -- held otherwise; SHA-256 (no known collision, unlike SHA-1) keeps it exact. A reply
 -- with prefix hits (routing.policy prefix, replicas with KV events) is not kept: the
@@ -54,14 +53,14 @@ function _M.init_worker(edge, sockets, dict)
     return client ~= nil, err
 end
 
--- ask(route, model, body) -> reply | nil, failure (tokengate.sidecar's shape)
-local function ask(route, model, body)
-    local ckey = route .. "\0" .. model .. "\0" .. sha256(body)
+-- ask(endpoint, model, body) -> reply | nil, failure (tokengate.sidecar's shape)
+local function ask(endpoint, model, body)
+    local ckey = endpoint .. "\0" .. model .. "\0" .. sha256(body)
     local hit = cache:get(ckey)
     if hit then
         return hit
     end
-    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT[route], body),
+    local msg, failure = client:call(METHOD, pb.count_request(model, endpoint, body),
         max(1, ceil(#body / HEAVY_BYTES)))
     if not msg then
         return nil, failure
@@ -106,11 +105,11 @@ local CLOSED = errors.new(503, "The token counter is unavailable; the request wa
     .. "forwarded. Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
 _M.CLOSED = CLOSED
 
--- prompt(route, model, body, edge) -> counted | nil, err
---   route: "chat" | "completions" | "messages" | "count_tokens" | "responses" |
---   "input_tokens" | "embeddings"; model: served model name; body: the exact bytes the
---   edge will forward; edge: compiled edge settings (on_counter_failure,
---   estimate_bytes_per_token).
+-- prompt(endpoint, model, body, edge) -> counted | nil, err
+--   endpoint: how the counter reads the body, a tokengate.v1.Endpoint (the route's API
+--   module's ENDPOINT[route]); model: served model name; body: the body's JSON text as
+--   the edge forwards it (tokengate.body.text); edge: compiled edge settings
+--   (on_counter_failure, estimate_bytes_per_token).
 --   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,
 --               source = "counter" | "estimate", system = <system-message tokens>,
 --               reply = <pb.count_reply> | nil (estimate) }
@@ -119,8 +118,8 @@ _M.CLOSED = CLOSED
 --   and the edge fails closed.
 -- The estimate is ceil(#body / estimate_bytes_per_token): it counts the whole JSON
 -- text, so it over-counts and limits stay on the safe side.
-function _M.prompt(route, model, body, edge)
-    local reply, failure = ask(route, model, body)
+function _M.prompt(endpoint, model, body, edge)
+    local reply, failure = ask(endpoint, model, body)
     if reply then
         return { prompt = reply.prompt_tokens, prompts = max(1, reply.prompt_count),
                  source = "counter", system = reply.breakdown.system, reply = reply }
@@ -148,7 +147,7 @@ local PING = '{"prompt":"ok"}'
 -- the sidecar's message in parentheses when it gave one (e.g. the counter's gRPC message
 -- for a model it does not serve).
 function _M.ping(model)
-    local msg, failure = client:call(METHOD, pb.count_request(model, ENDPOINT.completions,
+    local msg, failure = client:call(METHOD, pb.count_request(model, COMPLETIONS,
         PING))
     if not msg then
         if failure.message and failure.message ~= "" then

@@ -9,7 +9,7 @@
 -- so a systematic drift does not flood the log.
 --
 -- ctx fields read: count_source, token_estimate (the edge's count), prompt_count,
--- n (set by phases.access), u_source, u_prompt (tokengate.usage), model, replica.
+-- n (set by tokengate.stages.count), u_source, u_prompt (tokengate.usage), model, replica.
 
 local ngx = ngx
 local metrics = require "tokengate.metrics"

@@ -1,6 +1,7 @@
 -- Every error the edge answers, in OpenAI's shape:
 --   {"error": {"message": "...", "type": "...", "param": "..." | null, "code": "..." | null}}
--- or, for the routes of another API module, in that API's (render: tokengate.messages).
+-- or, for the routes of another API module, in that API's (render: tokengate.api's
+-- error_body).
 --
 -- One error kind: concern modules return `nil, err` with err made by new() (or
 -- `return refuse(...)`), and the phases module ends the request with send(ctx, err).
@@ -9,9 +10,8 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local cjson = require "cjson.safe"
+local reply = require "tokengate.reply"
 
-local ngx_print = ngx.print
-local pairs = pairs
 local ngx_exit = ngx.exit
 local HTTP_OK = ngx.HTTP_OK
 local null = json.null
@@ -97,10 +97,10 @@ function _M.refuse(status, message, param, code, etype, headers)
 end
 
 -- render(ctx, err) -> JSON text of err in the shape of the request's API: ctx.api's
--- error_body (tokengate.messages: Anthropic's) or OpenAI's.
+-- error_body (tokengate.api), or OpenAI's before a request has an API module.
 function _M.render(ctx, err)
     local api = ctx.api
-    if api and api.error_body then
+    if api then
         return api.error_body(err)
     end
     return _M.body(err.message, err.type, err.param, err.code)
@@ -112,22 +112,18 @@ end
 -- by the header filter from ctx.
 function _M.send(ctx, err)
     ctx.error = err.code or err.type
-    local body = _M.render(ctx, err)
-    ngx.status = err.status
-    local h = ngx.header
-    h["Content-Type"] = "application/json"
-    h["Content-Length"] = #body
-    local extra = err.headers
-    if extra then
-        for k, v in pairs(extra) do
-            h[k] = v
-        end
-    end
-    ngx_print(body)
+    reply.write(err.status, _M.render(ctx, err), err.headers)
     -- nginx terminates a request finalized with 408 without sending what was printed
     -- (it takes 408 for its own client_body_timeout): end it as answered instead, the
     -- status stays 408
     return ngx_exit(err.status == 408 and HTTP_OK or err.status)
+end
+
+-- unknown_url(method, uri) -> err: the 404 of a path that is no route (method and uri
+-- are the client's, clipped).
+function _M.unknown_url(method, uri)
+    return _M.new(404, format("Invalid URL (%s %s)", _M.clip(method), _M.clip(uri)), nil,
+        "unknown_url")
 end
 
 -- What nginx itself answers (error pages before or around the edge's Lua), as errors:

@@ -12,27 +12,15 @@ local config = require "tokengate.config"
 local count = require "tokengate.count"
 local upstream = require "tokengate.upstream"
 local json = require "tokengate.json"
+local reply = require "tokengate.reply"
 
-local ngx_print = ngx.print
-local ngx_exit = ngx.exit
 local pairs = pairs
 local sort = table.sort
 local concat = table.concat
 
 local _M = {}
 
-local function answer(status, text, headers)
-    ngx.status = status
-    ngx.header["Content-Type"] = "application/json"
-    ngx.header["Content-Length"] = #text
-    if headers then
-        for k, v in pairs(headers) do
-            ngx.header[k] = v
-        end
-    end
-    ngx_print(text)
-    return ngx_exit(status)
-end
+local answer = reply.send
 
 local function refusal(status, message, code, headers)
     local e = json.object()

@@ -67,15 +67,23 @@ end
 
 -- request(key, model, request_id) -> req: the limits a request is held to, before its
 -- size is known. key: the compiled key {id, rpm, tpm, models}; model: a served model
--- name or nil (not known yet). A key's per-model override replaces its limits for that
--- model, in a window of its own ("<key id>@<model>").
+-- name or nil (not known yet: model() names it once the body is read). A key's
+-- per-model override replaces its limits for that model, in a window of its own
+-- ("<key id>@<model>").
 function _M.request(key, model, request_id)
+    local req = { key_id = key.id, request_id = request_id, tokens = 0 }
+    _M.model(req, key, model)
+    return req
+end
+
+-- model(req, key, model): the request's model, known once its body is read (or its
+-- stored response found): the key's limits for it (per-model override, window). The
+-- same req: a request builds its limits once.
+function _M.model(req, key, model)
     local override = model and key.models[model]
-    return {
-        key_id = key.id, model = model, per_model = override ~= nil,
-        bucket = override and (key.id .. "@" .. model) or key.id,
-        limits = override or key, request_id = request_id, tokens = 0,
-    }
+    req.model, req.per_model = model, override ~= nil
+    req.bucket = override and (key.id .. "@" .. model) or key.id
+    req.limits = override or key
 end
 
 -- peek(req) -> the local window's state without admitting anything (the headers of an

@@ -329,10 +329,6 @@ function _M.json_text(extra)
     return json.encode(o)
 end
 
-local ENDPOINTS = { chat = true, completions = true, models = true, model = true,
-                    messages = true, count_tokens = true, responses = true,
-                    input_tokens = true, response = true, response_cancel = true,
-                    embeddings = true }
 local LIMIT = { requests = "rpm", tokens = "tpm" }
 
 -- connect_s(v) -> nginx's $upstream_connect_time of the last try, seconds, or nil
@@ -354,7 +350,8 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
     local model = ctx.model and models[ctx.model] and _M.value(ctx.model) or _M.NONE
     local km = 'key="' .. key .. '",model="' .. model .. '"'
     local m = 'model="' .. model .. '"'
-    local endpoint = ENDPOINTS[ctx.route] and ctx.route or "other"
+    -- a route's name (tokengate.apis: a fixed set), or "other" for a path that is none
+    local endpoint = ctx.route or "other"
     local class = (status >= 100 and status < 600) and sub(tostring(status), 1, 1) .. "xx"
         or "5xx"
     add("tokengate_requests_total\t" .. km .. ',endpoint="' .. endpoint .. '",status="'

@@ -82,7 +82,7 @@ end
 
 -- serves(model, runner, uri) -> true | nil, err (400 model_not_supported): whether the
 -- compiled model takes a request of a route served by vLLM's runner `runner`
--- ("generate" | "pooling", tokengate.request.runner) at path uri. vLLM itself answers
+-- ("generate" | "pooling": the API module's RUNNER, tokengate.api) at path uri. vLLM itself answers
 -- 404 {"detail": "Not Found"} there (a pooling server registers /v1/embeddings and no
 -- generating route, a generating server the other way round): the edge answers first,
 -- in OpenAI's shape and naming the model, and forwards nothing.

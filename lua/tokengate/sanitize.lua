@@ -1,5 +1,8 @@
 -- Sanitizing the strings a model reads, after strict JSON decoding (so escapes such as
--- \u200b are already characters and every string is valid UTF-8).
+-- \u200b are already characters and every string is valid UTF-8). Every API module
+-- walks its own body shape with the visitors at the end of this file. (Over 600 lines:
+-- cleaning, the token policies and the visitors share one per-request state and one
+-- first-refusal rule, and are proven together by sanitize_spec.lua.)
 --
 -- Removed, everywhere the model reads text: invisible characters with no meaning
 -- (U+200B, U+2060, U+FEFF, U+00AD, U+180E, invisible operators U+2061..U+2064, bidi
@@ -37,7 +40,6 @@ local decode = json.decode
 local utf8_char = json.utf8_char
 local KEYS = json.KEYS
 
-local REASONING_FIELDS = { "reasoning_content", "reasoning" }
 -- The string fields of a content part that vLLM reads as text: "text" (types text,
 -- input_text, output_text), "refusal" (refusal), "thinking" (thinking). Each is visited
 -- whatever the part's type says: cleaning a field vLLM ignores costs nothing.
@@ -449,32 +451,6 @@ end
 -- Strings of a tool schema that are prose for the model: cleaned as well as checked.
 local SCHEMA_PROSE = { description = true, title = true }
 
--- visit_tools(st, tools, param): each tool's function name, description and schema
--- ("tools[i].function.name" ...) against every special and structural token, whatever the
--- roles say: tools are client-supplied text that the template renders into the system
--- turn (Qwen3: each tool as JSON inside <tools>...</tools>), and often third-party text.
-local function visit_tools(st, tools, param)
-    if not is_array(tools) then
-        return
-    end
-    local tokens = st.all
-    for i = 1, #tools do
-        local fn = is_object(tools[i]) and tools[i]["function"]
-        if is_object(fn) then
-            local fparam = format("%s[%d].function", param, i - 1)
-            if type(fn.name) == "string" then
-                fn.name = visit_text(st, fn.name, fparam .. ".name", tokens)
-            end
-            if type(fn.description) == "string" then
-                fn.description = visit_text(st, fn.description, fparam .. ".description", tokens)
-            end
-            if type(fn.parameters) == "table" then
-                visit_value(st, fn.parameters, fparam .. ".parameters", tokens, SCHEMA_PROSE)
-            end
-        end
-    end
-end
-
 local ESCAPED = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n",
                   r = "\r", t = "\t" }
 local REPLACEMENT = "\239\191\189" -- U+FFFD, for a lone surrogate (no token holds one)
@@ -585,137 +561,12 @@ local function visit_arguments(st, fn, param, tokens)
     end
 end
 
--- visit_calls(st, calls, i, tokens): the tool calls of messages[i] (name, id, arguments).
-local function visit_calls(st, calls, i, tokens)
-    for j = 1, #calls do
-        local call = calls[j]
-        local fn = is_object(call) and call["function"]
-        if is_object(fn) then
-            local param = format("messages[%d].tool_calls[%d]", i - 1, j - 1)
-            if type(call.id) == "string" then
-                call.id = check_text(st, call.id, param .. ".id", tokens)
-            end
-            -- the template writes the name into the assistant turn verbatim
-            if type(fn.name) == "string" then
-                fn.name = visit_text(st, fn.name, param .. ".function.name", tokens)
-            end
-            visit_arguments(st, fn, param .. ".function.arguments", tokens)
-        end
-    end
-end
-
--- Message fields that vLLM hands to the template as they are (identifiers: checked,
--- never cleaned).
-local MESSAGE_IDS = { "name", "tool_call_id" }
-
 -- new_state(model, edge) -> per-request state (see "State of one request's pass")
 local function new_state(model, edge)
     return { removed = 0, stripped = 0, escaped = 0, collapsed = 0,
              policy = edge.special_tokens,
              by_role = model.role_tokens, all = model.all_tokens,
              structural = model.structural_set, depth = edge.max_json_depth }
-end
-
--- chat(body, model, edge) -> state {removed, stripped, escaped, collapsed, bad}
--- Sanitizes a validated chat body in place: message content (string, text / refusal /
--- thinking parts, bare string parts), assistant reasoning, names and tool-call ids, tool
--- calls (names; arguments as vLLM decodes them), a developer message's tools, tools,
--- documents and the values of chat_template_kwargs. Checks the special tokens in the
--- messages of edge.special_token_roles, the structural tokens in those of
--- edge.structural_token_roles, both everywhere else listed (policy edge.special_tokens:
--- "escape" | "reject" | "strip" | "allow"); then removes each system message that exactly
--- repeats an earlier one (same JSON after sanitizing).
--- state.bad = {param = "messages[i].content", token = "<|im_end|>", ...} when refused
--- (indices are the client's, before collapsing).
-function _M.chat(body, model, edge)
-    local st = new_state(model, edge)
-    local messages = body.messages
-    for i = 1, #messages do
-        local m = messages[i]
-        local tokens = st.by_role[m.role]
-        if m.content ~= nil then
-            m.content = visit_content(st, m.content, format("messages[%d].content", i - 1),
-                tokens)
-        end
-        for r = 1, #REASONING_FIELDS do
-            local f = REASONING_FIELDS[r]
-            if type(m[f]) == "string" then
-                m[f] = visit_text(st, m[f], format("messages[%d].%s", i - 1, f), tokens)
-            end
-        end
-        for r = 1, #MESSAGE_IDS do
-            local f = MESSAGE_IDS[r]
-            if type(m[f]) == "string" then
-                m[f] = check_text(st, m[f], format("messages[%d].%s", i - 1, f), tokens)
-            end
-        end
-        if is_array(m.tool_calls) then
-            visit_calls(st, m.tool_calls, i, tokens)
-        end
-        if m.role == "developer" then
-            -- vLLM passes a developer message's tools to the template (message.tools)
-            visit_tools(st, m.tools, format("messages[%d].tools", i - 1))
-        end
-    end
-    visit_tools(st, body.tools, "tools")
-    if body.documents ~= nil then
-        visit_value(st, body.documents, "documents", st.all, false)
-    end
-    if is_object(body.chat_template_kwargs) then
-        visit_value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
-    end
-
-    -- A client that rebuilds its history often prepends the same system prompt again;
-    -- exact repeats carry no information and cost tokens on every turn.
-    local seen, kept, n = nil, nil, 0
-    for i = 1, #messages do
-        local m = messages[i]
-        local drop = false
-        if m.role == "system" then
-            local sig = encode(m)
-            seen = seen or {}
-            if seen[sig] then
-                drop = true
-            else
-                seen[sig] = true
-            end
-        end
-        if drop then
-            if not kept then
-                kept = json.array()
-                for j = 1, i - 1 do
-                    kept[j] = messages[j]
-                end
-                n = i - 1
-            end
-            st.collapsed = st.collapsed + 1
-        elseif kept then
-            n = n + 1
-            kept[n] = m
-        end
-    end
-    if kept then
-        body.messages = kept
-    end
-    return st
-end
-
--- completions(body, model, edge) -> state. Sanitizes the prompt (string or array of
--- strings; token-id prompts are numbers and pass unchanged). Completions prompts are raw
--- text by definition (no turns to forge), so tokens are not checked there.
-function _M.completions(body, model, edge)
-    local st = new_state(model, edge)
-    local p = body.prompt
-    if type(p) == "string" then
-        body.prompt = visit_text(st, p, "prompt", nil)
-    elseif is_array(p) then
-        for i = 1, #p do
-            if type(p[i]) == "string" then
-                p[i] = visit_text(st, p[i], format("prompt[%d]", i - 1), nil)
-            end
-        end
-    end
-    return st
 end
 
 -- WHY[bad.why]: how the token got past the policy, for the message.
@@ -748,8 +599,9 @@ local function refusal(st)
         bad.param, what, where, why), bad.param, "special_token_in_content")
 end
 
--- The visitors, for an API module that sanitizes its own body shape
--- (tokengate.messages, tokengate.responses), with the same policy and counts as chat:
+-- The visitors, with which every API module sanitizes its own body shape
+-- (tokengate.apis.*: sanitize), under one policy (edge.special_tokens) and with the
+-- same counts:
 --   state(model, edge) -> st; text(st, s, param, tokens) -> s cleaned and checked;
 --   check(st, s, param, tokens) -> s checked only (identifiers); content(st, content,
 --   param, tokens) -> a chat content (string or parts); value(st, node, param, tokens,
@@ -767,25 +619,45 @@ function _M.verdict(st)
     return st
 end
 
--- request(route, body, model, edge) -> counts | nil, err
---   Sanitizes body in place (chat() / completions()) under edge.special_tokens. counts =
---   {removed (invisible or control characters), stripped (special and structural tokens,
---   policy "strip"), escaped (U+200B inserted, one per token occurrence, policy
---   "escape"), collapsed (repeated system messages dropped)}, reported in the usage
---   event. err: 400 special_token_in_content naming the field, when policy "reject" found
---   a token, or "strip" / "escape" found one it cannot rewrite (in a key, formed by
---   stripping, in tool-call arguments that are not strict JSON, a one-character token).
-function _M.request(route, body, model, edge)
-    local st
-    if route == "chat" then
-        st = _M.chat(body, model, edge)
-    else
-        st = _M.completions(body, model, edge)
+-- objects(st, list, param, visit): visit(st, obj, "<param>[i]") for each object of the
+-- array list (nothing when list is no array): a body's tools, a message's tool calls.
+function _M.objects(st, list, param, visit)
+    if not is_array(list) then
+        return
     end
-    if st.bad then
-        return refusal(st)
+    for i = 1, #list do
+        local v = list[i]
+        if is_object(v) then
+            visit(st, v, format("%s[%d]", param, i - 1))
+        end
     end
-    return st
+end
+
+-- tool(st, t, param, schema): a tool's name and description (cleaned) and its schema
+-- t[schema] (its prose cleaned: SCHEMA_PROSE), against every special and structural
+-- token: tools are client-supplied text that the template renders into the system turn
+-- (Qwen3: each tool as JSON inside <tools>...</tools>), and often third-party text.
+function _M.tool(st, t, param, schema)
+    local tokens = st.all
+    if type(t.name) == "string" then
+        t.name = visit_text(st, t.name, param .. ".name", tokens)
+    end
+    if type(t.description) == "string" then
+        t.description = visit_text(st, t.description, param .. ".description", tokens)
+    end
+    if type(t[schema]) == "table" then
+        visit_value(st, t[schema], param .. "." .. schema, tokens, SCHEMA_PROSE)
+    end
+end
+
+-- finish(st, body) -> counts | nil, err: the last of every API's pass: the values of
+-- body.chat_template_kwargs against every special and structural token (the template
+-- renders them into the system turn), then verdict(st).
+function _M.finish(st, body)
+    if is_object(body.chat_template_kwargs) then
+        visit_value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
+    end
+    return _M.verdict(st)
 end
 
 return _M

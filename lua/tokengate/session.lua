@@ -15,7 +15,7 @@
 --                                   session_id as one variable; names with "_" need
 --                                   `underscores_in_headers on` (the location snippet)
 --   4. the body's own fields, in the order the request's API module lists them
---      (api.SESSION_FIELDS, default OpenAI's safety_identifier then user):
+--      (its SESSION_FIELDS, tokengate.api: default OpenAI's safety_identifier then user):
 --      previous_response_id (Responses) resolves to the session of the response it
 --      continues (kept by this edge, see remember()); a response this edge does not
 --      know names the session itself; metadata.user_id (Anthropic Messages)
@@ -64,9 +64,6 @@ local HEADERS = {
     { "http_session_id", "session-id" },
     { "http_conversation_id", "conversation_id" },
 }
--- OpenAI's end-user identifiers (chat, completions, embeddings, responses)
-local DEFAULT_FIELDS = { "safety_identifier", "user" }
-_M.DEFAULT_FIELDS = DEFAULT_FIELDS
 
 -- clean(s) -> s when it is 1..MAX_BYTES bytes of printable ASCII, else its
 -- "sha256:<32 hex>" name; nil for nil or "".
@@ -96,7 +93,7 @@ local function field(body, name)
 end
 
 -- chain_key(id) -> the dict key of a response id's session: its edge request id (the
--- 32 hex digits after "resp_", tokengate.responses.response_id), the id itself otherwise
+-- 32 hex digits after "resp_", tokengate.apis.responses.response_id), the id itself otherwise
 local function chain_key(id)
     return "r:" .. sub(id, 1, 37)
 end
@@ -139,8 +136,7 @@ function _M.read(ctx, body)
     if type(body) ~= "table" then
         return
     end
-    local api = ctx.api
-    local fields = api and api.SESSION_FIELDS or DEFAULT_FIELDS
+    local fields = ctx.api.SESSION_FIELDS
     for i = 1, #fields do
         local name = fields[i]
         local v = field(body, name)
@@ -231,7 +227,7 @@ function _M.settle(ctx, tokens, cost)
 end
 
 -- remember(ctx, response_id): the session of a response this edge forwarded (the
--- Responses API's id, tokengate.responses), for the requests that continue it.
+-- Responses API's id, tokengate.apis.responses), for the requests that continue it.
 function _M.remember(ctx, response_id)
     local sid = ctx.session_id
     local dict = ngx_shared[DICT]

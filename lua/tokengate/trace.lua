@@ -30,7 +30,7 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local clock = require "tokengate.clock"
-local request = require "tokengate.request"
+local request_id = require("tokengate.state").request_id
 
 local sub = string.sub
 local find = string.find
@@ -128,21 +128,21 @@ end
 function _M.start(ctx, tracing)
     local tp, ts = received()
     local id, parent, sampled = parse(tp)
-    local state = id and valid_state(ts) or nil
+    local tracestate = id and valid_state(ts) or nil
     if not tracing.enabled then
         if tp and not id then
             ngx_req.clear_header("traceparent")
         end
-        return forwarded(state, ts)
+        return forwarded(tracestate, ts)
     end
-    forwarded(state, ts)
-    local rid = request.id(ctx)
+    forwarded(tracestate, ts)
+    local rid = request_id(ctx)
     if not id then
         id = rid
         sampled = tonumber(sub(id, 25, 32), 16) < tracing.sample_ratio * TWO32
     end
     ctx.trace = {
-        id = id, parent = parent, sampled = sampled, state = state,
+        id = id, parent = parent, sampled = sampled, state = tracestate,
         span = nonzero(sub(rid, 1, 16)), up = nonzero(sub(rid, 17, 32)),
         start_ms = ngx_req.start_time() * 1000, spans = {},
     }
@@ -185,15 +185,16 @@ function _M.header(ctx)
 end
 
 -- reasons(ctx, text): the finish reasons written in one SSE event or JSON body, in
--- order: "finish_reason" of chat and completions, "stop_reason" of the Messages API
--- (one key per request: a stream has an event per token). A plain find: a quote inside
--- generated text is escaped, so the key is never the model's own text.
+-- order: the request's API's FINISH_FIELD ("finish_reason" of OpenAI's APIs,
+-- "stop_reason" of the Messages API; one key per request: a stream has an event per
+-- token). A plain find: a quote inside generated text is escaped, so the key is never
+-- the model's own text.
 function _M.reasons(ctx, text)
     local tr = ctx.trace
     if not tr then
         return
     end
-    local key = ctx.route == "messages" and '"stop_reason":"' or '"finish_reason":"'
+    local key = '"' .. ctx.api.FINISH_FIELD .. '":"'
     local init = 1
     while true do
         local _, e = find(text, key, init, true)

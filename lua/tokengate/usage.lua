@@ -8,7 +8,12 @@
 -- asked for continuous_usage_stats) and the final `"choices": []` usage chunk (unless it
 -- asked for include_usage).
 --
--- ctx fields used (set by phases.access): stream, want_usage, want_continuous.
+-- Each event, and each whole answer, is read by the request's API module
+-- (ctx.api.sse_event, ctx.api.whole_usage: tokengate.api); OpenAI's shapes, the
+-- defaults, are read here (openai_event, openai_whole), and the named events of other
+-- APIs ("event: <type>\ndata: <json>") with named_event.
+--
+-- ctx fields used: stream, want_usage, want_continuous (tokengate.state).
 -- ctx fields written: u_prompt, u_completion, u_cached (tokens), u_source
 -- ("final" | "running"), sse_rest (partial event), sse_done ("data: [DONE]" seen),
 -- json_parts (non-stream body), error.
@@ -19,7 +24,7 @@ local cjson = require "cjson.safe"
 local json = require "tokengate.json"
 local clock = require "tokengate.clock"
 local errors = require "tokengate.errors"
-local request = require "tokengate.request"
+local state = require "tokengate.state"
 local drift = require "tokengate.drift"
 local trace = require "tokengate.trace"
 
@@ -142,8 +147,11 @@ local function after_comma(p, q)
     return nil
 end
 
--- One SSE event (without its blank-line terminator) -> the text to send, or nil to drop.
-local function sse_event(ctx, ev)
+-- openai_event(ctx, ev) -> the text to send of one event of an OpenAI stream (chat,
+-- completions: "data: <json>", without its blank-line terminator), or nil to drop it:
+-- its cumulative usage read, and taken out where the client did not ask for it (module
+-- comment); "data: [DONE]" ends the stream; an error object is the stream's error.
+function _M.openai_event(ctx, ev)
     if sub(ev, 1, 6) ~= "data: " then
         return ev
     end
@@ -193,10 +201,9 @@ end
 -- sse(ctx, chunk, eof) -> text to pass on for this body_filter call.
 -- Complete events are passed at once (possibly edited or dropped); a partial event is
 -- held until its end arrives (at most one event's delay); eof flushes what is left.
--- Each event goes to the request's API module (ctx.api.sse_event: the Messages API's
--- events) or, for chat and completions, to sse_event above.
+-- Each event goes to the request's API module (ctx.api.sse_event).
 function _M.sse(ctx, chunk, eof)
-    local on_event = ctx.api and ctx.api.sse_event or sse_event
+    local on_event = ctx.api.sse_event
     local buf = ctx.sse_rest
     if buf then
         buf = buf .. chunk
@@ -235,8 +242,8 @@ function _M.sse(ctx, chunk, eof)
 end
 
 -- whole(ctx, chunk, eof): non-stream responses pass unchanged; the edge keeps a copy
--- and reads usage (or the error code) from the complete JSON at eof: OpenAI's usage
--- object, or the request's API module's (ctx.api.whole_usage).
+-- and reads usage (or the error code) from the complete JSON at eof: the request's API
+-- module's reading (ctx.api.whole_usage).
 function _M.whole(ctx, chunk, eof)
     if chunk ~= "" then
         local parts = ctx.json_parts
@@ -258,21 +265,57 @@ function _M.whole(ctx, chunk, eof)
     if ctx.trace then
         trace.reasons(ctx, text)
     end
-    local u = d.usage
-    if ctx.api then
-        ctx.api.whole_usage(ctx, d)
-    elseif type(u) == "table" then
-        ctx.u_prompt = tonumber(u.prompt_tokens) or 0
-        ctx.u_completion = tonumber(u.completion_tokens) or 0
-        local det = u.prompt_tokens_details
-        ctx.u_cached = type(det) == "table" and tonumber(det.cached_tokens) or 0
-        ctx.u_source = "final"
-    end
+    ctx.api.whole_usage(ctx, d)
     local e = d.error
     if type(e) == "table" and not ctx.error then
         ctx.error = type(e.code) == "string" and e.code
             or type(e.type) == "string" and e.type or "upstream_error"
     end
+end
+
+-- final(ctx, u, prompt, completion, details): a usage object (decoded; nothing when it
+-- is no table) as the request's final usage. prompt, completion, details: the API's
+-- names of the prompt tokens (cached ones included), the completion tokens and the
+-- object holding cached_tokens; a count that is missing is 0.
+function _M.final(ctx, u, prompt, completion, details)
+    if type(u) ~= "table" then
+        return
+    end
+    ctx.u_prompt = tonumber(u[prompt]) or 0
+    ctx.u_completion = tonumber(u[completion]) or 0
+    local det = u[details]
+    ctx.u_cached = type(det) == "table" and tonumber(det.cached_tokens) or 0
+    ctx.u_source = "final"
+end
+
+-- openai_whole(ctx, d): OpenAI's usage object of a whole answer (d decoded):
+-- {prompt_tokens, completion_tokens, prompt_tokens_details: {cached_tokens}}; an
+-- embeddings answer has no completion_tokens (0).
+function _M.openai_whole(ctx, d)
+    _M.final(ctx, d.usage, "prompt_tokens", "completion_tokens", "prompt_tokens_details")
+end
+
+-- named_event(ev) -> kind, nl | nil: one event of a stream whose events are named
+-- ("event: <kind>\ndata: <json>", Anthropic's and the Responses API's): its kind, and
+-- where its first line ends (for event_data); nil: no named event.
+function _M.named_event(ev)
+    if sub(ev, 1, 7) ~= "event: " then
+        return nil
+    end
+    local nl = find(ev, "\n", 8, true)
+    if not nl then
+        return nil
+    end
+    return sub(ev, 8, nl - 1), nl
+end
+
+-- event_data(ev, nl) -> the decoded JSON object of a named event's data line (nl:
+-- named_event's) | nil. Decoded only when a module asks: a stream has an event per
+-- token, and most need no more than their kind.
+function _M.event_data(ev, nl)
+    local at = find(ev, "data:", nl + 1, true)
+    local d = at and cjson.decode(sub(ev, at + 5))
+    return type(d) == "table" and d or nil
 end
 
 local null = json.null
@@ -377,17 +420,12 @@ function _M.record(ctx, status, aborted)
     local t0 = ctx.t0
     local total = t0 and (mono_ms() - t0) or (ngx_now() - ngx_req.start_time()) * 1000
     local req, counts = ctx.limit_req, ctx.sanitized
-    local endpoint = ctx.endpoint
-    if not endpoint then
-        local uri = ngx_var.uri
-        endpoint = request.endpoint(request.route(uri), uri)
-    end
     return _M.event({
-        request_id = request.id(ctx),
+        request_id = state.request_id(ctx),
         ts = clock.rfc3339_ms(ngx_req.start_time()),
         key_id = ctx.key and ctx.key.id,
         model = ctx.model,
-        endpoint = endpoint,
+        endpoint = ctx.endpoint,
         status = status,
         stream = ctx.stream == true,
         token_estimate = ctx.token_estimate or 0,

@@ -2,7 +2,7 @@
 
 What goes where (every path below ``--prefix``; ``/`` on a host)::
 
-    /usr/share/tokengate/lua/tokengate/*.lua    the edge's Lua modules (mirrored)
+    /usr/share/tokengate/lua/tokengate/**.lua   the edge's Lua modules (mirrored)
     /usr/share/tokengate/nginx/*.in             the nginx templates (tokengate.tools.nginx_conf)
     /etc/nginx/conf.d/tokengate.conf            the drop-in, http level  } rendered for the
     /etc/nginx/snippets/tokengate-location.conf the server-level snippet } prefix and config
@@ -708,16 +708,17 @@ def plan(opts: Options) -> Plan:
                  f"{owner[0]}:{owner[1]})", _bind(_dir, path, mode, owner, stand_in))
 
     lua_dst = share / "lua" / "tokengate"
-    sources = sorted(lua_src.glob("*.lua"))
-    stale = sorted({q.name for q in lua_dst.glob("*.lua")} - {q.name for q in sources})
+    # the modules by their path below tokengate/ (stages/read.lua, apis/chat.lua, ...)
+    sources = sorted(q.relative_to(lua_src) for q in lua_src.rglob("*.lua"))
+    stale = sorted({q.relative_to(lua_dst) for q in lua_dst.rglob("*.lua")} - set(sources))
 
     def copy_lua() -> None:
-        for f in sources:
-            _write(lua_dst / f.name, f.read_bytes(), 0o644, None, stand_in)
+        for name in sources:
+            _write(lua_dst / name, (lua_src / name).read_bytes(), 0o644, None, stand_in)
         for name in stale:
             (lua_dst / name).unlink()
     todo.add(f"copy {len(sources)} Lua modules to {lua_dst}"
-          + (f", remove {', '.join(stale)}" if stale else ""), copy_lua)
+          + (f", remove {', '.join(map(str, stale))}" if stale else ""), copy_lua)
 
     def file(dst: Path, data: bytes, mode: int = 0o644,
              owner: tuple[str, str] | None = None) -> None:

@@ -148,8 +148,10 @@ def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installe
            for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY, "tokengate-vllm@.service")},
     }
     assert {k: stat_of(p / k) for k in want} == want
-    lua = sorted(f.name for f in (p / "usr/share/tokengate/lua/tokengate").iterdir())
-    assert lua == sorted(f.name for f in (ROOT / "lua/tokengate").glob("*.lua"))
+    lua_dir = p / "usr/share/tokengate/lua/tokengate"
+    lua = sorted(f.relative_to(lua_dir) for f in lua_dir.rglob("*") if f.is_file())
+    assert lua == sorted(f.relative_to(ROOT / "lua/tokengate")
+                         for f in (ROOT / "lua/tokengate").rglob("*.lua"))
     # the units run this virtualenv's programs and the given vLLM interpreter
     counter = units.read_unit(installed.unit("tokengate-counter.service"))
     assert counter.value("Service", "ExecStart").split()[0] == \

@@ -53,16 +53,14 @@ def test_the_edge_knows_vllms_request_fields() -> None:
         return sorted(out)
     known = json.loads(run_lua("""
         local cjson = require "cjson"
-        require "tokengate.messages" -- (adds the Messages API's routes)
-        require "tokengate.responses" -- (and the Responses API's)
-        require "tokengate.embeddings" -- (and the embeddings')
-        local known = require("tokengate.bounds").KNOWN
         local out = {}
-        for route, set in pairs(known) do
-            local list = {}
-            for k in pairs(set) do list[#list + 1] = k end
-            table.sort(list)
-            out[route] = list
+        for _, mod in ipairs(require("tokengate.apis").MODULES) do
+            for route, set in pairs(mod.FIELDS) do
+                local list = {}
+                for k in pairs(set) do list[#list + 1] = k end
+                table.sort(list)
+                out[route] = list
+            end
         end
         return cjson.encode(out)"""))
     assert known == {"chat": names(ChatCompletionRequest),

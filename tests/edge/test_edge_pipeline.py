@@ -1,5 +1,6 @@
 """The admission pipeline's edges: the path forwarded is the one the edge matched, the
-model routes answer like OpenAI's, nginx's own error pages have the OpenAI shape, the
+body forwarded is the client's bytes when the edge changed nothing and one encoding of
+the parsed body when it did, the model routes answer like OpenAI's, nginx's own error pages have the OpenAI shape, the
 usage event has the ledger's schema (with the sanitizer's counts), and a failed counter
 is skipped for its backoff period instead of costing every request its timeout.
 """
@@ -9,16 +10,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import pytest
 from tokengate.ledger.event import UsageEvent, parse_event
 
 from tests.conftest import MODEL
-from tests.fixtures_edge import MAIN_KEY, Edge
+from tests.fixtures_edge import MAIN_KEY, Edge, QuietUpstreamHandler, key_of
 
 AUTH = f"Authorization: Bearer {MAIN_KEY}\r\n"
 
@@ -60,6 +65,88 @@ def test_dot_segments_and_double_slashes_reach_vllm_as_the_matched_path(edge: Ed
         answer = json.loads(data)
         assert answer["object"] == "chat.completion"
         assert answer["usage"]["prompt_tokens"] == int(headers["x-token-count"])
+
+
+class _Recorder(QuietUpstreamHandler):
+    """An upstream that keeps the bytes of every body it is sent (server.bodies) and
+    answers one chat completion, usage = the edge's count (X-Token-Count) + 1."""
+
+    def do_POST(self) -> None:
+        self.server.bodies.append(  # type: ignore[attr-defined]
+            self.rfile.read(int(self.headers["Content-Length"])))
+        p = int(self.headers.get("X-Token-Count", "0"))
+        data = json.dumps({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": p, "completion_tokens": 1,
+                      "total_tokens": p + 1}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def recorded(edge_variant_off_vllm: Callable[..., Edge]) -> Iterator[tuple[Edge, list[bytes]]]:
+    """An edge whose model's one replica is a _Recorder; the bodies it was sent."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    srv.bodies = []  # type: ignore[attr-defined]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{srv.server_address[1]}"]
+        raw["models"][MODEL]["embedded"] = False
+    try:
+        yield edge_variant_off_vllm("recorded", edit), srv.bodies  # type: ignore[attr-defined]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _send(edge: Edge, data: bytes) -> httpx.Response:
+    r = httpx.post(edge.base_url + "/chat/completions", content=data, timeout=60,
+                   headers={"Authorization": f"Bearer {key_of('edge-main')}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_body_the_edge_does_not_change_is_forwarded_as_the_client_sent_it(
+        recorded: tuple[Edge, list[bytes]]) -> None:
+    edge, bodies = recorded
+    # spaces, a line break, escapes the edge's encoder would write otherwise; a
+    # max_tokens under the cap that fits: nothing for the edge to change
+    data = (b'{ "model" : "' + MODEL.encode() + b'",\n "messages": [{"role": "user", '
+            b'"content": "h\\u00e9llo \\/ \\"x\\""}],  "max_tokens": 8 }')
+    _send(edge, data)
+    assert bodies == [data]
+
+
+def test_a_body_the_edge_changes_is_forwarded_as_one_encoding_of_the_parsed_body(
+        recorded: tuple[Edge, list[bytes]]) -> None:
+    edge, bodies = recorded
+    # a zero-width space the sanitizer removes, no max_tokens (the cap is written in),
+    # a stream (the edge asks for the usage of every chunk)
+    sent = {"model": MODEL, "messages": [{"role": "user", "content": "hi\u200b there"}]}
+    r = _send(edge, json.dumps(sent, indent=2).encode())
+    assert len(bodies) == 1
+    got = json.loads(bodies[0])
+    assert got["messages"] == [{"role": "user", "content": "hi there"}]
+    assert got["max_tokens"] == edge.event(r.headers["x-request-id"])["max_tokens_applied"]
+    # compact, in the client's key order with the edge's field last, UTF-8 as is
+    assert bodies[0] == json.dumps(got, separators=(",", ":"), ensure_ascii=False).encode()
+    assert list(got) == ["model", "messages", "max_tokens"]
+    bodies.clear()
+    streamed = {**sent, "stream": True, "max_tokens": 8}
+    with httpx.stream("POST", edge.base_url + "/chat/completions", json=streamed, timeout=60,
+                      headers={"Authorization": f"Bearer {key_of('edge-main')}"}) as s:
+        assert s.status_code == 200
+        s.read()
+    got = json.loads(bodies[0])
+    assert (got["stream_options"], got["messages"][0]["content"]) == (
+        {"include_usage": True, "continuous_usage_stats": True}, "hi there")
 
 
 def test_models_retrieve_answers_like_openai(edge: Edge) -> None:

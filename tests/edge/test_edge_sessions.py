@@ -13,7 +13,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import anthropic
@@ -23,7 +23,7 @@ import pytest
 from tokengate.ledger.calculator import charge
 
 from tests.conftest import MODEL, key_digest
-from tests.fixtures_edge import Edge, _variants
+from tests.fixtures_edge import Edge, QuietUpstreamHandler, _variants
 
 COMPLETION = 5  # tokens every answer of the fake generates
 KEY = "tg-test-sessions"
@@ -36,17 +36,9 @@ SPEND_KEY = "tg-test-sessions-spend"
 SEEN: list[dict[str, str]] = []
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietUpstreamHandler):
     """POST /v1/chat/completions, /v1/messages, /v1/responses: one non-streamed answer in
     the API's shape, usage = the edge's count (X-Token-Count) + COMPLETION tokens."""
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:  # the edge's health and metrics reads
-        self.send_response(404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
 
     def do_POST(self) -> None:
         SEEN.append({k.lower(): v for k, v in self.headers.items()})

@@ -36,7 +36,8 @@ def sse(chunks: list[str], want_usage: bool = False, want_continuous: bool = Fal
         local cjson = require "cjson"
         local chunks = cjson.decode({json.dumps(json.dumps(chunks))})
         local ctx = {{ want_usage = {str(want_usage).lower()},
-                      want_continuous = {str(want_continuous).lower()} }}
+                      want_continuous = {str(want_continuous).lower()},
+                      api = require "tokengate.apis.chat" }}
         local sent = {{}}
         for i = 1, #chunks do
             sent[i] = usage.sse(ctx, chunks[i], i == #chunks)
@@ -164,7 +165,8 @@ def test_the_scan_finds_what_the_patterns_find() -> None:
         end
         local bad = 0
         for e = 1, #events, 4 do
-            local ctx = { want_usage = e % 3 == 0, want_continuous = e % 5 == 0 }
+            local ctx = { want_usage = e % 3 == 0, want_continuous = e % 5 == 0,
+                          api = require "tokengate.apis.chat" }
             local ref = { want_usage = ctx.want_usage, want_continuous = ctx.want_continuous }
             local want, stream = {}, {}
             for k = e, e + 3 do

@@ -13,19 +13,10 @@ post-processor specials (Qwen adds none) unless ``add_special_tokens`` is false;
 token-id list counts its ids; a list of prompts counts each (vLLM reports the sum as
 ``usage.prompt_tokens``).
 
-Embeddings (``/v1/embeddings``, a pooling model): ``input`` takes the completions
-prompt's four shapes and each prompt is counted the same way
-(vllm/entrypoints/pooling/base/io_processor.py ``get_request_factory_online``: one
-engine request per prompt, ``prompt_to_seq``); then vLLM's pooling ``TokenizeParams``
-(vllm/entrypoints/pooling/base/protocol.py ``EmbeddingTokenizeParamsMixin``,
-vllm/renderers/params.py): the text lower-cased first when the model's
-sentence-transformers configuration says ``do_lower_case``, ``truncate_prompt_tokens``
-keeps at most that many tokens of each prompt (-1: ``max_model_len``, no token held back
-for output), ``padding: "max_length"`` pads each to ``max_model_len``, and a prompt
-still longer than ``max_model_len`` is refused (``ContextLengthExceeded``). vLLM reports
-the sum as ``usage.prompt_tokens`` (vllm/entrypoints/pooling/utils.py
-``get_pooling_usage``). The chat-shaped inputs vLLM's embeddings also take (``messages``,
-``input`` as messages) are not counted here: the edge refuses them.
+Embeddings (``/v1/embeddings``, a pooling model): ``input``'s prompts, each counted as a
+completions prompt is, then vLLM's pooling tokenization rules
+(``tokengate.counter.apis.openai_embeddings``); vLLM reports the sum as
+``usage.prompt_tokens``.
 
 Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``): the body is
 converted into a chat body the way vLLM's Anthropic serving converts it
@@ -52,6 +43,9 @@ into block 0's hash.
 
 Every malformed field raises ``BadRequest`` whose ``param`` names it
 (``messages[2].content``).
+
+(Over 600 lines: the chat path, vLLM's preprocessing of messages, tools and template
+arguments mirrored step by step, is one unit that every chat-shaped API reaches through.)
 """
 
 from __future__ import annotations
@@ -65,9 +59,10 @@ from typing import Any
 
 from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
-from tokengate.counter.apis import anthropic_messages, openai_responses
+from tokengate.counter.apis import anthropic_messages, openai_embeddings, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
-from tokengate.counter.errors import BadRequest, ContextLengthExceeded, type_name
+from tokengate.counter.errors import BadRequest, type_name
+from tokengate.counter.fields import opt_bool, opt_int
 from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.counter.prefix_routing import PrefixRouter
@@ -118,30 +113,6 @@ class CountResult:
     prefix_hits: tuple[tuple[str, int], ...] = ()
 
 
-def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    """An optional integer field; integral floats (16.0, 1e1) count as integers, as in
-    vLLM's pydantic models (lax mode)."""
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(key, f"expected an integer, got {type_name(v)}")
-    if v < minimum:
-        raise BadRequest(key, f"must be at least {minimum}, got {v}")
-    return v
-
-
-def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(key, f"expected a boolean, got {type_name(v)}")
-    return v
-
-
 def _cache_salt(body: dict[str, Any]) -> str | None:
     """The request's ``cache_salt``, checked as vLLM checks it (None: absent or null)."""
     salt = body.get("cache_salt")
@@ -153,16 +124,6 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
         raise BadRequest("cache_salt", f"must be at most {_MAX_CACHE_SALT} characters and "
                                        "must not contain '@', '/', '\\', or NUL")
     return salt
-
-
-def _opt_choice(body: dict[str, Any], key: str, choices: tuple[str, ...]) -> str | None:
-    """An optional field that is one of ``choices`` (null: absent), as vLLM's
-    ``Literal`` fields."""
-    v = body.get(key)
-    if v is None or (isinstance(v, str) and v in choices):
-        return v
-    got = repr(v) if isinstance(v, str) else type_name(v)
-    raise BadRequest(key, f"expected one of {', '.join(map(repr, choices))}, got {got}")
 
 
 def _depth_ok(body: Any) -> bool:
@@ -241,9 +202,9 @@ class ModelCounter:
         ids: array[int] | None = None
         if endpoint == "chat":
             prompt_tokens, breakdown, ids = self._count_chat(body)
-            requested = _opt_int(body, "max_completion_tokens", 1)
+            requested = opt_int(body, "max_completion_tokens", 1)
             if requested is None:
-                requested = _opt_int(body, "max_tokens", 1)
+                requested = opt_int(body, "max_tokens", 1)
             n_prompts = 1
         elif endpoint in MESSAGES_ENDPOINTS:
             return self._count_messages(body, count_tokens=endpoint == "count_tokens")
@@ -256,9 +217,9 @@ class ModelCounter:
             breakdown = Breakdown(messages=prompt_tokens)
             if self.router is not None:
                 ids = self._first_prompt_ids(body["prompt"],
-                                             _opt_bool(body, "add_special_tokens", True))
+                                             opt_bool(body, "add_special_tokens", True))
             # OpenAI/vLLM completions default max_tokens to 16.
-            requested = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
+            requested = opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
             prompt_tokens_for_room = biggest
         else:
             raise BadRequest("endpoint", f"unknown endpoint {endpoint!r}")
@@ -268,7 +229,7 @@ class ModelCounter:
                 and endpoint == "chat" else "max_tokens"
             raise BadRequest(param, f"{requested} is greater than max_model_len "
                                     f"{self.model.max_model_len}")
-        truncate = _opt_int(body, "truncate_prompt_tokens", -1)
+        truncate = opt_int(body, "truncate_prompt_tokens", -1)
         if truncate is not None:
             if truncate > self.model.max_model_len:
                 raise BadRequest("truncate_prompt_tokens",
@@ -365,7 +326,7 @@ class ModelCounter:
         if "prompt" not in body or body["prompt"] is None:
             raise BadRequest("prompt", "required")
         counts = self._prompt_counts(body["prompt"], "prompt",
-                                     _opt_bool(body, "add_special_tokens", True))
+                                     opt_bool(body, "add_special_tokens", True))
         return sum(counts), len(counts), max(counts)
 
     def _first_prompt_ids(self, prompt: Any, add_special: bool) -> array[int]:
@@ -415,59 +376,16 @@ class ModelCounter:
         return counts
 
     def _count_embeddings(self, body: dict[str, Any]) -> CountResult:
-        """An embeddings body (``input``'s prompts, counted as completions prompts are):
-        each prompt's tokens after vLLM's pooling ``TokenizeParams``
-        (vllm/renderers/params.py, with ``max_total_tokens = max_model_len`` and
-        ``max_output_tokens = 0``, vllm/entrypoints/pooling/base/protocol.py):
-
-        - ``truncate_prompt_tokens`` t (>= -1; above ``max_model_len`` refused, as
-          vLLM's ``_validate_request`` does): at most t tokens of each prompt kept
-          (-1: ``max_model_len``, nothing held back for output; ``truncation_side``
-          picks which end, the count is the same);
-        - ``padding: "max_length"``: each prompt padded with the pad token to
-          ``max_model_len`` (vLLM counts the pad tokens as prompt tokens);
-        - a prompt still above ``max_model_len`` tokens: ``ContextLengthExceeded``
-          naming it (vLLM's ``_token_len_check``; ``input`` for one prompt, ``input[i]``
-          in a list); an empty one (``""``, or truncated to 0 tokens): ``BadRequest``
-          (vLLM: "The decoder prompt cannot be empty").
-
-        ``prompt_tokens`` is the sum (vLLM's ``usage.prompt_tokens``, summed over the
-        engine requests by ``get_pooling_usage``), ``prompt_count`` the number of
-        prompts; nothing is generated (max_tokens 0). Raises ``BadRequest``."""
-        prompt = body.get("input")
-        if prompt is None:
-            raise BadRequest("input", "required")
+        """An embeddings body (``apis.openai_embeddings``: ``input``'s prompts, counted
+        as completions prompts are, lower-cased first for the encoders that say so);
+        nothing is generated (max_tokens 0). Raises ``BadRequest``."""
         limit = self.model.max_model_len
-        truncate = _opt_int(body, "truncate_prompt_tokens", -1)
-        if truncate is not None and truncate > limit:
-            raise BadRequest("truncate_prompt_tokens", f"{truncate} is greater than "
-                                                       f"max_model_len {limit}")
-        keep = limit if truncate == -1 else truncate
-        _opt_choice(body, "truncation_side", ("left", "right"))
-        pad = _opt_choice(body, "padding", ("max_length", "do_not_pad")) == "max_length"
-        counts = self._prompt_counts(prompt, "input",
-                                     _opt_bool(body, "add_special_tokens", True),
-                                     lower=self.lower_case)
-        # one prompt (a string, or one list of ids) is named "input", a list's "input[i]"
-        one = isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
-        for i, n in enumerate(counts):
-            if keep is not None and n > keep:
-                n = counts[i] = keep
-            if pad and n < limit:
-                n = counts[i] = limit
-            if n == 0:
-                # vLLM: "The decoder prompt cannot be empty" (400)
-                raise BadRequest("input" if one else f"input[{i}]",
-                                 "empty prompt" + (" after truncate_prompt_tokens"
-                                                   if keep == 0 else ""))
-            if n > limit:
-                raise ContextLengthExceeded(
-                    "input" if one else f"input[{i}]",
-                    f"This model's maximum context length is {limit} tokens. However, "
-                    f"your input contains {n} tokens, which exceeds this limit even "
-                    "without any output tokens. Please reduce the length of the input.")
-        total = sum(counts)
-        return CountResult(total, limit, 0, 0, Breakdown(messages=total), len(counts))
+        e = openai_embeddings.count(
+            body, limit,
+            lambda prompt, param, special: self._prompt_counts(prompt, param, special,
+                                                               lower=self.lower_case))
+        return CountResult(e.prompt_tokens, limit, 0, 0, Breakdown(messages=e.prompt_tokens),
+                           e.prompt_count)
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -714,8 +632,8 @@ class ModelCounter:
                 allowed = ", ".join(sorted(self.template_kwargs_allowed)) or "none"
                 raise BadRequest(f"chat_template_kwargs.{k}",
                                  f"not an allowed chat template argument (allowed: {allowed})")
-        add_gen = _opt_bool(body, "add_generation_prompt", True)
-        cont = _opt_bool(body, "continue_final_message", False)
+        add_gen = opt_bool(body, "add_generation_prompt", True)
+        cont = opt_bool(body, "continue_final_message", False)
         if add_gen and cont:
             raise BadRequest("continue_final_message", "cannot set both "
                              "continue_final_message and add_generation_prompt to true")

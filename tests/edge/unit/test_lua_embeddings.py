@@ -1,4 +1,4 @@
-"""tokengate.embeddings: POST /v1/embeddings' route, body checks, sanitizer, runner
+"""tokengate.apis.embeddings: POST /v1/embeddings' route, body checks, sanitizer, runner
 check, budget and usage.
 
 The cases of lua/embeddings_spec.lua, run in nginx's LuaJIT by lua_runner."""

@@ -1,5 +1,5 @@
-"""tokengate.messages: the Anthropic Messages API's body checks, stream and answer usage,
-error shape and count_tokens answer.
+"""tokengate.apis.messages: the Anthropic Messages API's body checks, stream and answer
+usage, error shape and count_tokens answer.
 
 The cases of lua/messages_spec.lua, run in nginx's LuaJIT by lua_runner."""
 

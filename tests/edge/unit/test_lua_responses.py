@@ -1,4 +1,4 @@
-"""tokengate.responses: the OpenAI Responses API's body checks, sanitizer walk, stored
+"""tokengate.apis.responses: the OpenAI Responses API's body checks, sanitizer walk, stored
 response ids, stream and answer usage and input_tokens answer.
 
 The cases of lua/responses_spec.lua, run in nginx's LuaJIT by lua_runner."""

@@ -4,6 +4,7 @@
 local t = ...
 local json = require "tokengate.json"
 local bounds = require "tokengate.bounds"
+local apis = require "tokengate.apis"
 
 local case, eq = t.case, t.eq
 
@@ -12,9 +13,11 @@ local EDGE = {
     max_json_depth = 64, max_unknown_fields_bytes = 20,
 }
 
--- check(route, text, edge) -> bounds.check's answer for the body in text, as a list
+-- check(route, text, edge) -> bounds.check's answer for the body in text, with the
+-- route's known fields (its API module's FIELDS), as a list
 local function check(route, text, edge)
-    return { bounds.check(route, assert(json.decode(text)), edge or EDGE) }
+    return { bounds.check(apis.api(route).FIELDS[route], assert(json.decode(text)),
+        edge or EDGE) }
 end
 
 -- refused(message, param, code) -> bounds.check's answer for a refusal
@@ -32,11 +35,13 @@ case("a body of known fields only passes", function()
 end)
 
 case("the known fields are vLLM's, per route", function()
-    eq(bounds.KNOWN.chat.messages, true)
-    eq(bounds.KNOWN.chat.prompt, nil)
-    eq(bounds.KNOWN.completions.prompt, true)
-    eq(bounds.KNOWN.completions.messages, nil)
-    eq(bounds.KNOWN.completions.max_tokens, true)
+    local chat, completions = apis.api("chat").FIELDS.chat,
+        apis.api("completions").FIELDS.completions
+    eq(chat.messages, true)
+    eq(chat.prompt, nil)
+    eq(completions.prompt, true)
+    eq(completions.messages, nil)
+    eq(completions.max_tokens, true)
 end)
 
 case("unknown fields up to the limit pass (key + 3 + value's JSON bytes)", function()

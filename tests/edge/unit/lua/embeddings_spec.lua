@@ -1,12 +1,14 @@
--- tokengate.embeddings: POST /v1/embeddings at the edge: the route, the body checks
+-- tokengate.apis.embeddings: POST /v1/embeddings at the edge: the route, the body checks
 -- (OpenAI's four input shapes), the sanitizer (invisible characters, no token check),
 -- the runner check of tokengate.models, the budget (no completion) and the usage of
 -- the whole answer.
 
 local t = ...
 local json = require "tokengate.json"
-local embeddings = require "tokengate.embeddings"
-local request = require "tokengate.request"
+local embeddings = require "tokengate.apis.embeddings"
+local apis = require "tokengate.apis"
+local output = require "tokengate.output"
+local body_mod = require "tokengate.body"
 local models = require "tokengate.models"
 local limits = require "tokengate.limits"
 
@@ -35,17 +37,17 @@ end
 
 case("the route: POST /v1/embeddings, forwarded to vLLM's path, its own endpoint",
     function()
-        eq({ request.route("/v1/embeddings") }, { "embeddings" })
-        eq(request.api("embeddings"), embeddings)
-        eq(request.api(nil, "/v1/embeddings/x"), embeddings)
-        eq(request.PATHS.embeddings, "/v1/embeddings")
-        eq(request.endpoint("embeddings", "/v1/embeddings"), "embeddings")
-        eq(request.check_method("embeddings", "POST", "/v1/embeddings"), nil)
-        local err = request.check_method("embeddings", "GET", "/v1/embeddings")
+        eq({ apis.route("/v1/embeddings") }, { "embeddings" })
+        eq(apis.api("embeddings"), embeddings)
+        eq(apis.api(nil, "/v1/embeddings/x"), embeddings)
+        eq(apis.PATHS.embeddings, "/v1/embeddings")
+        eq(apis.endpoint(embeddings, "embeddings", "/v1/embeddings"), "embeddings")
+        eq(apis.check_method("embeddings", "POST", "/v1/embeddings"), nil)
+        local err = apis.check_method("embeddings", "GET", "/v1/embeddings")
         eq({ err.status, err.headers.Allow }, { 405, "POST" })
-        eq(request.runner("embeddings"), "pooling")
-        eq(request.runner("chat"), "generate")
-        eq(request.runner("responses"), "generate")
+        eq(apis.api("embeddings").RUNNER, "pooling")
+        eq(apis.api("chat").RUNNER, "generate")
+        eq(apis.api("responses").RUNNER, "generate")
     end)
 
 case("OpenAI's four input shapes pass", function()
@@ -172,12 +174,12 @@ case("no completion: the budget is 0, the reservation the prompt alone", functio
     local body = assert(json.decode('{"model":"e","input":"x"}'))
     local counted = { prompt = 40, prompts = 2, reply = { prompt_tokens = 40,
         max_tokens_requested = 0, max_tokens_effective = 0 } }
-    eq(request.budget("embeddings", MODELS.e, body, counted), 0)
-    eq(counted.body_changed, false)
+    eq(output.budget(embeddings, MODELS.e, body, counted), 0)
+    eq(select(2, body_mod.text(body)), false) -- not changed: forwarded as sent
     eq(json.encode(body), '{"model":"e","input":"x"}')
     -- with an estimate (the counter down) too: nothing written into the body
     counted = { prompt = 7, prompts = 1 }
-    eq(request.budget("embeddings", MODELS.e, body, counted), 0)
+    eq(output.budget(embeddings, MODELS.e, body, counted), 0)
     eq(json.encode(body), '{"model":"e","input":"x"}')
     local req = limits.request({ id = "k", rpm = 10, tpm = 100, models = {} }, "e", "r")
     eq(limits.reservation(req, 40, 2, 0, 1, 256), 40)

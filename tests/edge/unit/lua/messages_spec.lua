@@ -1,10 +1,10 @@
--- tokengate.messages: the Anthropic Messages API's shapes at the edge: the body checks,
+-- tokengate.apis.messages: the Anthropic Messages API's shapes at the edge: the body checks,
 -- the usage of a stream's events and of a whole answer, the error shape, count_tokens'
 -- answer.
 
 local t = ...
 local json = require "tokengate.json"
-local messages = require "tokengate.messages"
+local messages = require "tokengate.apis.messages"
 
 local case, eq = t.case, t.eq
 
@@ -168,11 +168,12 @@ case("until message_delta, a stream's output is the text deltas seen", function(
 end)
 
 case("a path under /v1/messages that is no route still speaks this API", function()
-    local request = require "tokengate.request"
-    eq(request.api(request.route("/v1/messages")), messages)
-    eq(request.api(nil, "/v1/messages/batches"), messages)
-    eq(request.api(nil, "/v1/messages/"), messages)
-    eq(request.api(nil, "/v1/message"), nil)
-    eq(request.api(nil, "/v1/chat/completions/x"), nil)
-    eq(request.api(request.route("/v1/chat/completions")), nil)
+    local apis = require "tokengate.apis"
+    local base = require("tokengate.api").BASE
+    eq(apis.api(apis.route("/v1/messages")), messages)
+    eq(apis.api(nil, "/v1/messages/batches"), messages)
+    eq(apis.api(nil, "/v1/messages/"), messages)
+    eq(apis.api(nil, "/v1/message"), base)
+    eq(apis.api(nil, "/v1/chat/completions/x"), base)
+    eq(apis.api(apis.route("/v1/chat/completions")), require "tokengate.apis.chat")
 end)

@@ -1,11 +1,11 @@
--- tokengate.responses: the OpenAI Responses API's shapes at the edge: the body checks,
+-- tokengate.apis.responses: the OpenAI Responses API's shapes at the edge: the body checks,
 -- the sanitizer's walk of input items and tools, the stored-response ids (owner and
 -- replica), the usage of a stream's events and of a whole answer, input_tokens' answer.
 
 local t = ...
 local json = require "tokengate.json"
-local responses = require "tokengate.responses"
-local request = require "tokengate.request"
+local responses = require "tokengate.apis.responses"
+local apis = require "tokengate.apis"
 
 local case, eq = t.case, t.eq
 
@@ -150,15 +150,15 @@ case("a response id names its replica and its key; no other key can use it", fun
 end)
 
 case("the routes of a stored response", function()
-    eq({ request.route("/v1/responses/resp_x") }, { "response", "resp_x" })
-    eq({ request.route("/v1/responses/resp_x/cancel") }, { "response_cancel", "resp_x" })
-    eq({ request.route("/v1/responses/input_tokens") }, { "input_tokens" })
-    eq({ request.route("/v1/responses") }, { "responses" })
-    eq({ request.route("/v1/responses/a/b") }, {})
-    eq(request.api(request.route("/v1/responses/x")), responses)
-    eq(request.api(nil, "/v1/responses/a/b"), responses)
-    eq(request.check_method("response", "GET", "/v1/responses/x"), nil)
-    eq(request.check_method("response_cancel", "GET", "/v1/responses/x/cancel").status, 405)
+    eq({ apis.route("/v1/responses/resp_x") }, { "response", "resp_x" })
+    eq({ apis.route("/v1/responses/resp_x/cancel") }, { "response_cancel", "resp_x" })
+    eq({ apis.route("/v1/responses/input_tokens") }, { "input_tokens" })
+    eq({ apis.route("/v1/responses") }, { "responses" })
+    eq({ apis.route("/v1/responses/a/b") }, {})
+    eq(apis.api(apis.route("/v1/responses/x")), responses)
+    eq(apis.api(nil, "/v1/responses/a/b"), responses)
+    eq(apis.check_method("response", "GET", "/v1/responses/x"), nil)
+    eq(apis.check_method("response_cancel", "GET", "/v1/responses/x/cancel").status, 405)
 end)
 
 -- events(list, route) -> ctx after sse_event saw each event text, and what it passed on

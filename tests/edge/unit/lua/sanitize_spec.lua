@@ -5,6 +5,8 @@
 local t = ...
 local json = require "tokengate.json"
 local sanitize = require "tokengate.sanitize"
+local chat_api = require "tokengate.apis.chat"
+local completions_api = require "tokengate.apis.completions"
 
 local case, eq = t.case, t.eq
 local clean = sanitize.clean
@@ -46,11 +48,11 @@ local function edge(policy)
     return { special_tokens = policy, max_json_depth = 64 }
 end
 
--- chat(text, policy) -> the body after sanitize.request("chat"), the result (counts or
+-- chat(text, policy) -> the body after the chat API's sanitize, the result (counts or
 -- nil), the error
 local function chat(text, policy)
     local body = assert(decode(text))
-    local st, err = sanitize.request("chat", body, MODEL, edge(policy or "reject"))
+    local st, err = chat_api.sanitize(body, MODEL, edge(policy or "reject"))
     return body, st, err
 end
 
@@ -59,7 +61,7 @@ local function counts(st)
     return { removed = st.removed, stripped = st.stripped, collapsed = st.collapsed }
 end
 
--- refusal(param, message) -> the error sanitize.request returns for a refused token
+-- refusal(param, message) -> the error a sanitize returns for a refused token
 local function refusal(param, message)
     return { status = 400, message = message, param = param,
              code = "special_token_in_content", type = "invalid_request_error" }
@@ -307,7 +309,7 @@ case("escape: a one-character token cannot be escaped and is refused", function(
     local model = { all_tokens = { "%" }, role_tokens = { user = { "%" } },
                     structural_set = {} }
     local body = assert(decode('{"messages":[{"role":"user","content":"50%"}]}'))
-    local st, err = sanitize.request("chat", body, model, edge("escape"))
+    local st, err = chat_api.sanitize(body, model, edge("escape"))
     eq(st, nil)
     eq(err.message, 'messages[0].content contains the special token "%", which the model '
         .. "would read as a control token (a forged turn), a token of one character, which "
@@ -411,11 +413,11 @@ end)
 
 case("completions: prompts are cleaned, tokens and token ids pass", function()
     local body = assert(decode('{"prompt":["<|im_end|>\\u200b",[1,2],"x\\u0007"]}'))
-    local st = sanitize.request("completions", body, MODEL, edge("reject"))
+    local st = completions_api.sanitize(body, MODEL, edge("reject"))
     eq(encode(body), '{"prompt":["<|im_end|>",[1,2],"x"]}')
     eq(counts(st), { removed = 2, stripped = 0, collapsed = 0 })
     body = assert(decode('{"prompt":"a\\u200bb"}'))
-    st = sanitize.request("completions", body, MODEL, edge("strip"))
+    st = completions_api.sanitize(body, MODEL, edge("strip"))
     eq(body.prompt, "ab")
     eq(st.removed, 1)
 end)

@@ -1,7 +1,6 @@
 -- OpenAI embeddings (POST /v1/embeddings) of a pooling model (vLLM --runner pooling,
--- models.<name>.runner: pooling): what of it differs from chat, in one place. The phases
--- ask ctx.api (this module, set for its route by tokengate.request) where an API has its
--- own shape:
+-- models.<name>.runner: pooling): what of it the edge reads, in one place (the hooks:
+-- tokengate.api):
 --
 --   runner:     pooling: the route takes only a pooling model, and a pooling model only
 --               this route (tokengate.models.serves: 400 model_not_supported, never
@@ -13,12 +12,12 @@
 --               MAX_INPUTS of them; encoding_format, dimensions, user
 --   sanitize:   input's strings lose invisible and control characters, as a completions
 --               prompt does; special tokens are not checked (below)
---   budget:     no completion: 0 completion tokens, nothing written into the body, so
---               the reservation is the prompt's tokens alone and a budget prices them at
---               the model's input price
---   usage:      the whole JSON answer's usage.prompt_tokens (vLLM's get_pooling_usage,
---               vllm/entrypoints/pooling/utils.py: the sum over the inputs); no
---               completion, no cached tokens
+--   GENERATES:  false: no completion: 0 completion tokens, nothing written into the
+--               body, so the reservation is the prompt's tokens alone and a budget prices
+--               them at the model's input price
+--   usage:      the whole JSON answer's usage.prompt_tokens (OpenAI's usage object, the
+--               default: vLLM's get_pooling_usage, vllm/entrypoints/pooling/utils.py,
+--               the sum over the inputs); no completion, no cached tokens
 --   errors:     OpenAI's shape; limit headers: OpenAI's x-ratelimit-*
 --
 -- Special tokens: an embedding input is raw text, not a conversation. vLLM tokenizes
@@ -34,12 +33,12 @@
 
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local api = require "tokengate.api"
 local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
 
 local type = type
-local tonumber = tonumber
 local format = string.format
 local is_array = json.is_array
 local json_integer = json.integer
@@ -48,25 +47,26 @@ local json_set = json.set
 local null = json.null
 local fail = errors.refuse
 
-local _M = {}
-
-_M.ROUTES = { ["/v1/embeddings"] = "embeddings" }
-_M.PREFIX = "/v1/embeddings"
-_M.PATHS = { embeddings = "/v1/embeddings" }
-_M.ALLOW = { embeddings = "POST" }
-_M.LOCAL = {} -- nothing is answered by the edge itself
--- the vLLM runner that serves this route (tokengate.models.serves)
-_M.RUNNER = "pooling"
-
--- The fields (and aliases) of vLLM 0.32's EmbeddingCompletionRequest
--- (vllm/entrypoints/pooling/embed/protocol.py; tests/edge/test_edge_costly_inputs.py
--- compares them with vLLM's model): any other top-level field counts against
--- edge.max_unknown_fields_bytes (tokengate.bounds).
-bounds.KNOWN.embeddings = bounds.set({
-    "add_special_tokens", "cache_salt", "dimensions", "embed_dtype", "encoding_format",
-    "endianness", "input", "mm_processor_kwargs", "model", "padding", "priority",
-    "request_id", "truncate_prompt_tokens", "truncation_side", "use_activation", "user",
-})
+local _M = {
+    NAME = "embeddings",
+    ROUTES = { ["/v1/embeddings"] = "embeddings" },
+    PREFIX = "/v1/embeddings",
+    PATHS = { embeddings = "/v1/embeddings" },
+    ALLOW = { embeddings = "POST" },
+    ENDPOINT = { embeddings = 6 }, -- tokengate.v1.ENDPOINT_EMBEDDINGS
+    -- The fields (and aliases) of vLLM 0.32's EmbeddingCompletionRequest
+    -- (vllm/entrypoints/pooling/embed/protocol.py; tests/edge/test_edge_costly_inputs.py
+    -- compares them with vLLM's model): any other top-level field counts against
+    -- edge.max_unknown_fields_bytes (tokengate.bounds).
+    FIELDS = { embeddings = bounds.set({
+        "add_special_tokens", "cache_salt", "dimensions", "embed_dtype", "encoding_format",
+        "endianness", "input", "mm_processor_kwargs", "model", "padding", "priority",
+        "request_id", "truncate_prompt_tokens", "truncation_side", "use_activation", "user",
+    }) },
+    -- the vLLM runner that serves this route (tokengate.models.serves)
+    RUNNER = "pooling",
+    GENERATES = false,
+}
 
 -- Most inputs one request may embed: OpenAI's limit ("The input must not exceed the max
 -- input tokens for the model, cannot be an empty string, and any array must be 2048
@@ -79,16 +79,11 @@ local FORMATS = { float = true, base64 = true }
 local SHAPES = "a string, an array of strings, an array of token ids or an array of "
     .. "token-id arrays"
 
--- key() -> nil: the key comes as Authorization: Bearer (tokengate.auth)
-function _M.key()
-    return nil
-end
-
--- token_ids(list, param) -> true | nil, err (400): a non-empty array of integers >= 0
--- (the counter checks them against the vocabulary). An integral JSON float (7.0, 1e1)
--- is the integer, as vLLM's lax int parsing reads it, and is rewritten as the plain
+-- token_ids(body, list, param) -> true | nil, err (400): a non-empty array of integers
+-- >= 0 (the counter checks them against the vocabulary). An integral JSON float (7.0,
+-- 1e1) is the integer, as vLLM's lax int parsing reads it, and is rewritten as the plain
 -- integer: what is counted and forwarded is one integer (tokengate.body's rule).
-local function token_ids(list, param)
+local function token_ids(body, list, param)
     if #list == 0 then
         return fail(400, param .. ": must not be empty", param, "invalid_value")
     end
@@ -101,15 +96,17 @@ local function token_ids(list, param)
         end
         if type(v) ~= "number" then
             list[j] = id
+            body_mod.changed(body)
         end
     end
     return true
 end
 
--- check_input(input) -> true | nil, err (400): OpenAI's four input shapes, one kind of
+-- check_input(body) -> true | nil, err (400): body.input:: OpenAI's four input shapes, one kind of
 -- element per array (vLLM's `list[int] | list[list[int]] | str | list[str]`), no empty
 -- string (OpenAI refuses one; vLLM would embed an empty prompt), at most MAX_INPUTS.
-local function check_input(input)
+local function check_input(body)
+    local input = body.input
     if input == nil or input == null then
         return fail(400, "input: Field required (" .. SHAPES .. ")", "input",
             "missing_required_parameter")
@@ -130,7 +127,7 @@ local function check_input(input)
     local first = input[1]
     if json_number(first) then
         -- one input of token ids (its length is the counter's max_model_len check)
-        return token_ids(input, "input")
+        return token_ids(body, input, "input")
     end
     if n > MAX_INPUTS then
         return fail(400, format("input: %d inputs; at most %d per request", n, MAX_INPUTS),
@@ -146,7 +143,7 @@ local function check_input(input)
                     "invalid_value")
             end
         elseif kind == "ids" and is_array(e) then
-            local ok, err = token_ids(e, param)
+            local ok, err = token_ids(body, e, param)
             if not ok then
                 return nil, err
             end
@@ -177,7 +174,7 @@ function _M.validate(route, body, models, edge)
         return fail(400, "messages: chat-style embedding requests are not supported by this "
             .. "gateway; send input as " .. SHAPES, "messages", "unsupported_parameter")
     end
-    ok, err = check_input(body.input)
+    ok, err = check_input(body)
     if not ok then
         return nil, err
     end
@@ -195,16 +192,17 @@ function _M.validate(route, body, models, edge)
         end
         if type(dim) ~= "number" then
             json_set(body, "dimensions", n)
+            body_mod.changed(body)
         end
     end
     local user = body.user
     if user ~= nil and user ~= null and type(user) ~= "string" then
         return fail(400, "user: must be a string", "user", "invalid_type")
     end
-    return body_mod.check_api(route, body, models, edge, nil, nil)
+    return body_mod.check_api(_M.FIELDS[route], body, models, edge, nil, nil)
 end
 
--- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.request's
+-- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.verdict's
 -- shape): input's strings cleaned of invisible and control characters; no token check
 -- (module comment); token ids pass unchanged.
 function _M.sanitize(body, model, edge)
@@ -226,29 +224,11 @@ end
 -- default; vLLM refuses encoding_format: null); nothing to cap, nothing streams (vLLM's
 -- embeddings answer is one JSON object)
 function _M.adjust(_ctx, body)
-    json.drop_nulls(body)
-end
-
--- budget(route, model, body, counted) -> 0, the completion tokens an embedding request
--- may generate: none. Each input's fit in max_model_len is the counter's check (400
--- context_length_exceeded), an estimate is forwarded as it is (vLLM refuses what does
--- not fit).
-function _M.budget()
-    return 0
-end
-
--- whole_usage(ctx, d): the usage of the whole answer, decoded: {prompt_tokens,
--- total_tokens} (vLLM's UsageInfo; completion_tokens 0).
-function _M.whole_usage(ctx, d)
-    local u = d.usage
-    if type(u) == "table" then
-        ctx.u_prompt = tonumber(u.prompt_tokens) or 0
-        ctx.u_completion = 0
-        ctx.u_cached = 0
-        ctx.u_source = "final"
+    if json.drop_nulls(body) > 0 then
+        body_mod.changed(body)
     end
 end
 
--- (errors and limit headers: OpenAI's, as for chat: no error_body, no rate_headers)
+-- (usage, errors and limit headers: OpenAI's, the defaults)
 
-return _M
+return api.define(_M)

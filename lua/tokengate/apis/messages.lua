@@ -1,6 +1,5 @@
 -- The Anthropic Messages API (POST /v1/messages, POST /v1/messages/count_tokens): what
--- of it differs from chat, in one place. The phases ask ctx.api (this module, set for
--- its routes by tokengate.request) at each step where an API has its own shape:
+-- of it the edge reads, in one place (the hooks: tokengate.api):
 --
 --   key:        x-api-key, or Authorization: Bearer (what the anthropic SDK sends)
 --   validate:   the body's shape the edge relies on (vLLM's AnthropicMessagesRequest /
@@ -22,19 +21,19 @@
 -- count_tokens is answered here, by the counter's count alone: nothing reaches vLLM.
 
 local ngx = ngx
-local cjson = require "cjson.safe"
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local api = require "tokengate.api"
 local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
+local output = require "tokengate.output"
+local usage = require "tokengate.usage"
 local clock = require "tokengate.clock"
 
 local type = type
 local tonumber = tonumber
 local format = string.format
-local find = string.find
-local sub = string.sub
 local ngx_now = ngx.now
 local is_array = json.is_array
 local is_object = json.is_object
@@ -43,37 +42,43 @@ local json_set = json.set
 local null = json.null
 local fail = errors.refuse
 
-local _M = {}
-
-_M.ROUTES = { ["/v1/messages"] = "messages", ["/v1/messages/count_tokens"] = "count_tokens" }
--- paths under it that are no route still get this API's key header and error shape
-_M.PREFIX = "/v1/messages"
-_M.PATHS = { messages = "/v1/messages" } -- count_tokens is never forwarded
-_M.ALLOW = { messages = "POST", count_tokens = "POST" }
--- answered by the edge itself, after the count and the request limit
-_M.LOCAL = { count_tokens = true }
--- Anthropic's end-user id (metadata.user_id; Claude Code puts its session in it too)
-_M.SESSION_FIELDS = { "metadata.user_id" }
-
--- The fields of vLLM 0.32's AnthropicMessagesRequest and AnthropicCountTokensRequest
--- (vllm/entrypoints/anthropic/protocol.py; tests/edge/test_edge_costly_inputs.py compares them
--- with vLLM's models): any other top-level field counts against
--- edge.max_unknown_fields_bytes (tokengate.bounds).
 local set = bounds.set
-bounds.KNOWN.messages = set({
-    "cache_salt", "chat_template_kwargs", "ec_transfer_params", "kv_transfer_params",
-    "max_tokens", "messages", "metadata", "mm_payload", "model", "output_config",
-    "return_mm_kwargs", "stop_sequences", "stream", "system", "temperature", "thinking",
-    "tool_choice", "tools", "top_k", "top_p", "vllm_xargs", "watermarking",
-})
-bounds.KNOWN.count_tokens = set({
-    "chat_template_kwargs", "messages", "model", "output_config", "system", "thinking",
-    "tool_choice", "tools",
-})
 
--- MISSING: the 401 of a request that presents no key
-_M.MISSING = errors.new(401, "You didn't provide an API key. Send it as 'x-api-key: "
-    .. "<key>' or 'Authorization: Bearer <key>'.", nil, "invalid_api_key")
+local _M = {
+    NAME = "messages",
+    ROUTES = { ["/v1/messages"] = "messages", ["/v1/messages/count_tokens"] = "count_tokens" },
+    -- paths under it that are no route still get this API's key header and error shape
+    PREFIX = "/v1/messages",
+    PATHS = { messages = "/v1/messages" }, -- count_tokens is never forwarded
+    ALLOW = { messages = "POST", count_tokens = "POST" },
+    -- tokengate.v1.ENDPOINT_MESSAGES, ENDPOINT_MESSAGES_COUNT_TOKENS
+    ENDPOINT = { messages = 3, count_tokens = 4 },
+    -- The fields of vLLM 0.32's AnthropicMessagesRequest and AnthropicCountTokensRequest
+    -- (vllm/entrypoints/anthropic/protocol.py; tests/edge/test_edge_costly_inputs.py
+    -- compares them with vLLM's models): any other top-level field counts against
+    -- edge.max_unknown_fields_bytes (tokengate.bounds).
+    FIELDS = {
+        messages = set({
+            "cache_salt", "chat_template_kwargs", "ec_transfer_params", "kv_transfer_params",
+            "max_tokens", "messages", "metadata", "mm_payload", "model", "output_config",
+            "return_mm_kwargs", "stop_sequences", "stream", "system", "temperature",
+            "thinking", "tool_choice", "tools", "top_k", "top_p", "vllm_xargs",
+            "watermarking",
+        }),
+        count_tokens = set({
+            "chat_template_kwargs", "messages", "model", "output_config", "system",
+            "thinking", "tool_choice", "tools",
+        }),
+    },
+    -- answered by the edge itself, after the count and the request limit
+    LOCAL = { count_tokens = true },
+    -- Anthropic's end-user id (metadata.user_id; Claude Code puts its session in it too)
+    SESSION_FIELDS = { "metadata.user_id" },
+    FINISH_FIELD = "stop_reason",
+    -- the 401 of a request that presents no key
+    MISSING = errors.new(401, "You didn't provide an API key. Send it as 'x-api-key: "
+        .. "<key>' or 'Authorization: Bearer <key>'.", nil, "invalid_api_key"),
+}
 
 -- key(var) -> the key of the x-api-key header | nil (then Authorization: Bearer is
 -- read, tokengate.auth). var: ngx.var.
@@ -127,6 +132,7 @@ function _M.validate(route, body, models, edge)
         end
         if type(body.max_tokens) ~= "number" then
             json_set(body, "max_tokens", n)
+            body_mod.changed(body)
         end
         ok, err = body_mod.api_bool(body, "stream")
         if not ok then
@@ -140,8 +146,8 @@ function _M.validate(route, body, models, edge)
     end
     local oc = body.output_config
     local schema = is_object(oc) and is_object(oc.format) and oc.format.json_schema
-    return body_mod.check_api(route, body, models, edge, "output_config.format.json_schema",
-        schema)
+    return body_mod.check_api(_M.FIELDS[route], body, models, edge,
+        "output_config.format.json_schema", schema)
 end
 
 -- blocks(st, content, param, tokens): one message's content blocks (or a system's):
@@ -180,7 +186,12 @@ local function blocks(st, content, param, tokens)
     return content
 end
 
--- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.request's shape):
+-- tool(st, t, param): a tool's name, description and input_schema (tokengate.sanitize.tool)
+local function tool(st, t, param)
+    sanitize.tool(st, t, param, "input_schema")
+end
+
+-- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.verdict's shape):
 -- system (the system role's tokens), each message's content (its role's), tools'
 -- names, descriptions and input schemas and chat_template_kwargs (every special and
 -- structural token: the template renders them into the system turn).
@@ -195,35 +206,14 @@ function _M.sanitize(body, model, edge)
         m.content = blocks(st, m.content, format("messages[%d].content", i - 1),
             st.by_role[m.role])
     end
-    local tools = body.tools
-    if is_array(tools) then
-        for i = 1, #tools do
-            local t = tools[i]
-            if is_object(t) then
-                local p = format("tools[%d]", i - 1)
-                if type(t.name) == "string" then
-                    t.name = sanitize.text(st, t.name, p .. ".name", st.all)
-                end
-                if type(t.description) == "string" then
-                    t.description = sanitize.text(st, t.description, p .. ".description",
-                        st.all)
-                end
-                if type(t.input_schema) == "table" then
-                    sanitize.value(st, t.input_schema, p .. ".input_schema", st.all,
-                        sanitize.SCHEMA_PROSE)
-                end
-            end
-        end
-    end
-    if is_object(body.chat_template_kwargs) then
-        sanitize.value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
-    end
-    return sanitize.verdict(st)
+    sanitize.objects(st, body.tools, "tools", tool)
+    return sanitize.finish(st, body)
 end
 
 -- adjust(ctx, body, model): a stream sets ctx.stream (vLLM's Anthropic serving asks its
--- chat path for the usage of every chunk itself: nothing to add, nothing to take out).
--- max_tokens stays as sent: tokengate.request.budget applies the gateway's cap.
+-- chat path for the usage of every chunk itself: nothing to add, nothing to take out);
+-- the body is not changed. max_tokens stays as sent: tokengate.output.budget applies
+-- the gateway's cap.
 function _M.adjust(ctx, body)
     if body.stream == true then
         ctx.stream = true
@@ -235,11 +225,12 @@ end
 -- AnthropicCountTokensResponse) | nil, err (400) for a prompt above the context window,
 -- which vLLM's renderer refuses (vllm/renderers/params.py _token_len_check).
 function _M.count_answer(model, prompt)
-    if prompt > model.max_model_len then
-        return fail(400, format("This model's maximum context length is %d tokens. However, "
-            .. "your prompt contains %d input tokens, which exceeds this limit even without "
-            .. "any output tokens. Please reduce the length of the input prompt.",
-            model.max_model_len, prompt), "messages", "context_length_exceeded")
+    local _, err = output.above_context(model, prompt, "This model's maximum context length "
+        .. "is %d tokens. However, your prompt contains %d input tokens, which exceeds this "
+        .. "limit even without any output tokens. Please reduce the length of the input "
+        .. "prompt.", "messages")
+    if err then
+        return nil, err
     end
     return format('{"input_tokens":%d,"context_management":{"original_input_tokens":%d}}',
         prompt, prompt)
@@ -272,14 +263,10 @@ end
 -- per engine step with text, each of at least one token: a lower bound, what a client
 -- that leaves is billed without the engine records, which settle it exactly).
 function _M.sse_event(ctx, ev)
-    if sub(ev, 1, 7) ~= "event: " then
+    local kind, nl = usage.named_event(ev)
+    if not kind then
         return ev
     end
-    local nl = find(ev, "\n", 8, true)
-    if not nl then
-        return ev
-    end
-    local kind = sub(ev, 8, nl - 1)
     if kind == "content_block_delta" then
         local n = (ctx.m_deltas or 0) + 1
         ctx.m_deltas = n
@@ -295,9 +282,8 @@ function _M.sse_event(ctx, ev)
     if kind ~= "message_start" and kind ~= "message_delta" and kind ~= "error" then
         return ev
     end
-    local at = find(ev, "data:", nl + 1, true)
-    local d = at and cjson.decode(sub(ev, at + 5))
-    if type(d) ~= "table" then
+    local d = usage.event_data(ev, nl)
+    if not d then
         return ev
     end
     if kind == "message_start" then
@@ -366,4 +352,4 @@ function _M.rate_headers(h, st)
     h["anthropic-ratelimit-tokens-reset"] = clock.rfc3339_ms(now + st.reset_tokens)
 end
 
-return _M
+return api.define(_M)

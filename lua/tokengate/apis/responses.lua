@@ -1,7 +1,6 @@
 -- The OpenAI Responses API (POST /v1/responses, POST /v1/responses/input_tokens, GET
--- /v1/responses/{id}, POST /v1/responses/{id}/cancel): what of it differs from chat, in
--- one place. The phases ask ctx.api (this module, set for its routes by
--- tokengate.request) where an API has its own shape:
+-- /v1/responses/{id}, POST /v1/responses/{id}/cancel): what of it the edge reads, in one
+-- place (the hooks: tokengate.api):
 --
 --   validate:   the body's shape the edge relies on (vLLM's ResponsesRequest,
 --               vllm/entrypoints/openai/responses/protocol.py; the counter checks the
@@ -16,6 +15,8 @@
 --   usage:      response.completed (also for an incomplete response) of a stream, the
 --               usage of a whole answer: {input_tokens, input_tokens_details:
 --               {cached_tokens}, output_tokens}
+--   without_body: a route that names a stored response (GET, cancel): see "Stored
+--               responses"
 --   errors:     OpenAI's shape; limit headers: OpenAI's x-ratelimit-*
 --
 -- input_tokens (OpenAI's "Get input token counts", {"object": "response.input_tokens",
@@ -42,21 +43,23 @@
 -- reach the model without being counted or sanitized.
 
 local ngx = ngx
-local cjson = require "cjson.safe"
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local api = require "tokengate.api"
 local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local sanitize = require "tokengate.sanitize"
+local output = require "tokengate.output"
 local models_mod = require "tokengate.models"
 local limits = require "tokengate.limits"
+local usage = require "tokengate.usage"
 local digest = require "tokengate.digest"
+local state = require "tokengate.state"
 
 local type = type
-local tonumber = tonumber
 local pairs = pairs
+local setmetatable = setmetatable
 local format = string.format
-local find = string.find
 local sub = string.sub
 local match = string.match
 local lower = string.lower
@@ -70,29 +73,10 @@ local json_set = json.set
 local null = json.null
 local fail = errors.refuse
 
-local _M = {}
-
-_M.ROUTES = { ["/v1/responses"] = "responses", ["/v1/responses/input_tokens"] = "input_tokens" }
--- paths under it that are no route still get this API's error shape
-_M.PREFIX = "/v1/responses"
-_M.PATHS = { responses = "/v1/responses" } -- input_tokens is never forwarded
-_M.ALLOW = { responses = "POST", input_tokens = "POST", response = "GET, HEAD",
-             response_cancel = "POST" }
--- answered by the edge itself, after the count and the request limit
-_M.LOCAL = { input_tokens = true }
--- routes that name a stored response: no body, no count; one request of the key's RPM
-_M.STORED = { response = true, response_cancel = true }
--- the completion budget's field (tokengate.request.budget)
-_M.MAX_TOKENS = "max_output_tokens"
--- the agent session when no header names it (tokengate.session): the response this one
--- continues, then OpenAI's end-user ids
-_M.SESSION_FIELDS = { "previous_response_id", "safety_identifier", "user" }
-
 -- The fields of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/
 -- protocol.py; tests/edge/test_edge_costly_inputs.py compares them with vLLM's model):
 -- any other top-level field counts against edge.max_unknown_fields_bytes.
-local set = bounds.set
-local FIELDS = set({
+local FIELDS = bounds.set({
     "background", "cache_salt", "chat_template_kwargs", "ec_transfer_params",
     "enable_response_messages", "frequency_penalty", "ignore_eos", "include",
     "include_reasoning", "include_stop_str_in_output", "input", "instructions",
@@ -105,8 +89,31 @@ local FIELDS = set({
     "structured_outputs", "temperature", "text", "tool_choice", "tools", "top_k",
     "top_logprobs", "top_p", "truncation", "user", "vllm_xargs", "watermarking",
 })
-bounds.KNOWN.responses = FIELDS
-bounds.KNOWN.input_tokens = FIELDS
+
+local _M = {
+    NAME = "responses",
+    ROUTES = { ["/v1/responses"] = "responses",
+               ["/v1/responses/input_tokens"] = "input_tokens" },
+    -- paths under it that are no route still get this API's error shape; route() reads
+    -- the routes that name a stored response
+    PREFIX = "/v1/responses",
+    PATHS = { responses = "/v1/responses" }, -- input_tokens is never forwarded
+    ALLOW = { responses = "POST", input_tokens = "POST", response = "GET, HEAD",
+              response_cancel = "POST" },
+    -- tokengate.v1.ENDPOINT_RESPONSES (an input token count takes the same body)
+    ENDPOINT = { responses = 5, input_tokens = 5 },
+    FIELDS = { responses = FIELDS, input_tokens = FIELDS },
+    -- answered by the edge itself, after the count and the request limit
+    LOCAL = { input_tokens = true },
+    -- routes that name a stored response: no body, no count; one request of the key's RPM
+    NO_BODY = { response = true, response_cancel = true },
+    -- the completion budget's field (tokengate.output)
+    MAX_TOKENS = { "max_output_tokens" },
+    PROMPT_NAME = "input",
+    -- the agent session when no header names it (tokengate.session): the response this
+    -- one continues, then OpenAI's end-user ids
+    SESSION_FIELDS = { "previous_response_id", "safety_identifier", "user" },
+}
 
 -- The parts of a stored response id (module comment).
 local ID_PREFIX = "resp_"
@@ -194,11 +201,6 @@ function _M.route(uri)
     return nil
 end
 
--- key(var) -> nil: the key comes as Authorization: Bearer (tokengate.auth)
-function _M.key()
-    return nil
-end
-
 -- TRUE_ARG: what FastAPI reads as true in a query parameter (pydantic's bool parsing)
 local TRUE_ARG = { ["true"] = true, ["1"] = true, yes = true, on = true, t = true, y = true }
 
@@ -225,12 +227,12 @@ local function replay_args()
     return true
 end
 
--- stored(ctx, doc) -> true | nil, err (404, 400): a request that names a stored response
--- (ctx.model_id, the path's id): the key must have made it and may still use its model;
--- a retrieve's query is checked (replay_args) and a HEAD asks vLLM with GET; the
--- request is pinned to the replica that holds it (ctx.pin) and counts one request of
--- the key's RPM, no tokens.
-function _M.stored(ctx, doc)
+-- without_body(ctx, doc) -> true | nil, err (404, 400): a request that names a stored
+-- response (ctx.model_id, the path's id): the key must have made it and may still use
+-- its model; a retrieve's query is checked (replay_args) and a HEAD asks vLLM with GET;
+-- the request is pinned to the replica that holds it (ctx.pin) and counts one request
+-- of the key's RPM, no tokens.
+function _M.without_body(ctx, doc)
     local place, err = _M.owned(doc, ctx.key, ctx.model_id)
     if not place then
         return nil, err
@@ -251,7 +253,7 @@ function _M.stored(ctx, doc)
         return not_found(ctx.model_id)
     end
     ctx.model, ctx.model_entry, ctx.pin = model.name, model, place.replica
-    ctx.limit_req = limits.request(ctx.key, model.name, ctx.request_id)
+    limits.model(ctx.limit_req, ctx.key, model.name)
     ctx.rate = limits.peek(ctx.limit_req)
     limits.reservation(ctx.limit_req, 0, 1, 0, 1, 0)
     ctx.token_estimate = nil
@@ -328,7 +330,7 @@ function _M.validate(route, body, models, edge)
     end
     local text = body.text
     local fmt = is_object(text) and text.format
-    return body_mod.check_api(route, body, models, edge, "text.format.schema",
+    return body_mod.check_api(_M.FIELDS[route], body, models, edge, "text.format.schema",
         is_object(fmt) and fmt.schema)
 end
 
@@ -396,29 +398,14 @@ end
 -- format (a custom tool's grammar), and a namespace's tools, against every special and
 -- structural token (the template renders tools into the system turn).
 local function tool(st, t, param)
-    if type(t.name) == "string" then
-        t.name = sanitize.text(st, t.name, param .. ".name", st.all)
-    end
-    if type(t.description) == "string" then
-        t.description = sanitize.text(st, t.description, param .. ".description", st.all)
-    end
-    if type(t.parameters) == "table" then
-        sanitize.value(st, t.parameters, param .. ".parameters", st.all, sanitize.SCHEMA_PROSE)
-    end
+    sanitize.tool(st, t, param, "parameters")
     if type(t.format) == "table" then
         sanitize.value(st, t.format, param .. ".format", st.all, false)
     end
-    local inner = t.tools
-    if is_array(inner) then
-        for j = 1, #inner do
-            if is_object(inner[j]) then
-                tool(st, inner[j], format("%s.tools[%d]", param, j - 1))
-            end
-        end
-    end
+    sanitize.objects(st, t.tools, param .. ".tools", tool)
 end
 
--- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.request's shape):
+-- sanitize(body, model, edge) -> counts | nil, err (tokengate.sanitize.verdict's shape):
 -- instructions (the system role's tokens), input (a string: the user's; items: item()),
 -- tools, chat_template_kwargs (every special and structural token).
 function _M.sanitize(body, model, edge)
@@ -435,35 +422,30 @@ function _M.sanitize(body, model, edge)
             item(st, input[i], format("input[%d]", i - 1))
         end
     end
-    local tools = body.tools
-    if is_array(tools) then
-        for i = 1, #tools do
-            if is_object(tools[i]) then
-                tool(st, tools[i], format("tools[%d]", i - 1))
-            end
-        end
-    end
-    if is_object(body.chat_template_kwargs) then
-        sanitize.value(st, body.chat_template_kwargs, "chat_template_kwargs", st.all, false)
-    end
-    return sanitize.verdict(st)
+    sanitize.objects(st, body.tools, "tools", tool)
+    return sanitize.finish(st, body)
 end
 
 -- adjust(ctx, body, model): top-level fields given as null are dropped (null means the
 -- default, and vLLM 0.32 takes null for background, truncation, service_tier ... in the
 -- request, generates, and then fails to build its response of them: a 400 after the
 -- whole generation, with nothing billed); an input_tokens body loses max_output_tokens
--- (it generates nothing; elsewhere it stays as sent: tokengate.request.budget applies
+-- (it generates nothing; elsewhere it stays as sent: tokengate.output.budget applies
 -- the gateway's cap); the client's request_id is dropped (placed() writes the edge's); a
 -- stream sets ctx.stream; previous_response_id sets ctx.history (the count source
 -- "history").
 function _M.adjust(ctx, body)
-    json.drop_nulls(body)
+    local changed = json.drop_nulls(body) > 0
     if ctx.route == "input_tokens" and body.max_output_tokens ~= nil then
         json_set(body, "max_output_tokens", nil)
+        changed = true
     end
     if body.request_id ~= nil then
         json_set(body, "request_id", nil)
+        changed = true
+    end
+    if changed then
+        body_mod.changed(body)
     end
     if body.stream == true then
         ctx.stream = true
@@ -494,26 +476,26 @@ function _M.check(ctx, doc, body)
     return true
 end
 
--- placed(ctx) -> the text to forward: the body with the edge's response id for the
--- chosen replica (ctx.replica) as vLLM's request_id. Set after the count (the id
--- changes no prompt token, and a count of a body without it can be cached).
-function _M.placed(ctx)
-    local body = ctx.body
-    local id = _M.response_id(ctx.key, ctx.request_id, ctx.model, ctx.replica)
+-- placed(ctx, body): the body gets the edge's response id for the chosen replica
+-- (ctx.replica) as vLLM's request_id. Set after the count (the id changes no prompt
+-- token, and a count of a body without it can be cached).
+function _M.placed(ctx, body)
+    local id = _M.response_id(ctx.key, state.request_id(ctx), ctx.model, ctx.replica)
     json_set(body, "request_id", id)
+    body_mod.changed(body)
     ctx.response_id = id -- the session of requests that continue it (tokengate.session)
-    return json.encode(body)
 end
 
 -- count_answer(model, prompt) -> JSON text of OpenAI's input token count
 -- ({"object": "response.input_tokens", "input_tokens": n}) | nil, err (400) for a
 -- prompt above the context window, which vLLM would refuse.
 function _M.count_answer(model, prompt)
-    if prompt > model.max_model_len then
-        return fail(400, format("This model's maximum context length is %d tokens. However, "
-            .. "your input resulted in %d tokens, which exceeds this limit even without any "
-            .. "output tokens. Please reduce the length of the input.",
-            model.max_model_len, prompt), "input", "context_length_exceeded")
+    local _, err = output.above_context(model, prompt, "This model's maximum context length "
+        .. "is %d tokens. However, your input resulted in %d tokens, which exceeds this "
+        .. "limit even without any output tokens. Please reduce the length of the input.",
+        "input")
+    if err then
+        return nil, err
     end
     return format('{"object":"response.input_tokens","input_tokens":%d}', prompt)
 end
@@ -522,14 +504,7 @@ end
 -- (tokengate.usage): prompt = input_tokens (cached ones included), cached =
 -- input_tokens_details.cached_tokens, completion = output_tokens.
 local function read_usage(ctx, u)
-    if type(u) ~= "table" then
-        return
-    end
-    ctx.u_prompt = tonumber(u.input_tokens) or 0
-    ctx.u_completion = tonumber(u.output_tokens) or 0
-    local det = u.input_tokens_details
-    ctx.u_cached = type(det) == "table" and tonumber(det.cached_tokens) or 0
-    ctx.u_source = "final"
+    usage.final(ctx, u, "input_tokens", "output_tokens", "input_tokens_details")
 end
 
 -- DELTAS: the stream events that carry newly generated text (one per engine step with
@@ -547,14 +522,13 @@ local DELTAS = {
 -- billed without the engine records, which settle it exactly. A stored response's
 -- replay (GET ...?stream=true) bills nothing.
 function _M.sse_event(ctx, ev)
-    if ctx.route ~= "responses" or sub(ev, 1, 7) ~= "event: " then
+    if ctx.route ~= "responses" then
         return ev
     end
-    local nl = find(ev, "\n", 8, true)
-    if not nl then
+    local kind, nl = usage.named_event(ev)
+    if not kind then
         return ev
     end
-    local kind = sub(ev, 8, nl - 1)
     if DELTAS[kind] then
         local n = (ctx.m_deltas or 0) + 1
         ctx.m_deltas = n
@@ -570,9 +544,8 @@ function _M.sse_event(ctx, ev)
     if not final and kind ~= "error" then
         return ev
     end
-    local at = find(ev, "data:", nl + 1, true)
-    local d = at and cjson.decode(sub(ev, at + 5))
-    if type(d) ~= "table" then
+    local d = usage.event_data(ev, nl)
+    if not d then
         return ev
     end
     if final then
@@ -607,7 +580,7 @@ function _M.upstream_error(ctx, err)
     if err.status ~= 404 then
         return err
     end
-    if ctx.stored then
+    if ctx.no_body then
         local _, e = not_found(ctx.model_id)
         return e
     end
@@ -619,6 +592,6 @@ function _M.upstream_error(ctx, err)
     return err
 end
 
--- (errors and limit headers: OpenAI's, as for chat: no error_body, no rate_headers)
+-- (errors and limit headers: OpenAI's, the defaults)
 
-return _M
+return api.define(_M)

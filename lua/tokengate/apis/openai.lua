@@ -1,0 +1,181 @@
+-- What OpenAI's chat and completions APIs share (tokengate.apis.chat,
+-- tokengate.apis.completions): the request fields vLLM defines for both, the checks of
+-- the fields both take (model, stream, stream_options, the completion limits, n), and
+-- the stream options the usage watch needs. Not an API module itself.
+
+local json = require "tokengate.json"
+local errors = require "tokengate.errors"
+local bounds = require "tokengate.bounds"
+local body_mod = require "tokengate.body"
+local models_mod = require "tokengate.models"
+
+local type = type
+local format = string.format
+local is_object = json.is_object
+local json_integer = json.integer
+local json_set = json.set
+local null = json.null
+local fail = errors.refuse
+
+local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
+local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
+
+local _M = {}
+
+-- fields(only) -> {name -> true}: the fields (and aliases) of vLLM 0.32's
+-- ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py) or
+-- CompletionRequest (.../completion/protocol.py): those both define, and `only` (the
+-- route's own); tests/edge/test_edge_costly_inputs.py compares them with vLLM's own
+-- models. Any other top-level field is ignored by vLLM
+-- (vllm/entrypoints/serve/engine/protocol.py, OpenAIBaseModel: extra="allow").
+local SHARED = {
+    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt",
+    "ec_transfer_params", "echo", "frequency_penalty", "ignore_eos",
+    "include_stop_str_in_output", "kv_transfer_params", "length_penalty", "logit_bias",
+    "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "mm_payload",
+    "model", "n", "presence_penalty", "priority", "prompt_logprobs", "repetition_detection",
+    "repetition_penalty", "request_id", "response_format", "return_mm_kwargs",
+    "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids",
+    "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_token_ids", "stream", "stream_interval",
+    "stream_options", "structured_outputs", "temperature", "thinking_token_budget", "top_k",
+    "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "user",
+    "vllm_xargs", "watermarking",
+}
+
+function _M.fields(only)
+    local known = bounds.set(SHARED)
+    for i = 1, #only do
+        known[only[i]] = true
+    end
+    return known
+end
+
+-- opt_bool(obj, name) -> true when obj[name] is absent, null or a boolean | nil, err 400.
+local function opt_bool(body, name)
+    local v = body[name]
+    if v == nil or v == null or v == true or v == false then
+        return true
+    end
+    return fail(400, format("'%s' must be a boolean", name), name, "invalid_type")
+end
+
+-- opt_posint(obj, name) -> true when obj[name] is absent, null or an integer >= 1
+-- | nil, err 400. An integral JSON float (100.0, 1e2) counts as the integer, as vLLM's
+-- lax int parsing reads it, and is rewritten as the plain integer in obj: what is
+-- counted, capped and forwarded is then one integer, whatever the client's literal.
+local function opt_posint(body, name)
+    local v = body[name]
+    if v == nil or v == null then
+        return true
+    end
+    local n = json_integer(v)
+    if not n then
+        return fail(400, format("'%s' must be an integer", name), name, "invalid_type")
+    end
+    if n < 1 then
+        return fail(400, format("'%s' must be at least 1, got %.17g", name, n), name,
+            "invalid_value")
+    end
+    if type(v) ~= "number" then
+        json_set(body, name, n)
+        body_mod.changed(body)
+    end
+    return true
+end
+
+-- check_common(body, models) -> model entry | nil, err (400/404): the fields chat and
+-- completions share (model, stream, stream_options, max_tokens, max_completion_tokens,
+-- n), in OpenAI's wording.
+function _M.check_common(body, models)
+    local model = body.model
+    if model == nil or model == null then
+        return fail(400, "you must provide a model parameter"
+            .. body_mod.envelope_hint(body, "model"), "model", "missing_required_parameter")
+    end
+    if type(model) ~= "string" then
+        return fail(400, "'model' must be a string", "model", "invalid_type")
+    end
+    local ok, err = opt_bool(body, "stream")
+    if not ok then
+        return nil, err
+    end
+    local so = body.stream_options
+    if so ~= nil and so ~= null then
+        if not is_object(so) then
+            return fail(400, "'stream_options' must be an object", "stream_options",
+                "invalid_type")
+        end
+        for i = 1, #STREAM_FLAGS do
+            local f = STREAM_FLAGS[i]
+            ok, err = opt_bool(so, f)
+            if not ok then
+                err.param = "stream_options." .. f
+                return nil, err
+            end
+        end
+    end
+    for i = 1, #POSITIVE_INTS do
+        ok, err = opt_posint(body, POSITIVE_INTS[i])
+        if not ok then
+            return nil, err
+        end
+    end
+    local m = models[model]
+    if not m then
+        return models_mod.not_found(model)
+    end
+    -- n completions cost n times the output: bounded per model (max_n, default 8)
+    local n = json_integer(body.n)
+    if n and n > m.max_n then
+        return fail(400, format("'n' must be at most %d for model %s, got %.17g", m.max_n,
+            m.name, n), "n", "invalid_value")
+    end
+    return m
+end
+
+-- validator(check, fields) -> validate(route, body, models, edge) -> model entry | nil,
+-- err (400/404): check(body, models, edge), the API's own checks, then the bounds
+-- (tokengate.bounds: structured outputs, and the fields that fields[route], the API
+-- module's FIELDS, does not name). The validate of chat and completions.
+function _M.validator(check, fields)
+    return function(route, body, models, edge)
+        local model, err = check(body, models, edge)
+        if not model then
+            return nil, err
+        end
+        local ok
+        ok, err = bounds.check(fields[route], body, edge)
+        if not ok then
+            return nil, err
+        end
+        return model
+    end
+end
+
+-- stream_options(ctx, body): placed() of chat and completions: stream: true gets
+-- stream_options {include_usage, continuous_usage_stats} = true (every chunk then
+-- carries the cumulative usage, tokengate.usage); what the client asked for is kept in
+-- ctx.want_usage / ctx.want_continuous so the body filter can take out what it did not
+-- ask for. Made after the count: the counter does not read stream_options.
+function _M.stream_options(ctx, body)
+    if body.stream ~= true then
+        return
+    end
+    ctx.stream = true
+    local so = body.stream_options
+    if not is_object(so) then
+        so = json.object()
+        json_set(body, "stream_options", so)
+    end
+    local want_usage, want_continuous = so.include_usage == true,
+        so.continuous_usage_stats == true
+    ctx.want_usage, ctx.want_continuous = want_usage, want_continuous
+    if not (want_usage and want_continuous) then
+        json_set(so, "include_usage", true)
+        json_set(so, "continuous_usage_stats", true)
+        body_mod.changed(body)
+    end
+end
+
+return _M

@@ -1,0 +1,191 @@
+-- Access stage "route" and the balancer: where the request goes. A replica with room
+-- (tokengate.upstream, tokengate.admission), chosen before anything is reserved, else a
+-- wait in the key's queue (tokengate.queue) or a 503; the replica woken from idle unload
+-- once the request is admitted (tokengate.idle); then the request forwarded: its count
+-- in X-Token-Count, its body, the path the edge matched. The balancer phase hands nginx
+-- that replica, and another one on a retry.
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local metrics = require "tokengate.metrics"
+local upstream = require "tokengate.upstream"
+local admission = require "tokengate.admission"
+local prefix = require "tokengate.prefix"
+local queue = require "tokengate.queue"
+local idle = require "tokengate.idle"
+local budget = require "tokengate.budget"
+local apis = require "tokengate.apis"
+local body_mod = require "tokengate.body"
+local trace = require "tokengate.trace"
+local clock = require "tokengate.clock"
+local balancer = require "ngx.balancer"
+
+local ngx_req = ngx.req
+local ngx_log = ngx.log
+local ngx_exit = ngx.exit
+local ERR = ngx.ERR
+local mono_ms = clock.mono_ms
+local tostring = tostring
+local floor = math.floor
+local max = math.max
+
+local _M = {}
+
+-- unavailable(model, why) -> the 503 of a model none of whose replicas has an address
+local function unavailable(model, why)
+    return errors.new(503, "No replica of model " .. model.name .. " has an " .. why
+        .. " Please retry.", nil, "upstream_unavailable", nil, { ["Retry-After"] = "5" })
+end
+
+-- replica(ctx, doc) -> true | nil, err (503, 429): the replica that will serve the
+-- request, chosen before anything is reserved: one with room in its KV cache for the
+-- key's priority and below the model's max_concurrency, else one whose metrics are
+-- unknown (tokengate.admission); when the best is full, the request is shed (503
+-- overloaded, Retry-After), or with edge.queue.enabled waits in its key's queue
+-- (tokengate.queue: also while other requests of its model wait) and takes a replica
+-- when dispatched. The replica carries the request's tokens from here (upstream.take),
+-- so the requests that arrive while this one waits for its limits see it. A request
+-- pinned to a replica (ctx.pin: the one that holds the stored response it names) goes
+-- there, full or not. A budget reservation prices the prompt tokens the replica is
+-- expected to serve from its prefix cache (ctx.prefix_expected, routing.policy prefix)
+-- at the model's cached rate. Then the body gets the edits that need the replica or
+-- that the counter does not read (the API module's placed: chat's and completions'
+-- stream options, the Responses API's response id naming the replica).
+function _M.replica(ctx, doc)
+    if ctx.local_answer then
+        return true -- answered by the edge: no replica
+    end
+    local model = ctx.model_entry
+    local pin = ctx.pin
+    local prompt, tokens = ctx.token_estimate or 0, ctx.limit_req.tokens
+    local tried = pin and upstream.others(model, pin)
+    local r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+        prompt, tokens)
+    if not r then
+        return nil, unavailable(model, "address yet (its host names did not resolve).")
+    end
+    local queueing = not ctx.no_body and queue.enabled(doc)
+    if queueing then
+        ctx.queue_ms = 0 -- X-Tokengate-Queue-Ms on every answer while queueing is on
+    end
+    if not ctx.no_body
+            and (rank == admission.FULL or queueing and queue.busy(model.name)) then
+        upstream.release(ctx, true)
+        if not queueing then
+            metrics.incr("admission_shed")
+            return nil, admission.overloaded(model)
+        end
+        -- wait in the key's queue (tokengate.queue), then take a replica again
+        local t = mono_ms()
+        local ok, err = queue.wait(ctx, doc, prompt, max(0, tokens - prompt))
+        trace.span(ctx, "queue", t)
+        if not ok then
+            return nil, err
+        end
+        r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+            prompt, tokens)
+        queue.took(ctx)
+        if not r then
+            return nil, unavailable(model, "address any more.")
+        end
+    end
+    if rank == admission.HEADROOM then
+        metrics.incr("admission_headroom")
+    end
+    local bud = ctx.limit_req.budget
+    if bud and ctx.prefix_expected and ctx.prefix_expected > 0 then
+        -- the tokens the replica is expected to serve from its prefix cache are priced
+        -- at the cached rate; the settlement prices what vLLM reports
+        budget.reprice(bud, model.cost, doc.billing, ctx.prefix_expected)
+    end
+    if ctx.body then
+        ctx.api.placed(ctx, ctx.body)
+    end
+    return true
+end
+
+-- awake(ctx) -> true | nil, err (503 model_waking): the request waits while its replica
+-- wakes from idle unload (tokengate.idle).
+function _M.awake(ctx)
+    return idle.hold(ctx)
+end
+
+-- sent(ctx): the request goes to ctx.replica: its prompt's blocks are recorded there
+-- (tokengate.prefix.sent; policy prefix, a count with block hashes).
+local function sent(ctx)
+    local plan = ctx.prefix_plan
+    if plan and ctx.replica then
+        prefix.sent(ctx.model, ctx.replica, plan, floor((ctx.prefix_expected or 0) / plan.bs))
+    end
+end
+
+-- forward(ctx): the request, admitted, goes to its replica: the body the edge parsed
+-- (the client's bytes when the edge changed nothing, else its encoding after the last
+-- change: tokengate.body.text), with its count, to the path the edge matched
+-- (proxy_pass without a URI would send the client's raw request line).
+function _M.forward(ctx)
+    sent(ctx)
+    ngx_req.set_header("X-Token-Count", ctx.token_estimate)
+    ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
+    -- whose request it is, for the replica's engine record (tokengate_vllm.edge): a
+    -- record whose usage event never comes (a worker killed mid-stream) is billed to
+    -- this key by the ledger. Set, never passed on: a client's own value is replaced.
+    ngx_req.set_header("X-Tokengate-Key", ctx.key.id)
+    ngx_req.set_header("X-Tokengate-Endpoint", ctx.endpoint)
+    local body = ctx.body
+    if body then
+        local text, encoded = body_mod.text(body)
+        if encoded then
+            ngx_req.set_body_data(text)
+        end
+    end
+    -- a stored response's path is the client's, normalized (its id was checked)
+    ngx_req.set_uri(apis.PATHS[ctx.route] or ctx.uri)
+    trace.forward(ctx)
+    ctx.proxied = true
+end
+
+-- balance(ctx): the balancer phase: the request's replica. Called again when nginx
+-- retries, which it does only for a replica that failed before anything of the request
+-- was sent to it (nginx never resends a POST): that one counts a failure and another
+-- untried replica takes over.
+function _M.balance(ctx)
+    local model = ctx.model_entry
+    local r = ctx.replica
+    if ctx.balanced then
+        local state, code = balancer.get_last_failure()
+        upstream.failed(model.name, r, (state or "failed") .. " " .. tostring(code or ""))
+        upstream.release(ctx)
+        local tried = ctx.tried or {}
+        tried[r.name] = true
+        ctx.tried = tried
+        -- admitted already: any untried replica, full or not
+        r = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+            ctx.token_estimate, ctx.limit_req.tokens)
+        if not r then
+            return ngx_exit(502)
+        end
+        sent(ctx)
+        idle.nudge(model, r)
+    else
+        ctx.balanced = true
+        if upstream.is_out(model.name, r) and not ctx.pin then
+            -- taken out while this request waited for its limits: choose again
+            r = upstream.take(ctx, model, nil, admission.rank, ctx.key.admission,
+                ctx.token_estimate, ctx.limit_req.tokens)
+            sent(ctx)
+            idle.nudge(model, r)
+        end
+        local more = #model.upstreams - 1
+        if more > 0 and not ctx.pin then
+            balancer.set_more_tries(more)
+        end
+    end
+    local ok, err = balancer.set_current_peer(upstream.address(model.name, r), r.port)
+    if not ok then
+        ngx_log(ERR, "tokengate: set_current_peer ", r.name, ": ", err)
+        return ngx_exit(500)
+    end
+end
+
+return _M
