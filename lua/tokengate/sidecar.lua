@@ -58,6 +58,19 @@ local GRPC_UNAVAILABLE = 14
 local ENOENT = 2
 local KEEPALIVE_MS = 60000
 local POOL_SIZE = 64
+local worker_exiting = ngx.worker.exiting
+
+-- release(sock): the connection back to the keep-alive pool, or closed while this worker
+-- exits (a reload): the pool's timer is cancelable, so an exiting worker leaves a pooled
+-- connection open and nginx logs "[alert] open socket #N left in connection" as it
+-- exits (lua-nginx-module #1279; nginx's own upstream keepalive does the same check)
+local function release(sock)
+    if worker_exiting() then
+        sock:close()
+    else
+        sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+    end
+end
 
 -- grpc-message is percent-encoded (gRPC over HTTP/2 spec: bytes outside 0x20..0x7E and
 -- "%" only). ngx.unescape_uri would also turn "+" into a space, so decode by hand.
@@ -384,7 +397,7 @@ local function attempt(self, peer, frame, timeout_ms)
                 return nil, payload
             end
             peer.ok = true
-            sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+            release(sock)
             return status, payload
         end
     end
@@ -456,7 +469,7 @@ local function call_hop(self, path, frame, size)
     if h.close then
         sock:close()
     else
-        sock:setkeepalive(KEEPALIVE_MS, POOL_SIZE)
+        release(sock)
     end
     local gs = h.grpc_status
     if gs and gs ~= 0 then
