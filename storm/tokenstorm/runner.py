@@ -248,6 +248,7 @@ def _merge(results: list[sc.WorkerResult], plan: Plan, n_keys: int) -> Records:
     merged = {k: v[order] for k, v in merged.items()}
     itl = np.concatenate([np.frombuffer(r.itl, dtype=np.float64) for r in results]) \
         if results else np.empty(0)
+    request_id = np.array([x for r in results for x in r.request_id], dtype=object)[order]
     return Records(
         sched=merged["sched"], sent=merged["sent"], first=merged["first"], end=merged["end"],
         status=merged["status"].astype(np.int64), prompt=merged["prompt"].astype(np.int64),
@@ -257,4 +258,5 @@ def _merge(results: list[sc.WorkerResult], plan: Plan, n_keys: int) -> Records:
         limit=merged["limit"].astype(np.int64), retry_after=merged["retry_after"],
         expected_prompt=plan.inputs[idx].astype(np.int64),
         planned_output=plan.outputs[idx].astype(np.int64),
-        key=(idx % n_keys).astype(np.int64), burst=plan.burst[idx], itl=itl)
+        key=(idx % n_keys).astype(np.int64), burst=plan.burst[idx], itl=itl,
+        reused=merged["reused"].astype(np.int8), request_id=request_id)
