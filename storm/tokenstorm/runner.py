@@ -85,10 +85,15 @@ class RunSpec:
 
 @dataclass
 class RunResult:
+    """A run: what was asked, planned and measured. ``start``: the monotonic time of the
+    schedule's offset 0, s (records are seconds from it; CLOCK_MONOTONIC is
+    system-wide, so other processes' monotonic times compare with it)."""
+
     spec: RunSpec
     plan: Plan
     records: Records
     summary: Summary
+    start: float = 0.0
 
 
 _builders: dict[tuple[str, str, str, int, Sharing], PromptBuilder] = {}
@@ -189,7 +194,7 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
               "client_cpu_s": round(sum(r.cpu_s for r in results), 4),
               "planned_requests": n if open_loop else None},
         error_samples=samples, burst_seconds=burst_seconds)
-    return RunResult(spec, plan, records, summary)
+    return RunResult(spec, plan, records, summary, start)
 
 
 def _collect(spec: RunSpec, pipes: list[Any], procs: list[Any], counters: Any, n: int,
