@@ -214,9 +214,11 @@ def test_records_of_a_killed_lifetime_do_not_count_for_the_next() -> None:
 # -- reservations
 
 
-def test_an_open_budget_reservation_breaks_reservations() -> None:
-    c = inv.reservations(data(open_reservations=["tg:bg:{k}:r:" + B]))
-    assert (c.held, c.figures["open_budget_reservations"]) == (False, 1)
+def test_an_open_budget_reservation_breaks_reservations_and_says_what_could_settle_it(
+        ) -> None:
+    c = inv.reservations(data(open_reservations=["tg:bg:{k}:r:" + A, "tg:bg:{k}:r:" + B]))
+    assert (c.held, c.figures["open_budget_reservations"], c.figures["open_with_event"],
+            c.figures["open_with_neither"]) == (False, 2, 1, 1)
 
 
 def test_spend_left_in_flight_breaks_reservations() -> None:

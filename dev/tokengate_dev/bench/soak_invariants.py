@@ -408,12 +408,25 @@ def tokens_replicas(data: SoakData) -> Check:
 
 
 def reservations(data: SoakData) -> Check:
-    samples = [f"open: {k}" for k in data.open_reservations[:SAMPLES]]
+    """Open reservations are counted by what could have settled them: the request's
+    usage event (the edge, or the ledger from the event), its engine records only (an
+    nginx that died after forwarding it), or nothing (one that died before)."""
+    events = {ev.request_id for ev in data.events}
+    with_records = {r.edge_request_id for recs in data.records.values() for r in recs}
+    by = Counter[str]()
+    samples: list[str] = []
+    for k in data.open_reservations:
+        rid = k.rpartition(":r:")[2]
+        what = "with_event" if rid in events else \
+            "with_engine_records_only" if rid in with_records else "with_neither"
+        by[what] += 1
+        _sample(samples, f"open ({what.replace('_', ' ')}): {k}")
     for k, v in list(data.budget_in_flight.items())[:SAMPLES - len(samples)]:
         samples.append(f"in flight: {k} = {v}")
     return Check("reservations", "no reservation open after settling",
                  not data.open_reservations and not data.budget_in_flight,
                  {"open_budget_reservations": len(data.open_reservations),
+                  **{f"open_{k}": v for k, v in by.items()},
                   "budget_in_flight_counters": len(data.budget_in_flight)}, samples)
 
 
