@@ -81,7 +81,7 @@ from tokengate import config as tg_config
 from tokengate import redis_keys
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.event import EventError, UsageEvent, parse_event
-from tokengate.ledger.ledger import default_ledger_id
+from tokengate.ledger.ledger import default_ledger_id, engine_ledger_id
 from tokengate.process import (
     Backoff,
     Service,
@@ -105,6 +105,7 @@ from tokengate_dev.otlp_receiver import OtlpReceiver
 
 RESULTS = devstack.ROOT / "bench" / "results"
 SOAK_VAR = devstack.VAR / "bench-soak"
+USAGE_FILE = SOAK_VAR / "usage" / "usage.jsonl"
 MODEL = "tiny-qwen3"
 WARMUP_S = 10.0       # load before the first fault
 BACK_TIMEOUT_S = 90.0  # longest wait for a part to be back after a fault
@@ -194,7 +195,7 @@ def write_config(path: Path, opts: SoakOptions, ports: Ports,
         "keys": {k.name: {"sha256": _sha256(k.secret), **k.settings}
                  for k in load_keys(opts)},
         "redis": {"url": f"redis://127.0.0.1:{ports.redis}/0"},
-        "ledger": {"usage_file": str(SOAK_VAR / "usage" / "usage.jsonl"),
+        "ledger": {"usage_file": str(USAGE_FILE),
                    "audit_maxlen": 10_000_000,
                    "engine_usage_files": [str(f) for f in engine_files],
                    "engine_wait_s": 5.0, "engine_orphan_s": opts.orphan_s,
@@ -550,23 +551,32 @@ def edge_state(stack: Stack) -> dict[str, Any]:
             "outstanding_tokens": outstanding, "out": out}
 
 
+# the ledger's counts in Redis (since its first start, across its restarts), of its usage
+# file and of its engine files
+LEDGER_COUNTS = ("applied", "duplicates", "settled_engine", "engine_missing", "disagreements",
+                 "engine_records", "engine_duplicates", "engine_unmatched", "engine_late")
+
+
 def ledger_state(stack: Stack, client: SyncRedis) -> dict[str, Any]:
-    """What the ledger has left to do: its status file's lags and waits, and the join's
-    state in Redis (events waiting, engine records kept)."""
+    """What the ledger has left to do (its status file's lags and waits, the join's state
+    in Redis: events waiting, engine records kept) and what it did (its counts in
+    Redis)."""
     status = json.loads((devstack.VAR / "run" / "soak-ledger.status.json").read_text())
+    ledger_id = default_ledger_id(USAGE_FILE)
+    counts = Counter[str]()
+    for lid in [ledger_id, *(engine_ledger_id(ledger_id, f) for f in stack.engine_files)]:
+        for k, v in client.hgetall(redis_keys.stats_key(lid)).items():
+            if k in LEDGER_COUNTS:
+                counts[str(k)] += int(v)
     return {"lag_bytes": status.get("lag_bytes"), "engine_lag_bytes":
             status.get("engine_lag_bytes"), "waiting": status.get("waiting"),
             "pending": int(client.hlen(redis_keys.PENDING_KEY)),
             "eng_wait": int(client.zcard(redis_keys.ENG_WAIT_KEY)),
-            "applied": status.get("applied"), "engine_missing": status.get("engine_missing"),
-            "engine_unmatched": status.get("engine_unmatched"),
-            "engine_late": status.get("engine_late"),
-            "disagreements": status.get("disagreements")}
+            **{k: counts[k] for k in LEDGER_COUNTS}}
 
 
-def span_counts(stack: Stack, client: SyncRedis) -> dict[str, int]:
-    usage = SOAK_VAR / "usage" / "usage.jsonl"
-    h = client.hgetall(redis_keys.spans_key(default_ledger_id(usage)))
+def span_counts(client: SyncRedis) -> dict[str, int]:
+    h = client.hgetall(redis_keys.spans_key(default_ledger_id(USAGE_FILE)))
     return {str(k): int(v) for k, v in h.items()}
 
 
@@ -574,7 +584,7 @@ def settled(stack: Stack, client: SyncRedis) -> bool:
     """Nothing left to read, bill or export."""
     try:
         led, edge = ledger_state(stack, client), edge_state(stack)
-        spans = span_counts(stack, client)
+        spans = span_counts(client)
     except (OSError, ValueError):
         return False
     lost = sum(v for k, v in spans.items() if k.startswith("lost:"))
@@ -589,7 +599,7 @@ def _lines(path: Path) -> list[bytes]:
 
 def read_events(notes: list[str]) -> list[UsageEvent]:
     out = []
-    for line in _lines(SOAK_VAR / "usage" / "usage.jsonl"):
+    for line in _lines(USAGE_FILE):
         try:
             out.append(parse_event(line))
         except EventError as e:
@@ -685,8 +695,11 @@ def soak(opts: SoakOptions) -> dict[str, Any]:
     stack = Stack(opts, ports, say)
     notes: list[str] = []
     plan = plan_faults(opts)
+    # other work on the machine slows every part down (and a restart most): say how busy
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "options": asdict(opts)}
+                           "options": asdict(opts),
+                           "machine": {"cpus": os.cpu_count(),
+                                       "load_average_before": os.getloadavg()}}
     try:
         say(f"starting the stack in {SOAK_VAR.relative_to(devstack.ROOT)} "
             f"(edge 127.0.0.1:{ports.edge}) ...")
@@ -728,7 +741,7 @@ def soak(opts: SoakOptions) -> dict[str, Any]:
             clients=[c for ld in loads for c in ld["clients"]], events=read_events(notes),
             wall_to_mono=time.monotonic() - time.time(), bills=read_bills(client),
             records=read_records(stack, notes), lives=replica_lives(stack, runner.faults),
-            spans=span_counts(stack, client), spans_received=collector.received,
+            spans=span_counts(client), spans_received=collector.received,
             open_reservations=open_, budget_in_flight=in_flight, edge=edge_state(stack),
             ledger=ledger_state(stack, client),
             error_log=[line for line in stack.roles["nginx"].log_path.read_text(
@@ -742,6 +755,7 @@ def soak(opts: SoakOptions) -> dict[str, Any]:
             faults=[asdict(f) | {"start": round(f.start - clock.t0, 2),
                                  "end": round(f.end - clock.t0, 2)} for f in runner.faults],
             fault_kinds=dict(Counter(f.kind for f in runner.faults)),
+            load_average_after=os.getloadavg(),
             notes=notes + runner.notes, supervisor=clock.lines,
             checks=[c.to_json() for c in checks])
         return out
