@@ -189,8 +189,9 @@ def test_engine_records_of_a_request_without_an_event_not_billed_break_tokens_en
         ) -> None:
     orphan = record(B, generated=7, finish="abort")
     c = inv.tokens_engine(data(records={R0: [record(), orphan], R1: []}))
-    assert (c.held, c.figures["not_billed_once"], c.figures["engine_completion"],
-            c.figures["ledger_completion"]) == (False, 1, 12, 5)
+    assert (c.held, c.figures["not_billed_once"], c.figures["of_which_without_an_event"],
+            c.figures["engine_completion"], c.figures["ledger_completion"]) == \
+        (False, 1, 1, 12, 5)
 
 
 # -- tokens_replicas

@@ -581,13 +581,20 @@ def span_counts(client: SyncRedis) -> dict[str, int]:
 
 
 def settled(stack: Stack, client: SyncRedis) -> bool:
-    """Nothing left to read, bill or export."""
+    """Nothing left to read, bill, settle or export: the edge's last settlements go out
+    from a timer after the usage event is written (or the ledger makes them from the
+    event)."""
     try:
         led, edge = ledger_state(stack, client), edge_state(stack)
         spans = span_counts(client)
+        open_, _ = read_budgets(client)
     except (OSError, ValueError):
         return False
     lost = sum(v for k, v in spans.items() if k.startswith("lost:"))
+    if open_:
+        answered = {json.loads(line).get("request_id") for line in _lines(USAGE_FILE)}
+        if any(k.rpartition(":r:")[2] in answered for k in open_):
+            return False
     return (led["lag_bytes"] == 0 and led["engine_lag_bytes"] == 0 and not led["waiting"]
             and not led["pending"] and not led["eng_wait"] and not edge["queue_requests"]
             and spans.get("traced", 0) == spans.get("exported", 0) + lost)

@@ -349,7 +349,7 @@ def tokens_engine(data: SoakData) -> Check:
     bills = _bills(data)
     events = _by_id(data.events)
     samples: list[str] = []
-    exact = unbilled = wrong = cut = 0
+    exact = unbilled = orphans = wrong = cut = 0
     sums = Counter[str]()
     for rid, recs in by_rid.items():
         prompt, completion = _engine_tokens(recs)
@@ -360,6 +360,7 @@ def tokens_engine(data: SoakData) -> Check:
         bs = bills.get(rid, [])
         if len(bs) != 1:
             unbilled += 1
+            orphans += rid not in events
             where = "with an event" if rid in events else "without an event"
             _sample(samples, f"{rid}: engine records ({prompt} prompt, {completion} "
                              f"completion{', aborted' if aborted else ''}) {where}, "
@@ -378,7 +379,8 @@ def tokens_engine(data: SoakData) -> Check:
                  unbilled == 0 and wrong == 0,
                  {"requests_with_records": len(by_rid), "with_an_abort_record": cut,
                   "billed_exactly": exact, "billed_otherwise": wrong,
-                  "not_billed_once": unbilled, **sums}, samples)
+                  "not_billed_once": unbilled, "of_which_without_an_event": orphans, **sums},
+                 samples)
 
 
 def tokens_replicas(data: SoakData) -> Check:
@@ -413,20 +415,22 @@ def reservations(data: SoakData) -> Check:
     nginx that died after forwarding it), or nothing (one that died before)."""
     events = {ev.request_id for ev in data.events}
     with_records = {r.edge_request_id for recs in data.records.values() for r in recs}
-    by = Counter[str]()
-    samples: list[str] = []
+    classes = ("with_event", "with_engine_records_only", "with_neither")
+    by: dict[str, list[str]] = {c: [] for c in classes}
     for k in data.open_reservations:
         rid = k.rpartition(":r:")[2]
-        what = "with_event" if rid in events else \
-            "with_engine_records_only" if rid in with_records else "with_neither"
-        by[what] += 1
-        _sample(samples, f"open ({what.replace('_', ' ')}): {k}")
+        by[classes[0] if rid in events else classes[1] if rid in with_records
+           else classes[2]].append(k)
+    samples: list[str] = []
+    for what in classes:  # the ones someone should have settled first
+        for k in by[what]:
+            _sample(samples, f"open ({what.replace('_', ' ')}): {k}")
     for k, v in list(data.budget_in_flight.items())[:SAMPLES - len(samples)]:
         samples.append(f"in flight: {k} = {v}")
     return Check("reservations", "no reservation open after settling",
                  not data.open_reservations and not data.budget_in_flight,
                  {"open_budget_reservations": len(data.open_reservations),
-                  **{f"open_{k}": v for k, v in by.items()},
+                  **{f"open_{k}": len(v) for k, v in by.items()},
                   "budget_in_flight_counters": len(data.budget_in_flight)}, samples)
 
 
