@@ -46,9 +46,9 @@ schedule (kinds, targets, gaps and durations); when a fault's part takes long to
 back, the schedule is followed later.
 
 Once the load is over and every part is up, the soak waits for the stack to settle: the
-ledger has read everything and billed what waited for engine records (``--orphan-s``, the
-ledger's ``engine_orphan_s``, is the longest an engine record without an edge event
-waits), the span export is done. Then it collects the usage events, the ledger's audit
+ledger has read everything and billed what waited for engine records (an engine record
+without an edge event waits the ledger's ``engine_orphan_s``, 15 s here), the edge's last
+budget settlements are in, the span export is done. Then it collects the usage events, the ledger's audit
 stream, the engine records, each replica's counters, the span counts, the budget
 reservations, the state of the edge, the ledger and the replicas, and nginx's error log,
 and checks the invariants. Results: ``bench/results/soak-<time>.json`` and
@@ -72,15 +72,16 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from tokengate import config as tg_config
 from tokengate import redis_keys
 from tokengate.ledger.engine_record import EngineRecord, parse_record
-from tokengate.ledger.event import EventError, UsageEvent, parse_event
+from tokengate.ledger.event import EventError, parse_event
 from tokengate.ledger.ledger import default_ledger_id, engine_ledger_id
 from tokengate.process import (
     Backoff,
@@ -91,7 +92,6 @@ from tokengate.process import (
     group_members,
 )
 from tokengate.redis_client import SyncRedis, connect
-from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
 from tokenstorm.client import ERROR_NAMES
 from tokenstorm.profiles import OutputPolicy
@@ -100,15 +100,16 @@ from tokenstorm.runner import RunSpec, execute
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tokengate_dev import devstack
+from tokengate_dev.bench import results
 from tokengate_dev.bench import soak_invariants as inv
 from tokengate_dev.otlp_receiver import OtlpReceiver
 
-RESULTS = devstack.ROOT / "bench" / "results"
 SOAK_VAR = devstack.VAR / "bench-soak"
 USAGE_FILE = SOAK_VAR / "usage" / "usage.jsonl"
 MODEL = "tiny-qwen3"
 WARMUP_S = 10.0       # load before the first fault
 BACK_TIMEOUT_S = 90.0  # longest wait for a part to be back after a fault
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -604,27 +605,20 @@ def _lines(path: Path) -> list[bytes]:
     return path.read_bytes().splitlines() if path.exists() else []
 
 
-def read_events(notes: list[str]) -> list[UsageEvent]:
+def _parsed(path: Path, parse: Callable[[bytes], _T], notes: list[str]) -> list[_T]:
+    """Every line of ``path`` parsed; a line that is not one is noted and skipped."""
     out = []
-    for line in _lines(USAGE_FILE):
+    for line in _lines(path):
         try:
-            out.append(parse_event(line))
+            out.append(parse(line))
         except EventError as e:
-            notes.append(f"usage file: bad line ({e})")
+            notes.append(f"{path.name}: bad line ({e})")
     return out
 
 
 def read_records(stack: Stack, notes: list[str]) -> dict[str, list[EngineRecord]]:
-    out: dict[str, list[EngineRecord]] = {}
-    for replica, path in zip(stack.replicas, stack.engine_files, strict=True):
-        recs = []
-        for line in _lines(path):
-            try:
-                recs.append(parse_record(line))
-            except EventError as e:
-                notes.append(f"{path.name}: bad line ({e})")
-        out[replica] = recs
-    return out
+    return {replica: _parsed(path, parse_record, notes)
+            for replica, path in zip(stack.replicas, stack.engine_files, strict=True)}
 
 
 def read_bills(client: SyncRedis) -> list[dict[str, str]]:
@@ -745,7 +739,7 @@ def soak(opts: SoakOptions) -> dict[str, Any]:
         time.sleep(1.0)  # the replicas' last records and counters
         open_, in_flight = read_budgets(client)
         data = inv.SoakData(
-            clients=[c for ld in loads for c in ld["clients"]], events=read_events(notes),
+            clients=[c for ld in loads for c in ld["clients"]], events=_parsed(USAGE_FILE, parse_event, notes),
             wall_to_mono=time.monotonic() - time.time(), bills=read_bills(client),
             records=read_records(stack, notes), lives=replica_lives(stack, runner.faults),
             spans=span_counts(client), spans_received=collector.received,
@@ -830,12 +824,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ServiceError, RuntimeError) as e:
         sys.exit(f"soak: {e}")
     out["elapsed_s"] = round(time.monotonic() - t0, 1)
-    path = out_path or RESULTS / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report._clean(out), indent=2) + "\n"
-    path.write_text(text)
-    if out_path is None:
-        (path.parent / "soak-latest.json").write_text(text)
+    path = results.write(out, "soak", out_path)
     lines = render(out)
     print("\n".join(lines[:-1]))
     print(f"results: {path} ({out['elapsed_s']:g} s)")

@@ -173,6 +173,16 @@ class SoakData:
         t0 = parse_ts(ev.ts).timestamp() + self.wall_to_mono
         return t0, t0 + ev.total_ms / 1000.0
 
+    def records_by_request(self) -> dict[str, list[EngineRecord]]:
+        """Every replica's engine records by the edge request they name (records of no
+        edge request left out)."""
+        out: dict[str, list[EngineRecord]] = defaultdict(list)
+        for recs in self.records.values():
+            for r in recs:
+                if r.edge_request_id is not None:
+                    out[r.edge_request_id].append(r)
+        return out
+
     def record_time(self, rec: EngineRecord) -> float:
         """When a replica wrote ``rec`` (its ``ts``), monotonic s."""
         return parse_ts(rec.ts).timestamp() + self.wall_to_mono
@@ -265,7 +275,7 @@ def events_once(data: SoakData) -> Check:
 def ledger_once(data: SoakData) -> Check:
     bills = _bills(data)
     events = _by_id(data.events)
-    with_records = {r.edge_request_id for recs in data.records.values() for r in recs}
+    with_records = data.records_by_request()
     samples: list[str] = []
     once = none = twice = 0
     for rid in events:
@@ -341,11 +351,7 @@ def _engine_tokens(records: Iterable[EngineRecord]) -> tuple[int, int]:
 
 
 def tokens_engine(data: SoakData) -> Check:
-    by_rid: dict[str, list[EngineRecord]] = defaultdict(list)
-    for recs in data.records.values():
-        for r in recs:
-            if r.edge_request_id is not None:
-                by_rid[r.edge_request_id].append(r)
+    by_rid = data.records_by_request()
     bills = _bills(data)
     events = _by_id(data.events)
     samples: list[str] = []
@@ -414,7 +420,7 @@ def reservations(data: SoakData) -> Check:
     usage event (the edge, or the ledger from the event), its engine records only (an
     nginx that died after forwarding it), or nothing (one that died before)."""
     events = {ev.request_id for ev in data.events}
-    with_records = {r.edge_request_id for recs in data.records.values() for r in recs}
+    with_records = data.records_by_request()
     classes = ("with_event", "with_engine_records_only", "with_neither")
     by: dict[str, list[str]] = {c: [] for c in classes}
     for k in data.open_reservations:
