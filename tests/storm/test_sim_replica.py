@@ -461,10 +461,13 @@ def records_after(path: Path, offset: int) -> list[EngineRecord]:
 
 
 def engine_workload(base: str, rids: list[str], wait: Any) -> None:
-    """Three requests: a chat answered whole (4 tokens), a completions request with n = 2
-    (3 tokens each), and a stream of up to 400 tokens whose client leaves after its
-    third token; then ``wait()`` until the last one's record is there."""
-    h = [{"X-Request-Id": rid} for rid in rids]
+    """Three requests as the edge forwards them (its request id, key and endpoint in
+    headers): a chat answered whole (4 tokens), a completions request with n = 2 (3 tokens
+    each), and a stream of up to 400 tokens whose client leaves after its third token;
+    then ``wait()`` until the last one's record is there."""
+    h = [{"X-Request-Id": rid, "X-Tokengate-Key": "sim-key",
+          "X-Tokengate-Endpoint": endpoint}
+         for rid, endpoint in zip(rids, ("chat", "completions", "chat"), strict=True)]
     r = httpx.post(base + "/chat/completions", json=chat_body(words(8), 4), headers=h[0],
                    timeout=60)
     assert r.status_code == 200, r.text
@@ -487,9 +490,9 @@ def engine_workload(base: str, rids: list[str], wait: Any) -> None:
 
 def record_fields(r: EngineRecord) -> tuple[Any, ...]:
     """What two engines must agree on for one request (no times)."""
-    return (r.request_id, r.index, r.n, r.finish_reason, r.source, r.num_prompt_tokens,
-            r.num_generation_tokens, r.num_cached_tokens, r.prefilled, r.max_tokens,
-            r.num_preemptions)
+    return (r.request_id, r.index, r.n, r.key_id, r.endpoint, r.finish_reason, r.source,
+            r.num_prompt_tokens, r.num_generation_tokens, r.num_cached_tokens, r.prefilled,
+            r.max_tokens, r.num_preemptions)
 
 
 def test_engine_records_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
@@ -527,8 +530,9 @@ def test_engine_records_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica) -> 
                                             f"cmpl-{rids[1]}-0"]
     for name, recs in got.items():
         left = [r for r in recs if r.source == "abort"]
-        assert [(r.request_id, r.index, r.n, r.finish_reason, r.prefilled, r.max_tokens)
-                for r in left] == [(f"chatcmpl-{rids[2]}", 0, 1, "abort", True, 400)], name
+        assert [(r.request_id, r.index, r.n, r.key_id, r.finish_reason, r.prefilled,
+                 r.max_tokens) for r in left] == \
+            [(f"chatcmpl-{rids[2]}", 0, 1, "sim-key", "abort", True, 400)], name
         assert 3 <= left[0].num_generation_tokens < 400, name
     assert [r.num_prompt_tokens for r in got["sim"] if r.source == "abort"] == \
         [r.num_prompt_tokens for r in got["vllm"] if r.source == "abort"]
@@ -537,8 +541,9 @@ def test_engine_records_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica) -> 
 def test_engine_records_name_the_edge_request_and_add_up_to_the_counters(
         cfg: tg_config.Config, tmp_path: Path) -> None:
     """Without vLLM: every record parses with the ledger's parser, names the edge's
-    request id, and the records add up to the replica's counters (a prompt once per
-    choice, every generated token), the stream the client left included."""
+    request id, key and endpoint, and the records add up to the replica's counters (a
+    prompt once per choice, every generated token), the stream the client left
+    included."""
     settings = sim_settings(cfg, itl_ms=20.0, engine_usage_file=tmp_path / "engine.jsonl")
     rids = [f"{RNG.getrandbits(128):032x}" for _ in range(3)]
     with SimReplica(settings) as rep:
@@ -551,9 +556,12 @@ def test_engine_records_name_the_edge_request_and_add_up_to_the_counters(
         engine_workload(rep.url, rids, last_there)
         m = scrape(rep.url)
     recs = records_after(tmp_path / "engine.jsonl", 0)
-    assert sorted((r.edge_request_id, r.index, r.n, r.source, r.prefilled) for r in recs) == \
-        sorted([(rids[0], 0, 1, "stats", True), (rids[1], 0, 2, "stats", True),
-                (rids[1], 1, 2, "stats", True), (rids[2], 0, 1, "abort", True)])
+    assert sorted((r.edge_request_id, r.index, r.n, r.key_id, r.endpoint, r.source,
+                   r.prefilled) for r in recs) == \
+        sorted([(rids[0], 0, 1, "sim-key", "chat", "stats", True),
+                (rids[1], 0, 2, "sim-key", "completions", "stats", True),
+                (rids[1], 1, 2, "sim-key", "completions", "stats", True),
+                (rids[2], 0, 1, "sim-key", "chat", "abort", True)])
     assert sum(r.num_generation_tokens for r in recs) == m["vllm:generation_tokens_total"]
     assert sum(r.num_prompt_tokens for r in recs) == m["vllm:prompt_tokens_total"]
 

@@ -55,7 +55,7 @@ def record(rid: str = A, t: float = T + 0.9, prompt: int = 10, generated: int = 
            finish: str = "length") -> EngineRecord:
     return EngineRecord(
         request_id=f"chatcmpl-{rid}", index=0, n=1, ts=rfc3339(t), arrival_ts=rfc3339(T),
-        model="m", finish_reason=finish, source="abort" if finish == "abort" else "stats",
+        model="m", key_id="k", endpoint="chat", finish_reason=finish, source="abort" if finish == "abort" else "stats",
         num_prompt_tokens=prompt, num_generation_tokens=generated, num_cached_tokens=0,
         prefilled=generated > 0, max_tokens=16, num_preemptions=0, e2e_ms=900.0,
         queued_ms=0.0, prefill_ms=5.0, decode_ms=800.0)
@@ -189,9 +189,36 @@ def test_engine_records_of_a_request_without_an_event_not_billed_break_tokens_en
         ) -> None:
     orphan = record(B, generated=7, finish="abort")
     c = inv.tokens_engine(data(records={R0: [record(), orphan], R1: []}))
-    assert (c.held, c.figures["not_billed_once"], c.figures["of_which_without_an_event"],
-            c.figures["engine_completion"], c.figures["ledger_completion"]) == \
-        (False, 1, 1, 12, 5)
+    assert (c.held, c.figures["not_billed_once"],
+            c.figures["not_billed_once_without_an_event"], c.figures["engine_completion"],
+            c.figures["ledger_completion"]) == (False, 1, 1, 12, 5)
+
+
+def test_engine_records_of_a_request_without_an_event_billed_as_an_orphan_hold() -> None:
+    orphan = {"rid": B, "prompt": "10", "completion": "7", "settled": "engine",
+              "orphan": "1"}
+    d = data(records={R0: [record(), record(B, generated=7, finish="abort")], R1: []},
+             bills=[bill(), orphan])
+    c = inv.tokens_engine(d)
+    assert (c.held, c.figures["billed_exactly"], c.figures["of_which_without_an_event"]) == \
+        (True, 2, 1)
+    assert inv.ledger_once(d).figures["bills_of_engine_records_without_event"] == 1
+
+
+def test_a_bill_corrected_by_late_records_is_billed_once_what_they_say() -> None:
+    late = {"kind": "correction", "rid": A, "prompt": "0", "completion": "2",
+            "settled": "engine"}
+    d = data(events=[event(usage="running", completion=3)],
+             bills=[bill(completion=3, settled="edge"), late],
+             records={R0: [record(generated=5, finish="abort")], R1: []})
+    assert inv.tokens_engine(d).held
+    c = inv.ledger_once(d)
+    assert (c.held, c.figures["bills"], c.figures["corrections"]) == (True, 1, 1)
+
+
+def test_audit_entries_of_key_commands_are_no_bills() -> None:
+    created = {"kind": "key_created", "rid": "", "key": "k2"}
+    assert inv.ledger_once(data(bills=[bill(), created])).figures["bills_unexplained"] == 0
 
 
 # -- tokens_replicas

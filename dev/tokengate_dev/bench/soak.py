@@ -555,7 +555,8 @@ def edge_state(stack: Stack) -> dict[str, Any]:
 # the ledger's counts in Redis (since its first start, across its restarts), of its usage
 # file and of its engine files
 LEDGER_COUNTS = ("applied", "duplicates", "settled_engine", "engine_missing", "disagreements",
-                 "engine_records", "engine_duplicates", "engine_unmatched", "engine_late")
+                 "corrections", "orphans", "engine_records", "engine_duplicates",
+                 "engine_unmatched", "engine_late")
 
 
 def ledger_state(stack: Stack, client: SyncRedis) -> dict[str, Any]:

@@ -16,13 +16,16 @@ The checks, in the order ``check_all`` runs them:
   whose nginx worker was killed while it was in flight (its log phase never ran). No
   event is written for a request no client got an answer head for, outside the kills of
   nginx and the reloads (those: ``reload_resets``).
-- ``ledger_once``: every usage event is billed exactly once in the ledger's audit stream,
-  and nothing else is billed but engine records of requests without an event.
+- ``ledger_once``: every usage event is billed exactly once in the ledger's audit stream
+  (its ``kind: correction`` entries, engine records that came after a bill, change that
+  bill, they are no bill of their own), and nothing else is billed but engine records of
+  requests without an event (orphans).
 - ``tokens_whole``: every request answered whole (status 200, the whole body, final
   usage) has the same prompt and completion tokens at the client, in its event and in
   its bill.
 - ``tokens_engine``: every edge request with engine records is billed exactly what its
-  records say (a stream cut by a kill too), once.
+  records say (a stream cut by a kill too, with or without its usage event), once, its
+  corrections included.
 - ``tokens_replicas``: each replica's own counters (``vllm:prompt_tokens``,
   ``vllm:generation_tokens`` since it last started) equal the sums of the engine records
   it wrote meanwhile (the counting rules of ``tokengate_vllm.record``).
@@ -217,10 +220,43 @@ def _by_id(events: Iterable[UsageEvent]) -> dict[str, list[UsageEvent]]:
     return out
 
 
-def _bills(data: SoakData) -> dict[str, list[dict[str, str]]]:
-    out: dict[str, list[dict[str, str]]] = defaultdict(list)
-    for b in data.bills:
-        out[b["rid"]].append(b)
+@dataclass
+class Billed:
+    """What the ledger billed one request: ``bills`` (its bill entries: 1 when billed
+    once), the tokens with every correction added, how the bill was ``settled`` (edge
+    or engine), ``corrections`` (later engine records that changed it) and whether it
+    billed records whose event never came (``orphan``)."""
+
+    bills: int = 0
+    prompt: int = 0
+    completion: int = 0
+    settled: str = ""
+    corrections: int = 0
+    orphan: bool = False
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return self.prompt, self.completion
+
+
+def _bills(data: SoakData) -> dict[str, Billed]:
+    """The audit stream by request: a bill entry, then any ``kind: correction`` entries
+    that add their differences to it (``tokengate.ledger.join``); entries of other kinds
+    (key commands) are not the ledger's bills."""
+    out: dict[str, Billed] = defaultdict(Billed)
+    for e in data.bills:
+        kind = e.get("kind")
+        if kind not in (None, "correction"):
+            continue
+        b = out[e["rid"]]
+        b.prompt += int(e["prompt"])
+        b.completion += int(e["completion"])
+        if kind == "correction":
+            b.corrections += 1
+        else:
+            b.bills += 1
+            b.settled = e.get("settled", "")
+            b.orphan = e.get("orphan") == "1"
     return out
 
 
@@ -279,7 +315,7 @@ def ledger_once(data: SoakData) -> Check:
     samples: list[str] = []
     once = none = twice = 0
     for rid in events:
-        n = len(bills.get(rid, []))
+        n = bills[rid].bills if rid in bills else 0
         if n == 1:
             once += 1
         elif n == 0:
@@ -289,19 +325,21 @@ def ledger_once(data: SoakData) -> Check:
             twice += 1
             _sample(samples, f"{rid}: billed {n} times")
     orphans = stray = 0
-    for rid, bs in bills.items():
+    for rid, b in bills.items():
         if rid in events:
             continue
-        if rid in with_records and len(bs) == 1:
+        if rid in with_records and b.bills == 1:
             orphans += 1
         else:
             stray += 1
-            _sample(samples, f"{rid}: billed {len(bs)} time(s) without an event "
+            _sample(samples, f"{rid}: billed {b.bills} time(s) without an event "
                              f"or engine records")
     return Check("ledger_once", "each usage event billed once in the ledger",
                  none == 0 and twice == 0 and stray == 0,
                  {"events": len(events), "billed_once": once, "not_billed": none,
-                  "billed_more_than_once": twice, "bills": len(data.bills),
+                  "billed_more_than_once": twice,
+                  "bills": sum(b.bills for b in bills.values()),
+                  "corrections": sum(b.corrections for b in bills.values()),
                   "bills_of_engine_records_without_event": orphans,
                   "bills_unexplained": stray}, samples)
 
@@ -316,20 +354,20 @@ def tokens_whole(data: SoakData) -> Check:
         if not (c.whole and c.request_id):
             continue
         n += 1
-        evs, bs = events.get(c.request_id, []), bills.get(c.request_id, [])
+        evs, billed = events.get(c.request_id, []), bills.get(c.request_id)
         ev = evs[0] if len(evs) == 1 else None
-        b = bs[0] if len(bs) == 1 else None
+        b = billed if billed is not None and billed.bills == 1 else None
         sums["client_prompt"] += c.prompt_tokens
         sums["client_completion"] += c.completion_tokens
         if ev is not None:
             sums["event_prompt"] += ev.prompt_tokens
             sums["event_completion"] += ev.completion_tokens
         if b is not None:
-            sums["ledger_prompt"] += int(b["prompt"])
-            sums["ledger_completion"] += int(b["completion"])
+            sums["ledger_prompt"] += b.prompt
+            sums["ledger_completion"] += b.completion
         got = {"client": (c.prompt_tokens, c.completion_tokens),
                "event": None if ev is None else (ev.prompt_tokens, ev.completion_tokens),
-               "ledger": None if b is None else (int(b["prompt"]), int(b["completion"]))}
+               "ledger": None if b is None else b.tokens}
         if len(set(got.values())) != 1:
             bad += 1
             _sample(samples, f"{c.request_id}: (prompt, completion) "
@@ -355,7 +393,7 @@ def tokens_engine(data: SoakData) -> Check:
     bills = _bills(data)
     events = _by_id(data.events)
     samples: list[str] = []
-    exact = unbilled = orphans = wrong = cut = 0
+    exact = unbilled = orphans = billed_orphans = wrong = cut = 0
     sums = Counter[str]()
     for rid, recs in by_rid.items():
         prompt, completion = _engine_tokens(recs)
@@ -363,29 +401,32 @@ def tokens_engine(data: SoakData) -> Check:
         sums["engine_completion"] += completion
         aborted = any(r.finish_reason == "abort" for r in recs)
         cut += aborted
-        bs = bills.get(rid, [])
-        if len(bs) != 1:
+        b = bills.get(rid, Billed())
+        if b.bills != 1:
             unbilled += 1
             orphans += rid not in events
             where = "with an event" if rid in events else "without an event"
             _sample(samples, f"{rid}: engine records ({prompt} prompt, {completion} "
                              f"completion{', aborted' if aborted else ''}) {where}, "
-                             f"billed {len(bs)} times")
+                             f"billed {b.bills} times")
             continue
-        got = (int(bs[0]["prompt"]), int(bs[0]["completion"]))
-        sums["ledger_prompt"] += got[0]
-        sums["ledger_completion"] += got[1]
-        if got == (prompt, completion):
+        sums["ledger_prompt"] += b.prompt
+        sums["ledger_completion"] += b.completion
+        billed_orphans += b.orphan
+        if b.tokens == (prompt, completion):
             exact += 1
         else:
             wrong += 1
-            _sample(samples, f"{rid}: billed {got} (settled {bs[0].get('settled')}), engine "
-                             f"records say {(prompt, completion)}")
+            _sample(samples, f"{rid}: billed {b.tokens} (settled {b.settled}, "
+                             f"{b.corrections} corrections), engine records say "
+                             f"{(prompt, completion)}")
     return Check("tokens_engine", "engine records billed exactly, once (cut streams too)",
                  unbilled == 0 and wrong == 0,
                  {"requests_with_records": len(by_rid), "with_an_abort_record": cut,
-                  "billed_exactly": exact, "billed_otherwise": wrong,
-                  "not_billed_once": unbilled, "of_which_without_an_event": orphans, **sums},
+                  "billed_exactly": exact, "of_which_without_an_event": billed_orphans,
+                  "billed_otherwise": wrong,
+                  "not_billed_once": unbilled, "not_billed_once_without_an_event": orphans,
+                  **sums},
                  samples)
 
 

@@ -41,7 +41,10 @@ routing can be measured with many replicas on a machine without GPUs:
   choice, aborted ones included, as tokengate's vLLM plugin writes them
   (``tokengate_vllm.record``'s format, appended by its ``RecordWriter``), so the ledger
   settles a simulated replica's requests with the engine's numbers too: a stream the
-  client (or the edge) left pays exactly the tokens generated. The record's counts add up
+  client (or the edge) left pays exactly the tokens generated. The records name the API
+  key and endpoint the edge sent (``X-Tokengate-Key``, ``X-Tokengate-Endpoint``, read by
+  the plugin's own middleware, ``tokengate_vllm.edge.EdgeHeaders``), so the ledger bills
+  a record whose usage event never came (an nginx killed mid-stream) to its key. The record's counts add up
   to ``/metrics`` as vLLM's do: Σ ``num_generation_tokens`` = ``vllm:generation_tokens``,
   Σ ``num_prompt_tokens`` of the prefilled records = ``vllm:prompt_tokens`` (a prompt
   once per choice, as vLLM counts an ``n > 1`` request's children).
@@ -74,6 +77,7 @@ from typing import Any
 import msgspec
 from tokengate import prefix_hash
 from tokengate.process import Service, http_ready
+from tokengate_vllm import edge
 from tokengate_vllm import record as engine_record
 from tokengate_vllm.writer import RecordWriter
 
@@ -368,6 +372,7 @@ class SimRequest:
         "first_token_at",
         "generated",
         "hashes",
+        "key_endpoint",
         "last_token_at",
         "max_tokens",
         "max_tokens_param",
@@ -385,9 +390,11 @@ class SimRequest:
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, n: int, hashes: list[bytes],
                  salt: str | None, arrival: float, done: asyncio.Future[None],
-                 request_id: str = "", max_tokens_param: int | None = None) -> None:
+                 request_id: str = "", max_tokens_param: int | None = None,
+                 key_endpoint: tuple[str | None, str | None] = (None, None)) -> None:
         self.request_id = request_id   # vLLM's external id (the engine record's)
         self.max_tokens_param = max_tokens_param  # what the body asked for, or None
+        self.key_endpoint = key_endpoint  # (key id, endpoint) the edge's headers named
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens   # tokens each choice generates
@@ -468,11 +475,13 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], max_tokens: int, n: int = 1,
                salt: str | None = None, request_id: str = "",
-               max_tokens_param: int | None = None) -> SimRequest:
+               max_tokens_param: int | None = None,
+               key_endpoint: tuple[str | None, str | None] = (None, None)) -> SimRequest:
         """Queue a request of ``prompt_ids`` generating ``max_tokens`` (>= 1) tokens for
         each of ``n`` choices; ``salt``: its cache_salt; ``request_id``: vLLM's external
-        id, ``max_tokens_param``: the body's max_tokens (its engine usage records).
-        BadRequest when its blocks cannot fit in the whole KV cache."""
+        id, ``max_tokens_param``: the body's max_tokens, ``key_endpoint``: the (key id,
+        endpoint) the edge sent (its engine usage records). BadRequest when its blocks cannot fit
+        in the whole KV cache."""
         s = self.s
         now, prefill, extra = self.blocks_needed(len(prompt_ids), max_tokens, n)
         room = s.num_gpu_blocks - 1
@@ -483,7 +492,8 @@ class Engine:
         hashes = prefix_hash.block_hashes(tokens, s.block_size, s.hash_algo, s.hash_seed,
                                           salt)
         r = SimRequest(prompt_ids, max_tokens, n, hashes, salt, self.loop.time(),
-                       self.loop.create_future(), request_id, max_tokens_param)
+                       self.loop.create_future(), request_id, max_tokens_param,
+                       key_endpoint)
         self.waiting.append(r)
         self._schedule()
         return r
@@ -677,7 +687,8 @@ def engine_records(r: SimRequest, model: str, now: float) -> list[dict[str, Any]
     base = {
         "request_id": r.request_id, "n": r.n,
         "ts": engine_record.rfc3339(wall), "arrival_ts": engine_record.rfc3339(wall - e2e),
-        "model": model, "finish_reason": r.finish_reason,
+        "model": model, "key_id": r.key_endpoint[0], "endpoint": r.key_endpoint[1],
+        "finish_reason": r.finish_reason,
         "source": "abort" if r.finish_reason == "abort" else "stats",
         "num_prompt_tokens": r.prompt_len, "num_generation_tokens": r.generated,
         "num_cached_tokens": r.cached_tokens, "prefilled": first,
@@ -731,6 +742,7 @@ class SimServer:
     def app(self) -> Any:
         """The Starlette application."""
         from starlette.applications import Starlette
+        from starlette.middleware import Middleware
         from starlette.routing import Route
 
         @contextlib.asynccontextmanager
@@ -762,7 +774,10 @@ class SimServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
         ]
-        return Starlette(routes=routes, lifespan=lifespan)
+        # the plugin's middleware, as vLLM loads it (--middleware): the edge's key and
+        # endpoint of each request, for its engine records
+        return Starlette(routes=routes, lifespan=lifespan,
+                         middleware=[Middleware(edge.EdgeHeaders)])
 
     def _write_records(self, r: SimRequest) -> None:
         """Append ``r``'s engine usage records (one write, as the plugin's batch)."""
@@ -905,7 +920,7 @@ class SimServer:
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
             # vLLM's engine request of a completions prompt adds its index (one prompt here)
             r = engine.submit(ids, c, n, body.get("cache_salt") or None,
-                              rid if kind == "chat" else f"{rid}-0", asked)
+                              rid if kind == "chat" else f"{rid}-0", asked, edge.current())
         except BadRequest as e:
             return self._error(e)
         created = int(time.time())
