@@ -7,8 +7,8 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-scheduler bench-routing bench-fairness lint \
-	model clean
+.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-scheduler bench-routing bench-fairness \
+	soak lint model clean
 
 setup:
 	@bash scripts/setup.sh
@@ -63,6 +63,15 @@ bench-routing: setup
 
 bench-fairness: setup
 	@$(PY) -m tokengate_dev.bench.fairness $(BENCH_ARGS)
+
+# The chaos soak: the whole stack, every feature on, under TokenStorm load on simulated
+# replicas while parts are killed, stalled and reloaded at random; then its invariants,
+# each with its figures; exit 0 only when all held. SOAK_S: seconds of load (default
+# 900); SOAK_SEED: the load's and the faults' seed (default 0). Results in bench/results/.
+# BENCH_ARGS: see `python -m tokengate_dev.bench.soak --help`.
+soak: setup
+	@$(PY) -m tokengate_dev.bench.soak $(if $(SOAK_S),--duration $(SOAK_S)) \
+		$(if $(SOAK_SEED),--seed $(SOAK_SEED)) $(BENCH_ARGS)
 
 lint: setup
 	@$(PY) -m ruff check sidecars client storm dev vllm_patches tests

@@ -197,13 +197,14 @@ def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | No
     return _service(name, argv, ready, start_timeout_s=60.0)
 
 
-def redis_service(port: int = 6380, name: str = "redis", persist: bool = False) -> Service:
-    """redis-server on loopback. ``persist``: an append-only file in ``var/redis``
-    (fsync every second), as ``make run`` uses it: the budgets' counters live only in
-    Redis (the ledger's counters are rebuilt from the usage files when Redis lost them;
-    the budgets' are not), so they survive a restart of the stack. Without it (the
-    tests), nothing is written to disk."""
-    data = VAR / ("redis" if persist else "run")
+def redis_service(port: int = 6380, name: str = "redis", persist: bool = False,
+                  data_dir: Path | None = None) -> Service:
+    """redis-server on loopback. ``persist``: an append-only file in ``data_dir``
+    (default ``var/redis``; fsync every second), as ``make run`` uses it: the budgets'
+    counters live only in Redis (the ledger's counters are rebuilt from the usage files
+    when Redis lost them; the budgets' are not), so they survive a restart of the stack.
+    Without it (the tests), nothing is written to disk."""
+    data = data_dir or VAR / ("redis" if persist else "run")
     data.mkdir(parents=True, exist_ok=True)
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if persist else "no", "--appendfsync", "everysec",

@@ -272,6 +272,7 @@ class _Child:
     due: float = 0.0            # monotonic time of the restart under way
     exit_code: int | None = None
     up_since: float = 0.0
+    held_until: float = 0.0     # monotonic time before which it is not started again
 
 
 class Supervisor:
@@ -285,6 +286,8 @@ class Supervisor:
     flag), having stopped every service in reverse order, also one still starting.
     A service that fails its first start raises ``ServiceError`` from ``run`` (after
     the same cleanup): a configuration or address problem that restarts would hide.
+    ``hold`` keeps a service that an operator stops down for a while; ``state`` tells
+    where a service is (both callable from another thread).
     """
 
     def __init__(self, services: Sequence[Service], say: Callable[[str], None] = print,
@@ -300,6 +303,23 @@ class Supervisor:
 
     def stopping(self) -> bool:
         return self._stop
+
+    def _child(self, name: str) -> _Child:
+        for c in self.children:
+            if c.svc.name == name:
+                return c
+        raise KeyError(name)
+
+    def hold(self, name: str, seconds: float) -> None:
+        """Service ``name``, when it exits within the next ``seconds``, is started again
+        only once they have passed (or after its backoff delay, when that is later): an
+        operator's ``systemctl stop`` and ``start``. KeyError for an unknown name."""
+        self._child(name).held_until = time.monotonic() + seconds
+
+    def state(self, name: str) -> str:
+        """Where service ``name`` is: "pending" (not started yet), "starting", "up" or
+        "waiting" (to be restarted). KeyError for an unknown name."""
+        return self._child(name).state
 
     def run(self, on_up: Callable[[], None] | None = None) -> None:
         """Supervise until ``request_stop``; ``on_up()`` once, when every service was
@@ -340,7 +360,7 @@ class Supervisor:
                     c.state, c.up_since = "up", now
                     if c.started_once:
                         self.say(f"restarted {c.svc.name} (exit {c.exit_code}) "
-                                 f"after {c.delay_s:g} s")
+                                 f"after {round(c.delay_s, 1):g} s")
                     c.started_once = True
             elif c.state == "up" and not c.svc.alive():
                 assert c.svc.proc is not None
@@ -357,7 +377,7 @@ class Supervisor:
                     self._schedule(c, now, f"restarting {c.svc.name} failed ({e})")
 
     def _schedule(self, c: _Child, now: float, why: str) -> None:
-        c.delay_s = c.next_delay_s
-        c.next_delay_s = min(2 * c.delay_s, self.backoff.max_s)
+        c.delay_s = max(c.next_delay_s, c.held_until - now)
+        c.next_delay_s = min(2 * c.next_delay_s, self.backoff.max_s)
         c.state, c.due = "waiting", now + c.delay_s
-        self.say(f"{why}; restarting in {c.delay_s:g} s")
+        self.say(f"{why}; restarting in {round(c.delay_s, 1):g} s")

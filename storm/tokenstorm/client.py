@@ -20,10 +20,14 @@ vLLM's usage is cumulative (last value wins).
 
 Per request the worker records (seconds from the run start, monotonic clock): the
 scheduled and actual send times, the first token event (TTFT) and the end; HTTP
-status; reported prompt and completion tokens, and the prompt tokens served from the
-server's prefix cache (``usage.prompt_tokens_details.cached_tokens``, 0 when absent);
-the number of token events; inter-event gaps (ITL samples); for 429s the limit that
-refused (requests or tokens) and ``Retry-After``.
+status; reported prompt and completion tokens (of a stream that broke off: the last
+cumulative usage it carried), and the prompt tokens served from the server's prefix
+cache (``usage.prompt_tokens_details.cached_tokens``, 0 when absent); the number of
+token events; inter-event gaps (ITL samples); for 429s the limit that refused (requests
+or tokens) and ``Retry-After``; the answer's ``X-Request-Id`` (a gateway's id of the
+request, "" without one); whether the request went out on a connection opened before
+it (kept alive, or pre-opened: a server that closes it at that instant never read the
+request).
 """
 
 from __future__ import annotations
@@ -129,7 +133,9 @@ class WorkerResult:
     error: array
     limit: array
     retry_after: array
+    reused: array
     itl: array
+    request_id: list[str] = field(default_factory=list)
     connections_opened: int = 0
     cpu_s: float = 0.0  # the worker's CPU time (user + system, s) during the run itself
     error_samples: list[str] = field(default_factory=list)
@@ -138,13 +144,21 @@ class WorkerResult:
         return {k: v for k, v in vars(self).items() if isinstance(v, array) and k != "itl"}
 
 
-def _header_int(head: bytes, name: bytes) -> int | None:
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower case) in the lower-cased header block."""
     i = head.find(b"\r\n" + name + b":")
     if i < 0:
         return None
     j = head.find(b"\r\n", i + 2)
+    return head[i + len(name) + 3:j].strip()
+
+
+def _header_int(head: bytes, name: bytes) -> int | None:
+    v = _header(head, name)
+    if v is None:
+        return None
     try:
-        return int(float(head[i + len(name) + 3:j].strip()))
+        return int(float(v))
     except ValueError:
         return None
 
@@ -381,7 +395,8 @@ class Worker:
             prompt=array("i", [-1]) * n, completion=array("i", [-1]) * n,
             cached=array("i", [-1]) * n, header_count=array("i", [-1]) * n, chunks=array("i", [0]) * n,
             error=array("b", [0]) * n, limit=array("b", [0]) * n,
-            retry_after=array("d", [nan]) * n, itl=array("d"))
+            retry_after=array("d", [nan]) * n, reused=array("b", [0]) * n, itl=array("d"),
+            request_id=[""] * n)
         self.itl = self.res.itl
         self.idle: list[Conn] = []
         self.waiting: deque[tuple[int, bytes]] = deque()
@@ -459,8 +474,9 @@ class Worker:
     def _send(self, conn: Conn, j: int, data: bytes, dispatched: bool = False) -> None:
         conn._reset()
         conn.idx = j
-        if not dispatched:
+        if not dispatched:  # on a connection that was open before: idle or pre-opened
             self.res.sent[j] = monotonic() - self.start
+            self.res.reused[j] = 1
         self.busy.add(conn)
         assert conn.transport is not None
         conn.transport.write(data)
@@ -497,8 +513,14 @@ class Worker:
         prog = self.progress
         if prog is not None:
             prog[self.base + P_INFLIGHT] -= 1
+        if conn.head:
+            rid = _header(conn.head, b"x-request-id")
+            if rid:
+                r.request_id[j] = rid.decode("latin-1")
         if code == E_NONE:
             code = self._parse(conn, j)
+        elif conn.usage_ev:
+            self._usage(conn.usage_ev, j)
         r.error[j] = code
         if conn.first >= 0:
             r.first[j] = conn.first - self.start
@@ -544,6 +566,8 @@ class Worker:
                     if conn.stream_error:
                         return E_STREAM
                     if not conn.done_seen:
+                        if conn.usage_ev:
+                            self._usage(conn.usage_ev, j)
                         return E_INCOMPLETE
                     usage = json.loads(conn.usage_ev[6:])["usage"] if conn.usage_ev else None
                 else:
@@ -551,10 +575,7 @@ class Worker:
             except (ValueError, KeyError, TypeError, AttributeError):
                 return E_PROTOCOL
             if usage:
-                r.prompt[j] = int(usage.get("prompt_tokens", -1))
-                r.completion[j] = int(usage.get("completion_tokens", -1))
-                details = usage.get("prompt_tokens_details") or {}
-                r.cached[j] = int(details.get("cached_tokens") or 0)
+                self._store_usage(usage, j)
             if not conn.sse:
                 # Non-streaming: the whole answer is the first token.
                 r.first[j] = r.end[j]
@@ -567,6 +588,23 @@ class Worker:
         elif len(r.error_samples) < 20:
             r.error_samples.append(f"status {conn.status}: {bytes(conn.body[:300])!r}")
         return E_NONE
+
+    def _store_usage(self, usage: dict[str, Any], j: int) -> None:
+        r = self.res
+        r.prompt[j] = int(usage.get("prompt_tokens", -1))
+        r.completion[j] = int(usage.get("completion_tokens", -1))
+        details = usage.get("prompt_tokens_details") or {}
+        r.cached[j] = int(details.get("cached_tokens") or 0)
+
+    def _usage(self, event: bytes, j: int) -> None:
+        """The cumulative usage of the last SSE event that carried one, of a stream that
+        broke off (none stored when it does not parse)."""
+        try:
+            usage = json.loads(event[6:])["usage"]
+            if isinstance(usage, dict):
+                self._store_usage(usage, j)
+        except (ValueError, KeyError, TypeError):
+            pass
 
     def _one_done(self) -> None:
         self.outstanding -= 1
@@ -639,6 +677,7 @@ class Worker:
             k = self.next_closed
             for col in self.res.columns().values():
                 del col[k:]
+            del self.res.request_id[k:]
         return self.res
 
 

@@ -90,10 +90,19 @@ class Records:
     itl: np.ndarray
     # prompt tokens served from the prefix cache (-1: no usage); none given: all -1
     cached: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    # 1: sent on a connection opened before it (idle or pre-opened); none given: all 0
+    reused: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int8))
+    # the answer's X-Request-Id ("" without one), object array; none given: all ""
+    request_id: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
 
     def __post_init__(self) -> None:
-        if self.cached.size == 0 and self.sched.size:
-            self.cached = np.full(self.sched.shape[0], -1, dtype=np.int64)
+        n = self.sched.shape[0]
+        if self.cached.size == 0 and n:
+            self.cached = np.full(n, -1, dtype=np.int64)
+        if self.reused.size == 0 and n:
+            self.reused = np.zeros(n, dtype=np.int8)
+        if self.request_id.size == 0 and n:
+            self.request_id = np.full(n, "", dtype=object)
 
     def __len__(self) -> int:
         return int(self.sched.shape[0])

@@ -85,10 +85,15 @@ class RunSpec:
 
 @dataclass
 class RunResult:
+    """A run: what was asked, planned and measured. ``start``: the monotonic time of the
+    schedule's offset 0, s (records are seconds from it; CLOCK_MONOTONIC is
+    system-wide, so other processes' monotonic times compare with it)."""
+
     spec: RunSpec
     plan: Plan
     records: Records
     summary: Summary
+    start: float = 0.0
 
 
 _builders: dict[tuple[str, str, str, int, Sharing], PromptBuilder] = {}
@@ -189,7 +194,7 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
               "client_cpu_s": round(sum(r.cpu_s for r in results), 4),
               "planned_requests": n if open_loop else None},
         error_samples=samples, burst_seconds=burst_seconds)
-    return RunResult(spec, plan, records, summary)
+    return RunResult(spec, plan, records, summary, start)
 
 
 def _collect(spec: RunSpec, pipes: list[Any], procs: list[Any], counters: Any, n: int,
@@ -248,6 +253,7 @@ def _merge(results: list[sc.WorkerResult], plan: Plan, n_keys: int) -> Records:
     merged = {k: v[order] for k, v in merged.items()}
     itl = np.concatenate([np.frombuffer(r.itl, dtype=np.float64) for r in results]) \
         if results else np.empty(0)
+    request_id = np.array([x for r in results for x in r.request_id], dtype=object)[order]
     return Records(
         sched=merged["sched"], sent=merged["sent"], first=merged["first"], end=merged["end"],
         status=merged["status"].astype(np.int64), prompt=merged["prompt"].astype(np.int64),
@@ -257,4 +263,5 @@ def _merge(results: list[sc.WorkerResult], plan: Plan, n_keys: int) -> Records:
         limit=merged["limit"].astype(np.int64), retry_after=merged["retry_after"],
         expected_prompt=plan.inputs[idx].astype(np.int64),
         planned_output=plan.outputs[idx].astype(np.int64),
-        key=(idx % n_keys).astype(np.int64), burst=plan.burst[idx], itl=itl)
+        key=(idx % n_keys).astype(np.int64), burst=plan.burst[idx], itl=itl,
+        reused=merged["reused"].astype(np.int8), request_id=request_id)

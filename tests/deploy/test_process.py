@@ -7,6 +7,7 @@ Real processes (``sh``, ``sleep``), no sockets; each test takes about a second.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -99,6 +100,37 @@ def test_the_delay_is_back_to_the_first_once_a_service_stayed_up(tmp_path: Path)
     assert [x for x in lines if "restart" in x][:4] == [
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s",
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s"]
+
+
+def test_a_held_service_that_exits_is_started_again_only_after_the_hold(
+        tmp_path: Path) -> None:
+    lines: list[str] = []
+    done = threading.Event()
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if line.startswith("restarted"):
+            done.set()
+
+    svc = flag_service(tmp_path, "redis", "touch $F; exec sleep 300")
+    sup = Supervisor([svc], say=say, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=60),
+                     tick_s=0.02)
+    holding = threading.Thread(target=supervise, args=(sup, done))
+    holding.start()
+    wait_until(lambda: sup.state("redis") == "up", 10, what="the first start")
+    assert svc.proc is not None
+    sup.hold("redis", 1.0)
+    held_at = time.monotonic()
+    os.kill(svc.proc.pid, signal.SIGTERM)
+    wait_until(lambda: sup.state("redis") == "waiting", 5, what="the exit")
+    wait_until(lambda: sup.state("redis") == "up", 10, what="the restart")
+    assert time.monotonic() - held_at >= 1.0
+    holding.join(30)
+    said = [x for x in lines if "restart" in x]
+    assert len(said) == 2
+    # the hold less the moment the exit took to be seen
+    assert re.fullmatch(r"redis exited \(exit -15\); restarting in (0\.9|1) s", said[0])
+    assert re.fullmatch(r"restarted redis \(exit -15\) after (0\.9|1) s", said[1])
 
 
 def test_a_failed_first_start_stops_the_services_started_before(tmp_path: Path) -> None:

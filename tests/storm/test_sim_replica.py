@@ -23,6 +23,7 @@ import pytest
 import zmq
 from tokengate import config as tg_config
 from tokengate import prefix_hash
+from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.process import free_port
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
@@ -96,12 +97,15 @@ def kv_vllm(vllm_server: VllmFactory) -> VllmServer:
 
 
 @pytest.fixture(scope="module")
-def kv_sim(cfg: tg_config.Config) -> Iterator[SimReplica]:
+def kv_sim(cfg: tg_config.Config, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[SimReplica]:
     """A simulated replica with the same KV cache as ``kv_vllm`` and KV events, whole
-    hashes as devstack's vLLM sends them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    hashes as devstack's vLLM sends them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), and
+    engine usage records as the plugin writes them for ``kv_vllm``."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
+    records = tmp_path_factory.mktemp("kv-sim") / "engine.jsonl"
     with SimReplica(sim_settings(cfg, kv_events_endpoint=endpoint, kv_events_topic=TOPIC,
-                                 kv_events_int_hashes=False),
+                                 kv_events_int_hashes=False, engine_usage_file=records),
                     name=f"test-sim{PORT_OFFSET or ''}") as rep:
         yield rep
 
@@ -445,6 +449,121 @@ def test_requests_wait_beyond_max_num_seqs_and_a_left_stream_frees_its_blocks(
                 m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
         assert m["vllm:request_success_total"] == 2  # finished_reason "abort" and "length"
         assert m["vllm:cache_config_info"] == 1
+
+
+# -- (e) engine usage records ------------------------------------------------------------
+
+
+def records_after(path: Path, offset: int) -> list[EngineRecord]:
+    """The engine records in ``path`` after byte ``offset``, complete lines only."""
+    data = path.read_bytes()[offset:] if path.exists() else b""
+    return [parse_record(x) for x in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+def engine_workload(base: str, rids: list[str], wait: Any) -> None:
+    """Three requests as the edge forwards them (its request id, key and endpoint in
+    headers): a chat answered whole (4 tokens), a completions request with n = 2 (3 tokens
+    each), and a stream of up to 400 tokens whose client leaves after its third token;
+    then ``wait()`` until the last one's record is there."""
+    h = [{"X-Request-Id": rid, "X-Tokengate-Key": "sim-key",
+          "X-Tokengate-Endpoint": endpoint}
+         for rid, endpoint in zip(rids, ("chat", "completions", "chat"), strict=True)]
+    r = httpx.post(base + "/chat/completions", json=chat_body(words(8), 4), headers=h[0],
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(base + "/completions", headers=h[1], timeout=60,
+                   json=completion_body(words(5), 3, n=2, temperature=1.0, seed=1))
+    assert r.status_code == 200, r.text
+    body = chat_body(words(8), 400, stream=True,
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    with httpx.stream("POST", base + "/chat/completions", json=body, headers=h[2],
+                      timeout=60) as s:
+        assert s.status_code == 200
+        tokens = 0
+        for line in s.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                tokens += 1
+                if tokens == 3:
+                    break
+    wait()
+
+
+def record_fields(r: EngineRecord) -> tuple[Any, ...]:
+    """What two engines must agree on for one request (no times)."""
+    return (r.request_id, r.index, r.n, r.key_id, r.endpoint, r.finish_reason, r.source,
+            r.num_prompt_tokens, r.num_generation_tokens, r.num_cached_tokens, r.prefilled,
+            r.max_tokens, r.num_preemptions)
+
+
+def test_engine_records_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
+    """The same requests to vLLM with tokengate's plugin and to the simulation give the
+    same engine records, times apart; the stream the client left is an abort record on
+    both, with the tokens each engine generated before it saw the client go (vLLM's
+    CPU engine is the faster: the counts differ), and on both the records add up to the
+    engine's own counters."""
+    rids = [f"{RNG.getrandbits(128):032x}" for _ in range(3)]
+    got: dict[str, list[EngineRecord]] = {}
+    for name, url, path in (("vllm", kv_vllm.url, kv_vllm.usage_file),
+                            ("sim", kv_sim.url, kv_sim.settings.engine_usage_file)):
+        assert path is not None
+        before = kv_vllm.wait_idle() if name == "vllm" else scrape(url)
+        offset = path.stat().st_size if path.exists() else 0
+
+        def last_there(path: Path = path, offset: int = offset) -> None:
+            deadline = time.monotonic() + 60
+            while not any(r.edge_request_id == rids[2] for r in records_after(path, offset)):
+                assert time.monotonic() < deadline, "no record of the stream that was left"
+                time.sleep(0.1)
+
+        engine_workload(url, rids, last_there)
+        after = kv_vllm.steady_metrics() if name == "vllm" else scrape(url)
+        recs = sorted(records_after(path, offset), key=lambda r: (r.request_id, r.index))
+        got[name] = recs
+        assert sum(r.num_generation_tokens for r in recs) == \
+            after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+        assert sum(r.num_prompt_tokens for r in recs if r.prefilled) == \
+            after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    whole = {name: [record_fields(r) for r in recs if r.source == "stats"]
+             for name, recs in got.items()}
+    assert whole["sim"] == whole["vllm"]
+    assert [x[0] for x in whole["sim"]] == [f"chatcmpl-{rids[0]}", f"cmpl-{rids[1]}-0",
+                                            f"cmpl-{rids[1]}-0"]
+    for name, recs in got.items():
+        left = [r for r in recs if r.source == "abort"]
+        assert [(r.request_id, r.index, r.n, r.key_id, r.finish_reason, r.prefilled,
+                 r.max_tokens) for r in left] == \
+            [(f"chatcmpl-{rids[2]}", 0, 1, "sim-key", "abort", True, 400)], name
+        assert 3 <= left[0].num_generation_tokens < 400, name
+    assert [r.num_prompt_tokens for r in got["sim"] if r.source == "abort"] == \
+        [r.num_prompt_tokens for r in got["vllm"] if r.source == "abort"]
+
+
+def test_engine_records_name_the_edge_request_and_add_up_to_the_counters(
+        cfg: tg_config.Config, tmp_path: Path) -> None:
+    """Without vLLM: every record parses with the ledger's parser, names the edge's
+    request id, key and endpoint, and the records add up to the replica's counters (a
+    prompt once per choice, every generated token), the stream the client left
+    included."""
+    settings = sim_settings(cfg, itl_ms=20.0, engine_usage_file=tmp_path / "engine.jsonl")
+    rids = [f"{RNG.getrandbits(128):032x}" for _ in range(3)]
+    with SimReplica(settings) as rep:
+        def last_there() -> None:
+            deadline = time.monotonic() + 30
+            while len(records_after(tmp_path / "engine.jsonl", 0)) < 4:
+                assert time.monotonic() < deadline, "records missing"
+                time.sleep(0.05)
+
+        engine_workload(rep.url, rids, last_there)
+        m = scrape(rep.url)
+    recs = records_after(tmp_path / "engine.jsonl", 0)
+    assert sorted((r.edge_request_id, r.index, r.n, r.key_id, r.endpoint, r.source,
+                   r.prefilled) for r in recs) == \
+        sorted([(rids[0], 0, 1, "sim-key", "chat", "stats", True),
+                (rids[1], 0, 2, "sim-key", "completions", "stats", True),
+                (rids[1], 1, 2, "sim-key", "completions", "stats", True),
+                (rids[2], 0, 1, "sim-key", "chat", "abort", True)])
+    assert sum(r.num_generation_tokens for r in recs) == m["vllm:generation_tokens_total"]
+    assert sum(r.num_prompt_tokens for r in recs) == m["vllm:prompt_tokens_total"]
 
 
 def test_replay_socket_resends_missed_batches(cfg: tg_config.Config) -> None:

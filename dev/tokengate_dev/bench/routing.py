@@ -75,8 +75,8 @@ from tokenstorm.runner import RunResult, RunSpec, execute
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tokengate_dev import devstack
+from tokengate_dev.bench import results
 
-RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench-routing"
 BENCH_KEY = "tg-bench-routing-key"
 MODEL = "tiny-qwen3"
@@ -706,12 +706,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ServiceError, RuntimeError) as e:
         sys.exit(f"bench-routing: {e}")
     out["elapsed_s"] = round(time.monotonic() - t0, 1)
-    path = out_path or RESULTS / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report._clean(out), indent=2) + "\n"
-    path.write_text(text)
-    if out_path is None:
-        (path.parent / "routing-latest.json").write_text(text)
+    path = results.write(out, "routing", out_path)
     for name, section in out["sections"].items():
         for t in render(name, section):
             console.print(t)

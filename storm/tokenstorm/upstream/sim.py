@@ -37,11 +37,23 @@ routing can be measured with many replicas on a machine without GPUs:
 - **Output**: every request generates exactly its max_tokens (as vLLM with
   ``ignore_eos``); without max_tokens, the rest of the context for chat and 16 for
   completions, as vLLM.
+- **Engine usage records** (``--engine-usage-file``): one line per finished request and
+  choice, aborted ones included, as tokengate's vLLM plugin writes them
+  (``tokengate_vllm.record``'s format, appended by its ``RecordWriter``), so the ledger
+  settles a simulated replica's requests with the engine's numbers too: a stream the
+  client (or the edge) left pays exactly the tokens generated. The records name the API
+  key and endpoint the edge sent (``X-Tokengate-Key``, ``X-Tokengate-Endpoint``, read by
+  the plugin's own middleware, ``tokengate_vllm.edge.EdgeHeaders``), so the ledger bills
+  a record whose usage event never came (an nginx killed mid-stream) to its key. The record's counts add up
+  to ``/metrics`` as vLLM's do: Σ ``num_generation_tokens`` = ``vllm:generation_tokens``,
+  Σ ``num_prompt_tokens`` of the prefilled records = ``vllm:prompt_tokens`` (a prompt
+  once per choice, as vLLM counts an ``n > 1`` request's children).
 
 Simplifications (against vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``): a
 request is admitted only when the blocks for its whole output are free, so nothing is
 ever preempted; prefill and decode do not slow each other; the choices of ``n > 1``
-share one prefill and only the first one's generated blocks are cached.
+share one prefill and only the first one's generated blocks are cached (the counters and
+records still count the prompt once per choice, as vLLM does).
 """
 
 from __future__ import annotations
@@ -65,6 +77,9 @@ from typing import Any
 import msgspec
 from tokengate import prefix_hash
 from tokengate.process import Service, http_ready
+from tokengate_vllm import edge
+from tokengate_vllm import record as engine_record
+from tokengate_vllm.writer import RecordWriter
 
 from tokenstorm.null_server import LocalServer
 from tokenstorm.upstream.kv_cache import Block, BlockPool
@@ -94,7 +109,9 @@ class SimSettings:
     (vLLM's ``--kv-events-config`` endpoint, replay_endpoint and topic; no endpoint: no
     events); ``kv_events_int_hashes``: hashes in events as 64-bit integers (vLLM's
     default) or 32-byte digests (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``);
-    ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``.
+    ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``;
+    ``engine_usage_file``: where the engine usage records go (vLLM's
+    ``TOKENGATE_ENGINE_USAGE_FILE`` with the plugin; None: none are written).
 
     Defaults: a GPU-like replica where a 6,000-token prefix costs 300 ms of prefill
     (20,000 tokens/s) and decoding 15 ms a token; 8,192 blocks of 16 tokens (131,056
@@ -118,6 +135,7 @@ class SimSettings:
     kv_events_topic: str = ""
     kv_events_int_hashes: bool = True
     tokenizer: str = "hf"
+    engine_usage_file: Path | None = None
 
     def check(self) -> None:
         """ValueError naming the first setting that cannot work."""
@@ -159,6 +177,8 @@ class SimSettings:
                     "--kv-events-hashes", "int" if self.kv_events_int_hashes else "bytes"]
         if self.kv_events_replay_endpoint:
             out += ["--kv-events-replay-endpoint", self.kv_events_replay_endpoint]
+        if self.engine_usage_file is not None:
+            out += ["--engine-usage-file", str(self.engine_usage_file)]
         return out
 
 
@@ -185,6 +205,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", choices=("hf", "counter"), default=d.tokenizer,
                    help="hf: transformers, as vLLM (default); counter: tokengate's "
                         "counter tokenizer, same ids, faster")
+    g.add_argument("--engine-usage-file", type=Path, default=None, metavar="FILE",
+                   help="append an engine usage record per finished request, as "
+                        "tokengate's vLLM plugin does with TOKENGATE_ENGINE_USAGE_FILE "
+                        "(default: none)")
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=d.block_size, metavar="TOKENS",
                    help="tokens per KV block, vLLM's --block-size (default: %(default)s)")
@@ -235,7 +259,8 @@ def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
         itl_growth=args.itl_growth, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
-        kv_events_int_hashes=args.kv_events_hashes == "int", tokenizer=args.tokenizer)
+        kv_events_int_hashes=args.kv_events_hashes == "int", tokenizer=args.tokenizer,
+        engine_usage_file=args.engine_usage_file)
 
 
 # -- prompts ----------------------------------------------------------------------------
@@ -337,6 +362,7 @@ class SimRequest:
 
     __slots__ = (
         "arrival",
+        "arrival_wall",
         "blocks",
         "cached_tokens",
         "created_cache_tokens",
@@ -346,19 +372,29 @@ class SimRequest:
         "first_token_at",
         "generated",
         "hashes",
+        "key_endpoint",
+        "last_token_at",
         "max_tokens",
+        "max_tokens_param",
         "n",
         "next_at",
         "num_cached_blocks",
         "prompt_ids",
         "prompt_len",
+        "request_id",
         "reserved",
         "salt",
+        "scheduled_at",
         "waiter",
     )
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, n: int, hashes: list[bytes],
-                 salt: str | None, arrival: float, done: asyncio.Future[None]) -> None:
+                 salt: str | None, arrival: float, done: asyncio.Future[None],
+                 request_id: str = "", max_tokens_param: int | None = None,
+                 key_endpoint: tuple[str | None, str | None] = (None, None)) -> None:
+        self.request_id = request_id   # vLLM's external id (the engine record's)
+        self.max_tokens_param = max_tokens_param  # what the body asked for, or None
+        self.key_endpoint = key_endpoint  # (key id, endpoint) the edge's headers named
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens   # tokens each choice generates
@@ -373,7 +409,10 @@ class SimRequest:
         self.created_cache_tokens = 0  # prompt tokens this request's prefill cached
         self.generated = 0             # tokens generated per choice
         self.arrival = arrival
+        self.arrival_wall = time.time()
+        self.scheduled_at: float | None = None  # admitted from the waiting queue
         self.first_token_at = 0.0
+        self.last_token_at = 0.0
         self.next_at = 0.0
         self.finish_reason: str | None = None   # "length", or "abort" (client left)
         self.waiter: asyncio.Future[None] | None = None  # set at the next token
@@ -389,12 +428,15 @@ class Engine:
     (the rules: the module's text). Build it inside the running event loop.
 
     ``output_token_id``: the id of every generated token; ``publisher``: where the KV
-    events go (None: nowhere); ``on_ttft``: called with each request's TTFT (s).
+    events go (None: nowhere); ``on_ttft``: called with each request's TTFT (s);
+    ``on_finish``: called with each request once it finished, aborted ones included (its
+    engine usage records).
     """
 
     def __init__(self, s: SimSettings, output_token_id: int,
                  publisher: KVEventPublisher | None = None,
-                 on_ttft: Callable[[float], None] | None = None) -> None:
+                 on_ttft: Callable[[float], None] | None = None,
+                 on_finish: Callable[[SimRequest], None] | None = None) -> None:
         self.s = s
         self.loop = asyncio.get_running_loop()
         self.output_token_id = output_token_id
@@ -402,6 +444,7 @@ class Engine:
                               record_events=publisher is not None)
         self.publisher = publisher
         self.on_ttft = on_ttft
+        self.on_finish = on_finish
         self.waiting: deque[SimRequest] = deque()
         self.running: set[SimRequest] = set()
         self.reserved = 0                # blocks promised to running requests' outputs
@@ -431,10 +474,14 @@ class Engine:
         return first, total - first, (n - 1) * (total - prompt_len // bs)
 
     def submit(self, prompt_ids: list[int], max_tokens: int, n: int = 1,
-               salt: str | None = None) -> SimRequest:
+               salt: str | None = None, request_id: str = "",
+               max_tokens_param: int | None = None,
+               key_endpoint: tuple[str | None, str | None] = (None, None)) -> SimRequest:
         """Queue a request of ``prompt_ids`` generating ``max_tokens`` (>= 1) tokens for
-        each of ``n`` choices; ``salt``: its cache_salt. BadRequest when its blocks
-        cannot fit in the whole KV cache."""
+        each of ``n`` choices; ``salt``: its cache_salt; ``request_id``: vLLM's external
+        id, ``max_tokens_param``: the body's max_tokens, ``key_endpoint``: the (key id,
+        endpoint) the edge sent (its engine usage records). BadRequest when its blocks cannot fit
+        in the whole KV cache."""
         s = self.s
         now, prefill, extra = self.blocks_needed(len(prompt_ids), max_tokens, n)
         room = s.num_gpu_blocks - 1
@@ -445,7 +492,8 @@ class Engine:
         hashes = prefix_hash.block_hashes(tokens, s.block_size, s.hash_algo, s.hash_seed,
                                           salt)
         r = SimRequest(prompt_ids, max_tokens, n, hashes, salt, self.loop.time(),
-                       self.loop.create_future())
+                       self.loop.create_future(), request_id, max_tokens_param,
+                       key_endpoint)
         self.waiting.append(r)
         self._schedule()
         return r
@@ -461,6 +509,8 @@ class Engine:
             self.waiting.remove(r)
         r.finish_reason = "abort"
         self.finished["abort"] = self.finished.get("abort", 0) + 1
+        if self.on_finish is not None:
+            self.on_finish(r)
         if not r.done.done():
             r.done.set_result(None)
 
@@ -496,6 +546,7 @@ class Engine:
             r.created_cache_tokens = (full - k) * bs
             self.prefix_cache_queries += r.prompt_len
             self.prefix_cache_hits += r.cached_tokens
+            r.scheduled_at = self.loop.time()
             start = max(self.loop.time(), self.prefill_free_at)
             self.prefill_free_at = start + (r.prompt_len - k * bs) / s.prefill_tokens_per_s
             r.first_token_at = self.prefill_free_at + s.ttft_overhead_ms / 1000.0
@@ -525,7 +576,9 @@ class Engine:
         if r.finished:
             return
         r.generated = 1
-        self.prompt_tokens += r.prompt_len
+        r.last_token_at = self.loop.time()
+        # vLLM counts the prompt at each engine request's first output: once per choice
+        self.prompt_tokens += r.prompt_len * r.n
         self.generation_tokens += r.n
         if self.on_ttft is not None:
             self.on_ttft(self.loop.time() - r.arrival)
@@ -569,6 +622,7 @@ class Engine:
 
     def _advance(self, r: SimRequest) -> None:
         r.generated += 1
+        r.last_token_at = self.loop.time()
         self.generation_tokens += r.n
         bs = self.s.block_size
         computed = r.prompt_len + r.generated - 1   # tokens whose KV now exists
@@ -589,6 +643,8 @@ class Engine:
         r.reserved = 0
         self.pool.release(r.blocks)
         self.pool.release(r.extra_blocks)
+        if self.on_finish is not None:
+            self.on_finish(r)
         if not r.done.done():
             r.done.set_result(None)
         self._notify(r)
@@ -618,6 +674,34 @@ class Engine:
             self.publisher.publish(events)
 
 
+def engine_records(r: SimRequest, model: str, now: float) -> list[dict[str, Any]]:
+    """The engine usage records of a finished ``r`` (one per choice, ``index`` 0..n-1),
+    with the fields tokengate's vLLM plugin gives them (``tokengate_vllm.record``:
+    ``from_finished`` for a request that ran to its end, source "stats";
+    ``from_aborted`` for one the client left, source "abort"). ``now``: the event
+    loop's time of the finish (s); wall-clock times are taken now."""
+    e2e = max(0.0, now - r.arrival)
+    wall = time.time()
+    first = r.generated >= 1   # the engine returned output: its prompt was counted
+    sched = r.scheduled_at
+    base = {
+        "request_id": r.request_id, "n": r.n,
+        "ts": engine_record.rfc3339(wall), "arrival_ts": engine_record.rfc3339(wall - e2e),
+        "model": model, "key_id": r.key_endpoint[0], "endpoint": r.key_endpoint[1],
+        "finish_reason": r.finish_reason,
+        "source": "abort" if r.finish_reason == "abort" else "stats",
+        "num_prompt_tokens": r.prompt_len, "num_generation_tokens": r.generated,
+        "num_cached_tokens": r.cached_tokens, "prefilled": first,
+        "max_tokens": r.max_tokens_param, "num_preemptions": 0,  # nothing is preempted
+        "e2e_ms": engine_record.ms(e2e) or 0.0,
+        "queued_ms": None if sched is None else engine_record.ms(sched - r.arrival),
+        "prefill_ms": engine_record.ms(r.first_token_at - sched)
+        if first and sched is not None else None,
+        "decode_ms": engine_record.ms(r.last_token_at - r.first_token_at) if first else None,
+    }
+    return [{**base, "index": i} for i in range(r.n)]
+
+
 # -- HTTP -------------------------------------------------------------------------------
 
 
@@ -637,6 +721,8 @@ class SimServer:
         s.check()
         self.s = s
         self.renderer = PromptRenderer(s.model_dir, s.tokenizer)
+        self.records = RecordWriter(s.engine_usage_file) \
+            if s.engine_usage_file is not None else None
         self.engine: Engine | None = None
         self.publisher: KVEventPublisher | None = None
         self.created = int(time.time())
@@ -656,6 +742,7 @@ class SimServer:
     def app(self) -> Any:
         """The Starlette application."""
         from starlette.applications import Starlette
+        from starlette.middleware import Middleware
         from starlette.routing import Route
 
         @contextlib.asynccontextmanager
@@ -668,12 +755,15 @@ class SimServer:
                                                   int_hashes=s.kv_events_int_hashes)
                 self.publisher.start()
             self.engine = Engine(s, self.renderer.output_token_id, self.publisher,
-                                 self.ttft.observe)
+                                 self.ttft.observe,
+                                 self._write_records if self.records is not None else None)
             try:
                 yield
             finally:
                 if self.publisher is not None:
                     self.publisher.close()
+                if self.records is not None:
+                    self.records.close()
 
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -684,7 +774,16 @@ class SimServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
         ]
-        return Starlette(routes=routes, lifespan=lifespan)
+        # the plugin's middleware, as vLLM loads it (--middleware): the edge's key and
+        # endpoint of each request, for its engine records
+        return Starlette(routes=routes, lifespan=lifespan,
+                         middleware=[Middleware(edge.EdgeHeaders)])
+
+    def _write_records(self, r: SimRequest) -> None:
+        """Append ``r``'s engine usage records (one write, as the plugin's batch)."""
+        assert self.records is not None and self.engine is not None
+        self.records.write([engine_record.to_line(rec) for rec in
+                            engine_records(r, self.s.model, self.engine.loop.time())])
 
     # -- simple routes ------------------------------------------------------------------
 
@@ -809,6 +908,7 @@ class SimServer:
                     f"limit even without any output tokens. Please reduce the length of the "
                     f"input prompt. (parameter=input_tokens, value={p})",
                     param="input_tokens")
+            asked = None if max_tokens < 0 else max_tokens
             if max_tokens < 0:  # vLLM's default: the rest of the context (chat), 16
                 max_tokens = limit - p if kind == "chat" else 16
             c = min(max_tokens, limit - p)  # clamped, not refused
@@ -816,11 +916,13 @@ class SimServer:
                 raise BadRequest(f"max_tokens must be at least 1, got {c}. "
                                  f"(parameter=max_tokens, value={c})", param="max_tokens")
             n = int(body.get("n") or 1)
-            r = engine.submit(ids, c, n, body.get("cache_salt") or None)
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
+            # vLLM's engine request of a completions prompt adds its index (one prompt here)
+            r = engine.submit(ids, c, n, body.get("cache_salt") or None,
+                              rid if kind == "chat" else f"{rid}-0", asked, edge.current())
         except BadRequest as e:
             return self._error(e)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         created = int(time.time())
         if body.get("stream") is True:
             so = body.get("stream_options") or {}

@@ -1,0 +1,29 @@
+"""Where the benchmarks' results go: one JSON file per run in ``bench/results/`` (not
+committed; ``bench/README.md``), and a copy of the latest run's beside it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenstorm import report
+
+from tokengate_dev import devstack
+
+RESULTS = devstack.ROOT / "bench" / "results"
+
+
+def write(out: dict[str, Any], stem: str, path: Path | None = None) -> Path:
+    """Write ``out`` as indented JSON (NaN and infinities as null, numpy values as
+    numbers: ``tokenstorm.report._clean``) to ``path``, by default
+    ``bench/results/<stem>-<local time>.json`` and then also to ``<stem>-latest.json``
+    beside it; returns the file written."""
+    target = path or RESULTS / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report._clean(out), indent=2) + "\n"
+    target.write_text(text)
+    if path is None:
+        (target.parent / f"{stem}-latest.json").write_text(text)
+    return target
