@@ -22,7 +22,7 @@ record each answer's X-Request-Id.
 
 The faults, one at a time, about every ``--fault-every`` seconds (each next one once the
 part is back), from 10 s into the load until ``--quiet`` seconds before its end; each
-kind in turn in an order the seed draws, so a 15-minute soak makes each kind three or four
+kind in turn in an order the seed draws, so a 15-minute soak makes each kind two or three
 times:
 
     nginx_worker   kill -9 of one nginx worker (its master starts another)
