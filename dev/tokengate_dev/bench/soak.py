@@ -22,7 +22,7 @@ record each answer's X-Request-Id.
 
 The faults, one at a time, about every ``--fault-every`` seconds (each next one once the
 part is back), from 10 s into the load until ``--quiet`` seconds before its end; each
-kind in turn in an order the seed draws, so a 15-minute soak makes each kind three or four
+kind in turn in an order the seed draws, so a 15-minute soak makes each kind two or three
 times:
 
     nginx_worker   kill -9 of one nginx worker (its master starts another)
@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 import yaml
 from tokengate import config as tg_config
 from tokengate import redis_keys
+from tokengate.budget_store import SETTLED
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.event import EventError, parse_event
 from tokengate.ledger.ledger import default_ledger_id, engine_ledger_id
@@ -636,10 +637,14 @@ def read_bills(client: SyncRedis) -> list[dict[str, str]]:
 
 
 def read_budgets(client: SyncRedis) -> tuple[list[str], dict[str, int]]:
-    """(budget reservation records not settled, in-flight counters not 0)."""
-    open_ = [str(k) for k in client.scan_iter(match=f"{redis_keys.BUDGET_PREFIX}:*:r:*",
-                                               count=1000)
-             if client.get(k) != "settled"]
+    """(budget reservation records not settled, in-flight counters not 0). A record
+    says "settled" for ten minutes after its settlement, then expires: one that expires
+    between the scan and the read is gone, not open."""
+    open_ = []
+    for k in client.scan_iter(match=f"{redis_keys.BUDGET_PREFIX}:*:r:*", count=1000):
+        v = client.get(k)
+        if v is not None and v != SETTLED:
+            open_.append(str(k))
     in_flight = {}
     for pattern in ("rs", "rt"):
         for k in client.scan_iter(match=f"{redis_keys.BUDGET_PREFIX}:*:{pattern}:*",
