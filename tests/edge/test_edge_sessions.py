@@ -207,6 +207,9 @@ def _spend(edge: Edge, sid: str) -> int:
         if r.status_code != 200:
             return used
         used += int(r.headers["x-token-count"]) + COMPLETION
+        # the session's tokens are counted in the log phase, after the answer was sent:
+        # its usage event is written right after them
+        edge.event(r.headers["x-request-id"])
     raise AssertionError("never refused")
 
 
@@ -255,6 +258,8 @@ def test_a_spend_budget_refuses_the_session_after_the_request_that_spent_it(agen
     first = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
                  key=SPEND_KEY)
     assert first.status_code == 200
+    # its spend is counted in the log phase, after the answer: its usage event comes next
+    agent_edge.event(first.headers["x-request-id"])
     # the test model's weights are the defaults: one request costs more than 0.000001
     spent = charge(int(first.headers["x-token-count"]), COMPLETION).cost
     second = post(agent_edge, "/chat/completions", CHAT, {"X-Session-Id": "pricey"},
