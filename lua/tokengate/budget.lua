@@ -28,6 +28,7 @@
 
 local ngx = ngx
 local errors = require "tokengate.errors"
+local shdict = require "tokengate.shdict"
 
 local floor = math.floor
 local ceil = math.ceil
@@ -55,11 +56,9 @@ local dict
 
 -- init(dict_name) -> true | nil, err
 function _M.init(dict_name)
-    dict = ngx.shared[dict_name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
-    end
-    return true
+    local err
+    dict, err = shdict.get(dict_name)
+    return dict and true, err
 end
 
 -- cost(weights, billing, prompt, completion, cached, system) -> currency units.

@@ -43,6 +43,7 @@ local ngx = ngx
 local errors = require "tokengate.errors"
 local upstream = require "tokengate.upstream"
 local metrics = require "tokengate.metrics"
+local shdict = require "tokengate.shdict"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -72,9 +73,10 @@ end
 -- call_timeout_ms). Worker 0 runs the sweep, also with idle unload off: replicas may
 -- still be marked asleep from before a reload (sweep).
 function _M.init_worker(doc, dict_name)
-    dict = ngx.shared[dict_name]
+    local err
+    dict, err = shdict.get(dict_name)
     if not dict then
-        return nil, "shared dict not found: " .. dict_name
+        return nil, err
     end
     if ngx.worker.id() ~= 0 then
         return true
