@@ -43,6 +43,7 @@ local errors = require "tokengate.errors"
 local upstream = require "tokengate.upstream"
 local metrics = require "tokengate.metrics"
 local prefix = require "tokengate.prefix"
+local shdict = require "tokengate.shdict"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -79,9 +80,10 @@ local key = upstream.key
 -- small_prompt_tokens, small_prompt_headroom, max_retry_after_s). Worker 0 reads the
 -- metrics: once at once, then every metrics_interval_ms.
 function _M.init_worker(doc, dict_name)
-    dict = ngx.shared[dict_name]
+    local err
+    dict, err = shdict.get(dict_name)
     if not dict then
-        return nil, "shared dict not found: " .. dict_name
+        return nil, err
     end
     conf = doc.edge.admission
     stale_s = conf.metrics_stale_ms / 1000

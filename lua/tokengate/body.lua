@@ -28,6 +28,8 @@ local concat = table.concat
 local pairs = pairs
 local is_array = json.is_array
 local is_object = json.is_object
+local json_integer = json.integer
+local json_set = json.set
 local null = json.null
 local KEYS = json.KEYS
 local clip = errors.clip
@@ -235,9 +237,29 @@ function _M.check_template_kwargs(kwargs, allowed)
     return true
 end
 
--- The checks an API module's validate makes in that API's wording ("field: ..."):
+-- The checks of one field that every API module's validate makes, in the API's
+-- wording: words is API_WORDS (the default: "field: must be ...", as vLLM's own
+-- messages read) or OPENAI_WORDS ("'field' must be ...", OpenAI's chat and
+-- completions).
 --   api_model(body) -> true | nil, err (400): the model is a string;
---   api_bool(body, name) -> true | nil, err (400): body[name] is a boolean, null or absent.
+--   api_bool(body, name, words) -> true | nil, err (400): body[name] is a boolean, null
+--     or absent;
+--   api_string(body, name) -> true | nil, err (400): body[name] is a string, null or
+--     absent;
+--   api_posint(body, name, required, words) -> true | nil, err (400): body[name] is an
+--     integer >= 1 (or null or absent, unless required). An integral JSON float (100.0,
+--     1e2) is the integer, as vLLM's lax int parsing reads it, and is rewritten as the
+--     plain integer (the body is then changed): what is counted, capped and forwarded
+--     is one integer, whatever the client's literal.
+_M.API_WORDS = {
+    bool = "%s: must be a boolean", int = "%s: must be an integer >= 1",
+    int_code = "invalid_value", small = "%s: must be an integer >= 1",
+}
+_M.OPENAI_WORDS = {
+    bool = "'%s' must be a boolean", int = "'%s' must be an integer",
+    int_code = "invalid_type", small = "'%s' must be at least 1, got %.17g",
+}
+
 function _M.api_model(body)
     if type(body.model) ~= "string" then
         return fail(400, "model: Field required (a string)", "model",
@@ -246,10 +268,42 @@ function _M.api_model(body)
     return true
 end
 
-function _M.api_bool(body, name)
+function _M.api_bool(body, name, words)
     local v = body[name]
     if v ~= nil and v ~= null and v ~= true and v ~= false then
-        return fail(400, name .. ": must be a boolean", name, "invalid_type")
+        return fail(400, format((words or _M.API_WORDS).bool, name), name, "invalid_type")
+    end
+    return true
+end
+
+function _M.api_string(body, name)
+    local v = body[name]
+    if v ~= nil and v ~= null and type(v) ~= "string" then
+        return fail(400, name .. ": must be a string", name, "invalid_type")
+    end
+    return true
+end
+
+function _M.api_posint(body, name, required, words)
+    local v = body[name]
+    if v == nil or v == null then
+        if required then
+            return fail(400, name .. ": Field required (an integer >= 1)", name,
+                "missing_required_parameter")
+        end
+        return true
+    end
+    words = words or _M.API_WORDS
+    local n = json_integer(v)
+    if not n then
+        return fail(400, format(words.int, name), name, words.int_code)
+    end
+    if n < 1 then
+        return fail(400, format(words.small, name, n), name, "invalid_value")
+    end
+    if type(v) ~= "number" then
+        json_set(body, name, n)
+        _M.changed(body)
     end
     return true
 end

@@ -28,6 +28,7 @@
 
 local ngx = ngx
 local errors = require "tokengate.errors"
+local shdict = require "tokengate.shdict"
 
 local floor = math.floor
 local ceil = math.ceil
@@ -55,11 +56,9 @@ local dict
 
 -- init(dict_name) -> true | nil, err
 function _M.init(dict_name)
-    dict = ngx.shared[dict_name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
-    end
-    return true
+    local err
+    dict, err = shdict.get(dict_name)
+    return dict and true, err
 end
 
 -- cost(weights, billing, prompt, completion, cached, system) -> currency units.
@@ -419,6 +418,15 @@ function _M.settle(bud, tokens, cost)
     return real_cost
 end
 
+-- tightest(cur, left, b, reset) -> {left, b, reset}: cur, or budget b with left when
+-- less is left in it (cur nil: none yet)
+local function tightest(cur, left, b, reset)
+    if not cur or left < cur.left then
+        return { left = left, b = b, reset = reset }
+    end
+    return cur
+end
+
 -- headers(h, bud): x-budget-{limit,remaining,reset}-{spend,tokens} of the budget of
 -- each kind with the least left after this request's reservation (spend in the
 -- currency, 6 decimals; reset as seconds, whole).
@@ -428,16 +436,10 @@ function _M.headers(h, bud)
         local it = bud.items[i]
         local b = it.b
         if b.spend_nano and it.spent then
-            local left = b.spend_nano - it.spent
-            if not spend or left < spend.left then
-                spend = { left = left, b = b, reset = it.left }
-            end
+            spend = tightest(spend, b.spend_nano - it.spent, b, it.left)
         end
         if b.tokens and it.used then
-            local left = b.tokens - it.used
-            if not tokens or left < tokens.left then
-                tokens = { left = left, b = b, reset = it.left }
-            end
+            tokens = tightest(tokens, b.tokens - it.used, b, it.left)
         end
     end
     if spend then

@@ -43,6 +43,7 @@ local ngx = ngx
 local errors = require "tokengate.errors"
 local upstream = require "tokengate.upstream"
 local metrics = require "tokengate.metrics"
+local shdict = require "tokengate.shdict"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -67,14 +68,27 @@ local function lock_key(model_name, r)
     return upstream.key("idle-lock:", model_name, r)
 end
 
+-- lock(name, r, c) -> the lock's key | nil: replica r of model name locked for one wake
+-- or sleep (add is atomic across workers: one of them gets it); nil: one is under way.
+-- The lock expires a margin after the call's timeout (c.call_timeout_ms), in case its
+-- worker dies.
+local function lock(name, r, c)
+    local k = lock_key(name, r)
+    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+        return nil
+    end
+    return k
+end
+
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (models.<name>.idle_unload: idle_s (0: off), max_hold_ms, retry_after_s,
 -- call_timeout_ms). Worker 0 runs the sweep, also with idle unload off: replicas may
 -- still be marked asleep from before a reload (sweep).
 function _M.init_worker(doc, dict_name)
-    dict = ngx.shared[dict_name]
+    local err
+    dict, err = shdict.get(dict_name)
     if not dict then
-        return nil, "shared dict not found: " .. dict_name
+        return nil, err
     end
     if ngx.worker.id() ~= 0 then
         return true
@@ -145,8 +159,8 @@ end
 
 -- wake(name, r, c): starts a wake of replica r unless one (or a sleep) is under way.
 local function wake(name, r, c)
-    local k = lock_key(name, r)
-    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+    local k = lock(name, r, c)
+    if not k then
         return
     end
     local ok, err = timer_at(0, wake_up, name, r, c)
@@ -162,8 +176,8 @@ end
 -- nothing else would wake it while another replica takes the requests. No answer: the
 -- mark stays (a replica that is down is the health probe's business).
 local function relearn(name, r, c)
-    local k = lock_key(name, r)
-    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+    local k = lock(name, r, c)
+    if not k then
         return -- a wake or a sleep is under way
     end
     local sleeping = is_sleeping(name, r, c)
@@ -180,8 +194,8 @@ end
 
 -- put_to_sleep(name, r, c): one replica, idle and not locked: mark, check, /sleep.
 local function put_to_sleep(name, r, c)
-    local k = lock_key(name, r)
-    if not dict:add(k, true, c.call_timeout_ms / 1000 + LOCK_MARGIN_S) then
+    local k = lock(name, r, c)
+    if not k then
         return
     end
     upstream.mark_asleep(name, r, true)

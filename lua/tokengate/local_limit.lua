@@ -16,11 +16,11 @@
 -- as its now argument (tokengate.limits passes window_now()).
 
 local ngx = ngx
+local shdict = require "tokengate.shdict"
 
 local floor = math.floor
 local ceil = math.ceil
 local max = math.max
-local tostring = tostring
 local ngx_log = ngx.log
 local ERR = ngx.ERR
 
@@ -33,11 +33,9 @@ local dict
 
 -- init(dict_name) -> true | nil, "shared dict not found"
 function _M.init(dict_name)
-    dict = ngx.shared[dict_name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
-    end
-    return true
+    local err
+    dict, err = shdict.get(dict_name)
+    return dict and true, err
 end
 
 -- window(now) -> window id (minutes since the epoch), elapsed fraction in [0, 1)

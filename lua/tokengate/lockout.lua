@@ -15,6 +15,7 @@
 local ngx = ngx
 local errors = require "tokengate.errors"
 local metrics = require "tokengate.metrics"
+local shdict = require "tokengate.shdict"
 
 local ngx_var = ngx.var
 local ngx_now = ngx.now
@@ -48,9 +49,10 @@ end
 -- conf: the compiled edge.auth_failures {threshold, window_s, block_s (s),
 -- exempt_networks = {{hex, prefix length}, ...}}.
 function _M.init(dict_name, conf)
-    dict = ngx.shared[dict_name]
+    local err
+    dict, err = shdict.get(dict_name)
     if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
+        return nil, err
     end
     threshold, window_s, block_s = conf.threshold, conf.window_s, conf.block_s
     exempt = _M.networks(conf.exempt_networks)

@@ -17,6 +17,7 @@
 
 local ngx = ngx
 local json = require "tokengate.json"
+local shdict = require "tokengate.shdict"
 
 local ngx_log = ngx.log
 local ERR = ngx.ERR
@@ -213,11 +214,9 @@ local dict
 
 -- init(dict_name) -> true | nil, "shared dict not found: <name>"
 function _M.init(dict_name)
-    dict = ngx.shared[dict_name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
-    end
-    return true
+    local err
+    dict, err = shdict.get(dict_name)
+    return dict and true, err
 end
 
 -- value(v) -> v as a label value: \, " and newline escaped (exposition format)

@@ -43,15 +43,14 @@
 -- shared dict's: when it is full, set() evicts its least recently used entries (about
 -- 128 bytes each with the dict's slabs: 32 MB hold about 250,000 blocks).
 
-local ngx = ngx
 local digest = require "tokengate.digest"
+local shdict = require "tokengate.shdict"
 
 local sub = string.sub
 local floor = math.floor
 local min = math.min
 local max = math.max
 local setmetatable = setmetatable
-local tostring = tostring
 
 local _M = {}
 
@@ -75,15 +74,13 @@ local state -- the replicas' sequences and capacities
 -- replicas' sequences and capacities in state_name. Without the blocks' dict (an nginx
 -- configuration from before it) the index is empty: every approximate hit is 0.
 function _M.init(dict_name, state_name)
-    state = ngx.shared[state_name]
+    local err
+    state, err = shdict.get(state_name)
     if not state then
-        return nil, "shared dict not found: " .. tostring(state_name)
+        return nil, err
     end
-    dict = ngx.shared[dict_name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(dict_name)
-    end
-    return true
+    dict, err = shdict.get(dict_name)
+    return dict and true, err
 end
 
 -- tag_of[r] -> the replica's tag (a replica entry belongs to one model's upstreams)

@@ -48,6 +48,7 @@ local errors = require "tokengate.errors"
 local upstream = require "tokengate.upstream"
 local admission = require "tokengate.admission"
 local metrics = require "tokengate.metrics"
+local shdict = require "tokengate.shdict"
 
 local ngx_now = ngx.now
 local ngx_sleep = ngx.sleep
@@ -83,9 +84,10 @@ local RECLAIM_S = 5
 -- init_worker() -> true | nil, err. Takes back what workers that are gone left waiting
 -- (reclaim: at each worker's start, and every RECLAIM_S in worker 0).
 function _M.init_worker()
-    dict = ngx.shared[DICT]
+    local err
+    dict, err = shdict.get(DICT)
     if not dict then
-        return nil, "shared dict not found: " .. DICT
+        return nil, err
     end
     pid = tostring(ngx.worker.pid())
     _M.reclaim()

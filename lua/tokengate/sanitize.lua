@@ -407,43 +407,41 @@ local function child(param, at, suffix)
     return param .. suffix, nil
 end
 
+local visit_value -- (below; visit_member and it call each other)
+
+-- visit_member(st, node, k, clean, param, tokens, cleaned, at): node[k], a member of an
+-- object or array that visit_value walks: a string is cleaned (clean true) or checked,
+-- a table walked.
+local function visit_member(st, node, k, clean, param, tokens, cleaned, at)
+    local v = node[k]
+    if type(v) == "string" then
+        local visit = clean and visit_text or check_text
+        node[k] = visit(st, v, param, tokens, at)
+    elseif type(v) == "table" then
+        visit_value(st, v, param, tokens, cleaned, at)
+    end
+end
+
 -- visit_value(st, node, param, tokens, cleaned, at): every key and string of a JSON value,
 -- to any depth: the decoder already bounds nesting at edge.max_json_depth, so whatever
 -- it accepted is scanned whole (a depth limit of the walker's own was a place to hide
 -- text). Strings under the keys in `cleaned` (every string when cleaned == true) are also
 -- cleaned of invisible characters. at: nil, or the path inside a decoded JSON string
 -- ("" at its top).
-local function visit_value(st, node, param, tokens, cleaned, at)
+visit_value = function(st, node, param, tokens, cleaned, at)
     if is_object(node) then
         local keys = node[KEYS]
         for i = 1, #keys do
             local k = keys[i]
-            local v = node[k]
             local cparam, cat = child(param, at, "." .. k)
             check_key(st, k, cparam, tokens, cat)
-            if type(v) == "string" then
-                if cleaned == true or (cleaned and cleaned[k]) then
-                    node[k] = visit_text(st, v, cparam, tokens, cat)
-                else
-                    node[k] = check_text(st, v, cparam, tokens, cat)
-                end
-            elseif type(v) == "table" then
-                visit_value(st, v, cparam, tokens, cleaned, cat)
-            end
+            visit_member(st, node, k, cleaned == true or (cleaned and cleaned[k]), cparam,
+                tokens, cleaned, cat)
         end
     elseif is_array(node) then
         for i = 1, #node do
-            local v = node[i]
             local cparam, cat = child(param, at, format("[%d]", i - 1))
-            if type(v) == "string" then
-                if cleaned == true then
-                    node[i] = visit_text(st, v, cparam, tokens, cat)
-                else
-                    node[i] = check_text(st, v, cparam, tokens, cat)
-                end
-            elseif type(v) == "table" then
-                visit_value(st, v, cparam, tokens, cleaned, cat)
-            end
+            visit_member(st, node, i, cleaned == true, cparam, tokens, cleaned, cat)
         end
     end
 end

@@ -51,6 +51,7 @@
 
 local ngx = ngx
 local prefix = require "tokengate.prefix"
+local shdict = require "tokengate.shdict"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
@@ -89,9 +90,10 @@ _M.key = key
 -- upstream_max_fails, upstream_eject_s (s), upstream_health_interval_ms (0: off),
 -- upstream_health_timeout_ms).
 function _M.init_worker(doc, dict_name)
-    dict = ngx.shared[dict_name]
+    local err
+    dict, err = shdict.get(dict_name)
     if not dict then
-        return nil, "shared dict not found: " .. dict_name
+        return nil, err
     end
     local edge = doc.edge
     eject_s, max_fails = edge.upstream_eject_s, edge.upstream_max_fails

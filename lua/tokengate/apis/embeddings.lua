@@ -43,7 +43,6 @@ local format = string.format
 local is_array = json.is_array
 local json_integer = json.integer
 local json_number = json.number
-local json_set = json.set
 local null = json.null
 local fail = errors.refuse
 
@@ -183,21 +182,12 @@ function _M.validate(route, body, models, edge)
         return fail(400, "encoding_format: must be 'float' or 'base64'", "encoding_format",
             "invalid_value")
     end
-    local dim = body.dimensions
-    if dim ~= nil and dim ~= null then
-        local n = json_integer(dim)
-        if not n or n < 1 then
-            return fail(400, "dimensions: must be an integer >= 1", "dimensions",
-                "invalid_value")
-        end
-        if type(dim) ~= "number" then
-            json_set(body, "dimensions", n)
-            body_mod.changed(body)
-        end
+    ok, err = body_mod.api_posint(body, "dimensions")
+    if ok then
+        ok, err = body_mod.api_string(body, "user")
     end
-    local user = body.user
-    if user ~= nil and user ~= null and type(user) ~= "string" then
-        return fail(400, "user: must be a string", "user", "invalid_type")
+    if not ok then
+        return nil, err
     end
     return body_mod.check_api(_M.FIELDS[route], body, models, edge, nil, nil)
 end

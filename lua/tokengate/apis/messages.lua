@@ -37,7 +37,6 @@ local format = string.format
 local ngx_now = ngx.now
 local is_array = json.is_array
 local is_object = json.is_object
-local json_integer = json.integer
 local json_set = json.set
 local null = json.null
 local fail = errors.refuse
@@ -120,21 +119,10 @@ function _M.validate(route, body, models, edge)
         end
     end
     if route == "messages" then
-        local v = body.max_tokens
-        if v == nil or v == null then
-            return fail(400, "max_tokens: Field required (an integer >= 1)", "max_tokens",
-                "missing_required_parameter")
+        ok, err = body_mod.api_posint(body, "max_tokens", true)
+        if ok then
+            ok, err = body_mod.api_bool(body, "stream")
         end
-        local n = json_integer(v)
-        if not n or n < 1 then
-            return fail(400, "max_tokens: must be an integer >= 1", "max_tokens",
-                "invalid_value")
-        end
-        if type(body.max_tokens) ~= "number" then
-            json_set(body, "max_tokens", n)
-            body_mod.changed(body)
-        end
-        ok, err = body_mod.api_bool(body, "stream")
         if not ok then
             return nil, err
         end

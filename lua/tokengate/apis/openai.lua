@@ -19,6 +19,8 @@ local fail = errors.refuse
 
 local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
 local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
+-- the fields' refusals in OpenAI's wording (tokengate.body)
+local WORDS = body_mod.OPENAI_WORDS
 
 local _M = {}
 
@@ -51,39 +53,6 @@ function _M.fields(only)
     return known
 end
 
--- opt_bool(obj, name) -> true when obj[name] is absent, null or a boolean | nil, err 400.
-local function opt_bool(body, name)
-    local v = body[name]
-    if v == nil or v == null or v == true or v == false then
-        return true
-    end
-    return fail(400, format("'%s' must be a boolean", name), name, "invalid_type")
-end
-
--- opt_posint(obj, name) -> true when obj[name] is absent, null or an integer >= 1
--- | nil, err 400. An integral JSON float (100.0, 1e2) counts as the integer, as vLLM's
--- lax int parsing reads it, and is rewritten as the plain integer in obj: what is
--- counted, capped and forwarded is then one integer, whatever the client's literal.
-local function opt_posint(body, name)
-    local v = body[name]
-    if v == nil or v == null then
-        return true
-    end
-    local n = json_integer(v)
-    if not n then
-        return fail(400, format("'%s' must be an integer", name), name, "invalid_type")
-    end
-    if n < 1 then
-        return fail(400, format("'%s' must be at least 1, got %.17g", name, n), name,
-            "invalid_value")
-    end
-    if type(v) ~= "number" then
-        json_set(body, name, n)
-        body_mod.changed(body)
-    end
-    return true
-end
-
 -- check_common(body, models) -> model entry | nil, err (400/404): the fields chat and
 -- completions share (model, stream, stream_options, max_tokens, max_completion_tokens,
 -- n), in OpenAI's wording.
@@ -96,7 +65,7 @@ function _M.check_common(body, models)
     if type(model) ~= "string" then
         return fail(400, "'model' must be a string", "model", "invalid_type")
     end
-    local ok, err = opt_bool(body, "stream")
+    local ok, err = body_mod.api_bool(body, "stream", WORDS)
     if not ok then
         return nil, err
     end
@@ -108,7 +77,7 @@ function _M.check_common(body, models)
         end
         for i = 1, #STREAM_FLAGS do
             local f = STREAM_FLAGS[i]
-            ok, err = opt_bool(so, f)
+            ok, err = body_mod.api_bool(so, f, WORDS)
             if not ok then
                 err.param = "stream_options." .. f
                 return nil, err
@@ -116,7 +85,7 @@ function _M.check_common(body, models)
         end
     end
     for i = 1, #POSITIVE_INTS do
-        ok, err = opt_posint(body, POSITIVE_INTS[i])
+        ok, err = body_mod.api_posint(body, POSITIVE_INTS[i], false, WORDS)
         if not ok then
             return nil, err
         end

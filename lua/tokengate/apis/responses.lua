@@ -68,7 +68,6 @@ local ngx_var = ngx.var
 local ngx_req = ngx.req
 local is_array = json.is_array
 local is_object = json.is_object
-local json_integer = json.integer
 local json_set = json.set
 local null = json.null
 local fail = errors.refuse
@@ -292,18 +291,14 @@ function _M.validate(route, body, models, edge)
             end
         end
     end
-    local ins = body.instructions
-    if ins ~= nil and ins ~= null and type(ins) ~= "string" then
-        return fail(400, "instructions: must be a string", "instructions", "invalid_type")
+    ok, err = body_mod.api_string(body, "instructions")
+    if not ok then
+        return nil, err
     end
     if route == "responses" then
-        local v = body.max_output_tokens
-        if v ~= nil and v ~= null then
-            local n = json_integer(v)
-            if not n or n < 1 or type(v) == "string" then
-                return fail(400, "max_output_tokens: must be an integer >= 1",
-                    "max_output_tokens", "invalid_value")
-            end
+        ok, err = body_mod.api_posint(body, "max_output_tokens")
+        if not ok then
+            return nil, err
         end
         for i = 1, #BOOLEANS do
             ok, err = body_mod.api_bool(body, BOOLEANS[i])
@@ -323,10 +318,9 @@ function _M.validate(route, body, models, edge)
         return fail(400, "previous_input_messages: not supported by this gateway; send the "
             .. "history as input items", "previous_input_messages", "unsupported_parameter")
     end
-    local pid = body.previous_response_id
-    if pid ~= nil and pid ~= null and type(pid) ~= "string" then
-        return fail(400, "previous_response_id: must be a string", "previous_response_id",
-            "invalid_type")
+    ok, err = body_mod.api_string(body, "previous_response_id")
+    if not ok then
+        return nil, err
     end
     local text = body.text
     local fmt = is_object(text) and text.format

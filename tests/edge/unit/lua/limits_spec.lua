@@ -7,45 +7,38 @@ local limits = require "tokengate.limits"
 local case, eq = t.case, t.eq
 local duration = limits.duration
 
-case("duration: zero and below is 0s", function()
-    eq(duration(0), "0s")
-    eq(duration(-0.0), "0s")
-    eq(duration(-5), "0s")
-end)
+-- durations(cases) -> a case's function: duration(seconds) is the text, for each
+-- {seconds, text} of cases
+local function durations(cases)
+    return function()
+        for i = 1, #cases do
+            eq(duration(cases[i][1]), cases[i][2])
+        end
+    end
+end
 
-case("duration: under a second in whole milliseconds, rounded up", function()
-    eq(duration(0.25), "250ms")
-    eq(duration(0.0001), "1ms")
-    eq(duration(1e-12), "1ms")
-    eq(duration(0.001), "1ms")
-    eq(duration(0.0015), "2ms")
-    eq(duration(0.999), "999ms")
-end)
+case("duration: zero and below is 0s", durations({
+    { 0, "0s" }, { -0.0, "0s" }, { -5, "0s" },
+}))
 
-case("duration: just under a second is 1s", function()
-    eq(duration(0.9995), "1s")
-    eq(duration(0.99999), "1s")
-end)
+case("duration: under a second in whole milliseconds, rounded up", durations({
+    { 0.25, "250ms" }, { 0.0001, "1ms" }, { 1e-12, "1ms" }, { 0.001, "1ms" },
+    { 0.0015, "2ms" }, { 0.999, "999ms" },
+}))
 
-case("duration: seconds to a tenth, rounded up, no .0", function()
-    eq(duration(1), "1s")
-    eq(duration(1.2), "1.2s")
-    eq(duration(1.21), "1.3s")
-    eq(duration(1.25), "1.3s")
-    eq(duration(2.0001), "2.1s")
-    eq(duration(59), "59s")
-    eq(duration(59.9), "59.9s")
-end)
+case("duration: just under a second is 1s", durations({
+    { 0.9995, "1s" }, { 0.99999, "1s" },
+}))
 
-case("duration: from a minute on, minutes and whole seconds rounded up", function()
-    eq(duration(59.91), "1m0s")
-    eq(duration(60), "1m0s")
-    eq(duration(61.5), "1m2s")
-    eq(duration(90), "1m30s")
-    eq(duration(119.01), "2m0s")
-    eq(duration(120), "2m0s")
-    eq(duration(360), "6m0s")
-end)
+case("duration: seconds to a tenth, rounded up, no .0", durations({
+    { 1, "1s" }, { 1.2, "1.2s" }, { 1.21, "1.3s" }, { 1.25, "1.3s" }, { 2.0001, "2.1s" },
+    { 59, "59s" }, { 59.9, "59.9s" },
+}))
+
+case("duration: from a minute on, minutes and whole seconds rounded up", durations({
+    { 59.91, "1m0s" }, { 60, "1m0s" }, { 61.5, "1m2s" }, { 90, "1m30s" },
+    { 119.01, "2m0s" }, { 120, "2m0s" }, { 360, "6m0s" },
+}))
 
 case("reservation: prompt + n x prompts x min(completion, output reserve)", function()
     local req = {}
