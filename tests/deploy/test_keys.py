@@ -57,10 +57,12 @@ def _with_fast(upstream: str) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
-def tokengate(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """The ``tokengate`` CLI of this checkout."""
+def tokengate(*args: str | Path, stdin: str | None = None
+              ) -> subprocess.CompletedProcess[str]:
+    """The ``tokengate`` CLI of this checkout (``stdin``: what it reads)."""
     return subprocess.run([sys.executable, "-m", "tokengate.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          input=stdin, capture_output=True, text=True, timeout=60,
+                          check=False)
 
 
 def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
@@ -876,6 +878,25 @@ def test_every_keys_command_is_written_to_the_audit_stream_without_a_secret(
     for e in entries:
         for secret in secrets:
             assert secret not in json.dumps(e) and keys.digest(secret) not in json.dumps(e)
+
+
+def test_console_passwd_and_role_are_written_to_the_audit_stream_without_a_secret(
+        tmp_path: Path, redis_url: str, ledger_redis: Any) -> None:
+    path, _ = _repo_copy(tmp_path)
+    secret = "a long enough password"
+    for argv in (("passwd", "bob", "--password-stdin", "--role", "read-only"),
+                 ("role", "bob", "admin"), ("passwd", "bob", "--remove")):
+        r = tokengate("console", *argv, "--config", path, "--redis-url", redis_url,
+                      stdin=secret + "\n")
+        assert r.returncode == 0 and "not audited" not in r.stderr, r.stderr
+    entries = [fields for _, fields in ledger_redis.xrange(redis_keys.AUDIT_KEY)]
+    assert [(e["kind"], e["action"], e["key"], json.loads(e["detail"]), e["result"])
+            for e in entries] == [
+        ("cli", "admin_password_set", "", {"admin": "bob", "role": "read-only"}, "ok"),
+        ("cli", "admin_role_set", "", {"admin": "bob", "role": "admin"}, "ok"),
+        ("cli", "admin_removed", "", {"admin": "bob"}, "ok")]
+    assert {e["admin"] for e in entries} == {pwd.getpwuid(os.getuid()).pw_name}
+    assert "scrypt" not in json.dumps(entries) and secret not in json.dumps(entries)
 
 
 def test_with_redis_down_a_change_applies_and_says_it_was_not_audited(

@@ -13,6 +13,7 @@ from ruamel.yaml.comments import CommentedMap
 from tokengate import config as tg_config
 from tokengate.config.console import ADMIN_NAME, ADMIN_NAME_RULE, ROLES
 
+AUDIT_REDIS_HELP = "Redis of the audit stream (default: redis.url)"
 CONSOLE_HELP = """\
 The operator console (tokengate-console, a service of its own, on ledger.console.listen,
 127.0.0.1:8085 by default).
@@ -33,6 +34,11 @@ The operator console (tokengate-console, a service of its own, on ledger.console
   tokengate console apply [--config FILE]
         makes the key changes the console queued in ledger.console.changes_dir (as
         root: tokengate-console-apply.service runs it whenever one is queued)
+
+Each passwd and role is written to the ledger's audit stream (kind cli, the OS user,
+admin_password_set, admin_role_set or admin_removed; never a password or its digest):
+the console's Audit page lists it. With Redis down the change stands and says it was
+not audited.
 
 EXIT STATUS
   0 done; 1 refused (a short password, passwords that differ, a bad name, the file
@@ -121,17 +127,25 @@ def passwd(args: argparse.Namespace) -> int:
         if pw is None:
             return 1
         new = digest(pw)
-    return _set(args, new, args.role, "removed" if args.remove else "password set"
-                + (f", role {args.role}" if args.role else ""))
+    if args.remove:
+        return _set(args, new, args.role, "removed", "admin_removed")
+    return _set(args, new, args.role,
+                "password set" + (f", role {args.role}" if args.role else ""),
+                "admin_password_set")
 
 
 def role(args: argparse.Namespace) -> int:
     """``tokengate console role``."""
-    return _set(args, _KEEP, args.role, f"role {args.role}")
+    return _set(args, _KEEP, args.role, f"role {args.role}", "admin_role_set")
 
 
 def _set(args: argparse.Namespace, digest: str | None | object, new_role: str | None,
-         what: str) -> int:
+         what: str, action: str) -> int:
+    """An admin's password and role set (``set_admin``), said on stderr, and written to
+    the audit stream as ``action`` (detail: the admin, the role given; never the
+    password or its digest). Exit status 0, 1 (the file would not be valid) or 2."""
+    from tokengate.keys.cli import audit
+
     try:
         cfg = set_admin(_path(args), args.name, digest, new_role)
     except tg_config.ConfigError as e:
@@ -148,6 +162,8 @@ def _set(args: argparse.Namespace, digest: str | None | object, new_role: str | 
     left = "" if cfg.ledger.console.admins else " (no admin is left: no one can log in)"
     print(f"admin {args.name}: {what} ({cfg.path}); the console (tokengate-console) "
           f"serves http://{cfg.ledger.console.listen}/{left}", file=sys.stderr)
+    detail = {"admin": args.name, **({"role": new_role} if new_role else {})}
+    audit(cfg, action, "", detail, redis_url=args.redis_url, command="tokengate console")
     return 0
 
 
@@ -186,6 +202,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pw.add_argument("--role", choices=ROLES, default=None,
                     help="the admin's role: admin (every change) or read-only (every page, "
                          "no change); default: the admin's own, admin for a new one")
+    pw.add_argument("--redis-url", default=None, help=AUDIT_REDIS_HELP)
     pw.set_defaults(func=passwd)
     ro = verbs.add_parser("role", help="set an admin's role (admin or read-only)")
     ro.add_argument("name", help="the admin's name")
@@ -193,6 +210,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                                 "(every page, no change)")
     ro.add_argument("--config", type=Path, default=None,
                     help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    ro.add_argument("--redis-url", default=None, help=AUDIT_REDIS_HELP)
     ro.set_defaults(func=role)
     ap = verbs.add_parser("apply", help="make the key changes the console queued (root)")
     ap.add_argument("--config", type=Path, default=None,

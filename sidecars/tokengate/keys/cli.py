@@ -175,14 +175,17 @@ def _who() -> str:
 
 
 def audit(cfg: tg_config.Config, action: str, key: str, detail: dict[str, Any],
-          result: str = "ok", redis_url: str | None = None) -> bool:
+          result: str = "ok", redis_url: str | None = None,
+          command: str = "tokengate keys") -> bool:
     """One entry of the ledger's audit stream (``tokengate.redis_keys.AUDIT_KEY``) for a
-    change made by ``tokengate keys``, in the shape of the console's
-    (``tokengate.console.changes.audit``): ``kind`` cli, ``admin`` the OS user
-    (``_who``), the action (key_created, key_changed, key_revoked, key_rotated,
-    key_disabled, key_enabled), the key, ``detail`` (JSON of what changed; never a secret)
-    and the result. Returns False, said on stderr, when Redis could not take it: the
-    change stands (the file is the truth; the audit trail is a record of it)."""
+    change made on the command line (``command``: ``tokengate keys``, ``tokengate
+    console``), in the shape of the console's (``tokengate.console.changes.audit``):
+    ``kind`` cli, ``admin`` the OS user (``_who``), the action (key_created, key_changed,
+    key_revoked, key_rotated, key_disabled, key_enabled; admin_password_set,
+    admin_role_set, admin_removed), the key ("" for an admin's change), ``detail`` (JSON
+    of what changed; never a secret) and the result. Returns False, said on stderr, when
+    Redis could not take it: the change stands (the file is the truth; the audit trail
+    is a record of it)."""
     ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     entry = {"kind": "cli", "ts": ts, "admin": _who(), "action": action, "key": key,
              "detail": json.dumps(detail, sort_keys=True, default=str),
@@ -193,7 +196,7 @@ def audit(cfg: tg_config.Config, action: str, key: str, detail: dict[str, Any],
                     maxlen=cfg.ledger.audit_maxlen, approximate=True)
     except (RedisError, OSError) as e:
         # the error names host and port, never the URL's password
-        print(f"tokengate keys: the change is made but was not audited (Redis: {e})",
+        print(f"{command}: the change is made but was not audited (Redis: {e})",
               file=sys.stderr)
         return False
     return True
