@@ -158,8 +158,9 @@ class Config(_Schema):
                             ("metrics.counter_listen", self.metrics.counter_listen),
                             ("metrics.ledger_listen", self.metrics.ledger_listen),
                             ("metrics.limits_listen", self.metrics.limits_listen),
-                            ("ledger.console.listen", self.ledger.console.listen
-                             if self.ledger.console.admins else None)):
+                            # the console's service listens with no admin too (its
+                            # login page says how to add one)
+                            ("ledger.console.listen", self.ledger.console.listen)):
             if addr is None:
                 continue
             if addr in taken:
