@@ -107,8 +107,8 @@ def _denied(path: Path, uid: int, gids: set[int], directory: bool) -> str | None
         bits = (st.st_mode >> 6) & 7 if st.st_uid == uid else \
             (st.st_mode >> 3) & 7 if st.st_gid in gids else st.st_mode & 7
         if bits & need != need:
-            from tokengate.install import _owner_name
-            return f"{p} ({st.st_mode & 0o777:o} {_owner_name(st.st_uid, st.st_gid)})"
+            from tokengate.install.files import owner_name
+            return f"{p} ({st.st_mode & 0o777:o} {owner_name(st.st_uid, st.st_gid)})"
     return None
 
 
