@@ -28,8 +28,8 @@ from tokengate import config as tg_config
 from tokengate.doctor import engine_records, host, upstream
 from tokengate.doctor.check import Check, Status, summary
 from tokengate.ledger.engine_record import parse_record
-from tokengate.process import Service, free_port, tcp_ready
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import Service, free_port, tcp_ready
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import KV_EVENTS, MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT

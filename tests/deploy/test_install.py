@@ -37,10 +37,10 @@ from tokengate.counter import frames
 from tokengate.install import config_text
 from tokengate.install import host as install_host
 from tokengate.install import plan as install_plan
-from tokengate.process import free_port
 from tokengate.tools import nginx_conf
 from tokengate.v1 import counter_pb2, counter_pb2_grpc, limits_pb2, limits_pb2_grpc
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests import units
 from tests.conftest import MODEL, REPO_CONFIG

@@ -46,8 +46,8 @@ from tokengate import config as tg_config
 from tokengate.doctor import host as doctor_host
 from tokengate.ledger import report
 from tokengate.ledger.event import parse_event
-from tokengate.process import Service, free_port, tcp_ready
 from tokengate_dev import devstack
+from tokenstorm.process import Service, free_port, tcp_ready
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests import units
