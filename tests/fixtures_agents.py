@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from tokengate import config as tg_config
-from tokengate.process import free_port
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_edge import EDGE_DIR, VARIANT_PORTS, Edge, _edge_yaml, _start_edge

@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from tokengate.process import free_port
 from tokengate_dev import devstack
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import free_port
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT, key_digest

@@ -24,9 +24,9 @@ import openai
 import pytest
 from tokengate import config as tg_config
 from tokengate.ledger.engine_record import EngineRecord, parse_record
-from tokengate.process import Service
 from tokengate_dev import devstack
 from tokengate_dev.otlp_receiver import OtlpReceiver
+from tokenstorm.process import Service
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 

@@ -83,5 +83,5 @@ def test_no_fixed_port_of_one_worker_is_another_workers() -> None:
                       if p + 500 * k in owner})
     assert clashes == []
     # and none of them, with four workers' offsets, is one free_port() may hand out
-    from tokengate.process import FREE_PORTS
+    from tokenstorm.process import FREE_PORTS
     assert not FREE_PORTS or max(owner) + off + 3 * 500 < FREE_PORTS.start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from tokengate import metrics
-from tokengate.process import free_port
+from tokenstorm.process import free_port
 
 pytestmark = pytest.mark.unit
 

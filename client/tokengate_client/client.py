@@ -15,6 +15,10 @@ never a blind backoff, always the wait the gateway gave (``tokengate_client.paci
 What differs between the three APIs (the counter's endpoint, the openai resource, the
 completion budget's field, the text and the usage of a streamed item) is one ``_Api``
 value each; pacing, the 429 rule, settling and the buffer are the same code for all.
+
+(Long for one thing: the threaded and the asyncio client mirror each other method for
+method over the shared core, and stay side by side so that a change to one is seen to
+need the other.)
 """
 
 from __future__ import annotations

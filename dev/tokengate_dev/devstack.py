@@ -1,6 +1,6 @@
 """Start the whole tokengate stack on loopback: the commands ``make run`` and the tests use.
 
-Each part is a ``tokengate.process.Service``: an argv, an environment, a readiness probe
+Each part is a ``tokenstorm.process.Service``: an argv, an environment, a readiness probe
 and a log file under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test
 fixtures call the same builders (with other ports) so tests run exactly what a user runs.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from tokengate import config as tg_config
-from tokengate.process import Service, ServiceError, Supervisor, http_ready, tcp_ready
+from tokenstorm.process import Service, ServiceError, Supervisor, http_ready, tcp_ready
 
 # Dev tooling runs from a checkout: its folders are found from this file.
 ROOT = Path(__file__).resolve().parents[2]

@@ -258,9 +258,9 @@ def parser() -> argparse.ArgumentParser:
                     "Ctrl-C stops it.",
         epilog="EXAMPLE\n  tokenstorm sim-replica --port 38201 --num-gpu-blocks 4096 \\\n"
                "      --kv-events-endpoint tcp://127.0.0.1:5557")
-    from tokenstorm.upstream import sim as _sim
+    from tokenstorm.upstream import sim_settings
 
-    _sim.add_arguments(sim)
+    sim_settings.add_arguments(sim)
     return p
 
 
@@ -324,12 +324,12 @@ def _upstream(args: argparse.Namespace) -> None:
 
 
 def _sim_replica(args: argparse.Namespace) -> None:
-    from tokenstorm.upstream import sim
+    from tokenstorm.upstream import sim, sim_settings
 
     model, mdir, mlen = _defaults(args.config)
     if args.model_dir is None and mdir is None:
         sys.exit("tokenstorm sim-replica: --model-dir is required (no model in the config)")
-    settings = sim.settings_from_args(args, model, mdir or Path("."), mlen)
+    settings = sim_settings.settings_from_args(args, model, mdir or Path("."), mlen)
     try:
         settings.check()
     except ValueError as e:

@@ -1,5 +1,8 @@
 """The load generator's HTTP client: open-loop sends over keep-alive HTTP/1.1.
 
+(Long for one thing: the worker's hot path, its connection protocol and its scheduler,
+which share each request's record and are measured together by the ceiling runs.)
+
 One worker process runs one event loop (uvloop when available) with a pool of
 keep-alive connections. Requests are sent at their scheduled time whether or not
 earlier ones have finished (open loop), on an idle connection or a new one; a request

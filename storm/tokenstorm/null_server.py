@@ -14,9 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from tokengate.process import Service, free_port, http_ready
-
 from tokenstorm import upstream
+from tokenstorm.process import Service, free_port, http_ready
 
 __all__ = ["FastUpstream", "LocalServer", "free_port", "upstream_service"]
 
@@ -59,7 +58,7 @@ class LocalServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> Self:
-        """Start and wait until ready; raises ``tokengate.process.ServiceError``."""
+        """Start and wait until ready; raises ``tokenstorm.process.ServiceError``."""
         try:
             self.service.start()
         except BaseException:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokengate.process import free_port
 from tokengate_client import (
     AsyncClient,
     Client,
@@ -39,6 +38,7 @@ from tokengate_client import (
 )
 from tokengate_client.pacing import parse_duration
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import free_port
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, key_digest

@@ -28,8 +28,8 @@ import redis
 import yaml
 from tokengate.console import password
 from tokengate.ledger import report
-from tokengate.process import free_port
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import EDGE_DIR, VARIANT_PORTS, Edge, _edge_yaml, _start_edge

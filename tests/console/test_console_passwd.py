@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tokengate.process import Service, free_port
 from tokengate_dev import devstack
+from tokenstorm.process import Service, free_port
 
 from tests.fixtures_ledger import svc_name
 

@@ -525,7 +525,7 @@ def small_pool(monkeypatch: pytest.MonkeyPatch) -> None:
 def served(tmp_path: Path) -> Iterator[tuple[str, console_app.Console]]:
     """The console of ``console``'s file served by ``server.listen`` (the ledger's) on a
     free loopback port."""
-    from tokengate.process import free_port
+    from tokenstorm.process import free_port
 
     port = free_port()
     path = tmp_path / "tokengate.yaml"

@@ -22,9 +22,9 @@ import pytest
 import yaml
 from tokengate.counter import frames
 from tokengate.counter.counter_service import CountFailure
-from tokengate.process import Service, free_port, group_members
 from tokengate.v1 import counter_pb2
 from tokengate_dev import devstack
+from tokenstorm.process import Service, free_port, group_members
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_ledger import wait_until

@@ -29,9 +29,9 @@ import yaml
 import zmq
 from tokengate import prefix_hash
 from tokengate.counter import frames, kv_index
-from tokengate.process import free_port
 from tokengate.v1 import counter_pb2
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_ledger import wait_until

@@ -38,8 +38,8 @@ import pytest
 import redis
 import yaml
 from tokengate import redis_keys as store
-from tokengate.process import Service, free_port, tcp_ready
 from tokengate_dev import devstack
+from tokenstorm.process import Service, free_port, tcp_ready
 
 from tests import units
 from tests.conftest import MODEL, key_digest

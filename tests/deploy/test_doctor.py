@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import yaml
 from tokengate import config as tg_config
-from tokengate import doctor
-from tokengate.counter import upstream_check
+from tokengate.doctor import engine_records, host, upstream
+from tokengate.doctor.check import Check, Status, summary
 from tokengate.ledger.engine_record import parse_record
-from tokengate.process import Service, free_port, tcp_ready
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import Service, free_port, tcp_ready
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import KV_EVENTS, MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
@@ -37,7 +37,7 @@ from tests.fixtures_ledger import wait_until
 from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer
 
 CHECKS = ["health", "model", "version", "prompt_tokens_details", "usage", "tool_parser",
-          "engine_records", *(f"count {p[0]}" for p in doctor.PROBES)]
+          "engine_records", *(f"count {p[0]}" for p in upstream.PROBES)]
 # routing.policy prefix (the test configuration's): every upstream, and one of kv_events
 PREFIX_CHECKS = ["prefix_cache", "kv_events"]
 VLLM = f"127.0.0.1:{VLLM_PORT}"
@@ -112,7 +112,7 @@ def fast(tmp_path: Path, cfg: tg_config.Config) -> Iterator[Callable[..., FastUp
 
 def test_versions_are_verified_by_major_and_minor() -> None:
     verified = ((0, 32),)
-    assert [doctor.version_verified(v, verified) for v in
+    assert [upstream.version_verified(v, verified) for v in
             ("0.32.0", "0.32.3+cpu", "0.32.1rc2", "0.33.0", "0.3.2", "0.320.1", "dev")] == \
         [True, True, True, False, False, False, False]
 
@@ -210,7 +210,7 @@ def test_the_doctor_fails_a_config_the_units_own_user_cannot_read(
     prefix = base / "root"
     assert install(prefix, "--config", base / "c.yaml").returncode == 0
     units = prefix / "etc/systemd/system"
-    for name in doctor.SIDECAR_UNITS:  # a user this machine has, in the units' group
+    for name in host.SIDECAR_UNITS:  # a user this machine has, in the units' group
         unit = units / name
         unit.write_text(unit.read_text().replace("User=tokengate", "User=nobody"))
     config = prefix / "etc/tokengate/tokengate.yaml"
@@ -234,7 +234,7 @@ def test_the_doctor_fails_a_config_the_units_own_user_cannot_read(
     assert unit_lines() == [
         f"FAIL unit {name} readable: user nobody (group www-data) cannot read {config} (600 "
         "root:root): the unit exits at start; run `tokengate install` again (it sets the "
-        "owners and modes back)" for name in doctor.SIDECAR_UNITS]
+        "owners and modes back)" for name in host.SIDECAR_UNITS]
 
 
 def test_a_replica_serving_another_model_fails_loudly(
@@ -277,14 +277,14 @@ def test_an_unverified_vllm_release_fails_unless_allowed(
     # run pass on the evidence of the count checks
     cfg_real = tg_config.load(config_path)
     seen: list[str] = []
-    checks = doctor.run(cfg_real, verified=((0, 31),), out=seen.append)
+    checks = upstream.run(cfg_real, verified=((0, 31),), out=seen.append)
     assert [(c.name, c.status) for c in checks if c.status != "OK"] == [("version", "FAIL")]
-    checks = doctor.run(cfg_real, verified=((0, 31),), allow_unverified=True,
+    checks = upstream.run(cfg_real, verified=((0, 31),), allow_unverified=True,
                         out=seen.append)
     assert [(c.name, c.status) for c in checks if c.status != "OK"] == [("version", "WARN")]
-    # doctor.run() as the counter's --check-upstreams calls it: no engine_records (and
+    # upstream.run() as the counter's --check-upstreams calls it: no engine_records (and
     # the prefix checks of the test configuration)
-    assert doctor.summary(checks).endswith(f"{len(CHECKS)} OK, 1 warning(s), 0 failed, "
+    assert summary(checks).endswith(f"{len(CHECKS)} OK, 1 warning(s), 0 failed, "
                                            "0 skipped")
 
 
@@ -378,15 +378,15 @@ def test_a_remote_replicas_engine_records_not_on_this_host_are_a_warning(
     # a replica on another host writes its records there (read by a `tokengate-ledger
     # --engine-only` of that host): here the doctor can only say it did not look
     files = [tmp_path / "8100.jsonl"]
-    seen: list[doctor.Check] = []
+    seen: list[Check] = []
 
-    def check(what: str, status: doctor.Status, detail: str) -> doctor.Check:
-        seen.append(doctor.Check(MODEL, "10.0.0.7:8100", what, status, detail))
+    def check(what: str, status: Status, detail: str) -> Check:
+        seen.append(Check(MODEL, "10.0.0.7:8100", what, status, detail))
         return seen[-1]
 
-    c = upstream_check._engine_records(check, "10.0.0.7:8100", files,
-                                       upstream_check._EngineMarks.take(files), "chatcmpl-x",
-                                       True, 0.0)
+    c = engine_records.check_records(check, "10.0.0.7:8100", files,
+                                     engine_records.EngineMarks.take(files), "chatcmpl-x",
+                                     True, 0.0)
     assert (c.status, c.detail) == ("WARN", (
         f"not checked here: none of ledger.engine_usage_files ({files[0]}) exists on this "
         "host; run tokengate doctor on the vLLM host, where its records are written"))

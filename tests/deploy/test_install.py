@@ -32,14 +32,15 @@ import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokengate import config as tg_config
-from tokengate import install as install_mod
 from tokengate import redis_keys as store
 from tokengate.counter import frames
-from tokengate.install import deploy_config_text
-from tokengate.process import free_port
+from tokengate.install import config_text
+from tokengate.install import host as install_host
+from tokengate.install import plan as install_plan
 from tokengate.tools import nginx_conf
 from tokengate.v1 import counter_pb2, counter_pb2_grpc, limits_pb2, limits_pb2_grpc
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests import units
 from tests.conftest import MODEL, REPO_CONFIG
@@ -190,7 +191,7 @@ def test_the_installed_config_names_the_dropins_paths(installed: Installed) -> N
 def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
     text = REPO_CONFIG.read_text()
     paths = nginx_conf.debian_paths()
-    out = deploy_config_text(text, REPO_CONFIG.parent, paths)
+    out = config_text.deploy_config_text(text, REPO_CONFIG.parent, paths)
     changed = [(a, b) for a, b in zip(text.splitlines(), out.splitlines(), strict=True)
                if a != b]
     assert [b.split("#")[0].strip() for _a, b in changed] == [
@@ -204,7 +205,7 @@ def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
     assert "  unix_socket: /run/tokengate/limits.sock   # worker i listens on " \
            "/run/tokengate/limits.sock.<i>" in out.splitlines()
     # a section without the key gets it as its first key; a missing one is added
-    out = deploy_config_text("models: {}\naccess_log:\n  rate: 0.5   # x\n"
+    out = config_text.deploy_config_text("models: {}\naccess_log:\n  rate: 0.5   # x\n"
                              "global_limits:\n  unix_socket: false\n", Path("/"), paths)
     assert yaml.safe_load(out) == {
         "models": {}, "access_log": {"file": "/var/log/tokengate/access.sampled.log",
@@ -252,7 +253,7 @@ def test_an_install_again_gives_the_units_back_a_config_they_can_read(
     assert f"keep {target} (it exists)\n" in r.stdout
 
 
-def needed_value(prefix: Path, row: install_mod.Needed) -> Path:
+def needed_value(prefix: Path, row: config_text.Needed) -> Path:
     return prefix / row.value.lstrip("/")
 
 
@@ -262,23 +263,23 @@ def test_an_install_over_an_earlier_releases_config_adds_what_this_release_needs
     # the console under the units failed with Permission denied after the upgrade
     prefix, target = install_test_config(config_path, redis_url, tmp_path)
     cfg = tg_config.load(target)
-    for row in install_mod.NEEDED:   # a fresh install has every setting of the table
+    for row in config_text.NEEDED:   # a fresh install has every setting of the table
         assert row.configured(cfg) == needed_value(prefix, row)
     earlier = "\n".join(line for line in target.read_text().splitlines()
                         if line.strip().partition(":")[0] not in
-                        {row.keys[-1] for row in install_mod.NEEDED}) + "\n"
+                        {row.keys[-1] for row in config_text.NEEDED}) + "\n"
     earlier = earlier.replace("\n  console:\n", "\n")  # its only key was added
     target.write_text(earlier)
-    for row in install_mod.NEEDED:
+    for row in config_text.NEEDED:
         if row.folder is not None:
             needed_value(prefix, row).rmdir()
     assert tg_config.load(target).ledger.console.changes_dir is None
     r = install(prefix)
     assert r.returncode == 0, r.stderr
-    names = ", ".join(f"{row.name} ({row.since} needs it)" for row in install_mod.NEEDED)
+    names = ", ".join(f"{row.name} ({row.since} needs it)" for row in config_text.NEEDED)
     assert f"add {names} to {target}, 640 root:www-data" in r.stdout.splitlines()
     cfg = tg_config.load(target)
-    for row in install_mod.NEEDED:
+    for row in config_text.NEEDED:
         assert row.configured(cfg) == needed_value(prefix, row)
         if row.folder is not None:
             mode, (user, group) = row.folder
@@ -308,7 +309,7 @@ def test_a_config_install_cannot_give_what_this_release_needs_is_refused_by_file
     target.write_text(text)
     before = {p: p.stat().st_mtime_ns for p in prefix.rglob("*")}
     r = install(prefix)
-    row = next(r for r in install_mod.NEEDED if r.name == "ledger.console.changes_dir")
+    row = next(r for r in config_text.NEEDED if r.name == "ledger.console.changes_dir")
     assert (r.returncode, r.stderr.splitlines()) == (1, [
         f"{target}: {why.format(prefix=prefix)} (tokengate {row.since} needs it: {row.why})",
         "tokengate install: 1 problem(s); nothing changed"])
@@ -365,7 +366,7 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
                "hide (ProtectHome=yes): use a virtualenv or folder such as /opt/tokengate" \
                in r.stderr.splitlines(), r.stderr
     # a virtualenv outside them whose interpreter is not (a pyenv Python under /root)
-    seen = [p for p in install_mod.interpreter_files(Path(sys.executable)) if install_mod._hidden(p)]
+    seen = [p for p in install_host.interpreter_files(Path(sys.executable)) if install_host.hidden(p)]
     unseen = 1 if seen and ("--bin-dir", TOKENGATE.parent) not in hidden else 0
     assert r.stderr.splitlines()[-1] == \
         f"tokengate install: {len(hidden) + unseen} problem(s); nothing changed"
@@ -375,7 +376,7 @@ def test_a_path_whose_links_pass_through_a_hidden_folder_is_hidden(tmp_path: Pat
     # /srv/models/via-root -> /root/x -> /srv/models/real: the target is outside /root,
     # but a unit with ProtectHome=yes cannot follow the link in /root
     home = Path.home()
-    if home not in install_mod.HIDDEN or not os.access(home, os.W_OK):
+    if home not in install_host.HIDDEN or not os.access(home, os.W_OK):
         pytest.skip("no writable hidden home folder here")
     real = tmp_path / "real"
     real.mkdir()
@@ -383,11 +384,11 @@ def test_a_path_whose_links_pass_through_a_hidden_folder_is_hidden(tmp_path: Pat
     try:
         middle.symlink_to(real)
         (tmp_path / "via-home").symlink_to(middle)
-        assert install_mod._hidden(tmp_path / "via-home")
-        assert install_mod._hidden(tmp_path / "via-home" / "tokenizer.json")
-        assert not install_mod._hidden(real)
+        assert install_host.hidden(tmp_path / "via-home")
+        assert install_host.hidden(tmp_path / "via-home" / "tokenizer.json")
+        assert not install_host.hidden(real)
         (tmp_path / "direct").symlink_to(real)
-        assert not install_mod._hidden(tmp_path / "direct")
+        assert not install_host.hidden(tmp_path / "direct")
     finally:
         shutil.rmtree(middle.parent)
 
@@ -489,7 +490,7 @@ def test_without_config_install_writes_one_made_for_the_host(tmp_path: Path) -> 
     env = (prefix / "etc/tokengate/vllm/example.env").read_text().splitlines()
     assert {f"TOKENGATE_VLLM_MODEL={model_dir}", "TOKENGATE_VLLM_SERVED_MODEL_NAME=qwen3-8b",
             "TOKENGATE_VLLM_MAX_MODEL_LEN=8192"} <= set(env)
-    steps = install_mod.next_steps(cfg).splitlines()
+    steps = install_plan.next_steps(cfg).splitlines()
     assert "  systemctl enable --now tokengate-counter tokengate-ledger" in steps
     assert "  qwen3-8b at 127.0.0.1:8100: cp /etc/tokengate/vllm/example.env " \
            "/etc/tokengate/vllm/8100.env, check it, then" in steps
@@ -522,7 +523,7 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert not (prefix / "etc/tokengate/vllm").exists()
     cfg = tg_config.load(prefix / "etc/tokengate/tokengate.yaml")
     assert (cfg.redis.url, cfg.edge.listen) == ("redis://:pw@10.0.0.9:6390/2", "127.0.0.1:8089")
-    steps = install_mod.next_steps(cfg, vllm_unit=False).splitlines()
+    steps = install_plan.next_steps(cfg, vllm_unit=False).splitlines()
     assert "  systemctl enable --now tokengate-counter tokengate-ledger" in steps
     assert not any("tokengate-vllm" in line or "example.env" in line for line in steps)
     # doctor checks the host's own vLLM, then nginx is reloaded, then the optional console

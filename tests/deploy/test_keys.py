@@ -37,8 +37,8 @@ from tokengate import cli as tokengate_cli
 from tokengate import config as tg_config
 from tokengate import keys, redis_keys
 from tokengate.config.keys import timestamp
-from tokengate.process import Service, free_port, tcp_ready
 from tokengate.tools import compile_config
+from tokenstorm.process import Service, free_port, tcp_ready
 
 from tests import units
 from tests.conftest import MODEL, NO_REDIS, REPO_CONFIG

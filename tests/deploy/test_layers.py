@@ -4,8 +4,8 @@ in a cycle.
 
 Layers, lowest first:
 
-- base: the Redis layout, scripts and clients, the configuration, the gRPC server and process
-  helpers, the metrics endpoint, the generated protobuf code, vLLM's prefix-cache hash;
+- base: the Redis layout, scripts and clients, the configuration, the gRPC server, the
+  metrics endpoint, the generated protobuf code, vLLM's prefix-cache hash;
 - services: the sidecars (counter, ledger, limits), each run as a process of its own;
 - operator: the ``tokengate`` command line and what only it runs (keys, install,
   doctor, the config tools), and the operator console (``tokengate-console``, a process
@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sidecars" / "tokengate"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("redis_keys", "redis_scripts", "redis_client", "budget_store", "grpc_server",
-             "process", "metrics", "v1", "config", "prefix_hash", "version", "entry"),
+             "metrics", "v1", "config", "prefix_hash", "version", "entry"),
     "services": ("counter", "ledger", "limits"),
     "operator": ("keys", "install", "doctor", "tools", "cli", "console"),
 }

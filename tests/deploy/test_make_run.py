@@ -30,8 +30,8 @@ import httpx
 import pytest
 import redis
 import yaml
-from tokengate.process import free_port, group_members
 from tokengate_dev import devstack
+from tokenstorm.process import free_port, group_members
 
 from tests.conftest import REPO_CONFIG, TEST_DIR
 from tests.fixtures_ledger import wait_until

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokengate import version
-from tokengate.process import free_port
+from tokenstorm.process import free_port
 
 from tests.deploy.test_make_run import KEY, Stack, upstream_of
 from tests.fixtures_ledger import wait_until

@@ -43,11 +43,11 @@ import httpx
 import pytest
 import yaml
 from tokengate import config as tg_config
-from tokengate import doctor as doctor_mod
+from tokengate.doctor import host as doctor_host
 from tokengate.ledger import report
 from tokengate.ledger.event import parse_event
-from tokengate.process import Service, free_port, tcp_ready
 from tokengate_dev import devstack
+from tokenstorm.process import Service, free_port, tcp_ready
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests import units
@@ -560,9 +560,8 @@ def host_lines(host: Host) -> dict[tuple[str, str], str]:
     host checks called in this process: what a wait polls (the whole doctor checks the
     replica again each time, seconds)."""
     cfg = tg_config.load(host.config)
-    return {(c.name, c.upstream): f"{c.status} {c.name}: {c.detail}" for c in (
-        *doctor_mod.unit_access(cfg), *doctor_mod.counter_kv_events(cfg),
-        *doctor_mod.ledger_engine_files(cfg), doctor_mod.redis_persistence(cfg))}
+    return {(c.name, c.upstream): f"{c.status} {c.name}: {c.detail}"
+            for c in doctor_host.run(cfg)}
 
 
 def doctor_lines(stdout: str) -> dict[tuple[str, str], str]:

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from tokengate.process import free_port
 from tokengate_dev import devstack
+from tokenstorm.process import free_port
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
 from tests.fixtures_edge import MAIN_KEY, Edge, FakeUpstream, key_of

@@ -260,7 +260,7 @@ def test_health_answers_get_and_head_without_a_key_as_vllm_does(
 
 def test_health_is_503_while_no_model_has_a_ready_replica(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
-    from tokengate.process import free_port
+    from tokenstorm.process import free_port
     e = _edge(edge_variant_off_vllm, "health-down", fast_upstream_url,
               upstream=f"127.0.0.1:{free_port()}")
     url = f"http://127.0.0.1:{e.port}/health"
@@ -295,7 +295,7 @@ def test_a_replica_that_accepts_connections_but_never_answers_is_not_ready(
 
 def test_readyz_is_503_without_a_counter_or_a_healthy_replica(
         edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str) -> None:
-    from tokengate.process import free_port
+    from tokenstorm.process import free_port
     dead = free_port()
     e = _edge(edge_variant_off_vllm, "not-ready", fast_upstream_url,
               counter_socket=TEST_DIR / "no-counter.sock", upstream=f"127.0.0.1:{dead}")

@@ -29,10 +29,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokengate.counter import frames
-from tokengate.process import free_port
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import free_port
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR

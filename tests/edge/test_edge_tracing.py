@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from tokengate.process import free_port
 from tokengate_dev import devstack
 from tokengate_dev.otlp_receiver import OtlpReceiver, Span
+from tokenstorm.process import free_port
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import MAIN_KEY, Edge, key_of, run_lua

@@ -24,8 +24,8 @@ import pytest
 import redis
 from tokengate import redis_keys as store
 from tokengate.ledger.report import query
-from tokengate.process import Service
 from tokengate_dev import devstack
+from tokenstorm.process import Service
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge, run_lua

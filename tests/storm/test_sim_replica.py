@@ -24,7 +24,7 @@ import zmq
 from tokengate import config as tg_config
 from tokengate import prefix_hash
 from tokengate.ledger.engine_record import EngineRecord, parse_record
-from tokengate.process import free_port
+from tokenstorm.process import free_port
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests.conftest import MODEL, PORT_OFFSET

@@ -61,10 +61,10 @@ from tokengate import grpc_server
 from tokengate.counter import frames
 from tokengate.counter.counting import ModelCounter
 from tokengate.counter.server import new_grpc_server
-from tokengate.process import Service, tcp_ready
 from tokengate.tools.nginx_conf import counter_sockets
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokenstorm.null_server import free_port
+from tokenstorm.process import Service, tcp_ready
 
 from tokengate_dev import devstack
 

@@ -45,9 +45,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
-from tokengate.process import free_port
 from tokenstorm.arrivals import ArrivalSpec
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import free_port
 from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import StreamOptions
 from tokenstorm.runner import RunSpec, execute

@@ -66,9 +66,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
-from tokengate.process import Service, ServiceError, free_port
 from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.process import Service, ServiceError, free_port
 from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import Sharing, StreamOptions
 from tokenstorm.runner import RunResult, RunSpec, execute

@@ -44,10 +44,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
-from tokengate.process import Service
 from tokengate_vllm import settings as sched_settings
 from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.process import Service
 from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import StreamOptions
 from tokenstorm.report import Records

@@ -84,7 +84,10 @@ from tokengate.budget_store import SETTLED
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate.ledger.event import EventError, parse_event
 from tokengate.ledger.ledger import default_ledger_id, engine_ledger_id
-from tokengate.process import (
+from tokengate.redis_client import SyncRedis, connect
+from tokenstorm.arrivals import ArrivalSpec
+from tokenstorm.client import ERROR_NAMES
+from tokenstorm.process import (
     Backoff,
     Service,
     ServiceError,
@@ -92,9 +95,6 @@ from tokengate.process import (
     free_port,
     group_members,
 )
-from tokengate.redis_client import SyncRedis, connect
-from tokenstorm.arrivals import ArrivalSpec
-from tokenstorm.client import ERROR_NAMES
 from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import Sharing, StreamOptions
 from tokenstorm.runner import RunSpec, execute

@@ -46,10 +46,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
-from tokengate.process import Service, tcp_ready
 from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
 from tokenstorm.null_server import FastUpstream, free_port
+from tokenstorm.process import Service, tcp_ready
 from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import StreamOptions
 from tokenstorm.runner import RunResult, RunSpec, execute

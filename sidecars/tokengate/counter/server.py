@@ -134,20 +134,27 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
 
 
 def _check_upstreams(cfg: tg_config.Config, allow_unverified: bool, wait_s: float) -> None:
-    """`tokengate doctor`'s checks (``upstream_check``) in the parent, once, before any
-    worker starts; exits 1 on a failed check."""
-    from tokengate.counter import upstream_check
+    """`tokengate doctor`'s upstream checks in the parent, once, before any worker starts,
+    each line on stdout; exits 1 on a failed check. They run as a child process,
+    ``python -m tokengate.doctor.preflight``: the doctor is an operator's tool, of the
+    layer above the services, and the parent does not keep the models it loads."""
+    import os
+    import subprocess
 
-    def out(line: str) -> None:
-        print(f"counter: upstream check: {line}", flush=True)
-
-    if wait_s > 0:
-        upstream_check.wait_healthy(cfg, wait_s, out)
-    checks = upstream_check.run(cfg, allow_unverified=allow_unverified, out=out)
-    out(upstream_check.summary(checks))
-    if any(c.status == "FAIL" for c in checks):
+    argv = [sys.executable, "-m", "tokengate.doctor.preflight", "--config", str(cfg.path),
+            "--wait-s", str(wait_s), *(["--allow-unverified-vllm"] if allow_unverified else [])]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            print("counter: upstream check: " + line.rstrip("\n"), flush=True)
+    if child.returncode == 1:
         print("tokengate-counter: an upstream check failed (lines above); not serving",
               file=sys.stderr, flush=True)
+        sys.exit(1)
+    if child.returncode != 0:
+        print(f"tokengate-counter: the upstream check exited with status {child.returncode}; "
+              "not serving", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -77,7 +77,7 @@ SOURCES = ("stats", "abort")
 # X-Request-Id header the edge sends ($request_id, 32 hex) after the endpoint's prefix;
 # "resp_<32 hex><24 hex>" (Responses: the body's request_id, which the edge writes:
 # its request id, then the replica and owner tags of tokengate.responses).
-# X-Request-Id of ``tokengate doctor``'s probe request (tokengate.counter.upstream_check,
+# X-Request-Id of ``tokengate doctor``'s probe request (tokengate.doctor.engine_records,
 # the engine_records check): sent to a replica directly, so its record is of no edge
 # request; the ledger counts such records as engine_probes, without a warning.
 DOCTOR_PROBE_PREFIX = "tokengate-doctor-"

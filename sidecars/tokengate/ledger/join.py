@@ -4,6 +4,9 @@ event, an event parked until its engine records arrive, engine records kept unti
 event arrives, the correction of a bill by records that came after it, the bill of
 records whose event never came (orphans), records that bill nothing.
 
+(Long for one thing: ``Join``'s decisions read the same Redis snapshot and each case
+checks against the others, so they stay in one class.)
+
 Corrections. A bill that engine records can still change (made with the edge's numbers
 after the wait, or with some of the request's records) stays open in Redis
 (``redis_keys.open_key``: the event, what it was billed, the records it used) for

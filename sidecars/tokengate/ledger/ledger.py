@@ -1,6 +1,9 @@
 """The usage ledger: applies the edge's usage events to Redis, each exactly once, and
 bills them with the engine's usage records where it tails those too.
 
+(Long for one thing: the ``Ledger`` loop, whose steps (apply, sweep, rebuild) share its
+sources and Redis state, and this docstring, the exactly-once contract they keep.)
+
 ``tokengate-ledger`` tails the usage file (``tokengate.ledger.tail``), parses each line
 (``tokengate.ledger.event``), bills it (``tokengate.ledger.calculator``) and applies a
 batch of events with one Redis script (``ledger_apply.lua``, ``tokengate.redis_scripts``)

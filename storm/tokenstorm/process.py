@@ -1,5 +1,8 @@
-"""Child processes with a readiness probe: what TokenStorm's fast upstream and the
-development stack start, and the supervisor that keeps the stack up.
+"""Child processes with a readiness probe: what TokenStorm's fast upstream and simulated
+replicas, the development stack and the tests start, and the supervisor that keeps the
+stack up. It lives in TokenStorm, which the development tooling and the tests depend on,
+so that the runtime package (``tokengate``), which never starts a child this way, does
+not ship it.
 
 A ``Service`` is an argv, an environment, a readiness probe and a log file. ``start``
 runs it in its own session and process group and waits until the probe answers; a

@@ -1,78 +1,32 @@
-"""``tokengate doctor``: is every upstream the vLLM that the counter mirrors?
+"""The host checks of ``tokengate doctor``, for an installed layout
+(``/etc/tokengate/tokengate.yaml``, units in ``/etc/systemd/system``): what the services
+run by systemd can read, and what the running ones say they follow.
 
-The checks are ``tokengate.counter.upstream_check``'s (health, model, version,
-prompt_tokens_details, usage, tool_parser, engine_records, the count probes and, for
-prefix routing, prefix_cache and kv_events; its
-docstring says what each one asks of vLLM); this is the command that runs all of them,
-the engine records' check included, and prints one line per check.
+    readable              each sidecar unit's own user and groups can read the
+                          configuration and what it follows (``unit_access``)
+    kv_events_connected   the running counter is connected to the KV-event publisher of
+                          each replica of ``routing.kv_events`` (``counter_kv_events``)
+    engine_file_followed  the running ledger follows each of
+                          ``ledger.engine_usage_files`` (``ledger_engine_files``)
+    redis_persistence     the Redis of ``redis.url`` keeps its data across a restart, on
+                          any layout (``redis_persistence``)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 from tokengate import config as tg_config
-from tokengate.counter.upstream_check import (
-    ENGINE_WAIT_S,
-    PROBES,
-    Check,
-    Status,
-    check_upstream,
-    run,
-    summary,
-    version_verified,
-    wait_healthy,
-)
-
-__all__ = ["DOCTOR_HELP", "ENGINE_WAIT_S", "PROBES", "Check", "Status", "add_parser",
-           "check_upstream", "doctor_command", "run", "summary", "version_verified",
-           "wait_healthy"]
+from tokengate.doctor import fetch
+from tokengate.doctor.check import Check
 
 
-DOCTOR_HELP = """\
-Check every upstream of every model against what the counter and billing rely on:
-/health; /v1/models serves the configured name and max_model_len; /version is a vLLM
-release the counter was verified against (0.32.x); --enable-prompt-tokens-details is on
-(usage.prompt_tokens_details present) and usage.prompt_tokens equals the counter's
-count; the tool-call parser is on (a request with tools gets 200); the tokengate vLLM
-plugin is loaded and writes where the ledger reads (that chat request's engine record
-appears in one of ledger.engine_usage_files within --engine-wait-s); and for a fixed set
-of bodies (system prompt, tools, multi-turn with a tool call, CJK, a completions prompt)
-the counter's count equals vLLM's own POST /tokenize answer. For a model routed by the
-prefix cache (routing.policy: prefix): vLLM's vllm:cache_config_info on /metrics says
-prefix caching is on with the block size and hash algorithm of models.<name>.routing, and
-each replica of routing.kv_events publishes, on that endpoint, the blocks of a probe
-prompt with the counter's block hashes (which also checks routing.hash_seed). The counter
-runs in this process from the configuration's model directories. Requests go straight to each
-upstream (never through the edge); each generates at most one token.
-
-Then the host: for an installed layout (/etc/tokengate/tokengate.yaml, units in
-/etc/systemd/system), readable, each sidecar unit's own user and groups can read the
-configuration and what it follows (the counter the models' files, the ledger the usage
-and engine files' folders); the running services' own view, asked on their metrics
-ports: kv_events_connected, the running counter is connected to the KV-event publisher
-of each replica that routing.kv_events names (not only the doctor), and
-engine_file_followed, the running ledger follows each of ledger.engine_usage_files;
-and redis_persistence, the Redis of redis.url keeps its data across a restart
-(appendonly yes; RDB snapshots alone are a warning, neither a failure: the bill, the
-budgets' spend and the ledger's checkpoints live there).
-
-OUTPUT
-  One line per check per upstream, as it completes:
-    <OK|WARN|FAIL|SKIP> <model> <host:port> <check>: <what was seen; what to change>
-  then the host's, as "<STATUS> unit <unit> readable: ...", "<STATUS> counter
-  <replica host:port> kv_events_connected: ...", "<STATUS> ledger <engine file>
-  engine_file_followed: ..." and "<STATUS> redis <host:port> redis_persistence: ...",
-  and a summary line on stderr.
-
-EXIT STATUS
-  0 every check passed (warnings allowed); 1 a check failed; 2 the configuration
-  cannot be read or is invalid.
-"""
+def run(cfg: tg_config.Config) -> list[Check]:
+    """Every host check, in the module's order."""
+    return [*unit_access(cfg), *counter_kv_events(cfg), *ledger_engine_files(cfg),
+            redis_persistence(cfg)]
 
 
 def redis_persistence(cfg: tg_config.Config, timeout_s: float = 5.0) -> Check:
@@ -153,8 +107,8 @@ def _denied(path: Path, uid: int, gids: set[int], directory: bool) -> str | None
         bits = (st.st_mode >> 6) & 7 if st.st_uid == uid else \
             (st.st_mode >> 3) & 7 if st.st_gid in gids else st.st_mode & 7
         if bits & need != need:
-            from tokengate.install import _owner_name
-            return f"{p} ({st.st_mode & 0o777:o} {_owner_name(st.st_uid, st.st_gid)})"
+            from tokengate.install.files import owner_name
+            return f"{p} ({st.st_mode & 0o777:o} {owner_name(st.st_uid, st.st_gid)})"
     return None
 
 
@@ -220,21 +174,6 @@ def unit_access(cfg: tg_config.Config) -> list[Check]:
     return checks
 
 
-def _ask(listen: str, path: str, timeout_s: float) -> tuple[int, bytes]:
-    """(HTTP status, body) of ``GET http://<listen><path>``, a service's own loopback
-    port (its Host header the port's address, which the ledger's admin view requires).
-    Raises ``OSError`` when nothing answers."""
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(f"http://{listen}{path}", headers={"Host": listen})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def counter_kv_events(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Check]:
     """The ``kv_events_connected`` host checks of an installed layout whose
     ``tokengate-counter.service`` is there: for each replica whose KV events a model
@@ -258,8 +197,8 @@ def counter_kv_events(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Che
                       f"running counter cannot be asked whether it follows {endpoint}")
                 for _name, upstream, endpoint in follows]
     try:
-        _status, body = _ask(listen, "/metrics", timeout_s)
-    except OSError as e:
+        body = fetch.request("GET", f"http://{listen}/metrics", timeout_s=timeout_s).raw
+    except fetch.Unreachable as e:
         return [Check("counter", upstream, what, "FAIL", f"the counter's metrics on {listen} "
                       f"do not answer ({e}): tokengate-counter is not running (systemctl "
                       "status tokengate-counter), or its unit has a network of its own "
@@ -320,16 +259,16 @@ def ledger_engine_files(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[C
                       "running ledger cannot be asked whether it follows this file")
                 for f in files]
     try:
-        status, body = _ask(listen, "/status", timeout_s)
-    except OSError as e:
+        answer = fetch.request("GET", f"http://{listen}/status", timeout_s=timeout_s)
+    except fetch.Unreachable as e:
         return [Check("ledger", str(f), what, "FAIL", f"the ledger's metrics port {listen} "
                       f"does not answer ({e}): is tokengate-ledger running? (systemctl "
                       "status tokengate-ledger)") for f in files]
-    if status != 200:
+    if answer.status != 200:
         return [Check("ledger", str(f), what, "FAIL", f"the running ledger answers GET "
-                      f"/status on {listen} with {status}: it is an earlier release "
+                      f"/status on {listen} with {answer.status}: it is an earlier release "
                       "(systemctl restart tokengate-ledger)") for f in files]
-    followed = {Path(p).resolve() for p in json.loads(body).get("engine_files") or []}
+    followed = {Path(p).resolve() for p in json.loads(answer.raw).get("engine_files") or []}
     return [Check("ledger", str(f), what, "OK", "the running ledger follows it")
             if Path(f).resolve() in followed else
             Check("ledger", str(f), what, "FAIL", (
@@ -338,52 +277,3 @@ def ledger_engine_files(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[C
                 f"{', '.join(sorted(map(str, followed))) or 'no engine file'})"))
             for f in files]
 
-
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``tokengate doctor`` on the ``tokengate`` command's subparsers."""
-    p = sub.add_parser("doctor", help="check that every upstream is the vLLM the counter "
-                                      "mirrors", description=DOCTOR_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None,
-                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
-    p.add_argument("--allow-unverified-vllm", action="store_true",
-                   help="a vLLM release the counter was not verified against is a warning, "
-                        "not a failure (the count checks still run and must pass)")
-    p.add_argument("--timeout-s", type=float, default=60.0,
-                   help="per request to an upstream, s (default: %(default)s)")
-    p.add_argument("--engine-wait-s", type=float, default=ENGINE_WAIT_S,
-                   help="how long a probe's engine record may take to appear in "
-                        "ledger.engine_usage_files, s (default: %(default)s)")
-    p.add_argument("--wait-s", type=float, default=0.0,
-                   help="first wait up to this long for every upstream's /health, s "
-                        "(default: %(default)s: no wait)")
-    p.set_defaults(func=doctor_command)
-
-
-def doctor_command(args: argparse.Namespace) -> int:
-    """``tokengate doctor``: 0 all passed, 1 a check failed, 2 bad configuration."""
-    try:
-        cfg = tg_config.load(args.config)
-    except tg_config.ConfigError as e:
-        for line in e.errors:
-            print(line, file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"tokengate doctor: {e}", file=sys.stderr)
-        return 2
-
-    def out(line: str) -> None:
-        print(line, flush=True)
-
-    if args.wait_s > 0:
-        wait_healthy(cfg, args.wait_s, out)
-    checks = run(cfg, allow_unverified=args.allow_unverified_vllm, timeout_s=args.timeout_s,
-                 out=out, engine_records=True, engine_wait_s=args.engine_wait_s)
-    host = [*unit_access(cfg), *counter_kv_events(cfg), *ledger_engine_files(cfg),
-            redis_persistence(cfg)]
-    for c in host:
-        out(c.line())
-    failed = any(c.status == "FAIL" for c in checks + host)
-    print(f"tokengate doctor: {summary(checks)}; host: "
-          + ", ".join(f"{c.name} {c.status}" for c in host), file=sys.stderr)
-    return 1 if failed else 0

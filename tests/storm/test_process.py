@@ -1,4 +1,4 @@
-"""tokengate.process: ``Service.stop`` ends a whole process group, ``Supervisor`` restarts
+"""tokenstorm.process: ``Service.stop`` ends a whole process group, ``Supervisor`` restarts
 with backoff and stops everything, also what is still starting.
 
 Real processes (``sh``, ``sleep``), no sockets; each test takes about a second.
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tokengate.process import Backoff, Service, ServiceError, Supervisor, group_members
+from tokenstorm.process import Backoff, Service, ServiceError, Supervisor, group_members
 
 from tests.fixtures_ledger import wait_until
 
@@ -165,7 +165,7 @@ def test_a_port_handed_out_is_not_handed_out_again_until_its_mark_is_stale(
         tmp_path: Path) -> None:
     # free_port() marks each port it returns; another call (another test worker) passes
     # a marked port over, as the kernel may offer it again before its service binds it
-    from tokengate import process
+    from tokenstorm import process
 
     mark = tmp_path / "marks" / "40000"
     assert process._claim(mark) and not process._claim(mark)
