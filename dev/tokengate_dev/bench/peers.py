@@ -6,8 +6,9 @@ reported and skipped):
 
 - **LiteLLM's proxy** (the ``litellm[proxy]`` Python package, in a virtual environment
   of its own): one model entry pointing at the fast upstream as an OpenAI-compatible
-  server, two uvicorn workers (tokengate runs two nginx workers and two counter
-  workers), no database, no callbacks;
+  server, one process (``--litellm-workers N`` for more: with 2 its uvicorn workers
+  were seen to die and respawn without a line of log on this machine), a master key,
+  no database, no callbacks;
 - **Portkey's gateway** (the ``@portkey-ai/gateway`` npm package, run with Node):
   one process (as it ships), the upstream given per request in Portkey's own headers
   (``x-portkey-provider: openai``, ``x-portkey-custom-host``). It checks no key, limits
@@ -27,10 +28,10 @@ Printed: each side's figures, tokengate's ratios to each peer, and the aims
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -56,22 +57,27 @@ PEERS_VAR = storm.BENCH_VAR / "peers"
 PEER_KEY = "sk-tokengate-bench"  # what the peers pass on to the upstream, which ignores it
 INSTALL_TIMEOUT_S = 900.0
 
-# (label, figure, comparison, target): tokengate against the peers, same run
+# (label, figure, comparison, target, the peer, the sides' runs it comes from):
+# tokengate against the peers, same run
 AIMS = [
-    ("tokengate saturation / Portkey's (req/s ratio)", "rps_ratio_portkey", ">=", 2.0),
-    ("tokengate saturation / LiteLLM's (req/s ratio)", "rps_ratio_litellm", ">=", 7.0),
-    ("tokengate added p50 / Portkey's, 100 req/s", "added_p50_ratio_portkey", "<", 1.0),
+    ("tokengate saturation / Portkey's (req/s ratio)", "rps_ratio_portkey", ">=", 2.0,
+     "Portkey", "saturation_valid"),
+    ("tokengate saturation / LiteLLM's (req/s ratio)", "rps_ratio_litellm", ">=", 7.0,
+     "LiteLLM", "saturation_valid"),
+    ("tokengate added p50 / Portkey's, 100 req/s", "added_p50_ratio_portkey", "<", 1.0,
+     "Portkey", "rate_valid"),
 ]
 
 
 @dataclasses.dataclass
 class Peer:
-    """A gateway beside tokengate: its service, its URL (``…/v1``), the headers every
-    request carries, its version."""
+    """A gateway beside tokengate: its service, its URL (``…/v1``), the API key and the
+    headers every request carries, its version."""
 
     name: str
     service: Service
     url: str
+    key: str = PEER_KEY
     headers: tuple[tuple[str, str], ...] = ()
     version: str = ""
 
@@ -132,8 +138,10 @@ def portkey_script(console: Console) -> Path | None:
 
 def litellm_peer(exe: Path, upstream_port: int, model: str, workers: int) -> Peer:
     """LiteLLM's proxy with one model entry for the fast upstream, ``workers`` uvicorn
-    workers, telemetry and the remote model cost map off."""
+    workers, telemetry and the remote model cost map off, a master key of its own (it
+    refuses to start without one; every request is checked against it, no database)."""
     port = free_port()
+    master = "sk-" + secrets.token_hex(24)
     PEERS_VAR.mkdir(parents=True, exist_ok=True)
     cfg = PEERS_VAR / "litellm.yaml"
     cfg.write_text(json.dumps({
@@ -141,14 +149,14 @@ def litellm_peer(exe: Path, upstream_port: int, model: str, workers: int) -> Pee
             "model": f"openai/{model}", "api_base": f"http://127.0.0.1:{upstream_port}/v1",
             "api_key": PEER_KEY}}],
         "litellm_settings": {"telemetry": False, "drop_params": True}}))
-    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+    env = {"LITELLM_MASTER_KEY": master, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
            "LITELLM_TELEMETRY": "False", "DO_NOT_TRACK": "1", "NO_DOCS": "True"}
     svc = Service("bench-peer-litellm",
                   [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
                    "--num_workers", str(workers)],
-                  tcp_ready("127.0.0.1", port), env, 120.0, cwd=PEERS_VAR,
+                  tcp_ready("127.0.0.1", port), env, 300.0, cwd=PEERS_VAR,
                   log_dir=devstack.VAR / "log")
-    return Peer("LiteLLM", svc, f"http://127.0.0.1:{port}/v1",
+    return Peer("LiteLLM", svc, f"http://127.0.0.1:{port}/v1", key=master,
                 version=_pip_version(exe.parent / "python", "litellm"))
 
 
@@ -226,15 +234,15 @@ def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[
                         out["skipped"][p.name] = f"did not start: {str(e)[:300]}"
                 peers = [p for p in peers if p.name not in out["skipped"]]
             out["versions"] = {p.name: p.version for p in peers}
-            targets: list[tuple[str, str, tuple[tuple[str, str], ...], dict[str, int]]] = [
-                ("direct", up.url, (), {}), ("tokengate", gw.url, (), gw.groups())]
+            targets: list[tuple[str, str, Peer | None, dict[str, int]]] = [
+                ("direct", up.url, None, {}), ("tokengate", gw.url, None, gw.groups())]
             for p in peers:
                 assert p.service.proc is not None
-                targets.append((p.name, p.url, p.headers, {p.name: p.service.proc.pid}))
+                targets.append((p.name, p.url, p, {p.name: p.service.proc.pid}))
             console.rule(f"saturation: {opts.prompt_tokens}-token chats, {opts.output_tokens} "
                          f"output tokens, {opts.concurrency} in flight, {opts.duration_s:g} s")
-            for name, url, headers, groups in targets:
-                r = storm._run(_peer_spec(name, url, headers, model, opts,
+            for name, url, peer, groups in targets:
+                r = storm._run(_peer_spec(name, url, peer, model, opts,
                                           concurrency=opts.concurrency),
                                console, runs, groups or None)
                 per = runs[r.spec.name].get("cpu_us_per_request", {})
@@ -245,8 +253,8 @@ def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[
             rate = storm.AIM_RATE
             console.rule(f"added latency at {rate:g} req/s (open loop)")
             summaries = {}
-            for name, url, headers, _ in targets:
-                summaries[name] = storm._run(_peer_spec(name, url, headers, model, opts,
+            for name, url, peer, _ in targets:
+                summaries[name] = storm._run(_peer_spec(name, url, peer, model, opts,
                                                         rate=rate), console, runs).summary
             d = summaries["direct"]
             for name, s in summaries.items():
@@ -262,17 +270,17 @@ def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[
     return out
 
 
-def _peer_spec(name: str, url: str, headers: tuple[tuple[str, str], ...],
-               model: tg_config.ModelConfig, opts: storm.BenchOptions, *,
-               concurrency: int = 0, rate: float | None = None) -> RunSpec:
-    """A side's run: tokengate's as ``make bench`` makes it, a peer's with its headers,
-    the upstream's key and no check of the prompt tokens the upstream reports."""
+def _peer_spec(name: str, url: str, peer: Peer | None, model: tg_config.ModelConfig,
+               opts: storm.BenchOptions, *, concurrency: int = 0,
+               rate: float | None = None) -> RunSpec:
+    """A side's run: direct's and tokengate's as ``make bench`` makes them, a peer's
+    with its key and headers and no check of the prompt tokens the upstream reports."""
     mode = "saturation" if concurrency else f"{rate:g} req/s"
     spec = storm._spec(f"{name} {mode}", url, model, opts, stream=False, rate=rate,
                        concurrency=concurrency, direct=name != "tokengate")
-    if name in ("tokengate", "direct"):
+    if peer is None:
         return spec
-    return dataclasses.replace(spec, headers=headers, keys=(PEER_KEY,),
+    return dataclasses.replace(spec, headers=peer.headers, keys=(peer.key,),
                                send_token_count=True, check_prompt_tokens=False)
 
 
@@ -295,28 +303,25 @@ def render(out: dict[str, Any]) -> list[Table]:
     for c in ("ratio", "measured", "aim", ""):
         a.add_column(c, justify="left" if c == "ratio" else "right")
     for key, v in fig.items():
-        if not any(key == name for _, name, _, _ in AIMS):
+        if not any(key == aim[1] for aim in AIMS):
             a.add_row(key, f"{v:.2f}", "", "")
-    for label, name, op, target in AIMS:
+    for label, name, op, target, peer, valid in AIMS:
         v = fig.get(name)
         if v is None:
             a.add_row(label, "-", f"{op} {target:g}", "not measured")
             continue
         met = v >= target if op == ">=" else v < target
+        invalid = [side for side in ("tokengate", peer)
+                   if not sides.get(side, {}).get(valid, True)]
         a.add_row(label, f"{v:.2f}", f"{op} {target:g}",
-                  "[green]met[/]" if met else "[red]not met[/]")
+                  ("[green]met[/]" if met else "[red]not met[/]")
+                  + (f" (invalid run: {', '.join(invalid)})" if invalid else ""))
     return [t, a]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m tokengate_dev.bench.peers", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=4.0, metavar="S",
-                   help="seconds per run (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=64, metavar="N",
-                   help="in-flight requests at saturation (default: %(default)s)")
-    p.add_argument("--litellm-workers", type=int, default=2,
+    p = storm.arguments("tokengate_dev.bench.peers", __doc__)
+    p.add_argument("--litellm-workers", type=int, default=1,
                    help="LiteLLM proxy's uvicorn workers (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE.json",
                    help="result file (default: bench/results/peers-<time>.json)")

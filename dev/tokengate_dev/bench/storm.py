@@ -526,7 +526,8 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
     console.print(f"  floor: encoding the cold run's prompts, µs per prompt: "
                   f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
                   f"{floor['hf_tokenizers_us']:,.0f}")
-    _paths(fig, cpu, floor)
+    _paths(fig, cpu, floor, {path: runs[f"gateway no stream saturation{suffix}"]["valid"]
+                             for path, suffix in (("cold", ""), *((p, f", {p}") for p in warm))})
     # The edge's aims: the worse of streamed and not.
     edge_cpu, plain_rps = [], []
     for stream in (False, True):
@@ -559,7 +560,8 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                     name = f"{where} {mode} {rate:g} req/s" + (" (again)" if attempt > 1
                                                                else "")
                     res[where] = _run(_spec(name, url, model, opts, stream=stream, rate=rate,
-                                            direct=where == "direct"), console, runs).summary
+                                            direct=where == "direct"), console, runs,
+                                      groups if where == "gateway" else None).summary
                 if res["direct"].valid and res["gateway"].valid:
                     break
             d, g = res["direct"], res["gateway"]
@@ -575,7 +577,7 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                 entry["added_ttft_p99_ms"] = _sub(g.all.ttft_ms.p99, d.all.ttft_ms.p99)
             fig[f"added_{key}"] = entry
     _paths_at_rate(direct_url, gw, model, opts, console, runs, fig, warm,
-                   direct_nostream.get(AIM_RATE))
+                   direct_nostream.get(AIM_RATE), groups)
     for stream in (False, True):
         k = "stream" if stream else "nostream"
         fig[f"direct_{k}_rps"] = sat[("direct", stream)]
@@ -627,11 +629,11 @@ PATH_RUNS = {"cold": "gateway no stream", "next turn": "gateway no stream, next 
              "identical resend": "gateway no stream, identical resend"}
 
 
-def _paths(fig: dict[str, Any], cpu: dict[str, dict[str, float]],
-           floor: dict[str, Any]) -> None:
+def _paths(fig: dict[str, Any], cpu: dict[str, dict[str, float]], floor: dict[str, Any],
+           valid: dict[str, bool]) -> None:
     """``fig["paths"]``: each path's CPU per request at saturation by part (edge nginx,
-    counter, their sum: µs); the floor's total (encode + plain nginx's CPU per request,
-    µs) and ``cold_cpu_floor_ratio``, the cold path's gateway CPU over it."""
+    counter, their sum: µs) and whether that run was valid (``valid``: by path); the
+    floor's total (encode + plain nginx's CPU per request, µs)."""
     paths = fig.setdefault("paths", {})
     for path, run in PATH_RUNS.items():
         per = cpu.get(run, {})
@@ -639,24 +641,45 @@ def _paths(fig: dict[str, Any], cpu: dict[str, dict[str, float]],
         entry = paths.setdefault(path, {})
         if edge is not None and counter is not None:
             entry.update(edge_cpu_us=edge, counter_cpu_us=counter,
-                         gateway_cpu_us=round(edge + counter, 1))
+                         gateway_cpu_us=round(edge + counter, 1),
+                         saturation_valid=valid.get(path, True))
     plain = cpu.get("plain nginx no stream", {}).get("plain nginx")
     if plain is not None:
         floor["plain_nginx_us"] = plain
         floor["total_us"] = round(floor["encode_us"] + plain, 1)
-        if "gateway_cpu_us" in paths["cold"]:
-            fig["cold_cpu_floor_ratio"] = paths["cold"]["gateway_cpu_us"] / floor["total_us"]
+
+
+def cold_floor_ratio(fig: dict[str, Any]) -> None:
+    """``cold_cpu_floor_ratio``: the cold path's gateway CPU per request (edge +
+    counter) over the floor's total, from its saturation run when that was valid, else
+    from its run at ``AIM_RATE`` when that was (idle wake-ups included: an upper
+    bound); ``cold_cpu_floor_source`` says which. Neither when no valid run measured it
+    (a loaded machine's counter that missed the edge's timeout at saturation makes the
+    edge estimate, and its CPU figures are no count's)."""
+    cold, floor = fig.get("paths", {}).get("cold", {}), fig.get("floor", {})
+    if "total_us" not in floor:
+        return
+    at = cold.get("cpu_us_at_rate", {})
+    if cold.get("saturation_valid") and "gateway_cpu_us" in cold:
+        us, source = cold["gateway_cpu_us"], "saturation"
+    elif cold.get("valid") and "edge nginx" in at and "counter" in at:
+        us, source = at["edge nginx"] + at["counter"], f"{cold['rate_rps']:g} req/s"
+    else:
+        return
+    fig["cold_cpu_floor_ratio"] = us / floor["total_us"]
+    fig["cold_cpu_floor_source"] = source
 
 
 def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
                    opts: BenchOptions, console: Console, runs: dict[str, Any],
                    fig: dict[str, Any], warm: dict[str, dict[str, Any]],
-                   direct: report.Summary | None) -> None:
+                   direct: report.Summary | None, groups: dict[str, int]) -> None:
     """Each path's added p50/p99 (ms) over the upstream alone at ``AIM_RATE``, no
-    stream, into ``fig["paths"]``: the cold path's from the fixed rates' run when one
-    was at that rate (else run here), the warm paths' runs (``warm``: their spec
-    arguments) against the same direct run; ``cold_added_p50_ms`` and
-    ``cold_added_p99_ms`` for the aims."""
+    stream, and the gateway's CPU per request there by part (µs: ``cpu_us_at_rate``,
+    the idle wake-ups included), into ``fig["paths"]``: the cold path's from the fixed
+    rates' run when one was at that rate (else run here), the warm paths' runs
+    (``warm``: their spec arguments) against the same direct run; ``cold_added_p50_ms``
+    and ``cold_added_p99_ms`` for the aims."""
     rate = AIM_RATE
     if direct is None:
         direct = _run(_spec(f"direct no stream {rate:g} req/s", direct_url, model, opts,
@@ -669,7 +692,7 @@ def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
         g = _run(_spec(f"gateway no stream {rate:g} req/s" + ("" if path == "cold"
                                                               else f", {path}"),
                        gw.url, model, opts, stream=False, rate=rate, direct=False, **how),
-                 console, runs).summary
+                 console, runs, groups).summary
         paths.setdefault(path, {}).update(
             valid=direct.valid and g.valid, added_p50_ms=_sub(g.all.e2e_ms.p50,
                                                               direct.all.e2e_ms.p50),
@@ -680,9 +703,15 @@ def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
                                             added_p99_ms=e["added_p99_ms"])
     for path in PATH_RUNS:
         paths[path]["rate_rps"] = rate
+        per = runs.get(f"gateway no stream {rate:g} req/s"
+                       + ("" if path == "cold" else f", {path}"), {}).get("cpu_us_per_request")
+        if per:
+            paths[path]["cpu_us_at_rate"] = {k: per[k] for k in ("edge nginx", "counter")
+                                              if k in per}
     if paths["cold"]["valid"]:
         fig["cold_added_p50_ms"] = paths["cold"]["added_p50_ms"]
         fig["cold_added_p99_ms"] = paths["cold"]["added_p99_ms"]
+    cold_floor_ratio(fig)
 
 
 def _tracing_on_off(upstream_port: int, model: tg_config.ModelConfig, opts: BenchOptions,
@@ -787,8 +816,10 @@ def render(out: dict[str, Any]) -> Table:
     for label, name, op, target in AIMS:
         v = fig.get(name)
         if v is None:
-            t.add_row(label, "-", f"{op} {target:g}", "-", "not measured")
+            t.add_row(label, "-", f"{op} {target:g}", "-", "not measured (no valid run)")
             continue
+        if name == "cold_cpu_floor_ratio":
+            label += f" ({fig['cold_cpu_floor_source']})"
         if op == ">=":
             ratio, met = v / target, v >= target
         else:
@@ -853,7 +884,12 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"{path}: CPU per request, edge + counter (µs)",
                       f"{e['edge_cpu_us']:,.0f} + {e['counter_cpu_us']:,.0f}", "",
                       f"{e['gateway_cpu_us'] / floor['total_us']:.2f}x floor"
-                      if "total_us" in floor else "", "")
+                      if "total_us" in floor else "",
+                      "" if e["saturation_valid"] else "[red]invalid run[/]")
+        at = e.get("cpu_us_at_rate", {})
+        if "edge nginx" in at and "counter" in at:
+            t.add_row(f"{path}: CPU per request at {e['rate_rps']:g} req/s, edge + counter "
+                      "(µs)", f"{at['edge nginx']:,.0f} + {at['counter']:,.0f}", "", "", "")
         if e.get("added_p50_ms") is not None:
             t.add_row(f"{path}: added at {e['rate_rps']:g} req/s, no stream (ms)",
                       f"p50 {e['added_p50_ms']:+.2f}, p99 {e['added_p99_ms']:+.2f}", "", "",
@@ -868,14 +904,20 @@ def render(out: dict[str, Any]) -> Table:
     return t
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m tokengate_dev.bench.storm", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """A bench's command line (``python -m <module>``, ``doc`` its help): the options
+    every TokenStorm bench takes, ``--duration`` and ``--concurrency``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=4.0, metavar="S",
                    help="seconds per run (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=64, metavar="N",
                    help="in-flight requests at saturation (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = arguments("tokengate_dev.bench.storm", __doc__)
     p.add_argument("--rates", default="", metavar="R1,R2",
                    help="fixed open-loop rates in req/s (default: 100 and 25%% of the "
                         "gateway's saturation)")
