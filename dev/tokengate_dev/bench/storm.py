@@ -816,7 +816,7 @@ def render(out: dict[str, Any]) -> Table:
     for label, name, op, target in AIMS:
         v = fig.get(name)
         if v is None:
-            t.add_row(label, "-", f"{op} {target:g}", "-", "not measured (no valid run)")
+            t.add_row(label, "-", f"{op} {target:g}", "-", "not measured")
             continue
         if name == "cold_cpu_floor_ratio":
             label += f" ({fig['cold_cpu_floor_source']})"
