@@ -7,7 +7,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-scheduler bench-routing bench-fairness \
+.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-peers bench-scheduler bench-routing bench-fairness \
 	soak lint model clean
 
 setup:
@@ -53,6 +53,12 @@ bench: setup
 # BENCH_ARGS: see `python -m tokengate_dev.bench.scheduler --help`.
 bench-scheduler: setup
 	@$(PY) -m tokengate_dev.bench.scheduler $(BENCH_ARGS)
+
+# tokengate beside LiteLLM's proxy and Portkey's gateway (each installed on demand under
+# ~/.cache/tokengate/peers) on one fast upstream, the same prompts; ratios and aims.
+# BENCH_ARGS: see `python -m tokengate_dev.bench.peers --help`.
+bench-peers: setup
+	@$(PY) -m tokengate_dev.bench.peers $(BENCH_ARGS)
 
 # The edge's replica choice: round robin, least outstanding, prefix (approximate and
 # precise) through the gateway, the same TokenStorm workloads (shared prefixes, none) on

@@ -102,7 +102,8 @@ class ClientConfig:
     worker before the start; ``max_connections``: per-worker cap (requests beyond it
     wait, which is send lag); ``concurrency``: closed loop with this many requests in
     flight per worker (0 = open loop on the schedule); ``duration_s``: closed-loop
-    length (s).
+    length (s); ``headers``: (name, value) pairs added to every request (a gateway's
+    routing headers).
     """
 
     target: Target
@@ -115,6 +116,7 @@ class ClientConfig:
     max_connections: int = 4096
     concurrency: int = 0
     duration_s: float = 10.0
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -417,8 +419,9 @@ class Worker:
     def _head(self, key: str) -> bytes:
         t = self.cfg.target
         auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        extra = "".join(f"{name}: {value}\r\n" for name, value in self.cfg.headers)
         return (f"POST {self.cfg.endpoint_path} HTTP/1.1\r\nHost: {t.host}:{t.port}\r\n"
-                f"{auth}Content-Type: application/json\r\nContent-Length: ").encode()
+                f"{auth}{extra}Content-Type: application/json\r\nContent-Length: ").encode()
 
     # -- request building -----------------------------------------------------------
 

@@ -36,7 +36,8 @@ class RunSpec:
     both. ``duration_s``: length of the schedule (open loop) or of the closed loop (s).
     ``profile``: a ``profiles.make_profile`` spec. ``sharing``: which requests share
     prompt prefixes (``prompts.Sharing``; default none). ``max_lag_ms``: send lag beyond
-    which a request counts as late (run invalid above 1 % late).
+    which a request counts as late (run invalid above 1 % late). ``headers``: (name,
+    value) pairs added to every request (a gateway's routing headers).
     """
 
     url: str
@@ -64,6 +65,7 @@ class RunSpec:
     max_lag_ms: float = 10.0
     slo: SLO = field(default_factory=SLO)
     name: str = "run"
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.arrival is None) == (self.concurrency <= 0):
@@ -136,7 +138,7 @@ def execute(spec: RunSpec, progress: bool = True, console: Any = None) -> RunRes
         stream=spec.stream, send_token_count=spec.send_token_count, timeout_s=spec.timeout_s,
         connections=spec.connections if spec.arrival is not None else spec.concurrency,
         max_connections=spec.max_connections, concurrency=spec.concurrency,
-        duration_s=spec.duration_s)
+        duration_s=spec.duration_s, headers=spec.headers)
     w = spec.workers
     if spec.arrival is not None:
         shares = [list(range(k, n, w)) for k in range(w)]

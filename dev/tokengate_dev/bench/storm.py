@@ -13,14 +13,25 @@ One command, a few minutes, loopback only:
    ``PLAIN_NGINX_CONF``), then the nginx edge with everything on (exact count, RPM and
    TPM limits with reservations, usage watch on every response, usage events written).
    Each at saturation (closed loop), with the CPU per request of every part, and direct
-   and gateway at fixed open-loop rates below it (by default 25 % and 50 % of the
+   and gateway at fixed open-loop rates below it (by default 100 req/s and 25 % of the
    gateway's non-streaming saturation). Reports the RPS ratios, the edge's CPU per
    request over plain nginx's, added p50/p99 end-to-end latency and added TTFT
    (streams).
 4. **Tracing on vs off**: two gateways, each with a ledger on one Redis, one tracing
    every request and exporting its spans over OTLP gRPC to a receiver process; the
    saturation RPS ratio (on / off) and the added latency at the lowest fixed rate.
-5. **A process round trip**, back to back and after the lowest fixed rate's gap between
+5. **Cold and warm paths**: every run above sends prompts of its own (a seed per run:
+   no count can come from the edge's cache of identical bodies or the counter's
+   segment cache), so the gateway's figures are the cold path's, what a new
+   conversation pays. The warm paths are runs of their own, each labelled: a
+   conversation's *next turn* (``NEXT_TURN_HISTORY`` of the prompt a system message
+   seen before, the rest new) and an *identical resend* (the cold saturation run's
+   bodies again), each at saturation (CPU per request by part) and at ``AIM_RATE``
+   (added p50/p99 over the upstream alone). Beside them the **physical floor** of a
+   cold count in the same run: encoding the same rendered prompts (the counter's own
+   exact encoder and HF ``tokenizers``, µs per prompt, this process, one core) plus
+   plain nginx's CPU per request.
+6. **A process round trip**, back to back and after the lowest fixed rate's gap between
    requests idle: the wake-up cost every extra process on the gateway's path pays at
    low rates (``process_round_trip_us``).
 
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -51,7 +63,7 @@ from tokenstorm.arrivals import ArrivalSpec
 from tokenstorm.null_server import FastUpstream, free_port
 from tokenstorm.process import Service, tcp_ready
 from tokenstorm.profiles import OutputPolicy
-from tokenstorm.prompts import StreamOptions
+from tokenstorm.prompts import Sharing, StreamOptions
 from tokenstorm.runner import RunResult, RunSpec, execute
 from tokenstorm.upstream import UpstreamOptions
 
@@ -61,9 +73,14 @@ RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench"
 BENCH_KEY = "tg-bench-key"
 
-# The aims (issues 5 and 14), as (label, figure name, comparison, target). The edge's
-# ratios to plain nginx and the latencies are the worse of streamed and not.
+# The aims, as (label, figure name, comparison, target). The edge's ratios to plain
+# nginx and the latencies are the worse of streamed and not; the cold path's against
+# its floor and at AIM_RATE are non-streamed 1k-token chats on prompts never seen.
 AIMS = [
+    ("gateway CPU per cold chat / physical floor (encode + plain nginx)",
+     "cold_cpu_floor_ratio", "<=", 2.0),
+    ("added p50 latency, cold, 100 req/s (ms)", "cold_added_p50_ms", "<=", 1.5),
+    ("added p99 latency, cold, 100 req/s (ms)", "cold_added_p99_ms", "<=", 4.0),
     ("gateway throughput, full accounting (req/s)", "gateway_rps", ">=", 2200.0),
     ("edge nginx CPU per request / plain nginx's, at saturation", "edge_cpu_ratio", "<=",
      3.0),
@@ -72,15 +89,24 @@ AIMS = [
     ("added p99 latency, lowest fixed rate (ms)", "added_p99_ms", "<=", 3.0),
     ("added TTFT p50, lowest fixed rate (ms)", "added_ttft_p50_ms", "<=", 1.0),
     ("TokenStorm ceiling / vllm bench serve ceiling", "ceiling_ratio", ">=", 2.0),
-    ("gateway saturation, tracing on / off (req/s ratio, issue 27)", "tracing_rps_ratio",
+    ("gateway saturation, tracing on / off (req/s ratio)", "tracing_rps_ratio",
      ">=", 0.95),
 ]
+# the fixed rate of the cold and warm paths' added latency (req/s): where a GPU fleet's
+# gateway mostly lives
+AIM_RATE = 100.0
+# a next turn's history: the share of its prompt tokens in a system message that every
+# request of its tenant sends (seen before), the rest a new user message
+NEXT_TURN_HISTORY = 0.9
+NEXT_TURN_TENANTS = 8
+# prompts whose encoding is timed for the floor
+FLOOR_PROMPTS = 400
 
 
 @dataclass
 class BenchOptions:
     """``make bench`` knobs: prompt and output tokens, run length (s), closed-loop
-    concurrency, fixed rates (req/s; empty: 25 % and 50 % of the gateway's saturation),
+    concurrency, fixed rates (req/s; empty: 100 and 25 % of the gateway's saturation),
     TokenStorm workers, nginx edge workers and counter workers."""
 
     prompt_tokens: int = 1000
@@ -96,6 +122,28 @@ class BenchOptions:
     skip_vllm_bench: bool = False
     skip_gateway: bool = False
     skip_tracing: bool = False
+    same_prompts: bool = False
+
+
+# Each run's prompt seed (TokenStorm's prompts are a function of the seed and the
+# request's index: the same seed, the same bodies).
+_seeds = itertools.count(1)
+
+
+def prompt_seed(opts: BenchOptions) -> int:
+    """The seed of a run's prompts: a new one per call (fresh prompts: no body seen
+    before in this process's gateways), or 0 for every run with ``same_prompts``."""
+    return 0 if opts.same_prompts else next(_seeds)
+
+
+def next_turn_sharing(prompt_tokens: int) -> Sharing:
+    """The warm path "a conversation's next turn": ``NEXT_TURN_TENANTS`` tenants each
+    with a system message of ``NEXT_TURN_HISTORY`` of the prompt (sent by every request
+    of the tenant: the counter's segment cache holds it after its first), and a user
+    message of words no other request has (one conversation in 2**20 per request)."""
+    return Sharing(tenants=NEXT_TURN_TENANTS,
+                   prefix_tokens=int(prompt_tokens * NEXT_TURN_HISTORY),
+                   conversations=1 << 20)
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -274,8 +322,10 @@ def plain_nginx_service(upstream_port: int, workers: int) -> tuple[Service, int]
 
 def _spec(name: str, url: str, cfg: tg_config.ModelConfig, opts: BenchOptions, *,
           stream: bool, rate: float | None = None, concurrency: int = 0,
-          direct: bool) -> RunSpec:
+          direct: bool, seed: int | None = None, sharing: Sharing | None = None) -> RunSpec:
+    """A run's spec; its prompts are ``seed``'s (None: ``prompt_seed``, fresh ones)."""
     return RunSpec(
+        seed=prompt_seed(opts) if seed is None else seed, sharing=sharing or Sharing(),
         url=url, model=cfg.name, model_dir=cfg.dir, max_model_len=cfg.max_model_len,
         arrival=ArrivalSpec("poisson", rate=rate) if rate else None, concurrency=concurrency,
         duration_s=opts.duration_s, profile=f"normal:mean={opts.prompt_tokens},sd=0",
@@ -450,6 +500,7 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                  f"{opts.output_tokens} output tokens, {opts.duration_s:g} s per run")
     sat: dict[tuple[str, bool], float] = {}
     cpu: dict[str, dict[str, float]] = {}
+    cold_seed = 0
     for stream in (False, True):
         mode = "stream" if stream else "no stream"
         for where, url in (("direct", direct_url), ("plain nginx", plain_url),
@@ -459,8 +510,24 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                      console, runs, groups)
             sat[(where, stream)] = r.summary.all.rps
             cpu[f"{where} {mode}"] = runs[r.spec.name].get("cpu_us_per_request", {})
+            if where == "gateway" and not stream:
+                cold_seed = r.spec.seed
+    # the warm paths at saturation: their own labelled runs, after the cold one
+    warm = {"next turn": {"sharing": next_turn_sharing(opts.prompt_tokens)},
+            "identical resend": {"seed": cold_seed}}
+    for path, how in warm.items():
+        r = _run(_spec(f"gateway no stream saturation, {path}", gw.url, model, opts,
+                       stream=False, concurrency=opts.concurrency, direct=False, **how),
+                 console, runs, groups)
+        cpu[f"gateway no stream, {path}"] = runs[r.spec.name].get("cpu_us_per_request", {})
     fig["cpu_us_per_request_at_saturation"] = cpu
     console.print(_cpu_table(cpu, list(groups)))
+    fig["floor"] = floor = encode_floor_us(model, cold_seed, opts)
+    console.print(f"  floor: encoding the cold run's prompts, µs per prompt: "
+                  f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
+                  f"{floor['hf_tokenizers_us']:,.0f}")
+    _paths(fig, cpu, floor, {path: runs[f"gateway no stream saturation{suffix}"]["valid"]
+                             for path, suffix in (("cold", ""), *((p, f", {p}") for p in warm))})
     # The edge's aims: the worse of streamed and not.
     edge_cpu, plain_rps = [], []
     for stream in (False, True):
@@ -478,9 +545,10 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
         fig["edge_cpu_ratio"] = max(edge_cpu)
     if plain_rps:
         fig["plain_rps_ratio"] = min(plain_rps)
-    rates = opts.rates or [max(50.0, round(sat[("gateway", False)] * f / 50) * 50)
-                           for f in (0.25, 0.5)]
+    rates = opts.rates or sorted({AIM_RATE, max(50.0, round(sat[("gateway", False)] * 0.25
+                                                            / 50) * 50)})
     fig["fixed_rates_rps"] = rates
+    direct_nostream: dict[float, report.Summary] = {}
     for stream in (False, True):
         mode = "stream" if stream else "no stream"
         for rate in rates:
@@ -492,10 +560,13 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                     name = f"{where} {mode} {rate:g} req/s" + (" (again)" if attempt > 1
                                                                else "")
                     res[where] = _run(_spec(name, url, model, opts, stream=stream, rate=rate,
-                                            direct=where == "direct"), console, runs).summary
+                                            direct=where == "direct"), console, runs,
+                                      groups if where == "gateway" else None).summary
                 if res["direct"].valid and res["gateway"].valid:
                     break
             d, g = res["direct"], res["gateway"]
+            if not stream:
+                direct_nostream[rate] = d
             key = f"{'stream' if stream else 'nostream'}_{rate:g}"
             valid = d.valid and g.valid
             entry = {"valid": valid,
@@ -505,6 +576,8 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                 entry["added_ttft_p50_ms"] = _sub(g.all.ttft_ms.p50, d.all.ttft_ms.p50)
                 entry["added_ttft_p99_ms"] = _sub(g.all.ttft_ms.p99, d.all.ttft_ms.p99)
             fig[f"added_{key}"] = entry
+    _paths_at_rate(direct_url, gw, model, opts, console, runs, fig, warm,
+                   direct_nostream.get(AIM_RATE), groups)
     for stream in (False, True):
         k = "stream" if stream else "nostream"
         fig[f"direct_{k}_rps"] = sat[("direct", stream)]
@@ -517,6 +590,128 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
     for name in ("added_p50_ms", "added_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms"):
         vals = [e[name] for e in low if e.get(name) is not None and e["valid"]]
         fig[name] = max(vals) if vals else None
+
+
+def encode_floor_us(model: tg_config.ModelConfig, seed: int,
+                    opts: BenchOptions) -> dict[str, Any]:
+    """The tokenizer's part of the physical floor of a cold count: the prompts of seed
+    ``seed`` (``FLOOR_PROMPTS`` of them, ``opts.prompt_tokens`` each), rendered as
+    vLLM renders them, then encoded one by one in this process (CPU µs per prompt,
+    ``time.process_time``): by the counter's own exact encoder
+    (``PromptTokenizer.encode``: tiktoken where proven identical, else HF) and by HF
+    ``tokenizers`` (``Tokenizer.encode``, ``add_special_tokens=False``). ``encode_us``
+    is the cheaper of the two: no exact count can take less. Raises ``RuntimeError``
+    when the two disagree on a prompt's length."""
+    from tokengate.counter.tokenizer import PromptTokenizer
+    from tokenstorm.runner import prompt_builder
+
+    builder = prompt_builder(model.dir, model.name, "chat", seed)
+    texts = [builder.render_chat(builder.parts(i, opts.prompt_tokens)[1])
+             for i in range(FLOOR_PROMPTS)]
+    exact = PromptTokenizer.from_model_dir(model.dir, model.vocab)
+    out: dict[str, Any] = {"prompts": len(texts), "encoder": exact.backend}
+    lengths: dict[str, list[int]] = {}
+    for name, encode in (("encoder_us", exact.encode),
+                         ("hf_tokenizers_us",
+                          lambda t: builder.tokenizer.encode(t, add_special_tokens=False).ids)):
+        t0 = time.process_time()
+        lengths[name] = [len(encode(t)) for t in texts]
+        out[name] = round((time.process_time() - t0) / len(texts) * 1e6, 1)
+    if lengths["encoder_us"] != lengths["hf_tokenizers_us"]:
+        raise RuntimeError("the counter's encoder and HF tokenizers disagree on a prompt")
+    out["prompt_tokens"] = lengths["encoder_us"][0]
+    out["encode_us"] = min(out["encoder_us"], out["hf_tokenizers_us"])
+    return out
+
+
+# the gateway's runs of each path (no stream): the names of their CPU entries
+PATH_RUNS = {"cold": "gateway no stream", "next turn": "gateway no stream, next turn",
+             "identical resend": "gateway no stream, identical resend"}
+
+
+def _paths(fig: dict[str, Any], cpu: dict[str, dict[str, float]], floor: dict[str, Any],
+           valid: dict[str, bool]) -> None:
+    """``fig["paths"]``: each path's CPU per request at saturation by part (edge nginx,
+    counter, their sum: µs) and whether that run was valid (``valid``: by path); the
+    floor's total (encode + plain nginx's CPU per request, µs)."""
+    paths = fig.setdefault("paths", {})
+    for path, run in PATH_RUNS.items():
+        per = cpu.get(run, {})
+        edge, counter = per.get("edge nginx"), per.get("counter")
+        entry = paths.setdefault(path, {})
+        if edge is not None and counter is not None:
+            entry.update(edge_cpu_us=edge, counter_cpu_us=counter,
+                         gateway_cpu_us=round(edge + counter, 1),
+                         saturation_valid=valid.get(path, True))
+    plain = cpu.get("plain nginx no stream", {}).get("plain nginx")
+    if plain is not None:
+        floor["plain_nginx_us"] = plain
+        floor["total_us"] = round(floor["encode_us"] + plain, 1)
+
+
+def cold_floor_ratio(fig: dict[str, Any]) -> None:
+    """``cold_cpu_floor_ratio``: the cold path's gateway CPU per request (edge +
+    counter) over the floor's total, from its saturation run when that was valid, else
+    from its run at ``AIM_RATE`` when that was (idle wake-ups included: an upper
+    bound); ``cold_cpu_floor_source`` says which. Neither when no valid run measured it
+    (a loaded machine's counter that missed the edge's timeout at saturation makes the
+    edge estimate, and its CPU figures are no count's)."""
+    cold, floor = fig.get("paths", {}).get("cold", {}), fig.get("floor", {})
+    if "total_us" not in floor:
+        return
+    at = cold.get("cpu_us_at_rate", {})
+    if cold.get("saturation_valid") and "gateway_cpu_us" in cold:
+        us, source = cold["gateway_cpu_us"], "saturation"
+    elif cold.get("valid") and "edge nginx" in at and "counter" in at:
+        us, source = at["edge nginx"] + at["counter"], f"{cold['rate_rps']:g} req/s"
+    else:
+        return
+    fig["cold_cpu_floor_ratio"] = us / floor["total_us"]
+    fig["cold_cpu_floor_source"] = source
+
+
+def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
+                   opts: BenchOptions, console: Console, runs: dict[str, Any],
+                   fig: dict[str, Any], warm: dict[str, dict[str, Any]],
+                   direct: report.Summary | None, groups: dict[str, int]) -> None:
+    """Each path's added p50/p99 (ms) over the upstream alone at ``AIM_RATE``, no
+    stream, and the gateway's CPU per request there by part (µs: ``cpu_us_at_rate``,
+    the idle wake-ups included), into ``fig["paths"]``: the cold path's from the fixed
+    rates' run when one was at that rate (else run here), the warm paths' runs
+    (``warm``: their spec arguments) against the same direct run; ``cold_added_p50_ms``
+    and ``cold_added_p99_ms`` for the aims."""
+    rate = AIM_RATE
+    if direct is None:
+        direct = _run(_spec(f"direct no stream {rate:g} req/s", direct_url, model, opts,
+                            stream=False, rate=rate, direct=True), console, runs).summary
+    todo: dict[str, dict[str, Any]] = dict(warm)
+    if f"added_nostream_{rate:g}" not in fig:
+        todo = {"cold": {}, **todo}
+    paths = fig.setdefault("paths", {})
+    for path, how in todo.items():
+        g = _run(_spec(f"gateway no stream {rate:g} req/s" + ("" if path == "cold"
+                                                              else f", {path}"),
+                       gw.url, model, opts, stream=False, rate=rate, direct=False, **how),
+                 console, runs, groups).summary
+        paths.setdefault(path, {}).update(
+            valid=direct.valid and g.valid, added_p50_ms=_sub(g.all.e2e_ms.p50,
+                                                              direct.all.e2e_ms.p50),
+            added_p99_ms=_sub(g.all.e2e_ms.p99, direct.all.e2e_ms.p99))
+    if "cold" not in todo:
+        e = fig[f"added_nostream_{rate:g}"]
+        paths.setdefault("cold", {}).update(valid=e["valid"], added_p50_ms=e["added_p50_ms"],
+                                            added_p99_ms=e["added_p99_ms"])
+    for path in PATH_RUNS:
+        paths[path]["rate_rps"] = rate
+        per = runs.get(f"gateway no stream {rate:g} req/s"
+                       + ("" if path == "cold" else f", {path}"), {}).get("cpu_us_per_request")
+        if per:
+            paths[path]["cpu_us_at_rate"] = {k: per[k] for k in ("edge nginx", "counter")
+                                              if k in per}
+    if paths["cold"]["valid"]:
+        fig["cold_added_p50_ms"] = paths["cold"]["added_p50_ms"]
+        fig["cold_added_p99_ms"] = paths["cold"]["added_p99_ms"]
+    cold_floor_ratio(fig)
 
 
 def _tracing_on_off(upstream_port: int, model: tg_config.ModelConfig, opts: BenchOptions,
@@ -623,6 +818,8 @@ def render(out: dict[str, Any]) -> Table:
         if v is None:
             t.add_row(label, "-", f"{op} {target:g}", "-", "not measured")
             continue
+        if name == "cold_cpu_floor_ratio":
+            label += f" ({fig['cold_cpu_floor_source']})"
         if op == ">=":
             ratio, met = v / target, v >= target
         else:
@@ -676,6 +873,27 @@ def render(out: dict[str, Any]) -> Table:
         sp = fig["tracing_spans"]
         t.add_row("spans: received / exported / lost", f"{sp.get('received', '-')} / "
                   f"{sp.get('exported')} / {sp.get('lost')}", "", "", "")
+    floor = fig.get("floor", {})
+    if "total_us" in floor:
+        t.add_row("floor of a cold count: encode + plain nginx (µs)",
+                  f"{floor['encode_us']:,.0f} + {floor['plain_nginx_us']:,.0f}", "",
+                  "", f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
+                      f"{floor['hf_tokenizers_us']:,.0f}")
+    for path, e in fig.get("paths", {}).items():
+        if "gateway_cpu_us" in e:
+            t.add_row(f"{path}: CPU per request, edge + counter (µs)",
+                      f"{e['edge_cpu_us']:,.0f} + {e['counter_cpu_us']:,.0f}", "",
+                      f"{e['gateway_cpu_us'] / floor['total_us']:.2f}x floor"
+                      if "total_us" in floor else "",
+                      "" if e["saturation_valid"] else "[red]invalid run[/]")
+        at = e.get("cpu_us_at_rate", {})
+        if "edge nginx" in at and "counter" in at:
+            t.add_row(f"{path}: CPU per request at {e['rate_rps']:g} req/s, edge + counter "
+                      "(µs)", f"{at['edge nginx']:,.0f} + {at['counter']:,.0f}", "", "", "")
+        if e.get("added_p50_ms") is not None:
+            t.add_row(f"{path}: added at {e['rate_rps']:g} req/s, no stream (ms)",
+                      f"p50 {e['added_p50_ms']:+.2f}, p99 {e['added_p99_ms']:+.2f}", "", "",
+                      "" if e["valid"] else "[red]invalid run[/]")
     for label, us in fig.get("process_round_trip_us", {}).items():
         t.add_row(f"round trip to another process, {label} (µs p50)", f"{us:,.0f}", "", "",
                   "")
@@ -686,16 +904,22 @@ def render(out: dict[str, Any]) -> Table:
     return t
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m tokengate_dev.bench.storm", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """A bench's command line (``python -m <module>``, ``doc`` its help): the options
+    every TokenStorm bench takes, ``--duration`` and ``--concurrency``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=4.0, metavar="S",
                    help="seconds per run (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=64, metavar="N",
                    help="in-flight requests at saturation (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = arguments("tokengate_dev.bench.storm", __doc__)
     p.add_argument("--rates", default="", metavar="R1,R2",
-                   help="fixed open-loop rates in req/s (default: 25%% and 50%% of the "
+                   help="fixed open-loop rates in req/s (default: 100 and 25%% of the "
                         "gateway's saturation)")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--output-tokens", type=int, default=16)
@@ -706,6 +930,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-gateway", action="store_true")
     p.add_argument("--skip-tracing", action="store_true",
                    help="leave out tracing on vs off")
+    p.add_argument("--same-prompts", action="store_true",
+                   help="every run sends the same prompts (seed 0), as before fresh "
+                        "prompts were the default: warm caches in every run")
     p.add_argument("--out", type=Path, default=None, metavar="FILE.json",
                    help="result file (default: bench/results/bench-<time>.json)")
     a = p.parse_args(argv)
@@ -714,7 +941,8 @@ def main(argv: list[str] | None = None) -> None:
                         rates=[float(x) for x in a.rates.split(",") if x],
                         workers=a.workers, edge_workers=a.edge_workers,
                         counter_workers=a.counter_workers, skip_vllm_bench=a.skip_vllm_bench,
-                        skip_gateway=a.skip_gateway, skip_tracing=a.skip_tracing)
+                        skip_gateway=a.skip_gateway, skip_tracing=a.skip_tracing,
+                        same_prompts=a.same_prompts)
     console = Console(width=None if sys.stdout.isatty() else 110)
     m = _machine()
     console.print(f"make bench: {m['cpus']} CPUs, load average {m['loadavg_before']} "

@@ -426,25 +426,31 @@ class ModelCounter:
         tok = self.tokenizer
         want_ids = routed and self.router is not None
         by_plan = segment_plan.cut(rendered, tok)
+        # The ids first when they are needed: the counts of their pieces are then
+        # their lengths (PromptTokenizer._count_piece), each piece encoded once.
+        ids: array[int] | None = None
         if by_plan is not None:
             plan, texts = by_plan
-            text_counts = tok.text_counts(texts)
-            total = sum(text_counts) + len(plan.specials)
-            assert rendered.contents is not None
             # the prompt cut at its added tokens, as split() gives it
             pieces = [""] * (2 * len(texts) - 1)
             pieces[0::2], pieces[1::2] = texts, plan.specials
+            if want_ids:
+                ids = tok.ids(pieces)
+            text_counts = tok.text_counts(texts)
+            total = sum(text_counts) + len(plan.specials)
+            assert rendered.contents is not None
             inside = plan.content_tokens(rendered.contents, texts, text_counts)
             if inside is not None:
                 system = sum(n for m, n in zip(conversation, inside, strict=True)
                              if m["role"] == "system")
-                return (total, _fit_parts(total, system, 0, sum(inside) - system),
-                        tok.ids(pieces) if want_ids else None)
+                return total, _fit_parts(total, system, 0, sum(inside) - system), ids
             # the search below, on the pieces and their counts
             counts = [1] * len(pieces)
             counts[0::2] = text_counts
         else:
             pieces = tok.split(rendered.text)
+            if want_ids:
+                ids = tok.ids(pieces)
             counts = tok.piece_counts(pieces)
             total = sum(counts)
         system = content = 0
@@ -463,8 +469,7 @@ class ModelCounter:
             n, cursor = _tokens_inside(tok, pieces, counts, json.dumps(t, ensure_ascii=False),
                                        cursor)
             tool_tokens += n
-        return (total, _fit_parts(total, system, tool_tokens, content),
-                tok.ids(pieces) if want_ids else None)
+        return total, _fit_parts(total, system, tool_tokens, content), ids
 
     def _message(self, i: int, m: Any) -> dict[str, Any]:
         """vLLM's ConversationMessage for ``messages[i]``."""

@@ -59,6 +59,9 @@ QWEN3_5_PATTERN = (
 )
 
 
+_NO_SPECIALS: frozenset[str] = frozenset()
+
+
 class TokenizerLoadError(RuntimeError):
     """The model directory has no usable tokenizer."""
 
@@ -162,14 +165,14 @@ class IdCache:
         self._old: dict[str, array[int]] = {}
         self._chars = 0
 
-    def ids(self, piece: str, compute: Callable[[str], list[int]]) -> array[int]:
+    def ids(self, piece: str, compute: Callable[[str], array[int]]) -> array[int]:
         """The ids of ``piece``: cached, else ``compute(piece)`` (then cached)."""
         got = self.young.get(piece)
         if got is not None:
             return got
         got = self._old.get(piece)
         if got is None:
-            got = array("I", compute(piece))
+            got = compute(piece)
             if len(piece) > self._max_chars // 4:
                 return got
         self.young[piece] = got
@@ -304,8 +307,29 @@ class PromptTokenizer:
             piece = unicodedata.normalize("NFC", piece)
         return self._fast.encode_ordinary(piece)
 
+    def _piece_ids(self, piece: str) -> array[int]:
+        """``_encode_piece`` as ``array('I')``; on the fast path straight from tiktoken's
+        buffer of uint32 ids (no Python int per token in between). ``encode`` with no
+        special token allowed and none disallowed is ``encode_ordinary``: a piece holds
+        no added token, and one would be encoded as text either way."""
+        if self._fast is None:
+            return array("I", self._encode_piece(piece))
+        if self._nfc:
+            piece = unicodedata.normalize("NFC", piece)
+        try:
+            buf = self._fast.encode_to_numpy(piece, allowed_special=_NO_SPECIALS,
+                                             disallowed_special=())
+        except UnicodeEncodeError:  # a lone surrogate: encode_ordinary repairs it
+            return array("I", self._fast.encode_ordinary(piece))
+        out: array[int] = array("I")
+        out.frombytes(buf.tobytes())
+        return out
+
     def _count_piece(self, piece: str) -> int:
-        return len(self._encode_piece(piece))
+        # a prompt whose ids were needed (prefix routing) was encoded by ids() first:
+        # its pieces' counts are their ids' lengths, not a second encoding
+        got = self.id_cache.young.get(piece)
+        return len(self._piece_ids(piece) if got is None else got)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without post-processor specials (chat prompts)."""
@@ -317,7 +341,7 @@ class PromptTokenizer:
             if i % 2:
                 ids.append(self._added_ids[part])
             elif part:
-                ids.extend(self._encode_piece(part))
+                ids.extend(self._piece_ids(part))
         return ids
 
     def ids(self, parts: list[str]) -> array[int]:
@@ -327,7 +351,7 @@ class PromptTokenizer:
         out: array[int] = array("I")
         cache = self.id_cache
         young, cached = cache.young.get, cache.ids  # the first: the common case, inlined
-        added, encode = self._added_ids, self._encode_piece
+        added, encode = self._added_ids, self._piece_ids
         for i, part in enumerate(parts):
             if i % 2:
                 out.append(added[part])
