@@ -251,12 +251,15 @@ end
 -- of what an observation cost.
 local SERIES = {}
 
+-- sub_table(t, k) -> t[k], a table, made empty on first use (the memos below)
+local function sub_table(t, k)
+    local v = t[k] or {}
+    t[k] = v
+    return v
+end
+
 local function series_keys(family, labels)
-    local by_labels = SERIES[family]
-    if not by_labels then
-        by_labels = {}
-        SERIES[family] = by_labels
-    end
+    local by_labels = sub_table(SERIES, family)
     local keys = by_labels[labels]
     if not keys then
         local k = family .. "\t" .. labels .. "\t"
@@ -375,11 +378,7 @@ end
 local LABELS = {}
 
 local function labels_of(key_id, model)
-    local by_model = LABELS[key_id]
-    if not by_model then
-        by_model = {}
-        LABELS[key_id] = by_model
-    end
+    local by_model = sub_table(LABELS, key_id)
     local l = by_model[model]
     if not l then
         local key = key_id == _M.NONE and key_id or _M.value(key_id)
@@ -399,11 +398,7 @@ end
 -- label set l (labels_of), a route name and a status; kept in l per route and class
 local function requests_key(l, endpoint, status)
     local class = (status >= 100 and status < 600) and floor(status / 100) or 5
-    local by_class = l.requests[endpoint]
-    if not by_class then
-        by_class = {}
-        l.requests[endpoint] = by_class
-    end
+    local by_class = sub_table(l.requests, endpoint)
     local k = by_class[class]
     if not k then
         k = "tokengate_requests_total\t" .. l.km .. ',endpoint="' .. endpoint
