@@ -667,6 +667,13 @@ encode_into = function(v, buf, n)
     return n
 end
 
+-- append(v, buf, n) -> new n: the JSON text of v (as encode writes it) appended to
+-- buf[n+1..] in pieces, for a caller that writes a text around it (tokengate.usage.line)
+-- and joins the pieces once.
+_M.append = function(v, buf, n)
+    return encode_into(v, buf, n)
+end
+
 -- encode(v) -> compact JSON text. Objects keep their key order (KEYS), plain Lua tables
 -- are encoded as arrays when t[1] is set, else as objects with sorted keys. Strings are
 -- written as raw UTF-8 with only '"', '\' and C0 controls escaped.

@@ -30,6 +30,7 @@ local match = string.match
 local concat = table.concat
 local sort = table.sort
 local pairs = pairs
+local floor = math.floor
 
 local _M = {}
 
@@ -243,6 +244,34 @@ function _M.count(family, labels, n)
     end
 end
 
+-- SERIES[family][labels] -> the dict keys of one histogram's series: [i] the
+-- observations of bucket i, .s their sum. Made once per worker and series (label values
+-- are bounded by the configuration, see the module comment): the log phase of every
+-- request observes several histograms, and concatenating their keys each time was most
+-- of what an observation cost.
+local SERIES = {}
+
+-- sub_table(t, k) -> t[k], a table, made empty on first use (the memos below)
+local function sub_table(t, k)
+    local v = t[k] or {}
+    t[k] = v
+    return v
+end
+
+local function series_keys(family, labels)
+    local by_labels = sub_table(SERIES, family)
+    local keys = by_labels[labels]
+    if not keys then
+        local k = family .. "\t" .. labels .. "\t"
+        keys = { s = k .. "s" }
+        for i = 1, #FAMILY[family][4] + 1 do
+            keys[i] = k .. i
+        end
+        by_labels[labels] = keys
+    end
+    return keys
+end
+
 -- observe(family, labels, seconds): one observation of a declared histogram.
 function _M.observe(family, labels, seconds)
     if not dict then
@@ -256,9 +285,9 @@ function _M.observe(family, labels, seconds)
             break
         end
     end
-    local k = family .. "\t" .. labels .. "\t"
-    add(k .. i, 1)
-    add(k .. "s", seconds)
+    local keys = series_keys(family, labels)
+    add(keys[i], 1)
+    add(keys.s, seconds)
 end
 
 -- incr(name, n?): adds n (default 1) to a counter of /tokengate/status (STATUS).
@@ -341,45 +370,84 @@ end
 -- limit_req, limits_tier, proxied); status: the status sent; ev: its usage event
 -- (usage.record) or nil (no valid key: nothing billed); models: the configuration's
 -- models (a model label must name one); upstream_connect_time: nginx's variable.
+-- LABELS[key id][model name] -> the label texts of one key and model (raw names; NONE
+-- when absent: key, km, m) and the dict keys of the per-request counters, made on first
+-- use (the prompt counts' by source, the prefix predictions' by source, the requests'
+-- by route and status class: requests_key). Per worker, bounded by the configuration's
+-- keys and models: request() no longer joins the same strings on every request.
+local LABELS = {}
+
+local function labels_of(key_id, model)
+    local by_model = sub_table(LABELS, key_id)
+    local l = by_model[model]
+    if not l then
+        local key = key_id == _M.NONE and key_id or _M.value(key_id)
+        local mv = model == _M.NONE and model or _M.value(model)
+        local km = 'key="' .. key .. '",model="' .. mv .. '"'
+        l = { key = key, km = km, m = 'model="' .. mv .. '"',
+              prompt = "tokengate_prompt_tokens_total\t" .. km,
+              completion = "tokengate_completion_tokens_total\t" .. km,
+              cached = "tokengate_cached_tokens_total\t" .. km,
+              requests = {}, counts = {}, prefix = {} }
+        by_model[model] = l
+    end
+    return l
+end
+
+-- requests_key(l, endpoint, status) -> the dict key of tokengate_requests_total for the
+-- label set l (labels_of), a route name and a status; kept in l per route and class
+local function requests_key(l, endpoint, status)
+    local class = (status >= 100 and status < 600) and floor(status / 100) or 5
+    local by_class = sub_table(l.requests, endpoint)
+    local k = by_class[class]
+    if not k then
+        k = "tokengate_requests_total\t" .. l.km .. ',endpoint="' .. endpoint
+            .. '",status="' .. class .. 'xx"'
+        by_class[class] = k
+    end
+    return k
+end
+
 function _M.request(ctx, status, ev, models, upstream_connect_time)
     if not dict then
         return
     end
-    local key = ctx.key and _M.value(ctx.key.id) or _M.NONE
-    local model = ctx.model and models[ctx.model] and _M.value(ctx.model) or _M.NONE
-    local km = 'key="' .. key .. '",model="' .. model .. '"'
-    local m = 'model="' .. model .. '"'
+    local l = labels_of(ctx.key and ctx.key.id or _M.NONE,
+        ctx.model and models[ctx.model] and ctx.model or _M.NONE)
+    local key, m = l.key, l.m
     -- a route's name (tokengate.apis: a fixed set), or "other" for a path that is none
-    local endpoint = ctx.route or "other"
-    local class = (status >= 100 and status < 600) and sub(tostring(status), 1, 1) .. "xx"
-        or "5xx"
-    add("tokengate_requests_total\t" .. km .. ',endpoint="' .. endpoint .. '",status="'
-        .. class .. '"', 1)
+    add(requests_key(l, ctx.route or "other", status), 1)
     if ev then
         local p, c, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
         if p > 0 then
-            add("tokengate_prompt_tokens_total\t" .. km, p)
+            add(l.prompt, p)
         end
         if c > 0 then
-            add("tokengate_completion_tokens_total\t" .. km, c)
+            add(l.completion, c)
         end
         if cached > 0 then
-            add("tokengate_cached_tokens_total\t" .. km, cached)
+            add(l.cached, cached)
         end
         local source = ctx.prefix_source
         if source and ctx.proxied and (ev.usage_source == "final"
                 or ev.usage_source == "running") then
-            local labels = m .. ',source="' .. source .. '"'
+            local pk = l.prefix[source]
+            if not pk then
+                local labels = m .. ',source="' .. source .. '"'
+                pk = { expected = "tokengate_prefix_expected_tokens_total\t" .. labels,
+                       cached = "tokengate_prefix_cached_tokens_total\t" .. labels,
+                       over = "tokengate_prefix_overestimated_tokens_total\t" .. labels }
+                l.prefix[source] = pk
+            end
             local expected = ev.expected_cached_tokens
             if expected > 0 then
-                add("tokengate_prefix_expected_tokens_total\t" .. labels, expected)
+                add(pk.expected, expected)
             end
             if cached > 0 then
-                add("tokengate_prefix_cached_tokens_total\t" .. labels, cached)
+                add(pk.cached, cached)
             end
             if expected > cached then
-                add("tokengate_prefix_overestimated_tokens_total\t" .. labels,
-                    expected - cached)
+                add(pk.over, expected - cached)
             end
         end
     end
@@ -389,8 +457,14 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
         add('tokengate_rate_limited_total\tkey="' .. key .. '",limit="' .. LIMIT[st.reject]
             .. '",tier="' .. (ctx.limits_tier or "local") .. '"', 1)
     end
-    if ctx.count_source == "counter" or ctx.count_source == "estimate" then
-        add("tokengate_prompt_counts_total\t" .. m .. ',source="' .. ctx.count_source .. '"', 1)
+    local count_source = ctx.count_source
+    if count_source == "counter" or count_source == "estimate" then
+        local k = l.counts[count_source]
+        if not k then
+            k = "tokengate_prompt_counts_total\t" .. m .. ',source="' .. count_source .. '"'
+            l.counts[count_source] = k
+        end
+        add(k, 1)
         if ctx.count_s then
             _M.observe("tokengate_count_duration_seconds", "", ctx.count_s)
         end

@@ -378,8 +378,8 @@ local FIELDS = {
 }
 _M.FIELDS = FIELDS
 
--- event(f) -> the usage event as a json.object of the FIELDS of f, in order (nil ->
--- null): request_id, ts (RFC 3339), key_id, model, endpoint, status, stream,
+-- event(f) -> f, the usage event: a plain table of the FIELDS (a missing one set to
+-- null), written in FIELDS' order by line(): request_id, ts (RFC 3339), key_id, model, endpoint, status, stream,
 -- token_estimate, count_source, reserved, prompt_tokens, completion_tokens,
 -- cached_tokens, system_tokens (tokens), usage_source, client_aborted, ttft_ms, total_ms
 -- (ms), upstream, error, and the sanitizer's counts: sanitized_chars (invisible or
@@ -399,17 +399,13 @@ _M.FIELDS = FIELDS
 -- embeddings); session_id (the agent session,
 -- tokengate.session; null: none).
 function _M.event(f)
-    local o = json.object()
-    local set = json.set
     for i = 1, #FIELDS do
         local k = FIELDS[i]
-        local v = f[k]
-        if v == nil then
-            v = null
+        if f[k] == nil then
+            f[k] = null
         end
-        set(o, k, v)
     end
-    return o
+    return f
 end
 
 -- record(ctx, status, aborted) -> the request's usage event (event()'s json.object),
@@ -456,33 +452,54 @@ function _M.record(ctx, status, aborted)
     })
 end
 
--- access_fields(ctx, tier, rate) -> the sampled access line's fields beyond the event:
--- method, uri (clipped to 256 characters), limits (the tier that decided: "local" |
--- "global"), client (address), bytes_sent, tier and sample_rate (tokengate.sampling's
--- keep(): a line stands for 1 / sample_rate requests).
+-- ACCESS_FIELDS: the keys the sampled access line adds after the event's, in order.
+local ACCESS_FIELDS = { "method", "uri", "limits", "client", "bytes_sent", "tier",
+                        "sample_rate" }
+
+-- access_fields(ctx, tier, rate) -> the sampled access line's fields beyond the event
+-- (ACCESS_FIELDS): method, uri (clipped to 256 characters), limits (the tier that
+-- decided: "local" | "global"), client (address), bytes_sent, tier and sample_rate
+-- (tokengate.sampling's keep(): a line stands for 1 / sample_rate requests).
 function _M.access_fields(ctx, tier, rate)
-    local o = json.object()
-    local set = json.set
-    set(o, "method", ngx_req.get_method())
-    set(o, "uri", errors.clip(ngx_var.uri, 256))
-    set(o, "limits", ctx.limits_tier or null)
-    set(o, "client", ngx_var.remote_addr or null)
-    set(o, "bytes_sent", tonumber(ngx_var.bytes_sent) or 0)
-    set(o, "tier", tier)
-    set(o, "sample_rate", rate)
-    return o
+    return { method = ngx_req.get_method(), uri = errors.clip(ngx_var.uri, 256),
+             limits = ctx.limits_tier or null, client = ngx_var.remote_addr or null,
+             bytes_sent = tonumber(ngx_var.bytes_sent) or 0, tier = tier,
+             sample_rate = rate }
 end
 
--- line(ev, extra) -> one JSON line (no newline: access_log adds it): the event's fields,
--- then those of extra (a json.object, may be nil) in its order.
+-- KEY_TEXT[fields][i]: the text before the value of fields[i] in a line ('{"request_id":',
+-- ',"ts":', ...): made once, so a line is its values' pieces and these.
+local function key_texts(fields, first)
+    local t = {}
+    for i = 1, #fields do
+        t[i] = (i == 1 and first or ",") .. '"' .. fields[i] .. '":'
+    end
+    return t
+end
+local EVENT_KEYS, ACCESS_KEYS = key_texts(FIELDS, "{"), key_texts(ACCESS_FIELDS, ",")
+
+-- line(ev, extra) -> one JSON line (no newline: access_log adds it): the event's FIELDS,
+-- then, when given, the access_fields() of extra, each in its order. Written straight
+-- from the event's table (tokengate.json's encoding of each value): no JSON object is
+-- built for a line written on every request.
 function _M.line(ev, extra)
+    local buf, n = {}, 0
+    local append = json.append
+    for i = 1, #FIELDS do
+        n = n + 1
+        buf[n] = EVENT_KEYS[i]
+        n = append(ev[FIELDS[i]], buf, n)
+    end
     if extra then
-        local keys = extra[json.KEYS]
-        for i = 1, #keys do
-            json.set(ev, keys[i], extra[keys[i]])
+        for i = 1, #ACCESS_FIELDS do
+            n = n + 1
+            buf[n] = ACCESS_KEYS[i]
+            n = append(extra[ACCESS_FIELDS[i]], buf, n)
         end
     end
-    return json.encode(ev)
+    n = n + 1
+    buf[n] = "}"
+    return concat(buf, "", 1, n)
 end
 
 return _M
