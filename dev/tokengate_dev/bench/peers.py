@@ -42,9 +42,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
-from tokengate.process import Service, ServiceError, tcp_ready
 from tokenstorm import report
 from tokenstorm.null_server import FastUpstream, free_port
+from tokenstorm.process import Service, ServiceError, tcp_ready
 from tokenstorm.runner import RunSpec
 from tokenstorm.upstream import UpstreamOptions
 
