@@ -7,30 +7,30 @@ from __future__ import annotations
 import json
 
 from tokengate import config as tg_config
-from tokengate_dev.bench import peers, storm
+from tokengate_dev.bench import paths, peers, stack
 from tokenstorm.client import ClientConfig, Target, Worker
 from tokenstorm.prompts import PromptBuilder, Sharing
 from tokenstorm.runner import RunSpec, plan_for
 
 
 def test_each_run_gets_prompts_of_its_own_unless_same_prompts_is_asked() -> None:
-    fresh = storm.BenchOptions()
-    seeds = [storm.prompt_seed(fresh) for _ in range(5)]
+    fresh = stack.BenchOptions()
+    seeds = [stack.prompt_seed(fresh) for _ in range(5)]
     assert len(set(seeds)) == 5 and 0 not in seeds
-    same = storm.BenchOptions(same_prompts=True)
-    assert [storm.prompt_seed(same) for _ in range(3)] == [0, 0, 0]
+    same = stack.BenchOptions(same_prompts=True)
+    assert [stack.prompt_seed(same) for _ in range(3)] == [0, 0, 0]
 
 
 def test_a_next_turn_sends_nine_tenths_of_its_prompt_as_a_history_seen_before() -> None:
-    assert storm.next_turn_sharing(1000) == Sharing(tenants=8, prefix_tokens=900,
+    assert paths.next_turn_sharing(1000) == Sharing(tenants=8, prefix_tokens=900,
                                                     conversations=1 << 20)
 
 
 def test_the_floor_encodes_the_cold_prompts_both_ways_to_the_same_length(
         cfg: tg_config.Config) -> None:
     model = cfg.models["tiny-qwen3"]
-    floor = storm.encode_floor_us(model, seed=7, opts=storm.BenchOptions())
-    assert floor["prompts"] == storm.FLOOR_PROMPTS
+    floor = paths.encode_floor_us(model, seed=7, opts=stack.BenchOptions())
+    assert floor["prompts"] == paths.FLOOR_PROMPTS
     assert floor["prompt_tokens"] == 1000
     assert floor["encoder"] == "tiktoken"
     assert floor["encode_us"] == min(floor["encoder_us"], floor["hf_tokenizers_us"])
@@ -42,9 +42,9 @@ def test_paths_put_the_cold_gateway_cpu_over_encode_plus_plain_nginx() -> None:
            "plain nginx no stream": {"plain nginx": 40.0}}
     fig: dict = {}
     floor = {"encode_us": 360.0}
-    storm._paths(fig, cpu, floor, {"cold": True, "next turn": False})
+    paths.paths_cpu(fig, cpu, floor, {"cold": True, "next turn": False})
     fig["floor"] = floor
-    storm.cold_floor_ratio(fig)
+    paths.cold_floor_ratio(fig)
     assert floor["total_us"] == 400.0
     assert fig["cold_cpu_floor_ratio"] == 2.0
     assert fig["cold_cpu_floor_source"] == "saturation"
@@ -91,11 +91,11 @@ def test_an_invalid_cold_saturation_run_takes_the_floor_ratio_from_the_fixed_rat
            "paths": {"cold": {"gateway_cpu_us": 500.0, "saturation_valid": False,
                               "valid": True, "rate_rps": 100.0,
                               "cpu_us_at_rate": {"edge nginx": 400.0, "counter": 600.0}}}}
-    storm.cold_floor_ratio(fig)
+    paths.cold_floor_ratio(fig)
     assert fig["cold_cpu_floor_ratio"] == 2.5
     assert fig["cold_cpu_floor_source"] == "100 req/s"
     fig = {"floor": {"total_us": 400.0},
            "paths": {"cold": {"gateway_cpu_us": 500.0, "saturation_valid": False,
                               "valid": False}}}
-    storm.cold_floor_ratio(fig)
+    paths.cold_floor_ratio(fig)
     assert "cold_cpu_floor_ratio" not in fig

@@ -49,11 +49,11 @@ from tokenstorm.runner import RunSpec
 from tokenstorm.upstream import UpstreamOptions
 
 from tokengate_dev import devstack
-from tokengate_dev.bench import storm
+from tokengate_dev.bench import stack, storm
 
 PEERS_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
     / "tokengate" / "peers"
-PEERS_VAR = storm.BENCH_VAR / "peers"
+PEERS_VAR = stack.BENCH_VAR / "peers"
 PEER_KEY = "sk-tokengate-bench"  # what the peers pass on to the upstream, which ignores it
 INSTALL_TIMEOUT_S = 900.0
 
@@ -202,12 +202,12 @@ def ratios(sides: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[str, Any]:
+def run_peers(opts: stack.BenchOptions, workers: int, console: Console) -> dict[str, Any]:
     """Everything ``make bench-peers`` measures, as the JSON it writes."""
     cfg = tg_config.load(devstack.ROOT / "tokengate.yaml").models
     model = next(iter(cfg.values()))
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "machine": storm._machine(), "options": vars(opts).copy(),
+                           "machine": stack.machine(), "options": vars(opts).copy(),
                            "runs": {}, "sides": {}, "skipped": {}}
     runs, sides = out["runs"], out["sides"]
     lite = litellm_executable(console)
@@ -218,7 +218,7 @@ def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[
         out["skipped"]["Portkey"] = "install failed"
     up_opts = UpstreamOptions(model=model.name, max_model_len=model.max_model_len)
     with FastUpstream(up_opts, name="bench-peers-upstream", state_dir=devstack.VAR) as up:
-        gw = storm.Gateway(up.port, opts, name="peers-gateway")
+        gw = stack.Gateway(up.port, opts, name="peers-gateway")
         peers = [p for p in (portkey_peer(portkey, up.port) if portkey else None,
                              litellm_peer(lite, up.port, model.name, workers) if lite
                              else None) if p is not None]
@@ -271,7 +271,7 @@ def run_peers(opts: storm.BenchOptions, workers: int, console: Console) -> dict[
 
 
 def _peer_spec(name: str, url: str, peer: Peer | None, model: tg_config.ModelConfig,
-               opts: storm.BenchOptions, *, concurrency: int = 0,
+               opts: stack.BenchOptions, *, concurrency: int = 0,
                rate: float | None = None) -> RunSpec:
     """A side's run: direct's and tokengate's as ``make bench`` makes them, a peer's
     with its key and headers and no check of the prompt tokens the upstream reports."""
@@ -326,15 +326,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="FILE.json",
                    help="result file (default: bench/results/peers-<time>.json)")
     a = p.parse_args(argv)
-    opts = storm.BenchOptions(duration_s=a.duration, concurrency=a.concurrency)
+    opts = stack.BenchOptions(duration_s=a.duration, concurrency=a.concurrency)
     console = Console(width=None if sys.stdout.isatty() else 110)
-    m = storm._machine()
+    m = stack.machine()
     console.print(f"make bench-peers: {m['cpus']} CPUs, load average {m['loadavg_before']} "
                   "(numbers are this machine's, loopback only)")
     t0 = time.monotonic()
     out = run_peers(opts, a.litellm_workers, console)
     out["elapsed_s"] = round(time.monotonic() - t0, 1)
-    path = a.out or storm.RESULTS / f"peers-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = a.out or stack.RESULTS / f"peers-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report._clean(out), indent=2) + "\n")
     for table in render(out):

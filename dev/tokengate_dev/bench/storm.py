@@ -1,4 +1,7 @@
 """``make bench``: the gateway against the fast upstream, side by side, on this machine.
+(Over 600 lines: one benchmark whose sections share its runs' bookkeeping, ``_run`` and
+``_spec``, and one dictionary of figures that the aims and the table read; the parts it
+starts are in ``bench.stack``, the cold and warm paths in ``bench.paths``.)
 
 One command, a few minutes, loopback only:
 
@@ -43,18 +46,14 @@ upstream), so every side sees the same upstream work. Results: ``bench/results/b
 from __future__ import annotations
 
 import argparse
-import hashlib
-import itertools
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
@@ -68,10 +67,24 @@ from tokenstorm.runner import RunResult, RunSpec, execute
 from tokenstorm.upstream import UpstreamOptions
 
 from tokengate_dev import devstack
-
-RESULTS = devstack.ROOT / "bench" / "results"
-BENCH_VAR = devstack.VAR / "bench"
-BENCH_KEY = "tg-bench-key"
+from tokengate_dev.bench.paths import (
+    PATH_RUNS,
+    cold_floor_ratio,
+    encode_floor_us,
+    next_turn_sharing,
+    paths_cpu,
+)
+from tokengate_dev.bench.stack import (
+    BENCH_KEY,
+    BENCH_VAR,
+    RESULTS,
+    BenchOptions,
+    Gateway,
+    cpu_seconds,
+    machine,
+    plain_nginx_service,
+    prompt_seed,
+)
 
 # The aims, as (label, figure name, comparison, target). The edge's ratios to plain
 # nginx and the latencies are the worse of streamed and not; the cold path's against
@@ -95,229 +108,6 @@ AIMS = [
 # the fixed rate of the cold and warm paths' added latency (req/s): where a GPU fleet's
 # gateway mostly lives
 AIM_RATE = 100.0
-# a next turn's history: the share of its prompt tokens in a system message that every
-# request of its tenant sends (seen before), the rest a new user message
-NEXT_TURN_HISTORY = 0.9
-NEXT_TURN_TENANTS = 8
-# prompts whose encoding is timed for the floor
-FLOOR_PROMPTS = 400
-
-
-@dataclass
-class BenchOptions:
-    """``make bench`` knobs: prompt and output tokens, run length (s), closed-loop
-    concurrency, fixed rates (req/s; empty: 100 and 25 % of the gateway's saturation),
-    TokenStorm workers, nginx edge workers and counter workers."""
-
-    prompt_tokens: int = 1000
-    output_tokens: int = 16
-    duration_s: float = 4.0
-    concurrency: int = 64
-    rates: list[float] = field(default_factory=list)
-    workers: int = 1
-    edge_workers: int = 2
-    counter_workers: int = 2
-    vllm_bench_prompts: int = 2500
-    ceiling_tries: int = 2
-    skip_vllm_bench: bool = False
-    skip_gateway: bool = False
-    skip_tracing: bool = False
-    same_prompts: bool = False
-
-
-# Each run's prompt seed (TokenStorm's prompts are a function of the seed and the
-# request's index: the same seed, the same bodies).
-_seeds = itertools.count(1)
-
-
-def prompt_seed(opts: BenchOptions) -> int:
-    """The seed of a run's prompts: a new one per call (fresh prompts: no body seen
-    before in this process's gateways), or 0 for every run with ``same_prompts``."""
-    return 0 if opts.same_prompts else next(_seeds)
-
-
-def next_turn_sharing(prompt_tokens: int) -> Sharing:
-    """The warm path "a conversation's next turn": ``NEXT_TURN_TENANTS`` tenants each
-    with a system message of ``NEXT_TURN_HISTORY`` of the prompt (sent by every request
-    of the tenant: the counter's segment cache holds it after its first), and a user
-    message of words no other request has (one conversation in 2**20 per request)."""
-    return Sharing(tenants=NEXT_TURN_TENANTS,
-                   prefix_tokens=int(prompt_tokens * NEXT_TURN_HISTORY),
-                   conversations=1 << 20)
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pgids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system, s) used so far by each named process group (a service
-    started by devstack is its own group). Reaped children count too (cutime, cstime)."""
-    want = {v: k for k, v in pgids.items()}
-    out = dict.fromkeys(pgids, 0.0)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        pgrp = int(fields[2])
-        if pgrp in want:
-            out[want[pgrp]] += sum(int(x) for x in fields[11:15]) / _TICK
-    return out
-
-
-def _machine() -> dict[str, Any]:
-    load = os.getloadavg()
-    return {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load],
-            "python": sys.version.split()[0]}
-
-
-class Gateway:
-    """The tokengate stack for the bench: counter + nginx edge, the model's upstream
-    pointed at the fast upstream, one key with limits far above the load (the limits
-    are still enforced and reserved on every request); files under ``var/bench/<name>``.
-    With ``redis_url`` a ledger too, applying the usage events to that Redis; with
-    ``tracing`` (the tracing section) the edge traces every request and the ledger
-    exports the spans."""
-
-    def __init__(self, upstream_port: int, opts: BenchOptions, name: str = "gateway",
-                 redis_url: str | None = None, tracing: dict[str, Any] | None = None) -> None:
-        self.port = free_port()
-        self.opts = opts
-        self.name = name
-        self.redis_url = redis_url
-        self.dir = BENCH_VAR / name
-        self.services: list[devstack.Service] = []
-        self.dir.mkdir(parents=True, exist_ok=True)
-        raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
-        for m in raw["models"].values():
-            m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
-            m["upstreams"] = [f"127.0.0.1:{upstream_port}"]
-        raw["keys"] = {"bench": {"sha256": hashlib.sha256(BENCH_KEY.encode()).hexdigest(),
-                                 "rpm": 1_000_000_000, "tpm": 1_000_000_000_000}}
-        usage = self.dir / "usage.jsonl"
-        usage.unlink(missing_ok=True)
-        raw.setdefault("ledger", {})["usage_file"] = str(usage)
-        raw.setdefault("edge", {})["listen"] = f"127.0.0.1:{self.port}"
-        self.metrics_port = free_port()
-        raw["metrics"] = {"counter_listen": None, "limits_listen": None,
-                          "ledger_listen": f"127.0.0.1:{self.metrics_port}"}
-        if tracing:
-            raw["tracing"] = tracing
-        self.config_path = self.dir / "tokengate.yaml"
-        self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-        self.usage_file = usage
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> Gateway:
-        """Counter, then the edge: the builders ``make run`` uses."""
-        sock = self.dir / "counter.sock"
-        counter = devstack.counter_service(self.config_path, port=free_port(),
-                                           unix_socket=sock, workers=self.opts.counter_workers,
-                                           name=f"bench-{self.name}-counter")
-        self.services.append(counter.start())
-        edge = devstack.nginx_service(self.config_path, port=self.port, counter_socket=sock,
-                                      counter_workers=self.opts.counter_workers,
-                                      workers=self.opts.edge_workers,
-                                      name=f"bench-{self.name}-edge",
-                                      prefix=self.dir / "edge", status_port=free_port())
-        self.services.append(edge.start())
-        if self.redis_url:
-            ledger = devstack.ledger_service(self.config_path, self.usage_file, self.redis_url,
-                                             ledger_id=f"bench-{self.name}",
-                                             name=f"bench-{self.name}-ledger")
-            self.services.append(ledger.start())
-        return self
-
-    def ledger_metrics(self) -> dict[str, float]:
-        """The ledger's tokengate_* samples (name with labels -> value), {} without one."""
-        if not self.redis_url:
-            return {}
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
-                                            if line.startswith("tokengate_"))}
-
-    def stop(self) -> None:
-        for s in reversed(self.services):
-            s.stop()
-
-    def groups(self) -> dict[str, int]:
-        """Process groups for CPU accounting: counter (all workers), edge (master and
-        workers)."""
-        return {name: s.proc.pid for name, s in zip(("counter", "edge nginx", "ledger"),
-                                                    self.services)
-                if s.proc is not None}
-
-
-# The reference: the same nginx binary proxying to the fast upstream with the edge's
-# connection settings (nginx/nginx.conf.in, the tokengate_vllm upstream of
-# tokengate-http.conf.in and the proxy directives of tokengate-location.conf.in), no
-# Lua module loaded: what nginx alone costs per request.
-PLAIN_NGINX_CONF = """worker_processes {workers};
-daemon off;
-pid {prefix}/nginx.pid;
-error_log stderr notice;
-events {{
-    worker_connections 4096;
-}}
-http {{
-    client_body_temp_path {prefix}/tmp/client_body;
-    proxy_temp_path {prefix}/tmp/proxy;
-    default_type application/octet-stream;
-    server_tokens off;
-    access_log off;
-    keepalive_timeout 75s;
-    upstream fast_upstream {{
-        server 127.0.0.1:{upstream_port};
-        keepalive 64;
-        keepalive_timeout 4s;
-        keepalive_requests 10000;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location /v1/ {{
-            client_max_body_size 64m;
-            client_body_buffer_size 16k;
-            proxy_pass http://fast_upstream;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_set_header Authorization "";
-            proxy_set_header Accept-Encoding "";
-            proxy_set_header X-Request-Id $request_id;
-            proxy_buffering off;
-            proxy_cache off;
-            gzip off;
-            proxy_connect_timeout 3s;
-            proxy_send_timeout 60s;
-            proxy_read_timeout 600s;
-        }}
-    }}
-}}
-"""
-
-
-def plain_nginx_service(upstream_port: int, workers: int) -> tuple[Service, int]:
-    """nginx with ``PLAIN_NGINX_CONF`` in front of the fast upstream: (service, port)."""
-    port = free_port()
-    prefix = (BENCH_VAR / "plain-nginx").resolve()
-    for d in ("tmp/client_body", "tmp/proxy"):
-        (prefix / d).mkdir(parents=True, exist_ok=True)
-    conf = prefix / "nginx.conf"
-    conf.write_text(PLAIN_NGINX_CONF.format(workers=workers, prefix=prefix, port=port,
-                                            upstream_port=upstream_port))
-    svc = Service("bench-plain-nginx", ["nginx", "-p", str(prefix), "-c", str(conf), "-e",
-                                        "stderr"], tcp_ready("127.0.0.1", port), {}, 20.0,
-                  cwd=devstack.ROOT, log_dir=devstack.VAR / "log")
-    return svc, port
 
 
 def _spec(name: str, url: str, cfg: tg_config.ModelConfig, opts: BenchOptions, *,
@@ -396,7 +186,7 @@ def run_bench(opts: BenchOptions, console: Console) -> dict[str, Any]:
     cfg = tg_config.load(devstack.ROOT / "tokengate.yaml").models
     model = next(iter(cfg.values()))
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "machine": _machine(), "options": vars(opts).copy(), "runs": {},
+                           "machine": machine(), "options": vars(opts).copy(), "runs": {},
                            "figures": {}}
     runs: dict[str, Any] = out["runs"]
     fig: dict[str, Any] = out["figures"]
@@ -526,7 +316,7 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
     console.print(f"  floor: encoding the cold run's prompts, µs per prompt: "
                   f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
                   f"{floor['hf_tokenizers_us']:,.0f}")
-    _paths(fig, cpu, floor, {path: runs[f"gateway no stream saturation{suffix}"]["valid"]
+    paths_cpu(fig, cpu, floor, {path: runs[f"gateway no stream saturation{suffix}"]["valid"]
                              for path, suffix in (("cold", ""), *((p, f", {p}") for p in warm))})
     # The edge's aims: the worse of streamed and not.
     edge_cpu, plain_rps = [], []
@@ -590,84 +380,6 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
     for name in ("added_p50_ms", "added_p99_ms", "added_ttft_p50_ms", "added_ttft_p99_ms"):
         vals = [e[name] for e in low if e.get(name) is not None and e["valid"]]
         fig[name] = max(vals) if vals else None
-
-
-def encode_floor_us(model: tg_config.ModelConfig, seed: int,
-                    opts: BenchOptions) -> dict[str, Any]:
-    """The tokenizer's part of the physical floor of a cold count: the prompts of seed
-    ``seed`` (``FLOOR_PROMPTS`` of them, ``opts.prompt_tokens`` each), rendered as
-    vLLM renders them, then encoded one by one in this process (CPU µs per prompt,
-    ``time.process_time``): by the counter's own exact encoder
-    (``PromptTokenizer.encode``: tiktoken where proven identical, else HF) and by HF
-    ``tokenizers`` (``Tokenizer.encode``, ``add_special_tokens=False``). ``encode_us``
-    is the cheaper of the two: no exact count can take less. Raises ``RuntimeError``
-    when the two disagree on a prompt's length."""
-    from tokengate.counter.tokenizer import PromptTokenizer
-    from tokenstorm.runner import prompt_builder
-
-    builder = prompt_builder(model.dir, model.name, "chat", seed)
-    texts = [builder.render_chat(builder.parts(i, opts.prompt_tokens)[1])
-             for i in range(FLOOR_PROMPTS)]
-    exact = PromptTokenizer.from_model_dir(model.dir, model.vocab)
-    out: dict[str, Any] = {"prompts": len(texts), "encoder": exact.backend}
-    lengths: dict[str, list[int]] = {}
-    for name, encode in (("encoder_us", exact.encode),
-                         ("hf_tokenizers_us",
-                          lambda t: builder.tokenizer.encode(t, add_special_tokens=False).ids)):
-        t0 = time.process_time()
-        lengths[name] = [len(encode(t)) for t in texts]
-        out[name] = round((time.process_time() - t0) / len(texts) * 1e6, 1)
-    if lengths["encoder_us"] != lengths["hf_tokenizers_us"]:
-        raise RuntimeError("the counter's encoder and HF tokenizers disagree on a prompt")
-    out["prompt_tokens"] = lengths["encoder_us"][0]
-    out["encode_us"] = min(out["encoder_us"], out["hf_tokenizers_us"])
-    return out
-
-
-# the gateway's runs of each path (no stream): the names of their CPU entries
-PATH_RUNS = {"cold": "gateway no stream", "next turn": "gateway no stream, next turn",
-             "identical resend": "gateway no stream, identical resend"}
-
-
-def _paths(fig: dict[str, Any], cpu: dict[str, dict[str, float]], floor: dict[str, Any],
-           valid: dict[str, bool]) -> None:
-    """``fig["paths"]``: each path's CPU per request at saturation by part (edge nginx,
-    counter, their sum: µs) and whether that run was valid (``valid``: by path); the
-    floor's total (encode + plain nginx's CPU per request, µs)."""
-    paths = fig.setdefault("paths", {})
-    for path, run in PATH_RUNS.items():
-        per = cpu.get(run, {})
-        edge, counter = per.get("edge nginx"), per.get("counter")
-        entry = paths.setdefault(path, {})
-        if edge is not None and counter is not None:
-            entry.update(edge_cpu_us=edge, counter_cpu_us=counter,
-                         gateway_cpu_us=round(edge + counter, 1),
-                         saturation_valid=valid.get(path, True))
-    plain = cpu.get("plain nginx no stream", {}).get("plain nginx")
-    if plain is not None:
-        floor["plain_nginx_us"] = plain
-        floor["total_us"] = round(floor["encode_us"] + plain, 1)
-
-
-def cold_floor_ratio(fig: dict[str, Any]) -> None:
-    """``cold_cpu_floor_ratio``: the cold path's gateway CPU per request (edge +
-    counter) over the floor's total, from its saturation run when that was valid, else
-    from its run at ``AIM_RATE`` when that was (idle wake-ups included: an upper
-    bound); ``cold_cpu_floor_source`` says which. Neither when no valid run measured it
-    (a loaded machine's counter that missed the edge's timeout at saturation makes the
-    edge estimate, and its CPU figures are no count's)."""
-    cold, floor = fig.get("paths", {}).get("cold", {}), fig.get("floor", {})
-    if "total_us" not in floor:
-        return
-    at = cold.get("cpu_us_at_rate", {})
-    if cold.get("saturation_valid") and "gateway_cpu_us" in cold:
-        us, source = cold["gateway_cpu_us"], "saturation"
-    elif cold.get("valid") and "edge nginx" in at and "counter" in at:
-        us, source = at["edge nginx"] + at["counter"], f"{cold['rate_rps']:g} req/s"
-    else:
-        return
-    fig["cold_cpu_floor_ratio"] = us / floor["total_us"]
-    fig["cold_cpu_floor_source"] = source
 
 
 def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
@@ -944,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
                         skip_gateway=a.skip_gateway, skip_tracing=a.skip_tracing,
                         same_prompts=a.same_prompts)
     console = Console(width=None if sys.stdout.isatty() else 110)
-    m = _machine()
+    m = machine()
     console.print(f"make bench: {m['cpus']} CPUs, load average {m['loadavg_before']} "
                   "(numbers are this machine's, loopback only)")
     t0 = time.monotonic()

@@ -1,0 +1,108 @@
+"""``make bench``'s cold and warm paths: a conversation's next turn (the warm path's
+prompts), the physical floor of a cold count (encode + plain nginx), each path's CPU per
+request by part and the cold path's ratio to the floor."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokengate import config as tg_config
+from tokenstorm.prompts import Sharing
+
+from tokengate_dev.bench.stack import BenchOptions
+
+# a next turn's history: the share of its prompt tokens in a system message that every
+# request of its tenant sends (seen before), the rest a new user message
+NEXT_TURN_HISTORY = 0.9
+NEXT_TURN_TENANTS = 8
+# prompts whose encoding is timed for the floor
+FLOOR_PROMPTS = 400
+
+
+def next_turn_sharing(prompt_tokens: int) -> Sharing:
+    """The warm path "a conversation's next turn": ``NEXT_TURN_TENANTS`` tenants each
+    with a system message of ``NEXT_TURN_HISTORY`` of the prompt (sent by every request
+    of the tenant: the counter's segment cache holds it after its first), and a user
+    message of words no other request has (one conversation in 2**20 per request)."""
+    return Sharing(tenants=NEXT_TURN_TENANTS,
+                   prefix_tokens=int(prompt_tokens * NEXT_TURN_HISTORY),
+                   conversations=1 << 20)
+
+
+def encode_floor_us(model: tg_config.ModelConfig, seed: int,
+                    opts: BenchOptions) -> dict[str, Any]:
+    """The tokenizer's part of the physical floor of a cold count: the prompts of seed
+    ``seed`` (``FLOOR_PROMPTS`` of them, ``opts.prompt_tokens`` each), rendered as
+    vLLM renders them, then encoded one by one in this process (CPU µs per prompt,
+    ``time.process_time``): by the counter's own exact encoder
+    (``PromptTokenizer.encode``: tiktoken where proven identical, else HF) and by HF
+    ``tokenizers`` (``Tokenizer.encode``, ``add_special_tokens=False``). ``encode_us``
+    is the cheaper of the two: no exact count can take less. Raises ``RuntimeError``
+    when the two disagree on a prompt's length."""
+    from tokengate.counter.tokenizer import PromptTokenizer
+    from tokenstorm.runner import prompt_builder
+
+    builder = prompt_builder(model.dir, model.name, "chat", seed)
+    texts = [builder.render_chat(builder.parts(i, opts.prompt_tokens)[1])
+             for i in range(FLOOR_PROMPTS)]
+    exact = PromptTokenizer.from_model_dir(model.dir, model.vocab)
+    out: dict[str, Any] = {"prompts": len(texts), "encoder": exact.backend}
+    lengths: dict[str, list[int]] = {}
+    for name, encode in (("encoder_us", exact.encode),
+                         ("hf_tokenizers_us",
+                          lambda t: builder.tokenizer.encode(t, add_special_tokens=False).ids)):
+        t0 = time.process_time()
+        lengths[name] = [len(encode(t)) for t in texts]
+        out[name] = round((time.process_time() - t0) / len(texts) * 1e6, 1)
+    if lengths["encoder_us"] != lengths["hf_tokenizers_us"]:
+        raise RuntimeError("the counter's encoder and HF tokenizers disagree on a prompt")
+    out["prompt_tokens"] = lengths["encoder_us"][0]
+    out["encode_us"] = min(out["encoder_us"], out["hf_tokenizers_us"])
+    return out
+
+
+# the gateway's runs of each path (no stream): the names of their CPU entries
+PATH_RUNS = {"cold": "gateway no stream", "next turn": "gateway no stream, next turn",
+             "identical resend": "gateway no stream, identical resend"}
+
+
+def paths_cpu(fig: dict[str, Any], cpu: dict[str, dict[str, float]], floor: dict[str, Any],
+           valid: dict[str, bool]) -> None:
+    """``fig["paths"]``: each path's CPU per request at saturation by part (edge nginx,
+    counter, their sum: µs) and whether that run was valid (``valid``: by path); the
+    floor's total (encode + plain nginx's CPU per request, µs)."""
+    paths = fig.setdefault("paths", {})
+    for path, run in PATH_RUNS.items():
+        per = cpu.get(run, {})
+        edge, counter = per.get("edge nginx"), per.get("counter")
+        entry = paths.setdefault(path, {})
+        if edge is not None and counter is not None:
+            entry.update(edge_cpu_us=edge, counter_cpu_us=counter,
+                         gateway_cpu_us=round(edge + counter, 1),
+                         saturation_valid=valid.get(path, True))
+    plain = cpu.get("plain nginx no stream", {}).get("plain nginx")
+    if plain is not None:
+        floor["plain_nginx_us"] = plain
+        floor["total_us"] = round(floor["encode_us"] + plain, 1)
+
+
+def cold_floor_ratio(fig: dict[str, Any]) -> None:
+    """``cold_cpu_floor_ratio``: the cold path's gateway CPU per request (edge +
+    counter) over the floor's total, from its saturation run when that was valid, else
+    from its run at ``AIM_RATE`` when that was (idle wake-ups included: an upper
+    bound); ``cold_cpu_floor_source`` says which. Neither when no valid run measured it
+    (a loaded machine's counter that missed the edge's timeout at saturation makes the
+    edge estimate, and its CPU figures are no count's)."""
+    cold, floor = fig.get("paths", {}).get("cold", {}), fig.get("floor", {})
+    if "total_us" not in floor:
+        return
+    at = cold.get("cpu_us_at_rate", {})
+    if cold.get("saturation_valid") and "gateway_cpu_us" in cold:
+        us, source = cold["gateway_cpu_us"], "saturation"
+    elif cold.get("valid") and "edge nginx" in at and "counter" in at:
+        us, source = at["edge nginx"] + at["counter"], f"{cold['rate_rps']:g} req/s"
+    else:
+        return
+    fig["cold_cpu_floor_ratio"] = us / floor["total_us"]
+    fig["cold_cpu_floor_source"] = source
