@@ -14,6 +14,8 @@
 -- only splits keys. Label values come from the configuration (key ids, model and
 -- replica names) or from fixed sets, never from the client: the number of series is
 -- bounded by the configuration (NONE stands for "no key", "no model" and "unknown").
+-- (Over 600 lines: the families, their per-worker label memos and both views read one
+-- entry format, so they stay in one module.)
 
 local ngx = ngx
 local json = require "tokengate.json"

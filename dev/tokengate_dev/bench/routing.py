@@ -1,5 +1,7 @@
 """``make bench-routing``: the edge's replica choice (``models.<name>.routing``) measured
 side by side, on simulated GPU replicas at scale and on two vLLM CPU replicas.
+(Over 600 lines: both sections run the same policies, workloads and report over one
+gateway builder, so they stay in one module.)
 
 Every policy gets the same seeded, open-loop, streaming TokenStorm workload through the
 real gateway (the counter and the nginx edge, as ``make run`` starts them):
