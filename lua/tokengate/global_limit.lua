@@ -31,7 +31,9 @@ local metrics = require "tokengate.metrics"
 local budget = require "tokengate.budget"
 
 local timer_at = ngx.timer.at
+local ngx_now = ngx.now
 local ngx_log = ngx.log
+local format = string.format
 local ERR = ngx.ERR
 local WARN = ngx.WARN
 local pcall = pcall
@@ -57,6 +59,9 @@ local FALLBACK = { backoff = "backoff", down = "down", timeout = "timeout",
                    unavailable = "unavailable", status = "error", error = "error" }
 
 local client -- tokengate.sidecar client of the limits sidecar
+local shared -- the breaker's shared dict: also the settlements' failures (FAILING)
+-- keys in shared: the time the settlements began to fail, and how many have failed since
+local FAILING, FAILED = "settle_failing", "settle_failed"
 
 -- init_worker(edge, hop_address, dict) -> true | nil, err. edge: the compiled edge section
 -- (global_limits_timeout_ms, global_limits_backoff_ms); hop_address: the hop server;
@@ -65,6 +70,7 @@ function _M.init_worker(edge, hop_address, dict)
     local err
     client, err = sidecar.new("limits", hop_address, edge.global_limits_timeout_ms,
         edge.global_limits_backoff_ms, dict)
+    shared = dict
     return client ~= nil, err
 end
 
@@ -174,6 +180,34 @@ end
 local queue, paths, qhead, qtail = {}, {}, 1, 0
 local running = 0 -- drainer timers alive in this worker
 
+-- settle_failed(why): one settlement was not made. Logged once per run of failures (a
+-- limits or Redis outage fails every settlement until it ends: one line each made
+-- hundreds), whichever worker saw the first; counted in shared until settle_made.
+local function settle_failed(why)
+    metrics.incr("global_settle_failed")
+    shared:incr(FAILED, 1, 0)
+    -- add() is atomic across workers: the first failure of a run logs it
+    if shared:add(FAILING, ngx_now()) then
+        ngx_log(WARN, "tokengate: global limits settlements failing (", why, "): their "
+            .. "reservations stay until their window passes, the budgets' until the "
+            .. "ledger settles them; counted and logged when one is made again")
+    end
+end
+
+-- settle_made(): one settlement was made; ends a run of failures, logged once with how
+-- many failed (the run's start time names it, and add() lets one worker log it).
+local function settle_made()
+    metrics.incr("global_settled")
+    local since = shared:get(FAILING)
+    if since and shared:add(FAILING .. ":over:" .. since, true, 60) then
+        local failed = shared:get(FAILED) or 0
+        shared:delete(FAILED)
+        shared:delete(FAILING)
+        ngx_log(WARN, "tokengate: global limits settlements made again; ", failed,
+            " failed over ", format("%.1f", ngx_now() - since), " s")
+    end
+end
+
 -- drain(): timer handler; sends queued settlements until the queue is empty (also when
 -- the worker is exiting: a settlement sent late still corrects the shared window).
 local function drain()
@@ -184,11 +218,9 @@ local function drain()
             qhead = qhead + 1
             local reply, failure = client:call(path, msg)
             if reply and SETTLED[path](reply) then
-                metrics.incr("global_settled")
+                settle_made()
             else
-                metrics.incr("global_settle_failed")
-                ngx_log(WARN, "tokengate: global limits settle failed: ",
-                    failure and failure.message or "bad reply")
+                settle_failed(failure and failure.message or "bad reply")
             end
         end
     end)

@@ -98,11 +98,29 @@ function _M.init(path, hop, counter)
     end
 end
 
+-- timer_watcher(): the handler of the timer every worker starts in init_worker. A
+-- worker's first ngx.timer makes ngx_lua's timer watcher, a fake connection (fd -2) that
+-- nginx closes when the worker is told to shut down (the pending timers then run
+-- prematurely). The first timer of a worker made after that, as a settlement's drain in
+-- the log phase of a request the worker still serves (the workers other than 0 start no
+-- timer of their own), makes a watcher nothing closes: the worker exits with "[alert]
+-- *0 open socket #-2 left in connection N" and "aborting" (seen on workers told to shut
+-- down a second after a reload started them). ngx_lua makes the watcher once per worker
+-- (ngx_http_lua_timer.c, ngx_http_lua_ngx_timer_helper: lmcf->watcher), so one made now
+-- serves the worker's whole life.
+local function timer_watcher()
+end
+
 -- init_worker(): per-worker state: the counter client and its cache, the limit tiers,
--- the status counters.
+-- the status counters; ngx_lua's timer watcher (timer_watcher).
 function _M.init_worker()
     local doc = config.get()
-    local ok, err = count.init_worker(doc.edge, counter_sockets, ngx.shared[DICT])
+    local ok, err = ngx.timer.at(0, timer_watcher)
+    if ok then
+        ok, err = count.init_worker(doc.edge, counter_sockets, ngx.shared[DICT])
+    else
+        err = "timer watcher: " .. err
+    end
     if ok then
         ok, err = limits.init_worker(doc, hop_address, DICT)
     end

@@ -120,10 +120,9 @@ function _M.frames(name, sockets, timeout_ms, backoff_ms, dict)
         if sub(sockets[i], 1, 5) ~= "unix:" then
             return nil, "sidecar " .. name .. ": not a unix socket: " .. tostring(sockets[i])
         end
-        -- ok: answered since its last failure (connect() then skips the file check)
         peers[i] = { host = sockets[i], file = sub(sockets[i], 6),
                      pool = "tokengate_frames:" .. sockets[i], busy = 0, changed = 0,
-                     down_until = 0, ok = false }
+                     down_until = 0 }
     end
     return setmetatable({
         name = name, peers = peers, turn = 0, timeout_ms = timeout_ms,
@@ -228,12 +227,15 @@ end
 -- hop server: self; a counter socket: one of self.peers), each step of the call within
 -- timeout_ms (default self.timeout_ms)
 local function connect(self, peer, timeout_ms)
-    if peer.file and not peer.ok then
+    if peer.file then
         -- nginx logs a connect() to a unix socket file that is not there at [crit],
         -- whatever lua_socket_log_errors says (a counter worker removes its socket when
-        -- it stops and publishes the next one once its models are loaded): look first.
-        -- Only for a peer that has not answered since its last failure: pooled calls
-        -- cost no system call.
+        -- it stops and publishes the next one once its models are loaded): look first,
+        -- before every connect. Whether this one takes a pooled connection or makes a
+        -- new one is not known beforehand: nginx drops a pooled connection silently once
+        -- the counter closes it, and a peer that answered a moment ago then met the
+        -- removed file (one [crit] line per nginx worker and counter socket for each
+        -- counter restart). The look is one open() failing with ENXIO (a socket).
         local f, _, errno = io_open(peer.file, "rb")
         if f then
             f:close()
@@ -384,7 +386,6 @@ local function attempt(self, peer, frame, timeout_ms)
         local status, payload = exchange_frames(sock, frame)
         if not status and payload ~= "timeout" and sock:getreusedtimes() > 0 then
             sock:close()
-            peer.ok = false
             sock, err = connect(self, peer, timeout_ms)
             if sock then
                 status, payload = exchange_frames(sock, frame)
@@ -393,15 +394,12 @@ local function attempt(self, peer, frame, timeout_ms)
         if sock then
             if not status then
                 sock:close()
-                peer.ok = false
                 return nil, payload
             end
-            peer.ok = true
             release(sock)
             return status, payload
         end
     end
-    peer.ok = false
     peer.down_until = ngx_now() + DOWN_S
     return nil, "connect: " .. tostring(err)
 end

@@ -23,8 +23,9 @@ import httpx
 import openai
 import pytest
 from tokengate.tools import compile_config
+from tokengate_dev import devstack
 
-from tests.conftest import MODEL, VLLM_PORT, key_digest
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT, key_digest
 from tests.fixtures_edge import (
     EDGE_DIR,
     KEYS,
@@ -134,6 +135,43 @@ def test_a_counter_outage_is_one_error_log_line_and_one_when_it_is_back(
     assert (log.count("[crit]"), log.count("counter unavailable"),
             log.count("counter answers again")) == (0, 1, 1), log[-3000:]
     assert "counter unavailable (down: connect: " in log
+
+
+def test_a_counter_killed_under_traffic_is_one_outage_line_and_no_crit_connect(
+        edge_variant_off_vllm: Callable[..., Edge], fast_upstream_url: str,
+        config_path: Path) -> None:
+    """A soak's counter kills wrote "[crit] connect() to unix:...counter.sock.N failed (2:
+    No such file or directory)", 7 and 10 lines over 3 kills: a counter socket that had
+    answered was connected to without a look for its file once nginx had dropped its
+    pooled connections. The real counter here, killed (SIGKILL) and its workers stopped
+    (their sockets withdrawn) as the supervisor does, then started again."""
+    def probe_each_request(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+        raw["edge"]["counter_backoff_ms"] = 0  # no breaker: every request tries the counter
+    sock = TEST_DIR / "killed-counter.sock"
+    counter = devstack.counter_service(config_path, port=free_port(), unix_socket=sock,
+                                       workers=2, name=f"test-counter-killed{PORT_OFFSET or ''}")
+    counter.start()
+    try:
+        e = edge_variant_off_vllm("counter-killed", probe_each_request, counter_socket=sock)
+        before = [post(e, chat(f"before {i}")) for i in range(16)]
+        assert {r.headers["x-token-count-source"] for r in before} == {"counter"}
+        assert counter.proc is not None
+        os.kill(counter.proc.pid, signal.SIGKILL)
+        counter.proc.wait(30)
+        counter.stop()  # its workers: SIGTERM, they withdraw their sockets
+        assert not any(sock.parent.glob(f"{sock.name}.*"))
+        down = [post(e, chat(f"down {i}")) for i in range(16)]
+        assert {r.headers["x-token-count-source"] for r in down} == {"estimate"}
+        counter.start()
+        back = [post(e, chat(f"back {i}")) for i in range(4)]
+        assert {r.headers["x-token-count-source"] for r in back} == {"counter"}
+    finally:
+        counter.stop()
+    log = e.log_path.read_text()
+    assert (log.count("[crit]"), log.count("counter unavailable"),
+            log.count("counter answers again")) == (0, 1, 1), log[-3000:]
 
 
 @pytest.mark.parametrize("death", ["refuses", "dies with the call"])

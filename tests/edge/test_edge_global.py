@@ -886,6 +886,89 @@ def test_a_settlement_lost_to_an_outage_is_made_once_by_the_ledger(
         r.close()
 
 
+def test_settlements_failing_through_a_redis_outage_are_two_log_lines_with_a_count(
+        config_path: Path, counter_addr: str, upstream_hostport: str,
+        private_redis: Callable[..., Any]) -> None:
+    """A soak wrote one [warn] "global limits settle failed" per settlement while Redis
+    or the limits sidecar was down, about 300 a run. Redis killed here, requests that the
+    edge's budget counters admit meanwhile (each budget settlement fails), then Redis
+    started again: one line when settlements begin to fail, one with their count when
+    one is made again."""
+    _key_id, key, _spend = BUDGET_KEY
+    with make_stack("gl-settle-outage", config_path, upstream_hostport,
+                    private_redis) as st:
+        assert post(st.edge, key).headers["x-tokengate-limits"] == "global"
+        wait_until(lambda: status(st.edge)["global_settled"] >= 1, 10,
+                   what="the first request's budget settlement")
+        st.redis.kill()
+        down = [post(st.edge, key, max_tokens=4) for _ in range(8)]
+        assert {r.status_code for r in down} == {200}
+        wait_until(lambda: status(st.edge)["global_settle_failed"] == 8, 10,
+                   what="the settlements failed")
+        st.redis.start()
+        probe = GLOBAL_KEYS["gl-settle"][0]  # max_tokens 300: its settlement is sent
+        wait_until(lambda: post(st.edge, probe, max_tokens=300)
+                   .headers["x-tokengate-limits"] == "global", 20, step_s=0.2,
+                   what="the global tier back")
+        wait_until(lambda: "settlements made again" in st.edge.log_path.read_text(), 10,
+                   what="the line of the settlements made again")
+        log = st.edge.log_path.read_text()
+    assert "settle failed" not in log
+    assert log.count("global limits settlements failing (") == 1, log[-3000:]
+    assert log.count("global limits settlements made again; 8 failed over ") == 1, \
+        log[-3000:]
+
+
+def test_workers_told_to_stop_right_after_a_reload_exit_without_an_alert(
+        config_path: Path, counter_addr: str, slow_upstream_url: str,
+        private_redis: Callable[..., Any]) -> None:
+    """The key commands reload nginx a second or two apart: in a soak a worker told to
+    shut down a second after a reload started it exited with "[alert] *0 open socket #-2
+    left in connection N" and "[alert] aborting". Its requests still in flight made its
+    first ngx.timer (a settlement's) after the shutdown began, and the timer watcher that
+    made (fd -2) was never closed. Requests that take 0.6 s and settle (max_tokens 300
+    above the output reserve of 256) from six clients, through three pairs of reloads."""
+    upstream = slow_upstream_url.removeprefix("http://").removesuffix("/v1")
+    key = GLOBAL_KEYS["gl-settle"][0]
+    with make_stack("gl-reloads", config_path, upstream, private_redis) as st:
+        master = int((EDGE_DIR / "gl-reloads" / "nginx.pid").read_text())
+
+        def workers() -> set[int]:
+            return {int(p) for p in
+                    Path(f"/proc/{master}/task/{master}/children").read_text().split()}
+        stop = threading.Event()
+        answered: list[int] = []
+
+        def client() -> None:
+            while not stop.is_set():
+                answered.append(post(st.edge, key, max_tokens=300).status_code)
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(3):
+                first = workers()
+                for _ in range(2):
+                    old = workers()
+                    os.kill(master, signal.SIGHUP)
+                    wait_until(lambda: bool(workers() - old), 30, step_s=0.05,  # noqa: B023
+                               what="the reload's workers")
+                    # the new workers serve: 12 answers (2 s of requests) after they began
+                    seen = len(answered)
+                    wait_until(lambda: len(answered) >= seen + 12, 30, step_s=0.05,  # noqa: B023
+                               what="answers from the new workers")
+                wait_until(lambda: not workers() & first, 30, step_s=0.05,  # noqa: B023
+                           what="the old workers gone")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        wait_until(lambda: len(workers()) == 2, 30, step_s=0.05, what="only the last workers")
+        log = st.edge.log_path.read_text()
+    assert set(answered) == {200}
+    assert "[alert]" not in log, log[-3000:]
+
+
 def test_make_run_starts_the_limits_sidecar_only_when_enabled(
         config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the edge and ledger builders write under var/run (a running `make run`'s files)

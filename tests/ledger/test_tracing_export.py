@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,64 @@ def test_spans_queued_when_the_ledger_is_killed_are_counted_lost_at_its_restart(
         silent.close()
         if rx is not None:
             rx.stop()
+
+
+def test_span_counts_sent_while_redis_stalls_are_counted_once(
+        ledger_config_path: Path, private_redis: Callable[..., Any],
+        tmp_path: Path) -> None:
+    """A soak's span counts broke by 2 (exported + lost above traced): an increment timed
+    out while Redis was stopped (SIGSTOP), Redis ran it once it went on, and the ledger
+    sent it again. Here the collector takes the connection and never answers, so the
+    spans of five events are counted lost (export_failed) while Redis is stopped."""
+    import os
+    import signal
+    import socket
+
+    r = private_redis()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", free_port(PORTS)))
+    silent.listen(16)  # connections complete in the backlog; nothing is ever read
+    metrics_port = free_port(range(silent.getsockname()[1] + 1, PORTS.stop))
+    cfg = ledger_config(ledger_config_path, tmp_path / "tokengate.yaml",
+                        f"http://127.0.0.1:{silent.getsockname()[1]}", "http/protobuf",
+                        metrics_port)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["tracing"]["timeout_s"] = 3  # the export gives up on the silent collector
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    usage = tmp_path / "usage.jsonl"
+    writer = UsageWriter(usage)
+
+    def write(n: int) -> None:
+        for _ in range(n):
+            rid = f"{random.getrandbits(128):032x}"
+            writer.write(make_event(request_id=rid, trace=trace_of(rid)))  # 2 spans each
+    write(5)
+    name = svc_name("test-ledger-trace-stall")
+    svc = devstack.ledger_service(cfg, usage, r.url, ledger_id=name, name=name)
+    svc.log_path.unlink(missing_ok=True)
+    svc.start()
+    counts = r.client()
+    try:
+        wait_until(lambda: status(name)["applied"] == 5, timeout_s=20)
+        wait_until(lambda: scrape(metrics_port).get("tokengate_trace_spans_queued", 0) == 0,
+                   timeout_s=20, what="the batch taken by the export")
+        assert r.svc is not None and r.svc.proc is not None
+        os.kill(r.svc.proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "span counts not stored yet" in svc.log_path.read_text(),
+                       timeout_s=30, what="the lost spans' count timed out")
+        finally:
+            os.kill(r.svc.proc.pid, signal.SIGCONT)
+        write(1)  # its spans' count sends the kept one again
+        key = f"tg:{{ledger}}:spans:{name}"
+
+        def accounted() -> bool:
+            h = counts.hgetall(key)
+            return int(h.get("traced", 0)) == 12 and int(h.get("lost:export_failed", 0)) >= 12
+        wait_until(accounted, timeout_s=30, what="the spans of six events counted")
+        h = counts.hgetall(key)
+        assert (h["traced"], h["lost:export_failed"], h.get("exported")) == ("12", "12", None)
+    finally:
+        counts.close()
+        svc.stop()
+        silent.close()

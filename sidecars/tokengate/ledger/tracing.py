@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -264,6 +265,41 @@ def span_count(ev: UsageEvent) -> int:
 LOST_REASONS = ("queue_full", "export_failed", "shutdown", "killed")
 
 
+# SpanStore's increments, applied once: KEYS[1] the spans hash; ARGV[1] the batch's id,
+# then field, n pairs. A batch whose id is the hash's last ("batch") was applied already:
+# its first sending timed out and Redis ran it anyway (a stall), or the client's own
+# retry sent it twice. Returns 1 when applied, 0 when it had been.
+ADD_LUA = """
+if redis.call('HGET', KEYS[1], 'batch') == ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'batch', ARGV[1])
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
+
+# recover's count of the spans of earlier processes left unaccounted (lost:killed), in
+# one step with its read: a retry after a timeout counts nothing twice. KEYS[1] the spans
+# hash; ARGV: the lost reasons. Returns [exported, lost of each reason in ARGV's order].
+RECOVER_LUA = """
+local h = KEYS[1]
+local exported = tonumber(redis.call('HGET', h, 'exported') or '0')
+local counted = exported
+local lost = {}
+for i = 1, #ARGV do
+  lost[i] = tonumber(redis.call('HGET', h, 'lost:' .. ARGV[i]) or '0')
+  counted = counted + lost[i]
+end
+local killed = tonumber(redis.call('HGET', h, 'traced') or '0') - counted
+if killed > 0 then
+  redis.call('HINCRBY', h, 'lost:killed', killed)
+end
+return {exported, killed, unpack(lost)}
+"""
+
+
 class SpanStore:
     """The span counts of one ledger (``ledger_id``) in Redis (``redis_keys.spans_key``:
     ``traced``, ``exported``, ``lost:<reason>``), so that exported + lost == traced holds
@@ -273,25 +309,34 @@ class SpanStore:
     ``recover()``, at the next start, counts the difference as ``lost:killed``. What
     remains uncounted is a batch whose process died between its commit and ``add`` (one
     Redis round trip). Increments are sent only after ``recover()`` (else the spans
-    queued now would be counted killed) and kept while Redis does not take them."""
+    queued now would be counted killed) and kept while Redis does not take them.
+
+    Each increment is sent as a batch with a random id (``ADD_LUA``), sent again with the
+    same id until Redis answers, and applied once: a batch that timed out while Redis was
+    stopped (SIGSTOP) ran once Redis went on, and sending its counts again counted them
+    twice (exported + lost two above traced in a soak). The hash's ``batch`` field holds
+    the last batch applied."""
 
     def __init__(self, client: SyncRedis, ledger_id: str) -> None:
         self.client = client
         self.key = spans_key(ledger_id)
         self.recovered = False
         self._pending: dict[str, int] = {}
+        # (id, counts): the batch being sent, or sent without an answer (resent as it is)
+        self._batch: tuple[int, dict[str, int]] | None = None
         self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        self._add = client.register_script(ADD_LUA)
+        self._recover = client.register_script(RECOVER_LUA)
 
     def recover(self) -> tuple[int, dict[str, int]]:
         """(exported, lost by reason) of this ledger's earlier processes, the spans they
         traced and left unaccounted added to ``lost["killed"]``; then increments flow.
         Raises ``RedisError`` (try again later)."""
-        h = self.client.hgetall(self.key)
-        exported = int(h.get("exported", 0))
-        lost = {r: int(h.get(f"lost:{r}", 0)) for r in LOST_REASONS}
-        killed = int(h.get("traced", 0)) - exported - sum(lost.values())
+        exported, killed, *counts = (int(x) for x in
+                                     self._recover(keys=[self.key], args=LOST_REASONS))
+        lost = dict(zip(LOST_REASONS, counts, strict=True))
         if killed > 0:
-            self.client.hincrby(self.key, "lost:killed", killed)
             lost["killed"] += killed
             log.warning("tracing: %d span(s) of events applied by the previous ledger process "
                         "were neither exported nor counted lost (it was killed): counted "
@@ -302,24 +347,41 @@ class SpanStore:
 
     def add(self, counts: dict[str, int]) -> None:
         """Add ``counts`` (field -> spans) in Redis, with what an earlier call could not
-        send; never raises (kept for the next call when Redis fails)."""
+        send; never raises (kept for the next call when Redis fails). Of calls from
+        several threads at once one sends, and also what the others added meanwhile."""
         with self._lock:
             for field, n in counts.items():
                 if n:
                     self._pending[field] = self._pending.get(field, 0) + n
-            if not self.recovered or not self._pending:
-                return
-            pending, self._pending = self._pending, {}
-        try:
-            pipe = self.client.pipeline(transaction=True)
-            for field, n in pending.items():
-                pipe.hincrby(self.key, field, n)
-            pipe.execute()
-        except (RedisError, OSError) as e:
-            log.info("tracing: span counts not stored yet (%s)", e)
+        while self.recovered and self._sending.acquire(blocking=False):
+            try:
+                sent = self._send()
+            finally:
+                self._sending.release()
+            with self._lock:  # counts added while this call sent, by a call that left
+                if not sent or not self._pending:
+                    return
+
+    def _send(self) -> bool:
+        """Sends the batch under way, then the pending counts as new batches, until none
+        is left (True) or Redis failed (False: the batch is kept, with its id)."""
+        while True:
             with self._lock:
-                for field, n in pending.items():
-                    self._pending[field] = self._pending.get(field, 0) + n
+                if self._batch is None and self._pending:
+                    self._batch = (random.getrandbits(62) + 1, self._pending)
+                    self._pending = {}
+                batch = self._batch
+            if batch is None:
+                return True
+            batch_id, fields = batch
+            try:
+                self._add(keys=[self.key],
+                          args=[batch_id, *(x for pair in fields.items() for x in pair)])
+            except (RedisError, OSError) as e:
+                log.info("tracing: span counts not stored yet (%s)", e)
+                return False
+            with self._lock:
+                self._batch = None
 
 
 class SpanExport:
