@@ -241,7 +241,8 @@ end
 -- wording: words is API_WORDS (the default: "field: must be ...", as vLLM's own
 -- messages read) or OPENAI_WORDS ("'field' must be ...", OpenAI's chat and
 -- completions).
---   api_model(body) -> true | nil, err (400): the model is a string;
+--   api_model(body) -> true | nil, err (400): the model is a string (missing or null:
+--     missing_required_parameter; another type: invalid_type, as pydantic words it);
 --   api_bool(body, name, words) -> true | nil, err (400): body[name] is a boolean, null
 --     or absent;
 --   api_string(body, name) -> true | nil, err (400): body[name] is a string, null or
@@ -261,9 +262,13 @@ _M.OPENAI_WORDS = {
 }
 
 function _M.api_model(body)
-    if type(body.model) ~= "string" then
+    local model = body.model
+    if model == nil or model == null then
         return fail(400, "model: Field required (a string)", "model",
             "missing_required_parameter")
+    end
+    if type(model) ~= "string" then
+        return fail(400, "model: Input should be a valid string", "model", "invalid_type")
     end
     return true
 end

@@ -1,7 +1,9 @@
--- Unauthenticated probes on the API listener (no key, no usage event, no limits):
---   GET /healthz  liveness: this nginx worker runs the edge's Lua
---   GET /readyz   readiness for a load balancer: the counter and every model ready
---   GET|HEAD /health  what vLLM answers and vLLM-aware tools (guidellm, benchmark
+-- Unauthenticated probes on the API listener (no key, no usage event, no limits), each
+-- answering GET and HEAD (HEAD: the headers only) and any other method 405 with
+-- Allow: GET, HEAD:
+--   /healthz  liveness: this nginx worker runs the edge's Lua
+--   /readyz   readiness for a load balancer: the counter and every model ready
+--   /health   what vLLM answers and vLLM-aware tools (guidellm, benchmark
 --                 harnesses) probe before they start: 200 while some model has a
 --                 ready replica
 -- A replica is ready when it is not ejected (tokengate.upstream.is_out) and, with health
@@ -29,6 +31,23 @@ local function refusal(status, message, code, headers)
     json.set(e, "param", json.null)
     json.set(e, "code", code)
     return e, headers
+end
+
+-- not_get(object, path) -> true when the request's method is neither GET nor HEAD, and
+-- answered: 405 with Allow: GET, HEAD, the probe's object with status "error" and an
+-- error in OpenAI's shape (code method_not_allowed); false otherwise.
+local function not_get(object, path)
+    local method = ngx.req.get_method()
+    if method == "GET" or method == "HEAD" then
+        return false
+    end
+    local o = json.object()
+    json.set(o, "object", object)
+    json.set(o, "status", "error")
+    json.set(o, "error", refusal(405, "Method not allowed: use GET " .. path .. " or HEAD "
+        .. path, "method_not_allowed"))
+    answer(405, json.encode(o), { Allow = "GET, HEAD" })
+    return true
 end
 
 -- model_names(doc) -> the configured model names, sorted
@@ -65,8 +84,12 @@ local function replicas(doc, names)
     return ms, none
 end
 
--- healthz(): GET /healthz (liveness): 200 {"object": "health", "status": "ok"}.
+-- healthz(): GET /healthz (liveness): 200 {"object": "health", "status": "ok"}; another
+-- method than GET or HEAD: 405 (not_get).
 function _M.healthz()
+    if not_get("health", "/healthz") then
+        return
+    end
     return answer(200, '{"object":"health","status":"ok"}')
 end
 
@@ -76,17 +99,13 @@ end
 -- {"replicas": n, "healthy_replicas": n}}}; 503 {"..., "status": "unavailable",
 -- "error": {message, type = "server_error", param, code = "no_ready_replica"}} when no
 -- model has one. The counter is not asked: without it requests are still served, on
--- estimates. Another method: 405 with Allow: GET, HEAD (HEAD gets the headers only).
+-- estimates. Another method: 405 (not_get).
 function _M.health()
-    local method = ngx.req.get_method()
+    if not_get("health", "/health") then
+        return
+    end
     local o = json.object()
     json.set(o, "object", "health")
-    if method ~= "GET" and method ~= "HEAD" then
-        json.set(o, "status", "error")
-        json.set(o, "error", refusal(405, "Method not allowed: use GET /health or HEAD "
-            .. "/health", "method_not_allowed"))
-        return answer(405, json.encode(o), { Allow = "GET, HEAD" })
-    end
     local doc = config.get()
     local names = model_names(doc)
     local ms, none = replicas(doc, names)
@@ -104,13 +123,17 @@ end
 -- readyz(): GET /readyz (readiness, for a load balancer): 200 when the configuration is
 -- loaded, the counter answers a one-token count (a real call through the hop, never the
 -- edge's cache of answers; a counter in backoff after a failure is not asked) and every
--- model has a ready replica; else 503 in OpenAI's error shape naming what is not ready.
+-- model has a ready replica; else 503 in OpenAI's error shape naming what is not ready;
+-- another method than GET or HEAD: 405 (not_get).
 -- Both bodies list the checks:
 --   {"object": "readiness", "status": "ready" | "not_ready", "config": "ok",
 --    "counter": "ok" | "<reason>", "models": {"<model>": {"replicas": n,
 --    "healthy_replicas": n}}}
 -- and the 503 adds "error": {message, type, param, code = "not_ready"}.
 function _M.readyz()
+    if not_get("readiness", "/readyz") then
+        return
+    end
     local doc = config.get()
     local o = json.object()
     json.set(o, "object", "readiness")

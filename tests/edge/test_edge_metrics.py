@@ -225,6 +225,16 @@ def test_healthz_and_readyz_answer_without_a_key(
     assert r.json() == {"object": "readiness", "status": "ready", "config": "ok",
                         "counter": "ok",
                         "models": {MODEL: {"replicas": 1, "healthy_replicas": 1}}}
+    # a probe is read, never written: another method than GET or HEAD is refused
+    for path, obj in (("/healthz", "health"), ("/readyz", "readiness")):
+        r = httpx.head(f"http://127.0.0.1:{e.port}{path}", timeout=10)
+        assert (r.status_code, r.content) == (200, b"")
+        r = httpx.post(f"http://127.0.0.1:{e.port}{path}", json={}, timeout=10)
+        assert (r.status_code, r.headers["allow"], r.json()) == (405, "GET, HEAD", {
+            "object": obj, "status": "error", "error": {
+                "message": f"Method not allowed: use GET {path} or HEAD {path}",
+                "type": "invalid_request_error", "param": None,
+                "code": "method_not_allowed"}})
     assert not e.events()  # no usage event
 
 

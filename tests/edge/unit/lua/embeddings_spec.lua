@@ -68,6 +68,7 @@ end)
 
 case("bad inputs are refused naming the field", function()
     eq(validate('{"input":"x"}'), { 400, "missing_required_parameter", "model" })
+    eq(validate('{"model":5,"input":"x"}'), { 400, "invalid_type", "model" })
     eq(validate('{"model":"e"}'), { 400, "missing_required_parameter", "input" })
     eq(validate('{"model":"e","input":null}'), { 400, "missing_required_parameter", "input" })
     eq(validate('{"model":"e","input":5}'), { 400, "invalid_type", "input" })

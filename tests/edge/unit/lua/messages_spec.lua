@@ -45,8 +45,13 @@ case("max_tokens is required on /v1/messages only, an integer >= 1", function()
 end)
 
 case("the shapes the edge reads are checked, naming the field", function()
-    eq(validate("messages", '{"model":1,"max_tokens":5,"messages":[]}'),
+    eq(validate("messages", '{"max_tokens":5,"messages":[]}'),
         { 400, "missing_required_parameter", "model" })
+    eq(validate("messages", '{"model":null,"max_tokens":5,"messages":[]}'),
+        { 400, "missing_required_parameter", "model" })
+    -- present but not a string: a wrong type, not a missing field
+    eq(validate("messages", '{"model":1,"max_tokens":5,"messages":[]}'),
+        { 400, "invalid_type", "model" })
     eq(validate("messages", '{"model":"m","max_tokens":5,"messages":{}}'),
         { 400, "invalid_type", "messages" })
     eq(validate("messages", '{"model":"m","max_tokens":5,"messages":[{"role":"user"}]}'),
