@@ -3,6 +3,8 @@ made at random (kill -9, Redis stopped, stalled and restarted, reloads, key comm
 then the invariants that must hold whatever happened (``soak_invariants``), each printed
 with its figures. The last line reads ``soak: N of M invariants held``; the exit status
 is 0 only when all held.
+(Over 600 lines: one driver whose stack, fault runner and collectors share the stack's
+handles, its ports and the run's clock; the checks are in ``soak_invariants``.)
 
 The stack is the one ``make run`` starts (``devstack``'s builders), on ports and in a
 folder of its own (``var/bench-soak``, emptied first), every feature on: global limits

@@ -1,5 +1,7 @@
 """The invariants ``make soak`` checks once its faults are over and the stack has settled:
 what must hold whatever was killed, stalled or reloaded meanwhile.
+(Over 600 lines: eleven short checks over one ``SoakData`` and its fault timeline,
+proven together by tests/storm/test_soak_invariants.py.)
 
 Everything here is a pure function of what the soak collected (``SoakData``): TokenStorm's
 per-request records, the edge's usage events, the ledger's bills (its audit stream), the
