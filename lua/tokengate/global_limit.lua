@@ -29,9 +29,9 @@ local pb = require "tokengate.pb"
 local sidecar = require "tokengate.sidecar"
 local metrics = require "tokengate.metrics"
 local budget = require "tokengate.budget"
+local shdict = require "tokengate.shdict"
 
 local timer_at = ngx.timer.at
-local ngx_now = ngx.now
 local ngx_log = ngx.log
 local format = string.format
 local ERR = ngx.ERR
@@ -186,8 +186,7 @@ local running = 0 -- drainer timers alive in this worker
 local function settle_failed(why)
     metrics.incr("global_settle_failed")
     shared:incr(FAILED, 1, 0)
-    -- add() is atomic across workers: the first failure of a run logs it
-    if shared:add(FAILING, ngx_now()) then
+    if shdict.run_began(shared, FAILING) then
         ngx_log(WARN, "tokengate: global limits settlements failing (", why, "): their "
             .. "reservations stay until their window passes, the budgets' until the "
             .. "ledger settles them; counted and logged when one is made again")
@@ -195,16 +194,15 @@ local function settle_failed(why)
 end
 
 -- settle_made(): one settlement was made; ends a run of failures, logged once with how
--- many failed (the run's start time names it, and add() lets one worker log it).
+-- many failed (shdict.run_over: one worker logs it).
 local function settle_made()
     metrics.incr("global_settled")
-    local since = shared:get(FAILING)
-    if since and shared:add(FAILING .. ":over:" .. since, true, 60) then
+    local took = shdict.run_over(shared, FAILING)
+    if took then
         local failed = shared:get(FAILED) or 0
         shared:delete(FAILED)
-        shared:delete(FAILING)
         ngx_log(WARN, "tokengate: global limits settlements made again; ", failed,
-            " failed over ", format("%.1f", ngx_now() - since), " s")
+            " failed over ", format("%.1f", took), " s")
     end
 end
 

@@ -5,6 +5,7 @@
 
 local ngx = ngx
 local tostring = tostring
+local ngx_now = ngx.now
 
 local _M = {}
 
@@ -15,6 +16,29 @@ function _M.get(name)
         return nil, "shared dict not found: " .. tostring(name)
     end
     return dict
+end
+
+-- A run of failures (an outage) shared by the workers, logged once at each end:
+-- run_began(dict, key) -> true for the one call, in any worker, that began the run (its
+-- start time goes to dict[key]; add() is atomic across workers), false for the others;
+-- run_over(dict, key) -> the run's length (s) for the one call that ended it, nil for the
+-- others and when no run is on (the start time names the run, so only one worker wins
+-- the end's add(); the key goes either way).
+function _M.run_began(dict, key)
+    return (dict:add(key, ngx_now()))
+end
+
+function _M.run_over(dict, key)
+    local since = dict:get(key)
+    if not since then
+        return nil
+    end
+    local first = dict:add(key .. ":over:" .. since, true, 60)
+    dict:delete(key)
+    if first then
+        return ngx_now() - since
+    end
+    return nil
 end
 
 return _M

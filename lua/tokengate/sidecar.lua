@@ -30,6 +30,7 @@
 
 local ngx = ngx
 local pb = require "tokengate.pb"
+local shdict = require "tokengate.shdict"
 
 local tcp = ngx.socket.tcp
 local io_open = io.open
@@ -285,8 +286,8 @@ local function failure(self, reason, message, grpc_status, heavy)
         if self.backoff_s > 0 then
             self.dict:set(self.breaker_key, true, self.backoff_s)
         end
-        -- add() is atomic across workers: the first failure of an outage logs it
-        if self.dict:add(self.outage_key, ngx_now()) then
+        -- the first failure of an outage, in whichever worker, logs it
+        if shdict.run_began(self.dict, self.outage_key) then
             ngx_log(ERR, "tokengate: ", self.name, " unavailable (", reason, ": ",
                 tostring(message), "); logged again when it answers")
         end
@@ -298,14 +299,10 @@ end
 -- answered(self): the sidecar answered (a reply or its own verdict); ends an outage,
 -- logged once: the outage's start time names it, and add() lets one worker log it.
 local function answered(self)
-    local dict = self.dict
-    local since = dict:get(self.outage_key)
-    if since then
-        if dict:add(self.outage_key .. ":over:" .. since, true, 60) then
-            ngx_log(WARN, "tokengate: ", self.name, " answers again after ",
-                format("%.1f", ngx_now() - since), " s")
-        end
-        dict:delete(self.outage_key)
+    local took = shdict.run_over(self.dict, self.outage_key)
+    if took then
+        ngx_log(WARN, "tokengate: ", self.name, " answers again after ",
+            format("%.1f", took), " s")
     end
 end
 
