@@ -284,14 +284,20 @@ def test_backend_closing_without_answer_is_502(edge_variant_off_vllm: Callable[.
     assert up.requests == 1, "a POST must not be retried"
 
 
+@pytest.mark.parametrize(("status", "message", "etype"), [
+    (500, "The model backend failed with HTTP 500.", "server_error"),
+    (413, "The model backend refused the request with HTTP 413.", "invalid_request_error"),
+])
 def test_backend_html_error_becomes_openai_shape(edge_variant_off_vllm: Callable[..., Edge],
-                                                 fake_upstream: Callable[[str], FakeUpstream]
+                                                 fake_upstream: Callable[[str], FakeUpstream],
+                                                 status: int, message: str, etype: str
                                                  ) -> None:
-    e = _edge_on(edge_variant_off_vllm, "backend-html", fake_upstream("html500"))
+    """A backend's (or a proxy's in front of it) non-JSON error keeps its status and
+    becomes OpenAI's error shape: a 4xx is the request's fault, not a server error."""
+    e = _edge_on(edge_variant_off_vllm, f"backend-html{status}", fake_upstream(f"html{status}"))
     r = post(e, chat())
-    assert r.status_code == 500
-    assert r.json() == {"error": {"message": "The model backend failed with HTTP 500.",
-                                  "type": "server_error", "param": None,
+    assert r.status_code == status
+    assert r.json() == {"error": {"message": message, "type": etype, "param": None,
                                   "code": "upstream_error"}}
 
 
