@@ -418,12 +418,13 @@ def fake_upstream() -> Iterator[Callable[[str], FakeUpstream]]:
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
-    """Factory: ``replicas(ttft_ms=..., itl_ms=...)`` starts a fast upstream of the test
-    model (a vLLM replica); all stop at the end of the test."""
+    """Factory: ``replicas(**opts)`` starts a fast upstream of the test model (a vLLM
+    replica; ``opts``: ``UpstreamOptions`` keywords, ``ttft_ms``, ``itl_ms``,
+    ``prompt_tokens_delta``, ...); all stop at the end of the test."""
     started: list[FastUpstream] = []
 
-    def start(ttft_ms: float = 0, itl_ms: float = 0) -> FastUpstream:
-        up = FastUpstream(UpstreamOptions(model=MODEL, ttft_ms=ttft_ms, itl_ms=itl_ms),
+    def start(**opts: Any) -> FastUpstream:
+        up = FastUpstream(UpstreamOptions(**{"model": MODEL, **opts}),
                           name=f"replica{len(started)}", state_dir=tmp_path)
         started.append(up.start())
         return up
