@@ -253,11 +253,15 @@ def parser() -> argparse.ArgumentParser:
                     "usage.prompt_tokens_details.cached_tokens, publishes KV events in "
                     "vLLM's ZMQ wire format, and times each request: TTFT = prefill "
                     "queue wait + uncached tokens / --prefill-tokens-per-s + "
-                    "--ttft-overhead-ms, then one token every --itl-ms. Several of them "
+                    "--ttft-overhead-ms, then one token every --itl-ms; with --gpu it "
+                    "steps as vLLM's scheduler instead, each step timed by a roofline of "
+                    "the model on that GPU. Several of them "
                     "stand for a GPU fleet when routing by the prefix cache is measured. "
                     "Ctrl-C stops it.",
         epilog="EXAMPLE\n  tokenstorm sim-replica --port 38201 --num-gpu-blocks 4096 \\\n"
-               "      --kv-events-endpoint tcp://127.0.0.1:5557")
+               "      --kv-events-endpoint tcp://127.0.0.1:5557\n"
+               "  tokenstorm sim-replica --port 38202 --gpu h100 --model-config qwen3-8b "
+               "--num-gpu-blocks 0")
     from tokenstorm.upstream import sim_settings
 
     sim_settings.add_arguments(sim)
@@ -329,8 +333,8 @@ def _sim_replica(args: argparse.Namespace) -> None:
     model, mdir, mlen = _defaults(args.config)
     if args.model_dir is None and mdir is None:
         sys.exit("tokenstorm sim-replica: --model-dir is required (no model in the config)")
-    settings = sim_settings.settings_from_args(args, model, mdir or Path("."), mlen)
     try:
+        settings = sim_settings.settings_from_args(args, model, mdir or Path("."), mlen)
         settings.check()
     except ValueError as e:
         sys.exit(f"tokenstorm sim-replica: {e}")
