@@ -67,7 +67,8 @@ function _M.prometheus()
             outstanding[labels] = st.outstanding_tokens
         end
         local model = doc.models[name]
-        if model.routing and model.routing.policy == "prefix" then
+        if model.routing and (model.routing.policy == "prefix"
+                or model.routing.policy == "slo") then
             local list = model.upstreams
             for i = 1, #list do
                 blocks[m .. metrics.value(list[i].name) .. '"'] =

@@ -198,10 +198,11 @@ def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
         for c in CLASSES:
             out = BENCH_VAR / f"run-{policy}-{load:g}-{c.name}.json"
             out.unlink(missing_ok=True)
-            procs.append((c, out, subprocess.Popen(
-                storm_argv(c, f"http://127.0.0.1:{port}/v1", model, load * cap * c.share,
-                           opts, out), stdout=subprocess.DEVNULL,
-                stderr=open(BENCH_VAR / f"storm-{c.name}.log", "w"))))
+            with open(BENCH_VAR / f"storm-{c.name}.log", "w") as log:
+                procs.append((c, out, subprocess.Popen(
+                    storm_argv(c, f"http://127.0.0.1:{port}/v1", model,
+                               load * cap * c.share, opts, out),
+                    stdout=subprocess.DEVNULL, stderr=log)))
         for _, _, p in procs:
             p.wait()
     finally:

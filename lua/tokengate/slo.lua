@@ -1,0 +1,326 @@
+-- Latency targets (routing.policy slo): each request's TTFT and TPOT targets and class,
+-- a prediction of both on every replica, and what is done when no replica is predicted
+-- to meet them.
+--
+-- Targets: the key's slo (ttft_ms, tpot_ms) over the model's, over the request's
+-- X-Tokengate-SLO-TTFT-Ms / X-Tokengate-SLO-TPOT-Ms headers (whole ms within
+-- TTFT_BOUNDS / TPOT_BOUNDS; anything else is a 400 in the API's shape); the class is
+-- the key's slo_class: interactive (waits until a replica is predicted to meet its TTFT
+-- target or the target has passed, then goes), sheddable (refused at once, 503
+-- slo_unattainable with Retry-After), batch (only into spare capacity: a replica
+-- predicted to meet half its targets, else refused the same way).
+--
+-- Prediction, per replica r, for a request whose prompt r must compute `uncached`
+-- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
+--   TTFT(r) = a_r + (queued_r + uncached) / rate_r
+--     queued_r: the uncached prompt tokens this edge sent to r whose first token has not
+--     come back yet (a shared-dict count: incr when sent, decr at the first byte or at
+--     the end), i.e. the prefill work ahead of the request;
+--   TPOT(r) = b_r + g_r * running_r
+--     running_r: the requests this edge has on r now, this one included
+--     (tokengate.upstream.in_flight + 1).
+-- a, 1/rate, b and g are learned online from r's own answers: at each request's end,
+-- the (work ahead, TTFT the edge observed from forwarding to the first byte) and
+-- (running, observed TPOT = (end - first byte) / (completion tokens - 1)) pairs update a
+-- least-squares line with exponential forgetting (DECAY per observation), seeded by two
+-- pseudo-observations (PRIOR_*). Each nginx worker learns from the requests it served
+-- (no read-modify-write across workers); the queued counts are shared. A decision reads
+-- a few numbers per replica: a few µs (its cost is measured and reported, decision_us).
+--
+-- Headroom of r for targets (T, P): min((T - TTFT(r)) / T, (P - TPOT(r)) / P); the
+-- replica with the most headroom wins (tokengate.upstream, policy slo).
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local shdict = require "tokengate.shdict"
+local clock = require "tokengate.clock"
+local metrics = require "tokengate.metrics"
+
+local mono_ms = clock.mono_ms
+local tonumber = tonumber
+local tostring = tostring
+local match = string.match
+local floor = math.floor
+local ceil = math.ceil
+local min = math.min
+local max = math.max
+local type = type
+
+local _M = {}
+
+local TTFT_BOUNDS = { 1, 600000 } -- ms a request may ask for its first token
+local TPOT_BOUNDS = { 1, 60000 } -- ms a request may ask between its tokens
+_M.TTFT_BOUNDS, _M.TPOT_BOUNDS = TTFT_BOUNDS, TPOT_BOUNDS
+local DECAY = 0.97 -- weight left to the past at each observation (about 33 remembered)
+-- pseudo-observations each fit starts from, each of weight PRIOR_WEIGHT (a few real
+-- answers outweigh them): TTFT 20 ms plus 1 s per 20,000 tokens of prefill ahead; TPOT
+-- 10 ms alone, 30 ms with 64 running
+local PRIOR_TTFT = { { 0, 20 }, { 20000, 1020 } }
+local PRIOR_TPOT = { { 1, 10 }, { 64, 30 } }
+local PRIOR_WEIGHT = 0.25
+local CLASSES = { interactive = true, sheddable = true, batch = true }
+_M.CLASSES = CLASSES
+local WAIT_POLL_S = 0.01 -- how often a waiting interactive request looks again
+local NONE = {}
+
+-- number(v) -> v when it is a number, else nil (json null)
+local function number(v)
+    return type(v) == "number" and v or nil
+end
+
+local dict -- the upstream module's shared dict (queued prefill tokens per replica)
+local fits = {} -- this worker's lines: fits[model .. "\0" .. replica .. kind]
+
+-- init_worker(dict_name) -> true | nil, err
+function _M.init_worker(dict_name)
+    local err
+    dict, err = shdict.get(dict_name)
+    if not dict then
+        return nil, err
+    end
+    return true
+end
+
+-- line(prior) -> a fresh fit {n, sx, sy, sxx, sxy} holding the prior's points
+local function line(prior)
+    local f = { n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0 }
+    local w = PRIOR_WEIGHT
+    for i = 1, #prior do
+        local x, y = prior[i][1], prior[i][2]
+        f.n, f.sx, f.sy = f.n + w, f.sx + w * x, f.sy + w * y
+        f.sxx, f.sxy = f.sxx + w * x * x, f.sxy + w * x * y
+    end
+    return f
+end
+
+-- fit_of(model, r, kind) -> this worker's fit of replica r for "ttft" or "tpot"
+local function fit_of(model, r, kind)
+    local k = model .. "\0" .. r.name .. kind
+    local f = fits[k]
+    if not f then
+        f = line(kind == "ttft" and PRIOR_TTFT or PRIOR_TPOT)
+        fits[k] = f
+    end
+    return f
+end
+
+-- coef(f) -> intercept, slope of f's least-squares line (slope >= 0, intercept >= 0:
+-- more work ahead never makes a request faster)
+local function coef(f)
+    local d = f.n * f.sxx - f.sx * f.sx
+    local slope = d > 0 and (f.n * f.sxy - f.sx * f.sy) / d or 0
+    if slope < 0 then
+        slope = 0
+    end
+    local icpt = (f.sy - slope * f.sx) / f.n
+    if icpt < 0 then
+        icpt = 0
+    end
+    return icpt, slope
+end
+
+-- observe(f, x, y): one observation, the past weighed down by DECAY
+local function observe(f, x, y)
+    f.n, f.sx, f.sy = f.n * DECAY + 1, f.sx * DECAY + x, f.sy * DECAY + y
+    f.sxx, f.sxy = f.sxx * DECAY + x * x, f.sxy * DECAY + x * y
+end
+
+local function qkey(model, r)
+    return "slq:" .. model .. "\0" .. r.name
+end
+
+-- queued(model, r) -> prefill tokens sent to r whose first token has not come back
+function _M.queued(model, r)
+    return dict and dict:get(qkey(model, r)) or 0
+end
+
+-- predict(model, r, uncached, running) -> TTFT ms, TPOT ms, work ahead (tokens) of a
+-- request whose prompt r computes `uncached` tokens of, with `running` requests on r
+-- (this one included)
+function _M.predict(model, r, uncached, running)
+    local ahead = _M.queued(model, r) + uncached
+    local a, s = coef(fit_of(model, r, "ttft"))
+    local b, g = coef(fit_of(model, r, "tpot"))
+    return a + s * ahead, b + g * running, ahead
+end
+
+-- headroom(ttft, tpot, t) -> the smaller of the two targets' shares left over (1: no
+-- time used; below 0: a target missed) for targets t = {ttft_ms, tpot_ms}
+function _M.headroom(ttft, tpot, t)
+    return min((t.ttft_ms - ttft) / t.ttft_ms, (t.tpot_ms - tpot) / t.tpot_ms)
+end
+
+-- header_ms(v, bounds, name) -> whole ms | nil (no header) | false, err (bad value)
+local function header_ms(v, bounds, name)
+    if v == nil then
+        return nil
+    end
+    if type(v) == "table" then
+        return false, errors.new(400, "Send " .. name .. " once.", name, "invalid_slo")
+    end
+    local n = match(v, "^%s*(%d+)%s*$")
+    n = n and tonumber(n)
+    if not n or n < bounds[1] or n > bounds[2] then
+        return false, errors.new(400, name .. " must be a whole number of milliseconds from "
+            .. bounds[1] .. " to " .. bounds[2] .. "; got " .. errors.clip(tostring(v)) .. ".",
+            name, "invalid_slo")
+    end
+    return n
+end
+
+-- targets(ctx, headers) -> true | nil, err (400 invalid_slo): ctx.slo = {ttft_ms,
+-- tpot_ms, class} for a model routed by policy slo (the key's over the model's, the
+-- request's headers over both); a model without targets anywhere has none (ctx.slo
+-- stays nil: routed least outstanding). headers: ngx.req.get_headers()'s table.
+function _M.targets(ctx, headers)
+    local model, key = ctx.model_entry, ctx.key
+    local ttft, err = header_ms(headers["x-tokengate-slo-ttft-ms"], TTFT_BOUNDS,
+        "X-Tokengate-SLO-TTFT-Ms")
+    if ttft == false then
+        return nil, err
+    end
+    local tpot
+    tpot, err = header_ms(headers["x-tokengate-slo-tpot-ms"], TPOT_BOUNDS,
+        "X-Tokengate-SLO-TPOT-Ms")
+    if tpot == false then
+        return nil, err
+    end
+    local routing = model.routing
+    if not (routing and routing.policy == "slo") then
+        return true
+    end
+    -- (null in the compiled file is cjson's null, not nil)
+    local ks, ms = key.slo, model.slo
+    ks = type(ks) == "table" and ks or NONE
+    ms = type(ms) == "table" and ms or NONE
+    ttft = ttft or number(ks.ttft_ms) or number(ms.ttft_ms)
+    tpot = tpot or number(ks.tpot_ms) or number(ms.tpot_ms)
+    if ttft or tpot then
+        ctx.slo = { ttft_ms = ttft or TTFT_BOUNDS[2], tpot_ms = tpot or TPOT_BOUNDS[2],
+                    class = CLASSES[key.slo_class] and key.slo_class or "interactive" }
+    end
+    return true
+end
+
+-- unattainable(ctx, ttft) -> the 503 of a request refused by its class: no replica is
+-- predicted to meet its targets; Retry-After: the predicted TTFT beyond the target, s
+local function unattainable(ctx, ttft)
+    local t = ctx.slo
+    local s = max(1, ceil((ttft - t.ttft_ms) / 1000))
+    return errors.new(503, "No replica of model " .. errors.clip(ctx.model) .. " is "
+        .. "predicted to meet this request's latency targets now (first token in "
+        .. floor(ttft + 0.5) .. " ms against " .. t.ttft_ms .. " ms; " .. t.class
+        .. " requests are not queued). Please retry after " .. s .. " s.", nil,
+        "slo_unattainable", nil, { ["Retry-After"] = tostring(s) })
+end
+
+-- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
+-- for ctx.replica (choose() -> replica | nil: takes the best one again and holds it in
+-- ctx.replica; running(r) -> requests on r, this one included). Sets ctx.slo's decision ("met" | "waited" | "late" | "refused"),
+-- predicted_ttft_ms, predicted_tpot_ms, ahead (tokens), decision_us.
+function _M.decide(ctx, choose, running)
+    local t = ctx.slo
+    local t0 = mono_ms()
+    local r = ctx.replica
+    local uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
+    local n = running(r)
+    local ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+    local h = _M.headroom(ttft, tpot, t)
+    t.decision_us = floor((mono_ms() - t0) * 1000 + 0.5)
+    local need = t.class == "batch" and 0.5 or 0
+    local decision = "met"
+    if h < need then
+        if t.class ~= "interactive" then
+            t.decision, t.predicted_ttft_ms, t.predicted_tpot_ms = "refused", ttft, tpot
+            return nil, unattainable(ctx, ttft)
+        end
+        -- interactive: wait until some replica is predicted to meet the target, or the
+        -- target has passed
+        local deadline = (ctx.t0 or t0) + t.ttft_ms
+        decision = "late"
+        while mono_ms() < deadline do
+            ngx.sleep(WAIT_POLL_S)
+            r = choose()
+            if not r then
+                return nil, errors.new(503, "No replica of model " .. errors.clip(ctx.model)
+                    .. " has an address any more.", nil, "upstream_unavailable")
+            end
+            uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
+            n = running(r)
+            ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+            local left = deadline - mono_ms()
+            if left > 0 and _M.headroom(ttft, tpot, { ttft_ms = left, tpot_ms = t.tpot_ms })
+                    >= 0 then
+                decision = "waited"
+                break
+            end
+        end
+    end
+    t.decision, t.predicted_ttft_ms, t.predicted_tpot_ms = decision, ttft, tpot
+    t.ahead, t.running = ahead, n
+    return true
+end
+
+-- header(t) -> X-Tokengate-SLO's value for ctx.slo t: "<class>; <decision>;
+-- ttft=<predicted>/<target>; tpot=<predicted>/<target>" (ms, whole)
+function _M.header(t)
+    local pt, pp = t.predicted_ttft_ms, t.predicted_tpot_ms
+    return t.class .. "; " .. t.decision
+        .. (pt and ("; ttft=" .. floor(pt + 0.5) .. "/" .. t.ttft_ms .. "; tpot="
+        .. floor(pp + 0.5) .. "/" .. t.tpot_ms) or "")
+end
+
+-- sent(ctx): the request goes to its replica now: its uncached tokens join the
+-- replica's queued prefill work until its first byte (first) or its end (finish).
+function _M.sent(ctx)
+    local t = ctx.slo
+    if not (t and t.decision and ctx.replica) or t.queued then
+        return
+    end
+    local n = max(0, floor((ctx.token_estimate or 0) - (ctx.prefix_expected or 0)))
+    t.queued, t.queued_on, t.t_sent = n, ctx.replica, mono_ms()
+    dict:incr(qkey(ctx.model, ctx.replica), n, 0)
+end
+
+-- first(ctx): the answer's first byte: the request's prefill is done.
+function _M.first(ctx)
+    local t = ctx.slo
+    if t and t.queued then
+        dict:incr(qkey(ctx.model, t.queued_on), -t.queued, 0)
+        t.queued = false
+    end
+end
+
+-- finish(ctx, completion) -> the usage event's slo object | nil: the queued count let
+-- go of if no byte came, then the observed TTFT (forward to first byte, ms) and TPOT
+-- (ms) learned by the replica's fits; observed and predicted in the object.
+function _M.finish(ctx, completion)
+    local t = ctx.slo
+    if not t then
+        return nil
+    end
+    _M.first(ctx)
+    local ev = { class = t.class, decision = t.decision, ttft_target_ms = t.ttft_ms,
+                 tpot_target_ms = t.tpot_ms, decision_us = t.decision_us }
+    if t.predicted_ttft_ms then
+        ev.predicted_ttft_ms = floor(t.predicted_ttft_ms * 1000 + 0.5) / 1000
+        ev.predicted_tpot_ms = floor(t.predicted_tpot_ms * 1000 + 0.5) / 1000
+    end
+    local r = t.queued_on
+    if r and ctx.t_first and t.t_sent then
+        local ttft = ctx.t_first - t.t_sent
+        ev.observed_ttft_ms = floor(ttft * 1000 + 0.5) / 1000
+        if t.predicted_ttft_ms and ttft > 0 then
+            metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
+        end
+        observe(fit_of(ctx.model, r, "ttft"), t.ahead or 0, ttft)
+        if completion and completion >= 2 then
+            local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
+            ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
+            observe(fit_of(ctx.model, r, "tpot"), t.running or 1, tpot)
+        end
+    end
+    return ev
+end
+
+return _M
