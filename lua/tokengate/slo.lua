@@ -12,18 +12,18 @@
 --
 -- Prediction, per replica r, for a request whose prompt r must compute `uncached`
 -- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
---   TTFT(r) = a_r + (queued_r + uncached) / rate_r
---     queued_r: the uncached prompt tokens this edge sent to r whose first token has not
---     come back yet (a shared-dict count: incr when sent, decr at the first byte or at
---     the end), i.e. the prefill work ahead of the request;
---   TPOT(r) = b_r + g_r * running_r
---     running_r: the requests this edge has on r now, this one included
---     (tokengate.upstream.in_flight + 1).
--- a, 1/rate, b and g are learned online from r's own answers: at each request's end,
--- the (work ahead, TTFT the edge observed from forwarding to the first byte) and
--- (running, observed TPOT = (end - first byte) / (completion tokens - 1)) pairs update a
--- least-squares line with exponential forgetting (DECAY per observation), seeded by two
--- pseudo-observations (PRIOR_*). Each nginx worker learns from the requests it served
+--   TTFT(r) = a0_r + a1_r * ahead + a2_r * running_r
+--   TPOT(r) = b0_r + b1_r * ahead + b2_r * running_r
+--     ahead = queued_r + uncached: queued_r the uncached prompt tokens this edge sent to
+--     r whose first byte has not come back yet (a shared-dict count: incr when sent,
+--     decr at the first byte or at the end), i.e. the prefill work ahead of the request;
+--     running_r: the requests this edge has on r now, this one included (their decode
+--     steps lengthen every step, vLLM's scheduler runs decodes first).
+-- The coefficients are learned online from r's own answers: at each request's end the
+-- (ahead, running) it was predicted with and the TTFT the edge observed (forward to
+-- first byte) and its TPOT ((end - first byte) / (completion tokens - 1)) update a
+-- least-squares plane with exponential forgetting (DECAY per answer), over a few
+-- pseudo-observations that are never forgotten (PRIOR_*). Each nginx worker learns from the requests it served
 -- (no read-modify-write across workers); the queued counts are shared. A decision reads
 -- a few numbers per replica: a few µs (its cost is measured and reported, decision_us).
 --
@@ -52,11 +52,13 @@ local TTFT_BOUNDS = { 1, 600000 } -- ms a request may ask for its first token
 local TPOT_BOUNDS = { 1, 60000 } -- ms a request may ask between its tokens
 _M.TTFT_BOUNDS, _M.TPOT_BOUNDS = TTFT_BOUNDS, TPOT_BOUNDS
 local DECAY = 0.97 -- weight left to the past at each observation (about 33 remembered)
--- pseudo-observations each fit starts from, each of weight PRIOR_WEIGHT (a few real
--- answers outweigh them): TTFT 20 ms plus 1 s per 20,000 tokens of prefill ahead; TPOT
--- 10 ms alone, 30 ms with 64 running
-local PRIOR_TTFT = { { 0, 20 }, { 20000, 1020 } }
-local PRIOR_TPOT = { { 1, 10 }, { 64, 30 } }
+-- pseudo-observations (work ahead tokens, running requests, ms) under every fit, of
+-- weight PRIOR_WEIGHT each and never forgotten (a few real answers outweigh them; they
+-- keep the fit solvable while a feature does not vary): TTFT 20 ms plus 1 s per 20,000
+-- tokens of prefill ahead plus 0.3 ms per running request; TPOT 10 ms alone, 30 ms with
+-- 64 running, 0.5 ms more per 1,000 tokens of prefill ahead
+local PRIOR_TTFT = { { 0, 1, 20 }, { 20000, 1, 1020 }, { 0, 64, 39 } }
+local PRIOR_TPOT = { { 0, 1, 10 }, { 0, 64, 30 }, { 20000, 1, 20 } }
 local PRIOR_WEIGHT = 0.25
 local CLASSES = { interactive = true, sheddable = true, batch = true }
 _M.CLASSES = CLASSES
@@ -81,48 +83,71 @@ function _M.init_worker(dict_name)
     return true
 end
 
--- line(prior) -> a fresh fit {n, sx, sy, sxx, sxy} holding the prior's points
-local function line(prior)
-    local f = { n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0 }
-    local w = PRIOR_WEIGHT
-    for i = 1, #prior do
-        local x, y = prior[i][1], prior[i][2]
-        f.n, f.sx, f.sy = f.n + w, f.sx + w * x, f.sy + w * y
-        f.sxx, f.sxy = f.sxx + w * x * x, f.sxy + w * x * y
+-- plane(points, w) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
+-- points {x1, x2, y} of weight w each
+local function plane(points, w)
+    local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0 }
+    for i = 1, #points do
+        local p = points[i]
+        local x1, x2, y = p[1], p[2], p[3]
+        f.n, f.s1, f.s2, f.sy = f.n + w, f.s1 + w * x1, f.s2 + w * x2, f.sy + w * y
+        f.s11, f.s12, f.s22 = f.s11 + w * x1 * x1, f.s12 + w * x1 * x2, f.s22 + w * x2 * x2
+        f.s1y, f.s2y = f.s1y + w * x1 * y, f.s2y + w * x2 * y
     end
     return f
 end
 
--- fit_of(model, r, kind) -> this worker's fit of replica r for "ttft" or "tpot"
+local PRIORS = { ttft = plane(PRIOR_TTFT, PRIOR_WEIGHT), tpot = plane(PRIOR_TPOT, PRIOR_WEIGHT) }
+
+-- fit_of(model, r, kind) -> this worker's sums of replica r for "ttft" or "tpot" (its
+-- answers only; the prior is added when solving)
 local function fit_of(model, r, kind)
     local k = model .. "\0" .. r.name .. kind
     local f = fits[k]
     if not f then
-        f = line(kind == "ttft" and PRIOR_TTFT or PRIOR_TPOT)
+        f = plane({}, 0)
+        f.kind = kind
         fits[k] = f
     end
     return f
 end
 
--- coef(f) -> intercept, slope of f's least-squares line (slope >= 0, intercept >= 0:
--- more work ahead never makes a request faster)
+-- coef(f) -> c0, c1, c2 of the plane through f's answers and its prior (normal
+-- equations, Cramer's rule); slopes clipped at 0 (more work ahead or more requests
+-- running never make a request faster), then the intercept refitted, at least 0
 local function coef(f)
-    local d = f.n * f.sxx - f.sx * f.sx
-    local slope = d > 0 and (f.n * f.sxy - f.sx * f.sy) / d or 0
-    if slope < 0 then
-        slope = 0
+    local p = PRIORS[f.kind]
+    local n, s1, s2, sy = f.n + p.n, f.s1 + p.s1, f.s2 + p.s2, f.sy + p.sy
+    local s11, s12, s22 = f.s11 + p.s11, f.s12 + p.s12, f.s22 + p.s22
+    local s1y, s2y = f.s1y + p.s1y, f.s2y + p.s2y
+    local det = n * (s11 * s22 - s12 * s12) - s1 * (s1 * s22 - s12 * s2)
+        + s2 * (s1 * s12 - s11 * s2)
+    local c1, c2 = 0, 0
+    if det > 0 then
+        c1 = (n * (s1y * s22 - s12 * s2y) - sy * (s1 * s22 - s12 * s2)
+            + s2 * (s1 * s2y - s1y * s2)) / det
+        c2 = (n * (s11 * s2y - s1y * s12) - s1 * (s1 * s2y - s1y * s2)
+            + sy * (s1 * s12 - s11 * s2)) / det
     end
-    local icpt = (f.sy - slope * f.sx) / f.n
-    if icpt < 0 then
-        icpt = 0
+    if c1 < 0 then
+        c1 = 0
     end
-    return icpt, slope
+    if c2 < 0 then
+        c2 = 0
+    end
+    local c0 = (sy - c1 * s1 - c2 * s2) / n
+    if c0 < 0 then
+        c0 = 0
+    end
+    return c0, c1, c2
 end
 
--- observe(f, x, y): one observation, the past weighed down by DECAY
-local function observe(f, x, y)
-    f.n, f.sx, f.sy = f.n * DECAY + 1, f.sx * DECAY + x, f.sy * DECAY + y
-    f.sxx, f.sxy = f.sxx * DECAY + x * x, f.sxy * DECAY + x * y
+-- observe(f, x1, x2, y): one answer, the past weighed down by DECAY
+local function observe(f, x1, x2, y)
+    local d = DECAY
+    f.n, f.s1, f.s2, f.sy = f.n * d + 1, f.s1 * d + x1, f.s2 * d + x2, f.sy * d + y
+    f.s11, f.s12, f.s22 = f.s11 * d + x1 * x1, f.s12 * d + x1 * x2, f.s22 * d + x2 * x2
+    f.s1y, f.s2y = f.s1y * d + x1 * y, f.s2y * d + x2 * y
 end
 
 local function qkey(model, r)
@@ -139,9 +164,9 @@ end
 -- (this one included)
 function _M.predict(model, r, uncached, running)
     local ahead = _M.queued(model, r) + uncached
-    local a, s = coef(fit_of(model, r, "ttft"))
-    local b, g = coef(fit_of(model, r, "tpot"))
-    return a + s * ahead, b + g * running, ahead
+    local a0, a1, a2 = coef(fit_of(model, r, "ttft"))
+    local b0, b1, b2 = coef(fit_of(model, r, "tpot"))
+    return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
 end
 
 -- headroom(ttft, tpot, t) -> the smaller of the two targets' shares left over (1: no
@@ -216,11 +241,14 @@ end
 
 -- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
 -- for ctx.replica (choose() -> replica | nil: takes the best one again and holds it in
--- ctx.replica; running(r) -> requests on r, this one included). Sets ctx.slo's decision ("met" | "waited" | "late" | "refused"),
+-- ctx.replica; running(r) -> requests on r, this one included). decision_us: from
+-- ctx.slo.t_choose (set before the replica was chosen) to the first prediction, shared
+-- dict reads of the choice included; predict_us (tokengate.upstream adds it up): the
+-- predictions alone, every replica of every choice. Sets ctx.slo's decision ("met" | "waited" | "late" | "refused"),
 -- predicted_ttft_ms, predicted_tpot_ms, ahead (tokens), decision_us.
 function _M.decide(ctx, choose, running)
     local t = ctx.slo
-    local t0 = mono_ms()
+    local t0 = t.t_choose or mono_ms()
     local r = ctx.replica
     local uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
     local n = running(r)
@@ -301,7 +329,8 @@ function _M.finish(ctx, completion)
     end
     _M.first(ctx)
     local ev = { class = t.class, decision = t.decision, ttft_target_ms = t.ttft_ms,
-                 tpot_target_ms = t.tpot_ms, decision_us = t.decision_us }
+                 tpot_target_ms = t.tpot_ms, decision_us = t.decision_us,
+                 predict_us = t.predict_ms and floor(t.predict_ms * 1000 + 0.5) }
     if t.predicted_ttft_ms then
         ev.predicted_ttft_ms = floor(t.predicted_ttft_ms * 1000 + 0.5) / 1000
         ev.predicted_tpot_ms = floor(t.predicted_tpot_ms * 1000 + 0.5) / 1000
@@ -313,11 +342,11 @@ function _M.finish(ctx, completion)
         if t.predicted_ttft_ms and ttft > 0 then
             metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
         end
-        observe(fit_of(ctx.model, r, "ttft"), t.ahead or 0, ttft)
+        observe(fit_of(ctx.model, r, "ttft"), t.ahead or 0, t.running or 1, ttft)
         if completion and completion >= 2 then
             local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
             ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
-            observe(fit_of(ctx.model, r, "tpot"), t.running or 1, tpot)
+            observe(fit_of(ctx.model, r, "tpot"), t.ahead or 0, t.running or 1, tpot)
         end
     end
     return ev

@@ -57,11 +57,13 @@ local ngx = ngx
 local prefix = require "tokengate.prefix"
 local shdict = require "tokengate.shdict"
 local slo = require "tokengate.slo"
+local clock = require "tokengate.clock"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
 local tcp = ngx.socket.tcp
 local ngx_now = ngx.now
+local mono_ms = clock.mono_ms
 local timer_every = ngx.timer.every
 local tonumber = tonumber
 local pairs = pairs
@@ -270,8 +272,10 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
                 if plan then
                     hit, source = prefix.expected(name, r, plan)
                 end
+                local t0 = mono_ms()
                 local ttft, tpot = slo.predict(name, r, prompt - hit, _M.in_flight(name, r) + 1)
                 cost = -slo.headroom(ttft, tpot, targets)
+                targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
             elseif plan then
                 hit, source = prefix.expected(name, r, plan)
                 cost = (prompt - hit) + weight * out

@@ -79,7 +79,7 @@ def test_requests_go_to_the_replica_predicted_to_meet_the_ttft_target(
     assert (slo["class"], slo["decision"], slo["ttft_target_ms"], slo["tpot_target_ms"]) == \
         ("interactive", "met", 200, 1000)
     assert slo["predicted_ttft_ms"] < 200 and slo["observed_ttft_ms"] < 200
-    assert isinstance(slo["decision_us"], int)
+    assert isinstance(slo["decision_us"], int) and isinstance(slo["predict_us"], int)
     text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
     series = [line for line in text.splitlines()
               if line.startswith("tokengate_slo_prediction_error_count")]
