@@ -6,6 +6,9 @@ prefix hits computed). Steps and their roofline cost are counted, never timed.""
 from __future__ import annotations
 
 import asyncio
+import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +147,27 @@ def test_bad_gpu_timing_settings_are_refused_by_name() -> None:
         SimSettings(gpu="h100", max_num_batched_tokens=0).check()
     with pytest.raises(ValueError, match="--model-config 'nope'"):
         SimSettings(gpu="h100", model_config="nope").check()
+
+
+def test_capacity_counts_the_largest_decode_batch_within_the_tpot_target() -> None:
+    r = roofline.Roofline(roofline.ModelShape.named("qwen3-8b"), roofline.GPUS["h100"])
+    b = roofline.decode_batch(r, 1000, 0.010, kv_tokens=10**9)
+    assert r.step_s([(1, 1000, 1)] * b) <= 0.010 < r.step_s([(1, 1000, 1)] * (b + 1))
+    assert roofline.decode_batch(r, 1000, 0.001) == 0   # below the weights' read alone
+    n, per = roofline.replicas_needed(r, 50, 720, 0, 1200, 0.05, 0.8)
+    assert n == math.ceil(50 / (per * 0.8))
+    assert per == pytest.approx(1 / roofline.request_s(r, 720, 0, 1200, 0.05))
+
+
+def test_tokenstorm_capacity_answers_for_the_design_mix_and_refuses_a_bad_target() -> None:
+    base = [sys.executable, "-m", "tokenstorm.cli", "capacity", "--prompt", "720",
+            "--output", "1200", "--rate", "50"]
+    out = subprocess.run(base, capture_output=True, text=True, check=True).stdout
+    r = roofline.Roofline(roofline.ModelShape.named("qwen3-8b"), roofline.GPUS["h100"])
+    n, per = roofline.replicas_needed(r, 50, 720, 0, 1200, 0.05)
+    assert out.startswith(f"qwen3-8b on one h100: {per:.2f} requests/s of 720 prompt")
+    assert out.endswith(f": {n} replicas\n")
+    bad = subprocess.run([*base, "--tpot-ms", "1"], capture_output=True, text=True,
+                         check=False)
+    assert bad.returncode == 1
+    assert "no batch of qwen3-8b on h100 decodes within 1 ms a token" in bad.stderr

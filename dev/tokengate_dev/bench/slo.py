@@ -19,8 +19,7 @@ Each class has TTFT and TPOT targets; a request meets them or not (goodput: requ
 that met both, DistServe's metric, as ``tokenstorm`` reports it). The load is a multiple
 of the fleet's **capacity**, estimated from the roofline (``capacity_rps``): the rate at
 which the replicas would be busy all the time, each request costing the prefill of its
-uncached prompt tokens and its share of decode steps of a batch of
-``CAPACITY_BATCH``. Every policy gets the same seeded traffic at each load.
+uncached prompt tokens and its share of the largest decode batch within its TPOT target. Every policy gets the same seeded traffic at each load.
 
 Aims (the latency-target design's): the ``slo`` policy's goodput at least 1.3x the best
 of today's policies at 1.2x load; interactive TTFT p99 within its target up to 0.9x load;
@@ -54,7 +53,6 @@ from tokengate_dev.bench import results, routing
 
 BENCH_VAR = devstack.VAR / "bench-slo"
 MODEL = routing.MODEL
-CAPACITY_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -75,9 +73,6 @@ class TrafficClass:
     prefix: int = 0
     conversations: int = 1
 
-    def uncached_tokens(self) -> float:
-        """Prompt tokens a replica computes when the shared prefix is cached."""
-        return self.mean - self.prefix if self.tenants else self.mean
 
 
 CLASSES = (
@@ -94,17 +89,13 @@ KNOWN_POLICIES = ("round_robin", "least_outstanding", "prefix", "slo")
 def capacity_rps(r: roofline.Roofline, replicas: int,
                  classes: tuple[TrafficClass, ...] = CLASSES) -> float:
     """Requests/s that keep ``replicas`` busy all the time with the mix of ``classes``:
-    1 / the mean GPU seconds of a request, times the replicas. A request's seconds: the
-    prefill of its uncached tokens at a full step (``Roofline.step_s`` of one part)
-    and its output tokens' share of decode steps of ``CAPACITY_BATCH`` requests at its
-    context. An estimate from the roofline, not a measurement."""
-    mean_s = 0.0
-    for c in classes:
-        prefill = r.step_s([(int(c.uncached_tokens()), c.mean - int(c.uncached_tokens()),
-                             1)]) - r.overhead_s
-        ctx = c.mean + c.output // 2
-        decode = c.output * r.step_s([(1, ctx, 1)] * CAPACITY_BATCH) / CAPACITY_BATCH
-        mean_s += c.share * (prefill + decode)
+    ``replicas`` / the mean GPU seconds of a request (``roofline.request_s``: the prefill
+    of its uncached tokens, its shared prefix cached, and its share of the largest decode
+    batch within its class's TPOT target). An estimate from the roofline, not a
+    measurement."""
+    mean_s = sum(c.share * roofline.request_s(r, c.mean, c.prefix if c.tenants else 0,
+                                              c.output, c.tpot_ms / 1000.0)
+                 for c in classes)
     return replicas / mean_s
 
 
@@ -210,9 +201,10 @@ def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
             p.wait()
     finally:
         edge.stop()
-    classes = {c.name: class_figures(out, c) if out.exists() else {"error": "no result"}
-               for c, out, _ in procs}
-    good = sum(f.get("goodput_rps") or 0.0 for f in classes.values())
+    classes: dict[str, dict[str, Any]] = {
+        c.name: class_figures(out, c) if out.exists() else {"error": "no result"}
+        for c, out, _ in procs}
+    good = sum(float(f.get("goodput_rps") or 0.0) for f in classes.values())
     pred = predictions(usage)
     console.print(f"  {policy:<18} load {load:.1f}: goodput {good:6.2f} req/s  " + "  ".join(
         f"{n} TTFT p99 {f.get('ttft_p99_ms') or float('nan'):7.0f} ms"

@@ -223,3 +223,47 @@ def check(overhead_s: float = 0.002) -> list[tuple[Published, float, float]]:
         pred = predict(p, overhead_s)
         out.append((p, pred, pred / p.value - 1.0))
     return out
+
+
+def decode_batch(r: Roofline, context: int, tpot_s: float, max_num_seqs: int = 1024,
+                 kv_tokens: int | None = None) -> int:
+    """The most requests at ``context`` tokens one replica can decode together with a
+    step (one token each) within ``tpot_s``, at most ``max_num_seqs`` and what the KV
+    cache holds (``kv_tokens``; default: what ``kv_blocks`` gives, blocks of 16); 0 when
+    not even one meets ``tpot_s``."""
+    room = kv_tokens if kv_tokens is not None else r.kv_blocks(16) * 16
+    hi = min(max_num_seqs, room // max(context, 1))
+    lo = 0
+    while lo < hi:   # step_s grows with the batch: the largest batch within tpot_s
+        mid = (lo + hi + 1) // 2
+        if r.step_s([(1, context, 1)] * mid) <= tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def request_s(r: Roofline, prompt: int, cached: int, output: int, tpot_s: float) -> float:
+    """GPU seconds one request costs a replica kept busy within ``tpot_s``: the prefill of
+    its ``prompt - cached`` uncached tokens (one step's work without the overhead) and
+    its ``output`` tokens' share of decode steps of the largest batch within ``tpot_s``
+    (``decode_batch`` at the middle of its output); inf when no batch meets ``tpot_s``."""
+    uncached = max(prompt - cached, 1)
+    prefill = r.step_s([(uncached, cached, 1)]) - r.overhead_s
+    ctx = prompt + output // 2
+    b = decode_batch(r, ctx, tpot_s)
+    if b == 0:
+        return float("inf")
+    return prefill + output * r.step_s([(1, ctx, 1)] * b) / b
+
+
+def replicas_needed(r: Roofline, rate: float, prompt: int, cached: int, output: int,
+                    tpot_s: float, utilization: float = 0.8) -> tuple[int, float]:
+    """(replicas, requests/s one replica serves) for ``rate`` requests/s of one shape
+    within ``tpot_s``, each replica kept at most ``utilization`` busy (the rest absorbs
+    bursts and keeps TTFT short: queueing grows without bound as it nears 1)."""
+    per = 1.0 / request_s(r, prompt, cached, output, tpot_s)
+    if per <= 0:
+        raise ValueError(f"no batch of {r.shape.name} on {r.gpu.name} decodes within "
+                         f"{tpot_s * 1000:g} ms a token")
+    return max(1, int(-(-rate // (per * utilization)))), per
