@@ -164,6 +164,11 @@ local FAMILIES = {
     { "tokengate_prefix_capacity_blocks", "gauge",
       "A replica's KV cache in blocks as the approximate prefix index counts it (vLLM's "
       .. "num_gpu_blocks, else a default of 8192), by model and replica." },
+    { "tokengate_slo_backlog_seconds", "gauge",
+      "The TTFT predicted now for a request with nothing of its own to prefill, averaged "
+      .. "over the model's replicas that are not out (routing.policy slo): the prefill "
+      .. "queued there and their running requests in seconds of predicted time; an "
+      .. "autoscaling signal, by model." },
     { "tokengate_prefix_index_capacity_bytes", "gauge",
       "Size of this edge's approximate prefix index (lua_shared_dict tokengate_prefix)." },
     { "tokengate_prefix_index_free_bytes", "gauge",

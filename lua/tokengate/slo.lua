@@ -169,6 +169,20 @@ function _M.predict(model, r, uncached, running)
     return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
 end
 
+-- backlog_s(model, replicas, running) -> seconds: the TTFT predicted now for a request
+-- with nothing to prefill of its own, averaged over `replicas` (those not out): the
+-- prefill queued on each and its running requests, in the time the replica's fit says
+-- they cost (this worker's fits). running(r) -> requests on r. nil for no replica.
+function _M.backlog_s(model, replicas, running)
+    local sum, n = 0, 0
+    for i = 1, #replicas do
+        local r = replicas[i]
+        sum = sum + _M.predict(model, r, 0, running(r) + 1)
+        n = n + 1
+    end
+    return n > 0 and sum / n / 1000 or nil
+end
+
 -- headroom(ttft, tpot, t) -> the smaller of the two targets' shares left over (1: no
 -- time used; below 0: a target missed) for targets t = {ttft_ms, tpot_ms}
 function _M.headroom(ttft, tpot, t)

@@ -13,7 +13,9 @@ other after 5 ms.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -141,3 +143,27 @@ def test_bad_target_headers_are_400_in_each_apis_shape(
     got = r.json()
     assert (got["type"], got["error"]["type"]) == ("error", "invalid_request_error")
     assert got["error"]["message"].startswith("X-Tokengate-SLO-TPOT-Ms must be a whole")
+
+
+def test_the_backlog_gauge_grows_with_the_prefill_queued_on_the_replicas(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    up = replicas(ttft_ms=1500)
+    e = _edge(edge_variant_off_vllm, "slo-backlog", [up])
+
+    def backlog() -> float:
+        text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
+        [line] = [x for x in text.splitlines()
+                  if x.startswith("tokengate_slo_backlog_seconds{")]
+        assert line.startswith(f'tokengate_slo_backlog_seconds{{model="{MODEL}"}} ')
+        return float(line.rsplit(" ", 1)[1])
+
+    idle = backlog()
+    assert 0 < idle < 0.1          # the prior: 20 ms with nothing queued
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(_chat, e, MAIN_KEY, None, "word " * 3000)
+        deadline = time.monotonic() + 10
+        while backlog() <= idle + 0.1:    # 3,000 tokens queued: 150 ms more by the prior
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert long.result().status_code == 200
