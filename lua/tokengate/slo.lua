@@ -7,8 +7,9 @@
 -- TTFT_BOUNDS / TPOT_BOUNDS; anything else is a 400 in the API's shape); the class is
 -- the key's slo_class: interactive (waits until a replica is predicted to meet its TTFT
 -- target or the target has passed, then goes), sheddable (refused at once, 503
--- slo_unattainable with Retry-After), batch (only into spare capacity: a replica
--- predicted to meet half its targets, else refused the same way).
+-- slo_unattainable with Retry-After), batch (only into spare capacity: a replica with no
+-- prefill of other requests queued, predicted to meet half its targets; else refused the
+-- same way).
 --
 -- Prediction, per replica r, for a request whose prompt r must compute `uncached`
 -- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
@@ -269,9 +270,10 @@ function _M.decide(ctx, choose, running)
     local ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
     local h = _M.headroom(ttft, tpot, t)
     t.decision_us = floor((mono_ms() - t0) * 1000 + 0.5)
-    local need = t.class == "batch" and 0.5 or 0
     local decision = "met"
-    if h < need then
+    -- spare capacity for batch: no prefill of others queued on the replica (a long
+    -- prompt there delays every interactive request behind it) and half its targets left
+    if h < 0 or t.class == "batch" and (h < 0.5 or _M.queued(ctx.model, r) > 0) then
         if t.class ~= "interactive" then
             t.decision, t.predicted_ttft_ms, t.predicted_tpot_ms = "refused", ttft, tpot
             return nil, unattainable(ctx, ttft)

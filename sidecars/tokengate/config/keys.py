@@ -195,7 +195,8 @@ class KeyConfig(_Schema):
                     "meet their targets: `interactive` waits until one is or the TTFT "
                     "target has passed, `sheddable` is refused at once (503 "
                     "slo_unattainable, Retry-After), `batch` goes only into spare capacity "
-                    "(a replica predicted at half its targets), else refused the same way.")
+                    "(a replica with no other prefill queued, predicted at half its "
+                    "targets), else refused the same way.")
     fair_share: Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False)] = Field(
         default=1.0,
         description="Share of this key among the keys of its priority when requests "
