@@ -46,6 +46,7 @@ local ceil = math.ceil
 local min = math.min
 local max = math.max
 local type = type
+local setmetatable = setmetatable
 
 local _M = {}
 
@@ -72,7 +73,10 @@ local function number(v)
 end
 
 local dict -- the upstream module's shared dict (queued prefill tokens per replica)
-local fits = {} -- this worker's lines: fits[model .. "\0" .. replica .. kind]
+-- this worker's state per replica, keyed by the compiled replica's table (the same table
+-- for the worker's life: a reload starts new workers): {ttft = fit, tpot = fit, qkey =
+-- its shared-dict key}; a fit keeps its solved coefficients until its next answer
+local replicas = setmetatable({}, { __mode = "k" })
 
 -- init_worker(dict_name) -> true | nil, err
 function _M.init_worker(dict_name)
@@ -100,23 +104,22 @@ end
 
 local PRIORS = { ttft = plane(PRIOR_TTFT, PRIOR_WEIGHT), tpot = plane(PRIOR_TPOT, PRIOR_WEIGHT) }
 
--- fit_of(model, r, kind) -> this worker's sums of replica r for "ttft" or "tpot" (its
--- answers only; the prior is added when solving)
-local function fit_of(model, r, kind)
-    local k = model .. "\0" .. r.name .. kind
-    local f = fits[k]
-    if not f then
-        f = plane({}, 0)
-        f.kind = kind
-        fits[k] = f
+-- state_of(model, r) -> this worker's state of replica r of model (replicas above)
+local function state_of(model, r)
+    local st = replicas[r]
+    if not st then
+        local a, b = plane({}, 0), plane({}, 0)
+        a.kind, b.kind = "ttft", "tpot"
+        st = { ttft = a, tpot = b, qkey = "slq:" .. model .. "\0" .. r.name }
+        replicas[r] = st
     end
-    return f
+    return st
 end
 
--- coef(f) -> c0, c1, c2 of the plane through f's answers and its prior (normal
+-- solve(f) -> c0, c1, c2 of the plane through f's answers and its prior (normal
 -- equations, Cramer's rule); slopes clipped at 0 (more work ahead or more requests
 -- running never make a request faster), then the intercept refitted, at least 0
-local function coef(f)
+local function solve(f)
     local p = PRIORS[f.kind]
     local n, s1, s2, sy = f.n + p.n, f.s1 + p.s1, f.s2 + p.s2, f.sy + p.sy
     local s11, s12, s22 = f.s11 + p.s11, f.s12 + p.s12, f.s22 + p.s22
@@ -143,30 +146,36 @@ local function coef(f)
     return c0, c1, c2
 end
 
+-- coef(f) -> f's coefficients, solved again only after an answer changed f
+local function coef(f)
+    if not f.c0 then
+        f.c0, f.c1, f.c2 = solve(f)
+    end
+    return f.c0, f.c1, f.c2
+end
+
 -- observe(f, x1, x2, y): one answer, the past weighed down by DECAY
 local function observe(f, x1, x2, y)
     local d = DECAY
     f.n, f.s1, f.s2, f.sy = f.n * d + 1, f.s1 * d + x1, f.s2 * d + x2, f.sy * d + y
     f.s11, f.s12, f.s22 = f.s11 * d + x1 * x1, f.s12 * d + x1 * x2, f.s22 * d + x2 * x2
     f.s1y, f.s2y = f.s1y * d + x1 * y, f.s2y * d + x2 * y
-end
-
-local function qkey(model, r)
-    return "slq:" .. model .. "\0" .. r.name
+    f.c0 = nil
 end
 
 -- queued(model, r) -> prefill tokens sent to r whose first token has not come back
 function _M.queued(model, r)
-    return dict and dict:get(qkey(model, r)) or 0
+    return dict and dict:get(state_of(model, r).qkey) or 0
 end
 
 -- predict(model, r, uncached, running) -> TTFT ms, TPOT ms, work ahead (tokens) of a
 -- request whose prompt r computes `uncached` tokens of, with `running` requests on r
 -- (this one included)
 function _M.predict(model, r, uncached, running)
-    local ahead = _M.queued(model, r) + uncached
-    local a0, a1, a2 = coef(fit_of(model, r, "ttft"))
-    local b0, b1, b2 = coef(fit_of(model, r, "tpot"))
+    local st = state_of(model, r)
+    local ahead = (dict and dict:get(st.qkey) or 0) + uncached
+    local a0, a1, a2 = coef(st.ttft)
+    local b0, b1, b2 = coef(st.tpot)
     return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
 end
 
@@ -323,14 +332,14 @@ function _M.sent(ctx)
     end
     local n = max(0, floor((ctx.token_estimate or 0) - (ctx.prefix_expected or 0)))
     t.queued, t.queued_on, t.t_sent = n, ctx.replica, mono_ms()
-    dict:incr(qkey(ctx.model, ctx.replica), n, 0)
+    dict:incr(state_of(ctx.model, ctx.replica).qkey, n, 0)
 end
 
 -- first(ctx): the answer's first byte: the request's prefill is done.
 function _M.first(ctx)
     local t = ctx.slo
     if t and t.queued then
-        dict:incr(qkey(ctx.model, t.queued_on), -t.queued, 0)
+        dict:incr(state_of(ctx.model, t.queued_on).qkey, -t.queued, 0)
         t.queued = false
     end
 end
@@ -358,11 +367,11 @@ function _M.finish(ctx, completion)
         if t.predicted_ttft_ms and ttft > 0 then
             metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
         end
-        observe(fit_of(ctx.model, r, "ttft"), t.ahead or 0, t.running or 1, ttft)
+        observe(state_of(ctx.model, r).ttft, t.ahead or 0, t.running or 1, ttft)
         if completion and completion >= 2 then
             local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
             ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
-            observe(fit_of(ctx.model, r, "tpot"), t.ahead or 0, t.running or 1, tpot)
+            observe(state_of(ctx.model, r).tpot, t.ahead or 0, t.running or 1, tpot)
         end
     end
     return ev
