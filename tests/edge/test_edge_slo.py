@@ -7,7 +7,7 @@ are 400s in each API's shape.
 
 Real nginx (2 workers: each learns from the requests it serves), the session's counter
 and two of TokenStorm's fast upstreams, one answering its first token after 400 ms, the
-other after 5 ms.
+other after 5 ms; last, one simulated GPU replica (``sim-replica --gpu``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from tokengate import config as tg_config
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tests.conftest import MODEL, key_digest
 from tests.fixtures_edge import MAIN_KEY, Edge, at_once
@@ -167,3 +170,33 @@ def test_the_backlog_gauge_grows_with_the_prefill_queued_on_the_replicas(
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert long.result().status_code == 200
+
+
+def test_on_a_gpu_timed_replica_the_edge_learns_that_a_long_prefill_takes_longer(
+        edge_variant_off_vllm: Callable[..., Edge], cfg: tg_config.Config,
+        tmp_path: Path) -> None:
+    """One simulated H100 replica of Qwen3-8B (vLLM's steps, roofline-timed): after
+    short and long prompts in turn, every event has its prediction beside what was
+    observed, and the last long prompt is predicted slower than the last short one."""
+    m = cfg.models[MODEL]
+    s = SimSettings(model=m.name, model_dir=Path(m.dir), max_model_len=16384, gpu="h100",
+                    model_config="qwen3-8b", num_gpu_blocks=0, tokenizer="counter").sized()
+    with SimReplica(s, state_dir=tmp_path) as rep:
+        def edit(raw: dict[str, Any]) -> None:
+            mm = raw["models"][MODEL]
+            mm["upstreams"] = [rep.address]
+            mm["embedded"] = False
+            mm["max_model_len"] = 16384
+            mm["routing"] = {**mm.get("routing", {}), "policy": "slo", "kv_events": {}}
+            mm["slo"] = {"ttft_ms": 5000, "tpot_ms": 1000}
+            raw["edge"]["admission"] = {"metrics_interval_ms": 0}
+        e = edge_variant_off_vllm("slo-sim", edit)
+        last: dict[str, dict[str, Any]] = {}
+        for i in range(12):
+            kind = "long" if i % 2 else "short"
+            words = 6000 if kind == "long" else 20
+            r = _chat(e, question=f"{i} " + "word " * words)
+            assert r.status_code == 200, r.text
+            last[kind] = e.event(r.headers["x-request-id"])["slo"]
+            assert last[kind]["observed_ttft_ms"] > 0 and last[kind]["decision"] == "met"
+    assert last["long"]["predicted_ttft_ms"] > last["short"]["predicted_ttft_ms"]
