@@ -158,7 +158,7 @@ class ModelCounter:
                  kv_index: ModelIndex | None = None) -> None:
         self.model = model
         self.router = PrefixRouter(model.routing, kv_index) \
-            if model.routing.policy == "prefix" else None
+            if model.routing.reads_prefix else None
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs_allowed = frozenset(template_kwargs_allowed)

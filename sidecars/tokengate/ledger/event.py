@@ -92,6 +92,10 @@ Schema (every key is present; ``null`` only where shown)::
                       as "sha256:<32 hex>") | null (none, and events written before the
                       field existed). Never a reason to skip an event: a value that is
                       not such a string is read as null.
+    slo               the latency targets' record (``lua/tokengate/slo.lua`` finish:
+                      class, decision, targets, predicted and observed TTFT and TPOT in
+                      ms, decision_us) | null (no targets, older events); an object is
+                      kept as is, anything else read as null.
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -163,6 +167,7 @@ class UsageEvent:
     max_tokens_requested: int | None = None
     max_tokens_applied: int | None = None
     session_id: str | None = None
+    slo: dict[str, Any] | None = None
 
     @property
     def time(self) -> datetime:
@@ -432,6 +437,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         max_tokens_requested=_optional_count(obj, "max_tokens_requested"),
         max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
         session_id=_session(obj, rid),
+        slo=obj["slo"] if isinstance(obj.get("slo"), dict) else None,
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "
