@@ -51,6 +51,9 @@ local HOUR = 3600
 local IN_FLIGHT_TTL = 2 * HOUR
 local TTL = { day = 2 * DAY, month = 33 * DAY } -- a period's counters outlive it
 local NAMES = { day = "daily", month = "monthly" }
+-- a level as messages name it ("team eng", "organization acme"), tokengate.limits too
+local LEVEL_NAMES = { team = "team ", org = "organization " }
+_M.LEVEL_NAMES = LEVEL_NAMES
 
 local dict
 
@@ -125,17 +128,14 @@ local function period(kind, now)
         format("%04d-%02d-01T00:00:00Z", y, m)
 end
 
--- request(key, model, doc, prompt, completion, now) -> the request's budget
--- reservation | nil (no budget applies). key: the compiled key (budgets list); model:
--- the compiled model (name, cost); doc: the compiled configuration (billing,
--- currency); prompt: prompt tokens; completion: the most completion tokens it may
--- generate (all completions of all prompts).
-function _M.request(key, model, doc, prompt, completion, now)
-    local list = key.budgets
-    if #list == 0 then
-        return nil
-    end
-    local items = {}
+-- add_items(items, owner, list, model, now, level): appends to items the budgets of
+-- list (a key's, or a level's: its team's, its organization's) that a request of
+-- model counts against. owner: the key id or the level id ("team:eng"); level: nil for
+-- the key, else the compiled level {level, name, id}. A level's counters are named
+-- "<level id>/<model or *>:<period>:<id>" in Redis (tokengate.redis_keys.budget_keys
+-- keeps them apart from any key's) and "<level id>:..." here: every member of the
+-- level counts in the same ones.
+local function add_items(items, owner, list, model, now, level)
     for i = 1, #list do
         local b = list[i]
         if not b.model or b.model == model.name then
@@ -144,12 +144,29 @@ function _M.request(key, model, doc, prompt, completion, now)
             -- counter, spend_limit_nano, token_limit, ttl_s: the Redis counter
             -- (tokengate.pb.budget_request)
             items[#items + 1] = {
-                b = b, left = left, ends = ends, name = key.id .. ":" .. counter,
-                scope = key.id .. ":" .. (b.model or "*") .. ":" .. b.period,
-                counter = counter, spend_limit_nano = b.spend_nano or 0,
-                token_limit = b.tokens or 0, ttl_s = TTL[b.period],
+                b = b, left = left, ends = ends, name = owner .. ":" .. counter,
+                scope = owner .. ":" .. (b.model or "*") .. ":" .. b.period,
+                counter = level and (owner .. "/" .. counter) or counter, level = level,
+                spend_limit_nano = b.spend_nano or 0, token_limit = b.tokens or 0,
+                ttl_s = TTL[b.period],
             }
         end
+    end
+end
+
+-- request(key, model, doc, prompt, completion, now) -> the request's budget
+-- reservation | nil (no budget applies). key: the compiled key (budgets list, levels
+-- with theirs: every level's budgets are reserved together, so the tightest applies);
+-- model: the compiled model (name, cost); doc: the compiled configuration (billing,
+-- currency); prompt: prompt tokens; completion: the most completion tokens it may
+-- generate (all completions of all prompts).
+function _M.request(key, model, doc, prompt, completion, now)
+    local items = {}
+    add_items(items, key.id, key.budgets, model, now, nil)
+    local levels = key.levels
+    for i = 1, #levels do
+        local lv = levels[i]
+        add_items(items, lv.id, lv.budgets, model, now, lv)
     end
     if #items == 0 then
         return nil
@@ -251,9 +268,13 @@ local function rejection(bud, it, kind, used)
             .. "may use up to %d", NAMES[b.period], b.tokens, scope, used, bud.tokens)
     end
     local retry = max(1, ceil(it.left))
-    return errors.new(429, format("You exceeded your current quota on key %s: the %s. It "
-        .. "resets at %s (in %ds).", bud.key_id, what, it.ends, retry), nil,
-        "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry) })
+    local lv = it.level
+    local who = lv and (LEVEL_NAMES[lv.level] .. lv.name .. " (key " .. bud.key_id .. ")")
+        or ("key " .. bud.key_id)
+    return errors.new(429, format("You exceeded your current quota on %s: the %s. It "
+        .. "resets at %s (in %ds).", who, what, it.ends, retry), nil,
+        "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry),
+        ["X-Tokengate-Limit-Level"] = lv and lv.level or "key" })
 end
 
 -- refusal(bud, index, kind, used) -> the 429 of items[index] refusing: kind "spend" |

@@ -98,12 +98,14 @@ end
 -- incoming(req) -> state | nil, refused state | nil, nil (the tier failed: skipped)
 --   req = {key_id, model, per_model (limits are the key's override for model),
 --          limits = {rpm, tpm}, tokens, request_id ($request_id: retries are idempotent,
---          and it is Settle's handle)}
+--          and it is Settle's handle), windows (the key's team's and organization's,
+--          reserved in the same script: all or none)}
 --   refused state: st.reject = "requests" | "tokens", st.retry_after (whole s, >= 1),
 --   st.alone (can never fit).
 function _M.incoming(req)
     local msg, failure = client:call(RESERVE, pb.reserve_request(req.key_id, req.model,
-        req.per_model, req.limits.rpm, req.limits.tpm, req.tokens, req.request_id))
+        req.per_model, req.limits.rpm, req.limits.tpm, req.tokens, req.request_id,
+        req.windows))
     local r, err
     if msg then
         r, err = pb.reserve_reply(msg)
@@ -115,7 +117,11 @@ function _M.incoming(req)
         metrics.incr("global_fallback_" .. fallback(failure, "local limits"))
         return nil, nil
     end
-    local st = state(r, req.limits)
+    -- whose window the numbers are: the key's, or the level's (the one that refused,
+    -- or the tightest)
+    local lv = r.level > 0 and req.windows[r.level] or nil
+    local st = state(r, lv or req.limits)
+    st.level = lv
     if r.admitted then
         metrics.incr("global_admitted")
         return st
@@ -255,7 +261,7 @@ end
 -- settle_window(req, actual): sets the request's Redis reservation to actual tokens.
 local function settle_window(req, actual)
     enqueue(SETTLE, pb.settle_request(req.key_id, req.model, req.per_model, req.request_id,
-        actual))
+        actual, req.windows))
 end
 
 -- uncommit(req): a later tier refused: nothing of the reservation was used.

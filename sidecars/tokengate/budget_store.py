@@ -45,6 +45,7 @@ from tokengate.redis_keys import (
     budget_fix_mark,
     budget_keys,
     encode_counter,
+    level_counter,
     ready_mark_key,
     rebuild_key,
     reservation_key,
@@ -224,6 +225,11 @@ def bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
     """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
     out = []
     for key_id, counter in counters:
+        if level_counter(counter) is not None:
+            # a team's bill is its members' (``tokengate usage --by team``); its
+            # counters alone decide
+            out.append([])
+            continue
         scope, days = period_days(counter)
         names = list(models) if scope == "*" else [scope]
         out.append([usage_key(d.isoformat(), key_id, m) for d in days for m in names])

@@ -109,6 +109,14 @@ key too::
                                                 rebuilds after Redis lost its data)
     tg:bg:{<key_id>}:fix:<fix id>       string  a budget fix made (one day): never twice
     counter = "<model or *>:<day|month>:<period id>"
+
+A team's or organization's budget counters (``tokengate.config.teams``) are named
+``<level id>/<counter>`` in a request's counters and reservation record, and kept under
+the level's own tag, shared by every member key: ``tg:bg:{team:<name>}:<counter>:s``
+and so on (``level_counter``). A script that touches a key's and its team's counters
+spans two slots: pooled budgets need one Redis, not a Cluster (the schema says so).
+
+A team's or organization's windows are ``tg:gl:{<level id>}:all:z`` and ``:h``.
 """
 
 from __future__ import annotations
@@ -245,10 +253,27 @@ def encode_counter(name: str) -> str:
     return quote(name, safe="*:")
 
 
+def level_counter(counter: str) -> tuple[str, str] | None:
+    """A team's or organization's budget counter, ``<level id>/<counter>``
+    (``team:eng/*:day:20427``: lua/tokengate/budget.lua names them so), as (level id,
+    counter); None for a key's own counter. A level id is ``team:`` or ``org:`` and a
+    name without ``/`` or ``:`` (``tokengate.config.teams``); no configured model starts
+    with either while teams exist, so a key's counter never reads as one."""
+    head, sep, rest = counter.partition("/")
+    level, colon, name = head.partition(":")
+    if sep and colon and level in ("team", "org") and name and ":" not in name:
+        return head, rest
+    return None
+
+
 def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
     """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
     epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
-    of ``hour - 1``."""
+    of ``hour - 1``. A level's counter (``level_counter``) is the level's, whichever
+    member's request names it: ``tg:bg:{<level id>}:<counter>:...``."""
+    level = level_counter(counter)
+    if level is not None:
+        key_id, counter = level
     base = f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:{encode_counter(counter)}"
     return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
             f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]

@@ -175,6 +175,11 @@ class KeyConfig(_Schema):
         default=[],
         description="Spend limits and token quotas per UTC day or month (429 "
                     "`insufficient_quota` once spent).")
+    team: NonEmpty | None = Field(
+        default=None,
+        description="The team (a name in `teams`) the key belongs to: its requests also "
+                    "count against the team's (and its organization's) pooled limits and "
+                    "budgets. null: none.")
     priority: NonEmpty = Field(
         default="normal",
         description="Admission priority: a name in edge.admission.priorities (a lower "
