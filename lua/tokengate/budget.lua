@@ -54,6 +54,7 @@ local NAMES = { day = "daily", month = "monthly" }
 -- a level as messages name it ("team eng", "organization acme"), tokengate.limits too
 local LEVEL_NAMES = { team = "team ", org = "organization " }
 _M.LEVEL_NAMES = LEVEL_NAMES
+local NONE = {} -- a key without levels
 
 local dict
 
@@ -163,7 +164,7 @@ end
 function _M.request(key, model, doc, prompt, completion, now)
     local items = {}
     add_items(items, key.id, key.budgets, model, now, nil)
-    local levels = key.levels
+    local levels = key.levels or NONE
     for i = 1, #levels do
         local lv = levels[i]
         add_items(items, lv.id, lv.budgets, model, now, lv)

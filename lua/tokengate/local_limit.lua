@@ -26,6 +26,8 @@ local ERR = ngx.ERR
 
 local _M = { name = "local" }
 
+local NONE = {} -- a request without levels (req.windows nil)
+
 local WINDOW = 60 -- seconds: the limits are per minute
 local TTL = 2 * WINDOW + 5 -- a window is read as "previous" for one more window
 
@@ -189,7 +191,7 @@ function _M.incoming(req, now)
         return nil, refused
     end
     req.window = st.window
-    local windows = req.windows
+    local windows = req.windows or NONE
     for i = 1, #windows do
         local lv = windows[i]
         local lst, lref = admit(lv.id, lv, req.tokens, now)
@@ -213,7 +215,7 @@ end
 -- every level.
 function _M.uncommit(req)
     release(req.bucket, req.window, req.tokens)
-    local windows = req.windows
+    local windows = req.windows or NONE
     for i = 1, #windows do
         release(windows[i].id, req.window, req.tokens)
     end
@@ -224,7 +226,7 @@ end
 function _M.settle(req, actual)
     local delta = actual - req.tokens
     correct(req.bucket, req.window, delta)
-    local windows = req.windows
+    local windows = req.windows or NONE
     for i = 1, #windows do
         correct(windows[i].id, req.window, delta)
     end

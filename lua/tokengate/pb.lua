@@ -130,8 +130,11 @@ end
 
 -- level_fields(num, levels, with_limits) -> the repeated LevelWindow field num of the
 -- levels {id, rpm, tpm} (tokengate.limits: a key's team and organization with a
--- window); with_limits false: their ids alone (a settlement's)
+-- window; nil: none); with_limits false: their ids alone (a settlement's)
 local function level_fields(num, levels, with_limits)
+    if not levels then
+        return ""
+    end
     local out = {}
     for i = 1, #levels do
         local lv = levels[i]
