@@ -441,7 +441,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 12 and doc["source"] == str(config_path)
+    assert doc["version"] == 13 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     # nor a collector's headers (credentials); tracing is off unless asked for
     assert "headers" not in doc["tracing"] and doc["tracing"]["enabled"] is False
@@ -466,7 +466,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
                                  "priority": "normal", "session_budget": None,
                                  "fair_share": 1.0, "max_tokens_cap": None,
                                  "cached_tokens_weight": None, "previous": [],
-                                 "expires_at": None, "disabled": False}
+                                 "expires_at": None, "disabled": False, "team": None,
+                                 "levels": []}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -607,7 +608,10 @@ def test_the_json_schema_is_valid_and_closed(repo_raw: dict[str, Any]) -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     objects = list(_objects(schema))
     # the file and every section: each schema model (a subclass of _Schema) appears once
-    assert len(objects) == len(tg_config._Schema.__subclasses__())
+    def descendants(cls: type) -> list[type]:
+        return [d for c in cls.__subclasses__() for d in (c, *descendants(c))]
+
+    assert len(objects) == len(descendants(tg_config._Schema))
     assert all(o["additionalProperties"] is False for o in objects)
     validator = jsonschema.Draft202012Validator(schema)
     assert list(validator.iter_errors(repo_raw)) == []

@@ -49,7 +49,7 @@ from tokengate.config.loading import (
 from tokengate.config.models import ModelConfig, ModelCost
 from tokengate.config.schema import Config
 from tokengate.config.sidecars import RedisConfig, TracingConfig
-from tokengate.config.teams import LEVELS, GroupConfig, OrgConfig, TeamConfig, level_id
+from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig, level_id
 from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
 
 __all__ = [
@@ -69,12 +69,11 @@ __all__ = [
     "ConsoleConfig",
     "ContextPenalty",
     "EdgeConfig",
-    "GroupConfig",
     "KeyConfig",
     "ModelConfig",
     "ModelCost",
     "NotText",
-    "OrgConfig",
+    "PooledLimits",
     "RedisConfig",
     "StructuredOutputLimits",
     "TeamConfig",

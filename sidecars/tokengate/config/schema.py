@@ -20,7 +20,7 @@ from tokengate.config.sidecars import (
     RedisConfig,
     TracingConfig,
 )
-from tokengate.config.teams import LEVELS, GroupConfig, OrgConfig, TeamConfig
+from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig
 from tokengate.config.types import NonEmpty, _check, _Schema
 
 
@@ -49,7 +49,7 @@ class Config(_Schema):
         default={},
         description="Teams: pooled limits and budgets over their member keys "
                     "(`keys.<id>.team`).")
-    orgs: dict[str, OrgConfig] = Field(
+    orgs: dict[str, PooledLimits] = Field(
         default={},
         description="Organizations: pooled limits and budgets over their teams "
                     "(`teams.<name>.org`).")
@@ -108,7 +108,7 @@ class Config(_Schema):
         def known(model: str) -> str:
             return f"{model!r} is not a configured model ({', '.join(self.models)})"
 
-        def shared(path: str, g: KeyConfig | GroupConfig) -> None:
+        def shared(path: str, g: KeyConfig | PooledLimits) -> None:
             """The rules a key and a team or organization share: models and budgets."""
             if g.budgets and not self.global_limits.enabled:
                 problems.append((f"{path}.budgets", BUDGETS_NEED_REDIS))
@@ -131,7 +131,7 @@ class Config(_Schema):
                     problems.append((f"{path}.budgets.{i}", why))
                 seen.add((b.scope, b.period))
 
-        groups: list[tuple[str, GroupConfig]] = [
+        groups: list[tuple[str, PooledLimits]] = [
             *((f"teams.{n}", t) for n, t in self.teams.items()),
             *((f"orgs.{n}", o) for n, o in self.orgs.items())]
         for path, g in groups:

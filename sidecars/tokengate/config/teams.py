@@ -25,8 +25,9 @@ def level_id(level: str, name: str) -> str:
     return f"{level}:{name}"
 
 
-class GroupConfig(_Schema):
-    """What the keys of a team (or the teams of an organization) share."""
+class PooledLimits(_Schema):
+    """What the members of an organization (``orgs.<name>``: the teams whose ``org``
+    names it, and their keys) or of a team share."""
 
     rpm: Positive | None = Field(
         default=None,
@@ -46,21 +47,16 @@ class GroupConfig(_Schema):
                     "day or month (429 `insufficient_quota` naming the level once spent).")
 
     @model_validator(mode="after")
-    def _window(self) -> GroupConfig:
+    def _window(self) -> PooledLimits:
         if (self.rpm is None) != (self.tpm is None):
             raise _Rules([("tpm" if self.tpm is None else "rpm",
                            "a pooled window needs both rpm and tpm")])
         return self
 
 
-class TeamConfig(GroupConfig):
+class TeamConfig(PooledLimits):
     """One team (``teams.<name>``): its members are the keys whose ``team`` names it."""
 
     org: NonEmpty | None = Field(
         default=None,
         description="The organization (a name in `orgs`) the team belongs to. null: none.")
-
-
-class OrgConfig(GroupConfig):
-    """One organization (``orgs.<name>``): its members are the teams whose ``org`` names
-    it."""

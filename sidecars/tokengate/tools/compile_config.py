@@ -205,13 +205,13 @@ def _key(cfg: tg_config.Config, key_id: str, k: tg_config.KeyConfig) -> dict[str
 
 
 def levels_of(cfg: tg_config.Config, k: tg_config.KeyConfig
-              ) -> list[tuple[str, str, tg_config.GroupConfig]]:
+              ) -> list[tuple[str, str, tg_config.PooledLimits]]:
     """(level, name, settings) of every level above key ``k``: its team, then the team's
     organization; empty for a key of no team."""
     if k.team is None:
         return []
     team = cfg.teams[k.team]
-    out: list[tuple[str, str, tg_config.GroupConfig]] = [("team", k.team, team)]
+    out: list[tuple[str, str, tg_config.PooledLimits]] = [("team", k.team, team)]
     if team.org is not None:
         out.append(("org", team.org, cfg.orgs[team.org]))
     return out
