@@ -131,7 +131,7 @@ end
 
 -- add_items(items, owner, list, model, now, level): appends to items the budgets of
 -- list (a key's, or a level's: its team's, its organization's) that a request of
--- model counts against. owner: the key id or the level id ("team:eng"); level: nil for
+-- model counts against (model nil: every one). owner: the key id or the level id ("team:eng"); level: nil for
 -- the key, else the compiled level {level, name, id}. A level's counters are named
 -- "<level id>/<model or *>:<period>:<id>" in Redis (tokengate.redis_keys.budget_keys
 -- keeps them apart from any key's) and "<level id>:..." here: every member of the
@@ -139,7 +139,7 @@ end
 local function add_items(items, owner, list, model, now, level)
     for i = 1, #list do
         local b = list[i]
-        if not b.model or b.model == model.name then
+        if not model or not b.model or b.model == model.name then
             local id, left, ends = period(b.period, now)
             local counter = (b.model or "*") .. ":" .. b.period .. ":" .. id
             -- counter, spend_limit_nano, token_limit, ttl_s: the Redis counter
@@ -155,6 +155,19 @@ local function add_items(items, owner, list, model, now, level)
     end
 end
 
+-- items(key, now, model) -> the budgets of the key and of its levels ({b, level,
+-- counter, left (s), ends, ...}) that a request of model counts against; model nil:
+-- every one (the quota endpoint's).
+function _M.items(key, now, model)
+    local items = {}
+    add_items(items, key.id, key.budgets, model, now, nil)
+    local levels = key.levels or NONE
+    for i = 1, #levels do
+        add_items(items, levels[i].id, levels[i].budgets, model, now, levels[i])
+    end
+    return items
+end
+
 -- request(key, model, doc, prompt, completion, now) -> the request's budget
 -- reservation | nil (no budget applies). key: the compiled key (budgets list, levels
 -- with theirs: every level's budgets are reserved together, so the tightest applies);
@@ -162,13 +175,7 @@ end
 -- currency); prompt: prompt tokens; completion: the most completion tokens it may
 -- generate (all completions of all prompts).
 function _M.request(key, model, doc, prompt, completion, now)
-    local items = {}
-    add_items(items, key.id, key.budgets, model, now, nil)
-    local levels = key.levels or NONE
-    for i = 1, #levels do
-        local lv = levels[i]
-        add_items(items, lv.id, lv.budgets, model, now, lv)
-    end
+    local items = _M.items(key, now, model)
     if #items == 0 then
         return nil
     end
@@ -178,6 +185,7 @@ function _M.request(key, model, doc, prompt, completion, now)
         tokens = min(prompt + completion, CAP), prompt = prompt, completion = completion,
     }
 end
+
 
 -- reprice(bud, weights, billing, cached): the reservation (request()'s, not reserved
 -- yet) prices `cached` of its prompt tokens at the cached rate: those the chosen
@@ -332,6 +340,23 @@ function _M.reserve(bud)
     end
     bud.admitted = true
     return true
+end
+
+-- local_usage(it, now) -> {spent_nano, tokens, reserved_nano, reserved_tokens}: what
+-- this edge's counters hold for item it (budget.items) now: settled, and in flight in
+-- this hour's bucket and the last's (the quota endpoint without Redis).
+function _M.local_usage(it, now)
+    local hour = floor(now / HOUR)
+    local u = {}
+    for j = 1, #KINDS do
+        local k = KINDS[j]
+        u[k.kind] = dict:get(k.settled .. it.name) or 0
+        u[k.kind .. "_reserved"] = (dict:get(in_flight(k, hour, it.name)) or 0)
+            + (dict:get(in_flight(k, hour - 1, it.name)) or 0)
+    end
+    return { spent_nano = u.spend, tokens = u.tokens,
+             reserved_nano = max(0, u.spend_reserved),
+             reserved_tokens = max(0, u.tokens_reserved) }
 end
 
 -- uncommit(bud): a later tier (Redis's counters) refused: the reservation is taken back.

@@ -48,6 +48,7 @@ local SETTLE = "/tokengate.v1.GlobalLimits/Settle"
 local RESERVE_BUDGET = "/tokengate.v1.GlobalLimits/ReserveBudget"
 local REBUILDING = 3 -- BudgetLimit BUDGET_REBUILDING
 local SETTLE_BUDGET = "/tokengate.v1.GlobalLimits/SettleBudget"
+local QUOTA = "/tokengate.v1.GlobalLimits/Quota"
 local SETTLED = { [SETTLE] = pb.settle_reply, [SETTLE_BUDGET] = pb.budget_settle_reply }
 local LIMITED_BY = { [1] = "requests", [2] = "tokens" }
 -- s: Retry-After of a request that can never fit, the same window as the local tier's
@@ -178,6 +179,24 @@ function _M.reserve_budget(bud, request_id)
     local kind = r.limited_by == 2 and "tokens" or "spend"
     return nil, { index = r.refused, kind = kind,
                   used = kind == "tokens" and u.tokens or u.spent_nano }
+end
+
+-- quota(key_id, windows, items) -> reply {windows, counters} (tokengate.pb.quota_reply)
+-- | nil, err: what Redis holds now for the key's window and its levels' (windows:
+-- {id}) and for the budget counters of items (tokengate.budget.items); nothing is
+-- reserved. err: why the sidecar did not answer (the caller answers from this edge's
+-- own counters).
+function _M.quota(key_id, windows, items)
+    local msg, failure = client:call(QUOTA, pb.quota_request(key_id, windows, items))
+    if not msg then
+        return nil, failure.message
+    end
+    local r, err = pb.quota_reply(msg)
+    if r and (#r.windows ~= #windows + 1 or #r.counters ~= #items) then
+        r, err = nil, "quota reply of " .. #r.windows .. " windows, " .. #r.counters
+            .. " counters"
+    end
+    return r, err
 end
 
 -- ------------------------------------------------------------------ settlement

@@ -375,6 +375,43 @@ function _M.budget_reserve_reply(msg)
     return r
 end
 
+-- quota_request(key_id, levels, counters) -> serialized tokengate.v1.QuotaRequest.
+-- levels: the key's team's and organization's windows ({id}); counters: {counter}
+-- (names as budget_request sends them).
+function _M.quota_request(key_id, levels, counters)
+    local out = { str_field(1, key_id), level_fields(2, levels, false) }
+    for i = 1, #counters do
+        local m = str_field(1, counters[i].counter)
+        out[#out + 1] = key_byte(3, 2) .. varint(#m) .. m
+    end
+    return concat(out)
+end
+
+local WINDOW_USAGE = { [1] = "requests", [2] = "tokens", [3] = "reset_ms" }
+local COUNTER_USAGE = { [1] = "spent_nano", [2] = "tokens", [3] = "reserved_nano",
+                        [4] = "reserved_tokens" }
+local QUOTA_REPLY = {
+    [1] = function(into, bytes)
+        local w, err = fields(bytes, { requests = 0, tokens = 0, reset_ms = 0 },
+            WINDOW_USAGE)
+        into.windows[#into.windows + 1] = w
+        return w, err
+    end,
+    [2] = function(into, bytes)
+        local c, err = fields(bytes, { spent_nano = 0, tokens = 0, reserved_nano = 0,
+                                       reserved_tokens = 0 }, COUNTER_USAGE)
+        into.counters[#into.counters + 1] = c
+        return c, err
+    end,
+}
+
+-- quota_reply(msg) -> {windows = {{requests, tokens, reset_ms}, ...} (the key's, then
+-- each level's), counters = {{spent_nano, tokens, reserved_nano, reserved_tokens},
+-- ...}} | nil, err.
+function _M.quota_reply(msg)
+    return fields(msg, { windows = {}, counters = {} }, QUOTA_REPLY)
+end
+
 local BUDGET_SETTLE_REPLY = { [1] = "applied", [2] = "reserved" }
 
 -- budget_settle_reply(msg) -> {applied (bool), reserved (bool)} | nil, err.

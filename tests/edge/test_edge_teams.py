@@ -18,9 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from tokengate import config as tg_config
+from tokengate import redis_client
 from tokengate.budget_store import nano
 from tokengate.config import ModelCost
+from tokengate.ledger import report
 from tokengate.ledger.calculator import charge
+from tokengate.ledger.ledger import Ledger
 from tokengate.limits.window import window_keys
 from tokengate_dev import devstack
 
@@ -66,6 +71,8 @@ def _with_teams(upstream: str, sock: Path, name: str) -> Callable[[dict[str, Any
             for i in range(MEMBERS):
                 raw["keys"][f"{team}-{i}"] = {"sha256": key_digest(member(team, i)),
                                               "rpm": 100_000, "tpm": 1_000_000, "team": team}
+        # a budget of the key's own beside its team's (far above: never binds)
+        raw["keys"]["spend-0"]["budgets"] = [{"period": "month", "spend": 1000.0}]
 
     return edit
 
@@ -256,3 +263,56 @@ def test_a_request_larger_than_the_team_window_is_told_retrying_cannot_help(
         assert r.headers["x-should-retry"] == "false"
         assert r.headers["x-tokengate-limit-level"] == "team"
         assert r.json()["error"]["message"].startswith("Request too large for team pool: ")
+
+
+def test_the_quota_endpoint_shows_the_key_and_its_team_as_the_ledger_bills_them(
+        config_path: Path, counter_addr: str, upstream_hostport: str, redis_url: str,
+        private_redis: Callable[..., Any]) -> None:
+    with team_stack("tm-quota", config_path, upstream_hostport, private_redis) as st:
+        sent = [post(st.a, member("spend", 0)) for _ in range(5)] + \
+            [post(st.b, member("spend", 1)) for _ in range(3)]
+        assert {r.status_code for r in sent} == {200}
+        client = st.redis.client()
+        wait_until(lambda: all(client.get(f"tg:bg:{{spend-{k}}}:r:{r.headers['x-request-id']}")
+                               == "settled" for k, rs in ((0, sent[:5]), (1, sent[5:]))
+                               for r in rs), 10, what="every settlement")
+        client.close()
+        # asked on the other edge: Redis's figures, every edge's
+        got = httpx.get(f"{st.b.base_url}/key",
+                        headers={"Authorization": f"Bearer {member('spend', 0)}"}, timeout=10)
+        assert got.status_code == 200
+        data = got.json()["data"]
+        assert (data["label"], data["team"], data["org"], data["source"]) == \
+            ("spend-0", "spend", None, "global")
+        assert [(w["level"], w["name"], w["requests"]) for w in data["limits"]] == \
+            [("key", "spend-0", 5)]
+        by_level = {b["level"]: b for b in data["budgets"]}
+        assert set(by_level) == {"key", "team"}  # nobody else's
+        # the ledger's bill of the two edges' usage events
+        cfg = tg_config.load(EDGE_DIR / "tm-quota-a" / "tokengate.yaml")
+        for edge in (st.a, st.b):
+            ledger = Ledger(cfg, redis_client.connect(cfg.redis, url=st.redis.url),
+                            edge.usage_file)
+            ledger.drain()
+            ledger.client.close()
+        rows = report.query(redis_client.connect(cfg.redis, url=st.redis.url))
+        billed = {k: sum(r.cost for r in rows if r.key_id == k)
+                  for k in ("spend-0", "spend-1")}
+        tokens = {k: sum(r.prompt_tokens + r.completion_tokens for r in rows if r.key_id == k)
+                  for k in ("spend-0", "spend-1")}
+        key, team = by_level["key"], by_level["team"]
+        # each request's cost is counted in whole nano-units, rounded up (the edge's and
+        # the ledger's budget rounding): equal to the ledger's to that rounding
+        assert key["spent"] == pytest.approx(billed["spend-0"], abs=5e-9)
+        assert team["spent"] == pytest.approx(billed["spend-0"] + billed["spend-1"], abs=8e-9)
+        assert (key["tokens_used"], team["tokens_used"]) == \
+            (tokens["spend-0"], tokens["spend-0"] + tokens["spend-1"])
+        assert (key["reserved"], team["reserved"]) == (0, 0)
+        assert (key["spend_limit"], team["spend_limit"]) == (1000.0, TEAM_SPEND)
+        assert team["period"] == "day" and team["resets_at"].endswith("T00:00:00Z")
+        # the tightest spend limit, in OpenRouter's fields
+        assert data["limit"] == TEAM_SPEND
+        assert data["usage"] == team["spent"]
+        assert data["limit_remaining"] == pytest.approx(TEAM_SPEND - team["spent"], abs=1e-9)
+        unauth = httpx.get(f"{st.b.base_url}/key", timeout=10)
+        assert unauth.status_code == 401

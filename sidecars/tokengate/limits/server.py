@@ -83,7 +83,7 @@ T = TypeVar("T")
 # Metrics (tokengate.metrics serves them, summed over the worker processes).
 CALLS = Counter("tokengate_limits_calls_total",
                 "GlobalLimits calls, by method (Reserve, Settle, ReserveBudget, "
-                "SettleBudget) and gRPC status code (OK, INVALID_ARGUMENT, UNAVAILABLE).",
+                "SettleBudget, Quota) and gRPC status code (OK, INVALID_ARGUMENT, UNAVAILABLE).",
                 ["method", "code"])
 CALL_SECONDS = Histogram("tokengate_limits_call_duration_seconds",
                          "Time to answer a GlobalLimits call inside the sidecar (Redis "
@@ -239,6 +239,33 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
             context)
         return limits_pb2.BudgetSettleReply(applied=applied, reserved=reserved)
+
+    async def Quota(self, request: limits_pb2.QuotaRequest,
+                    context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
+        """See proto/tokengate/v1/limits.proto."""
+        return await _measured("Quota", self._quota(request, context), context)
+
+    async def _quota(self, request: limits_pb2.QuotaRequest,
+                     context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
+        await self._check(context, bool(request.key_id), "key_id: required")
+        levels = [lv.id for lv in request.levels]
+        await self._check(context, all(levels), "levels: each needs an id")
+        names = [c.name for c in request.counters]
+        await self._check(context, all(names), "counters: each needs a name")
+
+        async def read() -> tuple[list[tuple[int, int, int]],
+                                  list[tuple[int, int, int, int]]]:
+            return (await self.limiter.usage(request.key_id, levels),
+                    await self.budgets.usage(request.key_id, names))
+
+        windows, counters = await self._call("Quota", read, context)
+        return limits_pb2.QuotaReply(
+            windows=[limits_pb2.WindowUsage(requests=r, tokens=max(0, t),
+                                            reset_ms=min(ms, _U32))
+                     for r, t, ms in windows],
+            counters=[limits_pb2.CounterUsage(spent_nano=max(0, s), tokens=max(0, t),
+                                              reserved_nano=rs, reserved_tokens=rt)
+                      for s, t, rs, rt in counters])
 
     async def _counters(self, request: limits_pb2.BudgetReserveRequest
                         | limits_pb2.BudgetSettleRequest,

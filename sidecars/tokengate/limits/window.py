@@ -116,6 +116,29 @@ class GlobalLimiter:
         return Settlement(bool(int(r[0])), int(r[1]), int(r[2]))
 
 
+    async def usage(self, key_id: str, levels: Sequence[str]) -> list[tuple[int, int, int]]:
+        """(requests, tokens, reset ms) of the key's own window and of each level's (by
+        id) on Redis's clock: the entries of the last ``window_ms`` (what the next
+        reservation would count); nothing is changed."""
+        sec, usec = await self.client.time()
+        now = int(sec) * 1000 + int(usec) // 1000
+        pairs = [window_keys(key_id)] + [window_keys(lv) for lv in levels]
+        pipe = self.client.pipeline(transaction=False)
+        for z, _h in pairs:
+            pipe.zrangebyscore(z, f"({now - self.window_ms}", "+inf", withscores=True)
+        entries = await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for (_z, h), rows in zip(pairs, entries, strict=True):
+            pipe.hmget(h, [rid for rid, _t in rows] or ["#sum"])
+        values = await pipe.execute()
+        out = []
+        for rows, vals in zip(entries, values, strict=True):
+            tokens = sum(int(v or 0) for v in vals) if rows else 0
+            reset = int(max(t for _r, t in rows)) + self.window_ms - now if rows else 0
+            out.append((len(rows), tokens, max(0, reset)))
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class LevelWindow:
     """A team's or organization's window (``LevelWindow`` in limits.proto)."""
