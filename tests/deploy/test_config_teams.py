@@ -17,6 +17,7 @@ from tokengate.tools import compile_config
 
 from tests.conftest import MODEL
 from tests.deploy.test_config import errors_of, put
+from tests.doc_pages import code_block
 
 DAY = {"period": "day", "spend": 5.0}
 
@@ -96,3 +97,13 @@ def test_keys_create_and_set_put_a_key_in_a_team_and_list_shows_it(
                              capture_output=True, text=True, check=False)
     assert dropped.returncode == 0, dropped.stderr
     assert tg_config.load(path).keys["k1"].team is None
+
+
+def test_the_teams_page_configuration_is_a_valid_file(config_path: Path,
+                                                      tmp_path: Path) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    raw["global_limits"] = {"enabled": True}
+    raw.update(yaml.safe_load(code_block("operators/teams.md", "yaml").replace(
+        "tiny-qwen3", MODEL)))
+    cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
+    assert (cfg.keys["alice"].team, cfg.teams["research"].org) == ("research", "acme")
