@@ -45,6 +45,15 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
     <p>:rebuilding                     zset: ledger ids rebuilding now, score the Redis
                                        time (ms) their lease ends
 
+Budget alerts (``tokengate.ledger.alerts``)::
+
+    <p>:alert:<alert id>               string: the alert was claimed (kept as long as
+                                       its period's counters)
+    <p>:alerts                         hash: "<alert id>|<webhook url>" -> JSON
+                                       {alert, attempts, next_at}: deliveries not
+                                       acknowledged yet
+    <p>:alert_send:<field>             string: the ledger delivering it now (a lease)
+
 The join of edge events and engine records (``tokengate.ledger.reconcile``)::
 
     <p>:pending                        hash: request id -> {"o": owner ledger id,
@@ -297,3 +306,19 @@ def rebuild_key(key_id: str) -> str:
 def budget_fix_mark(key_id: str, fix_id: str) -> str:
     """The mark of one budget fix made to ``key_id``'s counters."""
     return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:fix:{_enc(fix_id)}"
+
+
+# --- budget alerts (tokengate.ledger.alerts), in the ledger's slot
+
+
+ALERTS_KEY = f"{PREFIX}:alerts"    # hash: "<alert id>|<webhook url>" -> JSON delivery
+
+
+def alert_mark(alert_id: str) -> str:
+    """The mark that an alert was claimed (sent once per threshold per period)."""
+    return f"{PREFIX}:alert:{_enc(alert_id)}"
+
+
+def alert_lease(field: str) -> str:
+    """The lease of the ledger delivering one pending alert to one webhook."""
+    return f"{PREFIX}:alert_send:{_enc(field)}"

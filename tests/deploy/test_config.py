@@ -646,7 +646,7 @@ def test_docs_list_the_fields_of_a_keys_budgets() -> None:
     section = text[text.index(title):].split("\n## ", 1)[0]
     assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")] \
         == [f"| `{name}`" for name in tg_config.Budget.model_fields] \
-        == ["| `period`", "| `spend`", "| `tokens`", "| `model`"]
+        == ["| `period`", "| `spend`", "| `tokens`", "| `model`", "| `alerts`"]
 
 
 def lua_load(doc: dict[str, Any], tmp_path: Path) -> dict[str, Any]:

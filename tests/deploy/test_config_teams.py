@@ -39,14 +39,14 @@ def raw(config_path: Path) -> dict[str, Any]:
     (put("teams.eng.tpm", None), "teams.eng.tpm: a pooled window needs both rpm and tpm"),
     (put("teams.eng.allowed_models", ["other"]),
      f"teams.eng.allowed_models.0: 'other' is not a configured model ({MODEL})"),
-    (put("teams.e:g", {}), "teams.e:g: a name is 1-64 letters, digits, '.', '_', '-' or '@', "
-                           "starting with a letter or digit"),
+    (put("teams.e:g", {}), ("teams.e:g: a name is 1-64 letters, digits, '.', '_', '-' or "
+                            "'@', starting with a letter or digit")),
     (put("global_limits.enabled", False),
      "teams.eng.budgets: budgets need global_limits.enabled: true"),
     (put("redis.cluster", True),
      "teams.eng: pooled limits and budgets in Redis need one Redis (redis.cluster: false)"),
-    (put("teams.eng.budgets", [DAY, DAY]), "teams.eng.budgets.1: a second day budget for "
-                                           "every model"),
+    (put("teams.eng.budgets", [DAY, DAY]),
+     "teams.eng.budgets.1: a second day budget for every model"),
 ])
 def test_a_team_the_file_cannot_hold_is_refused_naming_the_key(
         raw: dict[str, Any], tmp_path: Path, edit: Any, error: str) -> None:
@@ -63,10 +63,16 @@ def test_a_key_of_a_team_compiles_to_its_levels_and_their_model_intersection(
     assert key["team"] == "eng"
     assert key["levels"] == [
         {"level": "team", "name": "eng", "id": "team:eng", "rpm": 50, "tpm": 4000,
-         "budgets": [{"period": "day", "spend": 5.0, "tokens": None, "model": None}]},
+         "budgets": [{"period": "day", "spend": 5.0, "tokens": None, "model": None,
+                      "alerts": []}]},
         {"level": "org", "name": "acme", "id": "org:acme", "rpm": 100, "tpm": 9000,
-         "budgets": [{"period": "month", "spend": 50.0, "tokens": None, "model": None}]}]
+         "budgets": [{"period": "month", "spend": 50.0, "tokens": None, "model": None,
+                      "alerts": []}]}]
     assert key["allowed_models"] == [MODEL]
+    # the webhooks' secrets stay with the ledger
+    assert "alerts" not in compile_config.compile_config(tg_config.parse(
+        {**r, "alerts": {"webhooks": [{"url": "https://hooks.example/x", "secret": "s"}]}},
+        tmp_path / "tokengate.yaml"))
     # a team that allows no model the key may use: the key may use none
     r["teams"]["eng"]["allowed_models"] = [MODEL]
     r["orgs"]["acme"]["allowed_models"] = [MODEL]

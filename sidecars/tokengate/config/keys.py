@@ -50,6 +50,11 @@ class Budget(_Schema):
         default=None,
         description="Served model name: the budget counts that model's requests only. "
                     "null: every request of the key.")
+    alerts: list[Annotated[int, Field(ge=1, le=100)]] = Field(
+        default=[], max_length=10,
+        description="Percentages of `spend` and of `tokens` at which the ledger sends a "
+                    "budget alert (`alerts.webhooks`, a log line, a metric), once per "
+                    "threshold per period, e.g. [50, 80, 100]. []: none.")
 
     @model_validator(mode="after")
     def _something(self) -> Budget:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
+from tokengate.config.alerts import AlertsConfig
 from tokengate.config.billing import BillingConfig
 from tokengate.config.edge import AccessLogConfig, EdgeConfig
 from tokengate.config.keys import BUDGETS_NEED_REDIS, KEY_ID, KEY_ID_RULE, KeyConfig
@@ -29,7 +30,7 @@ def _empty_is_defaults(value: Any) -> Any:
     return {} if value is None else value
 
 
-SECTIONS = ("keys", "teams", "orgs", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
+SECTIONS = ("keys", "teams", "orgs", "alerts", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
             "edge", "tracing")
 
 
@@ -53,6 +54,9 @@ class Config(_Schema):
         default={},
         description="Organizations: pooled limits and budgets over their teams "
                     "(`teams.<name>.org`).")
+    alerts: AlertsConfig = Field(
+        default_factory=AlertsConfig,
+        description="Where the ledger delivers budget alerts (`budgets.<i>.alerts`).")
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
         description="Redis: the ledger's counters and the global limits.")

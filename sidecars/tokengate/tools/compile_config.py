@@ -61,8 +61,9 @@ fields only the edge needs, derived here:
       "currency": ..., "billing": {...}, "ledger": {...}
     }
 
-``redis`` and ``tracing.headers`` are left out: the edge never talks to Redis or to a
-collector, and the URL and the headers may carry credentials. The edge reads
+``redis``, ``alerts`` and ``tracing.headers`` are left out: the edge never talks to Redis,
+to a webhook or to a collector, and the URL, the secrets and the headers may carry
+credentials. The edge reads
 ``tracing.enabled`` and ``tracing.sample_ratio`` (``lua/tokengate/trace.lua``).
 
 Usage: ``python -m tokengate.tools.compile_config --config tokengate.yaml --out edge.json``.
@@ -226,7 +227,8 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     tg_config.check_model_dirs(cfg)
     doc: dict[str, Any] = {"version": VERSION, "source": str(cfg.path),
                            **cfg.model_dump(mode="json",
-                                            exclude={"redis": True, "tracing": {"headers"}})}
+                                            exclude={"redis": True, "alerts": True,
+                                                     "tracing": {"headers"}})}
     extra = set(cfg.edge.extra_special_tokens)
     for name, m in cfg.models.items():
         edge_resolves = bool(cfg.edge.dns_resolvers)
