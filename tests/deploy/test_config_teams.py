@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from tokengate import config as tg_config
+from tokengate.ledger.alerts import sign
 from tokengate.tools import compile_config
 
 from tests.conftest import MODEL
@@ -113,3 +114,18 @@ def test_the_teams_page_configuration_is_a_valid_file(config_path: Path,
         "tiny-qwen3", MODEL)))
     cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
     assert (cfg.keys["alice"].team, cfg.teams["research"].org) == ("research", "acme")
+
+
+def test_the_alerts_page_configuration_is_a_valid_file_and_its_verifier_checks(
+        config_path: Path, tmp_path: Path) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    raw["global_limits"] = {"enabled": True}
+    raw.update(yaml.safe_load(code_block("operators/alerts.md", "yaml")))
+    cfg = tg_config.parse(raw, tmp_path / "tokengate.yaml")
+    assert cfg.teams["research"].budgets[0].alerts == [50, 80, 100]
+    assert cfg.alerts.webhooks[0].url == "https://hooks.example.com/tokengate"
+    scope: dict[str, Any] = {}
+    exec(code_block("operators/alerts.md", "python"), scope)  # noqa: S102 (the page's own)
+    body = b'{"id":"x"}'
+    assert scope["verify"]("s", sign("s", 1700000000, body), body)
+    assert not scope["verify"]("s", sign("other", 1700000000, body), body)
