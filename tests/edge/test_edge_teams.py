@@ -11,6 +11,9 @@ the level that binds; the organization test binds at the organization.
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -316,3 +319,12 @@ def test_the_quota_endpoint_shows_the_key_and_its_team_as_the_ledger_bills_them(
         assert data["limit_remaining"] == pytest.approx(TEAM_SPEND - team["spent"], abs=1e-9)
         unauth = httpx.get(f"{st.b.base_url}/key", timeout=10)
         assert unauth.status_code == 401
+        # `tokengate usage --by team` bills the team what the quota shows as spent
+        out = subprocess.run([sys.executable, "-m", "tokengate.cli", "usage", "--config",
+                              str(cfg.path), "--redis-url", st.redis.url, "--by", "team",
+                              "--json"], capture_output=True, text=True, check=True).stdout
+        (row,) = json.loads(out)["rows"]
+        # 8 completions and the GET /v1/key (a request of the key that costs nothing)
+        assert (row["team"], row["key_id"], row["requests"]) == ("spend", None, 9)
+        assert row["cost"] == pytest.approx(team["spent"], abs=8e-9)
+        assert row["prompt_tokens"] + row["completion_tokens"] == team["tokens_used"]

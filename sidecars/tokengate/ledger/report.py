@@ -23,7 +23,7 @@ from tokengate import config as tg_config
 from tokengate import redis_keys
 from tokengate.redis_client import SyncRedis, connect
 
-GROUPS = ("key", "model", "day")
+GROUPS = ("key", "model", "day", "team", "org")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
               "completion_tokens", "cached_tokens", "system_tokens", "settled_engine",
               "engine_missing", "disagreements", "corrections", "orphans")
@@ -39,6 +39,8 @@ class UsageRow:
     day: str | None
     key_id: str | None
     model: str | None
+    team: str | None = None    # --by team / org: the key's team and its organization in
+    org: str | None = None     # tokengate.yaml when the report is made
     requests: int = 0
     errors: int = 0            # status >= 400
     aborted: int = 0           # client went away before the end
@@ -105,12 +107,23 @@ def query(client: SyncRedis, since: date | None = None, until: date | None = Non
     return rows
 
 
-def group(rows: Iterable[UsageRow], by: Sequence[str]) -> list[UsageRow]:
-    """Sum rows over the dimensions not in ``by`` (a subset of key, model, day)."""
-    out: dict[tuple[str | None, str | None, str | None], UsageRow] = {}
+def levels(cfg: tg_config.Config, key_id: str | None) -> tuple[str | None, str | None]:
+    """(team, organization) of ``key_id`` in ``cfg`` (None: none, or no such key)."""
+    k = cfg.keys.get(key_id) if key_id is not None else None
+    team = k.team if k is not None else None
+    return team, cfg.teams[team].org if team is not None else None
+
+
+def group(rows: Iterable[UsageRow], by: Sequence[str],
+          cfg: tg_config.Config | None = None) -> list[UsageRow]:
+    """Sum rows over the dimensions not in ``by`` (a subset of key, model, day, team,
+    org; team and org: each key's in ``cfg``, which they need)."""
+    out: dict[tuple[str | None, ...], UsageRow] = {}
     for r in rows:
+        team, org = levels(cfg, r.key_id) if cfg is not None else (None, None)
         k = (r.day if "day" in by else None, r.key_id if "key" in by else None,
-             r.model if "model" in by else None)
+             r.model if "model" in by else None, team if "team" in by else None,
+             org if "org" in by else None)
         if k not in out:
             out[k] = UsageRow(*k)
         out[k].add(r)
@@ -257,7 +270,7 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
     if not console.is_terminal:  # a pipe or a file: never squeeze the numbers
         console = Console(width=200)
     table = Table(title=title, title_justify="left")
-    dims = [d for d in ("day", "key", "model") if d in by]
+    dims = [d for d in ("day", "org", "team", "key", "model") if d in by]
     for d in dims:
         table.add_column(d)
     for name in ("requests", "errors", "engine", "prompt", "cached", "completion",
@@ -270,7 +283,9 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
                 _fmt_cost(r.cost)]
 
     names = {"day": lambda r: r.day, "key": lambda r: r.key_id if r.key_id is not None
-             else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)"}
+             else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)",
+             "team": lambda r: r.team if r.team is not None else "(no team)",
+             "org": lambda r: r.org if r.org is not None else "(no organization)"}
     for r in rows:
         table.add_row(*[str(names[d](r)) for d in dims], *cells(r))
     if rows:
@@ -325,6 +340,7 @@ EXIT STATUS
 EXAMPLES
   tokengate usage --since 7d
   tokengate usage --by key --since 2026-11-01 --until 2026-11-30 --json
+  tokengate usage --by team,day      # each key's team in tokengate.yaml now
   tokengate usage --by session --key alice --limit 20
 """
 
@@ -346,9 +362,9 @@ def add_parser(
     p.add_argument("--key", default=None, help="only this key id")
     p.add_argument("--model", default=None, help="only this model")
     p.add_argument("--by", default="key,model,day", metavar="DIMS",
-                   help="group by these of key, model, day, comma-separated "
-                        "(default: key,model,day); or session alone: the keys' agent "
-                        "sessions")
+                   help="group by these of key, model, day, team, org, comma-separated "
+                        "(default: key,model,day; team and org: each key's in the "
+                        "configuration now); or session alone: the keys' agent sessions")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="--by session: at most N sessions per key, most recent first")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -371,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
     if by == ["session"]:
         return run_sessions(args)
     if not by or any(d not in GROUPS for d in by):
-        print(f"tokengate usage: --by takes key, model and/or day, or session alone, got "
+        print(f"tokengate usage: --by takes key, model, day, team and/or org, or session "
+              f"alone, got "
               f"{args.by!r}",
               file=sys.stderr)
         return 2
@@ -388,8 +405,9 @@ def run(args: argparse.Namespace) -> int:
     except RedisError as e:
         print(f"tokengate usage: Redis unavailable: {e}", file=sys.stderr)
         return 1
-    rows = group(per_day, by)
-    rows.sort(key=lambda r: (r.day or "", r.key_id or "", r.model or ""))
+    rows = group(per_day, by, cfg)
+    rows.sort(key=lambda r: (r.day or "", r.org or "", r.team or "", r.key_id or "",
+                             r.model or ""))
     if args.json:
         doc = {"currency": cfg.currency, "by": by,
                "since": args.since.isoformat() if args.since else None,
