@@ -113,13 +113,14 @@ def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
 
 
 def start_edge(config_path: Path, name: str, upstream: str, socket_path: Path,
-               timeout_ms: int = 3000, limits_workers: int = 2) -> Edge:
-    """An edge with global limits on (the test configuration ``config_path`` edited);
-    stop it with ``edge.service.stop()``."""
+               timeout_ms: int = 3000, limits_workers: int = 2,
+               edit: Callable[[dict[str, Any]], None] | None = None) -> Edge:
+    """An edge with global limits on (the test configuration ``config_path`` edited by
+    ``edit``, default ``_with_global``'s); stop it with ``edge.service.stop()``."""
     usage = EDGE_DIR / name / "usage.jsonl"
     usage.unlink(missing_ok=True)
     path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml",
-                      _with_global(upstream, socket_path, timeout_ms, name), usage)
+                      edit or _with_global(upstream, socket_path, timeout_ms, name), usage)
     port, status_port = free_port(), free_port()
     svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
                                  counter_workers=2, workers=2, name=svc_name(f"test-{name}"),

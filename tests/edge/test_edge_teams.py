@@ -32,15 +32,16 @@ from tokengate.ledger.ledger import Ledger
 from tokengate.limits.window import window_keys
 from tokengate_dev import devstack
 
-from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.conftest import MODEL, key_digest
 from tests.edge.test_edge_global import (
     PRICES,
     _stopped,
     _with_global,
     post,
+    start_edge,
     upstream_hostport,
 )
-from tests.fixtures_edge import EDGE_DIR, Edge, _edge_yaml, free_port
+from tests.fixtures_edge import EDGE_DIR, Edge, free_port
 from tests.fixtures_ledger import svc_name, wait_until
 
 __all__ = ["upstream_hostport"]  # the module fixture, shared with test_edge_global
@@ -82,18 +83,8 @@ def _with_teams(upstream: str, sock: Path, name: str) -> Callable[[dict[str, Any
 
 def start_team_edge(config_path: Path, name: str, upstream: str, sock: Path) -> Edge:
     """An edge of the team configuration; stop it with ``edge.service.stop()``."""
-    usage = EDGE_DIR / name / "usage.jsonl"
-    usage.unlink(missing_ok=True)
-    path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml",
-                      _with_teams(upstream, sock, name), usage)
-    port, status_port = free_port(), free_port()
-    svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
-                                 counter_workers=2, workers=2,
-        name=svc_name(f"test-{name}"), prefix=EDGE_DIR / name, limits_workers=1,
-        status_port=status_port)
-    svc.log_path.unlink(missing_ok=True)
-    svc.start()
-    return Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc, status_port)
+    return start_edge(config_path, name, upstream, sock, limits_workers=1,
+                      edit=_with_teams(upstream, sock, name))
 
 
 @dataclass
@@ -133,6 +124,13 @@ def burst(edges: list[Edge], team: str) -> list[tuple[Edge, httpx.Response]]:
         return list(pool.map(lambda ek: (ek[0], post(ek[0], ek[1])), plan))
 
 
+def split(answers: list[tuple[Edge, httpx.Response]]
+          ) -> tuple[list[tuple[Edge, httpx.Response]], list[httpx.Response]]:
+    """(the admitted answers with their edge, the refused answers)."""
+    return ([(e, r) for e, r in answers if r.status_code == 200],
+            [r for _e, r in answers if r.status_code != 200])
+
+
 def used_tokens(answers: list[tuple[Edge, httpx.Response]]) -> int:
     return sum(r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"]
                for _e, r in answers)
@@ -142,9 +140,7 @@ def test_a_team_window_over_two_edges_admits_exactly_its_tpm(
         config_path: Path, counter_addr: str, upstream_hostport: str,
         private_redis: Callable[..., Any]) -> None:
     with team_stack("tm-tpm", config_path, upstream_hostport, private_redis) as st:
-        answers = burst([st.a, st.b], "pool")
-        ok = [(e, r) for e, r in answers if r.status_code == 200]
-        refused = [r for _e, r in answers if r.status_code != 200]
+        ok, refused = split(burst([st.a, st.b], "pool"))
         cost = int(ok[0][1].headers["x-token-count"]) + 40  # max_tokens 40: used == reserved
         # the pooled window admits exactly what fits, on both edges together; each key's
         # own window (1,000,000) would have admitted all 256
@@ -173,9 +169,7 @@ def test_a_team_budget_over_two_edges_is_never_passed(
         config_path: Path, counter_addr: str, upstream_hostport: str,
         private_redis: Callable[..., Any]) -> None:
     with team_stack("tm-spend", config_path, upstream_hostport, private_redis) as st:
-        answers = burst([st.a, st.b], "spend")
-        ok = [(e, r) for e, r in answers if r.status_code == 200]
-        refused = [r for _e, r in answers if r.status_code != 200]
+        ok, refused = split(burst([st.a, st.b], "spend"))
         cost = nano(charge(int(ok[0][1].headers["x-token-count"]), 40,
                            weights=ModelCost(**PRICES)).cost)
         budget = round(TEAM_SPEND * 1e9)
@@ -198,9 +192,7 @@ def test_an_organization_window_binds_its_teams_keys(
         config_path: Path, counter_addr: str, upstream_hostport: str,
         private_redis: Callable[..., Any]) -> None:
     with team_stack("tm-org", config_path, upstream_hostport, private_redis) as st:
-        answers = burst([st.a, st.b], "small")
-        ok = [(e, r) for e, r in answers if r.status_code == 200]
-        refused = [r for _e, r in answers if r.status_code != 200]
+        ok, refused = split(burst([st.a, st.b], "small"))
         cost = int(ok[0][1].headers["x-token-count"]) + 40
         assert len(ok) == ORG_TPM // cost
         r = refused[0]
