@@ -49,7 +49,7 @@ from tokengate.config.loading import (
 from tokengate.config.models import ModelConfig, ModelCost
 from tokengate.config.schema import Config
 from tokengate.config.sidecars import RedisConfig, TracingConfig
-from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig, level_id
+from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig, key_levels, level_id
 from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
 
 __all__ = [
@@ -84,6 +84,7 @@ __all__ = [
     "check_model_dirs",
     "default_path",
     "discover",
+    "key_levels",
     "level_id",
     "load",
     "load_or_exit",

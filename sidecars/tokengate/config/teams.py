@@ -9,6 +9,8 @@ level applies. The rules that name other sections (configured models,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import Field, model_validator
 
 from tokengate.config.keys import Budget
@@ -60,3 +62,16 @@ class TeamConfig(PooledLimits):
     org: NonEmpty | None = Field(
         default=None,
         description="The organization (a name in `orgs`) the team belongs to. null: none.")
+
+
+def key_levels(team: str | None, teams: Mapping[str, TeamConfig],
+               orgs: Mapping[str, PooledLimits]) -> list[tuple[str, str, PooledLimits]]:
+    """(level, name, settings) of every level above a key of ``team`` (its
+    ``keys.<id>.team``): the team, then its organization; empty for no team."""
+    if team is None:
+        return []
+    t = teams[team]
+    out: list[tuple[str, str, PooledLimits]] = [("team", team, t)]
+    if t.org is not None:
+        out.append(("org", t.org, orgs[t.org]))
+    return out

@@ -45,7 +45,7 @@ from typing import Any
 
 from tokengate import redis_keys
 from tokengate.budget_store import nano, request_counters
-from tokengate.config import Config
+from tokengate.config import Config, key_levels, level_id
 from tokengate.ledger.budgets import Charge, budgeted_keys
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import EngineRecord, parse_record
@@ -217,14 +217,20 @@ class Join:
 
     def _budget_fix(self, keys: Keys, lua: dict[str, Any], ev: UsageEvent, fix_id: str,
                     cost_nano: int, tokens: int) -> None:
-        """Queue, with the item, the change of ``ev``'s key's settled budget counters by
-        ``cost_nano`` and ``tokens`` (``tokengate.ledger.budgets``), when the key has
-        budgets and the change is not nothing."""
+        """Queue, with the item, the change of ``ev``'s key's settled budget counters, and
+        its team's and organization's, by ``cost_nano`` and ``tokens``
+        (``tokengate.ledger.budgets``), when the key has budgets (or its levels do) and
+        the change is not nothing."""
         if not (cost_nano or tokens) or ev.key_id not in self.budgeted:
             return
         key = self.cfg.keys.get(ev.key_id)
-        counters = request_counters(key.budgets if key else (), ev.model,
-                                    date.fromisoformat(ev.day))
+        day = date.fromisoformat(ev.day)
+        counters = request_counters(key.budgets if key else (), ev.model, day)
+        # its team's and organization's too: the edge settled them with the same numbers
+        for level, name, g in key_levels(key.team if key else None, self.cfg.teams,
+                                         self.cfg.orgs):
+            counters += request_counters(g.budgets, ev.model, day,
+                                         level_id(level, name))
         if counters:
             lua["bq"] = keys(redis_keys.BUDGET_FIX_KEY)
             lua["bf"] = [fix_id, json.dumps([ev.key_id, counters, cost_nano, tokens],

@@ -194,7 +194,7 @@ def _key(cfg: tg_config.Config, key_id: str, k: tg_config.KeyConfig) -> dict[str
     entry["previous"] = [{"sha256": p.sha256, "expires_at": int(p.expires_at.timestamp())}
                          for p in k.previous]
     entry["levels"], allowed = [], k.allowed_models
-    for level, name, g in levels_of(cfg, k):
+    for level, name, g in tg_config.key_levels(k.team, cfg.teams, cfg.orgs):
         entry["levels"].append({"level": level, "name": name, "id": tg_config.level_id(level, name),
                                 "rpm": g.rpm, "tpm": g.tpm,
                                 "budgets": [b.model_dump(mode="json") for b in g.budgets]})
@@ -203,19 +203,6 @@ def _key(cfg: tg_config.Config, key_id: str, k: tg_config.KeyConfig) -> dict[str
                        if m in g.allowed_models]
     entry["allowed_models"] = allowed
     return entry
-
-
-def levels_of(cfg: tg_config.Config, k: tg_config.KeyConfig
-              ) -> list[tuple[str, str, tg_config.PooledLimits]]:
-    """(level, name, settings) of every level above key ``k``: its team, then the team's
-    organization; empty for a key of no team."""
-    if k.team is None:
-        return []
-    team = cfg.teams[k.team]
-    out: list[tuple[str, str, tg_config.PooledLimits]] = [("team", k.team, team)]
-    if team.org is not None:
-        out.append(("org", team.org, cfg.orgs[team.org]))
-    return out
 
 
 def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
