@@ -260,11 +260,14 @@ local function rejection(bud, it, kind, used)
             .. "Please try again in a few seconds.", bud.key_id), nil, "budget_unavailable",
             nil, { ["Retry-After"] = "1" })
     end
+    local lv = it.level
+    local who = lv and (LEVEL_NAMES[lv.level] .. lv.name .. " (key " .. bud.key_id .. ")")
+        or ("key " .. bud.key_id)
     if kind == "unknown" then
-        return errors.new(503, format("The %s budget of key %s (%s) cannot be checked now: "
-            .. "the global limits are unreachable and this gateway has not learned the "
-            .. "key's spend from them since it started. Please try again in a few seconds.",
-            NAMES[b.period], bud.key_id, scope), nil, "budget_unavailable", nil,
+        return errors.new(503, format("The %s budget of %s (%s) cannot be checked now: "
+            .. "the global limits are unreachable and this gateway has not learned its "
+            .. "spend from them since it started. Please try again in a few seconds.",
+            NAMES[b.period], who, scope), nil, "budget_unavailable", nil,
             { ["Retry-After"] = "1" })
     end
     local what
@@ -277,9 +280,6 @@ local function rejection(bud, it, kind, used)
             .. "may use up to %d", NAMES[b.period], b.tokens, scope, used, bud.tokens)
     end
     local retry = max(1, ceil(it.left))
-    local lv = it.level
-    local who = lv and (LEVEL_NAMES[lv.level] .. lv.name .. " (key " .. bud.key_id .. ")")
-        or ("key " .. bud.key_id)
     return errors.new(429, format("You exceeded your current quota on %s: the %s. It "
         .. "resets at %s (in %ds).", who, what, it.ends, retry), nil,
         "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry),
