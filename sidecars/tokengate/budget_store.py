@@ -225,7 +225,7 @@ BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usag
 def bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
                 ) -> list[list[str]]:
     """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
-    out = []
+    out: list[list[str]] = []
     for key_id, counter in counters:
         if level_counter(counter) is not None:
             # a team's bill is its members' (``tokengate usage --by team``); its

@@ -169,6 +169,8 @@ class BudgetAlerts:
         pending = self.client.hgetall(redis_keys.ALERTS_KEY)
         done = 0
         for field, value in pending.items():
+            # the client decodes (redis_client: decode_responses)
+            assert isinstance(field, str) and isinstance(value, str)
             url = field.rpartition("|")[2]
             d = json.loads(value)
             if d["next_at"] > self.now():
