@@ -104,6 +104,7 @@ def test_each_threshold_reaches_the_webhook_once_across_a_ledger_kill_9(
     client = r.client()
     try:
         for svc in ledgers:
+            svc.log_path.unlink(missing_ok=True)  # (this run's lines only)
             svc.start()
         # the team crosses 50 % (6 events) and 80 % (9) over both edges; the receiver
         # refuses: every delivery stays pending and is retried
@@ -133,6 +134,12 @@ def test_each_threshold_reaches_the_webhook_once_across_a_ledger_kill_9(
         for svc in ledgers:
             svc.stop()
         client.close()
+    # one log line per claim, across both ledgers and the restart
+    lines = [line for svc in ledgers for line in svc.log_path.read_text().splitlines()
+             if "budget alert: " in line]
+    assert len(lines) == 4
+    assert any("budget alert: team al's daily spend budget (every model) reached 100%" in line
+               for line in lines)
     got = receiver.delivered()
     ids = [a["id"] for a in got]
     key = f"key:al-1/*:day:{team.rsplit(':', 1)[1]}/tokens/50"
