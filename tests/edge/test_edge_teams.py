@@ -236,6 +236,9 @@ def test_redis_stalled_each_edge_holds_a_team_to_its_own_window_and_budget(
         with _stopped(st.redis.svc.proc.pid):
             window = burst([st.a, st.b], "pool")
             spend = burst([st.a, st.b], "spend")
+            # the quota endpoint answers from the edge's own counters meanwhile
+            quota = httpx.get(f"{st.a.base_url}/key", timeout=30, headers={
+                "Authorization": f"Bearer {member('pool', 0)}"}).json()["data"]
         ok = [(e, r) for e, r in window if r.status_code == 200]
         assert {r.headers["x-tokengate-limits"] for _e, r in ok} == {"local"}
         cost = int(ok[0][1].headers["x-token-count"]) + 40
@@ -244,6 +247,10 @@ def test_redis_stalled_each_edge_holds_a_team_to_its_own_window_and_budget(
             assert used_tokens(mine) <= TEAM_TPM
             assert len(mine) == TEAM_TPM // cost  # each edge's own window, exactly
         assert used_tokens(ok) <= 2 * TEAM_TPM
+        on_a = [(e, r) for e, r in ok if e is st.a]
+        assert quota["source"] == "local"
+        assert [(w["level"], w["requests"], w["tokens"]) for w in quota["limits"]][1] == \
+            ("team", len(on_a), used_tokens(on_a))
         spent = [(e, r) for e, r in spend if r.status_code == 200]
         # each edge admits what Redis had left when it last heard from it: a (first) saw
         # only its own request there, b both; so a admits one more than b, and the two
