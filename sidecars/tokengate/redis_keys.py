@@ -14,6 +14,11 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
 
     <p>:usage:<day>:<key_id>:<model>   hash: counters of one key / model / UTC day
     <p>:idx:<day>                      set: JSON [key_id, model] pairs seen that day
+    <p>:lusage:<day>:<level id>:<model> hash: the same counters of a team or an
+                                       organization (``team:<name>``, ``org:<name>``):
+                                       its members' requests, the key's levels when the
+                                       ledger applied them
+    <p>:lidx:<day>                     set: JSON [level id, model] pairs seen that day
     <p>:days                           zset: days with usage, score YYYYMMDD
     <p>:seen:<day>                     set: request ids applied, by the event's day;
                                        expires dedupe_days after its last addition
@@ -169,6 +174,15 @@ def usage_key(day: str, key_id: str | None, model: str | None) -> str:
 
 def idx_key(day: str) -> str:
     return f"{PREFIX}:idx:{day}"
+
+
+def level_usage_key(day: str, level_id: str, model: str | None) -> str:
+    """The counters hash of one team or organization / model / day."""
+    return f"{PREFIX}:lusage:{day}:{_enc(level_id)}:{_enc(model)}"
+
+
+def level_idx_key(day: str) -> str:
+    return f"{PREFIX}:lidx:{day}"
 
 
 def seen_key(day: str) -> str:

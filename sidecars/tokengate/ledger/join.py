@@ -239,13 +239,24 @@ class Join:
     def _usage_item(self, keys: Keys, ev: UsageEvent, kind: str, counts: dict[str, int],
                     cost: str, audit: list[str]) -> dict[str, Any]:
         """The script item's part that adds to ``ev``'s key / model / day counters:
-        ``counts`` and ``cost`` (a signed decimal) into its usage hash, ``audit`` to the
-        audit stream."""
-        return {"t": kind, "u": keys(redis_keys.usage_key(ev.day, ev.key_id, ev.model)),
+        ``counts`` and ``cost`` (a signed decimal) into its usage hash, and into those of
+        the key's team and organization (in the configuration the ledger runs with),
+        ``audit`` to the audit stream."""
+        item = {"t": kind, "u": keys(redis_keys.usage_key(ev.day, ev.key_id, ev.model)),
                 "x": keys(redis_keys.idx_key(ev.day)), "r": ev.request_id,
                 "m": json.dumps([ev.key_id, ev.model]), "d": ev.day,
                 "ds": redis_keys.day_score(ev.day), "n": _fields(counts), "c": cost,
                 "ce": redis_keys.endpoint_field(ev.endpoint, "cost"), "a": audit}
+        # the same into the day's counters of the key's team and organization
+        key = self.cfg.keys.get(ev.key_id) if ev.key_id is not None else None
+        levels = [level_id(lv, name) for lv, name, _g in
+                  key_levels(key.team if key else None, self.cfg.teams, self.cfg.orgs)]
+        if levels:
+            item.update(lu=[keys(redis_keys.level_usage_key(ev.day, lv, ev.model))
+                            for lv in levels],
+                        lx=keys(redis_keys.level_idx_key(ev.day)),
+                        lm=[json.dumps([lv, ev.model]) for lv in levels])
+        return item
 
     def bill(self, keys: Keys, ev: UsageEvent, st: Settlement, owner: str, *,
              edge: bool, kept: int, wait_key: str | None = None,

@@ -78,6 +78,22 @@ for i = 1, #batch do
         end
       end
       redis.call('SADD', KEYS[e.x], e.m)
+      -- the same counters of the key's team and organization (tokengate.ledger.join)
+      if e.lu then
+        for j = 1, #e.lu do
+          local lu = KEYS[e.lu[j]]
+          for k = 1, #n, 2 do
+            redis.call('HINCRBY', lu, n[k], n[k + 1])
+          end
+          if e.c ~= '0' then
+            redis.call('HINCRBYFLOAT', lu, 'cost', e.c)
+            if e.ce then
+              redis.call('HINCRBYFLOAT', lu, e.ce, e.c)
+            end
+          end
+          redis.call('SADD', KEYS[e.lx], e.lm[j])
+        end
+      end
       redis.call('ZADD', KEYS[4], e.ds, e.d)
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
       -- a correction of a session whose totals expired makes none again
