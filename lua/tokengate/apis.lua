@@ -5,7 +5,7 @@
 --
 -- Route names are the modules' own, unique across them: "chat", "completions", "models",
 -- "model", "messages", "count_tokens", "responses", "input_tokens", "response",
--- "response_cancel", "embeddings".
+-- "response_cancel", "embeddings", "key".
 
 local errors = require "tokengate.errors"
 local api = require "tokengate.api"
@@ -27,6 +27,7 @@ local MODULES = {
     require "tokengate.apis.messages",
     require "tokengate.apis.responses",
     require "tokengate.apis.embeddings",
+    require "tokengate.apis.key",
 }
 _M.MODULES = MODULES
 

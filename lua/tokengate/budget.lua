@@ -51,6 +51,10 @@ local HOUR = 3600
 local IN_FLIGHT_TTL = 2 * HOUR
 local TTL = { day = 2 * DAY, month = 33 * DAY } -- a period's counters outlive it
 local NAMES = { day = "daily", month = "monthly" }
+-- a level as messages name it ("team eng", "organization acme"), tokengate.limits too
+local LEVEL_NAMES = { team = "team ", org = "organization " }
+_M.LEVEL_NAMES = LEVEL_NAMES
+local NONE = {} -- a key without levels
 
 local dict
 
@@ -125,32 +129,53 @@ local function period(kind, now)
         format("%04d-%02d-01T00:00:00Z", y, m)
 end
 
--- request(key, model, doc, prompt, completion, now) -> the request's budget
--- reservation | nil (no budget applies). key: the compiled key (budgets list); model:
--- the compiled model (name, cost); doc: the compiled configuration (billing,
--- currency); prompt: prompt tokens; completion: the most completion tokens it may
--- generate (all completions of all prompts).
-function _M.request(key, model, doc, prompt, completion, now)
-    local list = key.budgets
-    if #list == 0 then
-        return nil
-    end
-    local items = {}
+-- add_items(items, owner, list, model, now, level): appends to items the budgets of
+-- list (a key's, or a level's: its team's, its organization's) that a request of
+-- model counts against (model nil: every one). owner: the key id or the level id ("team:eng"); level: nil for
+-- the key, else the compiled level {level, name, id}. A level's counters are named
+-- "<level id>/<model or *>:<period>:<id>" in Redis (tokengate.redis_keys.budget_keys
+-- keeps them apart from any key's) and "<level id>:..." here: every member of the
+-- level counts in the same ones.
+local function add_items(items, owner, list, model, now, level)
     for i = 1, #list do
         local b = list[i]
-        if not b.model or b.model == model.name then
+        if not model or not b.model or b.model == model.name then
             local id, left, ends = period(b.period, now)
             local counter = (b.model or "*") .. ":" .. b.period .. ":" .. id
             -- counter, spend_limit_nano, token_limit, ttl_s: the Redis counter
             -- (tokengate.pb.budget_request)
             items[#items + 1] = {
-                b = b, left = left, ends = ends, name = key.id .. ":" .. counter,
-                scope = key.id .. ":" .. (b.model or "*") .. ":" .. b.period,
-                counter = counter, spend_limit_nano = b.spend_nano or 0,
-                token_limit = b.tokens or 0, ttl_s = TTL[b.period],
+                b = b, left = left, ends = ends, name = owner .. ":" .. counter,
+                scope = owner .. ":" .. (b.model or "*") .. ":" .. b.period,
+                counter = level and (owner .. "/" .. counter) or counter, level = level,
+                spend_limit_nano = b.spend_nano or 0, token_limit = b.tokens or 0,
+                ttl_s = TTL[b.period],
             }
         end
     end
+end
+
+-- items(key, now, model) -> the budgets of the key and of its levels ({b, level,
+-- counter, left (s), ends, ...}) that a request of model counts against; model nil:
+-- every one (the quota endpoint's).
+function _M.items(key, now, model)
+    local items = {}
+    add_items(items, key.id, key.budgets, model, now, nil)
+    local levels = key.levels or NONE
+    for i = 1, #levels do
+        add_items(items, levels[i].id, levels[i].budgets, model, now, levels[i])
+    end
+    return items
+end
+
+-- request(key, model, doc, prompt, completion, now) -> the request's budget
+-- reservation | nil (no budget applies). key: the compiled key (budgets list, levels
+-- with theirs: every level's budgets are reserved together, so the tightest applies);
+-- model: the compiled model (name, cost); doc: the compiled configuration (billing,
+-- currency); prompt: prompt tokens; completion: the most completion tokens it may
+-- generate (all completions of all prompts).
+function _M.request(key, model, doc, prompt, completion, now)
+    local items = _M.items(key, now, model)
     if #items == 0 then
         return nil
     end
@@ -160,6 +185,7 @@ function _M.request(key, model, doc, prompt, completion, now)
         tokens = min(prompt + completion, CAP), prompt = prompt, completion = completion,
     }
 end
+
 
 -- reprice(bud, weights, billing, cached): the reservation (request()'s, not reserved
 -- yet) prices `cached` of its prompt tokens at the cached rate: those the chosen
@@ -234,11 +260,14 @@ local function rejection(bud, it, kind, used)
             .. "Please try again in a few seconds.", bud.key_id), nil, "budget_unavailable",
             nil, { ["Retry-After"] = "1" })
     end
+    local lv = it.level
+    local who = lv and (LEVEL_NAMES[lv.level] .. lv.name .. " (key " .. bud.key_id .. ")")
+        or ("key " .. bud.key_id)
     if kind == "unknown" then
-        return errors.new(503, format("The %s budget of key %s (%s) cannot be checked now: "
-            .. "the global limits are unreachable and this gateway has not learned the "
-            .. "key's spend from them since it started. Please try again in a few seconds.",
-            NAMES[b.period], bud.key_id, scope), nil, "budget_unavailable", nil,
+        return errors.new(503, format("The %s budget of %s (%s) cannot be checked now: "
+            .. "the global limits are unreachable and this gateway has not learned its "
+            .. "spend from them since it started. Please try again in a few seconds.",
+            NAMES[b.period], who, scope), nil, "budget_unavailable", nil,
             { ["Retry-After"] = "1" })
     end
     local what
@@ -251,9 +280,10 @@ local function rejection(bud, it, kind, used)
             .. "may use up to %d", NAMES[b.period], b.tokens, scope, used, bud.tokens)
     end
     local retry = max(1, ceil(it.left))
-    return errors.new(429, format("You exceeded your current quota on key %s: the %s. It "
-        .. "resets at %s (in %ds).", bud.key_id, what, it.ends, retry), nil,
-        "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry) })
+    return errors.new(429, format("You exceeded your current quota on %s: the %s. It "
+        .. "resets at %s (in %ds).", who, what, it.ends, retry), nil,
+        "insufficient_quota", "insufficient_quota", { ["Retry-After"] = tostring(retry),
+        ["X-Tokengate-Limit-Level"] = lv and lv.level or "key" })
 end
 
 -- refusal(bud, index, kind, used) -> the 429 of items[index] refusing: kind "spend" |
@@ -310,6 +340,23 @@ function _M.reserve(bud)
     end
     bud.admitted = true
     return true
+end
+
+-- local_usage(it, now) -> {spent_nano, tokens, reserved_nano, reserved_tokens}: what
+-- this edge's counters hold for item it (budget.items) now: settled, and in flight in
+-- this hour's bucket and the last's (the quota endpoint without Redis).
+function _M.local_usage(it, now)
+    local hour = floor(now / HOUR)
+    local u = {}
+    for j = 1, #KINDS do
+        local k = KINDS[j]
+        u[k.kind] = dict:get(k.settled .. it.name) or 0
+        u[k.kind .. "_reserved"] = (dict:get(in_flight(k, hour, it.name)) or 0)
+            + (dict:get(in_flight(k, hour - 1, it.name)) or 0)
+    end
+    return { spent_nano = u.spend, tokens = u.tokens,
+             reserved_nano = max(0, u.spend_reserved),
+             reserved_tokens = max(0, u.tokens_reserved) }
 end
 
 -- uncommit(bud): a later tier (Redis's counters) refused: the reservation is taken back.

@@ -20,7 +20,7 @@ local huge = math.huge
 
 local _M = {}
 
-local VERSION = 12 -- tokengate.tools.compile_config.VERSION
+local VERSION = 13 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log
@@ -85,6 +85,17 @@ local function not_finite(v, path)
         end
     end
     return nil
+end
+
+-- budgets(list): a compiled budget list (a key's, a team's) made ready for
+-- tokengate.budget: nulls as nil, spend also in whole nano-units of the currency
+local function budgets(list)
+    for _, b in ipairs(list) do
+        b.model = b.model ~= cjson.null and b.model or nil
+        b.tokens = b.tokens ~= cjson.null and b.tokens or nil
+        b.spend = b.spend ~= cjson.null and b.spend or nil
+        b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
+    end
 end
 
 -- load(path) -> doc | nil, err. path: the compiled JSON file. Checks the version, the
@@ -166,12 +177,17 @@ function _M.load(path)
         for _, p in ipairs(k.previous or {}) do
             d.previous_keys[p.sha256] = { key = k, expires_at = p.expires_at }
         end
-        for _, b in ipairs(k.budgets) do
-            b.model = b.model ~= cjson.null and b.model or nil
-            b.tokens = b.tokens ~= cjson.null and b.tokens or nil
-            -- tokengate.budget counts spend in whole nano-units of the currency
-            b.spend = b.spend ~= cjson.null and b.spend or nil
-            b.spend_nano = b.spend and floor(b.spend * 1e9 + 0.5) or nil
+        budgets(k.budgets)
+        -- the key's team, then its organization: each a window (rpm and tpm, or
+        -- neither) and budgets pooled over their members (tokengate.limits)
+        k.windows = {} -- the levels with a window, in order
+        for _, lv in ipairs(k.levels) do
+            budgets(lv.budgets)
+            if lv.rpm == cjson.null then
+                lv.rpm, lv.tpm = nil, nil
+            else
+                k.windows[#k.windows + 1] = lv
+            end
         end
         -- null: the model's cap and weight (tokengate.output.cap_of, tokengate.limits)
         if k.max_tokens_cap == cjson.null then

@@ -48,6 +48,7 @@ local SETTLE = "/tokengate.v1.GlobalLimits/Settle"
 local RESERVE_BUDGET = "/tokengate.v1.GlobalLimits/ReserveBudget"
 local REBUILDING = 3 -- BudgetLimit BUDGET_REBUILDING
 local SETTLE_BUDGET = "/tokengate.v1.GlobalLimits/SettleBudget"
+local QUOTA = "/tokengate.v1.GlobalLimits/Quota"
 local SETTLED = { [SETTLE] = pb.settle_reply, [SETTLE_BUDGET] = pb.budget_settle_reply }
 local LIMITED_BY = { [1] = "requests", [2] = "tokens" }
 -- s: Retry-After of a request that can never fit, the same window as the local tier's
@@ -98,12 +99,14 @@ end
 -- incoming(req) -> state | nil, refused state | nil, nil (the tier failed: skipped)
 --   req = {key_id, model, per_model (limits are the key's override for model),
 --          limits = {rpm, tpm}, tokens, request_id ($request_id: retries are idempotent,
---          and it is Settle's handle)}
+--          and it is Settle's handle), windows (the key's team's and organization's,
+--          reserved in the same script: all or none)}
 --   refused state: st.reject = "requests" | "tokens", st.retry_after (whole s, >= 1),
 --   st.alone (can never fit).
 function _M.incoming(req)
     local msg, failure = client:call(RESERVE, pb.reserve_request(req.key_id, req.model,
-        req.per_model, req.limits.rpm, req.limits.tpm, req.tokens, req.request_id))
+        req.per_model, req.limits.rpm, req.limits.tpm, req.tokens, req.request_id,
+        req.windows))
     local r, err
     if msg then
         r, err = pb.reserve_reply(msg)
@@ -115,7 +118,11 @@ function _M.incoming(req)
         metrics.incr("global_fallback_" .. fallback(failure, "local limits"))
         return nil, nil
     end
-    local st = state(r, req.limits)
+    -- whose window the numbers are: the key's, or the level's (the one that refused,
+    -- or the tightest)
+    local lv = r.level > 0 and req.windows[r.level] or nil
+    local st = state(r, lv or req.limits)
+    st.level = lv
     if r.admitted then
         metrics.incr("global_admitted")
         return st
@@ -172,6 +179,24 @@ function _M.reserve_budget(bud, request_id)
     local kind = r.limited_by == 2 and "tokens" or "spend"
     return nil, { index = r.refused, kind = kind,
                   used = kind == "tokens" and u.tokens or u.spent_nano }
+end
+
+-- quota(key_id, windows, items) -> reply {windows, counters} (tokengate.pb.quota_reply)
+-- | nil, err: what Redis holds now for the key's window and its levels' (windows:
+-- {id}) and for the budget counters of items (tokengate.budget.items); nothing is
+-- reserved. err: why the sidecar did not answer (the caller answers from this edge's
+-- own counters).
+function _M.quota(key_id, windows, items)
+    local msg, failure = client:call(QUOTA, pb.quota_request(key_id, windows, items))
+    if not msg then
+        return nil, failure.message
+    end
+    local r, err = pb.quota_reply(msg)
+    if r and (#r.windows ~= #windows + 1 or #r.counters ~= #items) then
+        r, err = nil, "quota reply of " .. #r.windows .. " windows, " .. #r.counters
+            .. " counters"
+    end
+    return r, err
 end
 
 -- ------------------------------------------------------------------ settlement
@@ -255,7 +280,7 @@ end
 -- settle_window(req, actual): sets the request's Redis reservation to actual tokens.
 local function settle_window(req, actual)
     enqueue(SETTLE, pb.settle_request(req.key_id, req.model, req.per_model, req.request_id,
-        actual))
+        actual, req.windows))
 end
 
 -- uncommit(req): a later tier refused: nothing of the reservation was used.

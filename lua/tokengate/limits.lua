@@ -71,7 +71,8 @@ end
 -- per-model override replaces its limits for that model, in a window of its own
 -- ("<key id>@<model>").
 function _M.request(key, model, request_id)
-    local req = { key_id = key.id, request_id = request_id, tokens = 0 }
+    local req = { key_id = key.id, request_id = request_id, tokens = 0,
+                  windows = key.windows }
     _M.model(req, key, model)
     return req
 end
@@ -140,41 +141,55 @@ function _M.charged(req, prompt, cached, completion)
     return prompt - hit + weighted(hit, w) + completion
 end
 
--- rejection(req, st) -> the 429 (errors.new shape) of a refused state: which limit,
+-- holder(req, st) -> who a state's window belongs to, as error messages name it:
+-- "key <id>", "team <name>", "organization <name>" (st.level: tokengate.local_limit)
+local function holder(req, st)
+    local lv = st.level
+    if lv then
+        return budget.LEVEL_NAMES[lv.level] .. lv.name
+    end
+    return "key " .. req.key_id
+end
+
+-- rejection(req, st) -> the 429 (errors.new shape) of a refused state: which limit of
+-- which level (the message, and X-Tokengate-Limit-Level: key | team | org),
 -- Retry-After in whole seconds, and a request that alone exceeds the TPM limit is told
 -- that retrying cannot help (x-should-retry: false) unless its prompt count is only the
 -- estimate (req.estimated): then 503 count_unavailable, Retry-After 1.
 local function rejection(req, st)
     local retry = st.retry_after
+    local who = holder(req, st)
+    local level = st.level and st.level.level or "key"
     local msg
     if st.reject == "requests" then
-        msg = format("Rate limit reached for requests per minute (RPM) on key %s: limit %d, "
-            .. "remaining %d. Please try again in %ds.", req.key_id, st.rpm,
+        msg = format("Rate limit reached for requests per minute (RPM) on %s: limit %d, "
+            .. "remaining %d. Please try again in %ds.", who, st.rpm,
             st.remaining_requests, retry)
     elseif st.alone and req.estimated then
         -- The prompt's size is an over-count (the counter did not answer): the request
         -- may well fit, so this is not the final "too large" verdict.
         return errors.new(503, format("The prompt could not be counted in time (the "
-            .. "estimate, %d tokens, is an upper bound and exceeds key %s's limit of %d "
-            .. "tokens per minute). Please try again.", req.prompt, req.key_id, st.tpm),
+            .. "estimate, %d tokens, is an upper bound and exceeds %s's limit of %d "
+            .. "tokens per minute). Please try again.", req.prompt, who, st.tpm),
             nil, "count_unavailable", nil, { ["Retry-After"] = "1" })
     elseif st.alone then
-        msg = format("Request too large for key %s: it needs %d tokens (%d prompt + %d "
+        msg = format("Request too large for %s: it needs %d tokens (%d prompt + %d "
             .. "reserved for the completion) but the limit is %d tokens per minute, so "
-            .. "retrying cannot help. Reduce the prompt or max_tokens.", req.key_id,
+            .. "retrying cannot help. Reduce the prompt or max_tokens.", who,
             req.tokens, req.tokens - req.out_reserve, req.out_reserve, st.tpm)
         -- Retry-After stays (every 429 has one); x-should-retry: false keeps the
         -- official openai clients from retrying what can never fit.
         return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
-            { ["Retry-After"] = tostring(retry), ["x-should-retry"] = "false" })
+            { ["Retry-After"] = tostring(retry), ["x-should-retry"] = "false",
+              ["X-Tokengate-Limit-Level"] = level })
     else
-        msg = format("Rate limit reached for tokens per minute (TPM) on key %s: limit %d, "
+        msg = format("Rate limit reached for tokens per minute (TPM) on %s: limit %d, "
             .. "remaining %d, requested %d (%d prompt + %d reserved for the completion). "
-            .. "Please try again in %ds.", req.key_id, st.tpm, st.remaining_tokens,
+            .. "Please try again in %ds.", who, st.tpm, st.remaining_tokens,
             req.tokens, req.tokens - req.out_reserve, req.out_reserve, retry)
     end
     return errors.new(429, msg, nil, "rate_limit_exceeded", st.reject,
-        { ["Retry-After"] = tostring(retry) })
+        { ["Retry-After"] = tostring(retry), ["X-Tokengate-Limit-Level"] = level })
 end
 
 -- reserve(req) -> true | nil, err (429)

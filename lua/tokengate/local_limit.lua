@@ -26,6 +26,8 @@ local ERR = ngx.ERR
 
 local _M = { name = "local" }
 
+local NONE = {} -- a request without levels (req.windows nil)
+
 local WINDOW = 60 -- seconds: the limits are per minute
 local TTL = 2 * WINDOW + 5 -- a window is read as "previous" for one more window
 
@@ -173,25 +175,61 @@ local function release(bucket, window_id, tokens)
 end
 
 -- incoming(req, now) -> state | nil, refused state: the tier's side of
--- tokengate.limits. req = {bucket, limits = {rpm, tpm}, tokens}; the admitted window is
+-- tokengate.limits. req = {bucket, limits = {rpm, tpm}, tokens, windows}; windows: the
+-- levels above the key with a window of their own ({id, level, name, rpm, tpm}: its
+-- team, its organization), each counted in the bucket of its id, which every member
+-- shares. The key's window and then each level's are reserved in turn, incr-then-check
+-- each; when one refuses, those before it take the reservation back, so no window ever
+-- counts more than its limit (at worst a request that would have fitted is refused
+-- while another one's reservation is being taken back). The admitted state is the
+-- window with the fewest tokens left (the tightest level; state.level names it, nil for
+-- the key), a refused one that of the level that refused. The admitted window id is
 -- kept in req.window for uncommit and settle.
 function _M.incoming(req, now)
     local st, refused = admit(req.bucket, req.limits, req.tokens, now)
-    if st then
-        req.window = st.window
+    if not st then
+        return nil, refused
     end
-    return st, refused
+    req.window = st.window
+    local windows = req.windows or NONE
+    for i = 1, #windows do
+        local lv = windows[i]
+        local lst, lref = admit(lv.id, lv, req.tokens, now)
+        if not lst then
+            for j = i - 1, 1, -1 do
+                release(windows[j].id, req.window, req.tokens)
+            end
+            release(req.bucket, req.window, req.tokens)
+            lref.level = lv
+            return nil, lref
+        end
+        if lst.remaining_tokens < st.remaining_tokens then
+            lst.level = lv
+            st = lst
+        end
+    end
+    return st
 end
 
--- uncommit(req): a later tier refused what this one admitted: take it all back.
+-- uncommit(req): a later tier refused what this one admitted: take it all back, at
+-- every level.
 function _M.uncommit(req)
     release(req.bucket, req.window, req.tokens)
+    local windows = req.windows or NONE
+    for i = 1, #windows do
+        release(windows[i].id, req.window, req.tokens)
+    end
 end
 
 -- settle(req, actual): the request ended having used actual tokens (prompt +
--- completion); its window is corrected by actual - reserved.
+-- completion); its window and its levels' are corrected by actual - reserved.
 function _M.settle(req, actual)
-    correct(req.bucket, req.window, actual - req.tokens)
+    local delta = actual - req.tokens
+    correct(req.bucket, req.window, delta)
+    local windows = req.windows or NONE
+    for i = 1, #windows do
+        correct(windows[i].id, req.window, delta)
+    end
 end
 
 _M.WINDOW = WINDOW

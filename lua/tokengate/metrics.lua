@@ -72,8 +72,8 @@ local FAMILIES = {
       .. "expected - cached when positive), by model and source: 1 - this / expected is "
       .. "the prediction's hit rate." },
     { "tokengate_rate_limited_total", "counter",
-      "Requests refused with 429 by a key's limit, by API key, limit (rpm, tpm) and tier "
-      .. "(local, global)." },
+      "Requests refused with 429 by a key's limit, by API key, limit (rpm, tpm), tier "
+      .. "(local, global) and the level whose window refused (key, team, org)." },
     { "tokengate_prompt_counts_total", "counter",
       "Prompts counted, by model and source (counter: exact; estimate: the counter was "
       .. "unavailable)." },
@@ -474,7 +474,8 @@ function _M.request(ctx, status, ev, models, upstream_connect_time)
     local st = req and not req.admitted and req.state
     if status == 429 and st and st.reject then
         add('tokengate_rate_limited_total\tkey="' .. key .. '",limit="' .. LIMIT[st.reject]
-            .. '",tier="' .. (ctx.limits_tier or "local") .. '"', 1)
+            .. '",tier="' .. (ctx.limits_tier or "local") .. '",level="'
+            .. (st.level and st.level.level or "key") .. '"', 1)
     end
     local count_source = ctx.count_source
     if count_source == "counter" or count_source == "estimate" then

@@ -128,20 +128,42 @@ local function bool_field(num, b)
     return key_byte(num, 0) .. "\1"
 end
 
--- reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id) -> serialized
--- tokengate.v1.ReserveRequest. key_id, model, request_id: strings; per_model: boolean;
--- rpm, tpm: limits per minute (>= 1); tokens: the reservation, tokens.
-function _M.reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id)
-    return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
-        .. uint_field(4, rpm) .. uint_field(5, tpm) .. uint_field(6, tokens)
-        .. str_field(7, request_id)
+-- level_fields(num, levels, with_limits) -> the repeated LevelWindow field num of the
+-- levels {id, rpm, tpm} (tokengate.limits: a key's team and organization with a
+-- window; nil: none); with_limits false: their ids alone (a settlement's)
+local function level_fields(num, levels, with_limits)
+    if not levels then
+        return ""
+    end
+    local out = {}
+    for i = 1, #levels do
+        local lv = levels[i]
+        local m = str_field(1, lv.id)
+        if with_limits then
+            m = m .. uint_field(2, lv.rpm) .. uint_field(3, lv.tpm)
+        end
+        out[i] = key_byte(num, 2) .. varint(#m) .. m
+    end
+    return concat(out)
 end
 
--- settle_request(key_id, model, per_model, request_id, actual_tokens) -> serialized
--- tokengate.v1.SettleRequest. actual_tokens: prompt + completion tokens (>= 0).
-function _M.settle_request(key_id, model, per_model, request_id, actual_tokens)
+-- reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id, levels) ->
+-- serialized tokengate.v1.ReserveRequest. key_id, model, request_id: strings;
+-- per_model: boolean; rpm, tpm: limits per minute (>= 1); tokens: the reservation,
+-- tokens; levels: the windows of the key's team and organization ({id, rpm, tpm}).
+function _M.reserve_request(key_id, model, per_model, rpm, tpm, tokens, request_id, levels)
+    return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
+        .. uint_field(4, rpm) .. uint_field(5, tpm) .. uint_field(6, tokens)
+        .. str_field(7, request_id) .. level_fields(8, levels, true)
+end
+
+-- settle_request(key_id, model, per_model, request_id, actual_tokens, levels) ->
+-- serialized tokengate.v1.SettleRequest. actual_tokens: prompt + completion tokens
+-- (>= 0); levels: as reserve_request's (their ids are sent).
+function _M.settle_request(key_id, model, per_model, request_id, actual_tokens, levels)
     return str_field(1, key_id) .. str_field(2, model) .. bool_field(3, per_model)
         .. str_field(4, request_id) .. uint_field(5, actual_tokens)
+        .. level_fields(6, levels, false)
 end
 
 -- budget_request(key_id, request_id, counters, cost_nano, tokens) -> serialized
@@ -289,16 +311,18 @@ end
 local RESERVE_REPLY = {
     [1] = "admitted", [2] = "limited_by", [3] = "never_fits", [4] = "remaining_requests",
     [5] = "remaining_tokens", [6] = "reset_requests_ms", [7] = "reset_tokens_ms",
-    [8] = "retry_after_ms",
+    [8] = "retry_after_ms", [9] = "level",
 }
 
 -- reserve_reply(msg) -> {admitted (bool), limited_by (0 none, 1 requests, 2 tokens),
 -- never_fits (bool), remaining_requests, remaining_tokens (tokens), reset_requests_ms,
--- reset_tokens_ms, retry_after_ms (ms)} | nil, err. Absent fields take proto3 defaults.
+-- reset_tokens_ms, retry_after_ms (ms), level (0: the key's window, i: levels[i])} |
+-- nil, err. Absent fields take proto3 defaults.
 function _M.reserve_reply(msg)
     local r, err = fields(msg, {
         admitted = 0, limited_by = 0, never_fits = 0, remaining_requests = 0,
         remaining_tokens = 0, reset_requests_ms = 0, reset_tokens_ms = 0, retry_after_ms = 0,
+        level = 0,
     }, RESERVE_REPLY)
     if not r then
         return nil, err
@@ -349,6 +373,43 @@ function _M.budget_reserve_reply(msg)
     end
     r.admitted = r.admitted ~= 0
     return r
+end
+
+-- quota_request(key_id, levels, counters) -> serialized tokengate.v1.QuotaRequest.
+-- levels: the key's team's and organization's windows ({id}); counters: {counter}
+-- (names as budget_request sends them).
+function _M.quota_request(key_id, levels, counters)
+    local out = { str_field(1, key_id), level_fields(2, levels, false) }
+    for i = 1, #counters do
+        local m = str_field(1, counters[i].counter)
+        out[#out + 1] = key_byte(3, 2) .. varint(#m) .. m
+    end
+    return concat(out)
+end
+
+local WINDOW_USAGE = { [1] = "requests", [2] = "tokens", [3] = "reset_ms" }
+local COUNTER_USAGE = { [1] = "spent_nano", [2] = "tokens", [3] = "reserved_nano",
+                        [4] = "reserved_tokens" }
+local QUOTA_REPLY = {
+    [1] = function(into, bytes)
+        local w, err = fields(bytes, { requests = 0, tokens = 0, reset_ms = 0 },
+            WINDOW_USAGE)
+        into.windows[#into.windows + 1] = w
+        return w, err
+    end,
+    [2] = function(into, bytes)
+        local c, err = fields(bytes, { spent_nano = 0, tokens = 0, reserved_nano = 0,
+                                       reserved_tokens = 0 }, COUNTER_USAGE)
+        into.counters[#into.counters + 1] = c
+        return c, err
+    end,
+}
+
+-- quota_reply(msg) -> {windows = {{requests, tokens, reset_ms}, ...} (the key's, then
+-- each level's), counters = {{spent_nano, tokens, reserved_nano, reserved_tokens},
+-- ...}} | nil, err.
+function _M.quota_reply(msg)
+    return fields(msg, { windows = {}, counters = {} }, QUOTA_REPLY)
 end
 
 local BUDGET_SETTLE_REPLY = { [1] = "applied", [2] = "reserved" }

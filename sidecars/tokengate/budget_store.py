@@ -45,6 +45,7 @@ from tokengate.redis_keys import (
     budget_fix_mark,
     budget_keys,
     encode_counter,
+    level_counter,
     ready_mark_key,
     rebuild_key,
     reservation_key,
@@ -111,13 +112,15 @@ def settle_args(cost_nano: int, tokens: int, hour: int, ttls: Sequence[int],
     return [cost_nano, tokens, SETTLED_TTL_S, hour, expected, *ttls]
 
 
-def request_counters(budgets: Sequence[Budget], model: str | None, day: date
-                     ) -> list[tuple[str, int]]:
-    """(counter, ttl_s) of every budget of ``budgets`` (a key's) that a request of
-    ``model`` on UTC ``day`` is charged to: the counters the edge names for it
-    (``counters`` in lua/tokengate/budget.lua)."""
-    return [(counter_name(b.scope, b.period, day), PERIOD_TTL_S[b.period]) for b in budgets
-            if b.model is None or b.model == model]
+def request_counters(budgets: Sequence[Budget], model: str | None, day: date,
+                     level: str | None = None) -> list[tuple[str, int]]:
+    """(counter, ttl_s) of every budget of ``budgets`` (a key's, or of the level whose id
+    is ``level``: its counters are ``<level id>/<counter>``) that a request of ``model``
+    on UTC ``day`` is charged to: the counters the edge names for it (``add_items`` in
+    lua/tokengate/budget.lua)."""
+    prefix = f"{level}/" if level is not None else ""
+    return [(prefix + counter_name(b.scope, b.period, day), PERIOD_TTL_S[b.period])
+            for b in budgets if b.model is None or b.model == model]
 
 
 def reserve_keys(key_id: str, request_id: str, counters: Sequence[str], hour: int
@@ -222,8 +225,13 @@ BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usag
 def bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
                 ) -> list[list[str]]:
     """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
-    out = []
+    out: list[list[str]] = []
     for key_id, counter in counters:
+        if level_counter(counter) is not None:
+            # a team's bill is its members' (``tokengate usage --by team``); its
+            # counters alone decide
+            out.append([])
+            continue
         scope, days = period_days(counter)
         names = list(models) if scope == "*" else [scope]
         out.append([usage_key(d.isoformat(), key_id, m) for d in days for m in names])

@@ -14,6 +14,11 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
 
     <p>:usage:<day>:<key_id>:<model>   hash: counters of one key / model / UTC day
     <p>:idx:<day>                      set: JSON [key_id, model] pairs seen that day
+    <p>:lusage:<day>:<level id>:<model> hash: the same counters of a team or an
+                                       organization (``team:<name>``, ``org:<name>``):
+                                       its members' requests, the key's levels when the
+                                       ledger applied them
+    <p>:lidx:<day>                     set: JSON [level id, model] pairs seen that day
     <p>:days                           zset: days with usage, score YYYYMMDD
     <p>:seen:<day>                     set: request ids applied, by the event's day;
                                        expires dedupe_days after its last addition
@@ -44,6 +49,15 @@ Redis Cluster too (one script call per batch: its load on that one slot is small
                                        rebuilds before budgets admit again
     <p>:rebuilding                     zset: ledger ids rebuilding now, score the Redis
                                        time (ms) their lease ends
+
+Budget alerts (``tokengate.ledger.alerts``)::
+
+    <p>:alert:<alert id>               string: the alert was claimed (kept as long as
+                                       its period's counters)
+    <p>:alerts                         hash: "<alert id>|<webhook url>" -> JSON
+                                       {alert, attempts, next_at}: deliveries not
+                                       acknowledged yet
+    <p>:alert_send:<field>             string: the ledger delivering it now (a lease)
 
 The join of edge events and engine records (``tokengate.ledger.reconcile``)::
 
@@ -109,6 +123,14 @@ key too::
                                                 rebuilds after Redis lost its data)
     tg:bg:{<key_id>}:fix:<fix id>       string  a budget fix made (one day): never twice
     counter = "<model or *>:<day|month>:<period id>"
+
+A team's or organization's budget counters (``tokengate.config.teams``) are named
+``<level id>/<counter>`` in a request's counters and reservation record, and kept under
+the level's own tag, shared by every member key: ``tg:bg:{team:<name>}:<counter>:s``
+and so on (``level_counter``). A script that touches a key's and its team's counters
+spans two slots: pooled budgets need one Redis, not a Cluster (the schema says so).
+
+A team's or organization's windows are ``tg:gl:{<level id>}:all:z`` and ``:h``.
 """
 
 from __future__ import annotations
@@ -152,6 +174,15 @@ def usage_key(day: str, key_id: str | None, model: str | None) -> str:
 
 def idx_key(day: str) -> str:
     return f"{PREFIX}:idx:{day}"
+
+
+def level_usage_key(day: str, level_id: str, model: str | None) -> str:
+    """The counters hash of one team or organization / model / day."""
+    return f"{PREFIX}:lusage:{day}:{_enc(level_id)}:{_enc(model)}"
+
+
+def level_idx_key(day: str) -> str:
+    return f"{PREFIX}:lidx:{day}"
 
 
 def seen_key(day: str) -> str:
@@ -245,10 +276,27 @@ def encode_counter(name: str) -> str:
     return quote(name, safe="*:")
 
 
+def level_counter(counter: str) -> tuple[str, str] | None:
+    """A team's or organization's budget counter, ``<level id>/<counter>``
+    (``team:eng/*:day:20427``: lua/tokengate/budget.lua names them so), as (level id,
+    counter); None for a key's own counter. A level id is ``team:`` or ``org:`` and a
+    name without ``/`` or ``:`` (``tokengate.config.teams``); no configured model starts
+    with either while teams exist, so a key's counter never reads as one."""
+    head, sep, rest = counter.partition("/")
+    level, colon, name = head.partition(":")
+    if sep and colon and level in ("team", "org") and name and ":" not in name:
+        return head, rest
+    return None
+
+
 def budget_keys(key_id: str, counter: str, hour: int) -> list[str]:
     """The Redis keys of one counter of ``key_id`` at UTC hour ``hour`` (hours since the
     epoch): settled spend and tokens, then the in-flight spend and tokens of ``hour`` and
-    of ``hour - 1``."""
+    of ``hour - 1``. A level's counter (``level_counter``) is the level's, whichever
+    member's request names it: ``tg:bg:{<level id>}:<counter>:...``."""
+    level = level_counter(counter)
+    if level is not None:
+        key_id, counter = level
     base = f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:{encode_counter(counter)}"
     return [base + ":s", base + ":t", f"{base}:rs:{hour}", f"{base}:rt:{hour}",
             f"{base}:rs:{hour - 1}", f"{base}:rt:{hour - 1}"]
@@ -272,3 +320,19 @@ def rebuild_key(key_id: str) -> str:
 def budget_fix_mark(key_id: str, fix_id: str) -> str:
     """The mark of one budget fix made to ``key_id``'s counters."""
     return f"{BUDGET_PREFIX}:{{{_enc(key_id)}}}:fix:{_enc(fix_id)}"
+
+
+# --- budget alerts (tokengate.ledger.alerts), in the ledger's slot
+
+
+ALERTS_KEY = f"{PREFIX}:alerts"    # hash: "<alert id>|<webhook url>" -> JSON delivery
+
+
+def alert_mark(alert_id: str) -> str:
+    """The mark that an alert was claimed (sent once per threshold per period)."""
+    return f"{PREFIX}:alert:{_enc(alert_id)}"
+
+
+def alert_lease(field: str) -> str:
+    """The lease of the ledger delivering one pending alert to one webhook."""
+    return f"{PREFIX}:alert_send:{_enc(field)}"

@@ -441,7 +441,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 12 and doc["source"] == str(config_path)
+    assert doc["version"] == 13 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     # nor a collector's headers (credentials); tracing is off unless asked for
     assert "headers" not in doc["tracing"] and doc["tracing"]["enabled"] is False
@@ -467,7 +467,8 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
                                  "slo": None, "slo_class": "interactive",
                                  "fair_share": 1.0, "max_tokens_cap": None,
                                  "cached_tokens_weight": None, "previous": [],
-                                 "expires_at": None, "disabled": False}
+                                 "expires_at": None, "disabled": False, "team": None,
+                                 "levels": []}
     dump = cfg.edge.model_dump(mode="json")
     dump["auth_failures"]["exempt_networks"] = []  # derived: the exempt networks as bytes
     # derived: the DNS servers (edge.dns_resolvers, else resolv.conf's)
@@ -608,7 +609,10 @@ def test_the_json_schema_is_valid_and_closed(repo_raw: dict[str, Any]) -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     objects = list(_objects(schema))
     # the file and every section: each schema model (a subclass of _Schema) appears once
-    assert len(objects) == len(tg_config._Schema.__subclasses__())
+    def descendants(cls: type) -> list[type]:
+        return [d for c in cls.__subclasses__() for d in (c, *descendants(c))]
+
+    assert len(objects) == len(descendants(tg_config._Schema))
     assert all(o["additionalProperties"] is False for o in objects)
     validator = jsonschema.Draft202012Validator(schema)
     assert list(validator.iter_errors(repo_raw)) == []
@@ -643,7 +647,7 @@ def test_docs_list_the_fields_of_a_keys_budgets() -> None:
     section = text[text.index(title):].split("\n## ", 1)[0]
     assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")] \
         == [f"| `{name}`" for name in tg_config.Budget.model_fields] \
-        == ["| `period`", "| `spend`", "| `tokens`", "| `model`"]
+        == ["| `period`", "| `spend`", "| `tokens`", "| `model`", "| `alerts`"]
 
 
 def lua_load(doc: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
@@ -680,7 +684,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 12: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 13: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

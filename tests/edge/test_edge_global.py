@@ -113,13 +113,14 @@ def _with_global(upstream: str, socket_path: Path, timeout_ms: int = 3000,
 
 
 def start_edge(config_path: Path, name: str, upstream: str, socket_path: Path,
-               timeout_ms: int = 3000, limits_workers: int = 2) -> Edge:
-    """An edge with global limits on (the test configuration ``config_path`` edited);
-    stop it with ``edge.service.stop()``."""
+               timeout_ms: int = 3000, limits_workers: int = 2,
+               edit: Callable[[dict[str, Any]], None] | None = None) -> Edge:
+    """An edge with global limits on (the test configuration ``config_path`` edited by
+    ``edit``, default ``_with_global``'s); stop it with ``edge.service.stop()``."""
     usage = EDGE_DIR / name / "usage.jsonl"
     usage.unlink(missing_ok=True)
     path = _edge_yaml(config_path, EDGE_DIR / name / "tokengate.yaml",
-                      _with_global(upstream, socket_path, timeout_ms, name), usage)
+                      edit or _with_global(upstream, socket_path, timeout_ms, name), usage)
     port, status_port = free_port(), free_port()
     svc = devstack.nginx_service(path, port=port, counter_socket=TEST_DIR / "counter.sock",
                                  counter_workers=2, workers=2, name=svc_name(f"test-{name}"),
@@ -221,9 +222,16 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
         end
         return cjson.encode({{
             reserve = {to_hex('pb.reserve_request("demo", "tiny-qwen3", false, 600, 200000, '
-                              f'268, "{rid}")')},
-            settle = {to_hex(f'pb.settle_request("demo", "tiny-qwen3", true, "{rid}", 1)')},
-            settle_zero = {to_hex('pb.settle_request("k", "m", false, "r", 0)')},
+                              f'268, "{rid}", {{}})')},
+            settle = {to_hex(f'pb.settle_request("demo", "tiny-qwen3", true, "{rid}", 1, {{}})')},
+            settle_zero = {to_hex('pb.settle_request("k", "m", false, "r", 0, {})')},
+            leveled = {to_hex('pb.reserve_request("k", "m", false, 5, 900, 268, "r", '
+                              '{{id = "team:eng", rpm = 10, tpm = 2^40}, '
+                              '{id = "org:acme", rpm = 1, tpm = 1}})')},
+            leveled_settle = {to_hex('pb.settle_request("k", "m", false, "r", 7, '
+                                     '{{id = "team:eng", rpm = 10, tpm = 20}})')},
+            at_level = pb.reserve_reply(unhex("{pb.ReserveReply(admitted=True,
+                level=2).SerializeToString().hex()}")),
             reply = pb.reserve_reply(unhex("080120d70428b4980c30e0d40338e0d403")),
             refused = pb.reserve_reply(unhex("{refused.hex()}")),
             settled = pb.settle_reply("\\8\\1\\16\\159\\6\\24\\200\\1"),
@@ -240,14 +248,25 @@ def test_lua_codec_matches_the_pinned_wire_bytes() -> None:
     assert got["settle"] == settle.hex()
     assert got["settle_zero"] == pb.SettleRequest(key_id="k", model="m", request_id="r",
                                                   actual_tokens=0).SerializeToString().hex()
+    # a key of a team: its team's and organization's windows ride along (settlements
+    # name them by id)
+    assert got["leveled"] == pb.ReserveRequest(
+        key_id="k", model="m", rpm_limit=5, tpm_limit=900, tokens=268, request_id="r",
+        levels=[pb.LevelWindow(id="team:eng", rpm_limit=10, tpm_limit=2**40),
+                pb.LevelWindow(id="org:acme", rpm_limit=1, tpm_limit=1)]
+    ).SerializeToString().hex()
+    assert got["leveled_settle"] == pb.SettleRequest(
+        key_id="k", model="m", request_id="r", actual_tokens=7,
+        levels=[pb.LevelWindow(id="team:eng")]).SerializeToString().hex()
+    assert (got["at_level"]["admitted"], got["at_level"]["level"]) == (True, 2)
     assert got["reply"] == {"admitted": True, "limited_by": 0, "never_fits": False,
                             "remaining_requests": 599, "remaining_tokens": 199_732,
                             "reset_requests_ms": 60_000, "reset_tokens_ms": 60_000,
-                            "retry_after_ms": 0}
+                            "retry_after_ms": 0, "level": 0}
     assert got["refused"] == {"admitted": False, "limited_by": 2, "never_fits": True,
                               "remaining_requests": 3, "remaining_tokens": 2**40,
                               "reset_requests_ms": 59_999, "reset_tokens_ms": 1,
-                              "retry_after_ms": 12_345}
+                              "retry_after_ms": 12_345, "level": 0}
     assert got["settled"] == {"found": True, "delta": -400, "window_tokens": 200}
     assert got["positive"] == {"found": True, "delta": 44, "window_tokens": 309}
     assert (got["framed"], got["framed_size"]) == ("0000000003616263", 8)

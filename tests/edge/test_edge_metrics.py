@@ -128,8 +128,8 @@ def test_metrics_count_a_known_workload_exactly(
     assert value(got, "tokengate_prompt_tokens_total", key="edge-main", model=MODEL) > 0
 
     limited = "tokengate_rate_limited_total"
-    assert value(got, limited, key="metrics-rpm", limit="rpm", tier="local") == 1
-    assert value(got, limited, key="metrics-tpm", limit="tpm", tier="local") == 1
+    assert value(got, limited, key="metrics-rpm", limit="rpm", tier="local", level="key") == 1
+    assert value(got, limited, key="metrics-tpm", limit="tpm", tier="local", level="key") == 1
     assert sum(v for (n, _), v in got.items() if n == limited) == 2
 
     counted = [ev for ev in events if ev["count_source"] == "counter"]

@@ -52,6 +52,7 @@ from tests.ledger.test_ledger_engine import (
 from tests.limits.test_limits import limits_stub
 
 KEY = "team"
+TEAM = "billing"  # the key's team, with a budget of its own
 
 
 def today_utc() -> date:
@@ -71,7 +72,11 @@ def bill_config(base: Path, out: Path, budgets: list[dict[str, Any]] | None = No
     raw = yaml.safe_load(base.read_text())
     raw["keys"][KEY] = {"sha256": key_digest("tg-test-team"), "rpm": 10_000,
                         "tpm": 10_000_000,
-                        "budgets": budgets or [{"period": "day", "spend": 1.0}]}
+                        "budgets": budgets or [{"period": "day", "spend": 1.0}],
+                        "team": TEAM}
+    # the key's team pools a budget too: the edge reserves and settles both, and the
+    # ledger's corrections move both
+    raw["teams"] = {TEAM: {"budgets": [{"period": "day", "spend": 5.0}]}}
     raw["global_limits"] = {"enabled": True, "listen": "127.0.0.1:1"}
     raw.setdefault("ledger", {}).update(ledger)
     out.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -117,13 +122,20 @@ class EdgeBudget:
         self.calc = Calculator(cfg)
 
     def counters(self) -> list[pb.BudgetCounter]:
-        budgets = self.cfg.keys[self.key_id].budgets
+        """The key's budget counters, then its team's (named as the edge names them)."""
+        key = self.cfg.keys[self.key_id]
         today = today_utc()
-        limits = {budget_store.counter_name(b.scope, b.period, today): b for b in budgets}
-        return [pb.BudgetCounter(
-            name=name, ttl_s=ttl, token_limit=limits[name].tokens or 0,
-            spend_limit_nano=round((limits[name].spend or 0) * 1e9))
-            for name, ttl in budget_store.request_counters(budgets, MODEL, today)]
+        owned = [(key.budgets, None)] + [
+            (g.budgets, tg_config.level_id(level, name))
+            for level, name, g in tg_config.key_levels(key.team, self.cfg.teams,
+                                                       self.cfg.orgs)]
+        out = []
+        for budgets, level in owned:
+            for b, (name, ttl) in zip(budgets, budget_store.request_counters(
+                    budgets, MODEL, today, level), strict=True):
+                out.append(pb.BudgetCounter(name=name, ttl_s=ttl, token_limit=b.tokens or 0,
+                                            spend_limit_nano=round((b.spend or 0) * 1e9)))
+        return out
 
     def reserve(self, rid: str, prompt: int = 12, max_tokens: int = 256
                 ) -> pb.BudgetReserveReply:
@@ -140,8 +152,12 @@ class EdgeBudget:
 
     def counter(self) -> str:
         """The name of the key's one budget counter today."""
-        (name,) = [c.name for c in self.counters()]
+        (name, _team) = [c.name for c in self.counters()]
         return name
+
+    def team_counter(self) -> str:
+        """The name of the key's team's budget counter today."""
+        return self.counters()[1].name
 
 
 # The edge's numbers and the engine's of three requests that the edge billed alone:
@@ -259,6 +275,10 @@ def test_a_replicas_engine_file_followed_late_corrects_its_requests_bills_once(
     assert (int(ledger_redis.get(s)), int(ledger_redis.get(t))) == (spend, tokens)
     assert budget_store.committed(ledger_redis, [(KEY, edge.counter())], [MODEL]) == \
         [(spend, tokens)]
+    # and the team's, which the same fixes moved
+    s, t, *_ = budget_store.budget_keys(KEY, edge.team_counter(), budget_store.this_hour())
+    assert s.startswith("tg:bg:{team%3A")
+    assert (int(ledger_redis.get(s)), int(ledger_redis.get(t))) == (spend, tokens)
     assert not list(ledger_redis.scan_iter(store.open_key("*")))
 
 

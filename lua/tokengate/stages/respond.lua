@@ -45,6 +45,10 @@ function _M.headers(ctx)
     end
     if ctx.rate then
         ctx.api.rate_headers(h, ctx.rate)
+        -- the level whose window the headers show (the tightest; tokengate.limits)
+        if ctx.rate.level then
+            h["X-Tokengate-Limit-Level"] = ctx.rate.level.level
+        end
     end
     local req = ctx.limit_req
     if req and req.budget then

@@ -49,6 +49,7 @@ from tokengate.config.loading import (
 from tokengate.config.models import ModelConfig, ModelCost
 from tokengate.config.schema import Config
 from tokengate.config.sidecars import RedisConfig, TracingConfig
+from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig, key_levels, level_id
 from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "COUNTER_MAX_MESSAGE_BYTES",
     "KEY_ID",
     "KEY_ID_RULE",
+    "LEVELS",
     "LOOKUP_HELP",
     "MAX_AMOUNT",
     "MAX_COUNT",
@@ -71,8 +73,10 @@ __all__ = [
     "ModelConfig",
     "ModelCost",
     "NotText",
+    "PooledLimits",
     "RedisConfig",
     "StructuredOutputLimits",
+    "TeamConfig",
     "Timestamp",
     "TracingConfig",
     "_Schema",
@@ -80,6 +84,8 @@ __all__ = [
     "check_model_dirs",
     "default_path",
     "discover",
+    "key_levels",
+    "level_id",
     "load",
     "load_or_exit",
     "loads",

@@ -51,6 +51,11 @@ class Budget(_Schema):
         default=None,
         description="Served model name: the budget counts that model's requests only. "
                     "null: every request of the key.")
+    alerts: list[Annotated[int, Field(ge=1, le=100)]] = Field(
+        default=[], max_length=10,
+        description="Percentages of `spend` and of `tokens` at which the ledger sends a "
+                    "budget alert (`alerts.webhooks`, a log line, a metric), once per "
+                    "threshold per period, e.g. [50, 80, 100]. []: none.")
 
     @model_validator(mode="after")
     def _something(self) -> Budget:
@@ -176,6 +181,11 @@ class KeyConfig(_Schema):
         default=[],
         description="Spend limits and token quotas per UTC day or month (429 "
                     "`insufficient_quota` once spent).")
+    team: NonEmpty | None = Field(
+        default=None,
+        description="The team (a name in `teams`) the key belongs to: its requests also "
+                    "count against the team's (and its organization's) pooled limits and "
+                    "budgets. null: none.")
     priority: NonEmpty = Field(
         default="normal",
         description="Admission priority: a name in edge.admission.priorities (a lower "

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
+from tokengate.config.alerts import AlertsConfig
 from tokengate.config.billing import BillingConfig
 from tokengate.config.edge import AccessLogConfig, EdgeConfig
 from tokengate.config.keys import BUDGETS_NEED_REDIS, KEY_ID, KEY_ID_RULE, KeyConfig
@@ -20,6 +21,7 @@ from tokengate.config.sidecars import (
     RedisConfig,
     TracingConfig,
 )
+from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig
 from tokengate.config.types import NonEmpty, _check, _Schema
 
 
@@ -28,7 +30,7 @@ def _empty_is_defaults(value: Any) -> Any:
     return {} if value is None else value
 
 
-SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
+SECTIONS = ("keys", "teams", "orgs", "alerts", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
             "edge", "tracing")
 
 
@@ -44,6 +46,17 @@ class Config(_Schema):
     keys: dict[str, KeyConfig] = Field(
         default={},
         description="API keys, by key id (the id that usage events and reports show).")
+    teams: dict[str, TeamConfig] = Field(
+        default={},
+        description="Teams: pooled limits and budgets over their member keys "
+                    "(`keys.<id>.team`).")
+    orgs: dict[str, PooledLimits] = Field(
+        default={},
+        description="Organizations: pooled limits and budgets over their teams "
+                    "(`teams.<name>.org`).")
+    alerts: AlertsConfig = Field(
+        default_factory=AlertsConfig,
+        description="Where the ledger delivers budget alerts (`budgets.<i>.alerts`).")
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
         description="Redis: the ledger's counters and the global limits.")
@@ -99,31 +112,58 @@ class Config(_Schema):
         def known(model: str) -> str:
             return f"{model!r} is not a configured model ({', '.join(self.models)})"
 
+        def shared(path: str, g: KeyConfig | PooledLimits) -> None:
+            """The rules a key and a team or organization share: models and budgets."""
+            if g.budgets and not self.global_limits.enabled:
+                problems.append((f"{path}.budgets", BUDGETS_NEED_REDIS))
+            for i, model in enumerate(g.allowed_models or []):
+                if model not in self.models:
+                    problems.append((f"{path}.allowed_models.{i}", known(model)))
+                elif model in (g.allowed_models or [])[:i]:
+                    problems.append((f"{path}.allowed_models.{i}", "listed twice"))
+            seen: set[tuple[str, str]] = set()
+            for i, b in enumerate(g.budgets):
+                if b.model is not None and b.model not in self.models:
+                    problems.append((f"{path}.budgets.{i}.model", known(b.model)))
+                elif b.model is not None and g.allowed_models is not None \
+                        and b.model not in g.allowed_models:
+                    whose = "the key's" if path.startswith("keys.") else "its"
+                    problems.append((f"{path}.budgets.{i}.model",
+                                     f"not one of {whose} allowed_models"))
+                if (b.scope, b.period) in seen:
+                    why = f"a second {b.period} budget for {b.model or 'every model'}"
+                    problems.append((f"{path}.budgets.{i}", why))
+                seen.add((b.scope, b.period))
+
+        groups: list[tuple[str, PooledLimits]] = [
+            *((f"teams.{n}", t) for n, t in self.teams.items()),
+            *((f"orgs.{n}", o) for n, o in self.orgs.items())]
+        for path, g in groups:
+            if not KEY_ID.fullmatch(path.split(".", 1)[1]):
+                problems.append((path, KEY_ID_RULE.replace("a key id", "a name")))
+            shared(path, g)
+            # one slot holds what one script touches: a key's and its team's Redis keys
+            # are hashed apart (redis_keys.window_keys, budget_keys)
+            if self.global_limits.enabled and self.redis.cluster \
+                    and (g.rpm is not None or g.budgets):
+                problems.append((path, ("pooled limits and budgets in Redis need one "
+                                        "Redis (redis.cluster: false)")))
+        for name, t in self.teams.items():
+            if t.org is not None and t.org not in self.orgs:
+                problems.append((f"teams.{name}.org", f"{t.org!r} is not in orgs"))
+        for name in self.models:
+            if name.split(":", 1)[0] in LEVELS and (self.teams or self.orgs):
+                problems.append((f"models.{name}", ("a model name may not start with "
+                                 "'team:' or 'org:' while teams are configured")))
         for key_id, k in self.keys.items():
             if not KEY_ID.fullmatch(key_id):
                 problems.append((f"keys.{key_id}", KEY_ID_RULE))
-            if k.budgets and not self.global_limits.enabled:
-                problems.append((f"keys.{key_id}.budgets", BUDGETS_NEED_REDIS))
+            shared(f"keys.{key_id}", k)
+            if k.team is not None and k.team not in self.teams:
+                problems.append((f"keys.{key_id}.team", f"{k.team!r} is not in teams"))
             for model in k.models:
                 if model not in self.models:
                     problems.append((f"keys.{key_id}.models.{model}", known(model)))
-            for i, model in enumerate(k.allowed_models or []):
-                if model not in self.models:
-                    problems.append((f"keys.{key_id}.allowed_models.{i}", known(model)))
-                elif model in (k.allowed_models or [])[:i]:
-                    problems.append((f"keys.{key_id}.allowed_models.{i}", "listed twice"))
-            seen: set[tuple[str, str]] = set()
-            for i, b in enumerate(k.budgets):
-                if b.model is not None and b.model not in self.models:
-                    problems.append((f"keys.{key_id}.budgets.{i}.model", known(b.model)))
-                elif b.model is not None and k.allowed_models is not None \
-                        and b.model not in k.allowed_models:
-                    problems.append((f"keys.{key_id}.budgets.{i}.model",
-                                     "not one of the key's allowed_models"))
-                if (b.scope, b.period) in seen:
-                    why = f"a second {b.period} budget for {b.model or 'every model'}"
-                    problems.append((f"keys.{key_id}.budgets.{i}", why))
-                seen.add((b.scope, b.period))
             # a rotated key's previous digests are looked up like its current one
             for path, sha in [(f"keys.{key_id}.sha256", k.sha256)] + \
                     [(f"keys.{key_id}.previous.{i}.sha256", p.sha256)

@@ -39,7 +39,7 @@ from tokengate.console.web import Request, Response, cookies, first, redirect
 from tokengate.keys.edit import parse_duration
 from tokengate.keys.secret import digest as key_digest
 from tokengate.keys.secret import new_key
-from tokengate.ledger import report
+from tokengate.ledger import admin, report
 from tokengate.redis_client import SyncRedis
 
 log = logging.getLogger("tokengate.console")
@@ -288,6 +288,12 @@ class Console(ReportPages):
                 return self.set_key(req, cfg, name)
             if action == "":
                 return self.key_page(req, cfg, name)
+        if p.startswith("/teams/"):
+            name = urllib.parse.unquote(p.removeprefix("/teams/"))
+            if name not in cfg.teams:
+                return self.page(404, "error.html", req, title="No such team",
+                                 message=f"There is no team named {name[:64]!r}.")
+            return self.team_page(req, cfg, name)
         if p == "/usage":
             return self.usage_page(req, cfg)
         if p == "/usage.csv":
@@ -491,6 +497,12 @@ class Console(ReportPages):
                          models=list(cfg.models),
                          priorities=list(cfg.edge.admission.priorities),
                          global_limits=cfg.global_limits.enabled)
+
+    def team_page(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
+        """A team: its limits, members, pooled budgets and the alerts sent this period."""
+        team, problem = admin.team_view(cfg, self.client, name, data.today())
+        return self.page(200, "team.html", req, title=f"Team {name}", team=team,
+                         problem=problem, page="keys")
 
     def set_key(self, req: Request, cfg: tg_config.Config, name: str) -> Response:
         change, checked = forms.set_(req.form, cfg, name)

@@ -135,9 +135,9 @@ def _run_edit(args: argparse.Namespace, change: Change
 
 # the per-key settings of KeyConfig that create and set take as options
 _SETTINGS = ("max_tokens_cap", "cached_tokens_weight")
-# the operators' own fields of KeyConfig: "" (owner, description) or never (expires_at)
-# on the command line drops them
-_LABELS = ("owner", "description")
+# the operators' own fields of KeyConfig and its team: "" (owner, description, team) or
+# never (expires_at) on the command line drops them
+_LABELS = ("owner", "description", "team")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,7 +225,7 @@ def _changed(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]
 
 _AUDITED = ("rpm", "tpm", "models", "budget", "no_budgets", "session_budget",
             "no_session_budget", "priority", "max_tokens_cap", "cached_tokens_weight",
-            "expires_at", "owner", "description")
+            "expires_at", "owner", "description", "team")
 
 
 def _or_model(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -356,7 +356,7 @@ def list_(args: argparse.Namespace) -> int:
 
 
 def _label_options(p: argparse.ArgumentParser, create: bool) -> None:
-    """--expires-at, --owner, --description of create and set."""
+    """--expires-at, --owner, --description, --team of create and set."""
     drop = "" if create else "; never drops it"
     p.add_argument("--expires-at", type=_time_or_never, default=None, metavar="TIME",
                    help=f"RFC 3339 time from which the key is refused, e.g. "
@@ -367,6 +367,9 @@ def _label_options(p: argparse.ArgumentParser, create: bool) -> None:
     p.add_argument("--description", default=None, metavar="TEXT",
                    help="what the key is for (one line)" + ("" if create else
                                                             "; '' drops it"))
+    p.add_argument("--team", default=None, metavar="NAME",
+                   help="the team (a name in teams) whose pooled limits and budgets the "
+                        "key also counts against" + ("" if create else "; '' drops it"))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -22,7 +22,7 @@ def print_table(entries: list[dict[str, Any]], currency: str) -> None:
         state = " (disabled)" if entry.get("disabled") else ""
         print(f"{entry['name']}{state}: rpm {entry['rpm']}, tpm {entry['tpm']}, "
               f"models {models}")
-        for label in ("owner", "description"):
+        for label in ("team", "owner", "description"):
             if entry.get(label):
                 print(f"  {label}: {entry[label]}")
         if entry.get("expires_at"):

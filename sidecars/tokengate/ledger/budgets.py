@@ -53,11 +53,18 @@ Charge = tuple[str, str, float, int]
 
 
 def budgeted_keys(cfg: Config) -> frozenset[str]:
-    """The keys whose budgets Redis keeps: keys with budgets while
-    ``global_limits.enabled`` (without it a budget is refused by the schema)."""
+    """The keys whose budgets Redis keeps: keys with budgets, or of a team or
+    organization with budgets, while ``global_limits.enabled`` (without it a budget is
+    refused by the schema). Their reservation records name every level's counters."""
     if not cfg.global_limits.enabled:
         return frozenset()
-    return frozenset(k for k, v in cfg.keys.items() if v.budgets)
+
+    def pooled(team: str | None) -> bool:
+        t = cfg.teams.get(team) if team is not None else None
+        return t is not None and bool(t.budgets or (t.org is not None
+                                                    and cfg.orgs[t.org].budgets))
+
+    return frozenset(k for k, v in cfg.keys.items() if v.budgets or pooled(v.team))
 
 
 class Reservations:

@@ -45,7 +45,7 @@ from typing import Any
 
 from tokengate import redis_keys
 from tokengate.budget_store import nano, request_counters
-from tokengate.config import Config
+from tokengate.config import Config, key_levels, level_id
 from tokengate.ledger.budgets import Charge, budgeted_keys
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.engine_record import EngineRecord, parse_record
@@ -217,14 +217,20 @@ class Join:
 
     def _budget_fix(self, keys: Keys, lua: dict[str, Any], ev: UsageEvent, fix_id: str,
                     cost_nano: int, tokens: int) -> None:
-        """Queue, with the item, the change of ``ev``'s key's settled budget counters by
-        ``cost_nano`` and ``tokens`` (``tokengate.ledger.budgets``), when the key has
-        budgets and the change is not nothing."""
+        """Queue, with the item, the change of ``ev``'s key's settled budget counters, and
+        its team's and organization's, by ``cost_nano`` and ``tokens``
+        (``tokengate.ledger.budgets``), when the key has budgets (or its levels do) and
+        the change is not nothing."""
         if not (cost_nano or tokens) or ev.key_id not in self.budgeted:
             return
         key = self.cfg.keys.get(ev.key_id)
-        counters = request_counters(key.budgets if key else (), ev.model,
-                                    date.fromisoformat(ev.day))
+        day = date.fromisoformat(ev.day)
+        counters = request_counters(key.budgets if key else (), ev.model, day)
+        # its team's and organization's too: the edge settled them with the same numbers
+        for level, name, g in key_levels(key.team if key else None, self.cfg.teams,
+                                         self.cfg.orgs):
+            counters += request_counters(g.budgets, ev.model, day,
+                                         level_id(level, name))
         if counters:
             lua["bq"] = keys(redis_keys.BUDGET_FIX_KEY)
             lua["bf"] = [fix_id, json.dumps([ev.key_id, counters, cost_nano, tokens],
@@ -233,13 +239,24 @@ class Join:
     def _usage_item(self, keys: Keys, ev: UsageEvent, kind: str, counts: dict[str, int],
                     cost: str, audit: list[str]) -> dict[str, Any]:
         """The script item's part that adds to ``ev``'s key / model / day counters:
-        ``counts`` and ``cost`` (a signed decimal) into its usage hash, ``audit`` to the
-        audit stream."""
-        return {"t": kind, "u": keys(redis_keys.usage_key(ev.day, ev.key_id, ev.model)),
+        ``counts`` and ``cost`` (a signed decimal) into its usage hash, and into those of
+        the key's team and organization (in the configuration the ledger runs with),
+        ``audit`` to the audit stream."""
+        item = {"t": kind, "u": keys(redis_keys.usage_key(ev.day, ev.key_id, ev.model)),
                 "x": keys(redis_keys.idx_key(ev.day)), "r": ev.request_id,
                 "m": json.dumps([ev.key_id, ev.model]), "d": ev.day,
                 "ds": redis_keys.day_score(ev.day), "n": _fields(counts), "c": cost,
                 "ce": redis_keys.endpoint_field(ev.endpoint, "cost"), "a": audit}
+        # the same into the day's counters of the key's team and organization
+        key = self.cfg.keys.get(ev.key_id) if ev.key_id is not None else None
+        levels = [level_id(lv, name) for lv, name, _g in
+                  key_levels(key.team if key else None, self.cfg.teams, self.cfg.orgs)]
+        if levels:
+            item.update(lu=[keys(redis_keys.level_usage_key(ev.day, lv, ev.model))
+                            for lv in levels],
+                        lx=keys(redis_keys.level_idx_key(ev.day)),
+                        lm=[json.dumps([lv, ev.model]) for lv in levels])
+        return item
 
     def bill(self, keys: Keys, ev: UsageEvent, st: Settlement, owner: str, *,
              edge: bool, kept: int, wait_key: str | None = None,

@@ -23,7 +23,7 @@ from tokengate import config as tg_config
 from tokengate import redis_keys
 from tokengate.redis_client import SyncRedis, connect
 
-GROUPS = ("key", "model", "day")
+GROUPS = ("key", "model", "day", "team", "org")
 INT_FIELDS = ("requests", "errors", "aborted", "estimated", "prompt_tokens",
               "completion_tokens", "cached_tokens", "system_tokens", "settled_engine",
               "engine_missing", "disagreements", "corrections", "orphans")
@@ -39,6 +39,8 @@ class UsageRow:
     day: str | None
     key_id: str | None
     model: str | None
+    team: str | None = None    # --by team / org: the key's team and its organization in
+    org: str | None = None     # tokengate.yaml when the report is made
     requests: int = 0
     errors: int = 0            # status >= 400
     aborted: int = 0           # client went away before the end
@@ -105,12 +107,48 @@ def query(client: SyncRedis, since: date | None = None, until: date | None = Non
     return rows
 
 
-def group(rows: Iterable[UsageRow], by: Sequence[str]) -> list[UsageRow]:
-    """Sum rows over the dimensions not in ``by`` (a subset of key, model, day)."""
-    out: dict[tuple[str | None, str | None, str | None], UsageRow] = {}
+def query_levels(client: SyncRedis, level: str, since: date | None = None,
+                 until: date | None = None) -> list[UsageRow]:
+    """Rows per team (``level`` "team") or organization ("org") / model / day from the
+    ledger's counters of the levels (a key's team and organization when the ledger
+    applied its requests), with ``team`` or ``org`` set and no key. Raises
+    ``RedisError``."""
+    lo = redis_keys.day_score(since.isoformat()) if since else "-inf"
+    hi = redis_keys.day_score(until.isoformat()) if until else "+inf"
+    rows: list[UsageRow] = []
+    for day in (str(d) for d in client.zrangebyscore(redis_keys.DAYS_KEY, lo, hi)):
+        pairs = sorted((p for p in (tuple(json.loads(m)) for m in
+                                    client.smembers(redis_keys.level_idx_key(day)))
+                        if str(p[0]).startswith(level + ":")),
+                       key=lambda p: (p[0], p[1] or ""))
+        pipe = client.pipeline(transaction=False)
+        for lv, m in pairs:
+            pipe.hgetall(redis_keys.level_usage_key(day, lv, m))
+        for (lv, m), h in zip(pairs, pipe.execute(), strict=True):
+            row = _row(day, None, m, h)
+            setattr(row, level, lv.split(":", 1)[1])
+            rows.append(row)
+    return rows
+
+
+def levels(cfg: tg_config.Config, key_id: str | None) -> tuple[str | None, str | None]:
+    """(team, organization) of ``key_id`` in ``cfg`` (None: none, or no such key)."""
+    k = cfg.keys.get(key_id) if key_id is not None else None
+    team = k.team if k is not None else None
+    return team, cfg.teams[team].org if team is not None else None
+
+
+def group(rows: Iterable[UsageRow], by: Sequence[str],
+          cfg: tg_config.Config | None = None) -> list[UsageRow]:
+    """Sum rows over the dimensions not in ``by`` (a subset of key, model, day, team,
+    org; team and org: the rows' own (``query_levels``), else each key's in ``cfg``)."""
+    out: dict[tuple[str | None, ...], UsageRow] = {}
     for r in rows:
+        team, org = levels(cfg, r.key_id) if cfg is not None and r.key_id is not None \
+            else (r.team, r.org)
         k = (r.day if "day" in by else None, r.key_id if "key" in by else None,
-             r.model if "model" in by else None)
+             r.model if "model" in by else None, team if "team" in by else None,
+             org if "org" in by else None)
         if k not in out:
             out[k] = UsageRow(*k)
         out[k].add(r)
@@ -257,7 +295,7 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
     if not console.is_terminal:  # a pipe or a file: never squeeze the numbers
         console = Console(width=200)
     table = Table(title=title, title_justify="left")
-    dims = [d for d in ("day", "key", "model") if d in by]
+    dims = [d for d in ("day", "org", "team", "key", "model") if d in by]
     for d in dims:
         table.add_column(d)
     for name in ("requests", "errors", "engine", "prompt", "cached", "completion",
@@ -270,7 +308,9 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
                 _fmt_cost(r.cost)]
 
     names = {"day": lambda r: r.day, "key": lambda r: r.key_id if r.key_id is not None
-             else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)"}
+             else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)",
+             "team": lambda r: r.team if r.team is not None else "(no team)",
+             "org": lambda r: r.org if r.org is not None else "(no organization)"}
     for r in rows:
         table.add_row(*[str(names[d](r)) for d in dims], *cells(r))
     if rows:
@@ -325,6 +365,8 @@ EXIT STATUS
 EXAMPLES
   tokengate usage --since 7d
   tokengate usage --by key --since 2026-11-01 --until 2026-11-30 --json
+  tokengate usage --by team,day      # the teams' own counters
+  tokengate usage --by key,team      # each key under its team in tokengate.yaml now
   tokengate usage --by session --key alice --limit 20
 """
 
@@ -346,9 +388,10 @@ def add_parser(
     p.add_argument("--key", default=None, help="only this key id")
     p.add_argument("--model", default=None, help="only this model")
     p.add_argument("--by", default="key,model,day", metavar="DIMS",
-                   help="group by these of key, model, day, comma-separated "
-                        "(default: key,model,day); or session alone: the keys' agent "
-                        "sessions")
+                   help="group by these of key, model, day, team, org, comma-separated "
+                        "(default: key,model,day; team or org without key: their own "
+                        "counters, else each key's in the configuration now); or session "
+                        "alone: the keys' agent sessions")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="--by session: at most N sessions per key, most recent first")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -371,7 +414,8 @@ def run(args: argparse.Namespace) -> int:
     if by == ["session"]:
         return run_sessions(args)
     if not by or any(d not in GROUPS for d in by):
-        print(f"tokengate usage: --by takes key, model and/or day, or session alone, got "
+        print(f"tokengate usage: --by takes key, model, day, team and/or org, or session "
+              f"alone, got "
               f"{args.by!r}",
               file=sys.stderr)
         return 2
@@ -383,13 +427,22 @@ def run(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
+    # by team or organization alone: their own counters (the levels when the ledger
+    # applied each request); with keys (or one key): each key's levels now
+    level = next((d for d in ("team", "org") if d in by), None)
+    recorded = level is not None and "key" not in by and args.key is None \
+        and not ("team" in by and "org" in by)
     try:
-        per_day = query(client, args.since, args.until, args.key, args.model)
+        per_day = query_levels(client, level, args.since, args.until) if recorded and level \
+            else query(client, args.since, args.until, args.key, args.model)
+        if recorded and args.model is not None:
+            per_day = [r for r in per_day if r.model == args.model]
     except RedisError as e:
         print(f"tokengate usage: Redis unavailable: {e}", file=sys.stderr)
         return 1
-    rows = group(per_day, by)
-    rows.sort(key=lambda r: (r.day or "", r.key_id or "", r.model or ""))
+    rows = group(per_day, by, None if recorded else cfg)
+    rows.sort(key=lambda r: (r.day or "", r.org or "", r.team or "", r.key_id or "",
+                             r.model or ""))
     if args.json:
         doc = {"currency": cfg.currency, "by": by,
                "since": args.since.isoformat() if args.since else None,

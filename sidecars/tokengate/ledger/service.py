@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from tokengate import config as tg_config
 from tokengate import entry, metrics, redis_client
 from tokengate.ledger import admin
+from tokengate.ledger.alerts import BudgetAlerts
 from tokengate.ledger.ledger import Ledger, default_ledger_id
 
 if TYPE_CHECKING:
@@ -44,6 +45,14 @@ EXACTLY ONCE
   by one atomic Redis script, and every request id is remembered for --dedupe-days
   (ledger.dedupe_days). kill -9 at any moment, then a restart: nothing is lost,
   nothing is applied twice.
+
+BUDGET ALERTS
+  A budget of a key, team or organization with `alerts` percentages is announced
+  once per threshold per period when its bill crosses one: a log line, the metric
+  tokengate_ledger_budget_alerts_total, and a signed JSON POST to each of
+  alerts.webhooks, retried with backoff until it is acknowledged (2xx). Claimed in
+  Redis, so several ledgers and restarts (kill -9 included) send each alert once
+  (tokengate.ledger.alerts).
 
 LOG ROTATION
   Rename the file and let the edge reopen a new one (nginx -s reopen). The ledger
@@ -345,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
         _write_status(args.status_file, snapshot())
     worker = threading.Thread(target=ledger.run, args=(stop,), name="ledger", daemon=True)
     worker.start()
+    # budget alerts: claimed once across ledgers, delivered until acknowledged
+    alerter = BudgetAlerts(lambda: ledger.cfg, client, ledger.ledger_id)
+    threading.Thread(target=alerter.run, args=(stop,), name="alerts", daemon=True).start()
     last_log = time.monotonic()
     last_applied = 0
     while not stop.wait(1.0):

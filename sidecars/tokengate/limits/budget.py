@@ -191,3 +191,18 @@ class GlobalBudgets:
             keys=settle_keys(key_id, request_id, [c.name for c in counters], hour),
             args=settle_args(cost_nano, tokens, hour, [c.ttl_s for c in counters]))
         return bool(int(r[0])), bool(int(r[1]))
+
+    async def usage(self, key_id: str, counters: Sequence[str]
+                    ) -> list[tuple[int, int, int, int]]:
+        """(settled spend nano-units, settled tokens, reserved spend, reserved tokens) of
+        each counter (a level's by its ``<level id>/`` name): what ended, the ledger's
+        corrections included, and what requests in flight hold (this hour's and the
+        last's buckets); nothing is changed."""
+        hour = this_hour()
+        pipe = self.client.pipeline(transaction=False)
+        for name in counters:
+            for k in budget_keys(key_id, name, hour):
+                pipe.get(k)
+        v = [int(x or 0) for x in await pipe.execute()]
+        return [(v[6 * i], v[6 * i + 1], max(0, v[6 * i + 2] + v[6 * i + 4]),
+                 max(0, v[6 * i + 3] + v[6 * i + 5])) for i in range(len(counters))]

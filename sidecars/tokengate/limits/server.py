@@ -63,7 +63,7 @@ from tokengate import config as tg_config
 from tokengate import grpc_server, metrics, redis_client
 from tokengate import version as tg_version
 from tokengate.limits.budget import BudgetCounter, GlobalBudgets
-from tokengate.limits.window import GlobalLimiter
+from tokengate.limits.window import GlobalLimiter, LevelWindow
 from tokengate.v1 import limits_pb2, limits_pb2_grpc
 
 log = logging.getLogger("tokengate.limits")
@@ -83,7 +83,7 @@ T = TypeVar("T")
 # Metrics (tokengate.metrics serves them, summed over the worker processes).
 CALLS = Counter("tokengate_limits_calls_total",
                 "GlobalLimits calls, by method (Reserve, Settle, ReserveBudget, "
-                "SettleBudget) and gRPC status code (OK, INVALID_ARGUMENT, UNAVAILABLE).",
+                "SettleBudget, Quota) and gRPC status code (OK, INVALID_ARGUMENT, UNAVAILABLE).",
                 ["method", "code"])
 CALL_SECONDS = Histogram("tokengate_limits_call_duration_seconds",
                          "Time to answer a GlobalLimits call inside the sidecar (Redis "
@@ -176,16 +176,20 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
         await self._check(context, request.rpm_limit >= 1, "rpm_limit: must be >= 1")
         await self._check(context, request.tpm_limit >= 1, "tpm_limit: must be >= 1")
         model = request.model if request.per_model else None
+        await self._check(context, all(lv.id and lv.id != request.key_id and lv.rpm_limit >= 1
+                                       and lv.tpm_limit >= 1 for lv in request.levels),
+                          "levels: each needs an id (not the key's) and limits >= 1")
+        levels = [LevelWindow(lv.id, lv.rpm_limit, lv.tpm_limit) for lv in request.levels]
         r = await self._call("Reserve", lambda: self.limiter.reserve(
             request.key_id, model, request.rpm_limit, request.tpm_limit, request.tokens,
-            request.request_id), context)
+            request.request_id, levels), context)
         return limits_pb2.ReserveReply(
             admitted=r.admitted, limited_by=_LIMIT_ENUM[r.limited_by], never_fits=r.never_fits,
             remaining_requests=r.remaining_requests,
             remaining_tokens=r.remaining_tokens,
             reset_requests_ms=min(r.reset_requests_ms, _U32),
             reset_tokens_ms=min(r.reset_tokens_ms, _U32),
-            retry_after_ms=min(r.retry_after_ms, _U32))
+            retry_after_ms=min(r.retry_after_ms, _U32), level=r.level)
 
     async def Settle(self, request: limits_pb2.SettleRequest,
                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
@@ -198,7 +202,8 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
                              request.model, context)
         model = request.model if request.per_model else None
         s = await self._call("Settle", lambda: self.limiter.settle(
-            request.key_id, model, request.request_id, request.actual_tokens), context)
+            request.key_id, model, request.request_id, request.actual_tokens,
+            [lv.id for lv in request.levels if lv.id]), context)
         return limits_pb2.SettleReply(found=s.found, delta=s.delta,
                                       window_tokens=max(0, s.window_tokens))
 
@@ -234,6 +239,33 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
             context)
         return limits_pb2.BudgetSettleReply(applied=applied, reserved=reserved)
+
+    async def Quota(self, request: limits_pb2.QuotaRequest,
+                    context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
+        """See proto/tokengate/v1/limits.proto."""
+        return await _measured("Quota", self._quota(request, context), context)
+
+    async def _quota(self, request: limits_pb2.QuotaRequest,
+                     context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
+        await self._check(context, bool(request.key_id), "key_id: required")
+        levels = [lv.id for lv in request.levels]
+        await self._check(context, all(levels), "levels: each needs an id")
+        names = [c.name for c in request.counters]
+        await self._check(context, all(names), "counters: each needs a name")
+
+        async def read() -> tuple[list[tuple[int, int, int]],
+                                  list[tuple[int, int, int, int]]]:
+            return (await self.limiter.usage(request.key_id, levels),
+                    await self.budgets.usage(request.key_id, names))
+
+        windows, counters = await self._call("Quota", read, context)
+        return limits_pb2.QuotaReply(
+            windows=[limits_pb2.WindowUsage(requests=r, tokens=max(0, t),
+                                            reset_ms=min(ms, _U32))
+                     for r, t, ms in windows],
+            counters=[limits_pb2.CounterUsage(spent_nano=max(0, s), tokens=max(0, t),
+                                              reserved_nano=rs, reserved_tokens=rt)
+                      for s, t, rs, rt in counters])
 
     async def _counters(self, request: limits_pb2.BudgetReserveRequest
                         | limits_pb2.BudgetSettleRequest,

@@ -7,7 +7,9 @@ package data:
 - ``window_reserve.lua``, ``window_settle.lua``: the sliding RPM/TPM windows
   (``tokengate.limits.window``);
 - ``ledger_apply.lua``, ``ledger_time.lua``: a batch of the usage ledger and Redis's clock
-  (``tokengate.ledger.ledger``).
+  (``tokengate.ledger.ledger``);
+- ``alert_claim.lua``: a budget alert claimed once and queued for delivery
+  (``tokengate.ledger.alerts``).
 
 The module that runs a script documents what it does and its KEYS, ARGV and reply, beside
 its constant (``budget_store.SETTLE_LUA = read("budget_settle")``). A file is the script

@@ -38,6 +38,20 @@ for i = 1, #batch do
     end
   end
 end
+-- add_usage(h, e): item e's counts (e.n: field, value pairs), cost (e.c) and its
+-- endpoint's cost field (e.ce) added to the usage hash h
+local function add_usage(h, e)
+  local n = e.n
+  for j = 1, #n, 2 do
+    redis.call('HINCRBY', h, n[j], n[j + 1])
+  end
+  if e.c ~= '0' then
+    redis.call('HINCRBYFLOAT', h, 'cost', e.c)
+    if e.ce then
+      redis.call('HINCRBYFLOAT', h, e.ce, e.c)
+    end
+  end
+end
 local t = redis.call('TIME')
 local now_s = tonumber(t[1])
 local until_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[10])
@@ -66,18 +80,15 @@ for i = 1, #batch do
           end
         end
       end
-      local u = KEYS[e.u]
-      local n = e.n
-      for j = 1, #n, 2 do
-        redis.call('HINCRBY', u, n[j], n[j + 1])
-      end
-      if e.c ~= '0' then
-        redis.call('HINCRBYFLOAT', u, 'cost', e.c)
-        if e.ce then
-          redis.call('HINCRBYFLOAT', u, e.ce, e.c)
+      add_usage(KEYS[e.u], e)
+      redis.call('SADD', KEYS[e.x], e.m)
+      -- the same counters of the key's team and organization (tokengate.ledger.join)
+      if e.lu then
+        for j = 1, #e.lu do
+          add_usage(KEYS[e.lu[j]], e)
+          redis.call('SADD', KEYS[e.lx], e.lm[j])
         end
       end
-      redis.call('SADD', KEYS[e.x], e.m)
       redis.call('ZADD', KEYS[4], e.ds, e.d)
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(e.a))
       -- a correction of a session whose totals expired makes none again

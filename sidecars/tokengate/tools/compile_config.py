@@ -40,7 +40,14 @@ fields only the edge needs, derived here:
                                 "expires_at": <epoch s> or null (never),
                                 "disabled": <bool>,
                                 "previous": [{"sha256": "<hex>",
-                                              "expires_at": <epoch s>}]}},
+                                              "expires_at": <epoch s>}],
+                                "levels": [{"level": "team" | "org", "name": "<name>",
+                                            "id": "<level>:<name>",
+                                            "rpm": <int> or null, "tpm": <int> or null,
+                                            "budgets": [... as the key's]}]}},
+                # levels: the key's team, then the team's organization
+                # (tokengate.config.teams); allowed_models is the key's intersected
+                # with theirs
       "edge": {... ``EdgeConfig``, usage_file absolute,
                "dns_servers": [["<address>", <port>], ...],       # see dns_servers()
                "auth_failures": {... ``AuthFailuresConfig``,
@@ -54,8 +61,9 @@ fields only the edge needs, derived here:
       "currency": ..., "billing": {...}, "ledger": {...}
     }
 
-``redis`` and ``tracing.headers`` are left out: the edge never talks to Redis or to a
-collector, and the URL and the headers may carry credentials. The edge reads
+``redis``, ``alerts`` and ``tracing.headers`` are left out: the edge never talks to Redis,
+to a webhook or to a collector, and the URL, the secrets and the headers may carry
+credentials. The edge reads
 ``tracing.enabled`` and ``tracing.sample_ratio`` (``lua/tokengate/trace.lua``).
 
 Usage: ``python -m tokengate.tools.compile_config --config tokengate.yaml --out edge.json``.
@@ -79,12 +87,13 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 12  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 13  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
 #             runner; 9: models carry routing; 10: edge.queue, models carry
 #             max_concurrency, keys fair_share; 11: tracing; 12: keys carry
-#             expires_at, disabled, previous (an old edge would admit a disabled key)
+#             expires_at, disabled, previous (an old edge would admit a disabled key);
+#             13: keys carry levels (an old edge would admit past a team's limits)
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:
@@ -175,7 +184,7 @@ def _by_length(tokens: set[str]) -> list[str]:
     return sorted(tokens, key=lambda s: (-len(s), s))
 
 
-def _key(key_id: str, k: tg_config.KeyConfig) -> dict[str, Any]:
+def _key(cfg: tg_config.Config, key_id: str, k: tg_config.KeyConfig) -> dict[str, Any]:
     """A key's entry: its settings, times as whole seconds since the epoch (the edge
     compares them with ``ngx.time()``), without the operators' free text (owner,
     description), which the edge never shows."""
@@ -184,6 +193,15 @@ def _key(key_id: str, k: tg_config.KeyConfig) -> dict[str, Any]:
     entry["expires_at"] = None if k.expires_at is None else int(k.expires_at.timestamp())
     entry["previous"] = [{"sha256": p.sha256, "expires_at": int(p.expires_at.timestamp())}
                          for p in k.previous]
+    entry["levels"], allowed = [], k.allowed_models
+    for level, name, g in tg_config.key_levels(k.team, cfg.teams, cfg.orgs):
+        entry["levels"].append({"level": level, "name": name, "id": tg_config.level_id(level, name),
+                                "rpm": g.rpm, "tpm": g.tpm,
+                                "budgets": [b.model_dump(mode="json") for b in g.budgets]})
+        if g.allowed_models is not None:
+            allowed = [m for m in (allowed if allowed is not None else g.allowed_models)
+                       if m in g.allowed_models]
+    entry["allowed_models"] = allowed
     return entry
 
 
@@ -196,7 +214,8 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
     tg_config.check_model_dirs(cfg)
     doc: dict[str, Any] = {"version": VERSION, "source": str(cfg.path),
                            **cfg.model_dump(mode="json",
-                                            exclude={"redis": True, "tracing": {"headers"}})}
+                                            exclude={"redis": True, "alerts": True,
+                                                     "tracing": {"headers"}})}
     extra = set(cfg.edge.extra_special_tokens)
     for name, m in cfg.models.items():
         edge_resolves = bool(cfg.edge.dns_resolvers)
@@ -206,7 +225,7 @@ def compile_config(cfg: tg_config.Config) -> dict[str, Any]:
                                    special_tokens=_by_length(set(special_tokens(m.dir)) | extra),
                                    structural_tokens=structural_tokens(m.dir))
     # the edge looks a key up by the digest of the bearer token it was sent
-    doc["keys"] = {k.sha256: _key(key_id, k) for key_id, k in cfg.keys.items()}
+    doc["keys"] = {k.sha256: _key(cfg, key_id, k) for key_id, k in cfg.keys.items()}
     doc["access_log"]["file"] = doc["access_log"]["file"] or ""
     doc["edge"]["dns_servers"] = dns_servers(cfg.edge.dns_resolvers)
     # the edge matches $binary_remote_addr, raw bytes: no address parsing in Lua

@@ -174,7 +174,7 @@ case("reserve: a token quota refuses the request that would pass it", function()
         message = "You exceeded your current quota on key k1: the daily token quota of 2000 "
             .. "tokens (every model): 1000 used or reserved, this request may use up to 1100. "
             .. "It resets at 2026-12-04T00:00:00Z (in " .. retry .. "s).",
-        headers = { ["Retry-After"] = retry } })
+        headers = { ["Retry-After"] = retry, ["X-Tokengate-Limit-Level"] = "key" } })
     eq(dict:get("ft498967:k1:*:day:20790"), 1000)
     eq(bud.admitted, nil)
 end)

@@ -205,3 +205,51 @@ case("concurrent admissions never pass the limit (incr-then-check)", function()
     end
     eq(admitted, 3)
 end)
+
+-- a key of a team of an organization: the levels' windows (tokengate.config.teams)
+local TEAM = { id = "team:t", level = "team", name = "t", rpm = 100, tpm = 500 }
+local ORG = { id = "org:o", level = "org", name = "o", rpm = 2, tpm = 10000 }
+
+local function admit_levels(tokens, now)
+    local req = { bucket = "k", limits = LIMITS, tokens = tokens, windows = { TEAM, ORG } }
+    return { local_limit.incoming(req, now) }, req
+end
+
+case("levels: every window counts the admission, the tightest one answers", function()
+    local dict = setup()
+    local got, req = admit_levels(400, T0 + 15)
+    eq(got[1].level, TEAM)
+    eq(got[1].remaining_tokens, 100)
+    eq(req.window, W0)
+    eq({ dict:get("r" .. W0 .. ":k"), dict:get("r" .. W0 .. ":team:t"),
+         dict:get("r" .. W0 .. ":org:o") }, { 1, 1, 1 })
+    eq({ dict:get("t" .. W0 .. ":k"), dict:get("t" .. W0 .. ":team:t"),
+         dict:get("t" .. W0 .. ":org:o") }, { 400, 400, 400 })
+    local_limit.settle(req, 300)
+    eq({ dict:get("t" .. W0 .. ":k"), dict:get("t" .. W0 .. ":team:t"),
+         dict:get("t" .. W0 .. ":org:o") }, { 300, 300, 300 })
+end)
+
+case("levels: a level that refuses is named, and the windows before it take it back",
+    function()
+        local dict = setup()
+        admit_levels(100, T0 + 15)
+        admit_levels(100, T0 + 16)
+        -- the organization's RPM of 2 is spent; the key's and the team's still fit
+        local got = admit_levels(100, T0 + 17)
+        eq(got[1], nil)
+        eq({ got[2].level, got[2].reject, got[2].rpm }, { ORG, "requests", 2 })
+        eq({ dict:get("r" .. W0 .. ":k"), dict:get("r" .. W0 .. ":team:t"),
+             dict:get("r" .. W0 .. ":org:o") }, { 2, 2, 2 })
+        eq({ dict:get("t" .. W0 .. ":k"), dict:get("t" .. W0 .. ":team:t") }, { 200, 200 })
+    end)
+
+case("levels: uncommit takes the admission back from every window", function()
+    local dict = setup()
+    local _, req = admit_levels(50, T0 + 15)
+    local_limit.uncommit(req)
+    eq({ dict:get("r" .. W0 .. ":k"), dict:get("r" .. W0 .. ":team:t"),
+         dict:get("r" .. W0 .. ":org:o") }, { 0, 0, 0 })
+    eq({ dict:get("t" .. W0 .. ":k"), dict:get("t" .. W0 .. ":team:t"),
+         dict:get("t" .. W0 .. ":org:o") }, { 0, 0, 0 })
+end)

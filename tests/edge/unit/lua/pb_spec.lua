@@ -197,10 +197,11 @@ case("reserve_reply: booleans, uint64 up to 2^64 - 1, uint32 up to 2^32 - 1", fu
         .. "d403")), {
         admitted = true, limited_by = 0, never_fits = false, remaining_requests = 2 ^ 53 + 2,
         remaining_tokens = 2 ^ 64, reset_requests_ms = 2 ^ 32 - 1, reset_tokens_ms = 60000,
-        retry_after_ms = 0 })
+        retry_after_ms = 0, level = 0 })
     eq(pb.reserve_reply(""), {
         admitted = false, limited_by = 0, never_fits = false, remaining_requests = 0,
-        remaining_tokens = 0, reset_requests_ms = 0, reset_tokens_ms = 0, retry_after_ms = 0 })
+        remaining_tokens = 0, reset_requests_ms = 0, reset_tokens_ms = 0, retry_after_ms = 0,
+        level = 0 })
 end)
 
 case("reserve_reply: a uint64 above 2^53 decodes to the nearest double", function()
