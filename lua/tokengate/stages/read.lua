@@ -9,6 +9,7 @@ local lockout = require "tokengate.lockout"
 local limits = require "tokengate.limits"
 local apis = require "tokengate.apis"
 local state = require "tokengate.state"
+local batch = require "tokengate.batch"
 
 local ngx_var = ngx.var
 local ngx_req = ngx.req
@@ -38,6 +39,11 @@ function _M.key(ctx, doc)
                 lockout.failed()
             end
         end
+        return nil, err
+    end
+    -- the batch service's lines act as the key whose batch they belong to
+    key, err = batch.act_for(ctx, doc, key)
+    if not key then
         return nil, err
     end
     ctx.key, ctx.limit_req = key, limits.request(key, nil, state.request_id(ctx))

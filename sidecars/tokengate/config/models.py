@@ -37,6 +37,9 @@ class ModelCost(_Schema):
         default=0.1,
         description="Prompt tokens served from vLLM's prefix cache "
                     "(prompt_tokens_details.cached_tokens), per 1M tokens.")
+    batch: float = Field(
+        default=0.5, ge=0.0, le=1000.0, allow_inf_nan=False,
+        description="Multiplier of a batch line's cost (the Batch API: tokengate-batch).")
 
 
 class IdleUnload(_Schema):

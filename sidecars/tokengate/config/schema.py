@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
+from tokengate.config.batch import BatchConfig
 from tokengate.config.billing import BillingConfig
 from tokengate.config.edge import AccessLogConfig, EdgeConfig
 from tokengate.config.keys import BUDGETS_NEED_REDIS, KEY_ID, KEY_ID_RULE, KeyConfig
@@ -29,7 +30,7 @@ def _empty_is_defaults(value: Any) -> Any:
 
 
 SECTIONS = ("keys", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
-            "edge", "tracing")
+            "edge", "tracing", "batch")
 
 
 class Config(_Schema):
@@ -68,6 +69,10 @@ class Config(_Schema):
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces of requests, exported over OTLP by the ledger.")
+    batch: BatchConfig = Field(
+        default_factory=BatchConfig,
+        description="The Batch API (`tokengate-batch`): files and batches on spare "
+                    "capacity.")
 
 
     _path: Path = PrivateAttr(default_factory=lambda: Path("tokengate.yaml"))
@@ -91,6 +96,19 @@ class Config(_Schema):
                 and "usage_file" not in edge and "usage_file" in ledger:
             data["edge"] = {**edge, "usage_file": ledger["usage_file"]}
         return data
+
+    def _batch_rules(self) -> list[tuple[str, str]]:
+        """The batch section's ties to the keys: its worker key and its quotas' keys."""
+        b = self.batch
+        problems: list[tuple[str, str]] = []
+        if b.enabled and b.worker_key is None:
+            problems.append(("batch.worker_key", "required when batch.enabled"))
+        if b.worker_key is not None and b.worker_key not in self.keys:
+            problems.append(("batch.worker_key", f"{b.worker_key!r} is not a configured key"))
+        for key_id in b.key_quota_tokens:
+            if key_id not in self.keys:
+                problems.append((f"batch.key_quota_tokens.{key_id}", "not a configured key"))
+        return problems
 
     @model_validator(mode="after")
     def _coupled(self, info: ValidationInfo) -> Config:
@@ -135,6 +153,7 @@ class Config(_Schema):
                 names = ", ".join(self.edge.admission.priorities)
                 problems.append((f"keys.{key_id}.priority",
                                  f"{k.priority!r} is not in edge.admission.priorities ({names})"))
+        problems += self._batch_rules()
         edge = self.edge
         deadline = 2 * self.redis.timeout_ms
         if edge.global_limits_timeout_ms <= deadline:
@@ -160,7 +179,9 @@ class Config(_Schema):
                             ("metrics.limits_listen", self.metrics.limits_listen),
                             # the console's service listens with no admin too (its
                             # login page says how to add one)
-                            ("ledger.console.listen", self.ledger.console.listen)):
+                            ("ledger.console.listen", self.ledger.console.listen),
+                            ("batch.listen",
+                             self.batch.listen if self.batch.enabled else None)):
             if addr is None:
                 continue
             if addr in taken:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
     args, cfg = entry.start(parser, argv)
     from tokengate.console.app import Console
-    from tokengate.console.server import listen
+    from tokengate.http_server import listen
 
     listen_at = args.listen or cfg.ledger.console.listen
     host, _, port = listen_at.rpartition(":")

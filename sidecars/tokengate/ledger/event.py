@@ -92,6 +92,9 @@ Schema (every key is present; ``null`` only where shown)::
                       as "sha256:<32 hex>") | null (none, and events written before the
                       field existed). Never a reason to skip an event: a value that is
                       not such a string is read as null.
+    batch_id          the batch of a line the batch service sent (``tokengate.batch``),
+                      "batch_<hex>" | null (an online request; older events)
+    custom_id         that line's custom_id, 1-512 characters | null
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -163,6 +166,8 @@ class UsageEvent:
     max_tokens_requested: int | None = None
     max_tokens_applied: int | None = None
     session_id: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
 
     @property
     def time(self) -> datetime:
@@ -385,6 +390,22 @@ def _session(obj: dict[str, Any], rid: str) -> str | None:
     return v
 
 
+CUSTOM_ID_MAX = 512  # bytes of a batch line's custom_id (tokengate.batch.lines)
+
+
+def _batch_field(obj: dict[str, Any], name: str, rid: str) -> str | None:
+    """A batch line's ``batch_id`` or ``custom_id``, or None: absent, null, or not a
+    string of 1-512 characters (logged: never a reason to skip a billable event)."""
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= CUSTOM_ID_MAX:
+        log.warning("usage event %s: %s ignored (not a string of 1-%d characters)", rid,
+                    name, CUSTOM_ID_MAX)
+        return None
+    return v
+
+
 def parse_event(line: bytes | str) -> UsageEvent:
     """Parse one usage line (with or without its newline) into a ``UsageEvent``.
 
@@ -432,6 +453,8 @@ def parse_event(line: bytes | str) -> UsageEvent:
         max_tokens_requested=_optional_count(obj, "max_tokens_requested"),
         max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
         session_id=_session(obj, rid),
+        batch_id=_batch_field(obj, "batch_id", rid),
+        custom_id=_batch_field(obj, "custom_id", rid),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

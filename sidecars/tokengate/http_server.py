@@ -1,5 +1,5 @@
-"""The console's HTTP listener: the standard library's WSGI server on
-``ledger.console.listen`` (``tokengate-console``'s process), with bounds so that slow
+"""A bounded HTTP listener for the WSGI apps of the sidecars (the console, the batch
+service): the standard library's WSGI server, with bounds so that slow
 or many clients cannot take its threads or memory:
 
 - ``WORKERS`` threads serve connections; up to ``QUEUED`` more wait for one; beyond
