@@ -32,9 +32,9 @@ from tests.fixtures_edge import TEST_LUA_PATH, VARIANT_PORTS, Edge, _start_edge
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, free_port
 
 BATCH_PORTS = range(19420 + PORT_OFFSET, 19440 + PORT_OFFSET)
-# key id -> key; batch-worker is the service's own
-KEYS = {"tenant-a": "tg-test-batch-a", "tenant-b": "tg-test-batch-b",
-        "batch-worker": "tg-test-batch-worker"}
+# key id -> key
+KEYS = {"tenant-a": "tg-test-batch-a", "tenant-b": "tg-test-batch-b"}
+WORKER_SECRET = "tg-test-batch-worker"  # the service's own (batch.worker_sha256)
 
 
 @dataclass
@@ -112,7 +112,6 @@ def _stack_yaml(base: Path, root: Path, upstream: str, redis_url: str, batch_por
     raw["redis"]["timeout_ms"] = 2000
     raw["keys"] = {k: {"sha256": key_digest(v), "rpm": 100000, "tpm": 100_000_000}
                    for k, v in KEYS.items()}
-    raw["keys"]["batch-worker"]["priority"] = "low"
     m = raw["models"][MODEL]
     m["upstreams"] = [upstream]
     m["embedded"] = False
@@ -122,9 +121,10 @@ def _stack_yaml(base: Path, root: Path, upstream: str, redis_url: str, batch_por
     raw["edge"]["global_limits_timeout_ms"] = 5000
     raw["ledger"]["usage_file"] = str(root / "usage.jsonl")
     raw["ledger"]["engine_usage_files"] = []
-    (root / "worker.key").write_text(KEYS["batch-worker"] + "\n")
+    (root / "worker.key").write_text(WORKER_SECRET + "\n")
     raw["batch"] = {"enabled": True, "listen": f"127.0.0.1:{batch_port}",
-                    "edge_url": f"http://127.0.0.1:{edge_port}", "worker_key": "batch-worker",
+                    "edge_url": f"http://127.0.0.1:{edge_port}",
+                    "worker_sha256": key_digest(WORKER_SECRET),
                     "worker_secret_file": str(root / "worker.key"),
                     "files_dir": str(root / "files")}
     if edit is not None:

@@ -262,7 +262,7 @@ def console_service(config_path: Path, usage_file: Path | None = None,
     return _service(name, argv, http_ready(login), start_timeout_s=30.0)
 
 
-# The demo worker key of tokengate.yaml's batch section (keys.batch-worker): make run
+# The demo secret of tokengate.yaml's batch section (batch.worker_sha256): make run
 # writes it to batch.worker_secret_file when that file is missing
 DEMO_BATCH_WORKER_KEY = "tg-demo-batch-worker"
 
@@ -272,7 +272,7 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
     """The Batch API (``tokengate-batch``) on ``listen`` (default ``batch.listen``),
     sending lines to ``edge_url`` (default ``batch.edge_url``), its state in the Redis of
     ``redis_url`` (default ``redis.url``). When ``batch.worker_secret_file`` is missing
-    and the worker key is the demo one, the file is written with the demo secret. Ready
+    and ``batch.worker_sha256`` is the demo secret's, the file is written with it. Ready
     once its listener accepts connections."""
     cfg = tg_config.load(config_path)
     b = cfg.batch
@@ -285,9 +285,8 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
         argv += ["--edge-url", edge_url]
 
     def prepare() -> None:
-        worker = cfg.keys.get(b.worker_key or "")
         demo = hashlib.sha256(DEMO_BATCH_WORKER_KEY.encode()).hexdigest()
-        if worker is not None and worker.sha256 == demo and not b.worker_secret_file.exists():
+        if b.worker_sha256 == demo and not b.worker_secret_file.exists():
             b.worker_secret_file.parent.mkdir(parents=True, exist_ok=True)
             b.worker_secret_file.write_text(DEMO_BATCH_WORKER_KEY + "\n")
             b.worker_secret_file.chmod(0o600)

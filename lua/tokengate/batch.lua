@@ -1,10 +1,10 @@
 -- The Batch API at the edge: the batch service's calls on behalf of the keys whose
 -- batches it runs, and the edge's own half of /v1/files and /v1/batches.
 --
--- The batch service (tokengate-batch) authenticates as one configured key,
--- batch.worker_key. Such a request naming another key in X-Tokengate-Batch-Key is that
--- key's request in everything (its models, limits, budgets, usage event, bill) except
--- its admission priority, which stays the worker key's: batch lines are admitted only
+-- The batch service (tokengate-batch) presents a secret of its own, no API key: the one
+-- whose digest is batch.worker_sha256. Its request names a key in X-Tokengate-Batch-Key
+-- and is that key's request in everything (its models, limits, budgets, usage event,
+-- bill) except its admission priority, batch.priority: batch lines are admitted only
 -- where that (lowest) priority finds room. X-Tokengate-Batch-Line gives the line's
 -- request id (32 hex, the same on every attempt of the line), so the ledger, which
 -- applies each request id once, bills a line once however often a crash made the
@@ -21,10 +21,12 @@
 local ngx = ngx
 local json = require "tokengate.json"
 local errors = require "tokengate.errors"
+local auth = require "tokengate.auth"
 
 local ngx_var = ngx.var
 local find = string.find
 local pairs = pairs
+local type = type
 local setmetatable = setmetatable
 
 local _M = {}
@@ -51,18 +53,28 @@ local DISABLED = errors.new(400, "The batch's key is disabled or expired.", nil,
 local BAD_LINE = errors.new(400, "X-Tokengate-Batch-Line must be 32 lowercase hex digits.",
     nil, "batch_line_invalid")
 
--- act_for(ctx, doc, key) -> key | nil, err (400): the key a request acts as. A request
--- of doc.batch.worker_key with X-Tokengate-Batch-Key acts as that key with the worker
--- key's priority (admission); ctx.batch = {id, custom_id, check} is set then, and
--- ctx.request_id is X-Tokengate-Batch-Line's id when given. Every other request: key.
-function _M.act_for(ctx, doc, key)
-    local worker = doc.batch and doc.batch.worker_key
-    if not worker or key.id ~= worker then
-        return key
+local NO_KEY = errors.new(400, "The batch service's requests must name a key "
+    .. "(X-Tokengate-Batch-Key).", nil, "batch_key_missing")
+
+-- act_for(ctx, doc, authorization) -> key | nil (not the batch service) | nil, err
+-- (400): the key the batch service's request acts as: the X-Tokengate-Batch-Key key
+-- with batch.priority's admission; ctx.batch = {id, custom_id, check} is set then, and
+-- ctx.request_id is X-Tokengate-Batch-Line's id when given. authorization: the
+-- Authorization header, whose bearer token is the service's when its digest is
+-- batch.worker_sha256.
+function _M.act_for(ctx, doc, authorization)
+    local b = doc.batch
+    local worker = b and b.worker_sha256
+    if type(worker) ~= "string" then
+        return nil
+    end
+    local token = auth.bearer(authorization)
+    if not token or auth.digest(token) ~= worker then
+        return nil
     end
     local target_id = ngx_var.http_x_tokengate_batch_key
     if not target_id then
-        return key
+        return nil, NO_KEY
     end
     local target = key_by_id(doc, target_id)
     if not target then
@@ -82,7 +94,8 @@ function _M.act_for(ctx, doc, key)
         ctx.request_id = line
         ngx_var.tg_request_id = line
     end
-    return setmetatable({ priority = key.priority, admission = key.admission },
+    return setmetatable({ priority = b.priority,
+                          admission = doc.edge.admission.priorities[b.priority] },
         { __index = target })
 end
 

@@ -24,10 +24,17 @@ function _M.key(ctx, doc)
         ctx.unauthenticated = "unauthenticated_blocked"
         return nil, err
     end
-    local key
     local api = ctx.api
-    key, err = auth.authenticate(doc.keys, ngx_var.http_authorization, api.key(ngx_var),
-        doc.previous_keys)
+    -- the batch service's lines act as the key whose batch they belong to
+    local key
+    key, err = batch.act_for(ctx, doc, ngx_var.http_authorization)
+    if err then
+        return nil, err
+    end
+    if not key then
+        key, err = auth.authenticate(doc.keys, ngx_var.http_authorization, api.key(ngx_var),
+            doc.previous_keys)
+    end
     if not key then
         if err == auth.MISSING then
             ctx.unauthenticated = "unauthenticated_missing_key"
@@ -39,11 +46,6 @@ function _M.key(ctx, doc)
                 lockout.failed()
             end
         end
-        return nil, err
-    end
-    -- the batch service's lines act as the key whose batch they belong to
-    key, err = batch.act_for(ctx, doc, key)
-    if not key then
         return nil, err
     end
     ctx.key, ctx.limit_req = key, limits.request(key, nil, state.request_id(ctx))

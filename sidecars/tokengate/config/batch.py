@@ -7,15 +7,23 @@ from pathlib import Path
 
 from pydantic import Field
 
-from tokengate.config.types import LoopbackHostPort, Positive, RelPath, _Schema
+from tokengate.config.types import (
+    LoopbackHostPort,
+    NonEmpty,
+    Positive,
+    RelPath,
+    Sha256,
+    _Schema,
+)
 
 
 class BatchConfig(_Schema):
     """OpenAI's Batch API on spare capacity (``tokengate.batch``, the ``tokengate-batch``
     process): ``/v1/files`` and ``/v1/batches`` answered by the service behind the edge;
     every line checked and counted at creation by the edge as an online request of its
-    endpoint, then sent through the edge as ``worker_key`` acting for the batch's key, at
-    that key's priority (make it the lowest of ``edge.admission.priorities``)."""
+    endpoint, then sent through the edge by the service (the holder of the secret whose
+    digest is ``worker_sha256``, which is no API key) acting for the batch's key, at
+    ``priority``: make it the lowest of ``edge.admission.priorities``."""
 
     enabled: bool = Field(
         default=False,
@@ -28,14 +36,19 @@ class BatchConfig(_Schema):
     edge_url: str = Field(
         default="http://127.0.0.1:8080",
         description="Where the service sends lines (the edge's API listener).")
-    worker_key: str | None = Field(
+    worker_sha256: Sha256 | None = Field(
         default=None,
-        description="Id of the key the service sends lines as (keys.<id>); its priority "
-                    "is the lines' priority. Required when enabled.")
+        description="Hex SHA-256 digest of the secret the service sends lines with (in "
+                    "worker_secret_file); the edge lets only its holder act for a batch's "
+                    "key. Required when enabled.")
     worker_secret_file: RelPath = Field(
         default=Path("var/batch/worker.key"), validate_default=True,
-        description="File holding worker_key's secret (the key itself, one line), "
-                    "readable by the service only.")
+        description="File holding that secret (one line), readable by the service only.")
+    priority: NonEmpty = Field(
+        default="low",
+        description="The lines' admission priority: a name in edge.admission.priorities "
+                    "(the lowest, so that lines run only where interactive traffic leaves "
+                    "room).")
     files_dir: RelPath = Field(
         default=Path("var/batch/files"), validate_default=True,
         description="Folder of the files' bytes (inputs, outputs, errors); nothing "

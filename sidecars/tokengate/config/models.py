@@ -37,9 +37,10 @@ class ModelCost(_Schema):
         default=0.1,
         description="Prompt tokens served from vLLM's prefix cache "
                     "(prompt_tokens_details.cached_tokens), per 1M tokens.")
-    batch: float = Field(
-        default=0.5, ge=0.0, le=1000.0, allow_inf_nan=False,
-        description="Multiplier of a batch line's cost (the Batch API: tokengate-batch).")
+    batch: Rate = Field(
+        default=0.5,
+        description="A batch line's cost is its online cost times this, 0..1 (the Batch "
+                    "API, tokengate-batch: OpenAI bills batches at half price).")
 
 
 class IdleUnload(_Schema):

@@ -98,13 +98,20 @@ class Config(_Schema):
         return data
 
     def _batch_rules(self) -> list[tuple[str, str]]:
-        """The batch section's ties to the keys: its worker key and its quotas' keys."""
+        """The batch section's ties to the others: its secret, its priority, its keys."""
         b = self.batch
         problems: list[tuple[str, str]] = []
-        if b.enabled and b.worker_key is None:
-            problems.append(("batch.worker_key", "required when batch.enabled"))
-        if b.worker_key is not None and b.worker_key not in self.keys:
-            problems.append(("batch.worker_key", f"{b.worker_key!r} is not a configured key"))
+        if b.enabled and b.worker_sha256 is None:
+            problems.append(("batch.worker_sha256", "required when batch.enabled"))
+        if b.worker_sha256 is not None and any(
+                b.worker_sha256 in (k.sha256, *(p.sha256 for p in k.previous))
+                for k in self.keys.values()):
+            problems.append(("batch.worker_sha256", "the digest of an API key: the service's "
+                             "secret must be no key's"))
+        if b.priority not in self.edge.admission.priorities:
+            names = ", ".join(self.edge.admission.priorities)
+            problems.append(("batch.priority",
+                             f"{b.priority!r} is not in edge.admission.priorities ({names})"))
         for key_id in b.key_quota_tokens:
             if key_id not in self.keys:
                 problems.append((f"batch.key_quota_tokens.{key_id}", "not a configured key"))
