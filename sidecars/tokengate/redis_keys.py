@@ -128,9 +128,9 @@ def _enc(name: str | None) -> str:
 
 
 # The endpoints a usage hash splits its requests, tokens and cost by (the usage event's
-# endpoint; any other path counts as "other").
+# endpoint, "batch" for the lines of batches; any other path counts as "other").
 ENDPOINTS = ("chat", "completions", "messages", "count_tokens", "responses", "input_tokens",
-             "response", "response_cancel", "embeddings", "models", "model")
+             "response", "response_cancel", "embeddings", "models", "model", "batch")
 
 
 def endpoint_bucket(endpoint: str) -> str:

@@ -175,6 +175,12 @@ class UsageEvent:
         return parse_ts(self.ts)
 
     @property
+    def usage_endpoint(self) -> str:
+        """The endpoint the usage counters split the event under: "batch" for a batch
+        line (its own price), else ``endpoint``."""
+        return "batch" if self.batch_id is not None else self.endpoint
+
+    @property
     def day(self) -> str:
         """The UTC day of ``ts``, ``YYYY-MM-DD``: the ledger's day bucket."""
         return self.ts[:10]
