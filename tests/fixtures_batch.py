@@ -25,6 +25,7 @@ import pytest
 import yaml
 from tokengate_dev import devstack
 from tokenstorm.null_server import FastUpstream
+from tokenstorm.process import group_members
 from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, key_digest
@@ -67,6 +68,10 @@ class BatchStack:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while group_members(svc.proc.pid):  # nginx's workers die after their master
+            assert time.monotonic() < deadline, f"{part}: processes left after SIGKILL"
+            time.sleep(0.02)
 
     def start(self, part: str) -> None:
         """Start ``part`` again (same ports, same files) and wait until it is ready."""

@@ -18,7 +18,8 @@ Routes (OpenAI's API reference, Files and Batch)::
     POST   /v1/batches/{id}/cancel    -> batch object (cancelling)
 
 Errors: ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad input), 401 (no
-key: only without the edge), 404, 405, 413 (a file above ``batch.max_file_bytes``), 415.
+key: only without the edge), 404, 405, 413 (a file above ``batch.max_file_bytes``), 415,
+503 (Redis unavailable).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
 from urllib.parse import parse_qs
+
+import redis
 
 from tokengate.batch import lines as lines_mod
 from tokengate.batch.store import NotFound, Page, Store
@@ -60,7 +63,8 @@ class ApiError(Exception):
 
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large",
-           415: "Unsupported Media Type", 500: "Internal Server Error"}
+           415: "Unsupported Media Type", 500: "Internal Server Error",
+           503: "Service Unavailable"}
 
 
 class BatchApi:
@@ -75,6 +79,10 @@ class BatchApi:
             status, body, ctype = self._route(environ)
         except ApiError as e:
             status, body, ctype = e.status, e.body(), "application/json"
+        except redis.RedisError:
+            err = ApiError(503, "The Batch API's store (Redis) is unavailable. Please retry.",
+                           None, "store_unavailable")
+            status, body, ctype = 503, err.body(), "application/json"
         except NotFound as e:
             kind = "file" if str(e).startswith("file-") else "batch"
             err = ApiError(404, f"No such {kind}: '{str(e)[:64]}'.", "id", "not_found")
