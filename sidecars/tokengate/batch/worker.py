@@ -13,10 +13,11 @@ in_progress
     Lines go through the edge as the worker key acting for the batch's key, at the
     worker key's (lowest) priority: admitted only where that priority finds room in the
     replicas' KV cache and queues, so interactive traffic keeps its latency. How many
-    are out at once follows AIMD (additive increase, multiplicative decrease: TCP's
-    congestion window, Chiu and Jain 1989, as AIBrix ramps batch load): one more per
-    window of answers, half on a refusal (429 or 503 that may be retried), and a pause
-    of its Retry-After. Lines of different keys take turns (round robin over keys, then
+    are out at once follows TCP's congestion window (slow start, then AIMD: additive
+    increase, multiplicative decrease, Chiu and Jain 1989; AIBrix ramps batch load the
+    same way): one more per answer until the first refusal, then one more per window of
+    answers; half on a refusal (429 or 503 that may be retried), and a pause of its
+    Retry-After. Lines of different keys take turns (round robin over keys, then
     over a key's batches).
 finalizing
     When every line has a result, or the batch was cancelled or expired (lines that did
@@ -120,6 +121,7 @@ class Worker:
         self.edge = edge
         self.clock = clock
         self.window = START_WINDOW
+        self.slow_start_until = float(cfg.batch.max_in_flight)  # TCP's ssthresh
         self.paused_until = 0.0
         self.running: dict[str, _Batch] = {}
         self.inflight: dict[Future[Answer], tuple[str, int, str]] = {}
@@ -334,8 +336,8 @@ class Worker:
                 body = a.json()
                 self.unrecorded.append((batch_id, index, True,
                                         result_line(rid, line.custom_id, a), usage_of(body)))
-                self.window = min(float(self.cfg.batch.max_in_flight),
-                                  self.window + 1.0 / self.window)
+                grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
+                self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
             elif retryable(a):
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
@@ -347,6 +349,7 @@ class Worker:
 
     def _refused(self, retry_after_s: float | None) -> None:
         self.window = max(1.0, self.window / 2)
+        self.slow_start_until = self.window
         lo, hi = REFUSED_PAUSE_S
         self.paused_until = self.clock() + min(hi, max(lo, retry_after_s or lo))
 
