@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
+from tests.doc_pages import code_block
 from tests.fixtures_batch import KEYS, BatchStack
 
 
@@ -176,3 +177,14 @@ def test_cancel_finalizes_with_unrun_lines_in_the_error_file(batch_stack: BatchS
     assert sorted(ids) == sorted(f"req-{i}" for i in range(200))
     errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+
+
+def test_the_batch_pages_example_runs_as_written(batch_stack: BatchStack,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = code_block("api/batch.md", "python") \
+        .replace("http://127.0.0.1:8080/v1", batch_stack.edge.base_url) \
+        .replace("tg-demo-key", KEYS["tenant-a"])
+    exec(compile(code, "docs/api/batch.md", "exec"), {})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("completed ")
+    assert [line.split()[0] for line in out[1:]] == ["q-0", "q-1", "q-2"]

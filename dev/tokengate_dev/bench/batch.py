@@ -29,7 +29,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import openai
 import yaml
@@ -51,7 +51,7 @@ MODEL = "tiny-qwen3"
 INTERACTIVE_KEY = "tg-bench-batch-interactive"
 TENANT_KEY = "tg-bench-batch-tenant"
 WORKER_SECRET = "tg-bench-batch-worker"
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.M)
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     m = raw["models"][MODEL]
     m.update(upstreams=upstreams, embedded=False, max_model_len=4096)
     m["routing"] = {"policy": "least_outstanding"}
-    digest = lambda k: hashlib.sha256(k.encode()).hexdigest()  # noqa: E731
+    digest = lambda k: hashlib.sha256(k.encode()).hexdigest()
     raw["keys"] = {"interactive": {"sha256": digest(INTERACTIVE_KEY), "rpm": 10**9,
                                    "tpm": 10**12},
                    "tenant": {"sha256": digest(TENANT_KEY), "rpm": 10**9, "tpm": 10**12}}
@@ -137,7 +137,7 @@ class BusySampler:
                 m = _RUNNING.search(text)
                 self.samples.append(min(1.0, float(m.group(1)) / self.slots) if m else 0.0)
 
-    def __enter__(self) -> BusySampler:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
