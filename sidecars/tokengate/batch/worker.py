@@ -336,8 +336,7 @@ class Worker:
                 body = a.json()
                 self.unrecorded.append((batch_id, index, True,
                                         result_line(rid, line.custom_id, a), usage_of(body)))
-                grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
-                self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
+                self._grow()
             elif retryable(a):
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
@@ -346,6 +345,11 @@ class Worker:
                 self.unrecorded.append((batch_id, index, False,
                                         result_line(rid, line.custom_id, a), (0, 0, 0)))
         return bool(finished)
+
+    def _grow(self) -> None:
+        """An answer: one more line out (slow start), or one more per window."""
+        grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
+        self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
 
     def _refused(self, retry_after_s: float | None) -> None:
         self.window = max(1.0, self.window / 2)
