@@ -4,6 +4,7 @@ answer in each API's shape."""
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from pathlib import Path
 
@@ -78,5 +79,6 @@ def test_usage_of_reads_chat_responses_and_embeddings_shapes() -> None:
 def test_only_refusals_that_may_pass_later_are_retried(status: int, code: str,
                                                         should_retry: bool,
                                                         want: bool) -> None:
-    body = ('{"error":{"message":"m","type":"t","param":null,"code":"%s"}}' % code).encode()
+    body = json.dumps({"error": {"message": "m", "type": "t", "param": None,
+                                 "code": code}}).encode()
     assert retryable(Answer(status, body, None, 1.0, should_retry)) is want
