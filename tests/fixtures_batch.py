@@ -175,15 +175,15 @@ def start_stack(config_path: Path, name: str, upstream: FastUpstream | None,
     return BatchStack(root, path, redis, edge, ledger, batch, upstream)
 
 
-@pytest.fixture(scope="module")
-def batch_stack(config_path: Path, counter_addr: str,
-                request: pytest.FixtureRequest) -> Iterator[BatchStack]:
-    """A Batch API stack in front of a fast upstream (answers like vLLM 0.32, with
-    usage); one per test module."""
-    up = FastUpstream(UpstreamOptions(model=MODEL, itl_ms=1.0), name="batch-upstream").start()
-    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+@contextlib.contextmanager
+def fast_stack(config_path: Path, name: str, itl_ms: float = 0.0,
+               edit: Callable[[dict[str, Any]], None] | None = None) -> Iterator[BatchStack]:
+    """A Batch API stack named ``name`` in front of a fast upstream that answers a token
+    every ``itl_ms``; ``edit`` changes its tokengate.yaml. Stopped when the block ends."""
+    up = FastUpstream(UpstreamOptions(model=MODEL, itl_ms=itl_ms), name=f"batch-{name}-upstream")
+    up.start()
     try:
-        stack = start_stack(config_path, name, up, f"127.0.0.1:{up.port}")
+        stack = start_stack(config_path, name, up, f"127.0.0.1:{up.port}", edit)
     except Exception:
         up.stop()
         raise
@@ -191,6 +191,16 @@ def batch_stack(config_path: Path, counter_addr: str,
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def batch_stack(config_path: Path, counter_addr: str,
+                request: pytest.FixtureRequest) -> Iterator[BatchStack]:
+    """A Batch API stack in front of a fast upstream (answers like vLLM 0.32, with
+    usage); one per test module."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    with fast_stack(config_path, name, itl_ms=1.0) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

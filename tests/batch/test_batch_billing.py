@@ -17,33 +17,22 @@ import openai
 import pytest
 from tokengate import config as tg_config
 from tokengate.ledger.calculator import charge
-from tokenstorm.null_server import FastUpstream
-from tokenstorm.upstream import UpstreamOptions
 
 from tests.batch.test_batch_api import chat_line, upload
 from tests.conftest import MODEL
-from tests.fixtures_batch import BatchStack, start_stack
+from tests.fixtures_batch import BatchStack, fast_stack
 
 QUOTA_B = 40  # tokens: tenant-b's quota, below one line's prompt plus its limit
 
 
 @pytest.fixture(scope="module")
 def stack(config_path: Path, counter_addr: str) -> Iterator[BatchStack]:
-    up = FastUpstream(UpstreamOptions(model=MODEL), name="batch-billing-upstream").start()
-
     def edit(raw: dict[str, Any]) -> None:
         raw["batch"]["key_quota_tokens"] = {"tenant-b": QUOTA_B}
         raw["models"][MODEL]["cost"] = {"input": 2.0, "output": 3.0, "cached": 0.5,
                                         "batch": 0.5}
-    try:
-        s = start_stack(config_path, "billing", up, f"127.0.0.1:{up.port}", edit)
-    except Exception:
-        up.stop()
-        raise
-    try:
-        yield s
-    finally:
-        s.stop()
+    with fast_stack(config_path, "billing", itl_ms=0.0, edit=edit) as stack:
+        yield stack
 
 
 def usage_json(stack: BatchStack) -> dict[str, Any]:

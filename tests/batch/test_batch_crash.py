@@ -14,13 +14,10 @@ from typing import Any
 
 import openai
 import pytest
-from tokenstorm.null_server import FastUpstream
-from tokenstorm.upstream import UpstreamOptions
 
 from tests.batch.test_batch_api import chat_line, upload
 from tests.batch.test_batch_billing import wait_usage
-from tests.conftest import MODEL
-from tests.fixtures_batch import BatchStack, start_stack
+from tests.fixtures_batch import BatchStack, fast_stack
 
 LINES = 240
 
@@ -29,20 +26,10 @@ LINES = 240
 def stack(config_path: Path, counter_addr: str) -> Iterator[BatchStack]:
     # 20 tokens at 4 ms each: a line takes ~0.1 s, so the batch runs for seconds and
     # every kill lands while lines are out
-    up = FastUpstream(UpstreamOptions(model=MODEL, itl_ms=4.0), name="batch-crash-upstream")
-    up.start()
-
     def edit(raw: dict[str, Any]) -> None:
         raw["batch"]["max_in_flight"] = 8
-    try:
-        s = start_stack(config_path, "crash", up, f"127.0.0.1:{up.port}", edit)
-    except Exception:
-        up.stop()
-        raise
-    try:
-        yield s
-    finally:
-        s.stop()
+    with fast_stack(config_path, "crash", itl_ms=4.0, edit=edit) as stack:
+        yield stack
 
 
 def progress(c: openai.OpenAI, batch_id: str) -> int:

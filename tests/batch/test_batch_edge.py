@@ -13,12 +13,15 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenstorm.null_server import FastUpstream
-from tokenstorm.upstream import UpstreamOptions
 
 from tests.batch.test_batch_api import chat_line, upload
 from tests.conftest import MODEL
-from tests.fixtures_batch import KEYS, WORKER_SECRET, BatchStack, start_stack
+from tests.fixtures_batch import (
+    KEYS,
+    WORKER_SECRET,
+    BatchStack,
+    fast_stack,
+)
 
 LINE_ID = "0123456789abcdef0123456789abcdef"
 
@@ -86,20 +89,10 @@ def test_the_services_secret_without_a_valid_key_or_line_gets_400(
 @pytest.fixture
 def slow_stack(config_path: Path, counter_addr: str) -> Iterator[BatchStack]:
     # 200 tokens at 20 ms each, one line out at a time: the window ends mid-batch
-    up = FastUpstream(UpstreamOptions(model=MODEL, itl_ms=20.0), name="batch-slow-upstream")
-    up.start()
-
     def edit(raw: dict[str, Any]) -> None:
         raw["batch"].update(expiry_s=3, max_in_flight=1)
-    try:
-        s = start_stack(config_path, "expiry", up, f"127.0.0.1:{up.port}", edit)
-    except Exception:
-        up.stop()
-        raise
-    try:
-        yield s
-    finally:
-        s.stop()
+    with fast_stack(config_path, "expiry", itl_ms=20.0, edit=edit) as stack:
+        yield stack
 
 
 def test_a_batch_past_its_window_expires_with_what_ran_and_the_rest_in_errors(

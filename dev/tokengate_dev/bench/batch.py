@@ -44,8 +44,8 @@ from tokenstorm.runner import RunSpec, execute
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
 from tokengate_dev import devstack
+from tokengate_dev.bench import results
 
-RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench-batch"
 MODEL = "tiny-qwen3"
 INTERACTIVE_KEY = "tg-bench-batch-interactive"
@@ -249,9 +249,7 @@ def aims(out: dict[str, Any]) -> list[dict[str, Any]]:
             ("fleet busy share with the batch", out["with_batch"]["busy_share"], ">=", 0.90),
             ("batch completed", 1.0 if out["batch"]["status"] == "completed" else 0.0,
              ">=", 1.0)]
-    return [{"aim": name, "value": v, "bound": f"{op} {bound}",
-             "met": v is not None and (v <= bound if op == "<=" else v >= bound)}
-            for name, v, op, bound in rows]
+    return results.judge(rows)
 
 
 def render(out: dict[str, Any]) -> list[Table]:
@@ -265,14 +263,7 @@ def render(out: dict[str, Any]) -> list[Table]:
     b = out["batch"]
     t.add_row("batch", f"{b['completed'] + b['failed']}", str(b["completed"]),
               f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", b["status"])
-    a = Table(title="aims")
-    for c in ("aim", "value", "bound", "met"):
-        a.add_column(c)
-    for row in out["aims"]:
-        v = row["value"]
-        a.add_row(row["aim"], f"{v:.3f}" if v is not None else "-", row["bound"],
-                  "met" if row["met"] else "not met")
-    return [t, a]
+    return [t, results.aims_table(out["aims"])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,11 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     out = run_bench(opts, console)
     for t in render(out):
         console.print(t)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in (f"batch-{stamp}.json", "batch-latest.json"):
-        (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
-    console.print(f"results: {RESULTS / f'batch-{stamp}.json'}")
+    console.print(f"results: {results.write(out, 'batch')}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 
 from tokengate import config as tg_config
 from tokengate import entry, redis_client
@@ -47,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     from tokengate.batch.edge import EdgeClient
     from tokengate.batch.store import Store
     from tokengate.batch.worker import Worker
-    from tokengate.http_server import listen
+    from tokengate.http_server import listen, serve
 
     b = cfg.batch
     try:
@@ -64,14 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         print(f"tokengate-batch: cannot serve on {listen_at}: {e}", file=sys.stderr)
         sys.exit(1)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    threading.Thread(target=server.serve_forever, name="http-accept", daemon=True).start()
+    stop = serve(server)
     worker = Worker(cfg, store, EdgeClient(args.edge_url or b.edge_url, secret))
     log.info("batch API on http://%s/, files in %s, lines through %s", listen_at,
              b.files_dir, args.edge_url or b.edge_url)

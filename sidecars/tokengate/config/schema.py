@@ -106,8 +106,8 @@ class Config(_Schema):
         if b.worker_sha256 is not None and any(
                 b.worker_sha256 in (k.sha256, *(p.sha256 for p in k.previous))
                 for k in self.keys.values()):
-            problems.append(("batch.worker_sha256", "the digest of an API key: the service's "
-                             "secret must be no key's"))
+            why = "the digest of an API key: the service's secret must be no key's"
+            problems.append(("batch.worker_sha256", why))
         if b.priority not in self.edge.admission.priorities:
             names = ", ".join(self.edge.admission.priorities)
             problems.append(("batch.priority",
