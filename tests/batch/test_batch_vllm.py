@@ -65,6 +65,10 @@ def test_output_usage_equals_vllms_own_for_the_same_body(batch_stack_vllm: Batch
     for i, body in enumerate(bodies):
         line = out[f"{endpoint}-{i}"]["response"]
         assert line["status_code"] == 200
+        if endpoint == "/v1/chat/completions":
+            # vLLM's own id is made of the line's request id (X-Request-Id): its engine
+            # records join the line's usage event
+            assert line["body"]["id"] == f"chatcmpl-{line['request_id']}"
         online = httpx.post(batch_stack_vllm.edge.base_url + endpoint.removeprefix("/v1"),
                             json=body, headers={"Authorization": f"Bearer {KEYS['tenant-a']}"},
                             timeout=120)
