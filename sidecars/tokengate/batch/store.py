@@ -120,11 +120,15 @@ def now_s() -> int:
 class Store:
     """File and batch objects of every key, in one Redis and one folder."""
 
-    def __init__(self, redis: SyncRedis, files_dir: Path, retention_s: int) -> None:
+    def __init__(self, redis: SyncRedis, files_dir: Path, retention_s: int,
+                 create: bool = True) -> None:
+        """``create``: make ``files_dir`` when it is missing (the service; a reader such as
+        the console makes nothing)."""
         self.redis = redis
         self.files_dir = files_dir
         self.retention_s = retention_s
-        files_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if create:
+            files_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         self._record = redis.register_script(RECORD_LUA)
         self._reserve = redis.register_script(RESERVE_LUA)
         self._finish = redis.register_script(FINISH_LUA)
