@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
+import redis
+from tokengate.batch.store import Store, now_s
 
 from tests.batch.test_batch_api import chat_line, upload
 from tests.conftest import MODEL
@@ -111,3 +114,23 @@ def test_a_batch_past_its_window_expires_with_what_ran_and_the_rest_in_errors(
     errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errs} == {"batch_expired"}
     assert len(errs) == n.failed
+
+
+def test_retention_deletes_ended_batches_and_files_with_their_bytes(
+        batch_stack: BatchStack) -> None:
+    c = batch_stack.client("tenant-b")
+    f = upload(c, [chat_line(0)])
+    b = batch_stack.wait_batch(c, c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert b.status == "completed" and b.output_file_id
+    files_dir = batch_stack.root / "files"
+    assert {f.id, b.output_file_id} <= {p.name for p in files_dir.iterdir()}
+    store = Store(redis.Redis.from_url(batch_stack.redis.url, decode_responses=True),
+                  files_dir, retention_s=0, create=False)
+    # a second on: the objects' times are whole seconds
+    assert store.expire_old(["tenant-b"], now=now_s() + 1) == 3  # batch, input, output
+    for call in (lambda: c.batches.retrieve(b.id), lambda: c.files.retrieve(f.id),
+                 lambda: c.files.content(b.output_file_id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert {f.id, b.output_file_id} & {p.name for p in files_dir.iterdir()} == set()

@@ -330,10 +330,11 @@ class Store:
 
     # retention ---------------------------------------------------------------------
 
-    def expire_old(self, key_ids: list[str]) -> int:
-        """Delete the final batches (with their output and error files) and the files of
-        ``key_ids`` older than the retention; returns how many objects went."""
-        cutoff = now_s() - self.retention_s
+    def expire_old(self, key_ids: list[str], now: int | None = None) -> int:
+        """Delete the final batches and the files (uploads, outputs, errors) of
+        ``key_ids`` made more than the retention before ``now`` (epoch s; default the
+        wall clock), bytes included; returns how many objects went."""
+        cutoff = (now_s() if now is None else now) - self.retention_s
         gone = 0
         for key_id in key_ids:
             for batch_id in _strs(self.redis.zrangebyscore(rk.batch_key("batches", key_id),
