@@ -7,7 +7,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-peers bench-scheduler bench-routing bench-fairness bench-batch \
+.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-peers bench-scheduler bench-routing bench-slo bench-fairness bench-batch \
 	soak lint model clean
 
 setup:
@@ -66,6 +66,13 @@ bench-peers: setup
 # bench/results/. BENCH_ARGS: see `python -m tokengate_dev.bench.routing --help`.
 bench-routing: setup
 	@$(PY) -m tokengate_dev.bench.routing $(BENCH_ARGS)
+
+# Serving to latency targets: goodput, TTFT and TPOT per class and policy on simulated
+# H100 replicas (vLLM's scheduler, roofline-timed steps) through the gateway, 0.6x-1.4x
+# of the fleet's capacity; the roofline against published vLLM numbers; aims met / not
+# met. BENCH_ARGS: see `python -m tokengate_dev.bench.slo --help` (--roofline-only).
+bench-slo: setup
+	@$(PY) -m tokengate_dev.bench.slo $(BENCH_ARGS)
 
 bench-fairness: setup
 	@$(PY) -m tokengate_dev.bench.fairness $(BENCH_ARGS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,9 @@ COUNTER_PORT = 15051 + PORT_OFFSET
 # devstack.kv_events_endpoint). 120 above it: no fixed port of another xdist worker
 # (offsets 500 apart; tests/test_conftest.py checks them all)
 KV_EVENTS = f"127.0.0.1:{VLLM_PORT + 120}"
+# when this test run began (epoch s): the controller's import sets it, xdist's workers
+# inherit it, so files older than it (logs of earlier runs in var/) are told from this run's
+RUN_STARTED = float(os.environ.setdefault("TOKENGATE_TEST_RUN_STARTED", str(time.time())))
 MODEL = "tiny-qwen3"
 NO_REDIS = "redis://127.0.0.1:1/0"  # a Redis URL nothing answers (connection refused)
 TEST_MAX_MODEL_LEN = 8192  # tokens: config_path's max_model_len (make run's is 65,536)

@@ -7,7 +7,9 @@ the real vLLM server and to the counter and compares ``usage.prompt_tokens``. Sh
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 from typing import Any
 
 Case = tuple[str, str, dict[str, Any]]
@@ -202,3 +204,19 @@ COMPLETION_CASES: list[Case] = [(name, "completions", body) for name, body in [
 ]]
 
 CASES: list[Case] = CHAT_CASES + COMPLETION_CASES
+
+
+# JSON values that break a body where a well-formed one stood (the fuzz tests' nodes)
+HOSTILE: list[Any] = [None, True, 0, -1, 2 ** 70, 1.5, "", "<|im_end|>", [], {}, [None],
+                      {"type": None}, "\ud800"]
+
+
+def hostile_node(rng: random.Random, value: Any, extra: list[Any]) -> Any:
+    """``value`` (changed in place where it is a container) with one random node
+    replaced by a copy of one of ``HOSTILE + extra`` (an API's own wrong shapes)."""
+    if isinstance(value, (dict, list)) and value and rng.random() < 0.7:
+        keys = list(value.keys()) if isinstance(value, dict) else list(range(len(value)))
+        k = rng.choice(keys)
+        value[k] = hostile_node(rng, value[k], extra)
+        return value
+    return copy.deepcopy(rng.choice(HOSTILE + extra))

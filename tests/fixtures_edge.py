@@ -335,7 +335,8 @@ class FakeUpstream:
     """A broken vLLM for the crash cases, on 127.0.0.1:<port>. ``mode``:
 
     - ``close``: reads the request and closes the connection without answering;
-    - ``html500``: answers 500 with an HTML page (not OpenAI's shape);
+    - ``html<status>`` (``html500``, ``html413``): answers that status with an HTML page
+      (not OpenAI's shape), as a proxy in front of vLLM does;
     - ``crash_stream``: starts an SSE stream with cumulative usage (completion 1, 2, 3
       tokens), then dies mid-stream.
     """
@@ -377,10 +378,11 @@ class FakeUpstream:
                 return
             if data.startswith(b"POST "):  # not the edge's GET /health and /metrics
                 self.requests += 1
-            if self.mode == "html500":
-                page = b"<html><body>Internal Server Error</body></html>"
-                conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/html\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
+            if self.mode.startswith("html"):
+                page = b"<html><body>Error</body></html>"
+                conn.sendall(b"HTTP/1.1 %s Error\r\nContent-Type: text/html\r\n"
+                             b"Content-Length: %d\r\n\r\n%s"
+                             % (self.mode[4:].encode(), len(page), page))
             elif self.mode == "crash_stream":
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n")
@@ -416,12 +418,13 @@ def fake_upstream() -> Iterator[Callable[[str], FakeUpstream]]:
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[Callable[..., FastUpstream]]:
-    """Factory: ``replicas(ttft_ms=..., itl_ms=...)`` starts a fast upstream of the test
-    model (a vLLM replica); all stop at the end of the test."""
+    """Factory: ``replicas(**opts)`` starts a fast upstream of the test model (a vLLM
+    replica; ``opts``: ``UpstreamOptions`` keywords, ``ttft_ms``, ``itl_ms``,
+    ``prompt_tokens_delta``, ...); all stop at the end of the test."""
     started: list[FastUpstream] = []
 
-    def start(ttft_ms: float = 0, itl_ms: float = 0) -> FastUpstream:
-        up = FastUpstream(UpstreamOptions(model=MODEL, ttft_ms=ttft_ms, itl_ms=itl_ms),
+    def start(**opts: Any) -> FastUpstream:
+        up = FastUpstream(UpstreamOptions(**{"model": MODEL, **opts}),
                           name=f"replica{len(started)}", state_dir=tmp_path)
         started.append(up.start())
         return up

@@ -73,6 +73,10 @@ local DECLARATIONS = {
     -- SESSION_FIELDS: the body's fields (dotted paths) that name the agent session when
     -- no header does, first present wins (tokengate.session).
     SESSION_FIELDS = { "safety_identifier", "user" },
+    -- SESSION_CHAIN: the one of SESSION_FIELDS that names an earlier answer this request
+    -- continues; its session is that answer's when this edge remembers it
+    -- (tokengate.session.remember), else the value itself. false: none.
+    SESSION_CHAIN = false,
     -- FINISH_FIELD: the key of an answer's finish reason (the trace's reasons,
     -- tokengate.trace.reasons).
     FINISH_FIELD = "finish_reason",

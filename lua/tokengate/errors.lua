@@ -159,7 +159,8 @@ local UPSTREAM = {
 }
 
 -- nginx(status, proxied) -> err (new()'s shape) for an error page nginx made (or a
--- backend's non-JSON error when proxied). Unlisted statuses get a generic message.
+-- backend's non-JSON error when proxied: a 5xx a server error, a 4xx the request's,
+-- 422 as 400). Unlisted statuses get a generic message.
 -- 494 is nginx's internal status for headers too large; the client is sent 400.
 function _M.nginx(status, proxied)
     local f
@@ -175,8 +176,13 @@ function _M.nginx(status, proxied)
         return _M.new(status, f[1], nil, f[2], f[3])
     end
     if proxied then
-        return _M.new(status, format("The model backend failed with HTTP %d.", status), nil,
-            "upstream_error", "server_error")
+        if status >= 500 then
+            return _M.new(status, format("The model backend failed with HTTP %d.", status),
+                nil, "upstream_error", "server_error")
+        end
+        return _M.new(_M.upstream_status(status), format(
+            "The model backend refused the request with HTTP %d.", status), nil,
+            "upstream_error")
     end
     return _M.new(status, format("The gateway answered HTTP %d.", status), nil,
         status >= 500 and "internal_error" or "invalid_request")

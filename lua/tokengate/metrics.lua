@@ -42,6 +42,8 @@ _M.NONE = "none"
 local LATENCY = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60 }
 local DURATION = { 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600 }
 local FAST = { 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1 }
+-- relative errors, (predicted - observed) / observed
+local ERROR = { -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1 }
 
 -- The families, in the order /metrics lists them: name, type, help[, buckets]. Gauges are
 -- not stored: the status server passes their samples at scrape time (exposition()).
@@ -140,6 +142,10 @@ local FAMILIES = {
     { "tokengate_queue_wait_seconds", "histogram",
       "Time a request waited in its key's queue (edge.queue) until it was dispatched, "
       .. "by model.", DURATION },
+    { "tokengate_slo_prediction_error", "histogram",
+      "Relative error of the predicted TTFT, (predicted - observed) / observed, of the "
+      .. "requests routed by routing.policy slo (tokengate.slo), by model and replica.",
+      ERROR },
     { "tokengate_queue_dispatched_total", "counter",
       "Queued requests dispatched to a replica, by API key and model." },
     { "tokengate_queue_refused_total", "counter",
@@ -158,6 +164,11 @@ local FAMILIES = {
     { "tokengate_prefix_capacity_blocks", "gauge",
       "A replica's KV cache in blocks as the approximate prefix index counts it (vLLM's "
       .. "num_gpu_blocks, else a default of 8192), by model and replica." },
+    { "tokengate_slo_backlog_seconds", "gauge",
+      "The TTFT predicted now for a request with nothing of its own to prefill, averaged "
+      .. "over the model's replicas that are not out (routing.policy slo): the prefill "
+      .. "queued there and their running requests in seconds of predicted time; an "
+      .. "autoscaling signal, by model." },
     { "tokengate_prefix_index_capacity_bytes", "gauge",
       "Size of this edge's approximate prefix index (lua_shared_dict tokengate_prefix)." },
     { "tokengate_prefix_index_free_bytes", "gauge",
@@ -313,6 +324,12 @@ end
 -- queue_wait(model, seconds): one queued request's wait (tokengate.queue).
 function _M.queue_wait(model, seconds)
     _M.observe("tokengate_queue_wait_seconds", 'model="' .. _M.value(model) .. '"', seconds)
+end
+
+-- slo_error(model, replica, err): one relative error of a TTFT prediction
+function _M.slo_error(model, replica, err)
+    _M.observe("tokengate_slo_prediction_error", 'model="' .. _M.value(model)
+        .. '",replica="' .. _M.value(replica) .. '"', err)
 end
 
 -- queue_dispatched(key_id, model): one queued request dispatched.

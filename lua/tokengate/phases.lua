@@ -54,6 +54,7 @@ local cors = require "tokengate.cors"
 local clock = require "tokengate.clock"
 local trace = require "tokengate.trace"
 local session = require "tokengate.session"
+local slo = require "tokengate.slo"
 local read = require "tokengate.stages.read"
 local validate = require "tokengate.stages.validate"
 local count_stage = require "tokengate.stages.count"
@@ -148,6 +149,9 @@ function _M.init_worker()
     end
     if ok then
         ok, err = admission.init_worker(doc, DICT)
+    end
+    if ok then
+        ok, err = slo.init_worker(DICT)
     end
     if ok then
         ok, err = idle.init_worker(doc, DICT)
@@ -276,6 +280,7 @@ function _M.log()
     end
     settle.finish(ctx)
     local ev = usage.record(ctx, status, aborted)
+    ev.slo = slo.finish(ctx, ev.completion_tokens) or ev.slo
     settle.settle(ctx, ev, status)
     event.write(ctx, ev, status)
 end

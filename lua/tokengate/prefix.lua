@@ -72,7 +72,8 @@ local state -- the replicas' sequences and capacities
 
 -- init(dict_name, state_name) -> true | nil, err: the blocks in dict_name, the
 -- replicas' sequences and capacities in state_name. Without the blocks' dict (an nginx
--- configuration from before it) the index is empty: every approximate hit is 0.
+-- configuration from before it) it returns nil, err and the index stays empty: every
+-- approximate hit is 0 (the edge logs it once for a prefix-routed model, phases.lua).
 function _M.init(dict_name, state_name)
     local err
     state, err = shdict.get(state_name)

@@ -15,10 +15,10 @@
 --                                   session_id as one variable; names with "_" need
 --                                   `underscores_in_headers on` (the location snippet)
 --   4. the body's own fields, in the order the request's API module lists them
---      (its SESSION_FIELDS, tokengate.api: default OpenAI's safety_identifier then user):
---      previous_response_id (Responses) resolves to the session of the response it
---      continues (kept by this edge, see remember()); a response this edge does not
---      know names the session itself; metadata.user_id (Anthropic Messages)
+--      (its SESSION_FIELDS, tokengate.api: default OpenAI's safety_identifier then user);
+--      its SESSION_CHAIN field (Responses: previous_response_id) resolves to the session
+--      of the answer it continues (kept by this edge, see remember()); an answer this
+--      edge does not know names the session itself
 -- A value is a session when it is a non-empty string. Printable ASCII (0x20-0x7E) of at
 -- most MAX_BYTES bytes is kept as sent; anything else (longer, control characters,
 -- other bytes) becomes "sha256:" .. the first 32 hex digits of its SHA-256, so one
@@ -136,12 +136,13 @@ function _M.read(ctx, body)
     if type(body) ~= "table" then
         return
     end
-    local fields = ctx.api.SESSION_FIELDS
+    local api = ctx.api
+    local fields, chain = api.SESSION_FIELDS, api.SESSION_CHAIN
     for i = 1, #fields do
         local name = fields[i]
         local v = field(body, name)
         if v then
-            if name == "previous_response_id" then
+            if name == chain then
                 local dict = ngx_shared[DICT]
                 local known = dict and dict:get(chain_key(v))
                 ctx.session_id = known or clean(v)

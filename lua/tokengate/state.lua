@@ -82,6 +82,8 @@ _M.FIELDS = {
     n = { "number|nil", "stages.count", "completions per prompt (the body's n)" },
     prefix_plan = { "table|nil", "stages.count", "the prompt's blocks for prefix routing "
         .. "(tokengate.prefix.plan)" },
+    slo = { "table|nil", "stages.route slo", "latency targets, class and the prediction's "
+        .. "decision (tokengate.slo; routing.policy slo)" },
     local_answer = { "string|nil", "stages.count", "the edge's own answer (count_tokens, "
         .. "input_tokens), sent once admitted" },
     max_tokens_requested = { "number|nil", "stages.count", "the client's completion limit" },

@@ -16,8 +16,10 @@ local upstream = require "tokengate.upstream"
 local admission = require "tokengate.admission"
 local prefix = require "tokengate.prefix"
 local queue = require "tokengate.queue"
+local slo = require "tokengate.slo"
 
 local pairs = pairs
+local ipairs = ipairs
 
 local _M = {}
 
@@ -55,9 +57,10 @@ end
 
 -- prometheus(): content handler of /metrics: every edge metric in Prometheus's text
 -- format, with the replicas' state read now (tokengate.upstream), the prefix index's
--- capacity (tokengate.prefix) and the queues' depth (tokengate.queue).
+-- capacity (tokengate.prefix), the queues' depth (tokengate.queue) and, for a model
+-- routed by slo, its backlog in seconds of predicted time (tokengate.slo.backlog_s).
 function _M.prometheus()
-    local up, outstanding, blocks = {}, {}, {}
+    local up, outstanding, blocks, backlog = {}, {}, {}, {}
     local doc = config.get()
     for name, replicas in pairs(upstream.states(doc)) do
         local m = 'model="' .. metrics.value(name) .. '",replica="'
@@ -67,7 +70,18 @@ function _M.prometheus()
             outstanding[labels] = st.outstanding_tokens
         end
         local model = doc.models[name]
-        if model.routing and model.routing.policy == "prefix" then
+        if model.routing and model.routing.policy == "slo" then
+            local live = {}
+            for _, r in ipairs(model.upstreams) do
+                if not upstream.is_out(name, r) then
+                    live[#live + 1] = r
+                end
+            end
+            backlog['model="' .. metrics.value(name) .. '"'] = slo.backlog_s(name, live,
+                function(r) return upstream.in_flight(name, r) end)
+        end
+        if model.routing and (model.routing.policy == "prefix"
+                or model.routing.policy == "slo") then
             local list = model.upstreams
             for i = 1, #list do
                 blocks[m .. metrics.value(list[i].name) .. '"'] =
@@ -86,6 +100,7 @@ function _M.prometheus()
                                       tokengate_queue_tokens = qtok,
                                       tokengate_upstream_outstanding_tokens = outstanding,
                                       tokengate_prefix_capacity_blocks = blocks,
+                                      tokengate_slo_backlog_seconds = backlog,
                                       tokengate_prefix_index_capacity_bytes =
                                           size and { [""] = size },
                                       tokengate_prefix_index_free_bytes =

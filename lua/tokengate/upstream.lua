@@ -21,6 +21,10 @@
 --     above 0) it is least_outstanding. Ties as there. A request whose count carries no block
 --     hashes and no hits (an estimate, embeddings, a prompt shorter than a block) is
 --     chosen least_outstanding.
+--   slo: the most headroom against the request's latency targets (tokengate.slo: TTFT
+--     and TPOT predicted per replica from its expected prefix hit, the prefill work
+--     queued there and its running requests); a request without targets is chosen
+--     least_outstanding.
 -- Choosing and counting are one step (take): a burst that arrives while the requests
 -- before it wait for their limits still sees them. The requests in flight on each
 -- replica are counted too: a replica at the model's max_concurrency (when set) ranks
@@ -52,11 +56,14 @@
 local ngx = ngx
 local prefix = require "tokengate.prefix"
 local shdict = require "tokengate.shdict"
+local slo = require "tokengate.slo"
+local clock = require "tokengate.clock"
 
 local ngx_log = ngx.log
 local WARN = ngx.WARN
 local tcp = ngx.socket.tcp
 local ngx_now = ngx.now
+local mono_ms = clock.mono_ms
 local timer_every = ngx.timer.every
 local tonumber = tonumber
 local pairs = pairs
@@ -208,7 +215,7 @@ local function policy(model)
     return routing and routing.policy or "least_outstanding"
 end
 
--- best(model, tried, rank, level, prompt, first, plan) -> replica, its rank, its
+-- best(model, tried, rank, level, prompt, first, plan, targets) -> replica, its rank, its
 -- outstanding tokens, its expected prefix hit (tokens), the hit's source | nil: the
 -- replica of model (compiled model entry) not in tried (a set of names) with the best
 -- rank, then awake before asleep, then the least cost of the model's policy (module
@@ -219,13 +226,16 @@ end
 -- all untried ones are out. nil when every one was tried or none has an address. The
 -- scan starts at `first` (a replica of model) when given, else after the one this
 -- worker chose last (round_robin: after the one any worker chose last); the first of
--- equals wins. Reads only: take() counts.
-local function best(model, tried, rank, level, prompt, first, plan)
+-- equals wins. targets: the request's latency targets (tokengate.slo; policy slo), nil
+-- without. Reads only: take() counts.
+local function best(model, tried, rank, level, prompt, first, plan, targets)
     local list = model.upstreams
     local n = #list
     local name = model.name
-    local rr = policy(model) == "round_robin"
-    local weight = plan and model.routing.load_weight
+    local pol = policy(model)
+    local rr = pol == "round_robin"
+    local by_slo = targets and pol == "slo"
+    local weight = plan and not by_slo and model.routing.load_weight
     local cap = model.max_concurrency or 0
     local start = rotate
     if first then
@@ -257,7 +267,16 @@ local function best(model, tried, rank, level, prompt, first, plan)
                 end
             end
             local cost, hit, source = out, nil, nil
-            if plan then
+            if by_slo then
+                hit = 0
+                if plan then
+                    hit, source = prefix.expected(name, r, plan)
+                end
+                local t0 = mono_ms()
+                local ttft, tpot = slo.predict(name, r, prompt - hit, _M.in_flight(name, r) + 1)
+                cost = -slo.headroom(ttft, tpot, targets)
+                targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
+            elseif plan then
                 hit, source = prefix.expected(name, r, plan)
                 cost = (prompt - hit) + weight * out
             elseif rr then
@@ -357,8 +376,8 @@ end
 -- other.
 function _M.take(ctx, model, tried, rank, level, prompt, tokens)
     _M.release(ctx)
-    local plan = ctx.prefix_plan
-    local r, k, seen, hit, source = best(model, tried, rank, level, prompt, nil, plan)
+    local plan, targets = ctx.prefix_plan, ctx.slo
+    local r, k, seen, hit, source = best(model, tried, rank, level, prompt, nil, plan, targets)
     if not r then
         return nil
     end
@@ -367,7 +386,8 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
     local now = dict:get(key("tok:", name, r)) or 0
     if now - tokens > seen and policy(model) ~= "round_robin" then
         held(name, r, -1, -tokens)
-        local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan)
+        local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan,
+            targets)
         if r2 then
             r, k, hit, source = r2, k2, hit2, source2
         end

@@ -375,7 +375,7 @@ local FIELDS = {
     "error", "sanitized_chars", "stripped_special_tokens", "escaped_special_tokens",
     "dropped_system_messages", "count_drift", "expected_cached_tokens",
     "expected_cached_source", "queue_ms", "trace", "max_tokens_requested",
-    "max_tokens_applied", "session_id", "batch_id", "custom_id",
+    "max_tokens_applied", "session_id", "slo", "batch_id", "custom_id",
 }
 _M.FIELDS = FIELDS
 
@@ -398,8 +398,10 @@ _M.FIELDS = FIELDS
 -- reserved with: vLLM's fit into the context, lowered by the gateway's max_tokens_cap;
 -- null when no completion budget was worked out: refused earlier, count_tokens,
 -- embeddings); session_id (the agent session,
--- tokengate.session; null: none); batch_id, custom_id (a batch line's batch and its
--- custom_id, tokengate.batch; null: an online request).
+-- tokengate.session; null: none); slo (routing.policy slo: the request's class,
+-- decision, targets, predicted and observed TTFT and TPOT, ms, and decision_us:
+-- tokengate.slo.finish; null: no latency targets); batch_id, custom_id (a batch
+-- line's batch and its custom_id, tokengate.batch; null: an online request).
 function _M.event(f)
     for i = 1, #FIELDS do
         local k = FIELDS[i]

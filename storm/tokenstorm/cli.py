@@ -32,6 +32,8 @@ COMMANDS
   upstream   run the fast upstream: an nginx + Lua server that answers like vLLM
   sim-replica
              run a simulated vLLM replica with a real prefix cache and KV events
+  capacity   how many GPU replicas of a model serve a request mix at a rate within a
+             TPOT target, from the simulated replica's roofline
 
 MEASURES (ms, from the scheduled send time)
   TTFT  first token event          ITL   gap between token events (pooled)
@@ -253,14 +255,48 @@ def parser() -> argparse.ArgumentParser:
                     "usage.prompt_tokens_details.cached_tokens, publishes KV events in "
                     "vLLM's ZMQ wire format, and times each request: TTFT = prefill "
                     "queue wait + uncached tokens / --prefill-tokens-per-s + "
-                    "--ttft-overhead-ms, then one token every --itl-ms. Several of them "
+                    "--ttft-overhead-ms, then one token every --itl-ms; with --gpu it "
+                    "steps as vLLM's scheduler instead, each step timed by a roofline of "
+                    "the model on that GPU. Several of them "
                     "stand for a GPU fleet when routing by the prefix cache is measured. "
                     "Ctrl-C stops it.",
         epilog="EXAMPLE\n  tokenstorm sim-replica --port 38201 --num-gpu-blocks 4096 \\\n"
-               "      --kv-events-endpoint tcp://127.0.0.1:5557")
+               "      --kv-events-endpoint tcp://127.0.0.1:5557\n"
+               "  tokenstorm sim-replica --port 38202 --gpu h100 --model-config qwen3-8b "
+               "--num-gpu-blocks 0")
     from tokenstorm.upstream import sim_settings
 
     sim_settings.add_arguments(sim)
+    cap = sub.add_parser(
+        "capacity", help="replicas needed for a request mix, rate and TPOT target",
+        description="Prints how many replicas of --model-config on --gpu serve --rate "
+                    "requests/s of --prompt prompt tokens (--cached of them in the prefix "
+                    "cache) and --output completion tokens within --tpot-ms, each replica "
+                    "kept --utilization busy. Each request costs the prefill of its "
+                    "uncached tokens and its share of the largest decode batch within the "
+                    "TPOT target (tokenstorm.upstream.roofline: the simulated replica's "
+                    "step timing, checked against published vLLM numbers within 15 %%). "
+                    "An estimate: `make bench-slo` measures a fleet.",
+        epilog="EXAMPLE\n  tokenstorm capacity --model-config qwen3-8b --prompt 720 "
+               "--output 1200 --rate 50 --tpot-ms 50",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tokenstorm.upstream.roofline import GPUS
+
+    cap.add_argument("--model-config", default="qwen3-8b", metavar="SHAPE|FILE",
+                     help="qwen3-8b, qwen3-14b, llama-3-8b or a config.json "
+                          "(default: %(default)s)")
+    cap.add_argument("--gpu", choices=tuple(GPUS), default="h100")
+    cap.add_argument("--prompt", type=int, required=True, metavar="TOKENS")
+    cap.add_argument("--cached", type=int, default=0, metavar="TOKENS",
+                     help="prompt tokens served from the prefix cache (default: 0)")
+    cap.add_argument("--output", type=int, required=True, metavar="TOKENS")
+    cap.add_argument("--rate", type=float, required=True, metavar="REQ_PER_S")
+    cap.add_argument("--tpot-ms", type=float, default=50.0, metavar="MS",
+                     help="time per output token target (default: %(default)s)")
+    cap.add_argument("--utilization", type=float, default=0.8, metavar="X",
+                     help="the busy share each replica is planned at (default: "
+                          "%(default)s; the rest absorbs bursts)")
+    cap.add_argument("--step-overhead-ms", type=float, default=2.0, metavar="MS")
     return p
 
 
@@ -293,7 +329,7 @@ def _keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in ("run", "ceiling", "upstream", "sim-replica")
+    if not argv or (argv[0] not in ("run", "ceiling", "upstream", "sim-replica", "capacity")
                     and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]
     args = parser().parse_args(argv)
@@ -301,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         _upstream(args)
     elif args.command == "sim-replica":
         _sim_replica(args)
+    elif args.command == "capacity":
+        _capacity(args)
     elif args.command == "ceiling":
         sys.exit(_ceiling(args))
     else:
@@ -323,14 +361,36 @@ def _upstream(args: argparse.Namespace) -> None:
     os.execv(cmd[0], cmd)
 
 
+def _capacity(args: argparse.Namespace) -> None:
+    from tokenstorm.upstream import roofline
+
+    try:
+        r = roofline.Roofline(roofline.ModelShape.named(args.model_config),
+                              roofline.GPUS[args.gpu], args.step_overhead_ms / 1000.0)
+        if not 0 < args.utilization <= 1 or args.rate <= 0 or args.prompt < 1 \
+                or args.output < 1 or not 0 <= args.cached < args.prompt:
+            raise ValueError("--rate > 0, --prompt and --output >= 1, 0 <= --cached < "
+                             "--prompt, 0 < --utilization <= 1")
+        tpot = args.tpot_ms / 1000.0
+        n, per = roofline.replicas_needed(r, args.rate, args.prompt, args.cached,
+                                          args.output, tpot, args.utilization)
+    except ValueError as e:
+        sys.exit(f"tokenstorm capacity: {e}")
+    batch = roofline.decode_batch(r, args.prompt + args.output // 2, tpot)
+    print(f"{args.model_config} on one {args.gpu}: {per:.2f} requests/s of {args.prompt} "
+          f"prompt ({args.cached} cached) + {args.output} completion tokens within TPOT "
+          f"{args.tpot_ms:g} ms (decode batch {batch}); at {args.rate:g} requests/s and "
+          f"{args.utilization:.0%} busy: {n} replicas")
+
+
 def _sim_replica(args: argparse.Namespace) -> None:
     from tokenstorm.upstream import sim, sim_settings
 
     model, mdir, mlen = _defaults(args.config)
     if args.model_dir is None and mdir is None:
         sys.exit("tokenstorm sim-replica: --model-dir is required (no model in the config)")
-    settings = sim_settings.settings_from_args(args, model, mdir or Path("."), mlen)
     try:
+        settings = sim_settings.settings_from_args(args, model, mdir or Path("."), mlen)
         settings.check()
     except ValueError as e:
         sys.exit(f"tokenstorm sim-replica: {e}")

@@ -14,6 +14,7 @@ from tokengate.counter.apis import openai_responses as orr
 from tokengate.counter.counting import BadRequest, ModelCounter
 
 from tests.conftest import suite_model
+from tests.counter_cases import hostile_node
 from tests.counter_responses_cases import (
     CASES,
     REFUSED,
@@ -193,17 +194,10 @@ def test_what_vllm_fails_on_is_a_named_refusal(counter: ModelCounter, body: dict
     assert str(info.value).startswith(message), str(info.value)
 
 
-def _mutate(rng: random.Random, value: Any) -> Any:
-    """``value`` with one random node replaced by a hostile JSON value."""
-    hostile = [None, True, 0, -1, 2 ** 70, 1.5, "", "<|im_end|>", [], {}, [None], {"type": None},
-               {"type": "function_call"}, {"type": "reasoning", "summary": [{}]}, "\ud800",
-               {"role": "assistant", "content": [None]}, {"type": "message", "role": "user"}]
-    if isinstance(value, (dict, list)) and value and rng.random() < 0.7:
-        keys = list(value.keys()) if isinstance(value, dict) else list(range(len(value)))
-        k = rng.choice(keys)
-        value[k] = _mutate(rng, value[k])
-        return value
-    return copy.deepcopy(rng.choice(hostile))
+# this API's own wrong shapes, beside counter_cases.HOSTILE
+WRONG_SHAPES: list[Any] = [{"type": "function_call"}, {"type": "reasoning", "summary": [{}]},
+                           {"role": "assistant", "content": [None]},
+                           {"type": "message", "role": "user"}]
 
 
 def test_hostile_bodies_count_or_raise_bad_request_only(counter: ModelCounter) -> None:
@@ -211,7 +205,7 @@ def test_hostile_bodies_count_or_raise_bad_request_only(counter: ModelCounter) -
     counted = refused = 0
     for _ in range(3000):
         _, body = rng.choice(CASES)
-        body = _mutate(rng, copy.deepcopy(body))
+        body = hostile_node(rng, copy.deepcopy(body), WRONG_SHAPES)
         if not isinstance(body, dict):
             continue  # the service refuses a body that is no object
         try:

@@ -465,6 +465,7 @@ def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> Non
     assert doc["keys"][DEMO] == {"id": "demo", "rpm": 600, "tpm": 200000, "models": {},
                                  "allowed_models": None, "budgets": [],
                                  "priority": "normal", "session_budget": None,
+                                 "slo": None, "slo_class": "interactive",
                                  "fair_share": 1.0, "max_tokens_cap": None,
                                  "cached_tokens_weight": None, "previous": [],
                                  "expires_at": None, "disabled": False}

@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from tokengate.doctor.check import Check, Status, summary
 from tokengate.ledger.engine_record import parse_record
 from tokenstorm.null_server import FastUpstream
 from tokenstorm.process import Service, free_port, tcp_ready
-from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import KV_EVENTS, MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 from tests.fixtures_ledger import wait_until
@@ -91,23 +90,12 @@ def _lines_of(lines: list[str], upstream: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def fast(tmp_path: Path, cfg: tg_config.Config) -> Iterator[Callable[..., FastUpstream]]:
+def fast(replicas: Callable[..., FastUpstream],
+         cfg: tg_config.Config) -> Callable[..., FastUpstream]:
     """Factory of fast upstreams (``UpstreamOptions`` keywords; by default the context
     the configuration gives the model), stopped at the end."""
-    started: list[FastUpstream] = []
-
-    def start(**opts: Any) -> FastUpstream:
-        opts.setdefault("max_model_len", cfg.models[MODEL].max_model_len)
-        up = FastUpstream(UpstreamOptions(**opts), name=f"doctor{len(started)}",
-                          state_dir=tmp_path)
-        started.append(up.start())
-        return up
-
-    try:
-        yield start
-    finally:
-        for up in started:
-            up.stop()
+    return lambda **opts: replicas(**{"max_model_len": cfg.models[MODEL].max_model_len,
+                                      **opts})
 
 
 def test_versions_are_verified_by_major_and_minor() -> None:

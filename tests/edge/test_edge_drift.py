@@ -10,7 +10,7 @@ otherwise (another release or chat template). The counter is the session's real 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,6 @@ import httpx
 import pytest
 from tokengate.ledger.event import parse_event
 from tokenstorm.null_server import FastUpstream
-from tokenstorm.upstream import UpstreamOptions
 
 from tests.conftest import MODEL
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, Edge
@@ -28,22 +27,10 @@ WARNING = "tokengate: count drift: model tiny-qwen3"
 
 
 @pytest.fixture
-def drifting(tmp_path: Path) -> Iterator[Callable[[int], FastUpstream]]:
+def drifting(replicas: Callable[..., FastUpstream]) -> Callable[[int], FastUpstream]:
     """Factory: ``drifting(delta)`` starts a fast upstream whose usage.prompt_tokens is
     the edge's count + delta; all stop at the end."""
-    started: list[FastUpstream] = []
-
-    def start(delta: int) -> FastUpstream:
-        up = FastUpstream(UpstreamOptions(model=MODEL, prompt_tokens_delta=delta),
-                          name=f"drift{len(started)}", state_dir=tmp_path)
-        started.append(up.start())
-        return up
-
-    try:
-        yield start
-    finally:
-        for up in started:
-            up.stop()
+    return lambda delta: replicas(prompt_tokens_delta=delta)
 
 
 def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str, up: FastUpstream,

@@ -112,6 +112,7 @@ local _M = {
     -- the agent session when no header names it (tokengate.session): the response this
     -- one continues, then OpenAI's end-user ids
     SESSION_FIELDS = { "previous_response_id", "safety_identifier", "user" },
+    SESSION_CHAIN = "previous_response_id",
 }
 
 -- The parts of a stored response id (module comment).

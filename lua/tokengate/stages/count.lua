@@ -48,7 +48,7 @@ function _M.prompt(ctx, doc)
     ctx.system_tokens = counted.system
     ctx.prompt_count, ctx.n = counted.prompts, json_integer(body.n) or 1
     local routing = model.routing
-    if routing and routing.policy == "prefix" then
+    if routing and (routing.policy == "prefix" or routing.policy == "slo") then
         ctx.prefix_plan = prefix.plan(counted.reply, counted.prompt, routing)
     end
     if api.LOCAL[route] then

@@ -12,6 +12,7 @@ local state = require "tokengate.state"
 local cors = require "tokengate.cors"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
+local slo = require "tokengate.slo"
 
 local ngx_var = ngx.var
 local mono_ms = clock.mono_ms
@@ -62,6 +63,10 @@ function _M.headers(ctx)
     end
     if ctx.queue_ms then
         h["X-Tokengate-Queue-Ms"] = ctx.queue_ms
+    end
+    local t = ctx.slo
+    if t and t.decision then
+        h["X-Tokengate-SLO"] = slo.header(t)
     end
     if ctx.replica then
         h["X-Tokengate-Upstream"] = ctx.replica.name
@@ -148,6 +153,7 @@ function _M.body(ctx, chunk, eof)
     end
     if not ctx.t_first and chunk ~= "" then
         ctx.t_first = mono_ms()
+        slo.first(ctx)
     end
     if eof then
         ctx.eof = true

@@ -12,6 +12,7 @@ local upstream = require "tokengate.upstream"
 local admission = require "tokengate.admission"
 local prefix = require "tokengate.prefix"
 local queue = require "tokengate.queue"
+local slo = require "tokengate.slo"
 local idle = require "tokengate.idle"
 local budget = require "tokengate.budget"
 local apis = require "tokengate.apis"
@@ -50,7 +51,10 @@ end
 -- expected to serve from its prefix cache (ctx.prefix_expected, routing.policy prefix)
 -- at the model's cached rate. Then the body gets the edits that need the replica or
 -- that the counter does not read (the API module's placed: chat's and completions'
--- stream options, the Responses API's response id naming the replica).
+-- stream options, the Responses API's response id naming the replica). A request with
+-- latency targets (routing.policy slo, tokengate.slo) is then answered by its class when
+-- no replica is predicted to meet them: an interactive one waits, a sheddable or batch
+-- one is refused (503 slo_unattainable).
 function _M.replica(ctx, doc)
     if ctx.local_answer then
         return true -- answered by the edge: no replica
@@ -59,6 +63,13 @@ function _M.replica(ctx, doc)
     local pin = ctx.pin
     local prompt, tokens = ctx.token_estimate or 0, ctx.limit_req.tokens
     local tried = pin and upstream.others(model, pin)
+    local targeted, terr = slo.targets(ctx, ngx_req.get_headers())
+    if not targeted then
+        return nil, terr
+    end
+    if ctx.slo then
+        ctx.slo.t_choose = mono_ms() -- the decision's cost: the choice and its prediction
+    end
     local r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
         prompt, tokens)
     if not r then
@@ -91,6 +102,21 @@ function _M.replica(ctx, doc)
     end
     if rank == admission.HEADROOM then
         metrics.incr("admission_headroom")
+    end
+    if ctx.slo and not pin then
+        local name = model.name
+        local running = function(rep)
+            return upstream.in_flight(name, rep)
+        end
+        local choose = function()
+            return upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
+                prompt, tokens)
+        end
+        local sok, serr = slo.decide(ctx, choose, running)
+        if not sok then
+            upstream.release(ctx, true)
+            return nil, serr
+        end
     end
     local bud = ctx.limit_req.budget
     if bud and ctx.prefix_expected and ctx.prefix_expected > 0 then
@@ -125,6 +151,7 @@ end
 -- (proxy_pass without a URI would send the client's raw request line).
 function _M.forward(ctx)
     sent(ctx)
+    slo.sent(ctx)
     ngx_req.set_header("X-Token-Count", ctx.token_estimate)
     ngx_req.set_header("X-Token-Count-Source", ctx.count_source)
     -- whose request it is, for the replica's engine record (tokengate_vllm.edge): a

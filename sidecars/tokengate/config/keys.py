@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from tokengate.config.slo import LatencyTargets, SloClass
 from tokengate.config.types import Amount, NonEmpty, Positive, Rate, Sha256, _Rules, _Schema
 
 
@@ -184,6 +185,18 @@ class KeyConfig(_Schema):
         description="Tokens and/or spend one agent session may use (the session id the "
                     "edge reads from the request: docs/api/sessions.md); its next request is "
                     "refused (403 `session_budget_exceeded`). null: none.")
+    slo: LatencyTargets | None = Field(
+        default=None,
+        description="This key's latency targets (routing.policy slo), over its model's. "
+                    "null: the model's.")
+    slo_class: SloClass = Field(
+        default="interactive",
+        description="What happens to this key's requests when no replica is predicted to "
+                    "meet their targets: `interactive` waits until one is or the TTFT "
+                    "target has passed, `sheddable` is refused at once (503 "
+                    "slo_unattainable, Retry-After), `batch` goes only into spare capacity "
+                    "(a replica with no other prefill queued, predicted at half its "
+                    "targets), else refused the same way.")
     fair_share: Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False)] = Field(
         default=1.0,
         description="Share of this key among the keys of its priority when requests "

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PlainValidator, PrivateAttr, WithJsonSchema, model_validator
 
 from tokengate import prefix_hash
+from tokengate.config.slo import LatencyTargets
 from tokengate.config.types import (
     Amount,
     Count,
@@ -138,11 +139,13 @@ class Routing(_Schema):
     the edge keeps an approximate index of what it sent where.
     """
 
-    policy: Literal["least_outstanding", "round_robin", "prefix"] = Field(
+    policy: Literal["least_outstanding", "round_robin", "prefix", "slo"] = Field(
         default="least_outstanding",
         description="How a replica is picked: `least_outstanding` (fewest outstanding "
-                    "reserved tokens), `round_robin`, or `prefix` (most of the prompt in "
-                    "its prefix cache, weighed against load; the settings below).")
+                    "reserved tokens), `round_robin`, `prefix` (most of the prompt in "
+                    "its prefix cache, weighed against load; the settings below), or "
+                    "`slo` (the most headroom against the request's latency targets, "
+                    "`slo` of the model and key; prefix hits from the settings below).")
     block_size: int = Field(
         default=prefix_hash.DEFAULT_BLOCK_SIZE, ge=1, le=4096,
         description="Tokens per KV-cache block: the replicas' --block-size (vLLM's "
@@ -171,6 +174,12 @@ class Routing(_Schema):
                     "reserve, so 1 gives a held prefix up as soon as one request of it "
                     "runs; 0.25 kept the hits and met the TTFT aim in `make "
                     "bench-routing` (0.89 of prompt tokens cached against 0.55 at 1).")
+
+    @property
+    def reads_prefix(self) -> bool:
+        """Whether the policy reads each replica's expected prefix hit (block hashes with
+        the count, the KV events followed): ``prefix`` and ``slo``."""
+        return self.policy in ("prefix", "slo")
 
 
 class ModelConfig(_Schema):
@@ -245,6 +254,10 @@ class ModelConfig(_Schema):
                     "answered 503 overloaded). Set it near vLLM's --max-num-seqs so "
                     "vLLM's own queue stays short and the edge's fair queue orders "
                     "what waits. 0: no bound (the KV-cache and waiting bounds only).")
+    slo: LatencyTargets | None = Field(
+        default=None,
+        description="Latency targets of the model's requests (routing.policy slo); a "
+                    "key's slo overrides them. null: none.")
     routing: Routing = Field(
         default_factory=Routing,
         description="How the edge picks a replica: least outstanding tokens (default), "
@@ -268,7 +281,7 @@ class ModelConfig(_Schema):
     def kv_events(self) -> dict[str, str]:
         """The KV-event publishers the counter follows: ``routing.kv_events`` of the
         model's ``upstreams`` when ``routing.policy`` is ``prefix``, else none."""
-        if self.routing.policy != "prefix":
+        if not self.routing.reads_prefix:
             return {}
         return {u: e for u, e in self.routing.kv_events.items() if u in self.upstreams}
 

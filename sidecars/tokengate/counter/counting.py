@@ -158,7 +158,7 @@ class ModelCounter:
                  kv_index: ModelIndex | None = None) -> None:
         self.model = model
         self.router = PrefixRouter(model.routing, kv_index) \
-            if model.routing.policy == "prefix" else None
+            if model.routing.reads_prefix else None
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs_allowed = frozenset(template_kwargs_allowed)
@@ -216,11 +216,16 @@ class ModelCounter:
         elif endpoint == "embeddings":
             return self._count_embeddings(body)
         elif endpoint == "completions":
+            prompt = body.get("prompt")
+            if self.router is not None and (isinstance(prompt, str) or (
+                    isinstance(prompt, list) and prompt and isinstance(prompt[0], str))):
+                # the routed prompt's ids first: its count then reads their lengths
+                # (tokenizer's id cache) instead of encoding the text a second time
+                ids = self._first_prompt_ids(prompt, opt_bool(body, "add_special_tokens", True))
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
-            if self.router is not None:
-                ids = self._first_prompt_ids(body["prompt"],
-                                             opt_bool(body, "add_special_tokens", True))
+            if self.router is not None and ids is None:
+                ids = self._first_prompt_ids(prompt, opt_bool(body, "add_special_tokens", True))
             # OpenAI/vLLM completions default max_tokens to 16.
             requested = opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
             prompt_tokens_for_room = biggest

@@ -92,6 +92,10 @@ Schema (every key is present; ``null`` only where shown)::
                       as "sha256:<32 hex>") | null (none, and events written before the
                       field existed). Never a reason to skip an event: a value that is
                       not such a string is read as null.
+    slo               the latency targets' record (``lua/tokengate/slo.lua`` finish:
+                      class, decision, targets, predicted and observed TTFT and TPOT in
+                      ms, decision_us) | null (no targets, older events); an object is
+                      kept as is, anything else read as null.
     batch_id          the batch of a line the batch service sent (``tokengate.batch``),
                       "batch_<hex>" | null (an online request; older events)
     custom_id         that line's custom_id, 1-512 characters | null
@@ -166,6 +170,7 @@ class UsageEvent:
     max_tokens_requested: int | None = None
     max_tokens_applied: int | None = None
     session_id: str | None = None
+    slo: dict[str, Any] | None = None
     batch_id: str | None = None
     custom_id: str | None = None
 
@@ -459,6 +464,7 @@ def parse_event(line: bytes | str) -> UsageEvent:
         max_tokens_requested=_optional_count(obj, "max_tokens_requested"),
         max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
         session_id=_session(obj, rid),
+        slo=obj["slo"] if isinstance(obj.get("slo"), dict) else None,
         batch_id=_batch_field(obj, "batch_id", rid),
         custom_id=_batch_field(obj, "custom_id", rid),
     )

@@ -14,7 +14,7 @@ fields only the edge needs, derived here:
           output_reserve, max_tokens_cap (or null),
           default_max_tokens (or null), cached_tokens_weight, max_n, embedded, dir, vocab, cost,
           idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
-          routing: {policy ("least_outstanding" | "round_robin" | "prefix"), block_size,
+          routing: {policy ("least_outstanding" | "round_robin" | "prefix" | "slo"), block_size,
                     hash_algo, hash_seed, kv_events, load_weight} (tokengate.upstream
                     weighs outstanding tokens by load_weight against the prefix hit),
           "upstreams": [{"name": "<host:port as configured>", "host": "<host>",

@@ -28,7 +28,11 @@ routing can be measured with many replicas on a machine without GPUs:
   ``AllBlocksCleared`` in vLLM's wire format (``tokenstorm.upstream.kv_events``), one
   batch per scheduling step; hashes as 64-bit integers as vLLM sends them by default,
   or whole (``--kv-events-hashes bytes``).
-- **Timing**: one prefill queue per replica at ``--prefill-tokens-per-s`` for the
+- **Timing** (``--gpu``): steps as vLLM's V1 scheduler (token budget, running requests
+  first, chunked prefill, ``--max-num-seqs``, preemption when the KV cache is short),
+  each step timed by a roofline of ``--model-config`` on the GPU
+  (``tokenstorm.upstream.sim_steps``, ``tokenstorm.upstream.roofline``).
+- **Timing** (without ``--gpu``, fixed): one prefill queue per replica at ``--prefill-tokens-per-s`` for the
   uncached prompt tokens (first come, first served), so TTFT = queue wait + uncached /
   rate + ``--ttft-overhead-ms``; then one token every ITL = ``--itl-ms`` x (1 +
   ``--itl-growth`` x (running - 1)), for all choices at once. At most
@@ -49,9 +53,9 @@ routing can be measured with many replicas on a machine without GPUs:
   Σ ``num_prompt_tokens`` of the prefilled records = ``vllm:prompt_tokens`` (a prompt
   once per choice, as vLLM counts an ``n > 1`` request's children).
 
-Simplifications (against vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``): a
-request is admitted only when the blocks for its whole output are free, so nothing is
-ever preempted; prefill and decode do not slow each other; the choices of ``n > 1``
+Simplifications of the fixed timing (against vLLM's scheduler,
+``vllm/v1/core/sched/scheduler.py``; ``--gpu`` lifts the first two): a request is
+admitted only when the blocks for its whole output are free, so nothing is ever preempted; prefill and decode do not slow each other; the choices of ``n > 1``
 share one prefill and only the first one's generated blocks are cached (the counters and
 records still count the prompt once per choice, as vLLM does).
 """
@@ -78,6 +82,7 @@ from tokenstorm.upstream.kv_events import KVEventPublisher
 from tokenstorm.upstream.sim_engine import Engine, SimRequest, engine_records
 from tokenstorm.upstream.sim_prompts import BadRequest, PromptRenderer
 from tokenstorm.upstream.sim_settings import SimSettings
+from tokenstorm.upstream.sim_steps import SteppedEngine
 
 VLLM_VERSION = "0.32.0"
 # vLLM's TTFT histogram buckets, s (vllm/v1/metrics/buckets.py TIME_TO_FIRST_TOKEN_BUCKETS)
@@ -134,9 +139,12 @@ class SimServer:
                                                   s.kv_events_topic,
                                                   int_hashes=s.kv_events_int_hashes)
                 self.publisher.start()
+            on_finish = self._write_records if self.records is not None else None
+            roofline = s.roofline()
             self.engine = Engine(s, self.renderer.output_token_id, self.publisher,
-                                 self.ttft.observe,
-                                 self._write_records if self.records is not None else None)
+                                 self.ttft.observe, on_finish) if roofline is None else \
+                SteppedEngine(s, roofline, self.renderer.output_token_id, self.publisher,
+                              self.ttft.observe, on_finish)
             try:
                 yield
             finally:
@@ -486,9 +494,10 @@ def serve(s: SimSettings, host: str = "127.0.0.1", port: int = 38200) -> None:
 
     prometheus_client.disable_created_metrics()  # as vLLM's own /metrics
     server = SimServer(s)
+    timing = f"prefill {s.prefill_tokens_per_s:g} tokens/s, ITL {s.itl_ms:g} ms" \
+        if s.gpu is None else f"vLLM's steps, roofline of {s.model_config} on {s.gpu}"
     print(f"simulated vLLM replica on http://{host}:{port}/v1 (model {s.model}, "
-          f"{s.num_gpu_blocks} blocks of {s.block_size} tokens, prefill "
-          f"{s.prefill_tokens_per_s:g} tokens/s, ITL {s.itl_ms:g} ms"
+          f"{s.num_gpu_blocks} blocks of {s.block_size} tokens, {timing}"
           + (f", KV events on {s.kv_events_endpoint}" if s.kv_events_endpoint else "")
           + ")", flush=True)
     uvicorn.run(server.app(), host=host, port=port, log_level="warning", access_log=False,

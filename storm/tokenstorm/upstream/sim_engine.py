@@ -30,6 +30,7 @@ class SimRequest:
         "arrival_wall",
         "blocks",
         "cached_tokens",
+        "computed",
         "created_cache_tokens",
         "done",
         "extra_blocks",
@@ -44,6 +45,7 @@ class SimRequest:
         "n",
         "next_at",
         "num_cached_blocks",
+        "num_preemptions",
         "prompt_ids",
         "prompt_len",
         "request_id",
@@ -73,6 +75,8 @@ class SimRequest:
         self.cached_tokens = 0         # prefix-cache hit, tokens
         self.created_cache_tokens = 0  # prompt tokens this request's prefill cached
         self.generated = 0             # tokens generated per choice
+        self.computed = 0              # tokens whose KV exists (stepped engine)
+        self.num_preemptions = 0       # times its blocks were taken back (stepped)
         self.arrival = arrival
         self.arrival_wall = time.time()
         self.scheduled_at: float | None = None  # admitted from the waiting queue
@@ -357,7 +361,7 @@ def engine_records(r: SimRequest, model: str, now: float) -> list[dict[str, Any]
         "source": "abort" if r.finish_reason == "abort" else "stats",
         "num_prompt_tokens": r.prompt_len, "num_generation_tokens": r.generated,
         "num_cached_tokens": r.cached_tokens, "prefilled": first,
-        "max_tokens": r.max_tokens_param, "num_preemptions": 0,  # nothing is preempted
+        "max_tokens": r.max_tokens_param, "num_preemptions": r.num_preemptions,
         "e2e_ms": engine_record.ms(e2e) or 0.0,
         "queued_ms": None if sched is None else engine_record.ms(sched - r.arrival),
         "prefill_ms": engine_record.ms(r.first_token_at - sched)

@@ -5,10 +5,12 @@ and the flags it gives back for a child process."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokengate import prefix_hash
+
+from tokenstorm.upstream.roofline import GPUS, ModelShape, Roofline
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class SimSettings:
     ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``;
     ``engine_usage_file``: where the engine usage records go (vLLM's
     ``TOKENGATE_ENGINE_USAGE_FILE`` with the plugin; None: none are written).
+    ``gpu``: None for the fixed timing above, or a GPU of ``roofline.GPUS`` (``h100``,
+    ``h200``): the engine then steps as vLLM's scheduler (``sim_steps``) with a token
+    budget of ``max_num_batched_tokens`` per step, each step timed by the roofline of
+    ``model_config`` (a shipped shape or a ``config.json``) on that GPU plus
+    ``step_overhead_ms``; ``gpu_tflops`` / ``gpu_hbm_tb_s`` override its peak figures;
+    ``num_gpu_blocks`` 0 then sizes the KV cache from the GPU's memory (90 %).
 
     Defaults: a GPU-like replica where a 6,000-token prefix costs 300 ms of prefill
     (20,000 tokens/s) and decoding 15 ms a token; 8,192 blocks of 16 tokens (131,056
@@ -55,6 +63,33 @@ class SimSettings:
     kv_events_int_hashes: bool = True
     tokenizer: str = "hf"
     engine_usage_file: Path | None = None
+    gpu: str | None = None
+    model_config: str = "qwen3-8b"
+    max_num_batched_tokens: int = 8192
+    step_overhead_ms: float = 2.0
+    gpu_tflops: float | None = None
+    gpu_hbm_tb_s: float | None = None
+
+    def roofline(self) -> Roofline | None:
+        """The step timing of ``gpu`` (None: fixed timing); ValueError for an unknown
+        GPU or model shape."""
+        if self.gpu is None:
+            return None
+        if self.gpu not in GPUS:
+            raise ValueError(f"--gpu {self.gpu!r}: one of {', '.join(GPUS)}")
+        g = GPUS[self.gpu]
+        g = replace(g, flops=g.flops if self.gpu_tflops is None else self.gpu_tflops * 1e12,
+                    bandwidth=g.bandwidth if self.gpu_hbm_tb_s is None
+                    else self.gpu_hbm_tb_s * 1e12)
+        return Roofline(ModelShape.named(self.model_config), g,
+                        self.step_overhead_ms / 1000.0)
+
+    def sized(self) -> SimSettings:
+        """These settings with ``num_gpu_blocks`` 0 replaced by what the GPU holds."""
+        r = self.roofline()
+        if r is None or self.num_gpu_blocks:
+            return self
+        return replace(self, num_gpu_blocks=r.kv_blocks(self.block_size) + 1)
 
     def check(self) -> None:
         """ValueError naming the first setting that cannot work."""
@@ -67,6 +102,9 @@ class SimSettings:
                 or self.itl_growth < 0:
             raise ValueError("--prefill-tokens-per-s must be > 0; --itl-ms, "
                              "--ttft-overhead-ms and --itl-growth >= 0")
+        if self.max_num_batched_tokens < 1 or self.step_overhead_ms < 0:
+            raise ValueError("--max-num-batched-tokens must be >= 1, --step-overhead-ms >= 0")
+        self.roofline()
         if self.tokenizer not in ("hf", "counter"):
             raise ValueError("--tokenizer: hf or counter")
         # vLLM refuses to start when one request of max_model_len tokens cannot fit
@@ -98,6 +136,14 @@ class SimSettings:
             out += ["--kv-events-replay-endpoint", self.kv_events_replay_endpoint]
         if self.engine_usage_file is not None:
             out += ["--engine-usage-file", str(self.engine_usage_file)]
+        if self.gpu is not None:
+            out += ["--gpu", self.gpu, "--model-config", self.model_config,
+                    "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                    "--step-overhead-ms", repr(self.step_overhead_ms)]
+            if self.gpu_tflops is not None:
+                out += ["--gpu-tflops", repr(self.gpu_tflops)]
+            if self.gpu_hbm_tb_s is not None:
+                out += ["--gpu-hbm-tb-s", repr(self.gpu_hbm_tb_s)]
         return out
 
 
@@ -137,8 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the PYTHONHASHSEED of the replica being simulated (default: none, "
                         "vLLM's fixed seed)")
     c.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, metavar="N",
-                   help="KV-cache blocks, vLLM's --num-gpu-blocks-override "
-                        "(default: %(default)s)")
+                   help="KV-cache blocks, vLLM's --num-gpu-blocks-override; 0 with "
+                        "--gpu: what the GPU holds beside the weights (default: "
+                        "%(default)s)")
     c.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
                    help="publish KV events on this ZMQ PUB address, e.g. "
                         "tcp://127.0.0.1:5557 (it binds there; subscribers connect)")
@@ -162,6 +209,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-token latency with one request running (default: %(default)s)")
     t.add_argument("--itl-growth", type=float, default=d.itl_growth, metavar="X",
                    help="ITL x (1 + X x (running - 1)) (default: %(default)s)")
+    r = p.add_argument_group("GPU timing (instead of the fixed timing above)")
+    r.add_argument("--gpu", choices=tuple(GPUS), default=None,
+                   help="step as vLLM's scheduler and time each step by a roofline of "
+                        "--model-config on this GPU (default: fixed timing)")
+    r.add_argument("--model-config", default=d.model_config, metavar="SHAPE|FILE",
+                   help="the model whose FLOPs and bytes are counted: a shipped shape "
+                        "(qwen3-8b, qwen3-14b, llama-3-8b) or a config.json "
+                        "(default: %(default)s)")
+    r.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   metavar="TOKENS", help="token budget per step, vLLM's flag "
+                   "(default: %(default)s, vLLM's API server on an H100)")
+    r.add_argument("--step-overhead-ms", type=float, default=d.step_overhead_ms,
+                   metavar="MS", help="fixed time per step (default: %(default)s)")
+    r.add_argument("--gpu-tflops", type=float, default=None, metavar="TFLOPS",
+                   help="dense bf16 peak instead of the GPU's (h100, h200: 790)")
+    r.add_argument("--gpu-hbm-tb-s", type=float, default=None, metavar="TB_S",
+                   help="memory bandwidth instead of the GPU's (h100: 3.0, h200: 4.3)")
 
 
 def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
@@ -179,4 +243,7 @@ def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
         kv_events_int_hashes=args.kv_events_hashes == "int", tokenizer=args.tokenizer,
-        engine_usage_file=args.engine_usage_file)
+        engine_usage_file=args.engine_usage_file, gpu=args.gpu,
+        model_config=args.model_config, max_num_batched_tokens=args.max_num_batched_tokens,
+        step_overhead_ms=args.step_overhead_ms, gpu_tflops=args.gpu_tflops,
+        gpu_hbm_tb_s=args.gpu_hbm_tb_s).sized()

@@ -1,0 +1,421 @@
+"""``make bench-slo``: serving to latency targets, measured as goodput on a fleet of
+simulated H100 replicas through the real gateway.
+
+The fleet: ``--replicas`` ``tokenstorm sim-replica --gpu h100`` processes (vLLM's
+scheduler, each step timed by the roofline of ``--model-config``, default Qwen3-8B's
+shape; ``tokenstorm.upstream.sim_steps``), their KV caches sized from the GPU's memory
+and their KV events followed by the counter, behind the nginx edge (as ``make
+bench-routing`` builds it: ``tokengate_dev.bench.routing``).
+
+The traffic: three classes sent side by side, each one ``tokenstorm run`` process with
+its own key, open loop with gamma arrivals (``--burstiness``, burstier than Poisson):
+
+- ``chat`` (interactive): short prompts, streamed answers;
+- ``agent`` (sheddable): sessions of a few tenants whose prompts share a long prefix
+  (system prompt and tools) and grow turn by turn;
+- ``long`` (batch): long documents, short answers.
+
+Each class has TTFT and TPOT targets; a request meets them or not (goodput: requests/s
+that met both, DistServe's metric, as ``tokenstorm`` reports it). The load is a multiple
+of the fleet's **capacity**, estimated from the roofline (``capacity_rps``): the rate at
+which the replicas would be busy all the time, each request costing the prefill of its
+uncached prompt tokens and its share of the largest decode batch within its TPOT target. Every policy gets the same seeded traffic at each load.
+
+Aims (the latency-target design's): the ``slo`` policy's goodput at least 1.3x the best
+of today's policies at 1.2x load; interactive TTFT p99 within its target up to 0.9x load;
+prediction error p50 within +-10 % and p90 within +-25 %; decision cost at most 20 us;
+the roofline within 20 % of every published measurement (``roofline.check``). A policy
+the edge does not know yet is reported as not run, and its aims as not met.
+
+Results: ``bench/results/slo-<time>.json`` and ``slo-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tokengate import config as tg_config
+from tokenstorm.process import free_port
+from tokenstorm.upstream import roofline
+from tokenstorm.upstream.sim import SimReplica, SimSettings
+
+from tokengate_dev import devstack
+from tokengate_dev.bench import results, routing
+
+BENCH_VAR = devstack.VAR / "bench-slo"
+MODEL = routing.MODEL
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    """One class of requests: its priority class, prompt tokens (``mean`` +- ``sd``;
+    with ``tenants``: ``prefix`` shared tokens per tenant, ``conversations`` each),
+    output tokens, share of the requests and targets (ms)."""
+
+    name: str
+    priority: str
+    mean: int
+    sd: int
+    output: int
+    share: float
+    ttft_ms: float
+    tpot_ms: float
+    tenants: int = 0
+    prefix: int = 0
+    conversations: int = 1
+
+
+
+CLASSES = (
+    TrafficClass("chat", "interactive", 600, 200, 120, 0.6, 400.0, 50.0),
+    TrafficClass("agent", "sheddable", 7000, 1000, 80, 0.3, 1000.0, 60.0,
+                 tenants=4, prefix=6000, conversations=6),
+    TrafficClass("long", "batch", 12000, 2000, 60, 0.1, 4000.0, 100.0),
+)
+POLICIES = ("least_outstanding", "prefix", "slo")
+BASELINES = ("least_outstanding", "prefix")
+KNOWN_POLICIES = ("round_robin", "least_outstanding", "prefix", "slo")
+
+
+def capacity_rps(r: roofline.Roofline, replicas: int,
+                 classes: tuple[TrafficClass, ...] = CLASSES) -> float:
+    """Requests/s that keep ``replicas`` busy all the time with the mix of ``classes``:
+    ``replicas`` / the mean GPU seconds of a request (``roofline.request_s``: the prefill
+    of its uncached tokens, its shared prefix cached, and its share of the largest decode
+    batch within its class's TPOT target). An estimate from the roofline, not a
+    measurement."""
+    mean_s = sum(c.share * roofline.request_s(r, c.mean, c.prefix if c.tenants else 0,
+                                              c.output, c.tpot_ms / 1000.0)
+                 for c in classes)
+    return replicas / mean_s
+
+
+@dataclass
+class Options:
+    """What ``make bench-slo`` runs (its flags)."""
+
+    replicas: int = 2
+    model_config: str = "qwen3-8b"
+    loads: tuple[float, ...] = (0.6, 0.9, 1.2, 1.4)
+    policies: tuple[str, ...] = POLICIES
+    duration_s: float = 20.0
+    burstiness: float = 0.5
+    seed: int = 0
+    max_model_len: int = 16384
+
+
+def edge_config(path: Path, upstreams: list[str], endpoints: dict[str, str], policy: str,
+                port: int, usage: Path, block_size: int, max_model_len: int) -> Path:
+    """The bench's tokengate.yaml (``routing.write_config``) with one key per class,
+    its targets and class (used by policy slo only)."""
+    routing.write_config(path, upstreams, endpoints, policy, routing.RoutingOptions(),
+                         block_size, edge_port=port, usage_file=usage,
+                         max_model_len=max_model_len)
+    import hashlib
+
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    raw["models"][MODEL]["routing"].pop("load_weight", None)   # the default weight
+    for c in CLASSES:
+        raw["keys"][c.name] = {"sha256": hashlib.sha256(key(c).encode()).hexdigest(),
+                               "rpm": 1_000_000_000, "tpm": 1_000_000_000_000,
+                               "slo": {"ttft_ms": int(c.ttft_ms), "tpot_ms": int(c.tpot_ms)},
+                               "slo_class": c.priority}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def key(c: TrafficClass) -> str:
+    return f"tg-bench-slo-{c.name}"
+
+
+def storm_argv(c: TrafficClass, url: str, model: tg_config.ModelConfig, rate: float,
+               opts: Options, out: Path) -> list[str]:
+    """The ``tokenstorm run`` of class ``c`` at ``rate`` req/s (its share of the load)."""
+    argv = [sys.executable, "-m", "tokenstorm.cli", "run", "--url", url,
+            "--model", model.name, "--model-dir", str(model.dir),
+            "--max-model-len", str(opts.max_model_len), "--stream",
+            "--profile", f"normal:mean={c.mean},sd={c.sd}", "--output-tokens",
+            str(c.output), "--arrivals", "gamma", "--burstiness", str(opts.burstiness),
+            "--rate", f"{rate:.4f}", "--duration", str(opts.duration_s),
+            "--seed", str(opts.seed), "--api-key", key(c), "--max-lag-ms", "50",
+            "--slo", f"ttft={c.ttft_ms:g},tpot={c.tpot_ms:g}", "--timeout", "120",
+            "--name", c.name, "--out", str(out), "--quiet"]
+    if c.tenants:
+        argv += ["--tenants", str(c.tenants), "--shared-prefix-tokens", str(c.prefix),
+                 "--conversations", str(c.conversations)]
+    return argv
+
+
+def class_figures(path: Path, c: TrafficClass) -> dict[str, Any]:
+    """What one class's run gave (its ``tokenstorm run --out`` summary)."""
+    s = json.loads(path.read_text())
+    a = s["all"]
+    codes = s.get("status_counts") or {}
+    return {"requests": s["requests"], "ok": a["ok"], "valid": s["valid"],
+            "goodput_rps": a["goodput_rps"], "rps": a["rps"],
+            "ttft_p50_ms": a["ttft_ms"]["p50"], "ttft_p99_ms": a["ttft_ms"]["p99"],
+            "tpot_p99_ms": a["tpot_ms"]["p99"],
+            "refused": sum(v for k, v in codes.items() if k in ("429", "503")),
+            "ttft_target_ms": c.ttft_ms, "tpot_target_ms": c.tpot_ms}
+
+
+def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
+            policy: str, load: float, cap: float, model: tg_config.ModelConfig,
+            opts: Options, console: Console) -> dict[str, Any]:
+    """Fresh prefix caches and edge, the three classes at ``load`` x ``cap`` req/s."""
+    for u in upstreams:
+        routing.reset_prefix_cache(f"http://{u}")
+        routing.warm_up(f"http://{u}", model)
+    time.sleep(0.3)  # AllBlocksCleared reaches the counter before the first request
+    port = free_port()
+    usage = BENCH_VAR / f"usage-{policy}-{load:g}.jsonl"
+    usage.unlink(missing_ok=True)
+    cfg = edge_config(BENCH_VAR / f"edge-{policy}.yaml", upstreams, endpoints, policy, port,
+                      usage, 16, opts.max_model_len)
+    edge = devstack.nginx_service(cfg, port=port, counter_socket=counter_sock,
+                                  counter_workers=1, workers=2, name="bench-slo-edge",
+                                  prefix=BENCH_VAR / "edge", status_port=free_port())
+    edge.start()
+    try:
+        procs = []
+        for c in CLASSES:
+            out = BENCH_VAR / f"run-{policy}-{load:g}-{c.name}.json"
+            out.unlink(missing_ok=True)
+            with open(BENCH_VAR / f"storm-{c.name}.log", "w") as log:
+                procs.append((c, out, subprocess.Popen(
+                    storm_argv(c, f"http://127.0.0.1:{port}/v1", model,
+                               load * cap * c.share, opts, out),
+                    stdout=subprocess.DEVNULL, stderr=log)))
+        for _, _, p in procs:
+            p.wait()
+    finally:
+        edge.stop()
+    classes: dict[str, dict[str, Any]] = {
+        c.name: class_figures(out, c) if out.exists() else {"error": "no result"}
+        for c, out, _ in procs}
+    good = sum(float(f.get("goodput_rps") or 0.0) for f in classes.values())
+    pred = predictions(usage)
+    console.print(f"  {policy:<18} load {load:.1f}: goodput {good:6.2f} req/s  " + "  ".join(
+        f"{n} TTFT p99 {f.get('ttft_p99_ms') or float('nan'):7.0f} ms"
+        for n, f in classes.items()))
+    return {"goodput_rps": good, "classes": classes, "prediction": pred}
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def predictions(usage: Path) -> dict[str, Any]:
+    """From the edge's usage events (policy slo): the TTFT prediction's relative error,
+    (predicted - observed) / observed, p50 and p90 of its absolute value and its median
+    (sign: over or under), the decision cost (us) p50 and p99 (the choice with its shared
+    dict reads, and the predictions alone), and the decisions."""
+    errs: list[float] = []
+    cost: list[float] = []
+    predict: list[float] = []
+    decisions: dict[str, int] = {}
+    if usage.exists():
+        for line in usage.read_text().splitlines():
+            try:
+                s = json.loads(line).get("slo")
+            except ValueError:
+                continue
+            if not isinstance(s, dict):
+                continue
+            decisions[s["decision"]] = decisions.get(s["decision"], 0) + 1
+            if s.get("decision_us") is not None:
+                cost.append(float(s["decision_us"]))
+            if s.get("predict_us") is not None:
+                predict.append(float(s["predict_us"]))
+            p, o = s.get("predicted_ttft_ms"), s.get("observed_ttft_ms")
+            if p is not None and o:
+                errs.append((p - o) / o)
+    return {"requests": len(errs), "decisions": decisions,
+            "error_median": _quantile(errs, 0.5),
+            "abs_error_p50": _quantile([abs(e) for e in errs], 0.5),
+            "abs_error_p90": _quantile([abs(e) for e in errs], 0.9),
+            "decision_us_p50": _quantile(cost, 0.5), "decision_us_p99": _quantile(cost, 0.99),
+            "predict_us_p50": _quantile(predict, 0.5), "predict_us_p99": _quantile(predict, 0.99)}
+
+
+def aims(runs: dict[str, dict[str, Any]], check: list[tuple[Any, float, float]]
+         ) -> list[dict[str, Any]]:
+    """The aims with their measured figures and met / not met."""
+    out = []
+
+    def at(policy: str, load: float) -> dict[str, Any] | None:
+        return runs.get(policy, {}).get(f"{load:g}")
+
+    slo12 = at("slo", 1.2)
+    best = max((r["goodput_rps"] for p in BASELINES if (r := at(p, 1.2))), default=None)
+    ratio = slo12["goodput_rps"] / best if slo12 and best else None
+    out.append({"aim": "slo goodput / best of today's at 1.2x load >= 1.3",
+                "measured": ratio, "met": ratio is not None and ratio >= 1.3})
+    worst = None
+    for load_key, r in runs.get("slo", {}).items():
+        if float(load_key) <= 0.9:
+            chat = r["classes"]["chat"]
+            x = (chat.get("ttft_p99_ms") or float("inf")) / chat["ttft_target_ms"]
+            worst = x if worst is None else max(worst, x)
+    out.append({"aim": "interactive TTFT p99 / target up to 0.9x load (slo) <= 1",
+                "measured": worst, "met": worst is not None and worst <= 1.0})
+    preds = [r["prediction"] for r in runs.get("slo", {}).values() if r["prediction"]["requests"]]
+    p50 = max((p["abs_error_p50"] for p in preds), default=None)
+    p90 = max((p["abs_error_p90"] for p in preds), default=None)
+    out.append({"aim": "prediction error |p50| <= 10 % (worst load)", "measured": p50,
+                "met": p50 is not None and p50 <= 0.10})
+    out.append({"aim": "prediction error |p90| <= 25 % (worst load)", "measured": p90,
+                "met": p90 is not None and p90 <= 0.25})
+    cost = max((p["decision_us_p50"] for p in preds), default=None)
+    out.append({"aim": "decision cost at the edge p50 <= 20 us (choice and prediction)",
+                "measured": cost, "met": cost is not None and cost <= 20})
+    cost = max((p["predict_us_p50"] for p in preds), default=None)
+    out.append({"aim": "(the predictions alone, p50, us)", "measured": cost,
+                "met": cost is not None and cost <= 20})
+    err = max(abs(e) for _, _, e in check)
+    out.append({"aim": "roofline within 20 % of each published measurement",
+                "measured": err, "met": err <= 0.20})
+    return out
+
+
+def roofline_table(check: list[tuple[Any, float, float]]) -> Table:
+    t = Table(title="roofline against published vLLM measurements")
+    for col in ("model", "GPU", "measure", "batch", "published ms", "roofline ms", "error",
+                "source"):
+        t.add_column(col)
+    for p, pred, err in check:
+        t.add_row(p.model, p.gpu, p.what, str(p.batch), f"{p.value:g}", f"{pred:.1f}",
+                  f"{err:+.1%}", p.source)
+    return t
+
+
+def run_bench(opts: Options, console: Console) -> dict[str, Any]:
+    check = roofline.check()
+    console.print(roofline_table(check))
+    cfg = tg_config.load(devstack.ROOT / "tokengate.yaml")
+    model = cfg.models[MODEL]
+    reps = [SimReplica(SimSettings(
+        model=model.name, model_dir=Path(model.dir), max_model_len=opts.max_model_len,
+        gpu="h100", model_config=opts.model_config, num_gpu_blocks=0, tokenizer="counter",
+        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}").sized(),
+        name=f"bench-slo-sim{i}", state_dir=BENCH_VAR) for i in range(opts.replicas)]
+    upstreams = [r.address for r in reps]
+    endpoints = {r.address: r.settings.kv_events_endpoint or "" for r in reps}
+    rf = reps[0].settings.roofline()
+    assert rf is not None
+    cap = capacity_rps(rf, opts.replicas)
+    console.print(f"  {opts.replicas} simulated H100 replicas of {opts.model_config} "
+                  f"({reps[0].settings.num_gpu_blocks:,} KV blocks each); capacity "
+                  f"estimate {cap:.2f} req/s for the mix")
+    counter_cfg = edge_config(BENCH_VAR / "counter.yaml", upstreams, endpoints, "prefix", 0,
+                              BENCH_VAR / "counter-usage.jsonl", 16, opts.max_model_len)
+    sock = BENCH_VAR / "counter.sock"
+    counter = devstack.counter_service(counter_cfg, port=free_port(), unix_socket=sock,
+                                       workers=1, name="bench-slo-counter",
+                                       metrics_listen="none")
+    services = [r.service for r in reps] + [counter]
+    runs: dict[str, dict[str, Any]] = {}
+    with console.status("starting the simulated replicas and the counter ..."):
+        routing.start_all(services)
+    try:
+        for policy in opts.policies:
+            if policy not in KNOWN_POLICIES:
+                console.print(f"  {policy}: the edge has no such policy; not run")
+                continue
+            runs[policy] = {f"{x:g}": run_one(upstreams, endpoints, sock, policy, x, cap,
+                                              model, opts, console) for x in opts.loads}
+    finally:
+        for s in reversed(services):
+            s.stop()
+    out = {"options": asdict(opts), "capacity_rps": cap,
+           "classes": [asdict(c) for c in CLASSES], "runs": runs,
+           "roofline_check": [{"published": asdict(p), "roofline_ms": pred, "error": e}
+                              for p, pred, e in check]}
+    out["aims"] = aims(runs, check)
+    return out
+
+
+def render(out: dict[str, Any], console: Console) -> None:
+    t = Table(title="goodput (req/s meeting both targets) and latency per class")
+    for col in ("policy", "load", "goodput", *(f"{c.name} TTFT p50/p99, TPOT p99 ms"
+                                                for c in CLASSES), "refused"):
+        t.add_column(col)
+    for policy, by_load in out["runs"].items():
+        for load, r in by_load.items():
+            cells = []
+            refused = 0
+            for c in CLASSES:
+                f = r["classes"][c.name]
+                refused += f.get("refused") or 0
+                cells.append(f"{f.get('ttft_p50_ms') or 0:.0f}/{f.get('ttft_p99_ms') or 0:.0f}"
+                             f", {f.get('tpot_p99_ms') or 0:.0f}")
+            t.add_row(policy, load, f"{r['goodput_rps']:.2f}", *cells, str(refused))
+    console.print(t)
+    for a in out["aims"]:
+        m = a["measured"]
+        val = "n/a" if m is None else f"{m:.3f}"
+        console.print(f"  {a['aim']}: {val}  "
+                      + ("[green]met[/]" if a["met"] else "[red]not met[/]"))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Options, Path | None]:
+    d = Options()
+    p = argparse.ArgumentParser(prog="make bench-slo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--model-config", default=d.model_config,
+                   help="the replicas' model shape (default: %(default)s)")
+    p.add_argument("--loads", default=",".join(f"{x:g}" for x in d.loads),
+                   help="multiples of the capacity estimate (default: %(default)s)")
+    p.add_argument("--policies", default=",".join(d.policies))
+    p.add_argument("--duration", type=float, default=d.duration_s, metavar="S",
+                   help="seconds of arrivals per run (default: %(default)s)")
+    p.add_argument("--burstiness", type=float, default=d.burstiness,
+                   help="gamma shape of the arrivals, < 1 burstier (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--roofline-only", action="store_true",
+                   help="print the roofline check and stop")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE.json")
+    a = p.parse_args(argv)
+    opts = Options(replicas=a.replicas, model_config=a.model_config,
+                   loads=tuple(float(x) for x in a.loads.split(",") if x),
+                   policies=tuple(x for x in a.policies.split(",") if x),
+                   duration_s=a.duration, burstiness=a.burstiness, seed=a.seed)
+    if a.roofline_only:
+        opts = Options(replicas=0, policies=(), loads=())
+    return opts, a.out
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, out_path = parse_args(argv)
+    console = Console()
+    BENCH_VAR.mkdir(parents=True, exist_ok=True)
+    if not opts.replicas:
+        check = roofline.check()
+        console.print(roofline_table(check))
+        err = max(abs(e) for _, _, e in check)
+        console.print(f"  roofline within 20 % of each published measurement: {err:.1%}  "
+                      + ("[green]met[/]" if err <= 0.2 else "[red]not met[/]"))
+        return
+    out = run_bench(opts, console)
+    render(out, console)
+    path = results.write(out, "slo", out_path)
+    console.print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+-- Latency targets (routing.policy slo): each request's TTFT and TPOT targets and class,
+-- a prediction of both on every replica, and what is done when no replica is predicted
+-- to meet them.
+--
+-- Targets: the key's slo (ttft_ms, tpot_ms) over the model's, over the request's
+-- X-Tokengate-SLO-TTFT-Ms / X-Tokengate-SLO-TPOT-Ms headers (whole ms within
+-- TTFT_BOUNDS / TPOT_BOUNDS; anything else is a 400 in the API's shape); the class is
+-- the key's slo_class: interactive (waits until a replica is predicted to meet its TTFT
+-- target or the target has passed, then goes), sheddable (refused at once, 503
+-- slo_unattainable with Retry-After), batch (only into spare capacity: a replica with no
+-- prefill of other requests queued, predicted to meet half its targets; else refused the
+-- same way).
+--
+-- Prediction, per replica r, for a request whose prompt r must compute `uncached`
+-- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
+--   TTFT(r) = a0_r + a1_r * ahead + a2_r * running_r
+--   TPOT(r) = b0_r + b1_r * ahead + b2_r * running_r
+--     ahead = queued_r + uncached: queued_r the uncached prompt tokens this edge sent to
+--     r whose first byte has not come back yet (a shared-dict count: incr when sent,
+--     decr at the first byte or at the end), i.e. the prefill work ahead of the request;
+--     running_r: the requests this edge has on r now, this one included (their decode
+--     steps lengthen every step, vLLM's scheduler runs decodes first).
+-- The coefficients are learned online from r's own answers: at each request's end the
+-- (ahead, running) it was predicted with and the TTFT the edge observed (forward to
+-- first byte) and its TPOT ((end - first byte) / (completion tokens - 1)) update a
+-- least-squares plane with exponential forgetting (DECAY per answer), over a few
+-- pseudo-observations that are never forgotten (PRIOR_*). Each nginx worker learns from the requests it served
+-- (no read-modify-write across workers); the queued counts are shared. A decision reads
+-- a few numbers per replica: a few µs (its cost is measured and reported, decision_us).
+--
+-- Headroom of r for targets (T, P): min((T - TTFT(r)) / T, (P - TPOT(r)) / P); the
+-- replica with the most headroom wins (tokengate.upstream, policy slo).
+
+local ngx = ngx
+local errors = require "tokengate.errors"
+local shdict = require "tokengate.shdict"
+local clock = require "tokengate.clock"
+local metrics = require "tokengate.metrics"
+
+local mono_ms = clock.mono_ms
+local tonumber = tonumber
+local tostring = tostring
+local match = string.match
+local floor = math.floor
+local ceil = math.ceil
+local min = math.min
+local max = math.max
+local type = type
+local setmetatable = setmetatable
+
+local _M = {}
+
+local TTFT_BOUNDS = { 1, 600000 } -- ms a request may ask for its first token
+local TPOT_BOUNDS = { 1, 60000 } -- ms a request may ask between its tokens
+_M.TTFT_BOUNDS, _M.TPOT_BOUNDS = TTFT_BOUNDS, TPOT_BOUNDS
+local DECAY = 0.97 -- weight left to the past at each observation (about 33 remembered)
+-- pseudo-observations (work ahead tokens, running requests, ms) under every fit, of
+-- weight PRIOR_WEIGHT each and never forgotten (a few real answers outweigh them; they
+-- keep the fit solvable while a feature does not vary): TTFT 20 ms plus 1 s per 20,000
+-- tokens of prefill ahead plus 0.3 ms per running request; TPOT 10 ms alone, 30 ms with
+-- 64 running, 0.5 ms more per 1,000 tokens of prefill ahead
+local PRIOR_TTFT = { { 0, 1, 20 }, { 20000, 1, 1020 }, { 0, 64, 39 } }
+local PRIOR_TPOT = { { 0, 1, 10 }, { 0, 64, 30 }, { 20000, 1, 20 } }
+local PRIOR_WEIGHT = 0.25
+local CLASSES = { interactive = true, sheddable = true, batch = true }
+_M.CLASSES = CLASSES
+local WAIT_POLL_S = 0.01 -- how often a waiting interactive request looks again
+local NONE = {}
+
+-- number(v) -> v when it is a number, else nil (json null)
+local function number(v)
+    return type(v) == "number" and v or nil
+end
+
+local dict -- the upstream module's shared dict (queued prefill tokens per replica)
+-- this worker's state per replica, keyed by the compiled replica's table (the same table
+-- for the worker's life: a reload starts new workers): {ttft = fit, tpot = fit, qkey =
+-- its shared-dict key}; a fit keeps its solved coefficients until its next answer
+local replicas = setmetatable({}, { __mode = "k" })
+
+-- init_worker(dict_name) -> true | nil, err
+function _M.init_worker(dict_name)
+    local err
+    dict, err = shdict.get(dict_name)
+    if not dict then
+        return nil, err
+    end
+    return true
+end
+
+-- plane(points, w) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
+-- points {x1, x2, y} of weight w each
+local function plane(points, w)
+    local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0 }
+    for i = 1, #points do
+        local p = points[i]
+        local x1, x2, y = p[1], p[2], p[3]
+        f.n, f.s1, f.s2, f.sy = f.n + w, f.s1 + w * x1, f.s2 + w * x2, f.sy + w * y
+        f.s11, f.s12, f.s22 = f.s11 + w * x1 * x1, f.s12 + w * x1 * x2, f.s22 + w * x2 * x2
+        f.s1y, f.s2y = f.s1y + w * x1 * y, f.s2y + w * x2 * y
+    end
+    return f
+end
+
+local PRIORS = { ttft = plane(PRIOR_TTFT, PRIOR_WEIGHT), tpot = plane(PRIOR_TPOT, PRIOR_WEIGHT) }
+
+-- state_of(model, r) -> this worker's state of replica r of model (replicas above)
+local function state_of(model, r)
+    local st = replicas[r]
+    if not st then
+        local a, b = plane({}, 0), plane({}, 0)
+        a.kind, b.kind = "ttft", "tpot"
+        st = { ttft = a, tpot = b, qkey = "slq:" .. model .. "\0" .. r.name }
+        replicas[r] = st
+    end
+    return st
+end
+
+-- solve(f) -> c0, c1, c2 of the plane through f's answers and its prior (normal
+-- equations, Cramer's rule); slopes clipped at 0 (more work ahead or more requests
+-- running never make a request faster), then the intercept refitted, at least 0
+local function solve(f)
+    local p = PRIORS[f.kind]
+    local n, s1, s2, sy = f.n + p.n, f.s1 + p.s1, f.s2 + p.s2, f.sy + p.sy
+    local s11, s12, s22 = f.s11 + p.s11, f.s12 + p.s12, f.s22 + p.s22
+    local s1y, s2y = f.s1y + p.s1y, f.s2y + p.s2y
+    local det = n * (s11 * s22 - s12 * s12) - s1 * (s1 * s22 - s12 * s2)
+        + s2 * (s1 * s12 - s11 * s2)
+    local c1, c2 = 0, 0
+    if det > 0 then
+        c1 = (n * (s1y * s22 - s12 * s2y) - sy * (s1 * s22 - s12 * s2)
+            + s2 * (s1 * s2y - s1y * s2)) / det
+        c2 = (n * (s11 * s2y - s1y * s12) - s1 * (s1 * s2y - s1y * s2)
+            + sy * (s1 * s12 - s11 * s2)) / det
+    end
+    if c1 < 0 then
+        c1 = 0
+    end
+    if c2 < 0 then
+        c2 = 0
+    end
+    local c0 = (sy - c1 * s1 - c2 * s2) / n
+    if c0 < 0 then
+        c0 = 0
+    end
+    return c0, c1, c2
+end
+
+-- coef(f) -> f's coefficients, solved again only after an answer changed f
+local function coef(f)
+    if not f.c0 then
+        f.c0, f.c1, f.c2 = solve(f)
+    end
+    return f.c0, f.c1, f.c2
+end
+
+-- observe(f, x1, x2, y): one answer, the past weighed down by DECAY
+local function observe(f, x1, x2, y)
+    local d = DECAY
+    f.n, f.s1, f.s2, f.sy = f.n * d + 1, f.s1 * d + x1, f.s2 * d + x2, f.sy * d + y
+    f.s11, f.s12, f.s22 = f.s11 * d + x1 * x1, f.s12 * d + x1 * x2, f.s22 * d + x2 * x2
+    f.s1y, f.s2y = f.s1y * d + x1 * y, f.s2y * d + x2 * y
+    f.c0 = nil
+end
+
+-- queued(model, r) -> prefill tokens sent to r whose first token has not come back
+function _M.queued(model, r)
+    return dict and dict:get(state_of(model, r).qkey) or 0
+end
+
+-- predict(model, r, uncached, running) -> TTFT ms, TPOT ms, work ahead (tokens) of a
+-- request whose prompt r computes `uncached` tokens of, with `running` requests on r
+-- (this one included)
+function _M.predict(model, r, uncached, running)
+    local st = state_of(model, r)
+    local ahead = (dict and dict:get(st.qkey) or 0) + uncached
+    local a0, a1, a2 = coef(st.ttft)
+    local b0, b1, b2 = coef(st.tpot)
+    return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
+end
+
+-- backlog_s(model, replicas, running) -> seconds: the TTFT predicted now for a request
+-- with nothing to prefill of its own, averaged over `replicas` (those not out): the
+-- prefill queued on each and its running requests, in the time the replica's fit says
+-- they cost (this worker's fits). running(r) -> requests on r. nil for no replica.
+function _M.backlog_s(model, replicas, running)
+    local sum, n = 0, 0
+    for i = 1, #replicas do
+        local r = replicas[i]
+        sum = sum + _M.predict(model, r, 0, running(r) + 1)
+        n = n + 1
+    end
+    return n > 0 and sum / n / 1000 or nil
+end
+
+-- headroom(ttft, tpot, t) -> the smaller of the two targets' shares left over (1: no
+-- time used; below 0: a target missed) for targets t = {ttft_ms, tpot_ms}
+function _M.headroom(ttft, tpot, t)
+    return min((t.ttft_ms - ttft) / t.ttft_ms, (t.tpot_ms - tpot) / t.tpot_ms)
+end
+
+-- header_ms(v, bounds, name) -> whole ms | nil (no header) | false, err (bad value)
+local function header_ms(v, bounds, name)
+    if v == nil then
+        return nil
+    end
+    if type(v) == "table" then
+        return false, errors.new(400, "Send " .. name .. " once.", name, "invalid_slo")
+    end
+    local n = match(v, "^%s*(%d+)%s*$")
+    n = n and tonumber(n)
+    if not n or n < bounds[1] or n > bounds[2] then
+        return false, errors.new(400, name .. " must be a whole number of milliseconds from "
+            .. bounds[1] .. " to " .. bounds[2] .. "; got " .. errors.clip(tostring(v)) .. ".",
+            name, "invalid_slo")
+    end
+    return n
+end
+
+-- targets(ctx, headers) -> true | nil, err (400 invalid_slo): ctx.slo = {ttft_ms,
+-- tpot_ms, class} for a model routed by policy slo (the key's over the model's, the
+-- request's headers over both); a model without targets anywhere has none (ctx.slo
+-- stays nil: routed least outstanding). headers: ngx.req.get_headers()'s table.
+function _M.targets(ctx, headers)
+    local model, key = ctx.model_entry, ctx.key
+    local ttft, err = header_ms(headers["x-tokengate-slo-ttft-ms"], TTFT_BOUNDS,
+        "X-Tokengate-SLO-TTFT-Ms")
+    if ttft == false then
+        return nil, err
+    end
+    local tpot
+    tpot, err = header_ms(headers["x-tokengate-slo-tpot-ms"], TPOT_BOUNDS,
+        "X-Tokengate-SLO-TPOT-Ms")
+    if tpot == false then
+        return nil, err
+    end
+    local routing = model.routing
+    if not (routing and routing.policy == "slo") then
+        return true
+    end
+    -- (null in the compiled file is cjson's null, not nil)
+    local ks, ms = key.slo, model.slo
+    ks = type(ks) == "table" and ks or NONE
+    ms = type(ms) == "table" and ms or NONE
+    ttft = ttft or number(ks.ttft_ms) or number(ms.ttft_ms)
+    tpot = tpot or number(ks.tpot_ms) or number(ms.tpot_ms)
+    if ttft or tpot then
+        ctx.slo = { ttft_ms = ttft or TTFT_BOUNDS[2], tpot_ms = tpot or TPOT_BOUNDS[2],
+                    class = CLASSES[key.slo_class] and key.slo_class or "interactive" }
+    end
+    return true
+end
+
+-- unattainable(ctx, ttft) -> the 503 of a request refused by its class: no replica is
+-- predicted to meet its targets; Retry-After: the predicted TTFT beyond the target, s
+local function unattainable(ctx, ttft)
+    local t = ctx.slo
+    local s = max(1, ceil((ttft - t.ttft_ms) / 1000))
+    return errors.new(503, "No replica of model " .. errors.clip(ctx.model) .. " is "
+        .. "predicted to meet this request's latency targets now (first token in "
+        .. floor(ttft + 0.5) .. " ms against " .. t.ttft_ms .. " ms; " .. t.class
+        .. " requests are not queued). Please retry after " .. s .. " s.", nil,
+        "slo_unattainable", nil, { ["Retry-After"] = tostring(s) })
+end
+
+-- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
+-- for ctx.replica (choose() -> replica | nil: takes the best one again and holds it in
+-- ctx.replica; running(r) -> requests on r, this one included). decision_us: from
+-- ctx.slo.t_choose (set before the replica was chosen) to the first prediction, shared
+-- dict reads of the choice included; predict_us (tokengate.upstream adds it up): the
+-- predictions alone, every replica of every choice. Sets ctx.slo's decision ("met" | "waited" | "late" | "refused"),
+-- predicted_ttft_ms, predicted_tpot_ms, ahead (tokens), decision_us.
+function _M.decide(ctx, choose, running)
+    local t = ctx.slo
+    local t0 = t.t_choose or mono_ms()
+    local r = ctx.replica
+    local uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
+    local n = running(r)
+    local ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+    local h = _M.headroom(ttft, tpot, t)
+    t.decision_us = floor((mono_ms() - t0) * 1000 + 0.5)
+    local decision = "met"
+    -- spare capacity for batch: no prefill of others queued on the replica (a long
+    -- prompt there delays every interactive request behind it) and half its targets left
+    if h < 0 or t.class == "batch" and (h < 0.5 or _M.queued(ctx.model, r) > 0) then
+        if t.class ~= "interactive" then
+            t.decision, t.predicted_ttft_ms, t.predicted_tpot_ms = "refused", ttft, tpot
+            return nil, unattainable(ctx, ttft)
+        end
+        -- interactive: wait until some replica is predicted to meet the target, or the
+        -- target has passed
+        local deadline = (ctx.t0 or t0) + t.ttft_ms
+        decision = "late"
+        while mono_ms() < deadline do
+            ngx.sleep(WAIT_POLL_S)
+            r = choose()
+            if not r then
+                return nil, errors.new(503, "No replica of model " .. errors.clip(ctx.model)
+                    .. " has an address any more.", nil, "upstream_unavailable")
+            end
+            uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
+            n = running(r)
+            ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+            local left = deadline - mono_ms()
+            if left > 0 and _M.headroom(ttft, tpot, { ttft_ms = left, tpot_ms = t.tpot_ms })
+                    >= 0 then
+                decision = "waited"
+                break
+            end
+        end
+    end
+    t.decision, t.predicted_ttft_ms, t.predicted_tpot_ms = decision, ttft, tpot
+    t.ahead, t.running = ahead, n
+    return true
+end
+
+-- header(t) -> X-Tokengate-SLO's value for ctx.slo t: "<class>; <decision>;
+-- ttft=<predicted>/<target>; tpot=<predicted>/<target>" (ms, whole)
+function _M.header(t)
+    local pt, pp = t.predicted_ttft_ms, t.predicted_tpot_ms
+    return t.class .. "; " .. t.decision
+        .. (pt and ("; ttft=" .. floor(pt + 0.5) .. "/" .. t.ttft_ms .. "; tpot="
+        .. floor(pp + 0.5) .. "/" .. t.tpot_ms) or "")
+end
+
+-- sent(ctx): the request goes to its replica now: its uncached tokens join the
+-- replica's queued prefill work until its first byte (first) or its end (finish).
+function _M.sent(ctx)
+    local t = ctx.slo
+    if not (t and t.decision and ctx.replica) or t.queued then
+        return
+    end
+    local n = max(0, floor((ctx.token_estimate or 0) - (ctx.prefix_expected or 0)))
+    t.queued, t.queued_on, t.t_sent = n, ctx.replica, mono_ms()
+    dict:incr(state_of(ctx.model, ctx.replica).qkey, n, 0)
+end
+
+-- first(ctx): the answer's first byte: the request's prefill is done.
+function _M.first(ctx)
+    local t = ctx.slo
+    if t and t.queued then
+        dict:incr(state_of(ctx.model, t.queued_on).qkey, -t.queued, 0)
+        t.queued = false
+    end
+end
+
+-- finish(ctx, completion) -> the usage event's slo object | nil: the queued count let
+-- go of if no byte came, then the observed TTFT (forward to first byte, ms) and TPOT
+-- (ms) learned by the replica's fits; observed and predicted in the object.
+function _M.finish(ctx, completion)
+    local t = ctx.slo
+    if not t then
+        return nil
+    end
+    _M.first(ctx)
+    local ev = { class = t.class, decision = t.decision, ttft_target_ms = t.ttft_ms,
+                 tpot_target_ms = t.tpot_ms, decision_us = t.decision_us,
+                 predict_us = t.predict_ms and floor(t.predict_ms * 1000 + 0.5) }
+    if t.predicted_ttft_ms then
+        ev.predicted_ttft_ms = floor(t.predicted_ttft_ms * 1000 + 0.5) / 1000
+        ev.predicted_tpot_ms = floor(t.predicted_tpot_ms * 1000 + 0.5) / 1000
+    end
+    local r = t.queued_on
+    if r and ctx.t_first and t.t_sent then
+        local ttft = ctx.t_first - t.t_sent
+        ev.observed_ttft_ms = floor(ttft * 1000 + 0.5) / 1000
+        if t.predicted_ttft_ms and ttft > 0 then
+            metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
+        end
+        observe(state_of(ctx.model, r).ttft, t.ahead or 0, t.running or 1, ttft)
+        if completion and completion >= 2 then
+            local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
+            ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
+            observe(state_of(ctx.model, r).tpot, t.ahead or 0, t.running or 1, tpot)
+        end
+    end
+    return ev
+end
+
+return _M

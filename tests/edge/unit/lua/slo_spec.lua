@@ -1,0 +1,153 @@
+-- tokengate.slo and tokengate.upstream's policy slo: targets from the key, the model and
+-- the request's headers (bad values refused), the prediction from the prefill queued
+-- on each replica and its learned lines, the replica with the most headroom.
+
+local t = ...
+local slo = require "tokengate.slo"
+local upstream = require "tokengate.upstream"
+local prefix = require "tokengate.prefix"
+
+local case, eq = t.case, t.eq
+local DICT = "tokengate_limits"
+local EDGE = { upstream_eject_s = 10, upstream_max_fails = 1, upstream_health_timeout_ms = 100,
+               upstream_health_interval_ms = 0, upstream_resolve_interval_ms = 0,
+               dns_servers = {} }
+
+local function model(ttft, tpot)
+    return { name = "m", routing = { policy = "slo", block_size = 16, load_weight = 0.25 },
+             slo = { ttft_ms = ttft, tpot_ms = tpot },
+             upstreams = { { name = "a:1", addr = "127.0.0.1", port = 1 },
+                           { name = "b:2", addr = "127.0.0.2", port = 2 } } }
+end
+
+local function setup()
+    assert(upstream.init_worker({ edge = EDGE }, DICT))
+    assert(prefix.init(DICT, DICT))
+    assert(slo.init_worker(DICT))
+end
+
+local function ctx_of(m, key)
+    return { model = m.name, model_entry = m, key = key or { id = "k" } }
+end
+
+case("targets: the model's, then the key's, then the request's headers", function()
+    setup()
+    local m = model(500, 50)
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    eq(ctx.slo.ttft_ms, 500)
+    eq(ctx.slo.tpot_ms, 50)
+    eq(ctx.slo.class, "interactive")
+    ctx = ctx_of(m, { id = "k", slo = { ttft_ms = 300 }, slo_class = "sheddable" })
+    assert(slo.targets(ctx, { ["x-tokengate-slo-tpot-ms"] = "20" }))
+    eq(ctx.slo.ttft_ms, 300)
+    eq(ctx.slo.tpot_ms, 20)
+    eq(ctx.slo.class, "sheddable")
+end)
+
+case("targets: a model routed otherwise gets none; its headers are still checked", function()
+    setup()
+    local m = model(500, 50)
+    m.routing.policy = "prefix"
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, { ["x-tokengate-slo-ttft-ms"] = "100" }))
+    eq(ctx.slo, nil)
+    local ok, err = slo.targets(ctx, { ["x-tokengate-slo-ttft-ms"] = "soon" })
+    eq(ok, nil)
+    eq(err.status, 400)
+end)
+
+case("targets: bad header values are 400 invalid_slo naming the header", function()
+    setup()
+    local m = model(500, 50)
+    for _, v in ipairs({ "0", "-5", "1.5", "600001", "", "12ms" }) do
+        local ok, err = slo.targets(ctx_of(m), { ["x-tokengate-slo-ttft-ms"] = v })
+        eq(ok, nil)
+        eq(err.status, 400)
+        eq(err.code, "invalid_slo")
+        eq(err.param, "X-Tokengate-SLO-TTFT-Ms")
+    end
+    local ok, err = slo.targets(ctx_of(m), { ["x-tokengate-slo-tpot-ms"] = { "5", "6" } })
+    eq(ok, nil)
+    eq(err.param, "X-Tokengate-SLO-TPOT-Ms")
+    local _, e2 = slo.targets(ctx_of(m), { ["x-tokengate-slo-tpot-ms"] = "60001" })
+    eq(e2.code, "invalid_slo")
+end)
+
+case("prediction: the prior line, then the prefill queued on the replica", function()
+    setup()
+    local m = model(500, 50)
+    local a = m.upstreams[1]
+    local ttft, tpot, ahead = slo.predict("m", a, 2000, 1)
+    eq(ahead, 2000)
+    eq(math.floor(ttft + 0.5), 120)   -- 20 ms + 2,000 / 20,000 s
+    eq(math.floor(tpot * 1000 + 0.5), 11000)   -- 10 ms, plus 0.5 ms per 1,000 ahead
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = a, 18000, 0
+    ctx.slo.decision = "met"
+    slo.sent(ctx)
+    eq(slo.queued("m", a), 18000)
+    ttft = slo.predict("m", a, 2000, 1)
+    eq(math.floor(ttft + 0.5), 1020)
+    slo.first(ctx)
+    eq(slo.queued("m", a), 0)
+    slo.first(ctx)   -- once only
+    eq(slo.queued("m", a), 0)
+end)
+
+case("prediction: learned from what the replica answered", function()
+    setup()
+    local m = model(500, 50)
+    local b = m.upstreams[2]
+    -- a replica twice as slow as the prior: 40 ms + 1 s per 10,000 tokens
+    for i = 1, 60 do
+        local ahead = (i % 6) * 2000
+        local ctx = ctx_of(m)
+        assert(slo.targets(ctx, {}))
+        ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, ahead, 0
+        ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
+        slo.sent(ctx)
+        ctx.slo.t_sent = 0
+        ctx.t_first = 40 + ahead / 10
+        slo.finish(ctx, 1)
+    end
+    local ttft = slo.predict("m", b, 5000, 1)
+    eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's weight is gone
+end)
+
+case("policy slo: the replica with the most headroom, prefix hits counted", function()
+    setup()
+    local m = model(500, 50)
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    -- 16,000 prefill tokens queued on a: b wins an uncached 4,000-token prompt
+    local q = ctx_of(m)
+    assert(slo.targets(q, {}))
+    q.replica, q.token_estimate, q.prefix_expected = m.upstreams[1], 16000, 0
+    q.slo.decision = "met"
+    slo.sent(q)
+    local r = upstream.take(ctx, m, nil, nil, nil, 4000, 4100)
+    eq(r.name, "b:2")
+    upstream.release(ctx, true)
+    -- b is busier still; a holds 3,900 of the prompt's tokens in its prefix cache
+    local q2 = ctx_of(m)
+    assert(slo.targets(q2, {}))
+    q2.replica, q2.token_estimate, q2.prefix_expected = m.upstreams[2], 15000, 0
+    q2.slo.decision = "met"
+    slo.sent(q2)
+    ctx.prefix_plan = { hashes = "", n = 0, cap = 0, bs = 16,
+                        hits = { ["a:1"] = 3900, ["b:2"] = 0 } }
+    r = upstream.take(ctx, m, nil, nil, nil, 4000, 4100)
+    eq(r.name, "a:1")
+    eq(ctx.prefix_expected, 3900)
+    upstream.release(ctx, true)
+    slo.first(q)
+    slo.first(q2)
+end)
+
+case("the header says the class, the decision and predicted against target", function()
+    eq(slo.header({ class = "interactive", decision = "waited", ttft_ms = 400, tpot_ms = 50,
+                    predicted_ttft_ms = 312.4, predicted_tpot_ms = 21.6 }),
+       "interactive; waited; ttft=312/400; tpot=22/50")
+end)
