@@ -7,7 +7,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-peers bench-scheduler bench-routing bench-slo bench-fairness \
+.PHONY: setup run test test-fast test-unit docs bench-counter bench bench-peers bench-scheduler bench-routing bench-slo bench-fairness bench-batch \
 	soak lint model clean
 
 setup:
@@ -76,6 +76,13 @@ bench-slo: setup
 
 bench-fairness: setup
 	@$(PY) -m tokengate_dev.bench.fairness $(BENCH_ARGS)
+
+# The Batch API on spare capacity: steady interactive traffic on simulated replicas,
+# alone and beside a 2,000-line batch; TTFT p99, the fleet's busy share, the batch's
+# completion time, each aim met / not met. BENCH_ARGS: see
+# `python -m tokengate_dev.bench.batch --help`.
+bench-batch: setup
+	@$(PY) -m tokengate_dev.bench.batch $(BENCH_ARGS)
 
 # The chaos soak: the whole stack, every feature on, under TokenStorm load on simulated
 # replicas while parts are killed, stalled and reloaded at random; then its invariants,

@@ -51,6 +51,7 @@ pytest_plugins.append("tests.fixtures_edge")
 pytest_plugins.append("tests.fixtures_vllm")
 pytest_plugins.append("tests.fixtures_embeddings")
 pytest_plugins.append("tests.fixtures_agents")
+pytest_plugins.append("tests.fixtures_batch")
 
 # TOKENGATE_TEST_PORT_OFFSET lets two test sessions run side by side; each pytest-xdist
 # worker of a session (gw0, gw1, ...: make test runs two) adds 500 per worker, so its

@@ -262,6 +262,40 @@ def console_service(config_path: Path, usage_file: Path | None = None,
     return _service(name, argv, http_ready(login), start_timeout_s=30.0)
 
 
+# The demo secret of tokengate.yaml's batch section (batch.worker_sha256): make run
+# writes it to batch.worker_secret_file when that file is missing
+DEMO_BATCH_WORKER_KEY = "tg-demo-batch-worker"
+
+
+def batch_service(config_path: Path, listen: str | None = None, redis_url: str | None = None,
+                  edge_url: str | None = None, name: str = "batch") -> Service:
+    """The Batch API (``tokengate-batch``) on ``listen`` (default ``batch.listen``),
+    sending lines to ``edge_url`` (default ``batch.edge_url``), its state in the Redis of
+    ``redis_url`` (default ``redis.url``). When ``batch.worker_secret_file`` is missing
+    and ``batch.worker_sha256`` is the demo secret's, the file is written with it. Ready
+    once its listener accepts connections."""
+    cfg = tg_config.load(config_path)
+    b = cfg.batch
+    argv = [PYTHON, "-m", "tokengate.batch.service", "--config", str(config_path)]
+    listen = listen or b.listen
+    argv += ["--listen", listen]
+    if redis_url is not None:
+        argv += ["--redis-url", redis_url]
+    if edge_url is not None:
+        argv += ["--edge-url", edge_url]
+
+    def prepare() -> None:
+        demo = hashlib.sha256(DEMO_BATCH_WORKER_KEY.encode()).hexdigest()
+        if b.worker_sha256 == demo and not b.worker_secret_file.exists():
+            b.worker_secret_file.parent.mkdir(parents=True, exist_ok=True)
+            b.worker_secret_file.write_text(DEMO_BATCH_WORKER_KEY + "\n")
+            b.worker_secret_file.chmod(0o600)
+
+    host, _, port = listen.rpartition(":")
+    return _service(name, argv, tcp_ready(host, int(port)), start_timeout_s=30.0,
+                    prepare=prepare)
+
+
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
                    unix_socket: Path | None = None, workers: int = 1,
                    name: str = "limits", metrics_listen: str | None = None) -> Service:
@@ -430,7 +464,8 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     model that says ``embedded: true`` (none when every model's upstreams are servers of
     their own), the nginx edge (rendered into ``var/run/nginx``), the usage ledger
     (which reads the embedded vLLM's engine usage records too) and, when
-    ``ledger.console.admins`` names someone, the operator console."""
+    ``ledger.console.admins`` names someone, the operator console; with
+    ``batch.enabled``, the Batch API (``tokengate-batch``)."""
     cfg = tg_config.load(config_path)
     (VAR / "run").mkdir(parents=True, exist_ok=True)
     from tokengate.tools.compile_config import edge_config
@@ -462,6 +497,8 @@ def stack(config_path: Path, counter_port: int = 50051) -> list[Service]:
     ]
     if cfg.ledger.console.admins:
         services.append(console_service(config_path))
+    if cfg.batch.enabled:
+        services.append(batch_service(config_path))
     return services
 
 
@@ -488,6 +525,8 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
                         endpoint.removeprefix("tcp://")))
     if cfg.ledger.console.admins:
         out.append(("ledger.console.listen (the operator console)", cfg.ledger.console.listen))
+    if cfg.batch.enabled:
+        out.append(("batch.listen (the Batch API)", cfg.batch.listen))
     return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 
 

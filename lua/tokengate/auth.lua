@@ -36,6 +36,16 @@ function _M.bearer(header)
     return token
 end
 
+-- digest(token) -> the SHA-256 hex digest of a presented key (cached per worker)
+function _M.digest(token)
+    local hex = digests:get(token)
+    if not hex then
+        hex = digest.sha256_hex(token)
+        digests:set(token, hex)
+    end
+    return hex
+end
+
 local MISSING = errors.new(401, "You didn't provide an API key. Send it as "
     .. "'Authorization: Bearer <key>'.", nil, "invalid_api_key")
 local INVALID = errors.new(401, "Incorrect API key provided.", nil, "invalid_api_key")
@@ -79,11 +89,7 @@ function _M.authenticate(keys, header, presented, previous)
     if not token then
         return nil, MISSING
     end
-    local hex = digests:get(token)
-    if not hex then
-        hex = digest.sha256_hex(token)
-        digests:set(token, hex)
-    end
+    local hex = _M.digest(token)
     local now = ngx_time()
     local key = keys[hex]
     if not key then

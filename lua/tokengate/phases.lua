@@ -63,6 +63,8 @@ local admit = require "tokengate.stages.admit"
 local respond = require "tokengate.stages.respond"
 local settle = require "tokengate.stages.settle"
 local event = require "tokengate.stages.event"
+local batch = require "tokengate.batch"
+local reply = require "tokengate.reply"
 
 local ngx_var = ngx.var
 local ngx_log = ngx.log
@@ -171,6 +173,13 @@ local STAGES = {
     read.key, read.route,
     validate.body, validate.session,
     count_stage.prompt,
+    -- a batch line's check (tokengate.batch) ends here, answered with its count
+    function(ctx)
+        if batch.checking(ctx) then
+            return reply.send(200, batch.check_answer(ctx))
+        end
+        return true
+    end,
     route_stage.replica,
     admit.reserve, admit.answer,
     route_stage.awake,
@@ -199,6 +208,25 @@ function _M.access()
         end
     end
     route_stage.forward(ctx)
+end
+
+-- files(): the access phase of /v1/files and /v1/batches: the key read like every
+-- route's, then forwarded to the batch service (tokengate.batch.files_access).
+function _M.files()
+    local ctx = ngx.ctx
+    ctx.t0 = mono_ms()
+    local doc = config.get()
+    local uri = ngx_var.uri
+    ctx.uri = uri
+    ctx.api = apis.api(nil, uri)
+    ctx.endpoint = uri
+    local key, err = read.key(ctx, doc)
+    if key then
+        key, err = batch.files_access(ctx, doc, key)
+    end
+    if not key then
+        return send(ctx, err)
+    end
 end
 
 -- balancer(): the request's replica (tokengate.stages.route.balance).
@@ -245,6 +273,10 @@ function _M.log()
     end
     if not ctx.key then
         return event.unauthenticated(ctx, status, aborted)
+    end
+    if batch.checking(ctx) then
+        -- a batch line's check: nothing reserved, nothing billed
+        return metrics.request(ctx, status, nil, config.get().models)
     end
     settle.finish(ctx)
     local ev = usage.record(ctx, status, aborted)

@@ -40,7 +40,7 @@ _M.FIELDS = {
     api = { "table|nil", "phases", "the route's API module (tokengate.apis.api; "
         .. "tokengate.api.BASE for a path that is no route); nil before access" },
     endpoint = { "string", "phases", "the usage event's endpoint (tokengate.apis.endpoint)" },
-    request_id = { "string|nil", "state", "$request_id (32 hex), kept by request_id() below" },
+    request_id = { "string|nil", "state batch", "$request_id (32 hex), kept by request_id() below" },
     preflight = { "string|nil", "cors", "a CORS preflight: \"allowed\" | \"refused\"" },
     session_id = { "string|nil", "session", "the agent session (tokengate.session)" },
     session_source = { "string|boolean|nil", "session", "the header or field that named the "
@@ -55,6 +55,8 @@ _M.FIELDS = {
         .. "(tokengate.limits.request: built once, its model named later)" },
     rate = { "table|nil", "stages.read stages.validate stages.admit apis", "the key's window "
         .. "state for the limit headers (tokengate.limits.peek, reserve)" },
+    batch = { "table|nil", "batch", "a line of a batch sent by the batch service "
+        .. "(tokengate.batch.act_for): {id, custom_id, check}" },
     no_body = { "boolean|nil", "stages.read", "the route has no body (its API's NO_BODY): "
         .. "no body, no count" },
 

@@ -27,6 +27,7 @@ local errors = require "tokengate.errors"
 local state = require "tokengate.state"
 local drift = require "tokengate.drift"
 local trace = require "tokengate.trace"
+local batch = require "tokengate.batch"
 
 local find = string.find
 local sub = string.sub
@@ -374,7 +375,7 @@ local FIELDS = {
     "error", "sanitized_chars", "stripped_special_tokens", "escaped_special_tokens",
     "dropped_system_messages", "count_drift", "expected_cached_tokens",
     "expected_cached_source", "queue_ms", "trace", "max_tokens_requested",
-    "max_tokens_applied", "session_id", "slo",
+    "max_tokens_applied", "session_id", "slo", "batch_id", "custom_id",
 }
 _M.FIELDS = FIELDS
 
@@ -399,7 +400,8 @@ _M.FIELDS = FIELDS
 -- embeddings); session_id (the agent session,
 -- tokengate.session; null: none); slo (routing.policy slo: the request's class,
 -- decision, targets, predicted and observed TTFT and TPOT, ms, and decision_us:
--- tokengate.slo.finish; null: no latency targets).
+-- tokengate.slo.finish; null: no latency targets); batch_id, custom_id (a batch
+-- line's batch and its custom_id, tokengate.batch; null: an online request).
 function _M.event(f)
     for i = 1, #FIELDS do
         local k = FIELDS[i]
@@ -418,6 +420,7 @@ function _M.record(ctx, status, aborted)
     local t0 = ctx.t0
     local total = t0 and (mono_ms() - t0) or (ngx_now() - ngx_req.start_time()) * 1000
     local req, counts = ctx.limit_req, ctx.sanitized
+    local batch_id, custom_id = batch.event_fields(ctx)
     return _M.event({
         request_id = state.request_id(ctx),
         ts = clock.rfc3339_ms(ngx_req.start_time()),
@@ -451,6 +454,8 @@ function _M.record(ctx, status, aborted)
         max_tokens_requested = ctx.max_tokens_requested,
         max_tokens_applied = ctx.max_tokens_applied,
         session_id = ctx.session_id,
+        batch_id = batch_id,
+        custom_id = custom_id,
     })
 end
 

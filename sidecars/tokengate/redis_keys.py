@@ -150,9 +150,9 @@ def _enc(name: str | None) -> str:
 
 
 # The endpoints a usage hash splits its requests, tokens and cost by (the usage event's
-# endpoint; any other path counts as "other").
+# endpoint, "batch" for the lines of batches; any other path counts as "other").
 ENDPOINTS = ("chat", "completions", "messages", "count_tokens", "responses", "input_tokens",
-             "response", "response_cancel", "embeddings", "models", "model")
+             "response", "response_cancel", "embeddings", "models", "model", "batch")
 
 
 def endpoint_bucket(endpoint: str) -> str:
@@ -336,3 +336,28 @@ def alert_mark(alert_id: str) -> str:
 def alert_lease(field: str) -> str:
     """The lease of the ledger delivering one pending alert to one webhook."""
     return f"{PREFIX}:alert_send:{_enc(field)}"
+
+
+# The Batch API (``tokengate.batch``): every key carries the hash tag ``{batch}``, so a
+# line's result, its batch's counters and a key's quota change in one script.
+# ``<b>`` = ``tg:{batch}``::
+#
+#     <b>:file:<file_id>        hash: a file's object (OpenAI's fields) and key_id
+#     <b>:files:<key_id>        zset: the key's files, score created_at
+#     <b>:batch:<batch_id>      hash: a batch's object, counters, cursor and quota held
+#     <b>:batches:<key_id>      zset: the key's batches, score created_at
+#     <b>:count:<batch_id>      hash: line index -> "prompt max_tokens" of a line the
+#                               edge checked and counted at creation
+#     <b>:res:<batch_id>        hash: line index -> "o<line>" | "e<line>", each line of
+#                               the output or error file, written once
+#     <b>:att:<batch_id>        hash: line index -> the attempt its request id names
+#     <b>:active                zset: batches validating, in progress or cancelling
+#     <b>:quota:<key_id>        string: the key's enqueued tokens
+BATCH_PREFIX = "tg:{batch}"
+BATCH_ACTIVE_KEY = f"{BATCH_PREFIX}:active"
+
+
+def batch_key(kind: str, ident: str) -> str:
+    """``<b>:<kind>:<ident>``: kind one of file, files, batch, batches, count, res, att,
+    quota (the layout above); ident a file, batch or key id."""
+    return f"{BATCH_PREFIX}:{kind}:{_enc(ident)}"

@@ -539,7 +539,7 @@ def test_every_page_fits_a_phone_and_a_desktop_without_scrolling_sideways(
     rid = post_edge(stack, hello).headers["x-request-id"]
     stack.edge.event(rid)
     pages = ["/keys", "/keys/phone-team", "/keys/new", "/usage", "/live?refresh=off",
-             "/requests", f"/requests/{rid}", "/audit"]
+             "/requests", f"/requests/{rid}", "/batches", "/audit"]
     try:
         for px in (PHONE, 1280):
             width(browser, px)

@@ -21,8 +21,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tokengate import config as tg_config
+from tokengate import http_server as server
 from tokengate.console import app as console_app
-from tokengate.console import data, forms, password, server
+from tokengate.console import data, forms, password
 from tokengate.console.cli import set_admin
 from tokengate.console.session import LoginLimiter, Sessions
 from tokengate.ledger.report import UsageRow

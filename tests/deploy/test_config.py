@@ -179,7 +179,7 @@ def test_every_number_of_the_schema_is_finite_and_bounded() -> None:
     amounts = {f: n["maximum"] for f, n in numbers.items()
                if f.startswith(("ModelCost.", "Budget.spend"))}
     assert amounts == {"ModelCost.input": 1e9, "ModelCost.output": 1e9,
-                       "ModelCost.cached": 1e9, "Budget.spend": 1e9}
+                       "ModelCost.cached": 1e9, "ModelCost.batch": 1.0, "Budget.spend": 1e9}
     # every limit the edge sends on the wire (uint64) fits in Lua's exact integers
     assert tg_config.MAX_COUNT < 2**53 and tg_config.MAX_AMOUNT * 1e9 < 2**63
 
@@ -335,7 +335,8 @@ def test_every_problem_is_reported_one_per_line(repo_raw: dict[str, Any],
     (put("keys.demo.priority", "batch"),
      ["keys.demo.priority: 'batch' is not in edge.admission.priorities (low, normal)"]),
     (put("edge.admission", {"priorities": {"batch": {}}}),
-     ["keys.demo.priority: 'normal' is not in edge.admission.priorities (batch)"]),
+     ["keys.demo.priority: 'normal' is not in edge.admission.priorities (batch)",
+      "batch.priority: 'low' is not in edge.admission.priorities (batch)"]),
     (put("edge.admission", {"metrics_interval_ms": 3000}),
      ["edge.admission.metrics_stale_ms: 3000 must exceed metrics_interval_ms (3000)"]),
 ])

@@ -50,6 +50,7 @@ ROOT = devstack.ROOT
 TOKENGATE = Path(sys.executable).parent / "tokengate"
 SIDECARS = ("tokengate-counter.service", "tokengate-ledger.service", "tokengate-limits.service")
 CONSOLE = "tokengate-console.service"   # the operator console: a service of its own
+BATCH = "tokengate-batch.service"       # the Batch API: a service of its own
 # root's side of the console's key changes (a path unit starts the service)
 CONSOLE_APPLY = ("tokengate-console-apply.path", "tokengate-console-apply.service")
 LEDGER_DB = 9  # the session Redis, a database of its own (ledger tests flush database 0)
@@ -146,7 +147,7 @@ def test_install_puts_every_file_in_its_place_with_its_owner(installed: Installe
         "etc/systemd/system/nginx.service.d/tokengate.conf": ("0o644", "root", "root"),
         "etc/tmpfiles.d/tokengate.conf": ("0o644", "root", "root"),
         **{f"etc/systemd/system/{u}": ("0o644", "root", "root")
-           for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY, "tokengate-vllm@.service")},
+           for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY, BATCH, "tokengate-vllm@.service")},
     }
     assert {k: stat_of(p / k) for k in want} == want
     lua_dir = p / "usr/share/tokengate/lua/tokengate"
@@ -519,7 +520,7 @@ def test_a_host_that_runs_its_own_vllm_gets_no_vllm_unit_and_its_redis_and_liste
     assert r.returncode == 0, r.stderr
     assert not any("vllm" in line.lower() for line in r.stdout.splitlines()), r.stdout
     assert sorted(f.name for f in (prefix / "etc/systemd/system").glob("*.service")) == \
-        sorted([*SIDECARS, CONSOLE, CONSOLE_APPLY[1]])
+        sorted([*SIDECARS, CONSOLE, CONSOLE_APPLY[1], BATCH])
     assert not (prefix / "etc/tokengate/vllm").exists()
     cfg = tg_config.load(prefix / "etc/tokengate/tokengate.yaml")
     assert (cfg.redis.url, cfg.edge.listen) == ("redis://:pw@10.0.0.9:6390/2", "127.0.0.1:8089")
@@ -633,7 +634,7 @@ def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
                                                   tmp_path: Path) -> None:
     d = installed.prefix / "etc/systemd/system"
     # a template is verified as an instance; a warning (unknown key, bad value) fails too
-    r = verify(*(d / u for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY)),
+    r = verify(*(d / u for u in (*SIDECARS, CONSOLE, *CONSOLE_APPLY, BATCH)),
                d / "tokengate-vllm@8000.service")
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
     # the drop-in for Debian's own nginx.service, loaded next to a copy of that unit
@@ -648,7 +649,7 @@ def test_every_unit_passes_systemd_analyze_verify(installed: Installed,
 
 def test_the_units_settings_fit_together(installed: Installed) -> None:
     dropin = (installed.prefix / "etc/nginx/conf.d/tokengate.conf").read_text()
-    for name in (*SIDECARS, CONSOLE):
+    for name in (*SIDECARS, CONSOLE, BATCH):
         u = units.read_unit(installed.unit(name))
         got = {k: u.value("Service", k) for k in (
             "User", "Group", "Restart", "NoNewPrivileges", "ProtectSystem", "ProtectHome",
@@ -659,9 +660,10 @@ def test_the_units_settings_fit_together(installed: Installed) -> None:
                        "ProtectHome": "yes", "PrivateTmp": "yes",
                        "RuntimeDirectory": "tokengate", "RuntimeDirectoryMode": "0750",
                        "RuntimeDirectoryPreserve": "yes"}, name
-        # the console reads the file again whenever it changed: nothing to reload
+        # the console reads the file again whenever it changed: nothing to reload; the
+        # Batch API reads it at start (a restart resumes every batch where it was)
         assert u.values("Service", "ExecReload") == \
-            ([] if name == CONSOLE else ["/bin/kill -HUP $MAINPID"]), name
+            ([] if name in (CONSOLE, BATCH) else ["/bin/kill -HUP $MAINPID"]), name
     # --workers N of a socket sidecar = the N sockets the drop-in calls: the counter's
     # in init_by_lua's argument (the edge speaks counter frames to them), the limits'
     # as the servers of its upstream
@@ -698,8 +700,9 @@ def test_systemd_rates_the_sidecars_exposure_low(installed: Installed) -> None:
     # 0 (locked down) .. 10 (nothing restricted); 2 and below reads "OK" or "SAFE".
     # vLLM keeps the devices, JIT and system calls CUDA needs.
     d = installed.prefix / "etc/systemd/system"
-    got = {u: exposure(d / u) for u in (*SIDECARS, CONSOLE, "tokengate-vllm@8000.service")}
-    assert all(got[u] <= 2.0 for u in (*SIDECARS, CONSOLE)), got
+    got = {u: exposure(d / u) for u in (*SIDECARS, CONSOLE, BATCH,
+                                        "tokengate-vllm@8000.service")}
+    assert all(got[u] <= 2.0 for u in (*SIDECARS, CONSOLE, BATCH)), got
     assert got["tokengate-vllm@8000.service"] < 5.0, got
 
 

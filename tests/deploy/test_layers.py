@@ -31,8 +31,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sidecars" / "tokengate"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("redis_keys", "redis_scripts", "redis_client", "budget_store", "grpc_server",
-             "metrics", "v1", "config", "prefix_hash", "version", "entry"),
-    "services": ("counter", "ledger", "limits"),
+             "metrics", "v1", "config", "prefix_hash", "version", "entry", "http_server"),
+    "services": ("counter", "ledger", "limits", "batch"),
     "operator": ("keys", "install", "doctor", "tools", "cli", "console"),
 }
 RANK = {group: rank for rank, groups in enumerate(LAYERS.values()) for group in groups}

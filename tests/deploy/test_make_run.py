@@ -12,6 +12,7 @@ its log there). One test starts vLLM (SIGINT while it starts).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import yaml
@@ -43,7 +45,7 @@ BODY = {"model": "tiny-qwen3", "max_tokens": 4,
 # argv words of each child of the stack
 CHILDREN = {"redis": "redis-server", "counter": "tokengate.counter.server",
             "nginx": "nginx: master process", "ledger": "tokengate.ledger.service",
-            "console": "tokengate.console.service",
+            "console": "tokengate.console.service", "batch": "tokengate.batch.service",
             "vllm": "vllm.entrypoints.openai.api_server"}
 
 
@@ -103,9 +105,9 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
         m["embedded"] = embedded
     # distinct ports: free_port() releases its port, and the kernel may give it again
     ports: set[int] = set()
-    while len(ports) < 7:
+    while len(ports) < 8:
         ports.add(free_port())
-    edge_p, redis_p, status_p, console_p, *metrics_p = sorted(ports)
+    edge_p, redis_p, status_p, console_p, batch_p, *metrics_p = sorted(ports)
     edge = f"127.0.0.1:{edge_p}"
     raw["redis"]["url"] = f"redis://127.0.0.1:{redis_p}/0"
     raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
@@ -116,6 +118,9 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
     raw["ledger"].setdefault("console", {})["listen"] = f"127.0.0.1:{console_p}"
     raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{port}"
                       for part, port in zip(("counter", "ledger", "limits"), metrics_p)}
+    raw["batch"].update(listen=f"127.0.0.1:{batch_p}", edge_url=f"http://{edge}",
+                        worker_secret_file=str(var / "batch" / "worker.key"),
+                        files_dir=str(var / "batch" / "files"))
     if edit is not None:
         edit(raw)
     path = var / "tokengate.yaml"
@@ -258,12 +263,37 @@ def test_the_banner_names_the_console_and_where_traces_go(stack: Stack) -> None:
     stack.child("console")   # exactly one child of its own: tokengate-console
 
 
-@pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis", "console"])
+def test_the_official_client_creates_polls_cancels_and_downloads_batches(stack: Stack) -> None:
+    """The Batch API of make run's stack (batch.enabled in the repository's
+    tokengate.yaml, the demo secret written by make run), through the openai client."""
+    client = openai.OpenAI(base_url=stack.url, api_key=KEY, max_retries=0)
+    rows = "".join(json.dumps({"custom_id": f"r-{i}", "method": "POST",
+                               "url": "/v1/chat/completions", "body": BODY}) + "\n"
+                   for i in range(3))
+    f = client.files.create(file=("in.jsonl", rows.encode()), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(b.id).status == "completed", 60,
+               what="the batch completed")
+    done = client.batches.retrieve(b.id)
+    assert done.request_counts is not None and done.request_counts.completed == 3
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert [(o["custom_id"], o["response"]["status_code"]) for o in out] == [
+        ("r-0", 200), ("r-1", 200), ("r-2", 200)]
+    other = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    client.batches.cancel(other.id)
+    wait_until(lambda: client.batches.retrieve(other.id).status in ("cancelled", "completed"),
+               60, what="the second batch ended")
+    stack.child("batch")   # exactly one child of its own: tokengate-batch
+
+
+@pytest.mark.parametrize("name", ["counter", "nginx", "ledger", "redis", "console", "batch"])
 def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name: str) -> None:
     pid = stack.child(name)
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    if name in ("ledger", "redis", "console"):
+    if name in ("ledger", "redis", "console", "batch"):
         # not on the request path: the gateway does not notice
         assert answered_exactly(stack.url, exact)
     elif name == "counter":
@@ -286,6 +316,10 @@ def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name
     if name == "ledger":
         wait_until(lambda: '"redis_up": true' in (stack.var / "run" / "ledger.status.json")
                    .read_text(), 20, what="the new ledger's status")
+    if name == "batch":
+        batch = yaml.safe_load(stack.config.read_text())["batch"]["listen"]
+        host, _, port = batch.rpartition(":")
+        wait_until(devstack.tcp_ready(host, int(port)), 20, what="the new batch service")
     if name == "console":
         login = f"http://{stack.console_listen()}/login"
         wait_until(lambda: httpx.get(login, timeout=5).status_code == 200, 20,

@@ -1004,9 +1004,11 @@ def test_make_run_starts_the_limits_sidecar_only_when_enabled(
         path = tmp_path / f"tokengate-{enabled}.yaml"
         path.write_text(yaml.safe_dump(raw))
         got[enabled] = devstack.stack(path)
-    assert [s.name for s in got[False]] == ["redis", "counter", "vllm", "nginx", "ledger"]
+    # the repository's tokengate.yaml turns the Batch API on: tokengate-batch comes last
+    assert [s.name for s in got[False]] == ["redis", "counter", "vllm", "nginx", "ledger",
+                                            "batch"]
     assert [s.name for s in got[True]] == \
-        ["redis", "counter", "limits", "vllm", "nginx", "ledger"]
+        ["redis", "counter", "limits", "vllm", "nginx", "ledger", "batch"]
     argv = got[True][2].argv
     assert argv[argv.index("--listen") + 1] == "127.0.0.1:50061"
     assert argv[argv.index("--unix-socket") + 1] == str(tmp_path / "run/limits.sock")

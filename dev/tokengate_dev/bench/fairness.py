@@ -54,6 +54,7 @@ from tokenstorm.runner import RunSpec, execute
 from tokenstorm.upstream import UpstreamOptions
 
 from tokengate_dev import devstack
+from tokengate_dev.bench import results
 
 RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench-fairness"
@@ -292,9 +293,7 @@ def aims(out: dict[str, Any]) -> list[dict[str, Any]]:
              _ratio(f["queue_total_tokens_per_s"], f["shed_total_tokens_per_s"]), ">=", 0.95),
             ("total tokens/s, queue / shed (weighted)",
              _ratio(w["queue_total_tokens_per_s"], w["shed_total_tokens_per_s"]), ">=", 0.95)]
-    return [{"aim": name, "value": v, "bound": f"{op} {bound}",
-             "met": v is not None and (v <= bound if op == "<=" else v >= bound)}
-            for name, v, op, bound in rows]
+    return results.judge(rows)
 
 
 def render(out: dict[str, Any]) -> list[Table]:
@@ -318,14 +317,7 @@ def render(out: dict[str, Any]) -> list[Table]:
             t.add_row(mode, "all", "", "", f"{out[profile][f'{mode}_total_tokens_per_s']:.0f}",
                       "", "", "", f"Jain {j:.3f}" if j is not None else "")
         tables.append(t)
-    a = Table(title="aims (issue 26)")
-    for c in ("aim", "value", "bound", "met"):
-        a.add_column(c)
-    for row in out["aims"]:
-        v = row["value"]
-        a.add_row(row["aim"], f"{v:.3f}" if v is not None else "-", row["bound"],
-                  "met" if row["met"] else "not met")
-    tables.append(a)
+    tables.append(results.aims_table(out["aims"], "aims (issue 26)"))
     return tables
 
 

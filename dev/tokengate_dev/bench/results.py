@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
 from tokenstorm import report
 
 from tokengate_dev import devstack
@@ -27,3 +28,23 @@ def write(out: dict[str, Any], stem: str, path: Path | None = None) -> Path:
     if path is None:
         (target.parent / f"{stem}-latest.json").write_text(text)
     return target
+
+
+def judge(rows: list[tuple[str, float | None, str, float]]) -> list[dict[str, Any]]:
+    """Aims as the results record them: each (name, value, "<=" | ">=", bound) as
+    ``{aim, value, bound: "<op> <bound>", met}``; a value of None is not met."""
+    return [{"aim": name, "value": v, "bound": f"{op} {bound}",
+             "met": v is not None and (v <= bound if op == "<=" else v >= bound)}
+            for name, v, op, bound in rows]
+
+
+def aims_table(aims: list[dict[str, Any]], title: str = "aims") -> Table:
+    """``judge``'s aims as a table: aim, value (3 decimals), bound, met / not met."""
+    a = Table(title=title)
+    for c in ("aim", "value", "bound", "met"):
+        a.add_column(c)
+    for row in aims:
+        v = row["value"]
+        a.add_row(row["aim"], f"{v:.3f}" if v is not None else "-", row["bound"],
+                  "met" if row["met"] else "not met")
+    return a

@@ -9,6 +9,7 @@ local lockout = require "tokengate.lockout"
 local limits = require "tokengate.limits"
 local apis = require "tokengate.apis"
 local state = require "tokengate.state"
+local batch = require "tokengate.batch"
 
 local ngx_var = ngx.var
 local ngx_req = ngx.req
@@ -23,10 +24,17 @@ function _M.key(ctx, doc)
         ctx.unauthenticated = "unauthenticated_blocked"
         return nil, err
     end
-    local key
     local api = ctx.api
-    key, err = auth.authenticate(doc.keys, ngx_var.http_authorization, api.key(ngx_var),
-        doc.previous_keys)
+    -- the batch service's lines act as the key whose batch they belong to
+    local key
+    key, err = batch.act_for(ctx, doc, ngx_var.http_authorization)
+    if err then
+        return nil, err
+    end
+    if not key then
+        key, err = auth.authenticate(doc.keys, ngx_var.http_authorization, api.key(ngx_var),
+            doc.previous_keys)
+    end
     if not key then
         if err == auth.MISSING then
             ctx.unauthenticated = "unauthenticated_missing_key"

@@ -42,6 +42,10 @@ function _M.settle(ctx, ev, status)
     local cost = need_cost and ctx.model_entry and budget.cost(ctx.model_entry.cost,
         doc.billing, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
         ev.system_tokens) or nil
+    if cost and ctx.batch then
+        -- a batch line's price (tokengate.batch), as the ledger bills it
+        cost = cost * ctx.model_entry.cost.batch
+    end
     if req then
         limits.settle(req, ev.prompt_tokens + ev.completion_tokens, req.budget and cost,
             limits.charged(req, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens))

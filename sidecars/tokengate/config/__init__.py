@@ -15,13 +15,14 @@ offending key (``models.tiny-qwen3.max_token_cap: unknown key``).
 
 One module per part of the file: ``types`` (the field types and bounded numbers every
 section uses), ``models``, ``keys``, ``billing``, ``sidecars`` (``redis``, ``ledger``,
-``global_limits``, ``metrics``, ``tracing``), ``console`` (``ledger.console``), ``edge``
+``global_limits``, ``metrics``, ``tracing``), ``console`` (``ledger.console``), ``batch``, ``edge``
 (``edge``, ``access_log``), ``schema`` (the
 whole file, ``Config``, and the rules across sections) and ``loading`` (finding,
 reading, checking and writing the file). This package re-exports what the rest of
 tokengate uses, so callers import from ``tokengate.config``.
 """
 
+from tokengate.config.batch import BatchConfig
 from tokengate.config.billing import BillingConfig, ContextPenalty
 from tokengate.config.console import ConsoleConfig
 from tokengate.config.edge import (
@@ -62,6 +63,7 @@ __all__ = [
     "MAX_AMOUNT",
     "MAX_COUNT",
     "AccessLogConfig",
+    "BatchConfig",
     "BillingConfig",
     "Budget",
     "Config",

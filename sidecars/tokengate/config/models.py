@@ -38,6 +38,10 @@ class ModelCost(_Schema):
         default=0.1,
         description="Prompt tokens served from vLLM's prefix cache "
                     "(prompt_tokens_details.cached_tokens), per 1M tokens.")
+    batch: Rate = Field(
+        default=0.5,
+        description="A batch line's cost is its online cost times this, 0..1 (the Batch "
+                    "API, tokengate-batch: OpenAI bills batches at half price).")
 
 
 class IdleUnload(_Schema):

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from tokengate.config.alerts import AlertsConfig
+from tokengate.config.batch import BatchConfig
 from tokengate.config.billing import BillingConfig
 from tokengate.config.edge import AccessLogConfig, EdgeConfig
 from tokengate.config.keys import BUDGETS_NEED_REDIS, KEY_ID, KEY_ID_RULE, KeyConfig
@@ -30,8 +31,8 @@ def _empty_is_defaults(value: Any) -> Any:
     return {} if value is None else value
 
 
-SECTIONS = ("keys", "teams", "orgs", "alerts", "redis", "billing", "ledger", "global_limits", "metrics", "access_log",
-            "edge", "tracing")
+SECTIONS = ("keys", "teams", "orgs", "alerts", "redis", "billing", "ledger", "global_limits",
+            "metrics", "access_log", "edge", "tracing", "batch")
 
 
 class Config(_Schema):
@@ -81,6 +82,10 @@ class Config(_Schema):
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces of requests, exported over OTLP by the ledger.")
+    batch: BatchConfig = Field(
+        default_factory=BatchConfig,
+        description="The Batch API (`tokengate-batch`): files and batches on spare "
+                    "capacity.")
 
 
     _path: Path = PrivateAttr(default_factory=lambda: Path("tokengate.yaml"))
@@ -104,6 +109,26 @@ class Config(_Schema):
                 and "usage_file" not in edge and "usage_file" in ledger:
             data["edge"] = {**edge, "usage_file": ledger["usage_file"]}
         return data
+
+    def _batch_rules(self) -> list[tuple[str, str]]:
+        """The batch section's ties to the others: its secret, its priority, its keys."""
+        b = self.batch
+        problems: list[tuple[str, str]] = []
+        if b.enabled and b.worker_sha256 is None:
+            problems.append(("batch.worker_sha256", "required when batch.enabled"))
+        if b.worker_sha256 is not None and any(
+                b.worker_sha256 in (k.sha256, *(p.sha256 for p in k.previous))
+                for k in self.keys.values()):
+            why = "the digest of an API key: the service's secret must be no key's"
+            problems.append(("batch.worker_sha256", why))
+        if b.priority not in self.edge.admission.priorities:
+            names = ", ".join(self.edge.admission.priorities)
+            problems.append(("batch.priority",
+                             f"{b.priority!r} is not in edge.admission.priorities ({names})"))
+        for key_id in b.key_quota_tokens:
+            if key_id not in self.keys:
+                problems.append((f"batch.key_quota_tokens.{key_id}", "not a configured key"))
+        return problems
 
     @model_validator(mode="after")
     def _coupled(self, info: ValidationInfo) -> Config:
@@ -175,6 +200,7 @@ class Config(_Schema):
                 names = ", ".join(self.edge.admission.priorities)
                 problems.append((f"keys.{key_id}.priority",
                                  f"{k.priority!r} is not in edge.admission.priorities ({names})"))
+        problems += self._batch_rules()
         edge = self.edge
         deadline = 2 * self.redis.timeout_ms
         if edge.global_limits_timeout_ms <= deadline:
@@ -200,7 +226,9 @@ class Config(_Schema):
                             ("metrics.limits_listen", self.metrics.limits_listen),
                             # the console's service listens with no admin too (its
                             # login page says how to add one)
-                            ("ledger.console.listen", self.ledger.console.listen)):
+                            ("ledger.console.listen", self.ledger.console.listen),
+                            ("batch.listen",
+                             self.batch.listen if self.batch.enabled else None)):
             if addr is None:
                 continue
             if addr in taken:

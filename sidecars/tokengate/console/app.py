@@ -61,7 +61,7 @@ LOGIN_COOKIE = "tg_console_login"
 SESSIONS_SHOWN = 20         # a key's most recent agent sessions on its page
 MAX_FIELDS = 50             # fields of a query or a form; more: 400
 # the pages a login may go on to (``next``)
-PAGES = ("/keys", "/usage", "/live", "/requests", "/audit")
+PAGES = ("/keys", "/usage", "/live", "/requests", "/batches", "/audit")
 FLASHES_MAX = 1_000         # outcomes kept for the page a POST redirects to
 HERE = Path(__file__).parent
 
@@ -305,6 +305,8 @@ class Console(ReportPages):
         if p.startswith("/requests/"):
             return self.request_page(req, cfg, urllib.parse.unquote(p.removeprefix(
                 "/requests/")))
+        if p == "/batches":
+            return self.batches_page(req, cfg)
         if p == "/audit":
             return self.audit_page(req, cfg)
         return self.page(404, "error.html", req, title="Not found",

@@ -33,6 +33,7 @@ MAX_REFRESH_S = 3600
 LATEST_REFUSALS = 10        # the newest refusals Live lists
 LATEST_SCAN_BYTES = 4 << 20  # ... found among this much of the newest events
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+BATCHES_SHOWN = 100         # a key's newest batches on the batches page
 
 
 class ReportPages:
@@ -209,6 +210,39 @@ class ReportPages:
 
     # --- audit ---------------------------------------------------------------------
 
+    def batches_page(self, req: Request, cfg: tg_config.Config) -> Response:
+        """The Batch API's batches of every key (or of ``?key=``), newest first, at most
+        ``BATCHES_SHOWN`` a key: status, progress, tokens, cost at the batch price and
+        the files (``tokengate.batch.store``)."""
+        from tokengate.batch.store import Store
+        from tokengate.ledger.calculator import charge
+
+        only = req.query.get("key")
+        keys = [k for k in cfg.keys if only in (None, "", k)]
+        store = Store(self.client, cfg.batch.files_dir, cfg.batch.retention_days * 86_400,
+                      create=False)
+        rows, problem = [], None
+        try:
+            for key_id in keys:
+                for b in store.batches(key_id, BATCHES_SHOWN, None).data:
+                    u, n = b["usage"], b["request_counts"]
+                    model = cfg.models.get(b["model"] or "")
+                    cost = charge(u["input_tokens"], u["output_tokens"],
+                                  u["input_tokens_details"]["cached_tokens"],
+                                  weights=model.cost if model else None, batch=True).cost
+                    files = [(kind, fid, _bytes(store, key_id, fid)) for kind, fid in (
+                        ("input", b["input_file_id"]), ("output", b["output_file_id"]),
+                        ("errors", b["error_file_id"])) if fid]
+                    rows.append({"key": key_id, "b": b, "done": n["completed"] + n["failed"],
+                                 "cost": cost, "files": files})
+        except (RedisError, OSError) as e:
+            problem = f"Redis unavailable: {e}"
+        rows.sort(key=lambda r: -r["b"]["created_at"])
+        return self.page(200, "batches.html", req, title="Batches", rows=rows, keys=keys,
+                         only=only or "", problem=problem, page="batches",
+                         enabled=cfg.batch.enabled,
+                         shown_max=BATCHES_SHOWN)
+
     def audit_page(self, req: Request, cfg: tg_config.Config) -> Response:
         """The audit stream, newest first: the changes and logins (console and command
         line) by default, every entry (the billed requests too) with ``?all=1``; at most
@@ -223,6 +257,14 @@ class ReportPages:
         return self.page(200, "audit.html", req, title="Audit", entries=entries,
                          scanned=scanned, every=every, problem=problem, page="audit",
                          shown_max=AUDIT_SHOWN)
+
+
+def _bytes(store: Any, key_id: str, file_id: str) -> int | None:
+    """A batch file's size, or None when it is gone (deleted, or past its retention)."""
+    try:
+        return int(store.file(key_id, file_id)["bytes"])
+    except LookupError:
+        return None
 
 
 def _totals(buckets: list[Bucket]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import FrameType
 
 from tokengate import config as tg_config
 from tokengate import entry, redis_client
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
     args, cfg = entry.start(parser, argv)
     from tokengate.console.app import Console
-    from tokengate.console.server import listen
+    from tokengate.http_server import listen, serve
 
     listen_at = args.listen or cfg.ledger.console.listen
     host, _, port = listen_at.rpartition(":")
@@ -85,16 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         print(f"tokengate-console: cannot serve on {listen_at}: {e}", file=sys.stderr)
         sys.exit(1)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = serve(server)
     signal.signal(signal.SIGHUP, lambda *_: log.info(
         "SIGHUP: nothing to reload (the configuration is read whenever it changes)"))
-    threading.Thread(target=server.serve_forever, name="http-accept", daemon=True).start()
     # the Live page's first read of the usage files (seconds for a day of busy traffic)
     # happens now, not on an operator's first page
     threading.Thread(target=app.traffic.update, name="traffic-first-read",

@@ -14,7 +14,8 @@ What goes where (every path below ``--prefix``; ``/`` on a host)::
     /etc/tokengate/edge.json                    compiled from it on every run
     /etc/tokengate/vllm/example.env             a vLLM replica's settings (tokengate-vllm@PORT)
     /etc/systemd/system/tokengate-counter.service, tokengate-ledger.service,
-        tokengate-limits.service, tokengate-console.service, tokengate-vllm@.service,
+        tokengate-limits.service, tokengate-console.service, tokengate-batch.service,
+        tokengate-vllm@.service,
         tokengate-console-apply.path and .service (root: the key changes the
         operator console queued)
                                                 (not the vLLM unit nor example.env with

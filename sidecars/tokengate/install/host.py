@@ -13,7 +13,8 @@ USER = "tokengate"
 GROUP = "www-data"   # nginx's workers' group on Debian (`user www-data;` in nginx.conf)
 UNITS = ("tokengate-counter.service", "tokengate-ledger.service",
          "tokengate-limits.service", "tokengate-console.service", "tokengate-vllm@.service",
-         "tokengate-console-apply.path", "tokengate-console-apply.service")
+         "tokengate-console-apply.path", "tokengate-console-apply.service",
+         "tokengate-batch.service")
 HOST_CONFIG = "tokengate.host.yaml.in"  # in systemd/: the configuration made for a host
 TEMPLATES = ("nginx.conf.in", "tokengate-http.conf.in", "tokengate-location.conf.in")
 # Where the committed units expect the executables; replaced at install.

@@ -19,6 +19,8 @@ threshold 32768 tokens, rate 0.00015, exclude_system_tokens false)::
     factor        = 1 + rate * (P - threshold)   if P > threshold, else 1
     input_units   = input_billed * factor        (the context-window penalty)
     cost = (input_units * input + O * output + cached_billed * cached) / 1e6
+    a batch line's (an event with batch_id, the Batch API) is that times models.<name>.
+    cost.batch (default 0.5: OpenAI's Batch API is billed at half price)
 
 Cached tokens are billed at the cached rate *instead of* the input rate: vLLM's
 ``prompt_tokens`` counts them too, so billing them as input as well would charge them
@@ -56,13 +58,13 @@ class Charge:
 
 def charge(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
            system_tokens: int = 0, *, weights: ModelCost | None = None,
-           billing: BillingConfig | None = None) -> Charge:
+           billing: BillingConfig | None = None, batch: bool = False) -> Charge:
     """Bill one request; see the module docstring for the formula.
 
     Token counts are non-negative integers; ``cached_tokens`` is clamped to
     ``prompt_tokens`` and ``system_tokens`` to ``prompt_tokens``. ``weights`` default to
-    ``ModelCost()`` (1.0 / 1.35 / 0.1 per 1M tokens), ``billing`` to ``BillingConfig()``.
-    Raises ``ValueError`` on a negative count.
+    ``ModelCost()`` (1.0 / 1.35 / 0.1 per 1M tokens), ``billing`` to ``BillingConfig()``;
+    ``batch``: a batch line, its cost times ``weights.batch``. Raises ``ValueError`` on a negative count.
     """
     if min(prompt_tokens, completion_tokens, cached_tokens, system_tokens) < 0:
         raise ValueError("token counts must be >= 0")
@@ -79,6 +81,8 @@ def charge(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
     units = input_billed * factor
     cost = (units * w.input + completion_tokens * w.output + cached_billed * w.cached) \
         / PER_TOKENS
+    if batch:
+        cost *= w.batch
     return Charge(input_tokens=input_billed, input_units=units, cached_tokens=cached_billed,
                   output_tokens=completion_tokens, excluded_tokens=excluded, factor=factor,
                   cost=cost)
@@ -96,12 +100,13 @@ class Calculator:
         return m.cost if m is not None else ModelCost()
 
     def charge(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               system_tokens: int, model: str | None) -> Charge:
-        """``charge()`` with this configuration's weights for ``model``."""
+               system_tokens: int, model: str | None, batch: bool = False) -> Charge:
+        """``charge()`` with this configuration's weights for ``model``; ``batch``: a
+        batch line's price."""
         return charge(prompt_tokens, completion_tokens, cached_tokens, system_tokens,
-                      weights=self.weights(model), billing=self.cfg.billing)
+                      weights=self.weights(model), billing=self.cfg.billing, batch=batch)
 
     def charge_event(self, ev: UsageEvent) -> Charge:
         """Bill one usage event (its vLLM usage; a rejected request costs 0)."""
         return self.charge(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
-                           ev.system_tokens, ev.model)
+                           ev.system_tokens, ev.model, ev.batch_id is not None)

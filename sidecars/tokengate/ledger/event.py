@@ -96,6 +96,9 @@ Schema (every key is present; ``null`` only where shown)::
                       class, decision, targets, predicted and observed TTFT and TPOT in
                       ms, decision_us) | null (no targets, older events); an object is
                       kept as is, anything else read as null.
+    batch_id          the batch of a line the batch service sent (``tokengate.batch``),
+                      "batch_<hex>" | null (an online request; older events)
+    custom_id         that line's custom_id, 1-512 characters | null
 
 The edge's writer (``lua/tokengate/usage.lua``, ``FIELDS``) writes exactly these keys
 in this order; ``tests/edge/test_edge_access_log.py`` checks a real edge's lines against
@@ -168,11 +171,19 @@ class UsageEvent:
     max_tokens_applied: int | None = None
     session_id: str | None = None
     slo: dict[str, Any] | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
 
     @property
     def time(self) -> datetime:
         """``ts`` as an aware UTC datetime (microsecond precision)."""
         return parse_ts(self.ts)
+
+    @property
+    def usage_endpoint(self) -> str:
+        """The endpoint the usage counters split the event under: "batch" for a batch
+        line (its own price), else ``endpoint``."""
+        return "batch" if self.batch_id is not None else self.endpoint
 
     @property
     def day(self) -> str:
@@ -390,6 +401,22 @@ def _session(obj: dict[str, Any], rid: str) -> str | None:
     return v
 
 
+CUSTOM_ID_MAX = 512  # bytes of a batch line's custom_id (tokengate.batch.lines)
+
+
+def _batch_field(obj: dict[str, Any], name: str, rid: str) -> str | None:
+    """A batch line's ``batch_id`` or ``custom_id``, or None: absent, null, or not a
+    string of 1-512 characters (logged: never a reason to skip a billable event)."""
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= CUSTOM_ID_MAX:
+        log.warning("usage event %s: %s ignored (not a string of 1-%d characters)", rid,
+                    name, CUSTOM_ID_MAX)
+        return None
+    return v
+
+
 def parse_event(line: bytes | str) -> UsageEvent:
     """Parse one usage line (with or without its newline) into a ``UsageEvent``.
 
@@ -438,6 +465,8 @@ def parse_event(line: bytes | str) -> UsageEvent:
         max_tokens_applied=_optional_count(obj, "max_tokens_applied"),
         session_id=_session(obj, rid),
         slo=obj["slo"] if isinstance(obj.get("slo"), dict) else None,
+        batch_id=_batch_field(obj, "batch_id", rid),
+        custom_id=_batch_field(obj, "custom_id", rid),
     )
     if ev.cached_tokens > ev.prompt_tokens:
         raise EventError(f"cached_tokens: {ev.cached_tokens} > prompt_tokens "

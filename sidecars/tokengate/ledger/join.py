@@ -206,7 +206,7 @@ class Join:
         prompt = st.prompt_tokens
         system = min(ev.system_tokens, prompt)
         ch = self.calc.charge(prompt, st.completion_tokens, st.cached_tokens, system,
-                              ev.model)
+                              ev.model, ev.batch_id is not None)
         # 15 significant digits, the decimal precision of a double: the formula's
         # last-bit noise (0.00023610000000000002) stays out of the audit stream and the
         # counters
@@ -246,7 +246,7 @@ class Join:
                 "x": keys(redis_keys.idx_key(ev.day)), "r": ev.request_id,
                 "m": json.dumps([ev.key_id, ev.model]), "d": ev.day,
                 "ds": redis_keys.day_score(ev.day), "n": _fields(counts), "c": cost,
-                "ce": redis_keys.endpoint_field(ev.endpoint, "cost"), "a": audit}
+                "ce": redis_keys.endpoint_field(ev.usage_endpoint, "cost"), "a": audit}
         # the same into the day's counters of the key's team and organization
         key = self.cfg.keys.get(ev.key_id) if ev.key_id is not None else None
         levels = [level_id(lv, name) for lv, name, _g in
@@ -280,9 +280,9 @@ class Join:
                   "cached_tokens": b.cached, "system_tokens": b.system,
                   "settled_engine": by_engine, "engine_missing": b.missing,
                   "disagreements": b.disagree, "orphans": int(orphan),
-                  redis_keys.endpoint_field(ev.endpoint, "requests"): 1,
-                  redis_keys.endpoint_field(ev.endpoint, "prompt_tokens"): b.prompt,
-                  redis_keys.endpoint_field(ev.endpoint, "completion_tokens"):
+                  redis_keys.endpoint_field(ev.usage_endpoint, "requests"): 1,
+                  redis_keys.endpoint_field(ev.usage_endpoint, "prompt_tokens"): b.prompt,
+                  redis_keys.endpoint_field(ev.usage_endpoint, "completion_tokens"):
                       b.completion}
         if ev.status:  # an orphan's is 0: no answer was logged
             counts[f"status:{ev.status}"] = 1
@@ -383,8 +383,8 @@ class Join:
                   "settled_engine": int(old.by != ENGINE), "engine_missing": -old.missing,
                   "disagreements": new.disagree - old.disagree,
                   "estimated": new.estimated - old.estimated, "corrections": 1,
-                  redis_keys.endpoint_field(ev.endpoint, "prompt_tokens"): d_prompt,
-                  redis_keys.endpoint_field(ev.endpoint, "completion_tokens"):
+                  redis_keys.endpoint_field(ev.usage_endpoint, "prompt_tokens"): d_prompt,
+                  redis_keys.endpoint_field(ev.usage_endpoint, "completion_tokens"):
                       d_completion}
         d_cost = float(new.cost) - float(old.cost)
         cost = f"{d_cost:.15g}" if d_cost else "0"

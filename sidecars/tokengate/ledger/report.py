@@ -299,13 +299,15 @@ def render(rows: list[UsageRow], by: Sequence[str], currency: str, title: str) -
     for d in dims:
         table.add_column(d)
     for name in ("requests", "errors", "engine", "prompt", "cached", "completion",
-                 f"cost {currency}"):
+                 f"cost {currency}", "batch", f"batch {currency}"):
         table.add_column(name, justify="right")
 
     def cells(r: UsageRow) -> list[str]:
+        b = r.endpoints.get("batch", {})
         return [f"{r.requests:,}", f"{r.errors:,}", f"{r.settled_engine:,}",
                 f"{r.prompt_tokens:,}", f"{r.cached_tokens:,}", f"{r.completion_tokens:,}",
-                _fmt_cost(r.cost)]
+                _fmt_cost(r.cost), f"{int(b.get('requests', 0)):,}",
+                _fmt_cost(float(b.get("cost", 0.0)))]
 
     names = {"day": lambda r: r.day, "key": lambda r: r.key_id if r.key_id is not None
              else "(no key)", "model": lambda r: r.model if r.model is not None else "(none)",
@@ -336,6 +338,9 @@ COLUMNS
               them: the tokens up to the last chunk the edge saw)
   cost        the billing formula (docs/operators/billing.md) with the
               model's weights at the time the ledger applied the event
+  batch       of the requests, lines of batches (the Batch API), billed at
+              models.<name>.cost.batch times the price; batch <currency>: their
+              cost, a part of cost
 
   --json adds aborted (client disconnects), estimated (usage from the admission
   estimate), system_tokens, settled_engine (the engine column), engine_missing

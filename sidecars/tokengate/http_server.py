@@ -1,5 +1,5 @@
-"""The console's HTTP listener: the standard library's WSGI server on
-``ledger.console.listen`` (``tokengate-console``'s process), with bounds so that slow
+"""A bounded HTTP listener for the WSGI apps of the sidecars (the console, the batch
+service): the standard library's WSGI server, with bounds so that slow
 or many clients cannot take its threads or memory:
 
 - ``WORKERS`` threads serve connections; up to ``QUEUED`` more wait for one; beyond
@@ -14,11 +14,13 @@ or many clients cannot take its threads or memory:
 from __future__ import annotations
 
 import io
+import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -122,7 +124,21 @@ class _Handler(WSGIRequestHandler):
 
 
 def listen(host: str, port: int, app: Callable[..., Any]) -> WSGIServer:
-    """The console's server of ``app`` bound to ``host``:``port`` (not yet serving:
-    call its ``serve_forever``). Raises ``OSError``."""
+    """A bounded server of ``app`` bound to ``host``:``port`` (not yet serving:
+    ``serve``, or its ``serve_forever``). Raises ``OSError``."""
     return make_server(host, port, app, _Server6 if ":" in host else _Server,
                        handler_class=_Handler)
+
+
+def serve(server: WSGIServer) -> threading.Event:
+    """Serve ``server`` on a thread of its own; returns the event that SIGTERM and SIGINT
+    set (the caller stops: ``server.shutdown()``, ``server.server_close()``)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=server.serve_forever, name="http-accept", daemon=True).start()
+    return stop

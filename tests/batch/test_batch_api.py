@@ -1,0 +1,190 @@
+"""The Files and Batch API through the official ``openai`` client, against a real edge,
+ledger and tokengate-batch in front of TokenStorm's fast upstream: shapes, isolation
+between keys, bounds, lines checked at creation, cancel."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL
+from tests.doc_pages import code_block
+from tests.fixtures_batch import KEYS, BatchStack
+
+
+def jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def chat_line(i: int, max_tokens: int = 5, **body: Any) -> dict[str, Any]:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "max_tokens": max_tokens,
+                     "messages": [{"role": "user", "content": f"line {i}"}], **body}}
+
+
+def upload(client: openai.OpenAI, rows: list[dict[str, Any]], name: str = "in.jsonl") -> Any:
+    return client.files.create(file=(name, jsonl(rows)), purpose="batch")
+
+
+def test_file_upload_list_retrieve_content_delete_have_openai_shapes(
+        batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    data = jsonl([chat_line(0)])
+    f = c.files.create(file=("input.jsonl", data), purpose="batch")
+    assert f.id.startswith("file-") and f.object == "file"
+    assert (f.bytes, f.filename, f.purpose, f.status) == (len(data), "input.jsonl", "batch",
+                                                          "processed")
+    assert c.files.retrieve(f.id).model_dump() == f.model_dump()
+    assert f.id in [x.id for x in c.files.list(purpose="batch")]
+    assert c.files.content(f.id).read() == data
+    deleted = c.files.delete(f.id)
+    assert (deleted.id, deleted.object, deleted.deleted) == (f.id, "file", True)
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)
+
+
+def test_batch_runs_every_line_and_output_lines_carry_usage(batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    rows = [chat_line(i, max_tokens=3 + i) for i in range(6)]
+    f = upload(c, rows)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="24h", metadata={"run": "one"})
+    assert (b.object, b.status, b.endpoint, b.completion_window, b.metadata) == (
+        "batch", "validating", "/v1/chat/completions", "24h", {"run": "one"})
+    assert b.expires_at == b.created_at + 86_400
+    done = batch_stack.wait_batch(c, b.id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (6, 6, 0)
+    assert done.error_file_id is None
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(6)]
+    for i, o in enumerate(out):
+        assert o["error"] is None and o["id"].startswith("batch_req_")
+        assert o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 3 + i
+        assert o["response"]["request_id"] == o["id"].removeprefix("batch_req_")
+    out_file = c.files.retrieve(done.output_file_id)
+    assert out_file.purpose == "batch_output"
+    assert done.id in [x.id for x in c.batches.list()]
+
+
+def test_line_the_edge_refuses_goes_to_the_error_file_with_the_online_error(
+        batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    bad_model = chat_line(1)
+    bad_model["body"]["model"] = "no-such-model"
+    too_long = chat_line(2, max_tokens=10**7)
+    rows = [chat_line(0), bad_model, too_long]
+    online = httpx.post(f"{batch_stack.edge.base_url}/chat/completions",
+                        headers={"Authorization": f"Bearer {KEYS['tenant-a']}"},
+                        json=bad_model["body"], timeout=30)
+    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    done = batch_stack.wait_batch(c, b.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+        "completed", 1, 2)
+    errs = {e["custom_id"]: e for e in
+            map(json.loads, c.files.content(done.error_file_id).text.splitlines())}
+    assert set(errs) == {"req-1", "req-2"}
+    assert errs["req-1"]["response"]["status_code"] == online.status_code == 404
+    assert errs["req-1"]["response"]["body"] == online.json()
+    assert errs["req-2"]["response"]["status_code"] == 400
+    assert errs["req-2"]["response"]["body"]["error"]["type"] == "invalid_request_error"
+
+
+def test_another_key_gets_404_for_every_file_and_batch(batch_stack: BatchStack) -> None:
+    a, other = batch_stack.client("tenant-a"), batch_stack.client("tenant-b")
+    f = upload(a, [chat_line(0)])
+    b = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    for call in (lambda: other.files.retrieve(f.id), lambda: other.files.content(f.id),
+                 lambda: other.files.delete(f.id), lambda: other.batches.retrieve(b.id),
+                 lambda: other.batches.cancel(b.id),
+                 lambda: other.batches.create(input_file_id=f.id,
+                                              endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "not_found"
+    assert f.id not in [x.id for x in other.files.list()]
+    assert b.id not in [x.id for x in other.batches.list()]
+    batch_stack.wait_batch(a, b.id)
+
+
+def test_requests_without_a_valid_key_get_openai_401(batch_stack: BatchStack) -> None:
+    bad = openai.OpenAI(base_url=batch_stack.edge.base_url, api_key="tg-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.files.list()
+    assert e.value.body["code"] == "invalid_api_key"
+
+
+def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("x.jsonl", b"{}\n"), purpose="assistants")
+    assert e.value.body["param"] == "purpose"
+    f = upload(c, [chat_line(0)])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/audio/speech",  # type: ignore[arg-type]
+                         completion_window="24h")
+    assert e.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="1h")  # type: ignore[arg-type]
+    assert e.value.body["param"] == "completion_window"
+    with pytest.raises(openai.NotFoundError):
+        c.batches.retrieve("batch_../../etc/passwd")
+    r = httpx.get(f"{batch_stack.edge.base_url}/files/..%2F..%2Fetc%2Fpasswd/content",
+                  headers={"Authorization": f"Bearer {KEYS['tenant-a']}"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", "unknown_url")
+
+
+def test_file_of_the_wrong_shape_fails_its_batch_naming_the_line(
+        batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    rows = [chat_line(0), chat_line(0)]
+    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    done = batch_stack.wait_batch(c, b.id)
+    assert done.status == "failed" and done.failed_at
+    assert done.errors is not None
+    assert [(e.code, e.line) for e in done.errors.data] == [("duplicate_custom_id", 2)]
+
+
+def test_cancel_finalizes_with_unrun_lines_in_the_error_file(batch_stack: BatchStack) -> None:
+    c = batch_stack.client()
+    rows = [chat_line(i, max_tokens=200) for i in range(200)]
+    b = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    batch_stack.wait_batch(c, b.id, until=lambda x: x.status == "in_progress")
+    assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
+    done = batch_stack.wait_batch(c, b.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    n = done.request_counts
+    assert n.completed + n.failed == n.total == 200
+    ids: list[str] = []
+    for fid in (done.output_file_id, done.error_file_id):
+        if fid:
+            ids += [json.loads(x)["custom_id"] for x in c.files.content(fid).text.splitlines()]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(200))
+    errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
+    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+
+
+def test_the_batch_pages_example_runs_as_written(batch_stack: BatchStack,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = code_block("api/batch.md", "python") \
+        .replace("http://127.0.0.1:8080/v1", batch_stack.edge.base_url) \
+        .replace("tg-demo-key", KEYS["tenant-a"])
+    exec(compile(code, "docs/api/batch.md", "exec"), {})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("completed ")
+    assert [line.split()[0] for line in out[1:]] == ["q-0", "q-1", "q-2"]

@@ -1,0 +1,84 @@
+"""The batch worker's choices that need no process: which batch sends next (keys take
+turns, then a key's batches), the window's slow start and halving, the usage of an
+answer in each API's shape."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+
+import pytest
+from tokengate import config as tg_config
+from tokengate.batch.edge import Answer
+from tokengate.batch.worker import Worker, _Batch, retryable, usage_of
+
+pytestmark = pytest.mark.unit
+
+
+def worker(config_path: Path, max_in_flight: int = 64) -> Worker:
+    cfg = tg_config.load(config_path)
+    cfg = cfg.model_copy(update={"batch": cfg.batch.model_copy(
+        update={"max_in_flight": max_in_flight})})
+    return Worker(cfg, store=None, edge=None)  # type: ignore[arg-type]
+
+
+def test_keys_take_turns_then_a_keys_batches(config_path: Path) -> None:
+    w = worker(config_path)
+    for batch_id, key in (("a1", "a"), ("a2", "a"), ("b1", "b")):
+        w.running[batch_id] = _Batch(batch_id, key, "/v1/chat/completions", [],
+                                     deque(range(100)))
+    picks = []
+    for _ in range(8):
+        b = w._next_batch()
+        assert b is not None
+        picks.append(b.batch_id)
+    assert [p[0] for p in picks] == ["b", "a"] * 4
+    assert {p for p in picks if p[0] == "a"} == {"a1", "a2"}
+    assert picks.count("b1") == 4
+
+
+def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window(
+        config_path: Path) -> None:
+    w = worker(config_path, max_in_flight=64)
+    for _ in range(10):
+        w._grow()
+    assert w.window == 12.0
+    w._refused(None)
+    assert (w.window, w.slow_start_until) == (6.0, 6.0)
+    assert w.paused_until > 0
+    for _ in range(6):
+        w._grow()
+    assert 6.9 < w.window < 7.0  # about one more after a window (6) of answers
+    for _ in range(100):
+        w._grow()
+    w._refused(None)
+    w.window = 63.5
+    w.slow_start_until = 64.0
+    w._grow()
+    assert w.window == 64.0  # never above batch.max_in_flight
+
+
+def test_usage_of_reads_chat_responses_and_embeddings_shapes() -> None:
+    chat = {"usage": {"prompt_tokens": 10, "completion_tokens": 3,
+                      "prompt_tokens_details": {"cached_tokens": 4}}}
+    responses = {"usage": {"input_tokens": 8, "output_tokens": 2,
+                           "input_tokens_details": {"cached_tokens": 0}}}
+    embeddings = {"usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    assert [usage_of(b) for b in (chat, responses, embeddings, {})] == [
+        (10, 4, 3), (8, 0, 2), (5, 0, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize(("status", "code", "should_retry", "want"), [
+    (429, "rate_limit_exceeded", True, True),
+    (503, "overloaded", True, True),
+    (429, "insufficient_quota", True, False),
+    (429, "rate_limit_exceeded", False, False),
+    (400, "invalid_request", True, False),
+])
+def test_only_refusals_that_may_pass_later_are_retried(status: int, code: str,
+                                                        should_retry: bool,
+                                                        want: bool) -> None:
+    body = json.dumps({"error": {"message": "m", "type": "t", "param": None,
+                                 "code": code}}).encode()
+    assert retryable(Answer(status, body, None, 1.0, should_retry)) is want
