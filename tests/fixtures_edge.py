@@ -200,16 +200,19 @@ class Edge:
         return dict(r.json())
 
     @contextlib.contextmanager
-    def window_clock(self, second: float = 1.0, running: bool = False
+    def window_clock(self, second: float = 1.0, running: bool = False, here: bool = False
                      ) -> Iterator[WindowClock]:
         """The edge's limit windows on a clock of the test's own, ``second`` s into a
         window no request has used yet (the key's counts start at 0); stopped there
         until moved (``WindowClock.move``), or ``running`` at the real clock's pace.
-        Back on the real clock when the block ends. Only edges started with
-        ``TEST_LUA_PATH`` (every edge of these fixtures) have the movable clock."""
+        ``here``: stopped at the real time instead (the current window and budget
+        periods with what they hold; nothing slides out while the block runs). Back on
+        the real clock when the block ends. Only edges started with ``TEST_LUA_PATH``
+        (every edge of these fixtures) have the movable clock."""
         prefix = Path(self.service.argv[self.service.argv.index("-p") + 1])
         window = (time.time() // WINDOW_S + 1440 * next(_FRESH_WINDOWS)) * WINDOW_S
-        clock = WindowClock(prefix / "window_clock", window + second)
+        clock = WindowClock(prefix / "window_clock",
+                            time.time() if here else window + second)
         if running:
             clock.offset = clock.t - time.time()
         clock._write()

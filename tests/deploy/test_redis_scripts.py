@@ -1,4 +1,4 @@
-"""tokengate.redis_scripts: the package holds the seven Lua scripts the sidecars run in Redis,
+"""tokengate.redis_scripts: the package holds the eight Lua scripts the sidecars run in Redis,
 ``read`` returns each file byte for byte, and the modules' constants (the names callers
 and tests import) are those texts.
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from tokengate import budget_store, redis_scripts
-from tokengate.ledger import ledger
+from tokengate.ledger import alerts, ledger
 from tokengate.limits import budget, window
 
 pytestmark = pytest.mark.unit
@@ -27,10 +27,11 @@ CONSTANTS = {
     "window_settle": window.SETTLE_LUA,
     "ledger_apply": ledger.APPLY_LUA,
     "ledger_time": ledger.TIME_LUA,
+    "alert_claim": alerts.CLAIM_LUA,
 }
 
 
-def test_the_package_holds_exactly_the_seven_scripts():
+def test_the_package_holds_exactly_the_eight_scripts():
     assert sorted(p.stem for p in FOLDER.glob("*.lua")) == sorted(CONSTANTS)
 
 

@@ -233,7 +233,10 @@ def test_redis_stalled_each_edge_holds_a_team_to_its_own_window_and_budget(
         cost_nano = nano(charge(int(first[0].headers["x-token-count"]), 40,
                                 weights=ModelCost(**PRICES)).cost)
         left = round(TEAM_SPEND * 1e9) - 2 * cost_nano
-        with _stopped(st.redis.svc.proc.pid):
+        # the edges' windows stand still from here: the bursts may straddle a minute,
+        # and the quota then read a window whose previous minute had begun to slide out
+        with st.a.window_clock(here=True), st.b.window_clock(here=True), \
+                _stopped(st.redis.svc.proc.pid):
             window = burst([st.a, st.b], "pool")
             spend = burst([st.a, st.b], "spend")
             # the quota endpoint answers from the edge's own counters meanwhile
