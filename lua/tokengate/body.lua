@@ -89,7 +89,7 @@ function _M.check_headers(max_bytes)
     -- under the header, forwarded with a header vLLM may act on): neither is accepted.
     local ce = ngx_var.http_content_encoding
     if ce then
-        ce = ngx_req.get_headers()["content-encoding"]
+        ce = ngx_req.get_headers(0)["content-encoding"]
     end
     if type(ce) == "table" then
         ce = concat(ce, ",")

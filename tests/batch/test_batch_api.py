@@ -159,6 +159,50 @@ def test_file_of_the_wrong_shape_fails_its_batch_naming_the_line(
     assert [(e.code, e.line) for e in done.errors.data] == [("duplicate_custom_id", 2)]
 
 
+def test_hostile_lines_get_the_online_error_and_never_stop_the_service(
+        batch_stack: BatchStack) -> None:
+    """A lone surrogate in a line crashed the worker (re-encoding it as UTF-8) in a loop:
+    every key's Batch API answered 502. It now reaches the edge as the client's escape
+    and gets the online error; a repeated key, NaN or deep nesting fail the batch naming
+    the line (a dict would have kept the last of two keys unseen); a body nested too deep
+    is a 400, not a 500."""
+    c = batch_stack.client()
+    surrogate = chat_line(1)
+    surrogate["body"]["messages"][0]["content"] = "\ud800"
+    online = httpx.post(f"{batch_stack.edge.base_url}/chat/completions",
+                        headers={"Authorization": f"Bearer {KEYS['tenant-a']}",
+                                 "Content-Type": "application/json"},
+                        # compact, as a line's body is sent (the byte offset matches)
+                        content=json.dumps(surrogate["body"], separators=(",", ":")),
+                        timeout=30)
+    b = c.batches.create(input_file_id=upload(c, [chat_line(0), surrogate]).id,
+                         endpoint="/v1/chat/completions", completion_window="24h")
+    done = batch_stack.wait_batch(c, b.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
+        "completed", 1, 1)
+    err = json.loads(c.files.content(done.error_file_id).text)
+    assert err["response"]["status_code"] == online.status_code == 400
+    assert err["response"]["body"] == online.json()
+    line = json.dumps(chat_line(2))
+    raw = "\n".join([line.replace('"model": ', '"model": "x", "model": ', 1),
+                      line.replace('"max_tokens": 5', '"max_tokens": NaN'),
+                      line.replace('"body": ', '"body": ' + "[" * 5000 + "]" * 5000 + ', "b": ')])
+    f = c.files.create(file=("hostile.jsonl", raw.encode()), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    done = batch_stack.wait_batch(c, b.id)
+    assert done.status == "failed" and done.errors is not None
+    assert [(e.code, e.line) for e in done.errors.data] == [("invalid_json_line", n)
+                                                            for n in (1, 2, 3)]
+    assert "duplicate key 'model'" in done.errors.data[0].message
+    deep = httpx.post(f"{batch_stack.edge.base_url}/batches",
+                      headers={"Authorization": f"Bearer {KEYS['tenant-a']}",
+                               "Content-Type": "application/json"},
+                      content="[" * 5000 + "]" * 5000, timeout=30)
+    assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error"
+    assert c.batches.retrieve(b.id).status == "failed"  # the service still answers
+
+
 def test_cancel_finalizes_with_unrun_lines_in_the_error_file(batch_stack: BatchStack) -> None:
     c = batch_stack.client()
     rows = [chat_line(i, max_tokens=200) for i in range(200)]

@@ -148,6 +148,19 @@ def test_bad_target_headers_are_400_in_each_apis_shape(
     assert got["error"]["message"].startswith("X-Tokengate-SLO-TPOT-Ms must be a whole")
 
 
+def test_a_bad_target_header_behind_a_hundred_others_is_still_400(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    """ngx.req.get_headers() reads 100 headers: a bad target after 97 others was never
+    seen and the request was forwarded."""
+    up = replicas()
+    e = _edge(edge_variant_off_vllm, "slo-many", [up])
+    filler = {f"X-Filler-{i}": "1" for i in range(120)}
+    r = _chat(e, headers={**filler, "X-Tokengate-SLO-TTFT-Ms": "abc"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_slo"
+
+
 def test_the_backlog_gauge_grows_with_the_prefill_queued_on_the_replicas(
         edge_variant_off_vllm: Callable[..., Edge],
         replicas: Callable[..., FastUpstream]) -> None:

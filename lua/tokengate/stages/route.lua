@@ -30,6 +30,8 @@ local tostring = tostring
 local floor = math.floor
 local max = math.max
 
+local NO_HEADERS = {} -- a request without target headers (read only)
+
 local _M = {}
 
 -- unavailable(model, why) -> the 503 of a model none of whose replicas has an address
@@ -63,7 +65,12 @@ function _M.replica(ctx, doc)
     local pin = ctx.pin
     local prompt, tokens = ctx.token_estimate or 0, ctx.limit_req.tokens
     local tried = pin and upstream.others(model, pin)
-    local targeted, terr = slo.targets(ctx, ngx_req.get_headers())
+    -- the request's own targets: every header read (get_headers(0): past the 100 a
+    -- plain call reads, or a bad value behind 100 others went unchecked), only when one
+    -- of the two is there ($http_*: no table built for the others)
+    local v = ngx.var
+    local targeted, terr = slo.targets(ctx, (v.http_x_tokengate_slo_ttft_ms
+        or v.http_x_tokengate_slo_tpot_ms) and ngx_req.get_headers(0) or NO_HEADERS)
     if not targeted then
         return nil, terr
     end

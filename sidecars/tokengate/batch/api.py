@@ -174,8 +174,8 @@ class BatchApi:
     def _create(self, env: dict[str, Any], key_id: str) -> dict[str, Any]:
         try:
             req = json.loads(self._body(env, 1024 * 1024))
-        except ValueError:
-            raise ApiError(400, "The body is not JSON.") from None
+        except (ValueError, RecursionError):
+            raise ApiError(400, "The body is not JSON (or nests too deep).") from None
         if not isinstance(req, dict):
             raise ApiError(400, "The body must be a JSON object.")
         file_id = req.get("input_file_id")

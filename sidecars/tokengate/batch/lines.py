@@ -73,7 +73,11 @@ def parse(data: bytes, endpoint: str, max_lines: int,
                                     f"most {max_line_bytes} (batch.max_line_bytes).", n))
             continue
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_object,
+                             parse_constant=_no_constant)
+        except RecursionError:
+            errors.append(LineError("invalid_json_line", f"Line {n} nests too deep.", n))
+            continue
         except (UnicodeDecodeError, ValueError) as e:
             errors.append(LineError("invalid_json_line", f"Line {n} is not JSON: {e}.", n))
             continue
@@ -82,11 +86,38 @@ def parse(data: bytes, endpoint: str, max_lines: int,
             errors.append(err)
             continue
         seen.add(obj["custom_id"])
-        body = json.dumps(obj["body"], ensure_ascii=False, separators=(",", ":"))
-        lines.append(Line(len(lines), obj["custom_id"], body.encode()))
+        lines.append(Line(len(lines), obj["custom_id"], _encode(obj["body"])))
     if not lines and not errors:
         errors.append(LineError("empty_file", "The file has no requests.", None))
     return lines, errors
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names no key twice: the edge refuses a repeated key online
+    (400 duplicate_key), and a dict would keep only the last value unseen."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _v in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r} in an object")
+            seen.add(k)
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON (RFC 8259); the edge refuses them online too."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """A line's body as compact JSON (UTF-8). A lone surrogate escape (``"\\ud800"``)
+    cannot be UTF-8: such a body is written with ASCII escapes, so the edge reads the
+    same escape the client sent and answers as online (400 invalid_unicode)."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _check(obj: Any, n: int, endpoint: str, seen: set[str]) -> LineError | None:

@@ -150,7 +150,14 @@ class Worker:
         busy = self._collect()
         self._flush()
         for batch_id in self.store.active():
-            busy = self._advance(batch_id) or busy
+            try:
+                busy = self._advance(batch_id) or busy
+            except (redis.RedisError, OSError):
+                raise  # the store or the edge: run() waits and tries again
+            except Exception:  # one batch's fault must not stop every key's batches
+                log.exception("tokengate-batch: %s failed on an internal error", batch_id)
+                self._fail(batch_id)
+                busy = True
         busy = self._dispatch() or busy
         if self.clock() - self.last_sweep > SWEEP_S:
             self.last_sweep = self.clock()
@@ -189,6 +196,19 @@ class Worker:
             self._finalize(b, "completed")
             return True
         return False
+
+    def _fail(self, batch_id: str) -> None:
+        """Fail a batch that raised (a defect, not its input: ``lines.parse`` refuses bad
+        input with line errors): ``failed`` with one ``internal_error``, off the active
+        list, so the worker goes on with the others instead of restarting for ever."""
+        h = self.store.raw(batch_id)
+        self.running.pop(batch_id, None)
+        if not h:
+            return
+        self.store.set_fields(batch_id, errors={"object": "list", "data": [
+            {"code": "internal_error", "message": "The batch could not be processed "
+             "(tokengate-batch's log says why).", "line": None, "param": None}]})
+        self.store.finish(batch_id, h["key_id"], "failed", None, None)
 
     def _load(self, batch_id: str, h: dict[str, str]) -> _Batch | None:
         """A batch in progress as the worker keeps it: its lines read again from its input
