@@ -145,6 +145,22 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
     r = httpx.get(f"{batch_stack.edge.base_url}/files/..%2F..%2Fetc%2Fpasswd/content",
                   headers={"Authorization": f"Bearer {KEYS['tenant-a']}"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", "unknown_url")
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.files.retrieve("notanid")
+    assert nf.value.body["message"] == "No such file: 'notanid'."
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.batches.create(input_file_id="abc", endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    assert (nf.value.body["message"], nf.value.body["param"]) == ("No such file: 'abc'.",
+                                                                  "input_file_id")
+    # a create body past its 1 MiB: the service reads it before answering, so the answer
+    # is its JSON 413 every time (answering first broke the connection under nginx)
+    for _ in range(4):
+        big = httpx.post(f"{batch_stack.edge.base_url}/batches",
+                         headers={"Authorization": f"Bearer {KEYS['tenant-a']}",
+                                  "Content-Type": "application/json"},
+                         content=b'{"metadata": "' + b"x" * 2_000_000 + b'"}', timeout=30)
+        assert (big.status_code, big.json()["error"]["code"]) == (413, "request_too_large")
 
 
 def test_file_of_the_wrong_shape_fails_its_batch_naming_the_line(
@@ -221,6 +237,12 @@ def test_cancel_finalizes_with_unrun_lines_in_the_error_file(batch_stack: BatchS
     assert sorted(ids) == sorted(f"req-{i}" for i in range(200))
     errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+    # cancelled at once (validating, or just after): the counts still add up
+    b = c.batches.create(input_file_id=upload(c, rows[:20]).id,
+                         endpoint="/v1/chat/completions", completion_window="24h")
+    c.batches.cancel(b.id)
+    n = batch_stack.wait_batch(c, b.id).request_counts
+    assert n.completed + n.failed == n.total == 20
 
 
 def test_the_batch_pages_example_runs_as_written(batch_stack: BatchStack,

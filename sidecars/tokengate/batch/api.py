@@ -41,6 +41,7 @@ from tokengate.config import BatchConfig
 StartResponse = Callable[..., Any]
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's metadata bounds
 UPLOAD_PURPOSES = ("batch",)
+CREATE_MAX_BYTES = 1024 * 1024  # a create request is a small JSON object
 
 _FILE = re.compile(r"/v1/files/([^/]+)(/content)?")
 _BATCH = re.compile(r"/v1/batches/([^/]+)(/cancel)?")
@@ -84,8 +85,7 @@ class BatchApi:
                            None, "store_unavailable")
             status, body, ctype = 503, err.body(), "application/json"
         except NotFound as e:
-            kind = "file" if str(e).startswith("file-") else "batch"
-            err = ApiError(404, f"No such {kind}: '{str(e)[:64]}'.", "id", "not_found")
+            err = ApiError(404, f"No such {e.kind}: '{e.ident[:64]}'.", "id", "not_found")
             status, body, ctype = 404, err.body(), "application/json"
         start(f"{status} {REASONS.get(status, 'Error')}",
               [("Content-Type", ctype), ("Content-Length", str(len(body)))])
@@ -131,15 +131,23 @@ class BatchApi:
             return _json(self.store.batch(key_id, batch_id))
         raise ApiError(404, f"Invalid URL ({method} {path[:64]})", None, "unknown_url")
 
-    def _body(self, env: dict[str, Any], most: int) -> bytes:
+    def _body(self, env: dict[str, Any], most: int, bound: str, code: str) -> bytes:
+        """The request body, at most ``most`` bytes (``bound`` names that bound in the
+        413, ``code`` is its code). A longer body is read to its end and dropped before
+        the 413: answering while nginx still sends it broke the connection under the
+        answer (nginx then sent its own HTML page under the JSON's Content-Length)."""
         try:
             length = int(env.get("CONTENT_LENGTH") or 0)
         except ValueError:
             raise ApiError(400, "Content-Length is not a number.") from None
+        stream = env["wsgi.input"]
         if length > most:
-            raise ApiError(413, f"The request has {length} bytes; at most {most} "
-                           "(batch.max_file_bytes).", None, "file_too_large")
-        data: bytes = env["wsgi.input"].read(length) if length else b""
+            left = length
+            while left > 0 and (chunk := stream.read(min(left, 1 << 20))):
+                left -= len(chunk)
+            raise ApiError(413, f"The request has {length} bytes; at most {most} ({bound}).",
+                           None, code)
+        data: bytes = stream.read(length) if length else b""
         return data
 
     def _upload(self, env: dict[str, Any], key_id: str) -> dict[str, Any]:
@@ -147,7 +155,8 @@ class BatchApi:
         if not ctype.lower().startswith("multipart/form-data"):
             raise ApiError(415, "Upload a file as multipart/form-data (fields purpose and "
                            "file).", None, "unsupported_media_type")
-        data = self._body(env, self.cfg.max_file_bytes + 64 * 1024)
+        data = self._body(env, self.cfg.max_file_bytes + 64 * 1024,
+                          "batch.max_file_bytes and the form's fields", "file_too_large")
         msg = BytesParser(policy=HTTP).parsebytes(
             f"Content-Type: {ctype}\r\n\r\n".encode("latin-1") + data)
         fields: dict[str, tuple[str | None, bytes]] = {}
@@ -173,7 +182,8 @@ class BatchApi:
 
     def _create(self, env: dict[str, Any], key_id: str) -> dict[str, Any]:
         try:
-            req = json.loads(self._body(env, 1024 * 1024))
+            req = json.loads(self._body(env, CREATE_MAX_BYTES, "a batch's create request",
+                                        "request_too_large"))
         except (ValueError, RecursionError):
             raise ApiError(400, "The body is not JSON (or nests too deep).") from None
         if not isinstance(req, dict):
@@ -193,7 +203,11 @@ class BatchApi:
                            "metadata", "invalid_value")
         if not isinstance(file_id, str):
             raise ApiError(400, "input_file_id is required.", "input_file_id")
-        f = self.store.file(key_id, file_id)
+        try:
+            f = self.store.file(key_id, file_id)
+        except NotFound:
+            raise ApiError(404, f"No such file: '{file_id[:64]}'.", "input_file_id",
+                           "not_found") from None
         if f["purpose"] != "batch":
             raise ApiError(400, f"The file {file_id} was not uploaded with purpose 'batch'.",
                            "input_file_id", "invalid_value")

@@ -101,7 +101,12 @@ return 1
 
 
 class NotFound(LookupError):
-    """No such object for this key (another key's object reads the same)."""
+    """No such object for this key (another key's object reads the same): ``kind``
+    "file" or "batch", ``ident`` the id asked for."""
+
+    def __init__(self, kind: str, ident: str) -> None:
+        super().__init__(ident)
+        self.kind, self.ident = kind, ident
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +143,7 @@ class Store:
     def path(self, file_id: str) -> Path:
         """The bytes of ``file_id`` (a checked id: no other path can come out)."""
         if not FILE_ID.fullmatch(file_id):
-            raise NotFound(file_id)
+            raise NotFound("file", file_id)
         return self.files_dir / file_id
 
     def add_file(self, key_id: str, filename: str, purpose: str, data: bytes,
@@ -168,10 +173,10 @@ class Store:
     def file(self, key_id: str, file_id: str) -> dict[str, Any]:
         """The object of ``key_id``'s file ``file_id``; NotFound for any other."""
         if not FILE_ID.fullmatch(file_id):
-            raise NotFound(file_id)
+            raise NotFound("file", file_id)
         h = self.redis.hgetall(rk.batch_key("file", file_id))
         if not h or h.get("key_id") != key_id:
-            raise NotFound(file_id)
+            raise NotFound("file", file_id)
         obj: dict[str, Any] = json.loads(h["obj"])
         return obj
 
@@ -181,7 +186,7 @@ class Store:
         try:
             return self.path(file_id).read_bytes()
         except FileNotFoundError:
-            raise NotFound(file_id) from None
+            raise NotFound("file", file_id) from None
 
     def files(self, key_id: str, purpose: str | None, limit: int, after: str | None,
               newest_first: bool) -> Page:
@@ -226,10 +231,10 @@ class Store:
     def batch(self, key_id: str, batch_id: str) -> dict[str, Any]:
         """The object of ``key_id``'s batch; NotFound for any other."""
         if not BATCH_ID.fullmatch(batch_id):
-            raise NotFound(batch_id)
+            raise NotFound("batch", batch_id)
         h = self.raw(batch_id)
         if not h or h["key_id"] != key_id:
-            raise NotFound(batch_id)
+            raise NotFound("batch", batch_id)
         return batch_object(h)
 
     def batches(self, key_id: str, limit: int, after: str | None) -> Page:

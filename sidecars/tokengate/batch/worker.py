@@ -279,6 +279,9 @@ class Worker:
                     self.store.record(b.batch_id, ln.index, False, result_line(
                         rid, ln.custom_id, None,
                         (code, f"The batch was {status} before this request ran.")))
+            # cancelled while validating: total was never set, yet every line now has
+            # a result (request_counts said failed 20 of total 0)
+            self.store.set_fields(b.batch_id, total=len(b.lines))
         else:
             self.store.set_fields(b.batch_id, status="finalizing", finalizing_at=now_s())
         out: list[str] = []
