@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +54,6 @@ from tokenstorm.upstream import UpstreamOptions
 from tokengate_dev import devstack
 from tokengate_dev.bench import results
 
-RESULTS = devstack.ROOT / "bench" / "results"
 BENCH_VAR = devstack.VAR / "bench-fairness"
 MODEL = "tiny-qwen3"
 
@@ -338,11 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     out = run_bench(opts, console)
     for t in render(out):
         console.print(t)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in (f"fairness-{stamp}.json", "fairness-latest.json"):
-        (RESULTS / name).write_text(json.dumps(out, indent=2) + "\n")
-    console.print(f"results: {RESULTS / f'fairness-{stamp}.json'}")
+    console.print(f"results: {results.write(out, 'fairness')}")
 
 
 if __name__ == "__main__":
