@@ -76,6 +76,7 @@ local function usable(key, now)
     end
     return key
 end
+_M.usable = usable
 
 -- authenticate(keys, header, presented, previous) -> key entry (from the compiled
 -- config: {id, rpm, tpm, models, digest}) | nil, err (401, errors.new shape: MISSING

@@ -80,7 +80,7 @@ function _M.act_for(ctx, doc, authorization)
     if not target then
         return nil, UNKNOWN
     end
-    if target.disabled or (target.expires_at and ngx.time() >= target.expires_at) then
+    if not auth.usable(target, ngx.time()) then
         return nil, DISABLED
     end
     local check = ngx_var.http_x_tokengate_batch_check == "1"
