@@ -24,6 +24,7 @@ local format = string.format
 local find = string.find
 local lower = string.lower
 local sort = table.sort
+local floor = math.floor
 local concat = table.concat
 local pairs = pairs
 local is_array = json.is_array
@@ -252,14 +253,34 @@ end
 --     1e2) is the integer, as vLLM's lax int parsing reads it, and is rewritten as the
 --     plain integer (the body is then changed): what is counted, capped and forwarded
 --     is one integer, whatever the client's literal.
+--   api_sampling(known, body, words) -> true | nil, err (400 invalid_type): the
+--     sampling fields among `known` (the route's fields; nil: all of them) that vLLM's request models
+--     type as numbers (temperature, top_p, min_p and the penalties: float) or integers
+--     (top_k, seed, min_tokens: int; vllm/entrypoints/openai/chat_completion/
+--     protocol.py, .../anthropic/protocol.py, .../responses/protocol.py) hold a JSON
+--     number (an integral one for the integers), null or nothing. A string such as
+--     "0.5" is refused as OpenAI refuses it (vLLM's lax parsing would take it, "hot"
+--     would fail there after the request was admitted and forwarded).
 _M.API_WORDS = {
     bool = "%s: must be a boolean", int = "%s: must be an integer >= 1",
     int_code = "invalid_value", small = "%s: must be an integer >= 1",
+    number = "%s: must be a number", integer = "%s: must be an integer",
 }
 _M.OPENAI_WORDS = {
     bool = "'%s' must be a boolean", int = "'%s' must be an integer",
     int_code = "invalid_type", small = "'%s' must be at least 1, got %.17g",
+    number = "Invalid type for '%s': expected a decimal, but got %s instead.",
+    integer = "Invalid type for '%s': expected an integer, but got %s instead.",
 }
+local SAMPLING = { temperature = "number", top_p = "number", min_p = "number",
+                   frequency_penalty = "number", presence_penalty = "number",
+                   repetition_penalty = "number", length_penalty = "number",
+                   top_k = "integer", seed = "integer", min_tokens = "integer" }
+local SAMPLING_NAMES = {}
+for name in pairs(SAMPLING) do
+    SAMPLING_NAMES[#SAMPLING_NAMES + 1] = name
+end
+sort(SAMPLING_NAMES)
 
 function _M.api_model(body)
     local model = body.model
@@ -277,6 +298,35 @@ function _M.api_bool(body, name, words)
     local v = body[name]
     if v ~= nil and v ~= null and v ~= true and v ~= false then
         return fail(400, format((words or _M.API_WORDS).bool, name), name, "invalid_type")
+    end
+    return true
+end
+
+-- json_kind(v) -> "a string" | "a boolean" | "an array" | "an object" | "a decimal":
+-- what a JSON value is, in OpenAI's words
+local function json_kind(v)
+    local t = type(v)
+    if t == "string" or t == "boolean" then
+        return "a " .. t
+    end
+    if t == "number" then
+        return "a decimal"
+    end
+    return is_array(v) and "an array" or "an object"
+end
+
+function _M.api_sampling(known, body, words)
+    words = words or _M.API_WORDS
+    for i = 1, #SAMPLING_NAMES do
+        local name = SAMPLING_NAMES[i]
+        local v = body[name]
+        if v ~= nil and v ~= null and (not known or known[name]) then
+            local kind = SAMPLING[name]
+            if type(v) ~= "number" or kind == "integer" and v ~= floor(v) then
+                return fail(400, format(words[kind], name, json_kind(v)), name,
+                    "invalid_type")
+            end
+        end
     end
     return true
 end
@@ -320,6 +370,10 @@ end
 -- at schema_param; nil when the body has none) and the unknown fields (tokengate.bounds;
 -- known: the route's fields, the module's FIELDS[route]).
 function _M.check_api(known, body, models, edge, schema_param, schema)
+    local ok, err = _M.api_sampling(known, body)
+    if not ok then
+        return nil, err
+    end
     local tools = body.tools
     if tools ~= nil and tools ~= null and not is_array(tools) then
         return fail(400, "tools: must be an array", "tools", "invalid_type")
@@ -328,7 +382,7 @@ function _M.check_api(known, body, models, edge, schema_param, schema)
     if not entry then
         return models_mod.not_found(body.model)
     end
-    local ok, err = _M.check_template_kwargs(body.chat_template_kwargs,
+    ok, err = _M.check_template_kwargs(body.chat_template_kwargs,
         edge.template_kwargs_allowed)
     if not ok then
         return nil, err

@@ -239,6 +239,8 @@ def test_refusals_come_in_anthropics_shape_and_never_reach_vllm(
          Refusal(status=404, type="not_found_error", code="model_not_found")),
         ({"model": MODEL, "messages": HELLO},
          Refusal(status=400, type="invalid_request_error", code="missing_required_parameter")),
+        ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "temperature": "hot"},
+         Refusal(status=400, type="invalid_request_error", code="invalid_type")),
     ]
     for body, want in cases:
         _, got = refusal(edge, body)

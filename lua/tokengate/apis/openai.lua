@@ -55,7 +55,7 @@ end
 
 -- check_common(body, models) -> model entry | nil, err (400/404): the fields chat and
 -- completions share (model, stream, stream_options, max_tokens, max_completion_tokens,
--- n), in OpenAI's wording.
+-- n, the sampling fields' types: tokengate.body api_sampling), in OpenAI's wording.
 function _M.check_common(body, models)
     local model = body.model
     if model == nil or model == null then
@@ -89,6 +89,10 @@ function _M.check_common(body, models)
         if not ok then
             return nil, err
         end
+    end
+    ok, err = body_mod.api_sampling(nil, body, WORDS)
+    if not ok then
+        return nil, err
     end
     local m = models[model]
     if not m then
