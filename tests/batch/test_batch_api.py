@@ -98,6 +98,8 @@ def test_line_the_edge_refuses_goes_to_the_error_file_with_the_online_error(
     assert errs["req-1"]["response"]["body"] == online.json()
     assert errs["req-2"]["response"]["status_code"] == 400
     assert errs["req-2"]["response"]["body"]["error"]["type"] == "invalid_request_error"
+    for e in errs.values():  # one id names the line's check, as for a line that ran
+        assert e["id"] == "batch_req_" + e["response"]["request_id"]
 
 
 def test_another_key_gets_404_for_every_file_and_batch(batch_stack: BatchStack) -> None:
@@ -145,6 +147,13 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
     r = httpx.get(f"{batch_stack.edge.base_url}/files/..%2F..%2Fetc%2Fpasswd/content",
                   headers={"Authorization": f"Bearer {KEYS['tenant-a']}"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", "unknown_url")
+    auth = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
+    r = httpx.get(f"{batch_stack.edge.base_url}/files?order=sideways", headers=auth,
+                  timeout=10)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "order")
+    r = httpx.post(f"{batch_stack.edge.base_url}/files", timeout=10, content=b"purpose=batch",
+                   headers={**auth, "Content-Type": "multipart/form-data"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_multipart")
     with pytest.raises(openai.NotFoundError) as nf:
         c.files.retrieve("notanid")
     assert nf.value.body["message"] == "No such file: 'notanid'."

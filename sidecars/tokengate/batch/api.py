@@ -103,7 +103,7 @@ class BatchApi:
             _allow(method, "GET")
             return _json(_list(self.store.files(
                 key_id, query.get("purpose"), _limit(query, 10000), query.get("after"),
-                query.get("order", "desc") != "asc")))
+                _order(query))))
         if path == "/v1/batches":
             if method == "POST":
                 return _json(self._create(env, key_id))
@@ -159,6 +159,10 @@ class BatchApi:
                           "batch.max_file_bytes and the form's fields", "file_too_large")
         msg = BytesParser(policy=HTTP).parsebytes(
             f"Content-Type: {ctype}\r\n\r\n".encode("latin-1") + data)
+        if not msg.is_multipart():
+            raise ApiError(400, "The upload is not a multipart/form-data body with a "
+                           "boundary (send the fields purpose and file as a form).", None,
+                           "invalid_multipart")
         fields: dict[str, tuple[str | None, bytes]] = {}
         for part in msg.iter_parts():
             name = part.get_param("name", header="content-disposition")
@@ -248,6 +252,16 @@ def _limit(query: dict[str, str], most: int) -> int:
     if not 1 <= n <= most:
         raise ApiError(400, f"limit must be between 1 and {most}.", "limit")
     return n
+
+
+def _order(query: dict[str, str]) -> bool:
+    """``order`` of a files list: True for ``desc`` (the default, newest first), False
+    for ``asc``; anything else is a 400, as OpenAI's API answers it."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc (got {order[:16]!r}).", "order",
+                       "invalid_value")
+    return order == "desc"
 
 
 def _list(page: Page) -> dict[str, Any]:

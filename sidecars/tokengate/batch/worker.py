@@ -256,7 +256,9 @@ class Worker:
                 elif retryable(a) and a.error_code() == "count_unavailable":
                     raise OSError("the edge could not count a line now")
                 else:
-                    rid = lines_mod.request_id(batch_id, ln.index, 0)
+                    # refused at validation: named by the edge's id of that check (its
+                    # log line and usage event), as response.request_id is
+                    rid = a.request_id or lines_mod.request_id(batch_id, ln.index, 0)
                     self.store.record(batch_id, ln.index, False,
                                       result_line(rid, ln.custom_id, a))
         self.store.set_counts(batch_id, counts)
