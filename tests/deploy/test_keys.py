@@ -373,7 +373,8 @@ def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) 
     changed = tokengate("keys", "set", "both", "--budget", "day=3", "--config", path,
                         "--no-apply")  # sets the spend limit; the token quota stays
     assert changed.returncode == 0, changed.stderr
-    listed = json.loads(tokengate("keys", "list", "--json", "--config", path,
+    # --config before the verb reads the same file as after it
+    listed = json.loads(tokengate("keys", "--config", path, "list", "--json",
                                   "--redis-url", "redis://127.0.0.1:1/0").stdout)
     entry = next(k for k in listed["keys"] if k["name"] == "both")
     assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \

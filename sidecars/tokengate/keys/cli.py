@@ -377,9 +377,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("keys", help="create, list, change and revoke API keys",
                        description=KEYS_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --config before the verb (keys --config F list) or after it (keys list --config F):
+    # the verb's own default is SUPPRESS so that it does not undo the one given before
+    config_help = f"tokengate.yaml ({tg_config.LOOKUP_HELP})"
+    p.add_argument("--config", type=Path, default=None, help=config_help)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", type=Path, default=None,
-                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    common.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=config_help)
     apply_opts = argparse.ArgumentParser(add_help=False)
     apply_opts.add_argument("--edge", type=Path, action="append", metavar="DIR",
                             help="an edge to reload: DIR holds edge.json and nginx.pid "
