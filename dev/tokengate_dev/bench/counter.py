@@ -85,7 +85,7 @@ WORDS = ["token", "gateway", "latency", "throughput", "prefix", "cache", "schedu
 # process and in frames.
 BATCH = 250
 PASSES = 2
-# The counter's aims (issue 14), as (label, workload, target): tokens per counter
+# The counter's aims, as (label, workload, target): tokens per counter
 # CPU-second in counter frames / raw tiktoken's tokens per CPU-second on the same texts.
 AIMS = [
     ("cold 1k-token prompts: counter / raw tiktoken, per CPU-second", "cold", 0.6),

@@ -22,7 +22,7 @@ TTFT p50/p99 (ms from the scheduled send, answered requests), refusals (429/503)
 mode the total tokens/s and the Jain fairness index of each tenant's served tokens over
 its max-min fair allocation by weight (a tenant that asks for less than its share is
 entitled to what it asks; the rest is split by weight; index 1: every tenant got its
-entitlement). Aims of issue 26 with met / not met: ``light``'s TTFT p99 under the flood
+entitlement). Aims, with met / not met: ``light``'s TTFT p99 under the flood
 with the queues at most 2x its solo p99; the Jain index with the queues at least 0.95
 (both profiles); the queues' total tokens/s at least 0.95x shedding's. Results:
 ``bench/results/fairness-<time>.json`` and ``fairness-latest.json``.
@@ -314,7 +314,7 @@ def render(out: dict[str, Any]) -> list[Table]:
             t.add_row(mode, "all", "", "", f"{out[profile][f'{mode}_total_tokens_per_s']:.0f}",
                       "", "", "", f"Jain {j:.3f}" if j is not None else "")
         tables.append(t)
-    tables.append(results.aims_table(out["aims"], "aims (issue 26)"))
+    tables.append(results.aims_table(out["aims"], "aims"))
     return tables
 
 

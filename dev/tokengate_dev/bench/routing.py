@@ -40,8 +40,8 @@ figure that shows the routing; TTFT differences stay small.
 
 Per workload and policy: the cached-token ratio (``cached_tokens`` / prompt tokens, as
 vLLM reports them), TTFT p50/p90 (ms from the scheduled send), output tokens/s, and how
-the requests spread over the replicas (from the edge's usage events). Then the aims of
-issue 25 with met / not met: on ``shared``, precise prefix routing at least 1.5x the
+the requests spread over the replicas (from the edge's usage events). Then the aims
+with met / not met: on ``shared``, precise prefix routing at least 1.5x the
 cached-token ratio of least-outstanding and at most 0.5x its TTFT p90; on ``unique``, at
 least 0.95x its output tokens/s. Results: ``bench/results/routing-<time>.json`` and
 ``bench/results/routing-latest.json``.
@@ -111,7 +111,7 @@ POLICIES = (
 )
 BASELINE, PRECISE = "least_outstanding", "prefix_precise"
 
-# The aims (issue 25): (workload, label, figure, comparison, target); each figure is
+# The aims: (workload, label, figure, comparison, target); each figure is
 # precise prefix's over least-outstanding's.
 AIMS = [
     ("shared", "cached-token ratio, precise prefix / least outstanding",
@@ -571,7 +571,7 @@ def render(section: str, out: dict[str, Any]) -> list[Table]:
                       "" if f["valid"] else "[red]invalid run[/]")
         tables.append(t)
     if out.get("aims"):
-        t = Table(title=f"{section}: aims (issue 25)", header_style="bold")
+        t = Table(title=f"{section}: aims", header_style="bold")
         for c in ("workload", "aim", "precise / least outstanding", "measured", "target", ""):
             t.add_column(c, justify="right" if c in ("measured", "target") else "left")
         for a in out["aims"]:
