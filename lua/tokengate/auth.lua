@@ -3,7 +3,7 @@
 -- digests (never keys), so the edge hashes the presented key and looks the digest up.
 -- SHA-256: tokengate.digest.
 
-local lrucache = require "resty.lrucache"
+local lrucache = require "resty.lrucache.pureffi"
 local errors = require "tokengate.errors"
 local digest = require "tokengate.digest"
 
@@ -15,7 +15,8 @@ local os_date = os.date
 
 local _M = {}
 
--- presented key -> hex digest; a worker hashes each distinct key once.
+-- presented key -> hex digest; a worker hashes each distinct key once (pureffi: a
+-- flood of random keys sets one entry each, see tokengate.count's cache).
 local digests = lrucache.new(1024)
 
 -- bearer(header) -> the token of an "Authorization: Bearer <token>" value, or nil.
