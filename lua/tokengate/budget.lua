@@ -173,16 +173,19 @@ end
 -- with theirs: every level's budgets are reserved together, so the tightest applies);
 -- model: the compiled model (name, cost); doc: the compiled configuration (billing,
 -- currency); prompt: prompt tokens; completion: the most completion tokens it may
--- generate (all completions of all prompts).
-function _M.request(key, model, doc, prompt, completion, now)
+-- generate (all completions of all prompts); scale: the price's multiplier (a batch
+-- line's cost.batch, as the ledger and the settlement price it; else 1).
+function _M.request(key, model, doc, prompt, completion, now, scale)
     local items = _M.items(key, now, model)
     if #items == 0 then
         return nil
     end
+    scale = scale or 1
     return {
         key_id = key.id, items = items, currency = doc.currency, hour = floor(now / HOUR),
-        cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0)),
+        cost = nano(_M.cost(model.cost, doc.billing, prompt, completion, 0, 0) * scale),
         tokens = min(prompt + completion, CAP), prompt = prompt, completion = completion,
+        scale = scale,
     }
 end
 
@@ -192,7 +195,8 @@ end
 -- replica is expected to serve from its prefix cache (tokengate.prefix). Tokens stay:
 -- a token quota counts a cached token like any other, as the ledger does.
 function _M.reprice(bud, weights, billing, cached)
-    bud.cost = nano(_M.cost(weights, billing, bud.prompt, bud.completion, cached, 0))
+    bud.cost = nano(_M.cost(weights, billing, bud.prompt, bud.completion, cached, 0)
+        * bud.scale)
 end
 
 -- add(name, delta, ttl) -> the counter's new value | nil (logged)

@@ -81,7 +81,7 @@ function _M.prompt(ctx, doc)
         model.output_reserve)
     ctx.limit_req.estimated = counted.source == "estimate"
     ctx.limit_req.budget = budget.request(ctx.key, model, doc, counted.prompt,
-        out * n * counted.prompts, ngx_now())
+        out * n * counted.prompts, ngx_now(), ctx.batch and model.cost.batch or 1)
     return true
 end
 

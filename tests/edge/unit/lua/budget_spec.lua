@@ -100,7 +100,7 @@ case("request: a daily spend limit of every model", function()
     local k = key(spend(10))
     eq(budget.request(k, MODEL, DOC, 1000, 500, NOW), {
         key_id = "k1", currency = "USD", hour = 498967, cost = 1500000, tokens = 1500,
-        prompt = 1000, completion = 500,
+        prompt = 1000, completion = 500, scale = 1,
         items = { {
             b = k.budgets[1], left = DAY_LEFT, ends = "2026-12-04T00:00:00Z",
             name = "k1:*:day:20790", scope = "k1:*:day", counter = "*:day:20790",
@@ -116,6 +116,13 @@ case("reprice: expected cached tokens at the cached price, tokens unchanged", fu
     local pen = billing(false, 500, 0.001)
     budget.reprice(bud, MODEL.cost, pen, 400)
     eq(bud.cost, budget.nano(budget.cost(MODEL.cost, pen, 1000, 500, 400, 0)))
+end)
+
+case("request and reprice: a batch line's reservation at its price's scale", function()
+    local bud = budget.request(key(spend(10)), MODEL, DOC, 1000, 500, NOW, 0.5)
+    eq({ bud.cost, bud.tokens }, { 750000, 1500 })
+    budget.reprice(bud, MODEL.cost, DOC.billing, 400)
+    eq(bud.cost, 675000)
 end)
 
 case("request: a monthly token quota of one model, across the new year", function()
