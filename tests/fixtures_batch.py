@@ -32,7 +32,6 @@ from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, key_digest
 from tests.fixtures_edge import TEST_LUA_PATH, VARIANT_PORTS, Edge, _start_edge
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, free_port
 
-BATCH_PORTS = range(19420 + PORT_OFFSET, 19440 + PORT_OFFSET)
 # key id -> key
 KEYS = {"tenant-a": "tg-test-batch-a", "tenant-b": "tg-test-batch-b"}
 WORKER_SECRET = "tg-test-batch-worker"  # the service's own (batch.worker_sha256)
@@ -110,7 +109,7 @@ class BatchStack:
             self.upstream.stop()
 
 
-def _stack_yaml(base: Path, root: Path, upstream: str, redis_url: str, batch_port: int,
+def _stack_yaml(base: Path, root: Path, upstream: str, redis_url: str,
                 edge_port: int, edit: Callable[[dict[str, Any]], None] | None) -> Path:
     raw = yaml.safe_load(base.read_text())
     raw["redis"]["url"] = redis_url
@@ -127,7 +126,7 @@ def _stack_yaml(base: Path, root: Path, upstream: str, redis_url: str, batch_por
     raw["ledger"]["usage_file"] = str(root / "usage.jsonl")
     raw["ledger"]["engine_usage_files"] = []
     (root / "worker.key").write_text(WORKER_SECRET + "\n")
-    raw["batch"] = {"enabled": True, "listen": f"127.0.0.1:{batch_port}",
+    raw["batch"] = {"enabled": True, "unix_socket": str(root / "batch.sock"),
                     "edge_url": f"http://127.0.0.1:{edge_port}",
                     "worker_sha256": key_digest(WORKER_SECRET),
                     "worker_secret_file": str(root / "worker.key"),
@@ -151,8 +150,7 @@ def start_stack(config_path: Path, name: str, upstream: FastUpstream | None,
     (root / "redis").mkdir()
     redis = PrivateRedis(free_port(PRIVATE_REDIS_PORTS), root / "redis", persist=True).start()
     edge_port = next(VARIANT_PORTS)
-    batch_port = free_port(BATCH_PORTS)
-    path = _stack_yaml(config_path, root, upstream_addr, redis.url, batch_port, edge_port, edit)
+    path = _stack_yaml(config_path, root, upstream_addr, redis.url, edge_port, edit)
     parts: list[Any] = [redis]
     try:
         edge = _start_edge(path, edge_port, f"test-nginx-batch-{name}{PORT_OFFSET or ''}",

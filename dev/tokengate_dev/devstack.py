@@ -33,7 +33,14 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from tokengate import config as tg_config
-from tokenstorm.process import Service, ServiceError, Supervisor, http_ready, tcp_ready
+from tokenstorm.process import (
+    Service,
+    ServiceError,
+    Supervisor,
+    http_ready,
+    tcp_ready,
+    unix_ready,
+)
 
 # Dev tooling runs from a checkout: its folders are found from this file.
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,7 +276,8 @@ DEMO_BATCH_WORKER_KEY = "tg-demo-batch-worker"
 
 def batch_service(config_path: Path, listen: str | None = None, redis_url: str | None = None,
                   edge_url: str | None = None, name: str = "batch") -> Service:
-    """The Batch API (``tokengate-batch``) on ``listen`` (default ``batch.listen``),
+    """The Batch API (``tokengate-batch``) on ``listen`` (``host:port`` or
+    ``unix:<path>``; default ``batch.unix_socket``, else ``batch.listen``),
     sending lines to ``edge_url`` (default ``batch.edge_url``), its state in the Redis of
     ``redis_url`` (default ``redis.url``). When ``batch.worker_secret_file`` is missing
     and ``batch.worker_sha256`` is the demo secret's, the file is written with it. Ready
@@ -277,7 +285,7 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
     cfg = tg_config.load(config_path)
     b = cfg.batch
     argv = [PYTHON, "-m", "tokengate.batch.service", "--config", str(config_path)]
-    listen = listen or b.listen
+    listen = listen or (f"unix:{b.unix_socket}" if b.unix_socket else b.listen)
     argv += ["--listen", listen]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
@@ -285,15 +293,20 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
         argv += ["--edge-url", edge_url]
 
     def prepare() -> None:
+        if listen.startswith("unix:"):
+            Path(listen.removeprefix("unix:")).parent.mkdir(parents=True, exist_ok=True)
         demo = hashlib.sha256(DEMO_BATCH_WORKER_KEY.encode()).hexdigest()
         if b.worker_sha256 == demo and not b.worker_secret_file.exists():
             b.worker_secret_file.parent.mkdir(parents=True, exist_ok=True)
             b.worker_secret_file.write_text(DEMO_BATCH_WORKER_KEY + "\n")
             b.worker_secret_file.chmod(0o600)
 
-    host, _, port = listen.rpartition(":")
-    return _service(name, argv, tcp_ready(host, int(port)), start_timeout_s=30.0,
-                    prepare=prepare)
+    if listen.startswith("unix:"):
+        ready = unix_ready(listen.removeprefix("unix:"))
+    else:
+        host, _, port = listen.rpartition(":")
+        ready = tcp_ready(host, int(port))
+    return _service(name, argv, ready, start_timeout_s=30.0, prepare=prepare)
 
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
@@ -525,7 +538,7 @@ def listeners(cfg: tg_config.Config, counter_port: int) -> list[tuple[str, str]]
                         endpoint.removeprefix("tcp://")))
     if cfg.ledger.console.admins:
         out.append(("ledger.console.listen (the operator console)", cfg.ledger.console.listen))
-    if cfg.batch.enabled:
+    if cfg.batch.enabled and cfg.batch.unix_socket is None:
         out.append(("batch.listen (the Batch API)", cfg.batch.listen))
     return out + [(setting, addr) for _, setting, addr in sidecar_metrics(cfg)]
 

@@ -15,8 +15,9 @@
 --
 -- /v1/files and /v1/batches (their own location of tokengate-location.conf) are the
 -- service's: the edge reads the key as for every route (lockout, 401) and forwards with
--- X-Tokengate-Key set to the key's id; the service trusts that header only because it
--- listens on loopback behind the edge (batch.listen).
+-- X-Tokengate-Key set to the key's id; the service trusts that header because only the
+-- edge reaches it: its unix socket (batch.unix_socket, mode 0660, nginx's group) or,
+-- without one, loopback (batch.listen: any local user could name a key there).
 
 local ngx = ngx
 local json = require "tokengate.json"
@@ -128,8 +129,9 @@ function _M.event_fields(ctx)
 end
 
 -- files_access(ctx, doc, key): the access phase of /v1/files and /v1/batches once the
--- key is read: forwarded to the batch service with the key's id. A gateway without the
--- service (batch.enabled false) answers 404 in OpenAI's shape.
+-- key is read: forwarded to the batch service with the key's id, on its unix socket
+-- (batch.unix_socket; proxy_pass's "unix:<path>:" form) or else on batch.listen. A
+-- gateway without the service (batch.enabled false) answers 404 in OpenAI's shape.
 function _M.files_access(ctx, doc, key)
     local b = doc.batch
     if not b or not b.enabled then
@@ -137,7 +139,8 @@ function _M.files_access(ctx, doc, key)
             .. "(batch.enabled).", nil, "unknown_url")
     end
     ngx_var.tg_batch_key = key.id
-    ngx_var.tg_batch_upstream = b.listen
+    local sock = b.unix_socket
+    ngx_var.tg_batch_upstream = type(sock) == "string" and "unix:" .. sock .. ":" or b.listen
     return true
 end
 

@@ -1,5 +1,6 @@
 """A bounded HTTP listener for the WSGI apps of the sidecars (the console, the batch
-service): the standard library's WSGI server, with bounds so that slow
+service), on a TCP port or a unix socket: the standard library's WSGI server, with
+bounds so that slow
 or many clients cannot take its threads or memory:
 
 - ``WORKERS`` threads serve connections; up to ``QUEUED`` more wait for one; beyond
@@ -13,7 +14,9 @@ or many clients cannot take its threads or memory:
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import signal
 import socket
 import threading
@@ -84,6 +87,32 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _UnixServer(_Server):
+    """The bounded server on a unix socket of mode 0660: its owner and its group (the
+    units' www-data: nginx's workers) connect, no other local user does."""
+
+    address_family = socket.AF_UNIX
+    allow_reuse_address = False
+
+    def __init__(self, path: str, handler: type[_Handler]) -> None:
+        self.path = path
+        # socketserver takes the path as the address (typed as a host and port there)
+        super().__init__(path, handler)  # type: ignore[arg-type]
+
+    def server_bind(self) -> None:
+        path = self.path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # the socket of a run that was killed
+        self.socket.bind(path)
+        os.chmod(path, 0o660)
+        self.server_name, self.server_port = "localhost", 0
+        self.setup_environ()
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        conn, _ = self.socket.accept()
+        return conn, ("unix", 0)  # a unix peer has no address; WSGI wants a host
+
+
 class _DeadlineSocket(io.RawIOBase):
     """A connection's reads, each of which ends by one deadline (monotonic): every
     ``recv`` waits at most what is left of it (and at most the read timeout), and one
@@ -128,6 +157,14 @@ def listen(host: str, port: int, app: Callable[..., Any]) -> WSGIServer:
     ``serve``, or its ``serve_forever``). Raises ``OSError``."""
     return make_server(host, port, app, _Server6 if ":" in host else _Server,
                        handler_class=_Handler)
+
+
+def listen_unix(path: str, app: Callable[..., Any]) -> WSGIServer:
+    """A bounded server of ``app`` on the unix socket ``path`` (mode 0660; a file left
+    there is replaced), not yet serving. Raises ``OSError``."""
+    server = _UnixServer(path, _Handler)
+    server.set_app(app)
+    return server
 
 
 def serve(server: WSGIServer) -> threading.Event:

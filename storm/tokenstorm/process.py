@@ -72,6 +72,21 @@ def tcp_ready(host: str, port: int) -> Callable[[], bool]:
     return probe
 
 
+def unix_ready(path: str) -> Callable[[], bool]:
+    """Probe: a connect to the unix socket at path succeeds."""
+
+    def probe() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            try:
+                s.connect(path)
+                return True
+            except OSError:
+                return False
+
+    return probe
+
+
 def http_ready(url: str) -> Callable[[], bool]:
     """Probe: GET url answers 200."""
 

@@ -15,8 +15,8 @@ log = logging.getLogger("tokengate.batch")
 DESCRIPTION = """\
 OpenAI's Files and Batch API on spare capacity (the batch section of tokengate.yaml).
 
-It serves /v1/files and /v1/batches on batch.listen (loopback: the edge forwards them
-there with the key's id), keeps objects in Redis and file bytes in batch.files_dir, and
+It serves /v1/files and /v1/batches on batch.unix_socket, else batch.listen (loopback):
+the edge forwards them there with the key's id, keeps objects in Redis and file bytes in batch.files_dir, and
 runs every batch: each line checked and counted by the edge at creation, then sent
 through the edge (batch.edge_url) as batch.worker_key acting for the batch's key, at
 that key's priority, as fast as admission lets it (docs/api/batch.md). One process per
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None,
                         help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
-    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
-                        help="where to serve (default: batch.listen)")
+    parser.add_argument("--listen", default=None, metavar="HOST:PORT|unix:PATH",
+                        help="where to serve (default: batch.unix_socket, else "
+                             "batch.listen)")
     parser.add_argument("--edge-url", default=None,
                         help="where lines go (default: batch.edge_url)")
     parser.add_argument("--redis-url", default=None,
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from tokengate.batch.edge import EdgeClient
     from tokengate.batch.store import Store
     from tokengate.batch.worker import Worker
-    from tokengate.http_server import listen, serve
+    from tokengate.http_server import listen, listen_unix, serve
 
     b = cfg.batch
     try:
@@ -54,16 +55,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     store = Store(client, b.files_dir, b.retention_days * 86_400)
-    listen_at = args.listen or b.listen
-    host, _, port = listen_at.rpartition(":")
+    listen_at = args.listen or (f"unix:{b.unix_socket}" if b.unix_socket else b.listen)
     try:
-        server = listen(host.strip("[]"), int(port), BatchApi(store, b))
+        if listen_at.startswith("unix:"):
+            server = listen_unix(listen_at.removeprefix("unix:"), BatchApi(store, b))
+        else:
+            host, _, port = listen_at.rpartition(":")
+            server = listen(host.strip("[]"), int(port), BatchApi(store, b))
     except (OSError, ValueError) as e:
         print(f"tokengate-batch: cannot serve on {listen_at}: {e}", file=sys.stderr)
         sys.exit(1)
     stop = serve(server)
     worker = Worker(cfg, store, EdgeClient(args.edge_url or b.edge_url, secret))
-    log.info("batch API on http://%s/, files in %s, lines through %s", listen_at,
+    log.info("batch API on %s, files in %s, lines through %s", listen_at,
              b.files_dir, args.edge_url or b.edge_url)
     worker.run(stop)
     server.shutdown()

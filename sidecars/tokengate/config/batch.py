@@ -10,6 +10,7 @@ from pydantic import Field
 from tokengate.config.types import (
     LoopbackHostPort,
     NonEmpty,
+    OptionalPath,
     Positive,
     RelPath,
     Sha256,
@@ -32,7 +33,14 @@ class BatchConfig(_Schema):
     listen: LoopbackHostPort = Field(
         default="127.0.0.1:8086",
         description="host:port of the service (HTTP, loopback: it trusts the key id the "
-                    "edge forwards).")
+                    "edge forwards, so any local user could act for any key there) when "
+                    "unix_socket is null.")
+    unix_socket: OptionalPath = Field(
+        default=None,
+        description="Unix socket of the service (mode 0660, its group nginx's workers'): "
+                    "it serves there only, no TCP, and the edge forwards there. Set it "
+                    "wherever other local users run (the installed unit: "
+                    "/run/tokengate/batch.sock).")
     edge_url: str = Field(
         default="http://127.0.0.1:8080",
         description="Where the service sends lines (the edge's API listener).")

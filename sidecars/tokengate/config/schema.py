@@ -228,7 +228,8 @@ class Config(_Schema):
                             # login page says how to add one)
                             ("ledger.console.listen", self.ledger.console.listen),
                             ("batch.listen",
-                             self.batch.listen if self.batch.enabled else None)):
+                             self.batch.listen if self.batch.enabled
+                             and self.batch.unix_socket is None else None)):
             if addr is None:
                 continue
             if addr in taken:
