@@ -1,4 +1,6 @@
 """Fixtures of the nginx edge tests: real nginx + ngx_lua, real counter, real vLLM CPU.
+(Over 600 lines: the edge's fixtures and the fakes they run against, which every edge
+test imports from one place.)
 
 - ``edge_config_path``: the test configuration plus the edge's test keys (small limits
   for the limit tests) and a usage file of its own.

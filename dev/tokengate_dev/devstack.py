@@ -1,4 +1,6 @@
 """Start the whole tokengate stack on loopback: the commands ``make run`` and the tests use.
+(Over 600 lines: one builder per part of the stack, for ``make run``, the benchmarks
+and the tests alike, sharing the stack's paths, ports and readiness checks.)
 
 Each part is a ``tokenstorm.process.Service``: an argv, an environment, a readiness probe
 and a log file under ``var/log``. ``make run`` calls ``python -m tokengate_dev.devstack run``; the test

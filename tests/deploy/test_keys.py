@@ -1,5 +1,7 @@
 """``tokengate keys`` against a running edge: real nginx, the real counter, TokenStorm's
 fast upstream as the model server, the official openai client.
+(Over 600 lines: the keys command's verbs against one running edge fixture and one
+repository-copy helper.)
 
 A key the CLI creates is admitted as soon as the command returns and a revoked one is
 refused as soon as it returns (the command reloads the edge and waits for its new

@@ -1,4 +1,6 @@
 """An upgrade from the previous release, by the steps of docs/operators/upgrading.md.
+(Over 600 lines: one upgrade, run once per module on the previous release's files,
+and the checks of what it must keep, which read the same host.)
 
 Release 0.1.0 (the parts of tag ``v0.1.0`` an install reads, kept as
 ``releases/v0.1.0.tar.gz`` beside this file, so that a clone without tags runs it) is

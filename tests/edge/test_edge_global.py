@@ -1,4 +1,6 @@
 """Global limits at the edge: two nginx edges, one Redis, one tokengate-limits sidecar.
+(Over 600 lines: two edges, one Redis and one limits sidecar started once per module
+for every case here; a split would start them once per file.)
 
 Real processes: the counter (exact prompt tokens), the global-limit sidecar (2 workers,
 one unix socket each), Redis, two nginx edges with ``global_limits.enabled``, and

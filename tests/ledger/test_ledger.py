@@ -1,4 +1,6 @@
 """The usage ledger against real Redis: counters, exactly-once, rotation, outages.
+(Over 600 lines: the ledger's counting contract, every case checked against one
+expected-rows model and one workload generator.)
 
 In-process tests drive ``Ledger`` directly; the crash tests run the real
 ``tokengate-ledger`` process (devstack.ledger_service) and ``kill -9`` it, and kill and

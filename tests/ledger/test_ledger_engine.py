@@ -3,6 +3,8 @@ Redis, records written the way the plugin writes them): the engine's numbers are
 bill, in any order, across restarts (kill -9 of two real ledgers sharing one Redis),
 exactly once; a missing record keeps the edge's numbers after the wait; records of no
 edge request are counted, not billed; ``tokengate usage`` shows what the engine settled.
+(Over 600 lines: one contract, the join of events with engine records, checked from
+both sides with one set of record and ledger helpers.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
 """Global limits: the Redis sliding window and the tokengate-limits gRPC sidecar.
+(Over 600 lines: every window and settlement rule of one gRPC service, checked
+through one sidecar fixture and one reserve helper.)
 
 Real Redis, real sidecar processes (devstack.limits_service); two "edges" are two
 client processes, each through its own sidecar, against one TPM limit.
