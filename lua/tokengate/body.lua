@@ -24,12 +24,12 @@ local format = string.format
 local find = string.find
 local lower = string.lower
 local sort = table.sort
-local floor = math.floor
 local concat = table.concat
 local pairs = pairs
 local is_array = json.is_array
 local is_object = json.is_object
 local json_integer = json.integer
+local json_number = json.number
 local json_set = json.set
 local null = json.null
 local KEYS = json.KEYS
@@ -309,7 +309,7 @@ local function json_kind(v)
     if t == "string" or t == "boolean" then
         return "a " .. t
     end
-    if t == "number" then
+    if json_number(v) then
         return "a decimal"
     end
     return is_array(v) and "an array" or "an object"
@@ -322,7 +322,7 @@ function _M.api_sampling(known, body, words)
         local v = body[name]
         if v ~= nil and v ~= null and (not known or known[name]) then
             local kind = SAMPLING[name]
-            if type(v) ~= "number" or kind == "integer" and v ~= floor(v) then
+            if not json_number(v) or kind == "integer" and not json_integer(v) then
                 return fail(400, format(words[kind], name, json_kind(v)), name,
                     "invalid_type")
             end

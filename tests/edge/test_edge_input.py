@@ -175,6 +175,9 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "invalid_type", "top_k", "expected an integer"),
     ("seed a boolean", lambda: (json.dumps(chat("hi", seed=True)).encode(), {}), 400,
      "invalid_type", "seed", "got a boolean"),
+    ("top_k a decimal literal", lambda: ((b'{"model":"tiny-qwen3","max_tokens":1,"top_k":2.5,'
+                                          b'"messages":[{"role":"user","content":"a"}]}'), {}),
+     400, "invalid_type", "top_k", "expected an integer, but got a decimal"),
     ("counter rejects a field", lambda: (json.dumps(chat(
         [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])).encode(), {}), 400,
      "invalid_value", "messages[0].content[0].type", "messages[0].content[0].type"),
@@ -514,3 +517,39 @@ def test_content_headers_repeated_or_spelled_otherwise(
         assert r.json()["object"] == "chat.completion"
     else:
         assert_error(r, status, "unsupported_media_type", None, message_has)
+
+
+@pytest.mark.parametrize("value", [b"abc\x01def", b"abc\x7f", b"\x1b[31mred"],
+                         ids=["SOH", "DEL", "escape"])
+def test_a_header_with_a_control_character_is_refused_before_vllm(
+        fast_edge: Edge, value: bytes) -> None:
+    # httpx will not send such a header: the request is written by hand
+    body = json.dumps(chat("hi")).encode()
+    with socket.create_connection(("127.0.0.1", fast_edge.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Authorization: Bearer " + MAIN_KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nX-Client-Note: " + value + b"\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+                  b"Connection: close\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data
+    err = json.loads(payload)["error"]
+    assert (err["code"], err["type"]) == ("invalid_header", "invalid_request_error")
+    assert "x-client-note" in err["message"].lower()
+    rid = next(line.split(b": ")[1].decode() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"x-request-id"))
+    ev = fast_edge.event(rid)
+    assert (ev["status"], ev["error"], ev["upstream"]) == (400, "invalid_header", None)
+
+
+def test_sampling_fields_of_the_right_types_pass(fast_edge: Edge) -> None:
+    # decimals (boxed by the edge's JSON reader), integers, an integral float, nulls
+    body = (b'{"model":"tiny-qwen3","max_tokens":2,"messages":[{"role":"user","content":"a"}],'
+            b'"temperature":0.7,"top_p":0.95,"min_p":0.05,"frequency_penalty":-0.5,'
+            b'"presence_penalty":1e-1,"repetition_penalty":1.1,"top_k":20,"seed":2.0,'
+            b'"min_tokens":null,"length_penalty":1}')
+    r = post(fast_edge, body)
+    assert r.status_code == 200, r.text

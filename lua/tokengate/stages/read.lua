@@ -10,6 +10,7 @@ local limits = require "tokengate.limits"
 local apis = require "tokengate.apis"
 local state = require "tokengate.state"
 local batch = require "tokengate.batch"
+local errors = require "tokengate.errors"
 
 local ngx_var = ngx.var
 local ngx_req = ngx.req
@@ -53,14 +54,47 @@ function _M.key(ctx, doc)
     return key
 end
 
--- route(ctx, doc) -> true | nil, err (404/405): a known route with its method; a route
--- without a body (the API module's NO_BODY) goes to the module's without_body(), which
--- answers it (the model list) or prepares it to be forwarded (a stored response).
+-- A header value with a control character other than HTAB (RFC 9110 5.5: field values
+-- are visible characters, spaces and tabs) passes nginx and is forwarded; vLLM's HTTP
+-- server (h11) then refuses the request with a bare 400, after it was admitted. In the
+-- raw header block the lines end with CR LF, which the fast check lets through.
+local CONTROL_IN_BLOCK = "[%z\1-\8\11\12\14-\31\127]"
+local CONTROL_IN_VALUE = "[%z\1-\8\10-\31\127]"
+
+-- control_header() -> nil | the name of a request header whose value holds a control
+-- character. One scan of the raw header block (ngx.req.raw_header), the headers one by
+-- one only when it finds one (or when there is no raw block: HTTP/2).
+local function control_header()
+    local ok, raw = pcall(ngx_req.raw_header, true)
+    if ok and not string.find(raw, CONTROL_IN_BLOCK) then
+        return nil
+    end
+    for name, v in pairs(ngx_req.get_headers(0, true)) do
+        if type(v) == "table" then
+            v = table.concat(v, ",")
+        end
+        if string.find(v, CONTROL_IN_VALUE) then
+            return name
+        end
+    end
+    return nil
+end
+
+-- route(ctx, doc) -> true | nil, err (404/405, 400 invalid_header): a known route with
+-- its method and no control character in a header; a route without a body (the API
+-- module's NO_BODY) goes to the module's without_body(), which answers it (the model
+-- list) or prepares it to be forwarded (a stored response).
 function _M.route(ctx, doc)
     local route = ctx.route
     local err = apis.check_method(route, ngx_req.get_method(), ctx.uri)
     if err then
         return nil, err
+    end
+    local bad = control_header()
+    if bad then
+        return nil, errors.new(400, "Header " .. errors.clip(bad) .. " holds a control "
+            .. "character: header values may hold visible characters, spaces and tabs "
+            .. "only.", nil, "invalid_header")
     end
     local api = ctx.api
     if api.NO_BODY[route] then
