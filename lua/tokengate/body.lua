@@ -24,6 +24,7 @@ local format = string.format
 local find = string.find
 local lower = string.lower
 local sort = table.sort
+local huge = math.huge
 local concat = table.concat
 local pairs = pairs
 local is_array = json.is_array
@@ -253,14 +254,17 @@ end
 --     1e2) is the integer, as vLLM's lax int parsing reads it, and is rewritten as the
 --     plain integer (the body is then changed): what is counted, capped and forwarded
 --     is one integer, whatever the client's literal.
---   api_sampling(known, body, words) -> true | nil, err (400 invalid_type): the
---     sampling fields among `known` (the route's fields; nil: all of them) that vLLM's request models
---     type as numbers (temperature, top_p, min_p and the penalties: float) or integers
---     (top_k, seed, min_tokens: int; vllm/entrypoints/openai/chat_completion/
---     protocol.py, .../anthropic/protocol.py, .../responses/protocol.py) hold a JSON
---     number (an integral one for the integers), null or nothing. A string such as
---     "0.5" is refused as OpenAI refuses it (vLLM's lax parsing would take it, "hot"
---     would fail there after the request was admitted and forwarded).
+--   api_sampling(known, body, words) -> true | nil, err (400 invalid_type or
+--     invalid_value): the sampling fields among `known` (the route's fields; nil: all of
+--     them) that vLLM's request models type as numbers (temperature, top_p, min_p and
+--     the penalties: float) or integers (top_k, seed, min_tokens: int;
+--     vllm/entrypoints/openai/chat_completion/protocol.py, .../anthropic/protocol.py,
+--     .../responses/protocol.py) hold a JSON number (an integral one for the
+--     integers), null or nothing, within the range vLLM's SamplingParams._verify_args
+--     allows (vllm/sampling_params.py); stop / stop_sequences a string or an array of
+--     strings, user a string. A string such as "0.5" is refused as OpenAI refuses it
+--     (vLLM's lax parsing would take it; "hot" or -3 would fail there after the request
+--     was admitted and forwarded).
 _M.API_WORDS = {
     bool = "%s: must be a boolean", int = "%s: must be an integer >= 1",
     int_code = "invalid_value", small = "%s: must be an integer >= 1",
@@ -272,10 +276,19 @@ _M.OPENAI_WORDS = {
     number = "Invalid type for '%s': expected a decimal, but got %s instead.",
     integer = "Invalid type for '%s': expected an integer, but got %s instead.",
 }
-local SAMPLING = { temperature = "number", top_p = "number", min_p = "number",
-                   frequency_penalty = "number", presence_penalty = "number",
-                   repetition_penalty = "number", length_penalty = "number",
-                   top_k = "integer", seed = "integer", min_tokens = "integer" }
+-- name -> {kind, lowest, highest, lowest excluded}: vLLM 0.32's SamplingParams checks
+local INT64 = 2 ^ 63
+local SAMPLING = {
+    temperature = { "number", 0, 2 }, top_p = { "number", 0, 1, true },
+    min_p = { "number", 0, 1 }, frequency_penalty = { "number", -2, 2 },
+    presence_penalty = { "number", -2, 2 }, repetition_penalty = { "number", 0, huge, true },
+    length_penalty = { "number", -huge, huge }, top_k = { "integer", -1, huge },
+    seed = { "integer", -INT64, INT64 - 1 }, min_tokens = { "integer", 0, huge },
+}
+-- stop (chat, completions, Responses' vLLM extension: a string or strings) and
+-- stop_sequences (Messages: strings)
+local STOPS = { stop = "a string or an array of strings",
+                stop_sequences = "an array of strings" }
 local SAMPLING_NAMES = {}
 for name in pairs(SAMPLING) do
     SAMPLING_NAMES[#SAMPLING_NAMES + 1] = name
@@ -315,18 +328,54 @@ local function json_kind(v)
     return is_array(v) and "an array" or "an object"
 end
 
+-- strings(v) -> whether v is a string or an array of strings
+local function strings(v)
+    if type(v) == "string" then
+        return true
+    end
+    if not is_array(v) then
+        return false
+    end
+    for i = 1, #v do
+        if type(v[i]) ~= "string" then
+            return false
+        end
+    end
+    return true
+end
+
 function _M.api_sampling(known, body, words)
     words = words or _M.API_WORDS
     for i = 1, #SAMPLING_NAMES do
         local name = SAMPLING_NAMES[i]
         local v = body[name]
         if v ~= nil and v ~= null and (not known or known[name]) then
-            local kind = SAMPLING[name]
-            if not json_number(v) or kind == "integer" and not json_integer(v) then
+            local rule = SAMPLING[name]
+            local kind, lo, hi, open = rule[1], rule[2], rule[3], rule[4]
+            local n = json_number(v)
+            if not n or kind == "integer" and not json_integer(v) then
                 return fail(400, format(words[kind], name, json_kind(v)), name,
                     "invalid_type")
             end
+            if n < lo or open and n == lo or n > hi or n ~= n then
+                return fail(400, format("%s must be in %s%.17g, %.17g], got %.17g", name,
+                    open and "(" or "[", lo, hi, n), name, "invalid_value")
+            end
         end
+    end
+    for name, want in pairs(STOPS) do
+        local v = body[name]
+        if v ~= nil and v ~= null and (not known or known[name])
+                and (not strings(v) or name == "stop_sequences" and type(v) == "string") then
+            return fail(400, format("%s must be %s, got %s", name, want, json_kind(v)), name,
+                "invalid_type")
+        end
+    end
+    local user = body.user
+    if user ~= nil and user ~= null and (not known or known.user) and type(user) ~= "string"
+    then
+        return fail(400, format("user must be a string, got %s", json_kind(user)), "user",
+            "invalid_type")
     end
     return true
 end

@@ -175,6 +175,16 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "invalid_type", "top_k", "expected an integer"),
     ("seed a boolean", lambda: (json.dumps(chat("hi", seed=True)).encode(), {}), 400,
      "invalid_type", "seed", "got a boolean"),
+    ("temperature above 2", lambda: (json.dumps(chat("hi", temperature=3)).encode(), {}),
+     400, "invalid_value", "temperature", "temperature must be in [0, 2], got 3"),
+    ("top_p zero", lambda: (json.dumps(chat("hi", top_p=0)).encode(), {}), 400,
+     "invalid_value", "top_p", "top_p must be in (0, 1]"),
+    ("top_k below -1", lambda: (json.dumps(chat("hi", top_k=-5)).encode(), {}), 400,
+     "invalid_value", "top_k", "got -5"),
+    ("stop an object", lambda: (json.dumps(chat("hi", stop={"a": 1})).encode(), {}), 400,
+     "invalid_type", "stop", "a string or an array of strings, got an object"),
+    ("user an object", lambda: (json.dumps(chat("hi", user={"a": 1})).encode(), {}), 400,
+     "invalid_type", "user", "user must be a string"),
     ("top_k a decimal literal", lambda: ((b'{"model":"tiny-qwen3","max_tokens":1,"top_k":2.5,'
                                           b'"messages":[{"role":"user","content":"a"}]}'), {}),
      400, "invalid_type", "top_k", "expected an integer, but got a decimal"),
@@ -549,7 +559,7 @@ def test_sampling_fields_of_the_right_types_pass(fast_edge: Edge) -> None:
     # decimals (boxed by the edge's JSON reader), integers, an integral float, nulls
     body = (b'{"model":"tiny-qwen3","max_tokens":2,"messages":[{"role":"user","content":"a"}],'
             b'"temperature":0.7,"top_p":0.95,"min_p":0.05,"frequency_penalty":-0.5,'
-            b'"presence_penalty":1e-1,"repetition_penalty":1.1,"top_k":20,"seed":2.0,'
-            b'"min_tokens":null,"length_penalty":1}')
+            b'"presence_penalty":1e-1,"repetition_penalty":1.1,"top_k":-1,"seed":2.0,'
+            b'"min_tokens":null,"length_penalty":1,"stop":["\\n\\n","END"],"user":"u-1"}')
     r = post(fast_edge, body)
     assert r.status_code == 200, r.text

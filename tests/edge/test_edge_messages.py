@@ -241,6 +241,10 @@ def test_refusals_come_in_anthropics_shape_and_never_reach_vllm(
          Refusal(status=400, type="invalid_request_error", code="missing_required_parameter")),
         ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "temperature": "hot"},
          Refusal(status=400, type="invalid_request_error", code="invalid_type")),
+        ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "stop_sequences": "x"},
+         Refusal(status=400, type="invalid_request_error", code="invalid_type")),
+        ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "top_p": -1},
+         Refusal(status=400, type="invalid_request_error", code="invalid_value")),
     ]
     for body, want in cases:
         _, got = refusal(edge, body)
@@ -273,15 +277,16 @@ def test_the_request_limit_refuses_in_anthropics_shape_with_retry_after(edge: Ed
 
 
 def test_vllms_own_refusal_comes_in_anthropics_shape(edge: Edge) -> None:
-    """A body the edge passes and vLLM refuses (a negative temperature): vLLM's error,
-    in Anthropic's shape, its message kept, with the prompt billed to no one."""
+    """A body the edge passes and vLLM refuses (metadata that is no object: the edge
+    checks no type of it): vLLM's error, in Anthropic's shape, its message kept, with
+    the prompt billed to no one."""
     r = httpx.post(f"{edge.base_url}/messages", headers={"x-api-key": MAIN_KEY},
                    json={"model": MODEL, "max_tokens": 3, "messages": HELLO,
-                         "temperature": -5}, timeout=60)
+                         "metadata": "not an object"}, timeout=60)
     assert r.status_code == 400, r.text
     doc = r.json()
     assert set(doc) == {"type", "error"} and doc["error"]["type"] == "invalid_request_error"
-    assert "temperature" in doc["error"]["message"], doc
+    assert doc["error"]["message"], doc
     ev = edge.event(r.headers["x-request-id"])
     assert (ev["status"], ev["upstream"] is not None, ev["completion_tokens"]) == \
         (400, True, 0)
