@@ -13,7 +13,6 @@ server's engine records go to a file of its own (``usage_file``), read from an o
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from tokengate import config as tg_config
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate_dev import devstack
+from tokengate_dev.bench import scheduler_figures
 from tokengate_dev.otlp_receiver import OtlpReceiver
 from tokenstorm.process import Service
 
@@ -55,16 +55,9 @@ class VllmServer:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's metrics on /metrics, summed over label sets: name -> value."""
-        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:") and " " in line:
-                name, _, value = line.rpartition(" ")
-                base = name.split("{", 1)[0]
-                out[base] = out.get(base, 0.0) + float(value)
-        return out
+        """vLLM's metrics on /metrics, summed over label sets: name -> value (the
+        scheduler benchmark's reading, tokengate_dev.bench.scheduler_figures)."""
+        return scheduler_figures.metrics(self.url, timeout_s=5)
 
     def steady_metrics(self, timeout_s: float = 120.0) -> dict[str, float]:
         """The metrics once they stood still for 0.5 s (every request that finished has
