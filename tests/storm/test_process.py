@@ -65,6 +65,19 @@ def supervise(sup: Supervisor, until: threading.Event, timeout_s: float = 20.0) 
         raise errors[0]
 
 
+def restarted(tmp_path: Path, name: str, script: str, restarts: int,
+              stable_s: float) -> list[str]:
+    """The lines of a supervisor of ``flag_service(name, script)`` (backoff from 0.1 s,
+    doubling up to 0.4 s, back to the first after ``stable_s`` up) until it said
+    ``restarts`` times that it restarted it."""
+    said = Said(restarts)
+    svc = flag_service(tmp_path, name, script)
+    sup = Supervisor([svc], say=said,
+                     backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=stable_s), tick_s=0.02)
+    supervise(sup, said.done)
+    return said.lines
+
+
 def test_stop_ends_the_group_of_a_main_process_killed_with_sigkill(tmp_path: Path) -> None:
     svc = flag_service(tmp_path, "pair", "sleep 300 & touch $F; wait").start()
     assert svc.proc is not None
@@ -79,12 +92,8 @@ def test_stop_ends_the_group_of_a_main_process_killed_with_sigkill(tmp_path: Pat
 
 
 def test_a_service_that_keeps_dying_is_restarted_after_doubling_delays(tmp_path: Path) -> None:
-    said = Said(restarts=4)
-    svc = flag_service(tmp_path, "flaky", "touch $F; sleep 0.3")
-    sup = Supervisor([svc], say=said, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=60),
-                     tick_s=0.02)
-    supervise(sup, said.done)
-    events = [x for x in said.lines if not x.startswith("starting ")][:8]
+    lines = restarted(tmp_path, "flaky", "touch $F; sleep 0.3", 4, stable_s=60)
+    events = [x for x in lines if not x.startswith("starting ")][:8]
     assert events == [
         "flaky exited (exit 0); restarting in 0.1 s", "restarted flaky (exit 0) after 0.1 s",
         "flaky exited (exit 0); restarting in 0.2 s", "restarted flaky (exit 0) after 0.2 s",
@@ -93,12 +102,8 @@ def test_a_service_that_keeps_dying_is_restarted_after_doubling_delays(tmp_path:
 
 
 def test_the_delay_is_back_to_the_first_once_a_service_stayed_up(tmp_path: Path) -> None:
-    said = Said(restarts=2)
-    svc = flag_service(tmp_path, "steady", "touch $F; sleep 0.5; exit 3")
-    sup = Supervisor([svc], say=said, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=0.3),
-                     tick_s=0.02)
-    supervise(sup, said.done)
-    assert [x for x in said.lines if "restart" in x][:4] == [
+    lines = restarted(tmp_path, "steady", "touch $F; sleep 0.5; exit 3", 2, stable_s=0.3)
+    assert [x for x in lines if "restart" in x][:4] == [
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s",
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s"]
 
