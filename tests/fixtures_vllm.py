@@ -97,6 +97,14 @@ class VllmServer:
 
 VllmFactory = Callable[..., VllmServer]
 
+# Each server's model runs on one OpenMP thread, not bound to a core. By default vLLM's
+# CPU worker binds one thread per core (VLLM_CPU_OMP_THREADS_BIND=auto: both cores here)
+# and the threads of a step wait for each other spinning; beside the suite's other
+# servers and pytest workers on 2 cores they spin while the other is descheduled. 10
+# chat requests of 64 tokens to the default server took 78 s and 46 CPU-s that way,
+# 11 s and 9 CPU-s with this (the tiny model gains nothing from a second thread).
+ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
 
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[OtlpReceiver]:
@@ -141,7 +149,7 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
         missing = [f for f in drop if f not in svc.argv]
         assert not missing, f"devstack's vLLM no longer passes {missing}"
         svc.argv = [a for a in svc.argv if a not in drop] + list(extra_args)
-        svc.env.update(env or {})
+        svc.env.update({**ONE_THREAD, **(env or {})})
         svc.log_path.unlink(missing_ok=True)
         svc.start()
         server = VllmServer(f"http://127.0.0.1:{port}/v1", port, usage, svc.log_path,
