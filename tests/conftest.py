@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
 from tokengate import config as tg_config
-from tokengate.v1 import counter_pb2_grpc
+from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
 
 
@@ -166,3 +168,11 @@ def counter_stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStu
     """A gRPC client of the session's counter (CountTokens)."""
     with grpc.insecure_channel(counter_addr) as channel:
         yield counter_pb2_grpc.TokenCounterStub(channel)
+
+
+def count_body(stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
+               body: dict[str, Any]) -> counter_pb2.CountReply:
+    """The counter's CountTokens of ``body`` (sent as JSON) for ``MODEL`` on ``endpoint``
+    (a ``tokengate.v1.Endpoint``): the parity tests' call. Raises grpc.RpcError."""
+    return stub.CountTokens(counter_pb2.CountRequest(
+        model=MODEL, endpoint=endpoint, body=json.dumps(body).encode()))

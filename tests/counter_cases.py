@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
 Case = tuple[str, str, dict[str, Any]]
@@ -220,3 +221,17 @@ def hostile_node(rng: random.Random, value: Any, extra: list[Any]) -> Any:
         value[k] = hostile_node(rng, value[k], extra)
         return value
     return copy.deepcopy(rng.choice(HOSTILE + extra))
+
+
+def hostile_bodies(cases: list[tuple[str, dict[str, Any]]], extra: list[Any], n: int = 3000,
+                   seed: int = 24) -> Iterator[tuple[random.Random, dict[str, Any]]]:
+    """The fuzz tests' bodies: ``n`` draws (seeded) of a copy of one of ``cases``' bodies
+    with a node broken by ``hostile_node``, each with the generator (a test may draw
+    more from it); a draw that is no JSON object is left out (the service refuses a body
+    that is no object)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        _, body = rng.choice(cases)
+        body = hostile_node(rng, copy.deepcopy(body), extra)
+        if isinstance(body, dict):
+            yield rng, body

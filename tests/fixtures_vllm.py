@@ -13,7 +13,6 @@ server's engine records go to a file of its own (``usage_file``), read from an o
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from tokengate import config as tg_config
 from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokengate_dev import devstack
+from tokengate_dev.bench import scheduler_figures
 from tokengate_dev.otlp_receiver import OtlpReceiver
 from tokenstorm.process import Service
 
@@ -55,16 +55,9 @@ class VllmServer:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's metrics on /metrics, summed over label sets: name -> value."""
-        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:") and " " in line:
-                name, _, value = line.rpartition(" ")
-                base = name.split("{", 1)[0]
-                out[base] = out.get(base, 0.0) + float(value)
-        return out
+        """vLLM's metrics on /metrics, summed over label sets: name -> value (the
+        scheduler benchmark's reading, tokengate_dev.bench.scheduler_figures)."""
+        return scheduler_figures.metrics(self.url, timeout_s=5)
 
     def steady_metrics(self, timeout_s: float = 120.0) -> dict[str, float]:
         """The metrics once they stood still for 0.5 s (every request that finished has
@@ -103,6 +96,14 @@ class VllmServer:
 
 
 VllmFactory = Callable[..., VllmServer]
+
+# Each server's model runs on one OpenMP thread, not bound to a core. By default vLLM's
+# CPU worker binds one thread per core (VLLM_CPU_OMP_THREADS_BIND=auto: both cores here)
+# and the threads of a step wait for each other spinning; beside the suite's other
+# servers and pytest workers on 2 cores they spin while the other is descheduled. 10
+# chat requests of 64 tokens to the default server took 78 s and 46 CPU-s that way,
+# 11 s and 9 CPU-s with this (the tiny model gains nothing from a second thread).
+ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +149,7 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
         missing = [f for f in drop if f not in svc.argv]
         assert not missing, f"devstack's vLLM no longer passes {missing}"
         svc.argv = [a for a in svc.argv if a not in drop] + list(extra_args)
-        svc.env.update(env or {})
+        svc.env.update({**ONE_THREAD, **(env or {})})
         svc.log_path.unlink(missing_ok=True)
         svc.start()
         server = VllmServer(f"http://127.0.0.1:{port}/v1", port, usage, svc.log_path,

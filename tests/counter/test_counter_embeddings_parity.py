@@ -10,7 +10,6 @@ so each body is counted under ``tiny-qwen3``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL
+from tests.conftest import count_body
 from tests.counter_embeddings_cases import CASES, REFUSED
 from tests.fixtures_embeddings import EMBED_MODEL
 from tests.fixtures_vllm import VllmServer
@@ -31,12 +30,6 @@ def pooling_http(pooling_vllm: VllmServer) -> Iterator[httpx.Client]:
         yield client
 
 
-def count(counter_stub: counter_pb2_grpc.TokenCounterStub,
-          body: dict[str, Any]) -> counter_pb2.CountReply:
-    return counter_stub.CountTokens(counter_pb2.CountRequest(
-        model=MODEL, endpoint=counter_pb2.ENDPOINT_EMBEDDINGS, body=json.dumps(body).encode()))
-
-
 @pytest.mark.parametrize("name,body", CASES, ids=[c[0] for c in CASES])
 def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCounterStub,
                                         pooling_http: httpx.Client, name: str,
@@ -44,7 +37,7 @@ def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCoun
     response = pooling_http.post("embeddings", json={"model": EMBED_MODEL, **body})
     assert response.status_code == 200, response.text
     answer = response.json()
-    reply = count(counter_stub, body)
+    reply = count_body(counter_stub, counter_pb2.ENDPOINT_EMBEDDINGS, body)
     assert (reply.prompt_tokens, reply.prompt_count) == \
         (answer["usage"]["prompt_tokens"], len(answer["data"]))
     assert (reply.max_tokens_effective, reply.max_tokens_requested) == (0, 0)
@@ -59,6 +52,6 @@ def test_what_vllm_refuses_the_counter_refuses(counter_stub: counter_pb2_grpc.To
     response = pooling_http.post("embeddings", json={"model": EMBED_MODEL, **body})
     assert response.status_code == 400, response.text
     with pytest.raises(grpc.RpcError) as info:
-        count(counter_stub, body)
+        count_body(counter_stub, counter_pb2.ENDPOINT_EMBEDDINGS, body)
     assert info.value.code() == grpc.StatusCode[code]
     assert info.value.details().startswith(f"{param}: ")

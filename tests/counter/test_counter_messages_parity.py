@@ -5,7 +5,6 @@ bodies vLLM refuses, the counter refuses too, naming the field."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import grpc
@@ -13,7 +12,7 @@ import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, count_body
 from tests.counter_cases import LOREM
 from tests.counter_messages_cases import CASES, REFUSED
 
@@ -29,16 +28,10 @@ GENERATED = ["plain", "system_blocks_joined", "system_billing_header_block", "to
              "unicode_mix", "long_lorem"]
 
 
-def count(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
-          body: dict[str, Any]) -> counter_pb2.CountReply:
-    return counter_stub.CountTokens(counter_pb2.CountRequest(
-        model=MODEL, endpoint=endpoint, body=json.dumps(body).encode()))
-
-
 def refusal(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
             body: dict[str, Any]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
-        count(counter_stub, endpoint, body)
+        count_body(counter_stub, endpoint, body)
     return info.value.code(), info.value.details()
 
 
@@ -55,7 +48,7 @@ def test_count_tokens_equal_vllm_count_tokens(counter_stub: counter_pb2_grpc.Tok
     body = {"model": MODEL, **body}
     response = vllm_http.post("messages/count_tokens", json=body)
     assert response.status_code == 200, response.text
-    reply = count(counter_stub, COUNT_TOKENS, body)
+    reply = count_body(counter_stub, COUNT_TOKENS, body)
     assert reply.prompt_tokens == response.json()["input_tokens"]
     assert (reply.max_tokens_requested, reply.max_tokens_effective) == (0, 0)
     b = reply.breakdown
@@ -74,7 +67,7 @@ def test_messages_usage_equals_the_count(counter_stub: counter_pb2_grpc.TokenCou
     usage = response.json()["usage"]
     prompt = (usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
               + usage.get("cache_creation_input_tokens", 0))
-    reply = count(counter_stub, MESSAGES, body)
+    reply = count_body(counter_stub, MESSAGES, body)
     assert reply.prompt_tokens == prompt
     assert (reply.max_tokens_requested, reply.max_tokens_effective) == (1, 1)
     assert vllm_http.post("messages/count_tokens", json=body).json()["input_tokens"] == prompt
@@ -92,7 +85,7 @@ def test_input_tokens_leave_out_prefix_cache_hits(counter_stub: counter_pb2_grpc
     second = vllm_http.post("messages", json=body)
     assert (first.status_code, second.status_code) == (200, 200), second.text
     usage = second.json()["usage"]
-    reply = count(counter_stub, MESSAGES, body)
+    reply = count_body(counter_stub, MESSAGES, body)
     assert usage["cache_read_input_tokens"] > 0
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == reply.prompt_tokens
     assert vllm_http.post("messages/count_tokens", json=body).json()["input_tokens"] \
@@ -128,4 +121,5 @@ def test_messages_needs_max_tokens_count_tokens_does_not(
     # count_tokens reads no max_tokens: the same body counts
     response = vllm_http.post("messages/count_tokens", json=body)
     assert response.status_code == 200, response.text
-    assert count(counter_stub, COUNT_TOKENS, body).prompt_tokens == response.json()["input_tokens"]
+    assert count_body(counter_stub, COUNT_TOKENS, body).prompt_tokens == \
+        response.json()["input_tokens"]

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, count_body
 from tests.counter_cases import CASES
 
-ENDPOINTS = {"chat": counter_pb2.ENDPOINT_CHAT, "completions": counter_pb2.ENDPOINT_COMPLETIONS}
+CHAT, COMPLETIONS = counter_pb2.ENDPOINT_CHAT, counter_pb2.ENDPOINT_COMPLETIONS
+ENDPOINTS = {"chat": CHAT, "completions": COMPLETIONS}
 PATHS = {"chat": "chat/completions", "completions": "completions"}
-
-
-def count(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: str,
-          body: dict[str, Any]) -> counter_pb2.CountReply:
-    return counter_stub.CountTokens(counter_pb2.CountRequest(
-        model=MODEL, endpoint=ENDPOINTS[endpoint], body=json.dumps(body).encode()))
 
 
 def test_cases_cover_the_contract() -> None:
@@ -35,7 +29,7 @@ def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCoun
     response = vllm_http.post(PATHS[endpoint], json=body)
     assert response.status_code == 200, response.text
     expected = response.json()["usage"]["prompt_tokens"]
-    reply = count(counter_stub, endpoint, body)
+    reply = count_body(counter_stub, ENDPOINTS[endpoint], body)
     assert reply.prompt_tokens == expected
     b = reply.breakdown
     assert b.system + b.tools + b.messages + b.template_overhead == reply.prompt_tokens
@@ -45,19 +39,19 @@ def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCoun
 def test_max_tokens_effective_is_what_vllm_generates_at_most(
         counter_stub: counter_pb2_grpc.TokenCounterStub) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}]}
-    prompt = count(counter_stub, "chat", body).prompt_tokens
+    prompt = count_body(counter_stub, CHAT, body).prompt_tokens
     assert prompt == 10
     # No max_tokens: vLLM may generate up to the rest of the context window.
-    assert count(counter_stub, "chat", body).max_tokens_effective == 8192 - prompt
+    assert count_body(counter_stub, CHAT, body).max_tokens_effective == 8192 - prompt
     # prompt + max_tokens > max_model_len: vLLM clamps silently.
-    r = count(counter_stub, "chat", {**body, "max_tokens": 8190})
+    r = count_body(counter_stub, CHAT, {**body, "max_tokens": 8190})
     assert (r.max_tokens_requested, r.max_tokens_effective) == (8190, 8192 - prompt)
-    r = count(counter_stub, "chat", {**body, "max_tokens": 100, "max_completion_tokens": 7})
+    r = count_body(counter_stub, CHAT, {**body, "max_tokens": 100, "max_completion_tokens": 7})
     assert (r.max_tokens_requested, r.max_tokens_effective) == (7, 7)
     # Completions default max_tokens to 16 (OpenAI API, vLLM CompletionRequest).
-    r = count(counter_stub, "completions", {"model": MODEL, "prompt": "Hi"})
+    r = count_body(counter_stub, COMPLETIONS, {"model": MODEL, "prompt": "Hi"})
     assert (r.prompt_tokens, r.max_tokens_requested, r.max_tokens_effective) == (1, 16, 16)
-    r = count(counter_stub, "completions", {"model": MODEL, "prompt": ["a b", "c"]})
+    r = count_body(counter_stub, COMPLETIONS, {"model": MODEL, "prompt": ["a b", "c"]})
     assert (r.prompt_tokens, r.prompt_count) == (3, 2)
 
 
@@ -75,10 +69,10 @@ def test_breakdown_is_never_negative_and_adds_up(
         for _ in range(rng.randint(1, 4)):
             msgs.append({"role": rng.choice(["user", "assistant"]),
                          "content": "".join(rng.choices(words, k=rng.randint(1, 3)))})
-        r = count(counter_stub, "chat", {"model": MODEL, "messages": msgs})
+        r = count_body(counter_stub, CHAT, {"model": MODEL, "messages": msgs})
         b = r.breakdown
         assert b.system + b.tools + b.messages + b.template_overhead == r.prompt_tokens
-    r = count(counter_stub, "chat", {"model": MODEL, "messages": [
+    r = count_body(counter_stub, CHAT, {"model": MODEL, "messages": [
         {"role": "system", "content": "You are helpful."}, {"role": "user", "content": "help"}]})
     assert (r.breakdown.system, r.breakdown.messages) == (4, 1)
 
@@ -89,7 +83,7 @@ def test_breakdown_separates_system_tools_and_messages(
     body = {"model": MODEL, "tools": [WEATHER_TOOL],
             "messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "Weather in Paris?"}]}
-    r = count(counter_stub, "chat", body)
+    r = count_body(counter_stub, CHAT, body)
     assert (r.breakdown.system, r.breakdown.messages) == (3, 4)
     assert r.breakdown.tools > 40
     assert r.breakdown.template_overhead == (r.prompt_tokens - r.breakdown.system

@@ -6,7 +6,6 @@ vLLM refuses, the counter refuses too, naming the field."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import grpc
@@ -14,7 +13,7 @@ import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, count_body
 from tests.counter_responses_cases import CASES, REFUSED
 
 RESPONSES = counter_pb2.ENDPOINT_RESPONSES
@@ -27,12 +26,6 @@ COVERED = ["plain", "user_input_text_parts", "system_message", "developer_messag
            "parallel_calls", "reasoning_content", "unicode_mix",
            "forged_specials_everywhere", "long_lorem"]
 MAX_OUTPUT_TOKENS = 16
-
-
-def count(counter_stub: counter_pb2_grpc.TokenCounterStub,
-          body: dict[str, Any]) -> counter_pb2.CountReply:
-    return counter_stub.CountTokens(counter_pb2.CountRequest(
-        model=MODEL, endpoint=RESPONSES, body=json.dumps(body).encode()))
 
 
 def test_cases_cover_the_contract() -> None:
@@ -49,6 +42,6 @@ def test_what_vllm_refuses_the_counter_refuses(counter_stub: counter_pb2_grpc.To
     response = vllm_http.post("responses", json=body)
     assert 400 <= response.status_code < 500, response.text
     with pytest.raises(grpc.RpcError) as info:
-        count(counter_stub, body)
+        count_body(counter_stub, RESPONSES, body)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(message), info.value.details()

@@ -12,6 +12,7 @@ its log there). One test starts vLLM (SIGINT while it starts).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -222,16 +223,23 @@ def upstream_of(fast_upstream_url: str) -> str:
     return fast_upstream_url.removeprefix("http://").removesuffix("/v1")
 
 
-@pytest.fixture(scope="module")
-def stack(fast_upstream_url: str) -> Iterator[Stack]:
-    """A stack in front of the fast upstream, up (its banner printed)."""
-    s = Stack("kill", upstream_of(fast_upstream_url))
+@contextlib.contextmanager
+def up(s: Stack) -> Iterator[Stack]:
+    """``s`` once its banner says it is up; after, stopped with Ctrl-C (exit status 0),
+    and whatever a failure left of it killed."""
     try:
         s.wait_line("tokengate is up.", 120)
         yield s
         assert s.interrupt() == 0, s.output()
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def stack(fast_upstream_url: str) -> Iterator[Stack]:
+    """A stack in front of the fast upstream, up (its banner printed)."""
+    with up(Stack("kill", upstream_of(fast_upstream_url))) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -425,21 +433,11 @@ def test_the_stacks_redis_keeps_its_data_across_a_restart(fast_upstream_url: str
     """make run's Redis keeps an append-only file (var/redis): the budgets' counters,
     which only Redis holds, survive a restart of the stack."""
     shutil.rmtree(TEST_DIR / "make-run-aof" / "redis", ignore_errors=True)
-    first = Stack("aof", upstream_of(fast_upstream_url))
-    url = yaml.safe_load(first.config.read_text())["redis"]["url"]
-    try:
-        first.wait_line("tokengate is up.", 120)
+    with up(Stack("aof", upstream_of(fast_upstream_url))) as first:
+        url = yaml.safe_load(first.config.read_text())["redis"]["url"]
         with redis.Redis.from_url(url) as client:
             assert client.get("tg:test:kept") is None
             client.set("tg:test:kept", "1")
-        assert first.interrupt() == 0, first.output()
-    finally:
-        first.close()
-    again = Stack("aof", upstream_of(fast_upstream_url), again=first)
-    try:
-        again.wait_line("tokengate is up.", 120)
-        with redis.Redis.from_url(url) as client:
-            assert client.get("tg:test:kept") == b"1"
-        assert again.interrupt() == 0, again.output()
-    finally:
-        again.close()
+    with up(Stack("aof", upstream_of(fast_upstream_url), again=first)), \
+            redis.Redis.from_url(url) as client:
+        assert client.get("tg:test:kept") == b"1"

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokengate import version
 from tokenstorm.process import free_port
 
-from tests.deploy.test_make_run import KEY, Stack, upstream_of
+from tests.deploy.test_make_run import KEY, Stack, up, upstream_of
 from tests.fixtures_ledger import wait_until
 
 BOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "tokengate.json"
@@ -81,13 +81,8 @@ def stack(fast_upstream_url: str) -> Iterator[Stack]:
         raw["global_limits"]["enabled"] = True
         raw["global_limits"]["listen"] = f"127.0.0.1:{free_port()}"
 
-    s = Stack("observability", upstream_of(fast_upstream_url), edit=edit)
-    try:
-        s.wait_line("tokengate is up.", 120)
+    with up(Stack("observability", upstream_of(fast_upstream_url), edit=edit)) as s:
         yield s
-        assert s.interrupt() == 0, s.output()
-    finally:
-        s.close()
 
 
 def endpoints(s: Stack) -> dict[str, str]:

@@ -75,20 +75,29 @@ def test_the_edge_bills_with_the_ledgers_formula() -> None:
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
+def day_budget_lua(spend_nano: int) -> str:
+    """Lua that the edge's budget tests start from: ``budget`` (tokengate.budget on the
+    test dict), ``key`` "k" with a daily spend budget of ``spend_nano`` nano-units,
+    ``model`` "m" at 0.5 per 1M tokens in and out (200 + 200 tokens cost 200,000
+    nano-units), ``doc`` (no system-token exclusion, no context penalty) and ``t0``
+    (01:00 UTC of day 20,000, epoch s)."""
+    return f"""
+        local budget = require "tokengate.budget"
+        assert(budget.init("tokengate_limits"))
+        local key = {{id = "k", budgets = {{{{period = "day", spend = {spend_nano / 1e9!r},
+                                           spend_nano = {spend_nano}}}}}}}
+        local model = {{name = "m", cost = {{input = 0.5, output = 0.5, cached = 0}}}}
+        local doc = {{currency = "USD", billing = {{exclude_system_tokens = false,
+                     context_penalty = {{threshold = 1000000, rate = 0}}}}}}
+        local t0 = 20000 * 86400 + 3600"""
+
+
 def test_a_reservation_never_settled_stops_holding_the_budget_within_two_hours() -> None:
     # A request admitted at 01:00 UTC whose nginx worker crashed (no settlement) holds
     # the edge's own budget counters in its hour and the next, not the rest of the day;
     # its settlement, when it comes late, is charged once. Each request may cost up to
     # 200 + 200 tokens x 0.5 per 1M = 0.0002; the limit is 0.0003 a day.
-    out = run_lua("""
-        local budget = require "tokengate.budget"
-        assert(budget.init("tokengate_limits"))
-        local key = {id = "k", budgets = {{period = "day", spend = 0.0003,
-                                           spend_nano = 300000}}}
-        local model = {name = "m", cost = {input = 0.5, output = 0.5, cached = 0}}
-        local doc = {currency = "USD", billing = {exclude_system_tokens = false,
-                     context_penalty = {threshold = 1000000, rate = 0}}}
-        local t0 = 20000 * 86400 + 3600
+    out = run_lua(day_budget_lua(300_000) + """
         local res = {}
         local function try(at)
             local bud = budget.request(key, model, doc, 200, 200, t0 + at)
@@ -118,16 +127,7 @@ def test_in_fallback_a_budget_counts_from_what_redis_last_said_and_a_restart_kno
     # by every edge, this one's 200,000 reservation included), fallback admits what is
     # left of the limit counted from there, and no more. A new period of a budget heard
     # from counts from 0.
-    out = run_lua("""
-        local budget = require "tokengate.budget"
-        local cjson = require "cjson"
-        assert(budget.init("tokengate_limits"))
-        local key = {id = "k", budgets = {{period = "day", spend = 0.001,
-                                           spend_nano = 1000000}}}
-        local model = {name = "m", cost = {input = 0.5, output = 0.5, cached = 0}}
-        local doc = {currency = "USD", billing = {exclude_system_tokens = false,
-                     context_penalty = {threshold = 1000000, rate = 0}}}
-        local t0 = 20000 * 86400 + 3600
+    out = run_lua(day_budget_lua(1_000_000) + """
         local res = {}
         local function admit(at)  -- reserved on this edge's counters, Redis unreachable
             local bud = budget.request(key, model, doc, 200, 200, t0 + at)

@@ -30,6 +30,21 @@ def flag_service(tmp_path: Path, name: str, script: str) -> Service:
                    prepare=lambda: flag.unlink(missing_ok=True))
 
 
+class Said:
+    """A supervisor's ``say``: keeps its lines; ``done`` is set once ``restarts`` of them
+    said that a service was restarted."""
+
+    def __init__(self, restarts: int) -> None:
+        self.lines: list[str] = []
+        self.done = threading.Event()
+        self.restarts = restarts
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if sum(x.startswith("restarted") for x in self.lines) >= self.restarts:
+            self.done.set()
+
+
 def supervise(sup: Supervisor, until: threading.Event, timeout_s: float = 20.0) -> None:
     """Run ``sup`` in a thread until ``until`` is set, then stop it; re-raises its error."""
     errors: list[BaseException] = []
@@ -50,6 +65,19 @@ def supervise(sup: Supervisor, until: threading.Event, timeout_s: float = 20.0) 
         raise errors[0]
 
 
+def restarted(tmp_path: Path, name: str, script: str, restarts: int,
+              stable_s: float) -> list[str]:
+    """The lines of a supervisor of ``flag_service(name, script)`` (backoff from 0.1 s,
+    doubling up to 0.4 s, back to the first after ``stable_s`` up) until it said
+    ``restarts`` times that it restarted it."""
+    said = Said(restarts)
+    svc = flag_service(tmp_path, name, script)
+    sup = Supervisor([svc], say=said,
+                     backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=stable_s), tick_s=0.02)
+    supervise(sup, said.done)
+    return said.lines
+
+
 def test_stop_ends_the_group_of_a_main_process_killed_with_sigkill(tmp_path: Path) -> None:
     svc = flag_service(tmp_path, "pair", "sleep 300 & touch $F; wait").start()
     assert svc.proc is not None
@@ -64,18 +92,7 @@ def test_stop_ends_the_group_of_a_main_process_killed_with_sigkill(tmp_path: Pat
 
 
 def test_a_service_that_keeps_dying_is_restarted_after_doubling_delays(tmp_path: Path) -> None:
-    lines: list[str] = []
-    done = threading.Event()
-
-    def say(line: str) -> None:
-        lines.append(line)
-        if sum("restarted" in x for x in lines) == 4:
-            done.set()
-
-    svc = flag_service(tmp_path, "flaky", "touch $F; sleep 0.3")
-    sup = Supervisor([svc], say=say, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=60),
-                     tick_s=0.02)
-    supervise(sup, done)
+    lines = restarted(tmp_path, "flaky", "touch $F; sleep 0.3", 4, stable_s=60)
     events = [x for x in lines if not x.startswith("starting ")][:8]
     assert events == [
         "flaky exited (exit 0); restarting in 0.1 s", "restarted flaky (exit 0) after 0.1 s",
@@ -85,18 +102,7 @@ def test_a_service_that_keeps_dying_is_restarted_after_doubling_delays(tmp_path:
 
 
 def test_the_delay_is_back_to_the_first_once_a_service_stayed_up(tmp_path: Path) -> None:
-    lines: list[str] = []
-    done = threading.Event()
-
-    def say(line: str) -> None:
-        lines.append(line)
-        if sum("restarted" in x for x in lines) == 2:
-            done.set()
-
-    svc = flag_service(tmp_path, "steady", "touch $F; sleep 0.5; exit 3")
-    sup = Supervisor([svc], say=say, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=0.3),
-                     tick_s=0.02)
-    supervise(sup, done)
+    lines = restarted(tmp_path, "steady", "touch $F; sleep 0.5; exit 3", 2, stable_s=0.3)
     assert [x for x in lines if "restart" in x][:4] == [
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s",
         "steady exited (exit 3); restarting in 0.1 s", "restarted steady (exit 3) after 0.1 s"]
@@ -104,18 +110,11 @@ def test_the_delay_is_back_to_the_first_once_a_service_stayed_up(tmp_path: Path)
 
 def test_a_held_service_that_exits_is_started_again_only_after_the_hold(
         tmp_path: Path) -> None:
-    lines: list[str] = []
-    done = threading.Event()
-
-    def say(line: str) -> None:
-        lines.append(line)
-        if line.startswith("restarted"):
-            done.set()
-
+    said = Said(restarts=1)
     svc = flag_service(tmp_path, "redis", "touch $F; exec sleep 300")
-    sup = Supervisor([svc], say=say, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=60),
+    sup = Supervisor([svc], say=said, backoff=Backoff(first_s=0.1, max_s=0.4, stable_s=60),
                      tick_s=0.02)
-    holding = threading.Thread(target=supervise, args=(sup, done))
+    holding = threading.Thread(target=supervise, args=(sup, said.done))
     holding.start()
     wait_until(lambda: sup.state("redis") == "up", 10, what="the first start")
     assert svc.proc is not None
@@ -126,11 +125,11 @@ def test_a_held_service_that_exits_is_started_again_only_after_the_hold(
     wait_until(lambda: sup.state("redis") == "up", 10, what="the restart")
     assert time.monotonic() - held_at >= 1.0
     holding.join(30)
-    said = [x for x in lines if "restart" in x]
-    assert len(said) == 2
+    restarts = [x for x in said.lines if "restart" in x]
+    assert len(restarts) == 2
     # the hold less the moment the exit took to be seen
-    assert re.fullmatch(r"redis exited \(exit -15\); restarting in (0\.9|1) s", said[0])
-    assert re.fullmatch(r"restarted redis \(exit -15\) after (0\.9|1) s", said[1])
+    assert re.fullmatch(r"redis exited \(exit -15\); restarting in (0\.9|1) s", restarts[0])
+    assert re.fullmatch(r"restarted redis \(exit -15\) after (0\.9|1) s", restarts[1])
 
 
 def test_a_failed_first_start_stops_the_services_started_before(tmp_path: Path) -> None:
