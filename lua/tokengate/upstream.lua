@@ -72,6 +72,7 @@ local tostring = tostring
 local io_open = io.open
 local ipairs = ipairs
 local type = type
+local setmetatable = setmetatable
 
 local _M = {}
 
@@ -86,8 +87,20 @@ local rotate = 0 -- this worker's tie breaker
 
 -- key(kind, model, r) -> the shared-dict key of replica r of model for kind (a prefix
 -- such as "tok:"); the modules that keep state per replica (admission, idle) use it too
+local keys = setmetatable({}, { __mode = "k" }) -- replica table -> {model, kind -> key}
 local function key(kind, model, r)
-    return kind .. model .. "\0" .. r.name
+    -- built once per replica and kind: a decision reads several per replica
+    local ks = keys[r]
+    if not ks or ks[1] ~= model then
+        ks = { model }
+        keys[r] = ks
+    end
+    local k = ks[kind]
+    if not k then
+        k = kind .. model .. "\0" .. r.name
+        ks[kind] = k
+    end
+    return k
 end
 _M.key = key
 
@@ -252,6 +265,7 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
         start = rotate
     end
     local choice, best_rank, best_asleep, best_cost, best_out, best_hit, best_source
+    local ttft, tpot, ahead, running, p_ttft, p_tpot, p_ahead, p_running
     for i = 0, n - 1 do
         local r = list[(start + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(name, r) then
@@ -273,7 +287,8 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
                     hit, source = prefix.expected(name, r, plan)
                 end
                 local t0 = mono_ms()
-                local ttft, tpot = slo.predict(name, r, prompt - hit, _M.in_flight(name, r) + 1)
+                running = _M.in_flight(name, r) + 1
+                ttft, tpot, ahead = slo.predict(name, r, prompt - hit, running)
                 cost = -slo.headroom(ttft, tpot, targets)
                 targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
             elseif plan then
@@ -286,8 +301,12 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
                     and not asleep or asleep == best_asleep and cost < best_cost)) then
                 choice, best_rank, best_asleep, best_cost = r, k, asleep, cost
                 best_out, best_hit, best_source = out, hit, source
+                p_ttft, p_tpot, p_ahead, p_running = ttft, tpot, ahead, running
             end
         end
+    end
+    if by_slo and choice then
+        slo.chosen(targets, choice, p_ttft, p_tpot, p_ahead, p_running)
     end
     return choice, best_rank, best_out, best_hit, best_source
 end

@@ -113,7 +113,49 @@ case("prediction: learned from what the replica answered", function()
         slo.finish(ctx, 1)
     end
     local ttft = slo.predict("m", b, 5000, 1)
-    eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's weight is gone
+    eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's pull is small
+end)
+
+case("prediction: prefill queued for a while is partly done at the fit's rate", function()
+    setup()
+    local m = model(500, 50)
+    local a = m.upstreams[1]
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = a, 18000, 0
+    ctx.slo.decision = "met"
+    slo.sent(ctx)
+    -- the queue started 450 ms ago: 9,000 of its tokens done at the prior's 20 per ms
+    ngx.shared[DICT]:set("sla:m\0a:1", require("tokengate.clock").mono_ms() - 450)
+    local ttft, _, ahead = slo.predict("m", a, 2000, 1)
+    eq(math.floor(ahead / 10 + 0.5), 1100)
+    eq(math.floor(ttft + 0.5), 570)   -- 20 ms + 11,000 / 20,000 s
+    slo.first(ctx)
+    eq(slo.queued("m", a), 0)
+end)
+
+case("prediction: the answers other workers published are learned too", function()
+    setup()
+    local m = model(500, 50)
+    local b = m.upstreams[2]
+    local d = ngx.shared[DICT]
+    -- 59 answers of another worker in the replica's ring: 40 ms + 1 s per 10,000 tokens
+    for i = 1, 59 do
+        local ahead = (i % 6) * 2000
+        local seq = d:incr("sln:m\0b:2", 1, 0)
+        d:set("slo:m\0b:2\0" .. seq % 64, seq .. " " .. ahead .. " 1 " .. (40 + ahead / 10)
+            .. " 0")
+    end
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, 0, 0
+    ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", 0, 1
+    slo.sent(ctx)
+    ctx.slo.t_sent, ctx.t_first = 0, 40
+    slo.finish(ctx, 1)
+    eq(d:get("sln:m\0b:2"), 60)
+    local ttft = slo.predict("m", b, 5000, 1)
+    eq(math.abs(ttft - 540) < 11, true)
 end)
 
 case("policy slo: the replica with the most headroom, prefix hits counted", function()
