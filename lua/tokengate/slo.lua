@@ -239,17 +239,18 @@ function _M.queued(model, r)
     return dict and dict:get(state_of(model, r).qkey) or 0
 end
 
--- predict(model, r, uncached, running) -> TTFT ms, TPOT ms, work ahead (tokens: left_r
--- + uncached, module comment) of a request whose prompt r computes `uncached` tokens
--- of, with `running` requests on r (this one included)
-function _M.predict(model, r, uncached, running)
+-- predict(model, r, uncached, running, now) -> TTFT ms, TPOT ms, work ahead (tokens:
+-- left_r + uncached, module comment) of a request whose prompt r computes `uncached`
+-- tokens of, with `running` requests on r (this one included); now: mono_ms() if the
+-- caller has it
+function _M.predict(model, r, uncached, running, now)
     local st = state_of(model, r)
     local a0, a1, a2 = coef(st.ttft)
     local left = dict and dict:get(st.qkey) or 0
     if left > 0 and a1 > 0 then
         local since = dict:get(st.akey)
         if since then
-            left = max(0, left - (mono_ms() - since) / a1)
+            left = max(0, left - ((now or mono_ms()) - since) / a1)
         end
     end
     local ahead = left + uncached
@@ -354,15 +355,15 @@ local function prediction(ctx, r, running)
     if t.on == r then
         return t.p_ttft, t.p_tpot, t.p_ahead, t.p_running
     end
-    local n = running(r)
+    local n = running(ctx.model, r)
     local ttft, tpot, ahead = _M.predict(ctx.model, r,
         (ctx.token_estimate or 0) - (ctx.prefix_expected or 0), n)
     return ttft, tpot, ahead, n
 end
 
 -- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
--- for ctx.replica (choose() -> replica | nil: takes the best one again and holds it in
--- ctx.replica; running(r) -> requests on r, this one included). decision_us: from
+-- for ctx.replica (choose(ctx) -> replica | nil: takes the best one again and holds it
+-- in ctx.replica; running(model_name, r) -> requests on r, this one included). decision_us: from
 -- ctx.slo.t_choose (set before the replica was chosen) to the prediction of the chosen
 -- replica in hand, shared dict reads of the choice included; predict_us
 -- (tokengate.upstream adds it up): the predictions alone, every replica of every
@@ -391,7 +392,7 @@ function _M.decide(ctx, choose, running)
         decision = "late"
         while mono_ms() < deadline do
             wake:wait(WAIT_POLL_S)
-            r = choose()
+            r = choose(ctx)
             if not r then
                 return nil, errors.new(503, "No replica of model " .. errors.clip(ctx.model)
                     .. " has an address any more.", nil, "upstream_unavailable")
