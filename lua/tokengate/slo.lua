@@ -34,12 +34,12 @@
 -- least-squares plane with exponential forgetting (DECAY per answer) that minimises
 -- the squared *relative* error (each answer weighs 1 / observed^2: a 20 ms TTFT missed
 -- by 10 ms counts as much as a 2 s one missed by 1 s, where plain least squares lets
--- the long prompts' seconds decide and over-predicts every short one), over a few
--- pseudo-observations that are never forgotten (PRIOR_*). Every answer is published in
--- a shared ring per replica (OBS_RING answers) and each worker folds in the answers of
--- the others when it learns its own (the fits are per worker, their data is the
--- edge's: no read-modify-write across workers). A decision reads a few numbers per
--- replica: a few µs (its cost is measured and reported, decision_us).
+-- the long prompts' seconds decide and over-predicts every short one), its slopes
+-- drawn towards a prior's (PRIOR_*). Every answer is published in a shared ring per
+-- replica (OBS_RING answers) and each worker folds in the answers of the others when
+-- it learns its own (the fits are per worker, their data is the edge's: no
+-- read-modify-write across workers). A decision reads a few numbers per replica (its
+-- cost is measured and reported, decision_us).
 --
 -- Headroom of r for targets (T, P): min((T - TTFT(r)) / T, (P - TPOT(r)) / P); the
 -- replica with the most headroom wins (tokengate.upstream, policy slo).

@@ -78,6 +78,7 @@ local _M = {}
 
 local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
 local pid = tostring(ngx.worker.pid())
+local WREQ, WTOK -- this worker's kinds of keys of its share: "wreq:<pid>:", "wtok:<pid>:"
 local RECLAIM_S = 5 -- how often worker 0 looks for counts of workers that are gone
 local KINDS = { "req", "tok" }
 local held, register -- defined below
@@ -120,6 +121,7 @@ function _M.init_worker(doc, dict_name)
     health_timeout_ms = edge.upstream_health_timeout_ms
     probing = edge.upstream_health_interval_ms > 0
     pid = tostring(ngx.worker.pid())
+    WREQ, WTOK = "wreq:" .. pid .. ":", "wtok:" .. pid .. ":"
     register()
     local models = doc.models or {}
     _M.reclaim(false, models)
@@ -339,7 +341,6 @@ end
 -- share of them ("wreq:<pid>:", "wtok:<pid>:"), from which reclaim() takes back what a
 -- worker that died (a crash, a kill after a reload's shutdown timeout) left counted.
 -- -> the new outstanding tokens of r (every worker's)
-local WREQ, WTOK = "wreq:" .. pid .. ":", "wtok:" .. pid .. ":"
 held = function(model_name, r, n, tokens)
     dict:incr(key("req:", model_name, r), n, 0)
     local now = dict:incr(key("tok:", model_name, r), tokens, 0)
