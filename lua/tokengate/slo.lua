@@ -21,7 +21,9 @@
 --     the end), less what r has computed of them since its queue last moved (a first
 --     byte came back, or work arrived at an empty queue: the shared anchor), at the
 --     rate the fit itself gives (1 / a1_r tokens per ms):
---       left_r = max(0, queued_r - (now - anchor_r) / a1_r)
+--       left_r = |queued_r - (now - anchor_r) / a1_r|
+--     (past all of queued_r, r is late, and as late again is what a request sent now
+--     should expect: the lateness counts as work still ahead);
 --     vLLM's scheduler serves prefills first come, first served, chunked to its token
 --     budget (vllm/v1/core/sched/scheduler.py), so the head of the queue is the one
 --     being computed and a prompt queued for a while is partly done: counting all of
@@ -56,6 +58,7 @@ local pairs = pairs
 local tostring = tostring
 local match = string.match
 local floor = math.floor
+local abs = math.abs
 local ceil = math.ceil
 local min = math.min
 local max = math.max
@@ -250,7 +253,12 @@ function _M.predict(model, r, uncached, running, now)
     if left > 0 and a1 > 0 then
         local since = dict:get(st.akey)
         if since then
-            left = max(0, left - ((now or mono_ms()) - since) / a1)
+            -- the queue's work done at the fit's rate; past all of it, the replica is
+            -- late (a stall, a preemption, steps longer than learned) and as late again
+            -- is what a request sent now should expect: the lateness counts as work
+            -- still ahead (without it, a stalled replica looked idle and drew every
+            -- request until its first byte came back)
+            left = abs(left - ((now or mono_ms()) - since) / a1)
         end
     end
     local ahead = left + uncached

@@ -116,7 +116,7 @@ case("prediction: learned from what the replica answered", function()
     eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's pull is small
 end)
 
-case("prediction: prefill queued for a while is partly done at the fit's rate", function()
+case("prediction: prefill queued for a while is partly done, a late queue counts", function()
     setup()
     local m = model(500, 50)
     local a = m.upstreams[1]
@@ -130,6 +130,11 @@ case("prediction: prefill queued for a while is partly done at the fit's rate", 
     local ttft, _, ahead = slo.predict("m", a, 2000, 1)
     eq(math.floor(ahead / 10 + 0.5), 1100)
     eq(math.floor(ttft + 0.5), 570)   -- 20 ms + 11,000 / 20,000 s
+    -- 1,350 ms: all 18,000 done by 900 ms and no first byte yet: late by 450 ms, and a
+    -- request sent now expects as late again (9,000 tokens still ahead)
+    ngx.shared[DICT]:set("sla:m\0a:1", require("tokengate.clock").mono_ms() - 1350)
+    ttft, _, ahead = slo.predict("m", a, 2000, 1)
+    eq(math.floor(ahead / 10 + 0.5), 1100)
     slo.first(ctx)
     eq(slo.queued("m", a), 0)
 end)
