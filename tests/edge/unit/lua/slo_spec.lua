@@ -96,6 +96,18 @@ case("prediction: the prior line, then the prefill queued on the replica", funct
     eq(slo.queued("m", a), 0)
 end)
 
+-- answer(m, r, ahead, ttft): one request of `ahead` tokens sent to r, predicted with
+-- them ahead and 1 running, answered with its first token after `ttft` ms
+local function answer(m, r, ahead, ttft)
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = r, ahead, 0
+    ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
+    slo.sent(ctx)
+    ctx.slo.t_sent, ctx.t_first = 0, ttft
+    slo.finish(ctx, 1)
+end
+
 case("prediction: learned from what the replica answered", function()
     setup()
     local m = model(500, 50)
@@ -103,14 +115,7 @@ case("prediction: learned from what the replica answered", function()
     -- a replica twice as slow as the prior: 40 ms + 1 s per 10,000 tokens
     for i = 1, 60 do
         local ahead = (i % 6) * 2000
-        local ctx = ctx_of(m)
-        assert(slo.targets(ctx, {}))
-        ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, ahead, 0
-        ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
-        slo.sent(ctx)
-        ctx.slo.t_sent = 0
-        ctx.t_first = 40 + ahead / 10
-        slo.finish(ctx, 1)
+        answer(m, b, ahead, 40 + ahead / 10)
     end
     local ttft = slo.predict("m", b, 5000, 1)
     eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's pull is small
@@ -151,13 +156,7 @@ case("prediction: the answers other workers published are learned too", function
         d:set("slo:m\0b:2\0" .. seq % 64, seq .. " " .. ahead .. " 1 " .. (40 + ahead / 10)
             .. " 0")
     end
-    local ctx = ctx_of(m)
-    assert(slo.targets(ctx, {}))
-    ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, 0, 0
-    ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", 0, 1
-    slo.sent(ctx)
-    ctx.slo.t_sent, ctx.t_first = 0, 40
-    slo.finish(ctx, 1)
+    answer(m, b, 0, 40)
     eq(d:get("sln:m\0b:2"), 60)
     local ttft = slo.predict("m", b, 5000, 1)
     eq(math.abs(ttft - 540) < 11, true)
