@@ -15,33 +15,50 @@
 -- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
 --   TTFT(r) = a0_r + a1_r * ahead + a2_r * running_r
 --   TPOT(r) = b0_r + b1_r * ahead + b2_r * running_r
---     ahead = queued_r + uncached: queued_r the uncached prompt tokens this edge sent to
---     r whose first byte has not come back yet (a shared-dict count: incr when sent,
---     decr at the first byte or at the end), i.e. the prefill work ahead of the request;
+--     ahead = left_r + uncached, the prefill work ahead of the request's first token:
+--     queued_r the uncached prompt tokens this edge sent to r whose first byte has not
+--     come back yet (a shared-dict count: incr when sent, decr at the first byte or at
+--     the end), less what r has computed of them since its queue last moved (a first
+--     byte came back, or work arrived at an empty queue: the shared anchor), at the
+--     rate the fit itself gives (1 / a1_r tokens per ms):
+--       left_r = |queued_r - (now - anchor_r) / a1_r|
+--     (past all of queued_r, r is late, and as late again is what a request sent now
+--     should expect: the lateness counts as work still ahead);
+--     vLLM's scheduler serves prefills first come, first served, chunked to its token
+--     budget (vllm/v1/core/sched/scheduler.py), so the head of the queue is the one
+--     being computed and a prompt queued for a while is partly done: counting all of
+--     queued_r over-predicts every request behind a long prompt;
 --     running_r: the requests this edge has on r now, this one included (their decode
 --     steps lengthen every step, vLLM's scheduler runs decodes first).
--- The coefficients are learned online from r's own answers: at each request's end the
+-- The coefficients are learned online from r's answers: at each request's end the
 -- (ahead, running) it was predicted with and the TTFT the edge observed (forward to
 -- first byte) and its TPOT ((end - first byte) / (completion tokens - 1)) update a
--- least-squares plane with exponential forgetting (DECAY per answer), over a few
--- pseudo-observations that are never forgotten (PRIOR_*). Each nginx worker learns from the requests it served
--- (no read-modify-write across workers); the queued counts are shared. A decision reads
--- a few numbers per replica: a few µs (its cost is measured and reported, decision_us).
+-- least-squares plane with exponential forgetting (DECAY per answer) that minimises
+-- the squared *relative* error (each answer weighs 1 / observed^2: a 20 ms TTFT missed
+-- by 10 ms counts as much as a 2 s one missed by 1 s, where plain least squares lets
+-- the long prompts' seconds decide and over-predicts every short one), its slopes
+-- drawn towards a prior's (PRIOR_*). Every answer is published in a shared ring per
+-- replica (OBS_RING answers) and each worker folds in the answers of the others when
+-- it learns its own (the fits are per worker, their data is the edge's: no
+-- read-modify-write across workers). A decision reads a few numbers per replica (its
+-- cost is measured and reported, decision_us).
 --
 -- Headroom of r for targets (T, P): min((T - TTFT(r)) / T, (P - TPOT(r)) / P); the
 -- replica with the most headroom wins (tokengate.upstream, policy slo).
 
-local ngx = ngx
 local errors = require "tokengate.errors"
 local shdict = require "tokengate.shdict"
 local clock = require "tokengate.clock"
 local metrics = require "tokengate.metrics"
+local semaphore = require "ngx.semaphore"
 
 local mono_ms = clock.mono_ms
 local tonumber = tonumber
+local pairs = pairs
 local tostring = tostring
 local match = string.match
 local floor = math.floor
+local abs = math.abs
 local ceil = math.ceil
 local min = math.min
 local max = math.max
@@ -54,18 +71,23 @@ local TTFT_BOUNDS = { 1, 600000 } -- ms a request may ask for its first token
 local TPOT_BOUNDS = { 1, 60000 } -- ms a request may ask between its tokens
 _M.TTFT_BOUNDS, _M.TPOT_BOUNDS = TTFT_BOUNDS, TPOT_BOUNDS
 local DECAY = 0.97 -- weight left to the past at each observation (about 33 remembered)
--- pseudo-observations (work ahead tokens, running requests, ms) under every fit, of
--- weight PRIOR_WEIGHT each and never forgotten (a few real answers outweigh them; they
--- keep the fit solvable while a feature does not vary): TTFT 20 ms plus 1 s per 20,000
--- tokens of prefill ahead plus 0.3 ms per running request; TPOT 10 ms alone, 30 ms with
--- 64 running, 0.5 ms more per 1,000 tokens of prefill ahead
+local OBS_RING = 64 -- answers per replica kept in the shared ring for the other workers
+-- the prior: the planes through three points (work ahead tokens, running requests, ms),
+-- the fit before any answer: TTFT 20 ms plus 1 s per 20,000 tokens of prefill ahead
+-- plus 0.3 ms per running request; TPOT 10 ms alone, 30 ms with 64 running, 0.5 ms
+-- more per 1,000 tokens of prefill ahead. Once answers come, the slopes are drawn
+-- towards the prior's by PRIOR_SHARE of the answers' own weight in each direction (a
+-- ridge: it keeps the fit solvable while a feature does not vary, and is small beside
+-- what varies)
 local PRIOR_TTFT = { { 0, 1, 20 }, { 20000, 1, 1020 }, { 0, 64, 39 } }
 local PRIOR_TPOT = { { 0, 1, 10 }, { 0, 64, 30 }, { 20000, 1, 20 } }
-local PRIOR_WEIGHT = 0.25
+local PRIOR_SHARE = 0.02
 local CLASSES = { interactive = true, sheddable = true, batch = true }
 _M.CLASSES = CLASSES
-local WAIT_POLL_S = 0.01 -- how often a waiting interactive request looks again
+local WAIT_POLL_S = 0.01 -- how often a waiting interactive request looks again at the
+-- latest (a first byte or an end in its own worker wakes it at once)
 local NONE = {}
+local wake -- this worker's semaphore of waiting interactive requests
 
 -- number(v) -> v when it is a number, else nil (json null)
 local function number(v)
@@ -74,8 +96,10 @@ end
 
 local dict -- the upstream module's shared dict (queued prefill tokens per replica)
 -- this worker's state per replica, keyed by the compiled replica's table (the same table
--- for the worker's life: a reload starts new workers): {ttft = fit, tpot = fit, qkey =
--- its shared-dict key}; a fit keeps its solved coefficients until its next answer
+-- for the worker's life: a reload starts new workers): {ttft = fit, tpot = fit, qkey,
+-- akey, okey: its shared-dict keys (queued tokens, anchor, answers ring), seen: the
+-- last answer of the ring folded into the fits}; a fit keeps its solved coefficients
+-- until its next answer
 local replicas = setmetatable({}, { __mode = "k" })
 
 -- init_worker(dict_name) -> true | nil, err
@@ -85,45 +109,29 @@ function _M.init_worker(dict_name)
     if not dict then
         return nil, err
     end
+    wake = semaphore.new()
     return true
 end
 
--- plane(points, w) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
--- points {x1, x2, y} of weight w each
-local function plane(points, w)
+-- plane(points) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
+-- points {x1, x2, y} of weight 1 each
+local function plane(points)
     local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0 }
     for i = 1, #points do
         local p = points[i]
         local x1, x2, y = p[1], p[2], p[3]
-        f.n, f.s1, f.s2, f.sy = f.n + w, f.s1 + w * x1, f.s2 + w * x2, f.sy + w * y
-        f.s11, f.s12, f.s22 = f.s11 + w * x1 * x1, f.s12 + w * x1 * x2, f.s22 + w * x2 * x2
-        f.s1y, f.s2y = f.s1y + w * x1 * y, f.s2y + w * x2 * y
+        f.n, f.s1, f.s2, f.sy = f.n + 1, f.s1 + x1, f.s2 + x2, f.sy + y
+        f.s11, f.s12, f.s22 = f.s11 + x1 * x1, f.s12 + x1 * x2, f.s22 + x2 * x2
+        f.s1y, f.s2y = f.s1y + x1 * y, f.s2y + x2 * y
     end
     return f
 end
 
-local PRIORS = { ttft = plane(PRIOR_TTFT, PRIOR_WEIGHT), tpot = plane(PRIOR_TPOT, PRIOR_WEIGHT) }
-
--- state_of(model, r) -> this worker's state of replica r of model (replicas above)
-local function state_of(model, r)
-    local st = replicas[r]
-    if not st then
-        local a, b = plane({}, 0), plane({}, 0)
-        a.kind, b.kind = "ttft", "tpot"
-        st = { ttft = a, tpot = b, qkey = "slq:" .. model .. "\0" .. r.name }
-        replicas[r] = st
-    end
-    return st
-end
-
--- solve(f) -> c0, c1, c2 of the plane through f's answers and its prior (normal
--- equations, Cramer's rule); slopes clipped at 0 (more work ahead or more requests
--- running never make a request faster), then the intercept refitted, at least 0
-local function solve(f)
-    local p = PRIORS[f.kind]
-    local n, s1, s2, sy = f.n + p.n, f.s1 + p.s1, f.s2 + p.s2, f.sy + p.sy
-    local s11, s12, s22 = f.s11 + p.s11, f.s12 + p.s12, f.s22 + p.s22
-    local s1y, s2y = f.s1y + p.s1y, f.s2y + p.s2y
+-- fit(n, s1, s2, sy, s11, s12, s22, s1y, s2y) -> c0, c1, c2 of the least-squares plane
+-- of those sums (normal equations, Cramer's rule); slopes clipped at 0 (more work ahead
+-- or more requests running never make a request faster), then the intercept refitted,
+-- at least 0
+local function fit(n, s1, s2, sy, s11, s12, s22, s1y, s2y)
     local det = n * (s11 * s22 - s12 * s12) - s1 * (s1 * s22 - s12 * s2)
         + s2 * (s1 * s12 - s11 * s2)
     local c1, c2 = 0, 0
@@ -146,6 +154,39 @@ local function solve(f)
     return c0, c1, c2
 end
 
+-- the prior planes' coefficients {c0, c1, c2}
+local PRIORS = {}
+for kind, points in pairs({ ttft = PRIOR_TTFT, tpot = PRIOR_TPOT }) do
+    local p = plane(points)
+    PRIORS[kind] = { fit(p.n, p.s1, p.s2, p.sy, p.s11, p.s12, p.s22, p.s1y, p.s2y) }
+end
+
+-- state_of(model, r) -> this worker's state of replica r of model (replicas above)
+local function state_of(model, r)
+    local st = replicas[r]
+    if not st then
+        local a, b = plane({}), plane({})
+        a.kind, b.kind = "ttft", "tpot"
+        local tail = model .. "\0" .. r.name
+        st = { ttft = a, tpot = b, qkey = "slq:" .. tail, akey = "sla:" .. tail,
+               okey = "slo:" .. tail .. "\0", nkey = "sln:" .. tail, seen = 0 }
+        replicas[r] = st
+    end
+    return st
+end
+
+-- solve(f) -> c0, c1, c2 of f: the prior's before any answer, then the plane through
+-- f's answers with the ridge towards the prior's slopes (PRIOR_SHARE)
+local function solve(f)
+    local p = PRIORS[f.kind]
+    if f.n <= 0 then
+        return p[1], p[2], p[3]
+    end
+    local r1, r2 = PRIOR_SHARE * f.s11, PRIOR_SHARE * f.s22
+    return fit(f.n, f.s1, f.s2, f.sy, f.s11 + r1, f.s12, f.s22 + r2, f.s1y + r1 * p[2],
+        f.s2y + r2 * p[3])
+end
+
 -- coef(f) -> f's coefficients, solved again only after an answer changed f
 local function coef(f)
     if not f.c0 then
@@ -154,13 +195,46 @@ local function coef(f)
     return f.c0, f.c1, f.c2
 end
 
--- observe(f, x1, x2, y): one answer, the past weighed down by DECAY
+-- observe(f, x1, x2, y): one answer (y > 0), of weight 1 / y^2, the past weighed down
+-- by DECAY
 local function observe(f, x1, x2, y)
     local d = DECAY
-    f.n, f.s1, f.s2, f.sy = f.n * d + 1, f.s1 * d + x1, f.s2 * d + x2, f.sy * d + y
-    f.s11, f.s12, f.s22 = f.s11 * d + x1 * x1, f.s12 * d + x1 * x2, f.s22 * d + x2 * x2
-    f.s1y, f.s2y = f.s1y * d + x1 * y, f.s2y * d + x2 * y
+    local w = 1 / (y * y)
+    f.n, f.s1, f.s2, f.sy = f.n * d + w, f.s1 * d + w * x1, f.s2 * d + w * x2, f.sy * d + w * y
+    f.s11, f.s12 = f.s11 * d + w * x1 * x1, f.s12 * d + w * x1 * x2
+    f.s22 = f.s22 * d + w * x2 * x2
+    f.s1y, f.s2y = f.s1y * d + w * x1 * y, f.s2y * d + w * x2 * y
     f.c0 = nil
+end
+
+-- fold(st, upto): the answers of r's ring after st.seen, up to sequence number upto,
+-- into this worker's fits (an answer overwritten before it was read is skipped)
+local function fold(st, upto)
+    local okey = st.okey
+    for seq = max(st.seen + 1, upto - OBS_RING + 1), upto do
+        local v = dict:get(okey .. seq % OBS_RING)
+        local s, ahead, running, ttft, tpot = match(v or "", "^(%d+) (%S+) (%S+) (%S+) (%S+)$")
+        if s and tonumber(s) == seq then
+            ahead, running, ttft, tpot = tonumber(ahead), tonumber(running), tonumber(ttft),
+                tonumber(tpot)
+            if ttft > 0 then
+                observe(st.ttft, ahead, running, ttft)
+            end
+            if tpot > 0 then
+                observe(st.tpot, ahead, running, tpot)
+            end
+        end
+    end
+    st.seen = upto
+end
+
+-- learn(st, ahead, running, ttft, tpot): one answer of r (ms; tpot 0: none) into the
+-- shared ring, then every answer of the ring this worker has not seen into its fits
+local function learn(st, ahead, running, ttft, tpot)
+    local seq = dict:incr(st.nkey, 1, 0)
+    dict:set(st.okey .. seq % OBS_RING, seq .. " " .. ahead .. " " .. running .. " "
+        .. ttft .. " " .. tpot)
+    fold(st, seq)
 end
 
 -- queued(model, r) -> prefill tokens sent to r whose first token has not come back
@@ -168,13 +242,26 @@ function _M.queued(model, r)
     return dict and dict:get(state_of(model, r).qkey) or 0
 end
 
--- predict(model, r, uncached, running) -> TTFT ms, TPOT ms, work ahead (tokens) of a
--- request whose prompt r computes `uncached` tokens of, with `running` requests on r
--- (this one included)
-function _M.predict(model, r, uncached, running)
+-- predict(model, r, uncached, running, now) -> TTFT ms, TPOT ms, work ahead (tokens:
+-- left_r + uncached, module comment) of a request whose prompt r computes `uncached`
+-- tokens of, with `running` requests on r (this one included); now: mono_ms() if the
+-- caller has it
+function _M.predict(model, r, uncached, running, now)
     local st = state_of(model, r)
-    local ahead = (dict and dict:get(st.qkey) or 0) + uncached
     local a0, a1, a2 = coef(st.ttft)
+    local left = dict and dict:get(st.qkey) or 0
+    if left > 0 and a1 > 0 then
+        local since = dict:get(st.akey)
+        if since then
+            -- the queue's work done at the fit's rate; past all of it, the replica is
+            -- late (a stall, a preemption, steps longer than learned) and as late again
+            -- is what a request sent now should expect: the lateness counts as work
+            -- still ahead (without it, a stalled replica looked idle and drew every
+            -- request until its first byte came back)
+            left = abs(left - ((now or mono_ms()) - since) / a1)
+        end
+    end
+    local ahead = left + uncached
     local b0, b1, b2 = coef(st.tpot)
     return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
 end
@@ -263,20 +350,40 @@ local function unattainable(ctx, ttft)
         "slo_unattainable", nil, { ["Retry-After"] = tostring(s) })
 end
 
+-- chosen(t, r, ttft, tpot, ahead, running): the prediction tokengate.upstream made for
+-- the replica it chose (policy slo), kept in the request's targets t for decide()
+function _M.chosen(t, r, ttft, tpot, ahead, running)
+    t.on, t.p_ttft, t.p_tpot, t.p_ahead, t.p_running = r, ttft, tpot, ahead, running
+end
+
+-- prediction(ctx, r, running) -> TTFT ms, TPOT ms, ahead tokens, running requests for
+-- replica r: the one its choice made (chosen()), else predicted now
+local function prediction(ctx, r, running)
+    local t = ctx.slo
+    if t.on == r then
+        return t.p_ttft, t.p_tpot, t.p_ahead, t.p_running
+    end
+    local n = running(ctx.model, r)
+    local ttft, tpot, ahead = _M.predict(ctx.model, r,
+        (ctx.token_estimate or 0) - (ctx.prefix_expected or 0), n)
+    return ttft, tpot, ahead, n
+end
+
 -- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
--- for ctx.replica (choose() -> replica | nil: takes the best one again and holds it in
--- ctx.replica; running(r) -> requests on r, this one included). decision_us: from
--- ctx.slo.t_choose (set before the replica was chosen) to the first prediction, shared
--- dict reads of the choice included; predict_us (tokengate.upstream adds it up): the
--- predictions alone, every replica of every choice. Sets ctx.slo's decision ("met" | "waited" | "late" | "refused"),
--- predicted_ttft_ms, predicted_tpot_ms, ahead (tokens), decision_us.
+-- for ctx.replica (choose(ctx) -> replica | nil: takes the best one again and holds it
+-- in ctx.replica; running(model_name, r) -> requests on r, this one included). decision_us: from
+-- ctx.slo.t_choose (set before the replica was chosen) to the prediction of the chosen
+-- replica in hand, shared dict reads of the choice included; predict_us
+-- (tokengate.upstream adds it up): the predictions alone, every replica of every
+-- choice. A waiting interactive request looks again when a first byte or an end in its
+-- worker wakes it, at the latest after WAIT_POLL_S. Sets ctx.slo's decision ("met" |
+-- "waited" | "late" | "refused"), predicted_ttft_ms, predicted_tpot_ms, ahead (tokens),
+-- running, decision_us.
 function _M.decide(ctx, choose, running)
     local t = ctx.slo
     local t0 = t.t_choose or mono_ms()
     local r = ctx.replica
-    local uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
-    local n = running(r)
-    local ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+    local ttft, tpot, ahead, n = prediction(ctx, r, running)
     local h = _M.headroom(ttft, tpot, t)
     t.decision_us = floor((mono_ms() - t0) * 1000 + 0.5)
     local decision = "met"
@@ -292,15 +399,13 @@ function _M.decide(ctx, choose, running)
         local deadline = (ctx.t0 or t0) + t.ttft_ms
         decision = "late"
         while mono_ms() < deadline do
-            ngx.sleep(WAIT_POLL_S)
-            r = choose()
+            wake:wait(WAIT_POLL_S)
+            r = choose(ctx)
             if not r then
                 return nil, errors.new(503, "No replica of model " .. errors.clip(ctx.model)
                     .. " has an address any more.", nil, "upstream_unavailable")
             end
-            uncached = (ctx.token_estimate or 0) - (ctx.prefix_expected or 0)
-            n = running(r)
-            ttft, tpot, ahead = _M.predict(ctx.model, r, uncached, n)
+            ttft, tpot, ahead, n = prediction(ctx, r, running)
             local left = deadline - mono_ms()
             if left > 0 and _M.headroom(ttft, tpot, { ttft_ms = left, tpot_ms = t.tpot_ms })
                     >= 0 then
@@ -324,29 +429,47 @@ function _M.header(t)
 end
 
 -- sent(ctx): the request goes to its replica now: its uncached tokens join the
--- replica's queued prefill work until its first byte (first) or its end (finish).
+-- replica's queued prefill work until its first byte (first) or its end (finish); work
+-- that finds the queue empty starts it (the anchor).
 function _M.sent(ctx)
     local t = ctx.slo
     if not (t and t.decision and ctx.replica) or t.queued then
         return
     end
     local n = max(0, floor((ctx.token_estimate or 0) - (ctx.prefix_expected or 0)))
-    t.queued, t.queued_on, t.t_sent = n, ctx.replica, mono_ms()
-    dict:incr(state_of(ctx.model, ctx.replica).qkey, n, 0)
+    local now = mono_ms()
+    t.queued, t.queued_on, t.t_sent = n, ctx.replica, now
+    local st = state_of(ctx.model, ctx.replica)
+    if dict:incr(st.qkey, n, 0) == n then
+        dict:set(st.akey, now)
+    end
 end
 
--- first(ctx): the answer's first byte: the request's prefill is done.
+-- woken(): the waiting interactive requests of this worker look again now
+local function woken()
+    local waiting = -wake:count()
+    if waiting > 0 then
+        wake:post(waiting)
+    end
+end
+
+-- first(ctx): the answer's first byte: the request's prefill is done, the replica's
+-- queue has moved (the anchor) and the waiting requests of this worker look again.
 function _M.first(ctx)
     local t = ctx.slo
     if t and t.queued then
-        dict:incr(state_of(ctx.model, t.queued_on).qkey, -t.queued, 0)
+        local st = state_of(ctx.model, t.queued_on)
+        dict:incr(st.qkey, -t.queued, 0)
+        dict:set(st.akey, mono_ms())
         t.queued = false
+        woken()
     end
 end
 
 -- finish(ctx, completion) -> the usage event's slo object | nil: the queued count let
 -- go of if no byte came, then the observed TTFT (forward to first byte, ms) and TPOT
--- (ms) learned by the replica's fits; observed and predicted in the object.
+-- (ms) learned by the replica's fits (learn(): every worker's); observed and predicted
+-- in the object; the waiting requests of this worker look again (a request ended).
 function _M.finish(ctx, completion)
     local t = ctx.slo
     if not t then
@@ -367,13 +490,16 @@ function _M.finish(ctx, completion)
         if t.predicted_ttft_ms and ttft > 0 then
             metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
         end
-        observe(state_of(ctx.model, r).ttft, t.ahead or 0, t.running or 1, ttft)
+        local tpot = 0
         if completion and completion >= 2 then
-            local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
+            tpot = (mono_ms() - ctx.t_first) / (completion - 1)
             ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
-            observe(state_of(ctx.model, r).tpot, t.ahead or 0, t.running or 1, tpot)
         end
+        -- 0.001 ms: an answer at once still weighs 1 / y^2 within bounds
+        learn(state_of(ctx.model, r), floor(t.ahead or 0), t.running or 1, max(ttft, 0.001),
+            tpot)
     end
+    woken()
     return ev
 end
 

@@ -72,11 +72,13 @@ local tostring = tostring
 local io_open = io.open
 local ipairs = ipairs
 local type = type
+local setmetatable = setmetatable
 
 local _M = {}
 
 local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
 local pid = tostring(ngx.worker.pid())
+local WREQ, WTOK -- this worker's kinds of keys of its share: "wreq:<pid>:", "wtok:<pid>:"
 local RECLAIM_S = 5 -- how often worker 0 looks for counts of workers that are gone
 local KINDS = { "req", "tok" }
 local held, register -- defined below
@@ -86,8 +88,20 @@ local rotate = 0 -- this worker's tie breaker
 
 -- key(kind, model, r) -> the shared-dict key of replica r of model for kind (a prefix
 -- such as "tok:"); the modules that keep state per replica (admission, idle) use it too
+local keys = setmetatable({}, { __mode = "k" }) -- replica table -> {model, kind -> key}
 local function key(kind, model, r)
-    return kind .. model .. "\0" .. r.name
+    -- built once per replica and kind: a decision reads several per replica
+    local ks = keys[r]
+    if not ks or ks[1] ~= model then
+        ks = { model }
+        keys[r] = ks
+    end
+    local k = ks[kind]
+    if not k then
+        k = kind .. model .. "\0" .. r.name
+        ks[kind] = k
+    end
+    return k
 end
 _M.key = key
 
@@ -107,6 +121,7 @@ function _M.init_worker(doc, dict_name)
     health_timeout_ms = edge.upstream_health_timeout_ms
     probing = edge.upstream_health_interval_ms > 0
     pid = tostring(ngx.worker.pid())
+    WREQ, WTOK = "wreq:" .. pid .. ":", "wtok:" .. pid .. ":"
     register()
     local models = doc.models or {}
     _M.reclaim(false, models)
@@ -228,6 +243,15 @@ end
 -- worker chose last (round_robin: after the one any worker chose last); the first of
 -- equals wins. targets: the request's latency targets (tokengate.slo; policy slo), nil
 -- without. Reads only: take() counts.
+-- better(k, asleep, cost, k2, asleep2, cost2) -> whether a replica of rank k, asleep
+-- or not, at cost beats the best so far (rank, then awake before asleep, then cost)
+local function better(k, asleep, cost, best_rank, best_asleep, best_cost)
+    return k < best_rank or (k == best_rank and (asleep ~= best_asleep and not asleep
+        or asleep == best_asleep and cost < best_cost))
+end
+
+local cand = {} -- best()'s candidates under policy slo (reused: no table per request)
+
 local function best(model, tried, rank, level, prompt, first, plan, targets)
     local list = model.upstreams
     local n = #list
@@ -252,6 +276,7 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
         start = rotate
     end
     local choice, best_rank, best_asleep, best_cost, best_out, best_hit, best_source
+    local m = 0 -- policy slo: the candidates, predicted after the reads (one clock pair)
     for i = 0, n - 1 do
         local r = list[(start + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(name, r) then
@@ -272,22 +297,41 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
                 if plan then
                     hit, source = prefix.expected(name, r, plan)
                 end
-                local t0 = mono_ms()
-                local ttft, tpot = slo.predict(name, r, prompt - hit, _M.in_flight(name, r) + 1)
-                cost = -slo.headroom(ttft, tpot, targets)
-                targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
+                m = m + 1
+                local c = cand[m]
+                if not c then
+                    c = {}
+                    cand[m] = c
+                end
+                c.r, c.k, c.asleep, c.out, c.hit, c.source = r, k, asleep, out, hit, source
+                c.running = _M.in_flight(name, r) + 1
             elseif plan then
                 hit, source = prefix.expected(name, r, plan)
                 cost = (prompt - hit) + weight * out
             elseif rr then
                 cost = 0
             end
-            if not choice or k < best_rank or (k == best_rank and (asleep ~= best_asleep
-                    and not asleep or asleep == best_asleep and cost < best_cost)) then
+            if not by_slo and (not choice or better(k, asleep, cost, best_rank, best_asleep,
+                    best_cost)) then
                 choice, best_rank, best_asleep, best_cost = r, k, asleep, cost
                 best_out, best_hit, best_source = out, hit, source
             end
         end
+    end
+    if m > 0 then
+        local t0 = mono_ms()
+        local pick
+        for i = 1, m do
+            local c = cand[i]
+            c.ttft, c.tpot, c.ahead = slo.predict(name, c.r, prompt - c.hit, c.running, t0)
+            local cost = -slo.headroom(c.ttft, c.tpot, targets)
+            if not pick or better(c.k, c.asleep, cost, best_rank, best_asleep, best_cost) then
+                pick, best_rank, best_asleep, best_cost = c, c.k, c.asleep, cost
+            end
+        end
+        targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
+        choice, best_out, best_hit, best_source = pick.r, pick.out, pick.hit, pick.source
+        slo.chosen(targets, choice, pick.ttft, pick.tpot, pick.ahead, pick.running)
     end
     return choice, best_rank, best_out, best_hit, best_source
 end
@@ -296,12 +340,13 @@ end
 -- on replica r: the totals every worker reads ("req:", "tok:"), and this worker's own
 -- share of them ("wreq:<pid>:", "wtok:<pid>:"), from which reclaim() takes back what a
 -- worker that died (a crash, a kill after a reload's shutdown timeout) left counted.
+-- -> the new outstanding tokens of r (every worker's)
 held = function(model_name, r, n, tokens)
-    local tail = model_name .. "\0" .. r.name
-    dict:incr("req:" .. tail, n, 0)
-    dict:incr("tok:" .. tail, tokens, 0)
-    dict:incr("wreq:" .. pid .. ":" .. tail, n, 0)
-    dict:incr("wtok:" .. pid .. ":" .. tail, tokens, 0)
+    dict:incr(key("req:", model_name, r), n, 0)
+    local now = dict:incr(key("tok:", model_name, r), tokens, 0)
+    dict:incr(key(WREQ, model_name, r), n, 0)
+    dict:incr(key(WTOK, model_name, r), tokens, 0)
+    return now
 end
 
 -- alive(worker_pid) -> whether that process still runs (an nginx worker of this host)
@@ -382,8 +427,7 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         return nil
     end
     local name = model.name
-    held(name, r, 1, tokens)
-    local now = dict:get(key("tok:", name, r)) or 0
+    local now = held(name, r, 1, tokens) or 0
     if now - tokens > seen and policy(model) ~= "round_robin" then
         held(name, r, -1, -tokens)
         local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan,

@@ -213,3 +213,33 @@ def test_on_a_gpu_timed_replica_the_edge_learns_that_a_long_prefill_takes_longer
             last[kind] = e.event(r.headers["x-request-id"])["slo"]
             assert last[kind]["observed_ttft_ms"] > 0 and last[kind]["decision"] == "met"
     assert last["long"]["predicted_ttft_ms"] > last["short"]["predicted_ttft_ms"]
+
+
+def test_on_the_vllm_cpu_server_the_learned_prediction_is_sane_and_exported(
+        edge_variant: Callable[..., Edge]) -> None:
+    """The session's vLLM CPU server behind policy slo: after a few warm-up requests
+    every answer carries its prediction beside what was observed, the learned
+    prediction is within a loose factor of the observed TTFT (a fit that learned, not
+    the 20 ms prior and not a runaway), and the prediction-error histogram counts every
+    answer under the replica's name."""
+    def edit(raw: dict[str, Any]) -> None:
+        m = raw["models"][MODEL]
+        m["routing"] = {**m.get("routing", {}), "policy": "slo", "kv_events": {}}
+        m["slo"] = {"ttft_ms": 600000, "tpot_ms": 60000}
+    e = edge_variant("slo-vllm", edit)
+    slos = []
+    for i in range(16):
+        r = _chat(e, question=f"{i}: what is {i} + {i}? " + "Think. " * (i % 4 * 40))
+        assert r.status_code == 200, r.text
+        assert r.headers[SLO].startswith("interactive; met; ttft=")
+        slos.append(e.event(r.headers["x-request-id"])["slo"])
+    for s in slos:
+        assert s["predicted_ttft_ms"] > 0 and s["observed_ttft_ms"] > 0
+        assert s["predicted_tpot_ms"] > 0
+    ratios = sorted(s["predicted_ttft_ms"] / s["observed_ttft_ms"] for s in slos[8:])
+    assert 0.2 < ratios[len(ratios) // 2] < 5, ratios
+    text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
+    [count] = [line for line in text.splitlines()
+               if line.startswith("tokengate_slo_prediction_error_count{")]
+    assert f'model="{MODEL}"' in count and 'replica="' in count
+    assert float(count.rsplit(" ", 1)[1]) == 16

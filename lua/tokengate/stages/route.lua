@@ -32,6 +32,14 @@ local max = math.max
 
 local NO_HEADERS = {} -- a request without target headers (read only)
 
+-- choose(ctx) -> replica | nil: tokengate.slo.decide's choice again of a request that
+-- waits for its targets (not pinned: any replica). Not a closure per request: a
+-- closure's creation stops LuaJIT's trace of the access phase.
+local function choose(ctx)
+    return upstream.take(ctx, ctx.model_entry, nil, admission.rank, ctx.key.admission,
+        ctx.token_estimate or 0, ctx.limit_req.tokens)
+end
+
 local _M = {}
 
 -- unavailable(model, why) -> the 503 of a model none of whose replicas has an address
@@ -111,15 +119,7 @@ function _M.replica(ctx, doc)
         metrics.incr("admission_headroom")
     end
     if ctx.slo and not pin then
-        local name = model.name
-        local running = function(rep)
-            return upstream.in_flight(name, rep)
-        end
-        local choose = function()
-            return upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
-                prompt, tokens)
-        end
-        local sok, serr = slo.decide(ctx, choose, running)
+        local sok, serr = slo.decide(ctx, choose, upstream.in_flight)
         if not sok then
             upstream.release(ctx, true)
             return nil, serr

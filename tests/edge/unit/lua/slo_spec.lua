@@ -96,6 +96,18 @@ case("prediction: the prior line, then the prefill queued on the replica", funct
     eq(slo.queued("m", a), 0)
 end)
 
+-- answer(m, r, ahead, ttft): one request of `ahead` tokens sent to r, predicted with
+-- them ahead and 1 running, answered with its first token after `ttft` ms
+local function answer(m, r, ahead, ttft)
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = r, ahead, 0
+    ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
+    slo.sent(ctx)
+    ctx.slo.t_sent, ctx.t_first = 0, ttft
+    slo.finish(ctx, 1)
+end
+
 case("prediction: learned from what the replica answered", function()
     setup()
     local m = model(500, 50)
@@ -103,17 +115,51 @@ case("prediction: learned from what the replica answered", function()
     -- a replica twice as slow as the prior: 40 ms + 1 s per 10,000 tokens
     for i = 1, 60 do
         local ahead = (i % 6) * 2000
-        local ctx = ctx_of(m)
-        assert(slo.targets(ctx, {}))
-        ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, ahead, 0
-        ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
-        slo.sent(ctx)
-        ctx.slo.t_sent = 0
-        ctx.t_first = 40 + ahead / 10
-        slo.finish(ctx, 1)
+        answer(m, b, ahead, 40 + ahead / 10)
     end
     local ttft = slo.predict("m", b, 5000, 1)
-    eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's weight is gone
+    eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's pull is small
+end)
+
+case("prediction: prefill queued for a while is partly done, a late queue counts", function()
+    setup()
+    local m = model(500, 50)
+    local a = m.upstreams[1]
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = a, 18000, 0
+    ctx.slo.decision = "met"
+    slo.sent(ctx)
+    -- the queue started 450 ms ago: 9,000 of its tokens done at the prior's 20 per ms
+    ngx.shared[DICT]:set("sla:m\0a:1", require("tokengate.clock").mono_ms() - 450)
+    local ttft, _, ahead = slo.predict("m", a, 2000, 1)
+    eq(math.floor(ahead / 10 + 0.5), 1100)
+    eq(math.floor(ttft + 0.5), 570)   -- 20 ms + 11,000 / 20,000 s
+    -- 1,350 ms: all 18,000 done by 900 ms and no first byte yet: late by 450 ms, and a
+    -- request sent now expects as late again (9,000 tokens still ahead)
+    ngx.shared[DICT]:set("sla:m\0a:1", require("tokengate.clock").mono_ms() - 1350)
+    ttft, _, ahead = slo.predict("m", a, 2000, 1)
+    eq(math.floor(ahead / 10 + 0.5), 1100)
+    slo.first(ctx)
+    eq(slo.queued("m", a), 0)
+end)
+
+case("prediction: the answers other workers published are learned too", function()
+    setup()
+    local m = model(500, 50)
+    local b = m.upstreams[2]
+    local d = ngx.shared[DICT]
+    -- 59 answers of another worker in the replica's ring: 40 ms + 1 s per 10,000 tokens
+    for i = 1, 59 do
+        local ahead = (i % 6) * 2000
+        local seq = d:incr("sln:m\0b:2", 1, 0)
+        d:set("slo:m\0b:2\0" .. seq % 64, seq .. " " .. ahead .. " 1 " .. (40 + ahead / 10)
+            .. " 0")
+    end
+    answer(m, b, 0, 40)
+    eq(d:get("sln:m\0b:2"), 60)
+    local ttft = slo.predict("m", b, 5000, 1)
+    eq(math.abs(ttft - 540) < 11, true)
 end)
 
 case("policy slo: the replica with the most headroom, prefix hits counted", function()
