@@ -12,13 +12,19 @@ validating
 in_progress
     Lines go through the edge as the worker key acting for the batch's key, at the
     worker key's (lowest) priority: admitted only where that priority finds room in the
-    replicas' KV cache and queues, so interactive traffic keeps its latency. How many
-    are out at once follows TCP's congestion window (slow start, then AIMD: additive
-    increase, multiplicative decrease, Chiu and Jain 1989; AIBrix ramps batch load the
-    same way): one more per answer until the first refusal, then one more per window of
-    answers; half on a refusal (429 or 503 that may be retried), and a pause of its
-    Retry-After. Lines of different keys take turns (round robin over keys, then
-    over a key's batches).
+    replicas' KV cache, queues and running seats (``edge.admission.priorities``), so
+    interactive traffic keeps its latency. How many are out at once follows TCP's
+    congestion window (slow start, then AIMD: additive increase, multiplicative
+    decrease, Chiu and Jain 1989; AIBrix ramps batch load the same way): one more per
+    answer until the first refusal, then one more per window of answers. A refusal
+    (429 or 503 that may be retried) cuts the window: an ``overloaded`` one (the
+    replicas have no room for the priority now) to the lines still out, which are what
+    the replicas took (each further refusal of a burst cuts it again, down to what they
+    hold); any other to half. Then a pause: the edge's
+    Retry-After for a limit, but only ``REFUSED_PAUSE_S[0]`` for ``overloaded``, whose
+    Retry-After estimates a queue that lines never join while room comes back as soon
+    as any running request ends. Lines of different keys take turns (round robin over
+    keys, then over a key's batches).
 finalizing
     When every line has a result, or the batch was cancelled or expired (lines that did
     not run get ``batch_cancelled`` / ``batch_expired`` error lines), the output and
@@ -363,7 +369,10 @@ class Worker:
             elif retryable(a):
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
-                self._refused(a.retry_after_s)
+                if a.error_code() == "overloaded":
+                    self._refused(None, len(self.inflight))
+                else:
+                    self._refused(a.retry_after_s)
             else:
                 self.unrecorded.append((batch_id, index, False,
                                         result_line(rid, line.custom_id, a), (0, 0, 0)))
@@ -374,8 +383,12 @@ class Worker:
         grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
         self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
 
-    def _refused(self, retry_after_s: float | None) -> None:
-        self.window = max(1.0, self.window / 2)
+    def _refused(self, retry_after_s: float | None, taken: int | None = None) -> None:
+        """A refusal: the window to half, or to ``taken`` (the lines still out) when
+        given and fewer; new lines wait ``retry_after_s`` (s) within
+        ``REFUSED_PAUSE_S``."""
+        cut = self.window / 2 if taken is None else min(self.window, float(taken))
+        self.window = max(1.0, cut)
         self.slow_start_until = self.window
         lo, hi = REFUSED_PAUSE_S
         self.paused_until = self.clock() + min(hi, max(lo, retry_after_s or lo))
