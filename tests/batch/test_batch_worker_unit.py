@@ -1,5 +1,6 @@
 """The batch worker's choices that need no process: which batch sends next (keys take
-turns, then a key's batches), the window's slow start and halving, the usage of an
+turns, then a key's batches), the window's slow start, halving and cut to the lines
+out, the usage of an
 answer in each API's shape."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from tokengate import config as tg_config
 from tokengate.batch.edge import Answer
-from tokengate.batch.worker import Worker, _Batch, retryable, usage_of
+from tokengate.batch.worker import REFUSED_PAUSE_S, Worker, _Batch, retryable, usage_of
 
 pytestmark = pytest.mark.unit
 
@@ -57,6 +58,23 @@ def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window
     w.slow_start_until = 64.0
     w._grow()
     assert w.window == 64.0  # never above batch.max_in_flight
+
+
+def test_an_overloaded_refusal_cuts_the_window_to_the_lines_still_out_briefly(
+        config_path: Path) -> None:
+    w = worker(config_path, max_in_flight=64)
+    w.clock = lambda: 100.0
+    w.window = 40.0
+    w._refused(None, 30)
+    assert (w.window, w.slow_start_until) == (30.0, 30.0)
+    assert w.paused_until == 100.0 + REFUSED_PAUSE_S[0]
+    w._refused(None, 34)  # never up on a refusal
+    assert w.window == 30.0
+    w._refused(None, 0)
+    assert w.window == 1.0
+    w.window = 40.0
+    w._refused(5.0)  # a limit's refusal: half, and its Retry-After within the bounds
+    assert (w.window, w.paused_until) == (20.0, 100.0 + REFUSED_PAUSE_S[1])
 
 
 def test_usage_of_reads_chat_responses_and_embeddings_shapes() -> None:
