@@ -24,7 +24,12 @@ in_progress
     Retry-After for a limit, but only ``REFUSED_PAUSE_S[0]`` for ``overloaded``, whose
     Retry-After estimates a queue that lines never join while room comes back as soon
     as any running request ends. Lines of different keys take turns (round robin over
-    keys, then over a key's batches).
+    keys, then over a key's batches). Sends are paced, as TCP paces a window over its
+    round trip (Linux's ``sk_pacing_rate``: 2 windows per smoothed round trip in slow
+    start, 1.2 after): lines leave one by one at least ``srtt / (factor x window)``
+    apart (``srtt``: the smoothed time a line takes to come back, RFC 6298's 1/8 gain),
+    so a grown window does not land on a replica as one burst of prefills, which one
+    engine step would compute at once while every interactive request waited on it.
 finalizing
     When every line has a result, or the batch was cancelled or expired (lines that did
     not run get ``batch_cancelled`` / ``batch_expired`` error lines), the output and
@@ -65,6 +70,8 @@ CHECKS_AT_ONCE = 8          # lines checked at once while a batch validates
 START_WINDOW = 2.0          # lines out at once when the worker starts
 IDLE_S = 0.2                # the loop's sleep with nothing to do
 REFUSED_PAUSE_S = (0.05, 2.0)  # bounds of the pause after a refusal, s
+PACING = (2.0, 1.2)         # windows per srtt: in slow start, after (Linux TCP's)
+SRTT_GAIN = 0.125           # weight of a new round trip in srtt (RFC 6298)
 SWEEP_S = 60.0              # retention sweep period, s
 
 
@@ -129,8 +136,10 @@ class Worker:
         self.window = START_WINDOW
         self.slow_start_until = float(cfg.batch.max_in_flight)  # TCP's ssthresh
         self.paused_until = 0.0
+        self.srtt: float | None = None   # smoothed time a line takes to come back, s
+        self.next_send_at = 0.0
         self.running: dict[str, _Batch] = {}
-        self.inflight: dict[Future[Answer], tuple[str, int, str]] = {}
+        self.inflight: dict[Future[Answer], tuple[str, int, str, float]] = {}
         self.unrecorded: list[tuple[str, int, bool, dict[str, Any], tuple[int, int, int]]] = []
         self.turn = 0
         self.pool = ThreadPoolExecutor(cfg.batch.max_in_flight, thread_name_prefix="line")
@@ -171,6 +180,10 @@ class Worker:
         return busy
 
     def _wait(self, seconds: float) -> None:
+        if any(b.pending for b in self.running.values()):
+            seconds = min(seconds, max(self.next_send_at, self.paused_until) - self.clock())
+            if seconds <= 0:
+                return
         if self.inflight:
             wait(list(self.inflight), timeout=seconds, return_when=FIRST_COMPLETED)
         else:
@@ -311,11 +324,13 @@ class Worker:
     # lines -------------------------------------------------------------------------
 
     def _dispatch(self) -> bool:
-        """Send lines while the window has room, one key after another."""
-        if self.clock() < self.paused_until:
+        """Send lines while the window has room and the pacing lets them go, one key
+        after another."""
+        now = self.clock()
+        if now < self.paused_until:
             return False
         sent = False
-        while len(self.inflight) < int(self.window):
+        while len(self.inflight) < int(self.window) and now >= self.next_send_at:
             b = self._next_batch()
             if b is None:
                 break
@@ -325,9 +340,13 @@ class Worker:
                                        self.store.attempt(b.batch_id, index))
             fut = self.pool.submit(self.edge.post, b.endpoint, line.body, b.key_id,
                                    b.batch_id, line.custom_id, rid)
-            self.inflight[fut] = (b.batch_id, index, rid)
+            self.inflight[fut] = (b.batch_id, index, rid, now)
             b.out.add(index)
             sent = True
+            if self.srtt is not None:
+                rate = PACING[0] if self.window < self.slow_start_until else PACING[1]
+                self.next_send_at = max(self.next_send_at, now) + \
+                    self.srtt / (rate * self.window)
         return sent
 
     def _next_batch(self) -> _Batch | None:
@@ -347,7 +366,7 @@ class Worker:
         """Take the answers that came back: results, retries, the window's changes."""
         finished = [f for f in self.inflight if f.done()]
         for fut in finished:
-            batch_id, index, rid = self.inflight.pop(fut)
+            batch_id, index, rid, sent_at = self.inflight.pop(fut)
             b = self.running.get(batch_id)
             if b is None:
                 continue
@@ -366,6 +385,9 @@ class Worker:
                 self.unrecorded.append((batch_id, index, True,
                                         result_line(rid, line.custom_id, a), usage_of(body)))
                 self._grow()
+                rtt = self.clock() - sent_at
+                self.srtt = rtt if self.srtt is None else \
+                    self.srtt + SRTT_GAIN * (rtt - self.srtt)
             elif retryable(a):
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
