@@ -37,9 +37,12 @@
 --             replica is the health probe's and the ejection's business)
 --   FULL      known, and the queue, the running requests or the KV cache is above the
 --             bounds
--- running: the larger of vllm:num_requests_running as last read and the requests this
--- edge has in flight on the replica now (tokengate.upstream.in_flight: exact at once,
--- where the metrics are up to metrics_interval_ms old; the metrics see other edges').
+-- running: vllm:num_requests_running as last read, plus the requests this edge has
+-- sent to the replica since, less those of its requests that ended since
+-- (tokengate.upstream.in_flight now less in_flight at the read): the metrics see
+-- every edge's requests but are up to metrics_interval_ms old; this edge's own count
+-- moves at once. (In flight alone counts a request from its choice to the end of its
+-- relay, longer than vLLM runs it: a bound on it leaves seats empty.)
 -- max_running keeps seats of vLLM's running batch (--max-num-seqs) free for the
 -- priorities above: a request that finds every seat taken waits in vLLM's queue for a
 -- running one to finish (vLLM 0.32 preempts for priority only when KV blocks run out,
@@ -225,6 +228,7 @@ local function scrape(name, r)
     dict:set(key("kv:", name, r), kv, stale_s)
     dict:set(key("wait:", name, r), got["vllm:num_requests_waiting"] or 0, stale_s)
     dict:set(key("run:", name, r), got["vllm:num_requests_running"] or 0, stale_s)
+    dict:set(key("runat:", name, r), upstream.in_flight(name, r), stale_s)
     local done = got["vllm:request_success_total"]
     local k = key("rate:", name, r)
     local rate = done and finish_rate(k, done, ngx_now())
@@ -268,8 +272,7 @@ function _M.rank(model_name, r, level, prompt)
         return FULL
     end
     local seats = level.max_running
-    if type(seats) == "number" and max(dict:get(key("run:", model_name, r)) or 0,
-            upstream.in_flight(model_name, r)) >= seats then
+    if type(seats) == "number" and _M.running(model_name, r) >= seats then
         return FULL
     end
     local limit = level.kv_cache_threshold
@@ -280,6 +283,18 @@ function _M.rank(model_name, r, level, prompt)
         return HEADROOM
     end
     return FULL
+end
+
+-- running(model_name, r) -> requests running on replica r now, estimated (module
+-- comment: the metric as read, moved by this edge's requests since); the edge's own
+-- requests in flight while the metric is unknown.
+function _M.running(model_name, r)
+    local now = upstream.in_flight(model_name, r)
+    local run = dict:get(key("run:", model_name, r))
+    if run == nil then
+        return now
+    end
+    return max(0, run + now - (dict:get(key("runat:", model_name, r)) or now))
 end
 
 -- estimate(waiting, rate, most) -> s: how long until a replica that finishes `rate`

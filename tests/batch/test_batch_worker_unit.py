@@ -1,7 +1,6 @@
 """The batch worker's choices that need no process: which batch sends next (keys take
-turns, then a key's batches), the window's slow start, halving and cut to the lines
-out, the pacing of sends, the usage of an
-answer in each API's shape."""
+turns, then a key's batches), the window's slow start, halving and one-line cut, the
+pacing of sends, the usage of an answer in each API's shape."""
 
 from __future__ import annotations
 
@@ -62,17 +61,16 @@ def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window
     assert w.window == 64.0  # never above batch.max_in_flight
 
 
-def test_an_overloaded_refusal_cuts_the_window_to_the_lines_still_out_briefly(
+def test_an_overloaded_refusal_takes_one_line_off_the_window_briefly(
         config_path: Path) -> None:
     w = worker(config_path, max_in_flight=64)
     w.clock = lambda: 100.0
     w.window = 40.0
-    w._refused(None, 30)
-    assert (w.window, w.slow_start_until) == (30.0, 30.0)
+    w._refused(None, by_one=True)
+    assert (w.window, w.slow_start_until) == (39.0, 39.0)
     assert w.paused_until == 100.0 + REFUSED_PAUSE_S[0]
-    w._refused(None, 34)  # never up on a refusal
-    assert w.window == 30.0
-    w._refused(None, 0)
+    w.window = 1.0
+    w._refused(None, by_one=True)
     assert w.window == 1.0
     w.window = 40.0
     w._refused(5.0)  # a limit's refusal: half, and its Retry-After within the bounds

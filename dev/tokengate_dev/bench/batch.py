@@ -75,7 +75,8 @@ class Options:
     gpu: str = "h100"
     model_config: str = "qwen3-8b"
     prompt_tokens: int = 200
-    output_tokens: int = 48
+    output_tokens: int = 48         # of an interactive request
+    line_output_tokens: int = 48    # of a batch line
     interactive_share: float = 0.35  # of the fleet's seats, on average
     duration_s: float = 40.0
     lines: int = 2000
@@ -213,7 +214,7 @@ def batch_file(opts: Options) -> bytes:
         text = " ".join(words[(i + j) % len(words)] for j in range(opts.prompt_tokens - 20))
         rows.append({"custom_id": f"line-{i}", "method": "POST",
                      "url": "/v1/chat/completions",
-                     "body": {"model": MODEL, "max_tokens": opts.output_tokens,
+                     "body": {"model": MODEL, "max_tokens": opts.line_output_tokens,
                               "messages": [{"role": "user", "content": f"{i}: {text}"}]}})
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
@@ -378,13 +379,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="share of a replica's seats the batch may fill up to "
                         "(default: %(default)s)")
     p.add_argument("--lines", type=int, default=d.lines)
+    p.add_argument("--line-output-tokens", type=int, default=d.line_output_tokens,
+                   help="max_tokens of each batch line (default: %(default)s)")
     p.add_argument("--duration-s", type=float, default=d.duration_s)
     p.add_argument("--interactive-share", type=float, default=d.interactive_share)
     p.add_argument("--low-kv-threshold", type=float, default=d.low_kv_threshold)
     args = p.parse_args(argv)
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
-                   lines=args.lines,
+                   lines=args.lines, line_output_tokens=args.line_output_tokens,
                    duration_s=args.duration_s, interactive_share=args.interactive_share,
                    low_kv_threshold=args.low_kv_threshold)
     console = Console()

@@ -17,13 +17,15 @@ in_progress
     congestion window (slow start, then AIMD: additive increase, multiplicative
     decrease, Chiu and Jain 1989; AIBrix ramps batch load the same way): one more per
     answer until the first refusal, then one more per window of answers. A refusal
-    (429 or 503 that may be retried) cuts the window: an ``overloaded`` one (the
-    replicas have no room for the priority now) to the lines still out, which are what
-    the replicas took (each further refusal of a burst cuts it again, down to what they
-    hold); any other to half. Then a pause: the edge's
-    Retry-After for a limit, but only ``REFUSED_PAUSE_S[0]`` for ``overloaded``, whose
-    Retry-After estimates a queue that lines never join while room comes back as soon
-    as any running request ends. Lines of different keys take turns (round robin over
+    (429 or 503 that may be retried) cuts the window: an ``overloaded`` one by one line
+    (additive decrease: the edge bounds what each replica takes at the priority, so
+    this refusal says only that this line found no seat at this moment, and a seat
+    comes back as soon as any request there ends: a window cut by half or to the lines
+    out would follow every dip of the interactive traffic and leave seats empty on
+    average; a burst of refusals still brings it down line by line); any other to
+    half. Then a pause: the edge's Retry-After for a limit, but only
+    ``REFUSED_PAUSE_S[0]`` for ``overloaded``, whose Retry-After estimates a queue
+    that lines never join. Lines of different keys take turns (round robin over
     keys, then over a key's batches). Sends are paced, as TCP paces a window over its
     round trip (Linux's ``sk_pacing_rate``: 2 windows per smoothed round trip in slow
     start, 1.2 after): lines leave one by one at least ``srtt / (factor x window)``
@@ -392,7 +394,7 @@ class Worker:
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
                 if a.error_code() == "overloaded":
-                    self._refused(None, len(self.inflight))
+                    self._refused(None, by_one=True)
                 else:
                     self._refused(a.retry_after_s)
             else:
@@ -405,12 +407,10 @@ class Worker:
         grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
         self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
 
-    def _refused(self, retry_after_s: float | None, taken: int | None = None) -> None:
-        """A refusal: the window to half, or to ``taken`` (the lines still out) when
-        given and fewer; new lines wait ``retry_after_s`` (s) within
-        ``REFUSED_PAUSE_S``."""
-        cut = self.window / 2 if taken is None else min(self.window, float(taken))
-        self.window = max(1.0, cut)
+    def _refused(self, retry_after_s: float | None, by_one: bool = False) -> None:
+        """A refusal: the window to half, or one line less (``by_one``); new lines wait
+        ``retry_after_s`` (s) within ``REFUSED_PAUSE_S``."""
+        self.window = max(1.0, self.window - 1 if by_one else self.window / 2)
         self.slow_start_until = self.window
         lo, hi = REFUSED_PAUSE_S
         self.paused_until = self.clock() + min(hi, max(lo, retry_after_s or lo))
