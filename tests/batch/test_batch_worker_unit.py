@@ -40,7 +40,7 @@ def test_keys_take_turns_then_a_keys_batches(config_path: Path) -> None:
     assert picks.count("b1") == 4
 
 
-def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window(
+def test_window_slow_starts_then_halves_on_a_refusal_then_grows_one_per_window_or_ten(
         config_path: Path) -> None:
     w = worker(config_path, max_in_flight=64)
     for _ in range(10):
@@ -52,6 +52,10 @@ def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window
     for _ in range(6):
         w._grow()
     assert 6.9 < w.window < 7.0  # about one more after a window (6) of answers
+    w.window = 30.0
+    for _ in range(10):
+        w._grow()
+    assert w.window == pytest.approx(31.0)  # a large window: one more per 10 answers
     for _ in range(100):
         w._grow()
     w._refused(None)

@@ -337,9 +337,17 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
 
 
 def aims(out: dict[str, Any]) -> list[dict[str, Any]]:
-    a, w = out["alone"]["ttft_p99_ms"], out["with_batch"]["ttft_p99_ms"]
-    ratio = w / a if a and w else None
-    rows = [("interactive TTFT p99, with batch / alone", ratio, "<=", 1.1),
+    """The aims: the clients' TTFT p99 with the batch over without (the aim), the same
+    for the engine's TTFT (the replicas' part: what carries over to GPUs, where the
+    edge does not share cores with the replicas and the load generator), the busy
+    share, the batch's completion."""
+    def ratio(field: str) -> float | None:
+        a, w = out["alone"][field], out["with_batch"][field]
+        return w / a if a and w else None
+
+    rows = [("interactive TTFT p99, with batch / alone", ratio("ttft_p99_ms"), "<=", 1.1),
+            ("(engine TTFT p99, with batch / alone)", ratio("engine_ttft_p99_ms"), "<=",
+             1.1),
             ("fleet busy share with the batch", out["with_batch"]["busy_share"], ">=", 0.90),
             ("batch completed", 1.0 if out["batch"]["status"] == "completed" else 0.0,
              ">=", 1.0)]

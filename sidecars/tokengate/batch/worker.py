@@ -16,7 +16,10 @@ in_progress
     interactive traffic keeps its latency. How many are out at once follows TCP's
     congestion window (slow start, then AIMD: additive increase, multiplicative
     decrease, Chiu and Jain 1989; AIBrix ramps batch load the same way): one more per
-    answer until the first refusal, then one more per window of answers. A refusal
+    answer until the first refusal, then one more per window of answers, or per
+    ``PROBE_ANSWERS`` answers when the window is larger: seats free and fill again
+    many times per window, and the window must climb back within a few of them or
+    stay below what the replicas hold on average. A refusal
     (429 or 503 that may be retried) cuts the window: an ``overloaded`` one by one line
     (additive decrease: the edge bounds what each replica takes at the priority, so
     this refusal says only that this line found no seat at this moment, and a seat
@@ -74,6 +77,7 @@ IDLE_S = 0.2                # the loop's sleep with nothing to do
 REFUSED_PAUSE_S = (0.05, 2.0)  # bounds of the pause after a refusal, s
 PACING = (2.0, 1.2)         # windows per srtt: in slow start, after (Linux TCP's)
 SRTT_GAIN = 0.125           # weight of a new round trip in srtt (RFC 6298)
+PROBE_ANSWERS = 10          # answers per line more once refused (at most a window's)
 SWEEP_S = 60.0              # retention sweep period, s
 
 
@@ -403,8 +407,10 @@ class Worker:
         return bool(finished)
 
     def _grow(self) -> None:
-        """An answer: one more line out (slow start), or one more per window."""
-        grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
+        """An answer: one more line out (slow start), or one more per ``PROBE_ANSWERS``
+        answers (per window when that is fewer)."""
+        grow = 1.0 if self.window < self.slow_start_until \
+            else 1.0 / min(self.window, PROBE_ANSWERS)
         self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
 
     def _refused(self, retry_after_s: float | None, by_one: bool = False) -> None:
