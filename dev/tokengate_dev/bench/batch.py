@@ -8,24 +8,32 @@ sized from the GPU's memory), behind a real edge, counter, Redis and tokengate-b
 Interactive traffic is one open-loop TokenStorm run (Poisson arrivals at
 ``--interactive-share`` of the fleet's seats, streaming) of a ``normal`` key; the
 batch's lines go through the edge at ``batch.priority`` ``low``, admitted only while a
-replica runs fewer than ``--batch-seats`` of its seats (``max_running``), has no request
-waiting and its KV cache is below ``--low-kv-threshold``.
+replica runs fewer than ``--batch-seats`` of its seats (``max_running``), has at most 2
+requests waiting and its KV cache is below ``--low-kv-threshold``.
 
 Two runs of the same interactive schedule: alone, then with a batch of ``--lines``
-chat lines created when the interactive run starts. Both are measured over the batch's
-window (from its creation to its end, within the interactive run; the same offsets of
-the schedule in the run alone): the interactive TTFT p99 (ms, from the scheduled send)
-of the requests scheduled in the window, and the fleet's busy share: the mean over
-replicas and 4 samples a second of vllm:num_requests_running / max_num_seqs, the share
-of the seats of vLLM's running batch in use. Why seats: a decode step reads every
-weight once whatever its batch, so up to the roofline's ridge (about 260 tokens a step
-for Qwen3-8B on an H100, above vLLM's default of 256 seats) a step with more seats
-taken costs about the same time and yields more tokens: the seats are the capacity a
-GPU has; the step's token budget is spent only by prefills, and its busy time is
-near 1 as soon as one request runs. Also: the batch's completion time (creation to
-``completed``, s) and its lines per second. Aims, each printed with met / not met:
-TTFT p99 with the batch at most 1.1x without; busy share with the batch at least 0.90.
-Results: ``bench/results/batch-<time>.json`` and ``batch-latest.json``.
+chat lines created when the interactive run starts. Both are measured over the window
+of the batch's lines (from when the batch is seen ``in_progress``, its lines checked,
+to its end, within the interactive run; the same offsets of the schedule in the run
+alone):
+
+- the interactive TTFT p99 of the requests scheduled in the window, ms from the
+  scheduled send (the aim's figure), and the engine's TTFT p99 (queued + prefill, from
+  the replicas' engine usage records: the replicas' part, free of what this machine's
+  shared cores add to the edge, the load generator and the network);
+- the fleet's busy share: the mean over replicas and 4 samples a second of
+  vllm:num_requests_running / max_num_seqs, the share of the seats of vLLM's running
+  batch in use. Why seats: a decode step reads every weight once whatever its batch,
+  so below the roofline's ridge (about 260 tokens a step for Qwen3-8B on an H100) a
+  step with more seats taken costs about the same time and yields more tokens; the
+  step's token budget is spent by prefills only (32 decodes use 0.4 % of it), and the
+  share of time the GPU steps is near 1 as soon as one request runs.
+
+Also: the batch's completion time (creation to ``completed``, s) and its lines per
+second. Aims, each printed with met / not met: TTFT p99 with the batch at most 1.1x
+without (and the same for the engine's TTFT, in parentheses); busy share with the
+batch at least 0.90. Results: ``bench/results/batch-<time>.json`` and
+``batch-latest.json``.
 """
 
 from __future__ import annotations
@@ -251,11 +259,13 @@ def figures(run: RunResult, busy: BusySampler, window: tuple[float, float],
 
 
 class BatchWatch:
-    """Polls a batch until it ends (4 times a second): ``ended_at`` (monotonic s) and
-    its last state."""
+    """Polls a batch until it ends (4 times a second): when its lines started
+    (``running_at``: it was seen ``in_progress``) and when it ended (``ended_at``),
+    monotonic s, and its last state."""
 
     def __init__(self, client: openai.OpenAI, batch_id: str) -> None:
         self.client, self.batch_id = client, batch_id
+        self.running_at: float | None = None
         self.ended_at: float | None = None
         self.state: Any = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -264,6 +274,8 @@ class BatchWatch:
     def _run(self) -> None:
         while True:
             self.state = self.client.batches.retrieve(self.batch_id)
+            if self.state.status != "validating" and self.running_at is None:
+                self.running_at = time.monotonic()
             if self.state.status in ("completed", "failed", "expired", "cancelled"):
                 self.ended_at = time.monotonic()
                 return
@@ -318,8 +330,9 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
         console.print("  waiting for the batch ...")
         watch.thread.join()
         st, t1 = watch.state, watch.ended_at or time.monotonic()
-        # the batch's window in offsets of the interactive schedule
-        window = (max(0.0, t0 - both.start), min(t1 - both.start, opts.duration_s))
+        # the window of the batch's lines in offsets of the interactive schedule
+        window = (max(0.0, (watch.running_at or t0) - both.start),
+                  min(t1 - both.start, opts.duration_s))
         out["window_s"] = list(window)
         out["alone"] = figures(alone, busy_alone, window, opts.replicas)
         out["with_batch"] = figures(both, busy, window, opts.replicas)
