@@ -25,16 +25,28 @@
 -- never served them, or answers something else) has none: it is UNKNOWN.
 --
 -- Rank of a replica for one request (its key's priority: kv_cache_threshold,
--- max_waiting; its prompt tokens), best first; tokengate.upstream picks the replica
--- with the fewest outstanding tokens among the best rank:
---   ROOM      known, queue <= max_waiting and KV cache <= kv_cache_threshold
---   HEADROOM  known, queue <= max_waiting, KV cache above the threshold but at most
---             threshold + small_prompt_headroom, and a prompt of at most
---             small_prompt_tokens (a small prefill needs few KV-cache blocks)
+-- max_waiting, max_running; its prompt tokens), best first; tokengate.upstream picks
+-- the replica with the fewest outstanding tokens among the best rank:
+--   ROOM      known, queue <= max_waiting, running < max_running and KV cache <=
+--             kv_cache_threshold
+--   HEADROOM  known, queue <= max_waiting, running < max_running, KV cache above the
+--             threshold but at most threshold + small_prompt_headroom, and a prompt of
+--             at most small_prompt_tokens (a small prefill needs few KV-cache blocks)
 --   UNKNOWN   no fresh metrics: used when no known replica has room, never counted as
 --             full (shedding claims the fleet is full; only metrics can say so; a dead
 --             replica is the health probe's and the ejection's business)
---   FULL      known, and the queue or the KV cache is above the bounds
+--   FULL      known, and the queue, the running requests or the KV cache is above the
+--             bounds
+-- running: vllm:num_requests_running as last read, plus the requests this edge has
+-- sent to the replica since, less those of its requests that ended since
+-- (tokengate.upstream.in_flight now less in_flight at the read): the metrics see
+-- every edge's requests but are up to metrics_interval_ms old; this edge's own count
+-- moves at once. (In flight alone counts a request from its choice to the end of its
+-- relay, longer than vLLM runs it: a bound on it leaves seats empty.)
+-- max_running keeps seats of vLLM's running batch (--max-num-seqs) free for the
+-- priorities above: a request that finds every seat taken waits in vLLM's queue for a
+-- running one to finish (vLLM 0.32 preempts for priority only when KV blocks run out,
+-- never for a seat).
 -- A request whose best replica is FULL is shed: 503 overloaded, before anything is
 -- reserved.
 
@@ -55,6 +67,7 @@ local wait = ngx.thread.wait
 local pairs = pairs
 local tonumber = tonumber
 local tostring = tostring
+local type = type
 local match = string.match
 local find = string.find
 local ceil = math.ceil
@@ -215,6 +228,7 @@ local function scrape(name, r)
     dict:set(key("kv:", name, r), kv, stale_s)
     dict:set(key("wait:", name, r), got["vllm:num_requests_waiting"] or 0, stale_s)
     dict:set(key("run:", name, r), got["vllm:num_requests_running"] or 0, stale_s)
+    dict:set(key("runat:", name, r), upstream.in_flight(name, r), stale_s)
     local done = got["vllm:request_success_total"]
     local k = key("rate:", name, r)
     local rate = done and finish_rate(k, done, ngx_now())
@@ -247,14 +261,18 @@ end
 
 -- rank(model_name, r, level, prompt) -> ROOM | HEADROOM | UNKNOWN | FULL (module
 -- comment) of replica r for a request of priority level (a compiled
--- edge.admission.priorities entry: kv_cache_threshold, max_waiting) whose prompt has
--- `prompt` tokens.
+-- edge.admission.priorities entry: kv_cache_threshold, max_waiting, max_running (a
+-- number, or null: no bound)) whose prompt has `prompt` tokens.
 function _M.rank(model_name, r, level, prompt)
     local kv = dict:get(key("kv:", model_name, r))
     if kv == nil then
         return UNKNOWN
     end
     if (dict:get(key("wait:", model_name, r)) or 0) > level.max_waiting then
+        return FULL
+    end
+    local seats = level.max_running
+    if type(seats) == "number" and _M.running(model_name, r) >= seats then
         return FULL
     end
     local limit = level.kv_cache_threshold
@@ -265,6 +283,18 @@ function _M.rank(model_name, r, level, prompt)
         return HEADROOM
     end
     return FULL
+end
+
+-- running(model_name, r) -> requests running on replica r now, estimated (module
+-- comment: the metric as read, moved by this edge's requests since); the edge's own
+-- requests in flight while the metric is unknown.
+function _M.running(model_name, r)
+    local now = upstream.in_flight(model_name, r)
+    local run = dict:get(key("run:", model_name, r))
+    if run == nil then
+        return now
+    end
+    return max(0, run + now - (dict:get(key("runat:", model_name, r)) or now))
 end
 
 -- estimate(waiting, rate, most) -> s: how long until a replica that finishes `rate`

@@ -1,17 +1,19 @@
 """The batch worker's choices that need no process: which batch sends next (keys take
-turns, then a key's batches), the window's slow start and halving, the usage of an
-answer in each API's shape."""
+turns, then a key's batches), the window's slow start, halving and one-line cut, the
+pacing of sends, the usage of an answer in each API's shape."""
 
 from __future__ import annotations
 
 import json
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from tokengate import config as tg_config
 from tokengate.batch.edge import Answer
-from tokengate.batch.worker import Worker, _Batch, retryable, usage_of
+from tokengate.batch.lines import Line
+from tokengate.batch.worker import REFUSED_PAUSE_S, Worker, _Batch, retryable, usage_of
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +40,7 @@ def test_keys_take_turns_then_a_keys_batches(config_path: Path) -> None:
     assert picks.count("b1") == 4
 
 
-def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window(
+def test_window_slow_starts_then_halves_on_a_refusal_then_grows_one_per_window_or_ten(
         config_path: Path) -> None:
     w = worker(config_path, max_in_flight=64)
     for _ in range(10):
@@ -50,6 +52,10 @@ def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window
     for _ in range(6):
         w._grow()
     assert 6.9 < w.window < 7.0  # about one more after a window (6) of answers
+    w.window = 30.0
+    for _ in range(10):
+        w._grow()
+    assert w.window == pytest.approx(31.0)  # a large window: one more per 10 answers
     for _ in range(100):
         w._grow()
     w._refused(None)
@@ -57,6 +63,56 @@ def test_window_slow_starts_then_halves_on_a_refusal_and_grows_by_one_per_window
     w.slow_start_until = 64.0
     w._grow()
     assert w.window == 64.0  # never above batch.max_in_flight
+
+
+def test_an_overloaded_refusal_takes_one_line_off_the_window_briefly(
+        config_path: Path) -> None:
+    w = worker(config_path, max_in_flight=64)
+    w.clock = lambda: 100.0
+    w.window = 40.0
+    w._refused(None, by_one=True)
+    assert (w.window, w.slow_start_until) == (39.0, 39.0)
+    assert w.paused_until == 100.0 + REFUSED_PAUSE_S[0]
+    w.window = 1.0
+    w._refused(None, by_one=True)
+    assert w.window == 1.0
+    w.window = 40.0
+    w._refused(5.0)  # a limit's refusal: half, and its Retry-After within the bounds
+    assert (w.window, w.paused_until) == (20.0, 100.0 + REFUSED_PAUSE_S[1])
+
+
+class _Attempts:
+    """The one Store call sending a line makes: every line on its first attempt."""
+
+    def attempt(self, batch_id: str, index: int) -> int:
+        return 0
+
+
+class _Unanswered:
+    """An edge that never answers (the test looks only at what leaves)."""
+
+    post = None
+
+
+def test_lines_leave_paced_over_the_smoothed_round_trip(config_path: Path) -> None:
+    w = worker(config_path, max_in_flight=64)
+    w.store, w.edge = _Attempts(), _Unanswered()  # type: ignore[assignment]
+    w.pool.submit = lambda *a: Future()  # type: ignore[method-assign]  # never answered
+    lines = [Line(i, f"c{i}", b"{}") for i in range(100)]
+    w.running["b"] = _Batch("b", "k", "/v1/chat/completions", lines, deque(range(100)))
+    now = [10.0]
+    w.clock = lambda: now[0]
+    w.window = 8.0
+    w._dispatch()
+    assert len(w.inflight) == 8  # no round trip known yet: the window at once
+    w.inflight.clear()
+    w.srtt, w.next_send_at, w.slow_start_until = 0.4, 0.0, 4.0
+    w._dispatch()  # after slow start: 1.2 windows per srtt, 0.4 / (1.2 x 8) s apart
+    assert len(w.inflight) == 1
+    assert w.next_send_at == pytest.approx(10.0 + 0.4 / 9.6)
+    now[0] += 0.4 / 9.6
+    w._dispatch()
+    assert len(w.inflight) == 2
 
 
 def test_usage_of_reads_chat_responses_and_embeddings_shapes() -> None:

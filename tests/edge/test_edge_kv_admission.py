@@ -1,6 +1,6 @@
 """KV-cache-aware admission: the edge reads each replica's vLLM /metrics and sends a new
-request only to a replica whose KV cache and queue are below the bounds of the key's
-priority; when none is, it answers 503 overloaded with a Retry-After, before reserving
+request only to a replica whose KV cache, queue and running requests are below the
+bounds of the key's priority; when none is, it answers 503 overloaded with a Retry-After, before reserving
 anything.
 
 The replicas are TokenStorm's fast upstream, whose ``vllm:kv_cache_usage_perc``,
@@ -257,6 +257,23 @@ def test_a_low_priority_key_is_shed_first(edge_variant_off_vllm: Callable[..., E
     assert _chat(e, "kv-low").status_code == 503
     assert _chat(e, "kv-normal").status_code == 200
     assert e.status()["admission_shed"] == 2
+
+
+def test_a_priority_with_max_running_is_shed_while_that_many_requests_run(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    up = replicas()
+    e = _edge(edge_variant_off_vllm, "kv-seats", [up], priorities={
+        "low": {"max_running": 4}, "normal": {}})
+    _set(up, kv_cache_usage_perc=0.31, num_requests_running=4)
+    _seen(e, up, 0.31)
+    low = _chat(e, "kv-low")
+    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    assert _chat(e, "kv-normal").status_code == 200  # no bound of its own
+    _set(up, kv_cache_usage_perc=0.32, num_requests_running=3)
+    _seen(e, up, 0.32)
+    assert _chat(e, "kv-low").status_code == 200
+    assert e.status()["admission_shed"] == 1
 
 
 def test_a_small_prompt_may_use_the_headroom(edge_variant_off_vllm: Callable[..., Edge],

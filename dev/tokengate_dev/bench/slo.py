@@ -303,16 +303,25 @@ def roofline_table(check: list[tuple[Any, float, float]]) -> Table:
     return t
 
 
+def sim_settings(model: tg_config.ModelConfig, max_model_len: int, gpu: str,
+                 model_config: str, **more: Any) -> SimSettings:
+    """One replica of the bench's fleet: ``model``'s tokenizer (the counter's) and name,
+    vLLM's steps timed by the roofline of ``model_config`` on ``gpu``, the KV cache
+    sized from the GPU's memory; ``more``: other ``SimSettings`` fields."""
+    return SimSettings(model=model.name, model_dir=Path(model.dir),
+                       max_model_len=max_model_len, gpu=gpu, model_config=model_config,
+                       num_gpu_blocks=0, tokenizer="counter", **more).sized()
+
+
 def run_bench(opts: Options, console: Console) -> dict[str, Any]:
     check = roofline.check()
     console.print(roofline_table(check))
     cfg = tg_config.load(devstack.ROOT / "tokengate.yaml")
     model = cfg.models[MODEL]
-    reps = [SimReplica(SimSettings(
-        model=model.name, model_dir=Path(model.dir), max_model_len=opts.max_model_len,
-        gpu="h100", model_config=opts.model_config, num_gpu_blocks=0, tokenizer="counter",
-        kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}").sized(),
-        name=f"bench-slo-sim{i}", state_dir=BENCH_VAR) for i in range(opts.replicas)]
+    reps = [SimReplica(sim_settings(model, opts.max_model_len, "h100", opts.model_config,
+                                    kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+                       name=f"bench-slo-sim{i}", state_dir=BENCH_VAR)
+            for i in range(opts.replicas)]
     upstreams = [r.address for r in reps]
     endpoints = {r.address: r.settings.kv_events_endpoint or "" for r in reps}
     rf = reps[0].settings.roofline()

@@ -12,13 +12,29 @@ validating
 in_progress
     Lines go through the edge as the worker key acting for the batch's key, at the
     worker key's (lowest) priority: admitted only where that priority finds room in the
-    replicas' KV cache and queues, so interactive traffic keeps its latency. How many
-    are out at once follows TCP's congestion window (slow start, then AIMD: additive
-    increase, multiplicative decrease, Chiu and Jain 1989; AIBrix ramps batch load the
-    same way): one more per answer until the first refusal, then one more per window of
-    answers; half on a refusal (429 or 503 that may be retried), and a pause of its
-    Retry-After. Lines of different keys take turns (round robin over keys, then
-    over a key's batches).
+    replicas' KV cache, queues and running seats (``edge.admission.priorities``), so
+    interactive traffic keeps its latency. How many are out at once follows TCP's
+    congestion window (slow start, then AIMD: additive increase, multiplicative
+    decrease, Chiu and Jain 1989; AIBrix ramps batch load the same way): one more per
+    answer until the first refusal, then one more per window of answers, or per
+    ``PROBE_ANSWERS`` answers when the window is larger: seats free and fill again
+    many times per window, and the window must climb back within a few of them or
+    stay below what the replicas hold on average. A refusal
+    (429 or 503 that may be retried) cuts the window: an ``overloaded`` one by one line
+    (additive decrease: the edge bounds what each replica takes at the priority, so
+    this refusal says only that this line found no seat at this moment, and a seat
+    comes back as soon as any request there ends: a window cut by half or to the lines
+    out would follow every dip of the interactive traffic and leave seats empty on
+    average; a burst of refusals still brings it down line by line); any other to
+    half. Then a pause: the edge's Retry-After for a limit, but only
+    ``REFUSED_PAUSE_S[0]`` for ``overloaded``, whose Retry-After estimates a queue
+    that lines never join. Lines of different keys take turns (round robin over
+    keys, then over a key's batches). Sends are paced, as TCP paces a window over its
+    round trip (Linux's ``sk_pacing_rate``: 2 windows per smoothed round trip in slow
+    start, 1.2 after): lines leave one by one at least ``srtt / (factor x window)``
+    apart (``srtt``: the smoothed time a line takes to come back, RFC 6298's 1/8 gain),
+    so a grown window does not land on a replica as one burst of prefills, which one
+    engine step would compute at once while every interactive request waited on it.
 finalizing
     When every line has a result, or the batch was cancelled or expired (lines that did
     not run get ``batch_cancelled`` / ``batch_expired`` error lines), the output and
@@ -59,6 +75,9 @@ CHECKS_AT_ONCE = 8          # lines checked at once while a batch validates
 START_WINDOW = 2.0          # lines out at once when the worker starts
 IDLE_S = 0.2                # the loop's sleep with nothing to do
 REFUSED_PAUSE_S = (0.05, 2.0)  # bounds of the pause after a refusal, s
+PACING = (2.0, 1.2)         # windows per srtt: in slow start, after (Linux TCP's)
+SRTT_GAIN = 0.125           # weight of a new round trip in srtt (RFC 6298)
+PROBE_ANSWERS = 10          # answers per line more once refused (at most a window's)
 SWEEP_S = 60.0              # retention sweep period, s
 
 
@@ -123,8 +142,10 @@ class Worker:
         self.window = START_WINDOW
         self.slow_start_until = float(cfg.batch.max_in_flight)  # TCP's ssthresh
         self.paused_until = 0.0
+        self.srtt: float | None = None   # smoothed time a line takes to come back, s
+        self.next_send_at = 0.0
         self.running: dict[str, _Batch] = {}
-        self.inflight: dict[Future[Answer], tuple[str, int, str]] = {}
+        self.inflight: dict[Future[Answer], tuple[str, int, str, float]] = {}
         self.unrecorded: list[tuple[str, int, bool, dict[str, Any], tuple[int, int, int]]] = []
         self.turn = 0
         self.pool = ThreadPoolExecutor(cfg.batch.max_in_flight, thread_name_prefix="line")
@@ -165,6 +186,10 @@ class Worker:
         return busy
 
     def _wait(self, seconds: float) -> None:
+        if any(b.pending for b in self.running.values()):
+            seconds = min(seconds, max(self.next_send_at, self.paused_until) - self.clock())
+            if seconds <= 0:
+                return
         if self.inflight:
             wait(list(self.inflight), timeout=seconds, return_when=FIRST_COMPLETED)
         else:
@@ -307,11 +332,13 @@ class Worker:
     # lines -------------------------------------------------------------------------
 
     def _dispatch(self) -> bool:
-        """Send lines while the window has room, one key after another."""
-        if self.clock() < self.paused_until:
+        """Send lines while the window has room and the pacing lets them go, one key
+        after another."""
+        now = self.clock()
+        if now < self.paused_until:
             return False
         sent = False
-        while len(self.inflight) < int(self.window):
+        while len(self.inflight) < int(self.window) and now >= self.next_send_at:
             b = self._next_batch()
             if b is None:
                 break
@@ -321,9 +348,13 @@ class Worker:
                                        self.store.attempt(b.batch_id, index))
             fut = self.pool.submit(self.edge.post, b.endpoint, line.body, b.key_id,
                                    b.batch_id, line.custom_id, rid)
-            self.inflight[fut] = (b.batch_id, index, rid)
+            self.inflight[fut] = (b.batch_id, index, rid, now)
             b.out.add(index)
             sent = True
+            if self.srtt is not None:
+                rate = PACING[0] if self.window < self.slow_start_until else PACING[1]
+                self.next_send_at = max(self.next_send_at, now) + \
+                    self.srtt / (rate * self.window)
         return sent
 
     def _next_batch(self) -> _Batch | None:
@@ -343,7 +374,7 @@ class Worker:
         """Take the answers that came back: results, retries, the window's changes."""
         finished = [f for f in self.inflight if f.done()]
         for fut in finished:
-            batch_id, index, rid = self.inflight.pop(fut)
+            batch_id, index, rid, sent_at = self.inflight.pop(fut)
             b = self.running.get(batch_id)
             if b is None:
                 continue
@@ -362,22 +393,32 @@ class Worker:
                 self.unrecorded.append((batch_id, index, True,
                                         result_line(rid, line.custom_id, a), usage_of(body)))
                 self._grow()
+                rtt = self.clock() - sent_at
+                self.srtt = rtt if self.srtt is None else \
+                    self.srtt + SRTT_GAIN * (rtt - self.srtt)
             elif retryable(a):
                 self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
-                self._refused(a.retry_after_s)
+                if a.error_code() == "overloaded":
+                    self._refused(None, by_one=True)
+                else:
+                    self._refused(a.retry_after_s)
             else:
                 self.unrecorded.append((batch_id, index, False,
                                         result_line(rid, line.custom_id, a), (0, 0, 0)))
         return bool(finished)
 
     def _grow(self) -> None:
-        """An answer: one more line out (slow start), or one more per window."""
-        grow = 1.0 if self.window < self.slow_start_until else 1.0 / self.window
+        """An answer: one more line out (slow start), or one more per ``PROBE_ANSWERS``
+        answers (per window when that is fewer)."""
+        grow = 1.0 if self.window < self.slow_start_until \
+            else 1.0 / min(self.window, PROBE_ANSWERS)
         self.window = min(float(self.cfg.batch.max_in_flight), self.window + grow)
 
-    def _refused(self, retry_after_s: float | None) -> None:
-        self.window = max(1.0, self.window / 2)
+    def _refused(self, retry_after_s: float | None, by_one: bool = False) -> None:
+        """A refusal: the window to half, or one line less (``by_one``); new lines wait
+        ``retry_after_s`` (s) within ``REFUSED_PAUSE_S``."""
+        self.window = max(1.0, self.window - 1 if by_one else self.window / 2)
         self.slow_start_until = self.window
         lo, hi = REFUSED_PAUSE_S
         self.paused_until = self.clock() + min(hi, max(lo, retry_after_s or lo))

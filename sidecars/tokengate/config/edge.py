@@ -184,6 +184,14 @@ class PriorityConfig(_Schema):
         default=32,
         description="A replica whose vllm:num_requests_waiting is above this takes no new "
                     "request of this priority, requests.")
+    max_running: Count | None = Field(
+        default=None,
+        description="A replica running this many requests (vllm:num_requests_running as "
+                    "last read, moved by the requests this edge started and ended there "
+                    "since) takes no new request of this priority, requests; null: no "
+                    "bound. Below vLLM's --max-num-seqs it keeps seats free for the "
+                    "priorities above (vLLM does not preempt a running request for a "
+                    "seat).")
 
 
 def _default_priorities() -> dict[str, PriorityConfig]:
