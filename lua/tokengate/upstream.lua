@@ -1,4 +1,7 @@
 -- A model's vLLM replicas: which one serves a request, and which are out.
+-- (Over 600 lines: the choice, the per-replica counts it keeps, their reclaim after a
+-- killed worker and the probes that take a replica out or back read and write one set
+-- of shared-dict keys, so they stay in one module.)
 --
 -- Choice, by the model's routing.policy, among the replicas of the best rank (a rank
 -- function, tokengate.admission: room in the KV cache, orders them first), awake before
