@@ -361,6 +361,29 @@ def test_a_ledger_that_reads_no_engine_records_fails_the_engine_records_check(
         "/var/lib/tokengate/engine/PORT.jsonl)")
 
 
+def test_with_no_engine_files_configured_the_doctor_asks_the_running_ledger(
+        config_path: Path, redis_url: str) -> None:
+    # make run gives its ledger the embedded vLLM's file on the command line
+    from tokengate_dev import devstack
+
+    listen = f"127.0.0.1:{free_port()}"
+    engine = TEST_DIR / "doctor" / "followed-engine.jsonl"
+    cfg_path = _config(config_path, TEST_DIR / "doctor" / "followed.yaml",
+                       [f"127.0.0.1:{free_port()}"], engine_files=[],
+                       edit=lambda raw: raw.update(metrics={"ledger_listen": listen}))
+    ledger = devstack.ledger_service(cfg_path, TEST_DIR / "doctor" / "followed-usage.jsonl",
+                                     redis_url, ledger_id="doctor-followed",
+                                     name=f"test-ledger-doctor{PORT_OFFSET or ''}",
+                                     engine_files=[engine], metrics_listen=listen)
+    ledger.log_dir = TEST_DIR / "log"
+    ledger.start()
+    try:
+        assert engine_records.followed_by_ledger(tg_config.load(cfg_path)) == [engine]
+    finally:
+        ledger.stop()
+    assert engine_records.followed_by_ledger(tg_config.load(cfg_path), timeout_s=1) == []
+
+
 def test_a_remote_replicas_engine_records_not_on_this_host_are_a_warning(
         tmp_path: Path) -> None:
     # a replica on another host writes its records there (read by a `tokengate-ledger

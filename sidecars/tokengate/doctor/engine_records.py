@@ -120,3 +120,22 @@ def check_records(check: Callable[[str, Status, str], Check], upstream: str,
                                "vLLM then logs 'engine usage records: engine 0 writes to "
                                "...') and is its TOKENGATE_ENGINE_USAGE_FILE one of "
                                "ledger.engine_usage_files?")
+
+
+def followed_by_ledger(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Path]:
+    """The engine record files the running ledger follows (``engine_files`` of its
+    ``GET /status`` on ``metrics.ledger_listen``: the configured ones and those given on
+    its command line, ``--engine-file``, as ``make run`` gives its embedded vLLM's); []
+    when it cannot be asked or answers otherwise."""
+    from tokengate.doctor import fetch
+
+    listen = cfg.metrics.ledger_listen
+    if listen is None:
+        return []
+    try:
+        answer = fetch.request("GET", f"http://{listen}/status", timeout_s=timeout_s)
+        if answer.status != 200:
+            return []
+        return [Path(p) for p in json.loads(answer.raw).get("engine_files") or []]
+    except (fetch.Unreachable, ValueError, AttributeError):
+        return []

@@ -57,7 +57,12 @@ from typing import TYPE_CHECKING, Any
 from tokengate import config as tg_config
 from tokengate.doctor import fetch
 from tokengate.doctor.check import Check, Status
-from tokengate.doctor.engine_records import ENGINE_WAIT_S, EngineMarks, check_records
+from tokengate.doctor.engine_records import (
+    ENGINE_WAIT_S,
+    EngineMarks,
+    check_records,
+    followed_by_ledger,
+)
 from tokengate.doctor.prefix import kv_events, prefix_cache
 from tokengate.ledger.engine_record import DOCTOR_PROBE_PREFIX
 
@@ -329,7 +334,10 @@ def run(cfg: tg_config.Config, *, allow_unverified: bool = False,
     also check that each replica's plugin writes to ``ledger.engine_usage_files`` (what
     ``tokengate doctor`` does; the counter's ``--check-upstreams`` checks counts only)."""
     checks: list[Check] = []
-    engine = list(cfg.ledger.engine_usage_files) if engine_records else None
+    # the configured engine files, else those the running ledger follows (make run gives
+    # its ledger the embedded vLLM's file on the command line)
+    engine = (list(cfg.ledger.engine_usage_files) or followed_by_ledger(cfg)) \
+        if engine_records else None
     for model in cfg.models.values():
         counter = _load_counter(model, cfg)
         if model.routing.policy == "prefix":
