@@ -57,23 +57,11 @@ local metrics = require "tokengate.metrics"
 local prefix = require "tokengate.prefix"
 local shdict = require "tokengate.shdict"
 
-local ngx_log = ngx.log
-local WARN = ngx.WARN
-local ngx_now = ngx.now
-local timer_every = ngx.timer.every
-local timer_at = ngx.timer.at
-local spawn = ngx.thread.spawn
-local wait = ngx.thread.wait
-local pairs = pairs
-local tonumber = tonumber
-local tostring = tostring
-local type = type
-local match = string.match
-local find = string.find
-local ceil = math.ceil
-local exp = math.exp
-local max = math.max
-local min = math.min
+local ngx_log, WARN, ngx_now, timer_every = ngx.log, ngx.WARN, ngx.now, ngx.timer.every
+local timer_at, spawn, wait = ngx.timer.at, ngx.thread.spawn, ngx.thread.wait
+local pairs, tonumber, tostring, type = pairs, tonumber, tostring, type
+local match, find = string.match, string.find
+local ceil, exp, max, min = math.ceil, math.exp, math.max, math.min
 
 local _M = {}
 

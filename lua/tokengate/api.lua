@@ -16,11 +16,7 @@ local errors = require "tokengate.errors"
 local limits = require "tokengate.limits"
 local usage = require "tokengate.usage"
 
-local pairs = pairs
-local ipairs = ipairs
-local type = type
-local error = error
-local tostring = tostring
+local pairs, ipairs, type, error, tostring = pairs, ipairs, type, error, tostring
 
 local _M = {}
 

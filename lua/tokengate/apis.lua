@@ -10,11 +10,8 @@
 local errors = require "tokengate.errors"
 local api = require "tokengate.api"
 
-local sub = string.sub
-local match = string.match
-local format = string.format
-local pairs = pairs
-local error = error
+local sub, match, format = string.sub, string.match, string.format
+local pairs, error = pairs, error
 local clip = errors.clip
 
 local _M = {}

@@ -7,8 +7,7 @@ local lrucache = require "resty.lrucache.pureffi"
 local errors = require "tokengate.errors"
 local digest = require "tokengate.digest"
 
-local find = string.find
-local sub = string.sub
+local find, sub = string.find, string.sub
 local type = type
 local ngx_time = ngx.time
 local os_date = os.date

@@ -26,9 +26,7 @@ local auth = require "tokengate.auth"
 
 local ngx_var = ngx.var
 local find = string.find
-local pairs = pairs
-local type = type
-local setmetatable = setmetatable
+local pairs, type, setmetatable = pairs, type, setmetatable
 
 local _M = {}
 

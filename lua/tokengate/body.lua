@@ -11,31 +11,18 @@ local errors = require "tokengate.errors"
 local bounds = require "tokengate.bounds"
 local models_mod = require "tokengate.models"
 
-local ngx_req = ngx.req
-local ngx_var = ngx.var
-local ngx_sleep = ngx.sleep
-local spawn = ngx.thread.spawn
-local wait = ngx.thread.wait
-local kill = ngx.thread.kill
+local ngx_req, ngx_var, ngx_sleep, spawn = ngx.req, ngx.var, ngx.sleep, ngx.thread.spawn
+local wait, kill = ngx.thread.wait, ngx.thread.kill
 local io_open = io.open
-local type = type
-local tonumber = tonumber
-local format = string.format
-local find = string.find
-local lower = string.lower
+local type, tonumber = type, tonumber
+local format, find, lower = string.format, string.find, string.lower
 local sort = table.sort
 local huge = math.huge
 local concat = table.concat
 local pairs = pairs
-local is_array = json.is_array
-local is_object = json.is_object
-local json_integer = json.integer
-local json_number = json.number
-local json_set = json.set
-local null = json.null
-local KEYS = json.KEYS
-local clip = errors.clip
-local fail = errors.refuse
+local is_array, is_object, json_integer = json.is_array, json.is_object, json.integer
+local json_number, json_set, null, KEYS = json.number, json.set, json.null, json.KEYS
+local clip, fail = errors.clip, errors.refuse
 
 -- Private keys of a parsed body object (tables: never a client's key, never encoded):
 -- its JSON text, and whether it was changed since that text was made.

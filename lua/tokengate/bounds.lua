@@ -11,14 +11,9 @@ local errors = require "tokengate.errors"
 
 local type = type
 local format = string.format
-local is_array = json.is_array
-local is_object = json.is_object
-local encode = json.encode
-local decode = json.decode
-local null = json.null
-local KEYS = json.KEYS
-local clip = errors.clip
-local fail = errors.refuse
+local is_array, is_object, encode = json.is_array, json.is_object, json.encode
+local decode, null, KEYS = json.decode, json.null, json.KEYS
+local clip, fail = errors.clip, errors.refuse
 
 local _M = {}
 

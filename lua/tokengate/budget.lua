@@ -30,15 +30,11 @@ local ngx = ngx
 local errors = require "tokengate.errors"
 local shdict = require "tokengate.shdict"
 
-local floor = math.floor
-local ceil = math.ceil
-local min = math.min
-local max = math.max
+local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
 local os_date = os.date
 local format = string.format
 local tostring = tostring
-local ngx_log = ngx.log
-local ERR = ngx.ERR
+local ngx_log, ERR = ngx.log, ngx.ERR
 
 local _M = {}
 

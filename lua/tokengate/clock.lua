@@ -12,15 +12,11 @@
 
 local ffi = require "ffi"
 
-local C = ffi.C
-local ffi_new = ffi.new
+local C, ffi_new = ffi.C, ffi.new
 local floor = math.floor
 local format = string.format
 local os_date = os.date
-local tonumber = tonumber
-local ngx = ngx
-local package = package
-local require = require
+local tonumber, ngx, package, require = tonumber, ngx, package, require
 
 ffi.cdef [[
 typedef long tg_time_t;

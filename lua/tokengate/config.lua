@@ -8,15 +8,10 @@ local sampling = require "tokengate.sampling"
 local cors = require "tokengate.cors"
 
 local io_open = io.open
-local type = type
-local tostring = tostring
-local pairs = pairs
-local ipairs = ipairs
-local setmetatable = setmetatable
+local type, tostring, pairs, ipairs, setmetatable = type, tostring, pairs, ipairs, setmetatable
 local sort = table.sort
 local find = string.find
-local floor = math.floor
-local huge = math.huge
+local floor, huge = math.floor, math.huge
 
 local _M = {}
 

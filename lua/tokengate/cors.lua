@@ -13,13 +13,9 @@
 local ngx = ngx
 local errors = require "tokengate.errors"
 
-local ngx_var = ngx.var
-local ngx_req = ngx.req
-local ngx_exit = ngx.exit
-local lower = string.lower
-local find = string.find
-local type = type
-local tostring = tostring
+local ngx_var, ngx_req, ngx_exit = ngx.var, ngx.req, ngx.exit
+local lower, find = string.lower, string.find
+local type, tostring = type, tostring
 
 local _M = {}
 

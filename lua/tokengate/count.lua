@@ -12,12 +12,9 @@ local digest = require "tokengate.digest"
 local lrucache = require "resty.lrucache.pureffi"
 
 local sha256 = digest.sha256
-local ngx_log = ngx.log
-local WARN = ngx.WARN
-local ceil = math.ceil
-local max = math.max
-local find = string.find
-local sub = string.sub
+local ngx_log, WARN = ngx.log, ngx.WARN
+local ceil, max = math.ceil, math.max
+local find, sub = string.find, string.sub
 
 local _M = {}
 

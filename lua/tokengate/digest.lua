@@ -4,11 +4,8 @@
 
 local ffi = require "ffi"
 
-local ffi_new = ffi.new
-local ffi_string = ffi.string
-local C = ffi.C
-local byte = string.byte
-local format = string.format
+local ffi_new, ffi_string, C = ffi.new, ffi.string, ffi.C
+local byte, format = string.byte, string.format
 local concat = table.concat
 
 ffi.cdef [[

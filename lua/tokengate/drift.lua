@@ -14,8 +14,7 @@
 local ngx = ngx
 local metrics = require "tokengate.metrics"
 
-local ngx_log = ngx.log
-local WARN = ngx.WARN
+local ngx_log, WARN = ngx.log, ngx.WARN
 local abs = math.abs
 
 local _M = {}

@@ -12,16 +12,9 @@ local json = require "tokengate.json"
 local cjson = require "cjson.safe"
 local reply = require "tokengate.reply"
 
-local ngx_exit = ngx.exit
-local HTTP_OK = ngx.HTTP_OK
-local null = json.null
-local encode = json.encode
-local object = json.object
-local set = json.set
-local sub = string.sub
-local byte = string.byte
-local format = string.format
-local match = string.match
+local ngx_exit, HTTP_OK = ngx.exit, ngx.HTTP_OK
+local null, encode, object, set = json.null, json.encode, json.object, json.set
+local sub, byte, format, match = string.sub, string.byte, string.format, string.match
 local type = type
 
 local _M = {}

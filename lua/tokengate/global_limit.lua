@@ -31,15 +31,11 @@ local metrics = require "tokengate.metrics"
 local budget = require "tokengate.budget"
 local shdict = require "tokengate.shdict"
 
-local timer_at = ngx.timer.at
-local ngx_log = ngx.log
+local timer_at, ngx_log = ngx.timer.at, ngx.log
 local format = string.format
-local ERR = ngx.ERR
-local WARN = ngx.WARN
-local pcall = pcall
-local tostring = tostring
-local ceil = math.ceil
-local max = math.max
+local ERR, WARN = ngx.ERR, ngx.WARN
+local pcall, tostring = pcall, tostring
+local ceil, max = math.ceil, math.max
 
 local _M = { name = "global" }
 

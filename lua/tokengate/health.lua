@@ -17,8 +17,7 @@ local json = require "tokengate.json"
 local reply = require "tokengate.reply"
 
 local pairs = pairs
-local sort = table.sort
-local concat = table.concat
+local sort, concat = table.sort, table.concat
 
 local _M = {}
 

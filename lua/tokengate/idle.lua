@@ -45,12 +45,8 @@ local upstream = require "tokengate.upstream"
 local metrics = require "tokengate.metrics"
 local shdict = require "tokengate.shdict"
 
-local ngx_log = ngx.log
-local WARN = ngx.WARN
-local ngx_now = ngx.now
-local ngx_sleep = ngx.sleep
-local timer_every = ngx.timer.every
-local timer_at = ngx.timer.at
+local ngx_log, WARN, ngx_now, ngx_sleep = ngx.log, ngx.WARN, ngx.now, ngx.sleep
+local timer_every, timer_at = ngx.timer.every, ngx.timer.at
 local pairs = pairs
 local find = string.find
 local tostring = tostring

@@ -34,9 +34,7 @@ local clock = require "tokengate.clock"
 local window_now = clock.window_now
 local format = string.format
 local tostring = tostring
-local ceil = math.ceil
-local floor = math.floor
-local min = math.min
+local ceil, floor, min = math.ceil, math.floor, math.min
 
 local _M = {}
 

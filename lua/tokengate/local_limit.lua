@@ -18,11 +18,8 @@
 local ngx = ngx
 local shdict = require "tokengate.shdict"
 
-local floor = math.floor
-local ceil = math.ceil
-local max = math.max
-local ngx_log = ngx.log
-local ERR = ngx.ERR
+local floor, ceil, max = math.floor, math.ceil, math.max
+local ngx_log, ERR = ngx.log, ngx.ERR
 
 local _M = { name = "local" }
 

@@ -17,20 +17,10 @@ local errors = require "tokengate.errors"
 local metrics = require "tokengate.metrics"
 local shdict = require "tokengate.shdict"
 
-local ngx_var = ngx.var
-local ngx_now = ngx.now
-local ngx_log = ngx.log
-local WARN = ngx.WARN
-local ERR = ngx.ERR
-local sub = string.sub
-local byte = string.byte
-local char = string.char
-local format = string.format
-local ceil = math.ceil
-local floor = math.floor
-local tonumber = tonumber
-local tostring = tostring
-local ipairs = ipairs
+local ngx_var, ngx_now, ngx_log, WARN, ERR = ngx.var, ngx.now, ngx.log, ngx.WARN, ngx.ERR
+local sub, byte, char, format = string.sub, string.byte, string.char, string.format
+local ceil, floor = math.ceil, math.floor
+local tonumber, tostring, ipairs = tonumber, tostring, ipairs
 
 local _M = {}
 

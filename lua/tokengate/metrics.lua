@@ -21,16 +21,10 @@ local ngx = ngx
 local json = require "tokengate.json"
 local shdict = require "tokengate.shdict"
 
-local ngx_log = ngx.log
-local ERR = ngx.ERR
-local tostring = tostring
-local tonumber = tonumber
-local find = string.find
-local sub = string.sub
-local gsub = string.gsub
-local match = string.match
-local concat = table.concat
-local sort = table.sort
+local ngx_log, ERR = ngx.log, ngx.ERR
+local tostring, tonumber = tostring, tonumber
+local find, sub, gsub, match = string.find, string.sub, string.gsub, string.match
+local concat, sort = table.concat, table.sort
 local pairs = pairs
 local floor = math.floor
 

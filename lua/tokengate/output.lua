@@ -11,10 +11,8 @@ local errors = require "tokengate.errors"
 local body_mod = require "tokengate.body"
 
 local format = string.format
-local min = math.min
-local max = math.max
-local json_integer = json.integer
-local json_set = json.set
+local min, max = math.min, math.max
+local json_integer, json_set = json.integer, json.set
 
 local _M = {}
 

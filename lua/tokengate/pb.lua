@@ -17,14 +17,10 @@
 -- error naming the field, where string.char would fail on it ("bad argument #1 to
 -- 'char'": an infinite cost_nano, from a price of .inf, reached varint once).
 
-local byte = string.byte
-local char = string.char
-local sub = string.sub
+local byte, char, sub = string.byte, string.char, string.sub
 local concat = table.concat
 local floor = math.floor
-local type = type
-local error = error
-local tostring = tostring
+local type, error, tostring = type, error, tostring
 
 local _M = {}
 

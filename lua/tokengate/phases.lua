@@ -66,14 +66,10 @@ local event = require "tokengate.stages.event"
 local batch = require "tokengate.batch"
 local reply = require "tokengate.reply"
 
-local ngx_var = ngx.var
-local ngx_log = ngx.log
-local ERR = ngx.ERR
+local ngx_var, ngx_log, ERR = ngx.var, ngx.log, ngx.ERR
 local mono_ms = clock.mono_ms
-local match = string.match
-local gmatch = string.gmatch
-local tonumber = tonumber
-local pairs = pairs
+local match, gmatch = string.match, string.gmatch
+local tonumber, pairs = tonumber, pairs
 
 local _M = {}
 

@@ -47,9 +47,7 @@ local digest = require "tokengate.digest"
 local shdict = require "tokengate.shdict"
 
 local sub = string.sub
-local floor = math.floor
-local min = math.min
-local max = math.max
+local floor, min, max = math.floor, math.min, math.max
 local setmetatable = setmetatable
 
 local _M = {}

@@ -32,10 +32,8 @@ local local_limit = require "tokengate.local_limit"
 local global_limit = require "tokengate.global_limit"
 local clock = require "tokengate.clock"
 
-local max = math.max
-local floor = math.floor
-local ngx_log = ngx.log
-local WARN = ngx.WARN
+local max, floor = math.max, math.floor
+local ngx_log, WARN = ngx.log, ngx.WARN
 
 local _M = {}
 

@@ -4,8 +4,7 @@
 
 local ngx = ngx
 
-local ngx_print = ngx.print
-local ngx_exit = ngx.exit
+local ngx_print, ngx_exit = ngx.print, ngx.exit
 local pairs = pairs
 
 local _M = {}

@@ -18,8 +18,7 @@
 
 local clock = require "tokengate.clock"
 
-local find = string.find
-local sub = string.sub
+local find, sub = string.find, string.sub
 local floor = math.floor
 local tonumber = tonumber
 local mono_ms = clock.mono_ms

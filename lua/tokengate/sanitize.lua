@@ -23,22 +23,13 @@ local errors = require "tokengate.errors"
 local cast = ffi.cast
 local u8p = ffi.typeof("const uint8_t *")
 
-local find = string.find
-local gsub = string.gsub
-local sub = string.sub
-local byte = string.byte
-local concat = table.concat
-local sort = table.sort
+local find, gsub, sub, byte = string.find, string.gsub, string.sub, string.byte
+local concat, sort = table.concat, table.sort
 local type = type
-local format = string.format
-local match = string.match
+local format, match = string.format, string.match
 local tonumber = tonumber
-local is_array = json.is_array
-local is_object = json.is_object
-local encode = json.encode
-local decode = json.decode
-local utf8_char = json.utf8_char
-local KEYS = json.KEYS
+local is_array, is_object, encode = json.is_array, json.is_object, json.encode
+local decode, utf8_char, KEYS = json.decode, json.utf8_char, json.KEYS
 
 -- The string fields of a content part that vLLM reads as text: "text" (types text,
 -- input_text, output_text), "refusal" (refusal), "thinking" (thinking). Each is visited

@@ -37,14 +37,9 @@ local digest = require "tokengate.digest"
 local errors = require "tokengate.errors"
 
 local type = type
-local sub = string.sub
-local gsub = string.gsub
-local find = string.find
-local format = string.format
+local sub, gsub, find, format = string.sub, string.gsub, string.find, string.format
 local tonumber = tonumber
-local ngx_var = ngx.var
-local clear_header = ngx.req.clear_header
-local ngx_shared = ngx.shared
+local ngx_var, clear_header, ngx_shared = ngx.var, ngx.req.clear_header, ngx.shared
 
 local _M = {}
 

@@ -3,8 +3,7 @@
 -- is a configuration that lacks its lua_shared_dict line: the module refuses to start.
 -- Ground floor: requires nothing.
 
-local ngx = ngx
-local tostring = tostring
+local ngx, tostring = ngx, tostring
 local ngx_now = ngx.now
 
 local _M = {}

@@ -34,21 +34,11 @@ local shdict = require "tokengate.shdict"
 
 local tcp = ngx.socket.tcp
 local io_open = io.open
-local ngx_now = ngx.now
-local ngx_log = ngx.log
-local ERR = ngx.ERR
-local WARN = ngx.WARN
-local format = string.format
-local byte = string.byte
-local tonumber = tonumber
-local tostring = tostring
-local setmetatable = setmetatable
-local gsub = string.gsub
-local char = string.char
-local find = string.find
-local sub = string.sub
-local lower = string.lower
-local match = string.match
+local ngx_now, ngx_log, ERR, WARN = ngx.now, ngx.log, ngx.ERR, ngx.WARN
+local format, byte = string.format, string.byte
+local tonumber, tostring, setmetatable = tonumber, tostring, setmetatable
+local gsub, char, find, sub = string.gsub, string.char, string.find, string.sub
+local lower, match = string.lower, string.match
 local concat = table.concat
 
 local _M = {}

@@ -53,17 +53,10 @@ local metrics = require "tokengate.metrics"
 local semaphore = require "ngx.semaphore"
 
 local mono_ms = clock.mono_ms
-local tonumber = tonumber
-local pairs = pairs
-local tostring = tostring
+local tonumber, pairs, tostring = tonumber, pairs, tostring
 local match = string.match
-local floor = math.floor
-local abs = math.abs
-local ceil = math.ceil
-local min = math.min
-local max = math.max
-local type = type
-local setmetatable = setmetatable
+local floor, abs, ceil, min, max = math.floor, math.abs, math.ceil, math.min, math.max
+local type, setmetatable = type, setmetatable
 
 local _M = {}
 

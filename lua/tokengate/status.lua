@@ -18,8 +18,7 @@ local prefix = require "tokengate.prefix"
 local queue = require "tokengate.queue"
 local slo = require "tokengate.slo"
 
-local pairs = pairs
-local ipairs = ipairs
+local pairs, ipairs = pairs, ipairs
 
 local _M = {}
 

@@ -32,16 +32,11 @@ local json = require "tokengate.json"
 local clock = require "tokengate.clock"
 local request_id = require("tokengate.state").request_id
 
-local sub = string.sub
-local find = string.find
+local sub, find = string.sub, string.find
 local max = math.max
-local tonumber = tonumber
-local type = type
-local re_find = ngx.re.find
-local ngx_var = ngx.var
-local ngx_req = ngx.req
-local mono_ms = clock.mono_ms
-local round3 = clock.round3
+local tonumber, type = tonumber, type
+local re_find, ngx_var, ngx_req = ngx.re.find, ngx.var, ngx.req
+local mono_ms, round3 = clock.mono_ms, clock.round3
 local null = json.null
 
 local _M = {}

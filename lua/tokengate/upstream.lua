@@ -62,20 +62,14 @@ local shdict = require "tokengate.shdict"
 local slo = require "tokengate.slo"
 local clock = require "tokengate.clock"
 
-local ngx_log = ngx.log
-local WARN = ngx.WARN
-local tcp = ngx.socket.tcp
-local ngx_now = ngx.now
+local ngx_log, WARN, tcp, ngx_now = ngx.log, ngx.WARN, ngx.socket.tcp, ngx.now
 local mono_ms = clock.mono_ms
 local timer_every = ngx.timer.every
-local tonumber = tonumber
-local pairs = pairs
+local tonumber, pairs = tonumber, pairs
 local match = string.match
 local tostring = tostring
 local io_open = io.open
-local ipairs = ipairs
-local type = type
-local setmetatable = setmetatable
+local ipairs, type, setmetatable = ipairs, type, setmetatable
 
 local _M = {}
 

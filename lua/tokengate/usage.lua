@@ -29,18 +29,12 @@ local drift = require "tokengate.drift"
 local trace = require "tokengate.trace"
 local batch = require "tokengate.batch"
 
-local find = string.find
-local sub = string.sub
-local byte = string.byte
+local find, sub, byte = string.find, string.sub, string.byte
 local concat = table.concat
-local tonumber = tonumber
-local type = type
+local tonumber, type = tonumber, type
 local max = math.max
-local ngx_var = ngx.var
-local ngx_req = ngx.req
-local ngx_now = ngx.now
-local mono_ms = clock.mono_ms
-local round3 = clock.round3
+local ngx_var, ngx_req, ngx_now = ngx.var, ngx.req, ngx.now
+local mono_ms, round3 = clock.mono_ms, clock.round3
 local cast = ffi.cast
 local u8p = ffi.typeof("const uint8_t *")
 

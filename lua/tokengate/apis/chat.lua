@@ -21,10 +21,7 @@ local openai = require "tokengate.apis.openai"
 
 local type = type
 local format = string.format
-local is_array = json.is_array
-local is_object = json.is_object
-local encode = json.encode
-local null = json.null
+local is_array, is_object, encode, null = json.is_array, json.is_object, json.encode, json.null
 local fail = errors.refuse
 
 

@@ -19,9 +19,7 @@ local openai = require "tokengate.apis.openai"
 
 local type = type
 local format = string.format
-local is_array = json.is_array
-local json_integer = json.integer
-local null = json.null
+local is_array, json_integer, null = json.is_array, json.integer, json.null
 local fail = errors.refuse
 
 local _M = {

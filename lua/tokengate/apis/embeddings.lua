@@ -40,9 +40,7 @@ local sanitize = require "tokengate.sanitize"
 
 local type = type
 local format = string.format
-local is_array = json.is_array
-local json_integer = json.integer
-local json_number = json.number
+local is_array, json_integer, json_number = json.is_array, json.integer, json.number
 local null = json.null
 local fail = errors.refuse
 

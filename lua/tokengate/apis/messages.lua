@@ -31,14 +31,10 @@ local output = require "tokengate.output"
 local usage = require "tokengate.usage"
 local clock = require "tokengate.clock"
 
-local type = type
-local tonumber = tonumber
+local type, tonumber = type, tonumber
 local format = string.format
 local ngx_now = ngx.now
-local is_array = json.is_array
-local is_object = json.is_object
-local json_set = json.set
-local null = json.null
+local is_array, is_object, json_set, null = json.is_array, json.is_object, json.set, json.null
 local fail = errors.refuse
 
 local set = bounds.set

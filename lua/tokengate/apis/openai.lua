@@ -11,9 +11,7 @@ local models_mod = require "tokengate.models"
 
 local type = type
 local format = string.format
-local is_object = json.is_object
-local json_integer = json.integer
-local json_set = json.set
+local is_object, json_integer, json_set = json.is_object, json.integer, json.set
 local null = json.null
 local fail = errors.refuse
 

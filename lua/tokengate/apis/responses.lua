@@ -56,20 +56,10 @@ local usage = require "tokengate.usage"
 local digest = require "tokengate.digest"
 local state = require "tokengate.state"
 
-local type = type
-local pairs = pairs
-local setmetatable = setmetatable
-local format = string.format
-local sub = string.sub
-local match = string.match
-local lower = string.lower
-local hmac_sha1 = ngx.hmac_sha1
-local ngx_var = ngx.var
-local ngx_req = ngx.req
-local is_array = json.is_array
-local is_object = json.is_object
-local json_set = json.set
-local null = json.null
+local type, pairs, setmetatable = type, pairs, setmetatable
+local format, sub, match, lower = string.format, string.sub, string.match, string.lower
+local hmac_sha1, ngx_var, ngx_req = ngx.hmac_sha1, ngx.var, ngx.req
+local is_array, is_object, json_set, null = json.is_array, json.is_object, json.set, json.null
 local fail = errors.refuse
 
 -- The fields of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/

@@ -12,8 +12,7 @@ local state = require "tokengate.state"
 local batch = require "tokengate.batch"
 local errors = require "tokengate.errors"
 
-local ngx_var = ngx.var
-local ngx_req = ngx.req
+local ngx_var, ngx_req = ngx.var, ngx.req
 
 local _M = {}
 

@@ -16,11 +16,9 @@ local slo = require "tokengate.slo"
 
 local ngx_var = ngx.var
 local mono_ms = clock.mono_ms
-local find = string.find
-local format = string.format
+local find, format = string.find, string.format
 local concat = table.concat
-local type = type
-local tostring = tostring
+local type, tostring = type, tostring
 
 local _M = {}
 

@@ -21,14 +21,10 @@ local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
 local balancer = require "ngx.balancer"
 
-local ngx_req = ngx.req
-local ngx_log = ngx.log
-local ngx_exit = ngx.exit
-local ERR = ngx.ERR
+local ngx_req, ngx_log, ngx_exit, ERR = ngx.req, ngx.log, ngx.exit, ngx.ERR
 local mono_ms = clock.mono_ms
 local tostring = tostring
-local floor = math.floor
-local max = math.max
+local floor, max = math.floor, math.max
 
 local NO_HEADERS = {} -- a request without target headers (read only)
 
