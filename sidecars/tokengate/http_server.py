@@ -112,6 +112,11 @@ class _UnixServer(_Server):
         conn, _ = self.socket.accept()
         return conn, ("unix", 0)  # a unix peer has no address; WSGI wants a host
 
+    def server_close(self) -> None:
+        super().server_close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
 
 class _DeadlineSocket(io.RawIOBase):
     """A connection's reads, each of which ends by one deadline (monotonic): every

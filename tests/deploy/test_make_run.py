@@ -34,7 +34,7 @@ import pytest
 import redis
 import yaml
 from tokengate_dev import devstack
-from tokenstorm.process import free_port, group_members
+from tokenstorm.process import free_port, group_members, unix_ready
 
 from tests.conftest import REPO_CONFIG, TEST_DIR
 from tests.fixtures_ledger import wait_until
@@ -106,9 +106,9 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
         m["embedded"] = embedded
     # distinct ports: free_port() releases its port, and the kernel may give it again
     ports: set[int] = set()
-    while len(ports) < 8:
+    while len(ports) < 7:
         ports.add(free_port())
-    edge_p, redis_p, status_p, console_p, batch_p, *metrics_p = sorted(ports)
+    edge_p, redis_p, status_p, console_p, *metrics_p = sorted(ports)
     edge = f"127.0.0.1:{edge_p}"
     raw["redis"]["url"] = f"redis://127.0.0.1:{redis_p}/0"
     raw["ledger"]["usage_file"] = str(var / "usage" / "usage.jsonl")
@@ -119,7 +119,7 @@ def write_config(var: Path, upstream: str, embedded: bool = False,
     raw["ledger"].setdefault("console", {})["listen"] = f"127.0.0.1:{console_p}"
     raw["metrics"] = {f"{part}_listen": f"127.0.0.1:{port}"
                       for part, port in zip(("counter", "ledger", "limits"), metrics_p)}
-    raw["batch"].update(listen=f"127.0.0.1:{batch_p}", edge_url=f"http://{edge}",
+    raw["batch"].update(unix_socket=str(var / "run" / "batch.sock"), edge_url=f"http://{edge}",
                         worker_secret_file=str(var / "batch" / "worker.key"),
                         files_dir=str(var / "batch" / "files"))
     if edit is not None:
@@ -325,9 +325,8 @@ def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name
         wait_until(lambda: '"redis_up": true' in (stack.var / "run" / "ledger.status.json")
                    .read_text(), 20, what="the new ledger's status")
     if name == "batch":
-        batch = yaml.safe_load(stack.config.read_text())["batch"]["listen"]
-        host, _, port = batch.rpartition(":")
-        wait_until(devstack.tcp_ready(host, int(port)), 20, what="the new batch service")
+        sock = yaml.safe_load(stack.config.read_text())["batch"]["unix_socket"]
+        wait_until(unix_ready(sock), 20, what="the new batch service")
     if name == "console":
         login = f"http://{stack.console_listen()}/login"
         wait_until(lambda: httpx.get(login, timeout=5).status_code == 200, 20,

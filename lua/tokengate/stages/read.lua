@@ -60,6 +60,10 @@ end
 local CONTROL_IN_BLOCK = "[%z\1-\8\11\12\14-\31\127]"
 local CONTROL_IN_VALUE = "[%z\1-\8\10-\31\127]"
 
+-- the headers the edge never forwards as the client sent them: the trace context
+-- (tokengate.trace forwards it only when valid, else drops it)
+local OWN = { traceparent = true, tracestate = true }
+
 -- control_header() -> nil | the name of a request header whose value holds a control
 -- character. One scan of the raw header block (ngx.req.raw_header), the headers one by
 -- one only when it finds one (or when there is no raw block: HTTP/2).
@@ -68,8 +72,10 @@ local function control_header()
     if ok and not string.find(raw, CONTROL_IN_BLOCK) then
         return nil
     end
-    for name, v in pairs(ngx_req.get_headers(0, true)) do
-        if type(v) == "table" then
+    for name, v in pairs(ngx_req.get_headers(0)) do
+        if OWN[name] then
+            v = ""
+        elseif type(v) == "table" then
             v = table.concat(v, ",")
         end
         if string.find(v, CONTROL_IN_VALUE) then
