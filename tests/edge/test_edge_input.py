@@ -185,6 +185,9 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "invalid_type", "stop", "a string or an array of strings, got an object"),
     ("user an object", lambda: (json.dumps(chat("hi", user={"a": 1})).encode(), {}), 400,
      "invalid_type", "user", "user must be a string"),
+    ("a number of 5,000 digits", lambda: (json.dumps(chat("hi")).encode()[:-1]
+                                          + b', "x_note": ' + b"9" * 5000 + b"}", {}), 400,
+     "invalid_value", "body", "a number has more than 4300 digits"),
     ("top_k a decimal literal", lambda: ((b'{"model":"tiny-qwen3","max_tokens":1,"top_k":2.5,'
                                           b'"messages":[{"role":"user","content":"a"}]}'), {}),
      400, "invalid_type", "top_k", "expected an integer, but got a decimal"),

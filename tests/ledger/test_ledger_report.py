@@ -132,6 +132,9 @@ def test_usage_errors_and_redis_down(config_path, redis_url):
     assert r.returncode == 2 and "--by" in r.stderr
     r = usage_cli(config_path, redis_url, "--since", "today", "--until", "yesterday")
     assert r.returncode == 2 and "is after --until" in r.stderr
+    for bad in ("0", "-1", "many"):
+        r = usage_cli(config_path, redis_url, "--by", "session", "--limit", bad)
+        assert r.returncode == 2 and "--limit: must be a whole number" in r.stderr
     r = usage_cli(config_path, "redis://127.0.0.1:1/0")
     assert r.returncode == 1 and "Redis unavailable" in r.stderr
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Any, NoReturn
@@ -133,6 +134,9 @@ class TokenCounterService(counter_pb2_grpc.TokenCounterServicer):
         try:
             body: Any = json.loads(request.body)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            if "integer string conversion" in str(e):  # Python's int digit limit
+                _fail(invalid, f"body: a number has more than {sys.get_int_max_str_digits()} "
+                               "digits")
             _fail(invalid, f"body: invalid JSON: {e}")
         if not isinstance(body, dict):
             _fail(invalid, "body: expected a JSON object")

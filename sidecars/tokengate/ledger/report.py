@@ -376,6 +376,17 @@ EXAMPLES
 """
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return n
+
+
 def add_parser(
         sub: argparse._SubParsersAction,  # type: ignore[type-arg]
 ) -> argparse.ArgumentParser:
@@ -397,7 +408,7 @@ def add_parser(
                         "(default: key,model,day; team or org without key: their own "
                         "counters, else each key's in the configuration now); or session "
                         "alone: the keys' agent sessions")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
+    p.add_argument("--limit", type=_positive, default=None, metavar="N",
                    help="--by session: at most N sessions per key, most recent first")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
