@@ -358,11 +358,8 @@ function _M.api_sampling(known, body, words)
                 "invalid_type")
         end
     end
-    local user = body.user
-    if user ~= nil and user ~= null and (not known or known.user) and type(user) ~= "string"
-    then
-        return fail(400, format("user must be a string, got %s", json_kind(user)), "user",
-            "invalid_type")
+    if not known or known.user then
+        return _M.api_string(body, "user")
     end
     return true
 end

@@ -184,7 +184,7 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
     ("stop an object", lambda: (json.dumps(chat("hi", stop={"a": 1})).encode(), {}), 400,
      "invalid_type", "stop", "a string or an array of strings, got an object"),
     ("user an object", lambda: (json.dumps(chat("hi", user={"a": 1})).encode(), {}), 400,
-     "invalid_type", "user", "user must be a string"),
+     "invalid_type", "user", "user: must be a string"),
     ("a number of 5,000 digits", lambda: (json.dumps(chat("hi")).encode()[:-1]
                                           + b', "x_note": ' + b"9" * 5000 + b"}", {}), 400,
      "invalid_value", "body", "a number has more than 4300 digits"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokengate import config as tg_config
+from tokengate.doctor import fetch
 from tokengate.doctor.check import Check, Status
 
 ENGINE_WAIT_S = 5.0  # how long a probe's engine record may take to appear, s
@@ -122,20 +123,26 @@ def check_records(check: Callable[[str, Status, str], Check], upstream: str,
                                "ledger.engine_usage_files?")
 
 
-def followed_by_ledger(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Path]:
-    """The engine record files the running ledger follows (``engine_files`` of its
-    ``GET /status`` on ``metrics.ledger_listen``: the configured ones and those given on
-    its command line, ``--engine-file``, as ``make run`` gives its embedded vLLM's); []
-    when it cannot be asked or answers otherwise."""
-    from tokengate.doctor import fetch
+def ledger_follows(listen: str, timeout_s: float) -> tuple[int, list[Path]]:
+    """(status, files): the running ledger's answer to ``GET /status`` on ``listen``
+    (``metrics.ledger_listen``) and the engine record files it follows (its
+    ``engine_files``: the configured ones and those given on its command line,
+    ``--engine-file``; [] unless the status is 200). Raises ``fetch.Unreachable``, and
+    ``ValueError`` for an answer that is no JSON."""
+    answer = fetch.request("GET", f"http://{listen}/status", timeout_s=timeout_s)
+    if answer.status != 200:
+        return answer.status, []
+    return 200, [Path(p) for p in json.loads(answer.raw).get("engine_files") or []]
 
+
+def followed_by_ledger(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[Path]:
+    """The engine record files the running ledger follows (``ledger_follows``; ``make
+    run`` gives its ledger its embedded vLLM's file on the command line); [] when it
+    cannot be asked or answers otherwise."""
     listen = cfg.metrics.ledger_listen
     if listen is None:
         return []
     try:
-        answer = fetch.request("GET", f"http://{listen}/status", timeout_s=timeout_s)
-        if answer.status != 200:
-            return []
-        return [Path(p) for p in json.loads(answer.raw).get("engine_files") or []]
+        return ledger_follows(listen, timeout_s)[1]
     except (fetch.Unreachable, ValueError, AttributeError):
         return []

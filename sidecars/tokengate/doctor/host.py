@@ -14,13 +14,13 @@ run by systemd can read, and what the running ones say they follow.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from tokengate import config as tg_config
 from tokengate.doctor import fetch
 from tokengate.doctor.check import Check
+from tokengate.doctor.engine_records import ledger_follows
 
 
 def run(cfg: tg_config.Config) -> list[Check]:
@@ -259,16 +259,16 @@ def ledger_engine_files(cfg: tg_config.Config, timeout_s: float = 5.0) -> list[C
                       "running ledger cannot be asked whether it follows this file")
                 for f in files]
     try:
-        answer = fetch.request("GET", f"http://{listen}/status", timeout_s=timeout_s)
+        status, follows = ledger_follows(listen, timeout_s)
     except fetch.Unreachable as e:
         return [Check("ledger", str(f), what, "FAIL", f"the ledger's metrics port {listen} "
                       f"does not answer ({e}): is tokengate-ledger running? (systemctl "
                       "status tokengate-ledger)") for f in files]
-    if answer.status != 200:
+    if status != 200:
         return [Check("ledger", str(f), what, "FAIL", f"the running ledger answers GET "
-                      f"/status on {listen} with {answer.status}: it is an earlier release "
+                      f"/status on {listen} with {status}: it is an earlier release "
                       "(systemctl restart tokengate-ledger)") for f in files]
-    followed = {Path(p).resolve() for p in json.loads(answer.raw).get("engine_files") or []}
+    followed = {p.resolve() for p in follows}
     return [Check("ledger", str(f), what, "OK", "the running ledger follows it")
             if Path(f).resolve() in followed else
             Check("ledger", str(f), what, "FAIL", (
