@@ -287,7 +287,7 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
     cfg = tg_config.load(config_path)
     b = cfg.batch
     argv = [PYTHON, "-m", "tokengate.batch.service", "--config", str(config_path)]
-    listen = listen or (f"unix:{b.unix_socket}" if b.unix_socket else b.listen)
+    listen = listen or b.address
     argv += ["--listen", listen]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]

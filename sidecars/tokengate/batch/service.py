@@ -16,11 +16,11 @@ DESCRIPTION = """\
 OpenAI's Files and Batch API on spare capacity (the batch section of tokengate.yaml).
 
 It serves /v1/files and /v1/batches on batch.unix_socket, else batch.listen (loopback):
-the edge forwards them there with the key's id, keeps objects in Redis and file bytes in batch.files_dir, and
-runs every batch: each line checked and counted by the edge at creation, then sent
-through the edge (batch.edge_url) as batch.worker_key acting for the batch's key, at
-that key's priority, as fast as admission lets it (docs/api/batch.md). One process per
-Redis.
+the edge forwards them there with the key's id. It keeps objects in Redis and file bytes
+in batch.files_dir, and runs every batch: each line checked and counted by the edge at
+creation, then sent through the edge (batch.edge_url) as batch.worker_key acting for the
+batch's key, at that key's priority, as fast as admission lets it (docs/api/batch.md).
+One process per Redis.
 
 exit status: 0 after SIGTERM or SIGINT; 1 when it cannot listen or read the worker
 key's secret; 2 for a bad configuration.
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     client = redis_client.connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
     store = Store(client, b.files_dir, b.retention_days * 86_400)
-    listen_at = args.listen or (f"unix:{b.unix_socket}" if b.unix_socket else b.listen)
+    listen_at = args.listen or b.address
     try:
         if listen_at.startswith("unix:"):
             server = listen_unix(listen_at.removeprefix("unix:"), BatchApi(store, b))

@@ -90,3 +90,9 @@ class BatchConfig(_Schema):
         default=86_400,
         description="completion_window in seconds (OpenAI's `24h`): a batch still "
                     "running then expires with what ran.")
+
+    @property
+    def address(self) -> str:
+        """Where the service serves: ``unix:<unix_socket>``, else ``listen``
+        (``host:port``)."""
+        return f"unix:{self.unix_socket}" if self.unix_socket else self.listen
