@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import redis
 from tokengate import config as tg_config
 from tokengate.batch.edge import Answer
 from tokengate.batch.lines import Line
@@ -138,3 +139,54 @@ def test_only_refusals_that_may_pass_later_are_retried(status: int, code: str,
     body = json.dumps({"error": {"message": "m", "type": "t", "param": None,
                                  "code": code}}).encode()
     assert retryable(Answer(status, body, None, 1.0, should_retry)) is want
+
+
+class _RedisDown:
+    """A store whose Redis is down until ``up`` is set; ``next_attempt`` counts."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.attempts: dict[int, int] = {}
+
+    def attempt(self, batch_id: str, index: int) -> int:
+        if not self.up:
+            raise redis.ConnectionError("Connection refused.")
+        return self.attempts.get(index, 0)
+
+    def next_attempt(self, batch_id: str, index: int) -> int:
+        if not self.up:
+            raise redis.ConnectionError("Connection refused.")
+        self.attempts[index] = self.attempts.get(index, 0) + 1
+        return self.attempts[index]
+
+
+def test_redis_down_mid_step_drops_no_line_from_those_to_send_or_out(
+        config_path: Path) -> None:
+    """A line whose attempt cannot be read stays to send; a refusal whose new attempt
+    cannot be written stays out, taken again once Redis is back (a line in neither
+    would leave its batch in progress for ever)."""
+    w = worker(config_path, max_in_flight=64)
+    store = _RedisDown()
+    w.store, w.edge = store, _Unanswered()  # type: ignore[assignment]
+    w.pool.submit = lambda *a: Future()  # type: ignore[method-assign]
+    lines = [Line(i, f"c{i}", b"{}") for i in range(3)]
+    b = _Batch("b", "k", "/v1/chat/completions", lines, deque(range(3)))
+    w.running["b"] = b
+    with pytest.raises(redis.ConnectionError):
+        w._dispatch()
+    assert (list(b.pending), b.out) == ([0, 1, 2], set())
+    store.up = True
+    w._dispatch()
+    assert (list(b.pending), b.out) == ([2], {0, 1})  # the window: two lines
+    refused = json.dumps({"error": {"message": "m", "type": "t", "param": None,
+                                    "code": "overloaded"}}).encode()
+    for fut in w.inflight:
+        fut.set_result(Answer(503, refused, None, 1.0, True))
+    store.up = False
+    with pytest.raises(redis.ConnectionError):
+        w._collect()
+    assert (list(b.pending), b.out, len(w.inflight)) == ([2], {0, 1}, 2)
+    store.up = True
+    w._collect()
+    assert (sorted(b.pending), b.out, w.inflight) == ([0, 1, 2], set(), {})
+    assert store.attempts == {0: 1, 1: 1}  # each refused line's next id, once

@@ -328,9 +328,15 @@ class BudgetStack:
         relay = Relay(self.vllm.usage_file, relay_to, lambda r: False)
         offset = self.vllm.size()
         relay.start()
-        return config, offset, relay, start_ledger(config, redis_url, name,
-                                                   usage_file=self.edge.usage_file,
-                                                   engine_files=[])
+        ledger_svc = start_ledger(config, redis_url, name, usage_file=self.edge.usage_file,
+                                  engine_files=[])
+        # a first start rebuilds (no ready mark in the flushed Redis) and holds the
+        # budgeted key meanwhile: the edge refuses its requests with a 503 until the
+        # ledger sets its ready mark (with the holds' release, in one pipeline)
+        with redis.Redis.from_url(redis_url) as client:
+            wait_until(lambda: client.exists(store.ready_key(name)), 60,
+                       what="the ledger's first rebuild to end")
+        return config, offset, relay, ledger_svc
 
     def client(self, timeout: float = 300) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.edge.base_url, api_key=TEAM_KEY, max_retries=0,

@@ -45,7 +45,9 @@ attempt changes only after an answer that billed nothing (a refusal); a line who
 outcome is unknown (the worker, the edge or Redis died while it was out) goes again
 with the same id, so the ledger, which applies each request id once, bills it once, and
 its result is written once (``Store.record``). A result the worker holds while Redis is
-down is kept and written when Redis is back.
+down is kept and written when Redis is back, and a line leaves the lines to send (or
+the lines out) only after the Redis read or write it needs (its attempt) succeeded, so
+Redis dying mid-step drops no line from both.
 """
 
 from __future__ import annotations
@@ -159,8 +161,11 @@ class Worker:
             try:
                 busy = self.step()
             except (redis.RedisError, OSError) as e:
+                # a plain pause: answers taken back into inflight while Redis is down
+                # would end _wait at once, and the log would fill with this line
                 log.warning("tokengate-batch: %s; trying again", e)
-                busy = False
+                stop.wait(IDLE_S)
+                continue
             if not busy:
                 self._wait(IDLE_S)
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -342,10 +347,13 @@ class Worker:
             b = self._next_batch()
             if b is None:
                 break
-            index = b.pending.popleft()
-            line = b.lines[index]
+            # the attempt read first: a line leaves pending only once its id is known
+            # (Redis down here must not drop it from both pending and out)
+            index = b.pending[0]
             rid = lines_mod.request_id(b.batch_id, index,
                                        self.store.attempt(b.batch_id, index))
+            b.pending.popleft()
+            line = b.lines[index]
             fut = self.pool.submit(self.edge.post, b.endpoint, line.body, b.key_id,
                                    b.batch_id, line.custom_id, rid)
             self.inflight[fut] = (b.batch_id, index, rid, now)
@@ -374,20 +382,28 @@ class Worker:
         """Take the answers that came back: results, retries, the window's changes."""
         finished = [f for f in self.inflight if f.done()]
         for fut in finished:
-            batch_id, index, rid, sent_at = self.inflight.pop(fut)
+            batch_id, index, rid, sent_at = self.inflight[fut]
             b = self.running.get(batch_id)
             if b is None:
+                del self.inflight[fut]
                 continue
-            b.out.discard(index)
             line = b.lines[index]
             try:
                 a = fut.result()
             except (OSError, http.client.HTTPException) as e:
                 # the outcome is unknown: the same request id again, later
                 log.warning("tokengate-batch: %s line %d: %s", batch_id, index, e)
+                del self.inflight[fut]
+                b.out.discard(index)
                 b.pending.appendleft(index)
                 self._refused(1.0)
                 continue
+            if retryable(a):
+                # Redis first: when it is down the answer stays in inflight and is
+                # taken again at the next step, the line still out
+                self.store.next_attempt(batch_id, index)
+            del self.inflight[fut]
+            b.out.discard(index)
             if a.status == 200:
                 body = a.json()
                 self.unrecorded.append((batch_id, index, True,
@@ -397,7 +413,6 @@ class Worker:
                 self.srtt = rtt if self.srtt is None else \
                     self.srtt + SRTT_GAIN * (rtt - self.srtt)
             elif retryable(a):
-                self.store.next_attempt(batch_id, index)
                 b.pending.appendleft(index)
                 if a.error_code() == "overloaded":
                     self._refused(None, by_one=True)
