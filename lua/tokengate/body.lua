@@ -314,6 +314,7 @@ local function json_kind(v)
     end
     return is_array(v) and "an array" or "an object"
 end
+_M.json_kind = json_kind
 
 -- strings(v) -> whether v is a string or an array of strings
 local function strings(v)

@@ -181,6 +181,22 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "invalid_value", "top_p", "top_p must be in (0, 1]"),
     ("top_k below -1", lambda: (json.dumps(chat("hi", top_k=-5)).encode(), {}), 400,
      "invalid_value", "top_k", "got -5"),
+    ("logprobs a word", lambda: (json.dumps(chat("hi", logprobs="yes")).encode(), {}), 400,
+     "invalid_type", "logprobs", "'logprobs' must be a boolean"),
+    ("echo a number", lambda: (json.dumps(chat("hi", echo=1)).encode(), {}), 400,
+     "invalid_type", "echo", "'echo' must be a boolean"),
+    ("top_logprobs a numeric string", lambda: (json.dumps(chat(
+        "hi", logprobs=True, top_logprobs="3")).encode(), {}), 400, "invalid_type",
+     "top_logprobs", "expected an integer, but got a string"),
+    ("logit_bias of words", lambda: (json.dumps(chat("hi", logit_bias={"11": "up"})).encode(),
+                                     {}), 400, "invalid_type", "logit_bias.11",
+     "expected a number"),
+    ("response_format a string", lambda: (json.dumps(chat(
+        "hi", response_format="json")).encode(), {}), 400, "invalid_type", "response_format",
+     "must be an object"),
+    ("tool_choice without tools", lambda: (json.dumps(chat(
+        "hi", tool_choice="required")).encode(), {}), 400, "invalid_value", "tool_choice",
+     "only allowed when 'tools' are specified"),
     ("stop an object", lambda: (json.dumps(chat("hi", stop={"a": 1})).encode(), {}), 400,
      "invalid_type", "stop", "a string or an array of strings, got an object"),
     ("user an object", lambda: (json.dumps(chat("hi", user={"a": 1})).encode(), {}), 400,
@@ -239,6 +255,18 @@ def test_bad_input_is_refused_before_vllm(edge: Edge, vllm_requests: Callable[[]
                                           name: str, make: Any, status: int, code: str | None,
                                           param: str | None, message_has: str) -> None:
     assert_refused_before_vllm(edge, vllm_requests, make, status, code, param, message_has)
+
+
+@pytest.mark.parametrize("logprobs", ["yes", True, -1, 1.5])
+def test_a_completions_logprobs_that_is_not_a_count_is_refused_before_vllm(
+        edge: Edge, vllm_requests: Callable[[], int], logprobs: Any) -> None:
+    # completions' logprobs counts tokens (chat's is a boolean): vLLM's lax parsing reads
+    # true as 1
+    before = vllm_requests()
+    r = post(edge, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                               "logprobs": logprobs}), path="/completions")
+    assert_error(r, 400, "invalid_type", "logprobs", "'logprobs' must be an integer >= 0")
+    assert vllm_requests() == before
 
 
 def test_special_tokens_are_refused_under_reject(edge_variant: Callable[..., Edge],

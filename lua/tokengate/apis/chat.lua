@@ -22,8 +22,12 @@ local openai = require "tokengate.apis.openai"
 local type = type
 local format = string.format
 local is_array, is_object, encode, null = json.is_array, json.is_object, json.encode, json.null
+local json_integer = json.integer
 local fail = errors.refuse
-
+-- chat's own boolean fields (vLLM 0.32's ChatCompletionRequest; tokengate.apis.openai
+-- checks those it shares with completions)
+local BOOLS = { "add_generation_prompt", "continue_final_message", "include_reasoning",
+                "logprobs", "parallel_tool_calls", "return_prompt_text" }
 
 local _M = {
     NAME = "chat",
@@ -78,12 +82,24 @@ local function check(body, models, edge)
     if tools ~= nil and tools ~= null and not is_array(tools) then
         return fail(400, "'tools' must be an array", "tools", "invalid_type")
     end
+    -- vLLM refuses a tool_choice other than "none" without tools (check_tool_usage in
+    -- vllm/entrypoints/openai/chat_completion/protocol.py), after admission
+    local tc = body.tool_choice
+    if tc ~= nil and tc ~= null and tc ~= "none" and (tools == nil or tools == null) then
+        return fail(400, "Invalid value for 'tool_choice': 'tool_choice' is only allowed "
+            .. "when 'tools' are specified.", "tool_choice", "invalid_value")
+    end
+    local top = body.top_logprobs
+    if top ~= nil and top ~= null and not json_integer(top) then
+        return fail(400, format(body_mod.OPENAI_WORDS.integer, "top_logprobs",
+            body_mod.json_kind(top)), "top_logprobs", "invalid_type")
+    end
     local ok, err = body_mod.check_template_kwargs(body.chat_template_kwargs,
         edge.template_kwargs_allowed)
     if not ok then
         return nil, err
     end
-    return openai.check_common(body, models)
+    return openai.check_common(body, models, BOOLS)
 end
 
 -- validate(route, body, models, edge): check(), then the bounds (tokengate.apis.openai)

@@ -21,6 +21,7 @@ local type = type
 local format = string.format
 local is_array, json_integer, null = json.is_array, json.integer, json.null
 local fail = errors.refuse
+local NO_BOOLS = {} -- completions has no boolean field of its own
 
 local _M = {
     NAME = "completions",
@@ -55,7 +56,14 @@ local function check(body, models)
             end
         end
     end
-    return openai.check_common(body, models)
+    -- completions' logprobs is a count (vLLM 0.32's CompletionRequest: int | None),
+    -- chat's a boolean
+    local lp = body.logprobs
+    if lp ~= nil and lp ~= null and (not json_integer(lp) or json_integer(lp) < 0) then
+        return fail(400, "'logprobs' must be an integer >= 0 (how many of the likeliest "
+            .. "tokens to return)", "logprobs", "invalid_type")
+    end
+    return openai.check_common(body, models, NO_BOOLS)
 end
 
 -- validate(route, body, models, edge): check(), then the bounds (tokengate.apis.openai)

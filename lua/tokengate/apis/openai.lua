@@ -9,14 +9,24 @@ local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local models_mod = require "tokengate.models"
 
-local type = type
+local type, ipairs = type, ipairs
 local format = string.format
-local is_object, json_integer, json_set = json.is_object, json.integer, json.set
+local is_object, json_integer, json_number, json_set =
+    json.is_object, json.integer, json.number, json.set
 local null = json.null
 local fail = errors.refuse
 
 local STREAM_FLAGS = { "include_usage", "continuous_usage_stats" }
 local POSITIVE_INTS = { "max_tokens", "max_completion_tokens", "n" }
+-- the fields both requests type as booleans (vLLM 0.32's ChatCompletionRequest and
+-- CompletionRequest): pydantic's lax mode would read "yes" or 1 as true after the
+-- request was admitted and forwarded; OpenAI refuses them
+local BOOLS = {
+    "add_special_tokens", "echo", "ignore_eos", "include_stop_str_in_output",
+    "return_mm_kwargs", "return_token_ids", "return_token_offsets",
+    "return_tokens_as_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
+    "use_beam_search", "watermarking",
+}
 -- the fields' refusals in OpenAI's wording (tokengate.body)
 local WORDS = body_mod.OPENAI_WORDS
 
@@ -51,10 +61,36 @@ function _M.fields(only)
     return known
 end
 
--- check_common(body, models) -> model entry | nil, err (400/404): the fields chat and
--- completions share (model, stream, stream_options, max_tokens, max_completion_tokens,
--- n, the sampling fields' types: tokengate.body api_sampling), in OpenAI's wording.
-function _M.check_common(body, models)
+-- logit_bias(body) -> true | nil, err (400 invalid_type): logit_bias is null, absent or
+-- an object of numbers (vLLM: dict[str, float]; its keys, token ids, are vLLM's to check
+-- against the vocabulary)
+local function logit_bias(body)
+    local lb = body.logit_bias
+    if lb == nil or lb == null then
+        return true
+    end
+    if not is_object(lb) then
+        return fail(400, "'logit_bias' must be an object mapping token ids to numbers",
+            "logit_bias", "invalid_type")
+    end
+    local keys = lb[json.KEYS]
+    for i = 1, #keys do
+        local k = keys[i]
+        local v = lb[k]
+        if v ~= nil and not json_number(v) then
+            return fail(400, format("Invalid type for 'logit_bias.%s': expected a number",
+                k), "logit_bias." .. k, "invalid_type")
+        end
+    end
+    return true
+end
+
+-- check_common(body, models, bools) -> model entry | nil, err (400/404): the fields chat
+-- and completions share (model, stream, stream_options, max_tokens,
+-- max_completion_tokens, n, the boolean fields (BOOLS and the route's own `bools`, an
+-- array of names), logit_bias, response_format an object, the sampling fields' types:
+-- tokengate.body api_sampling), in OpenAI's wording.
+function _M.check_common(body, models, bools)
     local model = body.model
     if model == nil or model == null then
         return fail(400, "you must provide a model parameter"
@@ -87,6 +123,23 @@ function _M.check_common(body, models)
         if not ok then
             return nil, err
         end
+    end
+    for _, names in ipairs({ BOOLS, bools }) do
+        for i = 1, #names do
+            ok, err = body_mod.api_bool(body, names[i], WORDS)
+            if not ok then
+                return nil, err
+            end
+        end
+    end
+    ok, err = logit_bias(body)
+    if not ok then
+        return nil, err
+    end
+    local rf = body.response_format
+    if rf ~= nil and rf ~= null and not (is_object(rf) and type(rf.type) == "string") then
+        return fail(400, "'response_format' must be an object with a string 'type'",
+            "response_format", "invalid_type")
     end
     ok, err = body_mod.api_sampling(nil, body, WORDS)
     if not ok then
