@@ -64,7 +64,7 @@ from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_embeddings, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
-from tokengate.counter.errors import BadRequest, type_name
+from tokengate.counter.errors import BadRequest, expect_name, type_name
 from tokengate.counter.fields import opt_bool, opt_int
 from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
@@ -491,12 +491,7 @@ class ModelCounter:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(where, f"expected an object, got {type_name(m)}")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise BadRequest(f"{where}.role", "required string")
-        if role not in ROLES:
-            raise BadRequest(f"{where}.role", f"unknown role {role!r}; expected one of "
-                                              + ", ".join(sorted(ROLES)))
+        role = expect_name(f"{where}.role", m.get("role"), ROLES, "role")
         texts = self._content_texts(where, role, m.get("content"))
         out: dict[str, Any] = {"role": role}
         if self.template is not None and self.template.content_format == "openai":

@@ -60,7 +60,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from tokengate.counter.errors import BadRequest, expect, type_name
+from tokengate.counter.errors import BadRequest, expect, expect_name, type_name
 
 BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "tool_reference",
                          "thinking", "redacted_thinking", "tool_addition", "tool_removal"})
@@ -201,12 +201,7 @@ def _block(where: str, b: Any, tool_changes: bool) -> _Block:
     """``AnthropicContentBlock``; tool_addition / tool_removal only where
     ``tool_changes`` (messages of role system)."""
     expect(where, b, (dict,), "a content block object")
-    kind = b.get("type")
-    if not isinstance(kind, str):
-        raise BadRequest(f"{where}.type", "required string")
-    if kind not in BLOCK_TYPES:
-        raise BadRequest(f"{where}.type", f"unknown content block type {kind!r}; expected one "
-                                          "of " + ", ".join(sorted(BLOCK_TYPES)))
+    kind = expect_name(f"{where}.type", b.get("type"), BLOCK_TYPES, "content block type")
     fields: dict[str, Any] = {}
     for key, kinds in _BLOCK_FIELDS.items():
         v = b.get(key)
@@ -247,12 +242,7 @@ def _content(where: str, v: Any, tool_changes: bool) -> str | list[_Block]:
 def _message(i: int, m: Any) -> _Message:
     where = f"messages[{i}]"
     expect(where, m, (dict,), "an object")
-    role = m.get("role")
-    if not isinstance(role, str):
-        raise BadRequest(f"{where}.role", "required string")
-    if role not in ROLES:
-        raise BadRequest(f"{where}.role", f"unknown role {role!r}; expected one of "
-                                          + ", ".join(ROLES))
+    role = expect_name(f"{where}.role", m.get("role"), ROLES, "role")
     if "content" not in m or m["content"] is None:
         raise BadRequest(f"{where}.content", "required string or array of content blocks")
     return _Message(where, role, _content(f"{where}.content", m["content"], role == "system"))

@@ -116,16 +116,22 @@ def _refuse_media(where: str) -> BadRequest:
 
 # -- items (vllm/entrypoints/openai/responses/utils.py) -----------------------------------
 
+def _part_type(where: str, part: Any, allowed: frozenset[str]) -> str:
+    """The type of the content part at ``where``: an object whose ``type`` is one of
+    ``allowed``, else ``BadRequest``."""
+    expect(where, part, (dict,), "a content part object")
+    kind = part.get("type")
+    if not (isinstance(kind, str) and kind in allowed):
+        raise BadRequest(f"{where}.type", f"unknown content part type {kind!r}; expected "
+                                          "one of " + ", ".join(sorted(allowed)))
+    return kind
+
+
 def _input_parts(where: str, content: list[Any]) -> list[dict[str, Any]]:
     """A user / system / developer message's parts (``ResponseInputContentParam``)."""
     for j, part in enumerate(content):
         pwhere = f"{where}[{j}]"
-        expect(pwhere, part, (dict,), "a content part object")
-        kind = part.get("type")
-        if not (isinstance(kind, str) and kind in INPUT_PART_TYPES):
-            raise BadRequest(f"{pwhere}.type", f"unknown content part type {kind!r}; expected "
-                                               "one of " + ", ".join(sorted(INPUT_PART_TYPES)))
-        if kind != "input_text":
+        if _part_type(pwhere, part, INPUT_PART_TYPES) != "input_text":
             raise _refuse_media(pwhere)
         _req_str(part, "text", pwhere)
     return content
@@ -143,11 +149,7 @@ def _assistant_text(where: str, item: dict[str, Any]) -> str:
     allowed = OUTPUT_PART_TYPES | INPUT_PART_TYPES if output else INPUT_PART_TYPES
     for j, part in enumerate(content):
         pwhere = f"{where}.content[{j}]"
-        expect(pwhere, part, (dict,), "a content part object")
-        kind = part.get("type")
-        if not (isinstance(kind, str) and kind in allowed):
-            raise BadRequest(f"{pwhere}.type", f"unknown content part type {kind!r}; expected "
-                                               "one of " + ", ".join(sorted(allowed)))
+        kind = _part_type(pwhere, part, allowed)
         if kind in ("input_image", "input_file"):
             raise _refuse_media(pwhere)
         _req_str(part, "refusal" if kind == "refusal" else "text", pwhere)
