@@ -28,11 +28,7 @@ local EDGE = {
 -- validate(text) -> "ok" and the body, or the error's {status, code, param}
 local function validate(text)
     local body = assert(json.decode(text))
-    local entry, err = embeddings.validate("embeddings", body, MODELS, EDGE)
-    if entry then
-        return "ok", body
-    end
-    return { err.status, err.code, err.param }
+    return t.validated(body, embeddings.validate("embeddings", body, MODELS, EDGE))
 end
 
 case("the route: POST /v1/embeddings, forwarded to vLLM's path, its own endpoint",

@@ -178,6 +178,16 @@ function t.raises(fn, want, what)
     end
 end
 
+-- validated(body, entry, err) -> "ok" and body when an API module's validate admitted
+-- body (entry: its model entry), else the refusal's {status, code, param}: the outcome
+-- the API specs compare, as validated(body, api.validate(route, body, models, edge))
+function t.validated(body, entry, err)
+    if entry then
+        return "ok", body
+    end
+    return { err.status, err.code, err.param }
+end
+
 -- unhex("0a01") -> the bytes; hex(bytes) -> lowercase hex
 function t.unhex(h)
     return (gsub(h, "%x%x", function(x) return string.char(tonumber(x, 16)) end))

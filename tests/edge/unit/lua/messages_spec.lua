@@ -17,11 +17,7 @@ local EDGE = {
 -- validate(route, text) -> the error's {status, code, param}, or "ok" and the body
 local function validate(route, text)
     local body = assert(json.decode(text))
-    local entry, err = messages.validate(route, body, MODELS, EDGE)
-    if entry then
-        return "ok", body
-    end
-    return { err.status, err.code, err.param }
+    return t.validated(body, messages.validate(route, body, MODELS, EDGE))
 end
 
 case("a minimal body passes; vLLM takes an empty messages list", function()

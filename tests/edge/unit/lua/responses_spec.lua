@@ -29,11 +29,7 @@ local RID = string.rep("0123456789abcdef", 2)
 -- validate(route, text) -> the error's {status, code, param}, or "ok" and the body
 local function validate(route, text)
     local body = assert(json.decode(text))
-    local entry, err = responses.validate(route, body, MODELS, EDGE)
-    if entry then
-        return "ok", body
-    end
-    return { err.status, err.code, err.param }
+    return t.validated(body, responses.validate(route, body, MODELS, EDGE))
 end
 
 case("a string or an array of items as input; input_tokens ignores max_output_tokens",
