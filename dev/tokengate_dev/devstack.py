@@ -365,22 +365,10 @@ def nginx_service(config_path: Path, port: int = 8080, counter_socket: Path | No
     conf = nginx_conf.write_instance(config_path, inst)
     argv = ["nginx", "-p", str(inst.prefix), "-c", str(conf), "-e", "stderr"]
 
-    def prepare() -> None:
-        # a restart after a SIGKILL: the master's hop socket is still there and the new
-        # one could not bind it (write_instance removed it only for the first start)
-        if not _pid_alive(inst.prefix / "nginx.pid"):
-            inst.hop_socket.unlink(missing_ok=True)
-
+    # a restart after a SIGKILL finds the master's hop socket still there (write_instance
+    # removed it only for the first start)
     return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=20.0,
-                    prepare=prepare)
-
-
-def _pid_alive(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text().strip()), 0)
-    except (OSError, ValueError):
-        return False
-    return True
+                    prepare=inst.remove_stale_hop_socket)
 
 
 DEMO_KEY = "tg-demo-key"

@@ -171,6 +171,12 @@ class EdgeInstance:
     def location_conf(self) -> Path:
         return self.prefix / "tokengate-location.conf"
 
+    def remove_stale_hop_socket(self) -> None:
+        """Removes the hop socket unless the nginx of ``prefix/nginx.pid`` still runs: a
+        killed nginx leaves its socket behind, and the next one could not bind it."""
+        if not _alive(self.prefix / "nginx.pid"):
+            self.hop_socket.unlink(missing_ok=True)
+
 
 def _alive(pid_file: Path) -> bool:
     """Whether the process named by an nginx pid file still runs."""
@@ -189,9 +195,7 @@ def write_instance(config_path: Path | None, inst: EdgeInstance) -> Path:
     (``global_limits``). Raises ``ConfigError``.
     """
     doc = compile_config.write(config_path, inst.edge_json)
-    if not _alive(inst.prefix / "nginx.pid"):
-        # a killed nginx leaves its hop socket behind, and the next one could not bind it
-        inst.hop_socket.unlink(missing_ok=True)
+    inst.remove_stale_hop_socket()
     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (inst.prefix / "tmp" / sub).mkdir(parents=True, exist_ok=True)
     usage_file = Path(doc["edge"]["usage_file"])
