@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -228,14 +229,25 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     return loads(read_text(p), p)
 
 
+def load_for_command(path: str | os.PathLike[str] | None, command: str) -> Config | None:
+    """``load(path)`` for a command that says why it cannot run: None when the
+    configuration does not load, with one line, ``<command>: <why>``, said on stderr
+    (the command then ends with exit status 2)."""
+    try:
+        return load(path)
+    except (ConfigError, OSError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
+
+
 def load_or_exit(parser: argparse.ArgumentParser,
                  path: str | os.PathLike[str] | None = None) -> Config:
     """``load(path)`` for a service's entry point: a configuration that does not load
     ends the process with exit status 2 and one line, ``<prog>: <why>``, on stderr."""
-    try:
-        return load(path)
-    except (ConfigError, OSError) as e:
-        parser.exit(2, f"{parser.prog}: {e}\n")
+    cfg = load_for_command(path, parser.prog)
+    if cfg is None:
+        parser.exit(2)
+    return cfg
 
 
 # config.json keys that bound a model's context, as vLLM 0.32 reads them

@@ -171,10 +171,8 @@ def apply(args: argparse.Namespace) -> int:
     """``tokengate console apply``."""
     from tokengate.console.changes import apply_queued
 
-    try:
-        cfg = tg_config.load(_path(args))
-    except (tg_config.ConfigError, OSError) as e:
-        print(f"tokengate console: {e}", file=sys.stderr)
+    cfg = tg_config.load_for_command(_path(args), "tokengate console")
+    if cfg is None:
         return 2
     queue = cfg.ledger.console.changes_dir
     if queue is None:

@@ -340,10 +340,8 @@ def enable(args: argparse.Namespace) -> int:
 
 def list_(args: argparse.Namespace) -> int:
     """``tokengate keys list``: a table, or ``--json``."""
-    try:
-        cfg = tg_config.load(_path(args))
-    except (tg_config.ConfigError, OSError) as e:
-        print(f"tokengate keys: {e}", file=sys.stderr)
+    cfg = tg_config.load_for_command(_path(args), "tokengate keys")
+    if cfg is None:
         return 2
     entries = snapshot(cfg, connect(cfg.redis, timeout_s=2.0, url=args.redis_url),
                        datetime.now(UTC).date())
@@ -393,9 +391,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     audit_opts.add_argument("--redis-url", default=None,
                             help="Redis of the audit stream (default: redis.url)")
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
-    c = verbs.add_parser("create", parents=[common, apply_opts, audit_opts],
-                         help="create a key")
-    c.add_argument("name", help="key id (what usage events and reports show)")
+
+    def editing(verb: str, func: Callable[[argparse.Namespace], int], help: str,
+                name_help: str | None = None) -> argparse.ArgumentParser:
+        """A verb that edits one key, named by its first argument, and applies the file."""
+        v = verbs.add_parser(verb, parents=[common, apply_opts, audit_opts], help=help)
+        v.add_argument("name", help=name_help)
+        v.set_defaults(func=func)
+        return v
+
+    c = editing("create", create, "create a key", "key id (what usage events and reports show)")
     c.add_argument("--rpm", type=int, required=True, help="requests per minute")
     c.add_argument("--tpm", type=int, required=True, help="tokens per minute")
     c.add_argument("--models", type=parse_models, default=None, metavar="A,B",
@@ -415,9 +420,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="admission priority, one of edge.admission.priorities "
                         "(default: normal)")
     _label_options(c, create=True)
-    c.set_defaults(func=create)
-    s = verbs.add_parser("set", parents=[common, apply_opts, audit_opts], help="change a key")
-    s.add_argument("name")
+    s = editing("set", set_, "change a key")
     s.add_argument("--rpm", type=int, default=None)
     s.add_argument("--tpm", type=int, default=None)
     s.add_argument("--models", default=None, metavar="A,B|all",
@@ -437,27 +440,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--priority", default=None, metavar="NAME",
                    help="admission priority, one of edge.admission.priorities")
     _label_options(s, create=False)
-    s.set_defaults(func=set_)
-    r = verbs.add_parser("revoke", parents=[common, apply_opts, audit_opts],
-                         help="revoke a key")
-    r.add_argument("name")
-    r.set_defaults(func=revoke)
-    ro = verbs.add_parser("rotate", parents=[common, apply_opts, audit_opts],
-                          help="a new secret; the old one valid for --overlap more")
-    ro.add_argument("name")
+    editing("revoke", revoke, "revoke a key")
+    ro = editing("rotate", rotate, "a new secret; the old one valid for --overlap more")
     ro.add_argument("--overlap", type=parse_duration, default=parse_duration("24h"),
                     metavar="DURATION",
                     help="how long the old secret stays valid: 90s, 30m, 24h, 7d, or 0 "
                          "(default: 24h)")
-    ro.set_defaults(func=rotate)
-    d = verbs.add_parser("disable", parents=[common, apply_opts, audit_opts],
-                         help="refuse a key, keeping its settings")
-    d.add_argument("name")
-    d.set_defaults(func=disable)
-    e = verbs.add_parser("enable", parents=[common, apply_opts, audit_opts],
-                         help="admit a disabled key again")
-    e.add_argument("name")
-    e.set_defaults(func=enable)
+    editing("disable", disable, "refuse a key, keeping its settings")
+    editing("enable", enable, "admit a disabled key again")
     ls = verbs.add_parser("list", parents=[common], help="list the keys (never the key)")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")

@@ -415,15 +415,6 @@ def add_parser(
     return p
 
 
-def _config(args: argparse.Namespace) -> tg_config.Config | None:
-    """``tokengate usage``'s configuration (``--config``), or None with why on stderr."""
-    try:
-        return tg_config.load(args.config)
-    except (tg_config.ConfigError, OSError) as e:
-        print(f"tokengate usage: {e}", file=sys.stderr)
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     """Execute ``tokengate usage``; returns the exit status."""
     by = [d.strip() for d in args.by.split(",") if d.strip()]
@@ -439,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokengate usage: --since {args.since} is after --until {args.until}",
               file=sys.stderr)
         return 2
-    cfg = _config(args)
+    cfg = tg_config.load_for_command(args.config, "tokengate usage")
     if cfg is None:
         return 2
     client = connect(cfg.redis, timeout_s=5.0, url=args.redis_url)
@@ -474,11 +465,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sessions(args: argparse.Namespace) -> int:
     """``tokengate usage --by session``; returns the exit status."""
-    if args.limit is not None and args.limit < 1:
-        print(f"tokengate usage: --limit must be at least 1, got {args.limit}",
-              file=sys.stderr)
-        return 2
-    cfg = _config(args)
+    cfg = tg_config.load_for_command(args.config, "tokengate usage")
     if cfg is None:
         return 2
     key_ids: list[str | None] = [args.key]
