@@ -447,17 +447,25 @@ def _workers(master: int) -> set[int]:
     return {int(p) for p in Path(f"/proc/{master}/task/{master}/children").read_text().split()}
 
 
+def _edge_and_master(start: Callable[..., Edge], name: str,
+                     upstream_url: str) -> tuple[Edge, int]:
+    """An edge whose model is served by the upstream at ``upstream_url``, and the pid of
+    its nginx master (what a reload is sent to)."""
+    def edit(raw: dict[str, Any]) -> None:
+        raw["models"][MODEL]["upstreams"] = [upstream_url.removeprefix("http://")
+                                             .removesuffix("/v1")]
+    e = start(name, edit)
+    master = int((Path(e.service.argv[e.service.argv.index("-p") + 1]) / "nginx.pid")
+                 .read_text())
+    return e, master
+
+
 def test_an_answer_from_a_worker_shutting_down_says_connection_close(
         edge_variant_off_vllm: Callable[..., Edge], slow_upstream_url: str) -> None:
     """An old worker closes the connection after the answer it was serving when nginx
     reloaded; its answer said keep-alive, so a client sent its next request on it and
     met a reset."""
-    def slow(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstreams"] = [slow_upstream_url.removeprefix("http://")
-                                             .removesuffix("/v1")]
-    e = edge_variant_off_vllm("reload-close", slow)
-    master = int((Path(e.service.argv[e.service.argv.index("-p") + 1]) / "nginx.pid")
-                 .read_text())
+    e, master = _edge_and_master(edge_variant_off_vllm, "reload-close", slow_upstream_url)
     body = json.dumps(chat("hi", max_tokens=3000)).encode()  # 2 ms a token: ~6 s
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                b"Authorization: Bearer " + MAIN_KEY.encode() + b"\r\n"
@@ -497,12 +505,7 @@ def test_reloads_under_a_steady_stream_reset_only_idle_reused_connections(
     answer began before the reload right after that answer, and a request sent in that
     instant meets the close. nginx never read such a request (no usage event), so a
     client retries it on a new connection, as the openai and anthropic SDKs do."""
-    def fast(raw: dict[str, Any]) -> None:
-        raw["models"][MODEL]["upstreams"] = [fast_upstream_url.removeprefix("http://")
-                                             .removesuffix("/v1")]
-    e = edge_variant_off_vllm("reload-stream", fast)
-    master = int((Path(e.service.argv[e.service.argv.index("-p") + 1]) / "nginx.pid")
-                 .read_text())
+    e, master = _edge_and_master(edge_variant_off_vllm, "reload-stream", fast_upstream_url)
     stop = threading.Event()
     answered: list[int] = []
     resets: list[str] = []

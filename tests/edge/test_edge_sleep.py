@@ -70,6 +70,18 @@ def _fell_asleep(e: Edge, up: FastUpstream, sleeps: int = 1) -> None:
           f"127.0.0.1:{up.port} was not put to sleep")
 
 
+def _both_asleep(edge_variant_off_vllm: Callable[..., Edge],
+                 replicas: Callable[..., FastUpstream], name: str, idle_s: float,
+                 **replica: Any) -> tuple[Edge, FastUpstream, FastUpstream]:
+    """An edge of two replicas (``replicas(**replica)``) that idle unload (``idle_s``)
+    has put to sleep: (the edge, replica a, replica b)."""
+    a, b = replicas(**replica), replicas(**replica)
+    e = _edge(edge_variant_off_vllm, name, [a, b], idle_s=idle_s)
+    _fell_asleep(e, a)
+    _fell_asleep(e, b)
+    return e, a, b
+
+
 def _client(e: Edge) -> openai.OpenAI:
     return openai.OpenAI(base_url=e.base_url, api_key=MAIN_KEY, max_retries=0, timeout=60)
 
@@ -217,10 +229,7 @@ def test_a_replica_never_sleeps_under_a_stream(
 def test_light_traffic_stays_on_the_awake_replica(
         edge_variant_off_vllm: Callable[..., Edge],
         replicas: Callable[..., FastUpstream]) -> None:
-    a, b = replicas(), replicas()
-    e = _edge(edge_variant_off_vllm, "sleep-two", [a, b], idle_s=1)
-    _fell_asleep(e, a)
-    _fell_asleep(e, b)
+    e, a, b = _both_asleep(edge_variant_off_vllm, replicas, "sleep-two", 1)
     first = _chat(e)
     assert first.status_code == 200
     # the next requests go to the replica that is awake, not to the sleeping one
@@ -250,10 +259,7 @@ def _apply(e: Edge, name: str, **idle: Any) -> None:
 def test_turning_idle_unload_off_wakes_the_replicas_it_put_to_sleep(
         edge_variant_off_vllm: Callable[..., Edge],
         replicas: Callable[..., FastUpstream]) -> None:
-    a, b = replicas(ttft_ms=500), replicas(ttft_ms=500)
-    e = _edge(edge_variant_off_vllm, "sleep-off", [a, b], idle_s=1)
-    _fell_asleep(e, a)
-    _fell_asleep(e, b)
+    e, a, b = _both_asleep(edge_variant_off_vllm, replicas, "sleep-off", 1, ttft_ms=500)
     _apply(e, "sleep-off", idle_s=0)
     # nothing would wake the one that ranks last: the edge wakes both, once each
     _wait(lambda: not _asleep(e, a) and not _asleep(e, b), "a replica stayed marked asleep")
@@ -272,10 +278,7 @@ def test_turning_idle_unload_off_wakes_the_replicas_it_put_to_sleep(
 def test_a_replica_woken_by_hand_is_seen_awake(
         edge_variant_off_vllm: Callable[..., Edge],
         replicas: Callable[..., FastUpstream]) -> None:
-    a, b = replicas(), replicas()
-    e = _edge(edge_variant_off_vllm, "sleep-by-hand", [a, b], idle_s=3)
-    _fell_asleep(e, a)
-    _fell_asleep(e, b)
+    e, a, b = _both_asleep(edge_variant_off_vllm, replicas, "sleep-by-hand", 3)
     r = httpx.post(f"http://127.0.0.1:{a.port}/wake_up", timeout=5)
     assert r.json() == {"status": "awake", "tags": None}
     _wait(lambda: not _asleep(e, a), "the replica woken by hand stayed marked asleep")
