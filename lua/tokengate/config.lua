@@ -32,6 +32,22 @@ local SECTIONS = { "models", "keys", "edge", "global_limits", "access_log", "tra
 -- The message roles of tokengate.config.Role.
 local ROLES = { "system", "developer", "user", "assistant", "tool", "function" }
 
+-- The fields of a model and of a key that JSON null leaves unset (null reads as
+-- cjson.null, which is truthy): a model's max_tokens_cap and default_max_tokens (no cap,
+-- no default); a key's expires_at (never), max_tokens_cap and cached_tokens_weight (the
+-- model's: tokengate.output.cap_of, tokengate.limits).
+local MODEL_NULLABLE = { "max_tokens_cap", "default_max_tokens" }
+local KEY_NULLABLE = { "expires_at", "max_tokens_cap", "cached_tokens_weight" }
+
+-- unset_nulls(t, fields): each of fields that holds JSON null, nil
+local function unset_nulls(t, fields)
+    for i = 1, #fields do
+        if t[fields[i]] == cjson.null then
+            t[fields[i]] = nil
+        end
+    end
+end
+
 -- token_list(a, b) -> the strings of both arrays, longest first (of two tokens found at
 -- the same byte the longer wins; a strip pass removes a token before any prefix of it);
 -- .anchor = "<" when every token holds one, so text without "<" is skipped unscanned.
@@ -137,13 +153,7 @@ function _M.load(path)
     edge.template_kwargs_allowed = allowed
     cors.compile(edge.cors)
     for name, m in pairs(d.models) do
-        -- JSON null (no cap, no default) reads as cjson.null, which is truthy
-        if m.max_tokens_cap == cjson.null then
-            m.max_tokens_cap = nil
-        end
-        if m.default_max_tokens == cjson.null then
-            m.default_max_tokens = nil
-        end
+        unset_nulls(m, MODEL_NULLABLE)
         m.name = name
         m.special_token_roles = special_roles
         m.structural_set = {}
@@ -166,9 +176,7 @@ function _M.load(path)
     for digest, k in pairs(d.keys) do
         k.digest = digest
         d.keys_by_id[k.id] = k
-        if k.expires_at == cjson.null then
-            k.expires_at = nil
-        end
+        unset_nulls(k, KEY_NULLABLE)
         for _, p in ipairs(k.previous or {}) do
             d.previous_keys[p.sha256] = { key = k, expires_at = p.expires_at }
         end
@@ -183,13 +191,6 @@ function _M.load(path)
             else
                 k.windows[#k.windows + 1] = lv
             end
-        end
-        -- null: the model's cap and weight (tokengate.output.cap_of, tokengate.limits)
-        if k.max_tokens_cap == cjson.null then
-            k.max_tokens_cap = nil
-        end
-        if k.cached_tokens_weight == cjson.null then
-            k.cached_tokens_weight = nil
         end
         -- null: every model; else the set of names the key may use
         if k.allowed_models ~= cjson.null then
