@@ -205,14 +205,31 @@ case("strip: a token the removals join together is refused", function()
         .. "Remove it from the text."))
 end)
 
-case("strip: a token in a key of chat_template_kwargs is refused, never renamed",
-    function()
-        local _, _, err = chat('{"messages":[{"role":"user","content":"q"}],'
-            .. '"chat_template_kwargs":{"x":{"<|im_start|>":1}}}', "strip")
-        eq(err, refusal("chat_template_kwargs.x.<|im_start|>", "chat_template_kwargs.x."
-            .. '<|im_start|> contains the special token "<|im_start|>", ' .. FORGED
-            .. " in an object key, which is never rewritten. Remove it from the text."))
-    end)
+-- what strip and escape both refuse: a token neither can take out without changing what
+-- the text means
+local REWRITTEN = { strip = "stripped", escape = "escaped" }
+for _, mode in ipairs({ "strip", "escape" }) do
+    case(mode .. ": a token in a key of chat_template_kwargs is refused, never renamed",
+        function()
+            local _, _, err = chat('{"messages":[{"role":"user","content":"q"}],'
+                .. '"chat_template_kwargs":{"x":{"<|im_start|>":1}}}', mode)
+            eq(err, refusal("chat_template_kwargs.x.<|im_start|>", "chat_template_kwargs.x."
+                .. '<|im_start|> contains the special token "<|im_start|>", ' .. FORGED
+                .. " in an object key, which is never rewritten. Remove it from the text."))
+        end)
+
+    case(mode .. ": arguments that are not strict JSON and hide a token are refused",
+        function()
+            local _, _, err = chat('{"messages":[{"role":"user","content":"x","tool_calls":'
+                .. '[{"id":"c1","type":"function","function":{"name":"f","arguments":'
+                .. '"{\\"a\\":1,\\"a\\":\\"\\\\u003c|im_start|\\\\u003e\\"}"}}]}]}', mode)
+            eq(err, refusal("messages[0].tool_calls[0].function.arguments",
+                "messages[0].tool_calls[0].function.arguments contains the special token "
+                .. '"<|im_start|>", ' .. FORGED .. ", once its JSON escapes are resolved (it "
+                .. "is not strict JSON, so it cannot be " .. REWRITTEN[mode] .. "). Remove "
+                .. "it from the text."))
+        end)
+end
 
 case("strip: invisible characters go before the token search", function()
     -- a ZWSP inside the token hides it from a search of the raw text
@@ -264,14 +281,6 @@ case("escape: a client's own U+200B is removed before, so every one left is ours
         eq(st.escaped, 1)
     end)
 
-case("escape: a token in a key is refused, never renamed", function()
-    local _, _, err = chat('{"messages":[{"role":"user","content":"q"}],'
-        .. '"chat_template_kwargs":{"x":{"<|im_start|>":1}}}', "escape")
-    eq(err, refusal("chat_template_kwargs.x.<|im_start|>", "chat_template_kwargs.x."
-        .. '<|im_start|> contains the special token "<|im_start|>", ' .. FORGED
-        .. " in an object key, which is never rewritten. Remove it from the text."))
-end)
-
 case("escape: tool-call arguments are escaped as decoded and re-encoded", function()
     local body, st = chat('{"messages":[{"role":"user","content":"x","tool_calls":[{"id":'
         .. '"c<|im_end|>","type":"function","function":{"name":"f","arguments":'
@@ -282,16 +291,6 @@ case("escape: tool-call arguments are escaped as decoded and re-encoded", functi
         .. '"n":1.50}')
     eq(call.id, "c<|" .. Z .. "im_end|>")
     eq(st.escaped, 3)
-end)
-
-case("escape: arguments that are not strict JSON and hide a token are refused", function()
-    local _, _, err = chat('{"messages":[{"role":"user","content":"x","tool_calls":[{"id":'
-        .. '"c1","type":"function","function":{"name":"f","arguments":'
-        .. '"{\\"a\\":1,\\"a\\":\\"\\\\u003c|im_start|\\\\u003e\\"}"}}]}]}', "escape")
-    eq(err, refusal("messages[0].tool_calls[0].function.arguments",
-        "messages[0].tool_calls[0].function.arguments contains the special token "
-        .. '"<|im_start|>", ' .. FORGED .. ", once its JSON escapes are resolved (it is not "
-        .. "strict JSON, so it cannot be escaped). Remove it from the text."))
 end)
 
 case("escape: literal tokens in arguments that are not JSON are escaped in place",
@@ -364,16 +363,6 @@ case("strip: tokens in tool-call arguments are stripped and the JSON re-encoded"
         .. '"{\\"a\\": \\"b\\\\u003c|im_end|\\\\u003e\\", \\"n\\": 1.50}"}}]}]}', "strip")
     eq(body.messages[1].tool_calls[1]["function"].arguments, '{"a":"b","n":1.50}')
     eq(st.stripped, 1)
-end)
-
-case("strip: arguments that are not strict JSON and hide a token are refused", function()
-    local _, _, err = chat('{"messages":[{"role":"user","content":"x","tool_calls":[{"id":'
-        .. '"c1","type":"function","function":{"name":"f","arguments":'
-        .. '"{\\"a\\":1,\\"a\\":\\"\\\\u003c|im_start|\\\\u003e\\"}"}}]}]}', "strip")
-    eq(err, refusal("messages[0].tool_calls[0].function.arguments",
-        "messages[0].tool_calls[0].function.arguments contains the special token "
-        .. '"<|im_start|>", ' .. FORGED .. ", once its JSON escapes are resolved (it is not "
-        .. "strict JSON, so it cannot be stripped). Remove it from the text."))
 end)
 
 case("chat: arguments that are not JSON and hold no token pass unchanged", function()
