@@ -104,8 +104,34 @@ def debian_layout(root: Path, port: int) -> Path:
 
 
 @dataclass
-class Host:
+class HostFiles:
+    """The files of tokengate installed on a host below ``root`` (``/`` on a real host;
+    ``tokengate install --prefix ROOT``) that the tests read, where the install puts
+    them (tokengate.install)."""
+
     root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "etc/tokengate/tokengate.yaml"
+
+    @property
+    def edge_json(self) -> Path:
+        return self.root / "etc/tokengate/edge.json"
+
+    @property
+    def usage(self) -> Path:
+        return self.root / "var/lib/tokengate/usage/usage.jsonl"
+
+    @property
+    def run(self) -> Path:
+        """/run/tokengate: the sidecars' and the hop server's sockets, the ledger's
+        status file."""
+        return self.root / "run/tokengate"
+
+
+@dataclass
+class Host(HostFiles):
     conf: Path
     port: int
     nginx: Service
@@ -116,14 +142,6 @@ class Host:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def usage(self) -> Path:
-        return self.root / "var/lib/tokengate/usage/usage.jsonl"
-
-    @property
-    def run(self) -> Path:
-        return self.root / "run/tokengate"
 
     def client(self, key: str = MAIN_KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120)

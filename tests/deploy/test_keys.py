@@ -44,7 +44,7 @@ from tokenstorm.process import Service, free_port, tcp_ready
 
 from tests import units
 from tests.conftest import MODEL, NO_REDIS, REPO_CONFIG
-from tests.deploy.test_debian_dropin import debian_layout
+from tests.deploy.test_debian_dropin import HostFiles, debian_layout
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
 from tests.fixtures_ledger import wait_until
 
@@ -65,6 +65,13 @@ def tokengate(*args: str | Path, stdin: str | None = None
     return subprocess.run([sys.executable, "-m", "tokengate.cli", *map(str, args)],
                           input=stdin, capture_output=True, text=True, timeout=60,
                           check=False)
+
+
+def created(name: str, *args: str | Path) -> str:
+    """``tokengate keys create NAME ARGS``, which must succeed: the new key it printed."""
+    made = tokengate("keys", "create", name, *args)
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip()
 
 
 def _repo_copy(tmp_path: Path) -> tuple[Path, str]:
@@ -98,10 +105,8 @@ def _chat(client: openai.OpenAI, model: str = MODEL) -> Any:
 def test_a_created_key_works_at_once_and_a_revoked_one_is_refused_at_once(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     edge, path, prefix = keys_edge
-    made = tokengate("keys", "create", "cli-made", "--rpm", "100", "--tpm", "100000",
-                     "--config", path, "--edge", prefix)
-    assert made.returncode == 0, made.stderr
-    key = made.stdout.strip()
+    key = created("cli-made", "--rpm", "100", "--tpm", "100000", "--config", path,
+                  "--edge", prefix)
     assert key.startswith("tg-") and len(key) == 46
     raw = yaml.safe_load(path.read_text())
     assert key not in path.read_text()
@@ -122,10 +127,9 @@ def test_a_created_key_works_at_once_and_a_revoked_one_is_refused_at_once(
 def test_a_key_limited_to_one_model_sees_and_uses_only_it(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     edge, path, prefix = keys_edge
-    made = tokengate("keys", "create", "one-model", "--rpm", "100", "--tpm", "100000",
-                     "--models", MODEL, "--config", path, "--edge", prefix)
-    assert made.returncode == 0, made.stderr
-    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+    key = created("one-model", "--rpm", "100", "--tpm", "100000",
+                  "--models", MODEL, "--config", path, "--edge", prefix)
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key,
                            max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -193,16 +197,15 @@ def test_a_key_id_with_a_space_is_refused(keys_edge: tuple[Edge, Path, Path]) ->
 
 def test_keys_list_json_never_shows_a_key(tmp_path: Path) -> None:
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "listed", "--rpm", "7", "--tpm", "700", "--models",
-                     MODEL, "--budget", "day=2.5", "--budget", f"{MODEL}:month=1000t",
-                     "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    key = created("listed", "--rpm", "7", "--tpm", "700", "--models",
+                  MODEL, "--budget", "day=2.5", "--budget", f"{MODEL}:month=1000t",
+                  "--config", path, "--no-apply")
     listed = tokengate("keys", "list", "--json", "--config", path, "--redis-url",
                        "redis://127.0.0.1:1/0")
     assert listed.returncode == 0, listed.stderr
     doc = json.loads(listed.stdout)
     entry = next(k for k in doc["keys"] if k["name"] == "listed")
-    assert made.stdout.strip() not in listed.stdout
+    assert key not in listed.stdout
     assert {k: entry[k] for k in ("rpm", "tpm", "allowed_models", "models")} == \
         {"rpm": 7, "tpm": 700, "allowed_models": [MODEL], "models": {}}
     assert [(b["period"], b["model"], b["spend"], b["tokens"]) for b in entry["budgets"]] == \
@@ -247,9 +250,8 @@ def test_a_reload_under_streaming_load_drops_nothing(
         in_flight = []
         try:
             for i in range(2):
-                made = tokengate("keys", "create", f"during-{i}", "--rpm", "10", "--tpm",
-                                 "1000", "--config", path, "--edge", prefix)
-                assert made.returncode == 0, made.stderr
+                created(f"during-{i}", "--rpm", "10", "--tpm",
+                        "1000", "--config", path, "--edge", prefix)
                 in_flight.append(sum(not f.done() for f in running))
         finally:
             stop.set()
@@ -271,9 +273,8 @@ def test_a_budget_below_a_ten_thousandth_is_written_as_typed(tmp_path: Path) -> 
     """A float written by repr (5e-05) is a string to the configuration's YAML reader:
     the key was refused with "spend: input should be a valid number"."""
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "tiny-budget", "--rpm", "5", "--tpm", "500",
-                     "--budget", "day=0.00005", "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    created("tiny-budget", "--rpm", "5", "--tpm", "500",
+            "--budget", "day=0.00005", "--config", path, "--no-apply")
     assert "spend: 0.00005\n" in path.read_text()
     listed = tokengate("keys", "list", "--json", "--config", path, "--redis-url",
                        "redis://127.0.0.1:1/0")
@@ -347,14 +348,13 @@ def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
     path, text = _repo_copy(tmp_path)
     heading = "\n# Redis: the usage ledger's counters and the global (cross-edge) limits.\nredis:\n"
     assert heading in text
-    made = tokengate("keys", "create", "last", "--rpm", "5", "--tpm", "500", "--budget",
-                     "day=1", "--budget", f"{MODEL}:month=2.50", "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    key = created("last", "--rpm", "5", "--tpm", "500", "--budget", "day=1", "--budget",
+                  f"{MODEL}:month=2.50", "--config", path, "--no-apply")
     edited = path.read_text()
     assert heading in edited
     keys_block = edited[edited.index("\nkeys:\n"):edited.index(heading)]
     assert keys_block.rstrip().endswith(
-        f"  last:\n    sha256: {hashlib.sha256(made.stdout.strip().encode()).hexdigest()}\n"
+        f"  last:\n    sha256: {hashlib.sha256(key.encode()).hexdigest()}\n"
         "    rpm: 5\n    tpm: 500\n    budgets:\n      - period: day\n        spend: 1\n"
         f"      - period: month\n        model: {MODEL}\n        spend: 2.50")
     for change in (["--budget", "day=6"], ["--no-budgets", "--models", MODEL],
@@ -369,9 +369,8 @@ def test_keys_create_and_revoke_keep_the_next_sections_heading_in_place(
 
 def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) -> None:
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "both", "--rpm", "5", "--tpm", "500", "--budget",
-                     "day=1", "--budget", "day=2000t", "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    created("both", "--rpm", "5", "--tpm", "500", "--budget",
+            "day=1", "--budget", "day=2000t", "--config", path, "--no-apply")
     changed = tokengate("keys", "set", "both", "--budget", "day=3", "--config", path,
                         "--no-apply")  # sets the spend limit; the token quota stays
     assert changed.returncode == 0, changed.stderr
@@ -386,10 +385,9 @@ def test_a_spend_and_a_token_spec_of_one_period_make_one_budget(tmp_path: Path) 
 def test_a_keys_cap_and_cached_weight_are_written_and_dropped_back_to_the_models(
         tmp_path: Path) -> None:
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "agent", "--rpm", "5", "--tpm", "500",
-                     "--max-tokens-cap", "2048", "--cached-tokens-weight", "0.5",
-                     "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    created("agent", "--rpm", "5", "--tpm", "500",
+            "--max-tokens-cap", "2048", "--cached-tokens-weight", "0.5",
+            "--config", path, "--no-apply")
     key = yaml.safe_load(path.read_text())["keys"]["agent"]
     assert (key["max_tokens_cap"], key["cached_tokens_weight"]) == (2048, 0.5)
     changed = tokengate("keys", "set", "agent", "--max-tokens-cap", "model", "--config", path,
@@ -401,9 +399,8 @@ def test_a_keys_cap_and_cached_weight_are_written_and_dropped_back_to_the_models
 
 def test_a_session_budget_is_set_kind_by_kind_and_dropped(tmp_path: Path) -> None:
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "agent", "--rpm", "5", "--tpm", "500",
-                     "--session-budget", "200000t", "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    created("agent", "--rpm", "5", "--tpm", "500",
+            "--session-budget", "200000t", "--config", path, "--no-apply")
     changed = tokengate("keys", "set", "agent", "--session-budget", "2.5", "--config", path,
                         "--no-apply")  # adds the spend limit; the token limit stays
     assert changed.returncode == 0, changed.stderr
@@ -421,16 +418,12 @@ def test_a_key_named_like_a_yaml_1_1_boolean_or_number_survives_the_round_trip(
     """PyYAML (the configuration's loader) reads YAML 1.1: a plain key `yes:` was the
     boolean True, and the key was refused ("input should be a valid string, got True")."""
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", name, "--rpm", "5", "--tpm", "500", "--config", path,
-                     "--no-apply")
-    assert made.returncode == 0, made.stderr
-    assert f"\n  '{name}':\n    sha256: {hashlib.sha256(made.stdout.strip().encode()).hexdigest()}" \
+    key = created(name, "--rpm", "5", "--tpm", "500", "--config", path, "--no-apply")
+    assert f"\n  '{name}':\n    sha256: {hashlib.sha256(key.encode()).hexdigest()}" \
         in path.read_text()
     assert name in yaml.safe_load(path.read_text())["keys"]  # any YAML 1.1 reader agrees
     # the next edit reads it back and writes it again
-    other = tokengate("keys", "create", "after", "--rpm", "5", "--tpm", "500", "--config",
-                      path, "--no-apply")
-    assert other.returncode == 0, other.stderr
+    created("after", "--rpm", "5", "--tpm", "500", "--config", path, "--no-apply")
     listed = json.loads(tokengate("keys", "list", "--json", "--config", path, "--redis-url",
                                   "redis://127.0.0.1:1/0").stdout)
     assert [k["name"] for k in listed["keys"]] == ["demo", name, "after"]
@@ -465,24 +458,15 @@ def test_a_ten_thousand_character_name_is_cut_in_the_error(tmp_path: Path) -> No
 
 
 @dataclass
-class Host:
+class Host(HostFiles):
     """A host with an install, simulated below a folder of the test's (the real /etc is
     not touched: ``tokengate.config.loading.SYSTEM_CONFIG`` points there): ROOT/etc/tokengate/
     tokengate.yaml and its edge.json, and ROOT/run/nginx.pid naming a live process that
     a SIGHUP would end; and a checkout with its own tokengate.yaml, the current
     directory."""
 
-    root: Path
     checkout: Path
     master: subprocess.Popen[bytes]
-
-    @property
-    def config(self) -> Path:
-        return self.root / "etc/tokengate/tokengate.yaml"
-
-    @property
-    def edge_json(self) -> Path:
-        return self.root / "etc/tokengate/edge.json"
 
 
 @pytest.fixture
@@ -720,10 +704,8 @@ def _refusal(client: openai.OpenAI) -> tuple[int, str, str]:
 def test_a_rotated_key_keeps_its_old_secret_until_the_overlap_ends(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     edge, path, prefix = keys_edge
-    made = tokengate("keys", "create", "rotated", "--rpm", "100", "--tpm", "100000",
-                     "--config", path, "--edge", prefix)
-    assert made.returncode == 0, made.stderr
-    old_key = made.stdout.strip()
+    old_key = created("rotated", "--rpm", "100", "--tpm", "100000",
+                      "--config", path, "--edge", prefix)
     turned = tokengate("keys", "rotate", "rotated", "--overlap", "1h", "--config", path,
                        "--edge", prefix)
     assert turned.returncode == 0, turned.stderr
@@ -776,10 +758,9 @@ def test_rotating_with_no_overlap_refuses_the_old_secret_at_once(tmp_path: Path)
 def test_a_disabled_key_is_refused_saying_so_and_works_once_enabled(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     edge, path, prefix = keys_edge
-    made = tokengate("keys", "create", "switched", "--rpm", "100", "--tpm", "100000",
-                     "--config", path, "--edge", prefix)
-    assert made.returncode == 0, made.stderr
-    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+    key = created("switched", "--rpm", "100", "--tpm", "100000",
+                  "--config", path, "--edge", prefix)
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key,
                            max_retries=0)
     off = tokengate("keys", "disable", "switched", "--config", path, "--edge", prefix)
     assert off.returncode == 0 and "disabled key 'switched'" in off.stderr, off.stderr
@@ -788,7 +769,7 @@ def test_a_disabled_key_is_refused_saying_so_and_works_once_enabled(
                                                          "enable it."))
     assert yaml.safe_load(path.read_text())["keys"]["switched"]["disabled"] is True
     claude = anthropic.Anthropic(base_url=edge.base_url.removesuffix("/v1"),
-                                 api_key=made.stdout.strip(), max_retries=0)
+                                 api_key=key, max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as info:
         claude.messages.create(model=MODEL, max_tokens=4,
                                messages=[{"role": "user", "content": "hi"}])
@@ -804,13 +785,12 @@ def test_a_disabled_key_is_refused_saying_so_and_works_once_enabled(
 def test_a_key_past_its_expiry_is_refused_with_the_time_until_it_is_extended(
         keys_edge: tuple[Edge, Path, Path]) -> None:
     edge, path, prefix = keys_edge
-    made = tokengate("keys", "create", "expiring", "--rpm", "100", "--tpm", "100000",
-                     "--expires-at", "2026-01-01T01:00:00+01:00", "--config", path,
-                     "--edge", prefix)
-    assert made.returncode == 0, made.stderr
+    key = created("expiring", "--rpm", "100", "--tpm", "100000",
+                  "--expires-at", "2026-01-01T01:00:00+01:00", "--config", path,
+                  "--edge", prefix)
     assert yaml.safe_load(path.read_text())["keys"]["expiring"]["expires_at"] == \
         "2026-01-01T00:00:00Z"
-    client = openai.OpenAI(base_url=edge.base_url, api_key=made.stdout.strip(),
+    client = openai.OpenAI(base_url=edge.base_url, api_key=key,
                            max_retries=0)
     assert _refusal(client) == (401, "invalid_api_key", ("This API key expired at "
                                                          "2026-01-01T00:00:00Z. Ask the "
@@ -843,10 +823,9 @@ def test_an_expiry_without_an_offset_is_refused(tmp_path: Path) -> None:
 
 def test_owner_and_description_are_listed_and_bounded(tmp_path: Path) -> None:
     path, _ = _repo_copy(tmp_path)
-    made = tokengate("keys", "create", "labelled", "--rpm", "7", "--tpm", "700", "--owner",
-                     "Data team <data@example.com>", "--description", "nightly batch",
-                     "--config", path, "--no-apply")
-    assert made.returncode == 0, made.stderr
+    created("labelled", "--rpm", "7", "--tpm", "700", "--owner",
+            "Data team <data@example.com>", "--description", "nightly batch",
+            "--config", path, "--no-apply")
     listed = tokengate("keys", "list", "--config", path, "--redis-url",
                        "redis://127.0.0.1:1/0")
     assert "labelled: rpm 7, tpm 700, models all\n  owner: Data team <data@example.com>\n" \

@@ -55,7 +55,7 @@ from tokenstorm.upstream.sim import SimReplica, SimSettings
 from tests import units
 from tests.conftest import MODEL, PORT_OFFSET
 from tests.console.test_console_passwd import console_answers, log_in
-from tests.deploy.test_debian_dropin import debian_layout
+from tests.deploy.test_debian_dropin import HostFiles, debian_layout
 from tests.doc_pages import code_block
 from tests.fixtures_ledger import PRIVATE_REDIS_PORTS, PrivateRedis, wait_until
 from tests.fixtures_ledger import free_port as free_port_of
@@ -163,11 +163,10 @@ def old_config(src: Path, out: Path, upstream: str, kv_events: str, redis_url: s
 
 
 @dataclass
-class Host:
+class Host(HostFiles):
     """The installed host: its root folder (the prefix), nginx, the units running, the
     release it runs from, the keys and what was sent."""
 
-    root: Path
     conf: Path                  # nginx.conf
     port: int                   # the site's (and the API's) port
     venv: Venv
@@ -179,16 +178,8 @@ class Host:
     sent: list[str] = field(default_factory=list)   # request ids, in order
 
     @property
-    def config(self) -> Path:
-        return self.root / "etc/tokengate/tokengate.yaml"
-
-    @property
-    def usage(self) -> Path:
-        return self.root / "var/lib/tokengate/usage/usage.jsonl"
-
-    @property
     def status(self) -> Path:
-        return self.root / "run/tokengate/ledger.status.json"
+        return self.run / "ledger.status.json"
 
     def cfg(self) -> dict[str, Any]:
         return yaml.safe_load(self.config.read_text())
@@ -207,7 +198,7 @@ class Host:
                           self.root / "var/log/tokengate-units")
         self.running[unit] = run
         if unit in SOCKETS:
-            paths = [self.root / "run/tokengate" / f"{SOCKETS[unit]}.{i}" for i in range(2)]
+            paths = [self.run / f"{SOCKETS[unit]}.{i}" for i in range(2)]
             run.wait_for(lambda: all(p.exists() for p in paths), 90, "socket of each worker")
         elif unit == CONSOLE:
             url = f"http://{self.cfg()['ledger']['console']['listen']}"
@@ -222,7 +213,7 @@ class Host:
         self.running.pop(unit).stop()
         if unit in SOCKETS:
             for i in range(2):
-                (self.root / "run/tokengate" / f"{SOCKETS[unit]}.{i}").unlink(missing_ok=True)
+                (self.run / f"{SOCKETS[unit]}.{i}").unlink(missing_ok=True)
         elif unit != CONSOLE:
             self.status.unlink(missing_ok=True)
 
