@@ -11,10 +11,11 @@ import functools
 import hashlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -22,6 +23,9 @@ import yaml
 from tokengate import config as tg_config
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
+
+if TYPE_CHECKING:
+    from tokengate.counter.counting import BadRequest, ModelCounter
 
 
 def _share_ssl_contexts() -> None:
@@ -168,6 +172,26 @@ def counter_stub(counter_addr: str) -> Iterator[counter_pb2_grpc.TokenCounterStu
     """A gRPC client of the session's counter (CountTokens)."""
     with grpc.insecure_channel(counter_addr) as channel:
         yield counter_pb2_grpc.TokenCounterStub(channel)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Every byte the peer sends on ``sock`` until it closes the connection (raw HTTP
+    answers, counter frames)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def count_refusal(counter: ModelCounter, endpoint: str, body: dict[str, Any]) -> BadRequest:
+    """The refusal of ``body`` by ``counter.count(endpoint, body)``, which must refuse it
+    (the counter's unit tests' check of a message and the field it names). The counter
+    is imported only here, when called: it loads transformers, which takes seconds."""
+    from tokengate.counter.counting import BadRequest
+
+    with pytest.raises(BadRequest) as info:
+        counter.count(endpoint, body)
+    return info.value
 
 
 def count_body(stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,

@@ -18,7 +18,7 @@ from tokengate.counter.errors import ContextLengthExceeded
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.v1 import counter_pb2
 
-from tests.conftest import MODEL, REPO_CONFIG, suite_model
+from tests.conftest import MODEL, REPO_CONFIG, count_refusal, suite_model
 from tests.counter_cases import CJK, EMOJI, LOREM
 from tests.counter_embeddings_cases import CASES, MAX_MODEL_LEN, REFUSED
 
@@ -118,10 +118,9 @@ def test_the_service_answers_out_of_range_for_a_long_input(counter: ModelCounter
 @pytest.mark.parametrize("name,body,param,code", REFUSED, ids=[c[0] for c in REFUSED])
 def test_refusals_name_the_field(counter: ModelCounter, name: str, body: dict[str, Any],
                                  param: str, code: str) -> None:
-    with pytest.raises(BadRequest) as info:
-        counter.count("embeddings", {"model": MODEL, **body})
-    assert info.value.param == param
-    assert isinstance(info.value, ContextLengthExceeded) == (code == "OUT_OF_RANGE")
+    refused = count_refusal(counter, "embeddings", {"model": MODEL, **body})
+    assert refused.param == param
+    assert isinstance(refused, ContextLengthExceeded) == (code == "OUT_OF_RANGE")
 
 
 @pytest.mark.parametrize("body,message", [
@@ -140,9 +139,7 @@ def test_refusals_name_the_field(counter: ModelCounter, name: str, body: dict[st
 ])
 def test_bad_bodies_are_refused_naming_the_field(counter: ModelCounter, body: dict[str, Any],
                                                  message: str) -> None:
-    with pytest.raises(BadRequest) as info:
-        counter.count("embeddings", {"model": MODEL, **body})
-    assert str(info.value).startswith(message)
+    assert str(count_refusal(counter, "embeddings", {"model": MODEL, **body})).startswith(message)
 
 
 def test_the_cases_are_counted_without_error(counter: ModelCounter) -> None:

@@ -16,7 +16,7 @@ from tokengate.counter import frames
 from tokengate.counter.counter_service import CountFailure
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL, TEST_DIR
+from tests.conftest import MODEL, TEST_DIR, read_until_closed
 from tests.counter_cases import CASES
 
 CHAT = counter_pb2.ENDPOINT_CHAT
@@ -248,12 +248,7 @@ def test_counter_frames_answer_what_grpc_answers(counter_stub: counter_pb2_grpc.
 
 def raw_reply(sock: socket.socket) -> tuple[int, bytes, bytes]:
     """(status, message, what follows: b"" when the counter closed the connection)."""
-    data = b""
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
+    data = read_until_closed(sock)
     status, _, n = struct.unpack(">BBI", data[:6])
     return status, data[6:6 + n], data[6 + n:]
 

@@ -32,6 +32,7 @@ from tests.conftest import (
     TEST_DIR,
     VLLM_PORT,
     key_digest,
+    read_until_closed,
 )
 from tests.fixtures_edge import (
     EDGE_DIR,
@@ -479,9 +480,7 @@ def test_an_answer_from_a_worker_shutting_down_says_connection_close(
         while not _workers(master) - old:  # the new workers started: the old ones exit
             assert time.monotonic() < deadline, "no new workers"
             time.sleep(0.05)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
+        data = read_until_closed(s)
     # the old worker exits once the request's log phase and settlement timers are done;
     # stopping the edge before that ends it with their sockets open ([alert] in the log)
     while _workers(master) & old:

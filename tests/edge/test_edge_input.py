@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import MODEL, VLLM_PORT
+from tests.conftest import MODEL, VLLM_PORT, read_until_closed
 from tests.fixtures_edge import MAIN_KEY, Edge
 
 AUTH = {"Authorization": f"Bearer {MAIN_KEY}"}
@@ -572,9 +572,7 @@ def test_a_header_with_a_control_character_is_refused_before_vllm(
                   b"Content-Type: application/json\r\nX-Client-Note: " + value + b"\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n"
                   b"Connection: close\r\n\r\n" + body)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
+        data = read_until_closed(s)
     head, _, payload = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), data
     err = json.loads(payload)["error"]

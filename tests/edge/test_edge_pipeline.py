@@ -22,7 +22,7 @@ import openai
 import pytest
 from tokengate.ledger.event import UsageEvent, parse_event
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, read_until_closed
 from tests.fixtures_edge import MAIN_KEY, Edge, QuietUpstreamHandler, key_of
 
 AUTH = f"Authorization: Bearer {MAIN_KEY}\r\n"
@@ -33,12 +33,7 @@ def raw_http(edge: Edge, request: bytes, timeout: float = 30) -> tuple[int, dict
     answer: status, headers (lower-case names), body."""
     with socket.create_connection(("127.0.0.1", edge.port), timeout=timeout) as s:
         s.sendall(request)
-        data = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = read_until_closed(s)
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ")[1])

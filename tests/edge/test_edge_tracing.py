@@ -25,7 +25,7 @@ from tokengate_dev import devstack
 from tokengate_dev.otlp_receiver import OtlpReceiver, Span
 from tokenstorm.process import free_port
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, read_until_closed
 from tests.fixtures_edge import MAIN_KEY, Edge, key_of, run_lua
 from tests.fixtures_ledger import svc_name, wait_until
 from tests.fixtures_vllm import OTLP_PORT, VllmServer
@@ -89,9 +89,7 @@ def raw_chat(port: int, headers: bytes) -> tuple[int, bytes]:
             + str(len(body)).encode() + b"\r\n" + headers + b"\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=120) as c:
         c.sendall(head + body)
-        data = b""
-        while chunk := c.recv(65536):
-            data += chunk
+        data = read_until_closed(c)
     status = int(data.split(b" ", 2)[1])
     return status, data.partition(b"\r\n\r\n")[0]
 
