@@ -16,6 +16,7 @@ pacing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -254,11 +255,8 @@ class ScriptedStream:
 
 @pytest.fixture
 def scripted() -> Iterator[ScriptedStream]:
-    s = ScriptedStream()
-    try:
+    with contextlib.closing(ScriptedStream()) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> None:

@@ -13,6 +13,7 @@ a reload that changes ``routing.kv_events``, and the index's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -88,11 +89,8 @@ class FakePublisher:
 
 @pytest.fixture
 def publisher() -> Iterator[FakePublisher]:
-    p = FakePublisher()
-    try:
+    with contextlib.closing(FakePublisher()) as p:
         yield p
-    finally:
-        p.close()
 
 
 KEYS = [kv_index.key_of(h) for h in HASHES]
