@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -79,6 +80,8 @@ _BUDGET_ENUM = {None: limits_pb2.BUDGET_NONE, "spend": limits_pb2.BUDGET_SPEND,
 # and limit is a uint64 (limits.proto), as large as the schema allows (MAX_COUNT)
 _U32 = 2**32 - 1
 T = TypeVar("T")
+S = TypeVar("S")  # a servicer
+Q = TypeVar("Q")  # a request message
 
 # Metrics (tokengate.metrics serves them, summed over the worker processes).
 CALLS = Counter("tokengate_limits_calls_total",
@@ -98,6 +101,30 @@ FALLBACKS = Counter("tokengate_limits_fallbacks_total",
 RETRIES = Counter("tokengate_limits_retries_total",
                   "Calls whose first Redis try timed out and that were tried again within "
                   "the call's deadline (2 x redis.timeout_ms), by method.", ["method"])
+
+
+def _measured(rpc: Callable[[S, Q, grpc.aio.ServicerContext], Awaitable[T]]
+              ) -> Callable[[S, Q, grpc.aio.ServicerContext], Awaitable[T]]:
+    """The RPC method ``rpc`` with each call counted in CALLS by its gRPC code and timed
+    in CALL_SECONDS, under the method's name."""
+    method = rpc.__name__
+
+    @functools.wraps(rpc)
+    async def measured(self: S, request: Q, context: grpc.aio.ServicerContext) -> T:
+        t0 = time.perf_counter()
+        try:
+            answer = await rpc(self, request, context)
+        except BaseException:
+            code = context.code()  # set by context.abort; None: an unexpected error
+            CALLS.labels(method, code.name if isinstance(code, grpc.StatusCode)
+                         else "INTERNAL").inc()
+            raise
+        finally:
+            CALL_SECONDS.labels(method).observe(time.perf_counter() - t0)
+        CALLS.labels(method, "OK").inc()
+        return answer
+
+    return measured
 
 
 class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
@@ -164,13 +191,10 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
         if not ok:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
+    @_measured
     async def Reserve(self, request: limits_pb2.ReserveRequest,
                       context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
         """See proto/tokengate/v1/limits.proto."""
-        return await _measured("Reserve", self._reserve(request, context), context)
-
-    async def _reserve(self, request: limits_pb2.ReserveRequest,
-                       context: grpc.aio.ServicerContext) -> limits_pb2.ReserveReply:
         await self._validate(request.key_id, request.request_id, request.per_model,
                              request.model, context)
         await self._check(context, request.rpm_limit >= 1, "rpm_limit: must be >= 1")
@@ -191,13 +215,10 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             reset_tokens_ms=min(r.reset_tokens_ms, _U32),
             retry_after_ms=min(r.retry_after_ms, _U32), level=r.level)
 
+    @_measured
     async def Settle(self, request: limits_pb2.SettleRequest,
                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
         """See proto/tokengate/v1/limits.proto."""
-        return await _measured("Settle", self._settle(request, context), context)
-
-    async def _settle(self, request: limits_pb2.SettleRequest,
-                      context: grpc.aio.ServicerContext) -> limits_pb2.SettleReply:
         await self._validate(request.key_id, request.request_id, request.per_model,
                              request.model, context)
         model = request.model if request.per_model else None
@@ -207,16 +228,11 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
         return limits_pb2.SettleReply(found=s.found, delta=s.delta,
                                       window_tokens=max(0, s.window_tokens))
 
+    @_measured
     async def ReserveBudget(self, request: limits_pb2.BudgetReserveRequest,
                             context: grpc.aio.ServicerContext
                             ) -> limits_pb2.BudgetReserveReply:
         """See proto/tokengate/v1/limits.proto."""
-        return await _measured("ReserveBudget", self._reserve_budget(request, context),
-                               context)
-
-    async def _reserve_budget(self, request: limits_pb2.BudgetReserveRequest,
-                              context: grpc.aio.ServicerContext
-                              ) -> limits_pb2.BudgetReserveReply:
         counters = await self._counters(request, context)
         r = await self._call("ReserveBudget", lambda: self.budgets.reserve(
             request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
@@ -226,27 +242,20 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
             usage=[limits_pb2.BudgetUsage(spent_nano=max(0, s), tokens=max(0, t))
                    for s, t in r.usage])
 
+    @_measured
     async def SettleBudget(self, request: limits_pb2.BudgetSettleRequest,
                            context: grpc.aio.ServicerContext) -> limits_pb2.BudgetSettleReply:
         """See proto/tokengate/v1/limits.proto."""
-        return await _measured("SettleBudget", self._settle_budget(request, context), context)
-
-    async def _settle_budget(self, request: limits_pb2.BudgetSettleRequest,
-                             context: grpc.aio.ServicerContext
-                             ) -> limits_pb2.BudgetSettleReply:
         counters = await self._counters(request, context)
         applied, reserved = await self._call("SettleBudget", lambda: self.budgets.settle(
             request.key_id, request.request_id, counters, request.cost_nano, request.tokens),
             context)
         return limits_pb2.BudgetSettleReply(applied=applied, reserved=reserved)
 
+    @_measured
     async def Quota(self, request: limits_pb2.QuotaRequest,
                     context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
         """See proto/tokengate/v1/limits.proto."""
-        return await _measured("Quota", self._quota(request, context), context)
-
-    async def _quota(self, request: limits_pb2.QuotaRequest,
-                     context: grpc.aio.ServicerContext) -> limits_pb2.QuotaReply:
         await self._check(context, bool(request.key_id), "key_id: required")
         levels = [lv.id for lv in request.levels]
         await self._check(context, all(levels), "levels: each needs an id")
@@ -284,22 +293,6 @@ class GlobalLimitsService(limits_pb2_grpc.GlobalLimitsServicer):
                           "request_id: required, must not start with '#'")
         await self._check(context, not per_model or bool(model),
                           "model: required when per_model is true")
-
-
-async def _measured(method: str, call: Awaitable[T], context: grpc.aio.ServicerContext) -> T:
-    """``call``'s answer, counted in CALLS by its gRPC code and timed in CALL_SECONDS."""
-    t0 = time.perf_counter()
-    try:
-        answer = await call
-    except BaseException:
-        code = context.code()  # set by context.abort; None: an unexpected error
-        CALLS.labels(method, code.name if isinstance(code, grpc.StatusCode)
-                     else "INTERNAL").inc()
-        raise
-    finally:
-        CALL_SECONDS.labels(method).observe(time.perf_counter() - t0)
-    CALLS.labels(method, "OK").inc()
-    return answer
 
 
 async def _close_later(client: redis_client.AsyncRedis, after_s: float = 5.0) -> None:
