@@ -5,8 +5,9 @@
 local ffi = require "ffi"
 
 local ffi_new, ffi_string, C = ffi.new, ffi.string, ffi.C
-local byte, format = string.byte, string.format
+local byte, format, sub = string.byte, string.format, string.sub
 local concat = table.concat
+local setmetatable = setmetatable
 
 ffi.cdef [[
 unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);
@@ -35,6 +36,24 @@ end
 -- sha256_hex(s) -> 64 lowercase hex digits of SHA-256(s)
 function _M.sha256_hex(s)
     return _M.hex(_M.sha256(s))
+end
+
+-- replica_tag(len, digits) -> tag(model_name, r): the first len bytes of
+-- SHA-256("<model_name>\0<r.name>") (digits: the first len hex digits of it instead),
+-- naming a replica of a model. Each tag is kept per replica entry of the compiled config
+-- (r: a reload compiles new entries, and an entry belongs to one model's upstreams), so
+-- that the request path reads it and never hashes.
+function _M.replica_tag(len, digits)
+    local hash = digits and _M.sha256_hex or _M.sha256
+    local tag_of = setmetatable({}, { __mode = "k" })
+    return function(model_name, r)
+        local t = tag_of[r]
+        if not t then
+            t = sub(hash(model_name .. "\0" .. r.name), 1, len)
+            tag_of[r] = t
+        end
+        return t
+    end
 end
 
 return _M

@@ -48,7 +48,6 @@ local shdict = require "tokengate.shdict"
 
 local sub = string.sub
 local floor, min, max = math.floor, math.min, math.max
-local setmetatable = setmetatable
 
 local _M = {}
 
@@ -82,16 +81,8 @@ function _M.init(dict_name, state_name)
     return dict and true, err
 end
 
--- tag_of[r] -> the replica's tag (a replica entry belongs to one model's upstreams)
-local tag_of = setmetatable({}, { __mode = "k" })
-local function tag(model_name, r)
-    local t = tag_of[r]
-    if not t then
-        t = sub(digest.sha256(model_name .. "\0" .. r.name), 1, TAG_BYTES)
-        tag_of[r] = t
-    end
-    return t
-end
+-- tag(model_name, r) -> the replica's tag, TAG_BYTES raw bytes
+local tag = digest.replica_tag(TAG_BYTES)
 
 -- grid_count(c) -> the number of grid points <= block c
 local function grid_count(c)

@@ -622,18 +622,29 @@ function _M.objects(st, list, param, visit)
     end
 end
 
+-- strings(st, t, param, tokens, visit, keys): t[k] for each k of the list keys that holds
+-- a string, through visit (text: cleaned and checked; check: checked only, for
+-- identifiers) as "<param>.<k>", in the order of keys: the named string fields of an
+-- API's objects (a tool call's id, a block's name).
+local function visit_strings(st, t, param, tokens, visit, keys)
+    for i = 1, #keys do
+        local k = keys[i]
+        if type(t[k]) == "string" then
+            t[k] = visit(st, t[k], param .. "." .. k, tokens)
+        end
+    end
+end
+_M.strings = visit_strings
+
+local TOOL_PROSE = { "name", "description" }
+
 -- tool(st, t, param, schema): a tool's name and description (cleaned) and its schema
 -- t[schema] (its prose cleaned: SCHEMA_PROSE), against every special and structural
 -- token: tools are client-supplied text that the template renders into the system turn
 -- (Qwen3: each tool as JSON inside <tools>...</tools>), and often third-party text.
 function _M.tool(st, t, param, schema)
     local tokens = st.all
-    if type(t.name) == "string" then
-        t.name = visit_text(st, t.name, param .. ".name", tokens)
-    end
-    if type(t.description) == "string" then
-        t.description = visit_text(st, t.description, param .. ".description", tokens)
-    end
+    visit_strings(st, t, param, tokens, visit_text, TOOL_PROSE)
     if type(t[schema]) == "table" then
         visit_value(st, t[schema], param .. "." .. schema, tokens, SCHEMA_PROSE)
     end

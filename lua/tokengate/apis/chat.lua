@@ -105,6 +105,8 @@ end
 -- validate(route, body, models, edge): check(), then the bounds (tokengate.apis.openai)
 _M.validate = openai.validator(check, _M.FIELDS)
 
+local ID, NAME = { "id" }, { "name" }
+
 -- visit_calls(st, calls, i, tokens): the tool calls of messages[i] (name, id, arguments).
 local function visit_calls(st, calls, i, tokens)
     for j = 1, #calls do
@@ -112,13 +114,9 @@ local function visit_calls(st, calls, i, tokens)
         local fn = is_object(call) and call["function"]
         if is_object(fn) then
             local param = format("messages[%d].tool_calls[%d]", i - 1, j - 1)
-            if type(call.id) == "string" then
-                call.id = sanitize.check(st, call.id, param .. ".id", tokens)
-            end
+            sanitize.strings(st, call, param, tokens, sanitize.check, ID)
             -- the template writes the name into the assistant turn verbatim
-            if type(fn.name) == "string" then
-                fn.name = sanitize.text(st, fn.name, param .. ".function.name", tokens)
-            end
+            sanitize.strings(st, fn, param .. ".function", tokens, sanitize.text, NAME)
             sanitize.arguments(st, fn, param .. ".function.arguments", tokens)
         end
     end

@@ -137,6 +137,9 @@ end
 -- blocks(st, content, param, tokens): one message's content blocks (or a system's):
 -- text and thinking read as text, a tool_use's name and input (vLLM writes the input
 -- as the tool call's JSON arguments), a tool_result's content (a string or blocks).
+-- a block's name (tool_use) and the identifiers that tie a tool result to its call
+local NAME, BLOCK_IDS = { "name" }, { "id", "tool_use_id" }
+
 local function blocks(st, content, param, tokens)
     if type(content) == "string" then
         return sanitize.text(st, content, param, tokens)
@@ -149,16 +152,8 @@ local function blocks(st, content, param, tokens)
         local b = content[j]
         if is_object(b) then
             local bparam = format("%s[%d]", param, j - 1)
-            if type(b.name) == "string" then
-                b.name = sanitize.text(st, b.name, bparam .. ".name", tokens)
-            end
-            if type(b.id) == "string" then
-                b.id = sanitize.check(st, b.id, bparam .. ".id", tokens)
-            end
-            if type(b.tool_use_id) == "string" then
-                b.tool_use_id = sanitize.check(st, b.tool_use_id, bparam .. ".tool_use_id",
-                    tokens)
-            end
+            sanitize.strings(st, b, bparam, tokens, sanitize.text, NAME)
+            sanitize.strings(st, b, bparam, tokens, sanitize.check, BLOCK_IDS)
             if is_object(b.input) then
                 sanitize.value(st, b.input, bparam .. ".input", tokens, true)
             end

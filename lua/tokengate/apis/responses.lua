@@ -111,17 +111,7 @@ local ID_PATTERN = "^resp_(%x+)$"
 local RID_LEN, TAG_LEN, MAC_LEN = 32, 8, 16
 
 -- replica_tag(model_name, r) -> 8 hex digits naming the model and replica
--- (kept per replica entry of the compiled config: a reload compiles new entries; the
--- tag of a Responses request's replica is read, not hashed, on the request path)
-local tag_of = setmetatable({}, { __mode = "k" })
-local function replica_tag(model_name, r)
-    local t = tag_of[r]
-    if not t then
-        t = sub(digest.sha256_hex(model_name .. "\0" .. r.name), 1, TAG_LEN)
-        tag_of[r] = t
-    end
-    return t
-end
+local replica_tag = digest.replica_tag(TAG_LEN, true)
 
 -- owner_tag(key, head) -> 16 hex digits binding head (request id .. replica tag) to key
 local function owner_tag(key, head)
@@ -340,6 +330,9 @@ local function texts(st, list, param, tokens, field)
     end
 end
 
+-- a tool call item's identifier and its names (namespace: a namespaced tool's)
+local CALL_ID, CALL_NAME = { "call_id" }, { "name", "namespace" }
+
 -- item(st, it, param): one input item. A message's content (a string or parts: text,
 -- output_text, refusal) under its role's tokens; a tool call's name, namespace, id and
 -- arguments (read as vLLM decodes them) or custom input; a tool output (a string or
@@ -356,15 +349,8 @@ local function item(st, it, param)
         return
     end
     tokens = st.by_role[ROLE_OF[kind] or "user"]
-    if type(it.call_id) == "string" then
-        it.call_id = sanitize.check(st, it.call_id, param .. ".call_id", tokens)
-    end
-    if type(it.name) == "string" then
-        it.name = sanitize.text(st, it.name, param .. ".name", tokens)
-    end
-    if type(it.namespace) == "string" then
-        it.namespace = sanitize.text(st, it.namespace, param .. ".namespace", tokens)
-    end
+    sanitize.strings(st, it, param, tokens, sanitize.check, CALL_ID)
+    sanitize.strings(st, it, param, tokens, sanitize.text, CALL_NAME)
     if kind == "function_call" then
         sanitize.arguments(st, it, param .. ".arguments", tokens)
     elseif type(it.input) == "string" then
