@@ -35,6 +35,14 @@ CONTROL = "nul\x00 bell\x07 esc\x1b[31m red del\x7f c1\x85\x9f end"
 SCRIPTS = "مرحبا بالعالم नमस्ते दुनिया สวัสดีชาวโลก Γειά σου Κόσμε Привет мир שלום עולם"
 SYMBOLS = "∀x∈ℝ: x²≥0 ⇒ √x ∑∫∂ ﬁ ﬂ ＡＢＣ １２３ ℌ𝔢𝔩𝔩𝔬 𝓌𝑜𝓇𝓁𝒹 ½ ™ ©"
 WHITESPACE = "a  b   c    d\n\n\n\te\t\tf \n \n  \r\n\r\n   g      \u3000h\u2028i\u00a0j   "
+# The texts above that are hard for a tokenizer or a sanitizer because of their
+# characters, each by what it holds: the embeddings cases send each alone, the fast
+# path's fuzz draws from each.
+UNICODE_TEXTS = {
+    "cjk": CJK, "emoji zwj sequences": EMOJI, "combining marks": COMBINING,
+    "zero width and bom": ZERO_WIDTH, "bidi controls": BIDI, "c0 and c1 controls": CONTROL,
+    "scripts": SCRIPTS, "symbols and compatibility forms": SYMBOLS,
+}
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city.",
@@ -42,6 +50,12 @@ WEATHER_TOOL = {"type": "function", "function": {
         "city": {"type": "string", "description": "City name, e.g. Paris"},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["city"]}}}
+# the weather tool's parameters in the Messages and Responses cases (a JSON Schema)
+WEATHER_PARAMETERS = {"type": "object",
+                      "properties": {"city": {"type": "string", "description": "City"},
+                                     "unit": {"type": "string",
+                                              "enum": ["celsius", "fahrenheit"]}},
+                      "required": ["city"]}
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search_docs", "parameters": {"type": "object", "properties": {
         "query": {"type": "string"}, "top_k": {"type": "integer", "minimum": 1,

@@ -19,19 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.counter_cases import (
-    BIDI,
-    CJK,
-    CODE,
-    COMBINING,
-    CONTROL,
-    EMOJI,
-    LOREM,
-    SCRIPTS,
-    SYMBOLS,
-    WHITESPACE,
-    ZERO_WIDTH,
-)
+from tests.counter_cases import CJK, CODE, EMOJI, LOREM, UNICODE_TEXTS, WHITESPACE
 
 Case = tuple[str, dict[str, Any]]
 
@@ -50,14 +38,7 @@ CASES: list[Case] = [
     ("one character", embed("a")),
     ("lorem", embed(LOREM * 3)),
     ("code", embed(CODE)),
-    ("cjk", embed(CJK)),
-    ("emoji zwj sequences", embed(EMOJI)),
-    ("combining marks", embed(COMBINING)),
-    ("zero width and bom", embed(ZERO_WIDTH)),
-    ("bidi controls", embed(BIDI)),
-    ("c0 and c1 controls", embed(CONTROL)),
-    ("scripts", embed(SCRIPTS)),
-    ("symbols and compatibility forms", embed(SYMBOLS)),
+    *((name, embed(text)) for name, text in UNICODE_TEXTS.items()),
     ("whitespace runs", embed(WHITESPACE)),
     ("only spaces", embed("     ")),
     ("nfd against nfc", embed(["caf\u00e9", "cafe\u0301"])),

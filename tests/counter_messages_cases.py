@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.counter_cases import BIDI, CJK, CODE, COMBINING, EMOJI, LOREM, ZERO_WIDTH
+from tests.counter_cases import (
+    BIDI,
+    CJK,
+    CODE,
+    COMBINING,
+    EMOJI,
+    LOREM,
+    WEATHER_PARAMETERS,
+    ZERO_WIDTH,
+    assistant,
+    user,
+)
 
 Case = tuple[str, dict[str, Any]]
-
-
-def user(content: Any) -> dict[str, Any]:
-    return {"role": "user", "content": content}
-
-
-def assistant(content: Any) -> dict[str, Any]:
-    return {"role": "assistant", "content": content}
 
 
 def text(t: str, **extra: Any) -> dict[str, Any]:
@@ -29,11 +32,7 @@ def text(t: str, **extra: Any) -> dict[str, Any]:
 
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
-           "input_schema": {"type": "object",
-                            "properties": {"city": {"type": "string", "description": "City"},
-                                           "unit": {"type": "string",
-                                                    "enum": ["celsius", "fahrenheit"]}},
-                            "required": ["city"]}}
+           "input_schema": WEATHER_PARAMETERS}
 SEARCH = {"name": "search_docs", "description": "Search the docs <|im_start|>system",
           "input_schema": {"properties": {"query": {"type": "string"},
                                           "limit": {"type": "integer", "minimum": 1}},

@@ -20,6 +20,7 @@ from tests.counter_cases import (
     LOREM,
     SCRIPTS,
     SYMBOLS,
+    WEATHER_PARAMETERS,
     WHITESPACE,
     ZERO_WIDTH,
 )
@@ -64,11 +65,7 @@ def reasoning(t: str | None = None, summary: str | None = None,
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
-           "parameters": {"type": "object",
-                          "properties": {"city": {"type": "string", "description": "City"},
-                                         "unit": {"type": "string",
-                                                  "enum": ["celsius", "fahrenheit"]}},
-                          "required": ["city"]}}
+           "parameters": WEATHER_PARAMETERS}
 SEARCH = {"type": "function", "name": "search_docs",
           "description": "Search the docs <|im_start|>system",
           "parameters": {"type": "object", "properties": {"query": {"type": "string"},

@@ -11,18 +11,7 @@ from tokengate.config import load
 from tokengate.counter.tokenizer import PromptTokenizer
 
 from tests.conftest import REPO_CONFIG
-from tests.counter_cases import (
-    BIDI,
-    CJK,
-    CODE,
-    COMBINING,
-    CONTROL,
-    EMOJI,
-    SCRIPTS,
-    SYMBOLS,
-    WHITESPACE,
-    ZERO_WIDTH,
-)
+from tests.counter_cases import CJK, CODE, EMOJI, UNICODE_TEXTS, WHITESPACE
 
 # pure: starts no process of the stack (make test-unit)
 pytestmark = pytest.mark.unit
@@ -30,7 +19,7 @@ pytestmark = pytest.mark.unit
 POOLS = [
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
     "0123456789", " \t\n\r\u00a0\u3000\u2028\u2029", "'\".,;:!?()[]{}<>/\\|@#$%^&*-_=+`~",
-    CJK, EMOJI, COMBINING, ZERO_WIDTH, BIDI, CONTROL, SCRIPTS, SYMBOLS,
+    *UNICODE_TEXTS.values(),
     "\u0300\u0301\u0302\u0308\u0327\u0345\u20dd\ufe0f\U000e0020",  # marks, variation, tags
     "<|im_start|><|im_end|><|endoftext|><think></think><tool_call>",
 ]
