@@ -108,6 +108,17 @@ def _in_service(e: Edge, up: FastUpstream) -> None:
                ["outstanding_tokens"] > 0, 30, what="a request in service")
 
 
+def _queued(e: Edge, up: FastUpstream, s: Sender, served: tuple[str, str],
+            *waiting: tuple[str, str]) -> None:
+    """Sends ``served`` (label, key) and waits until it holds the replica's one slot, then
+    each of ``waiting`` in turn, waiting until it waits (the keys' priority: normal)."""
+    s.send(*served)
+    _in_service(e, up)
+    for n, (label, key) in enumerate(waiting, 1):
+        s.send(label, key)
+        _waiting(e, n)
+
+
 @pytest.fixture
 def slow_replica(replicas: Callable[..., FastUpstream]) -> FastUpstream:
     return replicas(ttft_ms=TTFT_MS)
@@ -121,14 +132,8 @@ def test_requests_wait_instead_of_503_and_a_light_key_passes_a_flooding_one(
     the key with fewer requests waiting."""
     e = _edge(edge_variant_off_vllm, "queue-vtc", slow_replica)
     s = Sender(e)
-    s.send("heavy-0", "q-heavy")
-    _in_service(e, slow_replica)
-    s.send("heavy-1", "q-heavy")
-    _waiting(e, 1)
-    s.send("heavy-2", "q-heavy")
-    _waiting(e, 2)
-    s.send("light", "q-light")
-    _waiting(e, 3)
+    _queued(e, slow_replica, s, ("heavy-0", "q-heavy"), ("heavy-1", "q-heavy"),
+            ("heavy-2", "q-heavy"), ("light", "q-light"))
     answers = s.join()
     assert all(isinstance(r, httpx.Response) and r.status_code == 200
                for r in answers.values()), answers
@@ -169,12 +174,7 @@ def test_the_bounds_and_the_deadline_answer_in_the_apis_shape(
     a usage event each."""
     e = _edge(edge_variant_off_vllm, "queue-bounds", slow_replica, key_max_requests=2)
     s = Sender(e)
-    s.send("served", "q-heavy")
-    _in_service(e, slow_replica)
-    s.send("a", "q-heavy")
-    _waiting(e, 1)
-    s.send("b", "q-heavy")
-    _waiting(e, 2)
+    _queued(e, slow_replica, s, ("served", "q-heavy"), ("a", "q-heavy"), ("b", "q-heavy"))
     full = _chat(e, "q-heavy")
     assert full.status_code == 429, full.text
     err = full.json()["error"]
@@ -250,10 +250,7 @@ def test_a_worker_killed_with_requests_in_flight_and_queued_leaves_nothing_count
     the queue; the next request is served."""
     e = _edge(edge_variant_off_vllm, "queue-killed", slow_replica)
     s = Sender(e)
-    s.send("served", "q-heavy")
-    _in_service(e, slow_replica)
-    s.send("queued", "q-light")
-    _waiting(e, 1)
+    _queued(e, slow_replica, s, ("served", "q-heavy"), ("queued", "q-light"))
     before = _workers(e)
     for w in before:
         os.kill(w, signal.SIGKILL)
