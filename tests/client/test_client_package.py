@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
+from tests.deploy.test_install import fresh_venv
 from tests.doc_pages import code_block
 from tests.fixtures_edge import MAIN_KEY, Edge
 
@@ -31,15 +32,8 @@ def doc_example() -> str:
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """python of a fresh virtualenv with only ``pip install ./client``."""
-    venv = tmp_path_factory.mktemp("client") / "venv"
-    subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    # --no-compile: as the base install's test (tests/deploy/test_install.py)
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile",
-                        str(ROOT / "client")],
-                       capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return py
+    return fresh_venv(tmp_path_factory.mktemp("client") / "venv", ROOT / "client",
+                      timeout_s=600)
 
 
 def test_the_sdk_alone_pulls_none_of_the_services_dependencies(client_venv: Path) -> None:

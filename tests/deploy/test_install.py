@@ -961,6 +961,20 @@ def test_each_distribution_declares_every_package_it_imports(dist: str, package:
     assert sorted(undeclared) == []
 
 
+def fresh_venv(venv: Path, project: Path, timeout_s: float) -> Path:
+    """A virtualenv made at ``venv`` by the machine's own Python (as an operator's or an
+    application's would be, not the dev venv's) with only ``pip install PROJECT`` (its
+    dependencies resolved by pip); returns its python. --no-compile: no .pyc of every
+    installed module (transformers has thousands); the ones a test imports compile on
+    first use, the same install otherwise."""
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile", str(project)],
+                       capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return py
+
+
 @dataclass
 class BaseVenv:
     python: Path
@@ -970,17 +984,9 @@ class BaseVenv:
 @pytest.fixture(scope="module")
 def base_venv(tmp_path_factory: pytest.TempPathFactory) -> BaseVenv:
     """A fresh virtualenv with only the runtime (``pip install ./sidecars``, as the README
-    tells a GPU host's operator): its dependencies resolved by pip, no vLLM, no torch."""
+    tells a GPU host's operator): no vLLM, no torch."""
     venv = tmp_path_factory.mktemp("base") / "venv"
-    # the machine's own Python, as an operator's venv would be (not the dev venv's)
-    subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    # --no-compile: no .pyc of every installed module (transformers has thousands); the
-    # ones the tests import compile on first use, the same install otherwise
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile",
-                        str(ROOT / "sidecars")],
-                       capture_output=True, text=True, timeout=900, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
+    py = fresh_venv(venv, ROOT / "sidecars", timeout_s=900)
     du = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True, check=True)
     return BaseVenv(py, int(du.stdout.split()[0]))
 
