@@ -38,6 +38,14 @@ local function tokens(n, period, model)
     return { period = period or "day", tokens = n, model = model }
 end
 
+-- reserved(k, prompt, completion) -> the budget request of key k at NOW for that many
+-- tokens (completion: 0 when nil), reserved: it must be admitted
+local function reserved(k, prompt, completion)
+    local bud = budget.request(k, MODEL, DOC, prompt, completion or 0, NOW)
+    assert(budget.reserve(bud))
+    return bud
+end
+
 -- ------------------------------------------------------------ cost and nano
 
 case("init: a missing shared dict is named", function()
@@ -172,7 +180,7 @@ end)
 case("reserve: a token quota refuses the request that would pass it", function()
     local dict = setup()
     local k = key(tokens(2000))
-    assert(budget.reserve(budget.request(k, MODEL, DOC, 1000, 0, NOW)))
+    reserved(k, 1000)
     local bud = budget.request(k, MODEL, DOC, 800, 300, NOW)
     local ok, err = budget.reserve(bud)
     eq(ok, nil)
@@ -189,8 +197,7 @@ end)
 case("reserve: a spend limit's message gives amounts to the nano-unit", function()
     setup()
     local k = key(spend(0.0000775, "month", "m"))
-    local bud = budget.request(k, MODEL, DOC, 100, 10, NOW) -- 70 USD per 1M: 70000 nano
-    assert(budget.reserve(bud))
+    local bud = reserved(k, 100, 10) -- 70 USD per 1M: 70000 nano
     local _, err = budget.reserve(budget.request(k, MODEL, DOC, 100, 10, NOW))
     eq(err.message, "You exceeded your current quota on key k1: the monthly spend limit of "
         .. "0.0000775 USD (model m): 0.00007 spent or reserved, this request may cost up "
@@ -220,8 +227,7 @@ case("reserve: the previous hour's bucket and the settled spend count", function
     dict:set("ft498966:k1:*:day:20790", 600)
     dict:set("bt" .. "k1:*:day:20790", 300)
     local k = key(tokens(1000))
-    local bud = budget.request(k, MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(k, 100)
     eq(bud.items[1].used, 1000)
     eq((budget.reserve(budget.request(k, MODEL, DOC, 1, 0, NOW))), nil)
     -- two hours on, the old bucket is no longer read
@@ -238,8 +244,7 @@ end)
 
 case("uncommit takes the reservation back, once", function()
     local dict = setup()
-    local bud = budget.request(key(tokens(1000)), MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(key(tokens(1000)), 100)
     budget.uncommit(bud)
     budget.uncommit(bud)
     eq(dict:get("ft498967:k1:*:day:20790"), 0)
@@ -247,8 +252,7 @@ end)
 
 case("settle: the real amounts move to the settled counters", function()
     local dict = setup()
-    local bud = budget.request(key(spend(10), tokens(5000)), MODEL, DOC, 1000, 500, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(key(spend(10), tokens(5000)), 1000, 500)
     eq(budget.settle(bud, 1100, 0.00055), 550000)
     eq(dict:get("fs498967:k1:*:day:20790"), 0)
     eq(dict:get("bs" .. "k1:*:day:20790"), 550000)
@@ -267,8 +271,7 @@ end)
 
 case("fallback: a budget Redis never answered for is refused as unknown", function()
     setup()
-    local bud = budget.request(key(tokens(1000)), MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(key(tokens(1000)), 100)
     eq(budget.fallback(bud), { index = 1, kind = "unknown" })
     local err = budget.refusal(bud, 1, "unknown")
     eq({ err.status, err.code, err.type, err.headers }, { 503, "budget_unavailable",
@@ -278,25 +281,21 @@ end)
 case("learn then fallback: what Redis holds beyond this edge counts", function()
     local dict = setup()
     local k = key(tokens(1000))
-    local bud = budget.request(k, MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(k, 100)
     -- Redis: 700 used by every edge with this reservation
     budget.learn(bud, { { spent_nano = 0, tokens = 700 } }, true)
     eq(dict:get("kt" .. "k1:*:day:20790"), 600)
     eq(bud.items[1].used, 700)
-    local next_bud = budget.request(k, MODEL, DOC, 200, 0, NOW)
-    assert(budget.reserve(next_bud)) -- this edge: 300
+    local next_bud = reserved(k, 200) -- this edge: 300
     eq(budget.fallback(next_bud), nil)
     eq(next_bud.items[1].used, 900)
-    local third = budget.request(k, MODEL, DOC, 200, 0, NOW)
-    assert(budget.reserve(third)) -- this edge: 500, + 600 beyond
+    local third = reserved(k, 200) -- this edge: 500, + 600 beyond
     eq(budget.fallback(third), { index = 1, kind = "tokens", used = 900 })
 end)
 
 case("learn: a refusal's totals are before the reservation", function()
     local dict = setup()
-    local bud = budget.request(key(tokens(1000)), MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(key(tokens(1000)), 100)
     budget.learn(bud, { { spent_nano = 0, tokens = 950 } }, false)
     eq(dict:get("kt" .. "k1:*:day:20790"), 950)
     eq(bud.items[1].used, 100)
@@ -304,8 +303,7 @@ end)
 
 case("learn: what is beyond is never below 0", function()
     local dict = setup()
-    local bud = budget.request(key(tokens(1000)), MODEL, DOC, 100, 0, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(key(tokens(1000)), 100)
     budget.learn(bud, { { spent_nano = 0, tokens = 40 } }, true)
     eq(dict:get("kt" .. "k1:*:day:20790"), 0)
 end)
@@ -315,8 +313,7 @@ end)
 case("headers: the budget of each kind with the least left", function()
     setup()
     local k = key(spend(10), spend(1, "month"), tokens(5000), tokens(2000, "month"))
-    local bud = budget.request(k, MODEL, DOC, 1000, 500, NOW)
-    assert(budget.reserve(bud))
+    local bud = reserved(k, 1000, 500)
     local h = {}
     budget.headers(h, bud)
     eq(h, {
