@@ -76,6 +76,18 @@ local function lock(name, r, c)
     return k
 end
 
+-- locked(act) -> fn(name, r, c): act(name, r, c, k) with replica r's lock taken (k: its
+-- key, which act releases, dict:delete(k), once its work ends); nothing when a wake or a
+-- sleep of r is under way (lock).
+local function locked(act)
+    return function(name, r, c)
+        local k = lock(name, r, c)
+        if k then
+            act(name, r, c, k)
+        end
+    end
+end
+
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (models.<name>.idle_unload: idle_s (0: off), max_hold_ms, retry_after_s,
 -- call_timeout_ms). Worker 0 runs the sweep, also with idle unload off: replicas may
@@ -154,28 +166,20 @@ local function wake_up(premature, name, r, c)
 end
 
 -- wake(name, r, c): starts a wake of replica r unless one (or a sleep) is under way.
-local function wake(name, r, c)
-    local k = lock(name, r, c)
-    if not k then
-        return
-    end
+local wake = locked(function(name, r, c, k)
     local ok, err = timer_at(0, wake_up, name, r, c)
     if not ok then
         dict:delete(k)
         ngx_log(WARN, "tokengate: wake timer for ", r.name, " of ", name, ": ", err)
     end
-end
+end)
 
 -- relearn(name, r, c): a replica marked asleep, not locked: asks it. Awake (woken by
 -- someone else, or never asleep): the mark goes, so it takes requests again. Asleep
 -- while idle unload is off for its model (turned off while it slept): woken, since
 -- nothing else would wake it while another replica takes the requests. No answer: the
 -- mark stays (a replica that is down is the health probe's business).
-local function relearn(name, r, c)
-    local k = lock(name, r, c)
-    if not k then
-        return -- a wake or a sleep is under way
-    end
+local relearn = locked(function(name, r, c, k)
     local sleeping = is_sleeping(name, r, c)
     dict:delete(k)
     if sleeping == false then
@@ -186,14 +190,10 @@ local function relearn(name, r, c)
     elseif sleeping and c.idle_s == 0 then
         wake(name, r, c)
     end
-end
+end)
 
 -- put_to_sleep(name, r, c): one replica, idle and not locked: mark, check, /sleep.
-local function put_to_sleep(name, r, c)
-    local k = lock(name, r, c)
-    if not k then
-        return
-    end
+local put_to_sleep = locked(function(name, r, c, k)
     upstream.mark_asleep(name, r, true)
     if upstream.outstanding(name, r) > 0 then -- a request took it meanwhile
         upstream.mark_asleep(name, r, false)
@@ -216,7 +216,7 @@ local function put_to_sleep(name, r, c)
     -- requests that came while it fell asleep are held: the first of them to find the
     -- lock free wakes it
     dict:delete(k)
-end
+end)
 
 -- sweep(premature, models): the idle timer (worker 0): every replica of every model.
 -- A replica marked asleep is asked whether it still is (relearn), whatever the
