@@ -229,6 +229,13 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     return loads(read_text(p), p)
 
 
+def add_config_option(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` on ``parser``: the tokengate.yaml that the command or service
+    reads (a Path; None when not given: found as ``LOOKUP_HELP`` says)."""
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"tokengate.yaml ({LOOKUP_HELP})")
+
+
 def load_for_command(path: str | os.PathLike[str] | None, command: str) -> Config | None:
     """``load(path)`` for a command that says why it cannot run: None when the
     configuration does not load, with one line, ``<command>: <why>``, said on stderr

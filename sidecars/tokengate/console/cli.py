@@ -192,8 +192,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
     pw = verbs.add_parser("passwd", help="set (or remove) an admin's password")
     pw.add_argument("name", help="the admin's name (what the audit stream records)")
-    pw.add_argument("--config", type=Path, default=None,
-                    help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(pw)
     pw.add_argument("--password-stdin", action="store_true",
                     help="read the password as one line from stdin (scripts)")
     pw.add_argument("--remove", action="store_true", help="remove the admin")
@@ -206,11 +205,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ro.add_argument("name", help="the admin's name")
     ro.add_argument("role", choices=ROLES, help="admin (every change) or read-only "
                                                 "(every page, no change)")
-    ro.add_argument("--config", type=Path, default=None,
-                    help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(ro)
     ro.add_argument("--redis-url", default=None, help=AUDIT_REDIS_HELP)
     ro.set_defaults(func=role)
     ap = verbs.add_parser("apply", help="make the key changes the console queued (root)")
-    ap.add_argument("--config", type=Path, default=None,
-                    help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(ap)
     ap.set_defaults(func=apply)

@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ``DESCRIPTION``)."""
     parser = argparse.ArgumentParser(prog="tokengate-console", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(parser)
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
                         help="where to serve (default: ledger.console.listen); the Host "
                              "header must name it (or a loopback name on its port, or "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tokengate import config as tg_config
 from tokengate.doctor import host
@@ -69,8 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("doctor", help="check that every upstream is the vLLM the counter "
                                       "mirrors", description=DOCTOR_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None,
-                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(p)
     p.add_argument("--allow-unverified-vllm", action="store_true",
                    help="a vLLM release the counter was not verified against is a warning, "
                         "not a failure (the count checks still run and must pass)")

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from pathlib import Path
 
 from redis.exceptions import RedisError
 
@@ -394,8 +393,7 @@ def add_parser(
     p = sub.add_parser("usage", help="usage and cost per key / model / day",
                        description=USAGE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None,
-                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(p)
     p.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
     p.add_argument("--since", type=parse_day, default=None, metavar="DAY",
                    help="first UTC day (default: the first with usage)")

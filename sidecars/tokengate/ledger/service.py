@@ -257,8 +257,7 @@ def _file_id(path: Path) -> tuple[int, int, int] | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokengate-ledger", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(parser)
     parser.add_argument("--usage-file", type=Path, default=None,
                         help="the edge's usage file (default: ledger.usage_file)")
     parser.add_argument("--redis-url", default=None,

@@ -254,8 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m tokengate.tools.compile_config",
         description="Compile tokengate.yaml into the JSON the nginx edge loads at start and "
                     "on reload. Run it, then `nginx -s reload`, after editing the YAML.")
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(parser)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     try:

@@ -272,8 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("Usage::")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     i = sub.add_parser("instance", help="render a runnable instance into a folder")
-    i.add_argument("--config", type=Path, default=None,
-                   help=f"tokengate.yaml ({tg_config.LOOKUP_HELP})")
+    tg_config.add_config_option(i)
     i.add_argument("--prefix", type=Path, required=True)
     i.add_argument("--listen", default="127.0.0.1:8080")
     i.add_argument("--templates", type=Path, default=SHARE_DIR / "nginx",
