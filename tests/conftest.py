@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from tokengate_dev import devstack
 
 if TYPE_CHECKING:
-    from tokengate.counter.counting import BadRequest, ModelCounter
+    from tokengate.counter.counting import BadRequest, CountResult, ModelCounter
 
 
 def _share_ssl_contexts() -> None:
@@ -192,6 +192,25 @@ def count_refusal(counter: ModelCounter, endpoint: str, body: dict[str, Any]) ->
     with pytest.raises(BadRequest) as info:
         counter.count(endpoint, body)
     return info.value
+
+
+def count_as_chat(counter: ModelCounter, endpoint: str, body: dict[str, Any],
+                  chat_body: dict[str, Any]) -> tuple[CountResult, CountResult]:
+    """``counter.count(endpoint, body)`` and the count of ``chat_body`` (the chat body
+    that ``body`` becomes), which must have the same prompt tokens and breakdown."""
+    got, expected = counter.count(endpoint, body), counter.count("chat", chat_body)
+    assert (got.prompt_tokens, got.breakdown) == (expected.prompt_tokens, expected.breakdown)
+    return got, expected
+
+
+def assert_cases_cover(cases: Sequence[tuple[Any, ...]], at_least: int,
+                       named: Iterable[str] = ()) -> None:
+    """A parity test's cases cover its contract: at least ``at_least`` of them, each
+    name (a case's first item) once, and every name of ``named`` among them."""
+    names = [c[0] for c in cases]
+    assert len(cases) >= at_least
+    assert len(set(names)) == len(cases)
+    assert set(named) <= set(names)
 
 
 def count_body(stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,

@@ -18,7 +18,13 @@ from tokengate.counter.errors import ContextLengthExceeded
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.v1 import counter_pb2
 
-from tests.conftest import MODEL, REPO_CONFIG, count_refusal, suite_model
+from tests.conftest import (
+    MODEL,
+    REPO_CONFIG,
+    assert_cases_cover,
+    count_refusal,
+    suite_model,
+)
 from tests.counter_cases import CJK, EMOJI, LOREM
 from tests.counter_embeddings_cases import CASES, MAX_MODEL_LEN, REFUSED
 
@@ -144,7 +150,7 @@ def test_bad_bodies_are_refused_naming_the_field(counter: ModelCounter, body: di
 
 def test_the_cases_are_counted_without_error(counter: ModelCounter) -> None:
     """Every parity case counts (the parity test compares them with vLLM)."""
-    assert len(CASES) >= 40 and len({name for name, _ in CASES}) == len(CASES)
+    assert_cases_cover(CASES, 40)
     for _name, body in CASES:
         counter.count("embeddings", {"model": MODEL, **body})
 

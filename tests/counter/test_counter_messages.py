@@ -12,7 +12,7 @@ import pytest
 from tokengate.counter.apis import anthropic_messages as am
 from tokengate.counter.counting import BadRequest, ModelCounter
 
-from tests.conftest import count_refusal, suite_model
+from tests.conftest import count_as_chat, count_refusal, suite_model
 from tests.counter_cases import hostile_bodies
 from tests.counter_messages_cases import (
     CASES,
@@ -169,9 +169,7 @@ def test_a_messages_body_counts_as_the_chat_body_it_becomes(counter: ModelCounte
         {"role": "assistant", "tool_calls": [{"id": "t", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "t", "content": "-3°C"}]}
-    expected = counter.count("chat", same)
-    got = counter.count("count_tokens", messages)
-    assert (got.prompt_tokens, got.breakdown) == (expected.prompt_tokens, expected.breakdown)
+    got, expected = count_as_chat(counter, "count_tokens", messages, same)
     assert (got.max_tokens_requested, got.max_tokens_effective) == (0, 0)
     r = counter.count("messages", {**messages, "max_tokens": 100})
     assert (r.prompt_tokens, r.max_tokens_requested, r.max_tokens_effective) == (

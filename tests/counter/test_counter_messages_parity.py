@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL, count_body
+from tests.conftest import MODEL, assert_cases_cover, count_body
 from tests.counter_cases import LOREM
 from tests.counter_messages_cases import CASES, REFUSED
 
@@ -36,9 +36,7 @@ def refusal(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
 
 
 def test_cases_cover_the_contract() -> None:
-    assert len(CASES) >= 50
-    assert len(BY_NAME) == len(CASES)
-    assert set(GENERATED) <= set(BY_NAME)
+    assert_cases_cover(CASES, 50, GENERATED)
 
 
 @pytest.mark.parametrize("name,body", CASES, ids=[c[0] for c in CASES])

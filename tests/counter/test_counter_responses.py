@@ -11,7 +11,7 @@ import pytest
 from tokengate.counter.apis import openai_responses as orr
 from tokengate.counter.counting import BadRequest, ModelCounter
 
-from tests.conftest import count_refusal, suite_model
+from tests.conftest import count_as_chat, count_refusal, suite_model
 from tests.counter_cases import hostile_bodies
 from tests.counter_responses_cases import (
     CASES,
@@ -125,9 +125,7 @@ def test_a_responses_body_counts_as_the_chat_body_it_becomes(counter: ModelCount
         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "clear"}'}]}
-    expected = counter.count("chat", same)
-    got = counter.count("responses", body)
-    assert (got.prompt_tokens, got.breakdown) == (expected.prompt_tokens, expected.breakdown)
+    got, expected = count_as_chat(counter, "responses", body, same)
     # no max_output_tokens: the room left in the context
     assert (got.max_tokens_requested, got.max_tokens_effective) == \
         (0, 8192 - expected.prompt_tokens)

@@ -13,11 +13,10 @@ import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
-from tests.conftest import MODEL, count_body
+from tests.conftest import MODEL, assert_cases_cover, count_body
 from tests.counter_responses_cases import CASES, REFUSED
 
 RESPONSES = counter_pb2.ENDPOINT_RESPONSES
-BY_NAME = dict(CASES)
 # what the contract names: string input, message items of every role, input_text
 # parts, instructions, function tools, call histories, reasoning items, unicode,
 # forged special tokens, a long input
@@ -29,9 +28,7 @@ MAX_OUTPUT_TOKENS = 16
 
 
 def test_cases_cover_the_contract() -> None:
-    assert len(CASES) >= 50
-    assert len(BY_NAME) == len(CASES)
-    assert set(COVERED) <= set(BY_NAME)
+    assert_cases_cover(CASES, 50, COVERED)
 
 
 @pytest.mark.parametrize("name,body,message", REFUSED, ids=[c[0] for c in REFUSED])
