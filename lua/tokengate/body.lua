@@ -309,12 +309,39 @@ local function json_kind(v)
     if t == "string" or t == "boolean" then
         return "a " .. t
     end
+    if json_integer(v) then
+        return "an integer"
+    end
     if json_number(v) then
         return "a decimal"
     end
     return is_array(v) and "an array" or "an object"
 end
 _M.json_kind = json_kind
+
+-- MAX_LOGPROBS: the most likely tokens a request may ask for at each position (chat's
+-- and Responses' top_logprobs, completions' logprobs): vLLM's default --max-logprobs
+-- (vllm/config/model.py) and OpenAI's documented bound for top_logprobs
+_M.MAX_LOGPROBS = 20
+
+-- api_top_logprobs(body) -> true | nil, err (400): top_logprobs is null, absent or an
+-- integer in [0, MAX_LOGPROBS] (OpenAI's words)
+function _M.api_top_logprobs(body)
+    local top = body.top_logprobs
+    if top == nil or top == null then
+        return true
+    end
+    local n = json_integer(top)
+    if not n then
+        return fail(400, format(_M.OPENAI_WORDS.integer, "top_logprobs", json_kind(top)),
+            "top_logprobs", "invalid_type")
+    end
+    if n < 0 or n > _M.MAX_LOGPROBS then
+        return fail(400, format("'top_logprobs' must be in [0, %d], got %.15g",
+            _M.MAX_LOGPROBS, n), "top_logprobs", "invalid_value")
+    end
+    return true
+end
 
 -- strings(v) -> whether v is a string or an array of strings
 local function strings(v)
@@ -346,7 +373,7 @@ function _M.api_sampling(known, body, words)
                     "invalid_type")
             end
             if n < lo or open and n == lo or n > hi or n ~= n then
-                return fail(400, format("%s must be in %s%.17g, %.17g], got %.17g", name,
+                return fail(400, format("%s must be in %s%.15g, %.15g], got %.15g", name,
                     open and "(" or "[", lo, hi, n), name, "invalid_value")
             end
         end

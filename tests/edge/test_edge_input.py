@@ -188,6 +188,26 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
     ("top_logprobs a numeric string", lambda: (json.dumps(chat(
         "hi", logprobs=True, top_logprobs="3")).encode(), {}), 400, "invalid_type",
      "top_logprobs", "expected an integer, but got a string"),
+    ("top_logprobs above 20", lambda: (json.dumps(chat(
+        "hi", logprobs=True, top_logprobs=21)).encode(), {}), 400, "invalid_value",
+     "top_logprobs", "must be in [0, 20], got 21"),
+    ("top_logprobs without logprobs", lambda: (json.dumps(chat(
+        "hi", top_logprobs=2)).encode(), {}), 400, "invalid_value", "top_logprobs",
+     "'logprobs' must be true"),
+    ("logit_bias past 100", lambda: (json.dumps(chat("hi", logit_bias={"1": 500})).encode(),
+                                     {}), 400, "invalid_value", "logit_bias.1",
+     "must be in [-100, 100], got 500"),
+    ("logit_bias keyed by a word", lambda: (json.dumps(chat(
+        "hi", logit_bias={"abc": 5})).encode(), {}), 400, "invalid_value", "logit_bias.abc",
+     "a key must be a token id"),
+    ("response_format of an unknown type", lambda: (json.dumps(chat(
+        "hi", response_format={"type": "bogus"})).encode(), {}), 400, "invalid_value",
+     "response_format.type", "expected one of 'text'"),
+    ("response_format json_schema without its schema", lambda: (json.dumps(chat(
+        "hi", response_format={"type": "json_schema"})).encode(), {}), 400, "invalid_type",
+     "response_format.json_schema", "must be an object"),
+    ("stop an integer", lambda: (json.dumps(chat("hi", stop=5)).encode(), {}), 400,
+     "invalid_type", "stop", "got an integer"),
     ("logit_bias of words", lambda: (json.dumps(chat("hi", logit_bias={"11": "up"})).encode(),
                                      {}), 400, "invalid_type", "logit_bias.11",
      "expected a number"),
@@ -257,7 +277,7 @@ def test_bad_input_is_refused_before_vllm(edge: Edge, vllm_requests: Callable[[]
     assert_refused_before_vllm(edge, vllm_requests, make, status, code, param, message_has)
 
 
-@pytest.mark.parametrize("logprobs", ["yes", True, -1, 1.5])
+@pytest.mark.parametrize("logprobs", ["yes", True, -1, 1.5, 21])
 def test_a_completions_logprobs_that_is_not_a_count_is_refused_before_vllm(
         edge: Edge, vllm_requests: Callable[[], int], logprobs: Any) -> None:
     # completions' logprobs counts tokens (chat's is a boolean): vLLM's lax parsing reads
@@ -265,7 +285,8 @@ def test_a_completions_logprobs_that_is_not_a_count_is_refused_before_vllm(
     before = vllm_requests()
     r = post(edge, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1,
                                "logprobs": logprobs}), path="/completions")
-    assert_error(r, 400, "invalid_type", "logprobs", "'logprobs' must be an integer >= 0")
+    assert_error(r, 400, "invalid_value" if logprobs in (-1, 21) else "invalid_type", "logprobs",
+                 "'logprobs' must be an integer in [0, 20]")
     assert vllm_requests() == before
 
 

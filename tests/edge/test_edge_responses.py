@@ -292,6 +292,9 @@ def test_refusals_come_in_openais_shape_and_never_reach_vllm(
         ({"model": MODEL, "input": HELLO, "previous_input_messages": [
             {"role": "user", "content": "x"}]}, 400, "unsupported_parameter"),
         ({"model": MODEL, "input": HELLO, "max_output_tokens": 0}, 400, "invalid_value"),
+        ({"model": MODEL, "input": HELLO, "parallel_tool_calls": "yes"}, 400, "invalid_type"),
+        ({"model": MODEL, "input": HELLO, "top_logprobs": "2"}, 400, "invalid_type"),
+        ({"model": MODEL, "input": HELLO, "top_logprobs": 21}, 400, "invalid_value"),
         ({"model": MODEL, "input": "river " * 20_000}, 400, "context_length_exceeded"),
     ]
     for body, status, code in cases:

@@ -89,12 +89,16 @@ local function check(body, models, edge)
         return fail(400, "Invalid value for 'tool_choice': 'tool_choice' is only allowed "
             .. "when 'tools' are specified.", "tool_choice", "invalid_value")
     end
-    local top = body.top_logprobs
-    if top ~= nil and top ~= null and not json_integer(top) then
-        return fail(400, format(body_mod.OPENAI_WORDS.integer, "top_logprobs",
-            body_mod.json_kind(top)), "top_logprobs", "invalid_type")
+    local ok, err = body_mod.api_top_logprobs(body)
+    if not ok then
+        return nil, err
     end
-    local ok, err = body_mod.check_template_kwargs(body.chat_template_kwargs,
+    local top = json_integer(body.top_logprobs)
+    if top and top > 0 and body.logprobs ~= true then
+        return fail(400, "'logprobs' must be true when 'top_logprobs' is set",
+            "top_logprobs", "invalid_value")
+    end
+    ok, err = body_mod.check_template_kwargs(body.chat_template_kwargs,
         edge.template_kwargs_allowed)
     if not ok then
         return nil, err

@@ -59,9 +59,13 @@ local function check(body, models)
     -- completions' logprobs is a count (vLLM 0.32's CompletionRequest: int | None),
     -- chat's a boolean
     local lp = body.logprobs
-    if lp ~= nil and lp ~= null and (not json_integer(lp) or json_integer(lp) < 0) then
-        return fail(400, "'logprobs' must be an integer >= 0 (how many of the likeliest "
-            .. "tokens to return)", "logprobs", "invalid_type")
+    if lp ~= nil and lp ~= null then
+        local n = json_integer(lp)
+        if not n or n < 0 or n > body_mod.MAX_LOGPROBS then
+            return fail(400, format("'logprobs' must be an integer in [0, %d] (how many of "
+                .. "the likeliest tokens to return)", body_mod.MAX_LOGPROBS), "logprobs",
+                n and "invalid_value" or "invalid_type")
+        end
     end
     return openai.check_common(body, models, NO_BOOLS)
 end

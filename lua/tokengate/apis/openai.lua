@@ -10,7 +10,7 @@ local body_mod = require "tokengate.body"
 local models_mod = require "tokengate.models"
 
 local type, ipairs = type, ipairs
-local format = string.format
+local format, find, sub = string.format, string.find, string.sub
 local is_object, json_integer, json_number, json_set =
     json.is_object, json.integer, json.number, json.set
 local null = json.null
@@ -27,6 +27,10 @@ local BOOLS = {
     "return_tokens_as_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
     "use_beam_search", "watermarking",
 }
+-- response_format.type values vLLM 0.32 takes (AnyResponseFormat,
+-- vllm/entrypoints/generate/base/protocol.py)
+local RESPONSE_FORMATS = { text = true, json_object = true, json_schema = true,
+                           structural_tag = true }
 -- the fields' refusals in OpenAI's wording (tokengate.body)
 local WORDS = body_mod.OPENAI_WORDS
 
@@ -61,9 +65,10 @@ function _M.fields(only)
     return known
 end
 
--- logit_bias(body) -> true | nil, err (400 invalid_type): logit_bias is null, absent or
--- an object of numbers (vLLM: dict[str, float]; its keys, token ids, are vLLM's to check
--- against the vocabulary)
+-- logit_bias(body) -> true | nil, err (400): logit_bias is null, absent or an object
+-- whose keys are token ids (decimal integers; whether the vocabulary has them is vLLM's
+-- to check) and whose values are numbers in [-100, 100] (OpenAI's documented range;
+-- vLLM takes any float)
 local function logit_bias(body)
     local lb = body.logit_bias
     if lb == nil or lb == null then
@@ -77,9 +82,21 @@ local function logit_bias(body)
     for i = 1, #keys do
         local k = keys[i]
         local v = lb[k]
-        if v ~= nil and not json_number(v) then
-            return fail(400, format("Invalid type for 'logit_bias.%s': expected a number",
-                k), "logit_bias." .. k, "invalid_type")
+        if v ~= nil then
+            local param = "logit_bias." .. sub(k, 1, 64)
+            if not find(k, "^%d+$") then
+                return fail(400, format("Invalid key in '%s': a key must be a token id "
+                    .. "(a decimal integer)", "logit_bias"), param, "invalid_value")
+            end
+            local n = json_number(v)
+            if not n then
+                return fail(400, format("Invalid type for '%s': expected a number", param),
+                    param, "invalid_type")
+            end
+            if not (n >= -100 and n <= 100) then
+                return fail(400, format("'%s' must be in [-100, 100], got %.15g", param, n),
+                    param, "invalid_value")
+            end
         end
     end
     return true
@@ -137,9 +154,21 @@ function _M.check_common(body, models, bools)
         return nil, err
     end
     local rf = body.response_format
-    if rf ~= nil and rf ~= null and not (is_object(rf) and type(rf.type) == "string") then
-        return fail(400, "'response_format' must be an object with a string 'type'",
-            "response_format", "invalid_type")
+    if rf ~= nil and rf ~= null then
+        if not (is_object(rf) and type(rf.type) == "string") then
+            return fail(400, "'response_format' must be an object with a string 'type'",
+                "response_format", "invalid_type")
+        end
+        if not RESPONSE_FORMATS[rf.type] then
+            return fail(400, "Invalid value for 'response_format.type': expected one of "
+                .. "'text', 'json_object', 'json_schema' or 'structural_tag'",
+                "response_format.type", "invalid_value")
+        end
+        if rf.type == "json_schema" and not is_object(rf.json_schema) then
+            return fail(400, "'response_format.json_schema' must be an object when "
+                .. "'response_format.type' is 'json_schema'", "response_format.json_schema",
+                "invalid_type")
+        end
     end
     ok, err = body_mod.api_sampling(nil, body, WORDS)
     if not ok then

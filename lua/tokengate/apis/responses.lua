@@ -240,7 +240,10 @@ function _M.without_body(ctx, doc)
     return true
 end
 
-local BOOLEANS = { "stream", "store", "background" }
+-- the booleans of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/
+-- protocol.py)
+local BOOLEANS = { "background", "include_reasoning", "include_stop_str_in_output",
+                   "parallel_tool_calls", "skip_special_tokens", "store", "stream" }
 
 -- validate(route, body, models, edge) -> model entry | nil, err (400/404). Checks:
 -- model (a configured one), input (a string or an array of objects), instructions (a
@@ -286,6 +289,10 @@ function _M.validate(route, body, models, edge)
             if not ok then
                 return nil, err
             end
+        end
+        ok, err = body_mod.api_top_logprobs(body)
+        if not ok then
+            return nil, err
         end
         if body.background == true then
             return fail(400, "background: background responses are not supported by this "
