@@ -212,14 +212,18 @@ def test_hostile_lines_get_the_online_error_and_never_stop_the_service(
     raw = "\n".join([line.replace('"model": ', '"model": "x", "model": ', 1),
                       line.replace('"max_tokens": 5', '"max_tokens": NaN'),
                       line.replace('"body": ', '"body": ' + "[" * 5000 + "]" * 5000 + ', "b": ')])
-    f = c.files.create(file=("hostile.jsonl", raw.encode()), purpose="batch")
+    f = c.files.create(file=("hostile.jsonl", raw.encode() + b"\n" + line.encode()[:-2]
+                             + b'\xff"}'), purpose="batch")
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                          completion_window="24h")
     done = batch_stack.wait_batch(c, b.id)
     assert done.status == "failed" and done.errors is not None
     assert [(e.code, e.line) for e in done.errors.data] == [("invalid_json_line", n)
-                                                            for n in (1, 2, 3)]
+                                                            for n in (1, 2, 3, 4)]
     assert "duplicate key 'model'" in done.errors.data[0].message
+    assert done.errors.data[3].message == \
+        f"Line 4 is not UTF-8 (byte {len(line) - 1} of the line)."
+
     deep = httpx.post(f"{batch_stack.edge.base_url}/batches",
                       headers={"Authorization": f"Bearer {KEYS['tenant-a']}",
                                "Content-Type": "application/json"},

@@ -78,7 +78,11 @@ def parse(data: bytes, endpoint: str, max_lines: int,
         except RecursionError:
             errors.append(LineError("invalid_json_line", f"Line {n} nests too deep.", n))
             continue
-        except (UnicodeDecodeError, ValueError) as e:
+        except UnicodeDecodeError as e:
+            errors.append(LineError("invalid_json_line", f"Line {n} is not UTF-8 (byte "
+                                    f"{e.start + 1} of the line).", n))
+            continue
+        except ValueError as e:
             errors.append(LineError("invalid_json_line", f"Line {n} is not JSON: {e}.", n))
             continue
         err = _check(obj, n, endpoint, seen)
