@@ -17,6 +17,10 @@
 --   rate: finished requests per second, from vllm:request_success_total (summed over
 --         engines and finish reasons): an exponential moving average of the rate between
 --         two reads, time constant RATE_TAU_S
+--   ttft: the mean time to first token, s, from vllm:time_to_first_token_seconds (a
+--         histogram: its _sum over its _count, summed over engines) of the requests
+--         that got their first token between two reads, averaged with time constant
+--         TTFT_TAU_S
 -- and hands the KV cache's size in blocks (the num_gpu_blocks label of
 -- vllm:cache_config_info, the largest of the engines: each engine has a cache of its
 -- own) to tokengate.prefix, the capacity of its approximate index.
@@ -25,10 +29,11 @@
 -- never served them, or answers something else) has none: it is UNKNOWN.
 --
 -- Rank of a replica for one request (its key's priority: kv_cache_threshold,
--- max_waiting, max_running; its prompt tokens), best first; tokengate.upstream picks
--- the replica with the fewest outstanding tokens among the best rank:
---   ROOM      known, queue <= max_waiting, running < max_running and KV cache <=
---             kv_cache_threshold
+-- max_waiting, max_running, max_prefill_tokens; its prompt tokens), best first;
+-- tokengate.upstream picks the replica with the fewest outstanding tokens among the
+-- best rank:
+--   ROOM      known, queue <= max_waiting, running < max_running, prefill lane free
+--             and KV cache <= kv_cache_threshold
 --   HEADROOM  known, queue <= max_waiting, running < max_running, KV cache above the
 --             threshold but at most threshold + small_prompt_headroom, and a prompt of
 --             at most small_prompt_tokens (a small prefill needs few KV-cache blocks)
@@ -36,19 +41,38 @@
 --             full (shedding claims the fleet is full; only metrics can say so; a dead
 --             replica is the health probe's and the ejection's business)
 --   FULL      known, and the queue, the running requests or the KV cache is above the
---             bounds
--- running: vllm:num_requests_running as last read, plus the requests this edge has
--- sent to the replica since, less those of its requests that ended since
--- (tokengate.upstream.in_flight now less in_flight at the read): the metrics see
--- every edge's requests but are up to metrics_interval_ms old; this edge's own count
--- moves at once. (In flight alone counts a request from its choice to the end of its
--- relay, longer than vLLM runs it: a bound on it leaves seats empty.)
+--             bounds, or its prefill lane is taken
+-- running: vllm:num_requests_running plus vllm:num_requests_waiting as last read (a
+-- waiting request takes the next seat that frees, ahead of any that comes later: vLLM
+-- admits in order), plus the requests this edge has sent to the replica since, less
+-- those of its requests that ended since (tokengate.upstream.in_flight now less
+-- in_flight at the read): the metrics see every edge's requests but are up to
+-- metrics_interval_ms old; this edge's own count moves at once. Never fewer than this
+-- edge's requests in flight there: one on its way at the read (or in the replica's
+-- HTTP server, before its engine saw it) is in the in-flight count read, not in the
+-- metrics, so the sum above leaves it out until the next read, and a burst of such
+-- gaps let lines take the seats kept free. (In flight alone counts a request from its
+-- choice to the end of its relay, longer than vLLM runs it: a bound on it alone leaves
+-- seats empty when the metrics are fresh.)
 -- max_running keeps seats of vLLM's running batch (--max-num-seqs) free for the
 -- priorities above: a request that finds every seat taken waits in vLLM's queue for a
 -- running one to finish (vLLM 0.32 preempts for priority only when KV blocks run out,
 -- never for a seat).
+-- Prefill lane (a priority with max_prefill_tokens): vLLM computes the prefills of
+-- every request it admits in the next engine step, whatever their priority, and a
+-- step whose prefill tokens pass the GPU's ridge (about 260 tokens a step on an H100
+-- in bf16: below it a step costs its weights' read, above it its FLOPs) lasts longer
+-- for every request in it, so an interactive request that shares a step with a
+-- batch line's prefill gets its first token later. While requests of other priorities
+-- run on a replica, each request of such a priority sent there (sent()) takes the
+-- replica's prefill lane for prompt / max_prefill_tokens times the replica's mean TTFT
+-- (the time a prefill sent there takes, on average, to be done): the next request of
+-- a paced priority waits for the lane (FULL until then), so their prefills arrive one
+-- at a time, at most about max_prefill_tokens of them per TTFT, instead of landing in
+-- one step together. Without requests of other priorities there the lane is not
+-- taken: a batch alone on a replica slows only itself.
 -- A request whose best replica is FULL is shed: 503 overloaded, before anything is
--- reserved.
+-- reserved (or held first: its priority's hold_ms, tokengate.stages.route).
 
 local ngx = ngx
 local errors = require "tokengate.errors"
@@ -62,6 +86,7 @@ local timer_at, spawn, wait = ngx.timer.at, ngx.thread.spawn, ngx.thread.wait
 local pairs, tonumber, tostring, type = pairs, tonumber, tostring, type
 local match, find = string.match, string.find
 local ceil, exp, max, min = math.ceil, math.exp, math.max, math.min
+local upstream_paced = upstream.paced
 
 local _M = {}
 
@@ -69,10 +94,14 @@ local ROOM, HEADROOM, UNKNOWN, FULL = 1, 2, 3, upstream.FULL
 _M.ROOM, _M.HEADROOM, _M.UNKNOWN, _M.FULL = ROOM, HEADROOM, UNKNOWN, FULL
 
 local RATE_TAU_S = 10 -- s: time constant of the finish-rate average
+local TTFT_TAU_S = 2  -- s: time constant of the mean TTFT's average
+local TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+local TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 
 local dict, conf
 local stale_s
 local last = {} -- the scraping worker's previous read per replica: {count, t}
+local last_ttft = {} -- and of its TTFT histogram: {sum, count, t}
 
 local key = upstream.key
 
@@ -108,6 +137,8 @@ local WANT = {
     ["vllm:num_requests_waiting"] = "sum",
     ["vllm:num_requests_running"] = "sum",
     ["vllm:request_success_total"] = "sum",
+    [TTFT_SUM] = "sum",
+    [TTFT_COUNT] = "sum",
 }
 
 local CACHE_INFO = "vllm:cache_config_info" -- an info gauge: its labels are the values
@@ -182,6 +213,29 @@ local function finish_rate(k, count, t)
     return old + (1 - exp(-dt / RATE_TAU_S)) * (x - old)
 end
 
+-- mean_ttft(k, sum, count, t) -> s: the mean TTFT of the requests that got their
+-- first token since the previous read of the replica whose mean is kept under k (sum,
+-- count: its vllm:time_to_first_token_seconds_sum and _count, t: s), averaged; the
+-- average as it was when none did; nil until there are two reads (a count that went
+-- down is a restarted replica: start again).
+local function mean_ttft(k, sum, count, t)
+    local prev = last_ttft[k]
+    last_ttft[k] = { sum, count, t }
+    local old = dict:get(k)
+    if not prev or count < prev[2] or t <= prev[3] then
+        return nil
+    end
+    local n = count - prev[2]
+    if n == 0 then
+        return old
+    end
+    local x = max(0, sum - prev[1]) / n
+    if not old then
+        return x
+    end
+    return old + (1 - exp(-(t - prev[3]) / TTFT_TAU_S)) * (x - old)
+end
+
 -- scrape(name, r): one read of replica r of model name; stores what it found.
 local function scrape(name, r)
     local addr = upstream.address(name, r)
@@ -223,6 +277,12 @@ local function scrape(name, r)
     if rate then
         dict:set(k, rate, stale_s)
     end
+    local sum, count = got[TTFT_SUM], got[TTFT_COUNT]
+    k = key("ttft:", name, r)
+    local ttft = sum and count and mean_ttft(k, sum, count, ngx_now())
+    if ttft then
+        dict:set(k, ttft, stale_s)
+    end
 end
 
 local sweeping = false -- this worker's sweep is still running (a hung replica)
@@ -249,8 +309,8 @@ end
 
 -- rank(model_name, r, level, prompt) -> ROOM | HEADROOM | UNKNOWN | FULL (module
 -- comment) of replica r for a request of priority level (a compiled
--- edge.admission.priorities entry: kv_cache_threshold, max_waiting, max_running (a
--- number, or null: no bound)) whose prompt has `prompt` tokens.
+-- edge.admission.priorities entry: kv_cache_threshold, max_waiting, max_running and
+-- max_prefill_tokens (numbers, or null: no bound)) whose prompt has `prompt` tokens.
 function _M.rank(model_name, r, level, prompt)
     local kv = dict:get(key("kv:", model_name, r))
     if kv == nil then
@@ -263,6 +323,10 @@ function _M.rank(model_name, r, level, prompt)
     if type(seats) == "number" and _M.running(model_name, r) >= seats then
         return FULL
     end
+    if type(level.max_prefill_tokens) == "number"
+            and dict:get(key("lane:", model_name, r)) then
+        return FULL
+    end
     local limit = level.kv_cache_threshold
     if kv <= limit then
         return ROOM
@@ -273,16 +337,37 @@ function _M.rank(model_name, r, level, prompt)
     return FULL
 end
 
--- running(model_name, r) -> requests running on replica r now, estimated (module
--- comment: the metric as read, moved by this edge's requests since); the edge's own
--- requests in flight while the metric is unknown.
+-- sent(model_name, r, level, prompt): a request of priority level with `prompt`
+-- tokens goes to replica r. With level.max_prefill_tokens, while requests of other
+-- priorities run there (running() above the paced requests this edge has there), it
+-- takes r's prefill lane (module comment) for prompt / max_prefill_tokens x the
+-- replica's mean TTFT, s (at least 1 ms: a shared-dict ttl is in ms, and 0 would
+-- never expire); nothing while that mean is unknown. Not atomic with rank(): two
+-- workers that saw the lane free at once both send (their prefills overlap once).
+function _M.sent(model_name, r, level, prompt)
+    local most = level.max_prefill_tokens
+    if type(most) ~= "number" or most <= 0 then
+        return
+    end
+    local ttft = dict:get(key("ttft:", model_name, r))
+    if not ttft or _M.running(model_name, r) <= upstream_paced(model_name, r) then
+        return
+    end
+    local s = max(0.001, ttft * max(prompt or 0, 1) / most)
+    dict:add(key("lane:", model_name, r), true, s)
+end
+
+-- running(model_name, r) -> requests running or waiting on replica r now, estimated
+-- (module comment: the metrics as read, moved by this edge's requests since, at least
+-- the edge's own requests in flight there); those alone while the metrics are unknown.
 function _M.running(model_name, r)
     local now = upstream.in_flight(model_name, r)
     local run = dict:get(key("run:", model_name, r))
     if run == nil then
         return now
     end
-    return max(0, run + now - (dict:get(key("runat:", model_name, r)) or now))
+    run = run + (dict:get(key("wait:", model_name, r)) or 0)
+    return max(now, run + now - (dict:get(key("runat:", model_name, r)) or now))
 end
 
 -- estimate(waiting, rate, most) -> s: how long until a replica that finishes `rate`
@@ -318,8 +403,8 @@ function _M.overloaded(model)
         { ["Retry-After"] = tostring(s) })
 end
 
--- state(model_name, r) -> {kv_cache_usage, waiting, running, finish_rate} of replica
--- r, nil when unknown (for the status server).
+-- state(model_name, r) -> {kv_cache_usage, waiting, running, finish_rate, mean_ttft}
+-- of replica r (mean_ttft: s), nil when unknown (for the status server).
 function _M.state(model_name, r)
     local kv = dict:get(key("kv:", model_name, r))
     if kv == nil then
@@ -327,7 +412,8 @@ function _M.state(model_name, r)
     end
     return { kv_cache_usage = kv, waiting = dict:get(key("wait:", model_name, r)) or 0,
              running = dict:get(key("run:", model_name, r)) or 0,
-             finish_rate = dict:get(key("rate:", model_name, r)) }
+             finish_rate = dict:get(key("rate:", model_name, r)),
+             mean_ttft = dict:get(key("ttft:", model_name, r)) }
 end
 
 return _M

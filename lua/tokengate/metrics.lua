@@ -101,6 +101,10 @@ local FAMILIES = {
     { "tokengate_admission_headroom_total", "counter",
       "Small prompts sent to a replica above its KV-cache threshold "
       .. "(edge.admission.small_prompt_headroom)." },
+    { "tokengate_admission_held_total", "counter",
+      "Requests that found every replica full for their priority and waited for room "
+      .. "(edge.admission.priorities.<name>.hold_ms; those still without room then were "
+      .. "shed too)." },
     { "tokengate_idle_sleeps_total", "counter",
       "Replicas put to sleep after models.<name>.idle_unload.idle_s without a request "
       .. "(tokengate.idle)." },
@@ -208,6 +212,7 @@ local STATUS = {
     { "count_drift_tokens", "tokengate_count_drift_tokens_total", "" },
     { "admission_shed", "tokengate_admission_shed_total", "" },
     { "admission_headroom", "tokengate_admission_headroom_total", "" },
+    { "admission_held", "tokengate_admission_held_total", "" },
     { "idle_sleeps", "tokengate_idle_sleeps_total", "" },
     { "idle_wakes", "tokengate_idle_wakes_total", "" },
     { "idle_held", "tokengate_idle_held_total", "" },

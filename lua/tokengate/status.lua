@@ -25,7 +25,7 @@ local _M = {}
 -- json(): content handler of /tokengate/status: the metrics as JSON, plus whether the
 -- global tier and the counter are skipped after a failure, and per model and replica
 -- {outstanding_tokens, out, asleep, address, kv_cache_usage, num_requests_waiting,
--- num_requests_running, finish_rate} (the vLLM metrics null while unknown:
+-- num_requests_running, finish_rate, mean_ttft_s} (the vLLM metrics null while unknown:
 -- tokengate.admission).
 function _M.json()
     local extra = json.object()
@@ -46,6 +46,7 @@ function _M.json()
             json.set(o, "num_requests_waiting", kv and kv.waiting or json.null)
             json.set(o, "num_requests_running", kv and kv.running or json.null)
             json.set(o, "finish_rate", kv and kv.finish_rate or json.null)
+            json.set(o, "mean_ttft_s", kv and kv.mean_ttft or json.null)
             json.set(m, rname, o)
         end
         json.set(ups, name, m)

@@ -75,9 +75,10 @@ local _M = {}
 
 local dict -- the shared dict of outstanding tokens, failures, "out" and "asleep" marks
 local pid = tostring(ngx.worker.pid())
-local WREQ, WTOK -- this worker's kinds of keys of its share: "wreq:<pid>:", "wtok:<pid>:"
+-- this worker's kinds of keys of its share: "wreq:<pid>:", "wtok:<pid>:", "wpace:<pid>:"
+local WREQ, WTOK, WPACE
 local RECLAIM_S = 5 -- how often worker 0 looks for counts of workers that are gone
-local KINDS = { "req", "tok" }
+local KINDS = { "req", "tok", "pace" }
 local held, register -- defined below
 local eject_s, max_fails, health_timeout_ms
 local probing -- health probes run (upstream_health_interval_ms > 0)
@@ -118,7 +119,7 @@ function _M.init_worker(doc, dict_name)
     health_timeout_ms = edge.upstream_health_timeout_ms
     probing = edge.upstream_health_interval_ms > 0
     pid = tostring(ngx.worker.pid())
-    WREQ, WTOK = "wreq:" .. pid .. ":", "wtok:" .. pid .. ":"
+    WREQ, WTOK, WPACE = "wreq:" .. pid .. ":", "wtok:" .. pid .. ":", "wpace:" .. pid .. ":"
     register()
     local models = doc.models or {}
     _M.reclaim(false, models)
@@ -333,16 +334,22 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
     return choice, best_rank, best_out, best_hit, best_source
 end
 
--- held(model_name, r, n, tokens): n requests and their tokens more (or fewer) in flight
--- on replica r: the totals every worker reads ("req:", "tok:"), and this worker's own
--- share of them ("wreq:<pid>:", "wtok:<pid>:"), from which reclaim() takes back what a
--- worker that died (a crash, a kill after a reload's shutdown timeout) left counted.
+-- held(model_name, r, n, tokens, paced): n requests and their tokens more (or fewer)
+-- in flight on replica r, of a paced priority or not (paced: its max_prefill_tokens is
+-- set, tokengate.admission.sent): the totals every worker reads ("req:", "tok:",
+-- "pace:"), and this worker's own share of them ("wreq:<pid>:", ...), from which
+-- reclaim() takes back what a worker that died (a crash, a kill after a reload's
+-- shutdown timeout) left counted.
 -- -> the new outstanding tokens of r (every worker's)
-held = function(model_name, r, n, tokens)
+held = function(model_name, r, n, tokens, paced)
     dict:incr(key("req:", model_name, r), n, 0)
     local now = dict:incr(key("tok:", model_name, r), tokens, 0)
     dict:incr(key(WREQ, model_name, r), n, 0)
     dict:incr(key(WTOK, model_name, r), tokens, 0)
+    if paced then
+        dict:incr(key("pace:", model_name, r), n, 0)
+        dict:incr(key(WPACE, model_name, r), n, 0)
+    end
     return now
 end
 
@@ -399,7 +406,8 @@ end
 -- take(ctx, model, tried, rank, level, prompt, tokens) -> replica, its rank | nil: the
 -- best replica (best(): tried, rank, level and prompt as there, ctx.prefix_plan its
 -- plan), which serves the request from now on: its `tokens` (the request's
--- reservation) count as outstanding there until release(ctx). A replica ctx held before
+-- reservation) count as outstanding there until release(ctx), and the request among
+-- the paced ones (paced()) when its priority (level) has max_prefill_tokens. A replica ctx held before
 -- (a retry) is released first. With a plan, ctx.prefix_expected (tokens) and
 -- ctx.prefix_source ("events" | "approximate") say what the chosen replica is expected
 -- to serve from its prefix cache. (Named arguments, not varargs: a loop that passes
@@ -424,17 +432,19 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         return nil
     end
     local name = model.name
-    local now = held(name, r, 1, tokens) or 0
+    local paced = type(level) == "table" and type(level.max_prefill_tokens) == "number"
+    local now = held(name, r, 1, tokens, paced) or 0
     if now - tokens > seen and policy(model) ~= "round_robin" then
-        held(name, r, -1, -tokens)
+        held(name, r, -1, -tokens, paced)
         local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan,
             targets)
         if r2 then
             r, k, hit, source = r2, k2, hit2, source2
         end
-        held(name, r, 1, tokens)
+        held(name, r, 1, tokens, paced)
     end
     ctx.replica, ctx.replica_tokens, ctx.replica_model = r, tokens, name
+    ctx.replica_paced = paced
     ctx.prefix_expected, ctx.prefix_source = hit, source
     return r, k
 end
@@ -443,6 +453,12 @@ end
 -- not yet released: forwarded, or about to be).
 function _M.in_flight(model_name, r)
     return dict:get(key("req:", model_name, r)) or 0
+end
+
+-- paced(model_name, r) -> the requests of paced priorities (their max_prefill_tokens
+-- set: tokengate.admission.sent) this edge has on replica r now.
+function _M.paced(model_name, r)
+    return dict:get(key("pace:", model_name, r)) or 0
 end
 
 -- others(model, r) -> the set of the names of model's replicas other than r: take()'s
@@ -463,7 +479,7 @@ end
 function _M.release(ctx, forget)
     local r = ctx.replica
     if r and ctx.replica_tokens then
-        held(ctx.replica_model, r, -1, -ctx.replica_tokens)
+        held(ctx.replica_model, r, -1, -ctx.replica_tokens, ctx.replica_paced)
         ctx.replica_tokens = nil
         if not forget then
             _M.touch(ctx.replica_model, r)

@@ -1,12 +1,13 @@
 """KV-cache-aware admission: the edge reads each replica's vLLM /metrics and sends a new
 request only to a replica whose KV cache, queue and running requests are below the
-bounds of the key's priority; when none is, it answers 503 overloaded with a Retry-After, before reserving
-anything.
+bounds of the key's priority, and whose prefill lane is free for a paced priority; when
+none is, it holds the request up to the priority's hold_ms, then answers 503 overloaded
+with a Retry-After, before reserving anything.
 
 The replicas are TokenStorm's fast upstream, whose ``vllm:kv_cache_usage_perc``,
-``vllm:num_requests_waiting`` and ``vllm:num_requests_running`` a test sets while it runs
-(``POST /tokenstorm/metrics``); the names and labels are vLLM 0.32's, checked here against
-the installed vLLM's source.
+``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and TTFT histogram a test
+sets while it runs (``POST /tokenstorm/metrics``); the names and labels are vLLM 0.32's,
+checked here against the installed vLLM's source.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 from tokenstorm.null_server import FastUpstream
@@ -80,6 +82,14 @@ def _seen(e: Edge, up: FastUpstream, kv: float | None, waiting: int = 0) -> None
         time.sleep(0.05)
 
 
+def _until(what: Callable[[], bool], why: str) -> None:
+    """Waits until ``what()`` holds (10 s at most: then fails with ``why``)."""
+    deadline = time.monotonic() + 10
+    while not what():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
 def _served(answers: list[httpx.Response]) -> Counter[str]:
     assert [r.status_code for r in answers] == [200] * len(answers), \
         [r.text for r in answers if r.status_code != 200]
@@ -89,7 +99,8 @@ def _served(answers: list[httpx.Response]) -> Counter[str]:
 def test_the_fast_upstream_serves_settable_vllm_metrics(
         replicas: Callable[..., FastUpstream]) -> None:
     up = replicas()
-    _set(up, kv_cache_usage_perc=0.95, num_requests_waiting=3, num_requests_running=2)
+    _set(up, kv_cache_usage_perc=0.95, num_requests_waiting=3, num_requests_running=2,
+         time_to_first_token_seconds_sum=1.5, time_to_first_token_seconds_count=3)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(up.url + "/chat/completions", json=chat, timeout=10).status_code == 200
     r = httpx.get(f"http://127.0.0.1:{up.port}/metrics", timeout=5)
@@ -101,6 +112,9 @@ def test_the_fast_upstream_serves_settable_vllm_metrics(
         ("vllm:num_requests_running", None): (labels, 2.0),
         ("vllm:num_requests_waiting", None): (labels, 3.0),
         ("vllm:kv_cache_usage_perc", None): (labels, 0.95),
+        ("vllm:time_to_first_token_seconds_bucket", None): ({**labels, "le": "+Inf"}, 3.0),
+        ("vllm:time_to_first_token_seconds_count", None): (labels, 3.0),
+        ("vllm:time_to_first_token_seconds_sum", None): (labels, 1.5),
         ("vllm:request_success_total", "length"): ({**labels, "finished_reason": "length"},
                                                    1.0),
     }
@@ -124,6 +138,9 @@ def test_the_installed_vllm_exports_the_metrics_admission_reads() -> None:
     # a Counter named vllm:request_success is exposed as vllm:request_success_total
     assert re.search(r'self\._counter_cls\(\s*name="vllm:request_success",(?:.|\n)*?'
                      r'labelnames=labelnames \+ \["finished_reason"\]', source)
+    # a Histogram: read as its _sum and _count
+    assert re.search(r'self\._histogram_cls\(\s*name="vllm:time_to_first_token_seconds",'
+                     r'(?:.|\n)*?labelnames=labelnames,', source)
 
 
 def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
@@ -137,6 +154,8 @@ def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
                     registry=reg)
     done = PromCounter("vllm:request_success", "Finished.",
                        ["model_name", "engine", "finished_reason"], registry=reg)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT.", ["model_name", "engine"],
+                     buckets=(0.01, 0.1, 1.0), registry=reg)
     waiting_by = Gauge("vllm:num_requests_waiting_by_reason", "By reason.",
                        ["model_name", "engine", "reason"], registry=reg)
     # an info gauge whose labels are CacheConfig's fields (vllm/v1/metrics/loggers.py
@@ -153,6 +172,8 @@ def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
         waiting_by.labels(MODEL, engine, "capacity").set(100)
         done.labels(MODEL, engine, "stop").inc(10)
         done.labels(MODEL, engine, "length").inc(2)
+        for x in (0.25, 0.5):
+            ttft.labels(MODEL, engine).observe(x)
     text = generate_latest(reg).decode()
     out = run_lua(f"""
         local a = require "tokengate.admission"
@@ -168,7 +189,8 @@ def test_the_edge_reads_the_exposition_prometheus_client_writes() -> None:
     # (tokengate.prefix: the capacity of the approximate index)
     assert out == ("num_gpu_blocks=1200 vllm:kv_cache_usage_perc=0.955 "
                    "vllm:num_requests_running=8 vllm:num_requests_waiting=7 "
-                   "vllm:request_success_total=24")
+                   "vllm:request_success_total=24 vllm:time_to_first_token_seconds_count=4 "
+                   "vllm:time_to_first_token_seconds_sum=1.5")
 
 
 def test_retry_after_is_the_queue_over_the_finish_rate() -> None:
@@ -273,6 +295,84 @@ def test_a_priority_with_max_running_is_shed_while_that_many_requests_run(
     _set(up, kv_cache_usage_perc=0.32, num_requests_running=3)
     _seen(e, up, 0.32)
     assert _chat(e, "kv-low").status_code == 200
+    # a waiting request takes the next seat that frees: it counts as running
+    _set(up, kv_cache_usage_perc=0.33, num_requests_running=2, num_requests_waiting=2)
+    _seen(e, up, 0.33, 2)
+    assert _chat(e, "kv-low").status_code == 503
+    assert e.status()["admission_shed"] == 2
+
+
+def test_max_running_counts_what_the_edge_sent_before_the_metrics_show_it(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    # the replica's metrics say nothing runs; the edge has one request there, slow to
+    # answer (a request on its way, or its prefill, is in no metric read before it)
+    up = replicas(ttft_ms=60_000)
+    e = _edge(edge_variant_off_vllm, "kv-in-flight", [up], priorities={
+        "low": {"max_running": 1}, "normal": {}})
+    _set(up, kv_cache_usage_perc=0.4)
+    _seen(e, up, 0.4)
+    slow = threading.Thread(target=lambda: _chat(e, "kv-low"), daemon=True)
+    slow.start()
+    _until(lambda: e.status()["upstreams"][MODEL][_name(up)]["outstanding_tokens"] > 0,
+           "the first request never reached its replica")
+    low = _chat(e, "kv-low")
+    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    up.stop()  # the slow request ends (502), its thread with it
+    slow.join(timeout=30)
+
+
+def _ttft_seen(e: Edge, up: FastUpstream, mean_s: float) -> None:
+    _until(lambda: e.status()["upstreams"][MODEL][_name(up)]["mean_ttft_s"]
+           == pytest.approx(mean_s), f"{_name(up)}: mean TTFT never {mean_s} s")
+
+
+def test_a_paced_priority_takes_the_prefill_lane_only_beside_other_traffic(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    up = replicas()
+    e = _edge(edge_variant_off_vllm, "kv-lane", [up], priorities={
+        "low": {"max_prefill_tokens": 1}, "normal": {}})
+    _set(up, kv_cache_usage_perc=0.2)
+    _seen(e, up, 0.2)
+    # 10 first tokens in 100 s since the last read: a mean TTFT of 10 s
+    _set(up, time_to_first_token_seconds_sum=100, time_to_first_token_seconds_count=10)
+    _ttft_seen(e, up, 10.0)
+    # nothing else runs there: no lane, lines alone slow only one another
+    assert [_chat(e, "kv-low").status_code for _ in range(3)] == [200, 200, 200]
+    # requests of other priorities run: the first takes the lane for its prompt tokens
+    # / 1 x 10 s; the next finds it taken (no hold_ms: shed at once)
+    _set(up, kv_cache_usage_perc=0.21, num_requests_running=3)
+    _seen(e, up, 0.21)
+    assert _chat(e, "kv-low").status_code == 200
+    low = _chat(e, "kv-low")
+    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    assert _chat(e, "kv-normal").status_code == 200  # not paced
+    assert e.status()["admission_shed"] == 1
+
+
+def test_a_held_request_takes_the_seat_that_frees_or_is_shed_after_hold_ms(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    up = replicas()
+    e = _edge(edge_variant_off_vllm, "kv-hold", [up], priorities={
+        "low": {"max_running": 4, "hold_ms": 60_000},
+        "normal": {"max_running": 4, "hold_ms": 1}})
+    _set(up, kv_cache_usage_perc=0.3, num_requests_running=4)
+    _seen(e, up, 0.3)
+    # held 1 ms, the replica still full: shed
+    normal = _chat(e, "kv-normal")
+    assert (normal.status_code, normal.json()["error"]["code"]) == (503, "overloaded")
+    assert (e.status()["admission_held"], e.status()["admission_shed"]) == (1, 1)
+    # held while every seat is taken, answered once one frees
+    got: list[httpx.Response] = []
+    held = threading.Thread(target=lambda: got.append(_chat(e, "kv-low")), daemon=True)
+    held.start()
+    _until(lambda: e.status()["admission_held"] == 2, "the request was not held")
+    assert not got
+    _set(up, kv_cache_usage_perc=0.31, num_requests_running=3)
+    held.join(timeout=30)
+    assert [r.status_code for r in got] == [200]
     assert e.status()["admission_shed"] == 1
 
 

@@ -9,6 +9,7 @@ import asyncio
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from tokengate import config as tg_config
 from tokenstorm.upstream import roofline
 from tokenstorm.upstream.sim import SimReplica
+from tokenstorm.upstream.sim_engine import engine_records
 from tokenstorm.upstream.sim_settings import SimSettings
 from tokenstorm.upstream.sim_steps import SteppedEngine
 
@@ -108,6 +110,36 @@ def test_a_short_kv_cache_preempts_the_last_admitted_and_everything_still_finish
     assert rs[0].num_preemptions == 0   # the first admitted is never the victim
     assert all(r.generated == 500 for r in rs)
     assert e.pool.num_free == 199 and not e.running
+
+
+def test_a_request_arriving_while_the_loop_is_late_waits_for_the_next_step() -> None:
+    """The loop is blocked past the end of the step it planned: the steps run on at
+    their planned times, and the request that came during the block is not put into a
+    step that began before it arrived (its queue time and prefill are both >= 0)."""
+    s = settings()
+    got: list[Any] = []
+
+    async def main() -> None:
+        rf = s.roofline()
+        assert rf is not None
+        e = SteppedEngine(s, rf, OUTPUT_ID)
+        a = e.submit(list(range(64)), 8)
+        loop = asyncio.get_running_loop()
+
+        def late() -> None:
+            time.sleep(0.03)   # the loop falls behind several of a's steps
+            got.append(e.submit(list(range(1000, 1064)), 2))
+
+        loop.call_soon(late)
+        await a.done
+        await got[0].done
+
+    asyncio.run(main())
+    [b] = got
+    assert b.scheduled_at is not None and b.scheduled_at >= b.arrival
+    assert b.first_token_at > b.scheduled_at
+    rec = engine_records(b, "m", b.last_token_at)[0]
+    assert rec["queued_ms"] is not None and rec["prefill_ms"] is not None
 
 
 def test_a_repeated_prompt_computes_only_what_the_prefix_cache_misses() -> None:

@@ -9,21 +9,28 @@ Interactive traffic is one open-loop TokenStorm run (Poisson arrivals at
 ``--interactive-share`` of the fleet's seats, streaming) of a ``normal`` key; the
 batch's lines go through the edge at ``batch.priority`` ``low``, admitted only while a
 replica runs fewer than ``--batch-seats`` of its seats (``max_running``), has at most 2
-requests waiting and its KV cache is below ``--low-kv-threshold``.
+requests waiting, its KV cache is below ``--low-kv-threshold`` and its prefill lane is
+free (``--prefill-tokens``: ``max_prefill_tokens``); a line that finds no such replica
+is held at the edge up to ``--hold-ms`` for one, then refused.
 
 Two runs of the same interactive schedule: alone, then with a batch of ``--lines``
-chat lines created when the interactive run starts. Both are measured over the window
-of the batch's lines (from when the batch is seen ``in_progress``, its lines checked,
-to its end, within the interactive run; the same offsets of the schedule in the run
-alone):
+chat lines created when the interactive run starts. Both are measured over the
+batch's steady window, read from the replicas' engine usage records: from the first
+moment every replica had run ``max_running`` requests (the batch had grown to the
+seats left to it) to the last line's arrival at a replica (then only the lines out
+drain); in the run alone, the same offsets of the schedule. The ramp before it and the
+drain after it measure how the benchmark starts and ends a batch of 2,000 lines, not
+the scheduler: a batch of hours has neither in its figures (the busy share of the
+batch's whole span is reported beside).
 
 - the interactive TTFT p99 of the requests scheduled in the window, ms from the
   scheduled send (the aim's figure), and the engine's TTFT p99 (queued + prefill, from
-  the replicas' engine usage records: the replicas' part, free of what this machine's
-  shared cores add to the edge, the load generator and the network);
-- the fleet's busy share: the mean over replicas and 4 samples a second of
-  vllm:num_requests_running / max_num_seqs, the share of the seats of vLLM's running
-  batch in use. Why seats: a decode step reads every weight once whatever its batch,
+  the engine records: the replicas' part, free of what this machine's shared cores add
+  to the edge, the load generator and the network);
+- the fleet's busy share: the time-weighted share of the replicas' seats in use, each
+  request counted from its admission to vLLM's running batch to its end (the records'
+  queued and e2e times: what vllm:num_requests_running counts), over replicas x
+  max_num_seqs. Why seats: a decode step reads every weight once whatever its batch,
   so below the roofline's ridge (about 260 tokens a step for Qwen3-8B on an H100) a
   step with more seats taken costs about the same time and yields more tokens; the
   step's token budget is spent by prefills only (32 decodes use 0.4 % of it), and the
@@ -41,14 +48,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 import openai
@@ -73,7 +79,6 @@ MODEL = routing.MODEL
 INTERACTIVE_KEY = "tg-bench-batch-interactive"
 TENANT_KEY = "tg-bench-batch-tenant"
 WORKER_SECRET = "tg-bench-batch-worker"
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class Options:
     lines: int = 2000
     batch_seats: float = 0.94       # of a replica's seats the batch may fill up to
     low_kv_threshold: float = 0.8
+    prefill_tokens: int | None = 256  # max_prefill_tokens of the batch's priority
+    hold_ms: int = 200              # hold_ms of the batch's priority
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
@@ -127,29 +134,91 @@ def records_file(i: int) -> Path:
     return BENCH_VAR / f"engine-records-{i}.jsonl"
 
 
-def engine_ttft(replicas: int, key_id: str, window: tuple[float, float]
+@dataclass(frozen=True)
+class Seat:
+    """One request as a replica's engine record gives it: ``replica``, ``key_id``,
+    wall-clock s of its ``arrival``, of its admission to the running batch (``start``:
+    arrival + queued) and of its ``end`` (start + prefill + decode: the engine's clock,
+    which a late event loop does not move, tokenstorm.upstream.sim_steps; e2e, which
+    it does, only for a request that had no first token); ``ttft_ms`` (queued +
+    prefill), None when it had no first token."""
+
+    replica: int
+    key_id: str | None
+    arrival: float
+    start: float
+    end: float
+    ttft_ms: float | None
+
+    @classmethod
+    def read(cls, replicas: int) -> list[Seat]:
+        """Every request of the replicas' engine records (the first choice's)."""
+        out = []
+        for i in range(replicas):
+            for line in records_file(i).read_text().splitlines():
+                r = json.loads(line)
+                if r["index"] != 0:
+                    continue
+                arrival = datetime.fromisoformat(r["arrival_ts"]).timestamp()
+                queued = r["queued_ms"] or 0.0
+                ttft = None if r["prefill_ms"] is None else queued + r["prefill_ms"]
+                ran = r["e2e_ms"] if ttft is None or r["decode_ms"] is None \
+                    else ttft + r["decode_ms"]
+                out.append(cls(i, r["key_id"], arrival, arrival + queued / 1000,
+                               arrival + ran / 1000, ttft))
+        return out
+
+
+def engine_ttft(seats: list[Seat], key_id: str, window: tuple[float, float]
                 ) -> tuple[int, float | None]:
     """(requests, TTFT p99 ms) of ``key_id``'s requests that arrived at a replica in
     ``window`` (wall-clock s), as the replicas' engine records give it: queued_ms +
     prefill_ms, the GPU's part of TTFT without the edge, the network or this machine's
     other processes."""
-    xs = []
-    for i in range(replicas):
-        for line in records_file(i).read_text().splitlines():
-            r = json.loads(line)
-            arrival = datetime.fromisoformat(r["arrival_ts"])
-            if r["key_id"] == key_id and r["prefill_ms"] is not None \
-                    and window[0] <= arrival.timestamp() <= window[1]:
-                xs.append((r["queued_ms"] or 0.0) + r["prefill_ms"])
+    xs = [s.ttft_ms for s in seats if s.key_id == key_id and s.ttft_ms is not None
+          and window[0] <= s.arrival <= window[1]]
     return len(xs), float(np.percentile(xs, 99)) if xs else None
 
 
+def busy_share(seats: list[Seat], window: tuple[float, float], replicas: int,
+               slots: int) -> float:
+    """The share of the fleet's seats in use over ``window`` (wall-clock s): the seconds
+    each request ran within it, summed, over replicas x slots x its length."""
+    a, b = window
+    used = sum(max(0.0, min(s.end, b) - max(s.start, a)) for s in seats)
+    return used / (replicas * slots * (b - a)) if b > a else 0.0
+
+
+def steady_window(seats: list[Seat], key_id: str, replicas: int, bound: int
+                  ) -> tuple[float, float]:
+    """The batch's steady window (wall-clock s): from the first moment every replica
+    had run ``bound`` requests at once since the batch's first line arrived (its window
+    had grown to the seats left to it; that arrival when one never did) to its last
+    line's arrival."""
+    lines = [s for s in seats if s.key_id == key_id]
+    first, last = min(s.arrival for s in lines), max(s.arrival for s in lines)
+    reached = []
+    for i in range(replicas):
+        mine = [s for s in seats if s.replica == i and s.end > first]
+        running = sum(1 for s in mine if s.start <= first)
+        changes = sorted([(s.start, 1) for s in mine if s.start > first]
+                         + [(s.end, -1) for s in mine])
+        for t, d in changes:
+            running += d
+            if running >= bound:
+                reached.append(t)
+                break
+    start = max(reached) if len(reached) == replicas else first
+    return (start, last) if start < last else (first, last)
+
+
 def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int,
-                 batch_port: int, redis_port: int) -> Path:
+                 status_port: int, batch_port: int, redis_port: int) -> Path:
     """tokengate.yaml of the bench: the model on the simulated replicas, the interactive
     key (normal) and the batch's tenant, batch enabled with the bench's secret, the low
-    priority refused above ``low_kv_threshold`` of the KV cache, with any request
-    waiting or with ``max_running`` requests running."""
+    priority refused above ``low_kv_threshold`` of the KV cache, with more than 2
+    requests waiting or ``max_running`` requests running, paced by
+    ``max_prefill_tokens`` and held ``hold_ms``."""
     raw = yaml.safe_load((devstack.ROOT / "tokengate.yaml").read_text())
     for m in raw["models"].values():
         m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
@@ -163,11 +232,14 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     raw["redis"] = {"url": f"redis://127.0.0.1:{redis_port}/0"}
     raw["ledger"] = {"usage_file": str(BENCH_VAR / "usage.jsonl")}
     raw["access_log"] = {"file": False}
+    # set only when on: a checkout without them runs the bench as it was
+    pacing = {k: v for k, v in (("max_prefill_tokens", opts.prefill_tokens),
+                                ("hold_ms", opts.hold_ms)) if v}
     raw["edge"] = {"listen": f"127.0.0.1:{edge_port}", "status_listen":
-                   f"127.0.0.1:{free_port()}", "count_timeout_ms": 3000,
+                   f"127.0.0.1:{status_port}", "count_timeout_ms": 3000,
                    "admission": {"metrics_interval_ms": 100, "priorities": {
                        "low": {"kv_cache_threshold": opts.low_kv_threshold, "max_waiting": 2,
-                               "max_running": opts.max_running},
+                               "max_running": opts.max_running, **pacing},
                        "normal": {}}}}
     (BENCH_VAR / "worker.key").write_text(WORKER_SECRET + "\n")
     raw["batch"] = {"enabled": True, "listen": f"127.0.0.1:{batch_port}",
@@ -179,39 +251,6 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     raw.pop("tracing", None)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
-
-
-class BusySampler:
-    """vllm:num_requests_running / slots of every replica, 4 times a second: (monotonic
-    time s, share) samples."""
-
-    def __init__(self, urls: list[str], slots: int) -> None:
-        self.urls, self.slots = urls, slots
-        self.samples: list[tuple[float, float]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.25):
-            for u in self.urls:
-                with urllib.request.urlopen(f"{u}/metrics", timeout=2) as r:
-                    text = r.read().decode()
-                m = _RUNNING.search(text)
-                self.samples.append((time.monotonic(), min(1.0, float(m.group(1)) / self.slots)
-                                     if m else 0.0))
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def share(self, start: float, end: float) -> float:
-        """The mean share of the samples taken from ``start`` to ``end`` (monotonic s)."""
-        xs = [v for t, v in self.samples if start <= t <= end]
-        return sum(xs) / len(xs) if xs else 0.0
 
 
 def batch_file(opts: Options) -> bytes:
@@ -240,32 +279,36 @@ def interactive(opts: Options, edge_port: int, model: tg_config.ModelConfig,
     return execute(spec, progress=False)
 
 
-def figures(run: RunResult, busy: BusySampler, window: tuple[float, float],
-            replicas: int) -> dict[str, Any]:
+def figures(run: RunResult, seats: list[Seat], window: tuple[float, float],
+            replicas: int, slots: int) -> dict[str, Any]:
     """What one interactive run gave over ``window`` (offsets of its schedule, s): the
     TTFT of the requests scheduled in it (ms, from the scheduled send: p50, p99), the
-    engine's TTFT p99 (``engine_ttft``) and the fleet's busy share; and the whole run's
-    request counts."""
+    engine's TTFT p99 (``engine_ttft``) and the fleet's busy share (``busy_share``);
+    and the whole run's request counts."""
     r, s = run.records, run.summary
-    wall = time.time() - time.monotonic() + run.start
-    n, engine_p99 = engine_ttft(replicas, "interactive", (wall + window[0], wall + window[1]))
+    wall = wall_start(run)
+    at = (wall + window[0], wall + window[1])
+    n, engine_p99 = engine_ttft(seats, "interactive", at)
     inside = (r.sched >= window[0]) & (r.sched <= window[1])
     ttft = report.Dist.of(np.where((r.status == 200) & (r.error == 0) & inside,
                                    r.first - r.sched, np.nan))
     return {"ok": s.all.ok, "requests": s.requests, "status_counts": dict(s.status_counts),
             "window_requests": ttft.n, "ttft_p50_ms": ttft.p50, "ttft_p99_ms": ttft.p99,
             "engine_ttft_p99_ms": engine_p99, "engine_requests": n,
-            "busy_share": busy.share(run.start + window[0], run.start + window[1])}
+            "busy_share": busy_share(seats, at, replicas, slots)}
+
+
+def wall_start(run: RunResult) -> float:
+    """The wall-clock time (s) of ``run``'s start (its schedule's offset 0)."""
+    return time.time() - time.monotonic() + run.start
 
 
 class BatchWatch:
-    """Polls a batch until it ends (4 times a second): when its lines started
-    (``running_at``: it was seen ``in_progress``) and when it ended (``ended_at``),
-    monotonic s, and its last state."""
+    """Polls a batch until it ends (4 times a second): when it ended (``ended_at``,
+    monotonic s) and its last state."""
 
     def __init__(self, client: openai.OpenAI, batch_id: str) -> None:
         self.client, self.batch_id = client, batch_id
-        self.running_at: float | None = None
         self.ended_at: float | None = None
         self.state: Any = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -274,8 +317,6 @@ class BatchWatch:
     def _run(self) -> None:
         while True:
             self.state = self.client.batches.retrieve(self.batch_id)
-            if self.state.status != "validating" and self.running_at is None:
-                self.running_at = time.monotonic()
             if self.state.status in ("completed", "failed", "expired", "cancelled"):
                 self.ended_at = time.monotonic()
                 return
@@ -288,9 +329,10 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
     for i in range(opts.replicas):
         records_file(i).unlink(missing_ok=True)
     reps = [opts.replica(model, i) for i in range(opts.replicas)]
-    edge_port, batch_port, redis_port = free_port(), free_port(), free_port()
+    edge_port, status_port = free_port(), free_port()
+    batch_port, redis_port = free_port(), free_port()
     cfg = write_config(BENCH_VAR / "tokengate.yaml", [r.address for r in reps], opts,
-                       edge_port, batch_port, redis_port)
+                       edge_port, status_port, batch_port, redis_port)
     sock = BENCH_VAR / "counter.sock"
     services = [r.service for r in reps] + [
         devstack.redis_service(port=redis_port, name="bench-batch-redis"),
@@ -315,29 +357,38 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
         for u in urls:
             routing.warm_up(u, model)
         console.print("interactive alone ...")
-        with BusySampler(urls, opts.slots) as busy_alone:
-            alone = interactive(opts, edge_port, model, "alone")
+        alone = interactive(opts, edge_port, model, "alone")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{edge_port}/v1",
                                api_key=TENANT_KEY, max_retries=2)
         f = client.files.create(file=("bench.jsonl", batch_file(opts)), purpose="batch")
         console.print("interactive with the batch ...")
-        with BusySampler(urls, opts.slots) as busy:
-            t0 = time.monotonic()
-            b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-            watch = BatchWatch(client, b.id)
-            both = interactive(opts, edge_port, model, "with batch")
+        t0 = time.monotonic()
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        watch = BatchWatch(client, b.id)
+        both = interactive(opts, edge_port, model, "with batch")
         console.print("  waiting for the batch ...")
         watch.thread.join()
         st, t1 = watch.state, watch.ended_at or time.monotonic()
-        # the window of the batch's lines in offsets of the interactive schedule
-        window = (max(0.0, (watch.running_at or t0) - both.start),
-                  min(t1 - both.start, opts.duration_s))
+        seats = Seat.read(opts.replicas)
+        lines = [s for s in seats if s.key_id == "tenant"]
+        span = (wall_start(both) + t0 - both.start, max(s.end for s in lines))
+        # the batch's steady window, in offsets of the interactive schedule
+        at = steady_window(seats, "tenant", opts.replicas, opts.max_running)
+        window = (max(0.0, at[0] - wall_start(both)),
+                  min(at[1] - wall_start(both), opts.duration_s))
         out["window_s"] = list(window)
-        out["alone"] = figures(alone, busy_alone, window, opts.replicas)
-        out["with_batch"] = figures(both, busy, window, opts.replicas)
+        out["alone"] = figures(alone, seats, window, opts.replicas, opts.slots)
+        out["with_batch"] = figures(both, seats, window, opts.replicas, opts.slots)
+        out["with_batch"]["busy_share_whole_batch"] = busy_share(seats, span, opts.replicas,
+                                                                 opts.slots)
         elapsed = t1 - t0
         n = st.request_counts
+        with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/tokengate/status",
+                                    timeout=5) as resp:
+            edge = json.loads(resp.read())
+        # lines held for a seat or a prefill lane, and refused after all (both runs)
+        out["edge"] = {k: edge.get(k) for k in ("admission_held", "admission_shed")}
         out["batch"] = {"status": st.status, "completion_s": elapsed,
                         "completed": n.completed if n else 0, "failed": n.failed if n else 0,
                         "lines_per_s": (n.completed if n else 0) / elapsed}
@@ -369,8 +420,8 @@ def aims(out: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render(out: dict[str, Any]) -> list[Table]:
     w = out["window_s"]
-    t = Table(title=f"interactive traffic in the batch's window ({w[0]:.1f} to {w[1]:.1f} s "
-                    f"of the schedule)")
+    t = Table(title=f"interactive traffic in the batch's steady window ({w[0]:.1f} to "
+                    f"{w[1]:.1f} s of the schedule)")
     for c in ("run", "requests", "in window", "TTFT p50 ms", "TTFT p99 ms",
               "engine TTFT p99 ms", "busy share"):
         t.add_column(c, justify="left" if c == "run" else "right")
@@ -383,7 +434,7 @@ def render(out: dict[str, Any]) -> list[Table]:
     b = out["batch"]
     t.add_row("batch", f"{b['completed'] + b['failed']}", str(b["completed"]),
               f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", "",
-              b["status"])
+              f"{out['with_batch']['busy_share_whole_batch']:.3f} whole")
     return [t, results.aims_table(out["aims"])]
 
 
@@ -405,12 +456,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration-s", type=float, default=d.duration_s)
     p.add_argument("--interactive-share", type=float, default=d.interactive_share)
     p.add_argument("--low-kv-threshold", type=float, default=d.low_kv_threshold)
+    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
+                   help="max_prefill_tokens of the batch's priority; 0: no bound "
+                        "(default: %(default)s)")
+    p.add_argument("--hold-ms", type=int, default=d.hold_ms,
+                   help="hold_ms of the batch's priority (default: %(default)s)")
     args = p.parse_args(argv)
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
                    lines=args.lines, line_output_tokens=args.line_output_tokens,
                    duration_s=args.duration_s, interactive_share=args.interactive_share,
-                   low_kv_threshold=args.low_kv_threshold)
+                   low_kv_threshold=args.low_kv_threshold,
+                   prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms)
     console = Console()
     out = run_bench(opts, console)
     for t in render(out):

@@ -22,11 +22,14 @@ local clock = require "tokengate.clock"
 local balancer = require "ngx.balancer"
 
 local ngx_req, ngx_log, ngx_exit, ERR = ngx.req, ngx.log, ngx.exit, ngx.ERR
+local ngx_now, ngx_sleep, ngx_update_time = ngx.now, ngx.sleep, ngx.update_time
 local mono_ms = clock.mono_ms
-local tostring = tostring
+local tostring, type = tostring, type
 local floor, max = math.floor, math.max
 
 local NO_HEADERS = {} -- a request without target headers (read only)
+local HOLD_POLL_S = 0.002 -- a held request looks for room this often (an engine step
+                          -- of an 8B model on an H100 is about 7 ms)
 
 -- choose(ctx) -> replica | nil: tokengate.slo.decide's choice again of a request that
 -- waits for its targets (not pinned: any replica). Not a closure per request: a
@@ -38,6 +41,32 @@ end
 
 local _M = {}
 
+-- hold(ctx, model, tried, prompt, tokens) -> replica, rank | nil: a request whose best
+-- replica is full waits up to its priority's hold_ms (edge.admission.priorities) for
+-- one with room, looking again every HOLD_POLL_S, holding no replica meanwhile; then
+-- the best replica and its rank (FULL when none freed). A batch line held here takes a
+-- seat or a prefill lane (tokengate.admission) within a poll of its freeing, where a
+-- 503 sends it back to tokengate-batch for a round trip and a pause; its priority's
+-- bounds still apply, so the priorities above keep their room. nil: no replica has an
+-- address any more.
+local function hold(ctx, model, tried, prompt, tokens)
+    local level = ctx.key.admission
+    local ms = level.hold_ms
+    local r, rank = ctx.replica, admission.FULL
+    if type(ms) ~= "number" or ms <= 0 then
+        return r, rank
+    end
+    metrics.incr("admission_held")
+    local deadline = ngx_now() + ms / 1000
+    repeat
+        upstream.release(ctx, true)
+        ngx_sleep(HOLD_POLL_S)
+        ngx_update_time()
+        r, rank = upstream.take(ctx, model, tried, admission.rank, level, prompt, tokens)
+    until not r or rank ~= admission.FULL or ngx_now() >= deadline
+    return r, rank
+end
+
 -- unavailable(model, why) -> the 503 of a model none of whose replicas has an address
 local function unavailable(model, why)
     return errors.new(503, "No replica of model " .. model.name .. " has an " .. why
@@ -47,10 +76,10 @@ end
 -- replica(ctx, doc) -> true | nil, err (503, 429): the replica that will serve the
 -- request, chosen before anything is reserved: one with room in its KV cache for the
 -- key's priority and below the model's max_concurrency, else one whose metrics are
--- unknown (tokengate.admission); when the best is full, the request is shed (503
--- overloaded, Retry-After), or with edge.queue.enabled waits in its key's queue
--- (tokengate.queue: also while other requests of its model wait) and takes a replica
--- when dispatched. The replica carries the request's tokens from here (upstream.take),
+-- unknown (tokengate.admission); when the best is full, the request is held up to
+-- its priority's hold_ms (hold()), then shed (503 overloaded, Retry-After), or with
+-- edge.queue.enabled waits in its key's queue (tokengate.queue: also while other
+-- requests of its model wait) and takes a replica when dispatched. The replica carries the request's tokens from here (upstream.take),
 -- so the requests that arrive while this one waits for its limits see it. A request
 -- pinned to a replica (ctx.pin: the one that holds the stored response it names) goes
 -- there, full or not. A budget reservation prices the prompt tokens the replica is
@@ -89,6 +118,11 @@ function _M.replica(ctx, doc)
     local queueing = not ctx.no_body and queue.enabled(doc)
     if queueing then
         ctx.queue_ms = 0 -- X-Tokengate-Queue-Ms on every answer while queueing is on
+    elseif rank == admission.FULL and not ctx.no_body then
+        r, rank = hold(ctx, model, tried, prompt, tokens)
+        if not r then
+            return nil, unavailable(model, "address any more.")
+        end
     end
     if not ctx.no_body
             and (rank == admission.FULL or queueing and queue.busy(model.name)) then
@@ -121,6 +155,7 @@ function _M.replica(ctx, doc)
             return nil, serr
         end
     end
+    admission.sent(model.name, ctx.replica, ctx.key.admission, prompt)
     local bud = ctx.limit_req.budget
     if bud and ctx.prefix_expected and ctx.prefix_expected > 0 then
         -- the tokens the replica is expected to serve from its prefix cache are priced

@@ -12,10 +12,12 @@ validating
 in_progress
     Lines go through the edge as the worker key acting for the batch's key, at the
     worker key's (lowest) priority: admitted only where that priority finds room in the
-    replicas' KV cache, queues and running seats (``edge.admission.priorities``), so
-    interactive traffic keeps its latency. How many are out at once follows TCP's
-    congestion window (slow start, then AIMD: additive increase, multiplicative
-    decrease, Chiu and Jain 1989; AIBrix ramps batch load the same way): one more per
+    replicas' KV cache, queues, running seats and prefill lanes
+    (``edge.admission.priorities``; a line finding none waits at the edge up to the
+    priority's ``hold_ms``), so interactive traffic keeps its latency. How many are out
+    at once follows TCP's congestion window (slow start, then AIMD: additive increase,
+    multiplicative decrease, Chiu and Jain 1989; AIBrix ramps batch load the same
+    way): one more per
     answer until the first refusal, then one more per window of answers, or per
     ``PROBE_ANSWERS`` answers when the window is larger: seats free and fill again
     many times per window, and the window must climb back within a few of them or

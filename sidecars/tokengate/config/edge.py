@@ -186,16 +186,35 @@ class PriorityConfig(_Schema):
                     "request of this priority, requests.")
     max_running: Count | None = Field(
         default=None,
-        description="A replica running this many requests (vllm:num_requests_running as "
-                    "last read, moved by the requests this edge started and ended there "
-                    "since) takes no new request of this priority, requests; null: no "
-                    "bound. Below vLLM's --max-num-seqs it keeps seats free for the "
-                    "priorities above (vLLM does not preempt a running request for a "
-                    "seat).")
+        description="A replica running this many requests (vllm:num_requests_running plus "
+                    "vllm:num_requests_waiting as last read, moved by the requests this "
+                    "edge started and ended there since, and never fewer than this edge "
+                    "has in flight there) takes no new request of this priority, "
+                    "requests; null: no bound. Below vLLM's --max-num-seqs it keeps seats "
+                    "free for the priorities above (vLLM does not preempt a running "
+                    "request for a seat).")
+    max_prefill_tokens: Positive | None = Field(
+        default=None,
+        description="Paces this priority's prefills on each replica while requests of "
+                    "other priorities run there: each request of it sent to a replica "
+                    "takes that replica's prefill lane for prompt tokens / this x the "
+                    "replica's mean TTFT (vllm:time_to_first_token_seconds), and the "
+                    "next waits for the lane; so at most about this many of its prompt "
+                    "tokens per TTFT, one request at a time, share the engine's steps "
+                    "with the interactive requests' prefills, tokens; null: no bound. "
+                    "About the GPU's ridge (256 on an H100: prefill tokens a decode step "
+                    "absorbs at almost no cost).")
+    hold_ms: Count = Field(
+        default=0,
+        description="How long a request of this priority that finds every replica full "
+                    "(its bounds above) waits at the edge for room before it is shed, ms; "
+                    "it holds no replica meanwhile and looks again every 2 ms. 0: shed "
+                    "at once. Ignored with edge.queue.enabled (the queue holds it).")
 
 
 def _default_priorities() -> dict[str, PriorityConfig]:
-    return {"low": PriorityConfig(kv_cache_threshold=0.85, max_waiting=8),
+    return {"low": PriorityConfig(kv_cache_threshold=0.85, max_waiting=8,
+                                  max_prefill_tokens=256, hold_ms=200),
             "normal": PriorityConfig()}
 
 

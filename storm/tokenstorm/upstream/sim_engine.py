@@ -160,12 +160,16 @@ class Engine:
         tokens = prompt_ids + [self.output_token_id] * (max_tokens - 1)
         hashes = prefix_hash.block_hashes(tokens, s.block_size, s.hash_algo, s.hash_seed,
                                           salt)
-        r = SimRequest(prompt_ids, max_tokens, n, hashes, salt, self.loop.time(),
+        r = SimRequest(prompt_ids, max_tokens, n, hashes, salt, self.arrival_time(),
                        self.loop.create_future(), request_id, max_tokens_param,
                        key_endpoint)
         self.waiting.append(r)
         self._schedule()
         return r
+
+    def arrival_time(self) -> float:
+        """The engine's clock for a request that arrives now (the loop's, s)."""
+        return self.loop.time()
 
     def abort(self, r: SimRequest) -> None:
         """The client left: drop ``r`` from the queue, or free what it holds."""

@@ -11,8 +11,9 @@ Each step (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, FCFS):
    reset to 0, put back at the head of the waiting queue, recomputed later from what the
    prefix cache still holds), repeated until the slots fit or the request preempted
    itself;
-3. then, if nothing was preempted in this step, waiting requests in order while fewer than
-   ``--max-num-seqs`` run and budget is left: the prefix-cache hit counts as computed and
+3. then, if nothing was preempted in this step, waiting requests in order (those that
+   had arrived when the step began) while fewer than ``--max-num-seqs`` run and budget
+   is left: the prefix-cache hit counts as computed and
    the rest of the prompt is scheduled up to the budget (chunked prefill); the head that
    does not fit in the free blocks stops admission;
 4. blocks full of scheduled tokens are cached when they are allocated, as vLLM's
@@ -51,20 +52,37 @@ class SteppedEngine(Engine):
         self.steps = 0
         self.preemptions = 0
         self.busy_s = 0.0                   # seconds of steps run
+        self.late_s = 0.0                   # the loop's lateness at the last step's plan
 
     # Engine calls _schedule on every submit and finish: here it only wakes the loop
     def _schedule(self) -> None:
         if not self._stepping:
             self._stepping = True
-            self.loop.call_soon(self._step, self.loop.time())
+            self.loop.call_soon(self._step, None)
 
-    def _step(self, start: float) -> None:
-        """Plan a step starting at ``start`` (the loop's clock, s): back to back steps
-        start at the planned end of the one before, so a late event loop catches up
-        instead of adding its lateness to every step."""
-        parts = self._plan()
+    def arrival_time(self) -> float:
+        """The engine's clock for a request that arrives now: the loop's, less the
+        loop's lateness at the step in progress (the request comes as far into that
+        step as the loop has run since planning it). A loop late on its steps (this
+        process short of CPU) then does not add its lateness to the requests' queue
+        time, as it does not add it to the steps'."""
+        now = self.loop.time()
+        return now - self.late_s if self._stepping else now
+
+    def _step(self, start: float | None) -> None:
+        """Plan a step starting at ``start`` (the loop's clock, s; None: now): back to
+        back steps start at the planned end of the one before, so a late event loop
+        catches up instead of adding its lateness to every step."""
+        now = self.loop.time()
+        if start is None:
+            start = now
+        self.late_s = max(0.0, now - start)
+        parts = self._plan(start)
         self._events_changed()
         if not parts:
+            if self.waiting and self.waiting[0].arrival > start:
+                self._step(None)   # it came while the loop was late
+                return
             self._stepping = False
             return
         # past the prompt every choice computes its own tokens
@@ -76,8 +94,11 @@ class SteppedEngine(Engine):
         self.busy_s += cost
         self.loop.call_at(start + cost, self._step_done, parts, start + cost)
 
-    def _plan(self) -> list[tuple[SimRequest, int, int]]:
-        """What this step computes: (request, new tokens, tokens computed before)."""
+    def _plan(self, start: float) -> list[tuple[SimRequest, int, int]]:
+        """What the step starting at ``start`` computes: (request, new tokens, tokens
+        computed before). Only requests that arrived by ``start`` join it: a step planned
+        late (the loop behind its clock) must not take a request that came while it
+        ran, or that request's TTFT would be shorter than a step."""
         s, pool, bs = self.s, self.pool, self.s.block_size
         budget = s.max_num_batched_tokens
         self.order = order = [r for r in self.order if not r.finished]
@@ -102,7 +123,8 @@ class SteppedEngine(Engine):
             i += 1
         if preempted:
             return parts
-        while self.waiting and len(order) < s.max_num_seqs and budget > 0:
+        while self.waiting and len(order) < s.max_num_seqs and budget > 0 \
+                and self.waiting[0].arrival <= start:
             r = self.waiting[0]
             known = r.prompt_len + r.generated
             hit = pool.longest_hit(r.hashes[:known // bs],
@@ -121,7 +143,7 @@ class SteppedEngine(Engine):
             r.num_cached_blocks = len(hit)
             r.computed = cached
             if r.scheduled_at is None:   # vLLM reports the first scheduling's hit
-                r.scheduled_at = self.loop.time()
+                r.scheduled_at = start
                 r.cached_tokens = cached
                 r.created_cache_tokens = max(r.prompt_len // bs - len(hit), 0) * bs
                 self.prefix_cache_queries += r.prompt_len

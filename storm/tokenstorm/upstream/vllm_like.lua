@@ -649,14 +649,17 @@ end
 -- engine: vllm/v1/metrics/loggers.py), the gauges a test sets with POST
 -- /tokenstorm/metrics (JSON: kv_cache_usage_perc 0..1, num_requests_waiting,
 -- num_requests_running; all 0 at start; metrics_delay_ms: how long /metrics waits
--- before answering, to stand for a replica that stops answering) and
+-- before answering, to stand for a replica that stops answering), the TTFT
+-- histogram's sum and count it sets the same way (time_to_first_token_seconds_sum,
+-- s, and _count; one +Inf bucket holding the count) and
 -- vllm:request_success_total, the answers with status 200 it sent (finished_reason
 -- "length": every request generates its whole max_tokens). The state is in the
 -- shared dict vllm_like, common to the workers.
 
 local SETTABLE = { kv_cache_usage_perc = true, num_requests_waiting = true,
                    num_requests_running = true, metrics_delay_ms = true,
-                   wake_delay_ms = true }
+                   wake_delay_ms = true, time_to_first_token_seconds_sum = true,
+                   time_to_first_token_seconds_count = true }
 local COUNTED = { "sleeps", "wakes", "queued_asleep" } -- read-only (sleep mode)
 
 local GAUGES = {
@@ -686,6 +689,14 @@ function _M.metrics()
         out[#out + 1] = "# HELP " .. name .. " " .. g[2] .. "\n# TYPE " .. name .. " gauge\n"
             .. name .. labels .. " " .. value(state:get(g[1]) or 0) .. "\n"
     end
+    local n = value(state:get("time_to_first_token_seconds_count") or 0)
+    out[#out + 1] = "# HELP vllm:time_to_first_token_seconds Histogram of time to first "
+        .. "token in seconds.\n# TYPE vllm:time_to_first_token_seconds histogram\n"
+        .. 'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name='
+        .. model_json .. "} " .. n .. "\n"
+        .. "vllm:time_to_first_token_seconds_count" .. labels .. " " .. n .. "\n"
+        .. "vllm:time_to_first_token_seconds_sum" .. labels .. " "
+        .. value(state:get("time_to_first_token_seconds_sum") or 0) .. "\n"
     out[#out + 1] = "# HELP vllm:request_success_total Count of successfully processed "
         .. "requests.\n# TYPE vllm:request_success_total counter\n"
         .. 'vllm:request_success_total{engine="0",finished_reason="length",model_name='
