@@ -98,6 +98,8 @@ _M.FIELDS = {
     replica_model = { "string|nil", "upstream", "the model whose replica holds the request's "
         .. "tokens (tokengate.upstream.take, release)" },
     replica_tokens = { "number|nil", "upstream", "the tokens the replica holds for the request" },
+    replica_paced = { "boolean|nil", "upstream", "its priority paces prefills "
+        .. "(max_prefill_tokens): counted among the replica's paced requests" },
     prefix_expected = { "number|nil", "upstream", "prompt tokens the replica is expected to "
         .. "serve from its prefix cache" },
     prefix_source = { "string|nil", "upstream", "\"events\" | \"approximate\": where that "
