@@ -64,12 +64,19 @@ def test_requests_go_to_the_replica_predicted_to_meet_the_ttft_target(
         replicas: Callable[..., FastUpstream]) -> None:
     slow, fast = replicas(ttft_ms=400), replicas(ttft_ms=5)
     e = _edge(edge_variant_off_vllm, "slo-route", [slow, fast])
-    # a burst: the prefill each request queues on its replica sends the next one to the
-    # other, so both answer and the workers learn how fast each is
-    burst = at_once(8, lambda: _chat(e))
-    assert [r.status_code for r in burst] == [200] * 8
-    assert {r.headers["x-tokengate-upstream"] for r in burst} == \
-        {f"127.0.0.1:{slow.port}", f"127.0.0.1:{fast.port}"}
+    # bursts: the prefill each request queues on its replica sends the next one to the
+    # other, so both answer and the workers learn how fast each is. When the first
+    # answers come from the fast one, it stays predicted the faster and the slow one may
+    # never be tried (its prior is no faster): up to three bursts, then either way the
+    # next requests must go to the fast one
+    answered: set[str] = set()
+    sent = 0
+    while len(answered) < 2 and sent < 24:
+        burst = at_once(8, lambda: _chat(e))
+        assert [r.status_code for r in burst] == [200] * 8
+        answered |= {r.headers["x-tokengate-upstream"] for r in burst}
+        sent += 8
+    assert f"127.0.0.1:{fast.port}" in answered
     got = []
     for _ in range(6):
         r = _chat(e)
@@ -88,9 +95,8 @@ def test_requests_go_to_the_replica_predicted_to_meet_the_ttft_target(
     text = httpx.get(f"http://127.0.0.1:{e.status_port}/metrics", timeout=10).text
     series = [line for line in text.splitlines()
               if line.startswith("tokengate_slo_prediction_error_count")]
-    assert {s.split('replica="')[1].split('"')[0] for s in series} == \
-        {f"127.0.0.1:{slow.port}", f"127.0.0.1:{fast.port}"}
-    assert sum(float(s.rsplit(" ", 1)[1]) for s in series) == 14
+    assert {s.split('replica="')[1].split('"')[0] for s in series} == answered
+    assert sum(float(s.rsplit(" ", 1)[1]) for s in series) == sent + 6
 
 
 def test_a_sheddable_or_batch_request_no_replica_can_serve_in_time_is_refused(
