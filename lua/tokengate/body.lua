@@ -324,9 +324,10 @@ _M.json_kind = json_kind
 -- (vllm/config/model.py) and OpenAI's documented bound for top_logprobs
 _M.MAX_LOGPROBS = 20
 
--- api_top_logprobs(body) -> true | nil, err (400): top_logprobs is null, absent or an
--- integer in [0, MAX_LOGPROBS] (OpenAI's words)
-function _M.api_top_logprobs(body)
+-- api_top_logprobs(body, flag) -> true | nil, err (400): top_logprobs is null, absent or
+-- an integer in [0, MAX_LOGPROBS] (OpenAI's words); with `flag` (chat's "logprobs"),
+-- one above 0 needs body[flag] true, as vLLM's chat requires
+function _M.api_top_logprobs(body, flag)
     local top = body.top_logprobs
     if top == nil or top == null then
         return true
@@ -339,6 +340,10 @@ function _M.api_top_logprobs(body)
     if n < 0 or n > _M.MAX_LOGPROBS then
         return fail(400, format("'top_logprobs' must be in [0, %d], got %.15g",
             _M.MAX_LOGPROBS, n), "top_logprobs", "invalid_value")
+    end
+    if flag and n > 0 and body[flag] ~= true then
+        return fail(400, format("'%s' must be true when 'top_logprobs' is set", flag),
+            "top_logprobs", "invalid_value")
     end
     return true
 end

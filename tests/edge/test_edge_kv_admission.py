@@ -96,6 +96,13 @@ def _served(answers: list[httpx.Response]) -> Counter[str]:
     return Counter(r.headers["x-tokengate-upstream"] for r in answers)
 
 
+def _shed(e: Edge, key: str) -> httpx.Response:
+    """A request of ``key`` that admission sheds: 503 ``overloaded``."""
+    r = _chat(e, key)
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "overloaded"), r.text
+    return r
+
+
 def test_the_fast_upstream_serves_settable_vllm_metrics(
         replicas: Callable[..., FastUpstream]) -> None:
     up = replicas()
@@ -266,8 +273,7 @@ def test_a_low_priority_key_is_shed_first(edge_variant_off_vllm: Callable[..., E
     # normal's (0.92)
     _set(up, kv_cache_usage_perc=0.89)
     _seen(e, up, 0.89)
-    low = _chat(e, "kv-low")
-    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    low = _shed(e, "kv-low")
     # the replica finished nothing since the edge started reading it: the longest wait
     assert low.headers["retry-after"] == "30"
     ev = e.event(low.headers["x-request-id"])
@@ -289,8 +295,7 @@ def test_a_priority_with_max_running_is_shed_while_that_many_requests_run(
         "low": {"max_running": 4}, "normal": {}})
     _set(up, kv_cache_usage_perc=0.31, num_requests_running=4)
     _seen(e, up, 0.31)
-    low = _chat(e, "kv-low")
-    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    _shed(e, "kv-low")
     assert _chat(e, "kv-normal").status_code == 200  # no bound of its own
     _set(up, kv_cache_usage_perc=0.32, num_requests_running=3)
     _seen(e, up, 0.32)
@@ -316,8 +321,7 @@ def test_max_running_counts_what_the_edge_sent_before_the_metrics_show_it(
     slow.start()
     _until(lambda: e.status()["upstreams"][MODEL][_name(up)]["outstanding_tokens"] > 0,
            "the first request never reached its replica")
-    low = _chat(e, "kv-low")
-    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    _shed(e, "kv-low")
     up.stop()  # the slow request ends (502), its thread with it
     slow.join(timeout=30)
 
@@ -345,8 +349,7 @@ def test_a_paced_priority_takes_the_prefill_lane_only_beside_other_traffic(
     _set(up, kv_cache_usage_perc=0.21, num_requests_running=3)
     _seen(e, up, 0.21)
     assert _chat(e, "kv-low").status_code == 200
-    low = _chat(e, "kv-low")
-    assert (low.status_code, low.json()["error"]["code"]) == (503, "overloaded")
+    _shed(e, "kv-low")
     assert _chat(e, "kv-normal").status_code == 200  # not paced
     assert e.status()["admission_shed"] == 1
 
@@ -361,8 +364,7 @@ def test_a_held_request_takes_the_seat_that_frees_or_is_shed_after_hold_ms(
     _set(up, kv_cache_usage_perc=0.3, num_requests_running=4)
     _seen(e, up, 0.3)
     # held 1 ms, the replica still full: shed
-    normal = _chat(e, "kv-normal")
-    assert (normal.status_code, normal.json()["error"]["code"]) == (503, "overloaded")
+    _shed(e, "kv-normal")
     assert (e.status()["admission_held"], e.status()["admission_shed"]) == (1, 1)
     # held while every seat is taken, answered once one frees
     got: list[httpx.Response] = []

@@ -22,7 +22,6 @@ local openai = require "tokengate.apis.openai"
 local type = type
 local format = string.format
 local is_array, is_object, encode, null = json.is_array, json.is_object, json.encode, json.null
-local json_integer = json.integer
 local fail = errors.refuse
 -- chat's own boolean fields (vLLM 0.32's ChatCompletionRequest; tokengate.apis.openai
 -- checks those it shares with completions)
@@ -89,17 +88,11 @@ local function check(body, models, edge)
         return fail(400, "Invalid value for 'tool_choice': 'tool_choice' is only allowed "
             .. "when 'tools' are specified.", "tool_choice", "invalid_value")
     end
-    local ok, err = body_mod.api_top_logprobs(body)
-    if not ok then
-        return nil, err
+    local ok, err = body_mod.api_top_logprobs(body, "logprobs")
+    if ok then
+        ok, err = body_mod.check_template_kwargs(body.chat_template_kwargs,
+            edge.template_kwargs_allowed)
     end
-    local top = json_integer(body.top_logprobs)
-    if top and top > 0 and body.logprobs ~= true then
-        return fail(400, "'logprobs' must be true when 'top_logprobs' is set",
-            "top_logprobs", "invalid_value")
-    end
-    ok, err = body_mod.check_template_kwargs(body.chat_template_kwargs,
-        edge.template_kwargs_allowed)
     if not ok then
         return nil, err
     end

@@ -102,6 +102,30 @@ local function logit_bias(body)
     return true
 end
 
+-- response_format(body) -> true | nil, err (400): response_format is null, absent or an
+-- object whose type vLLM knows (RESPONSE_FORMATS), json_schema with its json_schema
+-- object
+local function response_format(body)
+    local rf = body.response_format
+    local t = is_object(rf) and rf.type
+    if rf == nil or rf == null
+            or RESPONSE_FORMATS[t] and (t ~= "json_schema" or is_object(rf.json_schema)) then
+        return true
+    end
+    if type(t) ~= "string" then
+        return fail(400, "'response_format' must be an object with a string 'type'",
+            "response_format", "invalid_type")
+    end
+    if RESPONSE_FORMATS[t] then
+        return fail(400, "'response_format.json_schema' must be an object when "
+            .. "'response_format.type' is 'json_schema'", "response_format.json_schema",
+            "invalid_type")
+    end
+    return fail(400, "Invalid value for 'response_format.type': expected one of 'text', "
+        .. "'json_object', 'json_schema' or 'structural_tag'", "response_format.type",
+        "invalid_value")
+end
+
 -- check_common(body, models, bools) -> model entry | nil, err (400/404): the fields chat
 -- and completions share (model, stream, stream_options, max_tokens,
 -- max_completion_tokens, n, the boolean fields (BOOLS and the route's own `bools`, an
@@ -150,27 +174,12 @@ function _M.check_common(body, models, bools)
         end
     end
     ok, err = logit_bias(body)
-    if not ok then
-        return nil, err
+    if ok then
+        ok, err = response_format(body)
     end
-    local rf = body.response_format
-    if rf ~= nil and rf ~= null then
-        if not (is_object(rf) and type(rf.type) == "string") then
-            return fail(400, "'response_format' must be an object with a string 'type'",
-                "response_format", "invalid_type")
-        end
-        if not RESPONSE_FORMATS[rf.type] then
-            return fail(400, "Invalid value for 'response_format.type': expected one of "
-                .. "'text', 'json_object', 'json_schema' or 'structural_tag'",
-                "response_format.type", "invalid_value")
-        end
-        if rf.type == "json_schema" and not is_object(rf.json_schema) then
-            return fail(400, "'response_format.json_schema' must be an object when "
-                .. "'response_format.type' is 'json_schema'", "response_format.json_schema",
-                "invalid_type")
-        end
+    if ok then
+        ok, err = body_mod.api_sampling(nil, body, WORDS)
     end
-    ok, err = body_mod.api_sampling(nil, body, WORDS)
     if not ok then
         return nil, err
     end
