@@ -2,6 +2,9 @@
 nothing reaches vLLM (its own request counter does not move). Sanitizing is checked by
 the count: what vLLM reports for the sanitized body equals what it reports when the
 clean text is sent to it directly.
+
+Long for one thing: BAD_INPUT, one case per way a body can be wrong (its status, code,
+param and words), all run through the one check that it never reaches vLLM.
 """
 
 from __future__ import annotations
