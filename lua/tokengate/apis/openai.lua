@@ -9,7 +9,7 @@ local bounds = require "tokengate.bounds"
 local body_mod = require "tokengate.body"
 local models_mod = require "tokengate.models"
 
-local type, ipairs = type, ipairs
+local type = type
 local format, find, sub = string.format, string.find, string.sub
 local is_object, json_integer, json_number, json_set =
     json.is_object, json.integer, json.number, json.set
@@ -63,6 +63,18 @@ function _M.fields(only)
         known[only[i]] = true
     end
     return known
+end
+
+-- booleans(body, names) -> true | nil, err (400 invalid_type): each of `names` (an array)
+-- is a boolean, null or absent in body
+local function booleans(body, names)
+    for i = 1, #names do
+        local ok, err = body_mod.api_bool(body, names[i], WORDS)
+        if not ok then
+            return nil, err
+        end
+    end
+    return true
 end
 
 -- logit_bias(body) -> true | nil, err (400): logit_bias is null, absent or an object
@@ -165,15 +177,13 @@ function _M.check_common(body, models, bools)
             return nil, err
         end
     end
-    for _, names in ipairs({ BOOLS, bools }) do
-        for i = 1, #names do
-            ok, err = body_mod.api_bool(body, names[i], WORDS)
-            if not ok then
-                return nil, err
-            end
-        end
+    ok, err = booleans(body, BOOLS)
+    if ok then
+        ok, err = booleans(body, bools)
     end
-    ok, err = logit_bias(body)
+    if ok then
+        ok, err = logit_bias(body)
+    end
     if ok then
         ok, err = response_format(body)
     end
