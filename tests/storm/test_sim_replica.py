@@ -414,6 +414,23 @@ def test_ttft_grows_with_the_uncached_tokens(cfg: tg_config.Config) -> None:
         assert ttft[1] < ttft[0]
 
 
+def test_a_gpu_timed_replica_exports_how_late_the_host_ran_each_step(
+        cfg: tg_config.Config) -> None:
+    """tokenstorm_sim_step_lateness_seconds counts every engine step: a prompt of one
+    prefill step and 3 tokens is 3 steps (the prefill's sample, then 2 decodes)."""
+    settings = sim_settings(cfg, gpu="h100", model_config="qwen3-8b", num_gpu_blocks=0,
+                            max_model_len=4096).sized()
+    with SimReplica(settings) as rep:
+        r = httpx.post(rep.url + "/completions", json=completion_body(ids_prompt(100), 3),
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        text = httpx.get(rep.url.removesuffix("/v1") + "/metrics").text
+    [count] = [line for line in text.splitlines()
+               if line.startswith("tokenstorm_sim_step_lateness_seconds_count{")]
+    assert f'model_name="{MODEL}"' in count
+    assert float(count.rpartition(" ")[2]) == 3
+
+
 def scrape(base: str) -> dict[str, float]:
     text = httpx.get(base.removesuffix("/v1") + "/metrics").text
     out: dict[str, float] = {}

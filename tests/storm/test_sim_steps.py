@@ -94,6 +94,24 @@ def test_a_prompt_longer_than_the_token_budget_is_prefilled_in_chunks() -> None:
     assert e.steps == 6
 
 
+def test_each_step_reports_how_late_the_host_ran_it() -> None:
+    """on_late: one lateness per step (s, never below 0): the chunked prompt's 4
+    prefill steps and its 2 decodes."""
+    s = settings(max_num_batched_tokens=256)
+    lates: list[float] = []
+
+    async def main() -> SteppedEngine:
+        rf = s.roofline()
+        assert rf is not None
+        e = SteppedEngine(s, rf, OUTPUT_ID, on_late=lates.append)
+        await e.submit(list(range(1000)), 3).done
+        return e
+
+    e = asyncio.run(main())
+    assert e.steps == 6
+    assert len(lates) == 6 and min(lates) >= 0
+
+
 def test_running_decodes_go_first_and_a_new_prefill_takes_the_budget_left() -> None:
     s = settings(max_num_batched_tokens=256)
     _e, rs, firsts = run(s, [(list(range(10)), 40), (list(range(1000, 1600)), 2)])

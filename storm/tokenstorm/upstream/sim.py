@@ -31,7 +31,10 @@ routing can be measured with many replicas on a machine without GPUs:
 - **Timing** (``--gpu``): steps as vLLM's V1 scheduler (token budget, running requests
   first, chunked prefill, ``--max-num-seqs``, preemption when the KV cache is short),
   each step timed by a roofline of ``--model-config`` on the GPU
-  (``tokenstorm.upstream.sim_steps``, ``tokenstorm.upstream.roofline``).
+  (``tokenstorm.upstream.sim_steps``, ``tokenstorm.upstream.roofline``). How late the
+  host ran each step against its plan (a CPU that ran other work: a GPU's step never
+  waits for it) is ``/metrics``' ``tokenstorm_sim_step_lateness_seconds`` histogram;
+  the startup heap is frozen out of the garbage collector's view, as vLLM freezes its.
 - **Timing** (without ``--gpu``, fixed): one prefill queue per replica at ``--prefill-tokens-per-s`` for the
   uncached prompt tokens (first come, first served), so TTFT = queue wait + uncached /
   rate + ``--ttft-overhead-ms``; then one token every ITL = ``--itl-ms`` x (1 +
@@ -63,6 +66,7 @@ records still count the prompt once per choice, as vLLM does).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import sys
 import time
@@ -88,6 +92,9 @@ VLLM_VERSION = "0.32.0"
 # vLLM's TTFT histogram buckets, s (vllm/v1/metrics/buckets.py TIME_TO_FIRST_TOKEN_BUCKETS)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# the simulator's own: how late the host ran each step (SteppedEngine's on_late), s
+LATE_METRIC = "tokenstorm_sim_step_lateness_seconds"
+LATE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
 def _dumps(obj: Any) -> str:
@@ -122,6 +129,12 @@ class SimServer:
                               "Histogram of time to first token in seconds.",
                               ["model_name", "engine"], buckets=TTFT_BUCKETS,
                               registry=self.registry).labels(s.model, "0")
+        self.late = Histogram(LATE_METRIC,
+                              "How late the event loop ended each engine step against its "
+                              "planned end (--gpu): the host's scheduling, which a GPU's "
+                              "step never waits for, in seconds.",
+                              ["model_name", "engine"], buckets=LATE_BUCKETS,
+                              registry=self.registry).labels(s.model, "0")
         self.registry.register(_EngineCollector(self))
 
     def app(self) -> Any:
@@ -144,7 +157,14 @@ class SimServer:
             self.engine = Engine(s, self.renderer.output_token_id, self.publisher,
                                  self.ttft.observe, on_finish) if roofline is None else \
                 SteppedEngine(s, roofline, self.renderer.output_token_id, self.publisher,
-                              self.ttft.observe, on_finish)
+                              self.ttft.observe, on_finish, self.late.observe)
+            # vLLM's freeze_gc_heap (vllm/utils/gc_utils.py, called once its engine core
+            # and API server have started): the startup heap (about 420,000 objects in
+            # a `make bench-slo` replica) leaves the collector's view, so a collection
+            # of the oldest generation no longer stalls every stream of the replica for
+            # a quarter of a second in the middle of a run
+            gc.collect()
+            gc.freeze()
             try:
                 yield
             finally:

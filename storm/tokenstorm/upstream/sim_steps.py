@@ -39,13 +39,18 @@ from tokenstorm.upstream.sim_settings import SimSettings
 
 class SteppedEngine(Engine):
     """``Engine``'s requests, KV cache and records, scheduled in steps (the module's
-    text) timed by ``roofline``. Build it inside the running event loop."""
+    text) timed by ``roofline``. Build it inside the running event loop. ``on_late``:
+    called at the end of each step with how late the event loop ran it against its
+    planned end (s, at least 0): the host's scheduling, which a GPU's step never waits
+    for; the next step still starts at the planned end."""
 
     def __init__(self, s: SimSettings, roofline: Roofline, output_token_id: int,
                  publisher: KVEventPublisher | None = None,
                  on_ttft: Callable[[float], None] | None = None,
-                 on_finish: Callable[[SimRequest], None] | None = None) -> None:
+                 on_finish: Callable[[SimRequest], None] | None = None,
+                 on_late: Callable[[float], None] | None = None) -> None:
         super().__init__(s, output_token_id, publisher, on_ttft, on_finish)
+        self.on_late = on_late
         self.roofline = roofline
         self.order: list[SimRequest] = []   # running, in the order they were admitted
         self._stepping = False
@@ -168,6 +173,8 @@ class SteppedEngine(Engine):
         self.waiting.appendleft(r)
 
     def _step_done(self, parts: list[tuple[SimRequest, int, int]], now: float) -> None:
+        if self.on_late is not None:
+            self.on_late(max(0.0, self.loop.time() - now))
         for r, new, _ in parts:
             if r.finished or r.computed + new > r.prompt_len + r.generated \
                     or r not in self.running:
