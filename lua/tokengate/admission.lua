@@ -310,31 +310,38 @@ end
 -- rank(model_name, r, level, prompt) -> ROOM | HEADROOM | UNKNOWN | FULL (module
 -- comment) of replica r for a request of priority level (a compiled
 -- edge.admission.priorities entry: kv_cache_threshold, max_waiting, max_running and
--- max_prefill_tokens (numbers, or null: no bound)) whose prompt has `prompt` tokens.
+-- max_prefill_tokens (numbers, or null: no bound)) whose prompt has `prompt` tokens,
+-- steady: true when the rank is the same for any request of that level until the
+-- metrics are read again (it depends on neither the prompt nor, through max_running
+-- or the prefill lane, the requests sent since; tokengate.upstream keeps such a rank
+-- for a while under policy slo).
 function _M.rank(model_name, r, level, prompt)
     local kv = dict:get(key("kv:", model_name, r))
     if kv == nil then
-        return UNKNOWN
+        return UNKNOWN, true
     end
     if (dict:get(key("wait:", model_name, r)) or 0) > level.max_waiting then
-        return FULL
+        return FULL, true
     end
     local seats = level.max_running
-    if type(seats) == "number" and _M.running(model_name, r) >= seats then
-        return FULL
+    local bounded = type(seats) == "number"
+    if bounded and _M.running(model_name, r) >= seats then
+        return FULL, false
     end
-    if type(level.max_prefill_tokens) == "number"
-            and dict:get(key("lane:", model_name, r)) then
-        return FULL
+    if type(level.max_prefill_tokens) == "number" then
+        bounded = true
+        if dict:get(key("lane:", model_name, r)) then
+            return FULL, false
+        end
     end
     local limit = level.kv_cache_threshold
     if kv <= limit then
-        return ROOM
+        return ROOM, not bounded
     end
     if prompt <= conf.small_prompt_tokens and kv <= limit + conf.small_prompt_headroom then
-        return HEADROOM
+        return HEADROOM, false
     end
-    return FULL
+    return FULL, false
 end
 
 -- sent(model_name, r, level, prompt): a request of priority level with `prompt`

@@ -30,21 +30,28 @@
 --     queued_r over-predicts every request behind a long prompt;
 --     running_r: the requests this edge has on r now, this one included (their decode
 --     steps lengthen every step, vLLM's scheduler runs decodes first).
--- The coefficients are learned online from r's answers: at each request's end the
--- (ahead, running) it was predicted with and the TTFT the edge observed (forward to
--- first byte) and its TPOT ((end - first byte) / (completion tokens - 1)) update a
--- least-squares plane with exponential forgetting (DECAY per answer) that minimises
--- the squared *relative* error (each answer weighs 1 / observed^2: a 20 ms TTFT missed
--- by 10 ms counts as much as a 2 s one missed by 1 s, where plain least squares lets
--- the long prompts' seconds decide and over-predicts every short one), its slopes
--- drawn towards a prior's (PRIOR_*). Every answer is published in a shared ring per
+-- The coefficients are learned online from r's answers: at an answer's first byte the
+-- (ahead, running) its request was predicted with and the TTFT the edge observed
+-- (forward to first byte) update the TTFT plane; at its end its TPOT ((end - first
+-- byte) / (completion tokens - 1)) updates the TPOT plane. (A TTFT learned at the end
+-- came a whole answer late, seconds: the fit lagged the load it predicts, and a fresh
+-- edge predicted by the prior alone until its first answers had ended.) Each plane is
+-- a least-squares plane with exponential forgetting (DECAY per answer) that minimises
+-- sum((predicted - observed)^2 / observed): each answer weighs 1 / observed, between
+-- plain least squares (the long prompts' seconds decide and every short one is
+-- over-predicted) and the relative error's 1 / observed^2 (the many short answers
+-- decide the slope, and the few ms of noise in each of them hid the cost per token:
+-- queues of 3,000 tokens and more were predicted 15 to 55 % short); its slopes drawn
+-- towards a prior's (PRIOR_*). Every answer is published in a shared ring per
 -- replica (OBS_RING answers) and each worker folds in the answers of the others when
 -- it learns its own (the fits are per worker, their data is the edge's: no
--- read-modify-write across workers). A decision reads a few numbers per replica (its
+-- read-modify-write across workers); a decision folds only while a fit is new. A
+-- decision reads two or three numbers per replica (queued_r, anchor_r, running_r; its
 -- cost is measured and reported, decision_us).
 --
 -- Headroom of r for targets (T, P): min((T - TTFT(r)) / T, (P - TPOT(r)) / P); the
--- replica with the most headroom wins (tokengate.upstream, policy slo).
+-- replica with the most headroom wins (tokengate.upstream, policy slo). Whether it is
+-- predicted to meet them (decide) counts T from the request's arrival at the edge.
 
 local errors = require "tokengate.errors"
 local shdict = require "tokengate.shdict"
@@ -77,6 +84,8 @@ local PRIOR_TPOT = { { 0, 1, 10 }, { 0, 64, 30 }, { 20000, 1, 20 } }
 local PRIOR_SHARE = 0.02
 local CLASSES = { interactive = true, sheddable = true, batch = true }
 _M.CLASSES = CLASSES
+local LEARNED = 8 -- TTFT answers a replica's fit learns before its predictions may hold
+-- or refuse a request (headroom_left)
 local WAIT_POLL_S = 0.01 -- how often a waiting interactive request looks again at the
 -- latest (a first byte or an end in its own worker wakes it at once)
 local NONE = {}
@@ -107,9 +116,10 @@ function _M.init_worker(dict_name)
 end
 
 -- plane(points) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
--- points {x1, x2, y} of weight 1 each
+-- points {x1, x2, y} of weight 1 each; answers: how many observe() added (none here)
 local function plane(points)
-    local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0 }
+    local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0,
+                answers = 0 }
     for i = 1, #points do
         local p = points[i]
         local x1, x2, y = p[1], p[2], p[3]
@@ -188,11 +198,12 @@ local function coef(f)
     return f.c0, f.c1, f.c2
 end
 
--- observe(f, x1, x2, y): one answer (y > 0), of weight 1 / y^2, the past weighed down
--- by DECAY
+-- observe(f, x1, x2, y): one answer (y > 0), of weight 1 / y, the past weighed down by
+-- DECAY
 local function observe(f, x1, x2, y)
     local d = DECAY
-    local w = 1 / (y * y)
+    local w = 1 / y
+    f.answers = f.answers + 1
     f.n, f.s1, f.s2, f.sy = f.n * d + w, f.s1 * d + w * x1, f.s2 * d + w * x2, f.sy * d + w * y
     f.s11, f.s12 = f.s11 * d + w * x1 * x1, f.s12 * d + w * x1 * x2
     f.s22 = f.s22 * d + w * x2 * x2
@@ -201,7 +212,8 @@ local function observe(f, x1, x2, y)
 end
 
 -- fold(st, upto): the answers of r's ring after st.seen, up to sequence number upto,
--- into this worker's fits (an answer overwritten before it was read is skipped)
+-- into this worker's fits (an answer overwritten before it was read is skipped), then
+-- the fits solved
 local function fold(st, upto)
     local okey = st.okey
     for seq = max(st.seen + 1, upto - OBS_RING + 1), upto do
@@ -219,10 +231,14 @@ local function fold(st, upto)
         end
     end
     st.seen = upto
+    -- solved here, at an answer, not in the next decision
+    coef(st.ttft)
+    coef(st.tpot)
 end
 
--- learn(st, ahead, running, ttft, tpot): one answer of r (ms; tpot 0: none) into the
--- shared ring, then every answer of the ring this worker has not seen into its fits
+-- learn(st, ahead, running, ttft, tpot): one answer of r (ms; 0: none: a first byte
+-- brings its TTFT, the end its TPOT) into the shared ring, then every answer of the
+-- ring this worker has not seen into its fits
 local function learn(st, ahead, running, ttft, tpot)
     local seq = dict:incr(st.nkey, 1, 0)
     dict:set(st.okey .. seq % OBS_RING, seq .. " " .. ahead .. " " .. running .. " "
@@ -235,13 +251,27 @@ function _M.queued(model, r)
     return dict and dict:get(state_of(model, r).qkey) or 0
 end
 
--- predict(model, r, uncached, running, now) -> TTFT ms, TPOT ms, work ahead (tokens:
--- left_r + uncached, module comment) of a request whose prompt r computes `uncached`
--- tokens of, with `running` requests on r (this one included); now: mono_ms() if the
--- caller has it
-function _M.predict(model, r, uncached, running, now)
-    local st = state_of(model, r)
-    local a0, a1, a2 = coef(st.ttft)
+-- state(model, r) -> this worker's state of replica r of model, for predict_state()
+-- (the same table for the worker's life)
+_M.state = state_of
+
+-- predict_state(st, uncached, running, now) -> TTFT ms, TPOT ms, work ahead (tokens:
+-- left_r + uncached, module comment) of a request whose prompt the replica of state st
+-- (state()) computes `uncached` tokens of, with `running` requests on it (this one
+-- included) at `now` (mono_ms()): predict()'s, for a decision that keeps st. Reads
+-- queued_r, and anchor_r while queued_r > 0; the fits were solved when they learned
+-- (a fit of fewer than LEARNED answers folds the ring first).
+local function predict_state(st, uncached, running, now)
+    local f, g = st.ttft, st.tpot
+    if f.answers < LEARNED and dict then
+        -- the answers the other workers published: a worker that served nothing yet
+        -- learned nothing (only while the fit is new; then it folds at answers only)
+        fold(st, dict:get(st.nkey) or 0)
+    end
+    local a0, a1, a2 = f.c0, f.c1, f.c2
+    if not a0 then
+        a0, a1, a2 = coef(f)
+    end
     local left = dict and dict:get(st.qkey) or 0
     if left > 0 and a1 > 0 then
         local since = dict:get(st.akey)
@@ -251,12 +281,24 @@ function _M.predict(model, r, uncached, running, now)
             -- is what a request sent now should expect: the lateness counts as work
             -- still ahead (without it, a stalled replica looked idle and drew every
             -- request until its first byte came back)
-            left = abs(left - ((now or mono_ms()) - since) / a1)
+            left = abs(left - (now - since) / a1)
         end
     end
     local ahead = left + uncached
-    local b0, b1, b2 = coef(st.tpot)
+    local b0, b1, b2 = g.c0, g.c1, g.c2
+    if not b0 then
+        b0, b1, b2 = coef(g)
+    end
     return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
+end
+_M.predict_state = predict_state
+
+-- predict(model, r, uncached, running, now) -> TTFT ms, TPOT ms, work ahead (tokens:
+-- left_r + uncached, module comment) of a request whose prompt r computes `uncached`
+-- tokens of, with `running` requests on r (this one included); now: mono_ms() if the
+-- caller has it
+function _M.predict(model, r, uncached, running, now)
+    return predict_state(state_of(model, r), uncached, running, now or mono_ms())
 end
 
 -- backlog_s(model, replicas, running) -> seconds: the TTFT predicted now for a request
@@ -362,23 +404,50 @@ local function prediction(ctx, r, running)
     return ttft, tpot, ahead, n
 end
 
+-- headroom_left(ctx, r, ttft, tpot, deadline) -> the headroom (headroom()) of
+-- predictions ttft, tpot (ms) on replica r against ctx.slo's targets, the TTFT target
+-- being the time left until deadline (mono ms: the target from the request's arrival
+-- at the edge, ctx.t0) at the choice that predicted them (ctx.slo.chose_at): below 0
+-- for a predicted miss. 1 while r's TTFT fit (this worker's) has learned fewer than
+-- LEARNED answers: the prior is a guess of no particular GPU (twice as slow as
+-- `make bench-slo`'s simulated H100s, where the first interactive requests of a fresh
+-- edge waited out their targets on it and then went anyway); its answers teach the
+-- fit.
+local function headroom_left(ctx, r, ttft, tpot, deadline)
+    if state_of(ctx.model, r).ttft.answers < LEARNED then
+        return 1
+    end
+    local t = ctx.slo
+    -- the time of the choice that made the prediction (tokengate.upstream's), if any
+    local left = deadline - (t.chose_at or mono_ms())
+    if left <= 0 then
+        return -1
+    end
+    return min((left - ttft) / left, (t.tpot_ms - tpot) / t.tpot_ms)
+end
+
 -- decide(ctx, choose, running) -> true | nil, err: the class's answer to the prediction
 -- for ctx.replica (choose(ctx) -> replica | nil: takes the best one again and holds it
--- in ctx.replica; running(model_name, r) -> requests on r, this one included). decision_us: from
--- ctx.slo.t_choose (set before the replica was chosen) to the prediction of the chosen
--- replica in hand, shared dict reads of the choice included; predict_us
--- (tokengate.upstream adds it up): the predictions alone, every replica of every
--- choice. A waiting interactive request looks again when a first byte or an end in its
--- worker wakes it, at the latest after WAIT_POLL_S. Sets ctx.slo's decision ("met" |
+-- in ctx.replica; running(model_name, r) -> requests on r, this one included).
+-- decision_us: the policy's choice (tokengate.upstream's, policy slo: from its start
+-- to the prediction of the chosen replica in hand, shared dict reads of the choice
+-- included; ctx.slo.decision_ms, added up over the choices before this decision: one
+-- made again after a race or while held for room (tokengate.stages.route) too, not the
+-- looks of a waiting request), without
+-- the counting every policy does after it (the requests and tokens held on the
+-- replica); predict_us (ctx.slo.predict_ms): the predictions alone, every replica of
+-- every choice. A replica is predicted to miss by headroom_left(). A waiting
+-- interactive request looks again when a first byte or an end in its worker wakes it,
+-- at the latest after WAIT_POLL_S. Sets ctx.slo's decision ("met" |
 -- "waited" | "late" | "refused"), predicted_ttft_ms, predicted_tpot_ms, ahead (tokens),
 -- running, decision_us.
 function _M.decide(ctx, choose, running)
     local t = ctx.slo
-    local t0 = t.t_choose or mono_ms()
     local r = ctx.replica
     local ttft, tpot, ahead, n = prediction(ctx, r, running)
-    local h = _M.headroom(ttft, tpot, t)
-    t.decision_us = floor((mono_ms() - t0) * 1000 + 0.5)
+    t.decision_us = floor((t.decision_ms or 0) * 1000 + 0.5)
+    local deadline = (ctx.t0 or mono_ms()) + t.ttft_ms
+    local h = headroom_left(ctx, r, ttft, tpot, deadline)
     local decision = "met"
     -- spare capacity for batch: no prefill of others queued on the replica (a long
     -- prompt there delays every interactive request behind it) and half its targets left
@@ -389,7 +458,6 @@ function _M.decide(ctx, choose, running)
         end
         -- interactive: wait until some replica is predicted to meet the target, or the
         -- target has passed
-        local deadline = (ctx.t0 or t0) + t.ttft_ms
         decision = "late"
         while mono_ms() < deadline do
             wake:wait(WAIT_POLL_S)
@@ -399,9 +467,7 @@ function _M.decide(ctx, choose, running)
                     .. " has an address any more.", nil, "upstream_unavailable")
             end
             ttft, tpot, ahead, n = prediction(ctx, r, running)
-            local left = deadline - mono_ms()
-            if left > 0 and _M.headroom(ttft, tpot, { ttft_ms = left, tpot_ms = t.tpot_ms })
-                    >= 0 then
+            if headroom_left(ctx, r, ttft, tpot, deadline) >= 0 then
                 decision = "waited"
                 break
             end
@@ -446,29 +512,50 @@ local function woken()
     end
 end
 
--- first(ctx): the answer's first byte: the request's prefill is done, the replica's
--- queue has moved (the anchor) and the waiting requests of this worker look again.
-function _M.first(ctx)
-    local t = ctx.slo
-    if t and t.queued then
-        local st = state_of(ctx.model, t.queued_on)
-        dict:incr(st.qkey, -t.queued, 0)
-        dict:set(st.akey, mono_ms())
-        t.queued = false
-        woken()
+-- dequeue(ctx, t): the request's uncached tokens leave its replica's queued prefill
+-- work (once); the replica's queue has moved (the anchor) and the waiting requests of
+-- this worker look again. -> the replica's state, nil when nothing was queued.
+local function dequeue(ctx, t)
+    if not (t and t.queued) then
+        return nil
     end
+    local st = state_of(ctx.model, t.queued_on)
+    dict:incr(st.qkey, -t.queued, 0)
+    dict:set(st.akey, mono_ms())
+    t.queued = false
+    woken()
+    return st
+end
+
+-- first(ctx, answered): the answer's first byte (ctx.t_first set): the request's
+-- prefill is done (dequeue). answered: the replica answered the request (2xx, not an
+-- error the edge rewrites): then its TTFT (forward to first byte, ms) is learned by the
+-- replica's TTFT fit (learn(): every worker's) and its prediction error observed.
+function _M.first(ctx, answered)
+    local t = ctx.slo
+    local st = dequeue(ctx, t)
+    if not (st and answered and ctx.t_first and t.t_sent) then
+        return
+    end
+    local ttft = ctx.t_first - t.t_sent
+    if t.predicted_ttft_ms and ttft > 0 then
+        metrics.slo_error(ctx.model, t.queued_on.name, (t.predicted_ttft_ms - ttft) / ttft)
+    end
+    -- 0.001 ms: an answer at once still weighs 1 / y within bounds
+    learn(st, floor(t.ahead or 0), t.running or 1, max(ttft, 0.001), 0)
 end
 
 -- finish(ctx, completion) -> the usage event's slo object | nil: the queued count let
--- go of if no byte came, then the observed TTFT (forward to first byte, ms) and TPOT
--- (ms) learned by the replica's fits (learn(): every worker's); observed and predicted
--- in the object; the waiting requests of this worker look again (a request ended).
+-- go of if no byte came (dequeue: nothing learned), the observed TPOT (ms) learned by
+-- the replica's TPOT fit (an answer of at least 2 completion tokens); observed TTFT
+-- (forward to first byte, ms) and TPOT and their predictions in the object; the
+-- waiting requests of this worker look again (a request ended).
 function _M.finish(ctx, completion)
     local t = ctx.slo
     if not t then
         return nil
     end
-    _M.first(ctx)
+    dequeue(ctx, t)
     local ev = { class = t.class, decision = t.decision, ttft_target_ms = t.ttft_ms,
                  tpot_target_ms = t.tpot_ms, decision_us = t.decision_us,
                  predict_us = t.predict_ms and floor(t.predict_ms * 1000 + 0.5) }
@@ -478,19 +565,12 @@ function _M.finish(ctx, completion)
     end
     local r = t.queued_on
     if r and ctx.t_first and t.t_sent then
-        local ttft = ctx.t_first - t.t_sent
-        ev.observed_ttft_ms = floor(ttft * 1000 + 0.5) / 1000
-        if t.predicted_ttft_ms and ttft > 0 then
-            metrics.slo_error(ctx.model, r.name, (t.predicted_ttft_ms - ttft) / ttft)
-        end
-        local tpot = 0
+        ev.observed_ttft_ms = floor((ctx.t_first - t.t_sent) * 1000 + 0.5) / 1000
         if completion and completion >= 2 then
-            tpot = (mono_ms() - ctx.t_first) / (completion - 1)
+            local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
             ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
+            learn(state_of(ctx.model, r), floor(t.ahead or 0), t.running or 1, 0, tpot)
         end
-        -- 0.001 ms: an answer at once still weighs 1 / y^2 within bounds
-        learn(state_of(ctx.model, r), floor(t.ahead or 0), t.running or 1, max(ttft, 0.001),
-            tpot)
     end
     woken()
     return ev

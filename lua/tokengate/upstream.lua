@@ -103,6 +103,29 @@ local function key(kind, model, r)
 end
 _M.key = key
 
+-- Policy slo reads each replica's slow state (out, asleep, its admission rank for a
+-- priority level) from a copy of this worker's at most SNAPSHOT_MS old: a decision then
+-- reads two or three shared-dict numbers per replica (requests in flight, and
+-- tokengate.slo's queued prefill and anchor) instead of eight, the difference between
+-- a decision in 20 us and one in 40 on an nginx worker whose caches the request's
+-- other stages have just filled. Out and asleep marks and the admission metrics
+-- change seldom (a failure, a probe, an idle timer, a metrics read every
+-- edge.admission.metrics_interval_ms); a mark this worker sets itself, and an out mark
+-- any fresh read finds (the balancer looks again before it sends), are seen at once.
+local SNAPSHOT_MS = 250
+-- replica table -> this worker's view of it under policy slo: {model, kreq (its key of
+-- requests in flight), st (tokengate.slo.state), at (mono ms of the copy; nil: read
+-- again), out, asleep, ranks = {[level] = rank}}
+local views = setmetatable({}, { __mode = "k" })
+
+-- forget(r): r's copy is read again at its next decision
+local function forget(r)
+    local v = views[r]
+    if v then
+        v.at = nil
+    end
+end
+
 -- init_worker(doc, dict_name) -> true | nil, err. doc: the compiled configuration
 -- (models.<name>.upstreams = [{name = "host:port", host, addr = <IP literal> | null,
 -- port, resolve}], edge: dns_servers, upstream_resolve_interval_ms,
@@ -168,7 +191,12 @@ end
 
 -- is_out(model, r) -> true while the replica is skipped (failed, or no address yet)
 function _M.is_out(model, r)
-    return dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
+    local out = dict:get(key("out:", model, r)) == true or _M.address(model, r) == nil
+    local v = views[r]
+    if out and v and not v.out then
+        v.at = nil
+    end
+    return out
 end
 
 -- probed(model, r) -> true when r's last health probe since nginx started answered
@@ -194,6 +222,7 @@ end
 -- mark_asleep(model_name, r, on): sets (on) or clears the mark; only tokengate.idle
 -- calls it.
 function _M.mark_asleep(model_name, r, on)
+    forget(r)
     if on then
         -- a replica that sleeps drops its KV cache (vLLM's sleep mode)
         prefix.forget(model_name, r)
@@ -248,7 +277,98 @@ local function better(k, asleep, cost, best_rank, best_asleep, best_cost)
         or asleep == best_asleep and cost < best_cost))
 end
 
-local cand = {} -- best()'s candidates under policy slo (reused: no table per request)
+-- view(name, r, now) -> this worker's view of replica r of model name (views), its
+-- copy of out and asleep read again when older than SNAPSHOT_MS at `now` (mono ms)
+local function view(name, r, now)
+    local v = views[r]
+    if not v or v.model ~= name then
+        v = { model = name, kreq = key("req:", name, r), st = slo.state(name, r) }
+        views[r] = v
+    end
+    local at = v.at
+    if not at or now - at > SNAPSHOT_MS then
+        v.at, v.out, v.asleep, v.ranks = now, _M.is_out(name, r), _M.asleep(name, r), {}
+    end
+    return v
+end
+
+local cand = {} -- best_slo()'s candidates (reused: no table per request)
+
+-- best_slo(model, tried, rank, level, prompt, plan, targets, start): best() under
+-- policy slo: the rank (OUT when out; a rank rank() calls steady, tokengate.admission,
+-- from the view's copy), awake before asleep, then the most headroom against targets
+-- (tokengate.slo.headroom of the TTFT and TPOT slo.predict_state predicts with the
+-- replica's expected prefix hit from plan and its requests in flight, this one
+-- included). Returns best()'s values, the chosen replica's requests in flight in place
+-- of its outstanding tokens (take()'s check for a race). The predictions of the
+-- candidates are timed together (targets.predict_ms); the chosen one's is kept in
+-- targets (slo.chosen). The choice is timed (targets.decision_ms: from its start,
+-- targets.chose_at (mono ms, the copies' now), to the chosen prediction in hand), the
+-- predictions of the candidates together (targets.predict_ms); both add up over the
+-- choices of a request.
+local function best_slo(model, tried, rank, level, prompt, plan, targets, start)
+    local list = model.upstreams
+    local n = #list
+    local name = model.name
+    local cap = model.max_concurrency or 0
+    local now = mono_ms()
+    local m = 0
+    for i = 0, n - 1 do
+        local r = list[(start + i) % n + 1]
+        if not (tried and tried[r.name]) and (r.addr or _M.address(name, r)) then
+            local v = view(name, r, now)
+            local k = 0
+            if v.out then
+                k = OUT
+            elseif rank then
+                k = level and v.ranks[level]
+                if not k then
+                    local steady
+                    k, steady = rank(name, r, level, prompt)
+                    if steady and level then
+                        v.ranks[level] = k
+                    end
+                end
+            end
+            local flying = dict:get(v.kreq) or 0
+            if cap > 0 and k < FULL and flying >= cap then
+                k = FULL
+            end
+            local hit, source = 0, nil
+            if plan then
+                hit, source = prefix.expected(name, r, plan)
+            end
+            m = m + 1
+            local c = cand[m]
+            if not c then
+                c = {}
+                cand[m] = c
+            end
+            c.r, c.st, c.k, c.asleep, c.flying, c.hit, c.source = r, v.st, k, v.asleep, flying,
+                hit, source
+        end
+    end
+    if m == 0 then
+        return nil
+    end
+    local t0 = mono_ms()
+    local pick, best_rank, best_asleep, best_cost
+    for i = 1, m do
+        local c = cand[i]
+        local ttft, tpot, ahead = slo.predict_state(c.st, prompt - c.hit, c.flying + 1, t0)
+        local cost = -slo.headroom(ttft, tpot, targets)
+        if not pick or better(c.k, c.asleep, cost, best_rank, best_asleep, best_cost) then
+            pick, best_rank, best_asleep, best_cost = c, c.k, c.asleep, cost
+        end
+        c.ttft, c.tpot, c.ahead = ttft, tpot, ahead
+    end
+    local t1 = mono_ms()
+    targets.chose_at = now
+    targets.predict_ms = (targets.predict_ms or 0) + (t1 - t0)
+    targets.decision_ms = (targets.decision_ms or 0) + (t1 - now)
+    slo.chosen(targets, pick.r, pick.ttft, pick.tpot, pick.ahead, pick.flying + 1)
+    return pick.r, best_rank, pick.flying, pick.hit, pick.source
+end
 
 local function best(model, tried, rank, level, prompt, first, plan, targets)
     local list = model.upstreams
@@ -256,9 +376,6 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
     local name = model.name
     local pol = policy(model)
     local rr = pol == "round_robin"
-    local by_slo = targets and pol == "slo"
-    local weight = plan and not by_slo and model.routing.load_weight
-    local cap = model.max_concurrency or 0
     local start = rotate
     if first then
         for i = 1, n do
@@ -273,8 +390,12 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
         rotate = rotate + 1
         start = rotate
     end
+    if targets and pol == "slo" then
+        return best_slo(model, tried, rank, level, prompt, plan, targets, start)
+    end
+    local weight = plan and model.routing.load_weight
+    local cap = model.max_concurrency or 0
     local choice, best_rank, best_asleep, best_cost, best_out, best_hit, best_source
-    local m = 0 -- policy slo: the candidates, predicted after the reads (one clock pair)
     for i = 0, n - 1 do
         local r = list[(start + i) % n + 1]
         if not (tried and tried[r.name]) and _M.address(name, r) then
@@ -290,46 +411,17 @@ local function best(model, tried, rank, level, prompt, first, plan, targets)
                 end
             end
             local cost, hit, source = out, nil, nil
-            if by_slo then
-                hit = 0
-                if plan then
-                    hit, source = prefix.expected(name, r, plan)
-                end
-                m = m + 1
-                local c = cand[m]
-                if not c then
-                    c = {}
-                    cand[m] = c
-                end
-                c.r, c.k, c.asleep, c.out, c.hit, c.source = r, k, asleep, out, hit, source
-                c.running = _M.in_flight(name, r) + 1
-            elseif plan then
+            if plan then
                 hit, source = prefix.expected(name, r, plan)
                 cost = (prompt - hit) + weight * out
             elseif rr then
                 cost = 0
             end
-            if not by_slo and (not choice or better(k, asleep, cost, best_rank, best_asleep,
-                    best_cost)) then
+            if not choice or better(k, asleep, cost, best_rank, best_asleep, best_cost) then
                 choice, best_rank, best_asleep, best_cost = r, k, asleep, cost
                 best_out, best_hit, best_source = out, hit, source
             end
         end
-    end
-    if m > 0 then
-        local t0 = mono_ms()
-        local pick
-        for i = 1, m do
-            local c = cand[i]
-            c.ttft, c.tpot, c.ahead = slo.predict(name, c.r, prompt - c.hit, c.running, t0)
-            local cost = -slo.headroom(c.ttft, c.tpot, targets)
-            if not pick or better(c.k, c.asleep, cost, best_rank, best_asleep, best_cost) then
-                pick, best_rank, best_asleep, best_cost = c, c.k, c.asleep, cost
-            end
-        end
-        targets.predict_ms = (targets.predict_ms or 0) + (mono_ms() - t0)
-        choice, best_out, best_hit, best_source = pick.r, pick.out, pick.hit, pick.source
-        slo.chosen(targets, choice, pick.ttft, pick.tpot, pick.ahead, pick.running)
     end
     return choice, best_rank, best_out, best_hit, best_source
 end
@@ -340,9 +432,9 @@ end
 -- "pace:"), and this worker's own share of them ("wreq:<pid>:", ...), from which
 -- reclaim() takes back what a worker that died (a crash, a kill after a reload's
 -- shutdown timeout) left counted.
--- -> the new outstanding tokens of r (every worker's)
+-- -> the new outstanding tokens and requests in flight of r (every worker's)
 held = function(model_name, r, n, tokens, paced)
-    dict:incr(key("req:", model_name, r), n, 0)
+    local flying = dict:incr(key("req:", model_name, r), n, 0)
     local now = dict:incr(key("tok:", model_name, r), tokens, 0)
     dict:incr(key(WREQ, model_name, r), n, 0)
     dict:incr(key(WTOK, model_name, r), tokens, 0)
@@ -350,7 +442,7 @@ held = function(model_name, r, n, tokens, paced)
         dict:incr(key("pace:", model_name, r), n, 0)
         dict:incr(key(WPACE, model_name, r), n, 0)
     end
-    return now
+    return now, flying
 end
 
 -- alive(worker_pid) -> whether that process still runs (an nginx worker of this host)
@@ -417,9 +509,10 @@ end
 -- read and the incr, so the next request of this worker sees this one's tokens. Another
 -- worker may incr between this worker's read and its incr (both chose the same replica
 -- on the same reading); the incr's result says so (it exceeds what was read by more
--- than `tokens`), and then the choice is made again with this request's own tokens left
--- out: it moves when another replica now costs strictly less (once, so two workers
--- never chase each other; not for round_robin, which reads no load).
+-- than `tokens`; under policy slo, which reads requests in flight, by more than this
+-- one), and then the choice is made again with this request's own tokens left out: it
+-- moves when another replica now costs strictly less (once, so two workers never chase
+-- each other; not for round_robin, which reads no load).
 --
 -- The increment comes before any look at r's asleep mark (tokengate.idle.hold): the
 -- sleeper marks first and reads the tokens after, so one of the two always sees the
@@ -432,9 +525,17 @@ function _M.take(ctx, model, tried, rank, level, prompt, tokens)
         return nil
     end
     local name = model.name
+    local pol = policy(model)
     local paced = type(level) == "table" and type(level.max_prefill_tokens) == "number"
-    local now = held(name, r, 1, tokens, paced) or 0
-    if now - tokens > seen and policy(model) ~= "round_robin" then
+    local now, flying = held(name, r, 1, tokens, paced)
+    -- policy slo reads requests in flight, the others outstanding tokens
+    local raced
+    if targets and pol == "slo" then
+        raced = (flying or 0) - 1 > seen
+    else
+        raced = (now or 0) - tokens > seen and pol ~= "round_robin"
+    end
+    if raced then
         held(name, r, -1, -tokens, paced)
         local r2, k2, _, hit2, source2 = best(model, tried, rank, level, prompt, r, plan,
             targets)
@@ -499,6 +600,7 @@ end
 function _M.failed(model_name, r, why)
     local fails = dict:incr(key("fail:", model_name, r), 1, 0, eject_s)
     if fails and fails >= max_fails then
+        forget(r)
         local k = key("out:", model_name, r)
         local ttl = probing and 0 or eject_s
         if dict:add(k, true, ttl) then
@@ -560,11 +662,13 @@ function _M.probe_all(premature, models)
                     ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,
                         " passed its health probe: back in")
                     dict:delete(k)
+                    forget(r)
                 end
                 dict:delete(key("fail:", name, r))
                 dict:set(key("up:", name, r), true)
             else
                 dict:delete(key("up:", name, r))
+                forget(r)
                 if dict:add(key("out:", name, r), true, 0) then
                     prefix.forget(name, r)
                     ngx_log(WARN, "tokengate: upstream ", r.name, " of ", name,

@@ -155,7 +155,7 @@ function _M.body(ctx, chunk, eof)
     end
     if not ctx.t_first and chunk ~= "" then
         ctx.t_first = mono_ms()
-        slo.first(ctx)
+        slo.first(ctx, not (replace or rewrite))
     end
     if eof then
         ctx.eof = true

@@ -107,9 +107,6 @@ function _M.replica(ctx, doc)
     if not targeted then
         return nil, terr
     end
-    if ctx.slo then
-        ctx.slo.t_choose = mono_ms() -- the decision's cost: the choice and its prediction
-    end
     local r, rank = upstream.take(ctx, model, tried, admission.rank, ctx.key.admission,
         prompt, tokens)
     if not r then

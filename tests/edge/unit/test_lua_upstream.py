@@ -1,5 +1,6 @@
 """tokengate.upstream: the replica each routing policy picks (least_outstanding,
-round_robin, prefix) after the rank and awake-before-asleep precedence.
+round_robin, prefix) after the rank and awake-before-asleep precedence; the rank
+(tokengate.admission) and whether it is steady for a priority level.
 
 The cases of lua/upstream_spec.lua, run in nginx's LuaJIT by lua_runner."""
 

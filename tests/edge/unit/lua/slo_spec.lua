@@ -105,6 +105,7 @@ local function answer(m, r, ahead, ttft)
     ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
     slo.sent(ctx)
     ctx.slo.t_sent, ctx.t_first = 0, ttft
+    slo.first(ctx, true)
     slo.finish(ctx, 1)
 end
 
@@ -190,6 +191,63 @@ case("policy slo: the replica with the most headroom, prefix hits counted", func
     upstream.release(ctx, true)
     slo.first(q)
     slo.first(q2)
+end)
+
+case("prediction: a TTFT is learned at the first byte, not from an error's", function()
+    setup()
+    local m = model(500, 50)
+    local b = m.upstreams[2]
+    local d = ngx.shared[DICT]
+    local function sent(ttft)
+        local ctx = ctx_of(m)
+        assert(slo.targets(ctx, {}))
+        ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, 1000, 0
+        ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", 1000, 1
+        slo.sent(ctx)
+        ctx.slo.t_sent, ctx.t_first = 0, ttft
+        return ctx
+    end
+    local ctx = sent(70)
+    slo.first(ctx, true)
+    eq(d:get("sln:m\0b:2"), 1)           -- in the ring before the answer ends
+    eq(slo.queued("m", b), 0)
+    slo.finish(ctx, 1)                      -- one token: no TPOT, nothing more
+    eq(d:get("sln:m\0b:2"), 1)
+    local err = sent(3)
+    slo.first(err, false)                   -- a 4xx the edge rewrites: not an answer
+    eq(d:get("sln:m\0b:2"), 1)
+    eq(slo.queued("m", b), 0)
+    slo.finish(err, nil)
+end)
+
+case("policy slo: a replica this worker ejects or finds out is avoided at once", function()
+    setup()
+    -- twice: b ejected by this worker's failure count; b marked out by another worker,
+    -- which this worker's copy of b learns from a fresh read (the balancer's)
+    for _, how in ipairs({ "failed", "marked" }) do
+        local m = model(500, 50)
+        local a, b = m.upstreams[1], m.upstreams[2]
+        -- b is the better one: 16,000 prefill tokens queued on a
+        local q = ctx_of(m)
+        assert(slo.targets(q, {}))
+        q.replica, q.token_estimate, q.prefix_expected = a, 16000, 0
+        q.slo.decision = "met"
+        slo.sent(q)
+        local ctx = ctx_of(m)
+        assert(slo.targets(ctx, {}))
+        eq(upstream.take(ctx, m, nil, nil, nil, 4000, 4100).name, "b:2")
+        upstream.release(ctx, true)
+        if how == "failed" then
+            upstream.failed("m", b, "test") -- upstream_max_fails 1: out
+        else
+            ngx.shared[DICT]:set(upstream.key("out:", "m", b), true)
+            eq(upstream.is_out("m", b), true)
+        end
+        eq(upstream.take(ctx, m, nil, nil, nil, 4000, 4100).name, "a:1")
+        upstream.release(ctx, true)
+        slo.first(q)
+        ngx.shared[DICT]:flush_all()
+    end
 end)
 
 case("the header says the class, the decision and predicted against target", function()

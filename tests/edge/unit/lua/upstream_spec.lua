@@ -1,16 +1,21 @@
 -- tokengate.upstream: the replica a request goes to under each routing.policy
 -- (least_outstanding, round_robin, prefix: cost = (prompt - hit) + load_weight x
--- outstanding), after the rank and awake-before-asleep precedence.
+-- outstanding), after the rank and awake-before-asleep precedence; the rank itself
+-- (tokengate.admission) and whether it is steady for a priority level.
 
 local t = ...
 local upstream = require "tokengate.upstream"
 local prefix = require "tokengate.prefix"
+local admission = require "tokengate.admission"
 
 local case, eq = t.case, t.eq
 local DICT = "tokengate_limits"
 local EDGE = { upstream_eject_s = 10, upstream_max_fails = 1, upstream_health_timeout_ms = 100,
                upstream_health_interval_ms = 0, upstream_resolve_interval_ms = 0,
-               dns_servers = {} }
+               dns_servers = {},
+               admission = { metrics_interval_ms = 0, metrics_timeout_ms = 500,
+                             metrics_stale_ms = 3000, small_prompt_tokens = 512,
+                             small_prompt_headroom = 0.04, max_retry_after_s = 30 } }
 
 -- model(policy, weight) -> a compiled model of two replicas a and b (fresh tables: the
 -- index keys each replica's table)
@@ -152,4 +157,51 @@ case("prefix: the approximate index sends a shared prefix where it went before",
     local name
     name, ctx = pick(m, 700, plan)
     eq({ name ~= first, ctx.prefix_expected }, { true, 0 })
+end)
+
+local R = { name = "a:1", addr = "127.0.0.1", port = 1 } -- the replica ranked below
+
+-- metrics(kv, waiting, running): what worker 0 last read of R's /metrics
+local function metrics(kv, waiting, running)
+    local d = ngx.shared[DICT]
+    d:set(upstream.key("kv:", "m", R), kv)
+    d:set(upstream.key("wait:", "m", R), waiting)
+    d:set(upstream.key("run:", "m", R), running)
+    d:set(upstream.key("runat:", "m", R), 0)
+end
+
+-- rank(level, prompt) -> {rank, steady}
+local function rank(level, prompt)
+    return { admission.rank("m", R, level, prompt) }
+end
+
+case("rank: unknown, full by its queue and room are steady for the level", function()
+    setup()
+    assert(admission.init_worker({ edge = EDGE, models = {} }, DICT))
+    local level = { kv_cache_threshold = 0.9, max_waiting = 4 }
+    eq(rank(level, 100), { admission.UNKNOWN, true })
+    metrics(0.5, 5, 10)
+    eq(rank(level, 100), { admission.FULL, true })
+    metrics(0.5, 0, 10)
+    eq(rank(level, 100), { admission.ROOM, true })
+end)
+
+case("rank: what depends on the prompt or the requests in flight is not steady", function()
+    setup()
+    assert(admission.init_worker({ edge = EDGE, models = {} }, DICT))
+    local level = { kv_cache_threshold = 0.9, max_waiting = 4 }
+    metrics(0.92, 0, 10)
+    eq(rank(level, 100), { admission.HEADROOM, false })     -- a small prompt only
+    eq(rank(level, 5000), { admission.FULL, false })
+    local seats = { kv_cache_threshold = 0.9, max_waiting = 4, max_running = 12 }
+    metrics(0.5, 0, 10)
+    eq(rank(seats, 100), { admission.ROOM, false })          -- 2 more and it is full
+    metrics(0.5, 0, 12)
+    eq(rank(seats, 100), { admission.FULL, false })
+    -- a paced priority: its prefill lane is taken and freed by the requests sent
+    local paced = { kv_cache_threshold = 0.9, max_waiting = 4, max_prefill_tokens = 2000 }
+    metrics(0.5, 0, 10)
+    eq(rank(paced, 100), { admission.ROOM, false })
+    ngx.shared[DICT]:set(upstream.key("lane:", "m", R), true)
+    eq(rank(paced, 100), { admission.FULL, false })
 end)
