@@ -5,6 +5,9 @@ events (decoded with vLLM's own ``msgspec`` decoder), the same ``cached_tokens``
 same evictions and the same ``prompt_tokens``; and the protocol of the fast upstream's
 contract. Then what only the simulation can show cheaply: TTFT from the uncached
 tokens, the waiting queue, a client that leaves, the replay socket.
+
+Long for one thing: one replica model checked against vLLM and its own timing, with the
+vLLM server started once for all the parity cases.
 """
 
 from __future__ import annotations

@@ -30,6 +30,19 @@ def write(out: dict[str, Any], stem: str, path: Path | None = None) -> Path:
     return target
 
 
+def events(path: Path) -> list[dict[str, Any]]:
+    """The usage events of a usage file (one JSON object per line), lines that do not
+    parse (a write cut short) skipped; [] when the file does not exist."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 def judge(rows: list[tuple[str, float | None, str, float]]) -> list[dict[str, Any]]:
     """Aims as the results record them: each (name, value, "<=" | ">=", bound) as
     ``{aim, value, bound: "<op> <bound>", met}``; a value of None is not met."""

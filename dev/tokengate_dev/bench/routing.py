@@ -316,17 +316,12 @@ def spread(usage_file: Path, upstreams: list[str]) -> dict[str, Any]:
     prefix only)."""
     per: Counter[str] = Counter()
     expected = confirmed = 0
-    if usage_file.exists():
-        for line in usage_file.read_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            per[str(ev.get("upstream"))] += 1
-            exp = ev.get("expected_cached_tokens")
-            if isinstance(exp, int) and exp > 0:
-                expected += exp
-                confirmed += min(exp, int(ev.get("cached_tokens") or 0))
+    for ev in results.events(usage_file):
+        per[str(ev.get("upstream"))] += 1
+        exp = ev.get("expected_cached_tokens")
+        if isinstance(exp, int) and exp > 0:
+            expected += exp
+            confirmed += min(exp, int(ev.get("cached_tokens") or 0))
     total = sum(per.values())
     return {"requests": {u: per.get(u, 0) for u in upstreams},
             "busiest_share": max(per.values()) / total if total else None,

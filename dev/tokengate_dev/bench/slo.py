@@ -324,26 +324,21 @@ def predictions(usage: Path, prefill: dict[str, float]) -> dict[str, Any]:
     cost: list[float] = []
     predict: list[float] = []
     decisions: dict[str, int] = {}
-    if usage.exists():
-        for line in usage.read_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            s = ev.get("slo")
-            if not isinstance(s, dict):
-                continue
-            decisions[s["decision"]] = decisions.get(s["decision"], 0) + 1
-            if s.get("decision_us") is not None:
-                cost.append(float(s["decision_us"]))
-            if s.get("predict_us") is not None:
-                predict.append(float(s["predict_us"]))
-            p, o = s.get("predicted_ttft_ms"), s.get("observed_ttft_ms")
-            if p is not None and o:
-                errs.append((p - o) / o)
-                step = prefill.get(ev.get("request_id"))
-                if step is not None:
-                    known.append((o, step))
+    for ev in results.events(usage):
+        s = ev.get("slo")
+        if not isinstance(s, dict):
+            continue
+        decisions[s["decision"]] = decisions.get(s["decision"], 0) + 1
+        if s.get("decision_us") is not None:
+            cost.append(float(s["decision_us"]))
+        if s.get("predict_us") is not None:
+            predict.append(float(s["predict_us"]))
+        p, o = s.get("predicted_ttft_ms"), s.get("observed_ttft_ms")
+        if p is not None and o:
+            errs.append((p - o) / o)
+            step = prefill.get(str(ev.get("request_id")))
+            if step is not None:
+                known.append((o, step))
     rest = _quantile([o - step for o, step in known], 0.5) or 0.0
     floor = [abs(step + rest - o) / o for o, step in known]
     return {"requests": len(errs), "decisions": decisions,

@@ -30,6 +30,17 @@ local function ctx_of(m, key)
     return { model = m.name, model_entry = m, key = key or { id = "k" } }
 end
 
+-- queue(m, r, tokens): a request of `tokens` uncached prompt tokens sent to replica r
+-- (decided "met"); returns its ctx, whose slo.first(ctx) ends the prefill it queued
+local function queue(m, r, tokens)
+    local ctx = ctx_of(m)
+    assert(slo.targets(ctx, {}))
+    ctx.replica, ctx.token_estimate, ctx.prefix_expected = r, tokens, 0
+    ctx.slo.decision = "met"
+    slo.sent(ctx)
+    return ctx
+end
+
 case("targets: the model's, then the key's, then the request's headers", function()
     setup()
     local m = model(500, 50)
@@ -82,11 +93,7 @@ case("prediction: the prior line, then the prefill queued on the replica", funct
     eq(ahead, 2000)
     eq(math.floor(ttft + 0.5), 120)   -- 20 ms + 2,000 / 20,000 s
     eq(math.floor(tpot * 1000 + 0.5), 11000)   -- 10 ms, plus 0.5 ms per 1,000 ahead
-    local ctx = ctx_of(m)
-    assert(slo.targets(ctx, {}))
-    ctx.replica, ctx.token_estimate, ctx.prefix_expected = a, 18000, 0
-    ctx.slo.decision = "met"
-    slo.sent(ctx)
+    local ctx = queue(m, a, 18000)
     eq(slo.queued("m", a), 18000)
     ttft = slo.predict("m", a, 2000, 1)
     eq(math.floor(ttft + 0.5), 1020)
@@ -96,15 +103,21 @@ case("prediction: the prior line, then the prefill queued on the replica", funct
     eq(slo.queued("m", a), 0)
 end)
 
--- answer(m, r, ahead, ttft): one request of `ahead` tokens sent to r, predicted with
--- them ahead and 1 running, answered with its first token after `ttft` ms
-local function answer(m, r, ahead, ttft)
+-- sent(m, r, ahead, ttft): one request of `ahead` tokens sent to r, predicted with
+-- them ahead and 1 running, its first byte `ttft` ms after it was sent; returns its ctx
+local function sent(m, r, ahead, ttft)
     local ctx = ctx_of(m)
     assert(slo.targets(ctx, {}))
     ctx.replica, ctx.token_estimate, ctx.prefix_expected = r, ahead, 0
     ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", ahead, 1
     slo.sent(ctx)
     ctx.slo.t_sent, ctx.t_first = 0, ttft
+    return ctx
+end
+
+-- answer(m, r, ahead, ttft): sent(...) and answered with one token
+local function answer(m, r, ahead, ttft)
+    local ctx = sent(m, r, ahead, ttft)
     slo.first(ctx, true)
     slo.finish(ctx, 1)
 end
@@ -126,11 +139,7 @@ case("prediction: prefill queued for a while is partly done, a late queue counts
     setup()
     local m = model(500, 50)
     local a = m.upstreams[1]
-    local ctx = ctx_of(m)
-    assert(slo.targets(ctx, {}))
-    ctx.replica, ctx.token_estimate, ctx.prefix_expected = a, 18000, 0
-    ctx.slo.decision = "met"
-    slo.sent(ctx)
+    local ctx = queue(m, a, 18000)
     -- the queue started 450 ms ago: 9,000 of its tokens done at the prior's 20 per ms
     ngx.shared[DICT]:set("sla:m\0a:1", require("tokengate.clock").mono_ms() - 450)
     local ttft, _, ahead = slo.predict("m", a, 2000, 1)
@@ -169,20 +178,12 @@ case("policy slo: the replica with the most headroom, prefix hits counted", func
     local ctx = ctx_of(m)
     assert(slo.targets(ctx, {}))
     -- 16,000 prefill tokens queued on a: b wins an uncached 4,000-token prompt
-    local q = ctx_of(m)
-    assert(slo.targets(q, {}))
-    q.replica, q.token_estimate, q.prefix_expected = m.upstreams[1], 16000, 0
-    q.slo.decision = "met"
-    slo.sent(q)
+    local q = queue(m, m.upstreams[1], 16000)
     local r = upstream.take(ctx, m, nil, nil, nil, 4000, 4100)
     eq(r.name, "b:2")
     upstream.release(ctx, true)
     -- b is busier still; a holds 3,900 of the prompt's tokens in its prefix cache
-    local q2 = ctx_of(m)
-    assert(slo.targets(q2, {}))
-    q2.replica, q2.token_estimate, q2.prefix_expected = m.upstreams[2], 15000, 0
-    q2.slo.decision = "met"
-    slo.sent(q2)
+    local q2 = queue(m, m.upstreams[2], 15000)
     ctx.prefix_plan = { hashes = "", n = 0, cap = 0, bs = 16,
                         hits = { ["a:1"] = 3900, ["b:2"] = 0 } }
     r = upstream.take(ctx, m, nil, nil, nil, 4000, 4100)
@@ -196,24 +197,14 @@ end)
 case("prediction: a TTFT is learned at the first byte, not from an error's", function()
     setup()
     local m = model(500, 50)
-    local b = m.upstreams[2]
-    local d = ngx.shared[DICT]
-    local function sent(ttft)
-        local ctx = ctx_of(m)
-        assert(slo.targets(ctx, {}))
-        ctx.replica, ctx.token_estimate, ctx.prefix_expected = b, 1000, 0
-        ctx.slo.decision, ctx.slo.ahead, ctx.slo.running = "met", 1000, 1
-        slo.sent(ctx)
-        ctx.slo.t_sent, ctx.t_first = 0, ttft
-        return ctx
-    end
-    local ctx = sent(70)
+    local b, d = m.upstreams[2], ngx.shared[DICT]
+    local ctx = sent(m, b, 1000, 70)
     slo.first(ctx, true)
     eq(d:get("sln:m\0b:2"), 1)           -- in the ring before the answer ends
     eq(slo.queued("m", b), 0)
     slo.finish(ctx, 1)                      -- one token: no TPOT, nothing more
     eq(d:get("sln:m\0b:2"), 1)
-    local err = sent(3)
+    local err = sent(m, b, 1000, 3)
     slo.first(err, false)                   -- a 4xx the edge rewrites: not an answer
     eq(d:get("sln:m\0b:2"), 1)
     eq(slo.queued("m", b), 0)
@@ -228,11 +219,7 @@ case("policy slo: a replica this worker ejects or finds out is avoided at once",
         local m = model(500, 50)
         local a, b = m.upstreams[1], m.upstreams[2]
         -- b is the better one: 16,000 prefill tokens queued on a
-        local q = ctx_of(m)
-        assert(slo.targets(q, {}))
-        q.replica, q.token_estimate, q.prefix_expected = a, 16000, 0
-        q.slo.decision = "met"
-        slo.sent(q)
+        local q = queue(m, a, 16000)
         local ctx = ctx_of(m)
         assert(slo.targets(ctx, {}))
         eq(upstream.take(ctx, m, nil, nil, nil, 4000, 4100).name, "b:2")
