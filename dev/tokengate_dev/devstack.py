@@ -55,7 +55,9 @@ PYTHON = sys.executable
 def _service(name: str, argv: list[str], ready: Callable[[], bool],
              env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
              prepare: Callable[[], None] | None = None) -> Service:
-    """A process of the stack: run from the checkout, logging to ``var/log/<name>.log``."""
+    """A process of the stack: run from the checkout, logging to ``var/log/<name>.log``;
+    ready within ``start_timeout_s`` (60 s: a Python sidecar's start took over 30 s on a
+    2-core host with the whole suite beside it)."""
     return Service(name, argv, ready, env or {}, start_timeout_s, cwd=ROOT, log_dir=VAR / "log",
                    prepare=prepare)
 
@@ -203,7 +205,7 @@ def counter_service(config_path: Path, port: int = 50051, unix_socket: Path | No
             # every worker publishes its socket once its models are loaded; the shared
             # TCP port answers as soon as the first one listens
             return port_ready() and all(s.is_socket() for s in sockets)
-    return _service(name, argv, ready, start_timeout_s=60.0)
+    return _service(name, argv, ready)
 
 
 def redis_service(port: int = 6380, name: str = "redis", persist: bool = False,
@@ -247,7 +249,7 @@ def ledger_service(config_path: Path, usage_file: Path | None = None,
     for f in engine_files:
         argv += ["--engine-file", str(f)]
     # the status file is the probe: the one a previous ledger wrote must not count
-    return _service(name, argv, status.exists, start_timeout_s=30.0,
+    return _service(name, argv, status.exists,
                     prepare=lambda: status.unlink(missing_ok=True))
 
 
@@ -268,7 +270,7 @@ def console_service(config_path: Path, usage_file: Path | None = None,
         argv += ["--redis-url", redis_url]
     host, _, port = listen.rpartition(":")
     login = f"http://{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}/login"
-    return _service(name, argv, http_ready(login), start_timeout_s=30.0)
+    return _service(name, argv, http_ready(login))
 
 
 # The demo secret of tokengate.yaml's batch section (batch.worker_sha256): make run
@@ -308,7 +310,7 @@ def batch_service(config_path: Path, listen: str | None = None, redis_url: str |
     else:
         host, _, port = listen.rpartition(":")
         ready = tcp_ready(host, int(port))
-    return _service(name, argv, ready, start_timeout_s=30.0, prepare=prepare)
+    return _service(name, argv, ready, prepare=prepare)
 
 
 def limits_service(config_path: Path, port: int = 50061, redis_url: str | None = None,
@@ -324,7 +326,7 @@ def limits_service(config_path: Path, port: int = 50061, redis_url: str | None =
             *_metrics_args(metrics_listen)]
     if redis_url is not None:
         argv += ["--redis-url", redis_url]
-    return _service(name, argv, tcp_ready("127.0.0.1", port), start_timeout_s=30.0)
+    return _service(name, argv, tcp_ready("127.0.0.1", port))
 
 
 def fast_upstream_service(port: int = 38100, model: str = "tiny-qwen3",

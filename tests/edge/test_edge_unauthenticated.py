@@ -78,8 +78,9 @@ def redis_state(r: redis.Redis) -> dict[str, Any]:
 def ledger_on(redis_url: str,
               ledger_redis: redis.Redis) -> Iterator[Callable[[Edge, str], str]]:
     """``ledger_on(edge, name)``: a real tokengate-ledger tailing the usage file of the
-    edge variant ``name`` into the session Redis (flushed); returns its ledger id.
-    Stopped when the test ends."""
+    edge variant ``name`` into the session Redis (flushed); returns its ledger id once
+    its first rebuild ended (no ready mark in the flushed Redis: until it sets one, the
+    rebuild's own keys come and go). Stopped when the test ends."""
     started: list[Service] = []
 
     def start(edge: Edge, name: str) -> str:
@@ -87,6 +88,8 @@ def ledger_on(redis_url: str,
         started.append(devstack.ledger_service(
             EDGE_DIR / name / "tokengate.yaml", edge.usage_file, redis_url,
             ledger_id=ledger_id, name=ledger_id).start())
+        wait_until(lambda: ledger_redis.exists(store.ready_key(ledger_id)), 60,
+                   what="the ledger's first rebuild to end")
         return ledger_id
 
     yield start
