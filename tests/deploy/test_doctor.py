@@ -98,6 +98,7 @@ def fast(replicas: Callable[..., FastUpstream],
                                       **opts})
 
 
+@pytest.mark.unit
 def test_versions_are_verified_by_major_and_minor() -> None:
     verified = ((0, 32),)
     assert [upstream.version_verified(v, verified) for v in
@@ -384,6 +385,7 @@ def test_with_no_engine_files_configured_the_doctor_asks_the_running_ledger(
     assert engine_records.followed_by_ledger(tg_config.load(cfg_path), timeout_s=1) == []
 
 
+@pytest.mark.unit
 def test_a_remote_replicas_engine_records_not_on_this_host_are_a_warning(
         tmp_path: Path) -> None:
     # a replica on another host writes its records there (read by a `tokengate-ledger
