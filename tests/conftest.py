@@ -131,8 +131,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     them, so no vLLM server is started. Under ``make test`` each vLLM server boots on one
     worker only (60-90 s each on 2 cores, 2-3 GB each): the tests of the default server
     form the xdist group ``vllm``, and those of another server that the default
-    server's tests never ask for (the pooling server, the KV-event one, the agents')
-    a group of that server's (``vllm_group``), which another worker runs meanwhile.
+    server's tests never ask for (the pooling server, the KV-event one, the agents', the
+    queue server) a group of that server's (``vllm_group``), which another worker runs
+    meanwhile.
 
     Every other test is grouped by its module (a module marked ``xdist_group(name)``
     by that name): a module's tests run on one worker, in order, so its module-scoped
