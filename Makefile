@@ -3,7 +3,7 @@
 #   make test   install what is missing, run the whole test suite against real processes
 #   make test-fast  every test that needs no vLLM server (edge, counter, ledger, limits,
 #                   storm against fakes and the fast upstream); no vLLM is started
-#   make test-unit  the tests that start no process of the stack (seconds)
+#   make test-unit  the tests that start no process of the stack (minutes: tokenizer checks)
 SHELL := /bin/bash
 PY := .venv/bin/python
 
