@@ -3,7 +3,7 @@
 #   make test   install what is missing, run the whole test suite against real processes
 #   make test-fast  every test that needs no vLLM server (edge, counter, ledger, limits,
 #                   storm against fakes and the fast upstream); no vLLM is started
-#   make test-unit  the tests that start no process of the stack (seconds)
+#   make test-unit  the tests that start no process of the stack (minutes: tokenizer checks)
 SHELL := /bin/bash
 PY := .venv/bin/python
 
@@ -19,12 +19,14 @@ run: setup
 	@$(PY) -m tokengate_dev.devstack run $(if $(CONFIG),--config $(CONFIG)) \
 		$(if $(COUNTER_PORT),--counter-port $(COUNTER_PORT))
 
-# pytest-xdist workers of make test: each has ports and a folder of its own, and one of them
-# runs every test that needs vLLM (tests/conftest.py); TEST_WORKERS=0 runs in one process.
+# pytest-xdist workers of make test: each has ports and a folder of its own; the tests of a
+# module, and those of a vLLM server, are one group that one worker runs, and the workers
+# take the groups longest first (tests/conftest.py orders them; --no-loadscope-reorder
+# keeps that order); TEST_WORKERS=0 runs in one process.
 # Three on two cores: many tests wait on a process (a start, a reload, a window), and a
 # third worker fills those waits (a clean clone: 673 s with two, 547 s with three)
 TEST_WORKERS ?= 3
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: setup
 	@$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)

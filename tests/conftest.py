@@ -106,19 +106,81 @@ def xdist_group(config: pytest.Config, item: pytest.Item, name: str) -> None:
         item._id = NodeId.parse(f"{item.nodeid}@{name}")  # type: ignore[attr-defined]
 
 
+# The session's vLLM servers other than the default one (tests/fixtures_vllm.py), by the
+# fixture that asks for each: a test that needs one of them and not the default server
+# runs in a group of that server's (below)
+OTHER_VLLM = {"queue_vllm": "vllm-queue", "pooling_vllm": "vllm-pooling",
+              "kv_vllm": "vllm-kv", "agents_stack": "vllm-agents"}
+
+
+def vllm_group(fixtures: Iterable[str]) -> str | None:
+    """The xdist group of a test with these fixtures in its closure: None without
+    ``vllm_server``; ``vllm`` (the default server's) when it reaches the default server
+    (``vllm_url``) or none of ``OTHER_VLLM``'s fixtures (it calls ``vllm_server()``
+    itself) or more than one; else the group of the one other server it needs."""
+    fixtures = set(fixtures)
+    if "vllm_server" not in fixtures:
+        return None
+    others = {OTHER_VLLM[f] for f in fixtures & OTHER_VLLM.keys()}
+    return others.pop() if len(others) == 1 and "vllm_url" not in fixtures else "vllm"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``vllm`` every test whose fixture closure holds ``vllm_server`` (directly or
     through ``vllm_url``, ``edge``, ``edge_variant``, ...): ``make test-fast`` deselects
-    them, so no vLLM server is started; ``make test`` runs them all, and in one xdist
-    group, so that one worker boots the session's vLLM servers (60-90 s each on 2 cores,
-    2-3 GB each) and the others never do. A test marked ``xdist_group(name)`` (a module
-    whose tests share one expensive host, in order) is grouped the same way."""
-    for item in items:
-        if "vllm_server" in getattr(item, "fixturenames", ()):
+    them, so no vLLM server is started. Under ``make test`` each vLLM server boots on one
+    worker only (60-90 s each on 2 cores, 2-3 GB each): the tests of the default server
+    form the xdist group ``vllm``, and those of another server that the default
+    server's tests never ask for (the pooling server, the KV-event one, the agents', the
+    queue server) a group of that server's (``vllm_group``), which another worker runs
+    meanwhile.
+
+    Every other test is grouped by its module (a module marked ``xdist_group(name)``
+    by that name): a module's tests run on one worker, in order, so its module-scoped
+    fixtures (a ``make run`` stack, an installed tree, a fresh virtualenv) start once,
+    where tests spread one by one over the workers started them on each."""
+    groups = {item: vllm_group(getattr(item, "fixturenames", ())) for item in items}
+    # a server that a test of the default server's group asks for boots there: its
+    # other tests join that group (a server is never booted by two workers)
+    in_main = {OTHER_VLLM[f] for item, g in groups.items() if g == "vllm"
+               for f in set(getattr(item, "fixturenames", ())) & OTHER_VLLM.keys()}
+    for item, group in groups.items():
+        if group is not None:
             item.add_marker(pytest.mark.vllm)
-            xdist_group(config, item, "vllm")
+            xdist_group(config, item, "vllm" if group in in_main else group)
         elif (mark := item.get_closest_marker("xdist_group")) is not None:
             xdist_group(config, item, mark.args[0])
+        else:
+            # e.g. deploy/test_keys (the suffix every test id of the module gets)
+            module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
+            xdist_group(config, item, module)
+    if config.getoption("loadgroup", False):
+        items[:] = sorted(items, key=functools.partial(_group_rank, _group_sizes(items)))
+
+
+def _group_of(item: pytest.Item) -> str:
+    return str(item.get_closest_marker("xdist_group").args[0])  # type: ignore[union-attr]
+
+
+def _group_sizes(items: list[pytest.Item]) -> dict[str, tuple[bool, int]]:
+    """group -> (holds a ``slow`` test, its number of tests)."""
+    sizes: dict[str, tuple[bool, int]] = {}
+    for item in items:
+        slow, n = sizes.get(_group_of(item), (False, 0))
+        sizes[_group_of(item)] = (slow or item.get_closest_marker("slow") is not None, n + 1)
+    return sizes
+
+
+def _group_rank(sizes: dict[str, tuple[bool, int]], item: pytest.Item) -> tuple[int, int]:
+    """Where ``item``'s group comes in the order the workers take the groups (the Makefile
+    keeps it: --no-loadscope-reorder): the longest first, so that none starts last and
+    runs on alone. The vLLM groups (each boots a server), then the groups holding a
+    ``slow`` test, then the others, each by its number of tests; a sort by this keeps
+    the tests of a group in their order."""
+    group = _group_of(item)
+    slow, n = sizes[group]
+    return (0 if group.startswith("vllm") else 1 if slow else 2,
+            -1_000_000 if group == "vllm" else -n)
 
 
 @pytest.fixture(scope="session")

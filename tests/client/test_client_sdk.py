@@ -56,11 +56,13 @@ def _pieces(deltas: list[str], size: int = 256, bound_s: float = 0.05) -> list[s
     return out + ([rest] if rest else [])
 
 
+@pytest.mark.unit
 def test_buffer_size_follows_the_expected_answer_length() -> None:
     assert [buffer_size(n) for n in (0, 16, 4096, 8000, 65536, 10 ** 6)] == \
         [256, 256, 256, 500, 4096, 4096]
 
 
+@pytest.mark.unit
 def test_pieces_end_at_sentence_ends_and_newlines() -> None:
     deltas = ["Pi is", " 3.", "14 and", " e.g.", " more. Next", " one! And?", " \"Quoted.\"",
               " Then", "\nnew line", " 你好", "。再", "见！", "「好。」", "尾"]
@@ -78,6 +80,7 @@ def test_pieces_end_at_sentence_ends_and_newlines() -> None:
     assert "".join(_pieces(deltas)) == "".join(deltas)
 
 
+@pytest.mark.unit
 def test_a_latin_sentence_end_waits_for_what_follows() -> None:
     buf = TextBuffer(256, 1.0)
     assert buf.feed("It costs 3.", 0.0) is None      # 3.14 or the end of a sentence
@@ -85,6 +88,7 @@ def test_a_latin_sentence_end_waits_for_what_follows() -> None:
     assert buf.end() == " Then"
 
 
+@pytest.mark.unit
 def test_text_without_boundaries_is_cut_at_the_buffer_size() -> None:
     deltas = ["abcd"] * 200  # 800 characters, no boundary
     pieces = _pieces(deltas, size=256, bound_s=10.0)
@@ -92,6 +96,7 @@ def test_text_without_boundaries_is_cut_at_the_buffer_size() -> None:
     assert "".join(pieces) == "".join(deltas)
 
 
+@pytest.mark.unit
 def test_the_first_piece_is_held_at_most_its_time_bound() -> None:
     buf = TextBuffer(256, 0.05)
     assert buf.feed("Hel", 10.0) is None
@@ -107,6 +112,7 @@ def test_the_first_piece_is_held_at_most_its_time_bound() -> None:
     assert buf.end() == " Bye"
 
 
+@pytest.mark.unit
 def test_rate_limit_headers_parse_as_the_edge_writes_them() -> None:
     assert [parse_duration(t) for t in ("250ms", "1.2s", "59s", "6m0s", "1m5s", "0s")] == \
         [0.25, 1.2, 59.0, 360.0, 65.0, 0.0]
@@ -129,6 +135,7 @@ def _edge_headers(limit: int, prev: float, cur: float, f: float) -> RateLimits:
     return RateLimits(10 ** 6, limit, 10 ** 6, remaining, reset, reset)
 
 
+@pytest.mark.unit
 def test_the_pacer_fills_a_sliding_window_without_refusals() -> None:
     """The pacer against the edge's window formula on a simulated clock: three minutes of
     a client that always wants more, each answer 0.2 s after its admission."""
@@ -259,6 +266,7 @@ def scripted() -> Iterator[ScriptedStream]:
         yield s
 
 
+@pytest.mark.unit
 def test_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> None:
     client = Client(base_url=f"http://127.0.0.1:{scripted.port}/v1", api_key="k",
                     first_piece_ms=30)
@@ -278,6 +286,7 @@ def test_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> No
     client.close()
 
 
+@pytest.mark.unit
 def test_async_stream_text_of_a_scripted_stream(scripted: ScriptedStream) -> None:
     async def run() -> tuple[list[str], Any]:
         client = AsyncClient(base_url=f"http://127.0.0.1:{scripted.port}/v1", api_key="k",
@@ -297,6 +306,7 @@ def test_async_stream_text_of_a_scripted_stream(scripted: ScriptedStream) -> Non
     assert stream.billing.token_count == PROMPT_TOKENS
 
 
+@pytest.mark.unit
 def test_responses_stream_text_pieces_of_a_scripted_stream(scripted: ScriptedStream) -> None:
     """The same pieces as chat's, over Responses events; the usage is
     ``response.completed``'s, the pacer settled once with input + output tokens."""

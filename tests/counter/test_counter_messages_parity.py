@@ -35,6 +35,7 @@ def refusal(counter_stub: counter_pb2_grpc.TokenCounterStub, endpoint: int,
     return info.value.code(), info.value.details()
 
 
+@pytest.mark.unit
 def test_cases_cover_the_contract() -> None:
     assert_cases_cover(CASES, 50, GENERATED)
 

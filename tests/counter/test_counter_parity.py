@@ -16,6 +16,7 @@ ENDPOINTS = {"chat": CHAT, "completions": COMPLETIONS}
 PATHS = {"chat": "chat/completions", "completions": "completions"}
 
 
+@pytest.mark.unit
 def test_cases_cover_the_contract() -> None:
     assert_cases_cover(CASES, 60)
 

@@ -27,6 +27,7 @@ COVERED = ["plain", "user_input_text_parts", "system_message", "developer_messag
 MAX_OUTPUT_TOKENS = 16
 
 
+@pytest.mark.unit
 def test_cases_cover_the_contract() -> None:
     assert_cases_cover(CASES, 50, COVERED)
 

@@ -100,6 +100,7 @@ def resets(upstream: str, reason: str) -> float:
     return kv_index.RESETS.labels("m", upstream, reason)._value.get()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("int_hashes", [False, True])
 def test_a_follower_learns_a_replica_and_relearns_it_after_a_restart_or_a_gap(
         int_hashes: bool) -> None:
@@ -189,6 +190,7 @@ def metric(listen: str, name: str, **labels: str) -> float | None:
     return None
 
 
+@pytest.mark.unit
 def test_an_unreachable_publisher_is_said_once_an_outage_never_per_request(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # what the counter's unit with PrivateNetwork=yes did silently: no publisher

@@ -49,6 +49,7 @@ def raw(config_path: Path) -> dict[str, Any]:
     (put("teams.eng.budgets", [DAY, DAY]),
      "teams.eng.budgets.1: a second day budget for every model"),
 ])
+@pytest.mark.unit
 def test_a_team_the_file_cannot_hold_is_refused_naming_the_key(
         raw: dict[str, Any], tmp_path: Path, edit: Any, error: str) -> None:
     assert any(e.startswith(error) for e in errors_of(raw, edit, tmp_path)), error

@@ -191,6 +191,7 @@ def test_the_installed_config_names_the_dropins_paths(installed: Installed) -> N
     assert edge["edge"]["usage_file"] == str(p / "var/lib/tokengate/usage/usage.jsonl")
 
 
+@pytest.mark.unit
 def test_deploy_config_keeps_every_comment_and_sets_only_the_paths() -> None:
     text = REPO_CONFIG.read_text()
     paths = nginx_conf.debian_paths()
@@ -375,6 +376,7 @@ def test_on_the_host_a_virtualenv_the_units_cannot_see_is_refused(tmp_path: Path
         f"tokengate install: {len(hidden) + unseen} problem(s); nothing changed"
 
 
+@pytest.mark.unit
 def test_a_path_whose_links_pass_through_a_hidden_folder_is_hidden(tmp_path: Path) -> None:
     # /srv/models/via-root -> /root/x -> /srv/models/real: the target is outside /root,
     # but a unit with ProtectHome=yes cannot follow the link in /root
@@ -932,6 +934,7 @@ def _imports(tree: ast.Module) -> Iterator[tuple[str, bool]]:
             yield name.split(".")[0], id(node) in top
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dist, package", [("sidecars", "tokengate"),
                                            ("client", "tokengate_client"),
                                            ("storm", "tokenstorm")])

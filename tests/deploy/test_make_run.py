@@ -223,14 +223,24 @@ def upstream_of(fast_upstream_url: str) -> str:
     return fast_upstream_url.removeprefix("http://").removesuffix("/v1")
 
 
+def assert_stopped_by_ctrl_c(s: Stack, timeout_s: float = 60.0) -> None:
+    """SIGINT (Ctrl-C) stops ``s`` with exit status 0 and leaves no process of it and no
+    socket in its folder."""
+    assert s.interrupt(timeout_s) == 0, s.output()
+    assert "stopping ..." in s.lines
+    assert s.leftovers() == [], s.output()
+    assert s.sockets() == []
+
+
 @contextlib.contextmanager
 def up(s: Stack) -> Iterator[Stack]:
-    """``s`` once its banner says it is up; after, stopped with Ctrl-C (exit status 0),
-    and whatever a failure left of it killed."""
+    """``s`` once its banner says it is up; after, stopped with Ctrl-C, which must leave
+    nothing behind (``test_ctrl_c_at_any_moment_leaves_nothing_behind`` once it is up:
+    every stack here is stopped so), and whatever a failure left of it killed."""
     try:
         s.wait_line("tokengate is up.", 120)
         yield s
-        assert s.interrupt() == 0, s.output()
+        assert_stopped_by_ctrl_c(s)
     finally:
         s.close()
 
@@ -333,8 +343,9 @@ def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name
                    what="the new console's login page")
 
 
+# once it is up: every stack that up() started, stopped at its end
 @pytest.mark.parametrize("moment", ["starting redis", "starting counter", "starting nginx",
-                                    "starting ledger", "tokengate is up."])
+                                    "starting ledger"])
 def test_ctrl_c_at_any_moment_leaves_nothing_behind(fast_upstream_url: str, moment: str) -> None:
     s = Stack("stop-" + re.sub(r"\W+", "-", moment).strip("-"), upstream_of(fast_upstream_url))
     try:
@@ -343,10 +354,7 @@ def test_ctrl_c_at_any_moment_leaves_nothing_behind(fast_upstream_url: str, mome
             # its workers are loading the model: the parent and its workers all run
             wait_until(lambda: any(len(group_members(p)) >= 3 for p in s.children("counter")),
                        20, what="the counter's workers")
-        assert s.interrupt() == 0, s.output()
-        assert "stopping ..." in s.lines
-        assert s.leftovers() == [], s.output()
-        assert s.sockets() == []
+        assert_stopped_by_ctrl_c(s)
     finally:
         s.close()
 
@@ -365,10 +373,8 @@ def test_ctrl_c_while_vllm_starts_stops_it() -> None:
         # runs too, loading the model
         wait_until(lambda: any("EngineCore" in cmdline(p) for p in group_members(vllm)), 150,
                    step_s=0.5, what="vLLM's engine core process")
-        assert s.interrupt(90) == 0, s.output()
+        assert_stopped_by_ctrl_c(s, 90)
         assert "tokengate is up." not in s.lines
-        assert s.leftovers() == [], s.output()
-        assert s.sockets() == []
     finally:
         s.close()
 

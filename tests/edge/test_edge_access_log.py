@@ -90,6 +90,7 @@ def compiled(config_path: Path, tmp_path: Path, section: dict[str, Any] | None) 
     return compile_config.compile_config(tg_config.load(path))["access_log"]
 
 
+@pytest.mark.unit
 def test_access_log_settings_compile_from_the_yaml(config_path: Path, tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     assert compiled(config_path, tmp_path, None) == {

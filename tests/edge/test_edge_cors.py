@@ -189,6 +189,7 @@ def test_config_apply_turns_cors_on_in_a_running_edge(
     assert preflight(e, "/chat/completions", APP).status_code == 204
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("origins,error", [
     (["*", APP], "edge.cors.allow_origins: `*` already allows every origin: list it alone"),
     ([APP, APP.upper()], "edge.cors.allow_origins: an origin is listed twice"),

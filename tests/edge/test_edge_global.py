@@ -990,6 +990,7 @@ def test_workers_told_to_stop_right_after_a_reload_exit_without_an_alert(
     assert "[alert]" not in log, log[-3000:]
 
 
+@pytest.mark.unit
 def test_make_run_starts_the_limits_sidecar_only_when_enabled(
         config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the edge and ledger builders write under var/run (a running `make run`'s files)

@@ -130,6 +130,7 @@ def test_the_fast_upstream_serves_settable_vllm_metrics(
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "kv_cache")
 
 
+@pytest.mark.unit
 def test_the_installed_vllm_exports_the_metrics_admission_reads() -> None:
     # read from the source rather than a running server: vLLM 0.32's stat logger declares
     # each of them with the labels model_name and engine (one sample per engine)

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import yaml
 from tokenstorm.null_server import FastUpstream
 
@@ -93,6 +94,7 @@ def _chat(e: Edge, max_tokens: int = 4) -> httpx.Response:
                       headers=HEADERS, timeout=60)
 
 
+@pytest.mark.unit
 def test_the_installed_vllm_serves_sleep_mode_only_with_dev_mode() -> None:
     # read from the source: the routes the edge calls, and the flags that enable them
     spec = importlib.util.find_spec("vllm")

@@ -560,6 +560,7 @@ def test_a_key_created_while_the_ledger_runs_is_known_to_it_without_a_signal(
         svc.stop()
 
 
+@pytest.mark.unit
 def test_the_lag_is_unknown_until_the_checkpoint_was_read(cfg, usage_writer):
     usage_writer.write(make_event())
     led = Ledger(cfg, redis_client.connect(cfg.redis, timeout_s=0.2, url="redis://127.0.0.1:1/0"),

@@ -590,6 +590,7 @@ def test_engine_only_needs_engine_files(config_path):
     assert r.returncode == 2 and "engine_only without engine files" in r.stderr
 
 
+@pytest.mark.unit
 def test_make_runs_ledger_reads_the_embedded_vllms_engine_records(
         config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``make run``'s ledger gets the file the embedded vLLM's plugin writes, unless the

@@ -70,6 +70,7 @@ def by_name(spans: list[Span], trace_id: str) -> dict[str, Span]:
     return {s.name: s for s in spans if s.trace_id == trace_id}
 
 
+@pytest.mark.unit
 def test_a_bad_trace_never_costs_the_event() -> None:
     """A trace that does not parse is read as null: the event is still billed."""
     ev = make_event()

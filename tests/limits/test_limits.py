@@ -540,6 +540,7 @@ def test_a_budget_call_without_counters_is_invalid(limits):
 # -- the wire format the Lua edge encodes and decodes by hand ---------------------------
 
 
+@pytest.mark.unit
 def test_wire_bytes_of_the_messages_the_edge_handles():
     req = pb.ReserveRequest(key_id="demo", model="tiny-qwen3", rpm_limit=600, tpm_limit=200_000,
                             tokens=268, request_id="5d41402abc4b2a76b9719d911017c592")

@@ -94,6 +94,7 @@ def test_the_sleep_check_passes_against_a_server_with_sleep_mode(
     assert fig["ok"] and fig["usage_after_wake"]["completion_tokens"] == 16
 
 
+@pytest.mark.unit
 def test_the_workload_is_seeded_and_mixed():
     g = gpu_check
     a = g.workload(random.Random(3), 50.0, 8.0, 40)
@@ -109,6 +110,7 @@ def test_the_workload_is_seeded_and_mixed():
     assert g.body_for(random.Random(1), "timeout")[2] == 0.5
 
 
+@pytest.mark.unit
 def test_percentile_is_nearest_rank():
     g = gpu_check
     assert g.percentile([], 50) is None
@@ -118,6 +120,7 @@ def test_percentile_is_nearest_rank():
     assert g.percentile([3.0, 1.0, 2.0], 100) == 3.0
 
 
+@pytest.mark.unit
 def test_summarize_reconciles_records_with_the_counters_and_compare_prints_them():
     g = gpu_check
     sent = [g.Sent("a" * 32, "short", 1, 0.0, ttft=0.010), g.Sent("b" * 32, "long", 1, 0.0,

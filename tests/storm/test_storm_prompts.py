@@ -17,6 +17,7 @@ from tokenstorm.runner import RunSpec, execute
 SIZES = [9, 10, 11, 17, 128, 129, 1000, 2047, 4096, 8000]
 
 
+@pytest.mark.unit
 def test_chat_template_overhead_is_measured(prompt_builder: PromptBuilder) -> None:
     # Qwen3 ChatML: <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
     assert prompt_builder.overhead == 8
@@ -24,6 +25,7 @@ def test_chat_template_overhead_is_measured(prompt_builder: PromptBuilder) -> No
     assert len(prompt_builder.words) > 5000
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n", SIZES)
 def test_chat_prompts_tokenize_to_exactly_n(prompt_builder: PromptBuilder, n: int) -> None:
     body = json.loads(prompt_builder.body(n * 31 + 5, n, 16, StreamOptions()))

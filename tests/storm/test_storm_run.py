@@ -107,6 +107,7 @@ def records(n: int, late_ms: list[float]) -> Records:
                    itl=np.full(3 * n, 0.0003))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("late, open_loop, valid", [
     (5, True, True),      # 0.5 % late: within the 1 % allowance
     (11, True, False),    # 1.1 % late: the generator fell behind
@@ -124,6 +125,7 @@ def test_send_lag_rule(late: int, open_loop: bool, valid: bool) -> None:
              f"than 10 ms late (p99 send lag {s.send_lag_ms.p99:.1f} ms)")]
 
 
+@pytest.mark.unit
 def test_tpot_and_goodput_follow_their_definitions() -> None:
     r = records(100, [])
     r.first = r.sched + 0.010           # TTFT 10 ms
@@ -139,6 +141,7 @@ def test_tpot_and_goodput_follow_their_definitions() -> None:
     assert s.all.rps == pytest.approx(100 / span)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body, headers, kind", [
     ((b'{"error":{"message":"Rate limit reached: requests per minute (RPM) 600",'
       b'"type":"requests","code":"rate_limit_exceeded"}}'), b"", L_REQUESTS),

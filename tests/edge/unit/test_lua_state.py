@@ -13,7 +13,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures_edge import run_lua
+
+pytestmark = pytest.mark.unit
 
 LUA = Path(__file__).resolve().parents[3] / "lua" / "tokengate"
 
