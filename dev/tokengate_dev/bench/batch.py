@@ -97,6 +97,8 @@ class Options:
     low_kv_threshold: float = 0.8
     prefill_tokens: int | None = 256  # max_prefill_tokens of the batch's priority
     hold_ms: int = 200              # hold_ms of the batch's priority
+    max_waiting: int = 2            # max_waiting of the batch's priority
+    scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
@@ -104,7 +106,8 @@ class Options:
         the GPU's memory (``make bench-slo``'s replicas with fewer seats: this machine's
         cores drive a few dozen streams per replica, not vLLM's default 256)."""
         return slo.sim_settings(model, 4096, self.gpu, self.model_config,
-                                max_num_seqs=self.slots)
+                                max_num_seqs=self.slots,
+                                scheduling_policy=self.scheduling_policy)
 
     def replica(self, model: tg_config.ModelConfig, i: int) -> SimReplica:
         """Replica ``i``, writing its engine usage records to ``records(i)``."""
@@ -223,7 +226,8 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     for m in raw["models"].values():
         m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
     m = raw["models"][MODEL]
-    m.update(upstreams=upstreams, embedded=False, max_model_len=4096)
+    m.update(upstreams=upstreams, embedded=False, max_model_len=4096,
+             scheduling_policy=opts.scheduling_policy)
     m["routing"] = {"policy": "least_outstanding"}
     digest = lambda k: hashlib.sha256(k.encode()).hexdigest()
     raw["keys"] = {"interactive": {"sha256": digest(INTERACTIVE_KEY), "rpm": 10**9,
@@ -238,8 +242,10 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     raw["edge"] = {"listen": f"127.0.0.1:{edge_port}", "status_listen":
                    f"127.0.0.1:{status_port}", "count_timeout_ms": 3000,
                    "admission": {"metrics_interval_ms": 100, "priorities": {
-                       "low": {"kv_cache_threshold": opts.low_kv_threshold, "max_waiting": 2,
-                               "max_running": opts.max_running, **pacing},
+                       "low": {"kv_cache_threshold": opts.low_kv_threshold,
+                               "max_waiting": opts.max_waiting,
+                               "max_running": opts.max_running, "vllm_priority": 1,
+                               **pacing},
                        "normal": {}}}}
     (BENCH_VAR / "worker.key").write_text(WORKER_SECRET + "\n")
     raw["batch"] = {"enabled": True, "listen": f"127.0.0.1:{batch_port}",
@@ -461,13 +467,22 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: %(default)s)")
     p.add_argument("--hold-ms", type=int, default=d.hold_ms,
                    help="hold_ms of the batch's priority (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="max_waiting of the batch's priority (default: %(default)s)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   default=d.scheduling_policy,
+                   help="the replicas' vLLM --scheduling-policy (and the model's "
+                        "scheduling_policy): priority sends the batch's lines at "
+                        "vllm_priority 1, behind the interactive requests' 0 "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
                    lines=args.lines, line_output_tokens=args.line_output_tokens,
                    duration_s=args.duration_s, interactive_share=args.interactive_share,
                    low_kv_threshold=args.low_kv_threshold,
-                   prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms)
+                   prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms,
+                   max_waiting=args.max_waiting, scheduling_policy=args.scheduling_policy)
     console = Console()
     out = run_bench(opts, console)
     for t in render(out):
