@@ -4,11 +4,15 @@ The fleet is ``--replicas`` simulated vLLM replicas on GPUs (``tokenstorm sim-re
 --gpu h100``, as ``make bench-slo`` builds them: vLLM's scheduler stepped with a token
 budget per step, decodes first, chunked prefill, ``--max-num-seqs`` seats; each step
 timed by the roofline of ``--model-config``, Qwen3-8B's shape by default; the KV cache
-sized from the GPU's memory), behind a real edge, counter, Redis and tokengate-batch.
-Interactive traffic is one open-loop TokenStorm run (Poisson arrivals at
-``--interactive-share`` of the fleet's seats, streaming) of a ``normal`` key; the
-batch's lines go through the edge at ``batch.priority`` ``low``, admitted only while a
-replica runs fewer than ``--batch-seats`` of its seats (``max_running``), has at most 2
+sized from the GPU's memory; vLLM's ``--scheduling-policy``, ``priority`` by default),
+behind a real edge, counter, Redis and tokengate-batch. Interactive traffic is one
+open-loop TokenStorm run (Poisson arrivals at ``--interactive-share`` of the fleet's
+seats, streaming) of a ``normal`` key; the batch's lines go through the edge at
+``batch.priority`` ``low`` (with the ``priority`` policy the model's
+``scheduling_policy`` is ``priority`` and ``low``'s ``vllm_priority`` 1: vLLM admits a
+waiting interactive request, priority 0, before any waiting line and preempts lines
+first when its KV cache runs short), admitted only while a replica runs fewer than
+``--batch-seats`` of its seats (``max_running``), has at most ``--max-waiting``
 requests waiting, its KV cache is below ``--low-kv-threshold`` and its prefill lane is
 free (``--prefill-tokens``: ``max_prefill_tokens``); a line that finds no such replica
 is held at the edge up to ``--hold-ms`` for one, then refused.
@@ -26,7 +30,8 @@ batch's whole span is reported beside).
 - the interactive TTFT p99 of the requests scheduled in the window, ms from the
   scheduled send (the aim's figure), and the engine's TTFT p99 (queued + prefill, from
   the engine records: the replicas' part, free of what this machine's shared cores add
-  to the edge, the load generator and the network);
+  to the edge, the load generator and the network), with its queued part's p99 (the
+  wait for a seat or the next step);
 - the fleet's busy share: the time-weighted share of the replicas' seats in use, each
   request counted from its admission to vLLM's running batch to its end (the records'
   queued and e2e times: what vllm:num_requests_running counts), over replicas x
@@ -183,6 +188,16 @@ def engine_ttft(seats: list[Seat], key_id: str, window: tuple[float, float]
     return len(xs), float(np.percentile(xs, 99)) if xs else None
 
 
+def engine_queued(seats: list[Seat], key_id: str, window: tuple[float, float]
+                  ) -> float | None:
+    """The queued p99 (ms: arrival at the replica to admission to its running batch, the
+    wait for a seat or a step) of ``key_id``'s requests that arrived in ``window``
+    (wall-clock s); the rest of the engine's TTFT is the steps that computed the prompt."""
+    xs = [(s.start - s.arrival) * 1000 for s in seats if s.key_id == key_id
+          and s.ttft_ms is not None and window[0] <= s.arrival <= window[1]]
+    return float(np.percentile(xs, 99)) if xs else None
+
+
 def busy_share(seats: list[Seat], window: tuple[float, float], replicas: int,
                slots: int) -> float:
     """The share of the fleet's seats in use over ``window`` (wall-clock s): the seconds
@@ -301,6 +316,7 @@ def figures(run: RunResult, seats: list[Seat], window: tuple[float, float],
     return {"ok": s.all.ok, "requests": s.requests, "status_counts": dict(s.status_counts),
             "window_requests": ttft.n, "ttft_p50_ms": ttft.p50, "ttft_p99_ms": ttft.p99,
             "engine_ttft_p99_ms": engine_p99, "engine_requests": n,
+            "engine_queued_p99_ms": engine_queued(seats, "interactive", at),
             "busy_share": busy_share(seats, at, replicas, slots)}
 
 
@@ -429,17 +445,17 @@ def render(out: dict[str, Any]) -> list[Table]:
     t = Table(title=f"interactive traffic in the batch's steady window ({w[0]:.1f} to "
                     f"{w[1]:.1f} s of the schedule)")
     for c in ("run", "requests", "in window", "TTFT p50 ms", "TTFT p99 ms",
-              "engine TTFT p99 ms", "busy share"):
+              "engine TTFT p99 ms", "engine queued p99 ms", "busy share"):
         t.add_column(c, justify="left" if c == "run" else "right")
     for name in ("alone", "with_batch"):
         v = out[name]
         t.add_row(name, str(v["requests"]), str(v["window_requests"]),
                   f"{v['ttft_p50_ms'] or 0:.0f}",
                   f"{v['ttft_p99_ms'] or 0:.0f}", f"{v['engine_ttft_p99_ms'] or 0:.1f}",
-                  f"{v['busy_share']:.3f}")
+                  f"{v['engine_queued_p99_ms'] or 0:.1f}", f"{v['busy_share']:.3f}")
     b = out["batch"]
     t.add_row("batch", f"{b['completed'] + b['failed']}", str(b["completed"]),
-              f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", "",
+              f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", "", "",
               f"{out['with_batch']['busy_share_whole_batch']:.3f} whole")
     return [t, results.aims_table(out["aims"])]
 
