@@ -15,7 +15,7 @@ local floor, huge = math.floor, math.huge
 
 local _M = {}
 
-local VERSION = 13 -- tokengate.tools.compile_config.VERSION
+local VERSION = 14 -- tokengate.tools.compile_config.VERSION
 
 local doc -- the loaded document (see the compile_config module docstring for its shape)
 local rules -- sampling.rules() of doc.access_log

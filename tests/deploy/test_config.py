@@ -444,7 +444,7 @@ def test_an_installed_config_this_user_may_not_read_is_not_replaced_by_the_check
 def test_the_compiled_edge_document_is_the_schema_dump(config_path: Path) -> None:
     cfg = tg_config.load(config_path)
     doc = compile_config.compile_config(cfg)
-    assert doc["version"] == 13 and doc["source"] == str(config_path)
+    assert doc["version"] == 14 and doc["source"] == str(config_path)
     assert "redis" not in doc                     # the edge never needs its URL (password)
     # nor a collector's headers (credentials); tracing is off unless asked for
     assert "headers" not in doc["tracing"] and doc["tracing"]["enabled"] is False
@@ -687,7 +687,7 @@ def test_the_edge_loads_the_compiled_document_as_written(config_path: Path,
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.update(version=0), "version 0, expected 13: compile it again"),
+    (lambda d: d.update(version=0), "version 0, expected 14: compile it again"),
     (lambda d: d.pop("access_log"), "no access_log section: compile it again"),
     (lambda d: d.pop("global_limits"), "no global_limits section: compile it again"),
 ])

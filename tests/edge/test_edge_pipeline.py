@@ -1,12 +1,13 @@
 """The admission pipeline's edges: the path forwarded is the one the edge matched, the
 body forwarded is the client's bytes when the edge changed nothing and one encoding of
-the parsed body when it did, the model routes answer like OpenAI's, nginx's own error pages have the OpenAI shape, the
+the parsed body when it did, the vLLM priority the edge's, the model routes answer like OpenAI's, nginx's own error pages have the OpenAI shape, the
 usage event has the ledger's schema (with the sanitizer's counts), and a failed counter
 is skipped for its backoff period instead of costing every request its timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -83,9 +84,12 @@ class _Recorder(QuietUpstreamHandler):
         self.wfile.write(data)
 
 
-@pytest.fixture
-def recorded(edge_variant_off_vllm: Callable[..., Edge]) -> Iterator[tuple[Edge, list[bytes]]]:
-    """An edge whose model's one replica is a _Recorder; the bodies it was sent."""
+@contextlib.contextmanager
+def recording(edge_variant_off_vllm: Callable[..., Edge], name: str,
+              more: Callable[[dict[str, Any]], None] | None = None
+              ) -> Iterator[tuple[Edge, list[bytes]]]:
+    """An edge whose model's one replica is a _Recorder, its YAML edited by ``more``
+    too; the bodies the replica was sent."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     srv.bodies = []  # type: ignore[attr-defined]
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -93,16 +97,25 @@ def recorded(edge_variant_off_vllm: Callable[..., Edge]) -> Iterator[tuple[Edge,
     def edit(raw: dict[str, Any]) -> None:
         raw["models"][MODEL]["upstreams"] = [f"127.0.0.1:{srv.server_address[1]}"]
         raw["models"][MODEL]["embedded"] = False
+        if more is not None:
+            more(raw)
     try:
-        yield edge_variant_off_vllm("recorded", edit), srv.bodies  # type: ignore[attr-defined]
+        yield edge_variant_off_vllm(name, edit), srv.bodies  # type: ignore[attr-defined]
     finally:
         srv.shutdown()
         srv.server_close()
 
 
-def _send(edge: Edge, data: bytes) -> httpx.Response:
+@pytest.fixture
+def recorded(edge_variant_off_vllm: Callable[..., Edge]) -> Iterator[tuple[Edge, list[bytes]]]:
+    """An edge whose model's one replica is a _Recorder; the bodies it was sent."""
+    with recording(edge_variant_off_vllm, "recorded") as got:
+        yield got
+
+
+def _send(edge: Edge, data: bytes, key_id: str = "edge-main") -> httpx.Response:
     r = httpx.post(edge.base_url + "/chat/completions", content=data, timeout=60,
-                   headers={"Authorization": f"Bearer {key_of('edge-main')}",
+                   headers={"Authorization": f"Bearer {key_of(key_id)}",
                             "Content-Type": "application/json"})
     assert r.status_code == 200, r.text
     return r
@@ -142,6 +155,33 @@ def test_a_body_the_edge_changes_is_forwarded_as_one_encoding_of_the_parsed_body
     got = json.loads(bodies[0])
     assert (got["stream_options"], got["messages"][0]["content"]) == (
         {"include_usage": True, "continuous_usage_stats": True}, "hi there")
+
+
+def test_the_vllm_priority_forwarded_is_the_edges_never_the_clients(
+        edge_variant_off_vllm: Callable[..., Edge]) -> None:
+    """A client's priority -100 would go ahead of everything on a replica that runs
+    vLLM's --scheduling-policy priority: the edge drops it, and on a model configured
+    so (scheduling_policy) writes the vllm_priority of the key's admission priority
+    instead (low: 1; normal: 0, vLLM's default, so none)."""
+    sent = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8, "priority": -100}
+
+    def levels(raw: dict[str, Any]) -> None:
+        raw["keys"]["edge-other"]["priority"] = "low"
+        raw["edge"]["admission"] = {"priorities": {"low": {"vllm_priority": 1},
+                                                   "normal": {}}}
+
+    def policy(raw: dict[str, Any]) -> None:
+        levels(raw)
+        raw["models"][MODEL]["scheduling_policy"] = "priority"
+
+    for name, edit, want in (("fcfs", levels, [None, None]),
+                             ("priority", policy, [None, 1])):
+        with recording(edge_variant_off_vllm, f"recorded-{name}", edit) as (edge, bodies):
+            for key_id in ("edge-main", "edge-other"):
+                _send(edge, json.dumps(sent).encode(), key_id)
+            assert [json.loads(b).get("priority") for b in bodies] == want, name
+            assert all(json.loads(b)["max_tokens"] == 8 for b in bodies)
 
 
 def test_models_retrieve_answers_like_openai(edge: Edge) -> None:

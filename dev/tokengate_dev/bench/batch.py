@@ -4,11 +4,15 @@ The fleet is ``--replicas`` simulated vLLM replicas on GPUs (``tokenstorm sim-re
 --gpu h100``, as ``make bench-slo`` builds them: vLLM's scheduler stepped with a token
 budget per step, decodes first, chunked prefill, ``--max-num-seqs`` seats; each step
 timed by the roofline of ``--model-config``, Qwen3-8B's shape by default; the KV cache
-sized from the GPU's memory), behind a real edge, counter, Redis and tokengate-batch.
-Interactive traffic is one open-loop TokenStorm run (Poisson arrivals at
-``--interactive-share`` of the fleet's seats, streaming) of a ``normal`` key; the
-batch's lines go through the edge at ``batch.priority`` ``low``, admitted only while a
-replica runs fewer than ``--batch-seats`` of its seats (``max_running``), has at most 2
+sized from the GPU's memory; vLLM's ``--scheduling-policy``, ``priority`` by default),
+behind a real edge, counter, Redis and tokengate-batch. Interactive traffic is one
+open-loop TokenStorm run (Poisson arrivals at ``--interactive-share`` of the fleet's
+seats, streaming) of a ``normal`` key; the batch's lines go through the edge at
+``batch.priority`` ``low`` (with the ``priority`` policy the model's
+``scheduling_policy`` is ``priority`` and ``low``'s ``vllm_priority`` 1: vLLM admits a
+waiting interactive request, priority 0, before any waiting line and preempts lines
+first when its KV cache runs short), admitted only while a replica runs fewer than
+``--batch-seats`` of its seats (``max_running``), has at most ``--max-waiting``
 requests waiting, its KV cache is below ``--low-kv-threshold`` and its prefill lane is
 free (``--prefill-tokens``: ``max_prefill_tokens``); a line that finds no such replica
 is held at the edge up to ``--hold-ms`` for one, then refused.
@@ -26,7 +30,8 @@ batch's whole span is reported beside).
 - the interactive TTFT p99 of the requests scheduled in the window, ms from the
   scheduled send (the aim's figure), and the engine's TTFT p99 (queued + prefill, from
   the engine records: the replicas' part, free of what this machine's shared cores add
-  to the edge, the load generator and the network);
+  to the edge, the load generator and the network), with its queued part's p99 (the
+  wait for a seat or the next step);
 - the fleet's busy share: the time-weighted share of the replicas' seats in use, each
   request counted from its admission to vLLM's running batch to its end (the records'
   queued and e2e times: what vllm:num_requests_running counts), over replicas x
@@ -97,6 +102,8 @@ class Options:
     low_kv_threshold: float = 0.8
     prefill_tokens: int | None = 256  # max_prefill_tokens of the batch's priority
     hold_ms: int = 200              # hold_ms of the batch's priority
+    max_waiting: int = 2            # max_waiting of the batch's priority
+    scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
@@ -104,7 +111,8 @@ class Options:
         the GPU's memory (``make bench-slo``'s replicas with fewer seats: this machine's
         cores drive a few dozen streams per replica, not vLLM's default 256)."""
         return slo.sim_settings(model, 4096, self.gpu, self.model_config,
-                                max_num_seqs=self.slots)
+                                max_num_seqs=self.slots,
+                                scheduling_policy=self.scheduling_policy)
 
     def replica(self, model: tg_config.ModelConfig, i: int) -> SimReplica:
         """Replica ``i``, writing its engine usage records to ``records(i)``."""
@@ -180,6 +188,16 @@ def engine_ttft(seats: list[Seat], key_id: str, window: tuple[float, float]
     return len(xs), float(np.percentile(xs, 99)) if xs else None
 
 
+def engine_queued(seats: list[Seat], key_id: str, window: tuple[float, float]
+                  ) -> float | None:
+    """The queued p99 (ms: arrival at the replica to admission to its running batch, the
+    wait for a seat or a step) of ``key_id``'s requests that arrived in ``window``
+    (wall-clock s); the rest of the engine's TTFT is the steps that computed the prompt."""
+    xs = [(s.start - s.arrival) * 1000 for s in seats if s.key_id == key_id
+          and s.ttft_ms is not None and window[0] <= s.arrival <= window[1]]
+    return float(np.percentile(xs, 99)) if xs else None
+
+
 def busy_share(seats: list[Seat], window: tuple[float, float], replicas: int,
                slots: int) -> float:
     """The share of the fleet's seats in use over ``window`` (wall-clock s): the seconds
@@ -223,7 +241,8 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     for m in raw["models"].values():
         m["dir"] = str((devstack.ROOT / m["dir"]).resolve())
     m = raw["models"][MODEL]
-    m.update(upstreams=upstreams, embedded=False, max_model_len=4096)
+    m.update(upstreams=upstreams, embedded=False, max_model_len=4096,
+             scheduling_policy=opts.scheduling_policy)
     m["routing"] = {"policy": "least_outstanding"}
     digest = lambda k: hashlib.sha256(k.encode()).hexdigest()
     raw["keys"] = {"interactive": {"sha256": digest(INTERACTIVE_KEY), "rpm": 10**9,
@@ -238,8 +257,10 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     raw["edge"] = {"listen": f"127.0.0.1:{edge_port}", "status_listen":
                    f"127.0.0.1:{status_port}", "count_timeout_ms": 3000,
                    "admission": {"metrics_interval_ms": 100, "priorities": {
-                       "low": {"kv_cache_threshold": opts.low_kv_threshold, "max_waiting": 2,
-                               "max_running": opts.max_running, **pacing},
+                       "low": {"kv_cache_threshold": opts.low_kv_threshold,
+                               "max_waiting": opts.max_waiting,
+                               "max_running": opts.max_running, "vllm_priority": 1,
+                               **pacing},
                        "normal": {}}}}
     (BENCH_VAR / "worker.key").write_text(WORKER_SECRET + "\n")
     raw["batch"] = {"enabled": True, "listen": f"127.0.0.1:{batch_port}",
@@ -295,6 +316,7 @@ def figures(run: RunResult, seats: list[Seat], window: tuple[float, float],
     return {"ok": s.all.ok, "requests": s.requests, "status_counts": dict(s.status_counts),
             "window_requests": ttft.n, "ttft_p50_ms": ttft.p50, "ttft_p99_ms": ttft.p99,
             "engine_ttft_p99_ms": engine_p99, "engine_requests": n,
+            "engine_queued_p99_ms": engine_queued(seats, "interactive", at),
             "busy_share": busy_share(seats, at, replicas, slots)}
 
 
@@ -423,17 +445,17 @@ def render(out: dict[str, Any]) -> list[Table]:
     t = Table(title=f"interactive traffic in the batch's steady window ({w[0]:.1f} to "
                     f"{w[1]:.1f} s of the schedule)")
     for c in ("run", "requests", "in window", "TTFT p50 ms", "TTFT p99 ms",
-              "engine TTFT p99 ms", "busy share"):
+              "engine TTFT p99 ms", "engine queued p99 ms", "busy share"):
         t.add_column(c, justify="left" if c == "run" else "right")
     for name in ("alone", "with_batch"):
         v = out[name]
         t.add_row(name, str(v["requests"]), str(v["window_requests"]),
                   f"{v['ttft_p50_ms'] or 0:.0f}",
                   f"{v['ttft_p99_ms'] or 0:.0f}", f"{v['engine_ttft_p99_ms'] or 0:.1f}",
-                  f"{v['busy_share']:.3f}")
+                  f"{v['engine_queued_p99_ms'] or 0:.1f}", f"{v['busy_share']:.3f}")
     b = out["batch"]
     t.add_row("batch", f"{b['completed'] + b['failed']}", str(b["completed"]),
-              f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", "",
+              f"{b['completion_s']:.1f} s", f"{b['lines_per_s']:.1f} lines/s", "", "",
               f"{out['with_batch']['busy_share_whole_batch']:.3f} whole")
     return [t, results.aims_table(out["aims"])]
 
@@ -461,13 +483,22 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: %(default)s)")
     p.add_argument("--hold-ms", type=int, default=d.hold_ms,
                    help="hold_ms of the batch's priority (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="max_waiting of the batch's priority (default: %(default)s)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   default=d.scheduling_policy,
+                   help="the replicas' vLLM --scheduling-policy (and the model's "
+                        "scheduling_policy): priority sends the batch's lines at "
+                        "vllm_priority 1, behind the interactive requests' 0 "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
                    lines=args.lines, line_output_tokens=args.line_output_tokens,
                    duration_s=args.duration_s, interactive_share=args.interactive_share,
                    low_kv_threshold=args.low_kv_threshold,
-                   prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms)
+                   prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms,
+                   max_waiting=args.max_waiting, scheduling_policy=args.scheduling_policy)
     console = Console()
     out = run_bench(opts, console)
     for t in render(out):

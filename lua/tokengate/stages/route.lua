@@ -17,6 +17,7 @@ local idle = require "tokengate.idle"
 local budget = require "tokengate.budget"
 local apis = require "tokengate.apis"
 local body_mod = require "tokengate.body"
+local json = require "tokengate.json"
 local trace = require "tokengate.trace"
 local clock = require "tokengate.clock"
 local balancer = require "ngx.balancer"
@@ -24,6 +25,7 @@ local balancer = require "ngx.balancer"
 local ngx_req, ngx_log, ngx_exit, ERR = ngx.req, ngx.log, ngx.exit, ngx.ERR
 local ngx_now, ngx_sleep, ngx_update_time = ngx.now, ngx.sleep, ngx.update_time
 local mono_ms = clock.mono_ms
+local json_set = json.set
 local tostring, type = tostring, type
 local floor, max = math.floor, math.max
 
@@ -73,6 +75,31 @@ local function unavailable(model, why)
         .. " Please retry.", nil, "upstream_unavailable", nil, { ["Retry-After"] = "5" })
 end
 
+-- engine_priority(ctx, body): the request's vLLM priority is the edge's, never the
+-- client's: vLLM (--scheduling-policy priority) admits a lower value first and preempts
+-- the highest when its KV cache runs short, so a client's own value could jump every
+-- queue. A model whose replicas run that policy (models.<name>.scheduling_policy) gets
+-- the vllm_priority of the request's admission priority (a batch line's:
+-- batch.priority's) when it is not 0, vLLM's default; any other request goes without
+-- one (vLLM 0.32 reads and ignores it under fcfs). Only for routes whose vLLM request
+-- model defines the field (the API module's FIELDS).
+local function engine_priority(ctx, body)
+    local fields = ctx.api.FIELDS[ctx.route]
+    if not (fields and fields.priority) then
+        return
+    end
+    local p = ctx.model_entry.scheduling_policy == "priority"
+        and ctx.key.admission.vllm_priority or 0
+    if p == 0 then
+        if body.priority == nil then
+            return
+        end
+        p = nil
+    end
+    json_set(body, "priority", p)
+    body_mod.changed(body)
+end
+
 -- replica(ctx, doc) -> true | nil, err (503, 429): the replica that will serve the
 -- request, chosen before anything is reserved: one with room in its KV cache for the
 -- key's priority and below the model's max_concurrency, else one whose metrics are
@@ -86,7 +113,8 @@ end
 -- expected to serve from its prefix cache (ctx.prefix_expected, routing.policy prefix)
 -- at the model's cached rate. Then the body gets the edits that need the replica or
 -- that the counter does not read (the API module's placed: chat's and completions'
--- stream options, the Responses API's response id naming the replica). A request with
+-- stream options, the Responses API's response id naming the replica; the vLLM
+-- priority, engine_priority). A request with
 -- latency targets (routing.policy slo, tokengate.slo) is then answered by its class when
 -- no replica is predicted to meet them: an interactive one waits, a sheddable or batch
 -- one is refused (503 slo_unattainable).
@@ -161,6 +189,7 @@ function _M.replica(ctx, doc)
     end
     if ctx.body then
         ctx.api.placed(ctx, ctx.body)
+        engine_priority(ctx, ctx.body)
     end
     return true
 end

@@ -204,6 +204,13 @@ class PriorityConfig(_Schema):
                     "with the interactive requests' prefills, tokens; null: no bound. "
                     "About the GPU's ridge (256 on an H100: prefill tokens a decode step "
                     "absorbs at almost no cost).")
+    vllm_priority: int = Field(
+        default=0, ge=-1_000_000, le=1_000_000,
+        description="The `priority` of this priority's requests on a model whose replicas "
+                    "run vLLM's --scheduling-policy priority (models.<name>."
+                    "scheduling_policy): vLLM admits waiting requests of a lower value "
+                    "first and, when its KV cache runs short, preempts the running "
+                    "request of the highest value. 0: vLLM's default.")
     hold_ms: Count = Field(
         default=0,
         description="How long a request of this priority that finds every replica full "
@@ -214,7 +221,7 @@ class PriorityConfig(_Schema):
 
 def _default_priorities() -> dict[str, PriorityConfig]:
     return {"low": PriorityConfig(kv_cache_threshold=0.85, max_waiting=8,
-                                  max_prefill_tokens=256, hold_ms=200),
+                                  max_prefill_tokens=256, hold_ms=200, vllm_priority=1),
             "normal": PriorityConfig()}
 
 

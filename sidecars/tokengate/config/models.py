@@ -254,6 +254,15 @@ class ModelConfig(_Schema):
                     "answered 503 overloaded). Set it near vLLM's --max-num-seqs so "
                     "vLLM's own queue stays short and the edge's fair queue orders "
                     "what waits. 0: no bound (the KV-cache and waiting bounds only).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="The upstreams' vLLM --scheduling-policy. `priority`: the edge writes "
+                    "each request's `priority` (the vllm_priority of its key's admission "
+                    "priority, edge.admission.priorities; batch lines: batch.priority's), "
+                    "and vLLM serves waiting requests by it (lower first, then arrival) "
+                    "and preempts the lowest when its KV cache runs short. `fcfs`: the "
+                    "edge sends none. Either way a client's own `priority` is dropped: it "
+                    "could jump the queue.")
     slo: LatencyTargets | None = Field(
         default=None,
         description="Latency targets of the model's requests (routing.policy slo); a "

@@ -11,7 +11,7 @@ fields only the edge needs, derived here:
       "models": {
         "<served model name>": {
           ... ``ModelConfig``: max_model_len, runner ("generate" | "pooling"),
-          output_reserve, max_tokens_cap (or null),
+          output_reserve, max_tokens_cap (or null), scheduling_policy ("fcfs" | "priority"),
           default_max_tokens (or null), cached_tokens_weight, max_n, embedded, dir, vocab, cost,
           idle_unload: {idle_s, max_hold_ms, retry_after_s, call_timeout_ms},
           routing: {policy ("least_outstanding" | "round_robin" | "prefix" | "slo"), block_size,
@@ -87,13 +87,15 @@ from tokengate.counter.model_files import added_tokens, chat_template_source
 __all__ = ["EdgeConfig", "compile_config", "edge_config", "special_tokens", "structural_tokens",
            "write"]
 
-VERSION = 13  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
+VERSION = 14  # 2: models carry structural_tokens; 3: upstreams (replicas) resolved;
 #             4: keys carry allowed_models and budgets; 5: edge.admission and the keys'
 #             priority; 6: models carry idle_unload; 7: edge.cors; 8: models carry
 #             runner; 9: models carry routing; 10: edge.queue, models carry
 #             max_concurrency, keys fair_share; 11: tracing; 12: keys carry
 #             expires_at, disabled, previous (an old edge would admit a disabled key);
-#             13: keys carry levels (an old edge would admit past a team's limits)
+#             13: keys carry levels (an old edge would admit past a team's limits);
+#             14: models carry scheduling_policy (an old edge would forward a
+#             client's priority to replicas that honour it)
 
 
 def edge_config(cfg: tg_config.Config) -> EdgeConfig:

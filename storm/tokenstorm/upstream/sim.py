@@ -41,6 +41,11 @@ routing can be measured with many replicas on a machine without GPUs:
   ``--itl-growth`` x (running - 1)), for all choices at once. At most
   ``--max-num-seqs`` requests run; the others wait (``vllm:num_requests_waiting``), in
   order, also while the KV cache has no room for the next one's blocks.
+- **Scheduling policy** (``--scheduling-policy``, vLLM's): ``fcfs`` (default), or
+  ``priority``: waiting requests by the body's ``priority`` (lower first), then
+  arrival; with ``--gpu``, a KV cache too short for the running requests preempts the
+  lowest-priority, latest-arriving one (``tokenstorm.upstream.sim_priority``). A waiting
+  request never preempts a running one for a seat, in vLLM as here.
 - **Output**: every request generates exactly its max_tokens (as vLLM with
   ``ignore_eos``); without max_tokens, the rest of the context for chat and 16 for
   completions, as vLLM.
@@ -296,6 +301,11 @@ class SimServer:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise BadRequest("cache_salt must be a string", "Bad Request", "body.cache_salt")
+        priority = body.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not -2**63 <= priority < 2**63:
+            raise BadRequest("priority: Input should be a valid 64-bit integer",
+                             "Bad Request", "body.priority")
         return body, -1 if max_tokens is None else max_tokens
 
     async def _complete(self, request: Any, kind: str) -> Any:
@@ -328,7 +338,8 @@ class SimServer:
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
             # vLLM's engine request of a completions prompt adds its index (one prompt here)
             r = engine.submit(ids, c, n, body.get("cache_salt") or None,
-                              rid if kind == "chat" else f"{rid}-0", asked, edge.current())
+                              rid if kind == "chat" else f"{rid}-0", asked, edge.current(),
+                              body.get("priority", 0))
         except BadRequest as e:
             return self._error(e)
         created = int(time.time())

@@ -18,6 +18,7 @@ from tokengate_vllm import record as engine_record
 
 from tokenstorm.upstream.kv_cache import Block, BlockPool
 from tokenstorm.upstream.kv_events import KVEventPublisher
+from tokenstorm.upstream.sim_priority import PriorityWaiting
 from tokenstorm.upstream.sim_prompts import BadRequest
 from tokenstorm.upstream.sim_settings import SimSettings
 
@@ -46,6 +47,7 @@ class SimRequest:
         "next_at",
         "num_cached_blocks",
         "num_preemptions",
+        "priority",
         "prompt_ids",
         "prompt_len",
         "request_id",
@@ -58,8 +60,10 @@ class SimRequest:
     def __init__(self, prompt_ids: list[int], max_tokens: int, n: int, hashes: list[bytes],
                  salt: str | None, arrival: float, done: asyncio.Future[None],
                  request_id: str = "", max_tokens_param: int | None = None,
-                 key_endpoint: tuple[str | None, str | None] = (None, None)) -> None:
+                 key_endpoint: tuple[str | None, str | None] = (None, None),
+                 priority: int = 0) -> None:
         self.request_id = request_id   # vLLM's external id (the engine record's)
+        self.priority = priority       # the body's: lower first (--scheduling-policy)
         self.max_tokens_param = max_tokens_param  # what the body asked for, or None
         self.key_endpoint = key_endpoint  # (key id, endpoint) the edge's headers named
         self.prompt_ids = prompt_ids
@@ -114,7 +118,9 @@ class Engine:
         self.publisher = publisher
         self.on_ttft = on_ttft
         self.on_finish = on_finish
-        self.waiting: deque[SimRequest] = deque()
+        # vLLM's RequestQueue of --scheduling-policy (tokenstorm.upstream.sim_priority)
+        self.waiting: deque[SimRequest] | PriorityWaiting[SimRequest] = \
+            PriorityWaiting() if s.scheduling_policy == "priority" else deque()
         self.running: set[SimRequest] = set()
         self.reserved = 0                # blocks promised to running requests' outputs
         self.prefill_free_at = 0.0       # when the prefill queue is idle
@@ -145,12 +151,14 @@ class Engine:
     def submit(self, prompt_ids: list[int], max_tokens: int, n: int = 1,
                salt: str | None = None, request_id: str = "",
                max_tokens_param: int | None = None,
-               key_endpoint: tuple[str | None, str | None] = (None, None)) -> SimRequest:
+               key_endpoint: tuple[str | None, str | None] = (None, None),
+               priority: int = 0) -> SimRequest:
         """Queue a request of ``prompt_ids`` generating ``max_tokens`` (>= 1) tokens for
         each of ``n`` choices; ``salt``: its cache_salt; ``request_id``: vLLM's external
         id, ``max_tokens_param``: the body's max_tokens, ``key_endpoint``: the (key id,
-        endpoint) the edge sent (its engine usage records). BadRequest when its blocks cannot fit
-        in the whole KV cache."""
+        endpoint) the edge sent (its engine usage records); ``priority``: the body's
+        (read under ``--scheduling-policy priority`` only, as vLLM). BadRequest when its
+        blocks cannot fit in the whole KV cache."""
         s = self.s
         now, prefill, extra = self.blocks_needed(len(prompt_ids), max_tokens, n)
         room = s.num_gpu_blocks - 1
@@ -162,7 +170,7 @@ class Engine:
                                           salt)
         r = SimRequest(prompt_ids, max_tokens, n, hashes, salt, self.arrival_time(),
                        self.loop.create_future(), request_id, max_tokens_param,
-                       key_endpoint)
+                       key_endpoint, priority)
         self.waiting.append(r)
         self._schedule()
         return r

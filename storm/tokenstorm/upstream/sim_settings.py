@@ -12,6 +12,9 @@ from tokengate import prefix_hash
 
 from tokenstorm.upstream.roofline import GPUS, ModelShape, Roofline
 
+# vLLM 0.32's --scheduling-policy values (vllm/config/scheduler.py, SchedulerPolicy)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class SimSettings:
@@ -32,7 +35,10 @@ class SimSettings:
     default) or 32-byte digests (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``);
     ``tokenizer``: ``hf`` (transformers, as vLLM) or ``counter``;
     ``engine_usage_file``: where the engine usage records go (vLLM's
-    ``TOKENGATE_ENGINE_USAGE_FILE`` with the plugin; None: none are written).
+    ``TOKENGATE_ENGINE_USAGE_FILE`` with the plugin; None: none are written);
+    ``scheduling_policy``: vLLM's ``--scheduling-policy``, ``fcfs`` or ``priority``
+    (waiting requests by the body's ``priority``, then arrival; with ``gpu``, preemption
+    of the lowest priority: ``tokenstorm.upstream.sim_priority``).
     ``gpu``: None for the fixed timing above, or a GPU of ``roofline.GPUS`` (``h100``,
     ``h200``): the engine then steps as vLLM's scheduler (``sim_steps``) with a token
     budget of ``max_num_batched_tokens`` per step, each step timed by the roofline of
@@ -69,6 +75,7 @@ class SimSettings:
     step_overhead_ms: float = 2.0
     gpu_tflops: float | None = None
     gpu_hbm_tb_s: float | None = None
+    scheduling_policy: str = "fcfs"
 
     def roofline(self) -> Roofline | None:
         """The step timing of ``gpu`` (None: fixed timing); ValueError for an unknown
@@ -107,6 +114,8 @@ class SimSettings:
         self.roofline()
         if self.tokenizer not in ("hf", "counter"):
             raise ValueError("--tokenizer: hf or counter")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError("--scheduling-policy: fcfs or priority")
         # vLLM refuses to start when one request of max_model_len tokens cannot fit
         # (vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory)
         room = (self.num_gpu_blocks - 1) * self.block_size
@@ -125,7 +134,8 @@ class SimSettings:
                "--prefill-tokens-per-s", repr(self.prefill_tokens_per_s),
                "--ttft-overhead-ms", repr(self.ttft_overhead_ms),
                "--itl-ms", repr(self.itl_ms), "--itl-growth", repr(self.itl_growth),
-               "--tokenizer", self.tokenizer]
+               "--tokenizer", self.tokenizer,
+               "--scheduling-policy", self.scheduling_policy]
         if self.hash_seed is not None:
             out += ["--hash-seed", self.hash_seed]
         if self.kv_events_endpoint:
@@ -200,6 +210,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("timing")
     t.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
                    help="requests running at once (default: %(default)s)")
+    t.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   default=d.scheduling_policy,
+                   help="vLLM's: fcfs, or priority (waiting requests by the body's "
+                        "priority, lower first, then arrival; with --gpu, the lowest "
+                        "priority running request is preempted when KV blocks run out) "
+                        "(default: %(default)s)")
     t.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
                    metavar="TOKENS_PER_S",
                    help="prefill speed for uncached prompt tokens (default: %(default)s)")
@@ -246,4 +262,4 @@ def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
         engine_usage_file=args.engine_usage_file, gpu=args.gpu,
         model_config=args.model_config, max_num_batched_tokens=args.max_num_batched_tokens,
         step_overhead_ms=args.step_overhead_ms, gpu_tflops=args.gpu_tflops,
-        gpu_hbm_tb_s=args.gpu_hbm_tb_s).sized()
+        gpu_hbm_tb_s=args.gpu_hbm_tb_s, scheduling_policy=args.scheduling_policy).sized()

@@ -1,7 +1,8 @@
 """A simulated replica's engine that steps as vLLM's V1 scheduler does and times each step
 by a roofline of the real model on the real GPU (``tokenstorm sim-replica --gpu``).
 
-Each step (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, FCFS):
+Each step (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``; the waiting
+queue in ``--scheduling-policy`` order: arrival, or priority then arrival):
 
 1. a token budget of ``--max-num-batched-tokens``;
 2. the running requests first, in the order they were admitted: each asks for the tokens
@@ -10,7 +11,9 @@ Each step (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, FCFS):
    last-admitted running request is preempted (its blocks freed, its computed tokens
    reset to 0, put back at the head of the waiting queue, recomputed later from what the
    prefix cache still holds), repeated until the slots fit or the request preempted
-   itself;
+   itself; under ``--scheduling-policy priority`` the victim is the lowest-priority,
+   latest-arriving running request, which gives back the budget it took in this step,
+   and it waits at its place in the queue (``tokenstorm.upstream.sim_priority``);
 3. then, if nothing was preempted in this step, waiting requests in order (those that
    had arrived when the step began) while fewer than ``--max-num-seqs`` run and budget
    is left: the prefix-cache hit counts as computed and
@@ -31,6 +34,7 @@ from collections.abc import Callable
 
 from tokengate import prefix_hash
 
+from tokenstorm.upstream import sim_priority
 from tokenstorm.upstream.kv_events import KVEventPublisher
 from tokenstorm.upstream.roofline import Roofline
 from tokenstorm.upstream.sim_engine import Engine, SimRequest
@@ -116,7 +120,13 @@ class SteppedEngine(Engine):
             need = -(-(r.computed + new) // bs) - len(r.blocks)
             victim = None
             while need > pool.num_free and victim is not r:
-                victim = order.pop()
+                victim = self._victim(order)
+                k = order.index(victim)
+                del order[k]
+                if k < i:   # scheduled in this step: its tokens go back to the budget
+                    i -= 1
+                    j = next(j for j, p in enumerate(parts) if p[0] is victim)
+                    budget += parts.pop(j)[1]
                 self._preempt(victim)
                 preempted = True
             if victim is r:
@@ -159,6 +169,13 @@ class SteppedEngine(Engine):
             parts.append((r, new, cached))
             budget -= new
         return parts
+
+    def _victim(self, order: list[SimRequest]) -> SimRequest:
+        """The running request vLLM preempts when KV blocks run out: the last admitted
+        (``fcfs``), or the lowest priority, latest arrival (``priority``,
+        ``tokenstorm.upstream.sim_priority.victim``)."""
+        return sim_priority.victim(order) if self.s.scheduling_policy == "priority" \
+            else order[-1]
 
     def _preempt(self, r: SimRequest) -> None:
         """vLLM's ``_preempt_request``: free ``r``'s blocks, back to the waiting head."""
