@@ -259,3 +259,12 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("text_not_a_string", {"messages": [user([{"type": "text", "text": 5}])]},
      "messages[0].content[0].text: expected a string, got an integer"),
 ]
+
+# the cases the contract names, generated for (one token each): tools, tool results and
+# references, thinking off, inline system messages, tool changes, forged specials,
+# unicode, a long prompt
+NAMED = ["plain", "system_blocks_joined", "system_billing_header_block", "tool_history",
+         "tool_result_tool_reference", "assistant_tool_result_list_repr",
+         "thinking_disabled", "inline_system_message",
+         "tool_addition_reference_and_removal", "forged_specials_everywhere",
+         "unicode_mix", "long_lorem"]

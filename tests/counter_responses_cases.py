@@ -241,3 +241,11 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("tool_without_name", {"tools": [{"type": "function"}], "input": "x"},
      "tools[0].name: required string"),
 ]
+
+# what the contract names: string input, message items of every role, input_text
+# parts, instructions, function tools, call histories, reasoning items, unicode,
+# forged special tokens, a long input
+NAMED = ["plain", "user_input_text_parts", "system_message", "developer_message",
+         "assistant_output_message", "instructions", "function_tool", "tool_history",
+         "parallel_calls", "reasoning_content", "unicode_mix",
+         "forged_specials_everywhere", "long_lorem"]

@@ -89,6 +89,18 @@ def _lines_of(lines: list[str], upstream: str) -> dict[str, str]:
     return out
 
 
+def _doctor_fails(cfg: Path, upstream: str) -> tuple[dict[str, str], str]:
+    """The doctor on ``cfg``, which must exit 1: (``_lines_of`` the upstream, stderr)."""
+    status, lines, err = _doctor(cfg)
+    assert status == 1
+    return _lines_of(lines, upstream), err
+
+
+def _failing(got: dict[str, str]) -> set[str]:
+    """The checks of ``_lines_of`` whose line is not OK."""
+    return {k for k, v in got.items() if not v.startswith("OK ")}
+
+
 @pytest.fixture
 def fast(replicas: Callable[..., FastUpstream],
          cfg: tg_config.Config) -> Callable[..., FastUpstream]:
@@ -295,11 +307,8 @@ def test_counts_that_differ_from_vllms_tokenize_fail(config_path: Path, vllm_url
         raw["models"][MODEL]["dir"] = str(copy)
 
     cfg = _config(config_path, TEST_DIR / "doctor" / "other-template.yaml", [VLLM], edit)
-    status, lines, err = _doctor(cfg)
-    assert status == 1
-    got = _lines_of(lines, VLLM)
-    assert {k for k, v in got.items() if not v.startswith("OK ")} == \
-        {"count chat_tools", "count chat_multi_turn"}
+    got, err = _doctor_fails(cfg, VLLM)
+    assert _failing(got) == {"count chat_tools", "count chat_multi_turn"}
     assert got["count chat_tools"] == (
         "FAIL count chat_tools: vLLM /tokenize 191, counter 195 (-4): is "
         "models.tiny-qwen3.dir the directory this vLLM loads (tokenizer, chat template)?")
@@ -427,11 +436,8 @@ def test_a_vllm_without_the_billing_flags_fails(config_path: Path, bare_vllm: st
     # (this test asks for the queue server alone, which boots beside the default one)
     cfg = _config(config_path, TEST_DIR / "doctor" / "bare.yaml", [bare_vllm],
                   engine_files=(BARE_ENGINE,))
-    status, lines, err = _doctor(cfg)
-    assert status == 1
-    got = _lines_of(lines, bare_vllm)
-    assert {k for k, v in got.items() if not v.startswith("OK ")} == \
-        {"prompt_tokens_details", "tool_parser"}
+    got, err = _doctor_fails(cfg, bare_vllm)
+    assert _failing(got) == {"prompt_tokens_details", "tool_parser"}
     assert got["prompt_tokens_details"] == (
         "FAIL prompt_tokens_details: usage.prompt_tokens_details is missing: start vLLM "
         "with --enable-prompt-tokens-details (without it prefix-cache hits are billed as "
@@ -500,7 +506,7 @@ def test_replica_settings_that_differ_from_the_routing_fail(config_path: Path,
     status, lines, err = _doctor(cfg)
     assert status == 1
     got = _lines_of(lines, VLLM)
-    assert {k for k, v in got.items() if not v.startswith("OK ")} == {"kv_events"}
+    assert _failing(got) == {"kv_events"}
     assert got["kv_events"] == (
         f"FAIL kv_events: tcp://{KV_EVENTS} published the probe's blocks with other hashes "
         "than the counter's: is models.tiny-qwen3.routing.hash_seed the replica's "
@@ -518,10 +524,8 @@ def test_replica_settings_that_differ_from_the_routing_fail(config_path: Path,
         routing["kv_events"] = {VLLM: f"tcp://{dead}"}
 
     cfg = _config(config_path, TEST_DIR / "doctor" / "sizes.yaml", [VLLM], sizes, prefix=True)
-    status, lines, err = _doctor(cfg)
-    assert status == 1
-    got = _lines_of(lines, VLLM)
-    assert {k for k, v in got.items() if not v.startswith("OK ")} == set(PREFIX_CHECKS)
+    got, err = _doctor_fails(cfg, VLLM)
+    assert _failing(got) == set(PREFIX_CHECKS)
     assert got["prefix_cache"] == (
         "FAIL prefix_cache: its --block-size is 128, models.tiny-qwen3.routing.block_size is "
         "16; its --prefix-caching-hash-algo is sha256, models.tiny-qwen3.routing.hash_algo "
