@@ -13,6 +13,7 @@ local models_mod = require "tokengate.models"
 
 local ngx_req, ngx_var, ngx_sleep, spawn = ngx.req, ngx.var, ngx.sleep, ngx.thread.spawn
 local wait, kill = ngx.thread.wait, ngx.thread.kill
+local co_status = coroutine.status
 local io_open = io.open
 local type, tonumber = type, tonumber
 local format, find, lower = string.format, string.find, string.lower
@@ -100,6 +101,14 @@ local function sleep(s)
     ngx_sleep(s)
 end
 
+-- read_body() -> true: the reader thread's function, made once (a closure made per
+-- request is bytecode FNEW, which LuaJIT cannot compile: every trace through the
+-- access phase that met it was aborted)
+local function read_body()
+    ngx_req.read_body()
+    return true
+end
+
 -- read_within(deadline_s) -> true | nil, err (408): nginx reads the body, within
 -- deadline_s in all. nginx's client_body_timeout is per read, so a client that sends a
 -- byte now and then would hold the request (and its worker connection) for ever: the
@@ -107,20 +116,21 @@ end
 -- reader leaves nginx's body reading unfinished, so nginx closes the connection after
 -- the answer instead of keeping it alive (verified with Debian's nginx 1.22 + lua
 -- 0.10.23, HTTP/1.1 with Content-Length and chunked). A body that arrived with the
--- headers is read before spawn() returns: no sleeper then.
+-- headers is read before spawn() returns (the reader is dead, its result kept for
+-- wait()): no sleeper then.
 local function read_within(deadline_s)
-    local done = false
-    local reader = spawn(function()
-        ngx_req.read_body()
-        done = true
-    end)
-    if done then
-        return true
+    local reader = spawn(read_body)
+    local ok, read
+    if co_status(reader) == "dead" then
+        ok, read = wait(reader)
+    else
+        local sleeper = spawn(sleep, deadline_s)
+        ok, read = wait(reader, sleeper)
+        if ok and read == true then
+            kill(sleeper)
+        end
     end
-    local sleeper = spawn(sleep, deadline_s)
-    wait(reader, sleeper)
-    if done then
-        kill(sleeper)
+    if ok and read == true then
         return true
     end
     kill(reader)

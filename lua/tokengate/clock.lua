@@ -51,6 +51,11 @@ if package.searchpath(TEST_CLOCK, package.path) then
     _M.window_now = require(TEST_CLOCK).now
 end
 
+-- the last second rfc3339_ms formatted, and its text: every usage event formats its
+-- request's start, and requests of the same second share the date (os.date is a C call
+-- that LuaJIT's traces cannot hold, and a new string each time)
+local last_sec, last_text = nil, nil
+
 -- rfc3339_ms(t) -> "2026-11-29T16:40:00.123Z" for t = seconds since the epoch (float).
 function _M.rfc3339_ms(t)
     local sec = floor(t)
@@ -58,7 +63,10 @@ function _M.rfc3339_ms(t)
     if ms >= 1000 then
         sec, ms = sec + 1, ms - 1000
     end
-    return os_date("!%Y-%m-%dT%H:%M:%S", sec) .. format(".%03dZ", ms)
+    if sec ~= last_sec then
+        last_sec, last_text = sec, os_date("!%Y-%m-%dT%H:%M:%S", sec)
+    end
+    return last_text .. format(".%03dZ", ms)
 end
 
 return _M
