@@ -13,14 +13,14 @@
 --
 -- Prediction, per replica r, for a request whose prompt r must compute `uncached`
 -- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
---   TTFT(r) = a0_r + a1_r * ahead + a2_r * running_r
+--   TTFT(r) = a0_r + a1_r * uncached + a3_r * left_r + a2_r * running_r
 --   TPOT(r) = b0_r + b1_r * ahead + b2_r * running_r
---     ahead = left_r + uncached, the prefill work ahead of the request's first token:
---     queued_r the uncached prompt tokens this edge sent to r whose first byte has not
+--     ahead = left_r + uncached, the prefill work ahead of the request's first token;
+--     left_r: of queued_r, the uncached prompt tokens this edge sent to r whose first byte has not
 --     come back yet (a shared-dict count: incr when sent, decr at the first byte or at
 --     the end), less what r has computed of them since its queue last moved (a first
 --     byte came back, or work arrived at an empty queue: the shared anchor), at the
---     rate the fit itself gives (1 / a1_r tokens per ms):
+--     rate the fit gives a prompt's own tokens (1 / a1_r tokens per ms):
 --       left_r = |queued_r - (now - anchor_r) / a1_r|
 --     (past all of queued_r, r is late, and as late again is what a request sent now
 --     should expect: the lateness counts as work still ahead);
@@ -28,21 +28,26 @@
 --     budget (vllm/v1/core/sched/scheduler.py), so the head of the queue is the one
 --     being computed and a prompt queued for a while is partly done: counting all of
 --     queued_r over-predicts every request behind a long prompt;
+--     a request's own tokens and the queue's left have slopes of their own: left_r is
+--     an estimate (where r is in its steps, when first bytes come back, the host), and
+--     one slope over both read a fraction of the cost per token from it (a noisy
+--     feature's slope shrinks towards 0): long documents were predicted about half
+--     their TTFT;
 --     running_r: the requests this edge has on r now, this one included (their decode
 --     steps lengthen every step, vLLM's scheduler runs decodes first).
 -- The coefficients are learned online from r's answers: at an answer's first byte the
--- (ahead, running) its request was predicted with and the TTFT the edge observed
+-- (uncached, left, running) its request was predicted with and the TTFT the edge observed
 -- (forward to first byte) update the TTFT plane; at its end its TPOT ((end - first
 -- byte) / (completion tokens - 1)) updates the TPOT plane. (A TTFT learned at the end
 -- came a whole answer late, seconds: the fit lagged the load it predicts, and a fresh
 -- edge predicted by the prior alone until its first answers had ended.) Each plane is
--- a least-squares plane with exponential forgetting (DECAY per answer) that minimises
+-- a least-squares fit with exponential forgetting (DECAY per answer) that minimises
 -- sum((predicted - observed)^2 / observed): each answer weighs 1 / observed, between
 -- plain least squares (the long prompts' seconds decide and every short one is
 -- over-predicted) and the relative error's 1 / observed^2 (the many short answers
 -- decide the slope, and the few ms of noise in each of them hid the cost per token:
 -- queues of 3,000 tokens and more were predicted 15 to 55 % short); its slopes drawn
--- towards a prior's (PRIOR_*). Every answer is published in a shared ring per
+-- towards a prior's (PRIORS). Every answer is published in a shared ring per
 -- replica (OBS_RING answers) and each worker folds in the answers of the others when
 -- it learns its own (the fits are per worker, their data is the edge's: no
 -- read-modify-write across workers); a decision folds only while a fit is new. A
