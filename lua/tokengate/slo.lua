@@ -13,14 +13,14 @@
 --
 -- Prediction, per replica r, for a request whose prompt r must compute `uncached`
 -- tokens of (its prompt tokens less r's expected prefix hit, tokengate.prefix):
---   TTFT(r) = a0_r + a1_r * ahead + a2_r * running_r
+--   TTFT(r) = a0_r + a1_r * uncached + a3_r * left_r + a2_r * running_r
 --   TPOT(r) = b0_r + b1_r * ahead + b2_r * running_r
---     ahead = left_r + uncached, the prefill work ahead of the request's first token:
---     queued_r the uncached prompt tokens this edge sent to r whose first byte has not
+--     ahead = left_r + uncached, the prefill work ahead of the request's first token;
+--     left_r: of queued_r, the uncached prompt tokens this edge sent to r whose first byte has not
 --     come back yet (a shared-dict count: incr when sent, decr at the first byte or at
 --     the end), less what r has computed of them since its queue last moved (a first
 --     byte came back, or work arrived at an empty queue: the shared anchor), at the
---     rate the fit itself gives (1 / a1_r tokens per ms):
+--     rate the fit gives a prompt's own tokens (1 / a1_r tokens per ms):
 --       left_r = |queued_r - (now - anchor_r) / a1_r|
 --     (past all of queued_r, r is late, and as late again is what a request sent now
 --     should expect: the lateness counts as work still ahead);
@@ -28,21 +28,26 @@
 --     budget (vllm/v1/core/sched/scheduler.py), so the head of the queue is the one
 --     being computed and a prompt queued for a while is partly done: counting all of
 --     queued_r over-predicts every request behind a long prompt;
+--     a request's own tokens and the queue's left have slopes of their own: left_r is
+--     an estimate (where r is in its steps, when first bytes come back, the host), and
+--     one slope over both read a fraction of the cost per token from it (a noisy
+--     feature's slope shrinks towards 0): long documents were predicted about half
+--     their TTFT;
 --     running_r: the requests this edge has on r now, this one included (their decode
 --     steps lengthen every step, vLLM's scheduler runs decodes first).
 -- The coefficients are learned online from r's answers: at an answer's first byte the
--- (ahead, running) its request was predicted with and the TTFT the edge observed
+-- (uncached, left, running) its request was predicted with and the TTFT the edge observed
 -- (forward to first byte) update the TTFT plane; at its end its TPOT ((end - first
 -- byte) / (completion tokens - 1)) updates the TPOT plane. (A TTFT learned at the end
 -- came a whole answer late, seconds: the fit lagged the load it predicts, and a fresh
 -- edge predicted by the prior alone until its first answers had ended.) Each plane is
--- a least-squares plane with exponential forgetting (DECAY per answer) that minimises
+-- a least-squares fit with exponential forgetting (DECAY per answer) that minimises
 -- sum((predicted - observed)^2 / observed): each answer weighs 1 / observed, between
 -- plain least squares (the long prompts' seconds decide and every short one is
 -- over-predicted) and the relative error's 1 / observed^2 (the many short answers
 -- decide the slope, and the few ms of noise in each of them hid the cost per token:
 -- queues of 3,000 tokens and more were predicted 15 to 55 % short); its slopes drawn
--- towards a prior's (PRIOR_*). Every answer is published in a shared ring per
+-- towards a prior's (PRIORS). Every answer is published in a shared ring per
 -- replica (OBS_RING answers) and each worker folds in the answers of the others when
 -- it learns its own (the fits are per worker, their data is the edge's: no
 -- read-modify-write across workers); a decision folds only while a fit is new. A
@@ -72,15 +77,17 @@ local TPOT_BOUNDS = { 1, 60000 } -- ms a request may ask between its tokens
 _M.TTFT_BOUNDS, _M.TPOT_BOUNDS = TTFT_BOUNDS, TPOT_BOUNDS
 local DECAY = 0.97 -- weight left to the past at each observation (about 33 remembered)
 local OBS_RING = 64 -- answers per replica kept in the shared ring for the other workers
--- the prior: the planes through three points (work ahead tokens, running requests, ms),
--- the fit before any answer: TTFT 20 ms plus 1 s per 20,000 tokens of prefill ahead
--- plus 0.3 ms per running request; TPOT 10 ms alone, 30 ms with 64 running, 0.5 ms
--- more per 1,000 tokens of prefill ahead. Once answers come, the slopes are drawn
--- towards the prior's by PRIOR_SHARE of the answers' own weight in each direction (a
--- ridge: it keeps the fit solvable while a feature does not vary, and is small beside
--- what varies)
-local PRIOR_TTFT = { { 0, 1, 20 }, { 20000, 1, 1020 }, { 0, 64, 39 } }
-local PRIOR_TPOT = { { 0, 1, 10 }, { 0, 64, 30 }, { 20000, 1, 20 } }
+-- the prior: the fits' coefficients before any answer (ms; per token; per request):
+-- TTFT 20 ms with one request running, plus 1 s per 20,000 tokens of prefill ahead
+-- (its own uncached tokens and those queued before it alike), plus 0.3 ms per running
+-- request; TPOT 10 ms alone, 30 ms with 64 running, 0.5 ms more per 1,000 tokens of
+-- prefill ahead. Once answers come, the slopes are drawn towards the prior's by
+-- PRIOR_SHARE of the answers' own weight in each direction (a ridge: it keeps the fit
+-- solvable while a feature does not vary, and is small beside what varies)
+local PRIORS = {
+    ttft = { 19.7, 0.05, 0.05, 0.3 }, -- c0, own uncached tokens, queued left, running
+    tpot = { 10 - 20 / 63, 0.0005, 20 / 63 }, -- c0, tokens ahead, running
+}
 local PRIOR_SHARE = 0.02
 local CLASSES = { interactive = true, sheddable = true, batch = true }
 _M.CLASSES = CLASSES
@@ -115,100 +122,145 @@ function _M.init_worker(dict_name)
     return true
 end
 
--- plane(points) -> the sums of a least-squares plane y = c0 + c1 x1 + c2 x2 over
--- points {x1, x2, y} of weight 1 each; answers: how many observe() added (none here)
-local function plane(points)
-    local f = { n = 0, s1 = 0, s2 = 0, sy = 0, s11 = 0, s12 = 0, s22 = 0, s1y = 0, s2y = 0,
-                answers = 0 }
-    for i = 1, #points do
-        local p = points[i]
-        local x1, x2, y = p[1], p[2], p[3]
-        f.n, f.s1, f.s2, f.sy = f.n + 1, f.s1 + x1, f.s2 + x2, f.sy + y
-        f.s11, f.s12, f.s22 = f.s11 + x1 * x1, f.s12 + x1 * x2, f.s22 + x2 * x2
-        f.s1y, f.s2y = f.s1y + x1 * y, f.s2y + x2 * y
+-- fit_new(kind) -> an empty least-squares fit of y = c0 + c1 x1 + ... + ck xk, k =
+-- #PRIORS[kind] - 1 features, as its weighted sums: n (weight), s[i] (x_i), sy, sxx[i][j]
+-- (x_i x_j), sxy[i] (x_i y); answers: how many observe() added; c: its coefficients
+-- c[0..k] once solved (nil until then, and after each answer)
+local function fit_new(kind)
+    local k = #PRIORS[kind] - 1
+    local f = { kind = kind, k = k, n = 0, sy = 0, s = {}, sxy = {}, sxx = {}, answers = 0 }
+    for i = 1, k do
+        f.s[i], f.sxy[i], f.sxx[i] = 0, 0, {}
+        for j = 1, k do
+            f.sxx[i][j] = 0
+        end
     end
     return f
 end
 
--- fit(n, s1, s2, sy, s11, s12, s22, s1y, s2y) -> c0, c1, c2 of the least-squares plane
--- of those sums (normal equations, Cramer's rule); slopes clipped at 0 (more work ahead
--- or more requests running never make a request faster), then the intercept refitted,
--- at least 0
-local function fit(n, s1, s2, sy, s11, s12, s22, s1y, s2y)
-    local det = n * (s11 * s22 - s12 * s12) - s1 * (s1 * s22 - s12 * s2)
-        + s2 * (s1 * s12 - s11 * s2)
-    local c1, c2 = 0, 0
-    if det > 0 then
-        c1 = (n * (s1y * s22 - s12 * s2y) - sy * (s1 * s22 - s12 * s2)
-            + s2 * (s1 * s2y - s1y * s2)) / det
-        c2 = (n * (s11 * s2y - s1y * s12) - s1 * (s1 * s2y - s1y * s2)
-            + sy * (s1 * s12 - s11 * s2)) / det
-    end
-    if c1 < 0 then
-        c1 = 0
-    end
-    if c2 < 0 then
-        c2 = 0
-    end
-    local c0 = (sy - c1 * s1 - c2 * s2) / n
-    if c0 < 0 then
-        c0 = 0
-    end
-    return c0, c1, c2
-end
+local A = {} -- solve()'s augmented normal equations (reused: no table per answer)
 
--- the prior planes' coefficients {c0, c1, c2}
-local PRIORS = {}
-for kind, points in pairs({ ttft = PRIOR_TTFT, tpot = PRIOR_TPOT }) do
-    local p = plane(points)
-    PRIORS[kind] = { fit(p.n, p.s1, p.s2, p.sy, p.s11, p.s12, p.s22, p.s1y, p.s2y) }
+-- solve(f) -> f.c: the prior's coefficients before any answer, then the least-squares
+-- fit of f's answers (normal equations, Gauss-Jordan elimination with partial pivoting)
+-- with each slope drawn towards the prior's by PRIOR_SHARE of its feature's own weight
+-- (a ridge; a feature that never varied from 0 keeps the prior's slope); slopes
+-- clipped at 0 (more work ahead or more requests running never make a request faster),
+-- then the intercept refitted, at least 0
+local function solve(f)
+    local p, k = PRIORS[f.kind], f.k
+    local c = f.c_store or {}
+    f.c_store = c
+    if f.n <= 0 then
+        for i = 0, k do
+            c[i] = p[i + 1]
+        end
+        return c
+    end
+    -- rows 0..k, columns 0..k and k+1 (the right-hand side)
+    for i = 0, k do
+        local row = A[i] or {}
+        A[i] = row
+        for j = 0, k do
+            if i == 0 and j == 0 then
+                row[j] = f.n
+            elseif i == 0 then
+                row[j] = f.s[j]
+            elseif j == 0 then
+                row[j] = f.s[i]
+            else
+                row[j] = f.sxx[i][j]
+            end
+        end
+        row[k + 1] = i == 0 and f.sy or f.sxy[i]
+        if i > 0 then
+            local r = PRIOR_SHARE * f.sxx[i][i] + 1e-9 * f.n
+            row[i] = row[i] + r
+            row[k + 1] = row[k + 1] + r * p[i + 1]
+        end
+    end
+    for col = 0, k do
+        local piv = col
+        for i = col + 1, k do
+            if abs(A[i][col]) > abs(A[piv][col]) then
+                piv = i
+            end
+        end
+        if A[piv][col] == 0 then
+            for i = 0, k do
+                c[i] = p[i + 1]
+            end
+            return c
+        end
+        A[col], A[piv] = A[piv], A[col]
+        local rc = A[col]
+        for i = 0, k do
+            if i ~= col then
+                local ri = A[i]
+                local m = ri[col] / rc[col]
+                if m ~= 0 then
+                    for j = col, k + 1 do
+                        ri[j] = ri[j] - m * rc[j]
+                    end
+                end
+            end
+        end
+    end
+    local c0 = f.sy
+    for i = 1, k do
+        local ci = A[i][k + 1] / A[i][i]
+        if ci < 0 then
+            ci = 0
+        end
+        c[i] = ci
+        c0 = c0 - ci * f.s[i]
+    end
+    c0 = c0 / f.n
+    c[0] = c0 > 0 and c0 or 0
+    return c
 end
 
 -- state_of(model, r) -> this worker's state of replica r of model (replicas above)
 local function state_of(model, r)
     local st = replicas[r]
     if not st then
-        local a, b = plane({}), plane({})
-        a.kind, b.kind = "ttft", "tpot"
         local tail = model .. "\0" .. r.name
-        st = { ttft = a, tpot = b, qkey = "slq:" .. tail, akey = "sla:" .. tail,
-               okey = "slo:" .. tail .. "\0", nkey = "sln:" .. tail, seen = 0 }
+        st = { ttft = fit_new("ttft"), tpot = fit_new("tpot"), qkey = "slq:" .. tail,
+               akey = "sla:" .. tail, okey = "slo:" .. tail .. "\0", nkey = "sln:" .. tail,
+               seen = 0 }
         replicas[r] = st
     end
     return st
 end
 
--- solve(f) -> c0, c1, c2 of f: the prior's before any answer, then the plane through
--- f's answers with the ridge towards the prior's slopes (PRIOR_SHARE)
-local function solve(f)
-    local p = PRIORS[f.kind]
-    if f.n <= 0 then
-        return p[1], p[2], p[3]
-    end
-    local r1, r2 = PRIOR_SHARE * f.s11, PRIOR_SHARE * f.s22
-    return fit(f.n, f.s1, f.s2, f.sy, f.s11 + r1, f.s12, f.s22 + r2, f.s1y + r1 * p[2],
-        f.s2y + r2 * p[3])
-end
-
--- coef(f) -> f's coefficients, solved again only after an answer changed f
+-- coef(f) -> f's coefficients (a table c[0..k]), solved again only after an answer
+-- changed f
 local function coef(f)
-    if not f.c0 then
-        f.c0, f.c1, f.c2 = solve(f)
+    if not f.c then
+        f.c = solve(f)
     end
-    return f.c0, f.c1, f.c2
+    return f.c
 end
 
--- observe(f, x1, x2, y): one answer (y > 0), of weight 1 / y, the past weighed down by
--- DECAY
-local function observe(f, x1, x2, y)
-    local d = DECAY
+local X = {} -- observe()'s features (reused)
+
+-- observe(f, y, x1, x2, x3): one answer y (> 0) at features x1..xk (f.k of them), of
+-- weight 1 / y, the past weighed down by DECAY
+local function observe(f, y, x1, x2, x3)
+    local d, k = DECAY, f.k
     local w = 1 / y
+    X[1], X[2], X[3] = x1, x2, x3
     f.answers = f.answers + 1
-    f.n, f.s1, f.s2, f.sy = f.n * d + w, f.s1 * d + w * x1, f.s2 * d + w * x2, f.sy * d + w * y
-    f.s11, f.s12 = f.s11 * d + w * x1 * x1, f.s12 * d + w * x1 * x2
-    f.s22 = f.s22 * d + w * x2 * x2
-    f.s1y, f.s2y = f.s1y * d + w * x1 * y, f.s2y * d + w * x2 * y
-    f.c0 = nil
+    f.n, f.sy = f.n * d + w, f.sy * d + w * y
+    local s, sxy, sxx = f.s, f.sxy, f.sxx
+    for i = 1, k do
+        local xi = X[i]
+        s[i], sxy[i] = s[i] * d + w * xi, sxy[i] * d + w * xi * y
+        local row = sxx[i]
+        for j = 1, k do
+            row[j] = row[j] * d + w * xi * X[j]
+        end
+    end
+    f.c = nil
 end
 
 -- fold(st, upto): the answers of r's ring after st.seen, up to sequence number upto,
@@ -218,15 +270,16 @@ local function fold(st, upto)
     local okey = st.okey
     for seq = max(st.seen + 1, upto - OBS_RING + 1), upto do
         local v = dict:get(okey .. seq % OBS_RING)
-        local s, ahead, running, ttft, tpot = match(v or "", "^(%d+) (%S+) (%S+) (%S+) (%S+)$")
+        local s, own, left, running, ttft, tpot =
+            match(v or "", "^(%d+) (%S+) (%S+) (%S+) (%S+) (%S+)$")
         if s and tonumber(s) == seq then
-            ahead, running, ttft, tpot = tonumber(ahead), tonumber(running), tonumber(ttft),
-                tonumber(tpot)
+            own, left, running = tonumber(own), tonumber(left), tonumber(running)
+            ttft, tpot = tonumber(ttft), tonumber(tpot)
             if ttft > 0 then
-                observe(st.ttft, ahead, running, ttft)
+                observe(st.ttft, ttft, own, left, running)
             end
             if tpot > 0 then
-                observe(st.tpot, ahead, running, tpot)
+                observe(st.tpot, tpot, own + left, running)
             end
         end
     end
@@ -236,13 +289,16 @@ local function fold(st, upto)
     coef(st.tpot)
 end
 
--- learn(st, ahead, running, ttft, tpot): one answer of r (ms; 0: none: a first byte
--- brings its TTFT, the end its TPOT) into the shared ring, then every answer of the
--- ring this worker has not seen into its fits
-local function learn(st, ahead, running, ttft, tpot)
+-- learn(st, t, ttft, tpot): one answer of r (ms; 0: none: a first byte brings its
+-- TTFT, the end its TPOT) of the request of ctx.slo t (its uncached tokens, the work
+-- ahead and the running requests it was predicted with) into the shared ring, then
+-- every answer of the ring this worker has not seen into its fits
+local function learn(st, t, ttft, tpot)
+    local own = t.uncached or 0
+    local left = max(0, floor((t.ahead or own) - own))
     local seq = dict:incr(st.nkey, 1, 0)
-    dict:set(st.okey .. seq % OBS_RING, seq .. " " .. ahead .. " " .. running .. " "
-        .. ttft .. " " .. tpot)
+    dict:set(st.okey .. seq % OBS_RING, seq .. " " .. own .. " " .. left .. " "
+        .. (t.running or 1) .. " " .. ttft .. " " .. tpot)
     fold(st, seq)
 end
 
@@ -268,10 +324,8 @@ local function predict_state(st, uncached, running, now)
         -- learned nothing (only while the fit is new; then it folds at answers only)
         fold(st, dict:get(st.nkey) or 0)
     end
-    local a0, a1, a2 = f.c0, f.c1, f.c2
-    if not a0 then
-        a0, a1, a2 = coef(f)
-    end
+    local a = f.c or coef(f)
+    local a1 = a[1]
     local left = dict and dict:get(st.qkey) or 0
     if left > 0 and a1 > 0 then
         local since = dict:get(st.akey)
@@ -285,11 +339,9 @@ local function predict_state(st, uncached, running, now)
         end
     end
     local ahead = left + uncached
-    local b0, b1, b2 = g.c0, g.c1, g.c2
-    if not b0 then
-        b0, b1, b2 = coef(g)
-    end
-    return a0 + a1 * ahead + a2 * running, b0 + b1 * ahead + b2 * running, ahead
+    local b = g.c or coef(g)
+    return a[0] + a1 * uncached + a[2] * left + a[3] * running,
+        b[0] + b[1] * ahead + b[2] * running, ahead
 end
 _M.predict_state = predict_state
 
@@ -497,7 +549,7 @@ function _M.sent(ctx)
     end
     local n = max(0, floor((ctx.token_estimate or 0) - (ctx.prefix_expected or 0)))
     local now = mono_ms()
-    t.queued, t.queued_on, t.t_sent = n, ctx.replica, now
+    t.queued, t.queued_on, t.t_sent, t.uncached = n, ctx.replica, now, n
     local st = state_of(ctx.model, ctx.replica)
     if dict:incr(st.qkey, n, 0) == n then
         dict:set(st.akey, now)
@@ -542,7 +594,7 @@ function _M.first(ctx, answered)
         metrics.slo_error(ctx.model, t.queued_on.name, (t.predicted_ttft_ms - ttft) / ttft)
     end
     -- 0.001 ms: an answer at once still weighs 1 / y within bounds
-    learn(st, floor(t.ahead or 0), t.running or 1, max(ttft, 0.001), 0)
+    learn(st, t, max(ttft, 0.001), 0)
 end
 
 -- finish(ctx, completion) -> the usage event's slo object | nil: the queued count let
@@ -562,6 +614,7 @@ function _M.finish(ctx, completion)
     if t.predicted_ttft_ms then
         ev.predicted_ttft_ms = floor(t.predicted_ttft_ms * 1000 + 0.5) / 1000
         ev.predicted_tpot_ms = floor(t.predicted_tpot_ms * 1000 + 0.5) / 1000
+        ev.ahead_tokens, ev.running = t.ahead and floor(t.ahead + 0.5), t.running
     end
     local r = t.queued_on
     if r and ctx.t_first and t.t_sent then
@@ -569,7 +622,7 @@ function _M.finish(ctx, completion)
         if completion and completion >= 2 then
             local tpot = (mono_ms() - ctx.t_first) / (completion - 1)
             ev.observed_tpot_ms = floor(tpot * 1000 + 0.5) / 1000
-            learn(state_of(ctx.model, r), floor(t.ahead or 0), t.running or 1, 0, tpot)
+            learn(state_of(ctx.model, r), t, 0, tpot)
         end
     end
     woken()

@@ -41,12 +41,29 @@ explains: the wait for the step in progress when it arrived, the HTTP and the ho
 not the wait itself, errs by this much against the same observed TTFT. The edge cannot
 see where its replica is in its step; no prediction of its is expected below the floor.
 
+The time scale (``--time-scale K``, default ``TIME_SCALE``): every TTFT the edge
+observes also holds what no simulated step explains, the HTTP both ways, the replica's
+parsing and tokenizing and its event loop running late on a host shared with the edge,
+the load generators and other work: 10 to 20 ms at p50 and 35 to 75 ms at p90 were
+measured at scale 1, against chat TTFTs of 25 to 50 ms. At scale K every simulated
+step lasts K times an H100's (``time_scaled``: the roofline's FLOP/s and bandwidth
+divided by K, its overhead times K; the KV cache the same), the arrivals are K times
+sparser for K times as long and every target is K times longer: the same traffic in
+the GPU's own time, where a faithful predictor's relative error is what it was and the
+host's fixed milliseconds weigh K times less. A stall is then a step ``STALL_S`` x K
+late. The aims are the same; request rates, goodput and latencies print on the scaled
+clock (divide latencies, multiply rates by K for an H100's); ratios, relative errors
+and the decision cost (the edge's own microseconds) need no conversion. Per run of
+policy slo the bench prints the time outside the simulated GPU (the observed TTFT less
+the engine records' queued and prefill time) and how many steps the host ran late.
+
 Results: ``bench/results/slo-<time>.json`` and ``slo-latest.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -61,7 +78,7 @@ from rich.table import Table
 from tokengate import config as tg_config
 from tokenstorm.process import free_port
 from tokenstorm.upstream import roofline
-from tokenstorm.upstream.sim import SimReplica, SimSettings
+from tokenstorm.upstream.sim import LATE_BUCKETS, SimReplica, SimSettings
 
 from tokengate_dev import devstack
 from tokengate_dev.bench import results, routing
@@ -69,7 +86,8 @@ from tokengate_dev.bench import results, routing
 BENCH_VAR = devstack.VAR / "bench-slo"
 MODEL = routing.MODEL
 LATE = "tokenstorm_sim_step_lateness_seconds"
-STALL_S = 0.2  # a step this late stalls its replica (a bucket bound of LATE)
+STALL_S = 0.2  # a step this late stalls its replica at time scale 1 (a bucket bound of LATE)
+TIME_SCALE = 4.0  # the fleet's default time scale (module text)
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,9 @@ class TrafficClass:
     prefix: int = 0
     conversations: int = 1
 
+    def scaled(self, k: float) -> TrafficClass:
+        """This class with its targets ``k`` times longer (a fleet at time scale k)."""
+        return dataclasses.replace(self, ttft_ms=self.ttft_ms * k, tpot_ms=self.tpot_ms * k)
 
 
 CLASSES = (
@@ -129,12 +150,41 @@ class Options:
     seed: int = 0
     max_model_len: int = 16384
     stall_repeats: int = 2
+    time_scale: float = TIME_SCALE
+
+    def classes(self) -> tuple[TrafficClass, ...]:
+        """CLASSES at this run's time scale (their targets ``time_scale`` times longer)."""
+        return tuple(c.scaled(self.time_scale) for c in CLASSES)
+
+    def arrivals_s(self) -> float:
+        """Seconds of arrivals per run on the clock: ``duration_s`` of the H100's time,
+        ``time_scale`` times as long."""
+        return self.duration_s * self.time_scale
+
+    def stall_s(self) -> float:
+        """How late a step stalls its replica at this time scale: ``STALL_S`` x
+        ``time_scale``, up to the next bucket bound of LATE."""
+        return min((b for b in LATE_BUCKETS if b >= STALL_S * self.time_scale - 1e-9),
+                   default=LATE_BUCKETS[-1])
+
+
+def time_scaled(gpu: str, k: float) -> dict[str, float]:
+    """``SimSettings`` fields of ``gpu`` ``k`` times slower: its FLOP/s and HBM bandwidth
+    divided by k, its step overhead times k; every step the roofline times
+    (``Roofline.step_s``: the larger of FLOPs / FLOP/s and bytes / bandwidth per part,
+    plus the overhead) lasts k times as long, its KV cache is the same. {} for k 1."""
+    if k == 1:
+        return {}
+    g = roofline.GPUS[gpu]
+    return {"gpu_tflops": g.flops / 1e12 / k, "gpu_hbm_tb_s": g.bandwidth / 1e12 / k,
+            "step_overhead_ms": SimSettings.step_overhead_ms * k}
 
 
 def edge_config(path: Path, upstreams: list[str], endpoints: dict[str, str], policy: str,
-                port: int, usage: Path, block_size: int, max_model_len: int) -> Path:
-    """The bench's tokengate.yaml (``routing.write_config``) with one key per class,
-    its targets and class (used by policy slo only)."""
+                port: int, usage: Path, block_size: int, max_model_len: int,
+                classes: tuple[TrafficClass, ...] = CLASSES) -> Path:
+    """The bench's tokengate.yaml (``routing.write_config``) with one key per class of
+    ``classes``, its targets and class (used by policy slo only)."""
     routing.write_config(path, upstreams, endpoints, policy, routing.RoutingOptions(),
                          block_size, edge_port=port, usage_file=usage,
                          max_model_len=max_model_len)
@@ -144,7 +194,7 @@ def edge_config(path: Path, upstreams: list[str], endpoints: dict[str, str], pol
 
     raw = yaml.safe_load(path.read_text())
     raw["models"][MODEL]["routing"].pop("load_weight", None)   # the default weight
-    for c in CLASSES:
+    for c in classes:
         raw["keys"][c.name] = {"sha256": hashlib.sha256(key(c).encode()).hexdigest(),
                                "rpm": 1_000_000_000, "tpm": 1_000_000_000_000,
                                "slo": {"ttft_ms": int(c.ttft_ms), "tpot_ms": int(c.tpot_ms)},
@@ -159,15 +209,17 @@ def key(c: TrafficClass) -> str:
 
 def storm_argv(c: TrafficClass, url: str, model: tg_config.ModelConfig, rate: float,
                opts: Options, out: Path) -> list[str]:
-    """The ``tokenstorm run`` of class ``c`` at ``rate`` req/s (its share of the load)."""
+    """The ``tokenstorm run`` of class ``c`` (at the run's time scale: ``opts.classes()``)
+    at ``rate`` req/s (its share of the load) for ``opts.arrivals_s()``."""
     argv = [sys.executable, "-m", "tokenstorm.cli", "run", "--url", url,
             "--model", model.name, "--model-dir", str(model.dir),
             "--max-model-len", str(opts.max_model_len), "--stream",
             "--profile", f"normal:mean={c.mean},sd={c.sd}", "--output-tokens",
             str(c.output), "--arrivals", "gamma", "--burstiness", str(opts.burstiness),
-            "--rate", f"{rate:.4f}", "--duration", str(opts.duration_s),
+            "--rate", f"{rate:.4f}", "--duration", f"{opts.arrivals_s():g}",
             "--seed", str(opts.seed), "--api-key", key(c), "--max-lag-ms", "50",
-            "--slo", f"ttft={c.ttft_ms:g},tpot={c.tpot_ms:g}", "--timeout", "120",
+            "--slo", f"ttft={c.ttft_ms:g},tpot={c.tpot_ms:g}",
+            "--timeout", f"{120 * opts.time_scale:g}",
             "--name", c.name, "--out", str(out), "--quiet"]
     if c.tenants:
         argv += ["--tenants", str(c.tenants), "--shared-prefix-tokens", str(c.prefix),
@@ -209,12 +261,13 @@ def engine_file(i: int) -> Path:
     return BENCH_VAR / f"engine-{i}.jsonl"
 
 
-def prefill_steps(offsets: list[int]) -> dict[str, float]:
-    """{the edge's request id: ms from the request's first scheduling to its first
-    token on its replica} from the engine usage records the replicas appended past
-    ``offsets`` (bytes, one per replica; ``tokengate_vllm.record``: its request id is
-    vLLM's, ``chatcmpl-`` and the edge's)."""
-    out: dict[str, float] = {}
+def engine_ttfts(offsets: list[int]) -> dict[str, tuple[float, float]]:
+    """{the edge's request id: (queued, prefill) ms on its replica's simulated clock:
+    from its arrival at the engine to its first scheduling, and from there to its first
+    token} from the engine usage records the replicas appended past ``offsets`` (bytes,
+    one per replica; ``tokengate_vllm.record``: its request id is vLLM's, ``chatcmpl-``
+    and the edge's)."""
+    out: dict[str, tuple[float, float]] = {}
     for i, start in enumerate(offsets):
         path = engine_file(i)
         if not path.exists():
@@ -227,25 +280,35 @@ def prefill_steps(offsets: list[int]) -> dict[str, float]:
                 except ValueError:
                     continue
                 if rec.get("prefill_ms") is not None:
-                    out[rec["request_id"].removeprefix("chatcmpl-")] = float(rec["prefill_ms"])
+                    out[rec["request_id"].removeprefix("chatcmpl-")] = (
+                        float(rec.get("queued_ms") or 0.0), float(rec["prefill_ms"]))
     return out
 
 
-def stalls(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
-    """Between two ``lateness`` readings: ``steps`` the host ran more than STALL_S late,
-    and ``late_s``, the largest bucket bound some step exceeded (0: none, or no
-    replica's lateness is known)."""
+LATE_SHARES = (0.005, 0.025, 0.1)  # bounds (s) of stalls()' late_share
+
+
+def stalls(before: dict[float, float], after: dict[float, float],
+           stall_s: float = STALL_S) -> dict[str, Any]:
+    """Between two ``lateness`` readings: ``steps`` the host ran more than ``stall_s``
+    (a bucket bound of LATE) late, ``late_s``, the largest bucket bound some step
+    exceeded (0: none, or no replica's lateness is known), and ``late_share``: {bound
+    (ms): the share of all steps later than it} for the bounds of LATE_SHARES."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+
     def over(bound: float) -> float:
-        total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
         return total - (after.get(bound, 0.0) - before.get(bound, 0.0))
     worst = max((b for b in after if b != float("inf") and over(b) > 0), default=0.0)
-    return {"steps": int(over(STALL_S)) if STALL_S in after else 0, "late_s": worst}
+    share = {f"{b * 1000:g}": over(b) / total for b in LATE_SHARES if total and b in after}
+    return {"steps": int(over(stall_s)) if stall_s in after else 0, "late_s": worst,
+            "late_share": share}
 
 
 def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
             policy: str, load: float, cap: float, model: tg_config.ModelConfig,
             opts: Options, console: Console) -> dict[str, Any]:
-    """Fresh prefix caches and edge, the three classes at ``load`` x ``cap`` req/s."""
+    """Fresh prefix caches and edge, the three classes (``opts.classes()``) at ``load``
+    x ``cap`` req/s."""
     for u in upstreams:
         routing.reset_prefix_cache(f"http://{u}")
         routing.warm_up(f"http://{u}", model)
@@ -254,7 +317,7 @@ def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
     usage = BENCH_VAR / f"usage-{policy}-{load:g}.jsonl"
     usage.unlink(missing_ok=True)
     cfg = edge_config(BENCH_VAR / f"edge-{policy}.yaml", upstreams, endpoints, policy, port,
-                      usage, 16, opts.max_model_len)
+                      usage, 16, opts.max_model_len, opts.classes())
     edge = devstack.nginx_service(cfg, port=port, counter_socket=counter_sock,
                                   counter_workers=1, workers=2, name="bench-slo-edge",
                                   prefix=BENCH_VAR / "edge", status_port=free_port())
@@ -264,7 +327,7 @@ def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
                for i in range(len(upstreams))]
     try:
         procs = []
-        for c in CLASSES:
+        for c in opts.classes():
             out = BENCH_VAR / f"run-{policy}-{load:g}-{c.name}.json"
             out.unlink(missing_ok=True)
             with open(BENCH_VAR / f"storm-{c.name}.log", "w") as log:
@@ -276,15 +339,22 @@ def run_one(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path,
             p.wait()
     finally:
         edge.stop()
-    stalled = stalls(before, lateness(upstreams))
+    stalled = stalls(before, lateness(upstreams), opts.stall_s())
     classes: dict[str, dict[str, Any]] = {
         c.name: class_figures(out, c) if out.exists() else {"error": "no result"}
         for c, out, _ in procs}
     good = sum(float(f.get("goodput_rps") or 0.0) for f in classes.values())
-    pred = predictions(usage, prefill_steps(offsets))
+    pred = predictions(usage, engine_ttfts(offsets))
     console.print(f"  {policy:<18} load {load:.1f}: goodput {good:6.2f} req/s  " + "  ".join(
         f"{n} TTFT p99 {f.get('ttft_p99_ms') or float('nan'):7.0f} ms"
         for n, f in classes.items()))
+    if pred["requests"]:
+        console.print(f"    TTFT prediction |error| p50/p90 {pred['abs_error_p50']:.2f}/"
+                      f"{pred['abs_error_p90']:.2f} (floor {fmt(pred['floor_p50'])}/"
+                      f"{fmt(pred['floor_p90'])}); outside the simulated GPU "
+                      f"{fmt(pred['host_ms_p50'], '.0f')}/{fmt(pred['host_ms_p90'], '.0f')} ms; "
+                      "steps later than " + ", ".join(
+                          f"{b} ms {x:.1%}" for b, x in stalled["late_share"].items()))
     return {"goodput_rps": good, "classes": classes, "prediction": pred, "stalls": stalled}
 
 
@@ -301,7 +371,7 @@ def run_load(upstreams: list[str], endpoints: dict[str, str], counter_sock: Path
         if not s["steps"]:
             return r
         console.print(f"    the replicas stalled: {s['steps']} steps over "
-                      f"{STALL_S * 1000:.0f} ms late (up to over {s['late_s'] * 1000:.0f} ms)"
+                      f"{opts.stall_s() * 1000:.0f} ms late (up to over {s['late_s'] * 1000:.0f} ms)"
                       + ("; again" if n <= opts.stall_repeats else "; kept"))
     return r
 
@@ -313,14 +383,27 @@ def _quantile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def predictions(usage: Path, prefill: dict[str, float]) -> dict[str, Any]:
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    """``x`` in ``spec``, or n/a."""
+    return "n/a" if x is None else format(x, spec)
+
+
+def predictions(usage: Path, engine: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """From the edge's usage events (policy slo): the TTFT prediction's relative error,
     (predicted - observed) / observed, p50 and p90 of its absolute value and its median
-    (sign: over or under), the floor's (module text; ``prefill``: prefill_steps()), the
-    decision cost (us) p50 and p99 (the choice with its shared dict reads, and the
-    predictions alone), and the decisions."""
+    (sign: over or under), overall and per class (``by_class``, the key's name), the
+    floor's (module text); from ``engine`` (engine_ttfts(): each request's queued and
+    prefill ms on the simulated clock): ``host_ms`` p50 / p90, the observed TTFT less
+    the simulated GPU's (queued + prefill: what the HTTP both ways, the replica's
+    parsing and tokenizing and the host's lateness add), and ``engine_error`` p50 / p90,
+    the prediction against the simulated GPU's TTFT plus the median of host_ms (the
+    error on a host that always added its median); the decision cost (us) p50 and p99
+    (the choice with its shared dict reads, and the predictions alone), and the
+    decisions."""
     errs: list[float] = []
-    known: list[tuple[float, float]] = []  # (observed, prefill step) of the same request
+    by_class: dict[str, list[float]] = {}
+    # (predicted, observed, queued, prefill) of the requests with engine records
+    known: list[tuple[float, float, float, float]] = []
     cost: list[float] = []
     predict: list[float] = []
     decisions: dict[str, int] = {}
@@ -336,16 +419,30 @@ def predictions(usage: Path, prefill: dict[str, float]) -> dict[str, Any]:
         p, o = s.get("predicted_ttft_ms"), s.get("observed_ttft_ms")
         if p is not None and o:
             errs.append((p - o) / o)
-            step = prefill.get(str(ev.get("request_id")))
-            if step is not None:
-                known.append((o, step))
-    rest = _quantile([o - step for o, step in known], 0.5) or 0.0
-    floor = [abs(step + rest - o) / o for o, step in known]
+            by_class.setdefault(str(ev.get("key_id")), []).append((p - o) / o)
+            qf = engine.get(str(ev.get("request_id")))
+            if qf is not None:
+                known.append((p, o, *qf))
+    rest = _quantile([o - f for _, o, _, f in known], 0.5) or 0.0
+    floor = [abs(f + rest - o) / o for _, o, _, f in known]
+    host = [o - q - f for _, o, q, f in known]
+    host_med = _quantile(host, 0.5) or 0.0
+    on_engine = [abs(p - (q + f + host_med)) / (q + f + host_med) for p, _, q, f in known
+                 if q + f + host_med > 0]
+
+    def spread(xs: list[float]) -> dict[str, Any]:
+        return {"requests": len(xs), "median": _quantile(xs, 0.5),
+                "abs_p50": _quantile([abs(e) for e in xs], 0.5),
+                "abs_p90": _quantile([abs(e) for e in xs], 0.9)}
     return {"requests": len(errs), "decisions": decisions,
             "error_median": _quantile(errs, 0.5),
             "abs_error_p50": _quantile([abs(e) for e in errs], 0.5),
             "abs_error_p90": _quantile([abs(e) for e in errs], 0.9),
+            "by_class": {k: spread(v) for k, v in sorted(by_class.items())},
             "floor_p50": _quantile(floor, 0.5), "floor_p90": _quantile(floor, 0.9),
+            "host_ms_p50": host_med, "host_ms_p90": _quantile(host, 0.9),
+            "engine_error_p50": _quantile(on_engine, 0.5),
+            "engine_error_p90": _quantile(on_engine, 0.9),
             "decision_us_p50": _quantile(cost, 0.5), "decision_us_p99": _quantile(cost, 0.99),
             "predict_us_p50": _quantile(predict, 0.5), "predict_us_p99": _quantile(predict, 0.99)}
 
@@ -424,6 +521,7 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
     for i in range(opts.replicas):
         engine_file(i).unlink(missing_ok=True)
     reps = [SimReplica(sim_settings(model, opts.max_model_len, "h100", opts.model_config,
+                                    **time_scaled("h100", opts.time_scale),
                                     kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
                                     engine_usage_file=engine_file(i)),
                        name=f"bench-slo-sim{i}", state_dir=BENCH_VAR)
@@ -432,10 +530,15 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
     endpoints = {r.address: r.settings.kv_events_endpoint or "" for r in reps}
     rf = reps[0].settings.roofline()
     assert rf is not None
-    cap = capacity_rps(rf, opts.replicas)
+    cap = capacity_rps(rf, opts.replicas, opts.classes())
+    k = opts.time_scale
     console.print(f"  {opts.replicas} simulated H100 replicas of {opts.model_config} "
                   f"({reps[0].settings.num_gpu_blocks:,} KV blocks each); capacity "
                   f"estimate {cap:.2f} req/s for the mix")
+    console.print(f"  time scale {k:g}: every simulated step {k:g}x an H100's, arrivals "
+                  f"{k:g}x sparser for {opts.arrivals_s():g} s per run, targets {k:g}x "
+                  f"longer ({', '.join(f'{c.name} {c.ttft_ms:g}/{c.tpot_ms:g} ms' for c in opts.classes())}"
+                  f"); a step over {opts.stall_s() * 1000:g} ms late stalls its replica")
     counter_cfg = edge_config(BENCH_VAR / "counter.yaml", upstreams, endpoints, "prefix", 0,
                               BENCH_VAR / "counter-usage.jsonl", 16, opts.max_model_len)
     sock = BENCH_VAR / "counter.sock"
@@ -457,7 +560,7 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
         for s in reversed(services):
             s.stop()
     out = {"options": asdict(opts), "capacity_rps": cap,
-           "classes": [asdict(c) for c in CLASSES], "runs": runs,
+           "classes": [asdict(c) for c in opts.classes()], "runs": runs,
            "roofline_check": [{"published": asdict(p), "roofline_ms": pred, "error": e}
                               for p, pred, e in check]}
     out["aims"] = aims(runs, check)
@@ -499,7 +602,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, Path | None]:
                    help="multiples of the capacity estimate (default: %(default)s)")
     p.add_argument("--policies", default=",".join(d.policies))
     p.add_argument("--duration", type=float, default=d.duration_s, metavar="S",
-                   help="seconds of arrivals per run (default: %(default)s)")
+                   help="seconds of arrivals per run in the H100's time, x the time "
+                        "scale on the clock (default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale, metavar="K",
+                   help="steps, arrivals' gaps, targets K times an H100's (module text; "
+                        "default: %(default)s)")
     p.add_argument("--burstiness", type=float, default=d.burstiness,
                    help="gamma shape of the arrivals, < 1 burstier (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -514,7 +621,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, Path | None]:
                    loads=tuple(float(x) for x in a.loads.split(",") if x),
                    policies=tuple(x for x in a.policies.split(",") if x),
                    duration_s=a.duration, burstiness=a.burstiness, seed=a.seed,
-                   stall_repeats=a.stall_repeats)
+                   stall_repeats=a.stall_repeats, time_scale=a.time_scale)
+    if opts.time_scale < 1:
+        p.error("--time-scale must be at least 1")
     if a.roofline_only:
         opts = Options(replicas=0, policies=(), loads=())
     return opts, a.out

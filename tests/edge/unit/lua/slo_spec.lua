@@ -135,6 +135,24 @@ case("prediction: learned from what the replica answered", function()
     eq(math.abs(ttft - 540) < 11, true)   -- within 2 %: the prior's pull is small
 end)
 
+case("prediction: a prompt's own tokens are learned apart from the queue's estimate", function()
+    setup()
+    local m = model(500, 50)
+    local b = m.upstreams[2]
+    -- TTFT 30 ms + 0.1 ms per own uncached token; the queued work the edge estimated
+    -- ahead of each (0 to 18,000 tokens) told nothing: one slope over both read a
+    -- fraction of the cost per token and put a long prompt's TTFT far short
+    for i = 1, 60 do
+        local own = 300 + (i % 5) * 400
+        local ctx = sent(m, b, own, 30 + own / 10)
+        ctx.slo.ahead = own + (i % 7) * 3000
+        slo.first(ctx, true)
+        slo.finish(ctx, 1)
+    end
+    local ttft = slo.predict("m", b, 12000, 1)
+    eq(math.abs(ttft - 1230) < 37, true)   -- within 3 %
+end)
+
 case("prediction: prefill queued for a while is partly done, a late queue counts", function()
     setup()
     local m = model(500, 50)
@@ -163,8 +181,9 @@ case("prediction: the answers other workers published are learned too", function
     for i = 1, 59 do
         local ahead = (i % 6) * 2000
         local seq = d:incr("sln:m\0b:2", 1, 0)
-        d:set("slo:m\0b:2\0" .. seq % 64, seq .. " " .. ahead .. " 1 " .. (40 + ahead / 10)
-            .. " 0")
+        -- its own uncached tokens, none queued before it, 1 running, TTFT, no TPOT
+        d:set("slo:m\0b:2\0" .. seq % 64, seq .. " " .. ahead .. " 0 1 "
+            .. (40 + ahead / 10) .. " 0")
     end
     answer(m, b, 0, 40)
     eq(d:get("sln:m\0b:2"), 60)
