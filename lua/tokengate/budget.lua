@@ -54,11 +54,10 @@ local NONE = {} -- a key without levels
 
 local dict
 
--- init(dict_name) -> true | nil, err
+-- init(dict_name) -> true | nil, "shared dict not found: <name>"
 function _M.init(dict_name)
-    local err
-    dict, err = shdict.get(dict_name)
-    return dict and true, err
+    dict = shdict.get(dict_name)
+    return shdict.found(dict, dict_name)
 end
 
 -- cost(weights, billing, prompt, completion, cached, system) -> currency units.

@@ -30,11 +30,10 @@ local TTL = 2 * WINDOW + 5 -- a window is read as "previous" for one more window
 
 local dict
 
--- init(dict_name) -> true | nil, "shared dict not found"
+-- init(dict_name) -> true | nil, "shared dict not found: <name>"
 function _M.init(dict_name)
-    local err
-    dict, err = shdict.get(dict_name)
-    return dict and true, err
+    dict = shdict.get(dict_name)
+    return shdict.found(dict, dict_name)
 end
 
 -- window(now) -> window id (minutes since the epoch), elapsed fraction in [0, 1)

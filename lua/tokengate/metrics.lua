@@ -227,9 +227,8 @@ local dict
 
 -- init(dict_name) -> true | nil, "shared dict not found: <name>"
 function _M.init(dict_name)
-    local err
-    dict, err = shdict.get(dict_name)
-    return dict and true, err
+    dict = shdict.get(dict_name)
+    return shdict.found(dict, dict_name)
 end
 
 -- value(v) -> v as a label value: \, " and newline escaped (exposition format)

@@ -77,8 +77,8 @@ function _M.init(dict_name, state_name)
     if not state then
         return nil, err
     end
-    dict, err = shdict.get(dict_name)
-    return dict and true, err
+    dict = shdict.get(dict_name)
+    return shdict.found(dict, dict_name)
 end
 
 -- tag(model_name, r) -> the replica's tag, TAG_BYTES raw bytes

@@ -8,11 +8,21 @@ local ngx_now = ngx.now
 
 local _M = {}
 
+-- found(dict, name) -> true | nil, "shared dict not found: <name>": a module's init()
+-- answer for the dict that get(name) gave it
+function _M.found(dict, name)
+    if not dict then
+        return nil, "shared dict not found: " .. tostring(name)
+    end
+    return true
+end
+
 -- get(name) -> the shared dict (ngx.shared[name]) | nil, "shared dict not found: <name>"
 function _M.get(name)
     local dict = ngx.shared[name]
-    if not dict then
-        return nil, "shared dict not found: " .. tostring(name)
+    local ok, err = _M.found(dict, name)
+    if not ok then
+        return nil, err
     end
     return dict
 end

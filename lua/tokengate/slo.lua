@@ -1,6 +1,7 @@
 -- Latency targets (routing.policy slo): each request's TTFT and TPOT targets and class,
 -- a prediction of both on every replica, and what is done when no replica is predicted
--- to meet them.
+-- to meet them. Long for one thing: the targets, the prediction and its online fit,
+-- which read and write the same shared-dict rings and must stay in one module.
 --
 -- Targets: the key's slo (ttft_ms, tpot_ms) over the model's, over the request's
 -- X-Tokengate-SLO-TTFT-Ms / X-Tokengate-SLO-TPOT-Ms headers (whole ms within

@@ -1,5 +1,6 @@
 """``make bench-slo``: serving to latency targets, measured as goodput on a fleet of
-simulated H100 replicas through the real gateway.
+simulated H100 replicas through the real gateway. Long for one thing: one benchmark's
+fleet, traffic, time scale and the figures each aim is judged on.
 
 The fleet: ``--replicas`` ``tokenstorm sim-replica --gpu h100`` processes (vLLM's
 scheduler, each step timed by the roofline of ``--model-config``, default Qwen3-8B's
