@@ -177,24 +177,28 @@ class Seat:
         return out
 
 
+def answered(seats: list[Seat], key_id: str, window: tuple[float, float]) -> list[Seat]:
+    """``key_id``'s requests that arrived at a replica in ``window`` (wall-clock s) and
+    got a first token (their engine records have a prefill time)."""
+    return [s for s in seats if s.key_id == key_id and s.ttft_ms is not None
+            and window[0] <= s.arrival <= window[1]]
+
+
 def engine_ttft(seats: list[Seat], key_id: str, window: tuple[float, float]
                 ) -> tuple[int, float | None]:
-    """(requests, TTFT p99 ms) of ``key_id``'s requests that arrived at a replica in
-    ``window`` (wall-clock s), as the replicas' engine records give it: queued_ms +
-    prefill_ms, the GPU's part of TTFT without the edge, the network or this machine's
-    other processes."""
-    xs = [s.ttft_ms for s in seats if s.key_id == key_id and s.ttft_ms is not None
-          and window[0] <= s.arrival <= window[1]]
+    """(requests, TTFT p99 ms) of the ``answered`` requests, as the replicas' engine
+    records give it: queued_ms + prefill_ms, the GPU's part of TTFT without the edge,
+    the network or this machine's other processes."""
+    xs = [s.ttft_ms for s in answered(seats, key_id, window) if s.ttft_ms is not None]
     return len(xs), float(np.percentile(xs, 99)) if xs else None
 
 
 def engine_queued(seats: list[Seat], key_id: str, window: tuple[float, float]
                   ) -> float | None:
     """The queued p99 (ms: arrival at the replica to admission to its running batch, the
-    wait for a seat or a step) of ``key_id``'s requests that arrived in ``window``
-    (wall-clock s); the rest of the engine's TTFT is the steps that computed the prompt."""
-    xs = [(s.start - s.arrival) * 1000 for s in seats if s.key_id == key_id
-          and s.ttft_ms is not None and window[0] <= s.arrival <= window[1]]
+    wait for a seat or a step) of the ``answered`` requests; the rest of the engine's
+    TTFT is the steps that computed the prompt."""
+    xs = [(s.start - s.arrival) * 1000 for s in answered(seats, key_id, window)]
     return float(np.percentile(xs, 99)) if xs else None
 
 
