@@ -18,7 +18,8 @@ def test_tokengate_silences_only_the_advisory_that_pytorch_is_absent() -> None:
     # not found ..." through logger.warning_advice on every `tokengate doctor` and
     # counter start. This venv has torch, so the advisory mechanism itself is checked:
     # after tokengate imports transformers an advisory is quiet and a warning is not.
-    code = ("import os; import tokengate.counter.chat_template\n"
+    code = ("import os; from tokengate.counter import chat_template\n"
+            "chat_template._transformers_renderer()\n"
             "from transformers.utils import logging\n"
             "log = logging.get_logger('transformers')\n"
             "log.warning_advice('an advisory'); log.warning('a warning')\n"

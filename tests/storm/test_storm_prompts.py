@@ -14,6 +14,8 @@ from tokenstorm.profiles import OutputPolicy
 from tokenstorm.prompts import PromptBuilder, PromptError, StreamOptions
 from tokenstorm.runner import RunSpec, execute
 
+from tests.conftest import suite_model
+
 SIZES = [9, 10, 11, 17, 128, 129, 1000, 2047, 4096, 8000]
 
 
@@ -96,3 +98,18 @@ def test_tokenstorm_run_against_vllm_checks_every_count(vllm_url: str,
     assert ((r.chunks >= 1) & (r.chunks <= 6)).all()
     assert r.itl.size == int((r.chunks - 1).sum())
     assert s.valid, s.invalid_reasons
+
+
+@pytest.mark.unit
+def test_the_simulated_replica_loads_the_tokenizer_vllm_loads() -> None:
+    # the class tokenizer_config.json names, imported alone, is AutoTokenizer's choice
+    from tokenstorm.upstream.sim_prompts import hf_tokenizer
+    from transformers import AutoTokenizer
+
+    model_dir = suite_model().dir
+    ours, auto = hf_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(ours) is type(auto)
+    text = "<|im_start|>user\nnaïve 東京 tokens<|im_end|>\n"
+    assert ours.encode(text, add_special_tokens=False) == \
+        auto.encode(text, add_special_tokens=False)
+    assert ours.chat_template == auto.chat_template

@@ -24,14 +24,6 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
-# transformers' import says "PyTorch was not found. Models won't be available ..." on
-# every start of a base install, which has no torch on purpose (tokengate renders
-# templates with it, nothing else). That line is transformers' only advisory warning
-# (``logger.warning_advice``, which returns at each call while this variable is set; 5.x);
-# its other warnings are left as they are, and a value the operator set is kept.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-from transformers.utils.chat_template_utils import render_jinja_template
-
 from tokengate.counter import template_trace
 from tokengate.counter.model_files import chat_template_source
 
@@ -49,6 +41,25 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 # the template does not mention them (``_get_hf_base_chat_template_params``).
 HF_APPLY_PARAMS = frozenset({"tools", "documents", "add_generation_prompt",
                              "continue_final_message"})
+
+
+def _transformers_renderer() -> Any:
+    """transformers' ``render_jinja_template``, imported on first need: a template that
+    needs transformers' own extensions imports it when the model loads, any other only
+    for a request with ``continue_final_message`` (the first such request in a worker
+    waits for the import, about 1 s of CPU; every counter start and ``tokengate doctor``
+    saves it otherwise).
+
+    transformers' import says "PyTorch was not found. Models won't be available ..." on
+    every start of a base install, which has no torch on purpose (tokengate renders
+    templates with it, nothing else). That line is transformers' only advisory warning
+    (``logger.warning_advice``, which returns at each call while this variable is set;
+    5.x); its other warnings are left as they are, and a value the operator set is kept.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template
 
 
 class TemplateError(ValueError):
@@ -175,6 +186,7 @@ class ChatTemplate:
             self._fast = _fast_environment().from_string(source)
         except jinja2.TemplateError:
             self._fast = None
+            _transformers_renderer()  # imported now, not by the first request
         self.why_not_traced = "needs transformers' renderer" if self._fast is None else \
             "content format openai" if self.content_format == "openai" else \
             template_trace.traceable(root)
@@ -239,7 +251,7 @@ class ChatTemplate:
             return self.traces.render(key, conversation, render)
         self.traces.count_plain()
         try:
-            rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
+            rendered, _ = _transformers_renderer()(  # type: ignore[str-unpack]
                 conversations=[conversation], tools=tools,  # type: ignore[arg-type]
                 chat_template=self.source, **args)
         except Exception as e:  # a template may raise anything from user input

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,26 @@ class BadRequest(ValueError):
         self.etype, self.param, self.status = etype, param, status
 
 
+def hf_tokenizer(model_dir: Path) -> Any:
+    """The transformers tokenizer vLLM loads for ``model_dir``: AutoTokenizer's choice,
+    the class ``tokenizer_config.json`` names (``tokenizer_class``; a ``...Fast`` name is
+    the class without the suffix where transformers 5 has no such name), imported alone:
+    importing ``AutoTokenizer`` costs about 5 s of CPU, the class about 1.6 s, on every
+    start of a simulated replica. AutoTokenizer itself when the file names no class that
+    transformers has."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    path = model_dir / "tokenizer_config.json"
+    name = json.loads(path.read_text()).get("tokenizer_class") if path.exists() else None
+    for candidate in ([name, name.removesuffix("Fast")] if isinstance(name, str) else []):
+        cls = getattr(transformers, candidate, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return cls.from_pretrained(str(model_dir))
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
 class PromptRenderer:
     """Token ids of a request's prompt, as vLLM computes them for the model directory.
 
@@ -28,11 +49,7 @@ class PromptRenderer:
     """
 
     def __init__(self, model_dir: Path, backend: str = "hf") -> None:
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
-
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer: Any = hf_tokenizer(model_dir)
         hf_encode: Callable[[str], list[int]] = \
             lambda text: list(self.tokenizer.encode(text, add_special_tokens=False))
         self._encode = hf_encode
