@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from tokengate.counter.chat_template import ChatTemplate
 from tokengate.counter.template_trace import shape_key
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from tests.conftest import REPO_CONFIG
 from tests.counter_cases import CJK, EMOJI, WHITESPACE
@@ -27,6 +26,9 @@ TRICKY = ["</think>", "<think>", "\n", "<tool_response>", "</tool_response>", ""
 
 def reference(template: ChatTemplate, conversation: list[dict[str, Any]],
               kwargs: dict[str, Any]) -> str:
+    # transformers' renderer itself (imported by the first call, not at collection)
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     rendered, _ = render_jinja_template(conversations=[conversation], tools=None,
                                         chat_template=template.source,
                                         **{**template.special_tokens_map, **kwargs})

@@ -5,22 +5,41 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 from tokengate_vllm import settings
-from tokengate_vllm.request_queue import TokenWeightedRequestQueue, request_weight
-from tokengate_vllm.scheduler import base_scheduler, scheduler_class
-from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue, RequestQueue
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.request_queue import RequestQueue
+    from vllm.v1.request import Request
 
 # pure: starts no process of the stack (make test-unit)
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(scope="module")
+def v() -> SimpleNamespace:
+    """vLLM's classes and the plugin's queue, imported by the first test that asks, not
+    at collection: every pytest-xdist worker collects every module, and importing vLLM
+    (torch with it) costs about 5 s of CPU."""
+    from tokengate_vllm import request_queue, scheduler
+    from vllm.v1.core.sched import async_scheduler
+    from vllm.v1.core.sched import request_queue as vllm_queue
+    from vllm.v1.core.sched import scheduler as vllm_scheduler
+
+    return SimpleNamespace(
+        TokenWeightedRequestQueue=request_queue.TokenWeightedRequestQueue,
+        request_weight=request_queue.request_weight, base_scheduler=scheduler.base_scheduler,
+        scheduler_class=scheduler.scheduler_class, AsyncScheduler=async_scheduler.AsyncScheduler,
+        FCFSRequestQueue=vllm_queue.FCFSRequestQueue, RequestQueue=vllm_queue.RequestQueue,
+        Scheduler=vllm_scheduler.Scheduler)
+
+
 def req(rid: str, prompt: int, max_tokens: int) -> Request:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
     return Request(request_id=rid, prompt_token_ids=[7] * prompt,
                    sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None)
 
@@ -44,14 +63,14 @@ def drain(q: RequestQueue) -> list[str]:
     return out
 
 
-def test_weight_is_prompt_plus_0_7_max_tokens():
-    assert request_weight(req("a", 1000, 100)) == pytest.approx(1070.0)
-    assert request_weight(req("a", 10, 500)) == pytest.approx(360.0)
-    assert request_weight(req("a", 10, 500), output_weight=0.0) == 10.0
+def test_weight_is_prompt_plus_0_7_max_tokens(v: SimpleNamespace):
+    assert v.request_weight(req("a", 1000, 100)) == pytest.approx(1070.0)
+    assert v.request_weight(req("a", 10, 500)) == pytest.approx(360.0)
+    assert v.request_weight(req("a", 10, 500), output_weight=0.0) == 10.0
 
 
-def test_a_burst_is_served_lightest_first_ties_in_arrival_order():
-    q = TokenWeightedRequestQueue(clock=Clock())
+def test_a_burst_is_served_lightest_first_ties_in_arrival_order(v: SimpleNamespace):
+    q = v.TokenWeightedRequestQueue(clock=Clock())
     for r in [req("long-prompt", 1000, 100),    # 1070
               req("long-output", 10, 500),      # 360
               req("short", 10, 10),             # 17
@@ -64,9 +83,9 @@ def test_a_burst_is_served_lightest_first_ties_in_arrival_order():
     assert not q and len(q) == 0
 
 
-def test_an_overdue_request_goes_before_lighter_ones_that_keep_arriving():
+def test_an_overdue_request_goes_before_lighter_ones_that_keep_arriving(v: SimpleNamespace):
     clock = Clock()
-    q = TokenWeightedRequestQueue(max_wait_s=5.0, clock=clock)
+    q = v.TokenWeightedRequestQueue(max_wait_s=5.0, clock=clock)
     q.add_request(req("heavy", 4000, 1000))
     served = []
     for i in range(10):          # one light arrival and one pop per second
@@ -79,9 +98,9 @@ def test_an_overdue_request_goes_before_lighter_ones_that_keep_arriving():
     assert served[6:] == [f"light-{i}" for i in range(5, 9)]
 
 
-def test_overdue_requests_go_oldest_first_then_the_rest_by_weight():
+def test_overdue_requests_go_oldest_first_then_the_rest_by_weight(v: SimpleNamespace):
     clock = Clock()
-    q = TokenWeightedRequestQueue(max_wait_s=2.0, clock=clock)
+    q = v.TokenWeightedRequestQueue(max_wait_s=2.0, clock=clock)
     q.add_request(req("old-heavy", 3000, 10))
     clock.t += 0.5
     q.add_request(req("old-light", 20, 10))
@@ -97,14 +116,14 @@ def test_overdue_requests_go_oldest_first_then_the_rest_by_weight():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_no_request_is_overtaken_by_a_later_arrival_after_waiting_the_bound(seed: int):
+def test_no_request_is_overtaken_by_a_later_arrival_after_waiting_the_bound(v: SimpleNamespace, seed: int):
     """Random open-loop arrivals, one pop per tick: whenever a request is served, every
     request still waiting that arrived earlier has waited less than the bound (else it
     would have been served first), so nothing is passed over once it waited max_wait_s."""
     rng = random.Random(seed)
     clock = Clock()
     bound = 3.0
-    q = TokenWeightedRequestQueue(max_wait_s=bound, clock=clock)
+    q = v.TokenWeightedRequestQueue(max_wait_s=bound, clock=clock)
     arrived: dict[str, float] = {}
     waits = []
     for tick in range(400):
@@ -122,9 +141,9 @@ def test_no_request_is_overtaken_by_a_later_arrival_after_waiting_the_bound(seed
     assert max(waits) >= bound  # the bound was reached, so the check above was exercised
 
 
-def test_max_wait_zero_is_first_come_first_served():
+def test_max_wait_zero_is_first_come_first_served(v: SimpleNamespace):
     clock = Clock()
-    ours, fcfs = TokenWeightedRequestQueue(max_wait_s=0.0, clock=clock), FCFSRequestQueue()
+    ours, fcfs = v.TokenWeightedRequestQueue(max_wait_s=0.0, clock=clock), v.FCFSRequestQueue()
     rng = random.Random(1)
     for i in range(30):
         r = req(f"r{i}", rng.randint(1, 500), rng.randint(1, 500))
@@ -133,11 +152,11 @@ def test_max_wait_zero_is_first_come_first_served():
     assert drain(ours) == drain(fcfs)
 
 
-def test_prepend_puts_requests_before_everything_in_fcfs_order():
-    """prepend_request / prepend_requests behave as vLLM's FCFSRequestQueue (a deque):
+def test_prepend_puts_requests_before_everything_in_fcfs_order(v: SimpleNamespace):
+    """prepend_request / prepend_requests behave as vLLM's v.FCFSRequestQueue (a deque):
     the scheduler puts preempted and skipped requests back with them."""
     clock = Clock()
-    ours, fcfs = TokenWeightedRequestQueue(clock=clock), FCFSRequestQueue()
+    ours, fcfs = v.TokenWeightedRequestQueue(clock=clock), v.FCFSRequestQueue()
     light, heavy = req("light", 1, 1), req("heavy", 5000, 5000)
     preempted = req("preempted", 4000, 100)
     skipped = [req("skipped-a", 900, 9), req("skipped-b", 800, 8)]
@@ -151,8 +170,8 @@ def test_prepend_puts_requests_before_everything_in_fcfs_order():
     assert drain(ours) == ["skipped-b", "skipped-a", "preempted", "light", "heavy"]
 
 
-def test_remove_request_and_remove_requests():
-    q = TokenWeightedRequestQueue(clock=Clock())
+def test_remove_request_and_remove_requests(v: SimpleNamespace):
+    q = v.TokenWeightedRequestQueue(clock=Clock())
     rs = [req(f"r{i}", 10 * (i + 1), 1) for i in range(6)]
     for r in rs:
         q.add_request(r)
@@ -168,8 +187,8 @@ def test_remove_request_and_remove_requests():
     assert drain(q) == ["r1", "r3", "r5"]
 
 
-def test_an_empty_queue_raises_index_error_like_vllms():
-    q = TokenWeightedRequestQueue()
+def test_an_empty_queue_raises_index_error_like_vllms(v: SimpleNamespace):
+    q = v.TokenWeightedRequestQueue()
     assert not q and len(q) == 0 and list(q) == []
     with pytest.raises(IndexError):
         q.peek_request()
@@ -182,16 +201,16 @@ def test_an_empty_queue_raises_index_error_like_vllms():
         q.pop_request()
 
 
-def test_adding_a_queued_request_twice_is_refused():
-    q = TokenWeightedRequestQueue()
+def test_adding_a_queued_request_twice_is_refused(v: SimpleNamespace):
+    q = v.TokenWeightedRequestQueue()
     r = req("a", 1, 1)
     q.add_request(r)
     with pytest.raises(ValueError):
         q.add_request(r)
 
 
-def test_removals_do_not_grow_the_heap_without_bound():
-    q = TokenWeightedRequestQueue(clock=Clock())
+def test_removals_do_not_grow_the_heap_without_bound(v: SimpleNamespace):
+    q = v.TokenWeightedRequestQueue(clock=Clock())
     keep = req("keep", 1, 1)
     q.add_request(keep)
     for i in range(5000):
@@ -203,21 +222,21 @@ def test_removals_do_not_grow_the_heap_without_bound():
     assert q.pop_request() is keep
 
 
-def test_every_abstract_method_of_request_queue_is_implemented():
-    abstract = set(RequestQueue.__abstractmethods__)
+def test_every_abstract_method_of_request_queue_is_implemented(v: SimpleNamespace):
+    abstract = set(v.RequestQueue.__abstractmethods__)
     assert len(abstract) == 10
-    TokenWeightedRequestQueue()  # instantiable: none left abstract
+    v.TokenWeightedRequestQueue()  # instantiable: none left abstract
 
 
-def test_the_factory_extends_async_scheduler_when_async_scheduling_is_on():
+def test_the_factory_extends_async_scheduler_when_async_scheduling_is_on(v: SimpleNamespace):
     on = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
     off = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
-    assert base_scheduler(on) is AsyncScheduler
-    assert base_scheduler(off) is Scheduler
-    gpu, cpu = scheduler_class(AsyncScheduler), scheduler_class(Scheduler)
-    assert issubclass(gpu, AsyncScheduler) and gpu.__name__ == "TokenWeightedAsyncScheduler"
-    assert issubclass(cpu, Scheduler) and not issubclass(cpu, AsyncScheduler)
-    assert scheduler_class(Scheduler) is cpu
+    assert v.base_scheduler(on) is v.AsyncScheduler
+    assert v.base_scheduler(off) is v.Scheduler
+    gpu, cpu = v.scheduler_class(v.AsyncScheduler), v.scheduler_class(v.Scheduler)
+    assert issubclass(gpu, v.AsyncScheduler) and gpu.__name__ == "TokenWeightedAsyncScheduler"
+    assert issubclass(cpu, v.Scheduler) and not issubclass(cpu, v.AsyncScheduler)
+    assert v.scheduler_class(v.Scheduler) is cpu
 
 
 def test_scheduler_settings_from_the_environment():
