@@ -60,16 +60,22 @@ VARIANT_RANGE = range(19240 + PORT_OFFSET, 19340 + PORT_OFFSET)
 
 def _variant_ports() -> Iterator[int]:
     """Ports of the extra edges of a session (their status servers at +
-    STATUS_PORT_DELTA): up to 100, off the main edge's status port; a port something
-    else holds is skipped."""
-    for port in VARIANT_RANGE:
-        try:
-            for p in (port, port + STATUS_PORT_DELTA):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        yield port
+    STATUS_PORT_DELTA), off the main edge's status port: the 100 of VARIANT_RANGE in
+    turn, again from the first once all were given (a stopped edge's port is free
+    again), a port something holds skipped; RuntimeError when none is free."""
+    while True:
+        free = 0
+        for port in VARIANT_RANGE:
+            try:
+                for p in (port, port + STATUS_PORT_DELTA):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            free += 1
+            yield port
+        if not free:
+            raise RuntimeError(f"no free port for another edge in {VARIANT_RANGE}")
 
 
 VARIANT_PORTS = _variant_ports()

@@ -326,8 +326,8 @@ def test_a_child_killed_with_sigkill_is_restarted(stack: Stack, exact: int, name
                what=f"exact answers after the restart of {name}")
     assert time.monotonic() - t0 < 60
     if name == "counter":
-        # the old workers are gone and no late exit of theirs removes the new sockets
-        time.sleep(3)
+        # no member of the dead one's group is left (above): no late exit of an old
+        # worker can remove the new sockets
         assert [p for p in stack.sockets() if "counter" in p] == \
             ["run/counter.sock.0", "run/counter.sock.1"]
         assert all(answered_exactly(stack.url, exact) for _ in range(4))
