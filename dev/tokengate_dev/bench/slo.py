@@ -435,10 +435,10 @@ def predictions(usage: Path, engine: dict[str, tuple[float, float]]) -> dict[str
         return {"requests": len(xs), "median": _quantile(xs, 0.5),
                 "abs_p50": _quantile([abs(e) for e in xs], 0.5),
                 "abs_p90": _quantile([abs(e) for e in xs], 0.9)}
-    return {"requests": len(errs), "decisions": decisions,
-            "error_median": _quantile(errs, 0.5),
-            "abs_error_p50": _quantile([abs(e) for e in errs], 0.5),
-            "abs_error_p90": _quantile([abs(e) for e in errs], 0.9),
+    overall = spread(errs)
+    return {"requests": overall["requests"], "decisions": decisions,
+            "error_median": overall["median"], "abs_error_p50": overall["abs_p50"],
+            "abs_error_p90": overall["abs_p90"],
             "by_class": {k: spread(v) for k, v in sorted(by_class.items())},
             "floor_p50": _quantile(floor, 0.5), "floor_p90": _quantile(floor, 0.9),
             "host_ms_p50": host_med, "host_ms_p90": _quantile(host, 0.9),
