@@ -156,6 +156,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             xdist_group(config, item, module)
     if config.getoption("loadgroup", False):
         items[:] = sorted(items, key=functools.partial(_group_rank, _group_sizes(items)))
+    LAST_OF_GROUP.clear()
+    LAST_OF_GROUP.update({_group_of(item): item for item in items})
+
+
+# each group's last test in the session's order: a vLLM group's servers stop after it
+LAST_OF_GROUP: dict[str, pytest.Item] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Name the group whose test may boot a vLLM server now (before its fixtures)."""
+    from tests import fixtures_vllm
+
+    fixtures_vllm.BOOTING_GROUP[0] = _group_of(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """After a group's last test (and its fixtures' teardown), stop the vLLM servers its
+    tests booted: no later test asks for them (``vllm_group``); under xdist the worker
+    knows its next test before it runs this one, and a group's tests run together."""
+    from tests import fixtures_vllm
+
+    group = _group_of(item)
+    if LAST_OF_GROUP.get(group) is item:
+        fixtures_vllm.stop_servers(group)
 
 
 def _group_of(item: pytest.Item) -> str:

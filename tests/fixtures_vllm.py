@@ -125,7 +125,7 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
     for the same. ``label`` names its folder (``TEST_DIR/vllm-<label>``: its engine
     records and log name); default: its port. The first server (no arguments) exports
     its request spans to ``otlp_receiver`` (devstack's tracing flags)."""
-    servers: dict[tuple[Any, ...], tuple[Service, VllmServer]] = {}
+    servers = SERVERS
 
     def get(extra_args: Sequence[str] = (), drop: Sequence[str] = (),
             env: dict[str, str] | None = None, label: str | None = None) -> VllmServer:
@@ -154,14 +154,29 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
         svc.start()
         server = VllmServer(f"http://127.0.0.1:{port}/v1", port, usage, svc.log_path,
                             list(svc.argv))
-        servers[spec] = (svc, server)
+        servers[spec] = (svc, server, BOOTING_GROUP[0])
         return server
 
     try:
         yield get
     finally:
-        for svc, _server in servers.values():
+        stop_servers(None)
+
+
+# The session's servers by their flags: (service, server, the xdist group whose test
+# booted it). Every test that asks for a server is in that group (tests/conftest.py's
+# vllm_group), so the group's last test stops it (stop_servers): an idle engine still
+# takes ~1 % of a core and 2-3 GB for the rest of the session.
+SERVERS: dict[tuple[Any, ...], tuple[Service, VllmServer, str | None]] = {}
+BOOTING_GROUP: list[str | None] = [None]  # the group of the test running now
+
+
+def stop_servers(group: str | None) -> None:
+    """Stop the servers booted by ``group``'s tests (None: every server)."""
+    for spec, (svc, _server, booted_by) in list(SERVERS.items()):
+        if group is None or booted_by == group:
             svc.stop()
+            del SERVERS[spec]
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ tenant to one replica, a prefix-aware router by accident.)
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -152,8 +153,9 @@ class PromptBuilder:
         self.sharing = sharing or Sharing()
         self.seed = seed
         self._tenant_text: dict[int, str] = {}
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self.words = single_token_words(self.tokenizer)
+        path = (self.model_dir / "tokenizer.json").resolve()
+        st = path.stat()
+        self.tokenizer, self.words = _tokenizer_and_words(str(path), st.st_size, st.st_mtime_ns)
         if len(self.words) < 256:
             raise PromptError(f"{model_dir}: only {len(self.words)} single-token words")
         rng = random.Random(seed)
@@ -323,6 +325,16 @@ class PromptBuilder:
                      + ',"continuous_usage_stats":'
                      + ("true" if opts.continuous_usage_stats else "false") + "}")
         return (head + tail + "}").encode()
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_and_words(path: str, size: int, mtime_ns: int
+                         ) -> tuple[Tokenizer, list[str]]:
+    """tokenizer.json at ``path`` and its ``single_token_words``, read once per file
+    version (``size``, ``mtime_ns``) in a process: builders of the same model (a test
+    session makes dozens, ~1 s each) share the read-only tokenizer."""
+    tokenizer = Tokenizer.from_file(path)
+    return tokenizer, single_token_words(tokenizer)
 
 
 def single_token_words(tokenizer: Tokenizer) -> list[str]:

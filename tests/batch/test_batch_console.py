@@ -9,11 +9,10 @@ from pathlib import Path
 import httpx
 import redis
 from tokengate.console import app as console_app
-from tokengate.console import password
 from tokengate.console.cli import set_admin
 
 from tests.batch.test_batch_api import chat_line, upload
-from tests.console.test_console_unit import PASSWORD, PORT, _session
+from tests.console.test_console_unit import PORT, _session, admin_digest
 from tests.fixtures_batch import BatchStack
 
 
@@ -21,7 +20,7 @@ def console_of(stack: BatchStack, tmp_path: Path) -> tuple[httpx.Client, dict[st
     """The console over the stack's Redis, alice logged in: (client, her headers)."""
     path = tmp_path / "tokengate.yaml"
     path.write_text(stack.config_path.read_text())
-    set_admin(path, "alice", password.digest(PASSWORD))
+    set_admin(path, "alice", admin_digest())
     path.write_text(path.read_text().replace("  console:\n",
                                              f"  console:\n    listen: 127.0.0.1:{PORT}\n", 1))
     app = console_app.Console(path, redis.Redis.from_url(stack.redis.url, decode_responses=True),

@@ -13,13 +13,13 @@ import pytest
 import redis
 from tokengate import redis_keys
 from tokengate.console import app as console_app
-from tokengate.console import changes, data, password
+from tokengate.console import changes, data
 from tokengate.console.cli import set_admin
 
 from tests.console.test_console_unit import (
-    PASSWORD,
     PORT,
     _session,
+    admin_digest,
     repo_config_without_console,
 )
 
@@ -28,7 +28,7 @@ from tests.console.test_console_unit import (
 def console(tmp_path: Path, ledger_redis: redis.Redis) -> tuple[httpx.Client, Any]:
     path = tmp_path / "tokengate.yaml"
     path.write_text(repo_config_without_console())
-    set_admin(path, "alice", password.digest(PASSWORD))
+    set_admin(path, "alice", admin_digest())
     path.write_text(path.read_text().replace(
         "  console:\n", f"  console:\n    listen: 127.0.0.1:{PORT}\n"))
     app = console_app.Console(path, ledger_redis, tmp_path / "usage.jsonl")

@@ -26,12 +26,12 @@ import openai
 import pytest
 import redis
 import yaml
-from tokengate.console import password
 from tokengate.ledger import report
 from tokengate_dev import devstack
 from tokenstorm.process import free_port
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
+from tests.console.test_console_unit import admin_digest
 from tests.fixtures_edge import EDGE_DIR, VARIANT_PORTS, Edge, _edge_yaml, _start_edge
 from tests.fixtures_ledger import svc_name, wait_until
 
@@ -69,7 +69,7 @@ def stack(config_path: Path, counter_addr: str, vllm_url: str) -> Iterator[Stack
         raw["edge"]["global_limits_timeout_ms"] = 5000
         raw["ledger"] = {"console": {
             "listen": f"127.0.0.1:{console_port}",
-            "admins": {ADMIN: password.digest(PASSWORD)},
+            "admins": {ADMIN: admin_digest(PASSWORD)},
             "edges": [str(EDGE_DIR / f"test-nginx-{name}")],
             "edge_status": [f"127.0.0.1:{edge_port + 150}"]}}
 

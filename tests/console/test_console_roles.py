@@ -23,6 +23,7 @@ from tests.console.test_console_unit import (
     PORT,
     _login,
     _session,
+    admin_digest,
     make_console,
 )
 from tests.fixtures_ledger import UsageWriter, make_event
@@ -85,7 +86,7 @@ def test_a_role_for_no_admin_is_refused_by_the_schema(tmp_path: Path, console: A
 
 def _read_only(http: httpx.Client, app: console_app.Console) -> tuple[dict[str, str], str]:
     """bob, a read-only admin, logged in: (his requests' headers, his CSRF token)."""
-    set_admin(app.config.path, "bob", password.digest(PASSWORD), "read-only")
+    set_admin(app.config.path, "bob", admin_digest(), "read-only")
     r = _login(http, name="bob")
     assert r.status_code == 303, r.text
     token = re.search(r"tg_console=([^;]+)", r.headers.get_list("set-cookie")[0])
@@ -147,7 +148,7 @@ def test_a_console_without_admins_says_how_to_set_one(console: Any) -> None:
     page = http.get("/login").text
     assert "No admin yet: on the host, <code>tokengate console passwd NAME</code>" in page
     # one set now logs in at once: the file is read at every request
-    set_admin(app.config.path, "alice", password.digest(PASSWORD))
+    set_admin(app.config.path, "alice", admin_digest())
     assert "No admin yet" not in http.get("/login").text
     assert _login(http).status_code == 303
 

@@ -14,16 +14,15 @@ import yaml
 from tokengate import config as tg_config
 from tokengate import redis_client
 from tokengate.console import app as console_app
-from tokengate.console import password
 from tokengate.console.cli import set_admin
 from tokengate.ledger.alerts import BudgetAlerts
 from tokengate.ledger.ledger import Ledger
 
 from tests.conftest import MODEL, key_digest
 from tests.console.test_console_unit import (
-    PASSWORD,
     PORT,
     _login,
+    admin_digest,
     repo_config_without_console,
 )
 from tests.fixtures_ledger import UsageWriter, make_event
@@ -43,7 +42,7 @@ def test_a_team_page_shows_members_pooled_spend_and_alerts_sent(
         raw["keys"][f"t-{i}"] = {"sha256": key_digest(f"tg-test-t-{i}"), "rpm": 10,
                                  "tpm": 1000, "team": "t"}
     path.write_text(yaml.safe_dump(raw))
-    set_admin(path, "alice", password.digest(PASSWORD))
+    set_admin(path, "alice", admin_digest())
     cfg = tg_config.load(path)
     # the ledger bills 6 + 4 events of the two members; the team crosses 50 % of 0.001
     writer = UsageWriter(tmp_path / "usage.jsonl")

@@ -35,6 +35,14 @@ from tests.conftest import NO_REDIS, REPO_CONFIG
 pytestmark = pytest.mark.unit
 
 PASSWORD = "correct horse battery"
+# the tests' admins: scrypt at 2**10 (verify reads the cost from the digest; the default's
+# 0.3 s per login and digest cost the suite ~45 CPU-s)
+TEST_SCRYPT_N = 2**10
+
+
+def admin_digest(pw: str = PASSWORD) -> str:
+    """A digest of ``pw`` at ``TEST_SCRYPT_N``."""
+    return password.digest(pw, n=TEST_SCRYPT_N)
 
 
 class Clock:
@@ -79,7 +87,7 @@ def test_the_configuration_takes_a_digest_and_refuses_a_password(tmp_path: Path)
     base = repo_config_without_console()
     good = base.replace(
         "  rotate_wait_s: 5.0 ",
-        f"  console:\n    admins:\n      alice: '{password.digest(PASSWORD)}'\n"
+        f"  console:\n    admins:\n      alice: '{admin_digest()}'\n"
         "  rotate_wait_s: 5.0 ")
     cfg = tg_config.loads(good, tmp_path / "tokengate.yaml")
     assert list(cfg.ledger.console.admins) == ["alice"]
@@ -223,7 +231,7 @@ def make_console(tmp_path: Path) -> tuple[httpx.Client, console_app.Console]:
     (its usage file in ``tmp_path``, Redis not there) and a client of it."""
     path = tmp_path / "tokengate.yaml"
     path.write_text(repo_config_without_console())
-    set_admin(path, "alice", password.digest(PASSWORD))
+    set_admin(path, "alice", admin_digest())
     raw = path.read_text().replace("  console:\n", f"  console:\n    listen: 127.0.0.1:{PORT}\n")
     path.write_text(raw)
     client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,
@@ -533,7 +541,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, console_app.Console]]:
     port = free_port()
     path = tmp_path / "tokengate.yaml"
     path.write_text(repo_config_without_console())
-    set_admin(path, "alice", password.digest(PASSWORD))
+    set_admin(path, "alice", admin_digest())
     path.write_text(path.read_text().replace(
         "  console:\n", f"  console:\n    listen: 127.0.0.1:{port}\n"))
     client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,

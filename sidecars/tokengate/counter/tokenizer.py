@@ -24,6 +24,7 @@ prove parity on a large mixed corpus and against the real vLLM server.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -244,31 +245,12 @@ class PromptTokenizer:
             return cls(None, added, enc.name.encode() + json.dumps(
                 [t.content for t in added]).encode(), enc, nfc=True)
         try:
-            raw_bytes = path.read_bytes()
+            st = path.stat()
         except OSError as e:
             raise TokenizerLoadError(f"{path}: {e.strerror}") from e
-        spec = json.loads(raw_bytes)
-        hf = Tokenizer.from_str(raw_bytes.decode())
-        added = [AddedToken(t["id"], t["content"], bool(t.get("special")))
-                 for t in spec.get("added_tokens", [])]
-        fast: tiktoken.Encoding | None = None
-        reason = "vocab: hf"
-        nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
-        if vocab in ("auto", "qwen3.6"):
-            reason = _fast_path_obstacle(spec)
-            if not reason:
-                try:
-                    fast = (_qwen36_encoding(added) if vocab == "qwen3.6"
-                            else _encoding_from_spec(spec, added))
-                except (ValueError, KeyError) as e:
-                    reason = f"cannot build tiktoken ranks: {e}"
-        tok = cls(hf, added, raw_bytes, fast, nfc, reason)
-        if fast is not None:
-            mismatch = tok.first_mismatch(SELF_CHECK_CORPUS)
-            if mismatch is not None:
-                tok._fast, tok.backend = None, "hf"
-                tok.why_not_fast = f"self-check differs on {mismatch!r}"
-        return tok
+        hf, added, raw_bytes, fast, nfc, reason = _parsed(
+            str(path.resolve()), st.st_size, st.st_mtime_ns, vocab)
+        return cls(hf, added, raw_bytes, fast, nfc, reason)
 
     # -- counting --------------------------------------------------------------------
 
@@ -421,6 +403,45 @@ def _fast_path_obstacle(spec: dict[str, Any]) -> str:
         if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or t.get("normalized"):
             return f"added token {t['content']!r} has strip/normalize flags"
     return ""
+
+
+# (hf, added tokens, tokenizer.json's bytes, fast encoding, nfc, why not fast) of the last
+# few files read, by (resolved path, size, mtime, vocab): a reload or a second counter
+# of an unchanged file (the suite loads the demo model in-process ~40 times, 1.5-2.5 s
+# each) builds its PromptTokenizer (fresh caches) from these; a changed file is parsed
+# again. Nothing here is changed after it is built (HF's Tokenizer and tiktoken's
+# Encoding only encode).
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, size: int, mtime_ns: int, vocab: str
+            ) -> tuple[Tokenizer, list[AddedToken], bytes, tiktoken.Encoding | None, bool, str]:
+    """tokenizer.json at ``path`` parsed for ``PromptTokenizer.from_model_dir`` (``size``
+    and ``mtime_ns`` key the cache only); the fast path's self-check already run.
+    Raises ``TokenizerLoadError``."""
+    try:
+        raw_bytes = Path(path).read_bytes()
+    except OSError as e:
+        raise TokenizerLoadError(f"{path}: {e.strerror}") from e
+    spec = json.loads(raw_bytes)
+    hf = Tokenizer.from_str(raw_bytes.decode())
+    added = [AddedToken(t["id"], t["content"], bool(t.get("special")))
+             for t in spec.get("added_tokens", [])]
+    fast: tiktoken.Encoding | None = None
+    reason = "vocab: hf"
+    nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
+    if vocab in ("auto", "qwen3.6"):
+        reason = _fast_path_obstacle(spec)
+        if not reason:
+            try:
+                fast = (_qwen36_encoding(added) if vocab == "qwen3.6"
+                        else _encoding_from_spec(spec, added))
+            except (ValueError, KeyError) as e:
+                reason = f"cannot build tiktoken ranks: {e}"
+    if fast is not None:
+        mismatch = PromptTokenizer(hf, added, raw_bytes, fast, nfc, reason
+                                   ).first_mismatch(SELF_CHECK_CORPUS)
+        if mismatch is not None:
+            fast, reason = None, f"self-check differs on {mismatch!r}"
+    return hf, added, raw_bytes, fast, nfc, reason
 
 
 def _encoding_from_spec(spec: dict[str, Any], added: list[AddedToken]) -> tiktoken.Encoding:
