@@ -12,8 +12,6 @@ the one vLLM loads.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -26,7 +24,6 @@ from typing import Any
 
 import pytest
 import yaml
-from tokengate import cli as tokengate_cli
 from tokengate import config as tg_config
 from tokengate.doctor import engine_records, host, upstream
 from tokengate.doctor.check import Check, Status, summary
@@ -34,6 +31,7 @@ from tokengate.ledger.engine_record import parse_record
 from tokenstorm.null_server import FastUpstream
 from tokenstorm.process import Service, free_port, tcp_ready
 
+from tests.cli_calls import tokengate
 from tests.conftest import KV_EVENTS, MODEL, PORT_OFFSET, TEST_DIR, VLLM_PORT
 from tests.fixtures_ledger import wait_until
 from tests.fixtures_vllm import BILLING_FLAGS, QUEUE_ENGINE, VllmServer
@@ -75,14 +73,11 @@ def _config(base: Path, out: Path, upstreams: list[str],
 
 def _doctor(config: Path, *args: str) -> tuple[int, list[str], str]:
     """(exit status, stdout lines, stderr) of ``tokengate doctor --config config``, run
-    in this process: a doctor process took ~2.3 CPU-s, most of it imports and parsing
-    the model's tokenizer.json, which a worker's later calls reuse (the tokenizer's
-    parse cache)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            pytest.raises(SystemExit) as done:
-        tokengate_cli.main(["doctor", "--config", str(config), *args])
-    return int(done.value.code or 0), out.getvalue().splitlines(), err.getvalue()
+    in this process (tests/cli_calls.py): a doctor process took ~2.3 CPU-s, most of it
+    imports and parsing the model's tokenizer.json, which later calls reuse (the
+    tokenizer's parse cache)."""
+    r = tokengate("doctor", "--config", config, *args)
+    return r.returncode, r.stdout.splitlines(), r.stderr
 
 
 def _lines_of(lines: list[str], upstream: str) -> dict[str, str]:

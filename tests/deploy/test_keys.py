@@ -11,11 +11,9 @@ workers); a key limited to one model cannot use another and sees only its own in
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import grp
 import hashlib
-import io
 import json
 import os
 import pwd
@@ -45,6 +43,7 @@ from tokengate.tools import compile_config
 from tokenstorm.process import Service, free_port, tcp_ready
 
 from tests import units
+from tests.cli_calls import tokengate
 from tests.conftest import MODEL, NO_REDIS, REPO_CONFIG
 from tests.deploy.test_debian_dropin import HostFiles, debian_layout
 from tests.fixtures_edge import EDGE_DIR, MAIN_KEY, PORT_OFFSET, Edge
@@ -59,33 +58,6 @@ def _with_fast(upstream: str) -> Callable[[dict[str, Any]], None]:
         raw["models"][MODEL]["embedded"] = False
         raw["models"][OTHER] = {**raw["models"][MODEL], "upstreams": [upstream]}
     return edit
-
-
-def tokengate(*args: str | Path, stdin: str | None = None
-              ) -> subprocess.CompletedProcess[str]:
-    """The ``tokengate`` CLI of this checkout (``stdin``: what it reads), run in this
-    process (``tokengate_cli.main``; a process of its own took ~0.85 CPU-s, ~40 calls
-    here): its exit status, stdout and stderr as ``subprocess.run`` gives them."""
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            _stdin(io.StringIO(stdin or "")), pytest.raises(SystemExit) as done:
-        tokengate_cli.main(argv)
-    code = done.value.code
-    if isinstance(code, str):  # sys.exit("message"): printed on stderr, status 1
-        err.write(code + "\n")
-    return subprocess.CompletedProcess(["tokengate", *argv],
-                                       code if isinstance(code, int) else int(bool(code)),
-                                       out.getvalue(), err.getvalue())
-
-
-@contextlib.contextmanager
-def _stdin(text: io.StringIO) -> Iterator[None]:
-    saved, sys.stdin = sys.stdin, text
-    try:
-        yield
-    finally:
-        sys.stdin = saved
 
 
 def created(name: str, *args: str | Path) -> str:

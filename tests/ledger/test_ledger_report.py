@@ -25,15 +25,16 @@ from tokengate.ledger.event import UsageEvent
 from tokengate.ledger.ledger import Ledger
 from tokengate_dev import devstack
 
+from tests.cli_calls import tokengate
 from tests.conftest import MODEL
 from tests.fixtures_ledger import make_event, svc_name, wait_until
 from tests.ledger.test_ledger import workload
 
 
 def usage_cli(config_path: Path, redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokengate.cli", "usage", "--config",
-                           str(config_path), "--redis-url", redis_url, *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    """``tokengate usage --config config_path --redis-url redis_url ARGS`` (in this
+    process: tests/cli_calls.py)."""
+    return tokengate("usage", "--config", config_path, "--redis-url", redis_url, *args)
 
 
 def usage_json(config_path: Path, redis_url: str, *args: str) -> dict:
