@@ -45,6 +45,7 @@ from tokengate_dev import devstack
 from tokenstorm.process import free_port
 
 from tests import units
+from tests.cli_calls import tokengate
 from tests.conftest import MODEL, REPO_CONFIG
 from tests.fixtures_ledger import make_event
 
@@ -63,12 +64,11 @@ BODY = json.dumps({"model": MODEL, "messages": [
 
 def install(prefix: Path, *args: str | Path,
             vllm_python: str | None = sys.executable) -> subprocess.CompletedProcess[str]:
-    """`tokengate install --prefix PREFIX ...` from the checkout, as an operator runs it;
+    """`tokengate install --prefix PREFIX ...` from the checkout, as an operator runs it
+    (in this process: tests/cli_calls.py; the dry runs below start the console script);
     with ``--vllm-python`` this interpreter unless ``vllm_python`` is None."""
     python = ["--vllm-python", vllm_python] if vllm_python is not None else []
-    return subprocess.run([str(TOKENGATE), "install", "--prefix", str(prefix),
-                           "--source", str(ROOT), *python, *map(str, args)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return tokengate("install", "--prefix", prefix, "--source", ROOT, *python, *args)
 
 
 def owner_of_tokengate() -> str:
