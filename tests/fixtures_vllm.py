@@ -12,6 +12,7 @@ server's engine records go to a file of its own (``usage_file``), read from an o
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -125,15 +126,16 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
     for the same. ``label`` names its folder (``TEST_DIR/vllm-<label>``: its engine
     records and log name); default: its port. The first server (no arguments) exports
     its request spans to ``otlp_receiver`` (devstack's tracing flags)."""
-    servers = SERVERS
-
     def get(extra_args: Sequence[str] = (), drop: Sequence[str] = (),
             env: dict[str, str] | None = None, label: str | None = None) -> VllmServer:
         spec = (tuple(extra_args), tuple(drop), tuple(sorted((env or {}).items())))
-        if spec in servers:
-            return servers[spec][1]
+        if spec in SERVERS:
+            return SERVERS[spec][1]
         default = spec == ((), (), ())  # the one the configuration's upstreams name
-        port = VLLM_PORT if default else OTHER_PORTS + sum(k != ((), (), ()) for k in servers)
+        # the first port no running server holds (stop_servers frees one mid-session)
+        used = {server.port for _svc, server, _group in SERVERS.values()}
+        port = VLLM_PORT if default else next(p for p in itertools.count(OTHER_PORTS)
+                                              if p not in used)
         label = "" if default else f"-{label or port}"
         name = f"test-vllm{label}{PORT_OFFSET or ''}"
         usage = TEST_DIR / (f"vllm{label}" if label else "usage") / "engine.jsonl"
@@ -154,7 +156,7 @@ def vllm_server(cfg: tg_config.Config, otlp_receiver: OtlpReceiver) -> Iterator[
         svc.start()
         server = VllmServer(f"http://127.0.0.1:{port}/v1", port, usage, svc.log_path,
                             list(svc.argv))
-        servers[spec] = (svc, server, BOOTING_GROUP[0])
+        SERVERS[spec] = (svc, server, BOOTING_GROUP[0])
         return server
 
     try:
