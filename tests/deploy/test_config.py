@@ -22,6 +22,7 @@ from tokengate import config as tg_config
 from tokengate.config import ConfigError, loading
 from tokengate.tools import compile_config, config_docs
 
+from tests.cli_calls import tokengate
 from tests.conftest import MODEL, REPO_CONFIG, TEST_MAX_MODEL_LEN
 from tests.fixtures_edge import run_lua
 
@@ -251,11 +252,9 @@ def test_an_rpm_above_2_to_the_32_is_kept_exactly_in_the_edge_document(
 
 
 def test_keys_create_takes_an_rpm_above_2_to_the_32_and_refuses_past_the_bound(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path) -> None:
     """`tokengate keys create` checks its edit with the schema: --rpm 4294967301 is written
     as given; past MAX_COUNT, or a spend past MAX_AMOUNT, nothing is written."""
-    from tokengate import cli
-
     path = tmp_path / "tokengate.yaml"
     raw = yaml.safe_load(REPO_CONFIG.read_text())
     put(f"models.{MODEL}.dir", str(REPO_CONFIG.parent / "var/models/tiny-qwen3"))(raw)
@@ -263,9 +262,8 @@ def test_keys_create_takes_an_rpm_above_2_to_the_32_and_refuses_past_the_bound(
     path.write_text(yaml.safe_dump(raw))
 
     def keys(*args: str) -> tuple[int, str]:
-        with pytest.raises(SystemExit) as done:
-            cli.main(["keys", *args, "--config", str(path), "--no-apply"])
-        return int(done.value.code or 0), capsys.readouterr().err
+        r = tokengate("keys", *args, "--config", path, "--no-apply")
+        return r.returncode, r.stderr
 
     assert keys("create", "big", "--rpm", "4294967301", "--tpm", "1000")[0] == 0
     assert tg_config.load(path).keys["big"].rpm == 4294967301

@@ -35,7 +35,6 @@ import anthropic
 import openai
 import pytest
 import yaml
-from tokengate import cli as tokengate_cli
 from tokengate import config as tg_config
 from tokengate import keys, redis_keys
 from tokengate.config.keys import timestamp
@@ -483,46 +482,42 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
         master.wait()
 
 
-def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+def cli(*args: str | Path) -> tuple[int, str, str]:
     """``tokengate ARGS`` in this process (so that the simulated host applies):
     (exit status, stdout, stderr)."""
-    with pytest.raises(SystemExit) as done:
-        tokengate_cli.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return int(done.value.code or 0), out.out, out.err
+    r = tokengate(*args)
+    return r.returncode, r.stdout, r.stderr
 
 
-def test_on_a_host_with_an_install_commands_use_the_installed_config_and_say_so(
-        host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+def test_on_a_host_with_an_install_commands_use_the_installed_config_and_say_so(host: Host) -> None:
     checkout_text = (host.checkout / "tokengate.yaml").read_text()
     said = (f"tokengate: configuration {host.config} (the installed configuration; "
             "--config FILE for another)")
-    status, out, err = cli(capsys, "config", "check")
+    status, out, err = cli("config", "check")
     assert status == 0, err
     assert out.startswith(f"{host.config}: ok: ")
     assert err.splitlines() == [said]
-    status, out, err = cli(capsys, "keys", "create", "ops", "--rpm", "5", "--tpm", "500",
+    status, out, err = cli("keys", "create", "ops", "--rpm", "5", "--tpm", "500",
                            "--no-apply")
     assert status == 0, err
     assert err.splitlines()[0] == said
     assert "ops" in yaml.safe_load(host.config.read_text())["keys"]
     assert (host.checkout / "tokengate.yaml").read_text() == checkout_text
     # the checkout's file when asked for, said with --verbose
-    status, out, err = cli(capsys, "config", "check", "tokengate.yaml", "--verbose")
+    status, out, err = cli("config", "check", "tokengate.yaml", "--verbose")
     assert status == 0, err
     assert err.splitlines() == [(f"tokengate: configuration {host.checkout / 'tokengate.yaml'} "
                                 "(given)")]
-    status, out, err = cli(capsys, "keys", "list", "--config", "tokengate.yaml",
+    status, out, err = cli("keys", "list", "--config", "tokengate.yaml",
                            "--redis-url", "redis://127.0.0.1:1/0")
     assert (status, err) == (0, "")
     assert "ops" not in out
 
 
-def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(
-        host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+def test_keys_on_a_checkouts_config_never_reload_the_installed_edge(host: Host) -> None:
     edge_json = host.edge_json.read_bytes()
     local = host.checkout / "tokengate.yaml"
-    status, _out, err = cli(capsys, "keys", "create", "dev", "--rpm", "5", "--tpm", "500",
+    status, _out, err = cli("keys", "create", "dev", "--rpm", "5", "--tpm", "500",
                            "--config", "tokengate.yaml", "--redis-url", "redis://127.0.0.1:1/0")
     assert status == 0, err
     run = host.checkout / "var/run/nginx"
