@@ -217,6 +217,8 @@ class Edge:
         periods with what they hold; nothing slides out while the block runs). Back on
         the real clock when the block ends. Only edges started with ``TEST_LUA_PATH``
         (every edge of these fixtures) have the movable clock."""
+        assert self.service.env.get("LUA_PATH") == TEST_LUA_PATH, \
+            f"{self.service.name} has no movable clock: start it with TEST_LUA_PATH"
         prefix = Path(self.service.argv[self.service.argv.index("-p") + 1])
         window = (time.time() // WINDOW_S + 1440 * next(_FRESH_WINDOWS)) * WINDOW_S
         clock = WindowClock(prefix / "window_clock",
