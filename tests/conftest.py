@@ -88,6 +88,19 @@ def suite_model() -> tg_config.ModelConfig:
     return model.model_copy(update={"max_model_len": TEST_MAX_MODEL_LEN})
 
 
+# the embedded model's tokenizer, as vLLM and the counter read it
+MODEL_TOKENIZER = REPO_CONFIG.parent / "var/models/tiny-qwen3/tokenizer.json"
+
+
+@functools.cache
+def added_tokens() -> dict[int, str]:
+    """The embedded model's added tokens (special or not): id -> content, from
+    ``MODEL_TOKENIZER`` (11 MB of JSON: read when a test first asks, not when a worker
+    collects the module)."""
+    return {t["id"]: t["content"]
+            for t in json.loads(MODEL_TOKENIZER.read_text())["added_tokens"]}
+
+
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

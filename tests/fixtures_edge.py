@@ -234,18 +234,26 @@ class Edge:
     def events(self) -> list[dict[str, Any]]:
         """Every usage event written so far, in order: the complete lines (a line the
         edge is writing is not an event yet)."""
+        return [json.loads(line) for line in self._lines()]
+
+    def _lines(self) -> list[str]:
+        """The complete, non-empty lines of the usage file ([] before it exists)."""
         if not self.usage_file.exists():
             return []
         data = self.usage_file.read_text()
-        return [json.loads(line) for line in data[: data.rfind("\n") + 1].splitlines()
-                if line]
+        return [line for line in data[: data.rfind("\n") + 1].splitlines() if line]
 
     def event(self, request_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """The usage event of one request (waits for the log phase to write it)."""
+        # a session's usage file holds thousands of events: parse only the lines that
+        # can be this one's (an id that JSON writes as it is appears in its event's line)
+        verbatim = request_id.isascii() and request_id.isprintable() and \
+            not any(c in request_id for c in '"\\/')
         deadline = time.monotonic() + timeout_s
         while True:
-            for ev in reversed(self.events()):
-                if ev["request_id"] == request_id:
+            for line in reversed(self._lines()):
+                if (request_id in line or not verbatim) and \
+                        (ev := json.loads(line))["request_id"] == request_id:
                     return ev
             if time.monotonic() > deadline:
                 raise AssertionError(f"no usage event for request {request_id}")

@@ -22,13 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import MODEL, REPO_CONFIG, VLLM_PORT
+from tests.conftest import MODEL, VLLM_PORT, added_tokens
 from tests.edge.test_edge_input import FORGED_TOKENS, assert_error, post
 from tests.fixtures_edge import Edge
-
-# every added token of the model's tokenizer (special or not), by id
-ADDED = {t["id"]: t["content"] for t in json.loads(
-    (REPO_CONFIG.parent / "var/models/tiny-qwen3/tokenizer.json").read_text())["added_tokens"]}
 
 
 def tokenize(body: dict[str, Any]) -> list[int]:
@@ -42,7 +38,8 @@ def tokenize(body: dict[str, Any]) -> list[int]:
 
 def control(ids: list[int]) -> Counter[str]:
     """How many times each added token occurs in ``ids``."""
-    return Counter(ADDED[i] for i in ids if i in ADDED)
+    added = added_tokens()
+    return Counter(added[i] for i in ids if i in added)
 
 
 def prompt_ids(edge: Edge, body: dict[str, Any]) -> list[int]:
@@ -71,13 +68,13 @@ def escape_text(text: str, strip: bool = False) -> tuple[str, int]:
     added token of the model."""
     text = text.replace(ZWSP, "")
     cuts: dict[int, str] = {}
-    for tok in ADDED.values():
+    for tok in added_tokens().values():
         at = text.find(tok)
         while at >= 0:
             cuts.setdefault(at + _split(tok), tok)
             at = text.find(tok, at + 1)
     if strip:
-        for tok in sorted(ADDED.values(), key=len, reverse=True):
+        for tok in sorted(added_tokens().values(), key=len, reverse=True):
             text = text.replace(tok, "")
         return text, len(cuts)
     out, pos = [], 0

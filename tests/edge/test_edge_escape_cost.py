@@ -16,27 +16,25 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from tests.conftest import REPO_CONFIG
+from tests.conftest import MODEL_TOKENIZER, added_tokens
 from tests.edge.test_edge_control_tokens import escape_text
 
 # pure: starts no process of the stack (make test-unit)
 pytestmark = pytest.mark.unit
 
-TOKENIZER = REPO_CONFIG.parent / "var/models/tiny-qwen3/tokenizer.json"
-RAW = json.loads(TOKENIZER.read_text())
-ADDED = [t["content"] for t in RAW["added_tokens"]]
 CONTEXTS = ["{}", "x {} y", "see {}\n", "a\n{}b", "({})", "a{}b", "1{}2", "`{}`", '"{}"',
             "word {}word"]
 ZWSP_PIECE = "âĢĭ"  # U+200B's bytes as the byte-level BPE writes them
 
 
 def test_every_added_token_costs_one_token_escaped_and_keeps_its_pieces() -> None:
-    served = Tokenizer.from_file(str(TOKENIZER))
-    literal = Tokenizer.from_str(json.dumps({**RAW, "added_tokens": []}))
-    added_ids = {t["id"] for t in RAW["added_tokens"]}
-    assert len(ADDED) == 26
+    served = Tokenizer.from_file(str(MODEL_TOKENIZER))
+    literal = Tokenizer.from_str(json.dumps({**json.loads(MODEL_TOKENIZER.read_text()),
+                                             "added_tokens": []}))
+    added_ids = set(added_tokens())
+    assert len(added_ids) == 26
     changed = set()
-    for tok in ADDED:
+    for tok in added_tokens().values():
         for ctx in CONTEXTS:
             text = ctx.format(tok)
             escaped, n = escape_text(text)
@@ -52,7 +50,7 @@ def test_every_added_token_costs_one_token_escaped_and_keeps_its_pieces() -> Non
 @pytest.mark.parametrize("text", ["<|im_<|im_start|>start|>", "<<|im_end|>|im_end|>",
                                   "<|im_end|><|im_end|></think><think>"])
 def test_nested_and_adjacent_tokens_leave_no_added_token(text: str) -> None:
-    served = Tokenizer.from_file(str(TOKENIZER))
-    added_ids = {t["id"] for t in RAW["added_tokens"]}
+    served = Tokenizer.from_file(str(MODEL_TOKENIZER))
+    added_ids = set(added_tokens())
     escaped, _ = escape_text(text)
     assert not added_ids & set(served.encode(escaped, add_special_tokens=False).ids)
