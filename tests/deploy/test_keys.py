@@ -322,6 +322,24 @@ def test_a_negative_budget_is_refused_as_negative(tmp_path: Path) -> None:
     assert path.read_text() == text
 
 
+BAD_REDIS = [["keys", "set", "demo", "--rpm", "4"], ["keys", "list"], ["usage"],
+             ["console", "role", "admin", "read-only"]]
+
+
+@pytest.mark.parametrize("args", BAD_REDIS, ids=[" ".join(a) for a in BAD_REDIS])
+def test_a_bad_redis_url_is_a_usage_error_before_anything_changes(
+        tmp_path: Path, args: list[str]) -> None:
+    """--redis-url is checked as redis.url is, when the command line is read: `keys set`
+    used to apply its change, then fail on the URL with a traceback."""
+    path, text = _repo_copy(tmp_path)
+    out = tokengate(*args, "--config", path, "--redis-url", "notaurl")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.splitlines()[-1].endswith(
+        "argument --redis-url: expected a redis://, rediss:// or unix:// URL, "
+        "got 'notaurl'"), out.stderr
+    assert path.read_text() == text
+
+
 def test_keys_on_a_file_that_is_not_yaml_says_so_in_one_line(tmp_path: Path) -> None:
     path, text = _repo_copy(tmp_path)
     path.write_text(text + "keys:\n  bad: [\n")

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
                              "batch.listen)")
     parser.add_argument("--edge-url", default=None,
                         help="where lines go (default: batch.edge_url)")
-    parser.add_argument("--redis-url", default=None,
+    parser.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
     args, cfg = entry.start(parser, argv)
     from tokengate.batch.api import BatchApi

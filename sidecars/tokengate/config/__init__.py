@@ -53,7 +53,7 @@ from tokengate.config.models import ModelConfig, ModelCost
 from tokengate.config.schema import Config
 from tokengate.config.sidecars import RedisConfig, TracingConfig
 from tokengate.config.teams import LEVELS, PooledLimits, TeamConfig, key_levels, level_id
-from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema
+from tokengate.config.types import MAX_AMOUNT, MAX_COUNT, _is_loopback, _Schema, redis_url_arg
 
 __all__ = [
     "CONFIG_ENV",
@@ -97,6 +97,7 @@ __all__ = [
     "loads",
     "parse",
     "read_text",
+    "redis_url_arg",
     "rfc3339",
     "write_atomic",
 ]

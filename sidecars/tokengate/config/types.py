@@ -9,6 +9,7 @@ message) pairs ``tokengate.config.loading.errors_of`` turns into one line each.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
 from pathlib import Path
@@ -127,6 +128,18 @@ def _redis_url(value: str) -> str:
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {value!r}")
     return value
+
+
+def redis_url_arg(value: str) -> str:
+    """argparse ``type=`` of a ``--redis-url`` option: ``value`` when it is a redis://,
+    rediss:// or unix:// URL (what ``redis.url`` accepts), else
+    ``argparse.ArgumentTypeError``: a usage line and exit status 2 before the command
+    changes anything (redis-py's own ValueError came later, as a traceback, after
+    `tokengate keys set` had applied its change)."""
+    try:
+        return _redis_url(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 RelPath = Annotated[Path, Field(strict=False), AfterValidator(_resolve)]

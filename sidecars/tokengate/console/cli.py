@@ -199,14 +199,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pw.add_argument("--role", choices=ROLES, default=None,
                     help="the admin's role: admin (every change) or read-only (every page, "
                          "no change); default: the admin's own, admin for a new one")
-    pw.add_argument("--redis-url", default=None, help=AUDIT_REDIS_HELP)
+    pw.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
+                    help=AUDIT_REDIS_HELP)
     pw.set_defaults(func=passwd)
     ro = verbs.add_parser("role", help="set an admin's role (admin or read-only)")
     ro.add_argument("name", help="the admin's name")
     ro.add_argument("role", choices=ROLES, help="admin (every change) or read-only "
                                                 "(every page, no change)")
     tg_config.add_config_option(ro)
-    ro.add_argument("--redis-url", default=None, help=AUDIT_REDIS_HELP)
+    ro.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
+                    help=AUDIT_REDIS_HELP)
     ro.set_defaults(func=role)
     ap = verbs.add_parser("apply", help="make the key changes the console queued (root)")
     tg_config.add_config_option(ap)

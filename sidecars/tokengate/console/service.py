@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--usage-file", type=Path, default=None,
                         help="the edge's usage file, its rotated siblings beside it "
                              "(default: ledger.usage_file)")
-    parser.add_argument("--redis-url", default=None,
+    parser.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
     args, cfg = entry.start(parser, argv)
     from tokengate.console.app import Console

@@ -388,7 +388,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     apply_opts.add_argument("--no-apply", action="store_true",
                             help="write the file only; reload nothing")
     audit_opts = argparse.ArgumentParser(add_help=False)
-    audit_opts.add_argument("--redis-url", default=None,
+    audit_opts.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
                             help="Redis of the audit stream (default: redis.url)")
     verbs = p.add_subparsers(dest="verb", metavar="verb", required=True)
 
@@ -450,5 +450,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     editing("enable", enable, "admit a disabled key again")
     ls = verbs.add_parser("list", parents=[common], help="list the keys (never the key)")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    ls.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
+                    help="Redis URL (default: redis.url)")
     ls.set_defaults(func=list_)

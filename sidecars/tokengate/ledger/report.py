@@ -394,7 +394,8 @@ def add_parser(
                        description=USAGE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     tg_config.add_config_option(p)
-    p.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    p.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
+                   help="Redis URL (default: redis.url)")
     p.add_argument("--since", type=parse_day, default=None, metavar="DAY",
                    help="first UTC day (default: the first with usage)")
     p.add_argument("--until", type=parse_day, default=None, metavar="DAY",

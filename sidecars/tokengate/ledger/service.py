@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     tg_config.add_config_option(parser)
     parser.add_argument("--usage-file", type=Path, default=None,
                         help="the edge's usage file (default: ledger.usage_file)")
-    parser.add_argument("--redis-url", default=None,
+    parser.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
                         help="Redis URL (default: redis.url), e.g. redis://127.0.0.1:6380/0")
     parser.add_argument("--ledger-id", default=None,
                         help="name of this ledger's checkpoint (default: <hostname>:<absolute "

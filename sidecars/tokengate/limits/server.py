@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unix-socket", default=None, metavar="PATH",
                         help="also listen on PATH.<i> per worker i (default: "
                              "global_limits.unix_socket; 'none': TCP only)")
-    parser.add_argument("--redis-url", default=None, help="Redis URL (default: redis.url)")
+    parser.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg,
+                        help="Redis URL (default: redis.url)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="worker processes (default: 1)")
     parser.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
