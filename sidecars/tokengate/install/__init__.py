@@ -63,7 +63,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tokengate import config as tg_config
 from tokengate.install import plan
 from tokengate.install.host import (
     HOST_EDGE_LISTEN,
@@ -135,7 +134,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument("--bin-dir", type=Path, default=Path(sysconfig.get_path("scripts")),
                    help="folder of tokengate-counter, -ledger, -limits, -console that the "
                         "units run (default: this tokengate's, %(default)s)")
-    p.add_argument("--redis-url", default=None, type=tg_config.redis_url_arg, metavar="URL",
+    p.add_argument("--redis-url", default=None, metavar="URL",
                    help="without --config: redis.url of the configuration made for the "
                         f"host (default: Debian's redis-server, {HOST_REDIS_URL})")
     p.add_argument("--edge-listen", default=None, metavar="HOST:PORT",
