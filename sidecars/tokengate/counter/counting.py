@@ -492,7 +492,16 @@ class ModelCounter:
         if not isinstance(m, dict):
             raise BadRequest(where, f"expected an object, got {type_name(m)}")
         role = expect_name(f"{where}.role", m.get("role"), ROLES, "role")
-        texts = self._content_texts(where, role, m.get("content"))
+        content = m.get("content")
+        if content is None and role != "assistant" and "content" in m:
+            # vLLM 0.32 refuses it (a pydantic dump of 18-19 errors): only an assistant
+            # message's content may be null (left out, it is empty)
+            raise BadRequest(f"{where}.content", "expected a string or an array of content "
+                                                 "parts, got null (only an assistant "
+                                                 "message's content may be null)")
+        if "name" in m and not isinstance(m["name"], str):
+            raise BadRequest(f"{where}.name", f"expected a string, got {type_name(m['name'])}")
+        texts = self._content_texts(where, role, content)
         out: dict[str, Any] = {"role": role}
         if self.template is not None and self.template.content_format == "openai":
             out["content"] = [{"type": "text", "text": t} for t in texts]
@@ -552,7 +561,9 @@ class ModelCounter:
                                                    "supported: this model reads text only")
             text = part.get(field)
             if text is None:
-                continue  # vLLM skips text/refusal parts without content
+                # vLLM 0.32's request model requires it (its parser would skip the part,
+                # but the part's type check refuses it first: measured, 400)
+                raise BadRequest(f"{pwhere}.{field}", f"required string for {ptype!r} parts")
             if not isinstance(text, str):
                 raise BadRequest(f"{pwhere}.{field}", f"expected a string, got "
                                                       f"{type_name(text)}")
