@@ -97,7 +97,10 @@ SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purel
 # data).
 STAMP="$(cat sidecars/pyproject.toml client/pyproject.toml storm/pyproject.toml dev/pyproject.toml vllm_patches/pyproject.toml | sha256sum | cut -c1-12)"
 if [ "$(cat .venv/.tokengate-install 2>/dev/null)" != "$STAMP" ]; then
-  .venv/bin/python -m pip install -q --no-deps --no-build-isolation \
+  # setuptools warns once per package (~50 lines opening a first make run's output) that
+  # a folder named like the package may be imported instead: check_venv.py checks that
+  PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
+    .venv/bin/python -m pip install -q --no-deps --no-build-isolation \
     -e sidecars -e client -e storm -e dev -e vllm_patches
   echo "$STAMP" > .venv/.tokengate-install
 fi
