@@ -455,8 +455,11 @@ class Workload:
             self.bill[ev.request_id] = (prompt, sum(gens))
 
     def write(self, usage: UsageWriter, engines: list[EngineWriter], per_s: float,
-              rng: random.Random) -> None:
-        """Everything, in a shuffled order close to the events' (blocking)."""
+              rng: random.Random, hold: threading.Lock | None = None) -> None:
+        """Everything, in a shuffled order close to the events' (blocking). ``hold``:
+        taken before each line; while another thread holds it the writing pauses, and
+        the time it waited moves the rest of the timeline back (the files stop growing,
+        then go on at the same pace)."""
         timeline: list[tuple[float, Callable[[], None]]] = []
         for i, ev in enumerate(self.events):
             t = i / per_s
@@ -470,7 +473,13 @@ class Workload:
             delay = t0 + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            do()
+            if hold is None:
+                do()
+                continue
+            asked = time.monotonic()
+            with hold:
+                t0 += time.monotonic() - asked
+                do()
 
 
 @pytest.mark.slow
@@ -480,14 +489,19 @@ def test_two_ledgers_killed_at_random_bill_every_request_once(
     (--engine-only, engine file B) share one Redis; both are killed with SIGKILL at
     random moments, 8 times, while the files grow. Afterwards every request is billed
     once: the engine's numbers (Σ generated, the prompt once) where records exist, the
-    edge's for the 5 without, and every disagreement is counted once."""
+    edge's for the 5 without, and every disagreement is counted once.
+
+    Each kill waits until the edge host's ledger has billed something, and the files
+    stop growing while a killed ledger starts again (on a loaded machine a start took
+    long enough for the writing to end before half the kills: 3 of 8 mid-stream)."""
     work = Workload(2500, missing=5, seed=61)
     engines = [EngineWriter(tmp_path / f"engine-{h}" / "engine.jsonl") for h in "ab"]
     config = joined_config(ledger_config_path, tmp_path / "tokengate.yaml", engine_wait_s=8.0)
     edge_name, vllm_name = svc_name("test-ledger-edge-host"), svc_name("test-ledger-vllm-host")
     rng = random.Random(62)
+    hold = threading.Lock()
     writer = threading.Thread(target=work.write,
-                              args=(usage_writer, engines, 300.0, random.Random(63)),
+                              args=(usage_writer, engines, 300.0, random.Random(63), hold),
                               daemon=True)
 
     def start(which: str) -> devstack.Service:
@@ -506,13 +520,15 @@ def test_two_ledgers_killed_at_random_bill_every_request_once(
     try:
         for _ in range(8):
             time.sleep(rng.uniform(0.1, 0.6))
-            mid_stream_kills += 0 < billed() < len(work.events)
+            wait_until(lambda: billed() > 0, 60, what="the edge host's ledger billing")
             which = rng.choice(("edge", "vllm"))
             proc = svcs[which].proc
             assert proc is not None
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-            svcs[which] = start(which)
+            with hold:
+                mid_stream_kills += 0 < billed() < len(work.events)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+                svcs[which] = start(which)
         writer.join()
         wait_until(lambda: billed() == len(work.events), 60, what="every request billed")
         time.sleep(0.5)
