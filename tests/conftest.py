@@ -93,12 +93,16 @@ MODEL_TOKENIZER = REPO_CONFIG.parent / "var/models/tiny-qwen3/tokenizer.json"
 
 
 @functools.cache
+def model_tokenizer_json() -> dict[str, Any]:
+    """``MODEL_TOKENIZER`` parsed (11 MB of JSON: read once, when a test first asks, not
+    when a worker collects the module). Read-only: every caller shares it."""
+    return dict(json.loads(MODEL_TOKENIZER.read_text()))
+
+
+@functools.cache
 def added_tokens() -> dict[int, str]:
-    """The embedded model's added tokens (special or not): id -> content, from
-    ``MODEL_TOKENIZER`` (11 MB of JSON: read when a test first asks, not when a worker
-    collects the module)."""
-    return {t["id"]: t["content"]
-            for t in json.loads(MODEL_TOKENIZER.read_text())["added_tokens"]}
+    """The embedded model's added tokens (special or not): id -> content."""
+    return {t["id"]: t["content"] for t in model_tokenizer_json()["added_tokens"]}
 
 
 def key_digest(key: str) -> str:

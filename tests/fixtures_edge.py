@@ -273,11 +273,18 @@ def _start_edge(config_path: Path, port: int, name: str, counter_socket: Path,
     svc = devstack.nginx_service(config_path, port=port, counter_socket=counter_socket,
                                  counter_workers=2, workers=2, name=name,
                                  prefix=EDGE_DIR / name, status_port=status_port)
-    svc.env["LUA_PATH"] = TEST_LUA_PATH
-    (EDGE_DIR / name / "window_clock").unlink(missing_ok=True)  # a session cut short
+    movable_clock(svc, EDGE_DIR / name)
     svc.log_path.unlink(missing_ok=True)
     svc.start()
     return Edge(f"http://127.0.0.1:{port}/v1", port, usage_file, svc, status_port)
+
+
+def movable_clock(svc: devstack.Service, prefix: Path) -> None:
+    """Give a test edge not yet started (nginx prefix ``prefix``) the movable clock of
+    ``Edge.window_clock``: ``TEST_LUA_PATH``, and no clock file a session cut short left
+    (the edge would start on it)."""
+    svc.env["LUA_PATH"] = TEST_LUA_PATH
+    (prefix / "window_clock").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from tests.conftest import MODEL_TOKENIZER, added_tokens
+from tests.conftest import MODEL_TOKENIZER, added_tokens, model_tokenizer_json
 from tests.edge.test_edge_control_tokens import escape_text
 
 # pure: starts no process of the stack (make test-unit)
@@ -29,8 +29,7 @@ ZWSP_PIECE = "âĢĭ"  # U+200B's bytes as the byte-level BPE writes them
 
 def test_every_added_token_costs_one_token_escaped_and_keeps_its_pieces() -> None:
     served = Tokenizer.from_file(str(MODEL_TOKENIZER))
-    literal = Tokenizer.from_str(json.dumps({**json.loads(MODEL_TOKENIZER.read_text()),
-                                             "added_tokens": []}))
+    literal = Tokenizer.from_str(json.dumps({**model_tokenizer_json(), "added_tokens": []}))
     added_ids = set(added_tokens())
     assert len(added_ids) == 26
     changed = set()

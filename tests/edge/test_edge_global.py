@@ -53,11 +53,11 @@ from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.edge.test_budgets import amount
 from tests.fixtures_edge import (
     EDGE_DIR,
-    TEST_LUA_PATH,
     Edge,
     FakeUpstream,
     _edge_yaml,
     free_port,
+    movable_clock,
     patient_redis_config,
     run_lua,
 )
@@ -129,8 +129,7 @@ def start_edge(config_path: Path, name: str, upstream: str, socket_path: Path,
                                  counter_workers=2, workers=2, name=svc_name(f"test-{name}"),
                                  prefix=EDGE_DIR / name, limits_workers=limits_workers,
                                  status_port=status_port)
-    svc.env["LUA_PATH"] = TEST_LUA_PATH  # the movable window clock (Edge.window_clock)
-    (EDGE_DIR / name / "window_clock").unlink(missing_ok=True)  # a session cut short
+    movable_clock(svc, EDGE_DIR / name)
     svc.log_path.unlink(missing_ok=True)
     svc.start()
     return Edge(f"http://127.0.0.1:{port}/v1", port, usage, svc, status_port)
