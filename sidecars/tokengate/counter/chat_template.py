@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -44,11 +44,12 @@ HF_APPLY_PARAMS = frozenset({"tools", "documents", "add_generation_prompt",
 
 
 def _transformers_renderer() -> Any:
-    """transformers' ``render_jinja_template``, imported on first need: a template that
-    needs transformers' own extensions imports it when the model loads, any other only
-    for a request with ``continue_final_message`` (the first such request in a worker
-    waits for the import, about 1 s of CPU; every counter start and ``tokengate doctor``
-    saves it otherwise).
+    """transformers' ``render_jinja_template``, imported when a template that needs
+    transformers' own extensions (``{% generation %}``) loads: about 1.8 s of CPU, which
+    every other counter start and ``tokengate doctor`` saves. Imported on a request's
+    first need it stalled that worker's socket for seconds, so the edge's count
+    deadline passed and its breaker opened for every request (a loaded machine's
+    first ``continue_final_message`` request): nothing imports it there any more.
 
     transformers' import says "PyTorch was not found. Models won't be available ..." on
     every start of a base install, which has no torch on purpose (tokengate renders
@@ -60,6 +61,11 @@ def _transformers_renderer() -> Any:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     return render_jinja_template
+
+
+# appended to the final message's text when it is continued: the prompt ends where it
+# lands (transformers' ``render_jinja_template``, the one vLLM renders with)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class TemplateError(ValueError):
@@ -194,6 +200,53 @@ class ChatTemplate:
         # vLLM: ``_detect_developer_role_support`` looks for the quoted role name.
         self.supports_developer_role = '"developer"' in source or "'developer'" in source
 
+    def _continued(self, conversation: list[dict[str, Any]],
+                   render: Callable[[list[dict[str, Any]]], str]) -> str:
+        """The prompt of ``conversation`` whose final message the model continues
+        (``continue_final_message``): rendered with ``CONTINUE_TAG`` after the final
+        message's text (its content, or its last part that has a text), cut where the
+        tag lands; when the template trimmed the space after the tag, what precedes the
+        tag loses its trailing whitespace too. Behaviour of transformers 5.x
+        ``render_jinja_template`` (utils/chat_template_utils.py), which vLLM's
+        ``apply_hf_chat_template`` calls; the chat and Responses parity corpora check
+        it against vLLM. Raises ``TemplateError`` where transformers raises: the final
+        message has no content, or no text part; the template never reads ``content``;
+        the rendered prompt lacks the final text or the tag."""
+        final = conversation[-1].get("content")
+        if final is None:
+            raise TemplateError('continue_final_message is set but the final message has '
+                                'no "content" to continue!')
+        if "content" not in self.source:
+            raise TemplateError('continue_final_message is set to "content" but this is '
+                                'not an accepted field in the chat_template')
+        last = dict(conversation[-1])
+        if isinstance(final, (list, tuple)):
+            parts = list(final)
+            for i in range(len(parts) - 1, -1, -1):
+                part = parts[i]
+                if isinstance(part, dict) and "text" in part:
+                    final = part["text"]
+                    if not isinstance(final, str):
+                        break  # transformers fails on the concatenation
+                    parts[i] = {**part, "text": final + CONTINUE_TAG}
+                    break
+            else:
+                raise TemplateError("continue_final_message is set but we could not find "
+                                    "any text to continue in the final message!")
+            last["content"] = parts
+        elif isinstance(final, str):
+            last["content"] = final + CONTINUE_TAG
+        if not isinstance(final, str):
+            raise TemplateError("continue_final_message: the text to continue is not a "
+                                "string")
+        text = render([*conversation[:-1], last])
+        tag = CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise TemplateError("continue_final_message is set but the final message does "
+                                "not appear in the chat after applying the chat template!")
+        at = text.rindex(tag)
+        return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
+
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ChatTemplate:
         """Template from ``chat_template.jinja`` or ``tokenizer_config.json`` (as transformers).
@@ -232,8 +285,8 @@ class ChatTemplate:
         Raises ``TemplateError``.
         """
         args = {**self.special_tokens_map, **kwargs}
-        if self._fast is not None and not args.get("continue_final_message"):
-            args.pop("continue_final_message", None)
+        if self._fast is not None:
+            cont = args.pop("continue_final_message", False)
             args.setdefault("add_generation_prompt", False)
             args.setdefault("documents", None)
             fast = self._fast
@@ -243,6 +296,9 @@ class ChatTemplate:
                     return fast.render(messages=messages, tools=tools, **args)
                 except Exception as e:  # a template may raise anything from user input
                     raise TemplateError(str(e) or type(e).__name__) from e
+            if cont:
+                self.traces.count_plain()
+                return template_trace.Rendered(self._continued(conversation, render))
             key = None if tools is not None or self.why_not_traced or args["documents"] \
                 is not None else template_trace.shape_key(conversation, kwargs)
             if key is None:
