@@ -259,7 +259,7 @@ end
 --     .../responses/protocol.py) hold a JSON number (an integral one for the
 --     integers), null or nothing, within the range vLLM's SamplingParams._verify_args
 --     allows (vllm/sampling_params.py); stop / stop_sequences a string or an array of
---     strings, user a string. A string such as "0.5" is refused as OpenAI refuses it
+--     at most 4 strings, user a string. A string such as "0.5" is refused as OpenAI refuses it
 --     (vLLM's lax parsing would take it; "hot" or -3 would fail there after the request
 --     was admitted and forwarded).
 _M.API_WORDS = {
@@ -286,6 +286,9 @@ local SAMPLING = {
 -- stop_sequences (Messages: strings)
 local STOPS = { stop = "a string or an array of strings",
                 stop_sequences = "an array of strings" }
+-- vLLM's StopParam and Messages' stop_sequences: at most VLLM_MAX_STOP_STRINGS (4 unless
+-- the engine's environment says otherwise; vllm/envs.py), OpenAI's documented limit too
+local MAX_STOPS = 4
 local SAMPLING_NAMES = {}
 for name in pairs(SAMPLING) do
     SAMPLING_NAMES[#SAMPLING_NAMES + 1] = name
@@ -399,6 +402,10 @@ function _M.api_sampling(known, body, words)
                 and (not strings(v) or name == "stop_sequences" and type(v) == "string") then
             return fail(400, format("%s must be %s, got %s", name, want, json_kind(v)), name,
                 "invalid_type")
+        end
+        if type(v) == "table" and #v > MAX_STOPS and (not known or known[name]) then
+            return fail(400, format("%s: at most %d sequences, got %d", name, MAX_STOPS, #v),
+                name, "array_above_max_length")
         end
     end
     if not known or known.user then

@@ -243,6 +243,8 @@ def test_refusals_come_in_anthropics_shape_and_never_reach_vllm(
          Refusal(status=400, type="invalid_request_error", code="invalid_type")),
         ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "stop_sequences": "x"},
          Refusal(status=400, type="invalid_request_error", code="invalid_type")),
+        ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "stop_sequences": list("abcde")},
+         Refusal(status=400, type="invalid_request_error", code="array_above_max_length")),
         ({"model": MODEL, "max_tokens": 3, "messages": HELLO, "top_p": -1},
          Refusal(status=400, type="invalid_request_error", code="invalid_value")),
     ]

@@ -65,7 +65,7 @@ from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_embeddings, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.errors import BadRequest, expect_name, type_name
-from tokengate.counter.fields import opt_bool, opt_int
+from tokengate.counter.fields import opt_bool, opt_choice, opt_int
 from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.counter.prefix_routing import PrefixRouter
@@ -84,6 +84,9 @@ _CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
 # Anthropic Messages: /v1/messages and /v1/messages/count_tokens (apis.anthropic_messages)
 MESSAGES_ENDPOINTS = frozenset({"messages", "count_tokens"})
 _MAX_JSON_DEPTH = 64
+# chat's reasoning_effort: vLLM 0.32's Literal (chat_completion/protocol.py); another value
+# was refused there after admission, with pydantic's dump
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # vLLM's check of cache_salt (vllm/entrypoints/generate/base/protocol.py
 # validate_cache_salt: chat, completions, Responses, and Messages through its chat request)
 _MAX_CACHE_SALT = 128
@@ -656,10 +659,17 @@ class ModelCounter:
         if add_gen and cont:
             raise BadRequest("continue_final_message", "cannot set both "
                              "continue_final_message and add_generation_prompt to true")
-        effort = body.get("reasoning_effort")
+        effort = opt_choice(body, "reasoning_effort", REASONING_EFFORTS)
+        documents = body.get("documents")
+        if documents is not None and not (isinstance(documents, list) and all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                for d in documents)):
+            # vLLM: list[dict[str, str]], refused after admission with pydantic's dump
+            raise BadRequest("documents", "expected an array of objects whose values are "
+                             "strings")
         extra: dict[str, Any] = {"add_generation_prompt": add_gen,
                                  "continue_final_message": cont,
-                                 "documents": body.get("documents"),
+                                 "documents": documents,
                                  "reasoning_effort": effort}
         if effort is not None and "enable_thinking" not in user:
             extra["enable_thinking"] = effort != "none"
