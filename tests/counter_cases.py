@@ -168,6 +168,17 @@ CHAT_CASES: list[Case] = [(name, "chat", body) for name, body in [
         add_generation_prompt=False)),
     ("assistant_reasoning_field", chat([
         user("q1"), assistant("answer", reasoning="I thought hard."), user("q2")])),
+    # vLLM reads the deprecated reasoning_content as reasoning when that is absent; the
+    # template shows the reasoning of the last assistant turn
+    ("assistant_last_reasoning_content", chat([
+        user("Count"), assistant("1, 2", reasoning_content="let me count")],
+        add_generation_prompt=False)),
+    ("continued_reasoning_content", chat([
+        user("Count"), assistant("1, 2", reasoning_content="let me count")],
+        add_generation_prompt=False, continue_final_message=True)),
+    ("reasoning_over_reasoning_content", chat([
+        user("Count"), assistant("1, 2", reasoning="mine", reasoning_content="not this one")],
+        add_generation_prompt=False)),
     ("enable_thinking_false", chat([user("hi")], chat_template_kwargs={"enable_thinking": False})),
     ("enable_thinking_true", chat([user("hi")], chat_template_kwargs={"enable_thinking": True})),
     ("reasoning_effort_none", chat([user("hi")], reasoning_effort="none")),
@@ -191,6 +202,14 @@ CHAT_CASES: list[Case] = [(name, "chat", body) for name, body in [
                                         user([{"type": "input_text", "text": "in"},
                                               {"type": "text", "text": "txt"}])])),
     ("empty_content", chat([user("")])),
+    # vLLM drops a text part whose text is empty before it joins the parts with "\n"
+    ("empty_text_parts", chat([system([{"type": "text", "text": ""},
+                                       {"type": "text", "text": "sys"}]),
+                               user([{"type": "text", "text": "Count"},
+                                     {"type": "text", "text": ""}])])),
+    ("empty_text_part_continued", chat([
+        user("Count"), assistant([{"type": "text", "text": "1, 2"}, {"type": "text", "text": ""}])],
+        add_generation_prompt=False, continue_final_message=True)),
     ("name_field", chat([{"role": "user", "name": "alice", "content": "hi"}])),
     ("max_completion_tokens", {"messages": [user("hi")], "max_completion_tokens": 1}),
     ("tool_choice_none", chat([user("x")], tools=[WEATHER_TOOL], tool_choice="none")),

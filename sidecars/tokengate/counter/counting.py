@@ -509,7 +509,9 @@ class ModelCounter:
         if self.template is not None and self.template.content_format == "openai":
             out["content"] = [{"type": "text", "text": t} for t in texts]
         else:
-            out["content"] = "\n".join(texts)
+            # vLLM keeps only the parts that parse to a non-empty string
+            # (renderers/chat_utils.py _parse_chat_message_content_parts: `if parse_res`)
+            out["content"] = "\n".join(t for t in texts if t)
         if role == "assistant":
             calls = m.get("tool_calls")
             if calls is not None:
@@ -517,10 +519,16 @@ class ModelCounter:
                     raise BadRequest(f"{where}.tool_calls", "expected an array")
                 out["tool_calls"] = [self._tool_call(f"{where}.tool_calls[{j}]", c)
                                      for j, c in enumerate(calls)]
-            reasoning = m.get("reasoning")
+            field = "reasoning"
+            if m.get(field) is None:
+                # vLLM 0.32 reads the deprecated reasoning_content as reasoning when that
+                # is absent (ChatCompletionRequest's before-validator,
+                # chat_completion/protocol.py)
+                field = "reasoning_content"
+            reasoning = m.get(field)
             if reasoning is not None:
                 if not isinstance(reasoning, str):
-                    raise BadRequest(f"{where}.reasoning", "expected a string")
+                    raise BadRequest(f"{where}.{field}", "expected a string")
                 out["reasoning"] = out["reasoning_content"] = reasoning
         elif role == "tool":
             if isinstance(out["content"], list):  # vLLM joins tool text parts
