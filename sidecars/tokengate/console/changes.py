@@ -188,9 +188,13 @@ def make(path: Path, change: KeyChange, edges: list[Path]) -> Outcome:
     return out
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
+def _write_json(path: Path, doc: dict[str, Any], mode: int | None = None) -> None:
+    """``doc`` at ``path``, whole or not at all (renamed into place), with ``mode`` set
+    before it appears: a reader may take it, and remove it, at once."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc))
+    if mode is not None:
+        os.chmod(tmp, mode)
     os.replace(tmp, path)
 
 
@@ -241,8 +245,9 @@ def apply_queued(path: Path, queue: Path, edges: list[Path]) -> int:
                   + ("; ".join(outcome.errors) or "done"), file=sys.stderr)
         except (OSError, ValueError, KeyError, TypeError) as e:
             outcome = Outcome(errors=[f"not a change request: {e}"])
-        _write_json(results / req.name, asdict(outcome))
-        os.chmod(results / req.name, 0o644)
+        # readable by the console (its own user) that waits for it and removes it: a
+        # chmod after the rename met a file already gone (FileNotFoundError ended apply)
+        _write_json(results / req.name, asdict(outcome), 0o644)
         req.unlink(missing_ok=True)
         done += 1
     return done
