@@ -242,8 +242,9 @@ end
 -- completions).
 --   api_model(body) -> true | nil, err (400): the model is a string (missing or null:
 --     missing_required_parameter; another type: invalid_type, as pydantic words it);
---   api_bool(body, name, words) -> true | nil, err (400): body[name] is a boolean, null
---     or absent;
+--   api_bool(body, name, words, not_null) -> true | nil, err (400): body[name] is a
+--     boolean or absent, or null unless not_null (a field vLLM types `bool`, not
+--     `bool | None`: pydantic refuses its null after admission);
 --   api_string(body, name) -> true | nil, err (400): body[name] is a string, null or
 --     absent;
 --   api_posint(body, name, required, words) -> true | nil, err (400): body[name] is an
@@ -307,9 +308,9 @@ function _M.api_model(body)
     return true
 end
 
-function _M.api_bool(body, name, words)
+function _M.api_bool(body, name, words, not_null)
     local v = body[name]
-    if v ~= nil and v ~= null and v ~= true and v ~= false then
+    if v ~= nil and v ~= true and v ~= false and (v ~= null or not_null) then
         return fail(400, format((words or _M.API_WORDS).bool, name), name, "invalid_type")
     end
     return true

@@ -188,6 +188,15 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "invalid_type", "logprobs", "'logprobs' must be a boolean"),
     ("echo a number", lambda: (json.dumps(chat("hi", echo=1)).encode(), {}), 400,
      "invalid_type", "echo", "'echo' must be a boolean"),
+    # vLLM types these `bool`, not `bool | None`: its pydantic dump after admission
+    ("echo null on chat", lambda: (json.dumps(chat("hi", echo=None)).encode(), {}), 400,
+     "invalid_type", "echo", "'echo' must be a boolean"),
+    ("add_generation_prompt null", lambda: (json.dumps(chat(
+        "hi", add_generation_prompt=None)).encode(), {}), 400, "invalid_type",
+     "add_generation_prompt", "'add_generation_prompt' must be a boolean"),
+    ("skip_special_tokens null", lambda: (json.dumps(chat(
+        "hi", skip_special_tokens=None)).encode(), {}), 400, "invalid_type",
+     "skip_special_tokens", "'skip_special_tokens' must be a boolean"),
     ("top_logprobs a numeric string", lambda: (json.dumps(chat(
         "hi", logprobs=True, top_logprobs="3")).encode(), {}), 400, "invalid_type",
      "top_logprobs", "expected an integer, but got a string"),

@@ -293,6 +293,7 @@ def test_refusals_come_in_openais_shape_and_never_reach_vllm(
             {"role": "user", "content": "x"}]}, 400, "unsupported_parameter"),
         ({"model": MODEL, "input": HELLO, "max_output_tokens": 0}, 400, "invalid_value"),
         ({"model": MODEL, "input": HELLO, "parallel_tool_calls": "yes"}, 400, "invalid_type"),
+        ({"model": MODEL, "input": HELLO, "ignore_eos": "yes"}, 400, "invalid_type"),
         ({"model": MODEL, "input": HELLO, "top_logprobs": "2"}, 400, "invalid_type"),
         ({"model": MODEL, "input": HELLO, "top_logprobs": 21}, 400, "invalid_value"),
         ({"model": MODEL, "input": "river " * 20_000}, 400, "context_length_exceeded"),

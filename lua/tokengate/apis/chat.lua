@@ -27,6 +27,9 @@ local fail = errors.refuse
 -- checks those it shares with completions)
 local BOOLS = { "add_generation_prompt", "continue_final_message", "include_reasoning",
                 "logprobs", "parallel_tool_calls", "return_prompt_text" }
+-- those typed `bool`, not `bool | None` (echo: chat's only; completions' may be null)
+local NOT_NULL = { add_generation_prompt = true, continue_final_message = true,
+                   include_reasoning = true, echo = true }
 
 local _M = {
     NAME = "chat",
@@ -96,7 +99,7 @@ local function check(body, models, edge)
     if not ok then
         return nil, err
     end
-    return openai.check_common(body, models, BOOLS)
+    return openai.check_common(body, models, BOOLS, NOT_NULL)
 end
 
 -- validate(route, body, models, edge): check(), then the bounds (tokengate.apis.openai)

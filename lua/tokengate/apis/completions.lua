@@ -21,7 +21,8 @@ local type = type
 local format = string.format
 local is_array, json_integer, null = json.is_array, json.integer, json.null
 local fail = errors.refuse
-local NO_BOOLS = {} -- completions has no boolean field of its own
+local NO_BOOLS = {} -- completions has no boolean field of its own (nor one whose null
+                     -- only it refuses)
 
 local _M = {
     NAME = "completions",
@@ -67,7 +68,7 @@ local function check(body, models)
                 n and "invalid_value" or "invalid_type")
         end
     end
-    return openai.check_common(body, models, NO_BOOLS)
+    return openai.check_common(body, models, NO_BOOLS, NO_BOOLS)
 end
 
 -- validate(route, body, models, edge): check(), then the bounds (tokengate.apis.openai)

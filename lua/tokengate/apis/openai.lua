@@ -27,6 +27,11 @@ local BOOLS = {
     "return_tokens_as_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
     "use_beam_search", "watermarking",
 }
+-- of those, the ones both type `bool`, not `bool | None`: null is refused there too
+-- (pydantic's dump, after admission)
+local NOT_NULL = { add_special_tokens = true, ignore_eos = true,
+                   include_stop_str_in_output = true, skip_special_tokens = true,
+                   spaces_between_special_tokens = true, use_beam_search = true }
 -- response_format.type values vLLM 0.32 takes (AnyResponseFormat,
 -- vllm/entrypoints/generate/base/protocol.py)
 local RESPONSE_FORMATS = { text = true, json_object = true, json_schema = true,
@@ -65,11 +70,13 @@ function _M.fields(only)
     return known
 end
 
--- booleans(body, names) -> true | nil, err (400 invalid_type): each of `names` (an array)
--- is a boolean, null or absent in body
-local function booleans(body, names)
+-- booleans(body, names, not_null) -> true | nil, err (400 invalid_type): each of `names`
+-- (an array) is a boolean or absent in body, or null unless NOT_NULL or not_null (a set:
+-- the route's own) names it
+local function booleans(body, names, not_null)
     for i = 1, #names do
-        local ok, err = body_mod.api_bool(body, names[i], WORDS)
+        local name = names[i]
+        local ok, err = body_mod.api_bool(body, name, WORDS, NOT_NULL[name] or not_null[name])
         if not ok then
             return nil, err
         end
@@ -138,12 +145,13 @@ local function response_format(body)
         "invalid_value")
 end
 
--- check_common(body, models, bools) -> model entry | nil, err (400/404): the fields chat
--- and completions share (model, stream, stream_options, max_tokens,
+-- check_common(body, models, bools, not_null) -> model entry | nil, err (400/404): the
+-- fields chat and completions share (model, stream, stream_options, max_tokens,
 -- max_completion_tokens, n, the boolean fields (BOOLS and the route's own `bools`, an
--- array of names), logit_bias, response_format an object, the sampling fields' types:
+-- array of names; `not_null`: a set of those, shared or its own, whose null the route's
+-- vLLM request refuses), logit_bias, response_format an object, the sampling fields' types:
 -- tokengate.body api_sampling), in OpenAI's wording.
-function _M.check_common(body, models, bools)
+function _M.check_common(body, models, bools, not_null)
     local model = body.model
     if model == nil or model == null then
         return fail(400, "you must provide a model parameter"
@@ -177,9 +185,9 @@ function _M.check_common(body, models, bools)
             return nil, err
         end
     end
-    ok, err = booleans(body, BOOLS)
+    ok, err = booleans(body, BOOLS, not_null)
     if ok then
-        ok, err = booleans(body, bools)
+        ok, err = booleans(body, bools, not_null)
     end
     if ok then
         ok, err = logit_bias(body)

@@ -242,8 +242,10 @@ end
 
 -- the booleans of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/
 -- protocol.py)
-local BOOLEANS = { "background", "include_reasoning", "include_stop_str_in_output",
-                   "parallel_tool_calls", "skip_special_tokens", "store", "stream" }
+-- (null is taken for each: the edge drops a top-level null, vLLM then takes its default)
+local BOOLEANS = { "background", "enable_response_messages", "ignore_eos",
+                   "include_reasoning", "include_stop_str_in_output", "parallel_tool_calls",
+                   "skip_special_tokens", "store", "stream" }
 
 -- validate(route, body, models, edge) -> model entry | nil, err (400/404). Checks:
 -- model (a configured one), input (a string or an array of objects), instructions (a
