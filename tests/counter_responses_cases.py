@@ -198,6 +198,11 @@ CASES: list[Case] = [
                                      msg("user", "again")]}),
     ("store_false_metadata", {"store": False, "metadata": {"k": "v"}, "temperature": 0.2,
                               "input": "x"}),
+    # the narrowly typed options the counter checks (openai_responses._check_options)
+    ("options_vllm_takes", {"input": "x", "truncation": "disabled", "service_tier": "auto",
+                            "include": ["reasoning.encrypted_content"],
+                            "text": {"format": {"type": "json_schema", "name": "n",
+                                                "schema": {"type": "object"}}}}),
 ]
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [

@@ -180,6 +180,20 @@ def test_refusals_name_the_field(counter: ModelCounter, name: str, body: dict[st
      "input: nothing to count"),
     ({"input": "x", "chat_template_kwargs": {"tools": []}},
      "chat_template_kwargs.tools: not an allowed chat template argument"),
+    # options of vLLM 0.32's ResponsesRequest refused there with pydantic's dump
+    ({"input": "x", "text": {"format": {"type": "xml"}}},
+     "text.format.type: expected one of 'text', 'json_schema', 'json_object', got 'xml'"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+     "text.format.name: expected a string, got null"),
+    ({"input": "x", "text": "json"}, "text: expected an object, got a string"),
+    ({"input": "x", "truncation": "bogus"},
+     "truncation: expected one of 'auto', 'disabled', got 'bogus'"),
+    ({"input": "x", "include": ["bogus"]}, "include[0]: expected one of "),
+    ({"input": "x", "include": "reasoning.encrypted_content"},
+     "include: expected an array, got a string"),
+    ({"input": "x", "service_tier": "fast"}, "service_tier: expected one of 'auto', 'default'"),
+    ({"input": "x", "metadata": "x"}, "metadata: expected an object, got a string"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata.k: expected a string, got an integer"),
 ])
 def test_what_vllm_fails_on_is_a_named_refusal(counter: ModelCounter, body: dict[str, Any],
                                                message: str) -> None:

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokengate.counter.errors import BadRequest, expect, type_name
+from tokengate.counter.fields import opt_choice
 
 ROLES = ("user", "system", "developer", "assistant")
 # ResponseInputContentParam and the easy message's assistant parts
@@ -68,6 +69,14 @@ BUILTIN_TOOLS = frozenset({"file_search", "web_search", "web_search_preview",
                            "computer_use_preview", "computer", "mcp", "code_interpreter",
                            "image_generation", "local_shell", "shell", "apply_patch",
                            "tool_search", "container"})
+# fields vLLM 0.32's ResponsesRequest types as literals (or an object of them): another
+# value was refused there after admission, with pydantic's dump
+TRUNCATIONS = ("auto", "disabled")
+INCLUDABLES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
+               "file_search_call.results", "message.input_image.image_url",
+               "message.output_text.logprobs", "reasoning.encrypted_content")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+TEXT_FORMATS = ("text", "json_schema", "json_object")
 PARTIAL_STATUSES = ("in_progress", "incomplete")
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 NAMESPACE_SEPARATOR = "__"
@@ -377,6 +386,42 @@ def _effort(body: dict[str, Any]) -> str | None:
     return effort
 
 
+def _check_options(body: dict[str, Any]) -> None:
+    """The request options vLLM's ResponsesRequest types narrowly and no prompt token
+    depends on: truncation, include, service_tier, metadata (strings), text.format
+    (openai's ResponseTextConfig: a type of TEXT_FORMATS, json_schema with its name and
+    schema object)."""
+    opt_choice(body, "truncation", TRUNCATIONS)
+    include = body.get("include")
+    if include is not None:
+        expect("include", include, (list,), "an array")
+        for i, v in enumerate(include):
+            if v not in INCLUDABLES:
+                raise BadRequest(f"include[{i}]", "expected one of " + ", ".join(INCLUDABLES))
+    opt_choice(body, "service_tier", SERVICE_TIERS)  # null: the edge drops it
+    metadata = body.get("metadata")
+    if metadata is not None:
+        expect("metadata", metadata, (dict,), "an object")
+        for k, v in metadata.items():
+            expect(f"metadata.{k}", v, (str,), "a string")
+    text = body.get("text")
+    if text is None:
+        return
+    expect("text", text, (dict,), "an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return
+    expect("text.format", fmt, (dict,), "an object")
+    kind = fmt.get("type")
+    if kind not in TEXT_FORMATS:
+        got = repr(kind) if isinstance(kind, str) else type_name(kind)
+        raise BadRequest("text.format.type", "expected one of "
+                         f"{', '.join(map(repr, TEXT_FORMATS))}, got {got}")
+    if kind == "json_schema":
+        expect("text.format.name", fmt.get("name"), (str,), "a string")
+        expect("text.format.schema", fmt.get("schema"), (dict,), "an object")
+
+
 def _max_output_tokens(body: dict[str, Any]) -> int | None:
     v = body.get("max_output_tokens")
     if v is None:
@@ -426,6 +471,7 @@ def to_chat(body: dict[str, Any]) -> ChatRequest:
                                   f"{type_name(raw)}")
     if not messages:
         raise BadRequest("input", "nothing to count: no instructions and no input item")
+    _check_options(body)
     tools, names = _tools(body)
     _check_tool_choice(body, names)
     effort = _effort(body)
