@@ -133,6 +133,9 @@ _M.FIELDS = {
         .. "error: the code (or type) of what the request ended with" },
     sse_rest = { "string|nil", "usage", "a stream's partial event, held until its end" },
     sse_done = { "boolean|nil", "usage apis", "the stream's end event passed" },
+    sse_events = { "number|nil", "usage", "the stream's events passed on so far" },
+    refused_in_stream = { "boolean|nil", "usage", "the stream's first event was an error: "
+        .. "vLLM refused the request before generating (billed nothing)" },
     json_parts = { "table|nil", "usage", "a whole JSON answer's chunks, read at its end" },
     m_deltas = { "number|nil", "apis", "the stream's text deltas so far (an API's running "
         .. "output count)" },

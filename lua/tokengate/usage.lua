@@ -159,8 +159,8 @@ function _M.openai_event(ctx, ev)
         if not ctx.error and sub(ev, 7, 14) == '{"error"' then
             local d = cjson.decode(sub(ev, 7))
             local e = type(d) == "table" and type(d.error) == "table" and d.error
-            ctx.error = e and (type(e.code) == "string" and e.code
-                or type(e.type) == "string" and e.type) or "stream_error"
+            _M.stream_error(ctx, e and (type(e.code) == "string" and e.code
+                or type(e.type) == "string" and e.type) or "stream_error")
         end
         return ev
     end
@@ -193,6 +193,21 @@ function _M.openai_event(ctx, ev)
     return sub(ev, 1, comma - 1) .. sub(ev, last + 1)
 end
 
+-- stream_error(ctx, code): the stream's error event (an API module's, or an OpenAI
+-- stream's). As its first event, vLLM refused the request before generating anything
+-- (measured with vLLM 0.32: a thinking budget without a reasoning parser, allowed_token_ids
+-- past the vocabulary, an empty completions prompt, each "200" and a first event that is
+-- the error, then [DONE]): bill() bills it nothing, as a refused request; the engine
+-- writes no record of it, so an estimate would stay billed.
+function _M.stream_error(ctx, code)
+    if not ctx.error then
+        ctx.error = code
+        if not ctx.sse_events then
+            ctx.refused_in_stream = true
+        end
+    end
+end
+
 -- sse(ctx, chunk, eof) -> text to pass on for this body_filter call.
 -- Complete events are passed at once (possibly edited or dropped); a partial event is
 -- held until its end arrives (at most one event's delay); eof flushes what is left.
@@ -217,6 +232,7 @@ function _M.sse(ctx, chunk, eof)
             trace.reasons(ctx, text)
         end
         local ev = on_event(ctx, text)
+        ctx.sse_events = (ctx.sse_events or 0) + 1
         if ev then
             out = out or {}
             out[n + 1] = ev
@@ -343,10 +359,14 @@ end
 --   nothing refunded: billing only the prompt would make "ask, then hang up" a free
 --   generation;
 --   forwarded and answered (or aborted) without usage: the prompt ("estimate");
---   not forwarded: nothing ("none").
+--   not forwarded, or a stream whose first event was vLLM's refusal (stream_error):
+--   nothing ("none").
 function _M.bill(ctx, aborted)
     if ctx.u_source then
         return ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0, ctx.u_source
+    end
+    if ctx.refused_in_stream then
+        return 0, 0, 0, "none"
     end
     local prompt = ctx.token_estimate or 0
     local req = ctx.limit_req

@@ -165,3 +165,23 @@ def test_models_list_needs_a_key(edge: Edge) -> None:
         client(edge, "tg-wrong-key").models.list()
     assert e.value.status_code == 401
     assert e.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("chat/completions", chat_body(stream=True, thinking_token_budget=10)),
+    ("completions", {"model": MODEL, "prompt": ["a", ""], "max_tokens": 3, "stream": True}),
+])
+def test_a_stream_that_vllm_refuses_before_generating_is_billed_nothing(
+        edge: Edge, path: str, body: dict[str, Any]) -> None:
+    """vLLM 0.32 answers some refusals of a stream as a 200 whose first event is the
+    error (a thinking budget without --reasoning-parser; an empty prompt in a
+    completions batch), and writes no engine record: the estimate the edge used to bill
+    stayed billed. Such a stream is billed nothing, with vLLM's error in the event."""
+    import httpx
+
+    r = httpx.post(f"{edge.base_url}/{path}", json=body, timeout=120,
+                   headers={"authorization": f"Bearer {MAIN_KEY}"})
+    assert r.status_code == 200 and r.text.startswith('data: {"error"'), r.text
+    ev = edge.event(r.headers["x-request-id"])
+    assert (ev["usage_source"], ev["prompt_tokens"], ev["completion_tokens"], ev["error"]) \
+        == ("none", 0, 0, "BadRequestError"), ev

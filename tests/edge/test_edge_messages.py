@@ -292,3 +292,17 @@ def test_vllms_own_refusal_comes_in_anthropics_shape(edge: Edge) -> None:
     ev = edge.event(r.headers["x-request-id"])
     assert (ev["status"], ev["upstream"] is not None, ev["completion_tokens"]) == \
         (400, True, 0)
+
+
+def test_a_thinking_stream_that_vllm_refuses_is_billed_nothing(edge: Edge) -> None:
+    """Extended thinking on a vLLM without --reasoning-parser: vLLM 0.32 answers the
+    stream 200 with an error event first (its own failure to build the stream's answer)
+    and no engine record; billed nothing (tokengate.usage.stream_error)."""
+    r = httpx.post(f"{edge.base_url}/messages", timeout=120, headers={"x-api-key": MAIN_KEY},
+                   json={"model": MODEL, "max_tokens": 2000, "messages": HELLO, "stream": True,
+                         "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert r.status_code == 200 and r.text.startswith("event: error"), r.text
+    ev = edge.event(r.headers["x-request-id"])
+    assert (ev["usage_source"], ev["prompt_tokens"], ev["completion_tokens"]) == \
+        ("none", 0, 0), ev
+    assert ev["error"] is not None

@@ -269,10 +269,10 @@ function _M.sse_event(ctx, ev)
         read_usage(ctx, type(d.message) == "table" and d.message.usage, false)
     elseif kind == "message_delta" then
         read_usage(ctx, d.usage, true)
-    elseif not ctx.error then
+    else
         local e = d.error
-        ctx.error = type(e) == "table" and type(e.type) == "string" and e.type
-            or "stream_error"
+        usage.stream_error(ctx, type(e) == "table" and type(e.type) == "string" and e.type
+            or "stream_error")
     end
     return ev
 end

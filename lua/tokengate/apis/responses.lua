@@ -539,8 +539,8 @@ function _M.sse_event(ctx, ev)
                     or "response_failed"
             end
         end
-    elseif not ctx.error then
-        ctx.error = type(d.code) == "string" and d.code or "stream_error"
+    else
+        usage.stream_error(ctx, type(d.code) == "string" and d.code or "stream_error")
     end
     return ev
 end
