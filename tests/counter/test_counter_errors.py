@@ -140,6 +140,11 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": ["ok", {"a": 1}]}, "prompt[1]: expected a string or a"),
     ({"model": MODEL, "prompt": [[1], []]}, "prompt[1]: expected a string or a"),
     ({"model": MODEL, "prompt": [True, False]}, "prompt[0]: expected a string or a"),
+    # what vLLM 0.32 refuses after admission
+    ({"model": MODEL, "prompt": ""}, "prompt: empty: a prompt needs at least one token"),
+    ({"model": MODEL, "prompt": ["a", ""]}, "prompt[1]: empty: a prompt needs at least one"),
+    ({"model": MODEL, "prompt": "x", "suffix": 5}, "suffix: not supported"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix: not supported"),
 ]
 
 

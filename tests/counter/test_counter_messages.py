@@ -186,6 +186,7 @@ def test_a_messages_body_counts_as_the_chat_body_it_becomes(counter: ModelCounte
     ({"max_tokens": 8193}, "max_tokens: 8193 is greater than max_model_len 8192"),
     ({"max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      "thinking.budget_tokens: must be less than max_tokens (1024 >= 1024)"),
+    ({"max_tokens": 16, "metadata": "abc"}, "metadata: expected an object, got a string"),
 ])
 def test_messages_checks_max_tokens_count_tokens_ignores_it(
         counter: ModelCounter, extra: dict[str, Any], message: str) -> None:

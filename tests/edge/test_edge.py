@@ -169,13 +169,14 @@ def test_models_list_needs_a_key(edge: Edge) -> None:
 
 @pytest.mark.parametrize("path,body", [
     ("chat/completions", chat_body(stream=True, thinking_token_budget=10)),
-    ("completions", {"model": MODEL, "prompt": ["a", ""], "max_tokens": 3, "stream": True}),
+    ("completions", {"model": MODEL, "prompt": "a", "max_tokens": 3, "stream": True,
+                     "allowed_token_ids": [99_999_999]}),
 ])
 def test_a_stream_that_vllm_refuses_before_generating_is_billed_nothing(
         edge: Edge, path: str, body: dict[str, Any]) -> None:
     """vLLM 0.32 answers some refusals of a stream as a 200 whose first event is the
-    error (a thinking budget without --reasoning-parser; an empty prompt in a
-    completions batch), and writes no engine record: the estimate the edge used to bill
+    error (a thinking budget without --reasoning-parser; allowed_token_ids past the
+    vocabulary), and writes no engine record: the estimate the edge used to bill
     stayed billed. Such a stream is billed nothing, with vLLM's error in the event."""
     import httpx
 

@@ -279,12 +279,12 @@ def test_the_request_limit_refuses_in_anthropics_shape_with_retry_after(edge: Ed
 
 
 def test_vllms_own_refusal_comes_in_anthropics_shape(edge: Edge) -> None:
-    """A body the edge passes and vLLM refuses (metadata that is no object: the edge
-    checks no type of it): vLLM's error, in Anthropic's shape, its message kept, with
-    the prompt billed to no one."""
+    """A body the edge passes and vLLM refuses (a thinking budget on an engine without
+    --reasoning-parser, which the edge cannot see): vLLM's error, in Anthropic's shape,
+    its message kept, with the prompt billed to no one."""
     r = httpx.post(f"{edge.base_url}/messages", headers={"x-api-key": MAIN_KEY},
-                   json={"model": MODEL, "max_tokens": 3, "messages": HELLO,
-                         "metadata": "not an object"}, timeout=60)
+                   json={"model": MODEL, "max_tokens": 2000, "messages": HELLO,
+                         "thinking": {"type": "enabled", "budget_tokens": 1024}}, timeout=60)
     assert r.status_code == 400, r.text
     doc = r.json()
     assert set(doc) == {"type", "error"} and doc["error"]["type"] == "invalid_request_error"

@@ -336,8 +336,18 @@ class ModelCounter:
         """(total prompt tokens, number of prompts, biggest prompt) of a completions body."""
         if "prompt" not in body or body["prompt"] is None:
             raise BadRequest("prompt", "required")
+        if body.get("suffix") is not None:
+            # vLLM 0.32 renders a suffix only for models with fill-in-the-middle
+            # rendering (renderers/deepseek_v4.py), which the counter does not mirror;
+            # it refuses it for the others, after admission (a non-string: pydantic's dump)
+            raise BadRequest("suffix", "not supported: the prompt with a suffix "
+                                       "(fill-in-the-middle) cannot be counted")
         counts = self._prompt_counts(body["prompt"], "prompt",
                                      opt_bool(body, "add_special_tokens", True))
+        if 0 in counts:
+            # vLLM: "The decoder prompt cannot be empty", after admission
+            where = "prompt" if len(counts) == 1 else f"prompt[{counts.index(0)}]"
+            raise BadRequest(where, "empty: a prompt needs at least one token")
         return sum(counts), len(counts), max(counts)
 
     def _first_prompt_ids(self, prompt: Any, add_special: bool) -> array[int]:

@@ -502,6 +502,9 @@ def to_chat(body: dict[str, Any], policy: TemplatePolicy, *, count_tokens: bool)
         raise BadRequest("messages", f"required array of messages, got {type_name(raw)}")
     messages = [_message(i, m) for i, m in enumerate(raw)]
     max_tokens = None if count_tokens else _max_tokens(body)
+    if not count_tokens and body.get("metadata") is not None:
+        # vLLM 0.32: dict[str, Any] | None, refused after admission with pydantic's dump
+        expect("metadata", body["metadata"], (dict,), "an object")
     effort = _output_effort(body)
     if _thinking(body, max_tokens) == "disabled":
         effort = policy.disabled_thinking_effort
