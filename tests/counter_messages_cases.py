@@ -233,8 +233,10 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
      "messages[2].content[0].content[0]: image content is not supported"),
     ("unknown_block_type", {"messages": [user([{"type": "document", "source": {}}])]},
      "messages[0].content[0].type: unknown content block type 'document'"),
-    ("tool_without_schema", {"tools": [{"name": "web_search", "type": "web_search_20250305"}],
-                             "messages": [user("x")]},
+    ("server_tool", {"tools": [{"name": "web_search", "type": "web_search_20250305"}],
+                     "messages": [user("x")]},
+     "tools[0].type: server tool 'web_search_20250305' is not supported"),
+    ("tool_without_schema", {"tools": [{"name": "f"}], "messages": [user("x")]},
      "tools[0].input_schema: required object"),
     ("tool_removal_in_user_message", {"tools": [WEATHER], "messages": [user([
         {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}}])]},

@@ -316,9 +316,12 @@ function _M.api_bool(body, name, words, not_null)
     return true
 end
 
--- json_kind(v) -> "a string" | "a boolean" | "an array" | "an object" | "a decimal":
--- what a JSON value is, in OpenAI's words
+-- json_kind(v) -> "a string" | "a boolean" | "an array" | "an object" | "a decimal" |
+-- "null": what a JSON value is, in OpenAI's words
 local function json_kind(v)
+    if v == null then
+        return "null"
+    end
     local t = type(v)
     if t == "string" or t == "boolean" then
         return "a " .. t
@@ -401,7 +404,16 @@ function _M.api_sampling(known, body, words)
         local v = body[name]
         if v ~= nil and v ~= null and (not known or known[name])
                 and (not strings(v) or name == "stop_sequences" and type(v) == "string") then
-            return fail(400, format("%s must be %s, got %s", name, want, json_kind(v)), name,
+            local got = json_kind(v)
+            if is_array(v) then -- the first item that is no string
+                for i = 1, #v do
+                    if type(v[i]) ~= "string" then
+                        got = format("%s at [%d]", json_kind(v[i]), i - 1)
+                        break
+                    end
+                end
+            end
+            return fail(400, format("%s must be %s, got %s", name, want, got), name,
                 "invalid_type")
         end
         if type(v) == "table" and #v > MAX_STOPS and (not known or known[name]) then

@@ -27,7 +27,10 @@ local EXPOSE = "X-Request-Id, X-Token-Count, X-Token-Count-Source, X-Tokengate-L
     .. "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
     .. "x-ratelimit-reset-requests, x-ratelimit-reset-tokens, x-budget-limit-spend, "
     .. "x-budget-remaining-spend, x-budget-reset-spend, x-budget-limit-tokens, "
-    .. "x-budget-remaining-tokens, x-budget-reset-tokens"
+    .. "x-budget-remaining-tokens, x-budget-reset-tokens, "
+    .. "anthropic-ratelimit-requests-limit, anthropic-ratelimit-requests-remaining, "
+    .. "anthropic-ratelimit-requests-reset, anthropic-ratelimit-tokens-limit, "
+    .. "anthropic-ratelimit-tokens-remaining, anthropic-ratelimit-tokens-reset"
 -- Access-Control-Request-Headers is a list of header names (RFC 9110 field-name tokens)
 -- separated by commas and spaces; it is echoed only when it is nothing else.
 local NOT_HEADER_LIST = "[^%w!#$%%&'*+.^_`|~, %-]"

@@ -35,7 +35,10 @@ EXPOSED = {"x-request-id", "x-token-count", "x-token-count-source", "x-tokengate
            "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
            "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens", "x-budget-limit-spend",
            "x-budget-remaining-spend", "x-budget-reset-spend", "x-budget-limit-tokens",
-           "x-budget-remaining-tokens", "x-budget-reset-tokens"}
+           "x-budget-remaining-tokens", "x-budget-reset-tokens",
+           # the Messages API's own (tokengate.apis.messages)
+           *(f"anthropic-ratelimit-{k}-{w}" for k in ("requests", "tokens")
+             for w in ("limit", "remaining", "reset"))}
 
 
 def _edge(start: Callable[..., Edge], fast_upstream_url: str, name: str,

@@ -220,6 +220,8 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
      "response_format.json_schema", "must be an object"),
     ("stop an integer", lambda: (json.dumps(chat("hi", stop=5)).encode(), {}), 400,
      "invalid_type", "stop", "got an integer"),
+    ("stop holding a number", lambda: (json.dumps(chat("hi", stop=["a", 5])).encode(), {}),
+     400, "invalid_type", "stop", "an array of strings, got an integer at [1]"),
     ("five stop sequences", lambda: (json.dumps(chat("hi", stop=list("abcde"))).encode(),
                                      {}), 400, "array_above_max_length", "stop",
      "stop: at most 4 sequences, got 5"),

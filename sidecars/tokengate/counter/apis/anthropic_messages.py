@@ -176,6 +176,10 @@ def _tool(where: str, t: Any) -> _Tool:
         raise BadRequest(f"{where}.name", "required string")
     schema = t.get("input_schema")
     if not isinstance(schema, dict):
+        kind = t.get("type")
+        if isinstance(kind, str) and kind != "custom":  # web_search_20250305, bash_...
+            raise BadRequest(f"{where}.type", f"server tool {kind!r} is not supported: only "
+                                              "client tools (a name and an input_schema)")
         raise BadRequest(f"{where}.input_schema", f"required object, got {type_name(schema)}")
     schema = dict(schema)
     if "type" not in schema:  # validate_input_schema appends it (key order is rendered)
