@@ -65,7 +65,7 @@ from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_embeddings, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
 from tokengate.counter.errors import BadRequest, expect_name, type_name
-from tokengate.counter.fields import opt_bool, opt_choice, opt_int
+from tokengate.counter.fields import REASONING_EFFORTS, opt_bool, opt_choice, opt_int
 from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
 from tokengate.counter.prefix_routing import PrefixRouter
@@ -84,9 +84,6 @@ _CLAUDE_BILLING_HEADER = "x-anthropic-billing-header"
 # Anthropic Messages: /v1/messages and /v1/messages/count_tokens (apis.anthropic_messages)
 MESSAGES_ENDPOINTS = frozenset({"messages", "count_tokens"})
 _MAX_JSON_DEPTH = 64
-# chat's reasoning_effort: vLLM 0.32's Literal (chat_completion/protocol.py); another value
-# was refused there after admission, with pydantic's dump
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # vLLM's check of cache_salt (vllm/entrypoints/generate/base/protocol.py
 # validate_cache_salt: chat, completions, Responses, and Messages through its chat request)
 _MAX_CACHE_SALT = 128

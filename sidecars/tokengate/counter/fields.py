@@ -8,6 +8,11 @@ from typing import Any
 
 from tokengate.counter.errors import BadRequest, type_name
 
+# reasoning effort (chat's reasoning_effort, Responses' reasoning.effort): the literal of
+# vLLM 0.32's ChatCompletionRequest and of openai's ReasoningEffort, which its
+# ResponsesRequest uses; another value was refused there after admission
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
 
 def opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     """An optional integer field (None: absent or null); integral floats (16.0, 1e1)

@@ -55,14 +55,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokengate.counter.errors import BadRequest, expect, type_name
-from tokengate.counter.fields import opt_choice
+from tokengate.counter.fields import REASONING_EFFORTS, opt_choice
 
 ROLES = ("user", "system", "developer", "assistant")
 # ResponseInputContentParam and the easy message's assistant parts
 INPUT_PART_TYPES = frozenset({"input_text", "input_image", "input_file"})
 OUTPUT_PART_TYPES = frozenset({"output_text", "refusal"})
-# Reasoning.effort
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Responses tools that are never shown to the model (get_function_tools drops them)
 BUILTIN_TOOLS = frozenset({"file_search", "web_search", "web_search_preview",
                            "web_search_2025_08_26", "web_search_preview_2025_03_11",
@@ -381,8 +379,8 @@ def _effort(body: dict[str, Any]) -> str | None:
         return None
     expect("reasoning", reasoning, (dict,), "an object")
     effort = reasoning.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise BadRequest("reasoning.effort", "expected one of " + ", ".join(EFFORTS))
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest("reasoning.effort", "expected one of " + ", ".join(REASONING_EFFORTS))
     return effort
 
 
