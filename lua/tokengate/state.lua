@@ -133,7 +133,7 @@ _M.FIELDS = {
         .. "error: the code (or type) of what the request ended with" },
     sse_rest = { "string|nil", "usage", "a stream's partial event, held until its end" },
     sse_done = { "boolean|nil", "usage apis", "the stream's end event passed" },
-    sse_events = { "number|nil", "usage", "the stream's events passed on so far" },
+    sse_seen = { "boolean|nil", "usage", "an event of the stream was read" },
     refused_in_stream = { "boolean|nil", "usage", "the stream's first event was an error: "
         .. "vLLM refused the request before generating (billed nothing)" },
     json_parts = { "table|nil", "usage", "a whole JSON answer's chunks, read at its end" },

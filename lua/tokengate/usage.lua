@@ -202,7 +202,7 @@ end
 function _M.stream_error(ctx, code)
     if not ctx.error then
         ctx.error = code
-        if not ctx.sse_events then
+        if not ctx.sse_seen then
             ctx.refused_in_stream = true
         end
     end
@@ -222,6 +222,7 @@ function _M.sse(ctx, chunk, eof)
         buf = chunk
     end
     local out, n, pos = nil, 0, 1
+    local seen = ctx.sse_seen
     while true do
         local a, b = find(buf, "\n\n", pos, true)
         if not a then
@@ -232,7 +233,10 @@ function _M.sse(ctx, chunk, eof)
             trace.reasons(ctx, text)
         end
         local ev = on_event(ctx, text)
-        ctx.sse_events = (ctx.sse_events or 0) + 1
+        if not seen then -- set once, after the first event's look (stream_error)
+            seen = true
+            ctx.sse_seen = true
+        end
         if ev then
             out = out or {}
             out[n + 1] = ev
