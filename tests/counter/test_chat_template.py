@@ -70,14 +70,16 @@ def test_a_continued_final_message_renders_as_transformers_renders_it(template: 
     else:
         t = ChatTemplate(_TRIMS if template == "trims" else _PARTS, {})
     for conversation in _CONTINUED:
+        want: str | None
         try:
             want = render_jinja_template([conversation], chat_template=t.source,
                                          continue_final_message=True,
                                          **t.special_tokens_map)[0][0]
-        except Exception as e:  # noqa: BLE001 - whatever it raises: a 400 either way
-            want = f"error: {e}"
+        except Exception:  # noqa: BLE001 - whatever it raises: refused (a 400)
+            want = None
+        got: str | None
         try:
             got = t.render(conversation, None, {"continue_final_message": True})
         except TemplateError:
-            got = f"error: {want.removeprefix('error: ')}"
+            got = None
         assert got == want, conversation
