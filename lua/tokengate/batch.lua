@@ -126,6 +126,10 @@ function _M.event_fields(ctx)
     return b.id, b.custom_id
 end
 
+-- ALLOW: the methods of the Batch API's paths together, what a browser's preflight is
+-- answered (the batch service answers a method a path does not take with its 405).
+_M.ALLOW = "GET, POST, DELETE"
+
 -- files_access(ctx, doc, key): the access phase of /v1/files and /v1/batches once the
 -- key is read: forwarded to the batch service with the key's id, on its unix socket
 -- (batch.unix_socket; proxy_pass's "unix:<path>:" form) or else on batch.listen. A

@@ -206,8 +206,9 @@ function _M.access()
     route_stage.forward(ctx)
 end
 
--- files(): the access phase of /v1/files and /v1/batches: the key read like every
--- route's, then forwarded to the batch service (tokengate.batch.files_access).
+-- files(): the access phase of /v1/files and /v1/batches: a browser's preflight
+-- answered first (the Batch API's methods), then the key read like every route's, then
+-- forwarded to the batch service (tokengate.batch.files_access).
 function _M.files()
     local ctx = ngx.ctx
     ctx.t0 = mono_ms()
@@ -216,12 +217,34 @@ function _M.files()
     ctx.uri = uri
     ctx.api = apis.api(nil, uri)
     ctx.endpoint = uri
+    cors.preflight(ctx, doc.edge.cors, batch.ALLOW, uri)
     local key, err = read.key(ctx, doc)
     if key then
         key, err = batch.files_access(ctx, doc, key)
     end
     if not key then
         return send(ctx, err)
+    end
+end
+
+-- files_headers(): the CORS headers of a Batch API answer (tokengate.cors), as on
+-- every route's.
+function _M.files_headers()
+    local cors_cfg = config.get().edge.cors
+    if cors_cfg.enabled and not ngx.ctx.preflight then
+        cors.headers(ngx.header, cors_cfg)
+    end
+end
+
+-- files_log(): the log phase of /v1/files and /v1/batches: a preflight, or a request
+-- refused for its key, counted as on every route (no usage event: nothing there is
+-- metered).
+function _M.files_log()
+    local ctx = ngx.ctx
+    if ctx.preflight then
+        metrics.incr("cors_preflight_" .. ctx.preflight)
+    elseif ctx.unauthenticated then
+        metrics.incr(ctx.unauthenticated)
     end
 end
 

@@ -93,6 +93,36 @@ def test_a_preflight_from_an_allowed_origin_is_answered_204_without_a_key(
     assert cors_edge.events() == []
 
 
+def test_the_batch_apis_paths_answer_preflights_and_carry_cors_headers(
+        cors_edge: Edge) -> None:
+    # /v1/files and /v1/batches are served by the batch service behind the edge: their
+    # preflight is answered without a key all the same, with the Batch API's methods
+    for path, method in (("/files", "POST"), ("/batches/batch_1/cancel", "POST"),
+                         ("/files/file-1", "DELETE")):
+        r = preflight(cors_edge, path, APP, method)
+        assert r.status_code == 204, (path, r.text)
+        assert (r.headers["access-control-allow-origin"],
+                r.headers["access-control-allow-methods"],
+                r.headers["access-control-allow-headers"]) == (APP, "GET, POST, DELETE", ASKED)
+    r = preflight(cors_edge, "/files", "https://evil.example")
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    # their answers are readable by the page: the key's 401, the 502 of this edge, that
+    # has no batch service behind it
+    with httpx.Client(base_url=cors_edge.base_url, timeout=30, headers={"Origin": APP}) as c:
+        no_key = c.get("/files")
+        down = c.get("/batches", headers={"Authorization": f"Bearer {MAIN_KEY}"})
+    assert (no_key.status_code, down.status_code) == (401, 502), down.text
+    assert down.json()["error"]["type"] == "server_error"
+    for r in (no_key, down):
+        assert (r.headers["access-control-allow-origin"], r.headers["vary"]) == (APP, "Origin")
+        assert "x-token-count" in r.headers["access-control-expose-headers"].lower()
+    wait_until(lambda: cors_edge.status()["cors_preflight_refused"] == 1)
+    m = cors_edge.status()
+    assert (m["cors_preflight_allowed"], m["unauthenticated_missing_key"]) == (3, 1)
+    # the preflights and the 401 wrote no usage event; the 502 one with nothing billed
+    assert [(e["status"], e["prompt_tokens"]) for e in cors_edge.events()] == [(502, 0)]
+
+
 def test_answers_to_an_allowed_origin_carry_cors_headers_errors_included(
         cors_edge: Edge) -> None:
     with httpx.Client(base_url=cors_edge.base_url, timeout=30,
