@@ -261,25 +261,39 @@ def _worker(parent_pid: int, target: Callable[..., None], args: tuple[Any, ...])
     # a SIGHUP before serve() installs its handler would end the process (the default
     # action): this worker is reading the file then anyway
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # a forked worker has the parent's handlers, which only note a stop: until serve()
+    # installs its own, SIGTERM and SIGINT end it as they end a spawned one
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent(parent_pid)
     target(*args)
 
 
 def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
-                workers: int, listen: Listen | None = None) -> None:
-    """Run ``target(*args, index)`` for index 0..workers-1, each in its own (spawned)
-    process, until SIGTERM/SIGINT; a worker that dies is started again, a worker whose
-    parent dies gets SIGTERM; SIGHUP is passed on to every worker. With one worker it
-    runs in this process. Returns once every worker stopped (SIGKILL after 5 s).
+                workers: int, listen: Listen | None = None,
+                preload: Callable[[], object] | None = None) -> None:
+    """Run ``target(*args, index)`` for index 0..workers-1, each in its own process,
+    until SIGTERM/SIGINT; a worker that dies is started again, a worker whose parent
+    dies gets SIGTERM; SIGHUP is passed on to every worker. With one worker it runs in
+    this process. Returns once every worker stopped (SIGKILL after 5 s).
     ``listen``: the workers' addresses; the unix socket of a worker that died (killed:
     it could not withdraw it) is removed before the next one starts, so that a client
     finds no file, as after a clean stop, instead of one that refuses connections
-    (nginx logs each refused connect, not a missing file the edge looked for first)."""
+    (nginx logs each refused connect, not a missing file the edge looked for first).
+    ``preload``: called once in this process before the first worker starts; the
+    workers are then forked from it and share what it loaded (copy-on-write: the
+    counter's parsed tokenizers; a worker started in a dead one's place is serving in
+    a fraction of a spawned one's time). It must start no thread, create no gRPC
+    server or channel and, for metrics in the workers, run after ``metrics.serve``
+    (prometheus_client picks its multiprocess mode when first imported). Without it
+    the workers are spawned: each imports everything anew."""
     if workers <= 1:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it
         target(*args, 0)
         return
-    ctx = multiprocessing.get_context("spawn")
+    if preload is not None:
+        preload()
+    ctx = multiprocessing.get_context("spawn" if preload is None else "fork")
     procs: dict[int, BaseProcess] = {}
     stopping = False
 
