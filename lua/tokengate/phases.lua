@@ -230,8 +230,9 @@ end
 -- files_headers(): the CORS headers of a Batch API answer (tokengate.cors), as on
 -- every route's.
 function _M.files_headers()
+    local ctx = ngx.ctx
     local cors_cfg = config.get().edge.cors
-    if cors_cfg.enabled and not ngx.ctx.preflight then
+    if cors_cfg.enabled and not ctx.preflight then
         cors.headers(ngx.header, cors_cfg)
     end
 end
