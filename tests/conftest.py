@@ -109,6 +109,12 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# The modules that import vLLM into the test process (its request classes, its KV-event
+# and hashing code as references): 12-25 CPU-s and ~600 MB per process that imports it,
+# so they form one xdist group, and one worker pays it.
+VLLM_IN_PROCESS = pytest.mark.xdist_group("vllm-in-process")
+
+
 def xdist_group(config: pytest.Config, item: pytest.Item, name: str) -> None:
     """Put ``item`` in the pytest-xdist group ``name`` (``--dist loadgroup``: a group's
     tests all run on one worker). xdist 3.8 groups by the suffix ``@name`` it adds to

@@ -17,14 +17,16 @@ import os
 import time
 from typing import Any
 
-from tokengate_vllm.scheduler import TokenWeightedScheduler
-
 PACE_ENV = "TOKENGATE_TEST_PACE_FILE"
 PACE_S = 0.005
 
 
 def PacedTokenWeightedScheduler(*args: Any, **kwargs: Any) -> Any:
-    """``TokenWeightedScheduler(*args, **kwargs)`` with paced steps (module docstring)."""
+    """``TokenWeightedScheduler(*args, **kwargs)`` with paced steps (module docstring).
+    Imported here, in the engine: the test process reads ``PACE_ENV`` without importing
+    vLLM (12-25 CPU-s there)."""
+    from tokengate_vllm.scheduler import TokenWeightedScheduler
+
     sched = TokenWeightedScheduler(*args, **kwargs)
     flag = os.environ.get(PACE_ENV)
     if flag:

@@ -17,7 +17,9 @@ from tokengate import prefix_hash
 from tokengate.counter import kv_index
 from tokengate.counter.prefix_routing import GROUP, BlockChain
 
-pytestmark = pytest.mark.unit
+from tests.conftest import VLLM_IN_PROCESS
+
+pytestmark = [pytest.mark.unit, VLLM_IN_PROCESS]
 
 RNG = random.Random(25)
 

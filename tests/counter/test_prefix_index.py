@@ -34,8 +34,10 @@ from tokengate.v1 import counter_pb2
 from tokengate_dev import devstack
 from tokenstorm.process import free_port
 
-from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR
+from tests.conftest import MODEL, PORT_OFFSET, TEST_DIR, VLLM_IN_PROCESS
 from tests.fixtures_ledger import wait_until
+
+pytestmark = VLLM_IN_PROCESS  # a test imports vLLM's classes (tests/conftest.py)
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + BLOCK * 4))   # 4 full blocks, of which 3 can be hits

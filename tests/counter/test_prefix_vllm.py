@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import zmq
 from tokengate import prefix_hash
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 from zmq.utils.monitor import recv_monitor_message
 
+from tests import kv_events_wire as kv_wire
 from tests.conftest import KV_EVENTS, MODEL, VLLM_PORT
 from tests.fixtures_vllm import VllmFactory, VllmServer
 
@@ -43,12 +43,10 @@ def text(n: int, rng: Any) -> str:
 
 
 class Subscriber:
-    """A ZMQ SUB socket on the server's KV-event publisher, read with vLLM's types."""
+    """A ZMQ SUB socket on the server's KV-event publisher (tests/kv_events_wire.py
+    decodes)."""
 
     def __init__(self, endpoint: str) -> None:
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -73,13 +71,13 @@ class Subscriber:
                 return
         raise AssertionError("no KV event reached the subscriber")
 
-    def events(self, idle_s: float = 1.5, timeout_s: float = 60.0) -> list[Any]:
+    def events(self, idle_s: float = 1.5, timeout_s: float = 60.0) -> list[kv_wire.Event]:
         """The events received until none came for ``idle_s``."""
-        out: list[Any] = []
+        out: list[kv_wire.Event] = []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.sock.poll(int(idle_s * 1000)):
             _, _, payload = self.sock.recv_multipart()
-            out.extend(self.decoder.decode(payload).events)
+            out.extend(kv_wire.events(payload))
         return out
 
     def close(self) -> None:
@@ -151,8 +149,6 @@ def test_the_counters_block_hashes_are_the_ones_vllm_publishes(
         sub: Subscriber) -> None:
     import random
 
-    from vllm.distributed.kv_events import BlockStored
-
     rng = random.Random()
     known: dict[bytes, list[int]] = {}  # every block stored so far: hash -> its token ids
     for path, body in bodies(rng):
@@ -166,7 +162,7 @@ def test_the_counters_block_hashes_are_the_ones_vllm_publishes(
 
         r = http.post(f"v1/{path}", json={**body, "max_tokens": 1})
         assert r.status_code == 200, r.text
-        stored = [e for e in sub.events() if isinstance(e, BlockStored)]
+        stored = [e for e in sub.events() if e.type == "BlockStored"]
         assert stored, f"no BlockStored for {path}"
         for e in stored:
             assert e.block_size == BLOCK and e.medium == "GPU"

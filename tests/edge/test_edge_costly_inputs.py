@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, VLLM_IN_PROCESS
 from tests.edge.test_edge_input import assert_error, chat, post
 from tests.fixtures_edge import Edge, run_lua
+
+pytestmark = VLLM_IN_PROCESS  # a test imports vLLM's classes (tests/conftest.py)
 
 
 def schema(properties: int, depth: int = 0, described: bool = True) -> dict[str, Any]:

@@ -18,8 +18,10 @@ from tokengate.ledger.tail import Batch, UsageTail
 from tokengate_vllm import compat, record, settings
 from tokengate_vllm.writer import RecordWriter
 
+from tests.conftest import VLLM_IN_PROCESS
+
 # pure: starts no process of the stack (make test-unit)
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, VLLM_IN_PROCESS]
 
 LINE = ('{"request_id":"chatcmpl-5d41402abc4b2a76b9719d911017c592","index":1,"n":2,'
         '"ts":"2026-11-29T16:40:00.123Z","arrival_ts":"2026-11-29T16:39:59.900Z",'

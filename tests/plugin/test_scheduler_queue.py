@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 import pytest
 from tokengate_vllm import settings
 
+from tests.conftest import VLLM_IN_PROCESS
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.request_queue import RequestQueue
     from vllm.v1.request import Request
 
 # pure: starts no process of the stack (make test-unit)
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, VLLM_IN_PROCESS]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The simulated vLLM replica (``tokenstorm sim-replica``) against a real vLLM CPU server
 with prefix caching and KV events on (blocks of 32 tokens, the smallest vLLM's CPU
 attention takes, and 40 of them, as the simulated one is given): the same requests, in the same order, must give the same KV
-events (decoded with vLLM's own ``msgspec`` decoder), the same ``cached_tokens``, the
+events (field for field as they travel, tests/kv_events_wire.py), the same ``cached_tokens``, the
 same evictions and the same ``prompt_tokens``; and the protocol of the fast upstream's
 contract. Then what only the simulation can show cheaply: TTFT from the uncached
 tokens, the waiting queue, a client that leaves, the replay socket.
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import zmq
 from tokengate import config as tg_config
@@ -30,6 +29,7 @@ from tokengate.ledger.engine_record import EngineRecord, parse_record
 from tokenstorm.process import free_port
 from tokenstorm.upstream.sim import SimReplica, SimSettings
 
+from tests import kv_events_wire as kv_wire
 from tests.conftest import MODEL, PORT_OFFSET
 from tests.fixtures_vllm import VllmFactory, VllmServer
 from tests.storm.test_upstream_contract import SUCCESS_CASES, assert_same_answer, call
@@ -43,12 +43,9 @@ RNG = random.Random()        # prompts differ between runs: a shared vLLM holds 
 
 
 class Subscriber:
-    """A ZMQ SUB socket on a KV-event publisher, decoding with vLLM's own types."""
+    """A ZMQ SUB socket on a KV-event publisher (tests/kv_events_wire.py decodes)."""
 
     def __init__(self, endpoint: str, topic: str = "") -> None:
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -58,9 +55,9 @@ class Subscriber:
         self.topics: set[bytes] = set()
         time.sleep(0.5)  # a SUB sees nothing sent before its subscription reached the PUB
 
-    def events(self, idle_s: float = 1.0, timeout_s: float = 60.0) -> list[Any]:
+    def events(self, idle_s: float = 1.0, timeout_s: float = 60.0) -> list[kv_wire.Event]:
         """The events of the batches received until none came for ``idle_s``."""
-        out: list[Any] = []
+        out: list[kv_wire.Event] = []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.sock.poll(int(idle_s * 1000)):
@@ -68,7 +65,7 @@ class Subscriber:
             topic, seq, payload = self.sock.recv_multipart()
             self.topics.add(topic)
             self.seqs.append(int.from_bytes(seq, "big"))
-            out.extend(self.decoder.decode(payload).events)
+            out.extend(kv_wire.events(payload))
         return out
 
     def close(self) -> None:
@@ -151,8 +148,8 @@ def completion_body(prompt: Any, max_tokens: int = 1, **extra: Any) -> dict[str,
             "ignore_eos": True, **extra}
 
 
-def plain(e: Any) -> dict[str, Any]:
-    return dict(msgspec.structs.asdict(e), type=type(e).__name__)
+def plain(e: kv_wire.Event) -> dict[str, Any]:
+    return e.fields
 
 
 def reset_both(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
@@ -165,14 +162,15 @@ def reset_both(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
 
 def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
                   kv_sim: SimReplica, subs: dict[str, Subscriber]
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Any], list[Any]]:
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[kv_wire.Event],
+                             list[kv_wire.Event]]:
     """Empty both caches, then send ``bodies`` in order to vLLM and to the simulation;
     their answers and the events each published meanwhile (AllBlocksCleared first)."""
     for sub in subs.values():
         sub.events(idle_s=0.3)  # what other tests' requests published
     reset_both(kv_vllm, kv_sim)
     answers: dict[str, list[dict[str, Any]]] = {"vllm": [], "sim": []}
-    events: dict[str, list[Any]] = {}
+    events: dict[str, list[kv_wire.Event]] = {}
     for name, base in (("vllm", kv_vllm.url), ("sim", kv_sim.url)):
         for path, body in bodies:
             answers[name].append(post(base, path, body))
@@ -185,7 +183,7 @@ def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
 
 def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
                                          subscribers: dict[str, Subscriber]) -> None:
-    """Each prompt's BlockStored event, decoded by vLLM's KVEventBatch decoder, equals
+    """Each prompt's BlockStored event, as it travels (tests/kv_events_wire.py), equals
     the real server's field for field: the chained sha256 hashes, no parent for block 0,
     the token ids of the full blocks, block size, medium, cache_salt as block 0's extra
     key; and the hashes are tokengate.prefix_hash's."""
@@ -195,12 +193,12 @@ def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica
               ("/completions", completion_body(salted, cache_salt="tenant-a")),
               ("/chat/completions", chat_body(words(5)))]      # under one block: no event
     _, _, real, sim = same_sequence(bodies, kv_vllm, kv_sim, subscribers)
-    stored = [plain(e) for e in real if type(e).__name__ == "BlockStored"]
+    stored = [plain(e) for e in real if e.type == "BlockStored"]
     assert len(stored) == 3, real
     assert [plain(e) for e in sim] == [plain(e) for e in real]
     assert stored[1]["block_hashes"] == prefix_hash.block_hashes(long_ids, BLOCK)
     assert stored[1]["token_ids"] == long_ids[:96] and stored[1]["parent_block_hash"] is None
-    assert stored[2]["extra_keys"] == [("tenant-a",), None]
+    assert stored[2]["extra_keys"] == [["tenant-a"], None]
     assert stored[2]["block_hashes"] == prefix_hash.block_hashes(salted, BLOCK,
                                                                  cache_salt="tenant-a")
     assert stored[2]["block_hashes"][0] != prefix_hash.block_hashes(salted, BLOCK)[0]
@@ -218,7 +216,7 @@ def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: Si
     _, _, real, sim = same_sequence([("/completions", completion_body(prompt, 60))],
                                     kv_vllm, kv_sim, subscribers)
     for events in (real, sim):
-        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        stored = [e for e in events if e.type == "BlockStored"]
         hashes = [h for e in stored for h in e.block_hashes]
         tokens = [t for e in stored for t in e.token_ids]
         assert len(hashes) == 4 and len(tokens) == 128 and tokens[:70] == prompt
@@ -226,8 +224,8 @@ def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: Si
         starts = [hashes.index(e.block_hashes[0]) for e in stored]
         assert [e.parent_block_hash for e in stored] == \
             [hashes[i - 1] if i else None for i in starts]
-    assert [len(e.block_hashes) for e in real if type(e).__name__ == "BlockStored"] == \
-        [len(e.block_hashes) for e in sim if type(e).__name__ == "BlockStored"]
+    assert [len(e.block_hashes) for e in real if e.type == "BlockStored"] == \
+        [len(e.block_hashes) for e in sim if e.type == "BlockStored"]
 
 
 # -- (b) cached_tokens --------------------------------------------------------------------
@@ -291,9 +289,9 @@ def test_eviction_equals_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
     assert cached == [0, 0, 0, 0, 0, 64, 0]
     assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in sim] == cached
     assert [plain(e) for e in sim_ev] == [plain(e) for e in real_ev]
-    assert type(sim_ev[0]).__name__ == "AllBlocksCleared"
+    assert sim_ev[0].type == "AllBlocksCleared"
     first = prefix_hash.block_hashes(prompts[0], BLOCK)
-    gone = [h for e in sim_ev if type(e).__name__ == "BlockRemoved"
+    gone = [h for e in sim_ev if e.type == "BlockRemoved"
             for h in e.block_hashes]
     assert gone[:12] == first[::-1]
 
@@ -303,8 +301,6 @@ def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config,
     """The simulation alone, 9 usable blocks: a prefix pushed out by three others is
     announced with BlockRemoved and its repeat has cached_tokens 0. Hashes go out as
     vLLM sends them by default: its maybe_convert_block_hash of the digest."""
-    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
-
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     settings = sim_settings(cfg, num_gpu_blocks=10, max_model_len=128,
@@ -316,9 +312,9 @@ def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config,
             got = [post(rep.url, "/completions", completion_body(p))["usage"]
                    ["prompt_tokens_details"]["cached_tokens"] for p in (a, a, b, c, d, a)]
             assert got == [0, 96, 0, 0, 0, 0]
-            removed = [h for e in sub.events() if type(e).__name__ == "BlockRemoved"
+            removed = [h for e in sub.events() if e.type == "BlockRemoved"
                        for h in e.block_hashes]
-            assert {maybe_convert_block_hash(BlockHash(h))
+            assert {kv_wire.int_hash(h)
                     for h in prefix_hash.block_hashes(a, BLOCK)} <= set(removed)
             assert all(isinstance(h, int) for h in removed)
         finally:
@@ -589,8 +585,6 @@ def test_engine_records_name_the_edge_request_and_add_up_to_the_counters(
 def test_replay_socket_resends_missed_batches(cfg: tg_config.Config) -> None:
     """vLLM's replay protocol: [b"", start seq] to the ROUTER; every buffered batch from
     it on, then the end marker (seq -1)."""
-    from vllm.distributed.kv_events import KVEventBatch
-
     pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     settings = sim_settings(cfg, kv_events_endpoint=pub, kv_events_replay_endpoint=replay,
                             kv_events_int_hashes=False)
@@ -610,8 +604,8 @@ def test_replay_socket_resends_missed_batches(cfg: tg_config.Config) -> None:
                 _, _topic, seq, payload = sock.recv_multipart()
                 if seq == (-1).to_bytes(8, "big", signed=True):
                     break
-                batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
-                got.append((int.from_bytes(seq, "big"), batch.events[0].block_hashes))
+                got.append((int.from_bytes(seq, "big"),
+                            kv_wire.events(payload)[0].block_hashes))
         finally:
             sock.close(linger=0)
             ctx.term()
