@@ -240,6 +240,37 @@ COMPLETION_CASES: list[Case] = [(name, "completions", body) for name, body in [
 CASES: list[Case] = CHAT_CASES + COMPLETION_CASES
 
 
+def _called(**change: Any) -> dict[str, Any]:
+    """A chat whose assistant tool call has ``change`` applied (None: the key removed;
+    ``arguments`` goes into its function)."""
+    c = call("call_1", "get_weather", {"city": "Paris"})
+    for k, v in change.items():
+        target = c["function"] if k == "arguments" else c
+        if v is None:
+            del target[k]
+        else:
+            target[k] = v
+    return chat([user("Weather?"), assistant(None, tool_calls=[c]),
+                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+
+
+# Assistant tool calls vLLM 0.32 refuses (400, a pydantic dump of each message type it
+# tried) and the counter refuses first, with what it says: (name, chat body, message).
+REFUSED_TOOL_CALLS: list[tuple[str, dict[str, Any], str]] = [
+    ("arguments_object", _called(arguments={"city": "Paris"}),
+     ("messages[1].tool_calls[0].function.arguments: expected a string (the arguments as "
+      "JSON text), got an object")),
+    ("arguments_missing", _called(arguments=None),
+     ("messages[1].tool_calls[0].function.arguments: required string (the arguments as "
+      "JSON text)")),
+    ("id_missing", _called(id=None), "messages[1].tool_calls[0].id: required string"),
+    ("id_integer", _called(id=5),
+     "messages[1].tool_calls[0].id: expected a string, got an integer"),
+    ("type_missing", _called(type=None),
+     "messages[1].tool_calls[0].type: required string ('function')"),
+]
+
+
 # JSON values that break a body where a well-formed one stood (the fuzz tests' nodes)
 HOSTILE: list[Any] = [None, True, 0, -1, 2 ** 70, 1.5, "", "<|im_end|>", [], {}, [None],
                       {"type": None}, "\ud800"]

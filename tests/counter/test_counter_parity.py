@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
 
 from tests.conftest import MODEL, count_body
-from tests.counter_cases import CASES
+from tests.counter_cases import CASES, REFUSED_TOOL_CALLS
 
 CHAT, COMPLETIONS = counter_pb2.ENDPOINT_CHAT, counter_pb2.ENDPOINT_COMPLETIONS
 ENDPOINTS = {"chat": CHAT, "completions": COMPLETIONS}
@@ -29,6 +30,22 @@ def test_prompt_tokens_equal_vllm_usage(counter_stub: counter_pb2_grpc.TokenCoun
     b = reply.breakdown
     assert b.system + b.tools + b.messages + b.template_overhead == reply.prompt_tokens
     assert reply.tokenizer_backend == "tiktoken"
+
+
+@pytest.mark.parametrize("name,body,message", REFUSED_TOOL_CALLS,
+                         ids=[c[0] for c in REFUSED_TOOL_CALLS])
+def test_tool_calls_vllm_refuses_the_counter_refuses(
+        counter_stub: counter_pb2_grpc.TokenCounterStub, vllm_http: httpx.Client, name: str,
+        body: dict[str, Any], message: str) -> None:
+    """Refused by the counter, with a line that says what to fix, so the edge answers
+    400 instead of forwarding the body for vLLM's pydantic dump."""
+    body = {"model": MODEL, **body}
+    response = vllm_http.post(PATHS["chat"], json=body)
+    assert response.status_code == 400, response.text
+    with pytest.raises(grpc.RpcError) as info:
+        count_body(counter_stub, CHAT, body)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == message
 
 
 def test_max_tokens_effective_is_what_vllm_generates_at_most(

@@ -129,6 +129,16 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
+def _required_str(obj: dict[str, Any], key: str, where: str, what: str) -> None:
+    """``BadRequest`` unless ``obj[key]`` is a string: "required string<what>" when it is
+    absent, "expected a string<what>, got <type>" when it is something else."""
+    if key not in obj:
+        raise BadRequest(f"{where}.{key}", f"required string{what}")
+    if not isinstance(obj[key], str):
+        raise BadRequest(f"{where}.{key}", f"expected a string{what}, got "
+                                           f"{type_name(obj[key])}")
+
+
 def _depth_ok(body: Any) -> bool:
     """No value of parsed JSON ``body`` lies deeper than ``_MAX_JSON_DEPTH`` (the body
     itself at depth 0); level by level, without recursion."""
@@ -598,17 +608,24 @@ class ModelCounter:
         return texts
 
     def _tool_call(self, where: str, c: Any) -> dict[str, Any]:
+        """An assistant message's tool call as vLLM 0.32 takes it: openai's
+        ``ChatCompletionMessageFunctionToolCallParam``, whose ``id``, ``type``
+        ("function"), ``function.name`` and ``function.arguments`` (the arguments as
+        JSON text, not an object) are required strings; vLLM refuses anything else with
+        a pydantic dump of every message type it tried (measured)."""
         if not isinstance(c, dict):
             raise BadRequest(where, "assistant tool_calls entries must be objects")
         fn = c.get("function")
-        if c.get("type", "function") != "function" or not isinstance(fn, dict):
+        if c.get("type") is None:
+            raise BadRequest(f"{where}.type", "required string ('function')")
+        if c["type"] != "function" or not isinstance(fn, dict):
             raise BadRequest(where, "only tool_calls of type 'function' with a function "
                                     "object are supported")
         if not isinstance(fn.get("name"), str):
             raise BadRequest(f"{where}.function.name", "required string")
-        args = fn.get("arguments")
-        if args is not None and not isinstance(args, (str, dict)):
-            raise BadRequest(f"{where}.function.arguments", "expected a JSON string")
+        _required_str(fn, "arguments", f"{where}.function",
+                      " (the arguments as JSON text)")
+        _required_str(c, "id", where, "")
         return {**c, "function": dict(fn)}
 
     def _tools(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
