@@ -9,6 +9,7 @@ shape, so the SDK raises its own exception classes."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -296,13 +297,26 @@ def test_vllms_own_refusal_comes_in_anthropics_shape(edge: Edge) -> None:
 
 def test_a_thinking_stream_that_vllm_refuses_is_billed_nothing(edge: Edge) -> None:
     """Extended thinking on a vLLM without --reasoning-parser: vLLM 0.32 answers the
-    stream 200 with an error event first (its own failure to build the stream's answer)
-    and no engine record; billed nothing (tokengate.usage.stream_error)."""
+    stream 200 with an error event first (its own failure to build the stream's answer:
+    an internal_error quoting pydantic, the reason cut off) and no engine record; billed
+    nothing (tokengate.usage.stream_error), the event an invalid_request_error that says
+    what to do, which the official client raises."""
+    body = {"model": MODEL, "max_tokens": 2000, "messages": HELLO, "stream": True,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
     r = httpx.post(f"{edge.base_url}/messages", timeout=120, headers={"x-api-key": MAIN_KEY},
-                   json={"model": MODEL, "max_tokens": 2000, "messages": HELLO, "stream": True,
-                         "thinking": {"type": "enabled", "budget_tokens": 1024}})
-    assert r.status_code == 200 and r.text.startswith("event: error"), r.text
+                   json=body)
+    assert r.status_code == 200 and r.text.startswith("event: error\ndata: "), r.text
+    assert r.text.endswith("\n\n") and r.text.count("event: ") == 1, r.text
+    doc = json.loads(r.text.removeprefix("event: error\ndata: "))
+    assert doc == {"type": "error", "error": {"type": "invalid_request_error", "message": (
+        "The model server refused this request before generating (its Messages stream does "
+        "not pass on why). A thinking budget needs a vLLM started with --reasoning-parser: "
+        "send the request without thinking, or ask the operator to add the model's "
+        "parser.")}}
     ev = edge.event(r.headers["x-request-id"])
     assert (ev["usage_source"], ev["prompt_tokens"], ev["completion_tokens"]) == \
         ("none", 0, 0), ev
-    assert ev["error"] is not None
+    assert ev["error"] == "internal_error"
+    with pytest.raises(anthropic.APIStatusError, match="--reasoning-parser"):
+        for _ in client(edge).messages.create(**body):
+            pass

@@ -32,7 +32,7 @@ local usage = require "tokengate.usage"
 local clock = require "tokengate.clock"
 
 local type, tonumber = type, tonumber
-local format = string.format
+local format, find = string.format, string.find
 local ngx_now = ngx.now
 local is_array, is_object, json_set, null = json.is_array, json.is_object, json.set, json.null
 local fail = errors.refuse
@@ -241,6 +241,29 @@ end
 -- counted: until message_delta, the output so far is the deltas seen (vLLM writes one
 -- per engine step with text, each of at least one token: a lower bound, what a client
 -- that leaves is billed without the engine records, which settle it exactly).
+-- vLLM 0.32's Messages stream converts the chat stream's events; when vLLM refuses the
+-- request at its engine (after the 200), the chat stream's first event is the refusal,
+-- which the converter fails to read as a chunk and passes on as an internal_error
+-- whose message is pydantic's complaint about it, the reason cut off
+-- (vllm/entrypoints/anthropic/serving.py message_stream_converter; measured: a thinking
+-- budget on an engine without --reasoning-parser).
+local HIDDEN = " for ChatCompletionStreamResponse"
+
+-- hidden_refusal(body) -> the error event (its text, without the blank line that ends
+-- it) that replaces such an internal_error: an
+-- invalid_request_error (the client's request was refused; internal_error is no type of
+-- Anthropic's API and reads as a server fault to retry) saying what is known.
+local function hidden_refusal(body)
+    local thinking = is_object(body) and is_object(body.thinking) and body.thinking
+    local why = thinking and thinking.type == "enabled"
+        and "A thinking budget needs a vLLM started with --reasoning-parser: send the "
+            .. "request without thinking, or ask the operator to add the model's parser."
+        or "The same request without stream shows vLLM's reason."
+    return "event: error\ndata: " .. _M.error_body({ status = 400, message =
+        "The model server refused this request before generating (its Messages stream "
+        .. "does not pass on why). " .. why })
+end
+
 function _M.sse_event(ctx, ev)
     local kind, nl = usage.named_event(ev)
     if not kind then
@@ -273,6 +296,10 @@ function _M.sse_event(ctx, ev)
         local e = d.error
         usage.stream_error(ctx, type(e) == "table" and type(e.type) == "string" and e.type
             or "stream_error")
+        if ctx.refused_in_stream and type(e) == "table" and e.type == "internal_error"
+                and type(e.message) == "string" and find(e.message, HIDDEN, 1, true) then
+            return hidden_refusal(ctx.body)
+        end
     end
     return ev
 end
