@@ -241,6 +241,8 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
      "tool_choice.name: tool choice not found in tools"),
     ("reasoning_effort_bogus", {"reasoning": {"effort": "extreme"}, "input": "x"},
      "reasoning.effort: expected one of"),
+    ("reasoning_summary_bogus", {"reasoning": {"summary": "bogus"}, "input": "x"},
+     "reasoning.summary: expected one of auto, concise, detailed"),
     ("prompt_template", {"prompt": {"id": "pmpt_1"}, "input": "x"},
      "prompt: prompt templates are not supported"),
     ("tool_without_name", {"tools": [{"type": "function"}], "input": "x"},

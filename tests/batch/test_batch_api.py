@@ -162,6 +162,20 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
                          completion_window="24h")
     assert (nf.value.body["message"], nf.value.body["param"]) == ("No such file: 'abc'.",
                                                                   "input_file_id")
+    r = httpx.post(f"{batch_stack.edge.base_url}/batches", headers=auth, timeout=10,
+                   json={"input_file_id": 5, "endpoint": "/v1/chat/completions",
+                         "completion_window": "24h"})
+    assert (r.status_code, r.json()["error"]["message"]) == \
+        (400, "input_file_id must be a string (a file's id).")
+    # a method a path does not take: 405 naming every one it does
+    for method, path, allowed in (("PUT", "/files", "GET, POST"),
+                                  ("PATCH", "/batches", "GET, POST"),
+                                  ("POST", f"/files/{f.id}", "GET, DELETE"),
+                                  ("GET", "/batches/batch_x/cancel", "POST")):
+        r = httpx.request(method, f"{batch_stack.edge.base_url}{path}", headers=auth,
+                          timeout=10)
+        assert (r.status_code, r.json()["error"]["message"]) == \
+            (405, f"Method {method} not allowed here (allowed: {allowed})."), path
     # a create body past its 1 MiB: the service reads it before answering, so the answer
     # is its JSON 413 every time (answering first broke the connection under nginx)
     for _ in range(4):

@@ -228,6 +228,14 @@ BAD_INPUT: list[tuple[str, Callable[[], tuple[bytes, dict[str, str]]], int, str 
     ("logit_bias of words", lambda: (json.dumps(chat("hi", logit_bias={"11": "up"})).encode(),
                                      {}), 400, "invalid_type", "logit_bias.11",
      "expected a number"),
+    ("response_format json_schema without a name", lambda: (json.dumps(chat(
+        "hi", response_format={"type": "json_schema", "json_schema": {
+            "schema": {"type": "object"}}})).encode(), {}), 400, "invalid_type",
+     "response_format.json_schema.name", "must be a string"),
+    ("response_format json_schema with a null schema", lambda: (json.dumps(chat(
+        "hi", response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": None}})).encode(), {}), 400, "invalid_type",
+     "response_format.json_schema.schema", "must be an object (the JSON schema"),
     ("response_format a string", lambda: (json.dumps(chat(
         "hi", response_format="json")).encode(), {}), 400, "invalid_type", "response_format",
      "must be an object"),

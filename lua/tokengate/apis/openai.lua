@@ -123,26 +123,44 @@ end
 
 -- response_format(body) -> true | nil, err (400): response_format is null, absent or an
 -- object whose type vLLM knows (RESPONSE_FORMATS), json_schema with its json_schema
--- object
+-- object, whose name is a string and whose schema an object: vLLM 0.32 refuses a
+-- missing name with a pydantic dump of every format it tried, a missing or null schema
+-- with a dump of its structured-output settings (JsonSchemaResponseFormat,
+-- vllm/entrypoints/generate/base/protocol.py; measured)
 local function response_format(body)
     local rf = body.response_format
-    local t = is_object(rf) and rf.type
-    if rf == nil or rf == null
-            or RESPONSE_FORMATS[t] and (t ~= "json_schema" or is_object(rf.json_schema)) then
+    if rf == nil or rf == null then
         return true
     end
+    local t = is_object(rf) and rf.type
     if type(t) ~= "string" then
         return fail(400, "'response_format' must be an object with a string 'type'",
             "response_format", "invalid_type")
     end
-    if RESPONSE_FORMATS[t] then
+    if not RESPONSE_FORMATS[t] then
+        return fail(400, "Invalid value for 'response_format.type': expected one of 'text', "
+            .. "'json_object', 'json_schema' or 'structural_tag'", "response_format.type",
+            "invalid_value")
+    end
+    if t ~= "json_schema" then
+        return true
+    end
+    local js = rf.json_schema
+    if not is_object(js) then
         return fail(400, "'response_format.json_schema' must be an object when "
             .. "'response_format.type' is 'json_schema'", "response_format.json_schema",
             "invalid_type")
     end
-    return fail(400, "Invalid value for 'response_format.type': expected one of 'text', "
-        .. "'json_object', 'json_schema' or 'structural_tag'", "response_format.type",
-        "invalid_value")
+    if type(js.name) ~= "string" then
+        return fail(400, "'response_format.json_schema.name' must be a string",
+            "response_format.json_schema.name", "invalid_type")
+    end
+    if not is_object(js.schema) then
+        return fail(400, "'response_format.json_schema.schema' must be an object (the JSON "
+            .. "schema the answer follows)", "response_format.json_schema.schema",
+            "invalid_type")
+    end
+    return true
 end
 
 -- check_common(body, models, bools, not_null) -> model entry | nil, err (400/404): the

@@ -100,14 +100,14 @@ class BatchApi:
         if path == "/v1/files":
             if method == "POST":
                 return _json(self._upload(env, key_id))
-            _allow(method, "GET")
+            _allow(method, "GET", "POST")
             return _json(_list(self.store.files(
                 key_id, query.get("purpose"), _limit(query, 10000), query.get("after"),
                 _order(query))))
         if path == "/v1/batches":
             if method == "POST":
                 return _json(self._create(env, key_id))
-            _allow(method, "GET")
+            _allow(method, "GET", "POST")
             return _json(_list(self.store.batches(key_id, _limit(query, 100),
                                                    query.get("after"))))
         m = _FILE.fullmatch(path)
@@ -119,7 +119,7 @@ class BatchApi:
             if method == "DELETE":
                 self.store.delete_file(key_id, file_id)
                 return _json({"id": file_id, "object": "file", "deleted": True})
-            _allow(method, "GET")
+            _allow(method, "GET", "DELETE")
             return _json(self.store.file(key_id, file_id))
         m = _BATCH.fullmatch(path)
         if m:
@@ -205,8 +205,11 @@ class BatchApi:
             raise ApiError(400, f"metadata: at most {METADATA_PAIRS} string pairs, keys up to "
                            f"{METADATA_KEY} and values up to {METADATA_VALUE} characters.",
                            "metadata", "invalid_value")
-        if not isinstance(file_id, str):
+        if file_id is None:
             raise ApiError(400, "input_file_id is required.", "input_file_id")
+        if not isinstance(file_id, str):
+            raise ApiError(400, "input_file_id must be a string (a file's id).",
+                           "input_file_id", "invalid_type")
         try:
             f = self.store.file(key_id, file_id)
         except NotFound:
@@ -238,10 +241,11 @@ def _metadata_ok(m: Any) -> bool:
         and len(v) <= METADATA_VALUE for k, v in m.items())
 
 
-def _allow(method: str, allowed: str) -> None:
-    if method != allowed and not (allowed == "GET" and method == "HEAD"):
-        raise ApiError(405, f"Method {method[:16]} not allowed here (allowed: {allowed}).",
-                       None, "method_not_allowed")
+def _allow(method: str, *allowed: str) -> None:
+    """405 unless ``method`` is one of the path's ``allowed`` methods (HEAD with GET)."""
+    if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+        raise ApiError(405, f"Method {method[:16]} not allowed here (allowed: "
+                       f"{', '.join(allowed)}).", None, "method_not_allowed")
 
 
 def _limit(query: dict[str, str], most: int) -> int:

@@ -69,6 +69,10 @@ BUILTIN_TOOLS = frozenset({"file_search", "web_search", "web_search_preview",
                            "tool_search", "container"})
 # fields vLLM 0.32's ResponsesRequest types as literals (or an object of them): another
 # value was refused there after admission, with pydantic's dump
+# the literals of openai's Reasoning (reasoning.*), which vLLM's ResponsesRequest validates
+REASONING_LITERALS = {"summary": ("auto", "concise", "detailed"),
+                      "generate_summary": ("auto", "concise", "detailed"),
+                      "context": ("auto", "current_turn", "all_turns")}
 TRUNCATIONS = ("auto", "disabled")
 INCLUDABLES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
                "file_search_call.results", "message.input_image.image_url",
@@ -381,6 +385,11 @@ def _effort(body: dict[str, Any]) -> str | None:
     effort = reasoning.get("effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise BadRequest("reasoning.effort", "expected one of " + ", ".join(REASONING_EFFORTS))
+    # vLLM answers anything else with a pydantic dump (measured for summary)
+    for field, choices in REASONING_LITERALS.items():
+        value = reasoning.get(field)
+        if value is not None and value not in choices:
+            raise BadRequest(f"reasoning.{field}", "expected one of " + ", ".join(choices))
     return effort
 
 
