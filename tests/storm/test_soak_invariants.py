@@ -108,6 +108,21 @@ def test_a_stream_cut_by_an_nginx_kill_needs_no_event() -> None:
     assert (c.held, c.figures["no_event_nginx_killed"]) == (True, 1)
 
 
+def test_an_answer_whose_nginx_was_killed_right_after_is_billed_from_its_engine() -> None:
+    """Answered whole, then nginx killed before the log phase wrote the event: the
+    engine records billed it; a kill later than LOG_PHASE_S, or no bill, explains
+    nothing."""
+    soon = fault("nginx_master", start=T + 1.0 + inv.LOG_PHASE_S / 2, end=T + 3)
+    lost = data(events=[], faults=[soon])
+    assert inv.events_once(lost).figures["no_event_nginx_killed"] == 1
+    assert inv.events_once(lost).held and inv.tokens_whole(lost).held
+    assert inv.tokens_whole(lost).figures["event_lost_to_an_nginx_kill"] == 1
+    late = fault("nginx_master", start=T + 1.0 + inv.LOG_PHASE_S + 0.5, end=T + 4)
+    assert not inv.events_once(data(events=[], faults=[late])).held
+    assert not inv.tokens_whole(data(events=[], faults=[late])).held
+    assert not inv.events_once(data(events=[], bills=[], faults=[soon])).held
+
+
 def test_a_cut_stream_without_an_event_and_no_nginx_kill_breaks_events_once() -> None:
     cut = client(error="disconnected", completion=2)
     c = inv.events_once(data(clients=[cut], events=[],
