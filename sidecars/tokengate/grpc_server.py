@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.context import ForkContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -293,7 +294,8 @@ def run_workers(name: str, target: Callable[..., None], args: tuple[Any, ...],
         return
     if preload is not None:
         preload()
-    ctx = multiprocessing.get_context("spawn" if preload is None else "fork")
+    ctx: ForkContext | SpawnContext = (multiprocessing.get_context("spawn") if preload is None
+                                       else multiprocessing.get_context("fork"))
     procs: dict[int, BaseProcess] = {}
     stopping = False
 
