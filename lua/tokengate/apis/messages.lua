@@ -233,14 +233,6 @@ local function read_usage(ctx, u, final)
     ctx.u_source = final and "final" or "running"
 end
 
--- sse_event(ctx, ev) -> ev: one event of vLLM's Anthropic stream ("event: <type>\ndata:
--- <json>", without the blank line), passed unchanged. message_start carries the input
--- tokens, message_delta (the last one, after the content) the output tokens, error
--- the stream's failure, message_stop its end. Only those are decoded: the
--- content_block_delta of every token is passed on after a look at its first line, and
--- counted: until message_delta, the output so far is the deltas seen (vLLM writes one
--- per engine step with text, each of at least one token: a lower bound, what a client
--- that leaves is billed without the engine records, which settle it exactly).
 -- vLLM 0.32's Messages stream converts the chat stream's events; when vLLM refuses the
 -- request at its engine (after the 200), the chat stream's first event is the refusal,
 -- which the converter fails to read as a chunk and passes on as an internal_error
@@ -250,9 +242,9 @@ end
 local HIDDEN = " for ChatCompletionStreamResponse"
 
 -- hidden_refusal(body) -> the error event (its text, without the blank line that ends
--- it) that replaces such an internal_error: an
--- invalid_request_error (the client's request was refused; internal_error is no type of
--- Anthropic's API and reads as a server fault to retry) saying what is known.
+-- it) that replaces such an internal_error: an invalid_request_error (the client's
+-- request was refused; internal_error is no type of Anthropic's API and reads as a
+-- server fault to retry) saying what is known.
 local function hidden_refusal(body)
     local thinking = is_object(body) and is_object(body.thinking) and body.thinking
     local why = thinking and thinking.type == "enabled"
@@ -264,6 +256,15 @@ local function hidden_refusal(body)
         .. "does not pass on why). " .. why })
 end
 
+-- sse_event(ctx, ev) -> ev: one event of vLLM's Anthropic stream ("event: <type>\ndata:
+-- <json>", without the blank line), passed unchanged but for vLLM's hidden refusal
+-- (above). message_start carries the input tokens, message_delta (the last one, after
+-- the content) the output tokens, error the stream's failure, message_stop its end.
+-- Only those are decoded: the content_block_delta of every token is passed on after a
+-- look at its first line, and counted: until message_delta, the output so far is the
+-- deltas seen (vLLM writes one per engine step with text, each of at least one token: a
+-- lower bound, what a client that leaves is billed without the engine records, which
+-- settle it exactly).
 function _M.sse_event(ctx, ev)
     local kind, nl = usage.named_event(ev)
     if not kind then
