@@ -108,10 +108,14 @@ function _M.preflight(ctx, cors, allow_methods, uri)
     return ngx_exit(204)
 end
 
--- headers(h, cors): the CORS headers of an answer (any status): for a request whose
--- Origin is allowed, Access-Control-Allow-Origin and -Expose-Headers; Vary: Origin on
--- every answer while origins are listed (the answer depends on it). h: ngx.header.
-function _M.headers(h, cors)
+-- headers(ctx, h, cors): the CORS headers of an answer (any status) while edge.cors is
+-- on, a preflight's excepted (preflight set its own): for a request whose Origin is
+-- allowed, Access-Control-Allow-Origin and -Expose-Headers; Vary: Origin on every answer
+-- while origins are listed (the answer depends on it). h: ngx.header.
+function _M.headers(ctx, h, cors)
+    if not cors.enabled or ctx.preflight then
+        return
+    end
     if not cors.any then
         h["Vary"] = "Origin"
     end

@@ -230,11 +230,7 @@ end
 -- files_headers(): the CORS headers of a Batch API answer (tokengate.cors), as on
 -- every route's.
 function _M.files_headers()
-    local ctx = ngx.ctx
-    local cors_cfg = config.get().edge.cors
-    if cors_cfg.enabled and not ctx.preflight then
-        cors.headers(ngx.header, cors_cfg)
-    end
+    cors.headers(ngx.ctx, ngx.header, config.get().edge.cors)
 end
 
 -- files_log(): the log phase of /v1/files and /v1/batches: a preflight, or a request

@@ -77,10 +77,7 @@ function _M.headers(ctx)
             h["X-Tokengate-Expected-Cached-Source"] = ctx.prefix_source
         end
     end
-    local cors_cfg = config.get().edge.cors
-    if cors_cfg.enabled and not ctx.preflight then
-        cors.headers(h, cors_cfg)
-    end
+    cors.headers(ctx, h, config.get().edge.cors)
     local status = ngx.status
     if status >= 400 and not is_json(h["Content-Type"]) then
         if ctx.proxied and status == 504 and ngx_var.upstream_connect_time == "-" then

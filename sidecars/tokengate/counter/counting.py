@@ -64,7 +64,7 @@ from tokengate.config import EdgeConfig, ModelConfig
 from tokengate.counter import segment_plan
 from tokengate.counter.apis import anthropic_messages, openai_embeddings, openai_responses
 from tokengate.counter.chat_template import RESERVED_TEMPLATE_KWARGS, ChatTemplate, TemplateError
-from tokengate.counter.errors import BadRequest, expect_name, type_name
+from tokengate.counter.errors import BadRequest, expect, expect_name, type_name
 from tokengate.counter.fields import REASONING_EFFORTS, opt_bool, opt_choice, opt_int
 from tokengate.counter.kv_index import ModelIndex
 from tokengate.counter.model_files import encoder_do_lower_case
@@ -134,9 +134,7 @@ def _required_str(obj: dict[str, Any], key: str, where: str, what: str) -> None:
     absent, "expected a string<what>, got <type>" when it is something else."""
     if key not in obj:
         raise BadRequest(f"{where}.{key}", f"required string{what}")
-    if not isinstance(obj[key], str):
-        raise BadRequest(f"{where}.{key}", f"expected a string{what}, got "
-                                           f"{type_name(obj[key])}")
+    expect(f"{where}.{key}", obj[key], (str,), f"a string{what}")
 
 
 def _depth_ok(body: Any) -> bool:

@@ -69,15 +69,15 @@ BUILTIN_TOOLS = frozenset({"file_search", "web_search", "web_search_preview",
                            "tool_search", "container"})
 # fields vLLM 0.32's ResponsesRequest types as literals (or an object of them): another
 # value was refused there after admission, with pydantic's dump
-# the literals of openai's Reasoning (reasoning.*), which vLLM's ResponsesRequest validates
-REASONING_LITERALS = {"summary": ("auto", "concise", "detailed"),
-                      "generate_summary": ("auto", "concise", "detailed"),
-                      "context": ("auto", "current_turn", "all_turns")}
 TRUNCATIONS = ("auto", "disabled")
 INCLUDABLES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url",
                "file_search_call.results", "message.input_image.image_url",
                "message.output_text.logprobs", "reasoning.encrypted_content")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+# reasoning.* besides effort: the literals of openai's Reasoning
+REASONING_LITERALS = {"summary": ("auto", "concise", "detailed"),
+                      "generate_summary": ("auto", "concise", "detailed"),
+                      "context": ("auto", "current_turn", "all_turns")}
 TEXT_FORMATS = ("text", "json_schema", "json_object")
 PARTIAL_STATUSES = ("in_progress", "incomplete")
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
