@@ -135,18 +135,18 @@ def _serve_worker(config_path: str | None, listen: grpc_server.Listen, threads: 
         events.close()
 
 
-def _preload(config_path: str | None) -> None:
-    """In the parent, before the workers are forked: import the worker's modules and
-    load every model once, so that each worker finds the parsed tokenizers
-    (``tokengate.counter.tokenizer``'s cache of parsed files) and the libraries in
-    memory it shares with the parent: a worker is serving after ~0.1 CPU-s instead of
-    ~1.7 (the demo model; the whole counter with two workers: 3.8 -> 2.0 CPU-s, ready
-    in 1.6 s instead of 2.1, on 2 cores; 251 MB of memory (PSS) instead of 484). A
-    model that does not load here is left to the worker, which says why and exits."""
+def _preload(cfg: tg_config.Config) -> None:
+    """In the parent (``cfg``: the configuration main() read), before the workers are
+    forked: import the worker's modules and load every model once, so that each worker
+    finds the parsed tokenizers (``tokengate.counter.tokenizer``'s cache of parsed
+    files) and the libraries in memory it shares with the parent: a worker is serving
+    after ~0.1 CPU-s instead of ~1.7 (the demo model; the whole counter with two
+    workers: 3.8 -> 2.0 CPU-s, ready in 1.6 s instead of 2.1, on 2 cores; 251 MB of
+    memory (PSS) instead of 484). A model that does not load here is left to the
+    worker, which says why and exits."""
     from tokengate.counter import counter_service, frames  # noqa: F401  (imported to share)
     from tokengate.counter.counting import ModelCounter
 
-    cfg = tg_config.load(config_path)
     for m in cfg.models.values():
         with contextlib.suppress(Exception):  # the worker's own load says why
             ModelCounter.load(m, cfg.edge.chat_template_kwargs_allowed)
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokengate-counter {tg_version.describe()}: starting", flush=True)
     metrics.serve(args.metrics_listen or cfg.metrics.counter_listen, "counter", args.workers)
     grpc_server.run_workers("counter", _serve_worker, (args.config, listen, args.threads),
-                            args.workers, listen, preload=lambda: _preload(args.config))
+                            args.workers, listen, preload=lambda: _preload(cfg))
 
 
 if __name__ == "__main__":
