@@ -28,8 +28,10 @@ import hashlib
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -175,8 +177,20 @@ def vllm_service(model: tg_config.ModelConfig, port: int = 8000,
            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
            "TOKENGATE_ENGINE_USAGE_FILE": str(engine_usage_file or VAR / "usage" / "engine.jsonl"),
            **routing_env}
+    # vLLM's ZMQ IPC sockets (3 a start) go to VLLM_RPC_BASE_PATH, by default the
+    # temporary folder, and stay there after the server stops (vllm/utils/
+    # network_utils.py get_open_zmq_ipc_path); one short folder per port (a socket's
+    # path is at most 107 bytes) emptied before each start keeps no more than one
+    # start's (the installed unit has PrivateTmp=yes)
+    rpc_dir = Path(tempfile.gettempdir()) / f"tokengate-vllm-{port}"
+    env["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
+
+    def prepare() -> None:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        rpc_dir.mkdir(mode=0o700)
+
     return _service(name, argv, http_ready(f"http://127.0.0.1:{port}/health"), env,
-                   start_timeout_s=400.0)
+                    start_timeout_s=400.0, prepare=prepare)
 
 
 def _metrics_args(metrics_listen: str | None) -> list[str]:

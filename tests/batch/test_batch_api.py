@@ -154,6 +154,13 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
     r = httpx.post(f"{batch_stack.edge.base_url}/files", timeout=10, content=b"purpose=batch",
                    headers={**auth, "Content-Type": "multipart/form-data"})
     assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_multipart")
+    cut = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--XX\r\n'
+           b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"custom')
+    r = httpx.post(f"{batch_stack.edge.base_url}/files", timeout=10, content=cut,
+                   headers={**auth, "Content-Type": "multipart/form-data; boundary=XX"})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, ("The upload ends without its closing boundary ('--XX--'): it may have been "
+              "cut short."))
     with pytest.raises(openai.NotFoundError) as nf:
         c.files.retrieve("notanid")
     assert nf.value.body["message"] == "No such file: 'notanid'."

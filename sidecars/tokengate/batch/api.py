@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
+from email.errors import CloseBoundaryNotFoundDefect
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
@@ -163,6 +164,11 @@ class BatchApi:
             raise ApiError(400, "The upload is not a multipart/form-data body with a "
                            "boundary (send the fields purpose and file as a form).", None,
                            "invalid_multipart")
+        if any(isinstance(d, CloseBoundaryNotFoundDefect) for d in msg.defects):
+            # a body cut short: its last part (often the file) may be missing its end
+            raise ApiError(400, f"The upload ends without its closing boundary "
+                           f"('--{msg.get_boundary()}--'): it may have been cut short.",
+                           None, "invalid_multipart")
         fields: dict[str, tuple[str | None, bytes]] = {}
         for part in msg.iter_parts():
             name = part.get_param("name", header="content-disposition")
