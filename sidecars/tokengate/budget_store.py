@@ -46,6 +46,7 @@ from tokengate.redis_keys import (
     budget_keys,
     encode_counter,
     level_counter,
+    level_usage_key,
     ready_mark_key,
     rebuild_key,
     reservation_key,
@@ -224,17 +225,20 @@ BILL_FIELDS = ("cost", "prompt_tokens", "completion_tokens")  # of a ledger usag
 
 def bill_fields(counters: Sequence[tuple[str, str]], models: Sequence[str]
                 ) -> list[list[str]]:
-    """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums."""
+    """Per ``(key_id, counter)`` the ledger's usage hashes its bill sums: the key's per
+    key / model / day hashes, or for a team's or organization's counter
+    (``level_counter``) the level's (``redis_keys.level_usage_key``: its members'
+    requests, each under the levels its key had in the configuration the ledger applied
+    it with). Both are rebuilt from the usage files when Redis loses its data, which
+    the settled counters are not."""
     out: list[list[str]] = []
     for key_id, counter in counters:
-        if level_counter(counter) is not None:
-            # a team's bill is its members' (``tokengate usage --by team``); its
-            # counters alone decide
-            out.append([])
-            continue
-        scope, days = period_days(counter)
+        level = level_counter(counter)
+        scope, days = period_days(counter if level is None else level[1])
         names = list(models) if scope == "*" else [scope]
-        out.append([usage_key(d.isoformat(), key_id, m) for d in days for m in names])
+        out.append([usage_key(d.isoformat(), key_id, m) if level is None
+                    else level_usage_key(d.isoformat(), level[0], m)
+                    for d in days for m in names])
     return out
 
 

@@ -1,9 +1,9 @@
 """A Redis that comes back without its data: a real redis-server without persistence
 (Debian's 7.0) is stopped and started again empty under a real ledger process and a real
 limits sidecar. The ledger notices at once, holds the budgets, rebuilds the bill from the
-usage file and the engine records, the same bill as before, and only then lets budgets
-admit again: a key refused at its budget before is refused after, never admitted in
-between.
+usage file and the engine records, the same bill as before (the key's and its team's
+budget counters), and only then lets budgets admit again: a key refused at its budget
+before is refused after, never admitted in between.
 """
 
 from __future__ import annotations
@@ -112,8 +112,11 @@ def test_after_redis_lost_its_data_budgets_admit_only_the_same_bill_again(
                        what="the late record's correction, the orphan's bill, the fixes")
             before = [bill_of(row) for row in query(client)]
             assert before[0][5] == sum(generated)  # the engine's numbers
-            assert budget_store.committed(client, [(KEY, edge.counter())], [MODEL]) == \
-                [(bill_nano, sum(12 + g for g in generated))]
+            # the key's counter and its team's (the key is the team's one member) hold
+            # the bill
+            counters = [(KEY, edge.counter()), (KEY, edge.team_counter())]
+            whole = (bill_nano, sum(12 + g for g in generated))
+            assert budget_store.committed(client, counters, [MODEL]) == [whole, whole]
             refused = edge.reserve(f"{1:032x}", max_tokens=MAX_TOKENS)
             assert (refused.admitted, refused.limited_by) == (False, pb.BUDGET_SPEND)
 
@@ -136,6 +139,15 @@ def test_after_redis_lost_its_data_budgets_admit_only_the_same_bill_again(
             assert answers[-1] == pb.BUDGET_SPEND
             after = [bill_of(row) for row in query(client)]
             assert after == before
+            # the team's pooled budget was rebuilt too: the same spend, nothing reserved,
+            # and a team budget the bill had reached still refuses
+            assert budget_store.committed(client, counters, [MODEL]) == [whole, whole]
+            team = next(c for c in edge.counters() if c.name == edge.team_counter())
+            team.spend_limit_nano = bill_nano + worst // 2
+            pooled = stub.ReserveBudget(pb.BudgetReserveRequest(
+                key_id=KEY, request_id=f"{3:032x}", counters=[team], cost_nano=worst,
+                tokens=12 + MAX_TOKENS), timeout=5)
+            assert (pooled.admitted, pooled.limited_by) == (False, pb.BUDGET_SPEND)
             assert client.exists(store.ready_key(name))
             assert not client.exists(store.rebuild_key(KEY))
             log = led.log_path.read_text()

@@ -10,7 +10,9 @@ shared with the ledger.
 
 What a counter holds for a limit (``used``) is the larger of its settled spend and what
 the ledger billed the key in that period and scope (``billed``: its per key / model /
-day counters, the bill ``tokengate usage`` reports), plus what the requests of this hour
+day counters, the bill ``tokengate usage`` reports; for a team's or organization's
+counter, the level's counters of its members' requests: ``budget_store.bill_fields``),
+plus what the requests of this hour
 and the last hold in flight. The settled counters alone miss spend that never reached
 them: requests an edge admitted on its own counters while Redis or this sidecar was
 unreachable and whose settlement could not reach Redis either (an nginx restarted in
