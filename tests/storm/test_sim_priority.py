@@ -28,6 +28,7 @@ class Req:
     request_id: str
 
 
+@pytest.mark.unit
 def test_the_queue_orders_by_priority_then_arrival_then_id_and_a_preempted_one_keeps_its_place(
 ) -> None:
     q: PriorityWaiting[Req] = PriorityWaiting()
@@ -46,6 +47,7 @@ def test_the_queue_orders_by_priority_then_arrival_then_id_and_a_preempted_one_k
         q[0]
 
 
+@pytest.mark.unit
 def test_the_victim_is_the_lowest_priority_then_the_latest_arrival() -> None:
     running = [Req(1, 1.0, "low-early"), Req(0, 5.0, "high-late"), Req(1, 2.0, "low-late"),
                Req(0, 0.5, "high-early")]
@@ -73,6 +75,7 @@ def admission_order(rs: list[Any]) -> list[int]:
     return sorted(range(len(rs)), key=lambda i: (rs[i].scheduled_at, i))
 
 
+@pytest.mark.unit
 def test_a_waiting_high_priority_request_is_admitted_before_earlier_low_ones() -> None:
     """One seat: the first request runs; of the three that wait, the later one of
     priority 0 goes before the two earlier ones of priority 5, which then go by arrival."""
@@ -81,12 +84,14 @@ def test_a_waiting_high_priority_request_is_admitted_before_earlier_low_ones() -
     assert admission_order(rs) == [0, 3, 1, 2]
 
 
+@pytest.mark.unit
 def test_under_fcfs_the_bodys_priority_changes_nothing() -> None:
     jobs = [(list(range(i * 100, i * 100 + 40)), 4, p) for i, p in enumerate((0, 5, 5, 0))]
     _e, rs = serve(settings(max_num_seqs=1), jobs)
     assert admission_order(rs) == [0, 1, 2, 3]
 
 
+@pytest.mark.unit
 def test_a_short_kv_cache_preempts_the_low_priority_request_though_it_came_first() -> None:
     """200 blocks, three prompts of 63 blocks admitted at once, each growing by 32 more:
     under fcfs the last admitted is preempted and the first never; under priority the
@@ -119,3 +124,62 @@ def test_a_replica_takes_the_priority_flag_and_refuses_a_priority_that_is_no_int
                          timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "body.priority"
+
+
+@pytest.mark.unit
+def test_the_spare_what_if_frees_a_seat_keeps_line_prefills_apart_and_small() -> None:
+    """``make bench-batch``'s what-if scheduler (tokengate_dev.bench.batch_engine's
+    ``SpareEngine``) on a virtual clock: a line (priority 1) running in the one seat is
+    preempted for an interactive request, which gets its first token in its own first
+    step; a line's 200-token prompt is computed 32 tokens a step, never in a step that
+    computes an interactive prefill; both finish."""
+    from tokengate_dev.bench.batch_engine import SpareEngine, VirtualLoop
+
+    s = settings(scheduling_policy="priority", max_num_seqs=1, model_config="qwen3-8b")
+    steps: list[list[tuple[int, int, bool]]] = []   # per step: (priority, new, prefill)
+
+    class Recorded(SpareEngine):
+        def _plan(self, start: float) -> list[tuple[Any, int, int]]:
+            parts = super()._plan(start)
+            steps.append([(r.priority, new, c < r.prompt_len) for r, new, c in parts])
+            return parts
+
+    async def main() -> list[Any]:
+        rf = s.roofline()
+        assert rf is not None
+        e = Recorded(s, rf, OUTPUT_ID)
+        line = e.submit(list(range(1000, 1200)), 40, request_id="line", priority=1)
+        await asyncio.sleep(20 * rf.step_s([(1, 200, 1)]))   # the line decodes by then
+        inter = e.submit(list(range(5000, 5200)), 4, request_id="inter", priority=0)
+        await asyncio.gather(line.done, inter.done)
+        return [line, inter]
+
+    loop = VirtualLoop()
+    line, inter = loop.run_until_complete(main())
+    loop.close()
+    first = [(p, new) for p, new, prefill in steps[0]]
+    assert first == [(1, 32)]   # the line's first chunk
+    assert [len(st) for st in steps[:7]] == [1] * 7 and steps[6] == [(1, 200 - 6 * 32, True)]
+    inter_steps = [st for st in steps if any(p == 0 and prefill for p, _n, prefill in st)]
+    assert inter_steps == [[(0, 200, True)]]   # alone: the line was preempted
+    assert line.num_preemptions == 1 and inter.num_preemptions == 0
+    assert inter.last_token_at < line.last_token_at
+    assert (line.generated, inter.generated) == (40, 4)
+
+    # two seats, both at once: the interactive prefill's step holds no line chunk
+    s = settings(scheduling_policy="priority", max_num_seqs=2, model_config="qwen3-8b")
+    steps.clear()
+
+    async def together() -> None:
+        rf = s.roofline()
+        assert rf is not None
+        e = Recorded(s, rf, OUTPUT_ID)
+        rs = [e.submit(list(range(i * 1000, i * 1000 + 200)), 4, request_id=f"r{p}",
+                       priority=p) for i, p in ((1, 1), (5, 0))]
+        await asyncio.gather(*(r.done for r in rs))
+
+    loop = VirtualLoop()
+    loop.run_until_complete(together())
+    loop.close()
+    assert steps[0] == [(0, 200, True)]
+    assert steps[1] == [(0, 1, False), (1, 32, True)]
