@@ -133,7 +133,8 @@ def xdist_group(config: pytest.Config, item: pytest.Item, name: str) -> None:
 # fixture that asks for each: a test that needs one of them and not the default server
 # runs in a group of that server's (below)
 OTHER_VLLM = {"queue_vllm": "vllm-queue", "pooling_vllm": "vllm-pooling",
-              "kv_vllm": "vllm-kv", "agents_stack": "vllm-agents"}
+              "kv_vllm": "vllm-kv", "agents_stack": "vllm-agents",
+              "spare_vllm": "vllm-spare"}
 
 
 def vllm_group(fixtures: Iterable[str]) -> str | None:

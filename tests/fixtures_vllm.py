@@ -211,6 +211,28 @@ QUEUE_ENGINE = TEST_DIR / "vllm-queue" / "engine.jsonl"  # its engine records
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SPARE_PACE_FILE = TEST_DIR / "vllm-spare" / "pace"
+SPARE_STEPS_FILE = TEST_DIR / "vllm-spare" / "steps.jsonl"  # its paced steps
+
+
+@pytest.fixture(scope="session")
+def spare_vllm(vllm_server: VllmFactory) -> VllmServer:
+    """A server of the plugin's scheduler under ``--scheduling-policy priority`` (its
+    spare-capacity rules, tokengate_vllm.scheduler), three seats, steps paced while
+    ``SPARE_PACE_FILE`` exists and then written to ``SPARE_STEPS_FILE``
+    (tests/paced_scheduler.py), no billing flags."""
+    from tests.paced_scheduler import PACE_ENV, STEPS_ENV
+
+    SPARE_PACE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    SPARE_PACE_FILE.unlink(missing_ok=True)
+    return vllm_server(extra_args=("--scheduler-cls", SCHEDULER, "--max-num-seqs", "3",
+                                   "--scheduling-policy", "priority"),
+                       drop=BILLING_FLAGS,
+                       env={PACE_ENV: str(SPARE_PACE_FILE), STEPS_ENV: str(SPARE_STEPS_FILE),
+                            "PYTHONPATH": str(ROOT)},
+                       label="spare")
+
+
 @pytest.fixture(scope="session")
 def queue_vllm(vllm_server: VllmFactory) -> VllmServer:
     """The second server (above): the token-weighted scheduler, two slots, no billing

@@ -248,7 +248,13 @@ def test_scheduler_settings_from_the_environment():
                                              "TOKENGATE_SCHED_OUTPUT_WEIGHT": "1.5",
                                              "TOKENGATE_SCHED_MAX_WAIT_S": "0"})
     assert (s.policy, s.output_weight, s.max_wait_s) == ("fcfs", 1.5, 0.0)
+    assert (s.spare_priority, s.spare_chunk) == (1, 32)
+    s = settings.SchedulerSettings.from_env({"TOKENGATE_SCHED_SPARE_PRIORITY": "2",
+                                             "TOKENGATE_SCHED_SPARE_CHUNK": " 64 "})
+    assert (s.spare_priority, s.spare_chunk) == (2, 64)
     for env in ({"TOKENGATE_SCHED_POLICY": "sjf"}, {"TOKENGATE_SCHED_MAX_WAIT_S": "-1"},
-                {"TOKENGATE_SCHED_OUTPUT_WEIGHT": "nan"}, {"TOKENGATE_SCHED_MAX_WAIT_S": "ten"}):
+                {"TOKENGATE_SCHED_OUTPUT_WEIGHT": "nan"}, {"TOKENGATE_SCHED_MAX_WAIT_S": "ten"},
+                {"TOKENGATE_SCHED_SPARE_PRIORITY": "0"}, {"TOKENGATE_SCHED_SPARE_CHUNK": "-1"},
+                {"TOKENGATE_SCHED_SPARE_CHUNK": "1.5"}):
         with pytest.raises(ValueError, match=next(iter(env))):
             settings.SchedulerSettings.from_env(env)

@@ -20,8 +20,9 @@ token: the engine records' queued + prefill) over that alone, the queued part's 
 the busy share (seats in use over seats) and the preemptions, over the run less its
 first ``--warm-s``.
 
-Besides vLLM's policies, ``spare``: a scheduler that vLLM 0.32 does not have (a what-if
-for one of tokengate's vLLM plugin, ``SpareEngine``).
+Besides vLLM's policies, ``spare``: vLLM's priority policy with the rules of tokengate's
+vLLM plugin scheduler for the batch's lines (``tokengate_vllm.scheduler``;
+``SpareEngine``).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
 
 class SpareEngine(SteppedEngine):
-    """vLLM's priority policy (``SteppedEngine``) plus three rules for requests of
-    priority above 0 (the batch's lines), so that they use spare capacity only:
+    """vLLM's priority policy (``SteppedEngine``) plus the three rules of the vLLM
+    plugin's scheduler under it (``tokengate_vllm.scheduler``) for requests of priority
+    above 0 (the batch's lines), so that they use spare capacity only:
 
     - a waiting request that finds every seat (``--max-num-seqs``) taken preempts the
       running request of the highest (priority, arrival) when that is of a higher
