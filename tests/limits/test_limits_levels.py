@@ -5,6 +5,7 @@ quota read every level; the ledger settles a level's reservation the edge could 
 from __future__ import annotations
 
 import time
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import redis
 import yaml
 from tokengate import config as tg_config
 from tokengate import redis_client
+from tokengate import redis_keys as store
 from tokengate.budget_store import nano
 from tokengate.ledger.calculator import Calculator
 from tokengate.ledger.ledger import Ledger
@@ -68,7 +70,7 @@ def test_settle_corrects_the_key_and_every_level(limits: pb_grpc.GlobalLimitsStu
 
 
 def test_quota_reads_every_window_and_counter_without_changing_them(
-        limits: pb_grpc.GlobalLimitsStub) -> None:
+        limits: pb_grpc.GlobalLimitsStub, ledger_redis: redis.Redis) -> None:
     assert reserve(limits, 1, 300, key="k1", levels=[TEAM]).admitted
     assert reserve(limits, 2, 100, key="k2", levels=[TEAM]).admitted
     team_counter = pb.BudgetCounter(name=f"team:t/*:day:{DAY}", spend_limit_nano=10**9,
@@ -87,6 +89,18 @@ def test_quota_reads_every_window_and_counter_without_changing_them(
     q2 = limits.Quota(pb.QuotaRequest(key_id="k2", counters=[team_counter]), timeout=2)
     assert q2.counters[0].reserved_nano == 5000
     assert q2.windows[0].requests == 1
+    # what the ledger billed in the period, where the settled counters hold less (the
+    # requests before the budget was set): spent as admission counts it
+    iso = (date(1970, 1, 1) + timedelta(days=DAY)).isoformat()
+    ledger_redis.hset(store.usage_key(iso, "k3", MODEL),
+                      mapping={"cost": "0.000004", "prompt_tokens": 30, "completion_tokens": 12})
+    ledger_redis.hset(store.level_usage_key(iso, "team:t", MODEL),
+                      mapping={"cost": "0.000007", "prompt_tokens": 50, "completion_tokens": 20})
+    key_counter = pb.BudgetCounter(name=f"*:day:{DAY}", spend_limit_nano=10**9, ttl_s=172800)
+    q3 = limits.Quota(pb.QuotaRequest(key_id="k3", counters=[key_counter, team_counter]),
+                      timeout=2)
+    assert [(c.spent_nano, c.tokens, c.reserved_nano) for c in q3.counters] == \
+        [(4000, 42, 0), (7000, 70, 5000)]
 
 
 @pytest.fixture

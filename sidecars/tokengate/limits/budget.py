@@ -196,15 +196,20 @@ class GlobalBudgets:
 
     async def usage(self, key_id: str, counters: Sequence[str]
                     ) -> list[tuple[int, int, int, int]]:
-        """(settled spend nano-units, settled tokens, reserved spend, reserved tokens) of
-        each counter (a level's by its ``<level id>/`` name): what ended, the ledger's
-        corrections included, and what requests in flight hold (this hour's and the
-        last's buckets); nothing is changed."""
+        """(spent nano-units, tokens, reserved spend, reserved tokens) of each counter (a
+        level's by its ``<level id>/`` name), as admission counts them: what ended (the
+        settled counters, the ledger's corrections included, or the ledger's bill of the
+        period where that is more, e.g. for requests before the budget was set) and
+        what requests in flight hold (this hour's and the last's buckets); nothing is
+        changed. While a ledger rebuilds the bill, the settled counters alone."""
         hour = this_hour()
         pipe = self.client.pipeline(transaction=False)
         for name in counters:
             for k in budget_keys(key_id, name, hour):
                 pipe.get(k)
         v = [int(x or 0) for x in await pipe.execute()]
-        return [(v[6 * i], v[6 * i + 1], max(0, v[6 * i + 2] + v[6 * i + 4]),
-                 max(0, v[6 * i + 3] + v[6 * i + 5])) for i in range(len(counters))]
+        bills = await self.billed(key_id, [BudgetCounter(n, 0, 0, 0) for n in counters]) \
+            or [(0, 0)] * len(counters)
+        return [(max(v[6 * i], bills[i][0]), max(v[6 * i + 1], bills[i][1]),
+                 max(0, v[6 * i + 2] + v[6 * i + 4]), max(0, v[6 * i + 3] + v[6 * i + 5]))
+                for i in range(len(counters))]
