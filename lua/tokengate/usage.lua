@@ -363,13 +363,14 @@ end
 --   nothing refunded: billing only the prompt would make "ask, then hang up" a free
 --   generation;
 --   forwarded and answered (or aborted) without usage: the prompt ("estimate");
---   not forwarded, or a stream whose first event was vLLM's refusal (stream_error):
---   nothing ("none").
+--   not forwarded, a route without a body (a stored response read or cancelled: vLLM
+--   generates nothing, and no engine record comes for the ledger to wait for), or a
+--   stream whose first event was vLLM's refusal (stream_error): nothing ("none").
 function _M.bill(ctx, aborted)
     if ctx.u_source then
         return ctx.u_prompt or 0, ctx.u_completion or 0, ctx.u_cached or 0, ctx.u_source
     end
-    if ctx.refused_in_stream then
+    if ctx.refused_in_stream or ctx.no_body then
         return 0, 0, 0, "none"
     end
     local prompt = ctx.token_estimate or 0

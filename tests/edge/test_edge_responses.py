@@ -153,7 +153,11 @@ def test_a_stored_response_is_its_keys_alone(edge: Edge,
     with vLLM's usage."""
     a, b = client(edge), client(edge, OTHER_KEY)
     first = a.responses.create(model=MODEL, input=HELLO, max_output_tokens=3)
-    assert a.responses.retrieve(first.id).id == first.id
+    read = a.responses.with_raw_response.retrieve(first.id)
+    assert read.parse().id == first.id
+    # a read bills nothing and waits for no engine record (vLLM generated nothing)
+    ev = edge.event(read.headers["x-request-id"])
+    assert (ev["status"], ev["prompt_tokens"], ev["usage_source"]) == (200, 0, "none")
     before = vllm_requests()
     with pytest.raises(openai.NotFoundError) as info:
         b.responses.retrieve(first.id)
