@@ -44,8 +44,8 @@ local ERROR = { -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1 }
 local FAMILIES = {
     { "tokengate_requests_total", "counter",
       "Requests that ended, by API key, model, endpoint (chat, completions, messages, "
-      .. "count_tokens, responses, input_tokens, response, response_cancel, models, "
-      .. "model, other) and status class (2xx..5xx)." },
+      .. "count_tokens, responses, input_tokens, response, response_cancel, embeddings, "
+      .. "models, model, key, other) and status class (2xx..5xx)." },
     { "tokengate_prompt_tokens_total", "counter",
       "Prompt tokens billed (the usage events' prompt_tokens), by API key and model." },
     { "tokengate_completion_tokens_total", "counter",

@@ -49,7 +49,8 @@ local function levels_of(key)
     return out
 end
 
--- window_entry(lv, requests, tokens, reset_s) -> one "limits" entry
+-- window_entry(lv, requests, tokens, reset_s) -> one "limits" entry; reset_s in
+-- seconds, to the tenth
 local function window_entry(lv, requests, tokens, reset_s)
     local o = json.object()
     json.set(o, "level", lv.level)
@@ -60,7 +61,7 @@ local function window_entry(lv, requests, tokens, reset_s)
     json.set(o, "tokens", tokens)
     json.set(o, "remaining_requests", max(0, lv.rpm - requests))
     json.set(o, "remaining_tokens", max(0, lv.tpm - tokens))
-    json.set(o, "reset_s", reset_s)
+    json.set(o, "reset_s", floor(reset_s * 10 + 0.5) / 10)
     return o
 end
 
