@@ -117,6 +117,14 @@ def test_a_replica_takes_the_priority_flag_and_refuses_a_priority_that_is_no_int
     assert s.argv()[s.argv().index("--scheduling-policy") + 1] == "priority"
     with pytest.raises(ValueError, match="--scheduling-policy"):
         SimSettings(scheduling_policy="lifo").check()
+    spare = SimSettings(gpu="h100", num_gpu_blocks=0, scheduling_policy="priority",
+                        spare_chunk=32).sized()
+    assert spare.argv()[spare.argv().index("--spare-chunk") + 1] == "32"
+    for bad in ({"gpu": "h100", "spare_chunk": 32}, {"scheduling_policy": "priority",
+                                                     "spare_chunk": 32},
+                {"gpu": "h100", "scheduling_policy": "priority", "spare_chunk": -1}):
+        with pytest.raises(ValueError, match="--spare-chunk"):
+            SimSettings(**{"num_gpu_blocks": 0, **bad}).sized().check()
     with SimReplica(s) as rep:
         body = {"model": MODEL, "prompt": list(range(100, 140)), "max_tokens": 2}
         ok = httpx.post(rep.url + "/completions", json={**body, "priority": -3}, timeout=30)
@@ -127,18 +135,19 @@ def test_a_replica_takes_the_priority_flag_and_refuses_a_priority_that_is_no_int
 
 
 @pytest.mark.unit
-def test_the_spare_what_if_frees_a_seat_keeps_line_prefills_apart_and_small() -> None:
-    """``make bench-batch``'s what-if scheduler (tokengate_dev.bench.batch_engine's
-    ``SpareEngine``) on a virtual clock: a line (priority 1) running in the one seat is
-    preempted for an interactive request, which gets its first token in its own first
-    step; a line's 200-token prompt is computed 32 tokens a step, never in a step that
-    computes an interactive prefill; both finish."""
-    from tokengate_dev.bench.batch_engine import SpareEngine, VirtualLoop
+def test_spare_chunks_free_a_seat_keep_line_prefills_apart_and_small() -> None:
+    """The vLLM plugin scheduler's rules in a simulated replica (``spare_chunk`` 32), on
+    a virtual clock (tokengate_dev.bench.batch_engine's): a line (priority 1) running in
+    the one seat is preempted for an interactive request, which gets its first token in
+    its own first step; a line's 200-token prompt is computed 32 tokens a step, never in
+    a step that computes an interactive prefill; both finish."""
+    from tokengate_dev.bench.batch_engine import VirtualLoop
 
-    s = settings(scheduling_policy="priority", max_num_seqs=1, model_config="qwen3-8b")
+    spare = {"scheduling_policy": "priority", "spare_chunk": 32, "model_config": "qwen3-8b"}
+    s = settings(max_num_seqs=1, **spare)
     steps: list[list[tuple[int, int, bool]]] = []   # per step: (priority, new, prefill)
 
-    class Recorded(SpareEngine):
+    class Recorded(SteppedEngine):
         def _plan(self, start: float) -> list[tuple[Any, int, int]]:
             parts = super()._plan(start)
             steps.append([(r.priority, new, c < r.prompt_len) for r, new, c in parts])
@@ -167,7 +176,7 @@ def test_the_spare_what_if_frees_a_seat_keeps_line_prefills_apart_and_small() ->
     assert (line.generated, inter.generated) == (40, 4)
 
     # two seats, both at once: the interactive prefill's step holds no line chunk
-    s = settings(scheduling_policy="priority", max_num_seqs=2, model_config="qwen3-8b")
+    s = settings(max_num_seqs=2, **spare)
     steps.clear()
 
     async def together() -> None:

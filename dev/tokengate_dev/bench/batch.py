@@ -104,6 +104,7 @@ class Options:
     hold_ms: int = 200              # hold_ms of the batch's priority
     max_waiting: int = 2            # max_waiting of the batch's priority
     scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
+    spare_chunk: int = 0            # the replicas' --spare-chunk (0: vLLM's policy alone)
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
@@ -112,7 +113,8 @@ class Options:
         cores drive a few dozen streams per replica, not vLLM's default 256)."""
         return slo.sim_settings(model, 4096, self.gpu, self.model_config,
                                 max_num_seqs=self.slots,
-                                scheduling_policy=self.scheduling_policy)
+                                scheduling_policy=self.scheduling_policy,
+                                spare_chunk=self.spare_chunk)
 
     def replica(self, model: tg_config.ModelConfig, i: int) -> SimReplica:
         """Replica ``i``, writing its engine usage records to ``records(i)``."""
@@ -495,6 +497,11 @@ def main(argv: list[str] | None = None) -> None:
                         "scheduling_policy): priority sends the batch's lines at "
                         "vllm_priority 1, behind the interactive requests' 0 "
                         "(default: %(default)s)")
+    p.add_argument("--spare-chunk", type=int, default=d.spare_chunk, metavar="TOKENS",
+                   help="with --scheduling-policy priority: the replicas run the rules of "
+                        "tokengate's vLLM plugin scheduler for the lines, prefill chunks "
+                        "of TOKENS (32: its default); 0: vLLM's policy alone "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
@@ -502,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
                    duration_s=args.duration_s, interactive_share=args.interactive_share,
                    low_kv_threshold=args.low_kv_threshold,
                    prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms,
-                   max_waiting=args.max_waiting, scheduling_policy=args.scheduling_policy)
+                   max_waiting=args.max_waiting, scheduling_policy=args.scheduling_policy,
+                   spare_chunk=args.spare_chunk)
     console = Console()
     out = run_bench(opts, console)
     for t in render(out):

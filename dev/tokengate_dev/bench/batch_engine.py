@@ -21,8 +21,10 @@ the busy share (seats in use over seats) and the preemptions, over the run less 
 first ``--warm-s``.
 
 Besides vLLM's policies, ``spare``: vLLM's priority policy with the rules of tokengate's
-vLLM plugin scheduler for the batch's lines (``tokengate_vllm.scheduler``;
-``SpareEngine``).
+vLLM plugin scheduler for the batch's lines (``tokengate_vllm.scheduler``; the
+simulated replica's ``spare_chunk``, ``SPARE_CHUNK`` tokens). On seeds 11-13, 60 s, 28-29
+of 32 seats for lines, no lane: interactive TTFT p99 1.05-1.10x alone at 0.89-0.92 of
+the seats, where the priority policy gave 1.24-1.25x (docs/developers/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from tokenstorm.upstream.sim_settings import SCHEDULING_POLICIES, SimSettings
 from tokenstorm.upstream.sim_steps import SteppedEngine
 
 OUTPUT_TOKEN_ID = 5
+SPARE_CHUNK = 32   # the plugin's TOKENGATE_SCHED_SPARE_CHUNK default
 
 
 class _NoWaitSelector(selectors.BaseSelector):
@@ -83,49 +86,6 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return self.now
 
 
-class SpareEngine(SteppedEngine):
-    """vLLM's priority policy (``SteppedEngine``) plus the three rules of the vLLM
-    plugin's scheduler under it (``tokengate_vllm.scheduler``) for requests of priority
-    above 0 (the batch's lines), so that they use spare capacity only:
-
-    - a waiting request that finds every seat (``--max-num-seqs``) taken preempts the
-      running request of the highest (priority, arrival) when that is of a higher
-      priority number than its own (vLLM preempts only when KV blocks run out);
-    - a step that computes an interactive request's prefill holds no line's prefill
-      chunk (lines' decodes stay in it);
-    - a line's prefill takes at most ``line_chunk`` tokens a step, so a step holding one
-      stays near a decode step's time (the roofline is memory-bound there).
-
-    Measured on the virtual clock (seeds 11-13, 60 s, 28-29 of 32 seats, no lane, chunks
-    of 32): interactive TTFT p99 1.05-1.10x alone at 0.89-0.92 of the seats, where the
-    priority policy gave 1.24-1.25x (docs/developers/benchmarks.md)."""
-
-    line_chunk = 32
-    order: list[SimRequest]   # SteppedEngine's (running, in the order admitted)
-
-    def _plan(self, start: float) -> list[tuple[SimRequest, int, int]]:
-        order = [r for r in self.order if not r.finished]
-        while self.waiting and len(order) >= self.s.max_num_seqs \
-                and self.waiting[0].arrival <= start:
-            victim = max(order, key=lambda r: (r.priority, r.arrival))
-            if victim.priority <= self.waiting[0].priority:
-                break
-            order.remove(victim)
-            self._preempt(victim)
-        self.order = order
-        parts = super()._plan(start)
-        interactive = any(r.priority == 0 and cached < r.prompt_len
-                          for r, _new, cached in parts)
-        kept = []
-        for r, new, cached in parts:
-            if r.priority > 0 and cached < r.prompt_len:   # a line's prefill chunk
-                if interactive:
-                    continue   # its blocks stay allocated; it computes in a later step
-                new = min(new, self.line_chunk)
-            kept.append((r, new, cached))
-        return kept
-
-
 # the policies this benchmark runs: vLLM's, and the what-if
 POLICIES = (*SCHEDULING_POLICIES, "spare")
 
@@ -160,9 +120,11 @@ def run(policy: str, bound: Bound | None, seed: int, duration_s: float, warm_s: 
         ) -> Figures:
     """One run on a virtual clock: interactive requests alone (``bound`` None) or beside
     a batch admitted within ``bound``; figures over ``warm_s`` .. ``duration_s``."""
+    spare = policy == "spare"
     s = SimSettings(gpu="h100", model_config="qwen3-8b", num_gpu_blocks=0,
                     max_model_len=4096, max_num_seqs=slots,
-                    scheduling_policy="priority" if policy == "spare" else policy).sized()
+                    scheduling_policy="priority" if spare else policy,
+                    spare_chunk=SPARE_CHUNK if spare else 0).sized()
     rf = s.roofline()
     assert rf is not None
     # make bench-batch's rate (tokengate_dev.bench.batch.Options.request_s), one replica
@@ -183,8 +145,7 @@ def run(policy: str, bound: Bound | None, seed: int, duration_s: float, warm_s: 
         return list(range(base, base + prompt))
 
     async def main() -> None:
-        engine = SpareEngine if policy == "spare" else SteppedEngine
-        e = engine(s, rf, OUTPUT_TOKEN_ID, on_ttft=ttfts.append)
+        e = SteppedEngine(s, rf, OUTPUT_TOKEN_ID, on_ttft=ttfts.append)
 
         async def users() -> None:
             for t in arrivals:
@@ -233,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                         "max_prefill_tokens (0: no lane) of each run (default: 26:2:256 "
                         "28:2:256 29:2:256 30:2:256 30:2:0 32:8:256)")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                   help="vLLM's scheduling policies and spare, the what-if (SpareEngine)")
+                   help="vLLM's scheduling policies, and spare: priority with the vLLM "
+                        "plugin scheduler's rules for lines")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--duration-s", type=float, default=60.0)
     p.add_argument("--warm-s", type=float, default=5.0)

@@ -38,7 +38,10 @@ class SimSettings:
     ``TOKENGATE_ENGINE_USAGE_FILE`` with the plugin; None: none are written);
     ``scheduling_policy``: vLLM's ``--scheduling-policy``, ``fcfs`` or ``priority``
     (waiting requests by the body's ``priority``, then arrival; with ``gpu``, preemption
-    of the lowest priority: ``tokenstorm.upstream.sim_priority``).
+    of the lowest priority: ``tokenstorm.upstream.sim_priority``); ``spare_chunk``:
+    above 0, under ``priority`` with ``gpu``, the rules of tokengate's vLLM plugin
+    scheduler for requests of priority 1 or above, prefill chunks of this many tokens
+    (``TOKENGATE_SCHED_SPARE_CHUNK``; ``sim_steps``), 0: vLLM's policy alone.
     ``gpu``: None for the fixed timing above, or a GPU of ``roofline.GPUS`` (``h100``,
     ``h200``): the engine then steps as vLLM's scheduler (``sim_steps``) with a token
     budget of ``max_num_batched_tokens`` per step, each step timed by the roofline of
@@ -76,6 +79,7 @@ class SimSettings:
     gpu_tflops: float | None = None
     gpu_hbm_tb_s: float | None = None
     scheduling_policy: str = "fcfs"
+    spare_chunk: int = 0
 
     def roofline(self) -> Roofline | None:
         """The step timing of ``gpu`` (None: fixed timing); ValueError for an unknown
@@ -116,6 +120,10 @@ class SimSettings:
             raise ValueError("--tokenizer: hf or counter")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError("--scheduling-policy: fcfs or priority")
+        if self.spare_chunk < 0 or (self.spare_chunk and (
+                self.scheduling_policy != "priority" or self.gpu is None)):
+            raise ValueError("--spare-chunk: >= 0, and above 0 only with --gpu and "
+                             "--scheduling-policy priority")
         # vLLM refuses to start when one request of max_model_len tokens cannot fit
         # (vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory)
         room = (self.num_gpu_blocks - 1) * self.block_size
@@ -154,6 +162,8 @@ class SimSettings:
                 out += ["--gpu-tflops", repr(self.gpu_tflops)]
             if self.gpu_hbm_tb_s is not None:
                 out += ["--gpu-hbm-tb-s", repr(self.gpu_hbm_tb_s)]
+            if self.spare_chunk:
+                out += ["--spare-chunk", str(self.spare_chunk)]
         return out
 
 
@@ -242,6 +252,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dense bf16 peak instead of the GPU's (h100, h200: 790)")
     r.add_argument("--gpu-hbm-tb-s", type=float, default=None, metavar="TB_S",
                    help="memory bandwidth instead of the GPU's (h100: 3.0, h200: 4.3)")
+    r.add_argument("--spare-chunk", type=int, default=d.spare_chunk, metavar="TOKENS",
+                   help="with --scheduling-policy priority: the rules of tokengate's vLLM "
+                        "plugin scheduler for priority >= 1 (a waiting request preempts "
+                        "one for a seat; their prefill never beside another's, in chunks "
+                        "of TOKENS); 0: vLLM's policy alone (default: %(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
@@ -262,4 +277,5 @@ def settings_from_args(args: argparse.Namespace, model: str, model_dir: Path,
         engine_usage_file=args.engine_usage_file, gpu=args.gpu,
         model_config=args.model_config, max_num_batched_tokens=args.max_num_batched_tokens,
         step_overhead_ms=args.step_overhead_ms, gpu_tflops=args.gpu_tflops,
-        gpu_hbm_tb_s=args.gpu_hbm_tb_s, scheduling_policy=args.scheduling_policy).sized()
+        gpu_hbm_tb_s=args.gpu_hbm_tb_s, scheduling_policy=args.scheduling_policy,
+        spare_chunk=args.spare_chunk).sized()

@@ -24,6 +24,14 @@ queue in ``--scheduling-policy`` order: arrival, or priority then arrival):
 5. the step lasts ``Roofline.step_s`` of what it scheduled; at its end every request
    whose known tokens are all computed samples one token (its first: TTFT).
 
+With ``spare_chunk`` (``SimSettings``), the rules of tokengate's vLLM plugin scheduler
+under the priority policy (``tokengate_vllm.scheduler``) for requests of priority
+``SPARE_PRIORITY`` or above: before step 2, a waiting request that finds every seat
+taken preempts the running one of the highest (priority, arrival) when that is such a
+request of a higher priority number; after step 3, their prefill chunks leave a step
+that computes another request's prefill (their blocks stay allocated) and are cut to
+``spare_chunk`` tokens in any other.
+
 ``n > 1`` choices share the prompt's blocks and hold their own blocks from admission, as
 in the fixed-timing engine; their decodes count as ``n`` tokens in the step's cost.
 """
@@ -39,6 +47,9 @@ from tokenstorm.upstream.kv_events import KVEventPublisher
 from tokenstorm.upstream.roofline import Roofline
 from tokenstorm.upstream.sim_engine import Engine, SimRequest
 from tokenstorm.upstream.sim_settings import SimSettings
+
+# the plugin's TOKENGATE_SCHED_SPARE_PRIORITY default (the edge's lines: vllm_priority 1)
+SPARE_PRIORITY = 1
 
 
 class SteppedEngine(Engine):
@@ -108,6 +119,31 @@ class SteppedEngine(Engine):
         computed before). Only requests that arrived by ``start`` join it: a step planned
         late (the loop behind its clock) must not take a request that came while it
         ran, or that request's TTFT would be shorter than a step."""
+        if not self.s.spare_chunk:
+            return self._plan_vllm(start)
+        order = [r for r in self.order if not r.finished]
+        if self.waiting and order and len(order) >= self.s.max_num_seqs \
+                and self.waiting[0].arrival <= start:
+            victim = max(order, key=lambda r: (r.priority, r.arrival))
+            if victim.priority >= SPARE_PRIORITY \
+                    and victim.priority > self.waiting[0].priority:
+                order.remove(victim)
+                self._preempt(victim)
+        self.order = order
+        parts = self._plan_vllm(start)
+        other = any(r.priority < SPARE_PRIORITY and cached < r.prompt_len
+                    for r, _new, cached in parts)
+        kept = []
+        for r, new, cached in parts:
+            if r.priority >= SPARE_PRIORITY and cached < r.prompt_len:
+                if other:
+                    continue   # its blocks stay allocated; it computes in a later step
+                new = min(new, self.s.spare_chunk)
+            kept.append((r, new, cached))
+        return kept
+
+    def _plan_vllm(self, start: float) -> list[tuple[SimRequest, int, int]]:
+        """``_plan`` as vLLM's scheduler plans a step (the module's steps 1-4)."""
         s, pool, bs = self.s, self.pool, self.s.block_size
         budget = s.max_num_batched_tokens
         self.order = order = [r for r in self.order if not r.finished]
