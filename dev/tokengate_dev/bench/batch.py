@@ -4,7 +4,10 @@ The fleet is ``--replicas`` simulated vLLM replicas on GPUs (``tokenstorm sim-re
 --gpu h100``, as ``make bench-slo`` builds them: vLLM's scheduler stepped with a token
 budget per step, decodes first, chunked prefill, ``--max-num-seqs`` seats; each step
 timed by the roofline of ``--model-config``, Qwen3-8B's shape by default; the KV cache
-sized from the GPU's memory; vLLM's ``--scheduling-policy``, ``priority`` by default),
+sized from the GPU's memory; vLLM's ``--scheduling-policy``, ``priority`` by default,
+with the rules of tokengate's vLLM plugin scheduler for the lines, ``--spare-chunk``
+32: a waiting interactive request preempts a line for a seat, no line prefill beside
+an interactive one, line prefills in chunks of 32 tokens),
 behind a real edge, counter, Redis and tokengate-batch. Interactive traffic is one
 open-loop TokenStorm run (Poisson arrivals at ``--interactive-share`` of the fleet's
 seats, streaming) of a ``normal`` key; the batch's lines go through the edge at
@@ -13,9 +16,10 @@ seats, streaming) of a ``normal`` key; the batch's lines go through the edge at
 waiting interactive request, priority 0, before any waiting line and preempts lines
 first when its KV cache runs short), admitted only while a replica runs fewer than
 ``--batch-seats`` of its seats (``max_running``), has at most ``--max-waiting``
-requests waiting, its KV cache is below ``--low-kv-threshold`` and its prefill lane is
-free (``--prefill-tokens``: ``max_prefill_tokens``); a line that finds no such replica
-is held at the edge up to ``--hold-ms`` for one, then refused.
+requests waiting, its KV cache is below ``--low-kv-threshold`` and, with
+``--prefill-tokens`` (``max_prefill_tokens``; none by default: the plugin's chunks pace
+the lines' prefills), its prefill lane is free; a line that finds no such replica is
+held at the edge up to ``--hold-ms`` for one, then refused.
 
 Two runs of the same interactive schedule: alone, then with a batch of ``--lines``
 chat lines created when the interactive run starts. Both are measured over the
@@ -100,11 +104,11 @@ class Options:
     lines: int = 2000
     batch_seats: float = 0.94       # of a replica's seats the batch may fill up to
     low_kv_threshold: float = 0.8
-    prefill_tokens: int | None = 256  # max_prefill_tokens of the batch's priority
+    prefill_tokens: int | None = None  # max_prefill_tokens of the batch's priority
     hold_ms: int = 200              # hold_ms of the batch's priority
     max_waiting: int = 2            # max_waiting of the batch's priority
     scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
-    spare_chunk: int = 0            # the replicas' --spare-chunk (0: vLLM's policy alone)
+    spare_chunk: int = 32           # the replicas' --spare-chunk (0: vLLM's policy alone)
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
@@ -377,7 +381,11 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
                   f"{opts.model_config}, {opts.slots} seats each; interactive "
                   f"{opts.interactive_rps(model):.1f} requests/s (~"
                   f"{opts.interactive_share:.0%} of the seats), {opts.duration_s:.0f} s; a "
-                  f"batch of {opts.lines} lines on up to {opts.max_running} seats a replica")
+                  f"batch of {opts.lines} lines on up to {opts.max_running} seats a replica; "
+                  f"vLLM's {opts.scheduling_policy} policy"
+                  + (f" with the plugin's spare rules (chunks of {opts.spare_chunk})"
+                     if opts.spare_chunk else "")
+                  + (f", prefill lane {opts.prefill_tokens}" if opts.prefill_tokens else ""))
     with console.status("starting the replicas, Redis, the counter, the edge and "
                         "tokengate-batch ..."):
         routing.start_all(services)
@@ -484,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration-s", type=float, default=d.duration_s)
     p.add_argument("--interactive-share", type=float, default=d.interactive_share)
     p.add_argument("--low-kv-threshold", type=float, default=d.low_kv_threshold)
-    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
+    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens or 0,
                    help="max_prefill_tokens of the batch's priority; 0: no bound "
                         "(default: %(default)s)")
     p.add_argument("--hold-ms", type=int, default=d.hold_ms,
