@@ -53,7 +53,7 @@ DEFAULT_OUTPUT_WEIGHT = 0.7
 DEFAULT_MAX_WAIT_S = 10.0
 # the priority the edge gives the batch's lines (edge.admission.priorities.low's
 # vllm_priority) and a prefill chunk that keeps a step near a decode step's time on a
-# GPU (tokengate_dev.bench.batch_engine: SpareEngine)
+# GPU (python -m tokengate_dev.bench.batch_engine --policies spare)
 DEFAULT_SPARE_PRIORITY = 1
 DEFAULT_SPARE_CHUNK = 32
 

@@ -124,7 +124,7 @@ class SteppedEngine(Engine):
         order = [r for r in self.order if not r.finished]
         if self.waiting and order and len(order) >= self.s.max_num_seqs \
                 and self.waiting[0].arrival <= start:
-            victim = max(order, key=lambda r: (r.priority, r.arrival))
+            victim = sim_priority.victim(order)
             if victim.priority >= SPARE_PRIORITY \
                     and victim.priority > self.waiting[0].priority:
                 order.remove(victim)
