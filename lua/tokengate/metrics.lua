@@ -599,6 +599,20 @@ function _M.exposition(gauges)
             end
         end
     end
+    -- the status counters' series are known in advance: each is exposed from the start,
+    -- at 0 until counted (as Prometheus's client libraries expose a counter without
+    -- labels), so a rate over them reads 0 instead of no data
+    for i = 1, #STATUS do
+        local name, labels = STATUS[i][2], STATUS[i][3]
+        local series = by[name]
+        if not series then
+            series = {}
+            by[name] = series
+        end
+        if not series[labels] then
+            series[labels] = 0
+        end
+    end
     local out, n = {}, 0
     for i = 1, #FAMILIES do
         local f = FAMILIES[i]

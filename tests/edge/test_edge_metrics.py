@@ -173,6 +173,15 @@ def test_histograms_are_cumulative_and_every_family_is_declared(
     assert fams["tokengate_auth_blocks"].type == "counter"
     assert fams["tokengate_rate_limited"].samples == []
     assert all(f.documentation for f in fams.values())
+    # the status counters' known series are there from the start, at 0 (a rate over
+    # them reads 0, not no data)
+    drift = fams["tokengate_count_drift_requests"].samples
+    assert [(s.name, s.labels, s.value) for s in drift] == [
+        ("tokengate_count_drift_requests_total", {}, 0.0)]
+    fallbacks = {s.labels["reason"]: s.value
+                 for s in fams["tokengate_global_limit_fallbacks"].samples}
+    assert fallbacks == dict.fromkeys(("unavailable", "down", "timeout", "error", "backoff"),
+                                      0.0)
 
 
 def test_escaped_special_tokens_are_counted(edge_variant_off_vllm: Callable[..., Edge],
