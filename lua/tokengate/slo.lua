@@ -60,6 +60,7 @@
 -- predicted to meet them (decide) counts T from the request's arrival at the edge.
 
 local errors = require "tokengate.errors"
+local json = require "tokengate.json"
 local shdict = require "tokengate.shdict"
 local clock = require "tokengate.clock"
 local metrics = require "tokengate.metrics"
@@ -70,6 +71,7 @@ local tonumber, pairs, tostring = tonumber, pairs, tostring
 local match = string.match
 local floor, abs, ceil, min, max = math.floor, math.abs, math.ceil, math.min, math.max
 local type, setmetatable = type, setmetatable
+local null = json.null
 
 local _M = {}
 
@@ -420,7 +422,10 @@ function _M.targets(ctx, headers)
     ttft = ttft or number(ks.ttft_ms) or number(ms.ttft_ms)
     tpot = tpot or number(ks.tpot_ms) or number(ms.tpot_ms)
     if ttft or tpot then
+        -- a target not set anywhere is its bound's top for the decisions, and nil in
+        -- what the request is told (header(), finish())
         ctx.slo = { ttft_ms = ttft or TTFT_BOUNDS[2], tpot_ms = tpot or TPOT_BOUNDS[2],
+                    ttft_set = ttft ~= nil, tpot_set = tpot ~= nil,
                     class = CLASSES[key.slo_class] and key.slo_class or "interactive" }
     end
     return true
@@ -532,12 +537,16 @@ function _M.decide(ctx, choose, running)
 end
 
 -- header(t) -> X-Tokengate-SLO's value for ctx.slo t: "<class>; <decision>;
--- ttft=<predicted>/<target>; tpot=<predicted>/<target>" (ms, whole)
+-- ttft=<predicted>/<target>; tpot=<predicted>/<target>" (ms, whole; "/<target>" left
+-- out for a target set nowhere)
 function _M.header(t)
     local pt, pp = t.predicted_ttft_ms, t.predicted_tpot_ms
+    if not pt then
+        return t.class .. "; " .. t.decision
+    end
     return t.class .. "; " .. t.decision
-        .. (pt and ("; ttft=" .. floor(pt + 0.5) .. "/" .. t.ttft_ms .. "; tpot="
-        .. floor(pp + 0.5) .. "/" .. t.tpot_ms) or "")
+        .. "; ttft=" .. floor(pt + 0.5) .. (t.ttft_set and "/" .. t.ttft_ms or "")
+        .. "; tpot=" .. floor(pp + 0.5) .. (t.tpot_set and "/" .. t.tpot_ms or "")
 end
 
 -- sent(ctx): the request goes to its replica now: its uncached tokens join the
@@ -609,8 +618,9 @@ function _M.finish(ctx, completion)
         return nil
     end
     dequeue(ctx, t)
-    local ev = { class = t.class, decision = t.decision, ttft_target_ms = t.ttft_ms,
-                 tpot_target_ms = t.tpot_ms, decision_us = t.decision_us,
+    local ev = { class = t.class, decision = t.decision,
+                 ttft_target_ms = t.ttft_set and t.ttft_ms or null,
+                 tpot_target_ms = t.tpot_set and t.tpot_ms or null, decision_us = t.decision_us,
                  predict_us = t.predict_ms and floor(t.predict_ms * 1000 + 0.5) }
     if t.predicted_ttft_ms then
         ev.predicted_ttft_ms = floor(t.predicted_ttft_ms * 1000 + 0.5) / 1000

@@ -37,13 +37,13 @@ SLO = "x-tokengate-slo"
 
 
 def _edge(edge_variant_off_vllm: Callable[..., Edge], name: str,
-          ups: list[FastUpstream]) -> Edge:
+          ups: list[FastUpstream], targets: dict[str, int] | None = None) -> Edge:
     def edit(raw: dict[str, Any]) -> None:
         m = raw["models"][MODEL]
         m["upstreams"] = [f"127.0.0.1:{u.port}" for u in ups]
         m["embedded"] = False
         m["routing"] = {**m.get("routing", {}), "policy": "slo", "kv_events": {}}
-        m["slo"] = {"ttft_ms": 200, "tpot_ms": 1000}
+        m["slo"] = targets or {"ttft_ms": 200, "tpot_ms": 1000}
         raw["edge"]["admission"] = {"metrics_interval_ms": 0}
         for key, cls in ((SHED_KEY, "sheddable"), (BATCH_KEY, "batch")):
             raw["keys"][cls] = {"sha256": key_digest(key), "rpm": 100000,
@@ -122,6 +122,21 @@ def test_a_fresh_edge_refuses_nothing_on_its_prior(
     cls, decision, ttft, _ = r.headers[SLO].split("; ")
     assert (cls, decision) == ("sheddable", "met")
     assert int(ttft.removeprefix("ttft=").split("/")[0]) > 1
+
+
+def test_a_target_set_nowhere_is_left_out_of_the_answer(
+        edge_variant_off_vllm: Callable[..., Edge],
+        replicas: Callable[..., FastUpstream]) -> None:
+    """The model sets a TTFT target only: the answer shows the predicted TPOT without a
+    target, the usage event's tpot_target_ms is null."""
+    e = _edge(edge_variant_off_vllm, "slo-ttft-only", [replicas()], {"ttft_ms": 200})
+    r = _chat(e)
+    assert r.status_code == 200, r.text
+    _, _, ttft, tpot = r.headers[SLO].split("; ")
+    assert ttft.startswith("ttft=") and ttft.endswith("/200")
+    assert tpot.startswith("tpot=") and "/" not in tpot
+    ev = e.event(r.headers["x-request-id"])
+    assert (ev["slo"]["ttft_target_ms"], ev["slo"]["tpot_target_ms"]) == (200, None)
 
 
 def test_a_sheddable_or_batch_request_no_replica_can_serve_in_time_is_refused(

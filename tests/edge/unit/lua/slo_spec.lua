@@ -258,6 +258,14 @@ end)
 
 case("the header says the class, the decision and predicted against target", function()
     eq(slo.header({ class = "interactive", decision = "waited", ttft_ms = 400, tpot_ms = 50,
+                    ttft_set = true, tpot_set = true,
                     predicted_ttft_ms = 312.4, predicted_tpot_ms = 21.6 }),
        "interactive; waited; ttft=312/400; tpot=22/50")
+    -- a target set nowhere is left out (its bound's top stands in for the decisions)
+    eq(slo.header({ class = "interactive", decision = "met", ttft_ms = 400, tpot_ms = 60000,
+                    ttft_set = true, tpot_set = false,
+                    predicted_ttft_ms = 312.4, predicted_tpot_ms = 21.6 }),
+       "interactive; met; ttft=312/400; tpot=22")
+    eq(slo.header({ class = "sheddable", decision = "refused", ttft_set = true }),
+       "sheddable; refused")
 end)
