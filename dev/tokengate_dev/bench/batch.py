@@ -45,6 +45,15 @@ batch's whole span is reported beside).
   step's token budget is spent by prefills only (32 decodes use 0.4 % of it), and the
   share of time the GPU steps is near 1 as soon as one request runs.
 
+The time scale (``--time-scale K``, default ``slo.TIME_SCALE``, as ``make bench-slo``):
+every simulated step lasts K times an H100's (``slo.time_scaled``), the interactive
+arrivals are K times sparser for K times ``--duration-s``, and the edge's waits on the
+fleet (``hold_ms``, the replicas' metrics poll) K times longer: the same traffic and
+batch in the GPU's own time, while what this machine's shared cores add to each
+client's TTFT (the edge, the load generator, HTTP; a few ms at p99 that vary from run
+to run) weighs K times less against the steps. Latencies and rates print on the scaled
+clock; the ratios the aims judge need no conversion.
+
 Also: the batch's completion time (creation to ``completed``, s) and its lines per
 second. Aims, each printed with met / not met: TTFT p99 with the batch at most 1.1x
 without (and the same for the engine's TTFT, in parentheses); busy share with the
@@ -109,16 +118,19 @@ class Options:
     max_waiting: int = 2            # max_waiting of the batch's priority
     scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
     spare_chunk: int = 32           # the replicas' --spare-chunk (0: vLLM's policy alone)
+    time_scale: float = slo.TIME_SCALE  # every step K times an H100's (module text)
     seed: int = 11
 
     def sim(self, model: tg_config.ModelConfig) -> SimSettings:
         """One replica: vLLM's steps on ``gpu``, ``slots`` seats, the KV cache sized from
         the GPU's memory (``make bench-slo``'s replicas with fewer seats: this machine's
-        cores drive a few dozen streams per replica, not vLLM's default 256)."""
+        cores drive a few dozen streams per replica, not vLLM's default 256), every step
+        ``time_scale`` times as long."""
         return slo.sim_settings(model, 4096, self.gpu, self.model_config,
                                 max_num_seqs=self.slots,
                                 scheduling_policy=self.scheduling_policy,
-                                spare_chunk=self.spare_chunk)
+                                spare_chunk=self.spare_chunk,
+                                **slo.time_scaled(self.gpu, self.time_scale))
 
     def replica(self, model: tg_config.ModelConfig, i: int) -> SimReplica:
         """Replica ``i``, writing its engine usage records to ``records(i)``."""
@@ -136,7 +148,16 @@ class Options:
             + self.output_tokens * rf.step_s([(1, ctx, 1)] * batch)
 
     def interactive_rps(self, model: tg_config.ModelConfig) -> float:
+        """The interactive arrival rate (requests/s on the scaled clock)."""
         return self.interactive_share * self.replicas * self.slots / self.request_s(model)
+
+    def arrivals_s(self) -> float:
+        """How long each interactive run sends (s): ``duration_s`` at this time scale."""
+        return self.duration_s * self.time_scale
+
+    def scaled_ms(self, ms: float) -> int:
+        """A wait of the edge on the fleet (ms) at this time scale."""
+        return round(ms * self.time_scale)
 
     @property
     def max_running(self) -> int:
@@ -263,10 +284,10 @@ def write_config(path: Path, upstreams: list[str], opts: Options, edge_port: int
     raw["access_log"] = {"file": False}
     # set only when on: a checkout without them runs the bench as it was
     pacing = {k: v for k, v in (("max_prefill_tokens", opts.prefill_tokens),
-                                ("hold_ms", opts.hold_ms)) if v}
+                                ("hold_ms", opts.scaled_ms(opts.hold_ms))) if v}
     raw["edge"] = {"listen": f"127.0.0.1:{edge_port}", "status_listen":
                    f"127.0.0.1:{status_port}", "count_timeout_ms": 3000,
-                   "admission": {"metrics_interval_ms": 100, "priorities": {
+                   "admission": {"metrics_interval_ms": opts.scaled_ms(100), "priorities": {
                        "low": {"kv_cache_threshold": opts.low_kv_threshold,
                                "max_waiting": opts.max_waiting,
                                "max_running": opts.max_running, "vllm_priority": 1,
@@ -302,11 +323,11 @@ def interactive(opts: Options, edge_port: int, model: tg_config.ModelConfig,
     spec = RunSpec(url=f"http://127.0.0.1:{edge_port}/v1", model=MODEL,
                    model_dir=Path(model.dir), max_model_len=4096,
                    arrival=ArrivalSpec("poisson", rate=opts.interactive_rps(model)),
-                   duration_s=opts.duration_s,
+                   duration_s=opts.arrivals_s(),
                    profile=f"normal:mean={opts.prompt_tokens},sd=0",
                    output=OutputPolicy(fixed=opts.output_tokens),
                    stream=StreamOptions(stream=True), keys=(INTERACTIVE_KEY,), seed=opts.seed,
-                   max_lag_ms=50.0, timeout_s=120, connections=128, name=name)
+                   max_lag_ms=50.0, timeout_s=120 * opts.time_scale, connections=128, name=name)
     return execute(spec, progress=False)
 
 
@@ -380,12 +401,14 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
     console.print(f"{opts.replicas} simulated {opts.gpu.upper()} replicas of "
                   f"{opts.model_config}, {opts.slots} seats each; interactive "
                   f"{opts.interactive_rps(model):.1f} requests/s (~"
-                  f"{opts.interactive_share:.0%} of the seats), {opts.duration_s:.0f} s; a "
+                  f"{opts.interactive_share:.0%} of the seats), {opts.arrivals_s():.0f} s; a "
                   f"batch of {opts.lines} lines on up to {opts.max_running} seats a replica; "
                   f"vLLM's {opts.scheduling_policy} policy"
                   + (f" with the plugin's spare rules (chunks of {opts.spare_chunk})"
                      if opts.spare_chunk else "")
-                  + (f", prefill lane {opts.prefill_tokens}" if opts.prefill_tokens else ""))
+                  + (f", prefill lane {opts.prefill_tokens}" if opts.prefill_tokens else "")
+                  + f"; time scale {opts.time_scale:g} (every step {opts.time_scale:g}x an "
+                    f"{opts.gpu.upper()}'s; latencies and rates on that clock)")
     with console.status("starting the replicas, Redis, the counter, the edge and "
                         "tokengate-batch ..."):
         routing.start_all(services)
@@ -412,7 +435,7 @@ def run_bench(opts: Options, console: Console) -> dict[str, Any]:
         # the batch's steady window, in offsets of the interactive schedule
         at = steady_window(seats, "tenant", opts.replicas, opts.max_running)
         window = (max(0.0, at[0] - wall_start(both)),
-                  min(at[1] - wall_start(both), opts.duration_s))
+                  min(at[1] - wall_start(both), opts.arrivals_s()))
         out["window_s"] = list(window)
         out["alone"] = figures(alone, seats, window, opts.replicas, opts.slots)
         out["with_batch"] = figures(both, seats, window, opts.replicas, opts.slots)
@@ -510,7 +533,13 @@ def main(argv: list[str] | None = None) -> None:
                         "tokengate's vLLM plugin scheduler for the lines, prefill chunks "
                         "of TOKENS (32: its default); 0: vLLM's policy alone "
                         "(default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale, metavar="K",
+                   help="every simulated step K times an H100's, arrivals K times sparser "
+                        "for K times --duration-s, the edge's holds and polls K times "
+                        "longer (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.time_scale < 1:
+        p.error("--time-scale must be at least 1")
     opts = Options(replicas=args.replicas, slots=args.slots, gpu=args.gpu,
                    model_config=args.model_config, batch_seats=args.batch_seats,
                    lines=args.lines, line_output_tokens=args.line_output_tokens,
@@ -518,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
                    low_kv_threshold=args.low_kv_threshold,
                    prefill_tokens=args.prefill_tokens or None, hold_ms=args.hold_ms,
                    max_waiting=args.max_waiting, scheduling_policy=args.scheduling_policy,
-                   spare_chunk=args.spare_chunk)
+                   spare_chunk=args.spare_chunk, time_scale=args.time_scale)
     console = Console()
     out = run_bench(opts, console)
     for t in render(out):
