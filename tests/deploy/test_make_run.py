@@ -146,7 +146,8 @@ class Stack:
                 str(self.config), "--var", str(self.var), "--counter-port", str(free_port())]
         self.proc = subprocess.Popen(argv, cwd=devstack.ROOT, env={**os.environ, MARK: self.token},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -180,7 +181,15 @@ class Stack:
     def interrupt(self, timeout_s: float = 60.0) -> int:
         """SIGINT (Ctrl-C) and the exit status."""
         self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout_s)
+        return self.wait(timeout_s)
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit status, once ``lines`` holds every line the run wrote (its output
+        read to the end, which a child still holding it would delay up to
+        ``timeout_s``)."""
+        code = self.proc.wait(timeout_s)
+        self.reader.join(timeout_s)
+        return code
 
     def leftovers(self) -> list[str]:
         return leftovers(self.token, self.var)
@@ -418,8 +427,7 @@ def test_a_second_stack_on_busy_ports_names_them_and_starts_nothing(
 
     s = Stack("busy", upstream_of(fast_upstream_url), edit=edit)
     try:
-        assert s.proc.wait(60) == 1
-        time.sleep(0.2)  # the reader thread has the last lines
+        assert s.wait(60) == 1
         width = max(len(edge), len(ledger))
         assert s.lines == [
             ("not started: these addresses are in use by other processes (another `make "
