@@ -4,7 +4,10 @@ pacing of sends, the usage of an answer in each API's shape."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
+import threading
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from tokengate import config as tg_config
-from tokengate.batch.edge import Answer
+from tokengate.batch.edge import Answer, EdgeClient
 from tokengate.batch.lines import Line
 from tokengate.batch.worker import REFUSED_PAUSE_S, Worker, _Batch, retryable, usage_of
 
@@ -190,3 +193,91 @@ def test_redis_down_mid_step_drops_no_line_from_those_to_send_or_out(
     w._collect()
     assert (sorted(b.pending), b.out, w.inflight) == ([0, 1, 2], set(), {})
     assert store.attempts == {0: 1, 1: 1}  # each refused line's next id, once
+
+
+class KeepAliveEdge:
+    """A fake edge speaking HTTP/1.1 on a loopback socket that closes kept-alive
+    connections as nginx does past its keepalive_timeout: ``close_idle``: each
+    connection after its first answer (the client finds it closed before its next
+    request); ``close_on_request``: on the second request it reads, without an answer
+    (nginx's timeout ran out as the request came). ``connections``: how many it
+    accepted; ``requests``: the X-Tokengate-Batch-Line of each request it read."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections = 0
+        self.requests: list[str] = []
+        self.closed = threading.Semaphore(0)   # released as each connection is closed
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn, conn.makefile("rb") as f:
+                for n in itertools.count():
+                    head = []
+                    while (line := f.readline()) not in (b"\r\n", b""):
+                        head.append(line.decode())
+                    if not head:
+                        break
+                    fields = dict(h.rstrip("\r\n").split(": ", 1) for h in head[1:])
+                    f.read(int(fields["Content-Length"]))
+                    self.requests.append(fields.get("X-Tokengate-Batch-Line", ""))
+                    if self.mode == "close_on_request" and n == 1:
+                        break
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 2\r\n\r\n{}")
+                    if self.mode == "close_idle":
+                        break
+            self.closed.release()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_kept_alive_connection_the_edge_closed_while_idle_is_replaced() -> None:
+    """Lines sent after the edge closed the batch service's idle connection go on a
+    new one; before, each such line failed as an unknown outcome (Broken pipe: a 1 s
+    pause and a smaller window)."""
+    edge = KeepAliveEdge("close_idle")
+    try:
+        client = EdgeClient(f"http://127.0.0.1:{edge.port}", "secret", timeout_s=10)
+        for i in range(3):
+            a = client.post("/v1/chat/completions", b"{}", "k", "batch_1", f"c{i}", f"r{i}")
+            assert a.status == 200
+            assert edge.closed.acquire(timeout=10)   # closed while idle, as nginx does
+    finally:
+        edge.close()
+    assert (edge.connections, edge.requests) == (3, ["r0", "r1", "r2"])
+
+
+def test_a_connection_that_breaks_with_the_line_out_is_not_sent_again() -> None:
+    """The edge read the line and the connection broke without an answer (a kill): the
+    outcome is unknown to the worker, which sends the line again later with the same
+    request id; the client does not send it a second time itself (a refusal of that
+    second send would give the line a new id while the first may have run)."""
+    edge = KeepAliveEdge("close_on_request")
+    try:
+        client = EdgeClient(f"http://127.0.0.1:{edge.port}", "secret", timeout_s=10)
+        assert client.post("/v1/chat/completions", b"{}", "k", "b", "c0", "r0").status == 200
+        with pytest.raises(ConnectionError):
+            client.post("/v1/chat/completions", b"{}", "k", "b", "c1", "r1")
+        assert client.post("/v1/chat/completions", b"{}", "k", "b", "c1", "r1").status == 200
+    finally:
+        edge.close()
+    assert (edge.connections, edge.requests) == (2, ["r0", "r1", "r1"])
+
+
+def test_an_edge_that_cannot_be_reached_still_raises() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.close()
+    with pytest.raises(OSError):
+        EdgeClient(f"http://127.0.0.1:{port}", "secret", timeout_s=5).post(
+            "/v1/chat/completions", b"{}", "k", "batch_1", "c", "r")

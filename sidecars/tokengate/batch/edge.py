@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +45,15 @@ class EdgeClient:
     """HTTP/1.1 to the edge's API listener, one kept-alive connection per thread.
 
     ``url``: the edge (``batch.edge_url``); ``secret``: the worker key's secret;
-    ``timeout_s``: a call's connect and read timeout (a line's whole generation)."""
+    ``timeout_s``: a call's connect and read timeout (a line's whole generation).
+
+    nginx closes a kept-alive connection that stays idle past its ``keepalive_timeout``
+    (75 s on the API listener): such a connection is replaced before a request goes on
+    it (``_conn``). A request is never sent twice here: a connection that breaks once
+    it is out leaves the outcome unknown to the worker, which sends the line again with
+    the same request id (``tokengate.batch.worker``); an immediate second send could
+    meet an edge still starting, whose refusal would move the line to a new request id
+    while its first send may have run."""
 
     def __init__(self, url: str, secret: str, timeout_s: float = 900.0) -> None:
         parts = urlsplit(url)
@@ -53,7 +63,12 @@ class EdgeClient:
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection; one the edge closed while it was idle is replaced
+        by a new one."""
         c = getattr(self._local, "conn", None)
+        if c is not None and c.sock is not None and closed_by_peer(c.sock):
+            c.close()
+            c = None
         if c is None:
             c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
             self._local.conn = c
@@ -91,3 +106,13 @@ class EdgeClient:
             self._local.conn = None
         return Answer(r.status, data, r.getheader("X-Request-Id"), retry_s,
                       r.getheader("x-should-retry", "").lower() != "false")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed this idle HTTP/1.1 connection: with no request out, a
+    kept-alive connection has nothing to read, so a readable one holds the peer's end
+    of stream (or bytes no request asked for: unusable as well). urllib3 tests a pooled
+    connection the same way before it reuses it (``util.wait.wait_for_read``)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
