@@ -174,6 +174,20 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
                          "completion_window": "24h"})
     assert (r.status_code, r.json()["error"]["message"]) == \
         (400, "input_file_id must be a string (a file's id).")
+    # the create request's body is JSON, as every JSON API of the edge takes it
+    create = json.dumps({"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                         "completion_window": "24h"})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded",
+                  "application/json; charset=latin-1"):
+        r = httpx.post(f"{batch_stack.edge.base_url}/batches", content=create, timeout=10,
+                       headers={**auth, "Content-Type": ctype})
+        assert (r.status_code, r.json()["error"]["code"]) == (415, "unsupported_media_type")
+    for body, code in (("{not json", "invalid_json"), ("[1]", "invalid_json"),
+                       ('{"endpoint": "/v1/chat/completions", "completion_window": "24h"}',
+                        "missing_required_parameter")):
+        r = httpx.post(f"{batch_stack.edge.base_url}/batches", content=body, timeout=10,
+                       headers={**auth, "Content-Type": "application/json; charset=utf-8"})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, code), body
     # a method a path does not take: 405 naming every one it does
     for method, path, allowed in (("PUT", "/files", "GET, POST"),
                                   ("PATCH", "/batches", "GET, POST"),

@@ -100,6 +100,9 @@ def test_batch_above_the_keys_quota_fails_with_token_limit_exceeded(stack: Batch
     assert err.code == "token_limit_exceeded"
     assert f"quota is {QUOTA_B}" in (err.message or "")
     assert done.output_file_id is None
+    # as a batch that failed any other validation: no line ran, none counted
+    n = done.request_counts
+    assert n is not None and (n.total, n.completed, n.failed) == (0, 0, 0)
     # nothing was sent: no usage event of tenant-b's batch
     assert [e for e in stack.edge.events() if e["batch_id"] == b.id] == []
 

@@ -191,13 +191,25 @@ class BatchApi:
         return self.store.add_file(key_id, name, purpose, content)
 
     def _create(self, env: dict[str, Any], key_id: str) -> dict[str, Any]:
+        # the body read first, whatever the answer (answering before it was read broke
+        # the connection under nginx)
+        data = self._body(env, CREATE_MAX_BYTES, "a batch's create request",
+                          "request_too_large")
+        ctype = (env.get("CONTENT_TYPE") or "").lower()
+        media, _, params = ctype.partition(";")
+        charset = params.partition("charset=")[2].strip().strip('"')
+        if media.strip() != "application/json" or charset not in ("", "utf-8", "utf8"):
+            # as the edge answers a JSON API (lua/tokengate/body.lua check_headers)
+            raise ApiError(415, f"Unsupported Content-Type {ctype[:64]!r}: send the "
+                           "request body as application/json (UTF-8).", None,
+                           "unsupported_media_type")
         try:
-            req = json.loads(self._body(env, CREATE_MAX_BYTES, "a batch's create request",
-                                        "request_too_large"))
+            req = json.loads(data)
         except (ValueError, RecursionError):
-            raise ApiError(400, "The body is not JSON (or nests too deep).") from None
+            raise ApiError(400, "The body is not JSON (or nests too deep).", None,
+                           "invalid_json") from None
         if not isinstance(req, dict):
-            raise ApiError(400, "The body must be a JSON object.")
+            raise ApiError(400, "The body must be a JSON object.", None, "invalid_json")
         file_id = req.get("input_file_id")
         endpoint = req.get("endpoint")
         if req.get("completion_window") != "24h":
@@ -212,7 +224,8 @@ class BatchApi:
                            f"{METADATA_KEY} and values up to {METADATA_VALUE} characters.",
                            "metadata", "invalid_value")
         if file_id is None:
-            raise ApiError(400, "input_file_id is required.", "input_file_id")
+            raise ApiError(400, "input_file_id is required.", "input_file_id",
+                           "missing_required_parameter")
         if not isinstance(file_id, str):
             raise ApiError(400, "input_file_id must be a string (a file's id).",
                            "input_file_id", "invalid_type")

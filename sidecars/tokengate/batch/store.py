@@ -60,7 +60,8 @@ return 1
 """
 
 # KEYS: batch hash, quota, active; ARGV: tokens, quota limit, now, in_progress/failed
-# errors JSON -> 1 reserved and in progress | 0 over quota (failed)
+# errors JSON -> 1 reserved and in progress | 0 over quota (failed, its request counts 0
+# as of a batch that failed any other validation: no line ran)
 RESERVE_LUA = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then
   return -1
@@ -68,7 +69,8 @@ end
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
 local want = tonumber(ARGV[1])
 if held + want > tonumber(ARGV[2]) then
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[3], 'errors', ARGV[4])
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[3], 'errors', ARGV[4],
+             'total', 0, 'completed', 0, 'failed', 0)
   redis.call('ZREM', KEYS[3], ARGV[5])
   return 0
 end
