@@ -16,7 +16,7 @@ import pytest
 import redis
 from tokengate import config as tg_config
 from tokengate.batch.edge import Answer, EdgeClient
-from tokengate.batch.lines import Line
+from tokengate.batch.lines import Line, parse
 from tokengate.batch.worker import REFUSED_PAUSE_S, Worker, _Batch, retryable, usage_of
 
 pytestmark = pytest.mark.unit
@@ -281,3 +281,15 @@ def test_an_edge_that_cannot_be_reached_still_raises() -> None:
     with pytest.raises(OSError):
         EdgeClient(f"http://127.0.0.1:{port}", "secret", timeout_s=5).post(
             "/v1/chat/completions", b"{}", "k", "batch_1", "c", "r")
+
+
+def test_a_byte_order_mark_opening_the_file_is_not_part_of_its_first_line() -> None:
+    row = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": "m", "messages": []}}).encode()
+    lines, errors = parse(b"\xef\xbb\xbf" + row + b"\r\n" + row.replace(b'"a"', b'"b"'),
+                          "/v1/chat/completions", 10, 1 << 20)
+    assert errors == [] and [ln.custom_id for ln in lines] == ["a", "b"]
+    # anywhere else it is what it is: bytes that are not JSON
+    _, errors = parse(row + b"\n\xef\xbb\xbf" + row.replace(b'"a"', b'"b"'),
+                      "/v1/chat/completions", 10, 1 << 20)
+    assert [e.code for e in errors] == ["invalid_json_line"]

@@ -11,6 +11,7 @@ A file whose shape is wrong fails its batch (OpenAI's ``validating`` -> ``failed
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import re
@@ -54,12 +55,13 @@ def parse(data: bytes, endpoint: str, max_lines: int,
     (at most ``MAX_ERRORS``): bad UTF-8 or JSON, a line above ``max_line_bytes``, more
     than ``max_lines`` lines, a missing or repeated custom_id, a method other than POST,
     a url other than ``endpoint``, a body that is not an object or asks for a stream.
-    Empty lines are skipped. Bodies are kept as the client's JSON re-encoded (compact,
+    Empty lines are skipped, and a UTF-8 byte order mark opening the file (as some
+    Windows tools write one). Bodies are kept as the client's JSON re-encoded (compact,
     UTF-8): what the edge checks and what it is sent later are the same bytes."""
     errors: list[LineError] = []
     lines: list[Line] = []
     seen: set[str] = set()
-    raw_lines = data.split(b"\n")
+    raw_lines = data.removeprefix(codecs.BOM_UTF8).split(b"\n")
     if sum(1 for r in raw_lines if r.strip()) > max_lines:
         return [], [LineError("too_many_requests", f"The file has more than {max_lines} "
                               "requests (batch.max_lines).", None)]

@@ -215,8 +215,8 @@ class KeyConfig(_Schema):
     max_tokens_cap: Positive | None = Field(
         default=None,
         description="Cap on this key's completion limits, tokens: applies where tighter "
-                    "than the model's max_tokens_cap (lowered, never refused). null: the "
-                    "model's alone.")
+                    "than the model's max_tokens_cap (lowered as it lowers, not refused). "
+                    "null: the model's alone.")
     cached_tokens_weight: Rate | None = Field(
         default=None,
         description="This key's weight of prefix-cache hits in its TPM limits, 0 to 1 "

@@ -216,10 +216,11 @@ class ModelConfig(_Schema):
         default=None,
         description="Server-side cap on a request's completion limit (max_tokens, "
                     "max_completion_tokens, max_output_tokens), tokens: a larger one is "
-                    "lowered to it, never refused, reserved as lowered and said in the "
-                    "answer's X-Tokengate-Max-Tokens-Capped header; a request without one "
-                    "gets min(cap, room left in the context). A key's own max_tokens_cap "
-                    "applies when tighter. null: no cap.")
+                    "lowered to it, not refused, reserved as lowered and said in the "
+                    "answer's X-Tokengate-Max-Tokens-Capped header (one above max_model_len "
+                    "is still refused, as vLLM refuses it); a request without one gets "
+                    "min(cap, room left in the context). A key's own max_tokens_cap applies "
+                    "when tighter. null: no cap.")
     default_max_tokens: Positive | None = Field(
         default=None,
         description="max_tokens given to a request that has none, tokens (still clipped to "
