@@ -161,6 +161,11 @@ def test_bounds_answer_clear_4xx_in_openai_shape(batch_stack: BatchStack) -> Non
     assert (r.status_code, r.json()["error"]["message"]) == (
         400, ("The upload ends without its closing boundary ('--XX--'): it may have been "
               "cut short."))
+    two = httpx.post(f"{batch_stack.edge.base_url}/files", headers=auth, timeout=10,
+                     data={"purpose": "batch"},
+                     files=[("file", ("a.jsonl", b"{}\n")), ("file", ("b.jsonl", b"{}\n"))])
+    assert (two.status_code, two.json()["error"]["message"]) == (
+        400, "The upload has more than one 'file' field.")
     with pytest.raises(openai.NotFoundError) as nf:
         c.files.retrieve("notanid")
     assert nf.value.body["message"] == "No such file: 'notanid'."
