@@ -6,6 +6,7 @@ that outlives its window expires with what ran."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.fixtures_batch import (
     BatchStack,
     fast_stack,
 )
+from tests.fixtures_ledger import wait_until
 
 LINE_ID = "0123456789abcdef0123456789abcdef"
 
@@ -134,3 +136,32 @@ def test_retention_deletes_ended_batches_and_files_with_their_bytes(
         with pytest.raises(openai.NotFoundError):
             call()
     assert {f.id, b.output_file_id} & {p.name for p in files_dir.iterdir()} == set()
+
+
+def test_lines_after_an_edge_reload_go_on_new_connections(batch_stack: BatchStack) -> None:
+    """nginx's reload closes the old workers' idle kept-alive connections (as its
+    keepalive_timeout does after 75 s idle): the service's connections from the first
+    batch are closed when the second one runs, whose lines go on new connections;
+    before, each line that met a closed one failed with a broken pipe, an unknown
+    outcome (a 1 s pause, the window halved, the line sent again)."""
+    c = batch_stack.client()
+    rows = [chat_line(i, max_tokens=2) for i in range(6)]
+    first = c.batches.create(input_file_id=upload(c, rows).id,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch_stack.wait_batch(c, first.id).status == "completed"
+    proc = batch_stack.edge.service.proc
+    assert proc is not None
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    before = set(workers.read_text().split())
+    proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: not before & set(workers.read_text().split()), 30,
+               what="the old workers gone")
+    log_from = batch_stack.batch.log_path.stat().st_size
+    second = c.batches.create(input_file_id=upload(c, rows).id,
+                              endpoint="/v1/chat/completions", completion_window="24h")
+    done = batch_stack.wait_batch(c, second.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 6)
+    with batch_stack.batch.log_path.open() as f:
+        f.seek(log_from)
+        log = f.read()
+    assert f"{second.id} line" not in log, log
