@@ -173,9 +173,9 @@ class BatchApi:
         for part in msg.iter_parts():
             name = part.get_param("name", header="content-disposition")
             if isinstance(name, str):
-                if name in fields:
-                    raise ApiError(400, f"The upload has more than one {name[:64]!r} field.",
-                                   name[:64], "invalid_multipart")
+                if name in fields and name in ("purpose", "file"):
+                    raise ApiError(400, f"The upload has more than one {name!r} field.",
+                                   name, "invalid_multipart")
                 payload = part.get_payload(decode=True)
                 fields[name] = (part.get_filename(),
                                 payload if isinstance(payload, bytes) else b"")
