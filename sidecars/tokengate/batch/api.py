@@ -28,6 +28,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from email.errors import CloseBoundaryNotFoundDefect
+from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
@@ -43,6 +44,7 @@ StartResponse = Callable[..., Any]
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's metadata bounds
 UPLOAD_PURPOSES = ("batch",)
 CREATE_MAX_BYTES = 1024 * 1024  # a create request is a small JSON object
+CREATE_UTF8 = ("utf-8", "utf8")  # the charsets a create body may name (JSON: UTF-8)
 
 _FILE = re.compile(r"/v1/files/([^/]+)(/content)?")
 _BATCH = re.compile(r"/v1/batches/([^/]+)(/cancel)?")
@@ -198,10 +200,11 @@ class BatchApi:
         # the connection under nginx)
         data = self._body(env, CREATE_MAX_BYTES, "a batch's create request",
                           "request_too_large")
-        ctype = (env.get("CONTENT_TYPE") or "").lower()
-        media, _, params = ctype.partition(";")
-        charset = params.partition("charset=")[2].strip().strip('"')
-        if media.strip() != "application/json" or charset not in ("", "utf-8", "utf8"):
+        ctype = env.get("CONTENT_TYPE") or ""
+        header = Message()
+        header["Content-Type"] = ctype
+        charset = str(header.get_param("charset", "utf-8")).lower()
+        if header.get_content_type() != "application/json" or charset not in CREATE_UTF8:
             # as the edge answers a JSON API (lua/tokengate/body.lua check_headers)
             raise ApiError(415, f"Unsupported Content-Type {ctype[:64]!r}: send the "
                            "request body as application/json (UTF-8).", None,
