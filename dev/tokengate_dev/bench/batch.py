@@ -80,6 +80,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from tokengate import config as tg_config
+from tokengate_vllm.settings import DEFAULT_SPARE_CHUNK
 from tokenstorm import report
 from tokenstorm.arrivals import ArrivalSpec
 from tokenstorm.process import free_port
@@ -117,7 +118,7 @@ class Options:
     hold_ms: int = 200              # hold_ms of the batch's priority
     max_waiting: int = 2            # max_waiting of the batch's priority
     scheduling_policy: str = "priority"  # the replicas' --scheduling-policy
-    spare_chunk: int = 32           # the replicas' --spare-chunk (0: vLLM's policy alone)
+    spare_chunk: int = DEFAULT_SPARE_CHUNK  # the replicas' --spare-chunk (0: vLLM's alone)
     time_scale: float = slo.TIME_SCALE  # every step K times an H100's (module text)
     seed: int = 11
 

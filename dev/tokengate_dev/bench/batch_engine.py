@@ -22,9 +22,10 @@ first ``--warm-s``.
 
 Besides vLLM's policies, ``spare``: vLLM's priority policy with the rules of tokengate's
 vLLM plugin scheduler for the batch's lines (``tokengate_vllm.scheduler``; the
-simulated replica's ``spare_chunk``, ``SPARE_CHUNK`` tokens). On seeds 11-13, 60 s, 28-29
-of 32 seats for lines, no lane: interactive TTFT p99 1.05-1.10x alone at 0.89-0.92 of
-the seats, where the priority policy gave 1.24-1.25x (docs/developers/benchmarks.md).
+simulated replica's ``spare_chunk``, the plugin's ``DEFAULT_SPARE_CHUNK`` tokens). On
+seeds 11-13, 60 s, 28-29 of 32 seats for lines, no lane: interactive TTFT p99
+1.05-1.10x alone at 0.89-0.92 of the seats, where the priority policy gave 1.24-1.25x
+(docs/developers/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from tokengate_vllm.settings import DEFAULT_SPARE_CHUNK
 from tokenstorm.upstream.sim_engine import SimRequest
 from tokenstorm.upstream.sim_settings import SCHEDULING_POLICIES, SimSettings
 from tokenstorm.upstream.sim_steps import SteppedEngine
 
 OUTPUT_TOKEN_ID = 5
-SPARE_CHUNK = 32   # the plugin's TOKENGATE_SCHED_SPARE_CHUNK default
 
 
 class _NoWaitSelector(selectors.BaseSelector):
@@ -124,7 +125,7 @@ def run(policy: str, bound: Bound | None, seed: int, duration_s: float, warm_s: 
     s = SimSettings(gpu="h100", model_config="qwen3-8b", num_gpu_blocks=0,
                     max_model_len=4096, max_num_seqs=slots,
                     scheduling_policy="priority" if spare else policy,
-                    spare_chunk=SPARE_CHUNK if spare else 0).sized()
+                    spare_chunk=DEFAULT_SPARE_CHUNK if spare else 0).sized()
     rf = s.roofline()
     assert rf is not None
     # make bench-batch's rate (tokengate_dev.bench.batch.Options.request_s), one replica
