@@ -19,10 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-import zmq
 from tokengate import prefix_hash
 from tokengate.v1 import counter_pb2, counter_pb2_grpc
-from zmq.utils.monitor import recv_monitor_message
 
 from tests import kv_events_wire as kv_wire
 from tests.conftest import KV_EVENTS, MODEL, VLLM_PORT
@@ -42,49 +40,6 @@ def text(n: int, rng: Any) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-class Subscriber:
-    """A ZMQ SUB socket on the server's KV-event publisher (tests/kv_events_wire.py
-    decodes)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        self.sock.connect(endpoint)
-        assert monitor.poll(30_000), f"no KV-event publisher on {endpoint}"
-        recv_monitor_message(monitor)
-        self.sock.disable_monitor()
-        monitor.close(0)
-
-    def wait_subscribed(self, http: httpx.Client) -> None:
-        """Return once the publisher sends to this socket: a SUB connected misses what is
-        published before its subscription reaches the publisher (ZMQ), so a prompt no one
-        sent before (several blocks) is sent until its BlockStored arrives, then drained."""
-        for _ in range(20):
-            r = http.post("v1/completions", json={
-                "model": MODEL, "max_tokens": 1,
-                "prompt": f"[{secrets.token_hex(8)}] " + "ready " * (3 * BLOCK)})
-            assert r.status_code == 200, r.text
-            if self.events(idle_s=1.0):
-                return
-        raise AssertionError("no KV event reached the subscriber")
-
-    def events(self, idle_s: float = 1.5, timeout_s: float = 60.0) -> list[kv_wire.Event]:
-        """The events received until none came for ``idle_s``."""
-        out: list[kv_wire.Event] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.sock.poll(int(idle_s * 1000)):
-            _, _, payload = self.sock.recv_multipart()
-            out.extend(kv_wire.events(payload))
-        return out
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
 @pytest.fixture(scope="module")
 def kv_server(vllm_server: VllmFactory) -> VllmServer:
     server = vllm_server()
@@ -93,10 +48,17 @@ def kv_server(vllm_server: VllmFactory) -> VllmServer:
 
 
 @pytest.fixture
-def sub(kv_server: VllmServer, http: httpx.Client) -> Iterator[Subscriber]:
-    s = Subscriber(f"tcp://{KV_EVENTS}")
+def sub(kv_server: VllmServer, http: httpx.Client) -> Iterator[kv_wire.Subscriber]:
+    s = kv_wire.Subscriber(f"tcp://{KV_EVENTS}")
+
+    def probe() -> None:  # several blocks of a prompt no one sent before
+        r = http.post("v1/completions", json={
+            "model": MODEL, "max_tokens": 1,
+            "prompt": f"[{secrets.token_hex(8)}] " + "ready " * (3 * BLOCK)})
+        assert r.status_code == 200, r.text
+
     try:
-        s.wait_subscribed(http)
+        s.wait_subscribed(probe)
         yield s
     finally:
         s.close()
@@ -146,7 +108,7 @@ def bodies(rng: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def test_the_counters_block_hashes_are_the_ones_vllm_publishes(
         counter_stub: counter_pb2_grpc.TokenCounterStub, http: httpx.Client,
-        sub: Subscriber) -> None:
+        sub: kv_wire.Subscriber) -> None:
     import random
 
     rng = random.Random()
@@ -202,7 +164,7 @@ def cached(usage: dict[str, Any]) -> int:
 
 def test_the_counters_hit_is_the_cached_tokens_vllm_reports(
         counter_stub: counter_pb2_grpc.TokenCounterStub, http: httpx.Client,
-        sub: Subscriber) -> None:
+        sub: kv_wire.Subscriber) -> None:
     import random
 
     rng = random.Random()

@@ -42,37 +42,6 @@ TOPIC = "kv-events"
 RNG = random.Random()        # prompts differ between runs: a shared vLLM holds no hits
 
 
-class Subscriber:
-    """A ZMQ SUB socket on a KV-event publisher (tests/kv_events_wire.py decodes)."""
-
-    def __init__(self, endpoint: str, topic: str = "") -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.seqs: list[int] = []
-        self.topics: set[bytes] = set()
-        time.sleep(0.5)  # a SUB sees nothing sent before its subscription reached the PUB
-
-    def events(self, idle_s: float = 1.0, timeout_s: float = 60.0) -> list[kv_wire.Event]:
-        """The events of the batches received until none came for ``idle_s``."""
-        out: list[kv_wire.Event] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.sock.poll(int(idle_s * 1000)):
-                break
-            topic, seq, payload = self.sock.recv_multipart()
-            self.topics.add(topic)
-            self.seqs.append(int.from_bytes(seq, "big"))
-            out.extend(kv_wire.events(payload))
-        return out
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
 def sim_settings(cfg: tg_config.Config, **kw: Any) -> SimSettings:
     m = cfg.models[MODEL]
     base: dict[str, Any] = {"model": m.name, "model_dir": Path(m.dir), "max_model_len": MAX_LEN,
@@ -111,11 +80,15 @@ def kv_sim(cfg: tg_config.Config, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def subscribers(kv_vllm: VllmServer, kv_sim: SimReplica) -> Iterator[dict[str, Subscriber]]:
-    subs = {"vllm": Subscriber(f"tcp://127.0.0.1:{KV_PORT}", TOPIC),
-            "sim": Subscriber(kv_sim.settings.kv_events_endpoint or "", TOPIC)}
-    for s in subs.values():
-        s.events(idle_s=0.3)  # what a warm-up left
+def subscribers(kv_vllm: VllmServer, kv_sim: SimReplica
+                ) -> Iterator[dict[str, kv_wire.Subscriber]]:
+    """A subscriber on each publisher, receiving (each probed with a prompt of its own:
+    every comparison empties both caches first, ``same_sequence``)."""
+    subs = {"vllm": kv_wire.Subscriber(f"tcp://127.0.0.1:{KV_PORT}", TOPIC),
+            "sim": kv_wire.Subscriber(kv_sim.settings.kv_events_endpoint or "", TOPIC)}
+    for name, base in (("vllm", kv_vllm.url), ("sim", kv_sim.url)):
+        subs[name].wait_subscribed(
+            lambda base=base: post(base, "/completions", completion_body(ids_prompt(3 * BLOCK))))
     try:
         yield subs
     finally:
@@ -161,7 +134,7 @@ def reset_both(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
 
 
 def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
-                  kv_sim: SimReplica, subs: dict[str, Subscriber]
+                  kv_sim: SimReplica, subs: dict[str, kv_wire.Subscriber]
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[kv_wire.Event],
                              list[kv_wire.Event]]:
     """Empty both caches, then send ``bodies`` in order to vLLM and to the simulation;
@@ -182,7 +155,7 @@ def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
 
 
 def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
-                                         subscribers: dict[str, Subscriber]) -> None:
+                                         subscribers: dict[str, kv_wire.Subscriber]) -> None:
     """Each prompt's BlockStored event, as it travels (tests/kv_events_wire.py), equals
     the real server's field for field: the chained sha256 hashes, no parent for block 0,
     the token ids of the full blocks, block size, medium, cache_salt as block 0's extra
@@ -208,7 +181,7 @@ def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica
 
 
 def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: SimReplica,
-                                                 subscribers: dict[str, Subscriber]) -> None:
+                                                 subscribers: dict[str, kv_wire.Subscriber]) -> None:
     """A 70-token prompt generating 60 tokens: vLLM caches the blocks its output fills
     (the last token's KV is never computed: 129 tokens, 4 blocks). The generated ids
     differ (a model against a fixed token), the blocks and their chain do not."""
@@ -232,7 +205,7 @@ def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: Si
 
 
 def test_cached_tokens_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
-                                   subscribers: dict[str, Subscriber]) -> None:
+                                   subscribers: dict[str, kv_wire.Subscriber]) -> None:
     """The same sequence of prompts sharing prefixes gives the same
     prompt_tokens_details on both: whole blocks, never the last prompt token."""
     base = ids_prompt(100)
@@ -274,7 +247,7 @@ def test_streamed_usage_reports_the_hit(kv_sim: SimReplica) -> None:
 
 
 def test_eviction_equals_vllms(kv_vllm: VllmServer, kv_sim: SimReplica,
-                               subscribers: dict[str, Subscriber]) -> None:
+                               subscribers: dict[str, kv_wire.Subscriber]) -> None:
     """With 39 usable blocks, five 400-token prompts (13 blocks each) push the first
     out: BlockRemoved for every one of its hashes, last block first; the second keeps
     its first two blocks (tail blocks go first), so its repeat hits 64 tokens, and the
@@ -306,8 +279,13 @@ def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config,
     settings = sim_settings(cfg, num_gpu_blocks=10, max_model_len=128,
                             kv_events_endpoint=endpoint)
     with SimReplica(settings) as rep:
-        sub = Subscriber(endpoint)
+        sub = kv_wire.Subscriber(endpoint)
         try:
+            sub.wait_subscribed(lambda: post(rep.url, "/completions",
+                                             completion_body(ids_prompt(3 * BLOCK))))
+            r = httpx.post(rep.url.removesuffix("/v1") + "/reset_prefix_cache", timeout=60)
+            assert r.status_code == 200
+            sub.events(idle_s=0.3)  # AllBlocksCleared
             a, b, c, d = (ids_prompt(120) for _ in range(4))   # 4 blocks each
             got = [post(rep.url, "/completions", completion_body(p))["usage"]
                    ["prompt_tokens_details"]["cached_tokens"] for p in (a, a, b, c, d, a)]
