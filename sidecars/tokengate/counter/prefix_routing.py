@@ -85,8 +85,8 @@ class BlockChain:
     def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None,
                  max_bytes: int = 16 << 20) -> None:
         self.block_size = block_size
-        self._algo = prefix_hash.hash_function(algo) and algo  # ValueError for any other
-        self._root = prefix_hash.none_hash(algo, seed)
+        self._algo = algo
+        self._root = prefix_hash.none_hash(algo, seed)  # ValueError for another algorithm
         self._groups: _Generations[_GroupLinks] = _Generations(max_bytes)
         self._blocks: _Generations[_Link] = _Generations(max_bytes)
 
