@@ -180,8 +180,9 @@ def test_block_stored_events_equal_vllms(kv_vllm: VllmServer, kv_sim: SimReplica
         assert sub.topics == {TOPIC.encode()}
 
 
-def test_generated_tokens_fill_blocks_as_in_vllm(kv_vllm: VllmServer, kv_sim: SimReplica,
-                                                 subscribers: dict[str, kv_wire.Subscriber]) -> None:
+def test_generated_tokens_fill_blocks_as_in_vllm(
+        kv_vllm: VllmServer, kv_sim: SimReplica,
+        subscribers: dict[str, kv_wire.Subscriber]) -> None:
     """A 70-token prompt generating 60 tokens: vLLM caches the blocks its output fills
     (the last token's KV is never computed: 129 tokens, 4 blocks). The generated ids
     differ (a model against a fixed token), the blocks and their chain do not."""

@@ -22,8 +22,8 @@ ids as bytes, one dict lookup), then per block for the blocks after the last ful
 Groups sit at fixed offsets from the prompt's start, so a prompt that grows finds every
 group of its earlier version. After the first miss nothing is looked up: a later key
 holds the missed link, so it is cached only where a generation change split the two
-puts (then it is put again); a cold prompt pays its links and the puts (150 us for that 1k-token prompt against 184 us when every block was looked up and
-hashed one by one; 11 us when all of it is cached).
+puts (then it is put again). A cold 1k-token prompt costs 150 us (184 us when every
+block was looked up and hashed one by one); one all cached, 11 us.
 """
 
 from __future__ import annotations
