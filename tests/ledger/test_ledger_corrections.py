@@ -220,6 +220,11 @@ def test_a_replicas_engine_file_followed_late_corrects_its_requests_bills_once(
         led = start_ledger(config, redis_url, name, usage_file=usage_writer.path,
                            engine_files=[])
         svcs.append(led)
+        # a first start reads the files up to date (no ready mark in the flushed Redis)
+        # holding the budgets: a reservation meanwhile is refused BUDGET_REBUILDING
+        wait_until(lambda: ledger_redis.exists(store.ready_key(name)) and
+                   not ledger_redis.exists(store.rebuild_key(KEY)), 30,
+                   what="the ledger's first rebuild to end, its hold released")
         second = [request(edge, usage_writer, engines[2], f, g) for f, g in REQUESTS]
         wait_until(lambda: status(name)["engine_missing"] == 3, 30,
                    what="replica 2's requests billed with the edge's numbers")
