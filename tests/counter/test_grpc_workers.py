@@ -202,7 +202,11 @@ def _publish_then_die(marker_dir: str, listen: object, index: int) -> None:
     assert isinstance(listen, grpc_server.Listen)
     path = Path(str(listen.socket_of(index)))
     runs = sorted(Path(marker_dir).glob(f"found.{index}.*"))
-    Path(marker_dir, f"found.{index}.{len(runs)}").write_text(str(path.exists()))
+    # written under another name, then renamed: the test waits for the marker to exist,
+    # and an open file not yet written read "" there
+    marker = Path(marker_dir, f".found.{index}.{len(runs)}")
+    marker.write_text(str(path.exists()))
+    marker.rename(Path(marker_dir, f"found.{index}.{len(runs)}"))
     path.write_text("")
     if index == 0 and not runs:
         os.kill(os.getpid(), signal.SIGKILL)
