@@ -87,8 +87,7 @@ def subscribers(kv_vllm: VllmServer, kv_sim: SimReplica
     subs = {"vllm": kv_wire.Subscriber(f"tcp://127.0.0.1:{KV_PORT}", TOPIC),
             "sim": kv_wire.Subscriber(kv_sim.settings.kv_events_endpoint or "", TOPIC)}
     for name, base in (("vllm", kv_vllm.url), ("sim", kv_sim.url)):
-        subs[name].wait_subscribed(
-            lambda base=base: post(base, "/completions", completion_body(ids_prompt(3 * BLOCK))))
+        subs[name].wait_subscribed(lambda base=base: store_new_blocks(base))
     try:
         yield subs
     finally:
@@ -125,12 +124,23 @@ def plain(e: kv_wire.Event) -> dict[str, Any]:
     return e.fields
 
 
+def store_new_blocks(base: str) -> None:
+    """A prompt of three blocks no one sent before, to the server at ``base``: a
+    subscriber's probe (``kv_wire.Subscriber.wait_subscribed``)."""
+    post(base, "/completions", completion_body(ids_prompt(3 * BLOCK)))
+
+
+def reset_cache(base: str) -> None:
+    """Empty the prefix cache of the server at ``base`` (``POST /reset_prefix_cache``)."""
+    r = httpx.post(base.removesuffix("/v1") + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json() == {"success": True}
+
+
 def reset_both(kv_vllm: VllmServer, kv_sim: SimReplica) -> None:
-    """Empty both prefix caches (``POST /reset_prefix_cache``), so that what earlier
-    tests left (other prompts in each) is not evicted in the comparison."""
+    """Empty both prefix caches, so that what earlier tests left (other prompts in each)
+    is not evicted in the comparison."""
     for base in (kv_vllm.url, kv_sim.url):
-        r = httpx.post(base.removesuffix("/v1") + "/reset_prefix_cache", timeout=60)
-        assert r.status_code == 200 and r.json() == {"success": True}
+        reset_cache(base)
 
 
 def same_sequence(bodies: list[tuple[str, dict[str, Any]]], kv_vllm: VllmServer,
@@ -282,10 +292,8 @@ def test_tiny_cache_evicts_and_reports_it(cfg: tg_config.Config,
     with SimReplica(settings) as rep:
         sub = kv_wire.Subscriber(endpoint)
         try:
-            sub.wait_subscribed(lambda: post(rep.url, "/completions",
-                                             completion_body(ids_prompt(3 * BLOCK))))
-            r = httpx.post(rep.url.removesuffix("/v1") + "/reset_prefix_cache", timeout=60)
-            assert r.status_code == 200
+            sub.wait_subscribed(lambda: store_new_blocks(rep.url))
+            reset_cache(rep.url)
             sub.events(idle_s=0.3)  # AllBlocksCleared
             a, b, c, d = (ids_prompt(120) for _ in range(4))   # 4 blocks each
             got = [post(rep.url, "/completions", completion_body(p))["usage"]
