@@ -238,7 +238,10 @@ def test_two_edges_share_one_tokens_per_minute_limit(config_path, redis_url, led
     out: multiprocessing.Queue = ctx.Queue()
     start = ctx.Barrier(3)
     try:
-        edges = [ctx.Process(target=_edge, args=(port, seed, 400, tpm, out, start))
+        # 60 calls each: 16,287 and 16,119 tokens asked (seeds 1, 2), 32,406 together.
+        # Neither edge can fill the window alone, so each is admitted whichever runs
+        # first (with 400 calls each, one that started late found it full)
+        edges = [ctx.Process(target=_edge, args=(port, seed, 60, tpm, out, start))
                  for seed, port in ((1, ports[0]), (2, ports[1]))]
         for p in edges:
             p.start()
