@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -492,17 +493,24 @@ class _Frames(socketserver.StreamRequestHandler):
             message = self.rfile.read(n)
             if self.server.broken:  # type: ignore[attr-defined]
                 return  # a worker that dies with the call: the connection closes
+            if self.server.served is not None:  # type: ignore[attr-defined]
+                self.server.served.append(self.server.index)  # type: ignore[attr-defined]
+            if self.server.gate is not None:  # type: ignore[attr-defined]
+                self.server.gate(self.server.index)  # type: ignore[attr-defined]
             self.wfile.write(frames.answer(self.server.count, message))  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
-def fake_counter(path: Path, count: Callable[[Any], Any],
-                 broken: int | None = None) -> Iterator[Path]:
+def fake_counter(path: Path, count: Callable[[Any], Any], broken: int | None = None,
+                 served: list[int] | None = None,
+                 gate: Callable[[int], Any] | None = None) -> Iterator[Path]:
     """A fake counter speaking the real counter frames (tokengate.counter.frames) on two
     unix sockets, ``<path>.0`` and ``.1``, a thread per connection; ``count(request)``
     answers each CountRequest (a CountReply, or raises CountFailure). ``broken``: the
     index of a socket whose worker reads each call and closes the connection without an
-    answer. Yields ``path`` (the edge's counter_socket)."""
+    answer. ``served``: gets the index of the socket of each call, as it arrives;
+    ``gate(index)``: called next, before the call is answered (a test holds a worker's
+    calls there). Yields ``path`` (the edge's counter_socket)."""
     servers = []
     path.parent.mkdir(parents=True, exist_ok=True)  # whichever test runs first
     for i in range(2):
@@ -512,6 +520,7 @@ def fake_counter(path: Path, count: Callable[[Any], Any],
         server.daemon_threads = True
         server.count = count  # type: ignore[attr-defined]
         server.broken = i == broken  # type: ignore[attr-defined]
+        server.served, server.gate, server.index = served, gate, i  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
     try:
@@ -565,6 +574,13 @@ def fixed_reply(prompt_tokens: int) -> Any:
     return counter_pb2.CountReply(prompt_tokens=prompt_tokens, max_model_len=8192,
                                   max_tokens_effective=1, max_tokens_requested=1,
                                   prompt_count=1)
+
+
+def session_for(worker: int) -> str:
+    """A session id whose counts prefer counter worker ``worker`` (of two): CRC-32 (IEEE,
+    nginx's ngx_crc32_short, as zlib's) modulo the workers (tokengate.sidecar)."""
+    return next(s for s in (f"conversation-{i}" for i in range(100))
+                if zlib.crc32(s.encode()) % 2 == worker)
 
 
 _HTTP_REQUESTS = re.compile(r'^http_requests_total\{handler="([^"]*)",method="([^"]*)",'

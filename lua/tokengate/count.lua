@@ -54,15 +54,16 @@ function _M.init_worker(edge, sockets, dict)
     return client ~= nil, err
 end
 
--- ask(endpoint, model, body) -> reply | nil, failure (tokengate.sidecar's shape)
-local function ask(endpoint, model, body)
+-- ask(endpoint, model, body, affinity) -> reply | nil, failure (tokengate.sidecar's
+-- shape); affinity: the counter worker preference (prompt's)
+local function ask(endpoint, model, body, affinity)
     local ckey = endpoint .. "\0" .. model .. "\0" .. sha256(body)
     local hit = cache:get(ckey)
     if hit then
         return hit
     end
     local msg, failure = client:call(METHOD, pb.count_request(model, endpoint, body),
-        max(1, ceil(#body / HEAVY_BYTES)))
+        max(1, ceil(#body / HEAVY_BYTES)), affinity)
     if not msg then
         return nil, failure
     end
@@ -106,11 +107,17 @@ local CLOSED = errors.new(503, "The token counter is unavailable; the request wa
     .. "forwarded. Please retry.", nil, "counter_unavailable", nil, { ["Retry-After"] = "1" })
 _M.CLOSED = CLOSED
 
--- prompt(endpoint, model, body, edge) -> counted | nil, err
+-- prompt(endpoint, model, body, edge, affinity) -> counted | nil, err
 --   endpoint: how the counter reads the body, a tokengate.v1.Endpoint (the route's API
 --   module's ENDPOINT[route]); model: served model name; body: the body's JSON text as
 --   the edge forwards it (tokengate.body.text); edge: compiled edge settings
---   (on_counter_failure, estimate_bytes_per_token).
+--   (on_counter_failure, estimate_bytes_per_token); affinity: a string or nil, the
+--   request's session (tokengate.session): calls of one session go to the same counter
+--   worker while it is not busier than the others (tokengate.sidecar.call), so its
+--   segment, template and block-hash caches hold the conversation's earlier turns,
+--   which another worker would tokenize again. Without a session, the least busy worker
+--   counts (a key's requests are many conversations: pinned to one worker, a busy key
+--   would load it alone, and each worker caches what they share after its first).
 --   counted = { prompt = <prompt tokens>, prompts = <prompts in the request, >= 1>,
 --               source = "counter" | "estimate", system = <system-message tokens>,
 --               reply = <pb.count_reply> | nil (estimate) }
@@ -119,8 +126,8 @@ _M.CLOSED = CLOSED
 --   and the edge fails closed.
 -- The estimate is ceil(#body / estimate_bytes_per_token): it counts the whole JSON
 -- text, so it over-counts and limits stay on the safe side.
-function _M.prompt(endpoint, model, body, edge)
-    local reply, failure = ask(endpoint, model, body)
+function _M.prompt(endpoint, model, body, edge, affinity)
+    local reply, failure = ask(endpoint, model, body, affinity)
     if reply then
         return { prompt = reply.prompt_tokens, prompts = max(1, reply.prompt_count),
                  source = "counter", system = reply.breakdown.system, reply = reply }

@@ -35,6 +35,7 @@ local shdict = require "tokengate.shdict"
 local tcp = ngx.socket.tcp
 local io_open = io.open
 local ngx_now, ngx_log, ERR, WARN = ngx.now, ngx.log, ngx.ERR, ngx.WARN
+local crc32 = ngx.crc32_short
 local format, byte = string.format, string.byte
 local tonumber, tostring, setmetatable = tonumber, tostring, setmetatable
 local gsub, char, find, sub = string.gsub, string.char, string.find, string.sub
@@ -330,12 +331,20 @@ end
 -- this long, s: one failed connect, not one per request, and one error-log line.
 local DOWN_S = 1
 
--- pick(self, skip) -> the peer with the fewest calls in progress from this worker, other
--- than skip and those marked down (unless every other one is); ties go round. A count
--- left by a call whose request was ended mid-way (the client left: its coroutine never
--- resumes) is forgotten once that peer has seen no call start or end for twice the
--- call's deadline.
-local function pick(self, skip)
+-- A call's preferred worker (its affinity) is taken while it has at most this many more
+-- calls in progress from this nginx worker than the least busy one; beyond that the
+-- least busy is taken: under load the calls spread as without affinity.
+local AFFINITY_SLACK = 1
+
+-- pick(self, skip, affinity) -> the peer with the fewest calls in progress from this
+-- worker, other than skip and those marked down (unless every other one is); ties go
+-- round. affinity (a string, or nil): the call's preferred peer is the one its CRC-32
+-- names (the same peer from every nginx worker, as long as the peers are the same), taken
+-- when it is neither skip nor down and has at most AFFINITY_SLACK more calls in progress
+-- than that least busy one. A count left by a call whose request was ended mid-way (the
+-- client left: its coroutine never resumes) is forgotten once that peer has seen no call
+-- start or end for twice the call's deadline.
+local function pick(self, skip, affinity)
     local peers, n = self.peers, #self.peers
     local now = ngx_now()
     local stale = now - 2 * self.timeout_ms / 1000
@@ -352,6 +361,12 @@ local function pick(self, skip)
             elseif not best or p.busy < best.busy then
                 best = p
             end
+        end
+    end
+    if affinity and best then
+        local p = peers[crc32(affinity) % n + 1]
+        if p ~= skip and p.down_until <= now and p.busy <= best.busy + AFFINITY_SLACK then
+            return p
         end
     end
     return best or best_down
@@ -391,10 +406,10 @@ local function attempt(self, peer, frame, timeout_ms)
     return nil, "connect: " .. tostring(err)
 end
 
--- call_frames(self, frame, weight) -> call()'s results, over counter frames
-local function call_frames(self, frame, weight)
+-- call_frames(self, frame, weight, affinity) -> call()'s results, over counter frames
+local function call_frames(self, frame, weight, affinity)
     local timeout_ms = self.timeout_ms * weight
-    local peer = pick(self)
+    local peer = pick(self, nil, affinity)
     busy(peer, 1)
     local status, payload = attempt(self, peer, frame, timeout_ms)
     busy(peer, -1)
@@ -479,13 +494,15 @@ local function call_hop(self, path, frame, size)
     return msg
 end
 
--- call(path, message, weight) -> reply message bytes | nil, failure
+-- call(path, message, weight, affinity) -> reply message bytes | nil, failure
 --   path: the gRPC method, "/tokengate.v1.GlobalLimits/Reserve" (the hop's; a frames
 --   client serves CountTokens only and ignores it); message: the serialized request
 --   (unframed protobuf bytes: a string, or a list of strings sent one after the other,
 --   pb.count_request's pieces); weight: counter frames only, an integer >= 1 (default
 --   1): the call may take weight x timeout_ms, and when above 1 (a large body) its
---   timeout does not open the breaker. Every method called through here is
+--   timeout does not open the breaker; affinity: counter frames only, a string or nil:
+--   calls of the same affinity prefer the same worker (pick), whose caches then hold
+--   what they share (a conversation's earlier turns). Every method called through here is
 --   idempotent, so a pooled connection the server had closed is retried once.
 --   failure = { reason = "backoff" (breaker open: not asked) | "down" (unreachable)
 --                      | "timeout" | "unavailable" (gRPC UNAVAILABLE)
@@ -494,7 +511,7 @@ end
 --               grpc_status = <number> | nil, message = <grpc-message or why>,
 --               outage = true when this module logged it (an outage's start, or a
 --                        call during one) }
-function _M.call(self, path, message, weight)
+function _M.call(self, path, message, weight, affinity)
     if self.backoff_s > 0 and self.dict:get(self.breaker_key) then
         return nil, { reason = "backoff", message = self.name .. " skipped after a failure",
                       outage = true }
@@ -502,7 +519,7 @@ function _M.call(self, path, message, weight)
     local frame, size = pb.frame(message)
     local msg, fail
     if self.peers then
-        msg, fail = call_frames(self, frame, weight or 1)
+        msg, fail = call_frames(self, frame, weight or 1, affinity)
     else
         msg, fail = call_hop(self, path, frame, size)
     end

@@ -44,6 +44,7 @@ from tests.fixtures_edge import (
     fake_counter,
     fixed_reply,
     free_port,
+    session_for,
 )
 
 HEADERS = {"Authorization": f"Bearer {MAIN_KEY}", "Content-Type": "application/json"}
@@ -54,10 +55,14 @@ def chat(content: str = "hi", max_tokens: int = 2, **extra: Any) -> dict[str, An
             "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
-def post(edge: Edge, body: dict[str, Any], key: str = MAIN_KEY) -> httpx.Response:
+def post(edge: Edge, body: dict[str, Any], key: str = MAIN_KEY,
+         session: str | None = None) -> httpx.Response:
     data = json.dumps(body, separators=(",", ":"))
+    headers = {**HEADERS, "Authorization": f"Bearer {key}"}
+    if session is not None:
+        headers["X-Session-Id"] = session
     return httpx.post(edge.base_url + "/chat/completions", content=data, timeout=60,
-                      headers={**HEADERS, "Authorization": f"Bearer {key}"})
+                      headers=headers)
 
 
 def no_counter(tmp: str) -> Path:
@@ -205,7 +210,9 @@ def test_a_dead_counter_worker_falls_through_to_the_other_one(
                 worker0.unlink()
                 s.bind(str(worker0))
         e = edge_variant_off_vllm("dead-worker", edit, counter_socket=sock)
-        answers = [post(e, chat(f"question {i}", max_tokens=1)) for i in range(12)]
+        # every call prefers worker 0 (its session's affinity): each meets the dead one
+        answers = [post(e, chat(f"question {i}", max_tokens=1), session=session_for(0))
+                   for i in range(12)]
     assert [(r.status_code, r.headers["x-token-count-source"], r.headers["x-token-count"])
             for r in answers] == [(200, "counter", "7")] * 12
     assert len(calls) == 12

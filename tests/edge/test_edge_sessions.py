@@ -1,5 +1,6 @@
 """Agent sessions at the edge (``lua/tokengate/session.lua``): where the session id comes
-from, in which order, how a hostile one is bounded, and the per-key session budget.
+from, in which order, how a hostile one is bounded, the per-key session budget, and the
+counter worker that counts a session's turns.
 
 Real nginx (2 workers) and the real counter; the model's upstream is a small fake of
 vLLM's three generate APIs (``AgentUpstream``: a fixed answer whose usage is the
@@ -12,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -23,7 +25,16 @@ import pytest
 from tokengate.ledger.calculator import charge
 
 from tests.conftest import MODEL, key_digest
-from tests.fixtures_edge import Edge, QuietUpstreamHandler, _variants
+from tests.fixtures_edge import (
+    EDGE_DIR,
+    Edge,
+    QuietUpstreamHandler,
+    _variants,
+    at_once,
+    fake_counter,
+    fixed_reply,
+    session_for,
+)
 
 COMPLETION = 5  # tokens every answer of the fake generates
 KEY = "tg-test-sessions"
@@ -70,7 +81,9 @@ class _Handler(QuietUpstreamHandler):
 
 
 @pytest.fixture(scope="module")
-def agent_edge(config_path, counter_addr) -> Iterator[Edge]:
+def agent_upstream() -> Iterator[Callable[[dict[str, Any]], None]]:
+    """The fake upstream, running; yields the edit of an edge's YAML that points the
+    model at it and adds this module's keys."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
 
@@ -85,14 +98,21 @@ def agent_edge(config_path, counter_addr) -> Iterator[Edge]:
         raw["keys"]["sessions-spend"] = {"sha256": key_digest(SPEND_KEY), "rpm": 10_000,
                                          "tpm": 10_000_000,
                                          "session_budget": {"spend": 0.000001}}
+    try:
+        yield edit
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def agent_edge(config_path, counter_addr, agent_upstream) -> Iterator[Edge]:
     gen = _variants(config_path)
     start = next(gen)
     try:
-        yield start("sessions-fake", edit)
+        yield start("sessions-fake", agent_upstream)
     finally:
         gen.close()
-        srv.shutdown()
-        srv.server_close()
 
 
 def post(edge: Edge, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
@@ -268,3 +288,65 @@ def test_a_spend_budget_refuses_the_session_after_the_request_that_spent_it(agen
         "message": f"Session 'pricey' of this key has spent {amount(spent)} USD, its session "
                    "budget is 0.000001 USD (session_budget.spend): start a new session.",
         "type": "insufficient_quota", "param": None, "code": "session_budget_exceeded"}})
+
+
+def test_a_sessions_counts_go_to_one_counter_worker_unless_it_is_the_busier(
+        config_path, agent_upstream):
+    """A conversation's turns, each on a new connection, are counted by one counter
+    worker (its session's), whose caches hold the earlier turns: with the least busy
+    worker taken, ties in turn, a turn met a worker that tokenized again the turns it had
+    not seen. One nginx worker's calls still leave that worker once it has two more in
+    progress than the other. A fake counter of two workers (the real counter frames)
+    tells which worker each call reached."""
+    def edit(raw: dict[str, Any]) -> None:
+        agent_upstream(raw)
+        raw["edge"]["count_timeout_ms"] = 30000
+
+    def chat(text: str) -> dict[str, Any]:
+        return {**CHAT, "messages": [{"role": "user", "content": text}]}
+    served: list[int] = []
+    answer = threading.Event()  # worker 0 holds its calls until this is set
+    answer.set()
+
+    def gate(worker: int) -> None:
+        if worker == 0:
+            answer.wait(30)
+    gen = _variants(config_path)
+    start = next(gen)
+    try:
+        with fake_counter(EDGE_DIR / "affinity-counter.sock", lambda request: fixed_reply(7),
+                          served=served, gate=gate) as sock:
+            e = start("sessions-affinity", edit, counter_socket=sock)
+            for worker in (0, 1):
+                served.clear()
+                turns = [post(e, "/chat/completions", chat(f"turn {i} of {worker}"),
+                              {"X-Session-Id": session_for(worker)}) for i in range(6)]
+                assert [r.status_code for r in turns] == [200] * 6
+                assert served == [worker] * 6
+            # without a session, the least busy worker, ties in turn: one of the two
+            # nginx workers gets at least 3 of 6 requests, which go to both workers
+            served.clear()
+            anyone = [post(e, "/chat/completions", chat(f"no session {i}")) for i in range(6)]
+            assert [r.status_code for r in anyone] == [200] * 6
+            assert sorted(set(served)) == [0, 1]
+            # worker 0 holds its calls: 8 at once reach the 2 nginx workers, one of which
+            # has at least 4, and its third goes to worker 1
+            served.clear()
+            answer.clear()
+            burst: list[httpx.Response] = []
+            sender = threading.Thread(target=lambda: burst.extend(at_once(
+                8, lambda: post(e, "/chat/completions", chat(f"burst {time.monotonic_ns()}"),
+                                {"X-Session-Id": session_for(0)}))))
+            sender.start()
+            deadline = time.monotonic() + 30
+            while 1 not in served and time.monotonic() < deadline:
+                time.sleep(0.01)
+            spilled = 1 in served
+            answer.set()
+            sender.join(60)
+    finally:
+        answer.set()
+        gen.close()
+    assert spilled, served
+    assert [(r.status_code, r.headers["x-token-count-source"]) for r in burst] \
+        == [(200, "counter")] * 8

@@ -185,16 +185,20 @@ def cold_bodies(n: int, seed: int = 1) -> list[dict[str, Any]]:
         {"role": "user", "content": _text(rng, 560)}]} for _ in range(n)]
 
 
-def conversation_bodies(conversations: int, turns: int = 10, seed: int = 2) \
-        -> list[dict[str, Any]]:
+def conversation_bodies(conversations: int, turns: int = 10, seed: int = 2,
+                        words: tuple[int, int, int] = (60, 80, 120)) -> list[dict[str, Any]]:
+    """Chat bodies of ``conversations`` conversations, ``turns`` each, in order: every
+    turn the whole history as messages, a system message, then user and assistant
+    turns; ``words``: the system's, each user turn's and each assistant turn's."""
     rng = random.Random(seed)
+    system, user, assistant = words
     out = []
     for _ in range(conversations):
-        history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, 60)}]
+        history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, system)}]
         for _ in range(turns):
-            history.append({"role": "user", "content": _text(rng, 80)})
+            history.append({"role": "user", "content": _text(rng, user)})
             out.append({"model": "tiny-qwen3", "messages": list(history)})
-            history.append({"role": "assistant", "content": _text(rng, 120)})
+            history.append({"role": "assistant", "content": _text(rng, assistant)})
     return out
 
 

@@ -1,16 +1,20 @@
 """``make bench``'s cold and warm paths: a conversation's next turn (the warm path's
-prompts), the physical floor of a cold count (encode + plain nginx), each path's CPU per
-request by part and the cold path's ratio to the floor."""
+prompts), a session's turns (conversations whose history is messages, a session each),
+the physical floor of a cold count (encode + plain nginx), each path's CPU per request by
+part and the cold path's ratio to the floor."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 from tokengate import config as tg_config
 from tokenstorm.prompts import Sharing
 
-from tokengate_dev.bench.stack import BenchOptions
+from tokengate_dev.bench.counter import conversation_bodies
+from tokengate_dev.bench.stack import BENCH_KEY, BenchOptions, cpu_seconds
 
 # a next turn's history: the share of its prompt tokens in a system message that every
 # request of its tenant sends (seen before), the rest a new user message
@@ -18,6 +22,12 @@ NEXT_TURN_HISTORY = 0.9
 NEXT_TURN_TENANTS = 8
 # prompts whose encoding is timed for the floor
 FLOOR_PROMPTS = 400
+# a session's turns: conversations, turns each, words of the system message, of each
+# user turn and of each assistant turn (about 100 + 12 x 800 words: 12k tokens at the
+# end), and the clients sending them at once
+SESSION_CONVERSATIONS, SESSION_TURNS = 32, 12
+SESSION_WORDS = (100, 300, 500)
+SESSION_CLIENTS = 8
 
 
 def next_turn_sharing(prompt_tokens: int) -> Sharing:
@@ -28,6 +38,38 @@ def next_turn_sharing(prompt_tokens: int) -> Sharing:
     return Sharing(tenants=NEXT_TURN_TENANTS,
                    prefix_tokens=int(prompt_tokens * NEXT_TURN_HISTORY),
                    conversations=1 << 20)
+
+
+def session_turns(url: str, model: tg_config.ModelConfig, seed: int,
+                  groups: dict[str, int]) -> dict[str, Any]:
+    """The warm path "a session's turns", what an agent sends: ``SESSION_CONVERSATIONS``
+    conversations of ``SESSION_TURNS`` turns, each turn the whole history as messages
+    (``bench.counter.conversation_bodies``, ``SESSION_WORDS``) with its conversation's
+    ``X-Session-Id``, sent in order through the gateway at ``url`` by
+    ``SESSION_CLIENTS`` clients at once (16 output tokens). Returns ``requests``,
+    ``rps``, ``valid`` (every answer 200 and counted by the counter) and
+    ``cpu_us_per_request`` of each process group of ``groups`` (µs) but this process's
+    own ("tokenstorm": the clients here are this process's threads)."""
+    bodies = conversation_bodies(SESSION_CONVERSATIONS, SESSION_TURNS, seed, SESSION_WORDS)
+    counted: list[bool] = []
+
+    def conversation(c: int) -> None:
+        headers = {"Authorization": f"Bearer {BENCH_KEY}",
+                   "X-Session-Id": f"bench-{seed}-{c}"}
+        with httpx.Client(headers=headers, timeout=60) as client:
+            for body in bodies[c * SESSION_TURNS:(c + 1) * SESSION_TURNS]:
+                r = client.post(f"{url}/chat/completions",
+                                json={**body, "model": model.name, "max_tokens": 16})
+                counted.append(r.status_code == 200
+                               and r.headers.get("x-token-count-source") == "counter")
+    before, t0 = cpu_seconds(groups), time.monotonic()
+    with ThreadPoolExecutor(SESSION_CLIENTS) as pool:
+        list(pool.map(conversation, range(SESSION_CONVERSATIONS)))
+    after, elapsed = cpu_seconds(groups), time.monotonic() - t0
+    n = len(counted)
+    return {"requests": n, "rps": round(n / elapsed, 1), "valid": all(counted),
+            "cpu_us_per_request": {k: round((after[k] - before[k]) / n * 1e6, 1)
+                                   for k in groups if k != "tokenstorm"}}
 
 
 def encode_floor_us(model: tg_config.ModelConfig, seed: int,
@@ -64,7 +106,10 @@ def encode_floor_us(model: tg_config.ModelConfig, seed: int,
 
 # the gateway's runs of each path (no stream): the names of their CPU entries
 PATH_RUNS = {"cold": "gateway no stream", "next turn": "gateway no stream, next turn",
-             "identical resend": "gateway no stream, identical resend"}
+             "identical resend": "gateway no stream, identical resend",
+             "session turns": "gateway no stream, session turns"}
+# the paths whose prompts are the floor's (1k-token chats): their CPU over the floor's
+FLOOR_PATHS = ("cold", "next turn", "identical resend")
 
 
 def paths_cpu(fig: dict[str, Any], cpu: dict[str, dict[str, float]], floor: dict[str, Any],

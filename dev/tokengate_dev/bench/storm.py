@@ -68,11 +68,14 @@ from tokenstorm.upstream import UpstreamOptions
 
 from tokengate_dev import devstack
 from tokengate_dev.bench.paths import (
+    FLOOR_PATHS,
     PATH_RUNS,
+    SESSION_CLIENTS,
     cold_floor_ratio,
     encode_floor_us,
     next_turn_sharing,
     paths_cpu,
+    session_turns,
 )
 from tokengate_dev.bench.stack import (
     BENCH_KEY,
@@ -310,14 +313,23 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                        stream=False, concurrency=opts.concurrency, direct=False, **how),
                  console, runs, groups)
         cpu[f"gateway no stream, {path}"] = runs[r.spec.name].get("cpu_us_per_request", {})
+    # a session's turns: histories as messages, which TokenStorm's prompts are not
+    session = runs["gateway no stream, session turns"] = session_turns(
+        gw.url, model, prompt_seed(opts), groups)
+    console.print(f"  {'gateway no stream, session turns':<30}{session['rps']:>8,.0f}/s  "
+                  f"{session['requests']} requests, {SESSION_CLIENTS} clients"
+                  + ("" if session["valid"] else "  [red]not all counted by the counter[/]"))
+    cpu["gateway no stream, session turns"] = session["cpu_us_per_request"]
     fig["cpu_us_per_request_at_saturation"] = cpu
     console.print(_cpu_table(cpu, list(groups)))
     fig["floor"] = floor = encode_floor_us(model, cold_seed, opts)
     console.print(f"  floor: encoding the cold run's prompts, µs per prompt: "
                   f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
                   f"{floor['hf_tokenizers_us']:,.0f}")
-    paths_cpu(fig, cpu, floor, {path: runs[f"gateway no stream saturation{suffix}"]["valid"]
-                             for path, suffix in (("cold", ""), *((p, f", {p}") for p in warm))})
+    paths_cpu(fig, cpu, floor, {
+        **{path: runs[f"gateway no stream saturation{suffix}"]["valid"]
+           for path, suffix in (("cold", ""), *((p, f", {p}") for p in warm))},
+        "session turns": session["valid"]})
     # The edge's aims: the worse of streamed and not.
     edge_cpu, plain_rps = [], []
     for stream in (False, True):
@@ -596,7 +608,7 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"{path}: CPU per request, edge + counter (µs)",
                       f"{e['edge_cpu_us']:,.0f} + {e['counter_cpu_us']:,.0f}", "",
                       f"{e['gateway_cpu_us'] / floor['total_us']:.2f}x floor"
-                      if "total_us" in floor else "",
+                      if "total_us" in floor and path in FLOOR_PATHS else "",
                       "" if e["saturation_valid"] else "[red]invalid run[/]")
         at = e.get("cpu_us_at_rate", {})
         if "edge nginx" in at and "counter" in at:

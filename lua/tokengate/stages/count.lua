@@ -24,7 +24,9 @@ local _M = {}
 
 -- prompt(ctx, doc) -> true | nil, err: the prompt's tokens, the completion budget and
 -- the TPM reservation. The counter counts the body's text (tokengate.body.text: the
--- client's bytes unless validating, sanitizing or the API's adjust changed the body);
+-- client's bytes unless validating, sanitizing or the API's adjust changed the body),
+-- on the counter worker of the request's session (tokengate.session) while that worker
+-- is not busier than the others (tokengate.count.prompt's affinity);
 -- the completion budget may then write the output limit into the body, which changes
 -- no prompt token.
 function _M.prompt(ctx, doc)
@@ -34,7 +36,8 @@ function _M.prompt(ctx, doc)
     local route, body, model, api = ctx.route, ctx.body, ctx.model_entry, ctx.api
     local text = body_mod.text(body)
     local t = mono_ms()
-    local counted, err = count.prompt(api.ENDPOINT[route], model.name, text, doc.edge)
+    local counted, err = count.prompt(api.ENDPOINT[route], model.name, text, doc.edge,
+        ctx.session_id)
     ctx.count_s = (mono_ms() - t) / 1000
     trace.span(ctx, "count", t)
     if not counted then
