@@ -29,11 +29,13 @@ def test_a_next_turn_sends_nine_tenths_of_its_prompt_as_a_history_seen_before() 
 def test_the_floor_encodes_the_cold_prompts_both_ways_to_the_same_length(
         cfg: tg_config.Config) -> None:
     model = cfg.models["tiny-qwen3"]
-    floor = paths.encode_floor_us(model, seed=7, opts=stack.BenchOptions())
+    floor = paths.encode_floor_us(model, seed=7, opts=stack.BenchOptions(), idle_s=0.001)
     assert floor["prompts"] == paths.FLOOR_PROMPTS
     assert floor["prompt_tokens"] == 1000
     assert floor["encoder"] == "tiktoken"
     assert floor["encode_us"] == min(floor["encoder_us"], floor["hf_tokenizers_us"])
+    assert list(floor["encode_idle_us"]) == ["back to back", "after 1 ms idle"]
+    assert all(us > 0 for us in floor["encode_idle_us"].values())
 
 
 def test_paths_put_the_cold_gateway_cpu_over_encode_plus_plain_nginx() -> None:

@@ -5,6 +5,7 @@ part and the cold path's ratio to the floor."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,8 +21,10 @@ from tokengate_dev.bench.stack import BENCH_KEY, BenchOptions, cpu_seconds
 # request of its tenant sends (seen before), the rest a new user message
 NEXT_TURN_HISTORY = 0.9
 NEXT_TURN_TENANTS = 8
-# prompts whose encoding is timed for the floor
+# prompts whose encoding is timed for the floor; then, one at a time, for its encode
+# back to back and after an idle gap
 FLOOR_PROMPTS = 400
+FLOOR_IDLE_PROMPTS = 100
 # a session's turns: conversations, turns each, words of the system message, of each
 # user turn and of each assistant turn (about 100 + 12 x 800 words: 12k tokens at the
 # end), and the clients sending them at once
@@ -72,16 +75,20 @@ def session_turns(url: str, model: tg_config.ModelConfig, seed: int,
                                    for k in groups if k != "tokenstorm"}}
 
 
-def encode_floor_us(model: tg_config.ModelConfig, seed: int,
-                    opts: BenchOptions) -> dict[str, Any]:
+def encode_floor_us(model: tg_config.ModelConfig, seed: int, opts: BenchOptions,
+                    idle_s: float) -> dict[str, Any]:
     """The tokenizer's part of the physical floor of a cold count: the prompts of seed
     ``seed`` (``FLOOR_PROMPTS`` of them, ``opts.prompt_tokens`` each), rendered as
     vLLM renders them, then encoded one by one in this process (CPU µs per prompt,
     ``time.process_time``): by the counter's own exact encoder
     (``PromptTokenizer.encode``: tiktoken where proven identical, else HF) and by HF
     ``tokenizers`` (``Tokenizer.encode``, ``add_special_tokens=False``). ``encode_us``
-    is the cheaper of the two: no exact count can take less. Raises ``RuntimeError``
-    when the two disagree on a prompt's length."""
+    is the cheaper of the two: no exact count can take less. ``encode_idle_us``: the
+    exact encoder's p50 thread CPU µs on ``FLOOR_IDLE_PROMPTS`` more prompts (never
+    encoded before), back to back and on as many others each after ``idle_s`` seconds
+    asleep: what one cold encode costs at a low rate, where this kind of VM runs code
+    that waited that long about twice as slowly as the same code back to back. Raises
+    ``RuntimeError`` when the two disagree on a prompt's length."""
     from tokengate.counter.tokenizer import PromptTokenizer
     from tokenstorm.runner import prompt_builder
 
@@ -101,6 +108,20 @@ def encode_floor_us(model: tg_config.ModelConfig, seed: int,
         raise RuntimeError("the counter's encoder and HF tokenizers disagree on a prompt")
     out["prompt_tokens"] = lengths["encoder_us"][0]
     out["encode_us"] = min(out["encoder_us"], out["hf_tokenizers_us"])
+    more = [builder.render_chat(builder.parts(i, opts.prompt_tokens)[1])
+            for i in range(FLOOR_PROMPTS, FLOOR_PROMPTS + 2 * FLOOR_IDLE_PROMPTS)]
+    out["encode_idle_us"] = {}
+    for label, gap_s, batch in (("back to back", 0.0, more[:FLOOR_IDLE_PROMPTS]),
+                                (f"after {idle_s * 1e3:g} ms idle", idle_s,
+                                 more[FLOOR_IDLE_PROMPTS:])):
+        times = []
+        for text in batch:
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.thread_time_ns()
+            exact.encode(text)
+            times.append((time.thread_time_ns() - t0) / 1e3)
+        out["encode_idle_us"][label] = round(statistics.median(times), 1)
     return out
 
 

@@ -322,7 +322,7 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
     cpu["gateway no stream, session turns"] = session["cpu_us_per_request"]
     fig["cpu_us_per_request_at_saturation"] = cpu
     console.print(_cpu_table(cpu, list(groups)))
-    fig["floor"] = floor = encode_floor_us(model, cold_seed, opts)
+    fig["floor"] = floor = encode_floor_us(model, cold_seed, opts, 1.0 / AIM_RATE)
     console.print(f"  floor: encoding the cold run's prompts, µs per prompt: "
                   f"{floor['encoder']} {floor['encoder_us']:,.0f}, HF tokenizers "
                   f"{floor['hf_tokenizers_us']:,.0f}")
@@ -620,6 +620,9 @@ def render(out: dict[str, Any]) -> Table:
                       "" if e["valid"] else "[red]invalid run[/]")
     for label, us in fig.get("process_round_trip_us", {}).items():
         t.add_row(f"round trip to another process, {label} (µs p50)", f"{us:,.0f}", "", "",
+                  "")
+    for label, us in floor.get("encode_idle_us", {}).items():
+        t.add_row(f"floor's encode of a new prompt, {label} (µs p50)", f"{us:,.0f}", "", "",
                   "")
     if "tokenstorm_ceiling_stream_rps" in fig and "vllm_bench_ceiling_rps" in fig:
         t.add_row("ceilings, stream: TokenStorm / vllm bench serve (req/s)",
