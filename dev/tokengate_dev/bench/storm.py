@@ -69,7 +69,6 @@ from tokenstorm.upstream import UpstreamOptions
 from tokengate_dev import devstack
 from tokengate_dev.bench.paths import (
     FLOOR_PATHS,
-    PATH_RUNS,
     SESSION_CLIENTS,
     cold_floor_ratio,
     encode_floor_us,
@@ -425,7 +424,7 @@ def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
         e = fig[f"added_nostream_{rate:g}"]
         paths.setdefault("cold", {}).update(valid=e["valid"], added_p50_ms=e["added_p50_ms"],
                                             added_p99_ms=e["added_p99_ms"])
-    for path in PATH_RUNS:
+    for path in ("cold", *warm):  # the paths run at the rate (not the session turns)
         paths[path]["rate_rps"] = rate
         per = runs.get(f"gateway no stream {rate:g} req/s"
                        + ("" if path == "cold" else f", {path}"), {}).get("cpu_us_per_request")
