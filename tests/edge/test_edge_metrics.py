@@ -20,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from tokengate_dev.bench import stack as bench_stack
 
 from tests.conftest import MODEL, TEST_DIR, key_digest
 from tests.fixtures_edge import MAIN_KEY, Edge
@@ -106,7 +107,8 @@ def test_metrics_count_a_known_workload_exactly(
     ids = {r.headers["x-request-id"] for r in [*ok, special, unknown, *rpm, *tpm]}
     wait_until(lambda: ids <= {ev["request_id"] for ev in e.events()})
     events = e.events()
-    got = samples(scrape(e))
+    text = scrape(e)
+    got = samples(text)
 
     req = "tokengate_requests_total"
     assert value(got, req, key="edge-main", model=MODEL, endpoint="chat", status="2xx") == 6
@@ -152,6 +154,9 @@ def test_metrics_count_a_known_workload_exactly(
     assert value(got, "tokengate_time_to_first_token_seconds_sum",
                  model=MODEL) == pytest.approx(ttft, abs=1e-3)
     assert value(got, "tokengate_count_duration_seconds_count") == len(counted)
+    # what make bench reads of it: the counts' total time and number
+    assert bench_stack.count_seconds(text) == (
+        value(got, "tokengate_count_duration_seconds_sum"), len(counted))
 
 
 def test_histograms_are_cumulative_and_every_family_is_declared(

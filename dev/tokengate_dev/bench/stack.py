@@ -114,6 +114,7 @@ class Gateway:
         raw.setdefault("ledger", {})["usage_file"] = str(usage)
         raw.setdefault("edge", {})["listen"] = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
+        self.status_port = free_port()
         raw["metrics"] = {"counter_listen": None, "limits_listen": None,
                           "ledger_listen": f"127.0.0.1:{self.metrics_port}"}
         if tracing:
@@ -137,7 +138,7 @@ class Gateway:
                                       counter_workers=self.opts.counter_workers,
                                       workers=self.opts.edge_workers,
                                       name=f"bench-{self.name}-edge",
-                                      prefix=self.dir / "edge", status_port=free_port())
+                                      prefix=self.dir / "edge", status_port=self.status_port)
         self.services.append(edge.start())
         if self.redis_url:
             ledger = devstack.ledger_service(self.config_path, self.usage_file, self.redis_url,
@@ -156,6 +157,13 @@ class Gateway:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
                                             if line.startswith("tokengate_"))}
+
+    def count_seconds(self) -> tuple[float, float]:
+        """The edge's counts so far (``count_seconds`` of its /metrics)."""
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.status_port}/metrics"
+        return count_seconds(urllib.request.urlopen(url, timeout=5).read().decode())
 
     def stop(self) -> None:
         for s in reversed(self.services):
@@ -214,6 +222,23 @@ http {{
     }}
 }}
 """
+
+
+def count_seconds(metrics: str) -> tuple[float, float]:
+    """The edge's ``tokengate_count_duration_seconds`` in ``metrics`` (its /metrics, the
+    Prometheus text format), every label set's: (sum in seconds, number of counts). A
+    count is the edge's wait for the counter's answer (the unix-socket call, the
+    counter's wake-up and its work) or a hit in the edge's cache of its answers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = {"_sum": 0.0, "_count": 0.0}
+    for family in text_string_to_metric_families(metrics):
+        if family.name == "tokengate_count_duration_seconds":
+            for sample in family.samples:
+                suffix = sample.name.removeprefix(family.name)
+                if suffix in total:
+                    total[suffix] += sample.value
+    return total["_sum"], total["_count"]
 
 
 def plain_nginx_service(upstream_port: int, workers: int) -> tuple[Service, int]:

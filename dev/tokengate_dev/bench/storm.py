@@ -30,7 +30,8 @@ One command, a few minutes, loopback only:
    conversation's *next turn* (``NEXT_TURN_HISTORY`` of the prompt a system message
    seen before, the rest new) and an *identical resend* (the cold saturation run's
    bodies again), each at saturation (CPU per request by part) and at ``AIM_RATE``
-   (added p50/p99 over the upstream alone). Beside them the **physical floor** of a
+   (added p50/p99 over the upstream alone, and the mean count as the edge waited for
+   it: ``Gateway.count_seconds``). Beside them the **physical floor** of a
    cold count in the same run: encoding the same rendered prompts (the counter's own
    exact encoder and HF ``tokenizers``, µs per prompt, this process, one core) plus
    plain nginx's CPU per request.
@@ -158,11 +159,21 @@ def _vllm_bench(url: str, cfg: tg_config.ModelConfig, opts: BenchOptions,
 
 
 def _run(spec: RunSpec, console: Console, runs: dict[str, Any],
-         groups: dict[str, int] | None = None) -> RunResult:
+         groups: dict[str, int] | None = None, gateway: Gateway | None = None) -> RunResult:
+    """One TokenStorm run, its summary into ``runs[spec.name]``; with ``groups``, the CPU
+    per request of each process group (µs: ``cpu_us_per_request``); with ``gateway``,
+    the mean of the run's counts as the edge timed them (ms: ``count_ms``)."""
     before = cpu_seconds(groups) if groups else {}
+    counts_before = gateway.count_seconds() if gateway else (0.0, 0.0)
     result = execute(spec, console=console)
     s = result.summary
     runs[spec.name] = s.to_json()
+    if gateway:
+        counts_after = gateway.count_seconds()
+        n = counts_after[1] - counts_before[1]
+        if n:
+            runs[spec.name]["count_ms"] = round(
+                (counts_after[0] - counts_before[0]) / n * 1000, 3)
     if groups and s.all.ok:
         after = cpu_seconds(groups)
         per = {k: round((after[k] - before[k]) / s.all.ok * 1e6, 1) for k in groups}
@@ -360,9 +371,10 @@ def _direct_vs_gateway(direct_url: str, plain_url: str, gw: Gateway,
                 for where, url in (("direct", direct_url), ("gateway", gw.url)):
                     name = f"{where} {mode} {rate:g} req/s" + (" (again)" if attempt > 1
                                                                else "")
+                    on_gw = where == "gateway"
                     res[where] = _run(_spec(name, url, model, opts, stream=stream, rate=rate,
-                                            direct=where == "direct"), console, runs,
-                                      groups if where == "gateway" else None).summary
+                                            direct=not on_gw), console, runs,
+                                      groups if on_gw else None, gw if on_gw else None).summary
                 if res["direct"].valid and res["gateway"].valid:
                     break
             d, g = res["direct"], res["gateway"]
@@ -415,7 +427,7 @@ def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
         g = _run(_spec(f"gateway no stream {rate:g} req/s" + ("" if path == "cold"
                                                               else f", {path}"),
                        gw.url, model, opts, stream=False, rate=rate, direct=False, **how),
-                 console, runs, groups).summary
+                 console, runs, groups, gw).summary
         paths.setdefault(path, {}).update(
             valid=direct.valid and g.valid, added_p50_ms=_sub(g.all.e2e_ms.p50,
                                                               direct.all.e2e_ms.p50),
@@ -426,11 +438,14 @@ def _paths_at_rate(direct_url: str, gw: Gateway, model: tg_config.ModelConfig,
                                             added_p99_ms=e["added_p99_ms"])
     for path in ("cold", *warm):  # the paths run at the rate (not the session turns)
         paths[path]["rate_rps"] = rate
-        per = runs.get(f"gateway no stream {rate:g} req/s"
-                       + ("" if path == "cold" else f", {path}"), {}).get("cpu_us_per_request")
+        run = runs.get(f"gateway no stream {rate:g} req/s"
+                       + ("" if path == "cold" else f", {path}"), {})
+        per = run.get("cpu_us_per_request")
         if per:
             paths[path]["cpu_us_at_rate"] = {k: per[k] for k in ("edge nginx", "counter")
                                               if k in per}
+        if "count_ms" in run:
+            paths[path]["count_ms_at_rate"] = run["count_ms"]
     if paths["cold"]["valid"]:
         fig["cold_added_p50_ms"] = paths["cold"]["added_p50_ms"]
         fig["cold_added_p99_ms"] = paths["cold"]["added_p99_ms"]
@@ -617,6 +632,9 @@ def render(out: dict[str, Any]) -> Table:
             t.add_row(f"{path}: added at {e['rate_rps']:g} req/s, no stream (ms)",
                       f"p50 {e['added_p50_ms']:+.2f}, p99 {e['added_p99_ms']:+.2f}", "", "",
                       "" if e["valid"] else "[red]invalid run[/]")
+        if "count_ms_at_rate" in e:
+            t.add_row(f"{path}: the count at {e['rate_rps']:g} req/s, as the edge waits for "
+                      "it (ms, mean)", f"{e['count_ms_at_rate']:.2f}", "", "", "")
     for label, us in fig.get("process_round_trip_us", {}).items():
         t.add_row(f"round trip to another process, {label} (µs p50)", f"{us:,.0f}", "", "",
                   "")
