@@ -5,10 +5,12 @@ part and the cold path's ratio to the floor."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from tokengate import config as tg_config
@@ -31,6 +33,8 @@ FLOOR_IDLE_PROMPTS = 100
 SESSION_CONVERSATIONS, SESSION_TURNS = 32, 12
 SESSION_WORDS = (100, 300, 500)
 SESSION_CLIENTS = 8
+
+T = TypeVar("T")
 
 
 def next_turn_sharing(prompt_tokens: int) -> Sharing:
@@ -87,9 +91,17 @@ def encode_floor_us(model: tg_config.ModelConfig, seed: int, opts: BenchOptions,
     exact encoder's p50 thread CPU µs on ``FLOOR_IDLE_PROMPTS`` more prompts (never
     encoded before), back to back and on as many others each after ``idle_s`` seconds
     asleep: what one cold encode costs at a low rate, where this kind of VM runs code
-    that waited that long about twice as slowly as the same code back to back. Raises
-    ``RuntimeError`` when the two disagree on a prompt's length."""
+    that waited that long about twice as slowly as the same code back to back.
+    ``count_idle_us``: the same for the counter's whole call on as many more chat bodies
+    (``tokengate.counter.frames.answer`` in this process: protobuf, JSON, template,
+    encode, block hashes, reply, metrics; no KV-event index): what a count costs the
+    counter at a low rate, against the encode alone. Raises ``RuntimeError`` when
+    the two encoders disagree on a prompt's length, or the counter's call with them."""
+    from tokengate.counter import frames
+    from tokengate.counter.counter_service import TokenCounterService
+    from tokengate.counter.counting import ModelCounter
     from tokengate.counter.tokenizer import PromptTokenizer
+    from tokengate.v1 import counter_pb2
     from tokenstorm.runner import prompt_builder
 
     builder = prompt_builder(model.dir, model.name, "chat", seed)
@@ -108,21 +120,47 @@ def encode_floor_us(model: tg_config.ModelConfig, seed: int, opts: BenchOptions,
         raise RuntimeError("the counter's encoder and HF tokenizers disagree on a prompt")
     out["prompt_tokens"] = lengths["encoder_us"][0]
     out["encode_us"] = min(out["encoder_us"], out["hf_tokenizers_us"])
-    more = [builder.render_chat(builder.parts(i, opts.prompt_tokens)[1])
-            for i in range(FLOOR_PROMPTS, FLOOR_PROMPTS + 2 * FLOOR_IDLE_PROMPTS)]
-    out["encode_idle_us"] = {}
-    for label, gap_s, batch in (("back to back", 0.0, more[:FLOOR_IDLE_PROMPTS]),
-                                (f"after {idle_s * 1e3:g} ms idle", idle_s,
-                                 more[FLOOR_IDLE_PROMPTS:])):
-        times = []
-        for text in batch:
-            if gap_s:
-                time.sleep(gap_s)
-            t0 = time.thread_time_ns()
-            exact.encode(text)
-            times.append((time.thread_time_ns() - t0) / 1e3)
-        out["encode_idle_us"][label] = round(statistics.median(times), 1)
+    # new prompts for each of the four timings below: none meets a cache of an earlier one
+    first = FLOOR_PROMPTS
+    contents = [builder.parts(i, opts.prompt_tokens)[1]
+                for i in range(first, first + 4 * FLOOR_IDLE_PROMPTS)]
+    idle = f"after {idle_s * 1e3:g} ms idle"
+    out["encode_idle_us"] = {
+        label: _p50_thread_us(exact.encode, [builder.render_chat(c) for c in batch], gap_s)
+        for label, gap_s, batch in (("back to back", 0.0, contents[:FLOOR_IDLE_PROMPTS]),
+                                    (idle, idle_s, contents[FLOOR_IDLE_PROMPTS:
+                                                            2 * FLOOR_IDLE_PROMPTS]))}
+    service = TokenCounterService({model.name: ModelCounter.load(model)})
+    requests = [counter_pb2.CountRequest(
+        endpoint=counter_pb2.ENDPOINT_CHAT, model=model.name,
+        body=json.dumps({"model": model.name, "messages": [{"role": "user", "content": c}]},
+                        ensure_ascii=False).encode()).SerializeToString()
+        for c in contents[2 * FLOOR_IDLE_PROMPTS:]]
+    out["count_idle_us"] = {
+        label: _p50_thread_us(lambda r: frames.answer(service.count, r), batch, gap_s)
+        for label, gap_s, batch in (("back to back", 0.0, requests[:FLOOR_IDLE_PROMPTS]),
+                                    (idle, idle_s, requests[FLOOR_IDLE_PROMPTS:]))}
+    # the timed calls were counts, not error replies: the last one, again
+    reply = frames.answer(service.count, requests[-1])
+    counted = counter_pb2.CountReply.FromString(reply[frames.REPLY_HEADER.size:]) \
+        if reply[0] == 0 else None
+    if counted is None or counted.prompt_tokens != len(
+            exact.encode(builder.render_chat(contents[-1]))):
+        raise RuntimeError("the counter's call and its encoder disagree on a prompt")
     return out
+
+
+def _p50_thread_us(work: Callable[[T], object], items: list[T], gap_s: float) -> float:
+    """The p50 thread CPU µs of ``work`` on each of ``items``, each call after ``gap_s``
+    seconds asleep (0: back to back)."""
+    times = []
+    for item in items:
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.thread_time_ns()
+        work(item)
+        times.append((time.thread_time_ns() - t0) / 1e3)
+    return round(statistics.median(times), 1)
 
 
 # the gateway's runs of each path (no stream): the names of their CPU entries

@@ -641,6 +641,9 @@ def render(out: dict[str, Any]) -> Table:
     for label, us in floor.get("encode_idle_us", {}).items():
         t.add_row(f"floor's encode of a new prompt, {label} (µs p50)", f"{us:,.0f}", "", "",
                   "")
+    for label, us in floor.get("count_idle_us", {}).items():
+        t.add_row(f"the counter's call on a new prompt in the bench's process, {label} "
+                  "(µs p50)", f"{us:,.0f}", "", "", "")
     if "tokenstorm_ceiling_stream_rps" in fig and "vllm_bench_ceiling_rps" in fig:
         t.add_row("ceilings, stream: TokenStorm / vllm bench serve (req/s)",
                   f"{fig['tokenstorm_ceiling_stream_rps']:,.0f} / "
