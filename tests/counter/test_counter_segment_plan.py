@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from tokengate.config import ModelConfig, load
-from tokengate.counter import segment_plan
+from tokengate.counter import segment_plan, tokenizer
 from tokengate.counter.chat_template import ChatTemplate
 from tokengate.counter.counting import ModelCounter
 from tokengate.counter.segment_plan import SegmentPlan
@@ -146,3 +146,36 @@ def test_fixed_text_that_ends_with_the_start_of_an_added_token_runs_on(
     assert tok.may_run_on("<")
     assert not tok.may_run_on("user\n")
     assert not tok.may_run_on("<|im_end|>")
+
+
+def test_a_routed_model_counts_from_its_id_cache_alone_and_tallies_those_lookups(
+        model: ModelConfig) -> None:
+    """A prefix-routed model needs every prompt's ids (its block hashes): it reads its
+    pieces' counts off their ids, cached in the id cache, whose reach is the segment
+    cache's (tokenizer.CACHE_CHARS), and the segment cache's hits and misses tally those
+    lookups: a piece encoded is a miss. The counts are an unrouted model's."""
+    routed = ModelCounter.load(model)
+    unrouted = ModelCounter.load(model.model_copy(update={
+        "routing": model.routing.model_copy(update={"policy": "round_robin"})}))
+    assert routed.router is not None and unrouted.router is None
+    rng = random.Random(20261207)
+    for _ in range(300):
+        b = body(rng, TRICKY)
+        got, want = routed.count("chat", b), unrouted.count("chat", b)
+        assert (got.prompt_tokens, got.breakdown) == (want.prompt_tokens, want.breakdown), b
+        assert len(got.block_hashes) > 0 or got.prompt_tokens <= model.routing.block_size
+    fresh = ModelCounter.load(model)
+    cache = fresh.tokenizer.cache
+    b = {"model": "tiny-qwen3", "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"}]}
+    fresh.count("chat", b)
+    first = (cache.hits, cache.misses)
+    fresh.count("chat", b)
+    assert first[1] > 0
+    assert cache.misses == first[1] and cache.hits > first[0]  # nothing encoded again
+    # the id cache alone holds the routed prompt's text (the segment cache, at most the
+    # counts of the template's own pieces that a plan is made of)
+    assert not [k for k in cache._map if "terse" in k or "three" in k]
+    assert fresh.tokenizer.id_cache._max_chars == tokenizer.CACHE_CHARS // 2

@@ -367,7 +367,8 @@ class ModelCounter:
         if add_special and tok.added_by_post_processor:
             assert tok.hf is not None
             return array("I", tok.hf.encode(first, add_special_tokens=True).ids)
-        return tok.ids(tok.split(first))
+        # its count is read through the segment cache (``_prompt_counts``)
+        return tok.ids(tok.split(first), tally=False)[0]
 
     def _prompt_counts(self, prompt: Any, param: str, add_special: bool,
                        lower: bool = False) -> list[int]:
@@ -452,8 +453,9 @@ class ModelCounter:
         tok = self.tokenizer
         want_ids = routed and self.router is not None
         by_plan = segment_plan.cut(rendered, tok)
-        # The ids first when they are needed: the counts of their pieces are then
-        # their lengths (PromptTokenizer._count_piece), each piece encoded once.
+        # When the ids are needed, the counts of the pieces are their lengths, looked up
+        # in the id cache alone (PromptTokenizer.ids): each piece encoded once, and one
+        # cache holding a routed model's history (the segment cache holds the others').
         ids: array[int] | None = None
         if by_plan is not None:
             plan, texts = by_plan
@@ -461,8 +463,10 @@ class ModelCounter:
             pieces = [""] * (2 * len(texts) - 1)
             pieces[0::2], pieces[1::2] = texts, plan.specials
             if want_ids:
-                ids = tok.ids(pieces)
-            text_counts = tok.text_counts(texts)
+                ids, counts = tok.ids(pieces)
+                text_counts = counts[0::2]
+            else:
+                text_counts = tok.text_counts(texts)
             total = sum(text_counts) + len(plan.specials)
             assert rendered.contents is not None
             inside = plan.content_tokens(rendered.contents, texts, text_counts)
@@ -476,8 +480,9 @@ class ModelCounter:
         else:
             pieces = tok.split(rendered.text)
             if want_ids:
-                ids = tok.ids(pieces)
-            counts = tok.piece_counts(pieces)
+                ids, counts = tok.ids(pieces)
+            else:
+                counts = tok.piece_counts(pieces)
             total = sum(counts)
         system = content = 0
         cursor = 0  # templates render messages in order: search forward only
