@@ -148,12 +148,12 @@ def test_fixed_text_that_ends_with_the_start_of_an_added_token_runs_on(
     assert not tok.may_run_on("<|im_end|>")
 
 
-def test_a_routed_model_counts_from_its_id_cache_alone_and_tallies_those_lookups(
+def test_a_routed_model_caches_its_pieces_ids_and_tallies_those_lookups(
         model: ModelConfig) -> None:
-    """A prefix-routed model needs every prompt's ids (its block hashes): it reads its
-    pieces' counts off their ids, cached in the id cache, whose reach is the segment
-    cache's (tokenizer.CACHE_CHARS), and the segment cache's hits and misses tally those
-    lookups: a piece encoded is a miss. The counts are an unrouted model's."""
+    """A prefix-routed model needs every prompt's ids (its block hashes): its piece cache
+    keeps the pieces' ids (PromptTokenizer.keep_ids) and its counts are their lengths,
+    the same as an unrouted model's; the lookups tallied are those, a miss a piece
+    encoded: a resend, chat or completions, encodes nothing and tallies only hits."""
     routed = ModelCounter.load(model)
     unrouted = ModelCounter.load(model.model_copy(update={
         "routing": model.routing.model_copy(update={"policy": "round_robin"})}))
@@ -163,19 +163,37 @@ def test_a_routed_model_counts_from_its_id_cache_alone_and_tallies_those_lookups
         b = body(rng, TRICKY)
         got, want = routed.count("chat", b), unrouted.count("chat", b)
         assert (got.prompt_tokens, got.breakdown) == (want.prompt_tokens, want.breakdown), b
-        assert len(got.block_hashes) > 0 or got.prompt_tokens <= model.routing.block_size
     fresh = ModelCounter.load(model)
-    cache = fresh.tokenizer.cache
-    b = {"model": "tiny-qwen3", "messages": [
+    tok = fresh.tokenizer
+    chat = {"model": "tiny-qwen3", "messages": [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
         {"role": "user", "content": "three"}]}
-    fresh.count("chat", b)
-    first = (cache.hits, cache.misses)
-    fresh.count("chat", b)
-    assert first[1] > 0
-    assert cache.misses == first[1] and cache.hits > first[0]  # nothing encoded again
-    # the id cache alone holds the routed prompt's text (the segment cache, at most the
-    # counts of the template's own pieces that a plan is made of)
-    assert not [k for k in cache._map if "terse" in k or "three" in k]
-    assert fresh.tokenizer.id_cache._max_chars == tokenizer.CACHE_CHARS // 2
+    completions = {"model": "tiny-qwen3", "prompt": ["four five", "six <|im_end|> seven"]}
+    for endpoint, b in (("chat", chat), ("completions", completions)):
+        first = fresh.count(endpoint, b)
+        hits, misses = tok.lookups
+        assert misses > 0
+        again = fresh.count(endpoint, b)
+        assert again.prompt_tokens == first.prompt_tokens
+        assert again.block_hashes == first.block_hashes
+        assert tok.lookups[1] == misses and tok.lookups[0] > hits, endpoint
+    assert tok.id_cache is not None and tok.id_cache.max_chars == tokenizer.CACHE_CHARS
+    assert not tok.cache._map  # one cache holds the model's text: its ids
+
+
+def test_the_piece_cache_keeps_the_most_recent_pieces_up_to_its_bound() -> None:
+    """An LRU bounded by characters: pieces cycled in turn that fit are never computed
+    again; one more piece than fits evicts the least recently used."""
+    cache: tokenizer.PieceCache[int] = tokenizer.PieceCache(0, max_chars=100)
+    pieces = [f"{i:02d}" * 12 for i in range(4)]  # 24 characters each: four fit
+    for _ in range(3):
+        assert cache.lookup(pieces, len) == [24] * 4
+    assert (cache.hits, cache.misses) == (8, 4)
+    cache.lookup(["xx" * 12], len)  # a fifth: the least recently used goes
+    cache.lookup(pieces[1:], len)
+    assert cache.misses == 5
+    cache.lookup(pieces[:1], len)
+    assert cache.misses == 6
+    assert cache.lookup(["", "a" * 26], len) == [0, 26]  # "" is no lookup; too long: kept out
+    assert cache.lookup(["a" * 26], len) == [26] and cache.misses == 8

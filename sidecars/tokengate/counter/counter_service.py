@@ -38,7 +38,8 @@ CALL_SECONDS = Histogram("tokengate_counter_call_duration_seconds",
 PROMPT_TOKENS = Counter("tokengate_counter_prompt_tokens_total",
                         "Prompt tokens counted (replies sent), by model.", ["model"])
 CACHE_LOOKUPS = Counter("tokengate_counter_segment_cache_lookups_total",
-                        "Segment cache lookups (a prompt's pieces between special tokens), "
+                        "Piece cache lookups (a prompt's pieces between special tokens; for "
+                        "a prefix-routed model, of their token ids), "
                         "by model and result (hit, miss).", ["model", "result"])
 TEMPLATE_RENDERS = Counter("tokengate_counter_template_renders_total",
                            "Chat prompts rendered, by model and how: trace (assembled from "
@@ -180,17 +181,18 @@ class _Series:
         self._exported = (0, 0, 0, 0, 0)
 
     def export(self, counter: ModelCounter, lock: threading.Lock) -> None:
-        """Adds what ``counter``'s segment cache and template traces counted since the
+        """Adds what ``counter``'s piece cache and template traces counted since the
         last call to CACHE_LOOKUPS and TEMPLATE_RENDERS (the threads of a worker share
         them: under ``lock``, the sum of the increments is exact; a reload's new
         counter starts from 0)."""
-        cache, template = counter.tokenizer.cache, counter.template
+        template = counter.template
         with lock:
             if counter is not self._counter:
                 self._counter, self._exported = counter, (0, 0, 0, 0, 0)
             traces = template.traces if template is not None else None
-            now = (cache.hits, cache.misses, *((traces.hits, traces.recorded, traces.plain)
-                                               if traces is not None else (0, 0, 0)))
+            now = (*counter.tokenizer.lookups,
+                   *((traces.hits, traces.recorded, traces.plain)
+                     if traces is not None else (0, 0, 0)))
             before, self._exported = self._exported, now
         for series, n, n0 in zip((*self._lookups, *self._renders), now, before, strict=True):
             if n > n0:

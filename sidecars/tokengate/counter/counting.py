@@ -167,6 +167,8 @@ class ModelCounter:
         self.model = model
         self.router = PrefixRouter(model.routing, kv_index) \
             if model.routing.reads_prefix else None
+        if self.router is not None:
+            tokenizer.keep_ids()  # every prompt's ids are needed: its counts are theirs
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs_allowed = frozenset(template_kwargs_allowed)
@@ -224,16 +226,12 @@ class ModelCounter:
         elif endpoint == "embeddings":
             return self._count_embeddings(body)
         elif endpoint == "completions":
-            prompt = body.get("prompt")
-            if self.router is not None and (isinstance(prompt, str) or (
-                    isinstance(prompt, list) and prompt and isinstance(prompt[0], str))):
-                # the routed prompt's ids first: its count then reads their lengths
-                # (tokenizer's id cache) instead of encoding the text a second time
-                ids = self._first_prompt_ids(prompt, opt_bool(body, "add_special_tokens", True))
             prompt_tokens, n_prompts, biggest = self._count_completions(body)
             breakdown = Breakdown(messages=prompt_tokens)
-            if self.router is not None and ids is None:
-                ids = self._first_prompt_ids(prompt, opt_bool(body, "add_special_tokens", True))
+            if self.router is not None:
+                # counted, so well-formed, and its pieces' ids cached (keep_ids)
+                ids = self._first_prompt_ids(body["prompt"],
+                                             opt_bool(body, "add_special_tokens", True))
             # OpenAI/vLLM completions default max_tokens to 16.
             requested = opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
             prompt_tokens_for_room = biggest
@@ -367,7 +365,7 @@ class ModelCounter:
         if add_special and tok.added_by_post_processor:
             assert tok.hf is not None
             return array("I", tok.hf.encode(first, add_special_tokens=True).ids)
-        # its count is read through the segment cache (``_prompt_counts``)
+        # counted before: its lookups are tallied there
         return tok.ids(tok.split(first), tally=False)[0]
 
     def _prompt_counts(self, prompt: Any, param: str, add_special: bool,
@@ -453,9 +451,8 @@ class ModelCounter:
         tok = self.tokenizer
         want_ids = routed and self.router is not None
         by_plan = segment_plan.cut(rendered, tok)
-        # When the ids are needed, the counts of the pieces are their lengths, looked up
-        # in the id cache alone (PromptTokenizer.ids): each piece encoded once, and one
-        # cache holding a routed model's history (the segment cache holds the others').
+        # When the ids are needed (prefix routing), the pieces' counts are their lengths,
+        # in one pass over the cached ids (PromptTokenizer.ids, keep_ids).
         ids: array[int] | None = None
         if by_plan is not None:
             plan, texts = by_plan

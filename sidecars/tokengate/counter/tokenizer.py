@@ -1,5 +1,6 @@
 """Exact prompt-token counting for one model: HF ``tokenizers`` as the reference, a
-tiktoken encoding as the proven fast path, and a per-segment count cache.
+tiktoken encoding as the proven fast path, and a per-piece cache (the segment cache) of
+token counts, or of token ids for a model whose prompts' ids are needed.
 
 How HF ``tokenizers`` encodes a BPE vocabulary like Qwen's (``tokenizer.json``):
 
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import tiktoken
 import tiktoken.load
@@ -92,112 +93,79 @@ class AddedToken:
     special: bool
 
 
-# Characters of text the counter keeps per model and worker: the segment cache's bound,
-# and the id cache's reach (two generations of half of it each) for the prompts whose ids
-# are needed (prefix routing), which are looked up there instead. Measured: 80 sessions
-# of 70k-token histories (16.5M characters) resent turn after turn cost 14 ms of CPU per
-# turn when the id cache held 8M characters per generation (every history encoded again),
-# 1.5-2.3 ms when it held 16M (the histories found).
+# Characters of text a model's piece cache keeps per counter worker. Measured: 80
+# sessions of 70k-token histories (16.5M characters) resent turn after turn cost 14-16 ms
+# of CPU per turn when a prefix-routed model kept its pieces' ids apart, in two
+# generations of 8M characters (every history encoded again); 1.5-3.0 ms with the ids
+# kept here, and 140 such sessions (28.8M characters) 3.3-3.5 ms, none encoded again.
 CACHE_CHARS = 32 * 1024 * 1024
 
+V = TypeVar("V")
 
-class SegmentCache:
-    """LRU map from a text segment to its token count, bounded by total characters.
+
+class PieceCache(Generic[V]):
+    """LRU map from a text piece (no added token in it) to what was computed of it: its
+    token count, or its token ids (``array('I')``) for a model whose prompts' ids are
+    needed (``PromptTokenizer.keep_ids``). Bounded by total characters (``max_chars``;
+    a piece longer than a quarter of it is not kept); ``empty``: the value of "".
+    ``hits`` and ``misses`` (a piece computed) tally the lookups of prompts' pieces.
 
     Thread-safe: the counter serves RPCs from a thread pool. Lookups take no lock: a
     dict read and ``move_to_end`` are each one C call, atomic under the GIL, and a
-    segment evicted between the two is simply not refreshed. Inserting, evicting and
-    adding to ``hits``/``misses`` (once per ``counts`` call) hold the lock; counting a
-    missed segment runs outside it (tiktoken releases the GIL).
+    piece evicted between the two is simply not refreshed. Inserting, evicting and
+    adding to ``hits``/``misses`` (once per ``lookup`` call) hold the lock; computing a
+    missed piece runs outside it (tiktoken releases the GIL).
     """
 
-    def __init__(self, max_chars: int = CACHE_CHARS) -> None:
-        self._max_chars = max_chars
+    def __init__(self, empty: V, max_chars: int = CACHE_CHARS) -> None:
+        self._empty = empty
+        self.max_chars = max_chars
         self._chars = 0
-        self._map: OrderedDict[str, int] = OrderedDict()
+        self._map: OrderedDict[str, V] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def counts(self, segments: Iterable[str], compute: Callable[[str], int],
-               tally: bool = True) -> list[int]:
-        """Token count of each segment: cached, else ``compute(segment)`` (then cached);
-        0 for an empty one (not a lookup). ``tally``: added to ``hits`` and ``misses``
+    def lookup(self, pieces: Iterable[str], compute: Callable[[str], V],
+               tally: bool = True) -> list[V]:
+        """The value of each piece: cached, else ``compute(piece)`` (then cached);
+        ``empty`` for "" (not a lookup). ``tally``: added to ``hits`` and ``misses``
         (False for lookups that are no pieces of a prompt: prefixes of them)."""
         get, refresh = self._map.get, self._map.move_to_end
-        out: list[int] = []
+        out: list[V] = []
         hits = misses = 0
-        for segment in segments:
-            if not segment:
-                out.append(0)
+        for piece in pieces:
+            if not piece:
+                out.append(self._empty)
                 continue
-            n = get(segment)
-            if n is None:
+            got = get(piece)
+            if got is None:
                 misses += 1
-                n = compute(segment)
-                self._put(segment, n)
+                got = compute(piece)
+                self._put(piece, got)
             else:
                 hits += 1
                 try:
-                    refresh(segment)
+                    refresh(piece)
                 except KeyError:  # evicted by another thread meanwhile
                     pass
-            out.append(n)
+            out.append(got)
         if tally:
-            self.tally(hits, misses)
+            with self._lock:
+                self.hits += hits
+                self.misses += misses
         return out
 
-    def tally(self, hits: int, misses: int) -> None:
-        """Adds to ``hits`` and ``misses``: lookups of a prompt's pieces, here or, for a
-        prompt whose ids are needed, in the id cache (``PromptTokenizer.ids``)."""
-        with self._lock:
-            self.hits += hits
-            self.misses += misses
-
-    def _put(self, segment: str, n: int) -> None:
-        if len(segment) > self._max_chars // 4:
+    def _put(self, piece: str, value: V) -> None:
+        if len(piece) > self.max_chars // 4:
             return
         with self._lock:
-            if segment not in self._map:
-                self._map[segment] = n
-                self._chars += len(segment)
-                while self._chars > self._max_chars:
+            if piece not in self._map:
+                self._map[piece] = value
+                self._chars += len(piece)
+                while self._chars > self.max_chars:
                     old, _ = self._map.popitem(last=False)
                     self._chars -= len(old)
-
-
-class IdCache:
-    """Map from a text piece (no added token in it) to its token ids (``array('I')``),
-    for the prompts whose ids are needed (prefix-cache routing: the block hashes), bounded
-    by characters: two generations, the young one filled until it holds ``max_chars``,
-    then it becomes the old one and the old one is dropped; a piece found in the old one
-    moves to the young one. Thread-safe under the GIL: each dict operation is one C
-    call, and a piece computed twice by two threads is stored twice, the same ids."""
-
-    def __init__(self, max_chars: int = CACHE_CHARS // 2) -> None:
-        self._max_chars = max_chars
-        self.young: dict[str, array[int]] = {}  # read directly by PromptTokenizer.ids
-        self._old: dict[str, array[int]] = {}
-        self._chars = 0
-
-    def ids(self, piece: str, compute: Callable[[str], array[int]]
-            ) -> tuple[array[int], bool]:
-        """(the ids of ``piece``, whether they were computed): cached, else
-        ``compute(piece)`` (then cached)."""
-        got = self.young.get(piece)
-        if got is not None:
-            return got, False
-        got = self._old.get(piece)
-        computed = got is None
-        if got is None:
-            got = compute(piece)
-            if len(piece) > self._max_chars // 4:
-                return got, True
-        self.young[piece] = got
-        self._chars += len(piece)
-        if self._chars > self._max_chars:
-            self._old, self.young, self._chars = self.young, {}, 0
-        return got, computed
 
 
 class PromptTokenizer:
@@ -232,14 +200,29 @@ class PromptTokenizer:
         self._nfc = nfc
         self.why_not_fast = why_not_fast
         self.backend = "tiktoken" if fast is not None else "hf"
-        self.cache = SegmentCache()
-        self.id_cache = IdCache()
+        # the pieces' token counts; their ids instead once keep_ids() is called
+        self.cache: PieceCache[int] = PieceCache(0)
+        self.id_cache: PieceCache[array[int]] | None = None
         self.fingerprint = hashlib.sha256(fingerprint_src).hexdigest()[:16]
         # Tokens the post-processor adds around a sequence (e.g. BOS); 0 for Qwen (and
         # for the Qwen3.5/3.6 rank files, which have no post-processor).
         self.added_by_post_processor = 0 if hf is None else \
             len(hf.encode("a", add_special_tokens=True).ids) - \
             len(hf.encode("a", add_special_tokens=False).ids)
+
+    def keep_ids(self) -> None:
+        """Cache the pieces' token ids instead of their counts, for a model that needs
+        every prompt's ids (prefix routing: the block hashes): a count is then its ids'
+        length, and one cache of the same reach holds the model's text."""
+        if self.id_cache is None:
+            self.id_cache = PieceCache(array("I"), self.cache.max_chars)
+
+    @property
+    def lookups(self) -> tuple[int, int]:
+        """(hits, misses) of the piece cache in use: the lookups of prompts' pieces,
+        a miss a piece encoded."""
+        cache = self.cache if self.id_cache is None else self.id_cache
+        return cache.hits, cache.misses
 
     # -- loading ---------------------------------------------------------------------
 
@@ -325,10 +308,7 @@ class PromptTokenizer:
         return out
 
     def _count_piece(self, piece: str) -> int:
-        # a completions prompt whose ids were needed (prefix routing) went through ids()
-        # first: its pieces' counts are their ids' lengths, not a second encoding
-        got = self.id_cache.young.get(piece)
-        return len(self._piece_ids(piece) if got is None else got)
+        return len(self._piece_ids(piece))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without post-processor specials (chat prompts)."""
@@ -344,35 +324,24 @@ class PromptTokenizer:
         return ids
 
     def ids(self, parts: list[str], tally: bool = True) -> tuple[array[int], list[int]]:
-        """(token ids, each part's count) of a text already cut by ``split`` (text
-        pieces at even positions, added tokens at odd ones): ``encode`` of the text, each
-        text piece's ids cached (``id_cache``), and ``piece_counts`` of the parts read
-        off them: a prompt whose ids are needed is looked up in the id cache alone.
-        ``tally``: its text pieces' lookups are added to the segment cache's ``hits``
-        and ``misses`` (False when the caller counts the parts through that cache)."""
+        """(token ids, ``piece_counts``) of a text already cut by ``split`` (text pieces
+        at even positions, added tokens at odd ones): ``encode`` of the text, its pieces'
+        ids cached once ``keep_ids`` was called, and their counts their lengths.
+        ``tally``: the pieces' lookups count in ``lookups`` (False when the text was
+        counted and so looked up before)."""
+        texts = parts[0::2]
+        if self.id_cache is not None:
+            got = self.id_cache.lookup(texts, self._piece_ids, tally)
+        else:
+            got = [self._piece_ids(t) if t else array("I") for t in texts]
         out: array[int] = array("I")
         counts = [1] * len(parts)
-        cache = self.id_cache
-        young, cached = cache.young.get, cache.ids  # the first: the common case, inlined
-        added, encode = self._added_ids, self._piece_ids
-        hits = misses = 0
-        for i, part in enumerate(parts):
-            if i % 2:
-                out.append(added[part])
-            elif part:
-                got = young(part)
-                if got is None:
-                    got, computed = cached(part, encode)
-                    misses += computed
-                    hits += not computed
-                else:
-                    hits += 1
-                out.extend(got)
-                counts[i] = len(got)
-            else:
-                counts[i] = 0
-        if tally:
-            self.cache.tally(hits, misses)
+        added = self._added_ids
+        for i, piece_ids in enumerate(got):
+            if i:
+                out.append(added[parts[2 * i - 1]])
+            out.extend(piece_ids)
+            counts[2 * i] = len(piece_ids)
         return out, counts
 
     def count(self, text: str) -> int:
@@ -386,7 +355,7 @@ class PromptTokenizer:
     def count_piece(self, piece: str) -> int:
         """Tokens of ``piece``, a text holding no added token (a prefix of a part of
         ``split``), cached; not a lookup of the cache's hits and misses."""
-        return self.cache.counts((piece,), self._count_piece, tally=False)[0]
+        return self.text_counts([piece], tally=False)[0]
 
     def piece_counts(self, parts: list[str]) -> list[int]:
         """Tokens of each part of a text already cut by ``split``: 1 for an added token
@@ -396,10 +365,14 @@ class PromptTokenizer:
         counts[0::2] = self.text_counts(parts[0::2])
         return counts
 
-    def text_counts(self, pieces: list[str]) -> list[int]:
+    def text_counts(self, pieces: list[str], tally: bool = True) -> list[int]:
         """Tokens of each of ``pieces``, the text pieces of a cut text (no added token
-        in any; the even positions of ``split``), cached; 0 for an empty one."""
-        return self.cache.counts(pieces, self._count_piece)
+        in any; the even positions of ``split``), cached (their ids once ``keep_ids``
+        was called: the lengths); 0 for an empty one. ``tally``: the lookups count in
+        ``lookups``."""
+        if self.id_cache is not None:
+            return [len(ids) for ids in self.id_cache.lookup(pieces, self._piece_ids, tally)]
+        return self.cache.lookup(pieces, self._count_piece, tally)
 
     def first_mismatch(self, texts: Iterable[str]) -> str | None:
         """The first text whose fast-path ids differ from HF's, or None."""
