@@ -178,15 +178,18 @@ def test_a_routed_model_caches_its_pieces_ids_and_tallies_those_lookups(
         assert again.prompt_tokens == first.prompt_tokens
         assert again.block_hashes == first.block_hashes
         assert tok.lookups[1] == misses and tok.lookups[0] > hits, endpoint
-    assert tok.id_cache is not None and tok.id_cache.max_chars == tokenizer.CACHE_CHARS
+    assert tok.id_cache is not None and tok.id_cache.max_bytes == tokenizer.CACHE_BYTES
     assert not tok.cache._map  # one cache holds the model's text: its ids
 
 
 def test_the_piece_cache_keeps_the_most_recent_pieces_up_to_its_bound() -> None:
-    """An LRU bounded by characters: pieces cycled in turn that fit are never computed
-    again; one more piece than fits evicts the least recently used."""
-    cache: tokenizer.PieceCache[int] = tokenizer.PieceCache(0, max_chars=100)
-    pieces = [f"{i:02d}" * 12 for i in range(4)]  # 24 characters each: four fit
+    """An LRU bounded by its entries' bytes (PieceCache.cost): pieces cycled in turn that
+    fit are never computed again; one more piece than fits evicts the least recently
+    used; a piece that costs more than a quarter of the bound is not kept. Short pieces
+    count their entries' weight, not just their characters."""
+    pieces = [f"{i:02d}" * 12 for i in range(4)]  # 24 characters each
+    one = tokenizer.PieceCache.cost(pieces[0], 24)
+    cache: tokenizer.PieceCache[int] = tokenizer.PieceCache(0, max_bytes=4 * one + one // 2)
     for _ in range(3):
         assert cache.lookup(pieces, len) == [24] * 4
     assert (cache.hits, cache.misses) == (8, 4)
@@ -195,5 +198,9 @@ def test_the_piece_cache_keeps_the_most_recent_pieces_up_to_its_bound() -> None:
     assert cache.misses == 5
     cache.lookup(pieces[:1], len)
     assert cache.misses == 6
-    assert cache.lookup(["", "a" * 26], len) == [0, 26]  # "" is no lookup; too long: kept out
-    assert cache.lookup(["a" * 26], len) == [26] and cache.misses == 8
+    big = "a" * (2 * one)
+    assert cache.lookup(["", big], len) == [0, len(big)]  # "" is no lookup; big: kept out
+    assert cache.lookup([big], len) == [len(big)] and cache.misses == 8
+    tiny = tokenizer.PieceCache(0, max_bytes=1 << 20)
+    tiny.lookup([f"{i}" for i in range(100_000)], len)
+    assert len(tiny._map) < (1 << 20) // tokenizer.ENTRY_BYTES

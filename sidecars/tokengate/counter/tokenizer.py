@@ -30,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 import re
+import sys
 import threading
 import unicodedata
 from array import array
@@ -93,12 +94,19 @@ class AddedToken:
     special: bool
 
 
-# Characters of text a model's piece cache keeps per counter worker. Measured: 80
-# sessions of 70k-token histories (16.5M characters) resent turn after turn cost 14-16 ms
-# of CPU per turn when a prefix-routed model kept its pieces' ids apart, in two
-# generations of 8M characters (every history encoded again); 1.5-3.0 ms with the ids
-# kept here, and 140 such sessions (28.8M characters) 3.3-3.5 ms, none encoded again.
-CACHE_CHARS = 32 * 1024 * 1024
+# Bytes a model's piece cache may hold per counter worker (its pieces, their values and
+# the map's entries: ``PieceCache.cost``). Bounded in characters (32M) it held any
+# amount: 16.7M pieces of 2 characters took 4.2-4.6 GB, reachable by any key through
+# prompts refused after their count. 128 MiB hold about 45M characters of ASCII text with
+# their ids, 20-25M of text with an emoji in each piece (Python then stores 4 bytes a
+# character). Measured: 80 sessions of 70k-token histories (16.5M characters, emoji in
+# them: 66 MB of text) resent turn after turn cost 14-16 ms of CPU per turn when a
+# prefix-routed model kept its pieces' ids apart, in two generations of 8M characters
+# (every history encoded again); with the ids kept here, 1.5-3.0 ms.
+CACHE_BYTES = 128 * 1024 * 1024
+# what an entry of the map costs beyond its key and value: an OrderedDict's node and
+# table slot (measured: 176 bytes an entry for a 56-byte str and a 28-byte int)
+ENTRY_BYTES = 92
 
 V = TypeVar("V")
 
@@ -106,8 +114,9 @@ V = TypeVar("V")
 class PieceCache(Generic[V]):
     """LRU map from a text piece (no added token in it) to what was computed of it: its
     token count, or its token ids (``array('I')``) for a model whose prompts' ids are
-    needed (``PromptTokenizer.keep_ids``). Bounded by total characters (``max_chars``;
-    a piece longer than a quarter of it is not kept); ``empty``: the value of "".
+    needed (``PromptTokenizer.keep_ids``). Bounded by the bytes of its entries
+    (``max_bytes``, ``cost``; a piece that costs more than a quarter of it is not
+    kept); ``empty``: the value of "".
     ``hits`` and ``misses`` (a piece computed) tally the lookups of prompts' pieces.
 
     Thread-safe: the counter serves RPCs from a thread pool. Lookups take no lock: a
@@ -117,10 +126,10 @@ class PieceCache(Generic[V]):
     missed piece runs outside it (tiktoken releases the GIL).
     """
 
-    def __init__(self, empty: V, max_chars: int = CACHE_CHARS) -> None:
+    def __init__(self, empty: V, max_bytes: int = CACHE_BYTES) -> None:
         self._empty = empty
-        self.max_chars = max_chars
-        self._chars = 0
+        self.max_bytes = max_bytes
+        self._bytes = 0
         self._map: OrderedDict[str, V] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -156,16 +165,23 @@ class PieceCache(Generic[V]):
                 self.misses += misses
         return out
 
+    @staticmethod
+    def cost(piece: str, value: object) -> int:
+        """Bytes an entry holds: the piece's str, its value (an int, or an array's
+        header and items) and the map's share, ``ENTRY_BYTES``."""
+        return sys.getsizeof(piece) + sys.getsizeof(value) + ENTRY_BYTES
+
     def _put(self, piece: str, value: V) -> None:
-        if len(piece) > self.max_chars // 4:
+        cost = self.cost(piece, value)
+        if cost > self.max_bytes // 4:
             return
         with self._lock:
             if piece not in self._map:
                 self._map[piece] = value
-                self._chars += len(piece)
-                while self._chars > self.max_chars:
-                    old, _ = self._map.popitem(last=False)
-                    self._chars -= len(old)
+                self._bytes += cost
+                while self._bytes > self.max_bytes:
+                    old, gone = self._map.popitem(last=False)
+                    self._bytes -= self.cost(old, gone)
 
 
 class PromptTokenizer:
@@ -215,7 +231,7 @@ class PromptTokenizer:
         every prompt's ids (prefix routing: the block hashes): a count is then its ids'
         length, and one cache of the same reach holds the model's text."""
         if self.id_cache is None:
-            self.id_cache = PieceCache(array("I"), self.cache.max_chars)
+            self.id_cache = PieceCache(array("I"), self.cache.max_bytes)
 
     @property
     def lookups(self) -> tuple[int, int]:
