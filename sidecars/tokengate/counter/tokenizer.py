@@ -341,15 +341,14 @@ class PromptTokenizer:
 
     def ids(self, parts: list[str], tally: bool = True) -> tuple[array[int], list[int]]:
         """(token ids, ``piece_counts``) of a text already cut by ``split`` (text pieces
-        at even positions, added tokens at odd ones): ``encode`` of the text, its pieces'
-        ids cached once ``keep_ids`` was called, and their counts their lengths.
+        at even positions, added tokens at odd ones), for a tokenizer that keeps ids
+        (``keep_ids``, a prefix-routed model's: the only callers): ``encode`` of the
+        text, its pieces' ids from the cache, and their counts their lengths.
         ``tally``: the pieces' lookups count in ``lookups`` (False when the text was
         counted and so looked up before)."""
-        texts = parts[0::2]
-        if self.id_cache is not None:
-            got = self.id_cache.lookup(texts, self._piece_ids, tally)
-        else:
-            got = [self._piece_ids(t) if t else array("I") for t in texts]
+        cache = self.id_cache
+        assert cache is not None, "ids() of a tokenizer that does not keep_ids()"
+        got = cache.lookup(parts[0::2], self._piece_ids, tally)
         out: array[int] = array("I")
         counts = [1] * len(parts)
         added = self._added_ids
